@@ -1,0 +1,187 @@
+"""The `numesh` command line: parse options into configs and call the run layer."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import attrs
+import typer
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Train GPT models with dp x tp x pp parallelism in NumPy and MPI.",
+)
+data_app = typer.Typer(no_args_is_help=True, help="Prepare datasets.")
+app.add_typer(data_app, name="data")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from numesh.data import DataError
+    from numesh.mesh import MeshError
+    from numesh.nn.gpt import ConfigError
+    from numesh.sample import CheckpointError
+
+    return (DataError, MeshError, ConfigError, CheckpointError)
+
+
+def _run(fn):
+    from numesh.runtime import guarded
+
+    return guarded(fn, _user_errors())
+
+
+@data_app.command("shakespeare-char")
+def data_shakespeare_char(
+    src: Optional[Path] = typer.Option(None, help="tiny Shakespeare input.txt; downloaded (sha256-checked) if omitted"),
+    out: Path = typer.Option(Path("data/shakespeare_char"), help="output directory"),
+) -> None:
+    """Character-level tiny Shakespeare: train.bin / val.bin (uint16, 90/10) and meta.json."""
+    from numesh import data as D
+
+    def go() -> None:
+        text = D.read_source(src)
+        summary = D.prepare_char_dataset(text, out)
+        print(
+            f"wrote {summary['out_dir']}: vocab {summary['vocab_size']}, "
+            f"{summary['train_tokens']:,} train / {summary['val_tokens']:,} val tokens",
+            file=sys.stderr,
+        )
+
+    _run(go)
+
+
+_PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _train_signature() -> inspect.Signature:
+    """One option per TrainConfig field (None = not given, so --config values survive)."""
+    from numesh.train import TrainConfig
+
+    params = [
+        inspect.Parameter(
+            "config",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=typer.Option(None, "--config", help="TOML file of these options (command-line options override it)"),
+            annotation=Optional[Path],
+        )
+    ]
+    for f in attrs.fields(TrainConfig):
+        typ = _PY_TYPES[f.type]
+        flag = "--" + f.name.replace("_", "-")
+        decls = [f"{flag}/--no-{flag[2:]}"] if typ is bool else [flag]
+        params.append(
+            inspect.Parameter(
+                f.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=typer.Option(None, *decls, help=f"{f.metadata['help']} (default: {f.default!r})", show_default=False),
+                annotation=Optional[typ],
+            )
+        )
+    return inspect.Signature(params)
+
+
+def train_cmd(**options: Any) -> None:
+    """Train a GPT on a prepared dataset (run under mpirun for a multi-rank --mesh)."""
+
+    def go() -> None:
+        from numesh.runtime import log, set_blas_threads
+        from numesh.train import config_from, train
+
+        set_blas_threads()
+        cfg = config_from({k: v for k, v in options.items() if k != "config"}, options.get("config"))
+        with _Progress(cfg.max_iters) as progress:
+            result = train(cfg, on_step=progress.update)
+        val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
+        log(
+            f"done: {result.steps} steps in {result.seconds:.1f} s, final loss {result.final_loss:.4f}, "
+            f"val {val}\nmetrics: {result.metrics}\ncheckpoint: {result.checkpoint}"
+        )
+
+    _run(go)
+
+
+train_cmd.__signature__ = _train_signature()  # type: ignore[attr-defined]
+app.command("train")(train_cmd)
+
+
+class _Progress:
+    """A rich progress bar on rank 0 (stderr), showing loss, val loss and speed."""
+
+    def __init__(self, total: int):
+        from numesh.runtime import is_root
+
+        self.total, self.bar, self.task = total, None, None
+        if is_root():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"), console=Console(stderr=True),
+            )
+        self.info: dict[str, float] = {}
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, step: int, record: dict) -> None:
+        if self.bar is None:
+            return
+        if self.task is None:  # started on the first step, after validation passed
+            self.bar.start()
+            self.task = self.bar.add_task("train", total=self.total, info="")
+        self.info.update({k: v for k, v in record.items() if k in ("loss", "val_loss", "tokens_per_s")})
+        parts = []
+        if "loss" in self.info:
+            parts.append(f"loss {self.info['loss']:.4f}")
+        if "val_loss" in self.info:
+            parts.append(f"val {self.info['val_loss']:.4f}")
+        if "tokens_per_s" in self.info:
+            parts.append(f"{self.info['tokens_per_s']:,.0f} tok/s")
+        if "val_loss" in record:
+            self.bar.console.print(f"step {step}: train {record['train_loss']:.4f}, val {record['val_loss']:.4f}")
+        self.bar.update(self.task, completed=min(step + 1, self.total), info=", ".join(parts))
+
+
+@app.command("sample")
+def sample_cmd(
+    ckpt: Path = typer.Option(..., help="checkpoint directory, e.g. runs/x/ckpt/latest"),
+    prompt: str = typer.Option("\n", help="text to continue"),
+    max_new_tokens: int = typer.Option(500, help="tokens to generate"),
+    temperature: float = typer.Option(0.8, help="softmax temperature; 0 = greedy"),
+    top_k: int = typer.Option(200, help="sample among the k most likely tokens (0 = all)"),
+    seed: int = typer.Option(1337, help="random seed of the draws"),
+    num_samples: int = typer.Option(1, help="independent samples (seed, seed+1, ...)"),
+    mesh: str = typer.Option("", help="tensor-parallel mesh, e.g. tp=2 (run under mpirun -n 2)"),
+    kv_cache: bool = typer.Option(True, "--kv-cache/--no-kv-cache", help="reuse keys/values of earlier positions"),
+) -> None:
+    """Generate text from a checkpoint: prints the prompt and its continuation on stdout."""
+
+    def go() -> None:
+        from numesh.runtime import is_root, set_blas_threads
+        from numesh.sample import SampleConfig, sample
+
+        set_blas_threads()
+        cfg = SampleConfig(str(ckpt), prompt, max_new_tokens, temperature, top_k or None, seed, num_samples, mesh, kv_cache)
+        texts = sample(cfg)
+        if is_root():
+            print("\n---------------\n".join(texts))
+
+    _run(go)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

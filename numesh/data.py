@@ -1,0 +1,373 @@
+"""Character-level datasets and mesh-independent batches.
+
+A dataset directory holds `train.bin` and `val.bin` (raw little-endian uint16 token ids) and
+`meta.json` (the tokenizer's characters plus token counts; JSON, no pickle). Batches follow
+the *mesh-independent data* rule of DESIGN.md: the global batch of a step depends only on
+its key (derived from seed and step), data-parallel rank r takes rows r*B/dp ... (r+1)*B/dp
+and micro-batches split those rows in order, so every mesh sees the same global batch.
+
+Pure NumPy and stdlib: no MPI here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import attrs
+import numpy as np
+
+SHAKESPEARE_URL = (
+    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+)
+SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+
+DOWNLOAD_TIMEOUT = 30.0  # seconds, per blocking network operation
+TRAIN_FRACTION = 0.9
+SPLITS = ("train", "val")
+META_FILE = "meta.json"
+TOKEN_DTYPE = np.dtype("<u2")  # uint16, as nanoGPT's .bin files
+
+_MAX_VOCAB = int(np.iinfo(TOKEN_DTYPE).max) + 1
+_CHUNK = 1 << 16
+
+
+class DataError(ValueError):
+    """A user-facing data problem; the message says what to do about it."""
+
+
+# --------------------------------------------------------------------------------------
+# tokenizer
+
+
+def _check_chars(instance: Any, attribute: Any, chars: tuple[str, ...]) -> None:
+    """attrs validator: distinct single characters, few enough for uint16 ids."""
+    if not isinstance(chars, tuple):
+        raise DataError(
+            f"tokenizer chars must be a tuple of 1-character strings, got {type(chars).__name__}"
+        )
+    for c in chars:
+        if not isinstance(c, str) or len(c) != 1:
+            raise DataError(
+                f"tokenizer chars must be 1-character strings, got {c!r}: regenerate the dataset"
+            )
+    if len(set(chars)) != len(chars):
+        raise DataError("tokenizer chars contain duplicates: regenerate the dataset")
+    if len(chars) > _MAX_VOCAB:
+        raise DataError(
+            f"{len(chars)} distinct characters do not fit uint16 ids: "
+            f"use a text with at most {_MAX_VOCAB}"
+        )
+
+
+@attrs.frozen
+class CharTokenizer:
+    """Maps each character to its index in `chars` (nanoGPT shakespeare_char style)."""
+
+    chars: tuple[str, ...] = attrs.field(converter=tuple, validator=_check_chars)
+    # Code points in id order and the permutation that sorts them: lets encode/decode run
+    # as NumPy array operations instead of a Python loop per character.
+    _codes: np.ndarray = attrs.field(init=False, eq=False, repr=False)
+    _order: np.ndarray = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        # runs after the validator, so every entry of chars is one character here
+        codes = np.array([ord(c) for c in self.chars], dtype=np.uint32)
+        object.__setattr__(self, "_codes", codes)
+        object.__setattr__(self, "_order", np.argsort(codes, kind="stable"))
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        """The sorted set of characters of `text` as the vocabulary."""
+        if not text:
+            raise DataError("cannot build a vocabulary from an empty text: pass a non-empty --src file")
+        return cls(tuple(sorted(set(text))))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, s: str) -> np.ndarray:
+        """uint16 ids of the characters of `s`; an unknown character raises DataError."""
+        if not s:
+            return np.zeros(0, dtype=TOKEN_DTYPE)
+        points = np.frombuffer(s.encode("utf-32-le", errors="surrogatepass"), dtype="<u4")
+        sorted_codes = self._codes[self._order]
+        pos = np.searchsorted(sorted_codes, points)
+        pos_clipped = np.minimum(pos, len(sorted_codes) - 1)
+        known = sorted_codes[pos_clipped] == points
+        if not known.all():
+            bad = chr(int(points[np.argmin(known)]))
+            raise DataError(
+                f"character {bad!r} is not in the {self.vocab_size}-character vocabulary: "
+                "use only characters from the training text"
+            )
+        return self._order[pos_clipped].astype(TOKEN_DTYPE)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """The string for a sequence of ids; an id outside the vocabulary raises DataError."""
+        arr = np.asarray(ids)
+        if arr.size == 0:
+            return ""
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise DataError(f"token ids must be integers, got dtype {arr.dtype}")
+        arr = arr.reshape(-1).astype(np.int64)
+        bad = arr[(arr < 0) | (arr >= self.vocab_size)]
+        if bad.size:
+            raise DataError(
+                f"token id {int(bad[0])} is outside the vocabulary of size {self.vocab_size}: "
+                "decode ids produced with this tokenizer"
+            )
+        return self._codes[arr].astype("<u4").tobytes().decode("utf-32-le", errors="surrogatepass")
+
+    def to_meta(self) -> dict[str, Any]:
+        """JSON-ready description: {"vocab_size": V, "chars": [...]}."""
+        return {"vocab_size": self.vocab_size, "chars": list(self.chars)}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> CharTokenizer:
+        """Inverse of `to_meta`; checks vocab_size agrees with chars."""
+        if not isinstance(meta, dict) or not isinstance(meta.get("chars"), list):
+            raise DataError("dataset metadata has no 'chars' list: regenerate the dataset with `numesh data`")
+        tok = cls(tuple(meta["chars"]))
+        if "vocab_size" in meta and meta["vocab_size"] != tok.vocab_size:
+            raise DataError(
+                f"dataset metadata says vocab_size {meta['vocab_size']} but lists {tok.vocab_size} "
+                "characters: regenerate the dataset with `numesh data`"
+            )
+        return tok
+
+
+# --------------------------------------------------------------------------------------
+# source text and dataset files
+
+
+def _download(url: str, timeout: float, progress: Callable[[int, int], None] | None) -> bytes:
+    """Fetch `url` in chunks, reporting (bytes so far, total or 0 if unknown) to `progress`."""
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        total = int(resp.headers.get("Content-Length") or 0)
+        chunks: list[bytes] = []
+        done = 0
+        while True:
+            chunk = resp.read(_CHUNK)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            done += len(chunk)
+            if progress is not None:
+                progress(done, total)
+    return b"".join(chunks)
+
+
+def read_source(
+    src: str | Path | None, *, progress: Callable[[int, int], None] | None = None
+) -> str:
+    """The corpus text: the UTF-8 file `src`, or tiny Shakespeare downloaded and checksummed.
+
+    `progress(done_bytes, total_bytes)` is called during a download (total 0 if unknown).
+    """
+    if src is not None:
+        path = Path(src)
+        try:
+            return path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise DataError(
+                f"source file {path} does not exist: pass an existing text file as --src"
+            ) from None
+        except IsADirectoryError:
+            raise DataError(f"source {path} is a directory: pass a text file as --src") from None
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"source file {path} is not valid UTF-8 ({e.reason} at byte {e.start}): "
+                "convert it to UTF-8"
+            ) from None
+        except OSError as e:
+            raise DataError(
+                f"cannot read source file {path} ({e.strerror or e}): check the path and permissions"
+            ) from None
+
+    hint = "pass --src path/to/input.txt (a local copy of tiny Shakespeare)"
+    try:
+        raw = _download(SHAKESPEARE_URL, DOWNLOAD_TIMEOUT, progress)
+    except (OSError, http.client.HTTPException, ValueError) as e:  # URLError, timeouts, bad responses
+        reason = getattr(e, "reason", None) or e
+        raise DataError(f"download of {SHAKESPEARE_URL} failed ({reason}): {hint}") from None
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != SHAKESPEARE_SHA256:
+        raise DataError(
+            f"download of {SHAKESPEARE_URL} failed its checksum (sha256 {digest}, expected "
+            f"{SHAKESPEARE_SHA256}): {hint}"
+        )
+    return raw.decode("utf-8")
+
+
+def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """Write through a temporary sibling then rename, so readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def prepare_char_dataset(text: str, out_dir: str | Path) -> dict[str, Any]:
+    """Tokenize `text` and write train.bin / val.bin (90% / 10%) and meta.json to `out_dir`.
+
+    meta.json is written last, so its presence means the dataset is complete.
+    Returns {"vocab_size", "train_tokens", "val_tokens", "out_dir"}.
+    """
+    tok = CharTokenizer.from_text(text)
+    ids = tok.encode(text)
+    n_train = int(TRAIN_FRACTION * len(ids))
+    train, val = ids[:n_train], ids[n_train:]
+    if len(train) == 0 or len(val) == 0:
+        raise DataError(f"text of {len(ids)} characters is too short to split 90/10: use a longer text")
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(
+            f"cannot create dataset directory {out} ({e.strerror or e}): choose another --out"
+        ) from None
+    meta = tok.to_meta() | {"train_tokens": int(len(train)), "val_tokens": int(len(val))}
+    _write_atomic(out / "train.bin", lambda p: train.astype(TOKEN_DTYPE).tofile(p))
+    _write_atomic(out / "val.bin", lambda p: val.astype(TOKEN_DTYPE).tofile(p))
+    meta_text = json.dumps(meta, ensure_ascii=False, indent=1)
+    _write_atomic(out / META_FILE, lambda p: p.write_text(meta_text, encoding="utf-8"))
+    return {
+        "vocab_size": tok.vocab_size,
+        "train_tokens": int(len(train)),
+        "val_tokens": int(len(val)),
+        "out_dir": str(out),
+    }
+
+
+def _missing(data_dir: Path) -> DataError:
+    return DataError(
+        f"no dataset at {data_dir}: run `numesh data shakespeare-char --out {data_dir}` first"
+    )
+
+
+def load_tokenizer(data_dir: str | Path) -> CharTokenizer:
+    """The tokenizer stored in `data_dir/meta.json`."""
+    d = Path(data_dir)
+    meta_path = d / META_FILE
+    if not meta_path.is_file():
+        raise _missing(d)
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(
+            f"cannot read {meta_path} ({e}): run `numesh data shakespeare-char --out {d}` again"
+        ) from None
+    return CharTokenizer.from_meta(meta)
+
+
+def load_split(data_dir: str | Path, split: str) -> np.ndarray:
+    """Read-only uint16 memmap of `data_dir/{split}.bin` (split is "train" or "val")."""
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
+    d = Path(data_dir)
+    path = d / f"{split}.bin"
+    if not path.is_file():
+        raise _missing(d)
+    size = path.stat().st_size
+    if size == 0 or size % TOKEN_DTYPE.itemsize:
+        raise DataError(
+            f"{path} has {size} bytes, not a non-empty uint16 array: "
+            f"run `numesh data shakespeare-char --out {d}` again"
+        )
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+
+
+# --------------------------------------------------------------------------------------
+# batches
+
+
+def train_key(seed: int, step: int) -> tuple[int, ...]:
+    """Key of the global training batch of `step`."""
+    return (int(seed), 0, int(step))
+
+
+def eval_key(seed: int, split: str, i: int) -> tuple[int, ...]:
+    """Key of eval batch `i` of `split`: the same at every eval, apart from the training stream."""
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
+    return (int(seed), 1 if split == "train" else 2, int(i))
+
+
+def batch_offsets(key: tuple[int, ...], n_tokens: int, batch_size: int, block_size: int) -> np.ndarray:
+    """Start offsets (int64, shape (batch_size,)) of the global batch for `key`.
+
+    Depends only on (key, n_tokens, batch_size, block_size), never on the mesh.
+    """
+    if block_size < 1:
+        raise DataError(f"block_size must be positive, got {block_size}: pass a positive --block-size")
+    if batch_size < 1:
+        raise DataError(f"batch_size must be positive, got {batch_size}: pass a positive --batch-size")
+    if n_tokens <= block_size:
+        raise DataError(
+            f"block_size {block_size} is larger than the {n_tokens}-token split: use a smaller --block-size"
+        )
+    parts = [int(k) for k in key]
+    if not parts or min(parts) < 0:
+        raise DataError(f"batch key {tuple(key)} must be non-empty and non-negative: use a seed >= 0")
+    rng = np.random.default_rng(parts)
+    return rng.integers(0, n_tokens - block_size, size=batch_size, dtype=np.int64)
+
+
+def read_rows(data: np.ndarray, offsets: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Inputs x = data[o:o+T] and targets y = data[o+1:o+1+T] for each offset, as int64.
+
+    One fancy index, so a memmap only reads the pages holding these rows.
+    """
+    offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
+    if offs.size and (offs.min() < 0 or offs.max() + block_size + 1 > len(data)):
+        raise DataError(
+            f"row offsets reach outside the {len(data)}-token split for block_size {block_size}: "
+            "compute them with batch_offsets on this split"
+        )
+    rows = np.asarray(data[offs[:, None] + np.arange(block_size + 1)], dtype=np.int64)
+    return np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
+
+
+def local_batch(
+    data: np.ndarray,
+    key: tuple[int, ...],
+    batch_size: int,
+    block_size: int,
+    dp_rank: int,
+    dp_size: int,
+    micro_batches: int,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """This dp rank's share of the global batch for `key`, split in order into micro-batches.
+
+    Rank r takes global rows r*B/dp ... (r+1)*B/dp; only those rows are read from `data`.
+    Returns `micro_batches` pairs (x, y), each of shape (B/(dp*micro_batches), block_size).
+    """
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise DataError(f"dp rank {dp_rank} is not in 0..{dp_size - 1}: check the mesh's dp axis")
+    if micro_batches < 1:
+        raise DataError(f"micro_batches must be positive, got {micro_batches}: pass a positive --micro-batches")
+    if batch_size % (dp_size * micro_batches):
+        raise DataError(
+            f"batch_size {batch_size} is not divisible by dp {dp_size} x micro_batches {micro_batches}: "
+            f"use a --batch-size that is a multiple of {dp_size * micro_batches} or change dp / --micro-batches"
+        )
+    offsets = batch_offsets(key, len(data), batch_size, block_size)
+    per_rank = batch_size // dp_size
+    mine = offsets[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    x, y = read_rows(data, mine, block_size)
+    per_micro = per_rank // micro_batches
+    return [
+        (x[m * per_micro : (m + 1) * per_micro], y[m * per_micro : (m + 1) * per_micro])
+        for m in range(micro_batches)
+    ]

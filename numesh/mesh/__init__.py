@@ -1,0 +1,25 @@
+"""The process mesh, collectives by axis name, and partition specs."""
+
+from numesh.mesh.collectives import (
+    Handle,
+    all_gather,
+    broadcast,
+    ipsum,
+    ipsum_scatter,
+    irecv,
+    isend,
+    pmax,
+    psum,
+    psum_scatter,
+    recv,
+    send,
+    sendrecv,
+)
+from numesh.mesh.mesh import AXES, ByteCounter, Mesh, MeshError, parse_mesh
+from numesh.mesh.spec import P, local_shape, local_slices, replicated_axes, shard, unshard
+
+__all__ = [
+    "AXES", "ByteCounter", "Handle", "Mesh", "MeshError", "P", "all_gather", "broadcast", "ipsum",
+    "ipsum_scatter", "irecv", "isend", "local_shape", "local_slices", "parse_mesh", "pmax", "psum",
+    "psum_scatter", "recv", "replicated_axes", "send", "sendrecv", "shard", "unshard",
+]

@@ -1,0 +1,159 @@
+"""Collectives addressed by mesh axis name, on buffer-based MPI calls.
+
+On an axis (or axis group) of size 1 every collective returns its input and costs nothing,
+so the 1×1×1 mesh runs the same code as any other. Every call adds its bytes to
+`mesh.counter`, keyed by axes and op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from numesh.mesh.mesh import AxisNames, Mesh, axis_names
+
+
+class Handle:
+    """A nonblocking collective in flight; `wait()` returns its result."""
+
+    def __init__(self, request: MPI.Request | None, result: np.ndarray, finish=None):
+        self._request, self._result, self._finish = request, result, finish
+
+    def wait(self) -> np.ndarray:
+        if self._request is not None:
+            self._request.Wait()
+            self._request = None
+            if self._finish is not None:
+                self._result = self._finish(self._result)
+                self._finish = None
+        return self._result
+
+
+def _count(mesh: Mesh, axes: AxisNames, op: str, nbytes: int) -> None:
+    mesh.counter.add(axis_names(axes), op, nbytes, mesh.size(axes))
+
+
+def _contig(x: np.ndarray) -> np.ndarray:
+    return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+
+
+def psum(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = None, inplace: bool = False) -> np.ndarray:
+    """Sum over the axis. `inplace=True` overwrites `x` (which must be contiguous)."""
+    if mesh.size(axes) == 1:
+        return x
+    _count(mesh, axes, "all_reduce", x.nbytes)
+    if inplace:
+        mesh.comm(axes).Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+        return x
+    out = np.empty_like(x) if out is None else out
+    mesh.comm(axes).Allreduce(_contig(x), out, op=MPI.SUM)
+    return out
+
+
+def pmax(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = None) -> np.ndarray:
+    """Elementwise maximum over the axis."""
+    if mesh.size(axes) == 1:
+        return x
+    _count(mesh, axes, "all_reduce", x.nbytes)
+    out = np.empty_like(x) if out is None else out
+    mesh.comm(axes).Allreduce(_contig(x), out, op=MPI.MAX)
+    return out
+
+
+def ipsum(x: np.ndarray, mesh: Mesh, axes: AxisNames) -> Handle:
+    """Nonblocking in-place sum over the axis; `x` holds the sum after `wait()`."""
+    if mesh.size(axes) == 1:
+        return Handle(None, x)
+    _count(mesh, axes, "all_reduce", x.nbytes)
+    return Handle(mesh.comm(axes).Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM), x)
+
+
+def all_gather(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> np.ndarray:
+    """Concatenate every rank's `x` along `dim`, in axis order."""
+    n = mesh.size(axes)
+    if n == 1:
+        return x
+    dim = dim % x.ndim
+    buf = np.empty((n, *x.shape), dtype=x.dtype)
+    _count(mesh, axes, "all_gather", buf.nbytes)
+    mesh.comm(axes).Allgather(_contig(x), buf)
+    if dim == 0:
+        return buf.reshape(n * x.shape[0], *x.shape[1:])
+    return np.concatenate(list(buf), axis=dim)
+
+
+def _scatter_layout(x: np.ndarray, n: int, dim: int) -> np.ndarray:
+    if x.shape[dim] % n:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not divide by {n} ranks")
+    return _contig(np.moveaxis(x, dim, 0))
+
+
+def psum_scatter(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> np.ndarray:
+    """Sum over the axis, each rank keeping its 1/n slice of `dim`."""
+    n = mesh.size(axes)
+    if n == 1:
+        return x
+    dim = dim % x.ndim
+    send = _scatter_layout(x, n, dim)
+    out = np.empty((send.shape[0] // n, *send.shape[1:]), dtype=x.dtype)
+    _count(mesh, axes, "reduce_scatter", x.nbytes)
+    mesh.comm(axes).Reduce_scatter_block(send, out, op=MPI.SUM)
+    return np.moveaxis(out, 0, dim)
+
+
+def ipsum_scatter(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> Handle:
+    """Nonblocking `psum_scatter`."""
+    n = mesh.size(axes)
+    if n == 1:
+        return Handle(None, x)
+    dim = dim % x.ndim
+    send = _scatter_layout(x, n, dim)
+    out = np.empty((send.shape[0] // n, *send.shape[1:]), dtype=x.dtype)
+    _count(mesh, axes, "reduce_scatter", x.nbytes)
+    req = mesh.comm(axes).Ireduce_scatter_block(send, out, op=MPI.SUM)
+    handle = Handle(req, out, finish=lambda o: np.moveaxis(o, 0, dim))
+    handle._keepalive = send  # the send buffer must live until the request completes
+    return handle
+
+
+def broadcast(x: np.ndarray, mesh: Mesh, axes: AxisNames, root: int = 0) -> np.ndarray:
+    """Every rank gets the root's `x` (in place; `x` must be contiguous)."""
+    if mesh.size(axes) == 1:
+        return x
+    _count(mesh, axes, "broadcast", x.nbytes)
+    mesh.comm(axes).Bcast(x, root=root)
+    return x
+
+
+def send(x: np.ndarray, mesh: Mesh, axis: str, dest: int, tag: int = 0) -> None:
+    """Blocking send to `dest` (an index along `axis`, or PROC_NULL)."""
+    if dest != MPI.PROC_NULL:
+        _count(mesh, axis, "send", x.nbytes)
+    mesh.comm(axis).Send(_contig(x), dest=dest, tag=tag)
+
+
+def recv(buf: np.ndarray, mesh: Mesh, axis: str, source: int, tag: int = 0) -> np.ndarray:
+    """Blocking receive into `buf` from `source` along `axis` (PROC_NULL leaves it untouched)."""
+    mesh.comm(axis).Recv(buf, source=source, tag=tag)
+    return buf
+
+
+def isend(x: np.ndarray, mesh: Mesh, axis: str, dest: int, tag: int = 0) -> Handle:
+    """Nonblocking send; keep the handle (and `x`) until `wait()`."""
+    if dest != MPI.PROC_NULL:
+        _count(mesh, axis, "send", x.nbytes)
+    x = _contig(x)
+    return Handle(mesh.comm(axis).Isend(x, dest=dest, tag=tag), x)
+
+
+def irecv(buf: np.ndarray, mesh: Mesh, axis: str, source: int, tag: int = 0) -> Handle:
+    """Nonblocking receive into `buf`; `wait()` returns it."""
+    return Handle(mesh.comm(axis).Irecv(buf, source=source, tag=tag), buf)
+
+
+def sendrecv(x: np.ndarray, buf: np.ndarray, mesh: Mesh, axis: str, dest: int, source: int, tag: int = 0) -> np.ndarray:
+    """Send `x` to `dest` while receiving into `buf` from `source` along `axis`."""
+    if dest != MPI.PROC_NULL:
+        _count(mesh, axis, "send", x.nbytes)
+    mesh.comm(axis).Sendrecv(_contig(x), dest=dest, sendtag=tag, recvbuf=buf, source=source, recvtag=tag)
+    return buf

@@ -1,0 +1,170 @@
+"""The process mesh: named axes pp × dp × tp over an MPI communicator.
+
+Ranks are laid out by `Cart_create` with tp varying fastest, so a tensor-parallel group
+is a run of neighbouring ranks (on one node, when ranks are placed in order). Every axis
+and every combination of axes has its own sub-communicator from `Cart_sub`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable
+
+import attrs
+from mpi4py import MPI
+
+AXES: tuple[str, ...] = ("pp", "dp", "tp")
+AxisNames = str | tuple[str, ...]
+
+
+class MeshError(ValueError):
+    """A mesh that cannot be built, with what to change."""
+
+
+def parse_mesh(spec: str | dict[str, int] | None, n_ranks: int) -> dict[str, int]:
+    """Axis sizes from "dp=2,tp=2" (omitted axes are 1; one axis may be -1 = inferred)."""
+    if spec is None or spec == "":
+        sizes: dict[str, int] = {}
+    elif isinstance(spec, dict):
+        sizes = dict(spec)
+    else:
+        sizes = {}
+        for part in spec.replace(" ", "").split(","):
+            if not part:
+                continue
+            name, eq, value = part.partition("=")
+            if not eq or not name:
+                raise MeshError(f"malformed mesh '{spec}': expected comma-separated axis=size, e.g. dp=2,tp=2,pp=2")
+            if name in sizes:
+                raise MeshError(f"axis '{name}' given twice in mesh '{spec}'")
+            try:
+                sizes[name] = int(value)
+            except ValueError:
+                raise MeshError(f"malformed mesh '{spec}': size of '{name}' is '{value}', not an integer") from None
+    for name, size in sizes.items():
+        if name not in AXES:
+            raise MeshError(f"unknown mesh axis '{name}': the axes are {', '.join(AXES)}")
+        if size < 1 and size != -1:
+            raise MeshError(f"mesh axis {name}={size}: sizes must be >= 1 (or -1 to infer from the number of ranks)")
+    inferred = [n for n, s in sizes.items() if s == -1]
+    if len(inferred) > 1:
+        raise MeshError(f"only one mesh axis may be -1, got {', '.join(inferred)}")
+    known = 1
+    for name, size in sizes.items():
+        if size != -1:
+            known *= size
+    if inferred:
+        if n_ranks % known:
+            raise MeshError(f"cannot infer {inferred[0]}: {n_ranks} ranks do not divide by {known}")
+        sizes[inferred[0]] = n_ranks // known
+    full = {a: sizes.get(a, 1) for a in AXES}
+    product = full["pp"] * full["dp"] * full["tp"]
+    if product != n_ranks:
+        shown = ",".join(f"{a}={full[a]}" for a in AXES)
+        raise MeshError(
+            f"mesh {shown} needs {product} ranks but the job has {n_ranks}: "
+            f"run with mpirun -n {product} or change --mesh"
+        )
+    return full
+
+
+@attrs.define
+class ByteCounter:
+    """Bytes moved per (axes, op): `payload` is the local buffer size S, `bus` the
+    NCCL-tests bus bytes (all-reduce 2(n-1)/n·S, all-gather/reduce-scatter (n-1)/n·S)."""
+
+    payload: dict = attrs.field(factory=lambda: defaultdict(int))
+    bus: dict = attrs.field(factory=lambda: defaultdict(float))
+    calls: dict = attrs.field(factory=lambda: defaultdict(int))
+
+    def add(self, axes: tuple[str, ...], op: str, nbytes: int, n: int) -> None:
+        key = (axes, op)
+        self.payload[key] += nbytes
+        self.calls[key] += 1
+        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}
+        self.bus[key] += nbytes * factor.get(op, 1.0)
+
+    def reset(self) -> None:
+        self.payload.clear()
+        self.bus.clear()
+        self.calls.clear()
+
+    def total(self, axes: AxisNames | None = None, op: str | None = None, kind: str = "bus") -> float:
+        """Sum of counted bytes, optionally for one axis (group) and/or one op."""
+        table = self.bus if kind == "bus" else self.payload if kind == "payload" else self.calls
+        want = None if axes is None else _axes_key(axes)
+        return sum(v for (a, o), v in table.items() if (want is None or a == want) and (op is None or o == op))
+
+
+def _axes_key(axes: AxisNames) -> tuple[str, ...]:
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    for a in names:
+        if a not in AXES:
+            raise MeshError(f"unknown mesh axis '{a}': the axes are {', '.join(AXES)}")
+    return tuple(a for a in AXES if a in names)
+
+
+class Mesh:
+    """Named axes over a communicator; `comm(axis)` is that axis's sub-communicator."""
+
+    def __init__(self, sizes: dict[str, int], comm: MPI.Comm | None = None):
+        base = MPI.COMM_WORLD if comm is None else comm
+        self.shape: dict[str, int] = parse_mesh(sizes, base.Get_size())
+        self.world = base
+        self.cart = base.Create_cart([self.shape[a] for a in AXES], periods=[False] * len(AXES), reorder=False)
+        self.rank = self.cart.Get_rank()
+        self.coords: dict[str, int] = dict(zip(AXES, self.cart.Get_coords(self.rank)))
+        self._comms: dict[tuple[str, ...], MPI.Comm] = {}
+        self.counter = ByteCounter()
+
+    @classmethod
+    def create(cls, comm: MPI.Comm | None = None, **sizes: int) -> "Mesh":
+        return cls(sizes, comm)
+
+    @classmethod
+    def parse(cls, spec: str | None, comm: MPI.Comm | None = None) -> "Mesh":
+        base = MPI.COMM_WORLD if comm is None else comm
+        return cls(parse_mesh(spec, base.Get_size()), base)
+
+    def __repr__(self) -> str:
+        return "Mesh(" + ", ".join(f"{a}={self.shape[a]}" for a in AXES) + ")"
+
+    def size(self, axes: AxisNames) -> int:
+        n = 1
+        for a in _axes_key(axes):
+            n *= self.shape[a]
+        return n
+
+    def index(self, axes: AxisNames) -> int:
+        """This rank's position along the axis (row-major over merged axes)."""
+        i = 0
+        for a in _axes_key(axes):
+            i = i * self.shape[a] + self.coords[a]
+        return i
+
+    def comm(self, axes: AxisNames) -> MPI.Comm:
+        key = _axes_key(axes)
+        if key not in self._comms:
+            self._comms[key] = self.cart.Sub([a in key for a in AXES])
+        return self._comms[key]
+
+    def neighbors(self, axis: str) -> tuple[int, int]:
+        """(previous, next) ranks along `axis` in its sub-communicator; PROC_NULL at the ends."""
+        size, i = self.size(axis), self.index(axis)
+        prev = i - 1 if i > 0 else MPI.PROC_NULL
+        nxt = i + 1 if i < size - 1 else MPI.PROC_NULL
+        return prev, nxt
+
+    def axes_of_size_gt1(self) -> tuple[str, ...]:
+        return tuple(a for a in AXES if self.shape[a] > 1)
+
+    def free(self) -> None:
+        for c in self._comms.values():
+            c.Free()
+        self._comms.clear()
+        self.cart.Free()
+
+
+def axis_names(axes: Iterable[str] | str) -> tuple[str, ...]:
+    """Canonical (pp, dp, tp) ordering of a set of axis names."""
+    return _axes_key(tuple(axes) if not isinstance(axes, str) else axes)

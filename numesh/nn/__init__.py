@@ -1,0 +1,1 @@
+"""Layers with hand-written backward, Megatron tensor-parallel operators, and the GPT model."""

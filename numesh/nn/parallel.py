@@ -1,0 +1,92 @@
+"""Megatron tensor-parallel operators on the `tp` axis.
+
+The conjugate pair `copy_to_tp` (f: identity forward, all-reduce backward) and
+`reduce_from_tp` (g: all-reduce forward, identity backward) are the only places the
+blocks communicate over tp. The vocabulary-parallel embedding and cross-entropy hold a
+contiguous slice of the (padded) vocabulary per tp rank and never gather the full logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from numesh.mesh import Mesh, pmax, psum
+
+
+def copy_to_tp_bwd(dx: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """Backward of f: the input was used by every tp rank, so its gradient is their sum."""
+    return psum(dx, mesh, "tp", inplace=True)
+
+
+def reduce_from_tp(x: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """Forward of g: sum the partial results of a row-parallel layer."""
+    return psum(x, mesh, "tp", inplace=True)
+
+
+def vocab_range(vocab_local: int, mesh: Mesh) -> tuple[int, int]:
+    """[start, stop) of this tp rank's vocabulary slice."""
+    start = mesh.index("tp") * vocab_local
+    return start, start + vocab_local
+
+
+def vocab_parallel_embedding_fwd(wte: np.ndarray, ids: np.ndarray, mesh: Mesh) -> tuple[np.ndarray, tuple]:
+    """Rows of the embedding for `ids`, each from the tp rank that holds it."""
+    if mesh.size("tp") == 1:
+        return wte[ids], (ids, None)
+    start, stop = vocab_range(wte.shape[0], mesh)
+    local = ids - start
+    outside = (local < 0) | (local >= wte.shape[0])
+    local[outside] = 0
+    y = wte[local]
+    y[outside] = 0.0
+    return reduce_from_tp(y, mesh), (local, outside)
+
+
+def vocab_parallel_embedding_bwd(wte: np.ndarray, ctx: tuple, dy: np.ndarray) -> np.ndarray:
+    local, outside = ctx
+    dwte = np.zeros_like(wte)
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    idx = local.reshape(-1)
+    if outside is not None:
+        keep = ~outside.reshape(-1)
+        idx, dy2 = idx[keep], dy2[keep]
+    np.add.at(dwte, idx, dy2)
+    return dwte
+
+
+def vocab_parallel_cross_entropy_fwd(
+    logits: np.ndarray, targets: np.ndarray, vocab_size: int, mesh: Mesh
+) -> tuple[np.ndarray, tuple]:
+    """Per-token loss from this rank's logit columns [N, V_local]; `logits` is overwritten.
+
+    Columns past `vocab_size` (padding) get zero probability. Returns (loss [N], ctx)."""
+    n, v_local = logits.shape
+    start, stop = vocab_range(v_local, mesh)
+    if stop > vocab_size:
+        logits[:, max(vocab_size - start, 0) :] = -np.inf
+    m = pmax(logits.max(axis=1), mesh, "tp")
+    logits -= m[:, None]
+    local = targets.reshape(-1) - start
+    inside = (local >= 0) & (local < v_local)
+    rows = np.arange(n)
+    # one all-reduce for both: [sum of exp, the shifted target logit (held by one rank)]
+    sums = np.empty((2, n), dtype=logits.dtype)
+    sums[1] = np.where(inside, logits[rows, np.where(inside, local, 0)], 0.0)
+    np.exp(logits, out=logits)
+    logits.sum(axis=1, out=sums[0])
+    sums = psum(sums, mesh, "tp", inplace=True)
+    loss = np.log(sums[0]) - sums[1]
+    return loss, (logits, sums[0], local, inside)
+
+
+def vocab_parallel_cross_entropy_bwd(ctx: tuple, dloss: np.ndarray | float) -> np.ndarray:
+    """Gradient w.r.t. the local logits for upstream gradient `dloss` per token."""
+    probs, sumexp, local, inside = ctx
+    probs /= sumexp[:, None]
+    rows = np.nonzero(inside)[0]
+    probs[rows, local[rows]] -= 1.0
+    if np.ndim(dloss) == 0:
+        probs *= dloss
+    else:
+        probs *= np.asarray(dloss)[:, None]
+    return probs

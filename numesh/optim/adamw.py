@@ -1,0 +1,74 @@
+"""AdamW over one flat parameter vector.
+
+Parameters, gradients and both moments live in flat buffers (the parameter tree is a set
+of views into its buffer), so an optimiser step is a handful of vectorised operations
+whatever the number of leaves, and ZeRO can shard the same buffers by plain slicing.
+The step updates its buffers in place: they are donated, as with JAX's `donate_argnums`.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from numesh.tree import Tree, flatten, tree_map
+
+
+@attrs.frozen
+class AdamWConfig:
+    beta1: float = 0.9
+    beta2: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@attrs.define
+class AdamWState:
+    """First and second moments (flat, like the parameters they follow) and the step count."""
+
+    m: np.ndarray
+    v: np.ndarray
+    step: int = 0
+
+
+def adamw_init(flat_params: np.ndarray) -> AdamWState:
+    return AdamWState(np.zeros_like(flat_params), np.zeros_like(flat_params))
+
+
+def decay_mask(params: Tree, dtype=np.float64) -> np.ndarray:
+    """1 where weight decay applies (matrices and embeddings, as in nanoGPT's groups), else 0."""
+    return flatten(tree_map(lambda x: np.full(np.shape(x), float(np.ndim(x) >= 2)), params), dtype=dtype)
+
+
+def adamw_step(
+    params: np.ndarray,
+    grads: np.ndarray,
+    state: AdamWState,
+    lr: float,
+    cfg: AdamWConfig,
+    decay: np.ndarray,
+    scratch: np.ndarray | None = None,
+) -> None:
+    """One decoupled-weight-decay Adam step on flat buffers (PyTorch's AdamW formula)."""
+    state.step += 1
+    t = state.step
+    tmp = np.empty_like(params) if scratch is None else scratch
+    # p -= lr * wd * p  (decoupled decay, only where decay == 1)
+    np.multiply(params, decay, out=tmp)
+    tmp *= lr * cfg.weight_decay
+    params -= tmp
+    # moments
+    state.m *= cfg.beta1
+    np.multiply(grads, 1.0 - cfg.beta1, out=tmp)
+    state.m += tmp
+    state.v *= cfg.beta2
+    np.multiply(grads, grads, out=tmp)
+    tmp *= 1.0 - cfg.beta2
+    state.v += tmp
+    # p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    np.sqrt(state.v, out=tmp)
+    tmp *= 1.0 / np.sqrt(1.0 - cfg.beta2**t)
+    tmp += cfg.eps
+    np.divide(state.m, tmp, out=tmp)
+    tmp *= lr / (1.0 - cfg.beta1**t)
+    params -= tmp

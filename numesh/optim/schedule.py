@@ -1,0 +1,15 @@
+"""Learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+
+
+def cosine_lr(step: int, lr: float, min_lr: float, warmup_iters: int, decay_iters: int) -> float:
+    """Linear warmup to `lr`, cosine decay to `min_lr` at `decay_iters`, then constant (nanoGPT's)."""
+    if step < warmup_iters:
+        return lr * (step + 1) / (warmup_iters + 1)
+    if step > decay_iters:
+        return min_lr
+    ratio = (step - warmup_iters) / max(decay_iters - warmup_iters, 1)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)

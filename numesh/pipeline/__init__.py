@@ -1,0 +1,1 @@
+"""Pipeline schedules and their executor (not yet implemented)."""

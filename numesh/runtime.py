@@ -1,0 +1,91 @@
+"""Per-process set-up shared by every command: BLAS threads per rank and clean failure.
+
+Ranks × BLAS threads should equal the cores of a node, and an MPI job must never hang:
+a user error (the same on every rank) exits every rank with one message, while an
+unexpected exception on one rank prints a rank-tagged traceback and aborts the job.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from typing import Callable, TypeVar
+
+import numpy as np
+from mpi4py import MPI
+
+T = TypeVar("T")
+
+_THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_LIMITER = None
+
+
+def ranks_per_node(comm: MPI.Comm | None = None) -> int:
+    comm = MPI.COMM_WORLD if comm is None else comm
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    n = node.Get_size()
+    node.Free()
+    return n
+
+
+def set_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None) -> int:
+    """Limit BLAS threads so that ranks on this node × threads = its cores.
+
+    An explicit `threads`, or OMP/OPENBLAS_NUM_THREADS in the environment, wins."""
+    global _LIMITER
+    from threadpoolctl import threadpool_limits
+
+    if threads is None:
+        for var in _THREAD_ENV:
+            if os.environ.get(var, "").isdigit():
+                threads = int(os.environ[var])
+                break
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // ranks_per_node(comm))
+    _LIMITER = threadpool_limits(limits=threads, user_api="blas")
+    return threads
+
+
+def matmul_peak_flops(dtype=np.float32, n: int = 512, repeats: int = 5) -> float:
+    """This rank's measured matrix-multiply throughput (FLOP/s), the denominator of MFU."""
+    a = np.ones((n, n), dtype=dtype)
+    out = np.empty_like(a)
+    np.matmul(a, a, out=out)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.matmul(a, a, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def is_root() -> bool:
+    return MPI.COMM_WORLD.Get_rank() == 0
+
+
+def log(msg: str) -> None:
+    """A log line on rank 0's stderr."""
+    if is_root():
+        print(msg, file=sys.stderr, flush=True)
+
+
+def guarded(fn: Callable[[], T], user_errors: tuple[type[BaseException], ...] = (ValueError,)) -> T:
+    """Run `fn`; a user error exits with status 2 and one line, anything else aborts every rank."""
+    comm = MPI.COMM_WORLD
+    try:
+        return fn()
+    except user_errors as e:
+        if comm.Get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException:
+        rank = comm.Get_rank()
+        lines = traceback.format_exc().rstrip().splitlines()
+        print("\n".join(f"[rank {rank}] {line}" for line in lines), file=sys.stderr, flush=True)
+        if comm.Get_size() > 1:
+            comm.Abort(1)
+        raise SystemExit(1) from None

@@ -1,0 +1,178 @@
+"""Text generation from a trained checkpoint, on any tensor-parallel mesh.
+
+Every rank computes the same full-vocabulary logits (gathered over tp) and draws from
+the same random stream, so all ranks agree on every token without extra communication.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import numpy as np
+from mpi4py import MPI
+
+from numesh.data import CharTokenizer
+from numesh.mesh import Mesh, all_gather, shard
+from numesh.nn.gpt import (
+    GPT,
+    ConfigError,
+    GPTConfig,
+    block_fwd,
+    embed_fwd,
+    gpt_global_shapes,
+    gpt_specs,
+    logits_cached,
+    new_kv_cache,
+)
+from numesh.nn.layers import layernorm_fwd
+from numesh.tree import tree_map, tree_map_with_path
+
+CKPT_FORMAT = "numesh-params-v1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, naming the file."""
+
+
+@attrs.frozen
+class Checkpoint:
+    model: GPTConfig
+    tokenizer: CharTokenizer
+    params: GPT  # global arrays, vocabulary unpadded
+    dtype: str
+    step: int
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read `config.json` + `model.safetensors` (no pickle) into global parameters."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    root = Path(path)
+    meta_path, tensors_path = root / "config.json", root / "model.safetensors"
+    for p in (meta_path, tensors_path):
+        if not p.is_file():
+            raise CheckpointError(f"no checkpoint file {p}: pass --ckpt RUN/ckpt/latest of a finished run")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_path} is not valid JSON: {e}") from None
+    if meta.get("format") != CKPT_FORMAT:
+        raise CheckpointError(f"{meta_path} has format {meta.get('format')!r}, expected {CKPT_FORMAT!r}")
+    model = GPTConfig(**meta["model"])
+    try:
+        arrays = load_file(str(tensors_path))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{tensors_path} cannot be read: {e}") from None
+
+    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in arrays:
+            raise CheckpointError(f"{tensors_path} has no tensor '{name}'")
+        if arrays[name].shape != tuple(shape):
+            raise CheckpointError(f"{tensors_path}: '{name}' has shape {arrays[name].shape}, the model needs {tuple(shape)}")
+        return arrays[name]
+
+    params = tree_map_with_path(take, gpt_global_shapes(model))
+    return Checkpoint(model, CharTokenizer.from_meta(meta["tokenizer"]), params, meta.get("dtype", "float32"), meta.get("step", 0))
+
+
+def shard_params(params: GPT, model: GPTConfig, mesh: Mesh) -> GPT:
+    """This rank's shards of global (unpadded) parameters on `mesh`."""
+    model.validate(mesh.size("tp"))
+    vp = model.padded_vocab(mesh.size("tp"))
+    wte = np.zeros((vp, model.n_embd), dtype=params.wte.dtype)
+    wte[: model.vocab_size] = params.wte
+    return tree_map(lambda x, spec: shard(x, spec, mesh), attrs.evolve(params, wte=wte), gpt_specs(model))
+
+
+def logits_last(params: GPT, idx: np.ndarray, model: GPTConfig, mesh: Mesh) -> np.ndarray:
+    """Full-vocabulary logits [B, V] at the last position, by a full forward of `idx` (no cache)."""
+    x, _ = embed_fwd(params, idx, model, mesh)
+    for layer, bp in enumerate(params.blocks):
+        x, _ = block_fwd(bp, x, model, mesh, layer)
+    xf, _ = layernorm_fwd(params.ln_f, x[:, -1])
+    return all_gather(xf @ params.wte.T, mesh, "tp", dim=1)[:, : model.vocab_size]
+
+
+def pick(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:
+    """Next token per row: argmax when temperature is 0, else a draw from the tempered top-k softmax."""
+    if temperature == 0.0:
+        return logits.argmax(axis=-1)
+    z = logits.astype(np.float64) / temperature
+    if top_k is not None and top_k < z.shape[-1]:
+        kth = np.partition(z, -top_k, axis=-1)[:, -top_k][:, None]
+        z = np.where(z < kth, -np.inf, z)
+    z -= z.max(axis=-1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=-1, keepdims=True)
+    u = rng.random((z.shape[0], 1))
+    return np.minimum((np.cumsum(p, axis=-1) < u).sum(axis=-1), z.shape[-1] - 1)
+
+
+def generate(
+    params: GPT,
+    model: GPTConfig,
+    mesh: Mesh,
+    prompt: np.ndarray,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 200,
+    seed: int = 1337,
+    kv_cache: bool = True,
+) -> np.ndarray:
+    """Extend `prompt` [B, T0] by `max_new_tokens` tokens; the context is the last block_size tokens.
+
+    With the KV cache each new token costs one position until the context is full; after
+    that the window slides and, positions being absolute, the window is recomputed."""
+    if temperature < 0:
+        raise ConfigError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"top_k must be >= 1, got {top_k}")
+    if prompt.shape[1] < 1:
+        raise ConfigError("the prompt is empty: pass at least one character with --prompt")
+    rng = np.random.default_rng(seed)
+    idx = prompt.astype(np.int64)
+    bs = model.block_size
+    cache = new_kv_cache(model, mesh, idx.shape[0], params.wpe.dtype) if kv_cache else None
+    for _ in range(max_new_tokens):
+        if cache is None:
+            logits = logits_last(params, idx[:, -bs:], model, mesh)
+        elif cache.length == 0 or cache.length >= bs:
+            cache.length = 0
+            logits = logits_cached(params, idx[:, -bs:], cache, model, mesh)
+        else:
+            logits = logits_cached(params, idx[:, -1:], cache, model, mesh)
+        nxt = pick(logits, temperature, top_k, rng)
+        idx = np.concatenate([idx, nxt[:, None]], axis=1)
+    return idx
+
+
+@attrs.frozen
+class SampleConfig:
+    ckpt: str
+    prompt: str = "\n"
+    max_new_tokens: int = 500
+    temperature: float = 0.8
+    top_k: int | None = 200
+    seed: int = 1337
+    num_samples: int = 1
+    mesh: str = ""
+    kv_cache: bool = True
+
+
+def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
+    """Generate `num_samples` texts (prompt included) from a checkpoint."""
+    ck = load_checkpoint(cfg.ckpt)
+    mesh = Mesh.parse(cfg.mesh, comm)
+    if mesh.size(("pp", "dp")) > 1:
+        raise ConfigError("sampling runs on a tensor-parallel mesh only: use --mesh tp=N")
+    dtype = np.float64 if ck.dtype == "float64" else np.float32
+    params = shard_params(tree_map(lambda x: x.astype(dtype), ck.params), ck.model, mesh)
+    prompt = ck.tokenizer.encode(cfg.prompt)[None, :]
+    out = []
+    for i in range(cfg.num_samples):
+        ids = generate(params, ck.model, mesh, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed + i, cfg.kv_cache)
+        out.append(ck.tokenizer.decode(ids[0]))
+    return out

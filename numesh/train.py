@@ -1,0 +1,340 @@
+"""The training loop, as a library function over an attrs config.
+
+Every rank runs the same loop on its shard of the mesh: draw its rows of the step's
+global batch, accumulate gradients over micro-batches, sum them over dp, clip by the
+true global norm, take an AdamW step. Losses are means over the whole global batch, so
+the logged numbers are the same on every mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import tomllib
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+import numpy as np
+from mpi4py import MPI
+
+from numesh import data as D
+from numesh.mesh import Mesh, parse_mesh, psum, unshard
+from numesh.nn.gpt import (
+    GPT,
+    ConfigError,
+    DropoutKey,
+    GPTConfig,
+    forward_loss,
+    gpt_global_shapes,
+    gpt_specs,
+    init_gpt,
+    loss_and_grads,
+)
+from numesh.optim import AdamWConfig, adamw_init, adamw_step, clip_scale, cosine_lr, decay_mask, global_norm
+from numesh.tree import flatten, tree_leaves, tree_leaves_with_path, tree_map, unflatten
+
+DTYPES = {"float32": np.float32, "float64": np.float64}
+
+
+def _field(default: Any, help: str) -> Any:
+    return attrs.field(default=default, metadata={"help": help})
+
+
+@attrs.frozen
+class TrainConfig:
+    """Every knob of a training run; defaults are nanoGPT's Shakespeare-char CPU quick start."""
+
+    # model
+    n_layer: int = _field(4, "transformer blocks")
+    n_head: int = _field(4, "attention heads (divisible by tp)")
+    n_embd: int = _field(128, "embedding width (divisible by n_head)")
+    block_size: int = _field(64, "context length in tokens")
+    dropout: float = _field(0.0, "dropout probability")
+    bias: bool = _field(False, "biases in Linear and LayerNorm layers")
+    # optimisation
+    batch_size: int = _field(12, "global batch in sequences per optimiser step, whatever the mesh")
+    micro_batches: int = _field(1, "gradient-accumulation micro-batches per dp rank and step")
+    max_iters: int = _field(2000, "optimiser steps")
+    learning_rate: float = _field(1e-3, "peak learning rate")
+    min_lr: float = _field(1e-4, "learning rate at the end of the cosine decay")
+    warmup_iters: int = _field(100, "linear warmup steps")
+    lr_decay_iters: int = _field(2000, "step at which the cosine decay reaches min_lr")
+    weight_decay: float = _field(0.1, "AdamW weight decay (matrices and embeddings only)")
+    beta1: float = _field(0.9, "AdamW beta1")
+    beta2: float = _field(0.99, "AdamW beta2")
+    grad_clip: float = _field(1.0, "clip gradients to this global norm (0 = off)")
+    # evaluation and logging
+    eval_interval: int = _field(250, "evaluate train/val loss every this many steps")
+    eval_iters: int = _field(20, "batches per split and evaluation")
+    log_interval: int = _field(1, "write a metrics line every this many steps")
+    # run
+    data: str = _field("data/shakespeare_char", "dataset directory written by `numesh data`")
+    out: str = _field("runs/shakespeare_char", "output directory: config.json, metrics.jsonl, ckpt/")
+    mesh: str = _field("", "process mesh, e.g. dp=2,tp=2 (omitted axes = 1, one axis may be -1)")
+    seed: int = _field(1337, "seed of the initial parameters, data order and dropout")
+    dtype: str = _field("float32", "float32 or float64")
+
+    def model(self, vocab_size: int) -> GPTConfig:
+        return GPTConfig(
+            vocab_size=vocab_size,
+            block_size=self.block_size,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_embd=self.n_embd,
+            dropout=self.dropout,
+            bias=self.bias,
+        )
+
+
+def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) -> TrainConfig:
+    """Defaults, then the TOML file, then `overrides` (None values are ignored)."""
+    fields = {f.name: f for f in attrs.fields(TrainConfig)}
+    values: dict[str, Any] = {}
+    if toml_path is not None:
+        path = Path(toml_path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found")
+        try:
+            loaded = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        for key, value in loaded.items():
+            name = key.replace("-", "_")
+            if name not in fields:
+                raise ConfigError(f"unknown config key '{key}' in {path}: the keys are {', '.join(fields)}")
+            values[name] = value
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    for name, value in values.items():
+        want = fields[name].type
+        want = {"int": int, "float": float, "bool": bool, "str": str}.get(want, want) if isinstance(want, str) else want
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            values[name] = float(value)
+        elif not isinstance(values[name], want) or (want is int and isinstance(value, bool)):
+            raise ConfigError(f"config key '{name}' must be {want.__name__}, got {value!r}")
+    return TrainConfig(**values)
+
+
+def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]:
+    """Every check that can fail, run identically on every rank before any collective."""
+    shape = parse_mesh(cfg.mesh, n_ranks)
+    if shape["pp"] > 1:
+        raise ConfigError("pipeline parallelism (pp > 1) is not implemented yet: use --mesh with pp=1")
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
+    for name in ("batch_size", "micro_batches", "eval_interval", "eval_iters", "log_interval"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.max_iters < 0:
+        raise ConfigError(f"max_iters must be >= 0, got {cfg.max_iters}")
+    if cfg.batch_size % (shape["dp"] * cfg.micro_batches):
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} is not divisible by dp={shape['dp']} x micro_batches={cfg.micro_batches}: "
+            f"use a multiple of {shape['dp'] * cfg.micro_batches}"
+        )
+    tok = D.load_tokenizer(cfg.data)
+    for split in D.SPLITS:
+        n = len(D.load_split(cfg.data, split))
+        if n <= cfg.block_size:
+            raise ConfigError(f"block_size={cfg.block_size} is larger than the {n}-token {split} split: use a smaller --block-size")
+    model = cfg.model(tok.vocab_size)
+    model.validate(shape["tp"])
+    return shape, model
+
+
+@attrs.frozen
+class StepMetrics:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    dt_ms: float
+    tokens_per_s: float
+    mfu: float
+
+
+def flops_per_token(model: GPTConfig, n_params: int) -> float:
+    """Training FLOPs per token: 6 per parameter plus attention (PaLM's appendix B)."""
+    return 6.0 * n_params + 12.0 * model.n_layer * model.n_embd * model.block_size
+
+
+class Trainer:
+    """The state of one training run on one rank: mesh, flat buffers, optimiser, data."""
+
+    def __init__(self, cfg: TrainConfig, comm: MPI.Comm | None = None):
+        comm = MPI.COMM_WORLD if comm is None else comm
+        shape, self.model = validate(cfg, comm.Get_size())
+        self.cfg = cfg
+        self.mesh = Mesh(shape, comm)
+        self.dtype = DTYPES[cfg.dtype]
+        self.specs = gpt_specs(self.model)
+        tree = init_gpt(self.model, self.mesh, cfg.seed, self.dtype)
+        self.flat = flatten(tree, dtype=self.dtype)
+        self.params: GPT = unflatten(self.flat, tree)
+        self.grad_flat = np.zeros_like(self.flat)
+        self.grads: GPT = unflatten(self.grad_flat, tree)
+        self.scratch = np.empty_like(self.flat)
+        self.opt = adamw_init(self.flat)
+        self.opt_cfg = AdamWConfig(cfg.beta1, cfg.beta2, 1e-8, cfg.weight_decay)
+        self.decay = decay_mask(tree, self.dtype)
+        self.train_data = D.load_split(cfg.data, "train")
+        self.val_data = D.load_split(cfg.data, "val")
+        self.step = 0
+        self.n_params = sum(math.prod(s) for s in tree_leaves(gpt_global_shapes(self.model)))
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.cfg.block_size
+
+    def lr(self, step: int) -> float:
+        c = self.cfg
+        return cosine_lr(step, c.learning_rate, c.min_lr, c.warmup_iters, c.lr_decay_iters)
+
+    def train_step(self) -> tuple[float, float, float]:
+        """One optimiser step on the global batch of `self.step`: (loss, grad norm, lr)."""
+        c, mesh = self.cfg, self.mesh
+        micro = D.local_batch(
+            self.train_data, D.train_key(c.seed, self.step), c.batch_size, c.block_size,
+            mesh.index("dp"), mesh.size("dp"), c.micro_batches,
+        )
+        scale = 1.0 / self.tokens_per_step
+        rows = c.batch_size // (mesh.size("dp") * c.micro_batches)
+        loss = 0.0
+        for m, (x, y) in enumerate(micro):
+            drop = None
+            if c.dropout > 0.0:
+                row0 = mesh.index("dp") * rows * c.micro_batches + m * rows
+                drop = DropoutKey(c.dropout, c.seed, self.step, row0, c.batch_size)
+            part, grads = loss_and_grads(self.params, x, y, self.model, mesh, scale, drop)
+            loss += part
+            if m == 0:
+                flatten(grads, out=self.grad_flat)
+            else:
+                self.grad_flat += flatten(grads, out=self.scratch)[: self.grad_flat.size]
+        psum(self.grad_flat, mesh, "dp", inplace=True)
+        loss = float(psum(np.array([loss]), mesh, "dp")[0])
+        norm = global_norm(self.grads, self.specs, mesh)
+        s = clip_scale(norm, c.grad_clip)
+        if s != 1.0:
+            self.grad_flat *= s
+        lr = self.lr(self.step)
+        adamw_step(self.flat, self.grad_flat, self.opt, lr, self.opt_cfg, self.decay, self.scratch)
+        self.step += 1
+        return loss, norm, lr
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss over `eval_iters` fixed batches of each split (the same on every mesh)."""
+        c, mesh = self.cfg, self.mesh
+        out = {}
+        for split, data in (("train", self.train_data), ("val", self.val_data)):
+            total = 0.0
+            for i in range(c.eval_iters):
+                (x, y), = D.local_batch(data, D.eval_key(c.seed, split, i), c.batch_size, c.block_size,
+                                       mesh.index("dp"), mesh.size("dp"), 1)
+                total += float(forward_loss(self.params, x, y, self.model, mesh).sum())
+            total = float(psum(np.array([total]), mesh, "dp")[0])
+            out[f"{split}_loss"] = total / (c.eval_iters * self.tokens_per_step)
+        return out
+
+    def gathered_params(self) -> GPT:
+        """The global parameters (vocabulary unpadded), gathered on every rank."""
+        full = tree_map(lambda x, s: unshard(x, s, self.mesh), self.params, self.specs)
+        return attrs.evolve(full, wte=full.wte[: self.model.vocab_size])
+
+
+def save_final(trainer: Trainer, out_dir: Path) -> Path:
+    """Write the gathered parameters as `model.safetensors` + `config.json` (rank 0)."""
+    from safetensors.numpy import save_file
+
+    full = trainer.gathered_params()
+    ckpt = out_dir / "ckpt" / "latest"
+    if trainer.mesh.rank == 0:
+        tmp = out_dir / "ckpt" / ".latest.tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        tensors = {path: np.ascontiguousarray(x) for path, x in tree_leaves_with_path(full)}
+        save_file(tensors, str(tmp / "model.safetensors"))
+        meta = {
+            "format": "numesh-params-v1",
+            "model": attrs.asdict(trainer.model),
+            "step": trainer.step,
+            "tokenizer": D.load_tokenizer(trainer.cfg.data).to_meta(),
+            "dtype": trainer.cfg.dtype,
+        }
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+        if ckpt.exists():
+            import shutil
+
+            shutil.rmtree(ckpt)
+        tmp.rename(ckpt)
+    trainer.mesh.world.Barrier()
+    return ckpt
+
+
+@attrs.frozen
+class TrainResult:
+    steps: int
+    final_loss: float
+    final_val_loss: float | None
+    seconds: float
+    checkpoint: str
+    metrics: str
+
+
+def train(
+    cfg: TrainConfig,
+    comm: MPI.Comm | None = None,
+    on_step: Callable[[int, dict], None] | None = None,
+) -> TrainResult:
+    """Train from scratch as `cfg` says; writes OUT/config.json, OUT/metrics.jsonl, OUT/ckpt/latest."""
+    from numesh.runtime import matmul_peak_flops
+
+    trainer = Trainer(cfg, comm)
+    mesh = trainer.mesh
+    out = Path(cfg.out)
+    root = mesh.rank == 0
+    if root:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(attrs.asdict(cfg), indent=2))
+        metrics_file = open(out / "metrics.jsonl", "w")
+    peak = float(psum(np.array([matmul_peak_flops(trainer.dtype)]), mesh, ("pp", "dp", "tp"))[0])
+    fpt = flops_per_token(trainer.model, trainer.n_params)
+    t_start = time.perf_counter()
+    last: dict = {}
+    val = None
+    for step in range(cfg.max_iters + 1):
+        record: dict[str, Any] = {}
+        if step % cfg.eval_interval == 0 or step == cfg.max_iters:
+            ev = trainer.evaluate()
+            record.update(ev)
+            val = ev["val_loss"]
+        if step < cfg.max_iters:
+            t0 = time.perf_counter()
+            loss, norm, lr = trainer.train_step()
+            dt = time.perf_counter() - t0
+            tps = trainer.tokens_per_step / dt
+            if step % cfg.log_interval == 0 or step == cfg.max_iters - 1:
+                record.update(step=step, loss=loss, lr=lr, grad_norm=norm, dt_ms=dt * 1e3, tokens_per_s=tps,
+                              mfu=tps * fpt / peak)
+        elif record:
+            record["step"] = step
+        if record:
+            record.setdefault("step", step)
+            last = {**last, **record}
+            if root:
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+            if on_step is not None:
+                on_step(step, record)
+    seconds = time.perf_counter() - t_start
+    if root:
+        metrics_file.close()
+    ckpt = save_final(trainer, out)
+    return TrainResult(
+        steps=cfg.max_iters,
+        final_loss=float(last.get("loss", math.nan)),
+        final_val_loss=val,
+        seconds=seconds,
+        checkpoint=str(ckpt),
+        metrics=str(out / "metrics.jsonl"),
+    )

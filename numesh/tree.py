@@ -1,0 +1,122 @@
+"""Pytrees over frozen attrs classes, tuples, lists and dicts.
+
+Parameters, gradients, optimiser state and partition specs are all trees of the same
+structure; these helpers are the only code that walks them. Leaves are anything that is
+not a node (arrays, scalars, `P` specs); `None` is an empty node (an absent bias).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+import numpy as np
+
+Tree = Any
+
+
+def _is_node(x: Any) -> bool:
+    return x is None or type(x) in (tuple, list, dict) or attrs.has(type(x))
+
+
+def _children(x: Any) -> list[tuple[str, Any]]:
+    """(name, child) pairs of a node, in a fixed order."""
+    if x is None:
+        return []
+    if type(x) in (tuple, list):
+        return [(str(i), c) for i, c in enumerate(x)]
+    if type(x) is dict:
+        return [(str(k), x[k]) for k in sorted(x)]
+    return [(f.name, getattr(x, f.name)) for f in attrs.fields(type(x))]
+
+
+def _rebuild(x: Any, children: list[Any]) -> Any:
+    if x is None:
+        return None
+    if type(x) in (tuple, list):
+        return type(x)(children)
+    if type(x) is dict:
+        return dict(zip(sorted(x), children))
+    return attrs.evolve(x, **{f.name: c for f, c in zip(attrs.fields(type(x)), children)})
+
+
+def tree_map_with_path(f: Callable[..., Any], tree: Tree, *rest: Tree, path: str = "") -> Tree:
+    """Apply `f(path, leaf, *other_leaves)` to every leaf; `rest` trees share the structure."""
+    if not _is_node(tree):
+        return f(path, tree, *rest)
+    kids = _children(tree)
+    rest_kids = [_children(r) for r in rest]
+    for r, rk in zip(rest, rest_kids):
+        if type(r) is not type(tree) or len(rk) != len(kids):
+            raise ValueError(f"tree structures differ at '{path}': {type(tree).__name__} vs {type(r).__name__}")
+    out = []
+    for i, (name, child) in enumerate(kids):
+        sub = f"{path}.{name}" if path else name
+        out.append(tree_map_with_path(f, child, *(rk[i][1] for rk in rest_kids), path=sub))
+    return _rebuild(tree, out)
+
+
+def tree_map(f: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:
+    """Apply `f(leaf, *other_leaves)` to every leaf."""
+    return tree_map_with_path(lambda _p, *xs: f(*xs), tree, *rest)
+
+
+def tree_leaves_with_path(tree: Tree, path: str = "") -> list[tuple[str, Any]]:
+    """All (path, leaf) pairs in a fixed depth-first order."""
+    if not _is_node(tree):
+        return [(path, tree)]
+    out: list[tuple[str, Any]] = []
+    for name, child in _children(tree):
+        out.extend(tree_leaves_with_path(child, f"{path}.{name}" if path else name))
+    return out
+
+
+def tree_leaves(tree: Tree) -> list[Any]:
+    """All leaves in a fixed depth-first order."""
+    return [leaf for _, leaf in tree_leaves_with_path(tree)]
+
+
+def tree_unflatten_leaves(tree: Tree, leaves: list[Any]) -> Tree:
+    """A tree shaped like `tree` whose leaves are `leaves`, in `tree_leaves` order."""
+    it = iter(leaves)
+    out = tree_map(lambda _x: next(it), tree)
+    if next(it, None) is not None:
+        raise ValueError("more leaves than the tree has places")
+    return out
+
+
+def flatten(tree: Tree, out: np.ndarray | None = None, dtype: Any = None) -> np.ndarray:
+    """Concatenate every array leaf (raveled) into one flat vector."""
+    leaves = [np.asarray(x) for x in tree_leaves(tree)]
+    n = sum(x.size for x in leaves)
+    if out is None:
+        out = np.empty(n, dtype=dtype or (leaves[0].dtype if leaves else np.float64))
+    elif out.size < n:
+        raise ValueError(f"flat buffer holds {out.size} values, the tree has {n}")
+    i = 0
+    for x in leaves:
+        out[i : i + x.size] = x.ravel()
+        i += x.size
+    return out
+
+
+def unflatten(flat: np.ndarray, like: Tree) -> Tree:
+    """A tree shaped like `like` whose leaves are views into `flat` (no copy)."""
+    pos = [0]
+
+    def take(x: Any) -> np.ndarray:
+        shape = np.shape(x)
+        n = int(np.prod(shape, dtype=np.int64))
+        v = flat[pos[0] : pos[0] + n].reshape(shape)
+        pos[0] += n
+        return v
+
+    out = tree_map(take, like)
+    if pos[0] > flat.size:
+        raise ValueError(f"flat buffer holds {flat.size} values, the tree needs {pos[0]}")
+    return out
+
+
+def tree_size(tree: Tree) -> int:
+    """Total number of array elements in the tree."""
+    return sum(int(np.size(x)) for x in tree_leaves(tree))
