@@ -30,10 +30,11 @@ from numesh.nn.gpt import (
     gpt_global_shapes,
     gpt_specs,
     init_gpt,
-    loss_and_grads,
+    run_backward,
 )
-from numesh.optim import AdamWConfig, adamw_init, adamw_step, clip_scale, cosine_lr, decay_mask, global_norm
-from numesh.tree import flatten, tree_leaves, tree_leaves_with_path, tree_map, unflatten
+from numesh.optim import AdamWConfig, clip_scale, cosine_lr
+from numesh.optim.zero import ZeroOptimizer
+from numesh.tree import tree_leaves, tree_leaves_with_path, tree_map
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
 
@@ -65,6 +66,10 @@ class TrainConfig:
     beta1: float = _field(0.9, "AdamW beta1")
     beta2: float = _field(0.99, "AdamW beta2")
     grad_clip: float = _field(1.0, "clip gradients to this global norm (0 = off)")
+    # data parallelism
+    zero: int = _field(0, "ZeRO stage over dp: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters")
+    bucket_mb: float = _field(1.0, "MiB per gradient all-reduce bucket (ZeRO 0); reduction starts during backward")
+    overlap: bool = _field(True, "overlap gradient reduction with backward (off: reduce each bucket at once)")
     # evaluation and logging
     eval_interval: int = _field(250, "evaluate train/val loss every this many steps")
     eval_iters: int = _field(20, "batches per split and evaluation")
@@ -126,6 +131,10 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
     for name in ("batch_size", "micro_batches", "eval_interval", "eval_iters", "log_interval"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
+    if cfg.bucket_mb <= 0:
+        raise ConfigError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
     if cfg.max_iters < 0:
         raise ConfigError(f"max_iters must be >= 0, got {cfg.max_iters}")
     if cfg.batch_size % (shape["dp"] * cfg.micro_batches):
@@ -160,7 +169,7 @@ def flops_per_token(model: GPTConfig, n_params: int) -> float:
 
 
 class Trainer:
-    """The state of one training run on one rank: mesh, flat buffers, optimiser, data."""
+    """The state of one training run on one rank: mesh, model, ZeRO optimiser, data."""
 
     def __init__(self, cfg: TrainConfig, comm: MPI.Comm | None = None):
         comm = MPI.COMM_WORLD if comm is None else comm
@@ -169,19 +178,21 @@ class Trainer:
         self.mesh = Mesh(shape, comm)
         self.dtype = DTYPES[cfg.dtype]
         self.specs = gpt_specs(self.model)
-        tree = init_gpt(self.model, self.mesh, cfg.seed, self.dtype)
-        self.flat = flatten(tree, dtype=self.dtype)
-        self.params: GPT = unflatten(self.flat, tree)
-        self.grad_flat = np.zeros_like(self.flat)
-        self.grads: GPT = unflatten(self.grad_flat, tree)
-        self.scratch = np.empty_like(self.flat)
-        self.opt = adamw_init(self.flat)
-        self.opt_cfg = AdamWConfig(cfg.beta1, cfg.beta2, 1e-8, cfg.weight_decay)
-        self.decay = decay_mask(tree, self.dtype)
+        adamw = AdamWConfig(cfg.beta1, cfg.beta2, 1e-8, cfg.weight_decay)
+        self.opt = ZeroOptimizer(
+            init_gpt(self.model, self.mesh, cfg.seed, self.dtype), self.specs, self.mesh, cfg.zero, adamw,
+            bucket_bytes=int(cfg.bucket_mb * 2**20), overlap=cfg.overlap,
+        )
+        self.opt.check_replicas()
         self.train_data = D.load_split(cfg.data, "train")
         self.val_data = D.load_split(cfg.data, "val")
         self.step = 0
         self.n_params = sum(math.prod(s) for s in tree_leaves(gpt_global_shapes(self.model)))
+
+    @property
+    def params(self) -> GPT:
+        """This rank's tp-local parameter shards (gathered over dp under ZeRO-3)."""
+        return self.opt.local_params()
 
     @property
     def tokens_per_step(self) -> int:
@@ -206,20 +217,12 @@ class Trainer:
             if c.dropout > 0.0:
                 row0 = mesh.index("dp") * rows * c.micro_batches + m * rows
                 drop = DropoutKey(c.dropout, c.seed, self.step, row0, c.batch_size)
-            part, grads = loss_and_grads(self.params, x, y, self.model, mesh, scale, drop)
-            loss += part
-            if m == 0:
-                flatten(grads, out=self.grad_flat)
-            else:
-                self.grad_flat += flatten(grads, out=self.scratch)[: self.grad_flat.size]
-        psum(self.grad_flat, mesh, "dp", inplace=True)
+            self.opt.begin_micro(m, len(micro))
+            loss += run_backward(self.opt, x, y, self.model, mesh, scale, drop)
         loss = float(psum(np.array([loss]), mesh, "dp")[0])
-        norm = global_norm(self.grads, self.specs, mesh)
-        s = clip_scale(norm, c.grad_clip)
-        if s != 1.0:
-            self.grad_flat *= s
+        norm = self.opt.global_norm()
         lr = self.lr(self.step)
-        adamw_step(self.flat, self.grad_flat, self.opt, lr, self.opt_cfg, self.decay, self.scratch)
+        self.opt.step(lr, clip_scale(norm, c.grad_clip))
         self.step += 1
         return loss, norm, lr
 
@@ -232,7 +235,7 @@ class Trainer:
             for i in range(c.eval_iters):
                 (x, y), = D.local_batch(data, D.eval_key(c.seed, split, i), c.batch_size, c.block_size,
                                        mesh.index("dp"), mesh.size("dp"), 1)
-                total += float(forward_loss(self.params, x, y, self.model, mesh).sum())
+                total += float(forward_loss(self.opt, x, y, self.model, mesh).sum())
             total = float(psum(np.array([total]), mesh, "dp")[0])
             out[f"{split}_loss"] = total / (c.eval_iters * self.tokens_per_step)
         return out

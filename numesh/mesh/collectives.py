@@ -82,6 +82,18 @@ def all_gather(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> np.n
     return np.concatenate(list(buf), axis=dim)
 
 
+def all_gather_inplace(buf: np.ndarray, mesh: Mesh, axes: AxisNames) -> np.ndarray:
+    """Fill the contiguous 1-D `buf` from every rank's 1/n part, each already in place."""
+    n = mesh.size(axes)
+    if n == 1:
+        return buf
+    if buf.size % n:
+        raise ValueError(f"buffer of {buf.size} values does not divide by {n} ranks")
+    _count(mesh, axes, "all_gather", buf.nbytes)
+    mesh.comm(axes).Allgather(MPI.IN_PLACE, buf)
+    return buf
+
+
 def _scatter_layout(x: np.ndarray, n: int, dim: int) -> np.ndarray:
     if x.shape[dim] % n:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not divide by {n} ranks")

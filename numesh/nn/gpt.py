@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Any, Protocol
 import attrs
 import numpy as np
 
@@ -321,6 +322,86 @@ def head_bwd(params: GPT, ctx: tuple, dloss: np.ndarray | float, mesh: Mesh) -> 
     return dx, dwte, d_lnf
 
 
+class ParamUnits(Protocol):
+    """Where the model loop gets each unit's parameters and leaves each unit's gradients.
+
+    Units are "outer" (wte, wpe, ln_f: a GPT with no blocks) and "blocks.i". `get` may
+    gather a unit (ZeRO-3) and `release` free it; `grads_ready` is called once per unit
+    as soon as its gradient is final, so its reduction can start during backward."""
+
+    def get(self, unit: str) -> Any: ...
+
+    def release(self, unit: str) -> None: ...
+
+    def grads_ready(self, unit: str, grads: Any) -> None: ...
+
+
+class ResidentParams:
+    """All parameters held on this rank (no ZeRO-3); gradients collected into one tree."""
+
+    def __init__(self, params: GPT):
+        self.params = params
+        self.grads: dict[str, Any] = {}
+
+    def get(self, unit: str) -> Any:
+        if unit == "outer":
+            return self.params
+        return self.params.blocks[int(unit.split(".")[1])]
+
+    def release(self, unit: str) -> None:
+        pass
+
+    def grads_ready(self, unit: str, grads: Any) -> None:
+        self.grads[unit] = grads
+
+    def grad_tree(self) -> GPT:
+        outer = self.grads["outer"]
+        blocks = tuple(self.grads[f"blocks.{i}"] for i in range(len(self.params.blocks)))
+        return attrs.evolve(outer, blocks=blocks)
+
+
+def unit_names(n_layer: int) -> list[str]:
+    """Units in the order their gradients become final: last block first, "outer" last."""
+    return [f"blocks.{i}" for i in reversed(range(n_layer))] + ["outer"]
+
+
+def run_backward(
+    units: ParamUnits,
+    idx: np.ndarray,
+    targets: np.ndarray,
+    cfg: GPTConfig,
+    mesh: Mesh,
+    loss_scale: float,
+    drop: DropoutKey | None = None,
+) -> float:
+    """Forward and backward of one micro-batch, unit by unit; returns sum of token losses × `loss_scale`.
+
+    Every parameter unit is fetched once for the forward and once for the backward."""
+    outer = units.get("outer")
+    x, emb_ctx = embed_fwd(outer, idx, cfg, mesh, drop)
+    ctxs = []
+    for layer in range(cfg.n_layer):
+        name = f"blocks.{layer}"
+        x, c = block_fwd(units.get(name), x, cfg, mesh, layer, drop)
+        units.release(name)
+        ctxs.append(c)
+    loss, head_ctx = head_fwd(outer, x, targets, cfg, mesh)
+    units.release("outer")
+    outer = units.get("outer")
+    dx, dwte_head, d_lnf = head_bwd(outer, head_ctx, loss_scale, mesh)
+    for layer in reversed(range(cfg.n_layer)):
+        name = f"blocks.{layer}"
+        dx, grads = block_bwd(units.get(name), ctxs[layer], dx, cfg, mesh)
+        units.release(name)
+        units.grads_ready(name, grads)
+        ctxs[layer] = None
+    dwte, dwpe = embed_bwd(outer, emb_ctx, dx)
+    units.release("outer")
+    dwte += dwte_head
+    units.grads_ready("outer", GPT(wte=dwte, wpe=dwpe, blocks=(), ln_f=d_lnf))
+    return float(loss.sum()) * loss_scale
+
+
 def loss_and_grads(
     params: GPT,
     idx: np.ndarray,
@@ -334,28 +415,21 @@ def loss_and_grads(
 
     With `loss_scale = 1 / (tokens in the global batch)`, summing the results over
     micro-batches and dp ranks gives the global mean loss and its gradient."""
-    x, emb_ctx = embed_fwd(params, idx, cfg, mesh, drop)
-    ctxs = []
-    for layer, bp in enumerate(params.blocks):
-        x, c = block_fwd(bp, x, cfg, mesh, layer, drop)
-        ctxs.append(c)
-    loss, head_ctx = head_fwd(params, x, targets, cfg, mesh)
-    dx, dwte_head, d_lnf = head_bwd(params, head_ctx, loss_scale, mesh)
-    dblocks = [None] * len(params.blocks)
-    for layer in reversed(range(len(params.blocks))):
-        dx, dblocks[layer] = block_bwd(params.blocks[layer], ctxs[layer], dx, cfg, mesh)
-    dwte_emb, dwpe = embed_bwd(params, emb_ctx, dx)
-    dwte_emb += dwte_head
-    grads = GPT(wte=dwte_emb, wpe=dwpe, blocks=tuple(dblocks), ln_f=d_lnf)
-    return float(loss.sum()) * loss_scale, grads
+    units = ResidentParams(params)
+    loss = run_backward(units, idx, targets, cfg, mesh, loss_scale, drop)
+    return loss, units.grad_tree()
 
 
-def forward_loss(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> np.ndarray:
+def forward_loss(params: GPT | ParamUnits, idx: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> np.ndarray:
     """Per-token losses [B*T], forward only (evaluation)."""
-    x, _ = embed_fwd(params, idx, cfg, mesh)
-    for layer, bp in enumerate(params.blocks):
-        x, _ = block_fwd(bp, x, cfg, mesh, layer)
-    loss, _ = head_fwd(params, x, targets, cfg, mesh)
+    units = ResidentParams(params) if isinstance(params, GPT) else params
+    outer = units.get("outer")
+    x, _ = embed_fwd(outer, idx, cfg, mesh)
+    for layer in range(cfg.n_layer):
+        x, _ = block_fwd(units.get(f"blocks.{layer}"), x, cfg, mesh, layer)
+        units.release(f"blocks.{layer}")
+    loss, _ = head_fwd(outer, x, targets, cfg, mesh)
+    units.release("outer")
     return loss
 
 

@@ -6,12 +6,18 @@ import math
 
 import numpy as np
 
-from numesh.mesh import Mesh, psum, replicated_axes
+from numesh.mesh import Mesh, P, psum, replicated_axes
 from numesh.tree import Tree, tree_leaves
 
 # Axes whose ranks hold different parameters (or different slices of them). Over dp the
 # synchronised gradients are identical copies, so dp never enters the norm.
 _MODEL_AXES = ("pp", "tp")
+
+
+def counted_once(spec: P, mesh: Mesh) -> bool:
+    """Whether this rank's copy of a leaf enters the norm: one copy over each model axis
+    the leaf is replicated on."""
+    return all(mesh.index(a) == 0 for a in replicated_axes(spec, mesh) if a in _MODEL_AXES)
 
 
 def global_norm(grads: Tree, specs: Tree, mesh: Mesh) -> float:
@@ -20,8 +26,7 @@ def global_norm(grads: Tree, specs: Tree, mesh: Mesh) -> float:
     axes = tuple(a for a in _MODEL_AXES if mesh.shape[a] > 1)
     total = 0.0
     for g, spec in zip(tree_leaves(grads), tree_leaves(specs)):
-        owner = all(mesh.index(a) == 0 for a in replicated_axes(spec, mesh) if a in axes)
-        if owner:
+        if counted_once(spec, mesh):
             flat = g.reshape(-1)
             total += float(np.dot(flat, flat))
     if axes:

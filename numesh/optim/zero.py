@@ -1,0 +1,329 @@
+"""Data-parallel gradient sync and ZeRO stages 0-3 on flat, per-unit buffers.
+
+The parameters of each unit (a transformer block, or the "outer" embedding/final-norm
+group) form one contiguous stretch of a flat buffer, padded to a multiple of dp; dp rank
+r owns the r-th 1/dp of every unit. Units sit in the order backward finishes them, so
+a bucket of ready units is a contiguous range and its reduction starts during backward.
+
+| stage | parameters | gradients | AdamW moments | gradient collective |
+|---|---|---|---|---|
+| 0 | full | full | full | all-reduce (bucketed) |
+| 1 | full | full | 1/dp | reduce-scatter, then all-gather of updated params |
+| 2 | full | 1/dp | 1/dp | reduce-scatter, then all-gather of updated params |
+| 3 | 1/dp | 1/dp | 1/dp | reduce-scatter; params all-gathered per unit for forward and again for backward |
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import numpy as np
+
+from numesh.mesh import Handle, Mesh, all_gather_inplace, ipsum, ipsum_scatter, pmax, psum
+from numesh.optim.clip import counted_once
+from numesh.nn.gpt import GPT, unit_names
+from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
+from numesh.tree import flatten, tree_leaves, tree_map, unflatten
+
+
+class ReplicaError(RuntimeError):
+    """Copies of a parameter that should be identical differ between ranks."""
+
+
+@attrs.frozen
+class Unit:
+    name: str
+    template: Any  # tree of local shapes (arrays) used to rebuild views
+    start: int  # offset in the full flat buffer
+    size: int  # real elements
+    padded: int  # size rounded up to a multiple of dp
+    shard_start: int  # offset of this unit's shard in the shard buffers
+
+    def shard_size(self, dp: int) -> int:
+        return self.padded // dp
+
+
+def split_units(params: GPT) -> dict[str, Any]:
+    """The parameter tree as units: "blocks.i" -> Block, "outer" -> GPT without blocks."""
+    out: dict[str, Any] = {f"blocks.{i}": b for i, b in enumerate(params.blocks)}
+    out["outer"] = attrs.evolve(params, blocks=())
+    return out
+
+
+def join_units(units: dict[str, Any]) -> GPT:
+    n = sum(1 for k in units if k.startswith("blocks."))
+    return attrs.evolve(units["outer"], blocks=tuple(units[f"blocks.{i}"] for i in range(n)))
+
+
+class ZeroOptimizer:
+    """Holds this rank's parameters, gradients and AdamW state for a ZeRO `stage` over dp,
+    and serves them to the model loop (it is a `ParamUnits`)."""
+
+    def __init__(
+        self,
+        params: GPT,
+        specs: GPT,
+        mesh: Mesh,
+        stage: int = 0,
+        adamw: AdamWConfig = AdamWConfig(),
+        bucket_bytes: int = 1 << 20,
+        overlap: bool = True,
+    ):
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+        self.mesh, self.stage, self.adamw = mesh, stage, adamw
+        self.bucket_bytes, self.overlap = bucket_bytes, overlap
+        self.dp, self.r = mesh.size("dp"), mesh.index("dp")
+        self.n_layer = len(params.blocks)
+        dtype = params.wpe.dtype
+        trees = split_units(params)
+        spec_units = split_units(specs)
+        self.units: dict[str, Unit] = {}
+        start = shard_start = 0
+        for name in unit_names(self.n_layer):
+            size = sum(x.size for x in tree_leaves(trees[name]))
+            padded = -(-size // self.dp) * self.dp
+            self.units[name] = Unit(name, trees[name], start, size, padded, shard_start)
+            start += padded
+            shard_start += padded // self.dp
+        self.total, self.shard_total = start, shard_start
+        full_init = np.zeros(self.total, dtype=dtype)
+        for name, u in self.units.items():
+            flatten(trees[name], out=full_init[u.start : u.start + u.size])
+        # flat 0/1 weights in the full layout: weight decay, and "this rank counts it" for the norm
+        decay = np.zeros(self.total, dtype=dtype)
+        counted = np.zeros(self.total, dtype=dtype)
+        for name, u in self.units.items():
+            d_tree = tree_map(lambda x: np.full(x.shape, float(x.ndim >= 2)), trees[name])
+            c_tree = tree_map(lambda x, s: np.full(x.shape, float(counted_once(s, mesh))), trees[name], spec_units[name])
+            flatten(d_tree, out=decay[u.start : u.start + u.size])
+            flatten(c_tree, out=counted[u.start : u.start + u.size])
+        self.specs = specs
+        if stage < 3:
+            self.flat = full_init
+            self.views = {name: unflatten(self.flat[u.start : u.start + u.size], u.template) for name, u in self.units.items()}
+        else:
+            self.param_shard = self._take_shard(full_init)
+            self.gathered: dict[str, Any] = {}
+        self.grad_full = np.zeros(self.total, dtype=dtype) if stage <= 1 else None
+        self.grad_shard = np.zeros(self.shard_total, dtype=dtype) if stage >= 1 else None
+        if stage == 0:
+            self.decay, self.counted = decay, counted
+            self.opt = AdamWState(np.zeros(self.total, dtype), np.zeros(self.total, dtype))
+        else:
+            self.decay, self.counted = self._take_shard(decay), self._take_shard(counted)
+            self.opt = AdamWState(np.zeros(self.shard_total, dtype), np.zeros(self.shard_total, dtype))
+        self.scratch = np.empty_like(self.opt.m)
+        self.pending: list[tuple[Handle, Any]] = []
+        self.bucket: list[Unit] = []
+        self.micro, self.last_micro = 0, True
+
+    # ------------------------------------------------------------------ layout helpers
+
+    def _mine(self, u: Unit) -> slice:
+        """This rank's shard of unit `u` in the full layout."""
+        s = u.shard_size(self.dp)
+        return slice(u.start + self.r * s, u.start + (self.r + 1) * s)
+
+    def _shard_slice(self, u: Unit) -> slice:
+        return slice(u.shard_start, u.shard_start + u.shard_size(self.dp))
+
+    def _take_shard(self, full: np.ndarray) -> np.ndarray:
+        out = np.empty(self.shard_total, dtype=full.dtype)
+        for u in self.units.values():
+            out[self._shard_slice(u)] = full[self._mine(u)]
+        return out
+
+    # ------------------------------------------------------------------ ParamUnits
+
+    def get(self, unit: str) -> Any:
+        if self.stage < 3:
+            return self.views[unit]
+        if unit not in self.gathered:
+            u = self.units[unit]
+            buf = np.empty(u.padded, dtype=self.param_shard.dtype)
+            s = u.shard_size(self.dp)
+            buf[self.r * s : (self.r + 1) * s] = self.param_shard[self._shard_slice(u)]
+            all_gather_inplace(buf, self.mesh, "dp")
+            self.gathered[unit] = unflatten(buf[: u.size], u.template)
+        return self.gathered[unit]
+
+    def release(self, unit: str) -> None:
+        if self.stage == 3:
+            self.gathered.pop(unit, None)
+
+    def grads_ready(self, unit: str, grads: Any) -> None:
+        u = self.units[unit]
+        if self.stage <= 1:
+            view = self.grad_full[u.start : u.start + u.size]
+            if self.micro == 0:
+                flatten(grads, out=view)
+            else:
+                view += flatten(grads, dtype=view.dtype)
+            if self.last_micro:
+                if self.stage == 0:
+                    self._bucket_add(u)
+                else:
+                    self._launch_scatter(u, self.grad_full[u.start : u.start + u.padded])
+        else:
+            buf = np.zeros(u.padded, dtype=self.grad_shard.dtype)
+            flatten(grads, out=buf[: u.size])
+            self._launch_scatter(u, buf)
+
+    # ------------------------------------------------------------------ gradient sync
+
+    def _bucket_add(self, u: Unit) -> None:
+        self.bucket.append(u)
+        nbytes = sum(b.padded for b in self.bucket) * self.grad_full.itemsize
+        if nbytes >= self.bucket_bytes or u.name == "outer":
+            first = self.bucket[0]
+            span = self.grad_full[first.start : u.start + u.padded]
+            self.pending.append((ipsum(span, self.mesh, "dp"), None))
+            self.bucket = []
+            if not self.overlap:
+                self.wait()
+
+    def _launch_scatter(self, u: Unit, buf: np.ndarray) -> None:
+        self.pending.append((ipsum_scatter(buf, self.mesh, "dp"), u))
+        if not self.overlap:
+            self.wait()
+
+    def wait(self) -> None:
+        """Complete every gradient collective in flight."""
+        for handle, u in self.pending:
+            result = handle.wait()
+            if u is None:
+                continue
+            if self.stage == 1:  # the reduced shard goes back into its place in the full buffer
+                self.grad_full[self._mine(u)] = result
+            elif self.micro == 0:
+                self.grad_shard[self._shard_slice(u)] = result
+            else:
+                self.grad_shard[self._shard_slice(u)] += result
+        self.pending = []
+
+    def begin_micro(self, index: int, count: int) -> None:
+        """Called before each micro-batch's backward."""
+        self.wait()  # bounds the transient buffers of stages 2/3 to one micro-batch
+        self.micro, self.last_micro = index, index == count - 1
+
+    # ------------------------------------------------------------------ the step
+
+    def _grad_views(self) -> list[tuple[np.ndarray, slice, slice]]:
+        """(gradient, where it sits in the full layout, where it sits in the moments) per unit."""
+        out = []
+        for u in self.units.values():
+            if self.stage == 0:
+                span = slice(u.start, u.start + u.padded)
+                out.append((self.grad_full[span], span, span))
+            elif self.stage == 1:
+                out.append((self.grad_full[self._mine(u)], self._mine(u), self._shard_slice(u)))
+            else:
+                out.append((self.grad_shard[self._shard_slice(u)], self._mine(u), self._shard_slice(u)))
+        return out
+
+    def global_norm(self) -> float:
+        """Norm of the whole model's gradient: each value counted once across the mesh."""
+        self.wait()
+        total = 0.0
+        for g, _, opt_slice in self._grad_views():
+            w = self.counted[opt_slice]
+            total += float(np.dot(g * w, g))
+        axes = [a for a in ("pp", "tp") if self.mesh.shape[a] > 1]
+        if self.stage >= 1 and self.dp > 1:
+            axes.append("dp")
+        if axes:
+            total = float(psum(np.array([total]), self.mesh, tuple(axes))[0])
+        return math.sqrt(total)
+
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """AdamW on this rank's part of the state, then share updated parameters if sharded."""
+        self.wait()
+        t = self.opt.step
+        for g, full_slice, opt_slice in self._grad_views():
+            if grad_scale != 1.0:
+                g *= grad_scale
+            if self.stage == 3:
+                p = self.param_shard[opt_slice]
+            else:
+                p = self.flat[full_slice]
+            state = AdamWState(self.opt.m[opt_slice], self.opt.v[opt_slice], t)
+            adamw_step(p, g, state, lr, self.adamw, self.decay[opt_slice], self.scratch[opt_slice])
+        self.opt.step = t + 1
+        if self.stage in (1, 2):
+            for u in self.units.values():
+                all_gather_inplace(self.flat[u.start : u.start + u.padded], self.mesh, "dp")
+
+    # ------------------------------------------------------------------ inspection
+
+    def local_params(self) -> GPT:
+        """This rank's tp/pp-local parameter tree (gathered over dp for stage 3)."""
+        if self.stage < 3:
+            return join_units(self.views)
+        trees = {}
+        for name in self.units:
+            trees[name] = tree_map(np.copy, self.get(name))
+            self.release(name)
+        return join_units(trees)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds between steps for parameters, gradients and optimiser state."""
+        params = self.flat.nbytes if self.stage < 3 else self.param_shard.nbytes
+        grads = self.grad_full.nbytes if self.grad_full is not None else self.grad_shard.nbytes
+        return {"params": params, "grads": grads, "optimizer": self.opt.m.nbytes + self.opt.v.nbytes}
+
+    def check_replicas(self) -> None:
+        """Raise ReplicaError if copies that must be identical differ (over dp, and over tp
+        for tp-replicated leaves). Cheap: two checksums per unit, one all-reduce."""
+        sums = []
+        for name, u in self.units.items():
+            x = self.flat[u.start : u.start + u.size] if self.stage < 3 else self.param_shard[self._shard_slice(u)]
+            sums.append(_checksums(x))
+        local = np.concatenate(sums)
+        axes = ["dp"] if self.stage < 3 else []
+        self._compare(local, axes, list(self.units))
+        # tp-replicated leaves must also agree across tp
+        if self.mesh.shape["tp"] > 1:
+            leaves = []
+            for name in self.units:
+                tree = self.get(name)
+                spec_tree = split_units(self.specs)[name]
+                leaves += [
+                    _checksums(x.reshape(-1))
+                    for x, s in zip(tree_leaves(tree), tree_leaves(spec_tree))
+                    if "tp" not in s.axes()
+                ]
+                self.release(name)
+            if leaves:
+                self._compare(np.concatenate(leaves), ["tp"], ["tp-replicated leaves"])
+
+    def _compare(self, local: np.ndarray, axes: list[str], names: list[str]) -> None:
+        if not axes or self.mesh.size(tuple(axes)) == 1:
+            return
+        both = np.concatenate([local, -local])
+        hi = pmax(both, self.mesh, tuple(axes))
+        n = local.size
+        bad = np.nonzero(hi[:n] != -hi[n:])[0]
+        if bad.size:
+            which = names[min(bad[0] // 2, len(names) - 1)]
+            raise ReplicaError(f"replicas differ over {'x'.join(axes)} in {which}: a rank has diverged")
+
+
+def _checksums(x: np.ndarray) -> np.ndarray:
+    """Sum and a position-weighted sum, in float64, so a permutation also shows."""
+    x = x.astype(np.float64, copy=False)
+    return np.array([x.sum(), np.dot(x, np.arange(1, x.size + 1, dtype=np.float64) % 97.0)])
+
+
+def memory_formula(psi: int, dp: int, stage: int, itemsize: int = 4) -> dict[str, float]:
+    """The ZeRO paper's bytes per rank for single-precision AdamW over Ψ parameters:
+    params 4Ψ, grads 4Ψ, moments 8Ψ, each divided by N = dp where the stage shards it."""
+    k = itemsize
+    return {
+        "params": k * psi / (dp if stage >= 3 else 1),
+        "grads": k * psi / (dp if stage >= 2 else 1),
+        "optimizer": 2 * k * psi / (dp if stage >= 1 else 1),
+    }
+
