@@ -89,10 +89,10 @@ def train_cmd(**options: Any) -> None:
     """Train a GPT on a prepared dataset (run under mpirun for a multi-rank --mesh)."""
 
     def go() -> None:
-        from numesh.runtime import log, set_blas_threads
+        from numesh.runtime import configure_process, log
         from numesh.train import config_from, train
 
-        set_blas_threads()
+        configure_process()
         cfg = config_from({k: v for k, v in options.items() if k != "config"}, options.get("config"))
         with _Progress(cfg.max_iters) as progress:
             result = train(cfg, on_step=progress.update)
@@ -167,10 +167,10 @@ def sample_cmd(
     """Generate text from a checkpoint: prints the prompt and its continuation on stdout."""
 
     def go() -> None:
-        from numesh.runtime import is_root, set_blas_threads
+        from numesh.runtime import configure_process, is_root
         from numesh.sample import SampleConfig, sample
 
-        set_blas_threads()
+        configure_process()
         cfg = SampleConfig(str(ckpt), prompt, max_new_tokens, temperature, top_k or None, seed, num_samples, mesh, kv_cache)
         texts = sample(cfg)
         if is_root():

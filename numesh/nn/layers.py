@@ -123,21 +123,19 @@ def causal_attention_fwd(
 ) -> tuple[np.ndarray, tuple]:
     """Causal softmax attention over [B, H, T, hs] tensors; `drop_mask` (already scaled) applies to the weights."""
     T, hs = q.shape[-2], q.shape[-1]
-    scale = 1.0 / math.sqrt(hs)
-    att = q @ k.swapaxes(-1, -2)
-    att *= scale
+    qs = q * (1.0 / math.sqrt(hs))  # scaling q costs T·hs, scaling the scores T·T
+    att = qs @ k.swapaxes(-1, -2)
     att += _causal_bias(T, att.dtype)
     att -= att.max(axis=-1, keepdims=True)
     np.exp(att, out=att)
-    att /= att.sum(axis=-1, keepdims=True)
+    att *= 1.0 / att.sum(axis=-1, keepdims=True)
     p = att if drop_mask is None else att * drop_mask
     y = p @ v
-    return y, (q, k, v, att, drop_mask)
+    return y, (qs, k, v, att, drop_mask)
 
 
 def causal_attention_bwd(ctx: tuple, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    q, k, v, att, drop_mask = ctx
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    qs, k, v, att, drop_mask = ctx
     p = att if drop_mask is None else att * drop_mask
     dv = p.swapaxes(-1, -2) @ dy
     datt = dy @ v.swapaxes(-1, -2)
@@ -146,9 +144,9 @@ def causal_attention_bwd(ctx: tuple, dy: np.ndarray) -> tuple[np.ndarray, np.nda
     # softmax backward: ds = a * (da - sum(da * a))
     datt -= np.einsum("...ij,...ij->...i", datt, att)[..., None]
     datt *= att
-    datt *= scale
     dq = datt @ k
-    dk = datt.swapaxes(-1, -2) @ q
+    dq *= 1.0 / math.sqrt(qs.shape[-1])
+    dk = datt.swapaxes(-1, -2) @ qs
     return dq, dk, dv
 
 

@@ -268,6 +268,41 @@ class ZeroOptimizer:
             self.release(name)
         return join_units(trees)
 
+    def _full_layout(self, flat_or_shard: np.ndarray, sharded: bool) -> np.ndarray:
+        """A full-layout copy of a buffer, gathered over dp when it is sharded."""
+        if not sharded:
+            return flat_or_shard.copy()
+        full = np.zeros(self.total, dtype=flat_or_shard.dtype)
+        for u in self.units.values():
+            full[self._mine(u)] = flat_or_shard[self._shard_slice(u)]
+            all_gather_inplace(full[u.start : u.start + u.padded], self.mesh, "dp")
+        return full
+
+    def _trees(self, full: np.ndarray) -> GPT:
+        return join_units({n: unflatten(full[u.start : u.start + u.size], u.template) for n, u in self.units.items()})
+
+    def state_trees(self) -> dict[str, GPT]:
+        """Parameters and both AdamW moments as trees of this rank's tp-local leaves,
+        whole over dp (a collective over dp when the stage shards them)."""
+        params = self.flat if self.stage < 3 else self.param_shard
+        return {
+            "params": self._trees(self._full_layout(params, self.stage == 3)),
+            "m": self._trees(self._full_layout(self.opt.m, self.stage >= 1)),
+            "v": self._trees(self._full_layout(self.opt.v, self.stage >= 1)),
+        }
+
+    def load_state_trees(self, trees: dict[str, GPT], step: int) -> None:
+        """Set parameters, moments and step count from tp-local trees (as `state_trees` gives)."""
+        for key in ("params", "m", "v"):
+            full = np.zeros(self.total, dtype=self.opt.m.dtype)
+            units = split_units(trees[key])
+            for name, u in self.units.items():
+                flatten(units[name], out=full[u.start : u.start + u.size])
+            sharded = self.stage == 3 if key == "params" else self.stage >= 1
+            target = {"params": self.flat if self.stage < 3 else self.param_shard, "m": self.opt.m, "v": self.opt.v}[key]
+            target[...] = self._take_shard(full) if sharded else full
+        self.opt.step = step
+
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds between steps for parameters, gradients and optimiser state."""
         params = self.flat.nbytes if self.stage < 3 else self.param_shard.nbytes

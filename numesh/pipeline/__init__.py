@@ -1,1 +1,41 @@
-"""Pipeline schedules and their executor (not yet implemented)."""
+"""Pipeline parallelism: schedules as plain data (``schedules``) and their executor."""
+
+from numesh.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    B,
+    F,
+    Schedule,
+    ScheduleError,
+    Timeline,
+    W,
+    bubble_fraction,
+    gpipe,
+    interleaved,
+    make_schedule,
+    one_f_one_b,
+    peak_activations,
+    simulate,
+    validate,
+    zb_h1,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "B",
+    "F",
+    "Schedule",
+    "ScheduleError",
+    "Timeline",
+    "W",
+    "bubble_fraction",
+    "gpipe",
+    "interleaved",
+    "make_schedule",
+    "one_f_one_b",
+    "peak_activations",
+    "simulate",
+    "validate",
+    "zb_h1",
+]
