@@ -110,7 +110,11 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
             if name not in fields:
                 raise ConfigError(f"unknown config key '{key}' in {path}: the keys are {', '.join(fields)}")
             values[name] = value
-    values.update({k: v for k, v in overrides.items() if v is not None})
+    for key, value in overrides.items():
+        if key not in fields:
+            raise ConfigError(f"unknown config key '{key}': the keys are {', '.join(fields)}")
+        if value is not None:
+            values[key] = value
     for name, value in values.items():
         want = fields[name].type
         want = {"int": int, "float": float, "bool": bool, "str": str}.get(want, want) if isinstance(want, str) else want
@@ -212,12 +216,12 @@ class Trainer:
         scale = 1.0 / self.tokens_per_step
         rows = c.batch_size // (mesh.size("dp") * c.micro_batches)
         loss = 0.0
+        self.opt.begin_step(len(micro))
         for m, (x, y) in enumerate(micro):
             drop = None
             if c.dropout > 0.0:
                 row0 = mesh.index("dp") * rows * c.micro_batches + m * rows
                 drop = DropoutKey(c.dropout, c.seed, self.step, row0, c.batch_size)
-            self.opt.begin_micro(m, len(micro))
             loss += run_backward(self.opt, x, y, self.model, mesh, scale, drop)
         loss = float(psum(np.array([loss]), mesh, "dp")[0])
         norm = self.opt.global_norm()

@@ -47,7 +47,7 @@ def tree_map_with_path(f: Callable[..., Any], tree: Tree, *rest: Tree, path: str
     kids = _children(tree)
     rest_kids = [_children(r) for r in rest]
     for r, rk in zip(rest, rest_kids):
-        if type(r) is not type(tree) or len(rk) != len(kids):
+        if type(r) is not type(tree) or [n for n, _ in rk] != [n for n, _ in kids]:
             raise ValueError(f"tree structures differ at '{path}': {type(tree).__name__} vs {type(r).__name__}")
     out = []
     for i, (name, child) in enumerate(kids):
@@ -78,11 +78,11 @@ def tree_leaves(tree: Tree) -> list[Any]:
 
 def tree_unflatten_leaves(tree: Tree, leaves: list[Any]) -> Tree:
     """A tree shaped like `tree` whose leaves are `leaves`, in `tree_leaves` order."""
+    n = len(tree_leaves(tree))
+    if len(leaves) != n:
+        raise ValueError(f"the tree has {n} leaves, got {len(leaves)}")
     it = iter(leaves)
-    out = tree_map(lambda _x: next(it), tree)
-    if next(it, None) is not None:
-        raise ValueError("more leaves than the tree has places")
-    return out
+    return tree_map(lambda _x: next(it), tree)
 
 
 def flatten(tree: Tree, out: np.ndarray | None = None, dtype: Any = None) -> np.ndarray:

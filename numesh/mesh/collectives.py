@@ -45,7 +45,7 @@ def psum(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = No
     if inplace:
         mesh.comm(axes).Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
         return x
-    out = np.empty_like(x) if out is None else out
+    out = np.empty(x.shape, x.dtype) if out is None else out
     mesh.comm(axes).Allreduce(_contig(x), out, op=MPI.SUM)
     return out
 
@@ -55,7 +55,7 @@ def pmax(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = No
     if mesh.size(axes) == 1:
         return x
     _count(mesh, axes, "all_reduce", x.nbytes)
-    out = np.empty_like(x) if out is None else out
+    out = np.empty(x.shape, x.dtype) if out is None else out
     mesh.comm(axes).Allreduce(_contig(x), out, op=MPI.MAX)
     return out
 

@@ -71,7 +71,7 @@ def local_slices(global_shape: Sequence[int], spec: P, mesh: Mesh) -> tuple[slic
 
 def shard(x: np.ndarray, spec: P, mesh: Mesh) -> np.ndarray:
     """This rank's (contiguous, owned) slice of the global array `x`."""
-    return np.ascontiguousarray(x[local_slices(x.shape, spec, mesh)])
+    return np.array(x[local_slices(x.shape, spec, mesh)], order="C", copy=True)
 
 
 def unshard(x: np.ndarray, spec: P, mesh: Mesh) -> np.ndarray:

@@ -242,25 +242,20 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int, d
     return x, (ln1_ctx, h1, att_ctx, a, ln2_ctx, h2, gelu_ctx, g, drop, layer)
 
 
-def block_bwd(p: Block, ctx: tuple, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, Block]:
-    """Backward of `block_fwd`: (grad of its input, grads of its parameters)."""
+def block_bwd_input(p: Block, ctx: tuple, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, tuple]:
+    """Input-gradient half of the block's backward (a zero-bubble "B"): (grad of the input,
+    what `block_bwd_weight` needs). LayerNorm and bias grads are cheap and done here."""
     ln1_ctx, h1, att_ctx, a, ln2_ctx, h2, gelu_ctx, g, drop, layer = ctx
     B, T, C = dx.shape
     nh, hs, _ = _heads(cfg, mesh)
     # MLP half
     dz = dx if drop is None else dx * drop.mask(3 + 3 * layer, B, (T, C)).astype(dx.dtype)
-    d_mlp_proj = linear_bwd_weight(Linear(p.mlp.proj.w), g, dz)
-    d_mlp_proj_b = None if p.mlp.proj.b is None else dz.reshape(-1, C).sum(axis=0)
-    dg = linear_bwd_input(p.mlp.proj, dz)
-    du = gelu_bwd(gelu_ctx, dg)
-    d_fc = linear_bwd_weight(p.mlp.fc, h2, du)
+    du = gelu_bwd(gelu_ctx, linear_bwd_input(p.mlp.proj, dz))
     dh2 = copy_to_tp_bwd(linear_bwd_input(p.mlp.fc, du), mesh)
     dx2, d_ln2 = layernorm_bwd(p.ln2, ln2_ctx, dh2)
     dx = dx + dx2
     # attention half
     dy = dx if drop is None else dx * drop.mask(2 + 3 * layer, B, (T, C)).astype(dx.dtype)
-    d_attn_proj = linear_bwd_weight(Linear(p.attn.proj.w), a, dy)
-    d_attn_proj_b = None if p.attn.proj.b is None else dy.reshape(-1, C).sum(axis=0)
     da = linear_bwd_input(p.attn.proj, dy).reshape(B, T, nh, hs).transpose(0, 2, 1, 3)
     dq, dk, dv = causal_attention_bwd(att_ctx, da)
     dqkv = np.empty((B, T, 3, nh, hs), dtype=dx.dtype)
@@ -268,17 +263,34 @@ def block_bwd(p: Block, ctx: tuple, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) 
     dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
     dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
     dqkv = dqkv.reshape(B, T, 3 * nh * hs)
-    d_qkv = linear_bwd_weight(p.attn.qkv, h1, dqkv)
     dh1 = copy_to_tp_bwd(linear_bwd_input(p.attn.qkv, dqkv), mesh)
     dx1, d_ln1 = layernorm_bwd(p.ln1, ln1_ctx, dh1)
-    dx += dx1
-    grads = Block(
+    dx1 += dx  # not in place on dx: it may be `dy`, which the weight half still needs
+    return dx1, (d_ln1, d_ln2, (h1, dqkv), (a, dy), (h2, du), (g, dz))
+
+
+def block_bwd_weight(p: Block, wctx: tuple) -> Block:
+    """Weight-gradient half of the block's backward (a zero-bubble "W"): the Linear grads."""
+    d_ln1, d_ln2, qkv_io, attn_proj_io, fc_io, mlp_proj_io = wctx
+
+    def row_parallel(lin: Linear, io: tuple[np.ndarray, np.ndarray]) -> Linear:
+        # the bias is added after the tp reduction, so its grad is the full upstream grad
+        x, dy = io
+        dw = linear_bwd_weight(Linear(lin.w), x, dy).w
+        return Linear(dw, None if lin.b is None else dy.reshape(-1, dy.shape[-1]).sum(axis=0))
+
+    return Block(
         ln1=d_ln1,
-        attn=Attention(qkv=d_qkv, proj=Linear(d_attn_proj.w, d_attn_proj_b)),
+        attn=Attention(qkv=linear_bwd_weight(p.attn.qkv, *qkv_io), proj=row_parallel(p.attn.proj, attn_proj_io)),
         ln2=d_ln2,
-        mlp=MLP(fc=d_fc, proj=Linear(d_mlp_proj.w, d_mlp_proj_b)),
+        mlp=MLP(fc=linear_bwd_weight(p.mlp.fc, *fc_io), proj=row_parallel(p.mlp.proj, mlp_proj_io)),
     )
-    return dx, grads
+
+
+def block_bwd(p: Block, ctx: tuple, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, Block]:
+    """Backward of `block_fwd`: (grad of its input, grads of its parameters)."""
+    dx, wctx = block_bwd_input(p, ctx, dx, cfg, mesh)
+    return dx, block_bwd_weight(p, wctx)
 
 
 def embed_fwd(params: GPT, idx: np.ndarray, cfg: GPTConfig, mesh: Mesh, drop: DropoutKey | None = None, pos0: int = 0):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from numesh.tree import Tree, flatten, tree_map
+from numesh.tree import Tree, flatten, tree_map_with_path
 
 
 @attrs.frozen
@@ -35,9 +35,15 @@ def adamw_init(flat_params: np.ndarray) -> AdamWState:
     return AdamWState(np.zeros_like(flat_params), np.zeros_like(flat_params))
 
 
+def decays(path: str, x: np.ndarray) -> bool:
+    """Whether weight decay applies to a leaf: matrices and embeddings, not biases or norms
+    (nanoGPT's groups; a qkv bias is stored [3, C] but is still a bias)."""
+    return np.ndim(x) >= 2 and not path.endswith(".b")
+
+
 def decay_mask(params: Tree, dtype=np.float64) -> np.ndarray:
-    """1 where weight decay applies (matrices and embeddings, as in nanoGPT's groups), else 0."""
-    return flatten(tree_map(lambda x: np.full(np.shape(x), float(np.ndim(x) >= 2)), params), dtype=dtype)
+    """1 where weight decay applies, else 0, in `flatten` order."""
+    return flatten(tree_map_with_path(lambda p, x: np.full(np.shape(x), float(decays(p, x))), params), dtype=dtype)
 
 
 def adamw_step(

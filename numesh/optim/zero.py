@@ -24,8 +24,8 @@ import numpy as np
 from numesh.mesh import Handle, Mesh, all_gather_inplace, ipsum, ipsum_scatter, pmax, psum
 from numesh.optim.clip import counted_once
 from numesh.nn.gpt import GPT, unit_names
-from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
-from numesh.tree import flatten, tree_leaves, tree_map, unflatten
+from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step, decays
+from numesh.tree import flatten, tree_leaves, tree_map, tree_map_with_path, unflatten
 
 
 class ReplicaError(RuntimeError):
@@ -70,7 +70,10 @@ class ZeroOptimizer:
         adamw: AdamWConfig = AdamWConfig(),
         bucket_bytes: int = 1 << 20,
         overlap: bool = True,
+        uncounted: tuple[str, ...] = (),
     ):
+        """`uncounted`: unit-relative leaf paths (e.g. "outer.wte" on the last pipeline
+        stage, whose tied copy is counted on the first) left out of the gradient norm."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         self.mesh, self.stage, self.adamw = mesh, stage, adamw
@@ -89,6 +92,7 @@ class ZeroOptimizer:
             start += padded
             shard_start += padded // self.dp
         self.total, self.shard_total = start, shard_start
+        self.last_unit = list(self.units)[-1]
         full_init = np.zeros(self.total, dtype=dtype)
         for name, u in self.units.items():
             flatten(trees[name], out=full_init[u.start : u.start + u.size])
@@ -96,8 +100,11 @@ class ZeroOptimizer:
         decay = np.zeros(self.total, dtype=dtype)
         counted = np.zeros(self.total, dtype=dtype)
         for name, u in self.units.items():
-            d_tree = tree_map(lambda x: np.full(x.shape, float(x.ndim >= 2)), trees[name])
-            c_tree = tree_map(lambda x, s: np.full(x.shape, float(counted_once(s, mesh))), trees[name], spec_units[name])
+            d_tree = tree_map_with_path(lambda p, x: np.full(x.shape, float(decays(p, x))), trees[name])
+            c_tree = tree_map_with_path(
+                lambda path, x, s, unit=name: np.full(x.shape, float(counted_once(s, mesh) and f"{unit}.{path}" not in uncounted)),
+                trees[name], spec_units[name],
+            )
             flatten(d_tree, out=decay[u.start : u.start + u.size])
             flatten(c_tree, out=counted[u.start : u.start + u.size])
         self.specs = specs
@@ -118,7 +125,7 @@ class ZeroOptimizer:
         self.scratch = np.empty_like(self.opt.m)
         self.pending: list[tuple[Handle, Any]] = []
         self.bucket: list[Unit] = []
-        self.micro, self.last_micro = 0, True
+        self.begin_step(1)
 
     # ------------------------------------------------------------------ layout helpers
 
@@ -155,19 +162,25 @@ class ZeroOptimizer:
             self.gathered.pop(unit, None)
 
     def grads_ready(self, unit: str, grads: Any) -> None:
+        """Accumulate one micro-batch's gradient of `unit`; reduce once all have arrived
+        (stages 0/1), or reduce-scatter each one into the shard (stages 2/3)."""
         u = self.units[unit]
+        first = self.received[unit] == 0
+        self.received[unit] += 1
         if self.stage <= 1:
             view = self.grad_full[u.start : u.start + u.size]
-            if self.micro == 0:
+            if first:
                 flatten(grads, out=view)
             else:
                 view += flatten(grads, dtype=view.dtype)
-            if self.last_micro:
+            if self.received[unit] == self.n_micro:
                 if self.stage == 0:
                     self._bucket_add(u)
                 else:
                     self._launch_scatter(u, self.grad_full[u.start : u.start + u.padded])
         else:
+            if not first:
+                self.wait()  # at most one micro-batch of transient gradient buffers in flight
             buf = np.zeros(u.padded, dtype=self.grad_shard.dtype)
             flatten(grads, out=buf[: u.size])
             self._launch_scatter(u, buf)
@@ -177,7 +190,7 @@ class ZeroOptimizer:
     def _bucket_add(self, u: Unit) -> None:
         self.bucket.append(u)
         nbytes = sum(b.padded for b in self.bucket) * self.grad_full.itemsize
-        if nbytes >= self.bucket_bytes or u.name == "outer":
+        if nbytes >= self.bucket_bytes or u.name == self.last_unit:
             first = self.bucket[0]
             span = self.grad_full[first.start : u.start + u.padded]
             self.pending.append((ipsum(span, self.mesh, "dp"), None))
@@ -198,16 +211,19 @@ class ZeroOptimizer:
                 continue
             if self.stage == 1:  # the reduced shard goes back into its place in the full buffer
                 self.grad_full[self._mine(u)] = result
-            elif self.micro == 0:
+            elif self.reduced[u.name] == 0:
                 self.grad_shard[self._shard_slice(u)] = result
             else:
                 self.grad_shard[self._shard_slice(u)] += result
+            self.reduced[u.name] += 1
         self.pending = []
 
-    def begin_micro(self, index: int, count: int) -> None:
-        """Called before each micro-batch's backward."""
-        self.wait()  # bounds the transient buffers of stages 2/3 to one micro-batch
-        self.micro, self.last_micro = index, index == count - 1
+    def begin_step(self, n_micro: int) -> None:
+        """Start a step whose every unit will receive `n_micro` micro-batch gradients."""
+        self.wait()
+        self.n_micro = n_micro
+        self.received = dict.fromkeys(self.units, 0)
+        self.reduced = dict.fromkeys(self.units, 0)
 
     # ------------------------------------------------------------------ the step
 

@@ -1,0 +1,112 @@
+"""Throughput of parallel meshes against one rank, in the same run.
+
+    mpirun -n 2 python benchmarks/bench_parallel.py --meshes tp=2 dp=2 --preset default
+
+Every rank gets one BLAS thread. The reference is the 1x1x1 mesh on rank 0 alone with
+the same thread count (the other ranks wait), timed in the same job. For dp meshes the
+batch is weak-scaled (batch × dp), so efficiency = tokens/s(mesh) / (ranks × tokens/s(1)).
+For tp meshes the batch is the same (strong scaling): speed-up = tokens/s(mesh) / tokens/s(1).
+It also prints bytes moved per step per axis (bus bytes, as NCCL-tests count them) and
+the bytes each rank holds for parameters, gradients and optimiser state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from mpi4py import MPI
+
+from numesh import data as D
+from numesh.mesh import parse_mesh
+from numesh.runtime import configure_process
+from numesh.train import Trainer, config_from
+
+PRESETS = {
+    "default": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12),
+    "baby": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=12),
+}
+
+
+def ensure_data(path: str | None, src: str, comm: MPI.Comm) -> str:
+    if path and (Path(path) / "meta.json").is_file():
+        return path
+    out = None
+    if comm.rank == 0:
+        out = tempfile.mkdtemp(prefix="numesh-bench-")
+        D.prepare_char_dataset(D.read_source(src), out)
+    return comm.bcast(out, root=0)
+
+
+def time_steps(overrides: dict, comm: MPI.Comm, warmup: int, iters: int) -> dict:
+    trainer = Trainer(config_from(overrides), comm)
+    for _ in range(warmup):
+        trainer.train_step()
+    trainer.mesh.counter.reset()
+    times = []
+    for _ in range(iters):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        trainer.train_step()
+        times.append(time.perf_counter() - t0)
+    ms = statistics.median(times) * 1e3
+    tokens = trainer.tokens_per_step
+    bus = {
+        "/".join(axes) + ":" + op: v / iters
+        for (axes, op), v in sorted(trainer.mesh.counter.bus.items())
+    }
+    return {"ms": ms, "tokens_per_s": tokens / ms * 1e3, "bus_bytes_per_step": bus, "memory": trainer.opt.memory()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--meshes", nargs="+", default=["tp=2", "dp=2"], help="meshes using every rank, e.g. tp=2 dp=2")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    ap.add_argument("--zero", type=int, default=0)
+    ap.add_argument("--no-overlap", action="store_true", help="also run each dp mesh with overlap off")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--src", default="../shared/data/tinyshakespeare.txt")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    world = MPI.COMM_WORLD
+    configure_process(threads=1)
+    data = ensure_data(args.data, args.src, world)
+    base = dict(PRESETS[args.preset], data=data, out=tempfile.gettempdir() + "/numesh-bench-run", zero=args.zero)
+
+    rows = []
+    ref = None
+    if world.rank == 0:
+        ref = time_steps(dict(base), MPI.COMM_SELF, args.warmup, args.iters)
+    ref = world.bcast(ref, root=0)
+    rows.append(("1x1x1 (1 rank)", ref, 1.0))
+    for mesh in args.meshes:
+        shape = parse_mesh(mesh, world.size)
+        overlaps = [True, False] if args.no_overlap and shape["dp"] > 1 else [True]
+        for overlap in overlaps:
+            cfg = dict(base, mesh=mesh, overlap=overlap, batch_size=base["batch_size"] * shape["dp"])
+            res = time_steps(cfg, world, args.warmup, args.iters)
+            eff = res["tokens_per_s"] / (ref["tokens_per_s"] * (world.size if shape["dp"] > 1 else 1))
+            rows.append((mesh + ("" if overlap else " (no overlap)"), res, eff))
+    if world.rank != 0:
+        return
+    if args.json:
+        print(json.dumps([{"mesh": m, **r, "efficiency": e} for m, r, e in rows], indent=2))
+        return
+    print(f"preset {args.preset}, {world.size} ranks x 1 BLAS thread, zero={args.zero}, median of {args.iters} steps")
+    print(f"{'mesh':<24}{'ms/step':>10}{'tokens/s':>12}{'vs 1 rank':>11}   bus bytes/step by axis")
+    for mesh, r, eff in rows:
+        bus = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in r["bus_bytes_per_step"].items()) or "-"
+        print(f"{mesh:<24}{r['ms']:>10.1f}{r['tokens_per_s']:>12,.0f}{eff:>10.2f}x   {bus}")
+    print("memory per rank (bytes): " + "; ".join(f"{m}: {r['memory']}" for m, r, _ in rows))
+    print("vs 1 rank: tp = speed-up at the same batch; dp = weak-scaling efficiency (batch x dp)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,508 @@
+#!/usr/bin/env python
+"""Training speed: numesh next to PyTorch eager on the same model, data and threads.
+
+    python benchmarks/bench_train.py --preset default            # nanoGPT's Shakespeare-char CPU quick start
+    python benchmarks/bench_train.py --preset baby --iters 20    # 6x6x384, block 256
+    python benchmarks/bench_train.py --no-torch --json
+
+Both sides train the same nanoGPT architecture (tied embedding / LM head, pre-LN blocks,
+GELU tanh, no biases, LayerNorm eps 1e-5), initialised the same way (N(0, 0.02), residual
+projections N(0, 0.02/sqrt(2 n_layer)), LayerNorm weights 1), with AdamW (weight decay
+only on >= 2-D parameters), global-norm clipping at 1.0 and numesh's cosine schedule, on
+the same batches (numesh's step-keyed random offsets into the same uint16 train.bin).
+
+What is timed, per iteration:
+  numesh  Trainer.train_step(): batch draw, forward, backward, grad flatten, clip, AdamW.
+  torch   batch draw, forward, backward, clip_grad_norm_, AdamW step, zero_grad, loss.item().
+The batch draw (the same numpy code on both sides) is timed separately too and reported.
+
+torch is not a dependency of numesh: it is imported only when the comparison runs.
+This is a benchmark script, not a test: it reports numbers and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_SRC = "/work/shared/data/tinyshakespeare.txt"
+TORCH_PIN = "torch==2.13.0"
+TORCH_WHEEL_DIR = "/opt/wheels"
+
+# Model and batch of each preset (the optimiser hyper-parameters are TrainConfig's defaults,
+# which are nanoGPT's Shakespeare-char ones: lr 1e-3, betas (0.9, 0.99), wd 0.1, clip 1.0).
+PRESETS: dict[str, dict[str, Any]] = {
+    # nanoGPT's "I only have a macbook" Shakespeare-char quick start
+    "default": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12),
+    # nanoGPT's train_shakespeare_char.py ("baby GPT")
+    "baby": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=12),
+}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------
+# set-up shared with profile_train.py
+
+
+def preset_config(preset: str, batch_size: int | None = None, block_size: int | None = None) -> dict[str, Any]:
+    cfg = dict(PRESETS[preset])
+    if batch_size is not None:
+        cfg["batch_size"] = batch_size
+    if block_size is not None:
+        cfg["block_size"] = block_size
+    return cfg
+
+
+@contextlib.contextmanager
+def dataset_dir(data: str | None, src: str):
+    """Yield a dataset directory: `data` if it holds a prepared dataset, else a temporary one
+    prepared from the text file `src` (removed afterwards)."""
+    if data is not None and (Path(data) / "meta.json").is_file():
+        yield str(data)
+        return
+    from numesh.data import prepare_char_dataset, read_source
+
+    if data is not None:
+        log(f"note: no dataset at {data}; preparing a temporary one from {src}")
+    with tempfile.TemporaryDirectory(prefix="numesh-bench-") as tmp:
+        info = prepare_char_dataset(read_source(src), tmp)
+        log(f"prepared {info['train_tokens']:,} train tokens (vocab {info['vocab_size']}) in {tmp}")
+        yield tmp
+
+
+def make_trainer(model_cfg: dict[str, Any], data: str, dtype: str = "float32", seed: int = 1337):
+    """A single-process numesh Trainer for this model on this dataset."""
+    from numesh.train import Trainer, config_from
+
+    cfg = config_from({**model_cfg, "data": data, "dtype": dtype, "seed": seed, "dropout": 0.0, "bias": False, "mesh": ""})
+    return Trainer(cfg)
+
+
+def blas_info() -> list[dict[str, Any]]:
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return []
+    keep = ("internal_api", "version", "num_threads", "threading_layer", "architecture", "filepath")
+    return [{k: d.get(k) for k in keep} for d in threadpool_info() if d.get("user_api") == "blas"]
+
+
+class CpuMonitor:
+    """CPU used by *other* processes (and hypervisor steal) while we measure, in cores: busy
+    time in /proc/stat minus this process's CPU time. On a small shared machine this says
+    whether a number is trustworthy (Linux only; n/a elsewhere)."""
+
+    def __init__(self):
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def _busy(self) -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+        except OSError:
+            return None
+        return (sum(v[:8]) - v[3] - v[4]) / self.hz  # user nice system irq softirq steal (guest is in user)
+
+    def __enter__(self):
+        t = os.times()
+        self._own, self._sys, self._busy0, self._wall = t.user + t.system, t.system, self._busy(), time.perf_counter()
+        self._faults = _minor_faults()
+        return self
+
+    def __exit__(self, *exc):
+        t = os.times()
+        busy = self._busy()
+        wall = time.perf_counter() - self._wall
+        own = t.user + t.system - self._own
+        self.other_cores = None if busy is None or wall <= 0 else max(0.0, (busy - self._busy0 - own) / wall)
+        self.own_cores = own / wall if wall > 0 else None
+        # kernel time of this process: mostly page faults on freshly allocated arrays
+        self.sys_share = (t.system - self._sys) / own if own > 0 else None
+        self.minor_faults = _minor_faults() - self._faults
+
+
+def _minor_faults() -> int:
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def tune_malloc() -> bool:
+    """Keep freed memory in glibc's heap (no munmap / trim), so that numpy's per-op temporaries
+    reuse already-mapped pages instead of page-faulting fresh ones every step. Process-wide:
+    applies to numesh and torch alike. Returns False where it is unavailable (non-glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):
+        return False
+
+
+def summarize(times_s: list[float], tokens_per_iter: int) -> dict[str, float]:
+    ms = [t * 1e3 for t in times_s]
+    med = statistics.median(ms)
+    return {
+        "median_ms": med,
+        "mean_ms": statistics.fmean(ms),
+        "min_ms": min(ms),
+        "max_ms": max(ms),
+        "stdev_ms": statistics.stdev(ms) if len(ms) > 1 else 0.0,
+        "tokens_per_s": tokens_per_iter / (med / 1e3),
+        "iters": len(ms),
+        "times_ms": [round(x, 3) for x in ms],
+    }
+
+
+# --------------------------------------------------------------------------------------
+# numesh
+
+
+def run_numesh(trainer, warmup: int, iters: int) -> dict[str, Any]:
+    from numesh import data as D
+
+    c = trainer.cfg
+    times, losses = [], []
+    for i in range(warmup):
+        losses.append(trainer.train_step()[0])
+    with CpuMonitor() as mon:
+        for i in range(iters):
+            t0 = time.perf_counter()
+            loss, _norm, _lr = trainer.train_step()
+            times.append(time.perf_counter() - t0)
+            losses.append(loss)
+    # the batch draw alone (it is inside train_step)
+    draw = []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        D.local_batch(trainer.train_data, D.train_key(c.seed, i), c.batch_size, c.block_size, 0, 1, 1)
+        draw.append(time.perf_counter() - t0)
+    out = summarize(times, trainer.tokens_per_step)
+    out.update(losses=losses, batch_draw_ms=statistics.median(draw) * 1e3, n_params=trainer.n_params,
+               other_cpu_cores=mon.other_cores, own_cpu_cores=mon.own_cores, sys_share=mon.sys_share,
+               minor_faults_per_iter=mon.minor_faults / iters)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# PyTorch eager: a compact nanoGPT-equivalent model
+
+
+def import_torch():
+    """torch, or None with a note on how to install it (numesh never needs it)."""
+    try:
+        import torch
+    except ImportError:
+        wheels = sorted(Path(TORCH_WHEEL_DIR).glob("torch-*.whl")) if Path(TORCH_WHEEL_DIR).is_dir() else []
+        log(f"torch is not installed, so only numesh is measured. To compare, install it into this environment:\n"
+            f"    {sys.executable} -m pip install {TORCH_PIN}")
+        if wheels:
+            log(f"  (a local wheel is available: {sys.executable} -m pip install {wheels[-1]})")
+        return None
+    return torch
+
+
+def build_torch_gpt(torch, vocab_size: int, n_layer: int, n_head: int, n_embd: int, block_size: int,
+                    attention: str = "sdpa"):
+    nn, F = torch.nn, torch.nn.functional
+
+    class SelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=False)
+            self.c_proj = nn.Linear(n_embd, n_embd, bias=False)
+            if attention == "manual":
+                self.register_buffer("mask", torch.ones(block_size, block_size, dtype=torch.bool).tril(), persistent=False)
+
+        def forward(self, x):
+            B, T, C = x.shape
+            q, k, v = self.c_attn(x).split(n_embd, dim=2)
+            q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in (q, k, v))
+            if attention == "sdpa":
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+                att = att.masked_fill(~self.mask[:T, :T], float("-inf")).softmax(dim=-1)
+                y = att @ v
+            return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=False)
+            self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=False)
+
+        def forward(self, x):
+            return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1 = nn.LayerNorm(n_embd, eps=1e-5, bias=False)
+            self.attn = SelfAttention()
+            self.ln_2 = nn.LayerNorm(n_embd, eps=1e-5, bias=False)
+            self.mlp = MLP()
+
+        def forward(self, x):
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(vocab_size, n_embd)
+            self.wpe = nn.Embedding(block_size, n_embd)
+            self.h = nn.ModuleList(Block() for _ in range(n_layer))
+            self.ln_f = nn.LayerNorm(n_embd, eps=1e-5, bias=False)
+            self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+            self.lm_head.weight = self.wte.weight  # tied
+            for m in self.modules():
+                if isinstance(m, (nn.Linear, nn.Embedding)):
+                    nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            for name, p in self.named_parameters():
+                if name.endswith("c_proj.weight"):  # residual projections
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+        def forward(self, idx, targets):
+            T = idx.shape[1]
+            x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+            for block in self.h:
+                x = block(x)
+            logits = self.lm_head(self.ln_f(x))
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    return GPT()
+
+
+def copy_numesh_params(torch, model, params) -> None:
+    """Load numesh's (tp=1) parameter tree into the torch model (for a loss-parity check)."""
+    dtype = model.wte.weight.dtype
+
+    def t(a):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+
+    with torch.no_grad():
+        V = model.wte.weight.shape[0]
+        model.wte.weight.copy_(t(params.wte[:V]))
+        model.wpe.weight.copy_(t(params.wpe))
+        model.ln_f.weight.copy_(t(params.ln_f.w))
+        for blk, p in zip(model.h, params.blocks):
+            C = p.attn.qkv.w.shape[0]
+            blk.ln_1.weight.copy_(t(p.ln1.w))
+            blk.ln_2.weight.copy_(t(p.ln2.w))
+            blk.attn.c_attn.weight.copy_(t(p.attn.qkv.w.reshape(C, -1).T))  # numesh w is [in, out]
+            blk.attn.c_proj.weight.copy_(t(p.attn.proj.w.T))
+            blk.mlp.c_fc.weight.copy_(t(p.mlp.fc.w.T))
+            blk.mlp.c_proj.weight.copy_(t(p.mlp.proj.w.T))
+
+
+def run_torch(torch, tc, vocab_size: int, train_data, warmup: int, iters: int, attention: str,
+              optim_impl: str, init_params=None) -> dict[str, Any]:
+    """Train the torch model with TrainConfig `tc`'s hyper-parameters on numesh's batches."""
+    from numesh import data as D
+    from numesh.optim import cosine_lr
+
+    torch.manual_seed(tc.seed)
+    model = build_torch_gpt(torch, vocab_size, tc.n_layer, tc.n_head, tc.n_embd, tc.block_size, attention)
+    if init_params is not None:
+        copy_numesh_params(torch, model, init_params)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    extra = {"fused": True} if optim_impl == "fused" else {"foreach": True} if optim_impl == "foreach" else {}
+    opt = torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2), eps=1e-8, **extra)
+    times, losses = [], []
+    mon = CpuMonitor()
+    for i in range(warmup + iters):
+        if i == warmup:
+            mon.__enter__()
+        t0 = time.perf_counter()
+        (x, y), = D.local_batch(train_data, D.train_key(tc.seed, i), tc.batch_size, tc.block_size, 0, 1, 1)
+        xb, yb = torch.from_numpy(x), torch.from_numpy(y)
+        lr = cosine_lr(i, tc.learning_rate, tc.min_lr, tc.warmup_iters, tc.lr_decay_iters)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss = model(xb, yb)
+        loss.backward()
+        if tc.grad_clip > 0.0:
+            torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt)
+    mon.__exit__(None, None, None)
+    out = summarize(times, tc.batch_size * tc.block_size)
+    out.update(losses=losses, n_params=sum(p.numel() for p in params),
+               other_cpu_cores=mon.other_cores, own_cpu_cores=mon.own_cores, sys_share=mon.sys_share,
+               minor_faults_per_iter=mon.minor_faults / iters)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# report
+
+
+def env_info(threads: int) -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
+        "threads": threads,
+        "cpu_count": os.cpu_count(),
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "blas": blas_info(),
+    }
+
+
+def _cores(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
+
+
+def print_table(report: dict[str, Any]) -> None:
+    r, e = report["results"], report["env"]
+    c = report["config"]
+    print(f"config: preset={c['preset']} n_layer={c['n_layer']} n_head={c['n_head']} n_embd={c['n_embd']} "
+          f"block={c['block_size']} batch={c['batch_size']} dtype={c['dtype']} "
+          f"tokens/iter={c['tokens_per_iter']} warmup={c['warmup']} iters={c['iters']}")
+    print(f"malloc: {'tuned (--mallopt: no trim, mmap threshold 32 MiB)' if report.get('mallopt') else 'glibc defaults'}")
+    print(f"env: torch {report.get('torch_version') or '(not installed)'}, numpy {e['numpy']}, "
+          f"OPENBLAS_CORETYPE={e['OPENBLAS_CORETYPE'] if e['OPENBLAS_CORETYPE'] is not None else '(unset)'}, "
+          f"threads={e['threads']} (cpus {e['cpu_count']}), load avg before/after "
+          f"{report['load_before']} / {report['load_after']}")
+    for b in e["blas"]:
+        print(f"numpy BLAS: {b['internal_api']} {b['version']} {b['architecture']} num_threads={b['num_threads']}")
+    if "torch_blas" in report:
+        print(f"torch: {report['torch_blas']}")
+    print()
+    head = (f"{'impl':<14} {'ms/iter (median)':>16} {'mean':>8} {'min':>8} {'tokens/s':>10} {'ratio':>7}"
+            f" {'own cpu':>8} {'other cpu':>9} {'sys%':>5} {'faults/iter':>11}")
+    print(head)
+    print("-" * len(head))
+    base = r["numesh"]["median_ms"]
+    for name, v in r.items():
+        ratio = v["median_ms"] / base if name != "numesh" else 1.0
+        print(f"{name:<14} {v['median_ms']:>16.2f} {v['mean_ms']:>8.2f} {v['min_ms']:>8.2f} "
+              f"{v['tokens_per_s']:>10,.0f} {ratio:>7.2f} {_cores(v['own_cpu_cores']):>8} {_cores(v['other_cpu_cores']):>9}"
+              f" {_pct(v['sys_share']):>5} {v['minor_faults_per_iter']:>11,.0f}")
+    print("ratio = impl ms / numesh ms (median): > 1 means numesh is faster")
+    print("own cpu / other cpu = cores busy in this process / in all other processes during the timed iterations;")
+    print("sys% = share of this process's CPU time spent in the kernel; faults/iter = minor page faults per iteration")
+    print()
+    for name, v in r.items():
+        ls = v["losses"]
+        print(f"{name}: params {v['n_params']:,}, loss step 0 {ls[0]:.4f} -> step {len(ls) - 1} {ls[-1]:.4f}")
+    if "loss_max_abs_diff" in report:
+        print(f"same init + same batches: max |loss_numesh - loss_torch| over all steps = {report['loss_max_abs_diff']:.2e}")
+    print(f"batch draw (numpy, included in both timings): {r['numesh']['batch_draw_ms']:.3f} ms")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    ap.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
+    ap.add_argument("--block-size", type=int, default=None, help="override the preset's context length")
+    ap.add_argument("--iters", type=int, default=50, help="timed iterations (default 50)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
+    ap.add_argument("--threads", type=int, default=2, help="BLAS / intra-op threads on both sides (default 2)")
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--data", default=None, help="dataset dir from `numesh data` (default: prepare a temporary one)")
+    ap.add_argument("--src", default=DEFAULT_SRC, help=f"text to prepare the temporary dataset from (default {DEFAULT_SRC})")
+    ap.add_argument("--no-torch", action="store_true", help="measure numesh only")
+    ap.add_argument("--torch-attention", choices=("sdpa", "manual"), default="sdpa",
+                    help="torch attention: scaled_dot_product_attention (nanoGPT's default) or explicit softmax")
+    ap.add_argument("--torch-optim", choices=("default", "foreach", "fused"), default="default",
+                    help="torch AdamW implementation (default: torch's own choice, as nanoGPT on CPU)")
+    ap.add_argument("--same-init", action="store_true",
+                    help="load numesh's initial weights into the torch model and report the loss difference")
+    ap.add_argument("--mallopt", action="store_true",
+                    help="tune glibc malloc (no trim, fixed 32 MiB mmap threshold) for both sides, to show the page-fault cost")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = ap.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0 or args.threads < 1:
+        ap.error("--iters and --threads must be >= 1, --warmup >= 0")
+
+    from numesh.runtime import set_blas_threads
+
+    threads = set_blas_threads(args.threads)
+    mallopt = tune_malloc() if args.mallopt else False
+    if args.mallopt and not mallopt:
+        log("note: --mallopt needs glibc; running with the default allocator")
+    model_cfg = preset_config(args.preset, args.batch_size, args.block_size)
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    report: dict[str, Any] = {"env": env_info(threads), "load_before": load_before, "mallopt": mallopt}
+    results: dict[str, Any] = {}
+    with dataset_dir(args.data, args.src) as data:
+        trainer = make_trainer(model_cfg, data, args.dtype, args.seed)
+        init_params = None
+        if args.same_init:
+            from numesh.tree import tree_map
+
+            init_params = tree_map(np.copy, trainer.params)
+        c = trainer.cfg
+        report["config"] = {"preset": args.preset, **model_cfg, "dtype": args.dtype, "warmup": args.warmup,
+                            "iters": args.iters, "tokens_per_iter": trainer.tokens_per_step,
+                            "vocab_size": trainer.model.vocab_size}
+        log(f"numesh: {args.warmup} + {args.iters} iterations ...")
+        results["numesh"] = run_numesh(trainer, args.warmup, args.iters)
+        torch = None if args.no_torch else import_torch()
+        if torch is not None:
+            if args.dtype != "float32":
+                torch.set_default_dtype(torch.float64)
+            torch.set_num_threads(threads)
+            report["torch_version"] = torch.__version__
+            report["torch_blas"] = (f"{torch.get_num_threads()} intra-op threads, MKL={torch.backends.mkl.is_available()}, "
+                                    f"mkldnn={torch.backends.mkldnn.is_available()}, "
+                                    f"attention={args.torch_attention}, AdamW={args.torch_optim}")
+            log(f"torch {torch.__version__}: {args.warmup} + {args.iters} iterations ...")
+            name = "torch-eager"
+            results[name] = run_torch(torch, c, trainer.model.vocab_size, trainer.train_data, args.warmup, args.iters,
+                                      args.torch_attention, args.torch_optim, init_params)
+            results[name]["batch_draw_ms"] = results["numesh"]["batch_draw_ms"]
+            if init_params is not None:
+                a, b = np.array(results["numesh"]["losses"]), np.array(results[name]["losses"])
+                report["loss_max_abs_diff"] = float(np.max(np.abs(a - b)))
+            results[name]["ratio"] = results[name]["median_ms"] / results["numesh"]["median_ms"]
+        elif not args.no_torch:
+            report["torch_version"] = None
+            report["torch_install"] = f"{sys.executable} -m pip install {TORCH_PIN}"
+    report["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    report["results"] = results
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Shared helpers for the numesh test suite.
+
+Single process:  pytest -q -p no:cacheprovider
+MPI (N ranks):   mpirun -n N python -m mpi4py -m pytest --with-mpi -p no:cacheprovider -q tests/
+
+Under mpirun with more than one rank only the tests marked `@pytest.mark.mpi` run (the
+others are skipped here: they are single-process tests that the plain `pytest` run covers,
+and running them on every oversubscribed rank would only cost time).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from numesh.mesh import Mesh, unshard
+from numesh.nn.gpt import GPT, GPTConfig, gpt_specs, init_gpt
+from numesh.tree import tree_map
+
+WORLD = MPI.COMM_WORLD
+
+if WORLD.Get_size() > 1:
+    # ranks x BLAS threads = cores, so oversubscribed MPI runs do not thrash
+    from numesh.runtime import set_blas_threads
+
+    set_blas_threads()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if WORLD.Get_size() == 1:
+        return
+    skip = pytest.mark.skip(reason="single-process test: run it with plain pytest, not under mpirun")
+    for item in items:
+        if "mpi" not in item.keywords:
+            item.add_marker(skip)
+
+
+# ---------------------------------------------------------------------------------------
+# models and meshes
+
+
+def tiny_config(**overrides: Any) -> GPTConfig:
+    """A model small enough for finite differences: 2 layers, width 8, 2 heads, block 8."""
+    kw: dict[str, Any] = dict(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, dropout=0.0, bias=True)
+    kw.update(overrides)
+    return GPTConfig(**kw)
+
+
+@pytest.fixture
+def tiny_cfg() -> GPTConfig:
+    return tiny_config()
+
+
+def self_mesh() -> Mesh:
+    """The 1x1x1 mesh on MPI.COMM_SELF: every collective is the identity."""
+    return Mesh.create(comm=MPI.COMM_SELF)
+
+
+@pytest.fixture
+def mesh1() -> Mesh:
+    return self_mesh()
+
+
+def gather_tree(tree: Any, specs: Any, mesh: Mesh) -> Any:
+    """The global arrays of a sharded tree (a collective on every axis a spec splits)."""
+    return tree_map(lambda x, s: unshard(x, s, mesh), tree, specs)
+
+
+def random_global_params(cfg: GPTConfig, seed: int, scale: float = 0.3) -> GPT:
+    """Unpadded global float64 parameters with every entry random (biases and LN included),
+    the same on every rank for the same seed."""
+    base = init_gpt(cfg, self_mesh(), seed=0, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    return tree_map(lambda x: x + scale * rng.standard_normal(x.shape), base)
+
+
+def shard_params(global_params: GPT, cfg: GPTConfig, mesh: Mesh) -> GPT:
+    """This rank's shards of unpadded global parameters (wte padded with zero rows for tp)."""
+    from numesh.mesh import shard
+
+    v = cfg.padded_vocab(mesh.size("tp"))
+    wte = np.zeros((v, global_params.wte.shape[1]), dtype=global_params.wte.dtype)
+    wte[: cfg.vocab_size] = global_params.wte
+    padded = GPT(wte=wte, wpe=global_params.wpe, blocks=global_params.blocks, ln_f=global_params.ln_f)
+    return tree_map(lambda x, s: shard(x, s, mesh), padded, gpt_specs(cfg))
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, rtol: float, what: str = "") -> None:
+    """max |got - want| <= rtol * max |want| (relative to the tensor's scale)."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    scale = max(float(np.max(np.abs(want), initial=0.0)), 1e-300)
+    err = float(np.max(np.abs(got - want), initial=0.0))
+    assert err <= rtol * scale, f"{what}: max abs diff {err:.3e} > {rtol:g} x {scale:.3e}"
+
+
+# ---------------------------------------------------------------------------------------
+# data
+
+
+SYNTH_TEXT = "".join(
+    # a learnable, deterministic character stream with a small vocabulary
+    "the cat sat on a mat. " if i % 3 else "a hat, a bat; the end!\n"
+    for i in range(120)
+)
+
+
+def make_dataset(out_dir: Path) -> Path:
+    from numesh.data import prepare_char_dataset
+
+    prepare_char_dataset(SYNTH_TEXT, out_dir)
+    return out_dir
+
+
+@pytest.fixture
+def char_dataset(tmp_path: Path) -> Path:
+    return make_dataset(tmp_path / "data")
+
+
+@pytest.fixture(scope="session")
+def shared_tmp() -> Any:
+    """A directory shared by every rank of COMM_WORLD (made by rank 0, path broadcast)."""
+    path = tempfile.mkdtemp(prefix="numesh-test-") if WORLD.Get_rank() == 0 else None
+    path = WORLD.bcast(path, root=0)
+    yield Path(path)
+    WORLD.Barrier()
+    if WORLD.Get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def shared_dataset(shared_tmp: Path) -> Path:
+    """The synthetic character dataset in a directory every rank can read."""
+    out = shared_tmp / "data"
+    if WORLD.Get_rank() == 0:
+        make_dataset(out)
+    WORLD.Barrier()
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# training runs for the parity tests
+
+PARITY_KEYS = ("loss", "grad_norm", "lr", "train_loss", "val_loss")
+
+
+def train_records(cfg: Any, comm: MPI.Comm) -> tuple[list[dict], dict[str, np.ndarray]]:
+    """Run `numesh.train.train` on `comm`: (the deterministic part of every metrics record,
+    the final global parameters read back from the checkpoint)."""
+    from safetensors.numpy import load_file
+
+    from numesh.train import train
+
+    records: list[dict] = []
+
+    def on_step(step: int, rec: dict) -> None:
+        records.append({"step": step, **{k: rec[k] for k in PARITY_KEYS if k in rec}})
+
+    result = train(cfg, comm, on_step=on_step)
+    return records, load_file(str(Path(result.checkpoint) / "model.safetensors"))
+
+
+_SERIAL: dict[Any, tuple[list[dict], dict[str, np.ndarray]]] = {}
+
+
+def serial_reference(cfg: Any) -> tuple[list[dict], dict[str, np.ndarray]]:
+    """The dp=1,tp=1,pp=1 run of `cfg` (mesh and out ignored): computed once on rank 0 of
+    COMM_WORLD, broadcast to every rank, cached for the session."""
+    import attrs
+
+    key = attrs.evolve(cfg, mesh="", out="")
+    if key not in _SERIAL:
+        result = None
+        if WORLD.Get_rank() == 0:
+            out = Path(tempfile.mkdtemp(prefix="numesh-serial-"))
+            try:
+                result = ("ok", train_records(attrs.evolve(cfg, mesh="", out=str(out)), MPI.COMM_SELF))
+            except Exception as e:  # every rank must learn of it, or the others would wait forever
+                result = ("error", repr(e))
+            finally:
+                shutil.rmtree(out, ignore_errors=True)
+        status, payload = WORLD.bcast(result, root=0)
+        if status != "ok":
+            raise RuntimeError(f"the serial reference run failed on rank 0: {payload}")
+        _SERIAL[key] = payload
+    return _SERIAL[key]
+
+
+def assert_same_run(got: tuple[list[dict], dict], want: tuple[list[dict], dict], rtol: float = 1e-10) -> None:
+    """Every logged number and every final parameter equal to `rtol` relative."""
+    rec_got, par_got = got
+    rec_want, par_want = want
+    assert [r["step"] for r in rec_got] == [r["step"] for r in rec_want]
+    for a, b in zip(rec_got, rec_want):
+        assert a.keys() == b.keys(), (a, b)
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=rtol, abs=0), (a["step"], k, a[k], b[k])
+    assert par_got.keys() == par_want.keys()
+    for k in par_want:
+        assert_close(par_got[k], par_want[k], rtol, what=k)

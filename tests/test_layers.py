@@ -1,0 +1,384 @@
+"""Every hand-written backward against central finite differences, in float64."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from conftest import random_global_params, self_mesh, tiny_config
+from numesh.nn.gpt import DropoutKey, forward_loss, loss_and_grads
+from numesh.nn.layers import (
+    LayerNorm,
+    Linear,
+    causal_attention_bwd,
+    causal_attention_fwd,
+    dropout_mask,
+    gelu_bwd,
+    gelu_fwd,
+    layernorm_bwd,
+    layernorm_fwd,
+    linear_bwd,
+    linear_bwd_input,
+    linear_bwd_weight,
+    linear_fwd,
+)
+from numesh.nn.parallel import (
+    vocab_parallel_cross_entropy_bwd,
+    vocab_parallel_cross_entropy_fwd,
+    vocab_parallel_embedding_bwd,
+    vocab_parallel_embedding_fwd,
+)
+from numesh.tree import tree_leaves, tree_leaves_with_path
+
+EPS = 1e-6
+
+
+def fd_grad(f: Callable[[], float], x: np.ndarray, entries: list[tuple] | None = None) -> np.ndarray:
+    """Central differences of the scalar f() w.r.t. x (perturbed in place), at `entries` or everywhere."""
+    g = np.zeros_like(x)
+    for i in entries if entries is not None else list(np.ndindex(x.shape)):
+        old = x[i]
+        x[i] = old + EPS
+        up = f()
+        x[i] = old - EPS
+        down = f()
+        x[i] = old
+        g[i] = (up - down) / (2 * EPS)
+    return g
+
+
+def assert_fd(analytic: np.ndarray, numeric: np.ndarray, what: str, entries: list[tuple] | None = None) -> None:
+    a, n = np.asarray(analytic), np.asarray(numeric)
+    if entries is not None:
+        a = np.array([a[i] for i in entries])
+        n = np.array([n[i] for i in entries])
+    bad = np.abs(a - n) > 1e-7 + 1e-5 * np.abs(n)
+    assert not bad.any(), f"{what}: analytic {a[bad][:5]} vs finite differences {n[bad][:5]}"
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+# ---------------------------------------------------------------------------------------
+# linear
+
+
+@pytest.mark.parametrize(
+    "wshape, bshape",
+    [((5, 4), (4,)), ((5, 4), None), ((4, 3, 4), (3, 4)), ((4, 3, 4), None)],
+    ids=["bias", "no-bias", "3d-bias", "3d-no-bias"],
+)
+def test_linear_fd(rng: np.random.Generator, wshape: tuple, bshape: tuple | None) -> None:
+    x = rng.standard_normal((2, 3, wshape[0]))
+    p = Linear(rng.standard_normal(wshape), None if bshape is None else rng.standard_normal(bshape))
+    n_out = int(np.prod(wshape[1:]))
+    r = rng.standard_normal((2, 3, n_out))
+
+    def loss() -> float:
+        return float(np.sum(linear_fwd(p, x)[0] * r))
+
+    y, ctx = linear_fwd(p, x)
+    assert y.shape == (2, 3, n_out)
+    want = x @ p.w.reshape(wshape[0], -1) + (0 if p.b is None else p.b.reshape(-1))
+    np.testing.assert_allclose(y, want, rtol=1e-13)
+    dx, dp = linear_bwd(p, ctx, r)
+    assert type(dp) is Linear and dp.w.shape == p.w.shape
+    assert_fd(dx, fd_grad(loss, x), "dx")
+    assert_fd(dp.w, fd_grad(loss, p.w), "dw")
+    if p.b is None:
+        assert dp.b is None
+    else:
+        assert dp.b.shape == p.b.shape
+        assert_fd(dp.b, fd_grad(loss, p.b), "db")
+    # the separable halves give the same result
+    np.testing.assert_array_equal(linear_bwd_input(p, r), dx)
+    np.testing.assert_array_equal(linear_bwd_weight(p, x, r).w, dp.w)
+
+
+# ---------------------------------------------------------------------------------------
+# layernorm
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layernorm_fd(rng: np.random.Generator, bias: bool) -> None:
+    C = 6
+    x = rng.standard_normal((2, 3, C)) * 2 + 0.5
+    p = LayerNorm(1 + 0.3 * rng.standard_normal(C), 0.3 * rng.standard_normal(C) if bias else None)
+    r = rng.standard_normal((2, 3, C))
+
+    def loss() -> float:
+        return float(np.sum(layernorm_fwd(p, x.copy())[0] * r))
+
+    x0 = x.copy()
+    y, ctx = layernorm_fwd(p, x)
+    np.testing.assert_array_equal(x, x0)  # the input is not modified
+    mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    want = (x - mu) / np.sqrt(var + 1e-5) * p.w + (0 if p.b is None else p.b)
+    np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-13)
+    dx, dp = layernorm_bwd(p, ctx, r)
+    assert type(dp) is LayerNorm
+    assert_fd(dx, fd_grad(loss, x), "dx")
+    assert_fd(dp.w, fd_grad(loss, p.w), "dw")
+    if bias:
+        assert_fd(dp.b, fd_grad(loss, p.b), "db")
+    else:
+        assert dp.b is None
+
+
+# ---------------------------------------------------------------------------------------
+# gelu
+
+
+def test_gelu_value_and_fd(rng: np.random.Generator) -> None:
+    x = rng.standard_normal((3, 7)) * 2
+    x[0, :3] = [0.0, -5.0, 5.0]
+    r = rng.standard_normal((3, 7))
+    y, ctx = gelu_fwd(x)
+    k = math.sqrt(2 / math.pi)
+    np.testing.assert_allclose(y, 0.5 * x * (1 + np.tanh(k * (x + 0.044715 * x**3))), rtol=1e-14, atol=1e-300)
+    dx = gelu_bwd(ctx, r)
+
+    def loss() -> float:
+        return float(np.sum(gelu_fwd(x)[0] * r))
+
+    assert_fd(dx, fd_grad(loss, x), "gelu dx")
+
+
+# ---------------------------------------------------------------------------------------
+# attention
+
+
+def _attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    T = q.shape[-2]
+    s = q @ k.swapaxes(-1, -2) / math.sqrt(q.shape[-1])
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    a = np.exp(s - s.max(-1, keepdims=True))
+    a /= a.sum(-1, keepdims=True)
+    if mask is not None:
+        a = a * mask
+    return a @ v
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_causal_attention_fd(rng: np.random.Generator, dropout: bool) -> None:
+    B, H, T, hs = 2, 2, 4, 3
+    q, k, v = (rng.standard_normal((B, H, T, hs)) for _ in range(3))
+    mask = dropout_mask(np.random.default_rng(7), (B, H, T, T), 0.3, np.float64) if dropout else None
+    if dropout:
+        assert (mask == 0).any() and (mask > 1).any()
+    r = rng.standard_normal((B, H, T, hs))
+
+    def loss() -> float:
+        return float(np.sum(causal_attention_fwd(q, k, v, mask)[0] * r))
+
+    y, ctx = causal_attention_fwd(q, k, v, mask)
+    np.testing.assert_allclose(y, _attention_reference(q, k, v, mask), rtol=1e-12, atol=1e-14)
+    dq, dk, dv = causal_attention_bwd(ctx, r)
+    assert_fd(dq, fd_grad(loss, q), "dq")
+    assert_fd(dk, fd_grad(loss, k), "dk")
+    assert_fd(dv, fd_grad(loss, v), "dv")
+
+
+def test_causal_attention_is_causal(rng: np.random.Generator) -> None:
+    B, H, T, hs = 2, 2, 6, 4
+    q, k, v = (rng.standard_normal((B, H, T, hs)) for _ in range(3))
+    y, _ = causal_attention_fwd(q, k, v)
+    for t in range(T - 1):
+        q2, k2, v2 = q.copy(), k.copy(), v.copy()
+        for a in (q2, k2, v2):
+            a[..., t + 1 :, :] = rng.standard_normal(a[..., t + 1 :, :].shape) * 10
+        y2, _ = causal_attention_fwd(q2, k2, v2)
+        np.testing.assert_array_equal(y2[..., : t + 1, :], y[..., : t + 1, :])
+        assert not np.allclose(y2[..., t + 1 :, :], y[..., t + 1 :, :])
+    # position 0 attends only to itself
+    np.testing.assert_allclose(y[..., 0, :], v[..., 0, :], rtol=1e-14)
+
+
+def test_dropout_mask_values() -> None:
+    m = dropout_mask(np.random.default_rng(0), (200, 100), 0.25, np.float64)
+    assert set(np.unique(m)) == {0.0, 1 / 0.75}
+    assert abs((m == 0).mean() - 0.25) < 0.02
+    assert m.dtype == np.float64
+    again = dropout_mask(np.random.default_rng(0), (200, 100), 0.25, np.float64)
+    np.testing.assert_array_equal(m, again)
+
+
+# ---------------------------------------------------------------------------------------
+# vocab-parallel embedding and cross-entropy on the 1-rank mesh
+
+
+def test_vocab_parallel_embedding_fd(rng: np.random.Generator) -> None:
+    mesh = self_mesh()
+    V, C = 7, 4
+    wte = rng.standard_normal((V, C))
+    ids = np.array([[0, 3, 3, 6], [1, 3, 0, 5]])  # repeated ids accumulate
+    r = rng.standard_normal((2, 4, C))
+    y, ctx = vocab_parallel_embedding_fwd(wte, ids, mesh)
+    np.testing.assert_array_equal(y, wte[ids])
+    dwte = vocab_parallel_embedding_bwd(wte, ctx, r)
+
+    def loss() -> float:
+        return float(np.sum(vocab_parallel_embedding_fwd(wte, ids, mesh)[0] * r))
+
+    assert_fd(dwte, fd_grad(loss, wte), "dwte")
+    np.testing.assert_array_equal(dwte[[2, 4]], 0.0)  # ids never looked up get no gradient
+    np.testing.assert_allclose(dwte[3], r[0, 1] + r[0, 2] + r[1, 1], rtol=1e-14)
+
+
+def _log_softmax_loss(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    m = logits.max(axis=1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(logits - m).sum(axis=1))
+    return lse - logits[np.arange(len(targets)), targets]
+
+
+def test_cross_entropy_matches_log_softmax_and_fd(rng: np.random.Generator) -> None:
+    mesh = self_mesh()
+    N, V = 6, 9
+    logits = rng.standard_normal((N, V)) * 3
+    targets = rng.integers(0, V, N)
+    loss, ctx = vocab_parallel_cross_entropy_fwd(logits.copy(), targets, V, mesh)
+    np.testing.assert_allclose(loss, _log_softmax_loss(logits, targets), rtol=1e-13)
+    w = rng.standard_normal(N)  # per-token upstream gradient
+    dlogits = vocab_parallel_cross_entropy_bwd(ctx, w)
+
+    def f() -> float:
+        return float(np.sum(vocab_parallel_cross_entropy_fwd(logits.copy(), targets, V, mesh)[0] * w))
+
+    assert_fd(dlogits, fd_grad(f, logits), "dlogits")
+    # scalar upstream gradient
+    _, ctx = vocab_parallel_cross_entropy_fwd(logits.copy(), targets, V, mesh)
+    d2 = vocab_parallel_cross_entropy_bwd(ctx, 0.5)
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    p[np.arange(N), targets] -= 1
+    np.testing.assert_allclose(d2, 0.5 * p, rtol=1e-12, atol=1e-15)
+
+
+def test_cross_entropy_padded_vocab_equals_unpadded(rng: np.random.Generator) -> None:
+    mesh = self_mesh()
+    N, V, pad = 6, 9, 3
+    logits = rng.standard_normal((N, V + pad)) * 3
+    logits[:, V:] = 50.0  # large padding logits must still get zero probability
+    targets = rng.integers(0, V, N)
+    loss_pad, ctx_pad = vocab_parallel_cross_entropy_fwd(logits.copy(), targets, V, mesh)
+    loss, ctx = vocab_parallel_cross_entropy_fwd(logits[:, :V].copy(), targets, V, mesh)
+    np.testing.assert_allclose(loss_pad, loss, rtol=1e-14)
+    np.testing.assert_allclose(loss_pad, _log_softmax_loss(logits[:, :V], targets), rtol=1e-13)
+    d_pad = vocab_parallel_cross_entropy_bwd(ctx_pad, 1.0)
+    d = vocab_parallel_cross_entropy_bwd(ctx, 1.0)
+    np.testing.assert_array_equal(d_pad[:, V:], 0.0)
+    np.testing.assert_allclose(d_pad[:, :V], d, rtol=1e-13, atol=1e-16)
+
+
+# ---------------------------------------------------------------------------------------
+# the whole model
+
+
+def _entries(shape: tuple, rng: np.random.Generator, n: int = 3) -> list[tuple]:
+    """A few random entries of an array (all of them when it is small)."""
+    total = int(np.prod(shape))
+    flat = rng.choice(total, size=min(n, total), replace=False)
+    return [np.unravel_index(i, shape) for i in flat]
+
+
+def _batch(cfg, rng: np.random.Generator, B: int = 2, T: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    T = cfg.block_size if T is None else T
+    idx = rng.integers(0, cfg.vocab_size, (B, T))
+    tgt = rng.integers(0, cfg.vocab_size, (B, T))
+    return idx, tgt
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_gpt_loss_and_grads_fd(bias: bool) -> None:
+    rng = np.random.default_rng(5)
+    cfg = tiny_config(bias=bias)
+    mesh = self_mesh()
+    params = random_global_params(cfg, seed=11)
+    idx, tgt = _batch(cfg, rng)
+    scale = 1.0 / idx.size
+    loss, grads = loss_and_grads(params, idx, tgt, cfg, mesh, scale)
+    # the training loss is the forward loss
+    ref = forward_loss(params, idx, tgt, cfg, mesh)
+    assert ref.shape == (idx.size,)
+    assert loss == pytest.approx(float(ref.sum()) * scale, rel=1e-13)
+
+    def f() -> float:
+        return float(forward_loss(params, idx, tgt, cfg, mesh).sum()) * scale
+
+    n_leaves = 0
+    for (path, p), g in zip(tree_leaves_with_path(params), tree_leaves(grads)):
+        assert g.shape == p.shape, path
+        entries = _entries(p.shape, rng)
+        assert_fd(g, fd_grad(f, p, entries), path, entries)
+        n_leaves += 1
+    assert n_leaves == (28 if bias else 15)
+
+
+def test_gpt_loss_and_grads_fd_with_dropout() -> None:
+    rng = np.random.default_rng(6)
+    cfg = tiny_config(bias=True, dropout=0.2)
+    mesh = self_mesh()
+    params = random_global_params(cfg, seed=12)
+    idx, tgt = _batch(cfg, rng, B=3)
+    scale = 1.0 / idx.size
+    drop = DropoutKey(p=0.2, seed=3, step=5, row0=0, global_rows=3)
+    loss, grads = loss_and_grads(params, idx, tgt, cfg, mesh, scale, drop)
+    no_drop = float(forward_loss(params, idx, tgt, cfg, mesh).sum()) * scale
+    assert loss != pytest.approx(no_drop, rel=1e-6)  # the masks really apply
+
+    def f() -> float:
+        return loss_and_grads(params, idx, tgt, cfg, mesh, scale, drop)[0]
+
+    assert f() == loss  # the same key gives the same masks
+    for (path, p), g in zip(tree_leaves_with_path(params), tree_leaves(grads)):
+        entries = _entries(p.shape, rng)
+        assert_fd(g, fd_grad(f, p, entries), path, entries)
+
+
+def test_dropout_key_slices_the_global_mask() -> None:
+    """A micro-batch's mask is its rows of the whole batch's mask (mesh-independent dropout)."""
+    full = DropoutKey(0.3, seed=1, step=2, row0=0, global_rows=6).mask(4, 6, (3, 5))
+    part = DropoutKey(0.3, seed=1, step=2, row0=2, global_rows=6).mask(4, 3, (3, 5))
+    np.testing.assert_array_equal(part, full[2:5])
+    heads = DropoutKey(0.3, seed=1, step=2, row0=0, global_rows=6).mask(4, 6, (3, 5), (slice(1, 3),))
+    np.testing.assert_array_equal(heads, full[:, 1:3])
+    other = DropoutKey(0.3, seed=1, step=3, row0=0, global_rows=6).mask(4, 6, (3, 5))
+    assert not np.array_equal(other, full)
+
+
+def _full_logits(params, idx, cfg, mesh) -> np.ndarray:
+    """Logits [B, T, V] of every position from the training forward pass (tp=1)."""
+    from numesh.nn.gpt import block_fwd, embed_fwd
+
+    x, _ = embed_fwd(params, idx, cfg, mesh)
+    for layer, bp in enumerate(params.blocks):
+        x, _ = block_fwd(bp, x, cfg, mesh, layer)
+    xf, _ = layernorm_fwd(params.ln_f, x)
+    return xf @ params.wte.T
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_kv_cache_logits_match_the_training_forward(bias: bool) -> None:
+    from numesh.nn.gpt import logits_cached, new_kv_cache
+
+    cfg = tiny_config(bias=bias)
+    mesh = self_mesh()
+    params = random_global_params(cfg, seed=4)
+    idx = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, cfg.block_size))
+    want = _full_logits(params, idx, cfg, mesh)
+    cache = new_kv_cache(cfg, mesh, 2, np.float64)
+    got = logits_cached(params, idx[:, :3], cache, cfg, mesh)  # a prompt of 3 tokens
+    np.testing.assert_allclose(got, want[:, 2], rtol=1e-12, atol=1e-13)
+    for t in range(3, cfg.block_size):  # then one token at a time
+        got = logits_cached(params, idx[:, t : t + 1], cache, cfg, mesh)
+        np.testing.assert_allclose(got, want[:, t], rtol=1e-12, atol=1e-13)
+    assert cache.length == cfg.block_size
+    from numesh.nn.gpt import ConfigError
+
+    with pytest.raises(ConfigError, match="block_size"):
+        logits_cached(params, idx[:, :1], cache, cfg, mesh)

@@ -1,0 +1,282 @@
+"""The mesh on one rank: parsing, sizes, identity collectives, partition specs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from conftest import self_mesh
+from numesh.mesh import (
+    AXES,
+    ByteCounter,
+    Mesh,
+    MeshError,
+    P,
+    all_gather,
+    broadcast,
+    ipsum,
+    ipsum_scatter,
+    irecv,
+    isend,
+    local_shape,
+    local_slices,
+    parse_mesh,
+    pmax,
+    psum,
+    psum_scatter,
+    recv,
+    replicated_axes,
+    send,
+    sendrecv,
+    shard,
+    unshard,
+)
+
+# ---------------------------------------------------------------------------------------
+# parse_mesh
+
+
+@pytest.mark.parametrize(
+    "spec, n, want",
+    [
+        ("", 1, dict(pp=1, dp=1, tp=1)),
+        (None, 1, dict(pp=1, dp=1, tp=1)),
+        ("dp=2,tp=2,pp=2", 8, dict(pp=2, dp=2, tp=2)),
+        ("tp=4", 4, dict(pp=1, dp=1, tp=4)),
+        (" dp = 2 , tp = 2 ", 4, dict(pp=1, dp=2, tp=2)),
+        ("dp=-1,tp=2", 8, dict(pp=1, dp=4, tp=2)),
+        ("tp=-1", 8, dict(pp=1, dp=1, tp=8)),
+        ("pp=2,dp=-1,tp=2", 8, dict(pp=2, dp=2, tp=2)),
+        ("dp=-1", 1, dict(pp=1, dp=1, tp=1)),
+        ({"dp": -1, "tp": 2}, 8, dict(pp=1, dp=4, tp=2)),
+    ],
+)
+def test_parse_mesh(spec: object, n: int, want: dict) -> None:
+    assert parse_mesh(spec, n) == want
+
+
+@pytest.mark.parametrize(
+    "spec, n, match",
+    [
+        ("dp=2,tp=2", 8, "needs 4 ranks"),  # product != ranks
+        ("dp=2", 1, "needs 2 ranks"),
+        ("ep=2", 2, "unknown mesh axis 'ep'"),
+        ("dp=0", 1, ">= 1"),
+        ("tp=-2", 2, ">= 1"),
+        ("dp2", 2, "malformed"),
+        ("=2", 2, "malformed"),
+        ("dp=two", 2, "malformed"),
+        ("dp=1.5", 2, "malformed"),
+        ("dp=-1,tp=-1", 4, "only one mesh axis may be -1"),
+        ("dp=2,dp=2", 4, "twice"),
+        ("dp=-1,tp=3", 8, "cannot infer dp"),
+        ({"xx": 1}, 1, "unknown mesh axis"),
+    ],
+)
+def test_parse_mesh_errors(spec: object, n: int, match: str) -> None:
+    with pytest.raises(MeshError, match=match):
+        parse_mesh(spec, n)
+
+
+def test_mesh_error_is_value_error() -> None:
+    assert issubclass(MeshError, ValueError)
+
+
+# ---------------------------------------------------------------------------------------
+# the 1x1x1 mesh
+
+
+def test_mesh_on_comm_self() -> None:
+    mesh = self_mesh()
+    assert mesh.shape == {"pp": 1, "dp": 1, "tp": 1}
+    for axes in (*AXES, ("dp", "tp"), ("pp", "dp", "tp"), ("tp", "pp")):
+        assert mesh.size(axes) == 1
+        assert mesh.index(axes) == 0
+        assert mesh.comm(axes).Get_size() == 1
+    assert mesh.rank == 0
+    assert mesh.coords == {"pp": 0, "dp": 0, "tp": 0}
+    assert mesh.neighbors("pp") == (MPI.PROC_NULL, MPI.PROC_NULL)
+    assert mesh.axes_of_size_gt1() == ()
+    assert mesh.comm(("tp", "dp")) is mesh.comm(("dp", "tp"))  # one cached sub-communicator per axis set
+    assert repr(mesh) == "Mesh(pp=1, dp=1, tp=1)"
+    with pytest.raises(MeshError):
+        mesh.size("ep")
+    with pytest.raises(MeshError):
+        mesh.comm("ep")
+
+
+def test_mesh_parse_and_create_check_the_rank_count() -> None:
+    assert Mesh.parse("dp=-1", MPI.COMM_SELF).shape == {"pp": 1, "dp": 1, "tp": 1}
+    with pytest.raises(MeshError):
+        Mesh.parse("tp=2", MPI.COMM_SELF)
+    with pytest.raises(MeshError):
+        Mesh.create(comm=MPI.COMM_SELF, dp=2)
+
+
+def _fake_mesh(**sizes: int) -> Mesh:
+    """A Mesh's size/index logic on given axis sizes and coordinates, with no communicator
+    (local_shape and local_slices only read `shape` and `coords`)."""
+    m = Mesh.__new__(Mesh)
+    m.shape = {a: sizes.get(a, 1) for a in AXES}
+    m.coords = {a: sizes.get(a + "_i", 0) for a in AXES}
+    return m
+
+
+def test_merged_axis_size_and_index_are_row_major_in_axis_order() -> None:
+    m = _fake_mesh(pp=2, dp=3, tp=4, pp_i=1, dp_i=2, tp_i=3)
+    assert m.size(("dp", "tp")) == 12
+    assert m.size(("tp", "dp")) == 12
+    assert m.index(("dp", "tp")) == 2 * 4 + 3
+    assert m.index(("tp", "dp")) == 2 * 4 + 3  # canonical pp, dp, tp order whatever the order given
+    assert m.index(("pp", "dp", "tp")) == (1 * 3 + 2) * 4 + 3
+    assert m.neighbors("dp") == (1, MPI.PROC_NULL)
+    assert m.neighbors("tp") == (2, MPI.PROC_NULL)
+    m2 = _fake_mesh(pp=3, pp_i=1)
+    assert m2.neighbors("pp") == (0, 2)
+    assert _fake_mesh(pp=3).neighbors("pp") == (MPI.PROC_NULL, 1)
+
+
+# ---------------------------------------------------------------------------------------
+# collectives on size-1 axes: the identity, and nothing counted
+
+AXIS_SETS = ["pp", "dp", "tp", ("dp", "tp"), ("pp", "dp", "tp")]
+
+
+@pytest.mark.parametrize("axes", AXIS_SETS)
+def test_collectives_on_size_one_axes_are_identity(axes: object) -> None:
+    mesh = self_mesh()
+    x = np.arange(12.0).reshape(3, 4)
+    before = x.copy()
+    assert psum(x, mesh, axes) is x
+    assert psum(x, mesh, axes, inplace=True) is x
+    assert pmax(x, mesh, axes) is x
+    assert all_gather(x, mesh, axes, 0) is x
+    assert all_gather(x, mesh, axes, 1) is x
+    assert psum_scatter(x, mesh, axes, 0) is x
+    assert psum_scatter(x, mesh, axes, 1) is x
+    assert ipsum(x, mesh, axes).wait() is x
+    assert ipsum_scatter(x, mesh, axes, 1).wait() is x
+    assert broadcast(x, mesh, axes) is x
+    np.testing.assert_array_equal(x, before)
+    assert mesh.counter.total() == 0
+    assert mesh.counter.total(kind="payload") == 0
+    assert mesh.counter.total(kind="calls") == 0
+
+
+@pytest.mark.parametrize("axis", AXES)
+def test_point_to_point_with_proc_null_on_one_rank(axis: str) -> None:
+    mesh = self_mesh()
+    prev, nxt = mesh.neighbors(axis)
+    x = np.arange(4.0)
+    buf = np.full(4, -7.0)
+    send(x, mesh, axis, nxt)
+    assert recv(buf, mesh, axis, prev) is buf
+    np.testing.assert_array_equal(buf, -7.0)  # a receive from PROC_NULL leaves the buffer alone
+    assert sendrecv(x, buf, mesh, axis, nxt, prev) is buf
+    np.testing.assert_array_equal(buf, -7.0)
+    h_send = isend(x, mesh, axis, nxt)
+    h_recv = irecv(buf, mesh, axis, prev)
+    h_send.wait()
+    assert h_recv.wait() is buf
+    np.testing.assert_array_equal(buf, -7.0)
+    assert mesh.counter.total(kind="payload") == 0
+
+
+def test_send_to_self_along_size_one_axis() -> None:
+    """Index 0 along a size-1 axis is this rank: a message to it arrives."""
+    mesh = self_mesh()
+    x = np.arange(5.0)
+    buf = np.zeros(5)
+    h = irecv(buf, mesh, "pp", 0, tag=3)
+    send(x, mesh, "pp", 0, tag=3)
+    h.wait()
+    np.testing.assert_array_equal(buf, x)
+    assert mesh.counter.total("pp", "send", kind="payload") == x.nbytes
+
+
+def test_byte_counter_formulas() -> None:
+    c = ByteCounter()
+    c.add(("tp",), "all_reduce", 1000, 4)
+    c.add(("tp",), "all_gather", 800, 4)
+    c.add(("dp", "tp"), "reduce_scatter", 400, 8)
+    c.add(("pp",), "send", 64, 2)
+    assert c.total("tp", "all_reduce", kind="payload") == 1000
+    assert c.total("tp", "all_reduce") == pytest.approx(2 * 3 / 4 * 1000)
+    assert c.total("tp", "all_gather") == pytest.approx(3 / 4 * 800)
+    assert c.total(("tp", "dp"), "reduce_scatter") == pytest.approx(7 / 8 * 400)
+    assert c.total("pp", kind="bus") == 64
+    assert c.total("tp", kind="payload") == 1800  # only the tp-alone group
+    assert c.total(kind="payload") == 1000 + 800 + 400 + 64
+    assert c.total(kind="calls") == 4
+    with pytest.raises(MeshError):
+        c.total("ep")
+    c.reset()
+    assert c.total() == 0 and c.total(kind="calls") == 0
+
+
+# ---------------------------------------------------------------------------------------
+# partition specs
+
+
+def test_partition_spec_validation() -> None:
+    assert P(None, "tp") == (None, "tp")
+    assert P(None, "tp").axes() == ("tp",)
+    assert P(("tp", "dp"), None).axes() == ("dp", "tp")
+    assert P().axes() == ()
+    for bad in (("ep",), (None, "TP"), (("dp", "xx"),)):
+        with pytest.raises(MeshError):
+            P(*bad)
+
+
+def test_replicated_axes() -> None:
+    assert replicated_axes(P(None, "tp")) == ("pp", "dp")
+    assert replicated_axes(P(("dp", "tp"))) == ("pp",)
+    assert replicated_axes(P()) == AXES
+    assert replicated_axes(P(None, "tp"), self_mesh()) == ()  # with a mesh: only axes of size > 1
+    assert replicated_axes(P(None, "tp"), _fake_mesh(dp=2, tp=2)) == ("dp",)
+    assert replicated_axes(P("dp"), _fake_mesh(pp=2, dp=2, tp=2)) == ("pp", "tp")
+
+
+def test_local_shape_and_slices() -> None:
+    m = _fake_mesh(dp=2, tp=4, dp_i=1, tp_i=2)
+    assert local_shape((8, 6), P("tp", None), m) == (2, 6)
+    assert local_shape((8, 6), P(None, None), m) == (8, 6)
+    assert local_shape((8, 6), P(), m) == (8, 6)  # missing trailing entries are replicated
+    assert local_shape((3, 8), P(None, ("dp", "tp")), m) == (3, 1)
+    assert local_shape((4, 8), P("dp", "tp"), m) == (2, 2)
+    assert local_slices((8, 6), P("tp", None), m) == (slice(4, 6), slice(0, 6))
+    assert local_slices((3, 16), P(None, ("dp", "tp")), m) == (slice(0, 3), slice(12, 14))
+    assert local_slices((4, 8), P("dp", "tp"), m) == (slice(2, 4), slice(4, 6))
+
+
+@pytest.mark.parametrize(
+    "shape, spec",
+    [((6, 4), P("tp", None)), ((4, 6), P(None, "tp")), ((12, 8), P(("dp", "tp"))), ((3,), P("dp"))],
+)
+def test_local_shape_not_divisible_raises(shape: tuple, spec: P) -> None:
+    m = _fake_mesh(dp=2, tp=4)
+    with pytest.raises(ValueError, match="does not divide"):
+        local_shape(shape, spec, m)
+
+
+def test_spec_longer_than_array_raises() -> None:
+    with pytest.raises(ValueError):
+        local_shape((4,), P(None, "tp"), self_mesh())
+
+
+@pytest.mark.parametrize("spec", [P("tp", None), P(None, "tp"), P(("dp", "tp")), P()])
+def test_shard_unshard_on_one_rank(spec: P) -> None:
+    mesh = self_mesh()
+    x = np.arange(24.0).reshape(4, 6)
+    local = shard(x, spec, mesh)
+    np.testing.assert_array_equal(local, x)
+    assert local.flags.c_contiguous
+    np.testing.assert_array_equal(unshard(local, spec, mesh), x)
+
+
+def test_shard_returns_an_owned_copy() -> None:
+    x = np.arange(24.0).reshape(4, 6)
+    local = shard(x, P("tp", None), self_mesh())
+    x[0, 0] = 100.0
+    assert local[0, 0] == 0.0
