@@ -24,7 +24,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from numesh.data import DataError
     from numesh.mesh import MeshError
     from numesh.nn.gpt import ConfigError
-    from numesh.sample import CheckpointError
+    from numesh.checkpoint import CheckpointError
 
     return (DataError, MeshError, ConfigError, CheckpointError)
 
@@ -154,7 +154,9 @@ class _Progress:
 
 @app.command("sample")
 def sample_cmd(
-    ckpt: Path = typer.Option(..., help="checkpoint directory, e.g. runs/x/ckpt/latest"),
+    ckpt: Path = typer.Option(
+        ..., help="checkpoint directory (e.g. runs/x/ckpt/latest) or a `numesh export`ed .safetensors file"
+    ),
     prompt: str = typer.Option("\n", help="text to continue"),
     max_new_tokens: int = typer.Option(500, help="tokens to generate"),
     temperature: float = typer.Option(0.8, help="softmax temperature; 0 = greedy"),
@@ -175,6 +177,38 @@ def sample_cmd(
         texts = sample(cfg)
         if is_root():
             print("\n---------------\n".join(texts))
+
+    _run(go)
+
+
+@app.command("reshard")
+def reshard_cmd(
+    ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest"),
+    to: str = typer.Option(..., "--to", help="target mesh, e.g. tp=4 (axes not named keep the checkpoint's size)"),
+    out: Optional[Path] = typer.Option(None, help="output directory (default: a sibling such as step_000100-tp4)"),
+) -> None:
+    """Rewrite a checkpoint as another mesh's ranks would have written it (one process; any mesh can also load any checkpoint directly)."""
+
+    def go() -> None:
+        from numesh.checkpoint import reshard
+
+        print(reshard(ckpt, to, out))
+
+    _run(go)
+
+
+@app.command("export")
+def export_cmd(
+    ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest"),
+    out: Path = typer.Option(..., help="output .safetensors file"),
+    dtype: Optional[str] = typer.Option(None, help="float32 or float64 (default: the checkpoint's)"),
+) -> None:
+    """Export the parameters as one safetensors file with nanoGPT's state-dict names (numesh sample --ckpt FILE reads it too)."""
+
+    def go() -> None:
+        from numesh.checkpoint import export_nanogpt
+
+        print(export_nanogpt(ckpt, out, dtype))
 
     _run(go)
 

@@ -6,13 +6,13 @@ the same random stream, so all ranks agree on every token without extra communic
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import attrs
 import numpy as np
 from mpi4py import MPI
 
+from numesh.checkpoint.format import CheckpointError
 from numesh.data import CharTokenizer
 from numesh.mesh import Mesh, all_gather, shard
 from numesh.nn.gpt import (
@@ -21,19 +21,14 @@ from numesh.nn.gpt import (
     GPTConfig,
     block_fwd,
     embed_fwd,
-    gpt_global_shapes,
     gpt_specs,
     logits_cached,
     new_kv_cache,
 )
 from numesh.nn.layers import layernorm_fwd
-from numesh.tree import tree_map, tree_map_with_path
+from numesh.tree import tree_map
 
-CKPT_FORMAT = "numesh-params-v1"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, naming the file."""
+__all__ = ["Checkpoint", "CheckpointError", "SampleConfig", "generate", "load_checkpoint", "sample"]
 
 
 @attrs.frozen
@@ -46,36 +41,20 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Read `config.json` + `model.safetensors` (no pickle) into global parameters."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+    """Whole parameters of a checkpoint directory (e.g. RUN/ckpt/latest) or of a
+    `numesh export`ed nanoGPT .safetensors file (no pickle either way)."""
+    from numesh.checkpoint import import_nanogpt, read_global_params, read_meta
 
-    root = Path(path)
-    meta_path, tensors_path = root / "config.json", root / "model.safetensors"
-    for p in (meta_path, tensors_path):
-        if not p.is_file():
-            raise CheckpointError(f"no checkpoint file {p}: pass --ckpt RUN/ckpt/latest of a finished run")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{meta_path} is not valid JSON: {e}") from None
-    if meta.get("format") != CKPT_FORMAT:
-        raise CheckpointError(f"{meta_path} has format {meta.get('format')!r}, expected {CKPT_FORMAT!r}")
-    model = GPTConfig(**meta["model"])
-    try:
-        arrays = load_file(str(tensors_path))
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{tensors_path} cannot be read: {e}") from None
-
-    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in arrays:
-            raise CheckpointError(f"{tensors_path} has no tensor '{name}'")
-        if arrays[name].shape != tuple(shape):
-            raise CheckpointError(f"{tensors_path}: '{name}' has shape {arrays[name].shape}, the model needs {tuple(shape)}")
-        return arrays[name]
-
-    params = tree_map_with_path(take, gpt_global_shapes(model))
-    return Checkpoint(model, CharTokenizer.from_meta(meta["tokenizer"]), params, meta.get("dtype", "float32"), meta.get("step", 0))
+    p = Path(path)
+    if p.is_file() or p.suffix == ".safetensors":
+        model, tok, params, dtype, step = import_nanogpt(p)
+    else:
+        meta = read_meta(p)
+        model, tok, params = read_global_params(p)
+        dtype, step = meta.dtype, meta.step
+    if tok is None:
+        raise CheckpointError(f"{p} holds no tokenizer: it cannot be sampled from")
+    return Checkpoint(model, tok, params, dtype, step)
 
 
 def shard_params(params: GPT, model: GPTConfig, mesh: Mesh) -> GPT:

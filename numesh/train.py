@@ -26,14 +26,15 @@ from numesh.nn.gpt import (
     ConfigError,
     DropoutKey,
     GPTConfig,
-    forward_loss,
     gpt_global_shapes,
     gpt_specs,
     init_gpt,
-    run_backward,
 )
 from numesh.optim import AdamWConfig, clip_scale, cosine_lr
 from numesh.optim.zero import ZeroOptimizer
+from numesh.pipeline.executor import PipelineExecutor, StepStats
+from numesh.pipeline.schedules import make_schedule
+from numesh.pipeline.stages import StageLayout, stage_tree
 from numesh.tree import tree_leaves, tree_leaves_with_path, tree_map
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -70,6 +71,9 @@ class TrainConfig:
     zero: int = _field(0, "ZeRO stage over dp: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters")
     bucket_mb: float = _field(1.0, "MiB per gradient all-reduce bucket (ZeRO 0); reduction starts during backward")
     overlap: bool = _field(True, "overlap gradient reduction with backward (off: reduce each bucket at once)")
+    # pipeline parallelism
+    schedule: str = _field("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (micro-batches = --micro-batches)")
+    virtual_stages: int = _field(1, "model chunks per pp rank (interleaved schedule)")
     # evaluation and logging
     eval_interval: int = _field(250, "evaluate train/val loss every this many steps")
     eval_iters: int = _field(20, "batches per split and evaluation")
@@ -80,6 +84,10 @@ class TrainConfig:
     mesh: str = _field("", "process mesh, e.g. dp=2,tp=2 (omitted axes = 1, one axis may be -1)")
     seed: int = _field(1337, "seed of the initial parameters, data order and dropout")
     dtype: str = _field("float32", "float32 or float64")
+    # checkpoints
+    ckpt_interval: int = _field(0, "save a checkpoint every N steps; 0 = only at the end")
+    keep: int = _field(0, "keep the N newest checkpoints; 0 = all")
+    resume: str = _field("", "checkpoint to continue from (written on any mesh), e.g. OUT/ckpt/latest")
 
     def model(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(
@@ -128,8 +136,6 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
 def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]:
     """Every check that can fail, run identically on every rank before any collective."""
     shape = parse_mesh(cfg.mesh, n_ranks)
-    if shape["pp"] > 1:
-        raise ConfigError("pipeline parallelism (pp > 1) is not implemented yet: use --mesh with pp=1")
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
     for name in ("batch_size", "micro_batches", "eval_interval", "eval_iters", "log_interval"):
@@ -153,6 +159,8 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
             raise ConfigError(f"block_size={cfg.block_size} is larger than the {n}-token {split} split: use a smaller --block-size")
     model = cfg.model(tok.vocab_size)
     model.validate(shape["tp"])
+    StageLayout(model.n_layer, shape["pp"], cfg.virtual_stages)
+    make_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
     return shape, model
 
 
@@ -181,13 +189,20 @@ class Trainer:
         self.cfg = cfg
         self.mesh = Mesh(shape, comm)
         self.dtype = DTYPES[cfg.dtype]
-        self.specs = gpt_specs(self.model)
+        pp_rank = self.mesh.index("pp")
+        self.layout = StageLayout(self.model.n_layer, shape["pp"], cfg.virtual_stages)
+        self.schedule = make_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
+        self.specs = stage_tree(gpt_specs(self.model), self.layout, pp_rank)
         adamw = AdamWConfig(cfg.beta1, cfg.beta2, 1e-8, cfg.weight_decay)
+        params = stage_tree(init_gpt(self.model, self.mesh, cfg.seed, self.dtype), self.layout, pp_rank)
+        tied_copy = shape["pp"] > 1 and self.layout.is_last(pp_rank)  # counted on the first rank
         self.opt = ZeroOptimizer(
-            init_gpt(self.model, self.mesh, cfg.seed, self.dtype), self.specs, self.mesh, cfg.zero, adamw,
-            bucket_bytes=int(cfg.bucket_mb * 2**20), overlap=cfg.overlap,
+            params, self.specs, self.mesh, cfg.zero, adamw, bucket_bytes=int(cfg.bucket_mb * 2**20),
+            overlap=cfg.overlap, uncounted=("outer.wte",) if tied_copy else (),
         )
         self.opt.check_replicas()
+        self.pipeline = PipelineExecutor(self.model, self.mesh, self.layout, self.opt)
+        self.last_stats: StepStats | None = None
         self.train_data = D.load_split(cfg.data, "train")
         self.val_data = D.load_split(cfg.data, "val")
         self.step = 0
@@ -206,24 +221,24 @@ class Trainer:
         c = self.cfg
         return cosine_lr(step, c.learning_rate, c.min_lr, c.warmup_iters, c.lr_decay_iters)
 
+    def _micro_batches(self, data: np.ndarray, key: tuple[int, ...], count: int) -> list:
+        c, mesh = self.cfg, self.mesh
+        return D.local_batch(data, key, c.batch_size, c.block_size, mesh.index("dp"), mesh.size("dp"), count)
+
     def train_step(self) -> tuple[float, float, float]:
         """One optimiser step on the global batch of `self.step`: (loss, grad norm, lr)."""
         c, mesh = self.cfg, self.mesh
-        micro = D.local_batch(
-            self.train_data, D.train_key(c.seed, self.step), c.batch_size, c.block_size,
-            mesh.index("dp"), mesh.size("dp"), c.micro_batches,
-        )
-        scale = 1.0 / self.tokens_per_step
-        rows = c.batch_size // (mesh.size("dp") * c.micro_batches)
-        loss = 0.0
+        micro = self._micro_batches(self.train_data, D.train_key(c.seed, self.step), c.micro_batches)
+        rows = micro[0][0].shape[0]
+        drops = [
+            DropoutKey(c.dropout, c.seed, self.step, (mesh.index("dp") * len(micro) + m) * rows, c.batch_size)
+            if c.dropout > 0.0 else None
+            for m in range(len(micro))
+        ]
         self.opt.begin_step(len(micro))
-        for m, (x, y) in enumerate(micro):
-            drop = None
-            if c.dropout > 0.0:
-                row0 = mesh.index("dp") * rows * c.micro_batches + m * rows
-                drop = DropoutKey(c.dropout, c.seed, self.step, row0, c.batch_size)
-            loss += run_backward(self.opt, x, y, self.model, mesh, scale, drop)
-        loss = float(psum(np.array([loss]), mesh, "dp")[0])
+        stats = self.pipeline.run(self.schedule, micro, 1.0 / self.tokens_per_step, drops)
+        self.last_stats = stats
+        loss = float(psum(np.array([stats.loss]), mesh, ("pp", "dp"))[0])
         norm = self.opt.global_norm()
         lr = self.lr(self.step)
         self.opt.step(lr, clip_scale(norm, c.grad_clip))
@@ -235,47 +250,37 @@ class Trainer:
         c, mesh = self.cfg, self.mesh
         out = {}
         for split, data in (("train", self.train_data), ("val", self.val_data)):
-            total = 0.0
-            for i in range(c.eval_iters):
-                (x, y), = D.local_batch(data, D.eval_key(c.seed, split, i), c.batch_size, c.block_size,
-                                       mesh.index("dp"), mesh.size("dp"), 1)
-                total += float(forward_loss(self.opt, x, y, self.model, mesh).sum())
-            total = float(psum(np.array([total]), mesh, "dp")[0])
+            batches = [self._micro_batches(data, D.eval_key(c.seed, split, i), 1)[0] for i in range(c.eval_iters)]
+            total = self.pipeline.forward_losses(batches)
+            total = float(psum(np.array([total]), mesh, ("pp", "dp"))[0])
             out[f"{split}_loss"] = total / (c.eval_iters * self.tokens_per_step)
         return out
 
     def gathered_params(self) -> GPT:
-        """The global parameters (vocabulary unpadded), gathered on every rank."""
+        """The global parameters (vocabulary unpadded), gathered on every rank (tests, export)."""
         full = tree_map(lambda x, s: unshard(x, s, self.mesh), self.params, self.specs)
+        if self.mesh.size("pp") > 1:  # a one-off gather of whole stages, not a hot path
+            mine = {"blocks": dict(zip(self.layout.owned(self.mesh.index("pp")), full.blocks))}
+            if self.layout.is_first(self.mesh.index("pp")):
+                mine.update(wte=full.wte, wpe=full.wpe)
+            if self.layout.is_last(self.mesh.index("pp")):
+                mine.update(ln_f=full.ln_f)
+            parts = self.mesh.comm("pp").allgather(mine)
+            merged: dict = {"blocks": {}}
+            for part in parts:
+                merged["blocks"].update(part.pop("blocks"))
+                merged.update(part)
+            blocks = tuple(merged["blocks"][i] for i in range(self.model.n_layer))
+            full = GPT(wte=merged["wte"], wpe=merged["wpe"], blocks=blocks, ln_f=merged["ln_f"])
         return attrs.evolve(full, wte=full.wte[: self.model.vocab_size])
 
 
-def save_final(trainer: Trainer, out_dir: Path) -> Path:
-    """Write the gathered parameters as `model.safetensors` + `config.json` (rank 0)."""
-    from safetensors.numpy import save_file
+def save_final(trainer: Trainer, out_dir: Path, keep: int = 0) -> Path:
+    """Write a sharded checkpoint of the trainer's current step to OUT/ckpt/step_NNNNNN and
+    point OUT/ckpt/latest at it (collective; see numesh.checkpoint)."""
+    from numesh.checkpoint import save_checkpoint
 
-    full = trainer.gathered_params()
-    ckpt = out_dir / "ckpt" / "latest"
-    if trainer.mesh.rank == 0:
-        tmp = out_dir / "ckpt" / ".latest.tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
-        tensors = {path: np.ascontiguousarray(x) for path, x in tree_leaves_with_path(full)}
-        save_file(tensors, str(tmp / "model.safetensors"))
-        meta = {
-            "format": "numesh-params-v1",
-            "model": attrs.asdict(trainer.model),
-            "step": trainer.step,
-            "tokenizer": D.load_tokenizer(trainer.cfg.data).to_meta(),
-            "dtype": trainer.cfg.dtype,
-        }
-        (tmp / "config.json").write_text(json.dumps(meta, indent=2))
-        if ckpt.exists():
-            import shutil
-
-            shutil.rmtree(ckpt)
-        tmp.rename(ckpt)
-    trainer.mesh.world.Barrier()
-    return ckpt
+    return save_checkpoint(trainer, out_dir, keep=keep or None)
 
 
 @attrs.frozen
@@ -293,23 +298,37 @@ def train(
     comm: MPI.Comm | None = None,
     on_step: Callable[[int, dict], None] | None = None,
 ) -> TrainResult:
-    """Train from scratch as `cfg` says; writes OUT/config.json, OUT/metrics.jsonl, OUT/ckpt/latest."""
+    """Train as `cfg` says, from scratch or from `cfg.resume` (a checkpoint of any mesh);
+    writes OUT/config.json, OUT/metrics.jsonl and checkpoints OUT/ckpt/step_NNNNNN (every
+    `ckpt_interval` steps and at the end) with OUT/ckpt/latest pointing at the newest."""
+    from numesh.checkpoint import load_checkpoint_into
     from numesh.runtime import matmul_peak_flops
 
+    for name in ("ckpt_interval", "keep"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     trainer = Trainer(cfg, comm)
     mesh = trainer.mesh
+    if cfg.resume:
+        load_checkpoint_into(trainer, cfg.resume)
+        if trainer.step > cfg.max_iters:
+            raise ConfigError(
+                f"checkpoint {cfg.resume} is at step {trainer.step}, past max_iters={cfg.max_iters}: raise --max-iters"
+            )
+    start = trainer.step
     out = Path(cfg.out)
     root = mesh.rank == 0
     if root:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(attrs.asdict(cfg), indent=2))
-        metrics_file = open(out / "metrics.jsonl", "w")
+        metrics_file = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
     peak = float(psum(np.array([matmul_peak_flops(trainer.dtype)]), mesh, ("pp", "dp", "tp"))[0])
     fpt = flops_per_token(trainer.model, trainer.n_params)
     t_start = time.perf_counter()
     last: dict = {}
     val = None
-    for step in range(cfg.max_iters + 1):
+    saved_at = None
+    for step in range(start, cfg.max_iters + 1):
         record: dict[str, Any] = {}
         if step % cfg.eval_interval == 0 or step == cfg.max_iters:
             ev = trainer.evaluate()
@@ -333,15 +352,19 @@ def train(
                 metrics_file.flush()
             if on_step is not None:
                 on_step(step, record)
+        if cfg.ckpt_interval and step < cfg.max_iters and trainer.step % cfg.ckpt_interval == 0:
+            save_final(trainer, out, cfg.keep)
+            saved_at = trainer.step
     seconds = time.perf_counter() - t_start
     if root:
         metrics_file.close()
-    ckpt = save_final(trainer, out)
+    if saved_at != trainer.step:
+        save_final(trainer, out, cfg.keep)
     return TrainResult(
-        steps=cfg.max_iters,
+        steps=cfg.max_iters - start,
         final_loss=float(last.get("loss", math.nan)),
         final_val_loss=val,
         seconds=seconds,
-        checkpoint=str(ckpt),
+        checkpoint=str(out / "ckpt" / "latest"),
         metrics=str(out / "metrics.jsonl"),
     )

@@ -153,8 +153,7 @@ PARITY_KEYS = ("loss", "grad_norm", "lr", "train_loss", "val_loss")
 def train_records(cfg: Any, comm: MPI.Comm) -> tuple[list[dict], dict[str, np.ndarray]]:
     """Run `numesh.train.train` on `comm`: (the deterministic part of every metrics record,
     the final global parameters read back from the checkpoint)."""
-    from safetensors.numpy import load_file
-
+    from numesh.checkpoint import read_params_dict
     from numesh.train import train
 
     records: list[dict] = []
@@ -163,7 +162,7 @@ def train_records(cfg: Any, comm: MPI.Comm) -> tuple[list[dict], dict[str, np.nd
         records.append({"step": step, **{k: rec[k] for k in PARITY_KEYS if k in rec}})
 
     result = train(cfg, comm, on_step=on_step)
-    return records, load_file(str(Path(result.checkpoint) / "model.safetensors"))
+    return records, read_params_dict(result.checkpoint)
 
 
 _SERIAL: dict[Any, tuple[list[dict], dict[str, np.ndarray]]] = {}

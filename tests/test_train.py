@@ -10,9 +10,9 @@ import attrs
 import numpy as np
 import pytest
 from mpi4py import MPI
-from safetensors.numpy import load_file
 
 from conftest import SYNTH_TEXT
+from numesh.checkpoint import read_meta, read_params_dict
 from numesh.data import DataError
 from numesh.mesh import MeshError
 from numesh.nn.gpt import ConfigError
@@ -36,7 +36,7 @@ def run(cfg: TrainConfig) -> tuple[list[float], dict[str, np.ndarray]]:
     """Train on this process alone: (loss of every step, final parameters from the checkpoint)."""
     losses: list[float] = []
     train(cfg, MPI.COMM_SELF, on_step=lambda step, rec: losses.append(rec["loss"]) if "loss" in rec else None)
-    return losses, load_file(str(Path(cfg.out) / "ckpt" / "latest" / "model.safetensors"))
+    return losses, read_params_dict(Path(cfg.out) / "ckpt" / "latest")
 
 
 def test_train_learns_logs_and_checkpoints(char_dataset: Path, tmp_path: Path) -> None:
@@ -75,12 +75,12 @@ def test_train_learns_logs_and_checkpoints(char_dataset: Path, tmp_path: Path) -
     assert json.loads((out / "config.json").read_text()) == attrs.asdict(cfg)
     ckpt = out / "ckpt" / "latest"
     assert Path(result.checkpoint) == ckpt
-    assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
-    meta = json.loads((ckpt / "config.json").read_text())
-    assert meta["step"] == 20
-    vocab = meta["model"]["vocab_size"]
-    assert meta["tokenizer"]["vocab_size"] == vocab
-    tensors = load_file(str(ckpt / "model.safetensors"))
+    assert ckpt.is_symlink() and ckpt.resolve().name == "step_000020"
+    meta = read_meta(ckpt)
+    assert meta.step == 20 and meta.dtype == "float64"
+    vocab = meta.model.vocab_size
+    assert meta.tokenizer().vocab_size == vocab
+    tensors = read_params_dict(ckpt)
     assert tensors["wte"].shape == (vocab, 16)
     assert tensors["blocks.1.attn.qkv.w"].shape == (16, 3, 16)
     assert all(t.dtype == np.float64 for t in tensors.values())
@@ -203,7 +203,9 @@ def test_error_classes_are_value_errors() -> None:
         (dict(batch_size=6, micro_batches=4), 1, ConfigError, "batch_size 6 is not divisible"),
         (dict(batch_size=6, mesh="dp=4"), 4, ConfigError, "batch_size 6 is not divisible"),
         (dict(n_head=2, mesh="tp=4"), 4, ConfigError, "n_head=2 is not divisible by tp=4"),
-        (dict(mesh="pp=2"), 2, ConfigError, "pipeline"),
+        (dict(n_layer=3, mesh="pp=2"), 2, ConfigError, "n_layer=3 is not divisible by pp x virtual stages"),
+        (dict(schedule="pipedream"), 1, ValueError, "unknown pipeline schedule"),
+        (dict(n_layer=4, mesh="pp=2", schedule="interleaved", virtual_stages=2, micro_batches=1), 2, ValueError, "interleaved"),
         (dict(mesh="dp=2"), 1, MeshError, "needs 2 ranks"),
         (dict(dtype="float16"), 1, ConfigError, "dtype"),
         (dict(dropout=1.0), 1, ConfigError, "dropout"),

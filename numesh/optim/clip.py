@@ -10,14 +10,16 @@ from numesh.mesh import Mesh, P, psum, replicated_axes
 from numesh.tree import Tree, tree_leaves
 
 # Axes whose ranks hold different parameters (or different slices of them). Over dp the
-# synchronised gradients are identical copies, so dp never enters the norm.
+# synchronised gradients are identical copies, so dp never enters the norm. Over pp every
+# rank holds its own stage's leaves; the one pp duplicate (the tied embedding on the first
+# and last stage) is left out by the caller.
 _MODEL_AXES = ("pp", "tp")
 
 
 def counted_once(spec: P, mesh: Mesh) -> bool:
-    """Whether this rank's copy of a leaf enters the norm: one copy over each model axis
-    the leaf is replicated on."""
-    return all(mesh.index(a) == 0 for a in replicated_axes(spec, mesh) if a in _MODEL_AXES)
+    """Whether this rank's copy of a leaf enters the norm: one copy over tp when the leaf
+    is replicated there (its spec does not split it over tp)."""
+    return "tp" not in replicated_axes(spec, mesh) or mesh.index("tp") == 0
 
 
 def global_norm(grads: Tree, specs: Tree, mesh: Mesh) -> float:

@@ -80,7 +80,7 @@ class ZeroOptimizer:
         self.bucket_bytes, self.overlap = bucket_bytes, overlap
         self.dp, self.r = mesh.size("dp"), mesh.index("dp")
         self.n_layer = len(params.blocks)
-        dtype = params.wpe.dtype
+        dtype = self.dtype = tree_leaves(params)[0].dtype
         trees = split_units(params)
         spec_units = split_units(specs)
         self.units: dict[str, Unit] = {}
@@ -92,7 +92,6 @@ class ZeroOptimizer:
             start += padded
             shard_start += padded // self.dp
         self.total, self.shard_total = start, shard_start
-        self.last_unit = list(self.units)[-1]
         full_init = np.zeros(self.total, dtype=dtype)
         for name, u in self.units.items():
             flatten(trees[name], out=full_init[u.start : u.start + u.size])
@@ -161,12 +160,12 @@ class ZeroOptimizer:
         if self.stage == 3:
             self.gathered.pop(unit, None)
 
-    def grads_ready(self, unit: str, grads: Any) -> None:
-        """Accumulate one micro-batch's gradient of `unit`; reduce once all have arrived
-        (stages 0/1), or reduce-scatter each one into the shard (stages 2/3)."""
+    def grads_ready(self, unit: str, grads: Any, count: int = 1) -> None:
+        """Accumulate the gradient of `unit` from `count` micro-batches; reduce once all have
+        arrived (stages 0/1), or reduce-scatter each one into the shard (stages 2/3)."""
         u = self.units[unit]
         first = self.received[unit] == 0
-        self.received[unit] += 1
+        self.received[unit] += count
         if self.stage <= 1:
             view = self.grad_full[u.start : u.start + u.size]
             if first:
@@ -188,15 +187,21 @@ class ZeroOptimizer:
     # ------------------------------------------------------------------ gradient sync
 
     def _bucket_add(self, u: Unit) -> None:
-        self.bucket.append(u)
-        nbytes = sum(b.padded for b in self.bucket) * self.grad_full.itemsize
-        if nbytes >= self.bucket_bytes or u.name == self.last_unit:
-            first = self.bucket[0]
-            span = self.grad_full[first.start : u.start + u.padded]
-            self.pending.append((ipsum(span, self.mesh, "dp"), None))
-            self.bucket = []
-            if not self.overlap:
-                self.wait()
+        """Mark `u` reduced-ready; all-reduce the ready units in layout order, a bucket
+        (a contiguous span of at least `bucket_bytes`, or the rest) at a time."""
+        self.ready.add(u.name)
+        order = list(self.units.values())
+        while self.next_ready < len(order) and order[self.next_ready].name in self.ready:
+            self.bucket.append(order[self.next_ready])
+            self.next_ready += 1
+            nbytes = sum(b.padded for b in self.bucket) * self.grad_full.itemsize
+            if nbytes >= self.bucket_bytes or self.next_ready == len(order):
+                first, last = self.bucket[0], self.bucket[-1]
+                span = self.grad_full[first.start : last.start + last.padded]
+                self.pending.append((ipsum(span, self.mesh, "dp"), None))
+                self.bucket = []
+                if not self.overlap:
+                    self.wait()
 
     def _launch_scatter(self, u: Unit, buf: np.ndarray) -> None:
         self.pending.append((ipsum_scatter(buf, self.mesh, "dp"), u))
@@ -224,6 +229,8 @@ class ZeroOptimizer:
         self.n_micro = n_micro
         self.received = dict.fromkeys(self.units, 0)
         self.reduced = dict.fromkeys(self.units, 0)
+        self.ready: set[str] = set()
+        self.next_ready = 0
 
     # ------------------------------------------------------------------ the step
 

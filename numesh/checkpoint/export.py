@@ -1,0 +1,177 @@
+"""Export to (and import from) a nanoGPT-style state dict in one safetensors file.
+
+Names and layouts are nanoGPT's `GPT.state_dict()`: torch Linear weights are [out, in]
+(ours are [in, out]), `c_attn` packs q, k, v along its output dim, `lm_head.weight` is
+the tied `transformer.wte.weight`. The file's metadata holds the model config and the
+tokenizer, so `numesh sample --ckpt model.safetensors` can use it directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from numesh.checkpoint.format import CheckpointError
+from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
+from numesh.nn.layers import LayerNorm, Linear
+
+EXPORT_FORMAT = "numesh-nanogpt"
+
+
+def to_nanogpt(params: GPT, model: GPTConfig) -> dict[str, np.ndarray]:
+    """nanoGPT state-dict tensors of whole unpadded parameters."""
+    C = model.n_embd
+    sd: dict[str, np.ndarray] = {}
+
+    def put(name: str, x: np.ndarray | None) -> None:
+        if x is not None:
+            sd[name] = np.ascontiguousarray(x)
+
+    def ln(prefix: str, p: LayerNorm) -> None:
+        put(prefix + ".weight", p.w)
+        put(prefix + ".bias", p.b)
+
+    put("transformer.wte.weight", params.wte)
+    put("transformer.wpe.weight", params.wpe)
+    for i, b in enumerate(params.blocks):
+        h = f"transformer.h.{i}"
+        ln(h + ".ln_1", b.ln1)
+        put(h + ".attn.c_attn.weight", b.attn.qkv.w.reshape(C, 3 * C).T)
+        put(h + ".attn.c_attn.bias", None if b.attn.qkv.b is None else b.attn.qkv.b.reshape(3 * C))
+        put(h + ".attn.c_proj.weight", b.attn.proj.w.T)
+        put(h + ".attn.c_proj.bias", b.attn.proj.b)
+        ln(h + ".ln_2", b.ln2)
+        put(h + ".mlp.c_fc.weight", b.mlp.fc.w.T)
+        put(h + ".mlp.c_fc.bias", b.mlp.fc.b)
+        put(h + ".mlp.c_proj.weight", b.mlp.proj.w.T)
+        put(h + ".mlp.c_proj.bias", b.mlp.proj.b)
+    ln("transformer.ln_f", params.ln_f)
+    put("lm_head.weight", params.wte)
+    return sd
+
+
+def from_nanogpt(sd: dict[str, np.ndarray], model: GPTConfig, where: Path) -> GPT:
+    """Whole unpadded parameters from nanoGPT state-dict tensors (checks names and shapes)."""
+    C, V = model.n_embd, model.vocab_size
+    used: set[str] = set()
+
+    def get(name: str, shape: tuple[int, ...], optional: bool = False) -> np.ndarray | None:
+        if optional and not model.bias:
+            return None
+        if name not in sd:
+            raise CheckpointError(f"{where} has no tensor '{name}'")
+        x = sd[name]
+        if tuple(x.shape) != shape:
+            raise CheckpointError(f"{where}: '{name}' has shape {list(x.shape)}, the model needs {list(shape)}")
+        used.add(name)
+        return x
+
+    def ln(prefix: str) -> LayerNorm:
+        return LayerNorm(get(prefix + ".weight", (C,)), get(prefix + ".bias", (C,), optional=True))
+
+    def block(i: int) -> Block:
+        h = f"transformer.h.{i}"
+        qkv_b = get(h + ".attn.c_attn.bias", (3 * C,), optional=True)
+        return Block(
+            ln1=ln(h + ".ln_1"),
+            attn=Attention(
+                qkv=Linear(np.ascontiguousarray(get(h + ".attn.c_attn.weight", (3 * C, C)).T.reshape(C, 3, C)),
+                           None if qkv_b is None else qkv_b.reshape(3, C)),
+                proj=Linear(np.ascontiguousarray(get(h + ".attn.c_proj.weight", (C, C)).T),
+                            get(h + ".attn.c_proj.bias", (C,), optional=True)),
+            ),
+            ln2=ln(h + ".ln_2"),
+            mlp=MLP(
+                fc=Linear(np.ascontiguousarray(get(h + ".mlp.c_fc.weight", (4 * C, C)).T),
+                          get(h + ".mlp.c_fc.bias", (4 * C,), optional=True)),
+                proj=Linear(np.ascontiguousarray(get(h + ".mlp.c_proj.weight", (C, 4 * C)).T),
+                            get(h + ".mlp.c_proj.bias", (C,), optional=True)),
+            ),
+        )
+
+    params = GPT(
+        wte=get("transformer.wte.weight", (V, C)),
+        wpe=get("transformer.wpe.weight", (model.block_size, C)),
+        blocks=tuple(block(i) for i in range(model.n_layer)),
+        ln_f=ln("transformer.ln_f"),
+    )
+    head = get("lm_head.weight", (V, C))
+    if not np.array_equal(head, params.wte):
+        raise CheckpointError(f"{where}: lm_head.weight differs from transformer.wte.weight (numesh ties them)")
+    extra = sorted(set(sd) - used)
+    if extra:
+        raise CheckpointError(f"{where}: unexpected tensor '{extra[0]}' for this model config")
+    return params
+
+
+def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = None) -> Path:
+    """Write the checkpoint at `path` as one nanoGPT-named safetensors file (atomically).
+    `dtype` ("float32"/"float64") converts the tensors; default: the checkpoint's."""
+    from safetensors.numpy import save_file
+
+    from numesh.checkpoint.format import DTYPES, read_meta
+    from numesh.checkpoint.load import _read_group
+
+    meta = read_meta(path)
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    params = _read_group(meta, "params")
+    sd = to_nanogpt(params, meta.model)
+    if dtype is not None:
+        sd = {k: v.astype(dtype) for k, v in sd.items()}
+    out = Path(out_file)
+    tok = meta.raw.get("tokenizer")
+    metadata = {
+        "format": EXPORT_FORMAT,
+        "model": json.dumps(attrs.asdict(meta.model)),
+        "tokenizer": json.dumps(tok) if tok is not None else "null",
+        "step": str(meta.step),
+        "gelu": "tanh",
+        "source": str(meta.root),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        save_file(sd, str(tmp), metadata=metadata)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out
+
+
+def import_nanogpt(file: str | Path) -> tuple[GPTConfig, Any, GPT, str, int]:
+    """(model config, tokenizer or None, whole params, dtype name, step) of an exported file."""
+    from safetensors import SafetensorError, safe_open
+
+    from numesh.data import CharTokenizer, DataError
+
+    where = Path(file)
+    if not where.is_file():
+        raise CheckpointError(f"no checkpoint file {where}")
+    try:
+        with safe_open(str(where), framework="numpy") as f:
+            metadata = f.metadata() or {}
+            sd = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{where} cannot be read as safetensors: {e}") from None
+    if metadata.get("format") != EXPORT_FORMAT or "model" not in metadata:
+        raise CheckpointError(f"{where} was not written by `numesh export`: its metadata has no numesh model config")
+    try:
+        model = GPTConfig(**json.loads(metadata["model"]))
+        model.validate(1)
+        tok_meta = json.loads(metadata.get("tokenizer", "null"))
+        tok = None if tok_meta is None else CharTokenizer.from_meta(tok_meta)
+        step = int(metadata.get("step", 0))
+    except (TypeError, ValueError, DataError) as e:
+        raise CheckpointError(f"{where}: bad metadata: {e}") from None
+    params = from_nanogpt(sd, model, where)
+    dtypes = {x.dtype.name for x in sd.values()}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in ("float32", "float64"):
+        raise CheckpointError(f"{where}: tensors must all be float32 or all float64, got {sorted(dtypes)}")
+    return model, tok, params, dtypes.pop(), step

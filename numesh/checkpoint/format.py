@@ -1,0 +1,461 @@
+"""The on-disk checkpoint format: metadata schema, block geometry and safe reading.
+
+A checkpoint is a directory. `meta.json` describes every leaf of the parameters and of
+both AdamW moments by its global path, unpadded global shape, dtype and partition spec,
+and lists the files that hold it: each file is one rectangular block of the global array
+(`offset` + `shape`), stored as `.npy` with its sha256. Nothing here is pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterator, Sequence
+
+import attrs
+import numpy as np
+
+from numesh.mesh import AXES, P
+from numesh.mesh.mesh import axis_names
+from numesh.nn.gpt import GPTConfig, gpt_global_shapes, gpt_specs
+from numesh.tree import tree_leaves_with_path
+
+FORMAT = "numesh-ckpt"
+VERSION = 1
+META_FILE = "meta.json"
+GROUPS = ("params", "m", "v")
+DTYPES = ("float32", "float64")
+# model-config keys that change the shape of some parameter (dropout does not)
+SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
+STEP_DIR = re.compile(r"step_(\d+)")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or read, naming the file."""
+
+
+# ---------------------------------------------------------------------------------------
+# geometry: pure functions of shapes, specs and mesh coordinates
+
+
+Region = tuple[slice, ...]
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def global_path(local_path: str, owned: Sequence[int]) -> str:
+    """The global leaf path of a pipeline rank's local path: local block j is global layer owned[j]."""
+    parts = local_path.split(".")
+    if parts[0] == "blocks":
+        if len(parts) < 2 or not parts[1].isdigit() or int(parts[1]) >= len(owned):
+            raise ValueError(f"local path '{local_path}' names no block of the {len(owned)} this rank owns")
+        parts[1] = str(owned[int(parts[1])])
+    return ".".join(parts)
+
+
+def _dims(ndim: int, spec: Sequence) -> list:
+    if len(spec) > ndim:
+        raise ValueError(f"spec {spec!r} has {len(spec)} entries but the array has {ndim} dims")
+    return list(spec) + [None] * (ndim - len(spec))
+
+
+def block_region(padded_shape: Sequence[int], spec: Sequence, sizes: dict[str, int], coords: dict[str, int]) -> Region:
+    """Where the rank at `coords` of a mesh of `sizes` holds its shard of an array of
+    (padded) global shape `padded_shape` split by `spec` (the pure form of `local_slices`)."""
+    out = []
+    for i, (n, d) in enumerate(zip(padded_shape, _dims(len(padded_shape), spec))):
+        if d is None:
+            out.append(slice(0, n))
+            continue
+        names = axis_names(d)
+        k, idx = 1, 0
+        for a in names:
+            k *= sizes[a]
+            idx = idx * sizes[a] + coords[a]
+        if n % k:
+            raise ValueError(f"dim {i} of size {n} does not divide by {d}={k} (spec {spec!r})")
+        m = n // k
+        out.append(slice(idx * m, (idx + 1) * m))
+    return tuple(out)
+
+
+def intersect(a: Region, b: Region) -> Region | None:
+    """The overlap of two regions, or None if it is empty."""
+    out = []
+    for x, y in zip(a, b):
+        lo, hi = max(x.start, y.start), min(x.stop, y.stop)
+        if lo >= hi:
+            return None
+        out.append(slice(lo, hi))
+    return tuple(out)
+
+
+def relative(region: Region, origin: Region) -> Region:
+    """`region` in the coordinates of a block that starts at `origin`."""
+    return tuple(slice(r.start - o.start, r.stop - o.start) for r, o in zip(region, origin))
+
+
+def region_of(offset: Sequence[int], shape: Sequence[int]) -> Region:
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def full_region(shape: Sequence[int]) -> Region:
+    return tuple(slice(0, n) for n in shape)
+
+
+def shard_suffix(spec: Sequence, coords: dict[str, int]) -> str:
+    """File-name part naming a block by the coordinates of the axes that split it ("tp1", "full")."""
+    axes = P(*spec).axes()
+    return "-".join(f"{a}{coords[a]}" for a in axes) if axes else "full"
+
+
+def writes_leaf(spec: Sequence, coords: dict[str, int]) -> bool:
+    """Whether the rank at `coords` writes its block of a leaf: among the ranks holding the
+    same block (those differing only on axes the leaf is replicated over), the first."""
+    split = set(P(*spec).axes())
+    return all(coords[a] == 0 for a in ("dp", "tp") if a not in split)
+
+
+def leaf_blocks(global_shape: Sequence[int], padded_shape: Sequence[int], spec: Sequence,
+                sizes: dict[str, int]) -> list[tuple[str, Region]]:
+    """(file suffix, region of the unpadded global array) of every block the writing ranks
+    of a mesh of `sizes` store for one leaf; blocks lying wholly in the padding are dropped."""
+    axes = P(*spec).axes()
+    out = []
+    for idx in np.ndindex(*[sizes[a] for a in axes]):
+        coords = {a: 0 for a in AXES} | dict(zip(axes, idx))
+        region = intersect(block_region(padded_shape, spec, sizes, coords), full_region(global_shape))
+        if region is not None:
+            out.append((shard_suffix(spec, coords), region))
+    return out
+
+
+def leaf_file(group: str, path: str, suffix: str) -> str:
+    return f"{group}/{path}.{suffix}.npy"
+
+
+def model_leaves(model: GPTConfig) -> dict[str, tuple[tuple[int, ...], P]]:
+    """Global path -> (unpadded global shape, spec) of every parameter."""
+    shapes = dict(tree_leaves_with_path(gpt_global_shapes(model, 1)))
+    specs = dict(tree_leaves_with_path(gpt_specs(model)))
+    return {p: (tuple(shapes[p]), specs[p]) for p in shapes}
+
+
+def padded_shape(model: GPTConfig, path: str, shape: Sequence[int], tp: int) -> tuple[int, ...]:
+    """The global shape a mesh with tensor-parallel size `tp` holds (wte padded to a multiple of tp)."""
+    if path == "wte":
+        return (model.padded_vocab(tp), *shape[1:])
+    return tuple(shape)
+
+
+# ---------------------------------------------------------------------------------------
+# files
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+class _HashingWriter:
+    """A file-like sink that hashes what it writes (np.save streams into it)."""
+
+    def __init__(self, f: Any):
+        self.f, self.h = f, hashlib.sha256()
+
+    def write(self, b: bytes) -> int:
+        self.h.update(b)
+        return self.f.write(b)
+
+
+def write_npy(path: Path, array: np.ndarray) -> str:
+    """np.save `array` (contiguous, no pickle) to `path`, fsync it, return its sha256."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        w = _HashingWriter(f)
+        np.lib.format.write_array(w, np.ascontiguousarray(array), allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    return w.h.hexdigest()
+
+
+def write_text_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def safe_relpath(rel: Any, meta_path: Path) -> str:
+    """A file name from meta.json, rejected unless it is relative and stays inside the checkpoint."""
+    if not isinstance(rel, str) or not rel:
+        raise CheckpointError(f"{meta_path}: a file name is not a non-empty string: {rel!r}")
+    pure = PurePosixPath(rel)
+    if pure.is_absolute() or rel.startswith(("/", "\\")) or ".." in pure.parts or "\\" in rel or ":" in rel:
+        raise CheckpointError(f"{meta_path}: file name '{rel}' is absolute or leaves the checkpoint directory")
+    return rel
+
+
+# ---------------------------------------------------------------------------------------
+# metadata
+
+
+@attrs.frozen
+class FileRecord:
+    file: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    sha256: str
+
+    @property
+    def region(self) -> Region:
+        return region_of(self.offset, self.shape)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "offset": list(self.offset), "shape": list(self.shape), "sha256": self.sha256}
+
+
+@attrs.frozen
+class LeafInfo:
+    key: str  # "params/blocks.0.attn.qkv.w"
+    shape: tuple[int, ...]
+    dtype: str
+    spec: tuple
+    files: tuple[FileRecord, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        spec = [list(d) if isinstance(d, tuple) else d for d in self.spec]
+        return {"shape": list(self.shape), "dtype": self.dtype, "spec": spec, "files": [r.to_json() for r in self.files]}
+
+
+@attrs.frozen
+class Meta:
+    root: Path  # the checkpoint directory (symlinks resolved)
+    raw: dict[str, Any]
+    model: GPTConfig
+    step: int
+    opt_step: int
+    dtype: str
+    leaves: dict[str, LeafInfo]
+
+    @property
+    def path(self) -> Path:
+        return self.root / META_FILE
+
+    def tokenizer(self):
+        from numesh.data import CharTokenizer, DataError
+
+        tok = self.raw.get("tokenizer")
+        if tok is None:
+            return None
+        try:
+            return CharTokenizer.from_meta(tok)
+        except DataError as e:
+            raise CheckpointError(f"{self.path}: bad tokenizer: {e}") from None
+
+
+def _int_list(x: Any, n: int | None, what: str, meta_path: Path) -> tuple[int, ...]:
+    if not isinstance(x, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in x) or (
+        n is not None and len(x) != n
+    ):
+        want = f"{n} " if n is not None else ""
+        raise CheckpointError(f"{meta_path}: {what} must be a list of {want}non-negative integers, got {x!r}")
+    return tuple(x)
+
+
+def _spec(x: Any, meta_path: Path, key: str) -> tuple:
+    try:
+        if not isinstance(x, list):
+            raise ValueError
+        return tuple(P(*[tuple(d) if isinstance(d, list) else d for d in x]))
+    except (ValueError, TypeError):
+        raise CheckpointError(f"{meta_path}: leaf '{key}' has a malformed spec {x!r}") from None
+
+
+def parse_meta(raw: Any, root: Path) -> Meta:
+    """Check everything in meta.json that can be checked without the array files."""
+    meta_path = root / META_FILE
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{meta_path}: not a JSON object")
+    if raw.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path}: format is {raw.get('format')!r}, expected {FORMAT!r}: not a numesh checkpoint")
+    if raw.get("version") != VERSION:
+        raise CheckpointError(
+            f"{meta_path}: checkpoint format version {raw.get('version')!r} is not supported "
+            f"(this numesh reads version {VERSION})"
+        )
+    try:
+        model = GPTConfig(**raw["model"])
+        model.validate(1)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{meta_path}: bad model config: {e}") from None
+    step, opt_step = raw.get("step"), raw.get("opt_step", raw.get("step"))
+    for name, v in (("step", step), ("opt_step", opt_step)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise CheckpointError(f"{meta_path}: {name} must be a non-negative integer, got {v!r}")
+    dtype = raw.get("dtype")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{meta_path}: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    leaves_raw = raw.get("leaves")
+    if not isinstance(leaves_raw, dict):
+        raise CheckpointError(f"{meta_path}: no 'leaves' table")
+    expected = model_leaves(model)
+    want_keys = {f"{g}/{p}" for g in GROUPS for p in expected}
+    extra = sorted(set(leaves_raw) - want_keys)
+    if extra:
+        raise CheckpointError(f"{meta_path}: leaf '{extra[0]}' is not a parameter of the model it describes")
+    leaves: dict[str, LeafInfo] = {}
+    for group in GROUPS:
+        for path, (shape, spec) in expected.items():
+            key = f"{group}/{path}"
+            info = leaves_raw.get(key)
+            if not isinstance(info, dict):
+                raise CheckpointError(f"{meta_path}: leaf '{key}' is missing")
+            got_shape = _int_list(info.get("shape"), len(shape), f"shape of '{key}'", meta_path)
+            if got_shape != shape:
+                raise CheckpointError(f"{meta_path}: leaf '{key}' has shape {list(got_shape)}, the model needs {list(shape)}")
+            if info.get("dtype") not in DTYPES:
+                raise CheckpointError(f"{meta_path}: leaf '{key}' has dtype {info.get('dtype')!r}")
+            files_raw = info.get("files")
+            if not isinstance(files_raw, list):
+                raise CheckpointError(f"{meta_path}: leaf '{key}' has no file list")
+            files = []
+            for rec in files_raw:
+                if not isinstance(rec, dict):
+                    raise CheckpointError(f"{meta_path}: leaf '{key}' has a malformed file record {rec!r}")
+                rel = safe_relpath(rec.get("file"), meta_path)
+                off = _int_list(rec.get("offset"), len(shape), f"offset of {rel}", meta_path)
+                shp = _int_list(rec.get("shape"), len(shape), f"shape of {rel}", meta_path)
+                if any(o + n > g for o, n, g in zip(off, shp, shape)) or 0 in shp:
+                    raise CheckpointError(f"{meta_path}: block {rel} (offset {list(off)}, shape {list(shp)}) lies outside '{key}' {list(shape)}")
+                digest = rec.get("sha256")
+                if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+                    raise CheckpointError(f"{meta_path}: file {rel} has no valid sha256")
+                files.append(FileRecord(rel, off, shp, digest))
+            _check_tiling(key, shape, files, meta_path)
+            leaves[key] = LeafInfo(key, shape, info["dtype"], _spec(info.get("spec"), meta_path, key), tuple(files))
+    return Meta(root, raw, model, step, opt_step, dtype, leaves)
+
+
+def _check_tiling(key: str, shape: tuple[int, ...], files: list[FileRecord], meta_path: Path) -> None:
+    """The blocks of a leaf must cover it exactly once."""
+    total = sum(math.prod(r.shape) for r in files)
+    for i, a in enumerate(files):
+        for b in files[i + 1 :]:
+            if intersect(a.region, b.region) is not None:
+                raise CheckpointError(f"{meta_path}: blocks {a.file} and {b.file} of '{key}' overlap")
+    if total != math.prod(shape):
+        raise CheckpointError(f"{meta_path}: the blocks of '{key}' cover {total} of its {math.prod(shape)} values")
+
+
+def read_meta(path: str | Path) -> Meta:
+    """Read and check `path/meta.json` (`path` may be the `latest` symlink)."""
+    given = Path(path)
+    if not given.exists():
+        raise CheckpointError(f"no checkpoint at {given}: pass a checkpoint directory such as RUN/ckpt/latest")
+    if not given.is_dir():
+        raise CheckpointError(f"{given} is not a checkpoint directory")
+    root = given.resolve()
+    meta_path = root / META_FILE
+    if not meta_path.is_file():
+        raise CheckpointError(f"{meta_path} is missing: {given} is not a complete numesh checkpoint")
+    try:
+        raw = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta_path} cannot be read: {e}") from None
+    return parse_meta(raw, root)
+
+
+def check_model(meta: Meta, model: GPTConfig) -> None:
+    """Raise if the checkpoint's model has other parameter shapes than `model`."""
+    for key in SHAPE_KEYS:
+        have, want = getattr(meta.model, key), getattr(model, key)
+        if have != want:
+            raise CheckpointError(
+                f"{meta.path}: the checkpoint's model has {key}={have} but this run has {key}={want}: "
+                "resume with the same model config"
+            )
+
+
+# ---------------------------------------------------------------------------------------
+# reading blocks
+
+
+class BlockReader:
+    """Reads regions of stored leaves through memory maps, verifying each file's sha256
+    the first time it is used (only the files actually touched are read)."""
+
+    def __init__(self, meta: Meta):
+        self.meta = meta
+        self.root = meta.root
+        self.verified: set[str] = set()
+
+    def open(self, leaf: LeafInfo, rec: FileRecord) -> np.ndarray:
+        path = self.root / rec.file
+        try:
+            real = path.resolve()
+        except OSError as e:
+            raise CheckpointError(f"{path} cannot be opened: {e}") from None
+        if not real.is_relative_to(self.root):
+            raise CheckpointError(f"{path} leaves the checkpoint directory {self.root}")
+        if not real.is_file():
+            raise CheckpointError(f"{path} is missing from the checkpoint")
+        if rec.file not in self.verified:
+            try:
+                digest = sha256_file(real)
+            except OSError as e:
+                raise CheckpointError(f"{path} cannot be read: {e}") from None
+            if digest != rec.sha256:
+                raise CheckpointError(f"{path} is corrupted or truncated: sha256 {digest} does not match the recorded {rec.sha256}")
+            self.verified.add(rec.file)
+        try:
+            arr = np.load(real, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise CheckpointError(f"{path} is not a readable .npy file: {e}") from None
+        if not isinstance(arr, np.ndarray) or arr.shape != rec.shape or arr.dtype != np.dtype(leaf.dtype):
+            raise CheckpointError(
+                f"{path} holds {getattr(arr, 'dtype', '?')} {getattr(arr, 'shape', '?')}, "
+                f"meta.json says {leaf.dtype} {rec.shape}"
+            )
+        return arr
+
+    def read(self, key: str, region: Region, dtype: Any = None) -> np.ndarray:
+        """The values of leaf `key` in `region` of its global array; parts of the region past
+        the stored (unpadded) shape, i.e. vocabulary padding, are zero."""
+        leaf = self.meta.leaves[key]
+        out = np.zeros(tuple(r.stop - r.start for r in region), dtype=dtype or leaf.dtype)
+        for rec in leaf.files:
+            common = intersect(region, rec.region)
+            if common is None:
+                continue
+            arr = self.open(leaf, rec)
+            out[relative(common, region)] = arr[relative(common, rec.region)]
+        return out
+
+    def files_for(self, key: str, region: Region) -> Iterator[FileRecord]:
+        for rec in self.meta.leaves[key].files:
+            if intersect(region, rec.region) is not None:
+                yield rec

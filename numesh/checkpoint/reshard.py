@@ -1,0 +1,96 @@
+"""Rewriting a checkpoint as another mesh would have written it, one leaf at a time."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from numesh.checkpoint.format import (
+    BlockReader,
+    CheckpointError,
+    FileRecord,
+    fsync_dir,
+    leaf_blocks,
+    leaf_file,
+    padded_shape,
+    read_meta,
+    write_npy,
+    write_text_synced,
+)
+from numesh.checkpoint.save import TMP_PREFIX, install_dir
+from numesh.mesh import AXES, MeshError, parse_mesh
+
+
+def target_mesh(source: dict[str, int], to: str) -> tuple[dict[str, int], list[str]]:
+    """The mesh `to` ("tp=4", "dp=2,tp=4"; axes not named keep the source's size) and the
+    axes it names."""
+    sizes = {a: int(source.get(a, 1)) for a in AXES}
+    named = []
+    for part in to.replace(" ", "").split(","):
+        if not part:
+            continue
+        name, eq, value = part.partition("=")
+        if not eq or not name:
+            raise MeshError(f"malformed mesh '{to}': expected comma-separated axis=size, e.g. tp=4")
+        if name not in AXES:
+            raise MeshError(f"unknown mesh axis '{name}': the axes are {', '.join(AXES)}")
+        if name in named:
+            raise MeshError(f"axis '{name}' given twice in mesh '{to}'")
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise MeshError(f"malformed mesh '{to}': size of '{name}' is '{value}', not an integer") from None
+        if sizes[name] < 1:
+            raise MeshError(f"mesh axis {name}={value}: sizes must be >= 1")
+        named.append(name)
+    if not named:
+        raise MeshError("--to names no mesh axis: pass e.g. tp=4")
+    n = sizes["pp"] * sizes["dp"] * sizes["tp"]
+    return parse_mesh(sizes, n), named
+
+
+def reshard(path: str | Path, to: str, out: str | Path | None = None) -> Path:
+    """Write checkpoint `path` as the ranks of mesh `to` would have written it (same values,
+    other blocks) to `out` (default: a sibling named like `step_000100-tp4`). Reads and
+    writes one block at a time; the output appears atomically. Returns the output dir."""
+    from numesh.pipeline.stages import StageLayout
+
+    meta = read_meta(path)
+    src_mesh = meta.raw.get("mesh") if isinstance(meta.raw.get("mesh"), dict) else {}
+    sizes, named = target_mesh(src_mesh, to)
+    meta.model.validate(sizes["tp"])
+    v = meta.raw.get("virtual_stages", 1)
+    StageLayout(meta.model.n_layer, sizes["pp"], v if isinstance(v, int) and v >= 1 else 1)
+    if out is None:
+        out = meta.root.parent / (meta.root.name + "-" + "-".join(f"{a}{sizes[a]}" for a in AXES if a in named))
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        raise CheckpointError(f"{out} already exists: choose another --out or remove it")
+    tmp = out.parent / f"{TMP_PREFIX}{out.name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        reader = BlockReader(meta)
+        leaves_out = {}
+        for key, leaf in meta.leaves.items():
+            group, leaf_path = key.split("/", 1)
+            padded = padded_shape(meta.model, leaf_path, leaf.shape, sizes["tp"])
+            records = []
+            for suffix, region in leaf_blocks(leaf.shape, padded, leaf.spec, sizes):
+                rel = leaf_file(group, leaf_path, suffix)
+                digest = write_npy(tmp / rel, reader.read(key, region))
+                records.append(FileRecord(rel, tuple(r.start for r in region), tuple(r.stop - r.start for r in region), digest))
+            leaves_out[key] = leaf.to_json() | {"files": [r.to_json() for r in records]}
+        doc = dict(meta.raw)
+        doc["mesh"] = dict(sizes)
+        doc["resharded_from"] = {"dir": meta.root.name, "mesh": src_mesh}
+        doc["leaves"] = leaves_out
+        write_text_synced(tmp / "meta.json", json.dumps(doc, indent=1))
+        fsync_dir(tmp)
+        install_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,555 @@
+"""Sharded checkpoints on one process: round trip, bit-exact resume, every way a checkpoint
+can be broken, atomic saves, pruning, resharding and the nanoGPT export."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from numesh.checkpoint import (
+    CheckpointError,
+    export_nanogpt,
+    global_path,
+    load_checkpoint_into,
+    read_global_params,
+    read_meta,
+    read_params_dict,
+    read_state,
+    reshard,
+    save_checkpoint,
+)
+from numesh.checkpoint import save as save_mod
+from numesh.checkpoint.format import block_region, leaf_blocks, model_leaves, padded_shape
+from numesh.data import prepare_char_dataset
+from numesh.mesh import AXES, MeshError, P, local_slices
+from numesh.nn.gpt import ConfigError, gpt_specs
+from numesh.pipeline.stages import StageLayout, stage_tree
+from numesh.train import TrainConfig, Trainer, config_from, train
+from numesh.tree import tree_leaves, tree_leaves_with_path, tree_map_with_path
+
+# 11 distinct characters, so tp=4 pads the vocabulary to 12
+TEXT = "".join("abcdefghij"[i % 10 :] + "abcdefghij"[: i % 10] + "\n" for i in range(60))
+KEYS = ("loss", "grad_norm", "lr", "train_loss", "val_loss")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ckdata")
+    prepare_char_dataset(TEXT, out)
+    return out
+
+
+def config(data: Path, out: Path, **kw: Any) -> TrainConfig:
+    base: dict[str, Any] = dict(
+        n_layer=2, n_head=4, n_embd=16, block_size=8, batch_size=8, max_iters=4, dropout=0.1, bias=True,
+        learning_rate=1e-2, min_lr=1e-3, warmup_iters=1, lr_decay_iters=8, eval_interval=2, eval_iters=1,
+        data=str(data), out=str(out), seed=5, dtype="float64",
+    )
+    base.update(kw)
+    return config_from(base)
+
+
+def run(cfg: TrainConfig) -> list[dict]:
+    records: list[dict] = []
+    train(cfg, MPI.COMM_SELF, on_step=lambda s, r: records.append({"step": s, **{k: r[k] for k in KEYS if k in r}}))
+    return records
+
+
+def trainer_after(cfg: TrainConfig, steps: int) -> Trainer:
+    t = Trainer(cfg, MPI.COMM_SELF)
+    for _ in range(steps):
+        t.train_step()
+    return t
+
+
+def assert_trees_equal(a: Any, b: Any) -> None:
+    la, lb = tree_leaves_with_path(a), tree_leaves_with_path(b)
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (p, x), (_, y) in zip(la, lb):
+        np.testing.assert_array_equal(x, y, err_msg=p)
+
+
+def assert_states_equal(a: dict, b: dict) -> None:
+    for g in ("params", "m", "v"):
+        assert_trees_equal(a[g], b[g])
+
+
+@pytest.fixture(scope="module")
+def saved(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint after 3 steps (the module's pristine copy: tests copy it before breaking it)."""
+    out = tmp_path_factory.mktemp("saved")
+    save_checkpoint(trainer_after(config(data, out), 3), out)
+    return out / "ckpt" / "step_000003"
+
+
+@pytest.fixture
+def broken(saved: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "ckpt" / saved.name
+    shutil.copytree(saved, dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def fresh(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Trainer:
+    return Trainer(config(data, tmp_path_factory.mktemp("fresh")), MPI.COMM_SELF)
+
+
+# ---------------------------------------------------------------------------------------
+# geometry (pure functions)
+
+
+class FakeMesh:
+    """Just enough of a Mesh for local_slices, at any coordinates."""
+
+    def __init__(self, shape: dict[str, int], coords: dict[str, int]):
+        self.shape, self.coords = shape, coords
+
+    def size(self, axes: Any) -> int:
+        names = (axes,) if isinstance(axes, str) else axes
+        return int(np.prod([self.shape[a] for a in names]))
+
+    def index(self, axes: Any) -> int:
+        names = (axes,) if isinstance(axes, str) else axes
+        i = 0
+        for a in AXES:
+            if a in names:
+                i = i * self.shape[a] + self.coords[a]
+        return i
+
+
+@pytest.mark.parametrize("sizes", [dict(pp=1, dp=1, tp=1), dict(pp=2, dp=2, tp=2), dict(pp=1, dp=3, tp=4)])
+def test_block_region_is_local_slices_and_blocks_tile(sizes: dict[str, int]) -> None:
+    from numesh.nn.gpt import GPTConfig
+
+    model = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=True)
+    for path, (shape, spec) in model_leaves(model).items():
+        padded = padded_shape(model, path, shape, sizes["tp"])
+        for coords in np.ndindex(*[sizes[a] for a in AXES]):
+            c = dict(zip(AXES, coords))
+            assert block_region(padded, spec, sizes, c) == local_slices(padded, spec, FakeMesh(sizes, c)), path
+        blocks = leaf_blocks(shape, padded, spec, sizes)
+        cover = np.zeros(shape, dtype=int)
+        for _, region in blocks:
+            cover[region] += 1
+        assert (cover == 1).all(), path
+        assert len({s for s, _ in blocks}) == len(blocks)
+    assert block_region((8, 6), P(("dp", "tp"), None), dict(pp=1, dp=2, tp=2), dict(pp=0, dp=1, tp=0)) == (slice(4, 6), slice(0, 6))
+
+
+def test_global_path_maps_pipeline_blocks() -> None:
+    from numesh.nn.gpt import GPTConfig
+
+    assert global_path("blocks.1.attn.qkv.w", [4, 5, 6]) == "blocks.5.attn.qkv.w"
+    assert global_path("wte", [2, 3]) == "wte"
+    assert global_path("ln_f.b", [2, 3]) == "ln_f.b"
+    with pytest.raises(ValueError, match="blocks.2"):
+        global_path("blocks.2.ln1.w", [0, 1])
+    model = GPTConfig(vocab_size=11, block_size=8, n_layer=8, n_head=4, n_embd=16)
+    paths = tree_map_with_path(lambda p, _s: p, gpt_specs(model))
+    for pp, v in ((1, 1), (2, 1), (2, 2), (4, 2)):
+        layout = StageLayout(8, pp, v)
+        seen = []
+        for rank in range(pp):
+            for local, glob in tree_leaves_with_path(stage_tree(paths, layout, rank)):
+                assert global_path(local, layout.owned(rank)) == glob
+                seen.append(glob)
+        assert set(seen) == set(tree_leaves(paths))
+
+
+# ---------------------------------------------------------------------------------------
+# round trip and resume
+
+
+def test_round_trip_is_bit_exact(data: Path, tmp_path: Path) -> None:
+    t = trainer_after(config(data, tmp_path / "a"), 3)
+    step_dir = save_checkpoint(t, tmp_path / "a")
+    assert step_dir == tmp_path / "a" / "ckpt" / "step_000003"
+    latest = tmp_path / "a" / "ckpt" / "latest"
+    assert latest.is_symlink() and os.readlink(latest) == "step_000003"
+
+    u = Trainer(config(data, tmp_path / "b"), MPI.COMM_SELF)
+    load_checkpoint_into(u, latest)
+    assert u.step == 3 and u.opt.opt.step == t.opt.opt.step == 3
+    assert_states_equal(u.opt.state_trees(), t.opt.state_trees())
+
+    # the files: no pickle, padding never stored, meta.json complete
+    meta = json.loads((step_dir / "meta.json").read_text())
+    assert (meta["format"], meta["version"], meta["step"], meta["seed"]) == ("numesh-ckpt", 1, 3, 5)
+    assert meta["mesh"] == {"pp": 1, "dp": 1, "tp": 1} and meta["train"] == attrs.asdict(t.cfg)
+    assert meta["model"]["vocab_size"] == 11 and len(meta["tokenizer"]["chars"]) == 11
+    assert meta["leaves"]["m/wte"]["shape"] == [11, 16]
+    assert meta["leaves"]["params/blocks.1.attn.qkv.w"]["spec"] == [None, None, "tp"]
+    for info in meta["leaves"].values():
+        for rec in info["files"]:
+            arr = np.load(step_dir / rec["file"], allow_pickle=False)
+            assert list(arr.shape) == rec["shape"] and arr.dtype == np.float64
+    model, tok, params = read_global_params(latest)
+    assert model == t.model and tok.vocab_size == 11
+    assert_trees_equal(params, t.gathered_params())
+    assert read_params_dict(latest).keys() == dict(tree_leaves_with_path(params)).keys()
+
+
+def test_resume_is_bit_for_bit(data: Path, tmp_path: Path) -> None:
+    """2k steps in one go == k steps, save, a new process-like Trainer loads, k more steps."""
+    k = 3
+    whole = run(config(data, tmp_path / "whole", max_iters=2 * k))
+    first = run(config(data, tmp_path / "first", max_iters=k))
+    assert [r for r in first if "loss" in r] == [r for r in whole if r["step"] < k and "loss" in r]
+    resumed = run(config(data, tmp_path / "second", max_iters=2 * k, resume=str(tmp_path / "first" / "ckpt" / "latest")))
+    assert resumed[0]["step"] == k
+    assert resumed == [r for r in whole if r["step"] >= k]
+    assert_states_equal(read_state(tmp_path / "second" / "ckpt" / "latest")[1],
+                        read_state(tmp_path / "whole" / "ckpt" / "latest")[1])
+    assert read_meta(tmp_path / "second" / "ckpt" / "latest").step == 2 * k
+    lines = [json.loads(x) for x in (tmp_path / "second" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [r["step"] for r in resumed]
+
+
+def test_resume_past_max_iters_is_an_error(saved: Path, data: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="past max_iters=2"):
+        train(config(data, tmp_path, max_iters=2, resume=str(saved)), MPI.COMM_SELF)
+
+
+# ---------------------------------------------------------------------------------------
+# broken checkpoints: a CheckpointError naming the file
+
+
+def test_corrupted_file(broken: Path, fresh: Trainer) -> None:
+    f = broken / "params" / "blocks.1.mlp.fc.w.tp0.npy"
+    raw = bytearray(f.read_bytes())
+    raw[-5] ^= 0x01
+    f.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"blocks\.1\.mlp\.fc\.w\.tp0\.npy is corrupted"):
+        load_checkpoint_into(fresh, broken)
+    with pytest.raises(CheckpointError, match=r"blocks\.1\.mlp\.fc\.w\.tp0\.npy is corrupted"):
+        read_global_params(broken)
+    assert fresh.step == 0
+
+
+def test_truncated_file(broken: Path, fresh: Trainer) -> None:
+    f = broken / "v" / "wte.tp0.npy"
+    f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"v/wte\.tp0\.npy is corrupted or truncated"):
+        load_checkpoint_into(fresh, broken)
+
+
+def test_missing_file(broken: Path, fresh: Trainer) -> None:
+    (broken / "m" / "wpe.full.npy").unlink()
+    with pytest.raises(CheckpointError, match=r"m/wpe\.full\.npy is missing"):
+        load_checkpoint_into(fresh, broken)
+
+
+def test_missing_meta(broken: Path, fresh: Trainer) -> None:
+    (broken / "meta.json").unlink()
+    with pytest.raises(CheckpointError, match=r"meta\.json is missing"):
+        load_checkpoint_into(fresh, broken)
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        load_checkpoint_into(fresh, broken / "nowhere")
+
+
+def edit_meta(ckpt: Path, change: Any) -> None:
+    meta = json.loads((ckpt / "meta.json").read_text())
+    change(meta)
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+
+def test_wrong_format_or_version(broken: Path, fresh: Trainer) -> None:
+    edit_meta(broken, lambda m: m.update(version=2))
+    with pytest.raises(CheckpointError, match=r"meta\.json: checkpoint format version 2 is not supported"):
+        load_checkpoint_into(fresh, broken)
+    edit_meta(broken, lambda m: m.update(version=1, format="something-else"))
+    with pytest.raises(CheckpointError, match="not a numesh checkpoint"):
+        read_global_params(broken)
+
+
+def test_different_model_shape(saved: Path, data: Path, tmp_path: Path) -> None:
+    other = Trainer(config(data, tmp_path, n_embd=32), MPI.COMM_SELF)
+    with pytest.raises(CheckpointError, match=r"meta\.json: the checkpoint's model has n_embd=16 but this run has n_embd=32"):
+        load_checkpoint_into(other, saved)
+    with pytest.raises(CheckpointError, match="n_embd=32"):
+        train(config(data, tmp_path / "x", n_embd=32, resume=str(saved)), MPI.COMM_SELF)
+
+
+@pytest.mark.parametrize("bad", ["../step_000003/params/wpe.full.npy", "/etc/passwd", "params/../../x.npy"])
+def test_metadata_path_escaping_the_dir(broken: Path, fresh: Trainer, bad: str) -> None:
+    edit_meta(broken, lambda m: m["leaves"]["params/wpe"]["files"][0].update(file=bad))
+    with pytest.raises(CheckpointError, match="absolute or leaves the checkpoint directory") as e:
+        load_checkpoint_into(fresh, broken)
+    assert bad in str(e.value)
+
+
+def test_symlinked_file_escaping_the_dir(broken: Path, fresh: Trainer, tmp_path: Path) -> None:
+    f = broken / "params" / "wpe.full.npy"
+    outside = tmp_path / "outside.npy"
+    shutil.move(f, outside)
+    f.symlink_to(outside)
+    with pytest.raises(CheckpointError, match=r"wpe\.full\.npy leaves the checkpoint directory"):
+        load_checkpoint_into(fresh, broken)
+
+
+def test_inconsistent_blocks(broken: Path, fresh: Trainer) -> None:
+    edit_meta(broken, lambda m: m["leaves"]["params/wpe"]["files"][0].update(shape=[4, 16]))
+    with pytest.raises(CheckpointError, match="the blocks of 'params/wpe' cover 64 of its 128 values"):
+        load_checkpoint_into(fresh, broken)
+
+
+# ---------------------------------------------------------------------------------------
+# atomic saves and pruning
+
+
+def test_interrupted_save_keeps_latest(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "run"
+    t = trainer_after(config(data, out), 2)
+    save_checkpoint(t, out)
+    t.train_step()
+    calls = [0]
+    real = save_mod.write_npy
+
+    def killed_midway(path: Path, array: np.ndarray) -> str:
+        calls[0] += 1
+        if calls[0] == 7:
+            raise KeyboardInterrupt("killed")  # like a kill: nothing gets to clean up
+        return real(path, array)
+
+    monkeypatch.setattr(save_mod, "write_npy", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(t, out)
+    ck = out / "ckpt"
+    assert (ck / ".tmp-step_000003").is_dir() and not (ck / "step_000003").exists()
+    assert os.readlink(ck / "latest") == "step_000002"
+    u = Trainer(config(data, tmp_path / "u"), MPI.COMM_SELF)
+    load_checkpoint_into(u, ck / "latest")
+    assert u.step == 2
+
+    # a write error (disk full) is a CheckpointError and leaves nothing behind
+    def disk_full(path: Path, array: np.ndarray) -> str:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(save_mod, "write_npy", disk_full)
+    with pytest.raises(CheckpointError, match="No space left"):
+        save_checkpoint(t, out)
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000002"]
+    assert os.readlink(ck / "latest") == "step_000002"
+
+    # the next good save completes and moves latest
+    monkeypatch.setattr(save_mod, "write_npy", real)
+    save_checkpoint(t, out)
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000002", "step_000003"]
+    assert os.readlink(ck / "latest") == "step_000003"
+
+
+def test_keep_prunes_old_checkpoints(data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train(config(data, out, max_iters=5, ckpt_interval=2, keep=2), MPI.COMM_SELF)
+    ck = out / "ckpt"
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000004", "step_000005"]
+    assert os.readlink(ck / "latest") == "step_000005"
+    train(config(data, tmp_path / "all", max_iters=5, ckpt_interval=2), MPI.COMM_SELF)
+    assert sorted(p.name for p in (tmp_path / "all" / "ckpt").iterdir()) == [
+        "latest", "step_000002", "step_000004", "step_000005"
+    ]
+    # keep=1 on a directory with a newer step from an earlier run still keeps the new one
+    t = trainer_after(config(data, out), 1)
+    save_checkpoint(t, out, keep=1)
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000001"]
+
+
+# ---------------------------------------------------------------------------------------
+# resharding
+
+
+def test_reshard_tp1_to_tp4_keeps_every_value(saved: Path, data: Path, tmp_path: Path) -> None:
+    src = tmp_path / "ckpt" / saved.name
+    shutil.copytree(saved, src)
+    (tmp_path / "ckpt" / "latest").symlink_to(saved.name)
+    out = reshard(tmp_path / "ckpt" / "latest", "tp=4")
+    assert out == tmp_path / "ckpt" / "step_000003-tp4"
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["mesh"] == {"pp": 1, "dp": 1, "tp": 4}
+    wte = meta["leaves"]["params/wte"]["files"]  # vocabulary 11 over tp=4: rows 3, 3, 3, 2 (+1 padding)
+    assert [(r["offset"][0], r["shape"][0]) for r in wte] == [(0, 3), (3, 3), (6, 3), (9, 2)]
+    assert len(meta["leaves"]["v/blocks.0.mlp.proj.w"]["files"]) == 4
+    assert len(meta["leaves"]["m/blocks.0.ln1.w"]["files"]) == 1
+    assert_states_equal(read_state(out)[1], read_state(saved)[1])
+
+    a = Trainer(config(data, tmp_path / "a"), MPI.COMM_SELF)
+    b = Trainer(config(data, tmp_path / "b"), MPI.COMM_SELF)
+    load_checkpoint_into(a, saved)
+    load_checkpoint_into(b, out)
+    assert_states_equal(a.opt.state_trees(), b.opt.state_trees())
+    assert b.step == 3
+
+    back = reshard(out, "tp=2", tmp_path / "back")
+    assert json.loads((back / "meta.json").read_text())["mesh"]["tp"] == 2
+    assert_states_equal(read_state(back)[1], read_state(saved)[1])
+    assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+
+
+def test_reshard_validates_the_target(saved: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="n_head=4 is not divisible by tp=3"):
+        reshard(saved, "tp=3", tmp_path / "x")
+    with pytest.raises(ConfigError, match="n_layer=2 is not divisible"):
+        reshard(saved, "pp=3", tmp_path / "x")
+    with pytest.raises(MeshError, match="unknown mesh axis 'xp'"):
+        reshard(saved, "xp=2", tmp_path / "x")
+    with pytest.raises(MeshError, match="malformed"):
+        reshard(saved, "tp", tmp_path / "x")
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(CheckpointError, match="already exists"):
+        reshard(saved, "tp=2", tmp_path / "exists")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists"]
+
+
+# ---------------------------------------------------------------------------------------
+# export
+
+
+def numesh_logits(params: Any, model: Any, idx: np.ndarray) -> np.ndarray:
+    """Logits at every position by a full forward on the 1-rank mesh."""
+    from numesh.mesh import Mesh
+    from numesh.nn.gpt import block_fwd, embed_fwd
+    from numesh.nn.layers import layernorm_fwd
+    from numesh.sample import shard_params
+
+    mesh = Mesh.create(comm=MPI.COMM_SELF)
+    p = shard_params(params, model, mesh)
+    x, _ = embed_fwd(p, idx, model, mesh)
+    for layer, bp in enumerate(p.blocks):
+        x, _ = block_fwd(bp, x, model, mesh, layer)
+    xf, _ = layernorm_fwd(p.ln_f, x)
+    return xf @ p.wte.T
+
+
+def torch_gpt(model: Any):
+    """nanoGPT's architecture (GELU in GPT-2's tanh form, as numesh uses), written here."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class LayerNorm(nn.Module):
+        def __init__(self, n: int, bias: bool):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(n))
+            self.bias = nn.Parameter(torch.zeros(n)) if bias else None
+
+        def forward(self, x):
+            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+    class CausalSelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            C = model.n_embd
+            self.c_attn = nn.Linear(C, 3 * C, bias=model.bias)
+            self.c_proj = nn.Linear(C, C, bias=model.bias)
+
+        def forward(self, x):
+            B, T, C = x.size()
+            nh = model.n_head
+            q, k, v = self.c_attn(x).split(C, dim=2)
+            q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            C = model.n_embd
+            self.c_fc = nn.Linear(C, 4 * C, bias=model.bias)
+            self.gelu = nn.GELU(approximate="tanh")
+            self.c_proj = nn.Linear(4 * C, C, bias=model.bias)
+
+        def forward(self, x):
+            return self.c_proj(self.gelu(self.c_fc(x)))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1 = LayerNorm(model.n_embd, model.bias)
+            self.attn = CausalSelfAttention()
+            self.ln_2 = LayerNorm(model.n_embd, model.bias)
+            self.mlp = MLP()
+
+        def forward(self, x):
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.transformer = nn.ModuleDict(dict(
+                wte=nn.Embedding(model.vocab_size, model.n_embd),
+                wpe=nn.Embedding(model.block_size, model.n_embd),
+                h=nn.ModuleList([Block() for _ in range(model.n_layer)]),
+                ln_f=LayerNorm(model.n_embd, model.bias),
+            ))
+            self.lm_head = nn.Linear(model.n_embd, model.vocab_size, bias=False)
+            self.transformer.wte.weight = self.lm_head.weight  # tied
+
+        def forward(self, idx):
+            pos = torch.arange(idx.shape[1])
+            x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+            for block in self.transformer.h:
+                x = block(x)
+            return self.lm_head(self.transformer.ln_f(x))
+
+    return GPT()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_export_loads_into_pytorch_nanogpt(data: Path, tmp_path: Path, bias: bool) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    train(config(data, out, max_iters=2, bias=bias, dtype="float32"), MPI.COMM_SELF)
+    f = export_nanogpt(out / "ckpt" / "latest", tmp_path / "model.safetensors")
+    model, _, params = read_global_params(out / "ckpt" / "latest")
+
+    net = torch_gpt(model)
+    net.load_state_dict(load_file(str(f)), strict=True)
+    idx = np.random.default_rng(0).integers(0, model.vocab_size, size=(3, model.block_size))
+    with torch.no_grad():
+        got = net(torch.from_numpy(idx)).numpy()
+    want = numesh_logits(params, model, idx)
+    assert got.dtype == want.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_sample_from_export_equals_sample_from_checkpoint(saved: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from numesh_cli.app import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["export", str(saved), "--out", str(tmp_path / "m.safetensors")])
+    assert res.exit_code == 0, res.output
+    texts = []
+    for ckpt in (saved, tmp_path / "m.safetensors"):
+        res = runner.invoke(app, ["sample", "--ckpt", str(ckpt), "--prompt", "abc", "--max-new-tokens", "24",
+                                  "--temperature", "0"])
+        assert res.exit_code == 0, res.output
+        texts.append(res.stdout)
+    assert texts[0] == texts[1] and texts[0].startswith("abc") and len(texts[0]) >= 27
+
+    res = runner.invoke(app, ["reshard", str(saved), "--to", "tp=2", "--out", str(tmp_path / "r")])
+    assert res.exit_code == 0 and (tmp_path / "r" / "meta.json").is_file()
+    res = runner.invoke(app, ["sample", "--ckpt", str(tmp_path / "nothing.safetensors")])
+    assert res.exit_code == 2
+
+
+def test_export_rejects_foreign_safetensors(tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    from numesh.sample import load_checkpoint
+
+    save_file({"x": np.zeros(3, np.float32)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(CheckpointError, match="not written by `numesh export`"):
+        load_checkpoint(tmp_path / "other.safetensors")

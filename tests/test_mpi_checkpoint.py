@@ -1,0 +1,295 @@
+"""Checkpoints across meshes: train k steps on mesh A, checkpoint, resume on mesh B for k
+more, and get the 2k-step run on A (float64, 1e-10). Also: every rank writes only its own
+blocks, reads only the files it needs, and raises the same error when one file is bad.
+
+Runs under `mpirun -n N python -m mpi4py -m pytest --with-mpi -m mpi -p no:cacheprovider`;
+a mesh needing fewer ranks than N runs on the first ranks (a `Split` sub-communicator),
+one needing more is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from numesh.checkpoint import CheckpointError, load_checkpoint_into, read_state, save_checkpoint
+from numesh.checkpoint import format as fmt
+from numesh.checkpoint.format import leaf_blocks, model_leaves, padded_shape
+from numesh.data import prepare_char_dataset
+from numesh.mesh import parse_mesh
+from numesh.train import TrainConfig, Trainer, config_from, train
+from numesh.tree import tree_leaves_with_path
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+WORLD = MPI.COMM_WORLD
+TEXT = "".join("abcdefghij"[i % 10 :] + "abcdefghij"[: i % 10] + "\n" for i in range(60))  # vocabulary 11
+KEYS = ("loss", "grad_norm", "lr", "train_loss", "val_loss")
+K = 2
+
+
+@pytest.fixture(scope="module")
+def data(shared_tmp: Path) -> Path:
+    out = shared_tmp / "ckpt-data"
+    if WORLD.Get_rank() == 0:
+        prepare_char_dataset(TEXT, out)
+    WORLD.Barrier()
+    return out
+
+
+def config(data: Path, out: Path, mesh: str, **kw: Any) -> TrainConfig:
+    base: dict[str, Any] = dict(
+        n_layer=2, n_head=4, n_embd=16, block_size=8, batch_size=8, max_iters=2 * K, dropout=0.1, bias=True,
+        learning_rate=1e-2, min_lr=1e-3, warmup_iters=1, lr_decay_iters=8, eval_interval=2, eval_iters=1,
+        data=str(data), out=str(out), mesh=mesh, seed=3, dtype="float64",
+    )
+    base.update(kw)
+    return config_from(base)
+
+
+def _prod(mesh: str) -> int:
+    """Ranks a mesh string with explicit sizes needs."""
+    return math.prod(int(part.split("=")[1]) for part in mesh.split(",") if part)
+
+
+def on_first(n: int, fn: Callable[[MPI.Comm], Any]) -> Any:
+    """Run `fn` on a communicator of WORLD's first n ranks; every rank gets rank 0's result
+    (errors too, so a failure never leaves the other ranks waiting)."""
+    color = 0 if WORLD.Get_rank() < n else MPI.UNDEFINED
+    comm = WORLD.Split(color, WORLD.Get_rank())
+    result = None
+    if comm != MPI.COMM_NULL:
+        try:
+            result = ("ok", fn(comm))
+        except Exception as e:  # noqa: BLE001
+            result = ("error", f"{type(e).__name__}: {e}")
+        finally:
+            comm.Free()
+    status, value = WORLD.bcast(result, root=0)
+    if status != "ok":
+        raise AssertionError(f"rank 0 failed: {value}")
+    return value
+
+
+def on_root(check: Callable[[], None]) -> None:
+    """Run assertions on rank 0 and fail on every rank with its message."""
+    err = None
+    if WORLD.Get_rank() == 0:
+        try:
+            check()
+        except AssertionError as e:
+            err = str(e) or "assertion failed"
+    err = WORLD.bcast(err, root=0)
+    assert err is None, err
+
+
+def records_of(cfg: TrainConfig, comm: MPI.Comm) -> list[dict]:
+    records: list[dict] = []
+    train(cfg, comm, on_step=lambda s, r: records.append({"step": s, **{k: r[k] for k in KEYS if k in r}}))
+    return records
+
+
+def close(got: np.ndarray, want: np.ndarray, rtol: float, what: str) -> None:
+    scale = max(float(np.max(np.abs(want), initial=0.0)), 1e-300)
+    err = float(np.max(np.abs(got - want), initial=0.0))
+    assert got.shape == want.shape and err <= rtol * scale, f"{what}: max abs diff {err:.3e} > {rtol:g} x {scale:.3e}"
+
+
+@pytest.mark.parametrize(
+    "mesh_a, kw_a, mesh_b, kw_b",
+    [
+        pytest.param("tp=2", {}, "tp=1", {}, id="tp2-to-tp1"),
+        pytest.param("dp=2", {"zero": 2}, "dp=4", {"zero": 1}, id="dp2zero2-to-dp4zero1"),
+        pytest.param("tp=1", {}, "tp=4", {}, id="tp1-to-tp4"),
+        pytest.param("pp=2", {"micro_batches": 2}, "pp=1", {}, id="pp2-to-pp1"),
+        pytest.param("dp=2,tp=2,pp=2", {"micro_batches": 2, "zero": 1}, "tp=4", {}, id="dp2tp2pp2-to-tp4"),
+    ],
+)
+def test_resume_on_another_mesh(data: Path, shared_tmp: Path, mesh_a: str, kw_a: dict, mesh_b: str, kw_b: dict) -> None:
+    need = max(_prod(mesh_a), _prod(mesh_b))
+    if WORLD.Get_size() < need:
+        pytest.skip(f"{mesh_a} -> {mesh_b} needs {need} ranks, the job has {WORLD.Get_size()}")
+    base = shared_tmp / f"resume-{mesh_a}-{mesh_b}".replace(",", "_").replace("=", "")
+    # A: 2k uninterrupted steps, which also checkpoint at step k
+    cfg_a = config(data, base / "a", mesh_a, ckpt_interval=K, **kw_a)
+    whole = on_first(_prod(mesh_a), lambda comm: records_of(cfg_a, comm))
+    # B: a fresh job on another mesh continues from A's step-k checkpoint
+    resume = base / "a" / "ckpt" / f"step_{K:06d}"
+    cfg_b = config(data, base / "b", mesh_b, resume=str(resume), **kw_b)
+    resumed = on_first(_prod(mesh_b), lambda comm: records_of(cfg_b, comm))
+
+    def check() -> None:
+        want = [r for r in whole if r["step"] >= K]
+        assert [r["step"] for r in resumed] == [r["step"] for r in want]
+        for a, b in zip(resumed, want):
+            assert a.keys() == b.keys(), (a, b)
+            for key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-10, abs=0), (a["step"], key, a[key], b[key])
+        meta_a, state_a = read_state(base / "a" / "ckpt" / "latest")
+        meta_b, state_b = read_state(base / "b" / "ckpt" / "latest")
+        assert meta_a.step == meta_b.step == meta_b.opt_step == 2 * K
+        assert meta_b.raw["mesh"] == parse_mesh(mesh_b, _prod(mesh_b))
+        for group in ("params", "m", "v"):
+            for (path, x), (_, y) in zip(tree_leaves_with_path(state_b[group]), tree_leaves_with_path(state_a[group])):
+                close(x, y, 1e-10, f"{group}/{path}")
+
+    on_root(check)
+
+
+def test_each_rank_writes_its_own_blocks_once(data: Path, shared_tmp: Path) -> None:
+    n = WORLD.Get_size()
+    mesh = f"dp={n // 2},tp=2" if n % 2 == 0 else f"dp={n}"
+    out = shared_tmp / "blocks-once"
+    cfg = config(data, out, mesh, zero=1, max_iters=1)
+
+    def save(comm: MPI.Comm) -> str:
+        t = Trainer(cfg, comm)
+        t.train_step()
+        paths = comm.allgather(str(save_checkpoint(t, out)))
+        assert len(set(paths)) == 1
+        return paths[0]
+
+    step_dir = Path(on_first(n, save))
+
+    def check() -> None:
+        meta = fmt.read_meta(step_dir)
+        sizes = parse_mesh(mesh, n)
+        for group in ("params", "m", "v"):
+            for path, (shape, spec) in model_leaves(meta.model).items():
+                files = meta.leaves[f"{group}/{path}"].files
+                want = leaf_blocks(shape, padded_shape(meta.model, path, shape, sizes["tp"]), spec, sizes)
+                assert [r.region for r in files] == [r for _, r in want], path
+                assert len({r.file for r in files}) == len(files)
+        assert sorted(p.name for p in step_dir.parent.iterdir()) == ["latest", "step_000001"]
+
+    on_root(check)
+
+
+def test_bad_file_seen_by_one_rank_fails_on_every_rank(data: Path, shared_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On tp=2, tp rank 1 alone reads the tp1 blocks; when one of them is corrupt, both
+    ranks raise the same CheckpointError (no hang), and each rank hashes only its files."""
+    out = shared_tmp / "bad-one-rank"
+    cfg = config(data, out, "tp=2")
+    hashed: list[str] = []
+    real = fmt.sha256_file
+
+    def spy(path: Path, chunk: int = 1 << 20) -> str:
+        hashed.append(path.name)
+        return real(path, chunk)
+
+    monkeypatch.setattr(fmt, "sha256_file", spy)
+
+    def go(comm: MPI.Comm) -> list[Any]:
+        t = Trainer(cfg, comm)
+        step_dir = save_checkpoint(t, out)
+        load_checkpoint_into(Trainer(cfg, comm), step_dir)
+        mine = t.mesh.index("tp")
+        seen = comm.allgather((mine, sorted(set(hashed))))
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            f = step_dir / "v" / "blocks.1.mlp.fc.w.tp1.npy"
+            raw = bytearray(f.read_bytes())
+            raw[-1] ^= 0xFF
+            f.write_bytes(bytes(raw))
+        comm.Barrier()
+        try:
+            load_checkpoint_into(t, step_dir)
+            msg = None
+        except CheckpointError as e:
+            msg = str(e)
+        return [seen, comm.allgather(msg)]
+
+    seen, messages = on_first(2, go)
+    for tp_rank, files in seen:
+        other = f"tp{1 - tp_rank}"
+        assert files and not any(other in name for name in files), (tp_rank, files)
+    assert messages[0] is not None and len(set(messages)) == 1, messages
+    assert "v/blocks.1.mlp.fc.w.tp1.npy is corrupted" in messages[0]
+
+
+def _stage_state(model: Any, layout: Any, mesh: Any, state: dict) -> dict:
+    """This rank's pipeline-stage, tp-local trees of global (unpadded) state."""
+    from numesh.mesh import shard
+    from numesh.nn.gpt import gpt_specs
+    from numesh.pipeline.stages import stage_tree
+    from numesh.tree import tree_map
+
+    out = {}
+    for group, tree in state.items():
+        wte = np.zeros((model.padded_vocab(mesh.size("tp")), model.n_embd))
+        wte[: model.vocab_size] = tree.wte
+        full = tree_map(lambda x, s: shard(x, s, mesh), type(tree)(wte, tree.wpe, tree.blocks, tree.ln_f), gpt_specs(model))
+        out[group] = stage_tree(full, layout, mesh.index("pp"))
+    return out
+
+
+def _stage_trainer(cfg: TrainConfig, comm: MPI.Comm, mesh_spec: str, v: int, state: dict | None, step: int) -> Any:
+    """A stand-in for a pipeline Trainer: a ZeroOptimizer over this stage's trees."""
+    from types import SimpleNamespace
+
+    from numesh.mesh import Mesh
+    from numesh.nn.gpt import gpt_specs
+    from numesh.optim.zero import ZeroOptimizer
+    from numesh.pipeline.stages import StageLayout, stage_tree
+    from numesh.tree import tree_map
+
+    model = cfg.model(11)
+    mesh = Mesh(parse_mesh(mesh_spec, comm.Get_size()), comm)
+    layout = StageLayout(model.n_layer, mesh.size("pp"), v)
+    if state is None:
+        state = {g: tree_map(np.zeros_like, _zero_state(model)) for g in ("params", "m", "v")}
+    local = _stage_state(model, layout, mesh, state)
+    opt = ZeroOptimizer(local["params"], stage_tree(gpt_specs(model), layout, mesh.index("pp")), mesh, 1)
+    opt.load_state_trees(local, step)
+    return SimpleNamespace(cfg=cfg, model=model, mesh=mesh, opt=opt, step=step, layout=layout, dtype=np.float64)
+
+
+def _zero_state(model: Any) -> Any:
+    from numesh.nn.gpt import gpt_global_shapes
+    from numesh.tree import tree_map
+
+    return tree_map(lambda s: np.zeros(s), gpt_global_shapes(model, 1))
+
+
+def test_pipeline_stage_trees_save_and_load(data: Path, shared_tmp: Path) -> None:
+    """Pipeline ranks write their own layers under global names (interleaved, v=2: rank 0
+    owns layers 0 and 2), wte only from the first stage; any other layout reads them back,
+    the last stage's tied wte included."""
+    from numesh.tree import tree_map
+
+    n = 4 if WORLD.Get_size() >= 4 else 2
+    mesh_a = "pp=2,tp=2" if n == 4 else "pp=2"
+    cfg = config(data, shared_tmp / "pp-stages", mesh_a, n_layer=4)
+    rng = np.random.default_rng(0)
+    state = {g: tree_map(lambda z: rng.standard_normal(z.shape), _zero_state(cfg.model(11))) for g in ("params", "m", "v")}
+
+    def go(comm: MPI.Comm) -> str:
+        t = _stage_trainer(cfg, comm, mesh_a, 2, state, 7)
+        step_dir = save_checkpoint(t, cfg.out)
+        for spec, v in ((f"pp=2,dp={n // 2}", 1), (f"dp={n}", 1), (mesh_a, 2)):
+            u = _stage_trainer(cfg, comm, spec, v, None, 0)
+            load_checkpoint_into(u, step_dir)
+            assert u.step == 7 and u.opt.opt.step == 7
+            want = _stage_state(u.model, u.layout, u.mesh, state)
+            got = u.opt.state_trees()
+            for g in ("params", "m", "v"):
+                for (p, x), (_, y) in zip(tree_leaves_with_path(got[g]), tree_leaves_with_path(want[g])):
+                    np.testing.assert_array_equal(x, y, err_msg=f"{spec} v={v} {g}/{p}")
+        return str(step_dir)
+
+    step_dir = Path(on_first(n, go))
+
+    def check() -> None:
+        meta, got = read_state(step_dir)
+        assert meta.raw["mesh"]["pp"] == 2 and meta.raw["virtual_stages"] == 2
+        for g in ("params", "m", "v"):
+            for (p, x), (_, y) in zip(tree_leaves_with_path(got[g]), tree_leaves_with_path(state[g])):
+                np.testing.assert_array_equal(x, y, err_msg=f"{g}/{p}")
+        assert len(meta.leaves["params/wte"].files) == (2 if n == 4 else 1)
+
+    on_root(check)
