@@ -7,7 +7,12 @@ the same thread count (the other ranks wait), timed in the same job. For dp mesh
 batch is weak-scaled (batch × dp), so efficiency = tokens/s(mesh) / (ranks × tokens/s(1)).
 For tp meshes the batch is the same (strong scaling): speed-up = tokens/s(mesh) / tokens/s(1).
 It also prints bytes moved per step per axis (bus bytes, as NCCL-tests count them) and
-the bytes each rank holds for parameters, gradients and optimiser state.
+the bytes each rank holds for parameters, gradients, optimiser state and workspace
+(`ZeroOptimizer.memory()`, measured from its buffers).
+
+    mpirun -n 2 python benchmarks/bench_parallel.py --meshes dp=2 --no-overlap --zero 0 1 2 3
+
+runs every dp mesh with and without overlap and at each ZeRO stage, side by side.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--meshes", nargs="+", default=["tp=2", "dp=2"], help="meshes using every rank, e.g. tp=2 dp=2")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
-    ap.add_argument("--zero", type=int, default=0)
+    ap.add_argument("--zero", type=int, nargs="+", default=[0], help="ZeRO stages to run each dp mesh at")
     ap.add_argument("--no-overlap", action="store_true", help="also run each dp mesh with overlap off")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -78,7 +83,7 @@ def main() -> None:
     world = MPI.COMM_WORLD
     configure_process(threads=1)
     data = ensure_data(args.data, args.src, world)
-    base = dict(PRESETS[args.preset], data=data, out=tempfile.gettempdir() + "/numesh-bench-run", zero=args.zero)
+    base = dict(PRESETS[args.preset], data=data, out=tempfile.gettempdir() + "/numesh-bench-run")
 
     rows = []
     ref = None
@@ -89,23 +94,31 @@ def main() -> None:
     for mesh in args.meshes:
         shape = parse_mesh(mesh, world.size)
         overlaps = [True, False] if args.no_overlap and shape["dp"] > 1 else [True]
-        for overlap in overlaps:
-            cfg = dict(base, mesh=mesh, overlap=overlap, batch_size=base["batch_size"] * shape["dp"])
-            res = time_steps(cfg, world, args.warmup, args.iters)
-            eff = res["tokens_per_s"] / (ref["tokens_per_s"] * (world.size if shape["dp"] > 1 else 1))
-            rows.append((mesh + ("" if overlap else " (no overlap)"), res, eff))
+        stages = args.zero if shape["dp"] > 1 else [0]
+        for zero in stages:
+            for overlap in overlaps:
+                cfg = dict(base, mesh=mesh, zero=zero, overlap=overlap, batch_size=base["batch_size"] * shape["dp"])
+                res = time_steps(cfg, world, args.warmup, args.iters)
+                eff = res["tokens_per_s"] / (ref["tokens_per_s"] * (world.size if shape["dp"] > 1 else 1))
+                name = mesh + (f" zero{zero}" if shape["dp"] > 1 else "") + ("" if overlap else " no-overlap")
+                rows.append((name, res, eff))
     if world.rank != 0:
         return
     if args.json:
         print(json.dumps([{"mesh": m, **r, "efficiency": e} for m, r, e in rows], indent=2))
         return
-    print(f"preset {args.preset}, {world.size} ranks x 1 BLAS thread, zero={args.zero}, median of {args.iters} steps")
-    print(f"{'mesh':<24}{'ms/step':>10}{'tokens/s':>12}{'vs 1 rank':>11}   bus bytes/step by axis")
+    print(f"preset {args.preset}, {world.size} ranks x 1 BLAS thread, median of {args.iters} steps")
+    print(f"{'mesh':<28}{'ms/step':>10}{'tokens/s':>12}{'vs 1 rank':>11}   bus bytes/step by axis")
     for mesh, r, eff in rows:
         bus = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in r["bus_bytes_per_step"].items()) or "-"
-        print(f"{mesh:<24}{r['ms']:>10.1f}{r['tokens_per_s']:>12,.0f}{eff:>10.2f}x   {bus}")
-    print("memory per rank (bytes): " + "; ".join(f"{m}: {r['memory']}" for m, r, _ in rows))
+        print(f"{mesh:<28}{r['ms']:>10.1f}{r['tokens_per_s']:>12,.0f}{eff:>10.2f}x   {bus}")
     print("vs 1 rank: tp = speed-up at the same batch; dp = weak-scaling efficiency (batch x dp)")
+    keys = list(rows[0][1]["memory"])
+    print(f"\nmemory per rank, MB (ZeroOptimizer.memory())")
+    print(f"{'mesh':<28}" + "".join(f"{k:>12}" for k in keys) + f"{'total':>12}")
+    for mesh, r, _ in rows:
+        mem = r["memory"]
+        print(f"{mesh:<28}" + "".join(f"{mem[k] / 1e6:>12.3f}" for k in keys) + f"{sum(mem.values()) / 1e6:>12.3f}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ class ReplicaError(RuntimeError):
 @attrs.frozen
 class Unit:
     name: str
-    template: Any  # tree of local shapes (arrays) used to rebuild views
+    template: Any  # tree of local shapes (memoryless placeholder arrays) used to rebuild views
     start: int  # offset in the full flat buffer
     size: int  # real elements
     padded: int  # size rounded up to a multiple of dp
@@ -88,7 +88,8 @@ class ZeroOptimizer:
         for name in unit_names(self.n_layer):
             size = sum(x.size for x in tree_leaves(trees[name]))
             padded = -(-size // self.dp) * self.dp
-            self.units[name] = Unit(name, trees[name], start, size, padded, shard_start)
+            shapes = tree_map(_placeholder, trees[name])  # not the arrays: they would stay alive
+            self.units[name] = Unit(name, shapes, start, size, padded, shard_start)
             start += padded
             shard_start += padded // self.dp
         self.total, self.shard_total = start, shard_start
@@ -114,7 +115,7 @@ class ZeroOptimizer:
             self.param_shard = self._take_shard(full_init)
             self.gathered: dict[str, Any] = {}
         self.grad_full = np.zeros(self.total, dtype=dtype) if stage <= 1 else None
-        self.grad_shard = np.zeros(self.shard_total, dtype=dtype) if stage >= 1 else None
+        self.grad_shard = np.zeros(self.shard_total, dtype=dtype) if stage >= 2 else None
         if stage == 0:
             self.decay, self.counted = decay, counted
             self.opt = AdamWState(np.zeros(self.total, dtype), np.zeros(self.total, dtype))
@@ -327,10 +328,17 @@ class ZeroOptimizer:
         self.opt.step = step
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds between steps for parameters, gradients and optimiser state."""
+        """Bytes of the buffers this rank holds between steps: parameters, gradients and
+        optimiser state (the ZeRO paper's three), and the workspace beside them (AdamW's
+        scratch, the weight-decay and norm masks: one optimiser-state shard each)."""
         params = self.flat.nbytes if self.stage < 3 else self.param_shard.nbytes
         grads = self.grad_full.nbytes if self.grad_full is not None else self.grad_shard.nbytes
-        return {"params": params, "grads": grads, "optimizer": self.opt.m.nbytes + self.opt.v.nbytes}
+        return {
+            "params": params,
+            "grads": grads,
+            "optimizer": self.opt.m.nbytes + self.opt.v.nbytes,
+            "workspace": self.scratch.nbytes + self.decay.nbytes + self.counted.nbytes,
+        }
 
     def check_replicas(self) -> None:
         """Raise ReplicaError if copies that must be identical differ (over dp, and over tp
@@ -367,6 +375,11 @@ class ZeroOptimizer:
         if bad.size:
             which = names[min(bad[0] // 2, len(names) - 1)]
             raise ReplicaError(f"replicas differ over {'x'.join(axes)} in {which}: a rank has diverged")
+
+
+def _placeholder(x: np.ndarray) -> np.ndarray:
+    """An array of `x`'s shape and dtype that holds no memory (every element one value)."""
+    return np.broadcast_to(np.zeros((), dtype=x.dtype), x.shape)
 
 
 def _checksums(x: np.ndarray) -> np.ndarray:

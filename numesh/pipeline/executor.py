@@ -140,6 +140,7 @@ class PipelineExecutor:
             timeline.append((a.kind, a.mb, a.chunk, t0 - start, time.perf_counter() - start))
         for h in self.sends:
             h.wait()
+        self.sends = []  # nothing of this step (activations, gradients) outlives it
         span = time.perf_counter() - start
         self._finish_outer(m)
         return StepStats(self.loss, busy, span, peak_live, peak_bytes, tuple(timeline))
@@ -162,7 +163,8 @@ class PipelineExecutor:
         if stage == 0:
             outer = self.units.get("outer")
             x, emb_ctx = embed_fwd(outer, x_ids, self.cfg, self.mesh, drops[a.mb])
-            self.units.release("outer")
+            if stage != self.n_stages - 1:  # one stage keeps it for the head: ZeRO-3 gathers it once
+                self.units.release("outer")
         else:
             dtype = self._dtype()
             self._busy += time.perf_counter() - t
@@ -192,7 +194,8 @@ class PipelineExecutor:
         if stage == self.n_stages - 1:
             outer = self.units.get("outer")
             dx, dwte, d_lnf = head_bwd(outer, head_ctx, loss_scale, self.mesh)
-            self.units.release("outer")
+            if stage != 0:  # one stage keeps it for the embedding: ZeRO-3 gathers it once
+                self.units.release("outer")
             self._add_outer(wte=dwte, ln_f=d_lnf)
         else:
             x_ids, _ = micro[a.mb]
@@ -254,6 +257,7 @@ class PipelineExecutor:
             self.mesh.counter.add(("pp",), "all_reduce", wte.nbytes, 2)
             self.tied_comm.Allreduce(MPI.IN_PLACE, wte, op=MPI.SUM)
         self.units.grads_ready("outer", GPT(wte=o["wte"], wpe=o["wpe"], blocks=(), ln_f=o["ln_f"]), count=m)
+        self.outer = dict.fromkeys(o)  # the optimiser has copied them
 
     # ------------------------------------------------------------------ evaluation
 
@@ -265,4 +269,5 @@ class PipelineExecutor:
                 self._forward(Action("F", mb, chunk), micro, [None] * m, m, 1.0, keep=False)
         for h in self.sends:
             h.wait()
+        self.sends = []
         return self.loss
