@@ -202,7 +202,14 @@ def save_checkpoint(trainer: Any, out_dir: str | Path, keep: int | None = None) 
                     for key, rec, dt in recs:
                         by_leaf.setdefault(key, []).append(rec)
                         leaf_dtypes[key] = dt
-                extra: dict[str, Any] = {"seed": getattr(trainer.cfg, "seed", None)}
+                seed = getattr(trainer.cfg, "seed", None)
+                extra: dict[str, Any] = {
+                    "seed": seed,
+                    # every random draw is a pure function of (seed, step, ...): restoring the
+                    # step restores the data position and the dropout stream exactly
+                    "rng": {"kind": "counter-based numpy default_rng", "dropout_key": "[seed, step, site]", "seed": seed},
+                    "data": {"batch_key": "[seed, 0, step]", "next_step": step},
+                }
                 extra["train"] = attrs.asdict(trainer.cfg) if attrs.has(type(trainer.cfg)) else None
                 extra["tokenizer"] = _tokenizer_meta(trainer)
                 layout = layout_of(trainer)
