@@ -16,6 +16,16 @@ What is timed, per iteration:
   torch   batch draw, forward, backward, clip_grad_norm_, AdamW step, zero_grad, loss.item().
 The batch draw (the same numpy code on both sides) is timed separately too and reported.
 
+The process is set up as `numesh train` sets up a rank: `--threads` BLAS threads
+(numesh.runtime.set_blas_threads; torch.set_num_threads on the torch side) and freed memory
+kept for reuse (numesh.runtime.keep_freed_memory; `--malloc glibc` to leave glibc's
+defaults and see the page faults they cost). Both run in one process, numesh first.
+Beside the times, each row shows the CPU this process and *other* processes used while it
+was timed, the kernel share of our CPU time and the page faults per iteration: on a small
+shared machine, a row with "other cpu" well above 0 is not a clean measurement.
+`--same-init` loads numesh's initial weights into the torch model: with the same batches
+the two loss curves must then agree to float32 rounding (a check that the models match).
+
 torch is not a dependency of numesh: it is imported only when the comparison runs.
 This is a benchmark script, not a test: it reports numbers and asserts nothing.
 """
@@ -37,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-DEFAULT_SRC = "/work/shared/data/tinyshakespeare.txt"
+DEFAULT_SRC = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt")  # ../shared beside the repo
 TORCH_PIN = "torch==2.13.0"
 TORCH_WHEEL_DIR = "/opt/wheels"
 
@@ -136,6 +146,11 @@ class CpuMonitor:
         self.minor_faults = _minor_faults() - self._faults
 
 
+def monitor_fields(mon: CpuMonitor, iters: int) -> dict[str, Any]:
+    return {"own_cpu_cores": mon.own_cores, "other_cpu_cores": mon.other_cores, "sys_share": mon.sys_share,
+            "minor_faults_per_iter": mon.minor_faults / iters}
+
+
 def _minor_faults() -> int:
     try:
         import resource
@@ -144,19 +159,24 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def tune_malloc() -> bool:
-    """Keep freed memory in glibc's heap (no munmap / trim), so that numpy's per-op temporaries
-    reuse already-mapped pages instead of page-faulting fresh ones every step. Process-wide:
-    applies to numesh and torch alike. Returns False where it is unavailable (non-glibc)."""
-    import ctypes
-    import ctypes.util
-
+def keep_freed_memory() -> bool:
+    """What `numesh train` does before training (numesh.runtime.configure_process): ask glibc
+    to keep freed blocks for reuse, so numpy's per-op temporaries reuse mapped pages instead
+    of page-faulting fresh ones every step. Process-wide, so torch runs under it too.
+    Returns False where unavailable (not glibc)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
-    except (OSError, AttributeError):
-        return False
+        from numesh.runtime import keep_freed_memory as numesh_keep
+    except ImportError:  # an older numesh: the same two mallopt calls
+        import ctypes
+        import ctypes.util
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            m_trim_threshold, m_mmap_threshold = -1, -3
+            return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+        except (OSError, AttributeError):
+            return False
+    return numesh_keep()
 
 
 def summarize(times_s: list[float], tokens_per_iter: int) -> dict[str, float]:
@@ -183,10 +203,10 @@ def run_numesh(trainer, warmup: int, iters: int) -> dict[str, Any]:
 
     c = trainer.cfg
     times, losses = [], []
-    for i in range(warmup):
+    for _ in range(warmup):
         losses.append(trainer.train_step()[0])
     with CpuMonitor() as mon:
-        for i in range(iters):
+        for _ in range(iters):
             t0 = time.perf_counter()
             loss, _norm, _lr = trainer.train_step()
             times.append(time.perf_counter() - t0)
@@ -199,8 +219,7 @@ def run_numesh(trainer, warmup: int, iters: int) -> dict[str, Any]:
         draw.append(time.perf_counter() - t0)
     out = summarize(times, trainer.tokens_per_step)
     out.update(losses=losses, batch_draw_ms=statistics.median(draw) * 1e3, n_params=trainer.n_params,
-               other_cpu_cores=mon.other_cores, own_cpu_cores=mon.own_cores, sys_share=mon.sys_share,
-               minor_faults_per_iter=mon.minor_faults / iters)
+               **monitor_fields(mon, iters))
     return out
 
 
@@ -316,9 +335,9 @@ def copy_numesh_params(torch, model, params) -> None:
             blk.mlp.c_proj.weight.copy_(t(p.mlp.proj.w.T))
 
 
-def run_torch(torch, tc, vocab_size: int, train_data, warmup: int, iters: int, attention: str,
-              optim_impl: str, init_params=None) -> dict[str, Any]:
-    """Train the torch model with TrainConfig `tc`'s hyper-parameters on numesh's batches."""
+def torch_trainer(torch, tc, vocab_size: int, train_data, attention: str, optim_impl: str, init_params=None):
+    """(model, params, step function, losses list): the torch model and a step(i) that trains
+    it on numesh's batch i with TrainConfig `tc`'s hyper-parameters, as nanoGPT does."""
     from numesh import data as D
     from numesh.optim import cosine_lr
 
@@ -334,12 +353,9 @@ def run_torch(torch, tc, vocab_size: int, train_data, warmup: int, iters: int, a
     ]
     extra = {"fused": True} if optim_impl == "fused" else {"foreach": True} if optim_impl == "foreach" else {}
     opt = torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2), eps=1e-8, **extra)
-    times, losses = [], []
-    mon = CpuMonitor()
-    for i in range(warmup + iters):
-        if i == warmup:
-            mon.__enter__()
-        t0 = time.perf_counter()
+    losses: list[float] = []
+
+    def step(i: int) -> None:
         (x, y), = D.local_batch(train_data, D.train_key(tc.seed, i), tc.batch_size, tc.block_size, 0, 1, 1)
         xb, yb = torch.from_numpy(x), torch.from_numpy(y)
         lr = cosine_lr(i, tc.learning_rate, tc.min_lr, tc.warmup_iters, tc.lr_decay_iters)
@@ -352,14 +368,24 @@ def run_torch(torch, tc, vocab_size: int, train_data, warmup: int, iters: int, a
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(dt)
-    mon.__exit__(None, None, None)
+
+    return model, params, step, losses
+
+
+def run_torch(torch, tc, vocab_size: int, train_data, warmup: int, iters: int, attention: str,
+              optim_impl: str, init_params=None) -> dict[str, Any]:
+    """Time the torch model trained with TrainConfig `tc`'s hyper-parameters on numesh's batches."""
+    _model, params, step, losses = torch_trainer(torch, tc, vocab_size, train_data, attention, optim_impl, init_params)
+    for i in range(warmup):
+        step(i)
+    times = []
+    with CpuMonitor() as mon:
+        for i in range(warmup, warmup + iters):
+            t0 = time.perf_counter()
+            step(i)
+            times.append(time.perf_counter() - t0)
     out = summarize(times, tc.batch_size * tc.block_size)
-    out.update(losses=losses, n_params=sum(p.numel() for p in params),
-               other_cpu_cores=mon.other_cores, own_cpu_cores=mon.own_cores, sys_share=mon.sys_share,
-               minor_faults_per_iter=mon.minor_faults / iters)
+    out.update(losses=losses, n_params=sum(p.numel() for p in params), **monitor_fields(mon, iters))
     return out
 
 
@@ -393,7 +419,7 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"config: preset={c['preset']} n_layer={c['n_layer']} n_head={c['n_head']} n_embd={c['n_embd']} "
           f"block={c['block_size']} batch={c['batch_size']} dtype={c['dtype']} "
           f"tokens/iter={c['tokens_per_iter']} warmup={c['warmup']} iters={c['iters']}")
-    print(f"malloc: {'tuned (--mallopt: no trim, mmap threshold 32 MiB)' if report.get('mallopt') else 'glibc defaults'}")
+    print(f"malloc: {'freed memory kept for reuse (numesh.runtime.keep_freed_memory)' if report.get('keep_freed_memory') else 'glibc defaults'}")
     print(f"env: torch {report.get('torch_version') or '(not installed)'}, numpy {e['numpy']}, "
           f"OPENBLAS_CORETYPE={e['OPENBLAS_CORETYPE'] if e['OPENBLAS_CORETYPE'] is not None else '(unset)'}, "
           f"threads={e['threads']} (cpus {e['cpu_count']}), load avg before/after "
@@ -444,8 +470,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch AdamW implementation (default: torch's own choice, as nanoGPT on CPU)")
     ap.add_argument("--same-init", action="store_true",
                     help="load numesh's initial weights into the torch model and report the loss difference")
-    ap.add_argument("--mallopt", action="store_true",
-                    help="tune glibc malloc (no trim, fixed 32 MiB mmap threshold) for both sides, to show the page-fault cost")
+    ap.add_argument("--malloc", choices=("keep", "glibc"), default="keep",
+                    help="keep: keep freed memory for reuse as `numesh train` does (default); "
+                         "glibc: the allocator's defaults, to see the page-fault cost")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
     if args.iters < 1 or args.warmup < 0 or args.threads < 1:
@@ -453,13 +480,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from numesh.runtime import set_blas_threads
 
-    threads = set_blas_threads(args.threads)
-    mallopt = tune_malloc() if args.mallopt else False
-    if args.mallopt and not mallopt:
-        log("note: --mallopt needs glibc; running with the default allocator")
+    threads = set_blas_threads(args.threads)  # numpy's BLAS; torch.set_num_threads(threads) below
+    kept = keep_freed_memory() if args.malloc == "keep" else False
+    if args.malloc == "keep" and not kept:
+        log("note: could not tune the allocator (needs glibc); running with its defaults")
     model_cfg = preset_config(args.preset, args.batch_size, args.block_size)
     load_before = [round(x, 2) for x in os.getloadavg()]
-    report: dict[str, Any] = {"env": env_info(threads), "load_before": load_before, "mallopt": mallopt}
+    report: dict[str, Any] = {"env": env_info(threads), "load_before": load_before, "keep_freed_memory": kept}
     results: dict[str, Any] = {}
     with dataset_dir(args.data, args.src) as data:
         trainer = make_trainer(model_cfg, data, args.dtype, args.seed)

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import DEFAULT_SRC, PRESETS, CpuMonitor, dataset_dir, make_trainer, preset_config, tune_malloc  # noqa: E402
+from bench_train import DEFAULT_SRC, PRESETS, CpuMonitor, dataset_dir, keep_freed_memory, make_trainer, preset_config  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------
@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--sort", default="tottime", help="pstats sort key (default tottime)")
-    ap.add_argument("--mallopt", action="store_true", help="tune glibc malloc as bench_train.py --mallopt does")
+    ap.add_argument("--malloc", choices=("keep", "glibc"), default="keep",
+                    help="keep freed memory for reuse as `numesh train` does (default), or glibc's defaults")
     ap.add_argument("--data", default=None)
     ap.add_argument("--src", default=DEFAULT_SRC)
     args = ap.parse_args(argv)
@@ -204,12 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     from numesh.runtime import set_blas_threads
 
     threads = set_blas_threads(args.threads)
-    mallopt = tune_malloc() if args.mallopt else False
+    kept = keep_freed_memory() if args.malloc == "keep" else False
     model_cfg = preset_config(args.preset, args.batch_size, args.block_size)
     with dataset_dir(args.data, args.src) as data:
         tr = make_trainer(model_cfg, data, args.dtype)
         print(f"config: preset={args.preset} {model_cfg} dtype={args.dtype} threads={threads} "
-              f"steps={args.steps} (+{args.warmup} warmup) malloc={'tuned' if mallopt else 'glibc defaults'}")
+              f"steps={args.steps} (+{args.warmup} warmup) malloc={'keep freed memory' if kept else 'glibc defaults'}")
         for _ in range(args.warmup):
             tr.train_step()
 
