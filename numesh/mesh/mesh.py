@@ -116,6 +116,13 @@ class Mesh:
         self.coords: dict[str, int] = dict(zip(AXES, self.cart.Get_coords(self.rank)))
         self._comms: dict[tuple[str, ...], MPI.Comm] = {}
         self.counter = ByteCounter()
+        # Cart_sub is collective over the whole mesh, so make each axis's communicator now,
+        # while every rank is here, not at its first use: that may be on some ranks only
+        # (ZeRO-3 gathers a unit over dp on the first pipeline stage while the later stages
+        # wait for its activations), which hung the job.
+        for a in AXES:
+            if self.shape[a] > 1:
+                self.comm(a)
 
     @classmethod
     def create(cls, comm: MPI.Comm | None = None, **sizes: int) -> "Mesh":

@@ -198,9 +198,10 @@ def interleaved(p: int, m: int, v: int) -> Schedule:
             f"interleaved needs v >= 2 model chunks per rank, got v={v}; use 1f1b for one chunk per rank"
         )
     if m % p != 0:
+        near = sorted({max(p, (m // p) * p), (m // p + 1) * p})  # m < p would suggest p twice
         raise ScheduleError(
             f"interleaved needs micro-batches m={m} to be a multiple of pp={p} "
-            f"(e.g. m={max(p, (m // p) * p)} or m={(m // p + 1) * p})"
+            f"(e.g. {' or '.join(f'm={x}' for x in near)})"
         )
     total = m * v
     group = p * v
