@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 from mpi4py import MPI
 
 from numesh import data as D

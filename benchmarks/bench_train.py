@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 import numpy as np
 
 DEFAULT_SRC = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt")  # ../shared beside the repo
@@ -398,6 +399,7 @@ def env_info(threads: int) -> dict[str, Any]:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
+        "OPENBLAS_THREAD_TIMEOUT": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
         "threads": threads,
         "cpu_count": os.cpu_count(),
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
@@ -422,6 +424,7 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"malloc: {'freed memory kept for reuse (numesh.runtime.keep_freed_memory)' if report.get('keep_freed_memory') else 'glibc defaults'}")
     print(f"env: torch {report.get('torch_version') or '(not installed)'}, numpy {e['numpy']}, "
           f"OPENBLAS_CORETYPE={e['OPENBLAS_CORETYPE'] if e['OPENBLAS_CORETYPE'] is not None else '(unset)'}, "
+          f"OPENBLAS_THREAD_TIMEOUT={e['OPENBLAS_THREAD_TIMEOUT']}, "
           f"threads={e['threads']} (cpus {e['cpu_count']}), load avg before/after "
           f"{report['load_before']} / {report['load_after']}")
     for b in e["blas"]:

@@ -10,6 +10,8 @@ from typing import Any, Optional
 import attrs
 import typer
 
+import numesh  # noqa: F401  (first: it sets up OpenBLAS before numpy loads it)
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,

@@ -1,3 +1,13 @@
 """numesh: GPT training with dp x tp x pp parallelism in NumPy and MPI."""
 
+import os
+
+# OpenBLAS's idle threads spin for 2^28 cycles after each matmul before they sleep. On a
+# rank whose cores also run numesh's intra-op threads (numesh.threads) or share a physical
+# core (hyperthreads), that spinning steals the core the next elementwise op needs:
+# measured ~10 % of a training step on the default model. Spin 2^4 cycles instead. Only
+# effective when numesh is imported before numpy (the CLI does); set the variable in the
+# environment to override.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
 __version__ = "0.1.0"

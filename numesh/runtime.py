@@ -31,7 +31,8 @@ def ranks_per_node(comm: MPI.Comm | None = None) -> int:
 
 
 def set_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None) -> int:
-    """Limit BLAS threads so that ranks on this node × threads = its cores.
+    """Limit BLAS threads (and numesh's intra-op threads) so that ranks on this node ×
+    threads = its cores.
 
     An explicit `threads`, or OMP/OPENBLAS_NUM_THREADS in the environment, wins."""
     global _LIMITER
@@ -45,7 +46,9 @@ def set_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None) -
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // ranks_per_node(comm))
     _LIMITER = threadpool_limits(limits=threads, user_api="blas")
-    return threads
+    from numesh.threads import set_threads
+
+    return set_threads(threads)  # the same cores serve numpy's non-BLAS work
 
 
 def keep_freed_memory() -> bool:

@@ -13,6 +13,8 @@ import math
 import attrs
 import numpy as np
 
+from numesh.threads import over_rows
+
 LN_EPS = 1e-5
 _GELU_K = math.sqrt(2.0 / math.pi)
 
@@ -87,66 +89,99 @@ def layernorm_bwd(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarr
     return dxhat, LayerNorm(dw, db)
 
 
+def _chunk_rows(row_len: int, elements: int = 1 << 15) -> int:
+    """Rows per thread chunk so a hand-off (~20 µs) is small beside the work."""
+    return max(1, elements // max(1, row_len))
+
+
 def gelu_fwd(x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-    """GELU in GPT-2's tanh form."""
-    t = x * x
-    t *= 0.044715
-    t += 1.0
-    t *= x
-    t *= _GELU_K
-    np.tanh(t, out=t)
-    y = t + 1.0
-    y *= x
-    y *= 0.5
+    """GELU in GPT-2's tanh form: 0.5·x·(1 + tanh(k·(x + 0.044715·x³)))."""
+    t, y = np.empty_like(x), np.empty_like(x)
+    x2, t2, y2 = _rows(x), _rows(t), _rows(y)
+
+    def rows(r: slice) -> None:
+        xr, tr, yr = x2[r], t2[r], y2[r]
+        np.multiply(xr, xr, out=tr)
+        tr *= 0.044715 * _GELU_K
+        tr += _GELU_K
+        tr *= xr
+        np.tanh(tr, out=tr)
+        np.add(tr, 1.0, out=yr)
+        yr *= xr
+        yr *= 0.5
+
+    over_rows(rows, x2.shape[0], _chunk_rows(x2.shape[1]))
     return y, (x, t)
 
 
 def gelu_bwd(ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> np.ndarray:
     x, t = ctx
-    # d/dx = 0.5(1+t) + 0.5 x (1-t^2) k (1 + 3·0.044715 x^2)
-    inner = x * x
-    inner *= 3 * 0.044715 * _GELU_K
-    inner += _GELU_K
-    inner *= x
-    sech2 = t * t
-    np.subtract(1.0, sech2, out=sech2)
-    inner *= sech2
-    inner += t
-    inner += 1.0
-    inner *= 0.5
-    inner *= dy
-    return inner
+    dx = np.empty_like(dy)
+    x2, t2, dy2, dx2 = _rows(x), _rows(t), _rows(dy), _rows(dx)
+
+    def rows(r: slice) -> None:
+        # d/dx = 0.5(1+t) + 0.5 x (1-t^2) k (1 + 3·0.044715 x^2)
+        xr, tr, out = x2[r], t2[r], dx2[r]
+        np.multiply(xr, xr, out=out)
+        out *= 3 * 0.044715 * _GELU_K
+        out += _GELU_K
+        out *= xr
+        sech2 = tr * tr
+        np.subtract(1.0, sech2, out=sech2)
+        out *= sech2
+        out += tr
+        out += 1.0
+        out *= 0.5
+        out *= dy2[r]
+
+    over_rows(rows, x2.shape[0], _chunk_rows(x2.shape[1]))
+    return dx
 
 
 def causal_attention_fwd(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, drop_mask: np.ndarray | None = None
 ) -> tuple[np.ndarray, tuple]:
     """Causal softmax attention over [B, H, T, hs] tensors; `drop_mask` (already scaled) applies to the weights."""
-    T, hs = q.shape[-2], q.shape[-1]
-    qs = q * (1.0 / math.sqrt(hs))  # scaling q costs T·hs, scaling the scores T·T
-    att = qs @ k.swapaxes(-1, -2)
-    att += _causal_bias(T, att.dtype)
-    att -= att.max(axis=-1, keepdims=True)
-    np.exp(att, out=att)
-    att *= 1.0 / att.sum(axis=-1, keepdims=True)
-    p = att if drop_mask is None else att * drop_mask
-    y = p @ v
+    B, H, T, hs = q.shape
+    scale = 1.0 / math.sqrt(hs)  # scaling q costs T·hs, scaling the scores T·T
+    qs, y = np.empty(q.shape, q.dtype), np.empty(q.shape, q.dtype)
+    att = np.empty((B, H, T, T), q.dtype)
+    bias = _causal_bias(T, att.dtype)
+
+    def rows(r: slice) -> None:
+        a = att[r]
+        np.multiply(q[r], scale, out=qs[r])
+        np.matmul(qs[r], k[r].swapaxes(-1, -2), out=a)
+        a += bias
+        a -= a.max(axis=-1, keepdims=True)
+        np.exp(a, out=a)
+        a *= 1.0 / a.sum(axis=-1, keepdims=True)
+        np.matmul(a if drop_mask is None else a * drop_mask[r], v[r], out=y[r])
+
+    over_rows(rows, B, _chunk_rows(H * T * T))
     return y, (qs, k, v, att, drop_mask)
 
 
 def causal_attention_bwd(ctx: tuple, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     qs, k, v, att, drop_mask = ctx
-    p = att if drop_mask is None else att * drop_mask
-    dv = p.swapaxes(-1, -2) @ dy
-    datt = dy @ v.swapaxes(-1, -2)
-    if drop_mask is not None:
-        datt *= drop_mask
-    # softmax backward: ds = a * (da - sum(da * a))
-    datt -= np.einsum("...ij,...ij->...i", datt, att)[..., None]
-    datt *= att
-    dq = datt @ k
-    dq *= 1.0 / math.sqrt(qs.shape[-1])
-    dk = datt.swapaxes(-1, -2) @ qs
+    scale = 1.0 / math.sqrt(qs.shape[-1])
+    dq, dk, dv = (np.empty(x.shape, dy.dtype) for x in (qs, k, v))
+
+    def rows(r: slice) -> None:
+        a = att[r]
+        p = a if drop_mask is None else a * drop_mask[r]
+        np.matmul(p.swapaxes(-1, -2), dy[r], out=dv[r])
+        datt = dy[r] @ v[r].swapaxes(-1, -2)
+        if drop_mask is not None:
+            datt *= drop_mask[r]
+        # softmax backward: ds = a * (da - sum(da * a))
+        datt -= np.einsum("...ij,...ij->...i", datt, a)[..., None]
+        datt *= a
+        np.matmul(datt, k[r], out=dq[r])
+        dq[r] *= scale
+        np.matmul(datt.swapaxes(-1, -2), qs[r], out=dk[r])
+
+    over_rows(rows, qs.shape[0], _chunk_rows(att[0].size))
     return dq, dk, dv
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from numesh.threads import over_rows
 from numesh.tree import Tree, flatten, tree_map_with_path
 
 
@@ -59,22 +60,30 @@ def adamw_step(
     state.step += 1
     t = state.step
     tmp = np.empty_like(params) if scratch is None else scratch
-    # p -= lr * wd * p  (decoupled decay, only where decay == 1)
-    np.multiply(params, decay, out=tmp)
-    tmp *= lr * cfg.weight_decay
-    params -= tmp
-    # moments
-    state.m *= cfg.beta1
-    np.multiply(grads, 1.0 - cfg.beta1, out=tmp)
-    state.m += tmp
-    state.v *= cfg.beta2
-    np.multiply(grads, grads, out=tmp)
-    tmp *= 1.0 - cfg.beta2
-    state.v += tmp
-    # p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-    np.sqrt(state.v, out=tmp)
-    tmp *= 1.0 / np.sqrt(1.0 - cfg.beta2**t)
-    tmp += cfg.eps
-    np.divide(state.m, tmp, out=tmp)
-    tmp *= lr / (1.0 - cfg.beta1**t)
-    params -= tmp
+    wd = lr * cfg.weight_decay
+    c2 = 1.0 / np.sqrt(1.0 - cfg.beta2**t)
+    c1 = lr / (1.0 - cfg.beta1**t)
+
+    def rows(r: slice) -> None:
+        p, g, m, v, s = params[r], grads[r], state.m[r], state.v[r], tmp[r]
+        # p -= lr * wd * p  (decoupled decay, only where decay == 1)
+        np.multiply(p, decay[r], out=s)
+        s *= wd
+        p -= s
+        # moments
+        m *= cfg.beta1
+        np.multiply(g, 1.0 - cfg.beta1, out=s)
+        m += s
+        v *= cfg.beta2
+        np.multiply(g, g, out=s)
+        s *= 1.0 - cfg.beta2
+        v += s
+        # p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+        np.sqrt(v, out=s)
+        s *= c2
+        s += cfg.eps
+        np.divide(m, s, out=s)
+        s *= c1
+        p -= s
+
+    over_rows(rows, params.shape[0], 1 << 16)
