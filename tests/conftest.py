@@ -203,3 +203,19 @@ def assert_same_run(got: tuple[list[dict], dict], want: tuple[list[dict], dict],
     assert par_got.keys() == par_want.keys()
     for k in par_want:
         assert_close(par_got[k], par_want[k], rtol, what=k)
+
+
+SMALL_BATCH = 8
+
+
+def small_run_config(data: Path, out: Path, mesh: str, **kw: object) -> Any:
+    """A tiny float64 training run with dropout and biases (every code path), for parity tests."""
+    from numesh.train import config_from
+
+    base: dict = dict(
+        n_layer=2, n_head=4, n_embd=16, block_size=8, batch_size=SMALL_BATCH, max_iters=4, dropout=0.1, bias=True,
+        learning_rate=3e-2, min_lr=1e-3, warmup_iters=1, lr_decay_iters=4, grad_clip=0.5,
+        eval_interval=2, eval_iters=1, data=str(data), out=str(out), mesh=mesh, seed=11, dtype="float64",
+    )
+    base.update(kw)
+    return config_from(base)

@@ -13,39 +13,28 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import assert_same_run, serial_reference, train_records
+from conftest import SMALL_BATCH, small_run_config, assert_same_run, serial_reference, train_records
 from numesh.mesh import MeshError
 from numesh.nn.gpt import ConfigError
-from numesh.train import TrainConfig, config_from, train
+from numesh.train import train
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
 WORLD = MPI.COMM_WORLD
-BATCH = 8
-
-
-def run_config(data: Path, out: Path, mesh: str, **kw: object) -> TrainConfig:
-    base: dict = dict(
-        n_layer=2, n_head=4, n_embd=16, block_size=8, batch_size=BATCH, max_iters=4, dropout=0.1, bias=True,
-        learning_rate=3e-2, min_lr=1e-3, warmup_iters=1, lr_decay_iters=4, grad_clip=0.5,
-        eval_interval=2, eval_iters=1, data=str(data), out=str(out), mesh=mesh, seed=11, dtype="float64",
-    )
-    base.update(kw)
-    return config_from(base)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_dp_matches_one_rank(shared_dataset: Path, shared_tmp: Path, zero: int) -> None:
     n = WORLD.Get_size()
-    cfg = run_config(shared_dataset, shared_tmp / f"dp{n}-zero{zero}", f"dp={n}", zero=zero)
+    cfg = small_run_config(shared_dataset, shared_tmp / f"dp{n}-zero{zero}", f"dp={n}", zero=zero)
     assert_same_run(train_records(cfg, WORLD), serial_reference(cfg))
 
 
 def test_dp_with_micro_batches_matches_one_rank(shared_dataset: Path, shared_tmp: Path) -> None:
     n = WORLD.Get_size()
-    if BATCH % (2 * n):
-        pytest.skip(f"batch {BATCH} does not split over dp={n} x 2 micro-batches")
-    cfg = run_config(shared_dataset, shared_tmp / f"dp{n}-mb2", "dp=-1", micro_batches=2)
+    if SMALL_BATCH % (2 * n):
+        pytest.skip(f"batch {SMALL_BATCH} does not split over dp={n} x 2 micro-batches")
+    cfg = small_run_config(shared_dataset, shared_tmp / f"dp{n}-mb2", "dp=-1", micro_batches=2)
     assert_same_run(train_records(cfg, WORLD), serial_reference(cfg))
 
 
@@ -53,14 +42,14 @@ def test_dp_and_tp_match_one_rank(shared_dataset: Path, shared_tmp: Path) -> Non
     n = WORLD.Get_size()
     if n not in (4, 8):
         pytest.skip("dp=2 x tp=N/2 runs on 4 and 8 ranks")
-    cfg = run_config(shared_dataset, shared_tmp / f"dp2tp{n // 2}", f"dp=2,tp={n // 2}")
+    cfg = small_run_config(shared_dataset, shared_tmp / f"dp2tp{n // 2}", f"dp=2,tp={n // 2}")
     assert_same_run(train_records(cfg, WORLD), serial_reference(cfg))
 
 
 def test_float32_dp_close_to_one_rank(shared_dataset: Path, shared_tmp: Path) -> None:
     """float32 parity is ~1e-5 (the design's bound), not exact."""
     n = WORLD.Get_size()
-    cfg = run_config(shared_dataset, shared_tmp / f"dp{n}-f32", f"dp={n}", dtype="float32", max_iters=2)
+    cfg = small_run_config(shared_dataset, shared_tmp / f"dp{n}-f32", f"dp={n}", dtype="float32", max_iters=2)
     got, want = train_records(cfg, WORLD), serial_reference(cfg)
     for a, b in zip(got[0], want[0]):
         for k in a:
@@ -72,9 +61,9 @@ def test_float32_dp_close_to_one_rank(shared_dataset: Path, shared_tmp: Path) ->
 def test_every_rank_raises_the_same_config_error(shared_dataset: Path, shared_tmp: Path) -> None:
     n = WORLD.Get_size()
     with pytest.raises(ConfigError, match="not divisible"):
-        train(run_config(shared_dataset, shared_tmp / "bad1", f"dp={n}", batch_size=n + 1), WORLD)
+        train(small_run_config(shared_dataset, shared_tmp / "bad1", f"dp={n}", batch_size=n + 1), WORLD)
     with pytest.raises(MeshError, match=f"needs {2 * n} ranks"):
-        train(run_config(shared_dataset, shared_tmp / "bad2", f"dp={2 * n}"), WORLD)
+        train(small_run_config(shared_dataset, shared_tmp / "bad2", f"dp={2 * n}"), WORLD)
     WORLD.Barrier()
     assert not (shared_tmp / "bad1").exists() and not (shared_tmp / "bad2").exists()
 
@@ -88,7 +77,7 @@ def test_replicas_stay_identical(shared_dataset: Path, shared_tmp: Path) -> None
 
     n = WORLD.Get_size()
     mesh_spec = f"dp=2,tp={n // 2}" if n in (4, 8) else f"dp={n}"
-    trainer = Trainer(run_config(shared_dataset, shared_tmp / "replicas", mesh_spec), WORLD)
+    trainer = Trainer(small_run_config(shared_dataset, shared_tmp / "replicas", mesh_spec), WORLD)
     mesh = trainer.mesh
     for _ in range(2):
         trainer.train_step()

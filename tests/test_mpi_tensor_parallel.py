@@ -166,3 +166,19 @@ def test_kv_cache_logits_match_one_rank(tp_mesh: Mesh) -> None:
         want = logits_cached(gp, idx[:, t0:t1], c_1, cfg, self_mesh())
         assert got.shape == (2, cfg.vocab_size)
         assert_close(got, want, 1e-10, what=f"logits at {t1 - 1}")
+
+
+@pytest.mark.parametrize("temperature, top_k", [(0.8, 5), (0.0, None)])
+def test_sampling_gives_the_same_tokens_as_one_rank(tp_mesh: Mesh, temperature: float, top_k: int | None) -> None:
+    """`numesh sample --mesh tp=N` draws the tokens tp=1 draws for the same seed."""
+    from numesh.sample import generate
+
+    cfg = model_config(dropout=0.0)
+    gp = random_global_params(cfg, seed=9)
+    prompt, _ = batch(cfg, B=2, seed=5)
+    prompt = prompt[:, :3]
+    kw = dict(max_new_tokens=cfg.block_size + 2, temperature=temperature, top_k=top_k, seed=21)  # past the context
+    got = generate(shard_params(gp, cfg, tp_mesh), cfg, tp_mesh, prompt, **kw)
+    want = generate(gp, cfg, self_mesh(), prompt, **kw)
+    assert got.shape == (2, 3 + cfg.block_size + 2)
+    np.testing.assert_array_equal(got, want)

@@ -26,28 +26,17 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import assert_same_run, serial_reference, train_records
+from conftest import SMALL_BATCH, small_run_config, assert_same_run, serial_reference, train_records
 from numesh.mesh import Mesh, MeshError
 from numesh.mesh.mesh import ByteCounter
 from numesh.nn.gpt import ConfigError, gpt_specs, init_gpt
 from numesh.optim.zero import ZeroOptimizer, memory_formula
-from numesh.train import TrainConfig, Trainer, config_from, train
+from numesh.train import Trainer, train
 from numesh.tree import tree_leaves
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
 WORLD = MPI.COMM_WORLD
-BATCH = 8
-
-
-def run_config(data: Path, out: Path, mesh: str, **kw: object) -> TrainConfig:
-    base: dict = dict(
-        n_layer=2, n_head=4, n_embd=16, block_size=8, batch_size=BATCH, max_iters=4, dropout=0.1, bias=True,
-        learning_rate=3e-2, min_lr=1e-3, warmup_iters=1, lr_decay_iters=4, grad_clip=0.5,
-        eval_interval=2, eval_iters=1, data=str(data), out=str(out), mesh=mesh, seed=11, dtype="float64",
-    )
-    base.update(kw)
-    return config_from(base)
 
 
 def mesh_for(kind: str) -> str:
@@ -110,7 +99,7 @@ def held_bytes(obj: Any, skip: tuple[str, ...] = ()) -> int:
 @pytest.mark.parametrize("kind", ["dp", "dp2xtp"])
 def test_memory_per_rank_follows_the_zero_paper(shared_dataset: Path, shared_tmp: Path, kind: str, stage: int) -> None:
     mesh = mesh_for(kind)
-    cfg = run_config(shared_dataset, shared_tmp / f"mem-{kind}-{stage}", mesh, zero=stage, dtype="float32")
+    cfg = small_run_config(shared_dataset, shared_tmp / f"mem-{kind}-{stage}", mesh, zero=stage, dtype="float32")
     trainer = Trainer(cfg, WORLD)
     trainer.train_step()  # memory between steps, after the buffers have been used
     opt, n, k = trainer.opt, trainer.mesh.size("dp"), 4
@@ -151,7 +140,7 @@ def test_memory_shrinks_with_each_stage(shared_dataset: Path, shared_tmp: Path) 
     n = WORLD.Get_size()
     totals = []
     for stage in range(4):
-        cfg = run_config(shared_dataset, shared_tmp / f"mem-order-{stage}", f"dp={n}", zero=stage, dtype="float32")
+        cfg = small_run_config(shared_dataset, shared_tmp / f"mem-order-{stage}", f"dp={n}", zero=stage, dtype="float32")
         mem = Trainer(cfg, WORLD).opt.memory()
         totals.append(mem["params"] + mem["grads"] + mem["optimizer"])
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4, totals
@@ -181,9 +170,9 @@ def test_bytes_per_step_follow_the_zero_paper(
 ) -> None:
     n = WORLD.Get_size()
     m = micro_batches
-    cfg = run_config(
+    cfg = small_run_config(
         shared_dataset, shared_tmp / f"bytes-{stage}-{m}", f"dp={n}", zero=stage, dtype="float32",
-        micro_batches=m, batch_size=max(BATCH, n * m),
+        micro_batches=m, batch_size=max(SMALL_BATCH, n * m),
     )
     trainer = Trainer(cfg, WORLD)
     trainer.train_step()
@@ -240,7 +229,7 @@ def test_bytes_per_step_follow_the_zero_paper(
 def test_bucketing_and_overlap_move_the_same_bytes(shared_dataset: Path, shared_tmp: Path, overlap: bool) -> None:
     """One bucket per unit (tiny buckets), with or without overlap: the same all-reduce bytes."""
     n = WORLD.Get_size()
-    cfg = run_config(shared_dataset, shared_tmp / f"buckets-{overlap}", f"dp={n}", dtype="float32",
+    cfg = small_run_config(shared_dataset, shared_tmp / f"buckets-{overlap}", f"dp={n}", dtype="float32",
                      bucket_mb=1e-6, overlap=overlap)
     trainer = Trainer(cfg, WORLD)
     trainer.mesh.counter.reset()
@@ -276,7 +265,7 @@ def test_zero_with_tp_and_micro_batches_matches_one_rank(
     mesh = parity_mesh()
     if micro_batches == 1 and (n == 2 or (n == 4 and zero == 0)):
         pytest.skip(f"{mesh} zero={zero} is in test_mpi_data_parallel.py")
-    cfg = run_config(shared_dataset, shared_tmp / f"parity-{mesh}-{zero}-{micro_batches}", mesh,
+    cfg = small_run_config(shared_dataset, shared_tmp / f"parity-{mesh}-{zero}-{micro_batches}", mesh,
                      zero=zero, micro_batches=micro_batches)
     assert_same_run(train_records(cfg, WORLD), serial_reference(attrs.evolve(cfg, zero=0)))
 
@@ -296,14 +285,14 @@ def same_error_everywhere(fn: Any, error: type, match: str) -> None:
 def test_zero_stage_outside_0_to_3_fails_on_every_rank(shared_dataset: Path, shared_tmp: Path, zero: int) -> None:
     n = WORLD.Get_size()
     out = shared_tmp / f"bad-zero{zero}"
-    same_error_everywhere(lambda: train(run_config(shared_dataset, out, f"dp={n}", zero=zero), WORLD),
+    same_error_everywhere(lambda: train(small_run_config(shared_dataset, out, f"dp={n}", zero=zero), WORLD),
                           ConfigError, f"--zero must be 0, 1, 2 or 3, got {zero}")
     WORLD.Barrier()
     assert not out.exists()
     # the optimiser itself rejects it before any collective
     mesh = Mesh.create(WORLD, dp=n)
     try:
-        cfg = run_config(shared_dataset, out, f"dp={n}").model(11)
+        cfg = small_run_config(shared_dataset, out, f"dp={n}").model(11)
         params = init_gpt(cfg, mesh, 0, np.float32)
         same_error_everywhere(lambda: ZeroOptimizer(params, gpt_specs(cfg), mesh, stage=zero),
                               ValueError, "ZeRO stage must be 0, 1, 2 or 3")
@@ -318,7 +307,7 @@ def test_batch_not_divisible_by_dp_times_micro_batches_fails_on_every_rank(
     """Divisible by dp but not by dp x micro-batches (dp alone is in test_mpi_data_parallel.py)."""
     n = WORLD.Get_size()
     out = shared_tmp / f"bad-micro-{zero}"
-    cfg = run_config(shared_dataset, out, f"dp={n}", zero=zero, batch_size=2 * n, micro_batches=3)
+    cfg = small_run_config(shared_dataset, out, f"dp={n}", zero=zero, batch_size=2 * n, micro_batches=3)
     same_error_everywhere(lambda: train(cfg, WORLD), ConfigError,
                           f"batch_size {2 * n} is not divisible by dp={n} x micro_batches=3: use a multiple of {3 * n}")
     same_error_everywhere(lambda: Trainer(cfg, WORLD), ConfigError, "not divisible")
@@ -329,6 +318,6 @@ def test_batch_not_divisible_by_dp_times_micro_batches_fails_on_every_rank(
 def test_mesh_of_wrong_size_fails_on_every_rank(shared_dataset: Path, shared_tmp: Path) -> None:
     n = WORLD.Get_size()
     same_error_everywhere(
-        lambda: Trainer(run_config(shared_dataset, shared_tmp / "bad-mesh", f"dp={n},tp=2", zero=3), WORLD),
+        lambda: Trainer(small_run_config(shared_dataset, shared_tmp / "bad-mesh", f"dp={n},tp=2", zero=3), WORLD),
         MeshError, f"needs {2 * n} ranks",
     )

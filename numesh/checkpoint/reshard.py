@@ -20,30 +20,18 @@ from numesh.checkpoint.format import (
 )
 from numesh.checkpoint.save import TMP_PREFIX, install_dir
 from numesh.mesh import AXES, MeshError, parse_mesh
+from numesh.mesh.mesh import parse_axis_sizes
 
 
 def target_mesh(source: dict[str, int], to: str) -> tuple[dict[str, int], list[str]]:
     """The mesh `to` ("tp=4", "dp=2,tp=4"; axes not named keep the source's size) and the
     axes it names."""
-    sizes = {a: int(source.get(a, 1)) for a in AXES}
-    named = []
-    for part in to.replace(" ", "").split(","):
-        if not part:
-            continue
-        name, eq, value = part.partition("=")
-        if not eq or not name:
-            raise MeshError(f"malformed mesh '{to}': expected comma-separated axis=size, e.g. tp=4")
-        if name not in AXES:
-            raise MeshError(f"unknown mesh axis '{name}': the axes are {', '.join(AXES)}")
-        if name in named:
-            raise MeshError(f"axis '{name}' given twice in mesh '{to}'")
-        try:
-            sizes[name] = int(value)
-        except ValueError:
-            raise MeshError(f"malformed mesh '{to}': size of '{name}' is '{value}', not an integer") from None
-        if sizes[name] < 1:
-            raise MeshError(f"mesh axis {name}={value}: sizes must be >= 1")
-        named.append(name)
+    given = parse_axis_sizes(to)
+    for name, size in given.items():
+        if size < 1:
+            raise MeshError(f"mesh axis {name}={size}: sizes must be >= 1")
+    sizes = {a: int(source.get(a, 1)) for a in AXES} | given
+    named = list(given)
     if not named:
         raise MeshError("--to names no mesh axis: pass e.g. tp=4")
     n = sizes["pp"] * sizes["dp"] * sizes["tp"]

@@ -21,6 +21,27 @@ class MeshError(ValueError):
     """A mesh that cannot be built, with what to change."""
 
 
+def parse_axis_sizes(spec: str) -> dict[str, int]:
+    """The axes a mesh string names, with their sizes: "dp=2,tp=-1" -> {"dp": 2, "tp": -1}.
+    Checks the syntax and the axis names; sizes are checked by the caller."""
+    sizes: dict[str, int] = {}
+    for part in spec.replace(" ", "").split(","):
+        if not part:
+            continue
+        name, eq, value = part.partition("=")
+        if not eq or not name:
+            raise MeshError(f"malformed mesh '{spec}': expected comma-separated axis=size, e.g. dp=2,tp=2,pp=2")
+        if name in sizes:
+            raise MeshError(f"axis '{name}' given twice in mesh '{spec}'")
+        if name not in AXES:
+            raise MeshError(f"unknown mesh axis '{name}': the axes are {', '.join(AXES)}")
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise MeshError(f"malformed mesh '{spec}': size of '{name}' is '{value}', not an integer") from None
+    return sizes
+
+
 def parse_mesh(spec: str | dict[str, int] | None, n_ranks: int) -> dict[str, int]:
     """Axis sizes from "dp=2,tp=2" (omitted axes are 1; one axis may be -1 = inferred)."""
     if spec is None or spec == "":
@@ -28,19 +49,7 @@ def parse_mesh(spec: str | dict[str, int] | None, n_ranks: int) -> dict[str, int
     elif isinstance(spec, dict):
         sizes = dict(spec)
     else:
-        sizes = {}
-        for part in spec.replace(" ", "").split(","):
-            if not part:
-                continue
-            name, eq, value = part.partition("=")
-            if not eq or not name:
-                raise MeshError(f"malformed mesh '{spec}': expected comma-separated axis=size, e.g. dp=2,tp=2,pp=2")
-            if name in sizes:
-                raise MeshError(f"axis '{name}' given twice in mesh '{spec}'")
-            try:
-                sizes[name] = int(value)
-            except ValueError:
-                raise MeshError(f"malformed mesh '{spec}': size of '{name}' is '{value}', not an integer") from None
+        sizes = parse_axis_sizes(spec)
     for name, size in sizes.items():
         if name not in AXES:
             raise MeshError(f"unknown mesh axis '{name}': the axes are {', '.join(AXES)}")
