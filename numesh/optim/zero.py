@@ -96,13 +96,14 @@ class ZeroOptimizer:
         full_init = np.zeros(self.total, dtype=dtype)
         for name, u in self.units.items():
             flatten(trees[name], out=full_init[u.start : u.start + u.size])
-        # flat 0/1 weights in the full layout: weight decay, and "this rank counts it" for the norm
-        decay = np.zeros(self.total, dtype=dtype)
-        counted = np.zeros(self.total, dtype=dtype)
+        # flat masks in the full layout (bool: a byte per value, not a float): weight decay,
+        # and "this rank counts it" for the norm
+        decay = np.zeros(self.total, dtype=bool)
+        counted = np.zeros(self.total, dtype=bool)
         for name, u in self.units.items():
-            d_tree = tree_map_with_path(lambda p, x: np.full(x.shape, float(decays(p, x))), trees[name])
+            d_tree = tree_map_with_path(lambda p, x: np.full(x.shape, decays(p, x)), trees[name])
             c_tree = tree_map_with_path(
-                lambda path, x, s, unit=name: np.full(x.shape, float(counted_once(s, mesh) and f"{unit}.{path}" not in uncounted)),
+                lambda path, x, s, unit=name: np.full(x.shape, counted_once(s, mesh) and f"{unit}.{path}" not in uncounted),
                 trees[name], spec_units[name],
             )
             flatten(d_tree, out=decay[u.start : u.start + u.size])
@@ -330,7 +331,7 @@ class ZeroOptimizer:
     def memory(self) -> dict[str, int]:
         """Bytes of the buffers this rank holds between steps: parameters, gradients and
         optimiser state (the ZeRO paper's three), and the workspace beside them (AdamW's
-        scratch, the weight-decay and norm masks: one optimiser-state shard each)."""
+        scratch, one optimiser-state shard; the weight-decay and norm masks, a byte per value each)."""
         params = self.flat.nbytes if self.stage < 3 else self.param_shard.nbytes
         grads = self.grad_full.nbytes if self.grad_full is not None else self.grad_shard.nbytes
         return {
