@@ -27,8 +27,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from numesh.mesh import MeshError
     from numesh.nn.gpt import ConfigError
     from numesh.checkpoint import CheckpointError
+    from numesh.pipeline.schedules import ScheduleError
 
-    return (DataError, MeshError, ConfigError, CheckpointError)
+    return (DataError, MeshError, ConfigError, CheckpointError, ScheduleError)
 
 
 def _run(fn):

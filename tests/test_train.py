@@ -238,3 +238,31 @@ def test_train_raises_before_writing_anything(char_dataset: Path, tmp_path: Path
     with pytest.raises(ConfigError):
         train(run_config(char_dataset, out, n_embd=10, n_head=4), MPI.COMM_SELF)
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--data", "{tmp}/nothing"], "no dataset at"),
+        (["--mesh", "dp=2,xx=3"], "unknown mesh axis 'xx'"),
+        (["--mesh", "dp=2"], "needs 2 ranks"),
+        (["--n-embd", "10"], "n_embd=10 is not divisible by n_head"),
+        (["--block-size", "100000"], "block_size=100000 is larger"),
+        (["--config", "{tmp}/bad.toml"], "unknown config key 'n_layers'"),
+        (["--zero", "5"], "--zero must be 0, 1, 2 or 3"),
+        (["--schedule", "pipedream"], "unknown pipeline schedule 'pipedream'"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(char_dataset: Path, tmp_path: Path, args: list[str],
+                                              match: str) -> None:
+    from typer.testing import CliRunner
+
+    from numesh_cli.app import app
+
+    (tmp_path / "bad.toml").write_text("n_layers = 2\n")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    res = CliRunner().invoke(app, ["train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), *args])
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2, res.output
+    assert len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0], res.stderr
+    assert not (tmp_path / "o").exists()
