@@ -50,7 +50,12 @@ def vocab_parallel_embedding_bwd(wte: np.ndarray, ctx: tuple, dy: np.ndarray) ->
     if outside is not None:
         keep = ~outside.reshape(-1)
         idx, dy2 = idx[keep], dy2[keep]
-    np.add.at(dwte, idx, dy2)
+    # per-row sums over the tokens with that id, in token order (np.add.at is ~5x slower)
+    order = np.argsort(idx, kind="stable")
+    ids = idx[order]
+    starts = np.flatnonzero(np.diff(ids, prepend=-1))
+    if starts.size:
+        dwte[ids[starts]] = np.add.reduceat(dy2[order], starts, axis=0)
     return dwte
 
 
