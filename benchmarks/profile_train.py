@@ -30,6 +30,7 @@ import io
 import pstats
 import statistics
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -74,7 +75,9 @@ class Instrument:
         self.calls: dict[str, int] = defaultdict(int)
         self.phase: dict[str, float] = defaultdict(float)
         self.label_phase: dict[str, str] = {}
-        self._stack: list[list] = []  # [label, phase, child time]
+        self._local = threading.local()  # per thread: a stack of [label, phase, child time]
+        self._lock = threading.Lock()
+        self.worker_time = 0.0  # outermost wrapped calls on other threads (numesh.threads.over_batch)
         self._undo: list[tuple[object, str, object]] = []
 
     def _wrap(self, fn, name: str, phase: str | None):
@@ -91,23 +94,32 @@ class Instrument:
             label = label_of(args)
             inst.label_phase.setdefault(label, phase or "op")
             frame = [label, phase, 0.0]
-            inst._stack.append(frame)
+            stack = inst._stack()
+            stack.append(frame)
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kw)
             finally:
                 dt = time.perf_counter() - t0
-                inst._stack.pop()
-                inst.incl[label] += dt
-                inst.excl[label] += dt - frame[2]
-                inst.calls[label] += 1
-                if inst._stack:
-                    inst._stack[-1][2] += dt
-                if phase is not None and not any(f[1] == phase for f in inst._stack):
-                    inst.phase[phase] += dt
+                stack.pop()
+                with inst._lock:
+                    inst.incl[label] += dt
+                    inst.excl[label] += dt - frame[2]
+                    inst.calls[label] += 1
+                    if stack:
+                        stack[-1][2] += dt
+                    elif threading.current_thread() is not threading.main_thread():
+                        inst.worker_time += dt
+                    if phase is not None and not any(f[1] == phase for f in stack):
+                        inst.phase[phase] += dt
 
         timed.__numesh_profiled__ = True
         return timed
+
+    def _stack(self) -> list[list]:
+        if not hasattr(self._local, "stack"):
+            self._local.stack = []
+        return self._local.stack
 
     def patch_functions(self, names: dict[str, str | None]) -> None:
         originals = {}
@@ -170,6 +182,10 @@ def report_ops(inst: Instrument, step_total: float, n: int) -> None:
     """Exclusive time of every wrapped function: the ops, and the glue left in each phase function."""
     print("(exclusive = minus wrapped callees; a phase function's own code is its inline numpy: reshape\n"
           " copies, transposes, residual adds, and in head_fwd/head_bwd the tied LM-head matmuls)")
+    total = step_total + inst.worker_time
+    if inst.worker_time:
+        print(f"(ops run on every thread: blocks split their sequences over threads, so times are summed\n"
+              f" over threads, {_ms(total, n).strip()} of thread time per {_ms(step_total, n).strip()} step; shares are of that)")
     print(f"{'function':<44} {'per step':>11} {'share':>6} calls/step")
     rows = []
     for lab, t in inst.excl.items():
@@ -178,9 +194,9 @@ def report_ops(inst: Instrument, step_total: float, n: int) -> None:
             name = f"{lab} (own code)"
         rows.append((name, t, inst.calls[lab] // n))
     accounted = sum(inst.excl.values())
-    rows.append(("(train_step outside every wrapped function)", step_total - accounted, 1))
+    rows.append(("(train_step outside every wrapped function)", total - accounted, 1))
     for name, t, calls in sorted(rows, key=lambda r: -r[1]):
-        print(f"{name:<44} {_ms(t, n)} {100 * t / step_total:5.1f}% {calls:>5}")
+        print(f"{name:<44} {_ms(t, n)} {100 * t / total:5.1f}% {calls:>5}")
 
 
 # --------------------------------------------------------------------------------------

@@ -6,19 +6,29 @@ idle. `over_rows(fn, n)` splits `range(n)` into contiguous chunks and runs `fn(r
 each on its own thread (NumPy releases the GIL inside its loops). The ops it is used for
 are independent per row, so the result is bit-identical to one call on all rows.
 
+`over_batch(fn, n)` is the coarse form: each thread runs a whole piece of work (a
+transformer block on some of the sequences) with BLAS and `over_rows` single-threaded
+inside, so the cores meet once per piece instead of once per op. That matters on small
+models: a BLAS or pool thread that has gone idle takes ~0.1 ms to wake, paid by each of
+the ~50 matmuls of a step.
+
 The thread count follows `numesh.runtime.set_blas_threads` (ranks × threads = cores);
-with one thread, as in an oversubscribed MPI job, `over_rows` is a plain call.
+with one thread, as in an oversubscribed MPI job, both are a plain call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from typing import Callable
+from typing import Callable, Iterator, TypeVar
+
+T = TypeVar("T")
 
 _jobs: queue.SimpleQueue = queue.SimpleQueue()
 _workers: list[threading.Thread] = []
 _threads = 1
+_blas = None  # threadpoolctl controller of the loaded BLAS libraries, made on first use
 
 
 def set_threads(n: int) -> int:
@@ -38,13 +48,35 @@ def threads() -> int:
 
 def _work() -> None:
     while True:
-        fn, rows, done, errors = _jobs.get()
+        fn, done, errors = _jobs.get()
         try:
-            fn(rows)
+            fn()
         except BaseException as e:  # re-raised by the caller
             errors.append(e)
         finally:
             done.release()
+
+
+def _run_all(calls: list[Callable[[], None]]) -> None:
+    """Run calls[0] here and the others on the workers; wait for all, re-raise the first error."""
+    dones, errors = [], []
+    for call in calls[1:]:
+        done = threading.Lock()
+        done.acquire()
+        _jobs.put((call, done, errors))
+        dones.append(done)
+    try:
+        calls[0]()
+    finally:
+        for done in dones:
+            done.acquire()
+    if errors:
+        raise errors[0]
+
+
+def _bounds(n: int, k: int) -> list[slice]:
+    edges = [n * i // k for i in range(k + 1)]
+    return [slice(edges[i], edges[i + 1]) for i in range(k)]
 
 
 def over_rows(fn: Callable[[slice], None], n: int, min_rows: int = 1) -> None:
@@ -56,17 +88,40 @@ def over_rows(fn: Callable[[slice], None], n: int, min_rows: int = 1) -> None:
     if k <= 1:
         fn(slice(0, n))
         return
-    bounds = [n * i // k for i in range(k + 1)]
-    dones, errors = [], []
-    for i in range(1, k):
-        done = threading.Lock()
-        done.acquire()
-        _jobs.put((fn, slice(bounds[i], bounds[i + 1]), done, errors))
-        dones.append(done)
+    _run_all([lambda r=r: fn(r) for r in _bounds(n, k)])
+
+
+@contextlib.contextmanager
+def _single_threaded() -> Iterator[None]:
+    """BLAS and `over_rows` on one thread (per caller) inside the block."""
+    global _blas, _threads
+    if _blas is None:
+        from threadpoolctl import ThreadpoolController
+
+        _blas = ThreadpoolController().select(user_api="blas")
+    saved = _threads
+    _threads = 1
     try:
-        fn(slice(bounds[0], bounds[1]))
+        with _blas.limit(limits=1):
+            yield
     finally:
-        for done in dones:
-            done.acquire()
-    if errors:
-        raise errors[0]
+        _threads = saved
+
+
+def over_batch(fn: Callable[[slice], T], n: int) -> list[T]:
+    """`fn(rows)` for contiguous chunks of range(n), one per thread; the results in row order.
+
+    Each call runs single-threaded (BLAS included), so `fn` may do a whole sub-computation
+    on its rows, but it must not communicate (MPI calls stay on the main thread)."""
+    k = min(_threads, n)
+    if k <= 1:
+        return [fn(slice(0, n))]
+    chunks = _bounds(n, k)
+    out: list = [None] * k
+
+    def call(i: int) -> None:
+        out[i] = fn(chunks[i])
+
+    with _single_threaded():
+        _run_all([lambda i=i: call(i) for i in range(k)])
+    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 import attrs
 import numpy as np
 
@@ -37,6 +37,7 @@ from numesh.nn.parallel import (
     vocab_parallel_embedding_bwd,
     vocab_parallel_embedding_fwd,
 )
+from numesh.threads import over_batch, threads
 from numesh.tree import tree_map, tree_map_with_path
 
 
@@ -215,8 +216,7 @@ def _bias_add(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
     return y
 
 
-def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int, drop: DropoutKey | None = None):
-    """One transformer block; x [B, T, C] is replicated over tp."""
+def _block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int, drop: DropoutKey | None):
     B, T, C = x.shape
     nh, hs, heads = _heads(cfg, mesh)
     h1, ln1_ctx = layernorm_fwd(p.ln1, x)  # f: identity forward
@@ -242,9 +242,7 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int, d
     return x, (ln1_ctx, h1, att_ctx, a, ln2_ctx, h2, gelu_ctx, g, drop, layer)
 
 
-def block_bwd_input(p: Block, ctx: tuple, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, tuple]:
-    """Input-gradient half of the block's backward (a zero-bubble "B"): (grad of the input,
-    what `block_bwd_weight` needs). LayerNorm and bias grads are cheap and done here."""
+def _block_bwd_input(p: Block, ctx: tuple, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, tuple]:
     ln1_ctx, h1, att_ctx, a, ln2_ctx, h2, gelu_ctx, g, drop, layer = ctx
     B, T, C = dx.shape
     nh, hs, _ = _heads(cfg, mesh)
@@ -269,8 +267,7 @@ def block_bwd_input(p: Block, ctx: tuple, dx: np.ndarray, cfg: GPTConfig, mesh: 
     return dx1, (d_ln1, d_ln2, (h1, dqkv), (a, dy), (h2, du), (g, dz))
 
 
-def block_bwd_weight(p: Block, wctx: tuple) -> Block:
-    """Weight-gradient half of the block's backward (a zero-bubble "W"): the Linear grads."""
+def _block_bwd_weight(p: Block, wctx: tuple) -> Block:
     d_ln1, d_ln2, qkv_io, attn_proj_io, fc_io, mlp_proj_io = wctx
 
     def row_parallel(lin: Linear, io: tuple[np.ndarray, np.ndarray]) -> Linear:
@@ -287,10 +284,71 @@ def block_bwd_weight(p: Block, wctx: tuple) -> Block:
     )
 
 
+class _Split(NamedTuple):
+    """Context of a block run as row chunks, one per thread: each chunk's rows and context."""
+
+    rows: tuple[slice, ...]
+    parts: tuple
+
+
+def _over_parts(fn, n: int) -> list:
+    """`fn(i)` for i in range(n), spread over the threads like the chunks they came from."""
+    return [y for ys in over_batch(lambda r: [fn(i) for i in range(r.start, r.stop)], n) for y in ys]
+
+
+def _sum_grads(grads: list[Block]) -> Block:
+    """Chunk gradients summed in chunk order (into the first chunk's fresh arrays)."""
+    total = grads[0]
+    for g in grads[1:]:
+        tree_map(lambda a, b: a.__iadd__(b), total, g)
+    return total
+
+
+def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int, drop: DropoutKey | None = None):
+    """One transformer block; x [B, T, C] is replicated over tp.
+
+    With several threads and no tp (so no communication inside), the sequences are split
+    over the threads and each runs the whole block on its rows (`over_batch`)."""
+    if threads() == 1 or mesh.size("tp") > 1 or x.shape[0] == 1:
+        return _block_fwd(p, x, cfg, mesh, layer, drop)
+
+    def part(r: slice):
+        rows_drop = None if drop is None else attrs.evolve(drop, row0=drop.row0 + r.start)
+        return (r, *_block_fwd(p, x[r], cfg, mesh, layer, rows_drop))
+
+    parts = over_batch(part, x.shape[0])
+    y = np.concatenate([y for _, y, _ in parts])
+    return y, _Split(tuple(r for r, _, _ in parts), tuple(c for _, _, c in parts))
+
+
+def block_bwd_input(p: Block, ctx: tuple, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, tuple]:
+    """Input-gradient half of the block's backward (a zero-bubble "B"): (grad of the input,
+    what `block_bwd_weight` needs). LayerNorm and bias grads are cheap and done here."""
+    if not isinstance(ctx, _Split):
+        return _block_bwd_input(p, ctx, dx, cfg, mesh)
+    parts = _over_parts(lambda i: _block_bwd_input(p, ctx.parts[i], dx[ctx.rows[i]], cfg, mesh), len(ctx.rows))
+    return np.concatenate([d for d, _ in parts]), _Split(ctx.rows, tuple(w for _, w in parts))
+
+
+def block_bwd_weight(p: Block, wctx: tuple) -> Block:
+    """Weight-gradient half of the block's backward (a zero-bubble "W"): the Linear grads."""
+    if not isinstance(wctx, _Split):
+        return _block_bwd_weight(p, wctx)
+    return _sum_grads(_over_parts(lambda i: _block_bwd_weight(p, wctx.parts[i]), len(wctx.rows)))
+
+
 def block_bwd(p: Block, ctx: tuple, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, Block]:
     """Backward of `block_fwd`: (grad of its input, grads of its parameters)."""
-    dx, wctx = block_bwd_input(p, ctx, dx, cfg, mesh)
-    return dx, block_bwd_weight(p, wctx)
+    if not isinstance(ctx, _Split):
+        dx, wctx = _block_bwd_input(p, ctx, dx, cfg, mesh)
+        return dx, _block_bwd_weight(p, wctx)
+
+    def part(i: int) -> tuple[np.ndarray, Block]:
+        d, wctx = _block_bwd_input(p, ctx.parts[i], dx[ctx.rows[i]], cfg, mesh)
+        return d, _block_bwd_weight(p, wctx)
+
+    parts = _over_parts(part, len(ctx.rows))
+    return np.concatenate([d for d, _ in parts]), _sum_grads([g for _, g in parts])
 
 
 def embed_fwd(params: GPT, idx: np.ndarray, cfg: GPTConfig, mesh: Mesh, drop: DropoutKey | None = None, pos0: int = 0):
