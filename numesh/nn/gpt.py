@@ -337,17 +337,16 @@ def block_bwd_weight(p: Block, wctx: tuple) -> Block:
     return _sum_grads(_over_parts(lambda i: _block_bwd_weight(p, wctx.parts[i]), len(wctx.rows)))
 
 
+def _block_bwd(p: Block, ctx: tuple, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, Block]:
+    dx, wctx = _block_bwd_input(p, ctx, dx, cfg, mesh)
+    return dx, _block_bwd_weight(p, wctx)
+
+
 def block_bwd(p: Block, ctx: tuple, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, Block]:
     """Backward of `block_fwd`: (grad of its input, grads of its parameters)."""
     if not isinstance(ctx, _Split):
-        dx, wctx = _block_bwd_input(p, ctx, dx, cfg, mesh)
-        return dx, _block_bwd_weight(p, wctx)
-
-    def part(i: int) -> tuple[np.ndarray, Block]:
-        d, wctx = _block_bwd_input(p, ctx.parts[i], dx[ctx.rows[i]], cfg, mesh)
-        return d, _block_bwd_weight(p, wctx)
-
-    parts = _over_parts(part, len(ctx.rows))
+        return _block_bwd(p, ctx, dx, cfg, mesh)
+    parts = _over_parts(lambda i: _block_bwd(p, ctx.parts[i], dx[ctx.rows[i]], cfg, mesh), len(ctx.rows))
     return np.concatenate([d for d, _ in parts]), _sum_grads([g for _, g in parts])
 
 
