@@ -22,20 +22,11 @@ data_app = typer.Typer(no_args_is_help=True, help="Prepare datasets.")
 app.add_typer(data_app, name="data")
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from numesh.data import DataError
-    from numesh.mesh import MeshError
-    from numesh.nn.gpt import ConfigError
-    from numesh.checkpoint import CheckpointError
-    from numesh.pipeline.schedules import ScheduleError
-
-    return (DataError, MeshError, ConfigError, CheckpointError, ScheduleError)
-
-
 def _run(fn):
+    from numesh.errors import USER_ERRORS
     from numesh.runtime import guarded
 
-    return guarded(fn, _user_errors())
+    return guarded(fn, USER_ERRORS)
 
 
 @data_app.command("shakespeare-char")

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import attrs
 import numpy as np
+from numesh.errors import DataError
 
 SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -36,10 +37,6 @@ TOKEN_DTYPE = np.dtype("<u2")  # uint16, as nanoGPT's .bin files
 
 _MAX_VOCAB = int(np.iinfo(TOKEN_DTYPE).max) + 1
 _CHUNK = 1 << 16
-
-
-class DataError(ValueError):
-    """A user-facing data problem; the message says what to do about it."""
 
 
 # --------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from numesh.mesh import AXES, P
 from numesh.mesh.mesh import axis_names
 from numesh.nn.gpt import GPTConfig, gpt_global_shapes, gpt_specs
 from numesh.tree import tree_leaves_with_path
+from numesh.errors import CheckpointError
 
 FORMAT = "numesh-ckpt"
 VERSION = 1
@@ -33,10 +34,6 @@ DTYPES = ("float32", "float64")
 SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
 STEP_DIR = re.compile(r"step_(\d+)")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be written or read, naming the file."""
 
 
 # ---------------------------------------------------------------------------------------

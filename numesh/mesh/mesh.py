@@ -12,13 +12,10 @@ from typing import Iterable
 
 import attrs
 from mpi4py import MPI
+from numesh.errors import MeshError
 
 AXES: tuple[str, ...] = ("pp", "dp", "tp")
 AxisNames = str | tuple[str, ...]
-
-
-class MeshError(ValueError):
-    """A mesh that cannot be built, with what to change."""
 
 
 def parse_axis_sizes(spec: str) -> dict[str, int]:

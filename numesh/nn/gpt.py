@@ -39,10 +39,7 @@ from numesh.nn.parallel import (
 )
 from numesh.threads import over_batch, threads
 from numesh.tree import tree_map, tree_map_with_path
-
-
-class ConfigError(ValueError):
-    """A model or run configuration that cannot work, with what to change."""
+from numesh.errors import ConfigError
 
 
 @attrs.frozen

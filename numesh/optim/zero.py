@@ -26,10 +26,7 @@ from numesh.optim.clip import counted_once
 from numesh.nn.gpt import GPT, unit_names
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step, decays
 from numesh.tree import flatten, tree_leaves, tree_map, tree_map_with_path, unflatten
-
-
-class ReplicaError(RuntimeError):
-    """Copies of a parameter that should be identical differ between ranks."""
+from numesh.errors import ReplicaError
 
 
 @attrs.frozen

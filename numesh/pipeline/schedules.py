@@ -50,6 +50,7 @@ from collections import Counter
 from typing import Any, Callable, Iterable
 
 import attrs
+from numesh.errors import ScheduleError
 
 __all__ = [
     "Action",
@@ -70,10 +71,6 @@ __all__ = [
     "peak_activations",
     "validate",
 ]
-
-
-class ScheduleError(ValueError):
-    """A schedule cannot be built, is malformed, or cannot run (one-line message)."""
 
 
 _KINDS = ("F", "B", "W")

@@ -1,0 +1,39 @@
+"""Every error numesh raises on purpose, in one place (the lowest layer: imports nothing).
+
+`UserError`s are mistakes in what a user asked for (a config, a mesh, a file): the CLI
+prints them as one `error:` line on rank 0 and exits 2 on every rank. Anything else is a
+bug or a fault and aborts the whole MPI job with a rank-tagged traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """A request that cannot work, with what to change in the message."""
+
+
+class ConfigError(UserError):
+    """A model or run configuration that cannot work, with what to change."""
+
+
+class MeshError(UserError):
+    """A mesh that cannot be built, or an axis/spec that does not fit it."""
+
+
+class ScheduleError(UserError):
+    """A pipeline schedule that cannot be built or would deadlock."""
+
+
+class DataError(UserError):
+    """A dataset that is missing, malformed or does not fit the run."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be written or read, naming the file."""
+
+
+class ReplicaError(RuntimeError):
+    """Copies of a parameter that should be identical differ between ranks."""
+
+
+USER_ERRORS: tuple[type[BaseException], ...] = (UserError,)
