@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh import data as D
-from numesh.mesh import Mesh, parse_mesh, psum, unshard
+from numesh.mesh import Mesh, parse_mesh, psum_scalar, unshard
 from numesh.nn.gpt import (
     GPT,
     ConfigError,
@@ -238,7 +238,7 @@ class Trainer:
         self.opt.begin_step(len(micro))
         stats = self.pipeline.run(self.schedule, micro, 1.0 / self.tokens_per_step, drops)
         self.last_stats = stats
-        loss = float(psum(np.array([stats.loss]), mesh, ("pp", "dp"))[0])
+        loss = psum_scalar(stats.loss, mesh, ("pp", "dp"))
         norm = self.opt.global_norm()
         lr = self.lr(self.step)
         self.opt.step(lr, clip_scale(norm, c.grad_clip))
@@ -252,7 +252,7 @@ class Trainer:
         for split, data in (("train", self.train_data), ("val", self.val_data)):
             batches = [self._micro_batches(data, D.eval_key(c.seed, split, i), 1)[0] for i in range(c.eval_iters)]
             total = self.pipeline.forward_losses(batches)
-            total = float(psum(np.array([total]), mesh, ("pp", "dp"))[0])
+            total = psum_scalar(total, mesh, ("pp", "dp"))
             out[f"{split}_loss"] = total / (c.eval_iters * self.tokens_per_step)
         return out
 
@@ -322,7 +322,7 @@ def train(
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(attrs.asdict(cfg), indent=2))
         metrics_file = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
-    peak = float(psum(np.array([matmul_peak_flops(trainer.dtype)]), mesh, ("pp", "dp", "tp"))[0])
+    peak = psum_scalar(matmul_peak_flops(trainer.dtype), mesh, ("pp", "dp", "tp"))
     fpt = flops_per_token(trainer.model, trainer.n_params)
     t_start = time.perf_counter()
     last: dict = {}

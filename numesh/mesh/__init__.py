@@ -11,7 +11,9 @@ from numesh.mesh.collectives import (
     isend,
     pmax,
     psum,
+    psum_scalar,
     psum_scatter,
+    psum_tree,
     recv,
     send,
     sendrecv,
@@ -21,6 +23,6 @@ from numesh.mesh.spec import P, local_shape, local_slices, replicated_axes, shar
 
 __all__ = [
     "AXES", "ByteCounter", "Handle", "Mesh", "MeshError", "P", "all_gather", "all_gather_inplace", "broadcast", "ipsum",
-    "ipsum_scatter", "irecv", "isend", "local_shape", "local_slices", "parse_mesh", "pmax", "psum",
+    "ipsum_scatter", "irecv", "isend", "local_shape", "local_slices", "parse_mesh", "pmax", "psum", "psum_scalar", "psum_tree",
     "psum_scatter", "recv", "replicated_axes", "send", "sendrecv", "shard", "unshard",
 ]

@@ -11,6 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh.mesh.mesh import AxisNames, Mesh, axis_names
+from numesh.tree import tree_map
 
 
 class Handle:
@@ -48,6 +49,18 @@ def psum(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = No
     out = np.empty(x.shape, x.dtype) if out is None else out
     mesh.comm(axes).Allreduce(_contig(x), out, op=MPI.SUM)
     return out
+
+
+def psum_scalar(x: float, mesh: Mesh, axes: AxisNames) -> float:
+    """Sum of one Python number over the axis (a float64 all-reduce of one value)."""
+    if mesh.size(axes) == 1:
+        return float(x)
+    return float(psum(np.array([x], dtype=np.float64), mesh, axes)[0])
+
+
+def psum_tree(tree, mesh: Mesh, axes: AxisNames):
+    """Every array leaf of a pytree summed over the axis, in place (leaves must be contiguous)."""
+    return tree_map(lambda x: psum(x, mesh, axes, inplace=True), tree)
 
 
 def pmax(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = None) -> np.ndarray:

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from numesh.mesh import Mesh, P, psum, replicated_axes
+from numesh.mesh import Mesh, P, psum_scalar, replicated_axes
 from numesh.tree import Tree, tree_leaves
 
 # Axes whose ranks hold different parameters (or different slices of them). Over dp the
@@ -32,7 +32,7 @@ def global_norm(grads: Tree, specs: Tree, mesh: Mesh) -> float:
             flat = g.reshape(-1)
             total += float(np.dot(flat, flat))
     if axes:
-        total = float(psum(np.array([total]), mesh, axes)[0])
+        total = psum_scalar(total, mesh, axes)
     return math.sqrt(total)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from numesh.mesh import Handle, Mesh, all_gather_inplace, ipsum, ipsum_scatter, pmax, psum
+from numesh.mesh import Handle, Mesh, all_gather_inplace, ipsum, ipsum_scatter, pmax, psum_scalar
 from numesh.optim.clip import counted_once
 from numesh.nn.gpt import GPT, unit_names
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step, decays
@@ -261,7 +261,7 @@ class ZeroOptimizer:
         if self.stage >= 1 and self.dp > 1:
             axes.append("dp")
         if axes:
-            total = float(psum(np.array([total]), self.mesh, tuple(axes))[0])
+            total = psum_scalar(total, self.mesh, tuple(axes))
         return math.sqrt(total)
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
