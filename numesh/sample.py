@@ -12,20 +12,11 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
-from numesh.checkpoint.format import CheckpointError
 from numesh.data import CharTokenizer
-from numesh.mesh import Mesh, all_gather, shard
-from numesh.nn.gpt import (
-    GPT,
-    ConfigError,
-    GPTConfig,
-    block_fwd,
-    embed_fwd,
-    gpt_specs,
-    logits_cached,
-    new_kv_cache,
-)
-from numesh.nn.layers import layernorm_fwd
+from numesh.errors import CheckpointError, ConfigError
+from numesh.mesh import Mesh, shard
+from numesh.nn.decode import logits_cached, logits_last, new_kv_cache
+from numesh.nn.gpt import GPT, GPTConfig, gpt_specs
 from numesh.tree import tree_map
 
 __all__ = ["Checkpoint", "CheckpointError", "SampleConfig", "generate", "load_checkpoint", "sample"]
@@ -64,15 +55,6 @@ def shard_params(params: GPT, model: GPTConfig, mesh: Mesh) -> GPT:
     wte = np.zeros((vp, model.n_embd), dtype=params.wte.dtype)
     wte[: model.vocab_size] = params.wte
     return tree_map(lambda x, spec: shard(x, spec, mesh), attrs.evolve(params, wte=wte), gpt_specs(model))
-
-
-def logits_last(params: GPT, idx: np.ndarray, model: GPTConfig, mesh: Mesh) -> np.ndarray:
-    """Full-vocabulary logits [B, V] at the last position, by a full forward of `idx` (no cache)."""
-    x, _ = embed_fwd(params, idx, model, mesh)
-    for layer, bp in enumerate(params.blocks):
-        x, _ = block_fwd(bp, x, model, mesh, layer)
-    xf, _ = layernorm_fwd(params.ln_f, x[:, -1])
-    return all_gather(xf @ params.wte.T, mesh, "tp", dim=1)[:, : model.vocab_size]
 
 
 def pick(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:

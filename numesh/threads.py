@@ -21,7 +21,11 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, NamedTuple, TypeVar
+
+import numpy as np
+
+from numesh.tree import tree_map
 
 T = TypeVar("T")
 
@@ -125,3 +129,42 @@ def over_batch(fn: Callable[[slice], T], n: int) -> list[T]:
     with _single_threaded():
         _run_all([lambda i=i: call(i) for i in range(k)])
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# A forward/backward pair run as row chunks, one per thread
+
+
+class RowChunks(NamedTuple):
+    """Context of a computation run as row chunks: each chunk's rows and its own context."""
+
+    rows: tuple[slice, ...]
+    parts: tuple
+
+
+def _over_chunks(fn: Callable[[int], T], n: int) -> list[T]:
+    """`fn(i)` for each of n chunks, spread over the threads like the chunks they came from."""
+    return [y for ys in over_batch(lambda r: [fn(i) for i in range(r.start, r.stop)], n) for y in ys]
+
+
+def chunked_fwd(fn: Callable[[slice], tuple[np.ndarray, Any]], n: int) -> tuple[np.ndarray, RowChunks]:
+    """`fn(rows) -> (y, ctx)` over row chunks of range(n) (`over_batch`): y concatenated by rows."""
+    parts = over_batch(lambda r: (r, *fn(r)), n)
+    y = np.concatenate([y for _, y, _ in parts])
+    return y, RowChunks(tuple(r for r, _, _ in parts), tuple(c for _, _, c in parts))
+
+
+def chunked_bwd(fn: Callable[[Any, slice], tuple[np.ndarray, Any]], ctx: RowChunks) -> tuple[np.ndarray, RowChunks]:
+    """`fn(chunk ctx, rows) -> (dx, next ctx)` for each chunk of `ctx`: dx concatenated by rows."""
+    parts = _over_chunks(lambda i: fn(ctx.parts[i], ctx.rows[i]), len(ctx.rows))
+    return np.concatenate([d for d, _ in parts]), RowChunks(ctx.rows, tuple(w for _, w in parts))
+
+
+def chunked_sum(fn: Callable[[Any], Any], ctx: RowChunks) -> Any:
+    """`fn(chunk ctx) -> tree` for each chunk, the trees summed in chunk order (into the first's
+    fresh arrays): weight gradients differ from one thread's only by float rounding."""
+    trees = _over_chunks(lambda i: fn(ctx.parts[i]), len(ctx.rows))
+    total = trees[0]
+    for t in trees[1:]:
+        tree_map(lambda a, b: a.__iadd__(b), total, t)
+    return total

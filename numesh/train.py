@@ -21,20 +21,14 @@ from mpi4py import MPI
 
 from numesh import data as D
 from numesh.mesh import Mesh, parse_mesh, psum_scalar, unshard
-from numesh.nn.gpt import (
-    GPT,
-    ConfigError,
-    DropoutKey,
-    GPTConfig,
-    gpt_global_shapes,
-    gpt_specs,
-    init_gpt,
-)
+from numesh.errors import ConfigError
+from numesh.nn.dropout import DropoutKey
+from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
 from numesh.optim import AdamWConfig, clip_scale, cosine_lr
 from numesh.optim.zero import ZeroOptimizer
 from numesh.pipeline.executor import PipelineExecutor, StepStats
 from numesh.pipeline.schedules import make_schedule
-from numesh.pipeline.stages import StageLayout, stage_tree
+from numesh.pipeline.stages import StageLayout, gather_stages, stage_tree
 from numesh.tree import tree_leaves, tree_leaves_with_path, tree_map
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -164,17 +158,6 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
     return shape, model
 
 
-@attrs.frozen
-class StepMetrics:
-    step: int
-    loss: float
-    lr: float
-    grad_norm: float
-    dt_ms: float
-    tokens_per_s: float
-    mfu: float
-
-
 def flops_per_token(model: GPTConfig, n_params: int) -> float:
     """Training FLOPs per token: 6 per parameter plus attention (PaLM's appendix B)."""
     return 6.0 * n_params + 12.0 * model.n_layer * model.n_embd * model.block_size
@@ -201,7 +184,7 @@ class Trainer:
             overlap=cfg.overlap, uncounted=("outer.wte",) if tied_copy else (),
         )
         self.opt.check_replicas()
-        self.pipeline = PipelineExecutor(self.model, self.mesh, self.layout, self.opt)
+        self.pipeline = PipelineExecutor(self.model, self.mesh, self.layout, self.opt, self.dtype)
         self.last_stats: StepStats | None = None
         self.train_data = D.load_split(cfg.data, "train")
         self.val_data = D.load_split(cfg.data, "val")
@@ -259,19 +242,9 @@ class Trainer:
     def gathered_params(self) -> GPT:
         """The global parameters (vocabulary unpadded), gathered on every rank (tests, export)."""
         full = tree_map(lambda x, s: unshard(x, s, self.mesh), self.params, self.specs)
-        if self.mesh.size("pp") > 1:  # a one-off gather of whole stages, not a hot path
-            mine = {"blocks": dict(zip(self.layout.owned(self.mesh.index("pp")), full.blocks))}
-            if self.layout.is_first(self.mesh.index("pp")):
-                mine.update(wte=full.wte, wpe=full.wpe)
-            if self.layout.is_last(self.mesh.index("pp")):
-                mine.update(ln_f=full.ln_f)
-            parts = self.mesh.comm("pp").allgather(mine)
-            merged: dict = {"blocks": {}}
-            for part in parts:
-                merged["blocks"].update(part.pop("blocks"))
-                merged.update(part)
-            blocks = tuple(merged["blocks"][i] for i in range(self.model.n_layer))
-            full = GPT(wte=merged["wte"], wpe=merged["wpe"], blocks=blocks, ln_f=merged["ln_f"])
+        if self.mesh.size("pp") > 1:
+            shapes = gpt_global_shapes(self.model, self.mesh.size("tp"))
+            full = gather_stages(full, shapes, self.layout, self.mesh, self.dtype)
         return attrs.evolve(full, wte=full.wte[: self.model.vocab_size])
 
 

@@ -30,7 +30,8 @@ from numesh.checkpoint import save as save_mod
 from numesh.checkpoint.format import block_region, leaf_blocks, model_leaves, padded_shape
 from numesh.data import prepare_char_dataset
 from numesh.mesh import AXES, MeshError, P, local_slices
-from numesh.nn.gpt import ConfigError, gpt_specs
+from numesh.errors import ConfigError
+from numesh.nn.gpt import gpt_specs
 from numesh.pipeline.stages import StageLayout, stage_tree
 from numesh.train import TrainConfig, Trainer, config_from, train
 from numesh.tree import tree_leaves, tree_leaves_with_path, tree_map_with_path
@@ -415,7 +416,7 @@ def test_reshard_validates_the_target(saved: Path, tmp_path: Path) -> None:
 def numesh_logits(params: Any, model: Any, idx: np.ndarray) -> np.ndarray:
     """Logits at every position by a full forward on the 1-rank mesh."""
     from numesh.mesh import Mesh
-    from numesh.nn.gpt import block_fwd, embed_fwd
+    from numesh.nn.transformer import block_fwd, embed_fwd
     from numesh.nn.layers import layernorm_fwd
     from numesh.sample import shard_params
 

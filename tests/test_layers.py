@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import random_global_params, self_mesh, tiny_config
-from numesh.nn.gpt import DropoutKey, forward_loss, loss_and_grads
+from numesh.nn.dropout import EMBED, DropoutKey, Site
+from numesh.nn.stage import forward_loss, loss_and_grads
 from numesh.nn.layers import (
     LayerNorm,
     Linear,
@@ -340,20 +341,25 @@ def test_gpt_loss_and_grads_fd_with_dropout() -> None:
         assert_fd(g, fd_grad(f, p, entries), path, entries)
 
 
+def test_dropout_sites_have_distinct_stable_streams() -> None:
+    sites = [EMBED] + [Site(k, layer) for layer in range(5) for k in ("attn", "attn_out", "mlp_out")]
+    assert [s.stream for s in sites] == list(range(len(sites)))  # the numbering checkpoints' dropout relies on
+
+
 def test_dropout_key_slices_the_global_mask() -> None:
     """A micro-batch's mask is its rows of the whole batch's mask (mesh-independent dropout)."""
-    full = DropoutKey(0.3, seed=1, step=2, row0=0, global_rows=6).mask(4, 6, (3, 5))
-    part = DropoutKey(0.3, seed=1, step=2, row0=2, global_rows=6).mask(4, 3, (3, 5))
+    full = DropoutKey(0.3, seed=1, step=2, row0=0, global_rows=6).mask(Site("attn", 1), 6, (3, 5))
+    part = DropoutKey(0.3, seed=1, step=2, row0=2, global_rows=6).mask(Site("attn", 1), 3, (3, 5))
     np.testing.assert_array_equal(part, full[2:5])
-    heads = DropoutKey(0.3, seed=1, step=2, row0=0, global_rows=6).mask(4, 6, (3, 5), (slice(1, 3),))
+    heads = DropoutKey(0.3, seed=1, step=2, row0=0, global_rows=6).mask(Site("attn", 1), 6, (3, 5), (slice(1, 3),))
     np.testing.assert_array_equal(heads, full[:, 1:3])
-    other = DropoutKey(0.3, seed=1, step=3, row0=0, global_rows=6).mask(4, 6, (3, 5))
+    other = DropoutKey(0.3, seed=1, step=3, row0=0, global_rows=6).mask(Site("attn", 1), 6, (3, 5))
     assert not np.array_equal(other, full)
 
 
 def _full_logits(params, idx, cfg, mesh) -> np.ndarray:
     """Logits [B, T, V] of every position from the training forward pass (tp=1)."""
-    from numesh.nn.gpt import block_fwd, embed_fwd
+    from numesh.nn.transformer import block_fwd, embed_fwd
 
     x, _ = embed_fwd(params, idx, cfg, mesh)
     for layer, bp in enumerate(params.blocks):
@@ -364,7 +370,7 @@ def _full_logits(params, idx, cfg, mesh) -> np.ndarray:
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_kv_cache_logits_match_the_training_forward(bias: bool) -> None:
-    from numesh.nn.gpt import logits_cached, new_kv_cache
+    from numesh.nn.decode import logits_cached, new_kv_cache
 
     cfg = tiny_config(bias=bias)
     mesh = self_mesh()
@@ -378,7 +384,7 @@ def test_kv_cache_logits_match_the_training_forward(bias: bool) -> None:
         got = logits_cached(params, idx[:, t : t + 1], cache, cfg, mesh)
         np.testing.assert_allclose(got, want[:, t], rtol=1e-12, atol=1e-13)
     assert cache.length == cfg.block_size
-    from numesh.nn.gpt import ConfigError
+    from numesh.errors import ConfigError
 
     with pytest.raises(ConfigError, match="block_size"):
         logits_cached(params, idx[:, :1], cache, cfg, mesh)

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from conftest import SMALL_BATCH, small_run_config, assert_same_run, serial_reference, train_records
 from numesh.mesh import MeshError
-from numesh.nn.gpt import ConfigError
+from numesh.errors import ConfigError
 from numesh.train import train
 
 pytestmark = pytest.mark.mpi(min_size=2)

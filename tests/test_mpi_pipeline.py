@@ -29,7 +29,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import assert_same_run, serial_reference, train_records
-from numesh.nn.gpt import ConfigError
+from numesh.errors import ConfigError
 from numesh.pipeline.schedules import ScheduleError, bubble_fraction, peak_activations, simulate
 from numesh.train import TrainConfig, Trainer, config_from, train
 

@@ -26,7 +26,9 @@ from conftest import (
 )
 from numesh.data import load_tokenizer
 from numesh.mesh import Mesh
-from numesh.nn.gpt import DropoutKey, GPTConfig, forward_loss, gpt_specs, init_gpt, loss_and_grads
+from numesh.nn.dropout import DropoutKey
+from numesh.nn.gpt import GPTConfig, gpt_specs, init_gpt
+from numesh.nn.stage import forward_loss, loss_and_grads
 from numesh.train import config_from
 from numesh.tree import tree_leaves, tree_leaves_with_path
 
@@ -153,7 +155,7 @@ def test_training_run_matches_one_rank(tp_mesh: Mesh, shared_dataset: Path, shar
 
 def test_kv_cache_logits_match_one_rank(tp_mesh: Mesh) -> None:
     """Generation's vocab-parallel logits (gathered over tp, unpadded) equal the 1-rank ones."""
-    from numesh.nn.gpt import logits_cached, new_kv_cache
+    from numesh.nn.decode import logits_cached, new_kv_cache
 
     cfg = model_config(dropout=0.0)
     gp = random_global_params(cfg, seed=8)

@@ -29,7 +29,9 @@ from mpi4py import MPI
 from conftest import SMALL_BATCH, small_run_config, assert_same_run, serial_reference, train_records
 from numesh.mesh import Mesh, MeshError
 from numesh.mesh.mesh import ByteCounter
-from numesh.nn.gpt import ConfigError, gpt_specs, init_gpt
+from numesh.errors import ConfigError
+from numesh.nn.gpt import gpt_specs, init_gpt
+from numesh.nn.units import OUTER
 from numesh.optim.zero import ZeroOptimizer, memory_formula
 from numesh.train import Trainer, train
 from numesh.tree import tree_leaves
@@ -184,8 +186,8 @@ def test_bytes_per_step_follow_the_zero_paper(
     k, f = 4, (n - 1) / n
     units = trainer.opt.units
     P = sum(u.padded for u in units.values())  # every unit padded to a multiple of dp
-    P_blocks = sum(u.padded for name, u in units.items() if name.startswith("blocks."))
-    P_outer = units["outer"].padded
+    P_blocks = sum(u.padded for name, u in units.items() if not name.is_outer)
+    P_outer = units[OUTER].padded
     plain_dp = 2 * f * P * k  # all-reduce of every gradient once
 
     # the only other collectives are two scalars: the step's loss over pp x dp, and the

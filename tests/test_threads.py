@@ -8,11 +8,13 @@ import pytest
 
 from numesh import threads
 from numesh.mesh import Mesh
-from numesh.nn import gpt
-from numesh.nn.gpt import DropoutKey, GPTConfig, init_gpt, loss_and_grads
+from numesh.nn import stage
+from numesh.nn.dropout import DropoutKey
+from numesh.nn.gpt import GPTConfig, init_gpt
+from numesh.nn.stage import loss_and_grads
 from numesh.nn.layers import causal_attention_bwd, causal_attention_fwd, gelu_bwd, gelu_fwd
 from numesh.optim.adamw import AdamWConfig, adamw_init, adamw_step
-from numesh.pipeline.executor import _nbytes
+from numesh.pipeline.executor import nbytes as _nbytes
 from numesh.tree import tree_leaves
 
 
@@ -128,13 +130,13 @@ def test_blocks_split_over_sequences_match_one_thread(with_threads, batch: int, 
     dy = rng.standard_normal(x.shape)
     block = params.blocks[0]
     with_threads(1)
-    y1, ctx1 = gpt.block_fwd(block, x, cfg, mesh, 0, drop)
-    dx1, w1 = gpt.block_bwd(block, ctx1, dy, cfg, mesh)
+    y1, ctx1 = stage.run_block_fwd(block, x, cfg, mesh, 0, drop)
+    dx1, w1 = stage.run_block_bwd(block, ctx1, dy, cfg, mesh)
     with_threads(2)
-    y2, ctx2 = gpt.block_fwd(block, x, cfg, mesh, 0, drop)
-    assert isinstance(ctx2, gpt._Split) and _nbytes(ctx2) == _nbytes(ctx1)  # pipeline memory accounting
-    dx2, wctx = gpt.block_bwd_input(block, ctx2, dy, cfg, mesh)
-    w2 = gpt.block_bwd_weight(block, wctx)
+    y2, ctx2 = stage.run_block_fwd(block, x, cfg, mesh, 0, drop)
+    assert isinstance(ctx2, threads.RowChunks) and _nbytes(ctx2) == _nbytes(ctx1)  # pipeline memory accounting
+    dx2, wctx = stage.run_block_bwd_input(block, ctx2, dy, cfg, mesh)
+    w2 = stage.run_block_bwd_weight(block, wctx)
     np.testing.assert_array_equal(y2, y1)  # rows are independent: no sum crosses chunks
     np.testing.assert_array_equal(dx2, dx1)
     for a, b in zip(tree_leaves(w1), tree_leaves(w2)):

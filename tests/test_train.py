@@ -15,7 +15,7 @@ from conftest import SYNTH_TEXT
 from numesh.checkpoint import read_meta, read_params_dict
 from numesh.data import DataError
 from numesh.mesh import MeshError
-from numesh.nn.gpt import ConfigError
+from numesh.errors import ConfigError
 from numesh.train import TrainConfig, Trainer, config_from, train, validate
 from numesh.tree import tree_leaves_with_path
 

@@ -15,7 +15,19 @@ from mpi4py import MPI
 from numesh.errors import MeshError
 
 AXES: tuple[str, ...] = ("pp", "dp", "tp")
-AxisNames = str | tuple[str, ...]
+
+
+@attrs.frozen
+class Group:
+    """Some ranks of one axis, by their index along it, as a collective group: e.g. the
+    first and last pipeline stages, which share the tied embedding. Collectives take it
+    where they take axis names (see `Mesh.group`); the byte counter books it under the axis."""
+
+    axis: str
+    members: tuple[int, ...]
+
+
+AxisNames = str | tuple[str, ...] | Group
 
 
 def parse_axis_sizes(spec: str) -> dict[str, int]:
@@ -121,6 +133,7 @@ class Mesh:
         self.rank = self.cart.Get_rank()
         self.coords: dict[str, int] = dict(zip(AXES, self.cart.Get_coords(self.rank)))
         self._comms: dict[tuple[str, ...], MPI.Comm] = {}
+        self._groups: dict[Group, MPI.Comm | None] = {}
         self.counter = ByteCounter()
         # Cart_sub is collective over the whole mesh, so make each axis's communicator now,
         # while every rank is here, not at its first use: that may be on some ranks only
@@ -142,7 +155,20 @@ class Mesh:
     def __repr__(self) -> str:
         return "Mesh(" + ", ".join(f"{a}={self.shape[a]}" for a in AXES) + ")"
 
+    def group(self, axis: str, members: Iterable[int]) -> Group:
+        """Make the group of `members` (indices along `axis`). Collective over the axis:
+        every rank of it calls this, members or not, so no rank waits for one that won't."""
+        n = self.size(axis)
+        g = Group(_axes_key(axis)[0], tuple(sorted({m % n for m in members})))
+        if g not in self._groups:
+            mine = self.index(axis) in g.members
+            comm = self.comm(axis).Split(0 if mine else MPI.UNDEFINED, self.index(axis))
+            self._groups[g] = comm if mine else None
+        return g
+
     def size(self, axes: AxisNames) -> int:
+        if isinstance(axes, Group):
+            return len(axes.members)
         n = 1
         for a in _axes_key(axes):
             n *= self.shape[a]
@@ -150,12 +176,19 @@ class Mesh:
 
     def index(self, axes: AxisNames) -> int:
         """This rank's position along the axis (row-major over merged axes)."""
+        if isinstance(axes, Group):
+            return axes.members.index(self.index(axes.axis))
         i = 0
         for a in _axes_key(axes):
             i = i * self.shape[a] + self.coords[a]
         return i
 
     def comm(self, axes: AxisNames) -> MPI.Comm:
+        if isinstance(axes, Group):
+            comm = self._groups.get(axes)
+            if comm is None:
+                raise MeshError(f"rank {self.rank} is not in {axes} (or it was not made with Mesh.group)")
+            return comm
         key = _axes_key(axes)
         if key not in self._comms:
             self._comms[key] = self.cart.Sub([a in key for a in AXES])
@@ -172,12 +205,15 @@ class Mesh:
         return tuple(a for a in AXES if self.shape[a] > 1)
 
     def free(self) -> None:
-        for c in self._comms.values():
+        for c in [*self._comms.values(), *(g for g in self._groups.values() if g is not None)]:
             c.Free()
         self._comms.clear()
+        self._groups.clear()
         self.cart.Free()
 
 
 def axis_names(axes: Iterable[str] | str) -> tuple[str, ...]:
-    """Canonical (pp, dp, tp) ordering of a set of axis names."""
+    """Canonical (pp, dp, tp) ordering of a set of axis names (a group's: its axis)."""
+    if isinstance(axes, Group):
+        return (axes.axis,)
     return _axes_key(tuple(axes) if not isinstance(axes, str) else axes)

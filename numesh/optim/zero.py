@@ -23,7 +23,8 @@ import numpy as np
 
 from numesh.mesh import Handle, Mesh, all_gather_inplace, ipsum, ipsum_scatter, pmax, psum_scalar
 from numesh.optim.clip import counted_once
-from numesh.nn.gpt import GPT, unit_names
+from numesh.nn.gpt import GPT
+from numesh.nn.units import join_units, split_units, unit_order
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step, decays
 from numesh.tree import flatten, tree_leaves, tree_map, tree_map_with_path, unflatten
 from numesh.errors import ReplicaError
@@ -31,7 +32,7 @@ from numesh.errors import ReplicaError
 
 @attrs.frozen
 class Unit:
-    name: str
+    name: Any  # a numesh.nn.units.Unit
     template: Any  # tree of local shapes (memoryless placeholder arrays) used to rebuild views
     start: int  # offset in the full flat buffer
     size: int  # real elements
@@ -40,18 +41,6 @@ class Unit:
 
     def shard_size(self, dp: int) -> int:
         return self.padded // dp
-
-
-def split_units(params: GPT) -> dict[str, Any]:
-    """The parameter tree as units: "blocks.i" -> Block, "outer" -> GPT without blocks."""
-    out: dict[str, Any] = {f"blocks.{i}": b for i, b in enumerate(params.blocks)}
-    out["outer"] = attrs.evolve(params, blocks=())
-    return out
-
-
-def join_units(units: dict[str, Any]) -> GPT:
-    n = sum(1 for k in units if k.startswith("blocks."))
-    return attrs.evolve(units["outer"], blocks=tuple(units[f"blocks.{i}"] for i in range(n)))
 
 
 class ZeroOptimizer:
@@ -82,7 +71,7 @@ class ZeroOptimizer:
         spec_units = split_units(specs)
         self.units: dict[str, Unit] = {}
         start = shard_start = 0
-        for name in unit_names(self.n_layer):
+        for name in unit_order(self.n_layer):
             size = sum(x.size for x in tree_leaves(trees[name]))
             padded = -(-size // self.dp) * self.dp
             shapes = tree_map(_placeholder, trees[name])  # not the arrays: they would stay alive

@@ -10,9 +10,17 @@ it does not own are None.
 
 from __future__ import annotations
 
-import attrs
+from typing import Any
 
-from numesh.nn.gpt import GPT, ConfigError
+import attrs
+import numpy as np
+
+from numesh.errors import ConfigError
+from numesh.mesh import Mesh, broadcast
+from numesh.nn.gpt import GPT
+from numesh.nn.stage import Stage
+from numesh.nn.units import Unit
+from numesh.tree import tree_map
 
 
 @attrs.frozen
@@ -43,8 +51,13 @@ class StageLayout:
         """Every global layer of `rank`, chunk by chunk: local block j is global layer owned[j]."""
         return [i for c in range(self.v) for i in self.layers(rank, c)]
 
-    def local_index(self, rank: int, layer: int) -> int:
-        return self.owned(rank).index(layer)
+    def stage(self, rank: int, chunk: int = 0) -> Stage:
+        """What `rank` runs for its chunk `chunk` (model stage chunk·pp + rank): its blocks as
+        (global layer, local unit), and whether it is the model's first or last stage."""
+        local = {layer: j for j, layer in enumerate(self.owned(rank))}
+        k = chunk * self.pp + rank
+        blocks = tuple((layer, Unit(local[layer])) for layer in self.layers(rank, chunk))
+        return Stage(blocks, first=k == 0, last=k == self.pp * self.v - 1)
 
     def is_first(self, rank: int) -> bool:
         return rank == 0
@@ -61,4 +74,26 @@ def stage_tree(full: GPT, layout: StageLayout, rank: int) -> GPT:
         wpe=full.wpe if first else None,
         blocks=tuple(full.blocks[i] for i in layout.owned(rank)),
         ln_f=full.ln_f if last else None,
+    )
+
+
+def gather_stages(mine: GPT, shapes: GPT, layout: StageLayout, mesh: Mesh, dtype: Any) -> GPT:
+    """The whole model's tree on every pp rank, from each rank's `stage_tree` part (leaves
+    whole over dp and tp, global `shapes`): each leaf is broadcast along pp from the rank
+    that owns it (buffer-based and counted; a one-off for tests and export, not a hot path)."""
+    rank = mesh.index("pp")
+    held = dict(zip(layout.owned(rank), mine.blocks))
+    owner = {layer: r for r in range(layout.pp) for layer in layout.owned(r)}
+
+    def from_rank(src: int, tree: Any, shape_tree: Any) -> Any:
+        if rank != src:
+            tree = tree_map(lambda s: np.empty(s, dtype=dtype), shape_tree)
+        return tree_map(lambda x: broadcast(np.ascontiguousarray(x), mesh, "pp", root=src), tree)
+
+    last = layout.pp - 1
+    return GPT(
+        wte=from_rank(0, mine.wte, shapes.wte),
+        wpe=from_rank(0, mine.wpe, shapes.wpe),
+        blocks=tuple(from_rank(owner[i], held.get(i), shapes.blocks[i]) for i in range(layout.n_layer)),
+        ln_f=from_rank(last, mine.ln_f, shapes.ln_f),
     )

@@ -1,0 +1,78 @@
+"""Inference with a KV cache: the logits of new tokens given the keys and values of the
+positions already seen (the same block math as training, without dropout or backward)."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import numpy as np
+
+from numesh.mesh import Mesh, all_gather
+from numesh.nn.gpt import GPT, GPTConfig
+from numesh.nn.layers import Linear, gelu_fwd, layernorm_fwd, linear_fwd
+from numesh.nn.parallel import reduce_from_tp
+from numesh.nn.transformer import bias_add, block_fwd, embed_fwd, local_heads
+
+
+@attrs.define
+class KVCache:
+    """Per layer, keys and values [B, n_local_heads, block_size, hs] of the positions seen so far."""
+
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+    length: int = 0
+
+
+def new_kv_cache(cfg: GPTConfig, mesh: Mesh, batch: int, dtype) -> KVCache:
+    nh, hs, _ = local_heads(cfg, mesh)
+    shape = (batch, nh, cfg.block_size, hs)
+    return KVCache([np.zeros(shape, dtype) for _ in range(cfg.n_layer)], [np.zeros(shape, dtype) for _ in range(cfg.n_layer)])
+
+
+def _attend_cached(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray:
+    """Attention of new queries at positions pos0.. over every cached key up to them."""
+    T, S = q.shape[-2], k.shape[-2]
+    att = q @ k.swapaxes(-1, -2) / math.sqrt(q.shape[-1])  # [B, nh, T, S]
+    visible = np.arange(S)[None, :] <= (pos0 + np.arange(T))[:, None]
+    att = np.where(visible, att, -np.inf)
+    att -= att.max(axis=-1, keepdims=True)
+    np.exp(att, out=att)
+    att /= att.sum(axis=-1, keepdims=True)
+    return att @ v
+
+
+def logits_cached(params: GPT, idx: np.ndarray, cache: KVCache, cfg: GPTConfig, mesh: Mesh) -> np.ndarray:
+    """Full-vocabulary logits [B, V] of the last of `idx` (new tokens), appending them to the cache."""
+    pos0 = cache.length
+    x, _ = embed_fwd(params, idx, cfg, mesh, pos0=pos0)
+    B, T, C = x.shape
+    nh, hs, _ = local_heads(cfg, mesh)
+    for layer, p in enumerate(params.blocks):
+        h1, _ = layernorm_fwd(p.ln1, x)
+        qkv, _ = linear_fwd(p.attn.qkv, h1)
+        qkv = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # [3, B, nh, T, hs]
+        cache.k[layer][:, :, pos0 : pos0 + T] = qkv[1]
+        cache.v[layer][:, :, pos0 : pos0 + T] = qkv[2]
+        a = _attend_cached(qkv[0], cache.k[layer][:, :, : pos0 + T], cache.v[layer][:, :, : pos0 + T], pos0)
+        a = a.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
+        y, _ = linear_fwd(Linear(p.attn.proj.w), a)
+        x = x + bias_add(reduce_from_tp(y, mesh), p.attn.proj.b)
+        h2, _ = layernorm_fwd(p.ln2, x)
+        g, _ = gelu_fwd(linear_fwd(p.mlp.fc, h2)[0])
+        z, _ = linear_fwd(Linear(p.mlp.proj.w), g)
+        x = x + bias_add(reduce_from_tp(z, mesh), p.mlp.proj.b)
+    cache.length = pos0 + T
+    xf, _ = layernorm_fwd(params.ln_f, x[:, -1])
+    local = xf @ params.wte.T  # [B, V/tp]
+    full = all_gather(local, mesh, "tp", dim=1)
+    return full[:, : cfg.vocab_size]
+
+
+def logits_last(params: GPT, idx: np.ndarray, model: GPTConfig, mesh: Mesh) -> np.ndarray:
+    """Full-vocabulary logits [B, V] at the last position, by a full forward of `idx` (no cache)."""
+    x, _ = embed_fwd(params, idx, model, mesh)
+    for layer, bp in enumerate(params.blocks):
+        x, _ = block_fwd(bp, x, model, mesh, layer)
+    xf, _ = layernorm_fwd(params.ln_f, x[:, -1])
+    return all_gather(xf @ params.wte.T, mesh, "tp", dim=1)[:, : model.vocab_size]

@@ -1,0 +1,249 @@
+"""The one walk over the model: a pipeline stage's forward, backward (B) and weight (W).
+
+A stage is some contiguous blocks, plus the embedding if it is the first stage and the
+final LayerNorm, head and loss if it is the last. With pp=1 the whole model is one stage,
+so the single-process path (`loss_and_grads`) and the pipeline executor run the same code.
+
+Parameters come from a `ParamUnits` (all resident, or the ZeRO optimiser, which may gather
+a unit before use and free it after), and every unit's gradient goes back to it as soon as
+it is final, so gradient reduction can start during backward.
+
+Thread splitting wraps the block functions here and is not written into them: without tp a
+block does not communicate, so with several threads each one runs the whole block on its
+own rows (`numesh.threads.chunked_*`): the cores meet once per block instead of once per
+matmul, which saved ~3 ms of a 47 ms step on 2 cores (an idle thread takes ~0.1 ms to wake,
+paid by each of ~50 matmuls). With tp, blocks stay on the main thread and BLAS threads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+
+from numesh.mesh import Mesh
+from numesh.nn.dropout import DropoutKey
+from numesh.nn.gpt import GPT, Block, GPTConfig
+from numesh.nn.transformer import (
+    BlockCtx,
+    EmbedCtx,
+    HeadCtx,
+    block_bwd_input,
+    block_bwd_weight,
+    block_fwd,
+    embed_bwd,
+    embed_fwd,
+    head_bwd,
+    head_fwd,
+)
+from numesh.nn.units import OUTER, Unit, join_units
+from numesh.threads import RowChunks, chunked_bwd, chunked_fwd, chunked_sum, threads
+
+
+class ParamUnits(Protocol):
+    """Where the walk gets each unit's parameters and leaves each unit's gradients.
+
+    `get` may gather a unit (ZeRO-3) and `release` free it; `grads_ready` receives a unit's
+    gradient summed over `count` micro-batches once it is final."""
+
+    def get(self, unit: Unit) -> Any: ...
+
+    def release(self, unit: Unit) -> None: ...
+
+    def grads_ready(self, unit: Unit, grads: Any, count: int = 1) -> None: ...
+
+
+class ResidentParams:
+    """All parameters held on this rank; gradients collected per unit."""
+
+    def __init__(self, params: GPT):
+        self.params = params
+        self.grads: dict[Unit, Any] = {}
+
+    def get(self, unit: Unit) -> Any:
+        return self.params if unit.is_outer else self.params.blocks[unit.block]
+
+    def release(self, unit: Unit) -> None:
+        pass
+
+    def grads_ready(self, unit: Unit, grads: Any, count: int = 1) -> None:
+        self.grads[unit] = grads
+
+    def grad_tree(self) -> GPT:
+        return join_units(self.grads)
+
+
+@attrs.frozen
+class Stage:
+    """What one model stage runs: (global layer, this rank's unit) of each block in forward
+    order; `first` holds the embedding, `last` the final LayerNorm, head and loss."""
+
+    blocks: tuple[tuple[int, Unit], ...]
+    first: bool
+    last: bool
+
+
+def whole_model(n_layer: int) -> Stage:
+    """The single stage of pp=1."""
+    return Stage(tuple((i, Unit(i)) for i in range(n_layer)), first=True, last=True)
+
+
+@attrs.frozen
+class StageCtx:
+    """A stage's saved forward state for one micro-batch."""
+
+    embed: EmbedCtx | None
+    blocks: list  # BlockCtx, or RowChunks of them when split over threads
+    head: HeadCtx | None
+
+
+# ---------------------------------------------------------------------------------------
+# blocks, whole or split over the threads
+
+
+def _split(mesh: Mesh, rows: int) -> bool:
+    """Split a block over the threads: several threads, no tp inside, more than one row."""
+    return threads() > 1 and mesh.size("tp") == 1 and rows > 1
+
+
+def run_block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int, drop: DropoutKey | None = None):
+    """`block_fwd`, whole or as row chunks over the threads (its context says which)."""
+    if not _split(mesh, x.shape[0]):
+        return block_fwd(p, x, cfg, mesh, layer, drop)
+    return chunked_fwd(lambda r: block_fwd(p, x[r], cfg, mesh, layer, drop and drop.shifted(r)), x.shape[0])
+
+
+def run_block_bwd_input(p: Block, ctx: BlockCtx | RowChunks, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh):
+    """`block_bwd_input` of a `run_block_fwd` context."""
+    if not isinstance(ctx, RowChunks):
+        return block_bwd_input(p, ctx, dx, cfg, mesh)
+    return chunked_bwd(lambda c, r: block_bwd_input(p, c, dx[r], cfg, mesh), ctx)
+
+
+def run_block_bwd_weight(p: Block, w: Any) -> Block:
+    """`block_bwd_weight` of a `run_block_bwd_input` context (chunk grads summed)."""
+    if not isinstance(w, RowChunks):
+        return block_bwd_weight(p, w)
+    return chunked_sum(lambda c: block_bwd_weight(p, c), w)
+
+
+def run_block_bwd(p: Block, ctx: BlockCtx | RowChunks, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, Block]:
+    """B and W at once (each thread does both halves for its rows)."""
+
+    def both(c: BlockCtx, r: slice | None = None) -> tuple[np.ndarray, Block]:
+        d, w = block_bwd_input(p, c, dx if r is None else dx[r], cfg, mesh)
+        return d, block_bwd_weight(p, w)
+
+    if not isinstance(ctx, RowChunks):
+        return both(ctx)
+    dx, grads = chunked_bwd(both, ctx)
+    return dx, chunked_sum(lambda g: g, grads)
+
+
+# ---------------------------------------------------------------------------------------
+# the walk
+
+
+def stage_forward(units: ParamUnits, stage: Stage, inp: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig,
+                  mesh: Mesh, drop: DropoutKey | None = None, keep: bool = True) -> tuple[np.ndarray, StageCtx | None]:
+    """Run a stage forward on `inp` (token ids [B, T] on the first stage, else activations
+    [B, T, C]). Returns the per-token losses [B*T] on the last stage, else the activations
+    for the next, and the context for backward (None if not `keep`)."""
+    emb = head = None
+    x = inp
+    if stage.first:
+        x, emb = embed_fwd(units.get(OUTER), inp, cfg, mesh, drop)
+        if not stage.last:  # the last stage keeps it for the head: ZeRO-3 gathers it once
+            units.release(OUTER)
+    ctxs = []
+    for layer, unit in stage.blocks:
+        x, c = run_block_fwd(units.get(unit), x, cfg, mesh, layer, drop)
+        units.release(unit)
+        ctxs.append(c if keep else None)
+    if stage.last:
+        x, head = head_fwd(units.get(OUTER), x, targets, cfg, mesh)
+        units.release(OUTER)
+    return x, (StageCtx(emb, ctxs, head) if keep else None)
+
+
+def stage_backward(units: ParamUnits, stage: Stage, ctx: StageCtx, dy: np.ndarray | float, cfg: GPTConfig, mesh: Mesh,
+                   split: bool = False) -> tuple[np.ndarray | None, GPT, list]:
+    """Backward of `stage_forward`. `dy` is the loss scale on the last stage, else the grad of
+    the stage's output. Block grads go to `units.grads_ready` as they become final, unless
+    `split` (zero-bubble), when only input grads are computed and the weight halves are
+    returned for `stage_weight`. Returns (grad of the stage's input, or None on the first
+    stage; this stage's share of the outer unit's grads, a GPT with None where it has none;
+    the deferred weight contexts)."""
+    outer = GPT(wte=None, wpe=None, blocks=(), ln_f=None)
+    dx = dy
+    if stage.last:
+        dx, dwte, d_lnf = head_bwd(units.get(OUTER), ctx.head, dy, mesh)
+        if not stage.first:  # the first stage keeps it for the embedding: ZeRO-3 gathers it once
+            units.release(OUTER)
+        outer = attrs.evolve(outer, wte=dwte, ln_f=d_lnf)
+    deferred = []
+    for (layer, unit), c in reversed(list(zip(stage.blocks, ctx.blocks))):
+        params = units.get(unit)
+        if split:
+            dx, w = run_block_bwd_input(params, c, dx, cfg, mesh)
+            deferred.append((unit, w))
+            units.release(unit)
+        else:
+            dx, grads = run_block_bwd(params, c, dx, cfg, mesh)
+            units.release(unit)
+            units.grads_ready(unit, grads)
+    if stage.first:
+        dwte, dwpe = embed_bwd(units.get(OUTER), ctx.embed, dx)
+        units.release(OUTER)
+        outer = attrs.evolve(outer, wte=dwte if outer.wte is None else outer.wte + dwte, wpe=dwpe)
+        dx = None
+    return dx, outer, deferred
+
+
+def stage_weight(units: ParamUnits, deferred: list) -> None:
+    """The deferred weight halves of a split backward (a zero-bubble "W")."""
+    for unit, w in deferred:
+        grads = run_block_bwd_weight(units.get(unit), w)
+        units.release(unit)
+        units.grads_ready(unit, grads)
+
+
+def add_outer(total: GPT | None, part: GPT) -> GPT:
+    """Sum two stage shares of the outer unit's grads (None parts are absent)."""
+    if total is None:
+        return part
+
+    def add(a: Any, b: Any) -> Any:
+        if a is None or b is None:
+            return b if a is None else a
+        if isinstance(a, np.ndarray):
+            a += b
+            return a
+        return type(a)(*(add(x, y) for x, y in zip(attrs.astuple(a, recurse=False), attrs.astuple(b, recurse=False))))
+
+    return GPT(wte=add(total.wte, part.wte), wpe=add(total.wpe, part.wpe), blocks=(), ln_f=add(total.ln_f, part.ln_f))
+
+
+# ---------------------------------------------------------------------------------------
+# the whole model on one rank's stage (pp=1)
+
+
+def loss_and_grads(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh, loss_scale: float,
+                   drop: DropoutKey | None = None) -> tuple[float, GPT]:
+    """Sum of per-token losses × `loss_scale`, and its gradient w.r.t. this rank's shards.
+
+    With `loss_scale = 1 / (tokens in the global batch)`, summing the results over
+    micro-batches and dp ranks gives the global mean loss and its gradient."""
+    units = ResidentParams(params)
+    stage = whole_model(cfg.n_layer)
+    loss, ctx = stage_forward(units, stage, idx, targets, cfg, mesh, drop)
+    _, outer, _ = stage_backward(units, stage, ctx, loss_scale, cfg, mesh)
+    units.grads_ready(OUTER, outer)
+    return float(loss.sum()) * loss_scale, units.grad_tree()
+
+
+def forward_loss(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> np.ndarray:
+    """Per-token losses [B*T], forward only (evaluation)."""
+    loss, _ = stage_forward(ResidentParams(params), whole_model(cfg.n_layer), idx, targets, cfg, mesh, keep=False)
+    return loss
