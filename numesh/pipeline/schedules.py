@@ -366,23 +366,11 @@ def simulate(s: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0, 
     validate(s)
     c = _costs(t_f=t_f, t_b=t_b, t_w=t_w, comm=comm)
     cost = {"F": c["t_f"], "B": c["t_b"] if s.split_backward else c["t_b"] + c["t_w"], "W": c["t_w"]}
-    p, K = s.p, s.num_stages
+    p = s.p
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, global stage) -> end time
     nxt = [0] * p
     free = [0.0] * p
     spans: list[list[tuple[float, float]]] = [[] for _ in range(p)]
-
-    def deps(rank: int, a: Action) -> list[tuple[tuple[str, int, int], int]]:
-        k = s.stage(rank, a.chunk)
-        if a.kind == "F":
-            return [(("F", a.mb, k - 1), (k - 1) % p)] if k > 0 else []
-        if a.kind == "B":
-            out = [(("F", a.mb, k), rank)]
-            if k < K - 1:
-                out.append((("B", a.mb, k + 1), (k + 1) % p))
-            return out
-        return [(("B", a.mb, k), rank)]
-
     progress = True
     while progress:
         progress = False
@@ -390,7 +378,7 @@ def simulate(s: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0, 
             acts = s.actions[r]
             while nxt[r] < len(acts):
                 a = acts[nxt[r]]
-                ds = deps(r, a)
+                ds = _deps(s, r, a)
                 if any(key not in done for key, _ in ds):
                     break
                 start = max([free[r]] + [done[key] + (c["comm"] if dr != r else 0.0) for key, dr in ds])
@@ -400,17 +388,36 @@ def simulate(s: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0, 
                 free[r] = end
                 nxt[r] += 1
                 progress = True
-    stuck = [r for r in range(p) if nxt[r] < len(s.actions[r])]
-    if stuck:
-        waits = []
-        for r in stuck:
-            a = s.actions[r][nxt[r]]
-            need = [f"{Action(kd, mb, s.rank_chunk(k)[1])} on rank {s.rank_chunk(k)[0]}"
-                    for (kd, mb, k), _ in deps(r, a) if (kd, mb, k) not in done]
-            waits.append(f"rank {r} at {a} waits for {' and '.join(need)}")
-        raise ScheduleError(f"schedule {s.name!r} deadlocks: " + "; ".join(waits) + "; reorder the action lists")
+    _raise_if_stuck(s, nxt, done)
     makespan = max(free) if p else 0.0
     return Timeline(schedule=s, intervals=tuple(tuple(x) for x in spans), makespan=makespan)
+
+
+def _deps(s: Schedule, rank: int, a: Action) -> list[tuple[tuple[str, int, int], int]]:
+    """What action `a` on `rank` waits for: ((kind, mb, global stage), rank that runs it)."""
+    k = s.stage(rank, a.chunk)
+    if a.kind == "F":
+        return [(("F", a.mb, k - 1), (k - 1) % s.p)] if k > 0 else []
+    if a.kind == "B":
+        out = [(("F", a.mb, k), rank)]
+        if k < s.num_stages - 1:
+            out.append((("B", a.mb, k + 1), (k + 1) % s.p))
+        return out
+    return [(("B", a.mb, k), rank)]
+
+
+def _raise_if_stuck(s: Schedule, nxt: list[int], done: dict) -> None:
+    """A ScheduleError naming what each unfinished rank waits for, if any is unfinished."""
+    stuck = [r for r in range(s.p) if nxt[r] < len(s.actions[r])]
+    if not stuck:
+        return
+    waits = []
+    for r in stuck:
+        a = s.actions[r][nxt[r]]
+        need = [f"{Action(kd, mb, s.rank_chunk(k)[1])} on rank {s.rank_chunk(k)[0]}"
+                for (kd, mb, k), _ in _deps(s, r, a) if (kd, mb, k) not in done]
+        waits.append(f"rank {r} at {a} waits for {' and '.join(need)}")
+    raise ScheduleError(f"schedule {s.name!r} deadlocks: " + "; ".join(waits) + "; reorder the action lists")
 
 
 def bubble_fraction(s: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
