@@ -9,16 +9,26 @@ from typing import Any, Optional
 
 import attrs
 import typer
+from typer.core import TyperCommand
 
 import numesh  # noqa: F401  (first: it sets up OpenBLAS before numpy loads it)
 
+class _Command(TyperCommand):
+    """Usage lines name arguments as CKPT, not typer's {ckpt}."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)]
+
+
 app = typer.Typer(
     add_completion=False,
+    rich_markup_mode=None,  # plain help: no <bool> beside flags, one [default: ...] style
+    context_settings={"max_content_width": 100},
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="Train GPT models with dp x tp x pp parallelism in NumPy and MPI.",
 )
-data_app = typer.Typer(no_args_is_help=True, help="Prepare datasets.")
+data_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Prepare datasets.")
 app.add_typer(data_app, name="data")
 
 
@@ -52,6 +62,13 @@ def data_shakespeare_char(
 _PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
+def _shown(default: Any) -> str:
+    """A default as the help shows it: '' as (none), booleans as the flag that is on."""
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return "(none)" if default == "" else str(default)
+
+
 def _train_signature() -> inspect.Signature:
     """One option per TrainConfig field (None = not given, so --config values survive)."""
     from numesh.train import TrainConfig
@@ -72,7 +89,7 @@ def _train_signature() -> inspect.Signature:
             inspect.Parameter(
                 f.name,
                 inspect.Parameter.KEYWORD_ONLY,
-                default=typer.Option(None, *decls, help=f"{f.metadata['help']} (default: {f.default!r})", show_default=False),
+                default=typer.Option(None, *decls, help=f"{f.metadata['help']}  [default: {_shown(f.default)}]", show_default=False),
                 annotation=Optional[typ],
             )
         )
@@ -100,7 +117,7 @@ def train_cmd(**options: Any) -> None:
 
 
 train_cmd.__signature__ = _train_signature()  # type: ignore[attr-defined]
-app.command("train")(train_cmd)
+app.command("train", cls=_Command)(train_cmd)
 
 
 class _Progress:
@@ -146,12 +163,12 @@ class _Progress:
         self.bar.update(self.task, completed=min(step + 1, self.total), info=", ".join(parts))
 
 
-@app.command("sample")
+@app.command("sample", cls=_Command)
 def sample_cmd(
     ckpt: Path = typer.Option(
         ..., help="checkpoint directory (e.g. runs/x/ckpt/latest) or a `numesh export`ed .safetensors file"
     ),
-    prompt: str = typer.Option("\n", help="text to continue"),
+    prompt: str = typer.Option("\n", help="text to continue", show_default="a newline"),
     max_new_tokens: int = typer.Option(500, help="tokens to generate"),
     temperature: float = typer.Option(0.8, help="softmax temperature; 0 = greedy"),
     top_k: int = typer.Option(200, help="sample among the k most likely tokens (0 = all)"),
@@ -175,11 +192,11 @@ def sample_cmd(
     _run(go)
 
 
-@app.command("reshard")
+@app.command("reshard", cls=_Command)
 def reshard_cmd(
-    ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest"),
+    ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT", show_default=False),
     to: str = typer.Option(..., "--to", help="target mesh, e.g. tp=4 (axes not named keep the checkpoint's size)"),
-    out: Optional[Path] = typer.Option(None, help="output directory (default: a sibling such as step_000100-tp4)"),
+    out: Optional[Path] = typer.Option(None, help="output directory", show_default="a sibling such as step_000100-tp4"),
 ) -> None:
     """Rewrite a checkpoint as another mesh's ranks would have written it (one process; any mesh can also load any checkpoint directly)."""
 
@@ -191,11 +208,11 @@ def reshard_cmd(
     _run(go)
 
 
-@app.command("export")
+@app.command("export", cls=_Command)
 def export_cmd(
-    ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest"),
+    ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT", show_default=False),
     out: Path = typer.Option(..., help="output .safetensors file"),
-    dtype: Optional[str] = typer.Option(None, help="float32 or float64 (default: the checkpoint's)"),
+    dtype: Optional[str] = typer.Option(None, help="float32 or float64", show_default="the checkpoint's"),
 ) -> None:
     """Export the parameters as one safetensors file with nanoGPT's state-dict names (numesh sample --ckpt FILE reads it too)."""
 

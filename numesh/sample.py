@@ -112,6 +112,8 @@ def generate(
 
 @attrs.frozen
 class SampleConfig:
+    """What `numesh sample` asks for; `validate` checks it before any file is read."""
+
     ckpt: str
     prompt: str = "\n"
     max_new_tokens: int = 500
@@ -122,9 +124,22 @@ class SampleConfig:
     mesh: str = ""
     kv_cache: bool = True
 
+    def validate(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ConfigError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
+        if self.num_samples < 1:
+            raise ConfigError(f"--num-samples must be >= 1, got {self.num_samples}")
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"--top-k must be >= 1 (or 0 for all), got {self.top_k}")
+        if self.seed < 0:
+            raise ConfigError(f"--seed must be >= 0, got {self.seed}")
+
 
 def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
     """Generate `num_samples` texts (prompt included) from a checkpoint."""
+    cfg.validate()
     ck = load_checkpoint(cfg.ckpt)
     mesh = Mesh.parse(cfg.mesh, comm)
     if mesh.size(("pp", "dp")) > 1:

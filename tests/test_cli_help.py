@@ -1,0 +1,49 @@
+"""The command line's help texts and bad values, as a user meets them (issue #18, points 4 and 11)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from numesh_cli.app import app
+
+COMMANDS = (["train"], ["sample"], ["reshard"], ["export"], ["data", "shakespeare-char"])
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: " ".join(c))
+def test_help_is_plain_and_consistent(cmd: list[str]) -> None:
+    out = CliRunner().invoke(app, [*cmd, "--help"], env={"COLUMNS": "100"})
+    assert out.exit_code == 0, out.output
+    text = out.output
+    assert "<bool>" not in text  # flags take no value
+    assert "{" not in text.splitlines()[0]  # usage names arguments CKPT, not {ckpt}
+    assert "(default:" not in text  # one style: [default: ...]
+    flat = " ".join(text.split())  # click wraps long lines; compare the words
+    assert "[default: ]" not in flat  # a default that is a line break once broke the layout
+
+
+def test_sample_prompt_default_is_named() -> None:
+    text = " ".join(CliRunner().invoke(app, ["sample", "--help"]).output.split())
+    assert "text to continue [default: (a newline)]" in text
+
+
+def test_train_help_shows_every_default_in_brackets() -> None:
+    text = " ".join(CliRunner().invoke(app, ["train", "--help"]).output.split())
+    assert "--max-iters <int> optimiser steps [default: 2000]" in text
+    assert "[default: off]" in text  # --bias
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--num-samples", "0"], "--num-samples must be >= 1"),
+        (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 0"),
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--seed", "-1"], "--seed must be >= 0"),
+    ],
+)
+def test_sample_bad_values_are_one_line(args: list[str], message: str) -> None:
+    out = CliRunner().invoke(app, ["sample", "--ckpt", "nowhere", *args])
+    assert out.exit_code == 2
+    lines = out.output.strip().splitlines()
+    assert lines == [f"error: {lines[0][len('error: '):]}"] and message in lines[0]
