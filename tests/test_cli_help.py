@@ -47,3 +47,21 @@ def test_sample_bad_values_are_one_line(args: list[str], message: str) -> None:
     assert out.exit_code == 2
     lines = out.output.strip().splitlines()
     assert lines == [f"error: {lines[0][len('error: '):]}"] and message in lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--seed", "-1"], "--seed must be >= 0"),
+        (["--learning-rate", "-1"], "--learning-rate must be > 0"),
+        (["--beta2", "1.5"], "--beta2 must be in [0, 1)"),
+        (["--out", "{file}"], "is a file, not a directory"),
+    ],
+)
+def test_train_bad_values_are_one_line(char_dataset, tmp_path, args: list[str], message: str) -> None:
+    (tmp_path / "afile").write_text("x")
+    args = [a.replace("{file}", str(tmp_path / "afile")) for a in args]
+    out = CliRunner().invoke(app, ["train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), *args])
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.exit_code == 2, out.output
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
