@@ -142,12 +142,12 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
     for name in ("max_iters", "seed", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
                  "ckpt_interval", "keep"):
         if getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+            raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if not cfg.learning_rate > 0:
-        raise ConfigError(f"--learning-rate must be > 0, got {cfg.learning_rate}")
+        raise ConfigError(f"learning_rate must be > 0, got {cfg.learning_rate}")
     for name in ("beta1", "beta2"):
         if not 0.0 <= getattr(cfg, name) < 1.0:
-            raise ConfigError(f"--{name} must be in [0, 1), got {getattr(cfg, name)}")
+            raise ConfigError(f"{name} must be in [0, 1), got {getattr(cfg, name)}")
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ConfigError(f"--out {cfg.out} is a file, not a directory: name a directory for the run")
     if cfg.batch_size % (shape["dp"] * cfg.micro_batches):

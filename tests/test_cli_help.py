@@ -52,9 +52,9 @@ def test_sample_bad_values_are_one_line(args: list[str], message: str) -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--seed", "-1"], "--seed must be >= 0"),
-        (["--learning-rate", "-1"], "--learning-rate must be > 0"),
-        (["--beta2", "1.5"], "--beta2 must be in [0, 1)"),
+        (["--seed", "-1"], "seed must be >= 0"),
+        (["--learning-rate", "-1"], "learning_rate must be > 0"),
+        (["--beta2", "1.5"], "beta2 must be in [0, 1)"),
         (["--out", "{file}"], "is a file, not a directory"),
     ],
 )
