@@ -30,6 +30,7 @@ from conftest import SMALL_BATCH, small_run_config, assert_same_run, serial_refe
 from numesh.mesh import Mesh, MeshError
 from numesh.mesh.mesh import ByteCounter
 from numesh.nn.gpt import ConfigError, gpt_specs, init_gpt
+from numesh.nn.units import OUTER, split_units
 from numesh.optim.zero import ZeroOptimizer, memory_formula
 from numesh.train import Trainer, train
 from numesh.tree import tree_leaves
@@ -184,8 +185,8 @@ def test_bytes_per_step_follow_the_zero_paper(
     k, f = 4, (n - 1) / n
     units = trainer.opt.units
     P = sum(u.padded for u in units.values())  # every unit padded to a multiple of dp
-    P_blocks = sum(u.padded for name, u in units.items() if name.startswith("blocks."))
-    P_outer = units["outer"].padded
+    P_blocks = sum(u.padded for name, u in units.items() if not name.is_outer)
+    P_outer = units[OUTER].padded
     plain_dp = 2 * f * P * k  # all-reduce of every gradient once
 
     # the only other collectives are two scalars: the step's loss over pp x dp, and the
@@ -294,7 +295,7 @@ def test_zero_stage_outside_0_to_3_fails_on_every_rank(shared_dataset: Path, sha
     try:
         cfg = small_run_config(shared_dataset, out, f"dp={n}").model(11)
         params = init_gpt(cfg, mesh, 0, np.float32)
-        same_error_everywhere(lambda: ZeroOptimizer(params, gpt_specs(cfg), mesh, stage=zero),
+        same_error_everywhere(lambda: ZeroOptimizer(split_units(params), split_units(gpt_specs(cfg)), mesh, stage=zero),
                               ValueError, "ZeRO stage must be 0, 1, 2 or 3")
     finally:
         mesh.free()

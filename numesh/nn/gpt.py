@@ -40,6 +40,7 @@ from numesh.nn.parallel import (
 from numesh.threads import over_batch, threads
 from numesh.tree import tree_map, tree_map_with_path
 from numesh.errors import ConfigError
+from numesh.nn.units import OUTER, Unit, join_units
 
 
 @attrs.frozen
@@ -391,15 +392,15 @@ def head_bwd(params: GPT, ctx: tuple, dloss: np.ndarray | float, mesh: Mesh) -> 
 class ParamUnits(Protocol):
     """Where the model loop gets each unit's parameters and leaves each unit's gradients.
 
-    Units are "outer" (wte, wpe, ln_f: a GPT with no blocks) and "blocks.i". `get` may
-    gather a unit (ZeRO-3) and `release` free it; `grads_ready` is called once per unit
+    Units are `OUTER` (wte, wpe, ln_f: a GPT with no blocks) and `Unit(i)` (block i). `get`
+    may gather a unit (ZeRO-3) and `release` free it; `grads_ready` is called once per unit
     as soon as its gradient is final, so its reduction can start during backward."""
 
-    def get(self, unit: str) -> Any: ...
+    def get(self, unit: Unit) -> Any: ...
 
-    def release(self, unit: str) -> None: ...
+    def release(self, unit: Unit) -> None: ...
 
-    def grads_ready(self, unit: str, grads: Any) -> None: ...
+    def grads_ready(self, unit: Unit, grads: Any) -> None: ...
 
 
 class ResidentParams:
@@ -407,28 +408,21 @@ class ResidentParams:
 
     def __init__(self, params: GPT):
         self.params = params
-        self.grads: dict[str, Any] = {}
+        self.grads: dict[Unit, Any] = {}
 
-    def get(self, unit: str) -> Any:
-        if unit == "outer":
+    def get(self, unit: Unit) -> Any:
+        if unit.is_outer:
             return self.params
-        return self.params.blocks[int(unit.split(".")[1])]
+        return self.params.blocks[unit.block]
 
-    def release(self, unit: str) -> None:
+    def release(self, unit: Unit) -> None:
         pass
 
-    def grads_ready(self, unit: str, grads: Any) -> None:
+    def grads_ready(self, unit: Unit, grads: Any) -> None:
         self.grads[unit] = grads
 
     def grad_tree(self) -> GPT:
-        outer = self.grads["outer"]
-        blocks = tuple(self.grads[f"blocks.{i}"] for i in range(len(self.params.blocks)))
-        return attrs.evolve(outer, blocks=blocks)
-
-
-def unit_names(n_layer: int) -> list[str]:
-    """Units in the order their gradients become final: last block first, "outer" last."""
-    return [f"blocks.{i}" for i in reversed(range(n_layer))] + ["outer"]
+        return join_units(self.grads)
 
 
 def run_backward(
@@ -443,28 +437,28 @@ def run_backward(
     """Forward and backward of one micro-batch, unit by unit; returns sum of token losses × `loss_scale`.
 
     Every parameter unit is fetched once for the forward and once for the backward."""
-    outer = units.get("outer")
+    outer = units.get(OUTER)
     x, emb_ctx = embed_fwd(outer, idx, cfg, mesh, drop)
     ctxs = []
     for layer in range(cfg.n_layer):
-        name = f"blocks.{layer}"
+        name = Unit(layer)
         x, c = block_fwd(units.get(name), x, cfg, mesh, layer, drop)
         units.release(name)
         ctxs.append(c)
     loss, head_ctx = head_fwd(outer, x, targets, cfg, mesh)
-    units.release("outer")
-    outer = units.get("outer")
+    units.release(OUTER)
+    outer = units.get(OUTER)
     dx, dwte_head, d_lnf = head_bwd(outer, head_ctx, loss_scale, mesh)
     for layer in reversed(range(cfg.n_layer)):
-        name = f"blocks.{layer}"
+        name = Unit(layer)
         dx, grads = block_bwd(units.get(name), ctxs[layer], dx, cfg, mesh)
         units.release(name)
         units.grads_ready(name, grads)
         ctxs[layer] = None
     dwte, dwpe = embed_bwd(outer, emb_ctx, dx)
-    units.release("outer")
+    units.release(OUTER)
     dwte += dwte_head
-    units.grads_ready("outer", GPT(wte=dwte, wpe=dwpe, blocks=(), ln_f=d_lnf))
+    units.grads_ready(OUTER, GPT(wte=dwte, wpe=dwpe, blocks=(), ln_f=d_lnf))
     return float(loss.sum()) * loss_scale
 
 
@@ -489,13 +483,13 @@ def loss_and_grads(
 def forward_loss(params: GPT | ParamUnits, idx: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> np.ndarray:
     """Per-token losses [B*T], forward only (evaluation)."""
     units = ResidentParams(params) if isinstance(params, GPT) else params
-    outer = units.get("outer")
+    outer = units.get(OUTER)
     x, _ = embed_fwd(outer, idx, cfg, mesh)
     for layer in range(cfg.n_layer):
-        x, _ = block_fwd(units.get(f"blocks.{layer}"), x, cfg, mesh, layer)
-        units.release(f"blocks.{layer}")
+        x, _ = block_fwd(units.get(Unit(layer)), x, cfg, mesh, layer)
+        units.release(Unit(layer))
     loss, _ = head_fwd(outer, x, targets, cfg, mesh)
-    units.release("outer")
+    units.release(OUTER)
     return loss
 
 

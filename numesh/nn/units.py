@@ -8,11 +8,12 @@ The optimiser sees units as opaque keys of an ordered dict: it never imports the
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import attrs
 
-from numesh.nn.gpt import GPT
+if TYPE_CHECKING:  # gpt.py imports the unit keys from here
+    from numesh.nn.gpt import GPT
 
 
 @attrs.frozen

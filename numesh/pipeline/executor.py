@@ -33,6 +33,7 @@ from numesh.nn.gpt import (
     head_fwd,
 )
 from numesh.nn.layers import LayerNorm
+from numesh.nn.units import OUTER, Unit
 from numesh.pipeline.schedules import Action, Schedule
 from numesh.pipeline.stages import StageLayout
 
@@ -63,7 +64,7 @@ def _nbytes(obj: Any) -> int:
 
 class PipelineExecutor:
     """Runs schedules for one rank of the pp axis; parameters come from `units`
-    (a `ParamUnits`, e.g. the ZeRO optimiser) by local name: "outer", "blocks.j"."""
+    (a `ParamUnits`, e.g. the ZeRO optimiser) by local unit: `OUTER`, `Unit(j)`."""
 
     def __init__(self, cfg: GPTConfig, mesh: Mesh, layout: StageLayout, units: Any):
         self.cfg, self.mesh, self.layout, self.units = cfg, mesh, layout, units
@@ -88,8 +89,8 @@ class PipelineExecutor:
     def _tag(self, kind: str, mb: int, stage: int, m: int) -> int:
         return ((0 if kind == "F" else 1) * self.n_stages + stage) * m + mb
 
-    def _blocks(self, chunk: int) -> list[tuple[int, str]]:
-        return [(layer, f"blocks.{self.local[layer]}") for layer in self.layout.layers(self.rank, chunk)]
+    def _blocks(self, chunk: int) -> list[tuple[int, Unit]]:
+        return [(layer, Unit(self.local[layer])) for layer in self.layout.layers(self.rank, chunk)]
 
     # ------------------------------------------------------------------ training step
 
@@ -161,10 +162,10 @@ class PipelineExecutor:
         t = time.perf_counter()
         emb_ctx = head_ctx = None
         if stage == 0:
-            outer = self.units.get("outer")
+            outer = self.units.get(OUTER)
             x, emb_ctx = embed_fwd(outer, x_ids, self.cfg, self.mesh, drops[a.mb])
             if stage != self.n_stages - 1:  # one stage keeps it for the head: ZeRO-3 gathers it once
-                self.units.release("outer")
+                self.units.release(OUTER)
         else:
             dtype = self._dtype()
             self._busy += time.perf_counter() - t
@@ -176,9 +177,9 @@ class PipelineExecutor:
             self.units.release(name)
             ctxs.append(ctx if keep else None)
         if stage == self.n_stages - 1:
-            outer = self.units.get("outer")
+            outer = self.units.get(OUTER)
             loss, head_ctx = head_fwd(outer, x, targets, self.cfg, self.mesh)
-            self.units.release("outer")
+            self.units.release(OUTER)
             self.loss += float(loss.sum()) * loss_scale
             self._busy += time.perf_counter() - t
         else:
@@ -192,10 +193,10 @@ class PipelineExecutor:
         emb_ctx, ctxs, head_ctx = self.acts.pop((a.mb, a.chunk))
         t = time.perf_counter()
         if stage == self.n_stages - 1:
-            outer = self.units.get("outer")
+            outer = self.units.get(OUTER)
             dx, dwte, d_lnf = head_bwd(outer, head_ctx, loss_scale, self.mesh)
             if stage != 0:  # one stage keeps it for the embedding: ZeRO-3 gathers it once
-                self.units.release("outer")
+                self.units.release(OUTER)
             self._add_outer(wte=dwte, ln_f=d_lnf)
         else:
             x_ids, _ = micro[a.mb]
@@ -217,9 +218,9 @@ class PipelineExecutor:
         if split:
             self.wctx[(a.mb, a.chunk)] = wlist
         if stage == 0:
-            outer = self.units.get("outer")
+            outer = self.units.get(OUTER)
             dwte, dwpe = embed_bwd(outer, emb_ctx, dx)
-            self.units.release("outer")
+            self.units.release(OUTER)
             self._add_outer(wte=dwte, wpe=dwpe)
             self._busy += time.perf_counter() - t
         else:
@@ -256,7 +257,7 @@ class PipelineExecutor:
             wte = o["wte"]
             self.mesh.counter.add(("pp",), "all_reduce", wte.nbytes, 2)
             self.tied_comm.Allreduce(MPI.IN_PLACE, wte, op=MPI.SUM)
-        self.units.grads_ready("outer", GPT(wte=o["wte"], wpe=o["wpe"], blocks=(), ln_f=o["ln_f"]), count=m)
+        self.units.grads_ready(OUTER, GPT(wte=o["wte"], wpe=o["wpe"], blocks=(), ln_f=o["ln_f"]), count=m)
         self.outer = dict.fromkeys(o)  # the optimiser has copied them
 
     # ------------------------------------------------------------------ evaluation
