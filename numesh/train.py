@@ -24,6 +24,7 @@ from numesh.mesh import Mesh, parse_mesh, psum_scalar, unshard
 from numesh.errors import ConfigError
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
+from numesh.nn.units import OUTER, join_units, split_units
 from numesh.optim import AdamWConfig, clip_scale, cosine_lr
 from numesh.optim.zero import ZeroOptimizer
 from numesh.pipeline.executor import PipelineExecutor, StepStats
@@ -189,8 +190,8 @@ class Trainer:
         params = stage_tree(init_gpt(self.model, self.mesh, cfg.seed, self.dtype), self.layout, pp_rank)
         tied_copy = shape["pp"] > 1 and self.layout.is_last(pp_rank)  # counted on the first rank
         self.opt = ZeroOptimizer(
-            params, self.specs, self.mesh, cfg.zero, adamw, bucket_bytes=int(cfg.bucket_mb * 2**20),
-            overlap=cfg.overlap, uncounted=("outer.wte",) if tied_copy else (),
+            split_units(params), split_units(self.specs), self.mesh, cfg.zero, adamw,
+            bucket_bytes=int(cfg.bucket_mb * 2**20), overlap=cfg.overlap, uncounted={(OUTER, "wte")} if tied_copy else (),
         )
         self.opt.check_replicas()
         self.pipeline = PipelineExecutor(self.model, self.mesh, self.layout, self.opt, self.dtype)
@@ -203,7 +204,7 @@ class Trainer:
     @property
     def params(self) -> GPT:
         """This rank's tp-local parameter shards (gathered over dp under ZeRO-3)."""
-        return self.opt.local_params()
+        return join_units(self.opt.local_params())
 
     @property
     def tokens_per_step(self) -> int:

@@ -29,9 +29,8 @@ from mpi4py import MPI
 from conftest import SMALL_BATCH, small_run_config, assert_same_run, serial_reference, train_records
 from numesh.mesh import Mesh, MeshError
 from numesh.mesh.mesh import ByteCounter
-from numesh.errors import ConfigError
-from numesh.nn.gpt import gpt_specs, init_gpt
-from numesh.nn.units import OUTER
+from numesh.nn.gpt import ConfigError, gpt_specs, init_gpt
+from numesh.nn.units import OUTER, split_units
 from numesh.optim.zero import ZeroOptimizer, memory_formula
 from numesh.train import Trainer, train
 from numesh.tree import tree_leaves
@@ -296,7 +295,7 @@ def test_zero_stage_outside_0_to_3_fails_on_every_rank(shared_dataset: Path, sha
     try:
         cfg = small_run_config(shared_dataset, out, f"dp={n}").model(11)
         params = init_gpt(cfg, mesh, 0, np.float32)
-        same_error_everywhere(lambda: ZeroOptimizer(params, gpt_specs(cfg), mesh, stage=zero),
+        same_error_everywhere(lambda: ZeroOptimizer(split_units(params), split_units(gpt_specs(cfg)), mesh, stage=zero),
                               ValueError, "ZeRO stage must be 0, 1, 2 or 3")
     finally:
         mesh.free()

@@ -22,6 +22,7 @@ from numesh.checkpoint.format import (
 )
 from numesh.checkpoint.save import layout_of
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes
+from numesh.nn.units import split_units
 from numesh.tree import tree_leaves_with_path, tree_map_with_path
 
 
@@ -81,7 +82,7 @@ def load_checkpoint_into(trainer: Any, path: str | Path) -> None:
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others would hang
         error = ("other", f"{type(e).__name__}: {e}")
     agree(comm, error)
-    trainer.opt.load_state_trees(trees, meta.opt_step)
+    trainer.opt.load_state_trees({g: split_units(t) for g, t in trees.items()}, meta.opt_step)
     trainer.step = meta.step
 
 

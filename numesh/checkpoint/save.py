@@ -41,6 +41,7 @@ from numesh.checkpoint.format import (
     writes_leaf,
 )
 from numesh.mesh import AXES
+from numesh.nn.units import join_units
 from numesh.tree import tree_leaves_with_path
 
 TMP_PREFIX = ".tmp-"
@@ -169,7 +170,7 @@ def save_checkpoint(trainer: Any, out_dir: str | Path, keep: int | None = None) 
     name = step_dir_name(step)
     tmp, final = ckdir / f"{TMP_PREFIX}{name}", ckdir / name
 
-    trees = trainer.opt.state_trees()  # collective over dp
+    trees = {g: join_units(t) for g, t in trainer.opt.state_trees().items()}  # collective over dp
 
     err = None
     if rank == 0:
@@ -214,7 +215,7 @@ def save_checkpoint(trainer: Any, out_dir: str | Path, keep: int | None = None) 
                 extra["tokenizer"] = _tokenizer_meta(trainer)
                 layout = layout_of(trainer)
                 meta = build_meta(
-                    trainer.model, step, int(trainer.opt.opt.step), trainer.cfg.dtype, mesh.shape, layout.v,
+                    trainer.model, step, int(trainer.opt.adam_step), trainer.cfg.dtype, mesh.shape, layout.v,
                     by_leaf, leaf_dtypes, extra,
                 )
                 write_text_synced(tmp / META_FILE, json.dumps(meta, indent=1))

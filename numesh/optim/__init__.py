@@ -1,7 +1,7 @@
 """Optimisers, learning-rate schedules and gradient clipping."""
 
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_init, adamw_step, decay_mask
-from numesh.optim.clip import clip_scale, global_norm
+from numesh.optim.clip import clip_scale, counted_once
 from numesh.optim.schedule import cosine_lr
 
-__all__ = ["AdamWConfig", "AdamWState", "adamw_init", "adamw_step", "clip_scale", "cosine_lr", "decay_mask", "global_norm"]
+__all__ = ["AdamWConfig", "AdamWState", "adamw_init", "adamw_step", "clip_scale", "cosine_lr", "counted_once", "decay_mask"]

@@ -1,9 +1,10 @@
-"""Data-parallel gradient sync and ZeRO stages 0-3 on flat, per-unit buffers.
+"""Data-parallel gradient sync and ZeRO stages 0-3: a thin driver over flat buffers.
 
-The parameters of each unit (a transformer block, or the "outer" embedding/final-norm
-group) form one contiguous stretch of a flat buffer, padded to a multiple of dp; dp rank
-r owns the r-th 1/dp of every unit. Units sit in the order backward finishes them, so
-a bucket of ready units is a contiguous range and its reduction starts during backward.
+The caller gives the parameters as an ordered mapping of units (opaque keys, each a tree;
+the order backward finishes them). `FlatLayout` places each unit in a flat buffer padded
+to a multiple of dp; a `GradSync` strategy reduces the gradients; a `Residency` holds the
+parameters; AdamW updates this rank's part. The stage picks the strategy and the
+residency once; nothing below asks for it again.
 
 | stage | parameters | gradients | AdamW moments | gradient collective |
 |---|---|---|---|---|
@@ -16,239 +17,121 @@ a bucket of ready units is a contiguous range and its reduction starts during ba
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Collection, Generic, Hashable, Mapping, TypeVar
 
-import attrs
 import numpy as np
 
-from numesh.mesh import Handle, Mesh, all_gather_inplace, ipsum, ipsum_scatter, pmax, psum_scalar
-from numesh.optim.clip import counted_once
-from numesh.nn.gpt import GPT
-from numesh.nn.units import join_units, split_units, unit_order
-from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step, decays
-from numesh.tree import flatten, tree_leaves, tree_map, tree_map_with_path, unflatten
 from numesh.errors import ReplicaError
+from numesh.mesh import Mesh, pmax, psum_scalar
+from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step, decays
+from numesh.optim.clip import counted_once
+from numesh.optim.flat import FlatLayout, Span
+from numesh.optim.grad_sync import make_grad_sync
+from numesh.optim.residency import gather_full, make_residency
+from numesh.tree import Tree, tree_leaves, tree_map_with_path
+
+K = TypeVar("K", bound=Hashable)
 
 
-@attrs.frozen
-class Unit:
-    name: Any  # a numesh.nn.units.Unit
-    template: Any  # tree of local shapes (memoryless placeholder arrays) used to rebuild views
-    start: int  # offset in the full flat buffer
-    size: int  # real elements
-    padded: int  # size rounded up to a multiple of dp
-    shard_start: int  # offset of this unit's shard in the shard buffers
-
-    def shard_size(self, dp: int) -> int:
-        return self.padded // dp
-
-
-class ZeroOptimizer:
-    """Holds this rank's parameters, gradients and AdamW state for a ZeRO `stage` over dp,
-    and serves them to the model loop (it is a `ParamUnits`)."""
+class ZeroOptimizer(Generic[K]):
+    """This rank's parameters, gradients and AdamW state for a ZeRO `stage` over dp,
+    served unit by unit to the model loop (it is a `ParamUnits`)."""
 
     def __init__(
         self,
-        params: GPT,
-        specs: GPT,
+        units: Mapping[K, Tree],
+        specs: Mapping[K, Tree],
         mesh: Mesh,
         stage: int = 0,
         adamw: AdamWConfig = AdamWConfig(),
         bucket_bytes: int = 1 << 20,
         overlap: bool = True,
-        uncounted: tuple[str, ...] = (),
+        uncounted: Collection[tuple[K, str]] = (),
     ):
-        """`uncounted`: unit-relative leaf paths (e.g. "outer.wte" on the last pipeline
-        stage, whose tied copy is counted on the first) left out of the gradient norm."""
+        """`units`: this rank's tp/pp-local parameter trees, in the order backward finishes
+        them; `specs`: their partition specs. `uncounted`: (unit, leaf path in the unit)
+        pairs left out of the gradient norm (the last pipeline stage's tied wte, whose
+        copy is counted on the first)."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         self.mesh, self.stage, self.adamw = mesh, stage, adamw
-        self.bucket_bytes, self.overlap = bucket_bytes, overlap
-        self.dp, self.r = mesh.size("dp"), mesh.index("dp")
-        self.n_layer = len(params.blocks)
-        dtype = self.dtype = tree_leaves(params)[0].dtype
-        trees = split_units(params)
-        spec_units = split_units(specs)
-        self.units: dict[str, Unit] = {}
-        start = shard_start = 0
-        for name in unit_order(self.n_layer):
-            size = sum(x.size for x in tree_leaves(trees[name]))
-            padded = -(-size // self.dp) * self.dp
-            shapes = tree_map(_placeholder, trees[name])  # not the arrays: they would stay alive
-            self.units[name] = Unit(name, shapes, start, size, padded, shard_start)
-            start += padded
-            shard_start += padded // self.dp
-        self.total, self.shard_total = start, shard_start
-        full_init = np.zeros(self.total, dtype=dtype)
-        for name, u in self.units.items():
-            flatten(trees[name], out=full_init[u.start : u.start + u.size])
-        # flat masks in the full layout (bool: a byte per value, not a float): weight decay,
-        # and "this rank counts it" for the norm
-        decay = np.zeros(self.total, dtype=bool)
-        counted = np.zeros(self.total, dtype=bool)
-        for name, u in self.units.items():
-            d_tree = tree_map_with_path(lambda p, x: np.full(x.shape, decays(p, x)), trees[name])
-            c_tree = tree_map_with_path(
-                lambda path, x, s, unit=name: np.full(x.shape, counted_once(s, mesh) and f"{unit}.{path}" not in uncounted),
-                trees[name], spec_units[name],
+        self.specs = dict(specs)
+        self.layout: FlatLayout[K] = FlatLayout(units, mesh.size("dp"), mesh.index("dp"))
+        self.dtype = next(x for t in units.values() for x in tree_leaves(t)).dtype
+        full = self.layout.flatten(units, self.dtype)
+        decay, counted = self._masks(units, frozenset(uncounted))
+        self.residency = make_residency(stage, self.layout, mesh, full)
+        self.sync = make_grad_sync(stage, self.layout, mesh, self.dtype, overlap, bucket_bytes)
+        # the optimiser state follows the gradient: whole units, or this rank's shards
+        sharded = self.sync.sharded
+        self.state_slices = {k: (u.shard if sharded else u.full) for k, u in self.layout.units.items()}
+        part = self.layout.take_shard if sharded else (lambda x: x)
+        self.decay, self.counted = part(decay), part(counted)
+        n = self.layout.shard_total if sharded else self.layout.total
+        self.adam = AdamWState(np.zeros(n, self.dtype), np.zeros(n, self.dtype))
+        self.scratch = np.empty_like(self.adam.m)
+        self._norm_runs: dict[K, list[tuple[int, int]]] | None = None
+
+    def _masks(self, units: Mapping[K, Tree], uncounted: frozenset) -> tuple[np.ndarray, np.ndarray]:
+        """Full-layout masks: weight decay, and "this rank counts it in the norm" (one
+        copy of a tp-replicated leaf, and not the `uncounted` leaves)."""
+        decay = {k: tree_map_with_path(decays, t) for k, t in units.items()}
+        counted = {
+            k: tree_map_with_path(
+                lambda path, _x, s, k=k: counted_once(s, self.mesh) and (k, path) not in uncounted, t, self.specs[k]
             )
-            flatten(d_tree, out=decay[u.start : u.start + u.size])
-            flatten(c_tree, out=counted[u.start : u.start + u.size])
-        self.specs = specs
-        if stage < 3:
-            self.flat = full_init
-            self.views = {name: unflatten(self.flat[u.start : u.start + u.size], u.template) for name, u in self.units.items()}
-        else:
-            self.param_shard = self._take_shard(full_init)
-            self.gathered: dict[str, Any] = {}
-        self.grad_full = np.zeros(self.total, dtype=dtype) if stage <= 1 else None
-        self.grad_shard = np.zeros(self.shard_total, dtype=dtype) if stage >= 2 else None
-        if stage == 0:
-            self.decay, self.counted = decay, counted
-            self.opt = AdamWState(np.zeros(self.total, dtype), np.zeros(self.total, dtype))
-        else:
-            self.decay, self.counted = self._take_shard(decay), self._take_shard(counted)
-            self.opt = AdamWState(np.zeros(self.shard_total, dtype), np.zeros(self.shard_total, dtype))
-        self.scratch = np.empty_like(self.opt.m)
-        self._norm_runs: list[list[tuple[int, int]]] | None = None
-        self.pending: list[tuple[Handle, Any]] = []
-        self.bucket: list[Unit] = []
-        self.begin_step(1)
+            for k, t in units.items()
+        }
+        return self.layout.leaf_mask(decay), self.layout.leaf_mask(counted)
 
-    # ------------------------------------------------------------------ layout helpers
+    @property
+    def units(self) -> dict[K, Span]:
+        """Where each unit sits in the flat buffers (size, padded size, offsets), in layout order."""
+        return self.layout.units
 
-    def _mine(self, u: Unit) -> slice:
-        """This rank's shard of unit `u` in the full layout."""
-        s = u.shard_size(self.dp)
-        return slice(u.start + self.r * s, u.start + (self.r + 1) * s)
-
-    def _shard_slice(self, u: Unit) -> slice:
-        return slice(u.shard_start, u.shard_start + u.shard_size(self.dp))
-
-    def _take_shard(self, full: np.ndarray) -> np.ndarray:
-        out = np.empty(self.shard_total, dtype=full.dtype)
-        for u in self.units.values():
-            out[self._shard_slice(u)] = full[self._mine(u)]
-        return out
+    @property
+    def adam_step(self) -> int:
+        """AdamW steps taken (saved in checkpoints: bias correction depends on it)."""
+        return self.adam.step
 
     # ------------------------------------------------------------------ ParamUnits
 
-    def get(self, unit: str) -> Any:
-        if self.stage < 3:
-            return self.views[unit]
-        if unit not in self.gathered:
-            u = self.units[unit]
-            buf = np.empty(u.padded, dtype=self.param_shard.dtype)
-            s = u.shard_size(self.dp)
-            buf[self.r * s : (self.r + 1) * s] = self.param_shard[self._shard_slice(u)]
-            all_gather_inplace(buf, self.mesh, "dp")
-            self.gathered[unit] = unflatten(buf[: u.size], u.template)
-        return self.gathered[unit]
+    def get(self, key: K) -> Tree:
+        """Unit `key`'s parameters (gathered over dp under ZeRO-3)."""
+        return self.residency.get(key)
 
-    def release(self, unit: str) -> None:
-        if self.stage == 3:
-            self.gathered.pop(unit, None)
+    def release(self, key: K) -> None:
+        """Done with unit `key` for now (ZeRO-3 frees its gathered copy)."""
+        self.residency.release(key)
 
-    def grads_ready(self, unit: str, grads: Any, count: int = 1) -> None:
-        """Accumulate the gradient of `unit` from `count` micro-batches; reduce once all have
-        arrived (stages 0/1), or reduce-scatter each one into the shard (stages 2/3)."""
-        u = self.units[unit]
-        first = self.received[unit] == 0
-        self.received[unit] += count
-        if self.stage <= 1:
-            view = self.grad_full[u.start : u.start + u.size]
-            if first:
-                flatten(grads, out=view)
-            else:
-                view += flatten(grads, dtype=view.dtype)
-            if self.received[unit] == self.n_micro:
-                if self.stage == 0:
-                    self._bucket_add(u)
-                else:
-                    self._launch_scatter(u, self.grad_full[u.start : u.start + u.padded])
-        else:
-            if not first:
-                self.wait()  # at most one micro-batch of transient gradient buffers in flight
-            buf = np.zeros(u.padded, dtype=self.grad_shard.dtype)
-            flatten(grads, out=buf[: u.size])
-            self._launch_scatter(u, buf)
-
-    # ------------------------------------------------------------------ gradient sync
-
-    def _bucket_add(self, u: Unit) -> None:
-        """Mark `u` reduced-ready; all-reduce the ready units in layout order, a bucket
-        (a contiguous span of at least `bucket_bytes`, or the rest) at a time."""
-        self.ready.add(u.name)
-        order = list(self.units.values())
-        while self.next_ready < len(order) and order[self.next_ready].name in self.ready:
-            self.bucket.append(order[self.next_ready])
-            self.next_ready += 1
-            nbytes = sum(b.padded for b in self.bucket) * self.grad_full.itemsize
-            if nbytes >= self.bucket_bytes or self.next_ready == len(order):
-                first, last = self.bucket[0], self.bucket[-1]
-                span = self.grad_full[first.start : last.start + last.padded]
-                self.pending.append((ipsum(span, self.mesh, "dp"), None))
-                self.bucket = []
-                if not self.overlap:
-                    self.wait()
-
-    def _launch_scatter(self, u: Unit, buf: np.ndarray) -> None:
-        self.pending.append((ipsum_scatter(buf, self.mesh, "dp"), u))
-        if not self.overlap:
-            self.wait()
-
-    def wait(self) -> None:
-        """Complete every gradient collective in flight."""
-        for handle, u in self.pending:
-            result = handle.wait()
-            if u is None:
-                continue
-            if self.stage == 1:  # the reduced shard goes back into its place in the full buffer
-                self.grad_full[self._mine(u)] = result
-            elif self.reduced[u.name] == 0:
-                self.grad_shard[self._shard_slice(u)] = result
-            else:
-                self.grad_shard[self._shard_slice(u)] += result
-            self.reduced[u.name] += 1
-        self.pending = []
+    def grads_ready(self, key: K, grads: Tree, count: int = 1) -> None:
+        """The gradient of unit `key` summed over `count` micro-batches; its reduction
+        starts once the step's micro-batches are in (stages 0/1) or at once (2/3)."""
+        self.sync.grads_ready(key, grads, count)
 
     def begin_step(self, n_micro: int) -> None:
         """Start a step whose every unit will receive `n_micro` micro-batch gradients."""
-        self.wait()
-        self.n_micro = n_micro
-        self.received = dict.fromkeys(self.units, 0)
-        self.reduced = dict.fromkeys(self.units, 0)
-        self.ready: set[str] = set()
-        self.next_ready = 0
+        self.sync.begin_step(n_micro)
+
+    def wait(self) -> None:
+        """Complete every gradient collective in flight."""
+        self.sync.wait()
 
     # ------------------------------------------------------------------ the step
-
-    def _grad_views(self) -> list[tuple[np.ndarray, slice, slice]]:
-        """(gradient, where it sits in the full layout, where it sits in the moments) per unit."""
-        out = []
-        for u in self.units.values():
-            if self.stage == 0:
-                span = slice(u.start, u.start + u.padded)
-                out.append((self.grad_full[span], span, span))
-            elif self.stage == 1:
-                out.append((self.grad_full[self._mine(u)], self._mine(u), self._shard_slice(u)))
-            else:
-                out.append((self.grad_shard[self._shard_slice(u)], self._mine(u), self._shard_slice(u)))
-        return out
 
     def global_norm(self) -> float:
         """Norm of the whole model's gradient: each value counted once across the mesh."""
         self.wait()
-        views = self._grad_views()
         if self._norm_runs is None:
-            self._norm_runs = [_true_runs(self.counted[opt_slice]) for _, _, opt_slice in views]
+            self._norm_runs = {k: _true_runs(self.counted[s]) for k, s in self.state_slices.items()}
         total = 0.0
-        for (g, _, _), runs in zip(views, self._norm_runs):
+        for key, runs in self._norm_runs.items():
+            g = self.sync.grad(key)
             for a, b in runs:  # a few contiguous runs per unit: no masked copy of g
                 total += float(np.dot(g[a:b], g[a:b]))
         axes = [a for a in ("pp", "tp") if self.mesh.shape[a] > 1]
-        if self.stage >= 1 and self.dp > 1:
-            axes.append("dp")
+        if self.sync.sharded and self.layout.dp > 1:
+            axes.append("dp")  # each dp rank holds a different shard of the gradient
         if axes:
             total = psum_scalar(total, self.mesh, tuple(axes))
         return math.sqrt(total)
@@ -256,105 +139,81 @@ class ZeroOptimizer:
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """AdamW on this rank's part of the state, then share updated parameters if sharded."""
         self.wait()
-        t = self.opt.step
-        for g, full_slice, opt_slice in self._grad_views():
+        t = self.adam.step
+        for key, s in self.state_slices.items():
+            g = self.sync.grad(key)
             if grad_scale != 1.0:
                 g *= grad_scale
-            if self.stage == 3:
-                p = self.param_shard[opt_slice]
-            else:
-                p = self.flat[full_slice]
-            state = AdamWState(self.opt.m[opt_slice], self.opt.v[opt_slice], t)
-            adamw_step(p, g, state, lr, self.adamw, self.decay[opt_slice], self.scratch[opt_slice])
-        self.opt.step = t + 1
-        if self.stage in (1, 2):
-            for u in self.units.values():
-                all_gather_inplace(self.flat[u.start : u.start + u.padded], self.mesh, "dp")
+            state = AdamWState(self.adam.m[s], self.adam.v[s], t)
+            adamw_step(self.residency.update_view(key), g, state, lr, self.adamw, self.decay[s], self.scratch[s])
+        self.adam.step = t + 1
+        self.residency.after_step()
 
-    # ------------------------------------------------------------------ inspection
+    # ------------------------------------------------------------------ inspection and checkpoints
 
-    def local_params(self) -> GPT:
-        """This rank's tp/pp-local parameter tree (gathered over dp for stage 3)."""
-        if self.stage < 3:
-            return join_units(self.views)
-        trees = {}
-        for name in self.units:
-            trees[name] = tree_map(np.copy, self.get(name))
-            self.release(name)
-        return join_units(trees)
+    def local_params(self) -> dict[K, Tree]:
+        """This rank's tp/pp-local parameter trees by unit (gathered over dp for stage 3)."""
+        return self.residency.local_trees()
 
-    def _full_layout(self, flat_or_shard: np.ndarray, sharded: bool) -> np.ndarray:
-        """A full-layout copy of a buffer, gathered over dp when it is sharded."""
-        if not sharded:
-            return flat_or_shard.copy()
-        full = np.zeros(self.total, dtype=flat_or_shard.dtype)
-        for u in self.units.values():
-            full[self._mine(u)] = flat_or_shard[self._shard_slice(u)]
-            all_gather_inplace(full[u.start : u.start + u.padded], self.mesh, "dp")
-        return full
+    def _trees(self, buffer: np.ndarray, sharded: bool) -> dict[K, Tree]:
+        """Unit trees of a full-layout copy of `buffer`, gathered over dp when it is sharded."""
+        full = gather_full(self.layout, buffer, self.mesh) if sharded else buffer.copy()
+        return self.layout.unflatten(full)
 
-    def _trees(self, full: np.ndarray) -> GPT:
-        return join_units({n: unflatten(full[u.start : u.start + u.size], u.template) for n, u in self.units.items()})
-
-    def state_trees(self) -> dict[str, GPT]:
-        """Parameters and both AdamW moments as trees of this rank's tp-local leaves,
-        whole over dp (a collective over dp when the stage shards them)."""
-        params = self.flat if self.stage < 3 else self.param_shard
+    def _state_buffers(self) -> dict[str, tuple[np.ndarray, bool]]:
+        """(buffer, whether it is this rank's shard buffer) of the parameters and moments."""
         return {
-            "params": self._trees(self._full_layout(params, self.stage == 3)),
-            "m": self._trees(self._full_layout(self.opt.m, self.stage >= 1)),
-            "v": self._trees(self._full_layout(self.opt.v, self.stage >= 1)),
+            "params": (self.residency.buffer, self.residency.sharded),
+            "m": (self.adam.m, self.sync.sharded),
+            "v": (self.adam.v, self.sync.sharded),
         }
 
-    def load_state_trees(self, trees: dict[str, GPT], step: int) -> None:
-        """Set parameters, moments and step count from tp-local trees (as `state_trees` gives)."""
-        for key in ("params", "m", "v"):
-            full = np.zeros(self.total, dtype=self.opt.m.dtype)
-            units = split_units(trees[key])
-            for name, u in self.units.items():
-                flatten(units[name], out=full[u.start : u.start + u.size])
-            sharded = self.stage == 3 if key == "params" else self.stage >= 1
-            target = {"params": self.flat if self.stage < 3 else self.param_shard, "m": self.opt.m, "v": self.opt.v}[key]
-            target[...] = self._take_shard(full) if sharded else full
-        self.opt.step = step
+    def state_trees(self) -> dict[str, dict[K, Tree]]:
+        """{"params", "m", "v"} -> {unit: tree of this rank's tp-local leaves}, whole over
+        dp (a collective over dp when the stage shards them)."""
+        return {name: self._trees(buf, sharded) for name, (buf, sharded) in self._state_buffers().items()}
+
+    def load_state_trees(self, trees: Mapping[str, Mapping[K, Tree]], step: int) -> None:
+        """Set parameters, moments and the AdamW step count from trees as `state_trees` gives."""
+        for name, (target, sharded) in self._state_buffers().items():
+            full = self.layout.flatten(trees[name], self.adam.m.dtype)
+            target[...] = self.layout.take_shard(full) if sharded else full
+        self.adam.step = step
 
     def memory(self) -> dict[str, int]:
         """Bytes of the buffers this rank holds between steps: parameters, gradients and
         optimiser state (the ZeRO paper's three), and the workspace beside them (AdamW's
         scratch, one optimiser-state shard; the weight-decay and norm masks, a byte per value each)."""
-        params = self.flat.nbytes if self.stage < 3 else self.param_shard.nbytes
-        grads = self.grad_full.nbytes if self.grad_full is not None else self.grad_shard.nbytes
         return {
-            "params": params,
-            "grads": grads,
-            "optimizer": self.opt.m.nbytes + self.opt.v.nbytes,
+            "params": self.residency.buffer.nbytes,
+            "grads": self.sync.nbytes,
+            "optimizer": self.adam.m.nbytes + self.adam.v.nbytes,
             "workspace": self.scratch.nbytes + self.decay.nbytes + self.counted.nbytes,
         }
+
+    # ------------------------------------------------------------------ replica check
 
     def check_replicas(self) -> None:
         """Raise ReplicaError if copies that must be identical differ (over dp, and over tp
         for tp-replicated leaves). Cheap: two checksums per unit, one all-reduce."""
-        sums = []
-        for name, u in self.units.items():
-            x = self.flat[u.start : u.start + u.size] if self.stage < 3 else self.param_shard[self._shard_slice(u)]
-            sums.append(_checksums(x))
-        local = np.concatenate(sums)
-        axes = ["dp"] if self.stage < 3 else []
-        self._compare(local, axes, list(self.units))
-        # tp-replicated leaves must also agree across tp
+        local = np.concatenate([_checksums(self.residency.held(k)) for k in self.layout.units])
+        self._compare(local, [] if self.residency.sharded else ["dp"], [str(k) for k in self.layout.units])
         if self.mesh.shape["tp"] > 1:
-            leaves = []
-            for name in self.units:
-                tree = self.get(name)
-                spec_tree = split_units(self.specs)[name]
-                leaves += [
-                    _checksums(x.reshape(-1))
-                    for x, s in zip(tree_leaves(tree), tree_leaves(spec_tree))
-                    if "tp" not in s.axes()
-                ]
-                self.release(name)
-            if leaves:
-                self._compare(np.concatenate(leaves), ["tp"], ["tp-replicated leaves"])
+            self._check_tp_replicated()
+
+    def _check_tp_replicated(self) -> None:
+        """Leaves a spec does not split over tp must also agree across tp."""
+        leaves = []
+        for key in self.layout.units:
+            tree = self.get(key)
+            leaves += [
+                _checksums(x.reshape(-1))
+                for x, s in zip(tree_leaves(tree), tree_leaves(self.specs[key]))
+                if "tp" not in s.axes()
+            ]
+            self.release(key)
+        if leaves:
+            self._compare(np.concatenate(leaves), ["tp"], ["tp-replicated leaves"])
 
     def _compare(self, local: np.ndarray, axes: list[str], names: list[str]) -> None:
         if not axes or self.mesh.size(tuple(axes)) == 1:
@@ -374,11 +233,6 @@ def _true_runs(mask: np.ndarray) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
 
-def _placeholder(x: np.ndarray) -> np.ndarray:
-    """An array of `x`'s shape and dtype that holds no memory (every element one value)."""
-    return np.broadcast_to(np.zeros((), dtype=x.dtype), x.shape)
-
-
 def _checksums(x: np.ndarray) -> np.ndarray:
     """Sum and a position-weighted sum, in float64, so a permutation also shows."""
     x = x.astype(np.float64, copy=False)
@@ -394,4 +248,3 @@ def memory_formula(psi: int, dp: int, stage: int, itemsize: int = 4) -> dict[str
         "grads": k * psi / (dp if stage >= 2 else 1),
         "optimizer": 2 * k * psi / (dp if stage >= 1 else 1),
     }
-
