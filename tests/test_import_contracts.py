@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def contract_ids() -> list[str]:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    return [c["id"] for c in config["tool"]["importlinter"]["contracts"]]
+    return [c.get("id", "(no id)") for c in config["tool"]["importlinter"]["contracts"]]
 
 
 def lint_imports() -> str | None:
