@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,25 +28,12 @@ from pathlib import Path
 import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 from mpi4py import MPI
 
-from numesh import data as D
 from numesh.mesh import parse_mesh
 from numesh.runtime import configure_process
 from numesh.train import Trainer, config_from
 
-PRESETS = {
-    "default": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12),
-    "baby": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=12),
-}
-
-
-def ensure_data(path: str | None, src: str, comm: MPI.Comm) -> str:
-    if path and (Path(path) / "meta.json").is_file():
-        return path
-    out = None
-    if comm.rank == 0:
-        out = tempfile.mkdtemp(prefix="numesh-bench-")
-        D.prepare_char_dataset(D.read_source(src), out)
-    return comm.bcast(out, root=0)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
 
 
 def time_steps(overrides: dict, comm: MPI.Comm, warmup: int, iters: int) -> dict:
@@ -77,13 +65,17 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--data", default=None)
-    ap.add_argument("--src", default="../shared/data/tinyshakespeare.txt")
+    ap.add_argument("--src", default=DEFAULT_SRC)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     world = MPI.COMM_WORLD
     configure_process(threads=1)
-    data = ensure_data(args.data, args.src, world)
+    with dataset_dir(args.data, args.src, world) as data:
+        run(args, world, data)
+
+
+def run(args: argparse.Namespace, world: MPI.Comm, data: str) -> None:
     base = dict(PRESETS[args.preset], data=data, out=tempfile.gettempdir() + "/numesh-bench-run")
 
     rows = []

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,11 +46,13 @@ from pathlib import Path
 import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 from mpi4py import MPI
 
-from numesh import data as D
 from numesh.mesh import parse_mesh
 from numesh.pipeline.schedules import bubble_fraction, peak_activations, simulate
 from numesh.runtime import configure_process, guarded
 from numesh.train import Trainer, config_from, validate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_SRC, dataset_dir  # noqa: E402
 
 PRESETS = {
     # nanoGPT's Shakespeare-char CPU quick start, with a batch that 8 micro-batches divide
@@ -61,17 +63,6 @@ PRESETS = {
     "tiny": dict(n_layer=4, n_head=2, n_embd=32, block_size=16, batch_size=8),
 }
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-
-
-def ensure_data(path: str | None, src: str, comm: MPI.Comm) -> tuple[str, bool]:
-    """(dataset directory, whether this made a temporary one that the caller removes)."""
-    if path and (Path(path) / "meta.json").is_file():
-        return path, False
-    out = None
-    if comm.rank == 0:
-        out = tempfile.mkdtemp(prefix="numesh-bench-")
-        D.prepare_char_dataset(D.read_source(src), out)
-    return comm.bcast(out, root=0), True
 
 
 def time_reference(overrides: dict, warmup: int, iters: int) -> dict:
@@ -173,7 +164,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-reference", action="store_true", help="skip the 1-rank reference run")
     ap.add_argument("--data", default=None, help="a dataset directory written by `numesh data` (default: build one)")
-    ap.add_argument("--src", default="../shared/data/tinyshakespeare.txt")
+    ap.add_argument("--src", default=DEFAULT_SRC)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -181,12 +172,8 @@ def main() -> None:
     configure_process(threads=1)
     mesh = args.mesh or f"pp={world.size}"
     shape = parse_mesh(mesh, world.size)
-    data, made = ensure_data(args.data, args.src, world)
-    run(args, world, mesh, shape, data)
-    if made:  # not on an error: a collective here could then hang; guarded() aborts instead
-        world.Barrier()
-        if world.rank == 0:
-            shutil.rmtree(data, ignore_errors=True)
+    with dataset_dir(args.data, args.src, world) as data:  # a temporary one is kept on an error: guarded() aborts
+        run(args, world, mesh, shape, data)
 
 
 def run(args: argparse.Namespace, world: MPI.Comm, mesh: str, shape: dict, data: str) -> None:

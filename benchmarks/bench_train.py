@@ -26,6 +26,7 @@ shared machine, a row with "other cpu" well above 0 is not a clean measurement.
 `--same-init` loads numesh's initial weights into the torch model: with the same batches
 the two loss curves must then agree to float32 rounding (a check that the models match).
 
+The torch model is numesh.testing.torch_nanogpt, the reference nanoGPT the tests use too.
 torch is not a dependency of numesh: it is imported only when the comparison runs.
 This is a benchmark script, not a test: it reports numbers and asserts nothing.
 """
@@ -33,14 +34,11 @@ This is a benchmark script, not a test: it reports numbers and asserts nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -48,18 +46,12 @@ from typing import Any
 import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 import numpy as np
 
-DEFAULT_SRC = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt")  # ../shared beside the repo
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
+from numesh.runtime import keep_freed_memory  # noqa: E402
+
 TORCH_PIN = "torch==2.13.0"
 TORCH_WHEEL_DIR = "/opt/wheels"
-
-# Model and batch of each preset (the optimiser hyper-parameters are TrainConfig's defaults,
-# which are nanoGPT's Shakespeare-char ones: lr 1e-3, betas (0.9, 0.99), wd 0.1, clip 1.0).
-PRESETS: dict[str, dict[str, Any]] = {
-    # nanoGPT's "I only have a macbook" Shakespeare-char quick start
-    "default": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12),
-    # nanoGPT's train_shakespeare_char.py ("baby GPT")
-    "baby": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=12),
-}
 
 
 def log(msg: str) -> None:
@@ -77,23 +69,6 @@ def preset_config(preset: str, batch_size: int | None = None, block_size: int | 
     if block_size is not None:
         cfg["block_size"] = block_size
     return cfg
-
-
-@contextlib.contextmanager
-def dataset_dir(data: str | None, src: str):
-    """Yield a dataset directory: `data` if it holds a prepared dataset, else a temporary one
-    prepared from the text file `src` (removed afterwards)."""
-    if data is not None and (Path(data) / "meta.json").is_file():
-        yield str(data)
-        return
-    from numesh.data import prepare_char_dataset, read_source
-
-    if data is not None:
-        log(f"note: no dataset at {data}; preparing a temporary one from {src}")
-    with tempfile.TemporaryDirectory(prefix="numesh-bench-") as tmp:
-        info = prepare_char_dataset(read_source(src), tmp)
-        log(f"prepared {info['train_tokens']:,} train tokens (vocab {info['vocab_size']}) in {tmp}")
-        yield tmp
 
 
 def make_trainer(model_cfg: dict[str, Any], data: str, dtype: str = "float32", seed: int = 1337):
@@ -160,26 +135,6 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def keep_freed_memory() -> bool:
-    """What `numesh train` does before training (numesh.runtime.configure_process): ask glibc
-    to keep freed blocks for reuse, so numpy's per-op temporaries reuse mapped pages instead
-    of page-faulting fresh ones every step. Process-wide, so torch runs under it too.
-    Returns False where unavailable (not glibc)."""
-    try:
-        from numesh.runtime import keep_freed_memory as numesh_keep
-    except ImportError:  # an older numesh: the same two mallopt calls
-        import ctypes
-        import ctypes.util
-
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            m_trim_threshold, m_mmap_threshold = -1, -3
-            return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
-        except (OSError, AttributeError):
-            return False
-    return numesh_keep()
-
-
 def summarize(times_s: list[float], tokens_per_iter: int) -> dict[str, float]:
     ms = [t * 1e3 for t in times_s]
     med = statistics.median(ms)
@@ -225,7 +180,7 @@ def run_numesh(trainer, warmup: int, iters: int) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------
-# PyTorch eager: a compact nanoGPT-equivalent model
+# PyTorch eager: the reference nanoGPT of numesh.testing.torch_nanogpt
 
 
 def import_torch():
@@ -242,91 +197,20 @@ def import_torch():
     return torch
 
 
-def build_torch_gpt(torch, vocab_size: int, n_layer: int, n_head: int, n_embd: int, block_size: int,
-                    attention: str = "sdpa"):
-    nn, F = torch.nn, torch.nn.functional
-
-    class SelfAttention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=False)
-            self.c_proj = nn.Linear(n_embd, n_embd, bias=False)
-            if attention == "manual":
-                self.register_buffer("mask", torch.ones(block_size, block_size, dtype=torch.bool).tril(), persistent=False)
-
-        def forward(self, x):
-            B, T, C = x.shape
-            q, k, v = self.c_attn(x).split(n_embd, dim=2)
-            q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in (q, k, v))
-            if attention == "sdpa":
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:
-                att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-                att = att.masked_fill(~self.mask[:T, :T], float("-inf")).softmax(dim=-1)
-                y = att @ v
-            return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=False)
-            self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=False)
-
-        def forward(self, x):
-            return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln_1 = nn.LayerNorm(n_embd, eps=1e-5, bias=False)
-            self.attn = SelfAttention()
-            self.ln_2 = nn.LayerNorm(n_embd, eps=1e-5, bias=False)
-            self.mlp = MLP()
-
-        def forward(self, x):
-            x = x + self.attn(self.ln_1(x))
-            return x + self.mlp(self.ln_2(x))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte = nn.Embedding(vocab_size, n_embd)
-            self.wpe = nn.Embedding(block_size, n_embd)
-            self.h = nn.ModuleList(Block() for _ in range(n_layer))
-            self.ln_f = nn.LayerNorm(n_embd, eps=1e-5, bias=False)
-            self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-            self.lm_head.weight = self.wte.weight  # tied
-            for m in self.modules():
-                if isinstance(m, (nn.Linear, nn.Embedding)):
-                    nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            for name, p in self.named_parameters():
-                if name.endswith("c_proj.weight"):  # residual projections
-                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
-
-        def forward(self, idx, targets):
-            T = idx.shape[1]
-            x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
-            for block in self.h:
-                x = block(x)
-            logits = self.lm_head(self.ln_f(x))
-            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-
-    return GPT()
-
-
 def copy_numesh_params(torch, model, params) -> None:
     """Load numesh's (tp=1) parameter tree into the torch model (for a loss-parity check)."""
-    dtype = model.wte.weight.dtype
+    tr = model.transformer
+    dtype = tr.wte.weight.dtype
 
     def t(a):
         return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
 
     with torch.no_grad():
-        V = model.wte.weight.shape[0]
-        model.wte.weight.copy_(t(params.wte[:V]))
-        model.wpe.weight.copy_(t(params.wpe))
-        model.ln_f.weight.copy_(t(params.ln_f.w))
-        for blk, p in zip(model.h, params.blocks):
+        V = tr.wte.weight.shape[0]
+        tr.wte.weight.copy_(t(params.wte[:V]))
+        tr.wpe.weight.copy_(t(params.wpe))
+        tr.ln_f.weight.copy_(t(params.ln_f.w))
+        for blk, p in zip(tr.h, params.blocks):
             C = p.attn.qkv.w.shape[0]
             blk.ln_1.weight.copy_(t(p.ln1.w))
             blk.ln_2.weight.copy_(t(p.ln2.w))
@@ -341,9 +225,10 @@ def torch_trainer(torch, tc, vocab_size: int, train_data, attention: str, optim_
     it on numesh's batch i with TrainConfig `tc`'s hyper-parameters, as nanoGPT does."""
     from numesh import data as D
     from numesh.optim import cosine_lr
+    from numesh.testing.torch_nanogpt import nanogpt
 
     torch.manual_seed(tc.seed)
-    model = build_torch_gpt(torch, vocab_size, tc.n_layer, tc.n_head, tc.n_embd, tc.block_size, attention)
+    model = nanogpt(vocab_size, tc.n_layer, tc.n_head, tc.n_embd, tc.block_size, bias=False, attention=attention)
     if init_params is not None:
         copy_numesh_params(torch, model, init_params)
     model.train()
@@ -491,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = [round(x, 2) for x in os.getloadavg()]
     report: dict[str, Any] = {"env": env_info(threads), "load_before": load_before, "keep_freed_memory": kept}
     results: dict[str, Any] = {}
-    with dataset_dir(args.data, args.src) as data:
+    with dataset_dir(args.data, args.src, log=log) as data:
         trainer = make_trainer(model_cfg, data, args.dtype, args.seed)
         init_params = None
         if args.same_init:

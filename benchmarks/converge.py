@@ -3,9 +3,10 @@
     python benchmarks/converge.py [--iters 2000] [--eval-batches 400] [--same-init]
 
 Runs `numesh train`'s default config (nanoGPT's CPU quick start) on one process, then the
-PyTorch model of bench_train.py with the same hyper-parameters on the same batches, and
-evaluates both on the same `--eval-batches` val and train batches (more than training's 20,
-so the comparison is not within the noise of the eval sample). `--same-init` also starts
+PyTorch nanoGPT (numesh.testing.torch_nanogpt, trained as bench_train.py trains it) with the
+same hyper-parameters on the same batches, and evaluates both on the same `--eval-batches`
+val and train batches (more than training's 20, so the comparison is not within the noise
+of the eval sample). `--same-init` also starts
 torch from numesh's initial weights. A benchmark script: it prints numbers, asserts nothing.
 """
 
@@ -20,7 +21,8 @@ import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import DEFAULT_SRC, dataset_dir, import_torch, log, torch_trainer  # noqa: E402
+from bench_train import import_torch, log, torch_trainer  # noqa: E402
+from common import DEFAULT_SRC, dataset_dir  # noqa: E402
 
 
 def eval_batches(data: np.ndarray, seed: int, split: str, n: int, batch: int, block: int) -> list:
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = set_blas_threads(args.threads)
     keep_freed_memory()
     torch = import_torch()
-    with dataset_dir(args.data, args.src) as data:
+    with dataset_dir(args.data, args.src, log=log) as data:
         cfg = config_from({"data": data, "max_iters": args.iters, "out": "/dev/null/unused"})
         print(f"config: numesh train defaults, {args.iters} steps, threads={threads}, "
               f"final eval on {args.eval_batches} batches per split")

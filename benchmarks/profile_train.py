@@ -39,7 +39,9 @@ import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import DEFAULT_SRC, PRESETS, CpuMonitor, dataset_dir, keep_freed_memory, make_trainer, preset_config  # noqa: E402
+from bench_train import CpuMonitor, log, make_trainer, preset_config  # noqa: E402
+from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
+from numesh.runtime import keep_freed_memory  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = set_blas_threads(args.threads)
     kept = keep_freed_memory() if args.malloc == "keep" else False
     model_cfg = preset_config(args.preset, args.batch_size, args.block_size)
-    with dataset_dir(args.data, args.src) as data:
+    with dataset_dir(args.data, args.src, log=log) as data:
         tr = make_trainer(model_cfg, data, args.dtype)
         print(f"config: preset={args.preset} {model_cfg} dtype={args.dtype} threads={threads} "
               f"steps={args.steps} (+{args.warmup} warmup) malloc={'keep freed memory' if kept else 'glibc defaults'}")

@@ -1,7 +1,8 @@
 """Shared helpers for the numesh test suite.
 
-Single process:  pytest -q -p no:cacheprovider
-MPI (N ranks):   mpirun -n N python -m mpi4py -m pytest --with-mpi -p no:cacheprovider -q tests/
+Everything:      pytest   (the single-process tests, then test_mpi_suite[n=2|4|8] launches
+                 the MPI suite below as a subprocess: tests/test_mpi_suites.py)
+MPI (N ranks):   mpirun -n N python -m mpi4py -m pytest --with-mpi -m mpi -p no:cacheprovider -q
 
 Under mpirun with more than one rank only the tests marked `@pytest.mark.mpi` run (the
 others are skipped here: they are single-process tests that the plain `pytest` run covers,

@@ -435,92 +435,19 @@ def numesh_logits(params: Any, model: Any, idx: np.ndarray) -> np.ndarray:
     return xf @ p.wte.T
 
 
-def torch_gpt(model: Any):
-    """nanoGPT's architecture (GELU in GPT-2's tanh form, as numesh uses), written here."""
-    import torch
-    from torch import nn
-    from torch.nn import functional as F
-
-    class LayerNorm(nn.Module):
-        def __init__(self, n: int, bias: bool):
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(n))
-            self.bias = nn.Parameter(torch.zeros(n)) if bias else None
-
-        def forward(self, x):
-            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
-
-    class CausalSelfAttention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            C = model.n_embd
-            self.c_attn = nn.Linear(C, 3 * C, bias=model.bias)
-            self.c_proj = nn.Linear(C, C, bias=model.bias)
-
-        def forward(self, x):
-            B, T, C = x.size()
-            nh = model.n_head
-            q, k, v = self.c_attn(x).split(C, dim=2)
-            q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            C = model.n_embd
-            self.c_fc = nn.Linear(C, 4 * C, bias=model.bias)
-            self.gelu = nn.GELU(approximate="tanh")
-            self.c_proj = nn.Linear(4 * C, C, bias=model.bias)
-
-        def forward(self, x):
-            return self.c_proj(self.gelu(self.c_fc(x)))
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln_1 = LayerNorm(model.n_embd, model.bias)
-            self.attn = CausalSelfAttention()
-            self.ln_2 = LayerNorm(model.n_embd, model.bias)
-            self.mlp = MLP()
-
-        def forward(self, x):
-            x = x + self.attn(self.ln_1(x))
-            return x + self.mlp(self.ln_2(x))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.transformer = nn.ModuleDict(dict(
-                wte=nn.Embedding(model.vocab_size, model.n_embd),
-                wpe=nn.Embedding(model.block_size, model.n_embd),
-                h=nn.ModuleList([Block() for _ in range(model.n_layer)]),
-                ln_f=LayerNorm(model.n_embd, model.bias),
-            ))
-            self.lm_head = nn.Linear(model.n_embd, model.vocab_size, bias=False)
-            self.transformer.wte.weight = self.lm_head.weight  # tied
-
-        def forward(self, idx):
-            pos = torch.arange(idx.shape[1])
-            x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-            for block in self.transformer.h:
-                x = block(x)
-            return self.lm_head(self.transformer.ln_f(x))
-
-    return GPT()
-
-
 @pytest.mark.parametrize("bias", [True, False])
 def test_export_loads_into_pytorch_nanogpt(data: Path, tmp_path: Path, bias: bool) -> None:
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file
+
+    from numesh.testing.torch_nanogpt import from_config
 
     out = tmp_path / "run"
     train(config(data, out, max_iters=2, bias=bias, dtype="float32"), MPI.COMM_SELF)
     f = export_nanogpt(out / "ckpt" / "latest", tmp_path / "model.safetensors")
     model, _, params = read_global_params(out / "ckpt" / "latest")
 
-    net = torch_gpt(model)
+    net = from_config(model)
     net.load_state_dict(load_file(str(f)), strict=True)
     idx = np.random.default_rng(0).integers(0, model.vocab_size, size=(3, model.block_size))
     with torch.no_grad():
