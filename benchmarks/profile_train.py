@@ -7,8 +7,8 @@ Three views of the same single-process training run (see bench_train.py for pres
   1. cProfile over `--steps` Trainer.train_step() calls: the top functions by tottime.
      numpy operators (`a @ b`, `x * y`, ufuncs) are not separate entries: their time is
      the tottime of the Python function that executes them.
-  2. Phases, timed directly: Trainer.train_step() runs unchanged while numesh.nn.gpt's
-     embed_fwd/block_fwd/head_fwd (forward), head_bwd/block_bwd/embed_bwd (backward),
+  2. Phases, timed directly: Trainer.train_step() runs unchanged while numesh.nn.transformer's
+     embed_fwd/block_fwd/head_fwd (forward), head_bwd/block_bwd_input/block_bwd_weight/embed_bwd (backward),
      numesh.optim's adamw_step and the Trainer's optimiser step (optimizer), and the batch
      draw, gradient hand-off and global norm (other) are wrapped in timers, wherever a
      numesh module holds them (only in this process; no file is changed). Whatever is left
@@ -18,7 +18,7 @@ Three views of the same single-process training run (see bench_train.py for pres
      embedding, cross-entropy, flatten) are timed too, matmuls keyed by weight shape, and
      every wrapped function is reported by exclusive time, so the phase functions' own
      rows are their glue: the reshapes, transposes, residual adds and head matmuls written
-     inline in block_fwd/block_bwd/head_fwd/head_bwd.
+     inline in block_fwd/block_bwd_input/block_bwd_weight/head_fwd/head_bwd.
 """
 
 from __future__ import annotations
@@ -47,16 +47,16 @@ from numesh.runtime import keep_freed_memory  # noqa: E402
 # --------------------------------------------------------------------------------------
 # timers around numesh's own functions, while Trainer.train_step() runs unchanged
 
-# function name -> phase. Forward/backward are numesh.nn.gpt's pieces of the model; the
+# function name -> phase. Forward/backward are numesh.nn.transformer's pieces of the model; the
 # optimizer is AdamW (and the optimiser object's step around it, if the Trainer has one).
 PHASE_FUNCS = {
     "embed_fwd": "forward", "block_fwd": "forward", "head_fwd": "forward",
-    "head_bwd": "backward", "block_bwd": "backward", "embed_bwd": "backward",
+    "head_bwd": "backward", "block_bwd_input": "backward", "block_bwd_weight": "backward", "embed_bwd": "backward",
     "adamw_step": "optimizer",
     "local_batch": "other", "global_norm": "other", "clip_scale": "other",
 }
 # methods of Trainer.opt (the ZeRO optimiser) -> phase
-PHASE_METHODS = {"step": "optimizer", "global_norm": "other", "grads_ready": "other", "begin_micro": "other", "wait": "other"}
+PHASE_METHODS = {"step": "optimizer", "global_norm": "other", "grads_ready": "other", "begin_step": "other", "wait": "other"}
 # the layer functions inside the blocks (numesh.nn.layers / numesh.nn.parallel)
 OP_FUNCS = (
     "layernorm_fwd", "layernorm_bwd", "linear_fwd", "linear_bwd_input", "linear_bwd_weight",
