@@ -15,6 +15,9 @@ from typing import Callable, TypeVar
 
 import numpy as np
 from mpi4py import MPI
+from threadpoolctl import threadpool_limits
+
+from numesh.threads import set_threads
 
 T = TypeVar("T")
 
@@ -36,8 +39,6 @@ def set_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None) -
 
     An explicit `threads`, or OMP/OPENBLAS_NUM_THREADS in the environment, wins."""
     global _LIMITER
-    from threadpoolctl import threadpool_limits
-
     if threads is None:
         for var in _THREAD_ENV:
             if os.environ.get(var, "").isdigit():
@@ -46,8 +47,6 @@ def set_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None) -
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // ranks_per_node(comm))
     _LIMITER = threadpool_limits(limits=threads, user_api="blas")
-    from numesh.threads import set_threads
-
     return set_threads(threads)  # the same cores serve numpy's non-BLAS work
 
 
