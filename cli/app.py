@@ -238,6 +238,22 @@ def export_cmd(
     _run(go)
 
 
+@app.command("plot")
+def plot_cmd(
+    runs: list[Path] = typer.Argument(..., help="run directories (each a `numesh train --out`, holding metrics.jsonl)"),
+    out: Path = typer.Option(Path("plot.png"), help="output file, .png or .svg"),
+) -> None:
+    """Plot train/val loss and tokens/s against steps for one or more runs, on one figure."""
+
+    def go() -> None:
+        from numesh.plot import plot_runs
+
+        path, _ = plot_runs(runs, out)
+        print(path)
+
+    _run(go)
+
+
 def main() -> None:
     app()
 
