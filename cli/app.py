@@ -39,22 +39,51 @@ def _run(fn):
     return guarded(fn, USER_ERRORS)
 
 
+def _wrote(summary: dict, out: Path) -> None:
+    print(
+        f"wrote {summary['out_dir']}: vocab {summary['vocab_size']}, "
+        f"{summary['train_tokens']:,} train / {summary['val_tokens']:,} val tokens; "
+        f"train on it with `numesh train --data {out}`",
+        file=sys.stderr,
+    )
+
+
 @data_app.command("shakespeare-char")
 def data_shakespeare_char(
     src: Optional[Path] = typer.Option(None, help="tiny Shakespeare input.txt; downloaded (sha256-checked) if omitted"),
     out: Path = typer.Option(Path("data/shakespeare_char"), help="output directory"),
 ) -> None:
-    """Character-level tiny Shakespeare: train.bin / val.bin (uint16, 90/10) and meta.json."""
+    """Character-level tiny Shakespeare: train.bin / val.bin (uint16, 90/10) and meta.json.
+
+    Without --src the download is cached as OUT/input.txt, so running this again is offline."""
+    from numesh import data as D
+    from numesh_cli.dataset import download_bar
+
+    def go() -> None:
+        if src is not None:
+            text = D.read_source(src)
+            corpus = D.file_corpus(src, text)
+        else:
+            with download_bar("tiny Shakespeare") as progress:
+                text, _ = D.shakespeare_text(out, progress)
+            corpus = D.shakespeare_corpus(text)
+        _wrote(D.prepare_char_dataset(text, out, corpus), out)
+
+    _run(go)
+
+
+@data_app.command("char")
+def data_char(
+    src: Path = typer.Option(..., help="any UTF-8 text file"),
+    out: Optional[Path] = typer.Option(None, help="output directory (default: data/<name of SRC without suffix>)"),
+) -> None:
+    """Character-level dataset from any text file: train.bin / val.bin (uint16, 90/10) and meta.json."""
     from numesh import data as D
 
     def go() -> None:
         text = D.read_source(src)
-        summary = D.prepare_char_dataset(text, out)
-        print(
-            f"wrote {summary['out_dir']}: vocab {summary['vocab_size']}, "
-            f"{summary['train_tokens']:,} train / {summary['val_tokens']:,} val tokens",
-            file=sys.stderr,
-        )
+        dest = out if out is not None else Path("data") / src.stem
+        _wrote(D.prepare_char_dataset(text, dest, D.file_corpus(src, text)), dest)
 
     _run(go)
 
@@ -102,9 +131,11 @@ def train_cmd(**options: Any) -> None:
     def go() -> None:
         from numesh.runtime import configure_process, log
         from numesh.train import config_from, train
+        from numesh_cli.dataset import ensure_run_dataset
 
         configure_process()
         cfg = config_from({k: v for k, v in options.items() if k != "config"}, options.get("config"))
+        ensure_run_dataset(cfg.data)  # the default dataset is prepared on rank 0 if missing (download or offline fallback)
         with _Progress(cfg.max_iters) as progress:
             result = train(cfg, on_step=progress.update)
         val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
@@ -220,6 +251,22 @@ def export_cmd(
         from numesh.checkpoint import export_nanogpt
 
         print(export_nanogpt(ckpt, out, dtype))
+
+    _run(go)
+
+
+@app.command("plot")
+def plot_cmd(
+    runs: list[Path] = typer.Argument(..., help="run directories (each a `numesh train --out`, holding metrics.jsonl)"),
+    out: Path = typer.Option(Path("plot.png"), help="output file, .png or .svg"),
+) -> None:
+    """Plot train/val loss and tokens/s against steps for one or more runs, on one figure."""
+
+    def go() -> None:
+        from numesh.plot import plot_runs
+
+        path, _ = plot_runs(runs, out)
+        print(path)
 
     _run(go)
 

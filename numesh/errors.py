@@ -32,6 +32,10 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be written or read, naming the file."""
 
 
+class PlotError(UserError):
+    """Runs that cannot be plotted (no metrics), a bad output file, or no matplotlib."""
+
+
 class ReplicaError(RuntimeError):
     """Copies of a parameter that should be identical differ between ranks."""
 

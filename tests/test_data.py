@@ -315,3 +315,230 @@ def test_local_batch_block_too_large(dataset: Path) -> None:
     data = load_split(dataset, "val")
     with pytest.raises(DataError, match="smaller --block-size"):
         local_batch(data, eval_key(0, "val", 0), 4, len(data), 0, 1, 1)
+
+
+# ---------------------------------------------------------------- text files, `numesh data char`
+
+
+def test_read_text_file_errors(tmp_path: Path) -> None:
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "nul.bin").write_bytes(b"abc\x00\x01\x02def")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError, match="empty.txt is empty"):
+        D.read_text_file(tmp_path / "empty.txt")
+    with pytest.raises(DataError, match="looks binary"):
+        D.read_text_file(tmp_path / "nul.bin")
+    with pytest.raises(DataError, match="not valid UTF-8"):
+        D.read_text_file(tmp_path / "latin1.txt")
+    with pytest.raises(DataError, match="does not exist"):
+        D.read_text_file(tmp_path / "missing.txt")
+    with pytest.raises(DataError, match="is a directory"):
+        D.read_text_file(tmp_path)
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from numesh_cli.app import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def _one_error_line(res) -> str:
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2, res.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    return lines[0]
+
+
+def test_cli_data_char_any_text_file(tmp_path: Path) -> None:
+    src = tmp_path / "my.txt"
+    src.write_text(SYNTH, encoding="utf-8")
+    res = _cli("data", "char", "--src", str(src), "--out", str(tmp_path / "my"))
+    assert res.exit_code == 0, res.output
+    _check_prepared(SYNTH, tmp_path / "my", {**json.loads((tmp_path / "my" / "meta.json").read_text()),
+                                             "out_dir": str(tmp_path / "my")})
+    corpus = D.read_corpus(tmp_path / "my")
+    assert corpus["name"] == "file" and corpus["source"] == str(src)
+    assert corpus["sha256"] == hashlib.sha256(SYNTH.encode()).hexdigest()
+    assert "numesh train --data" in res.stderr
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [(None, "does not exist"), (b"", "is empty"), (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "looks binary"),
+     (b"\xff\xfe\xfa", "not valid UTF-8")],
+)
+def test_cli_data_char_bad_source_is_one_line(tmp_path: Path, content: bytes | None, match: str) -> None:
+    src = tmp_path / "in.txt"
+    if content is not None:
+        src.write_bytes(content)
+    line = _one_error_line(_cli("data", "char", "--src", str(src), "--out", str(tmp_path / "o")))
+    assert match in line and str(src) in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_data_shakespeare_char_still_works(tmp_path: Path) -> None:
+    src = tmp_path / "input.txt"
+    src.write_text(SYNTH, encoding="utf-8")
+    res = _cli("data", "shakespeare-char", "--src", str(src), "--out", str(tmp_path / "sc"))
+    assert res.exit_code == 0, res.output
+    assert load_tokenizer(tmp_path / "sc").vocab_size == len(set(SYNTH))
+
+
+# ---------------------------------------------------------------- ensure_dataset
+
+
+@pytest.fixture
+def fake_net(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Work in an empty directory (so the default dataset dir is missing) with a fake network:
+    `fake_net.body` is served (None = offline); `fake_net.calls` counts downloads."""
+    monkeypatch.chdir(tmp_path)
+
+    class Net:
+        body: bytes | None = None
+        calls = 0
+
+    def urlopen(url, *a, **k):
+        Net.calls += 1
+        assert url == D.SHAKESPEARE_URL
+        if Net.body is None:
+            raise urllib.error.URLError("Name or service not known")
+        return _FakeResponse(Net.body)
+
+    monkeypatch.setattr(D.urllib.request, "urlopen", urlopen)
+    return Net
+
+
+def test_ensure_dataset_downloads_once_and_caches(fake_net, monkeypatch: pytest.MonkeyPatch) -> None:
+    body = SYNTH.encode("utf-8") * 50
+    fake_net.body = body
+    monkeypatch.setattr(D, "SHAKESPEARE_SHA256", hashlib.sha256(body).hexdigest())
+    seen: list[tuple[int, int]] = []
+    path, note = D.ensure_dataset(D.DEFAULT_DATA_DIR, progress=lambda d, t: seen.append((d, t)))
+    assert path == Path(D.DEFAULT_DATA_DIR) and fake_net.calls == 1
+    assert "downloaded tiny Shakespeare" in note and "\n" not in note
+    assert seen[-1] == (len(body), len(body))
+    assert (path / D.SHAKESPEARE_FILE).read_bytes() == body  # cached beside the dataset
+    assert D.read_corpus(path)["name"] == "tinyshakespeare"
+    assert load_tokenizer(path).decode(np.concatenate([load_split(path, "train"), load_split(path, "val")])) == body.decode()
+
+    # the next run finds the dataset: no download, nothing to say
+    assert D.ensure_dataset(D.DEFAULT_DATA_DIR) == (path, None)
+    # a lost dataset is rebuilt from the cached download, still without the network
+    (path / "meta.json").unlink()
+    fake_net.body = None
+    path2, note2 = D.ensure_dataset(D.DEFAULT_DATA_DIR)
+    assert fake_net.calls == 1 and note2.startswith("used ") and D.read_corpus(path2)["name"] == "tinyshakespeare"
+
+
+def test_ensure_dataset_rejects_wrong_checksum(fake_net) -> None:
+    fake_net.body = b"<html>captive portal</html>" * 100  # not tiny Shakespeare
+    path, note = D.ensure_dataset("./data/shakespeare_char/")  # the default location, however written
+    assert fake_net.calls == 1
+    assert not (path / D.SHAKESPEARE_FILE).exists()  # the bad bytes are neither cached nor used
+    assert "checksum" in note and note.startswith("offline")
+    assert D.read_corpus(path)["name"] == D.FALLBACK_NAME
+    text, _ = D.fallback_corpus()
+    assert load_tokenizer(path).decode(load_split(path, "train")) == text[: len(load_split(path, "train"))]
+
+
+def test_fallback_corpus_is_deterministic_and_trains_a_tokenizer() -> None:
+    a, meta_a = D.fallback_corpus()
+    b, meta_b = D.fallback_corpus()
+    assert a.encode("utf-8") == b.encode("utf-8") and meta_a == meta_b
+    assert 100_000 < len(a) <= D.FALLBACK_CHARS and a.endswith("\n")
+    assert meta_a["name"] == D.FALLBACK_NAME and meta_a["characters"] == len(a)
+    assert meta_a["sha256"] == hashlib.sha256(a.encode("utf-8")).hexdigest()
+    listed = [f for f in meta_a["files"] if f.split("/")[0].removesuffix(".py") in D.FALLBACK_MODULES]
+    assert listed and listed == sorted(listed) and meta_a["files"][: len(listed)] == listed
+    tok = CharTokenizer.from_text(a)
+    assert tok.vocab_size > 20 and tok.decode(tok.encode(a[:5000])) == a[:5000]
+
+
+def test_ensure_dataset_offline_falls_back_and_says_so(fake_net) -> None:
+    path, note = D.ensure_dataset(D.DEFAULT_DATA_DIR)
+    assert fake_net.calls == 1
+    assert note.startswith("offline:") and "\n" not in note
+    assert "Name or service not known" in note and "standard-library" in note
+    corpus = D.read_corpus(path)
+    text, want = D.fallback_corpus()
+    assert corpus == want
+    tok = load_tokenizer(path)
+    assert tok.vocab_size > 20
+    assert tok.decode(np.concatenate([load_split(path, "train"), load_split(path, "val")])) == text
+    # later runs do not try the network again, but keep saying what the data is
+    path2, note2 = D.ensure_dataset(D.DEFAULT_DATA_DIR)
+    assert fake_net.calls == 1 and path2 == path
+    assert "offline fallback corpus" in note2 and "numesh data shakespeare-char" in note2
+
+
+def test_ensure_dataset_user_named_missing_dir_errors(fake_net, tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    with pytest.raises(DataError, match=r"no dataset at .*mine: run `numesh data shakespeare-char --out"):
+        D.ensure_dataset(mine)
+    assert fake_net.calls == 0 and not mine.exists()
+
+
+def test_ensure_dataset_existing_user_dir_untouched(fake_net, dataset: Path) -> None:
+    assert D.ensure_dataset(dataset) == (dataset, None)
+    assert fake_net.calls == 0
+
+
+def test_cli_train_first_run_offline(fake_net, tmp_path: Path) -> None:
+    res = _cli("train", "--max-iters", "2", "--eval-iters", "1", "--eval-interval", "2", "--n-layer", "1",
+               "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4")
+    assert res.exit_code == 0, res.output
+    offline = [line for line in res.stderr.splitlines() if line.startswith("offline:")]
+    assert len(offline) == 1 and "fallback corpus" in offline[0]
+    assert (tmp_path / "runs" / "shakespeare_char" / "metrics.jsonl").is_file()
+    assert D.read_corpus(tmp_path / D.DEFAULT_DATA_DIR)["name"] == D.FALLBACK_NAME
+
+
+def test_cli_train_user_named_missing_data_is_one_line(fake_net, tmp_path: Path) -> None:
+    line = _one_error_line(_cli("train", "--data", str(tmp_path / "nope"), "--max-iters", "1"))
+    assert "no dataset at" in line and fake_net.calls == 0
+
+
+def test_cli_data_shakespeare_char_download_is_cached(fake_net, monkeypatch: pytest.MonkeyPatch) -> None:
+    body = SYNTH.encode("utf-8") * 50
+    fake_net.body = body
+    monkeypatch.setattr(D, "SHAKESPEARE_SHA256", hashlib.sha256(body).hexdigest())
+    for _ in range(2):
+        res = _cli("data", "shakespeare-char", "--out", "ds")
+        assert res.exit_code == 0, res.output
+    assert fake_net.calls == 1 and Path("ds/input.txt").read_bytes() == body
+    assert D.read_corpus("ds")["name"] == "tinyshakespeare"
+    fake_net.body = None  # offline, a dir without the cached download: the explicit command errors
+    line = _one_error_line(_cli("data", "shakespeare-char", "--out", "elsewhere"))
+    assert "failed" in line and "--src" in line
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mpi_ensure_run_dataset_same_outcome_on_every_rank(shared_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 alone prepares the default dataset (offline: the fallback); every rank gets it,
+    and rank 0's error is the same error on every rank (not a hang)."""
+    from mpi4py import MPI
+
+    from numesh_cli.dataset import ensure_run_dataset
+
+    comm = MPI.COMM_WORLD
+    work = shared_tmp / "ensure"
+    if comm.Get_rank() == 0:
+        work.mkdir()
+    comm.Barrier()
+    monkeypatch.chdir(work)
+    calls: list[str] = []
+
+    def offline(url, *a, **k):
+        calls.append(url)
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(D.urllib.request, "urlopen", offline)
+    path = ensure_run_dataset(D.DEFAULT_DATA_DIR)
+    assert load_tokenizer(path).vocab_size > 20
+    assert len(calls) == (1 if comm.Get_rank() == 0 else 0)
+    with pytest.raises(DataError, match="no dataset at") as info:
+        ensure_run_dataset(work / "user-named")
+    messages = comm.allgather(str(info.value))
+    assert len(set(messages)) == 1

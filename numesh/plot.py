@@ -1,0 +1,169 @@
+"""Loss and speed curves of one or more runs on one figure, so meshes and configs compare by eye.
+
+Pure: read each run's `metrics.jsonl`, build a matplotlib Figure (no pyplot, no global
+state), save it. matplotlib is an optional extra (`pip install 'numesh[plot]'`), imported
+only here and only when a figure is built.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+import numpy as np
+
+from numesh.errors import PlotError
+
+METRICS_FILE = "metrics.jsonl"
+FORMATS = (".png", ".svg")
+MATPLOTLIB_HINT = "numesh plot needs matplotlib: pip install 'numesh[plot]'"
+
+
+@attrs.frozen
+class RunMetrics:
+    """One run's curves: every logged step, and the eval steps with their losses."""
+
+    label: str
+    path: Path
+    step: np.ndarray  # steps that logged a training loss
+    loss: np.ndarray
+    tokens_per_s: np.ndarray
+    eval_step: np.ndarray  # steps that logged train_loss / val_loss
+    train_loss: np.ndarray
+    val_loss: np.ndarray
+
+
+def _number(value: Any) -> float:
+    """A metric as float; null (or anything not a number) is NaN, a gap in the curve."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return math.nan
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a metrics file. Bare NaN / Infinity (older files) parse as floats;
+    a cut-off last line (a run killed mid-write) is ignored, a bad line elsewhere is an error."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlotError(f"cannot read {path} ({e}): pass a run directory written by `numesh train`") from None
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)  # accepts NaN, Infinity and -Infinity
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise PlotError(f"{path} line {i + 1} is not JSON ({e.msg}): fix or remove that line") from None
+        if not isinstance(rec, dict) or "step" not in rec:
+            raise PlotError(f"{path} line {i + 1} is not a metrics record with a 'step': fix or remove that line")
+        records.append(rec)
+    return records
+
+
+def read_metrics(run: str | Path, label: str | None = None) -> RunMetrics:
+    """The curves of the run directory `run` (or of its metrics.jsonl given directly)."""
+    run = Path(run)
+    path = run if run.name == METRICS_FILE and run.is_file() else run / METRICS_FILE
+    if not run.exists():
+        raise PlotError(f"no run directory {run}: pass the --out directory of a `numesh train` run")
+    if not path.is_file():
+        raise PlotError(f"{run} has no {METRICS_FILE}: pass the --out directory of a `numesh train` run")
+    records = _records(path)
+    if not records:
+        raise PlotError(f"{path} holds no records: the run has not logged a step yet")
+    logged = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_loss" in r or "train_loss" in r]
+
+    def col(rows: list[dict[str, Any]], key: str) -> np.ndarray:
+        return np.array([_number(r.get(key)) for r in rows], dtype=np.float64)
+
+    return RunMetrics(
+        label=label if label is not None else (run.parent.name if path == run else run.name) or str(run),
+        path=path,
+        step=col(logged, "step"),
+        loss=col(logged, "loss"),
+        tokens_per_s=col(logged, "tokens_per_s"),
+        eval_step=col(evals, "step"),
+        train_loss=col(evals, "train_loss"),
+        val_loss=col(evals, "val_loss"),
+    )
+
+
+def run_labels(runs: Sequence[str | Path]) -> list[str]:
+    """Short legend names: each directory's name, or the path as given where names repeat."""
+    names = [Path(r).name if Path(r).name != METRICS_FILE else Path(r).parent.name for r in runs]
+    return [n if n and names.count(n) == 1 else str(r) for n, r in zip(names, runs)]
+
+
+def check_output(out: str | Path) -> Path:
+    out = Path(out)
+    if out.suffix.lower() not in FORMATS:
+        raise PlotError(f"--out {out} must end in {' or '.join(FORMATS)}: the figure is written as PNG or SVG")
+    return out
+
+
+def require_matplotlib() -> None:
+    """PlotError with the install hint when matplotlib is not installed."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlotError(MATPLOTLIB_HINT) from None
+
+
+def build_figure(runs: Sequence[RunMetrics]) -> Any:
+    """A matplotlib Figure: losses against steps on top (per run a solid train line and a
+    dashed val line with markers, one colour per run), tokens/s below (one line per run)."""
+    require_matplotlib()
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(9, 7), layout="constrained")
+    ax_loss, ax_speed = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
+        dot = "." if run.step.size == 1 else None  # a one-step run is a point, not an invisible line
+        ax_loss.plot(run.step, run.loss, color=color, lw=1.0, alpha=0.85, marker=dot, label=f"{run.label} train")
+        if run.eval_step.size and not np.isnan(run.val_loss).all():
+            ax_loss.plot(run.eval_step, run.val_loss, color=color, lw=1.5, ls="--", marker="o", ms=3,
+                         label=f"{run.label} val")
+        ax_speed.plot(run.step, run.tokens_per_s, color=color, lw=1.0, marker=dot, label=run.label)
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title("train loss (every logged step) and val loss (eval steps)")
+    ax_loss.legend(fontsize="small")
+    ax_loss.grid(alpha=0.3)
+    ax_speed.set_ylabel("tokens/s")
+    ax_speed.set_xlabel("step")
+    ax_speed.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_speed.legend(fontsize="small")
+    ax_speed.grid(alpha=0.3)
+    return fig
+
+
+def save_figure(fig: Any, out: str | Path) -> Path:
+    out = check_output(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, format=out.suffix.lower()[1:], dpi=120)
+    except OSError as e:
+        raise PlotError(f"cannot write {out} ({e.strerror or e}): choose another --out") from None
+    return out
+
+
+def plot_runs(runs: Sequence[str | Path], out: str | Path) -> tuple[Path, Any]:
+    """Read every run, draw them on one figure, save it to `out` (.png or .svg).
+    Returns (the file written, the Figure)."""
+    if not runs:
+        raise PlotError("no runs to plot: pass one or more run directories")
+    check_output(out)
+    require_matplotlib()
+    metrics = [read_metrics(r, label) for r, label in zip(runs, run_labels(runs))]
+    fig = build_figure(metrics)
+    return save_figure(fig, out), fig

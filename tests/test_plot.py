@@ -1,0 +1,139 @@
+"""Tests for numesh.plot and `numesh plot`: curves of several runs on one figure."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from numesh import plot as PL
+from numesh.errors import PlotError
+
+pytest.importorskip("matplotlib")
+
+
+def write_run(run: Path, steps: int = 10, eval_every: int = 5, scale: float = 1.0) -> Path:
+    """A run directory with a metrics.jsonl shaped like `numesh train`'s."""
+    run.mkdir(parents=True)
+    lines = []
+    for s in range(steps):
+        rec: dict = {}
+        if s % eval_every == 0:
+            rec |= {"train_loss": scale * 4.0 / (1 + s), "val_loss": scale * 4.2 / (1 + s)}
+        rec |= {"step": s, "loss": scale * 4.1 / (1 + s), "lr": 1e-3, "tokens_per_s": 1000.0 + 10 * s}
+        lines.append(json.dumps(rec))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return run
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from numesh_cli.app import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def _one_error_line(res) -> str:
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2, res.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    return lines[0]
+
+
+def test_read_metrics(tmp_path: Path) -> None:
+    m = PL.read_metrics(write_run(tmp_path / "r", steps=10, eval_every=5))
+    assert m.label == "r"
+    np.testing.assert_array_equal(m.step, np.arange(10))
+    np.testing.assert_allclose(m.loss, 4.1 / (1 + np.arange(10)))
+    np.testing.assert_array_equal(m.eval_step, [0, 5])
+    np.testing.assert_allclose(m.val_loss, [4.2, 4.2 / 6])
+    np.testing.assert_allclose(m.tokens_per_s, 1000 + 10 * np.arange(10))
+
+
+def test_read_metrics_tolerates_nan_infinity_null_and_a_cut_off_last_line(tmp_path: Path) -> None:
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        '{"step": 0, "loss": NaN, "tokens_per_s": Infinity, "val_loss": NaN, "train_loss": 1.0}\n'
+        '{"step": 1, "loss": 2.5, "tokens_per_s": null}\n'
+        "\n"
+        '{"step": 2, "loss": 2.0, "tok'  # a run killed while writing
+    )
+    m = PL.read_metrics(run)
+    np.testing.assert_array_equal(m.step, [0, 1])
+    assert np.isnan(m.loss[0]) and m.loss[1] == 2.5
+    assert np.isinf(m.tokens_per_s[0]) and np.isnan(m.tokens_per_s[1])
+    assert np.isnan(m.val_loss[0])
+
+
+def test_build_figure_one_line_per_run(tmp_path: Path) -> None:
+    runs = [PL.read_metrics(write_run(tmp_path / name, scale=k)) for k, name in enumerate(["dp2", "tp2", "pp2"], 1)]
+    fig = PL.build_figure(runs)
+    ax_loss, ax_speed = fig.axes
+    assert [line.get_label() for line in ax_speed.get_lines()] == ["dp2", "tp2", "pp2"]
+    assert [line.get_label() for line in ax_loss.get_lines()] == [
+        "dp2 train", "dp2 val", "tp2 train", "tp2 val", "pp2 train", "pp2 val"]
+    # the legend names every run, and a run's train and val share its colour
+    assert [t.get_text() for t in ax_loss.get_legend().get_texts()][::2] == ["dp2 train", "tp2 train", "pp2 train"]
+    lines = ax_loss.get_lines()
+    assert lines[0].get_color() == lines[1].get_color() != lines[2].get_color()
+    np.testing.assert_array_equal(lines[2].get_xdata(), np.arange(10))
+    np.testing.assert_allclose(lines[3].get_ydata(), [8.4, 8.4 / 6])
+    assert ax_speed.get_xlabel() == "step" and ax_speed.get_ylabel() == "tokens/s"
+
+
+@pytest.mark.parametrize("ext, magic", [(".png", b"\x89PNG"), (".svg", b"<?xml")])
+def test_plot_runs_writes_file(tmp_path: Path, ext: str, magic: bytes) -> None:
+    a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b", scale=2)
+    out = tmp_path / "sub" / f"cmp{ext}"
+    path, fig = PL.plot_runs([a, b], out)
+    assert path == out and out.read_bytes().startswith(magic)
+    assert out.stat().st_size > 10_000  # a drawn figure, not an empty canvas
+    assert len(fig.axes[1].get_lines()) == 2
+
+
+def test_labels_disambiguate_equal_names(tmp_path: Path) -> None:
+    a, b = write_run(tmp_path / "x" / "run"), write_run(tmp_path / "y" / "run")
+    assert PL.run_labels([a, b]) == [str(a), str(b)]
+    assert PL.run_labels([a, tmp_path / "z"]) == ["run", "z"]
+
+
+def test_cli_plot(tmp_path: Path) -> None:
+    a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b")
+    out = tmp_path / "p.svg"
+    res = _cli("plot", str(a), str(b), "--out", str(out))
+    assert res.exit_code == 0, res.output
+    assert out.stat().st_size > 10_000 and str(out) in res.stdout
+
+
+@pytest.mark.parametrize(
+    "make, out, match",
+    [
+        (lambda d: d.mkdir(), "p.png", "has no metrics.jsonl"),
+        (lambda d: (d.mkdir(), (d / "metrics.jsonl").write_text("")), "p.png", "holds no records"),
+        (lambda d: None, "p.png", "no run directory"),
+        (lambda d: write_run(d), "p.jpg", "must end in .png or .svg"),
+        (lambda d: (d.mkdir(), (d / "metrics.jsonl").write_text('oops\n{"step": 0, "loss": 1}\n')), "p.png",
+         "line 1 is not JSON"),
+    ],
+)
+def test_cli_plot_errors_are_one_line(tmp_path: Path, make, out: str, match: str) -> None:
+    run = tmp_path / "run"
+    make(run)
+    line = _one_error_line(_cli("plot", str(run), "--out", str(tmp_path / out)))
+    assert match in line
+    assert not (tmp_path / out).exists()
+
+
+def test_missing_matplotlib_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    run = write_run(tmp_path / "r")
+    with pytest.raises(PlotError, match="numesh plot needs matplotlib"):
+        PL.plot_runs([run], tmp_path / "p.png")
+    line = _one_error_line(_cli("plot", str(run), "--out", str(tmp_path / "p.png")))
+    assert line == "error: numesh plot needs matplotlib: pip install 'numesh[plot]'"
+    assert not (tmp_path / "p.png").exists()
