@@ -12,8 +12,9 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
-from numesh.checkpoint.format import CheckpointError
+from numesh.checkpoint import pad_vocab
 from numesh.data import CharTokenizer
+from numesh.errors import CheckpointError
 from numesh.mesh import Mesh, all_gather, shard
 from numesh.nn.gpt import (
     GPT,
@@ -60,10 +61,8 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 def shard_params(params: GPT, model: GPTConfig, mesh: Mesh) -> GPT:
     """This rank's shards of global (unpadded) parameters on `mesh`."""
     model.validate(mesh.size("tp"))
-    vp = model.padded_vocab(mesh.size("tp"))
-    wte = np.zeros((vp, model.n_embd), dtype=params.wte.dtype)
-    wte[: model.vocab_size] = params.wte
-    return tree_map(lambda x, spec: shard(x, spec, mesh), attrs.evolve(params, wte=wte), gpt_specs(model))
+    padded = pad_vocab(params, model, mesh.size("tp"))
+    return tree_map(lambda x, spec: shard(x, spec, mesh), padded, gpt_specs(model))
 
 
 def logits_last(params: GPT, idx: np.ndarray, model: GPTConfig, mesh: Mesh) -> np.ndarray:

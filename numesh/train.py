@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh import data as D
+from numesh.checkpoint import TrainState, read_local_state, save_checkpoint
 from numesh.mesh import Mesh, parse_mesh, psum_scalar, unshard
 from numesh.nn.gpt import (
     GPT,
@@ -275,12 +276,33 @@ class Trainer:
         return attrs.evolve(full, wte=full.wte[: self.model.vocab_size])
 
 
+def train_state(trainer: Trainer) -> TrainState:
+    """What a checkpoint of the trainer's current step holds (collective over dp: the
+    optimiser's state_trees gathers ZeRO shards)."""
+    c = trainer.cfg
+    try:
+        tokenizer = D.load_tokenizer(c.data).to_meta()
+    except (D.DataError, OSError):
+        tokenizer = None
+    return TrainState(
+        mesh=trainer.mesh, model=trainer.model, layout=trainer.layout, trees=trainer.opt.state_trees(),
+        step=trainer.step, opt_step=trainer.opt.opt.step, dtype=c.dtype, seed=c.seed,
+        run_config=attrs.asdict(c), tokenizer=tokenizer,
+    )
+
+
+def restore(trainer: Trainer, path: str | Path) -> None:
+    """Set the trainer's parameters, AdamW moments and steps from a checkpoint written on
+    any mesh (collective; on error every rank raises and the trainer is unchanged)."""
+    got = read_local_state(path, trainer.mesh, trainer.model, trainer.layout, trainer.dtype)
+    trainer.opt.load_state_trees(got.trees, got.opt_step)
+    trainer.step = got.step
+
+
 def save_final(trainer: Trainer, out_dir: Path, keep: int = 0) -> Path:
     """Write a sharded checkpoint of the trainer's current step to OUT/ckpt/step_NNNNNN and
     point OUT/ckpt/latest at it (collective; see numesh.checkpoint)."""
-    from numesh.checkpoint import save_checkpoint
-
-    return save_checkpoint(trainer, out_dir, keep=keep or None)
+    return save_checkpoint(train_state(trainer), out_dir, keep=keep or None)
 
 
 @attrs.frozen
@@ -301,7 +323,6 @@ def train(
     """Train as `cfg` says, from scratch or from `cfg.resume` (a checkpoint of any mesh);
     writes OUT/config.json, OUT/metrics.jsonl and checkpoints OUT/ckpt/step_NNNNNN (every
     `ckpt_interval` steps and at the end) with OUT/ckpt/latest pointing at the newest."""
-    from numesh.checkpoint import load_checkpoint_into
     from numesh.runtime import matmul_peak_flops
 
     for name in ("ckpt_interval", "keep"):
@@ -310,7 +331,7 @@ def train(
     trainer = Trainer(cfg, comm)
     mesh = trainer.mesh
     if cfg.resume:
-        load_checkpoint_into(trainer, cfg.resume)
+        restore(trainer, cfg.resume)
         if trainer.step > cfg.max_iters:
             raise ConfigError(
                 f"checkpoint {cfg.resume} is at step {trainer.step}, past max_iters={cfg.max_iters}: raise --max-iters"

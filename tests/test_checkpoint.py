@@ -18,7 +18,7 @@ from numesh.checkpoint import (
     CheckpointError,
     export_nanogpt,
     global_path,
-    load_checkpoint_into,
+    gpt_leaves,
     read_global_params,
     read_meta,
     read_params_dict,
@@ -27,12 +27,12 @@ from numesh.checkpoint import (
     save_checkpoint,
 )
 from numesh.checkpoint import save as save_mod
-from numesh.checkpoint.format import block_region, leaf_blocks, model_leaves, padded_shape
+from numesh.checkpoint.format import block_region, leaf_blocks
 from numesh.data import prepare_char_dataset
 from numesh.mesh import AXES, MeshError, P, local_slices
 from numesh.nn.gpt import ConfigError, gpt_specs
 from numesh.pipeline.stages import StageLayout, stage_tree
-from numesh.train import TrainConfig, Trainer, config_from, train
+from numesh.train import TrainConfig, Trainer, config_from, restore, train, train_state
 from numesh.tree import tree_leaves, tree_leaves_with_path, tree_map_with_path
 
 # 11 distinct characters, so tp=4 pads the vocabulary to 12
@@ -86,7 +86,7 @@ def assert_states_equal(a: dict, b: dict) -> None:
 def saved(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint after 3 steps (the module's pristine copy: tests copy it before breaking it)."""
     out = tmp_path_factory.mktemp("saved")
-    save_checkpoint(trainer_after(config(data, out), 3), out)
+    save_checkpoint(train_state(trainer_after(config(data, out), 3)), out)
     return out / "ckpt" / "step_000003"
 
 
@@ -130,8 +130,8 @@ def test_block_region_is_local_slices_and_blocks_tile(sizes: dict[str, int]) -> 
     from numesh.nn.gpt import GPTConfig
 
     model = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=True)
-    for path, (shape, spec) in model_leaves(model).items():
-        padded = padded_shape(model, path, shape, sizes["tp"])
+    for path, leaf in gpt_leaves(model).items():
+        shape, spec, padded = leaf.shape, leaf.spec, leaf.padded_shape(sizes)
         for coords in np.ndindex(*[sizes[a] for a in AXES]):
             c = dict(zip(AXES, coords))
             assert block_region(padded, spec, sizes, c) == local_slices(padded, spec, FakeMesh(sizes, c)), path
@@ -170,13 +170,13 @@ def test_global_path_maps_pipeline_blocks() -> None:
 
 def test_round_trip_is_bit_exact(data: Path, tmp_path: Path) -> None:
     t = trainer_after(config(data, tmp_path / "a"), 3)
-    step_dir = save_checkpoint(t, tmp_path / "a")
+    step_dir = save_checkpoint(train_state(t), tmp_path / "a")
     assert step_dir == tmp_path / "a" / "ckpt" / "step_000003"
     latest = tmp_path / "a" / "ckpt" / "latest"
     assert latest.is_symlink() and os.readlink(latest) == "step_000003"
 
     u = Trainer(config(data, tmp_path / "b"), MPI.COMM_SELF)
-    load_checkpoint_into(u, latest)
+    restore(u, latest)
     assert u.step == 3 and u.opt.opt.step == t.opt.opt.step == 3
     assert_states_equal(u.opt.state_trees(), t.opt.state_trees())
 
@@ -228,7 +228,7 @@ def test_corrupted_file(broken: Path, fresh: Trainer) -> None:
     raw[-5] ^= 0x01
     f.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match=r"blocks\.1\.mlp\.fc\.w\.tp0\.npy is corrupted"):
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
     with pytest.raises(CheckpointError, match=r"blocks\.1\.mlp\.fc\.w\.tp0\.npy is corrupted"):
         read_global_params(broken)
     assert fresh.step == 0
@@ -238,21 +238,21 @@ def test_truncated_file(broken: Path, fresh: Trainer) -> None:
     f = broken / "v" / "wte.tp0.npy"
     f.write_bytes(f.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=r"v/wte\.tp0\.npy is corrupted or truncated"):
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
 
 
 def test_missing_file(broken: Path, fresh: Trainer) -> None:
     (broken / "m" / "wpe.full.npy").unlink()
     with pytest.raises(CheckpointError, match=r"m/wpe\.full\.npy is missing"):
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
 
 
 def test_missing_meta(broken: Path, fresh: Trainer) -> None:
     (broken / "meta.json").unlink()
     with pytest.raises(CheckpointError, match=r"meta\.json is missing"):
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
     with pytest.raises(CheckpointError, match="no checkpoint at"):
-        load_checkpoint_into(fresh, broken / "nowhere")
+        restore(fresh, broken / "nowhere")
 
 
 def edit_meta(ckpt: Path, change: Any) -> None:
@@ -264,7 +264,7 @@ def edit_meta(ckpt: Path, change: Any) -> None:
 def test_wrong_format_or_version(broken: Path, fresh: Trainer) -> None:
     edit_meta(broken, lambda m: m.update(version=2))
     with pytest.raises(CheckpointError, match=r"meta\.json: checkpoint format version 2 is not supported"):
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
     edit_meta(broken, lambda m: m.update(version=1, format="something-else"))
     with pytest.raises(CheckpointError, match="not a numesh checkpoint"):
         read_global_params(broken)
@@ -273,7 +273,7 @@ def test_wrong_format_or_version(broken: Path, fresh: Trainer) -> None:
 def test_different_model_shape(saved: Path, data: Path, tmp_path: Path) -> None:
     other = Trainer(config(data, tmp_path, n_embd=32), MPI.COMM_SELF)
     with pytest.raises(CheckpointError, match=r"meta\.json: the checkpoint's model has n_embd=16 but this run has n_embd=32"):
-        load_checkpoint_into(other, saved)
+        restore(other, saved)
     with pytest.raises(CheckpointError, match="n_embd=32"):
         train(config(data, tmp_path / "x", n_embd=32, resume=str(saved)), MPI.COMM_SELF)
 
@@ -282,7 +282,7 @@ def test_different_model_shape(saved: Path, data: Path, tmp_path: Path) -> None:
 def test_metadata_path_escaping_the_dir(broken: Path, fresh: Trainer, bad: str) -> None:
     edit_meta(broken, lambda m: m["leaves"]["params/wpe"]["files"][0].update(file=bad))
     with pytest.raises(CheckpointError, match="absolute or leaves the checkpoint directory") as e:
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
     assert bad in str(e.value)
 
 
@@ -292,13 +292,13 @@ def test_symlinked_file_escaping_the_dir(broken: Path, fresh: Trainer, tmp_path:
     shutil.move(f, outside)
     f.symlink_to(outside)
     with pytest.raises(CheckpointError, match=r"wpe\.full\.npy leaves the checkpoint directory"):
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
 
 
 def test_inconsistent_blocks(broken: Path, fresh: Trainer) -> None:
     edit_meta(broken, lambda m: m["leaves"]["params/wpe"]["files"][0].update(shape=[4, 16]))
     with pytest.raises(CheckpointError, match="the blocks of 'params/wpe' cover 64 of its 128 values"):
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
 
 
 # ---------------------------------------------------------------------------------------
@@ -308,7 +308,7 @@ def test_inconsistent_blocks(broken: Path, fresh: Trainer) -> None:
 def test_interrupted_save_keeps_latest(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "run"
     t = trainer_after(config(data, out), 2)
-    save_checkpoint(t, out)
+    save_checkpoint(train_state(t), out)
     t.train_step()
     calls = [0]
     real = save_mod.write_npy
@@ -321,12 +321,12 @@ def test_interrupted_save_keeps_latest(data: Path, tmp_path: Path, monkeypatch: 
 
     monkeypatch.setattr(save_mod, "write_npy", killed_midway)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(t, out)
+        save_checkpoint(train_state(t), out)
     ck = out / "ckpt"
     assert (ck / ".tmp-step_000003").is_dir() and not (ck / "step_000003").exists()
     assert os.readlink(ck / "latest") == "step_000002"
     u = Trainer(config(data, tmp_path / "u"), MPI.COMM_SELF)
-    load_checkpoint_into(u, ck / "latest")
+    restore(u, ck / "latest")
     assert u.step == 2
 
     # a write error (disk full) is a CheckpointError and leaves nothing behind
@@ -335,13 +335,13 @@ def test_interrupted_save_keeps_latest(data: Path, tmp_path: Path, monkeypatch: 
 
     monkeypatch.setattr(save_mod, "write_npy", disk_full)
     with pytest.raises(CheckpointError, match="No space left"):
-        save_checkpoint(t, out)
+        save_checkpoint(train_state(t), out)
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000002"]
     assert os.readlink(ck / "latest") == "step_000002"
 
     # the next good save completes and moves latest
     monkeypatch.setattr(save_mod, "write_npy", real)
-    save_checkpoint(t, out)
+    save_checkpoint(train_state(t), out)
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000002", "step_000003"]
     assert os.readlink(ck / "latest") == "step_000003"
 
@@ -358,7 +358,7 @@ def test_keep_prunes_old_checkpoints(data: Path, tmp_path: Path) -> None:
     ]
     # keep=1 on a directory with a newer step from an earlier run still keeps the new one
     t = trainer_after(config(data, out), 1)
-    save_checkpoint(t, out, keep=1)
+    save_checkpoint(train_state(t), out, keep=1)
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000001"]
 
 
@@ -382,8 +382,8 @@ def test_reshard_tp1_to_tp4_keeps_every_value(saved: Path, data: Path, tmp_path:
 
     a = Trainer(config(data, tmp_path / "a"), MPI.COMM_SELF)
     b = Trainer(config(data, tmp_path / "b"), MPI.COMM_SELF)
-    load_checkpoint_into(a, saved)
-    load_checkpoint_into(b, out)
+    restore(a, saved)
+    restore(b, out)
     assert_states_equal(a.opt.state_trees(), b.opt.state_trees())
     assert b.step == 3
 
