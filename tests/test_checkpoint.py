@@ -144,6 +144,33 @@ def test_block_region_is_local_slices_and_blocks_tile(sizes: dict[str, int]) -> 
     assert block_region((8, 6), P(("dp", "tp"), None), dict(pp=1, dp=2, tp=2), dict(pp=0, dp=1, tp=0)) == (slice(4, 6), slice(0, 6))
 
 
+def test_leaf_table_pads_only_the_vocabulary() -> None:
+    """The GPT's leaf table pads wte to a multiple of tp and nothing else; pad_vocab and
+    unpad_vocab are inverses; the format module itself imports no model."""
+    import ast
+
+    from numesh.checkpoint import format as fmt
+    from numesh.checkpoint import pad_vocab, unpad_vocab
+    from numesh.nn.gpt import GPTConfig, gpt_global_shapes
+    from numesh.tree import tree_map
+
+    model = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=True)
+    leaves = gpt_leaves(model)
+    for tp in (1, 2, 4):
+        sizes = dict(pp=1, dp=2, tp=tp)
+        assert leaves["wte"].padded_shape(sizes) == (model.padded_vocab(tp), 16)
+        assert all(leaf.padded_shape(sizes) == leaf.shape for path, leaf in leaves.items() if path != "wte")
+    rng = np.random.default_rng(0)
+    params = tree_map(lambda s: rng.standard_normal(s), gpt_global_shapes(model, 1))
+    padded = pad_vocab(params, model, 4)
+    assert padded.wte.shape == (12, 16) and not padded.wte[11:].any()
+    assert_trees_equal(unpad_vocab(padded, model), params)
+    imported = {
+        n.module for n in ast.walk(ast.parse(Path(fmt.__file__).read_text())) if isinstance(n, ast.ImportFrom)
+    }
+    assert not any(m and m.startswith(("numesh.nn", "numesh.pipeline", "numesh.optim")) for m in imported), imported
+
+
 def test_global_path_maps_pipeline_blocks() -> None:
     from numesh.nn.gpt import GPTConfig
 
