@@ -12,6 +12,7 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
+from numesh.checkpoint import import_nanogpt, pad_vocab, read_global_params, read_meta
 from numesh.data import CharTokenizer
 from numesh.errors import CheckpointError, ConfigError
 from numesh.mesh import Mesh, shard
@@ -34,8 +35,6 @@ class Checkpoint:
 def load_checkpoint(path: str | Path) -> Checkpoint:
     """Whole parameters of a checkpoint directory (e.g. RUN/ckpt/latest) or of a
     `numesh export`ed nanoGPT .safetensors file (no pickle either way)."""
-    from numesh.checkpoint import import_nanogpt, read_global_params, read_meta
-
     p = Path(path)
     if p.is_file() or p.suffix == ".safetensors":
         model, tok, params, dtype, step = import_nanogpt(p)
@@ -51,10 +50,8 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 def shard_params(params: GPT, model: GPTConfig, mesh: Mesh) -> GPT:
     """This rank's shards of global (unpadded) parameters on `mesh`."""
     model.validate(mesh.size("tp"))
-    vp = model.padded_vocab(mesh.size("tp"))
-    wte = np.zeros((vp, model.n_embd), dtype=params.wte.dtype)
-    wte[: model.vocab_size] = params.wte
-    return tree_map(lambda x, spec: shard(x, spec, mesh), attrs.evolve(params, wte=wte), gpt_specs(model))
+    padded = pad_vocab(params, model, mesh.size("tp"))
+    return tree_map(lambda x, spec: shard(x, spec, mesh), padded, gpt_specs(model))
 
 
 def pick(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:

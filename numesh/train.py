@@ -20,8 +20,9 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh import data as D
-from numesh.mesh import Mesh, parse_mesh, psum_scalar, unshard
+from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
 from numesh.errors import ConfigError
+from numesh.mesh import Mesh, parse_mesh, psum_scalar, unshard
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
 from numesh.nn.units import OUTER, join_units, split_units
@@ -30,7 +31,8 @@ from numesh.optim.zero import ZeroOptimizer
 from numesh.pipeline.executor import PipelineExecutor, StepStats
 from numesh.pipeline.schedules import make_schedule
 from numesh.pipeline.stages import StageLayout, gather_stages, stage_tree
-from numesh.tree import tree_leaves, tree_leaves_with_path, tree_map
+from numesh.runtime import matmul_peak_flops
+from numesh.tree import tree_leaves, tree_map
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
 
@@ -255,15 +257,36 @@ class Trainer:
         if self.mesh.size("pp") > 1:
             shapes = gpt_global_shapes(self.model, self.mesh.size("tp"))
             full = gather_stages(full, shapes, self.layout, self.mesh, self.dtype)
-        return attrs.evolve(full, wte=full.wte[: self.model.vocab_size])
+        return unpad_vocab(full, self.model)
+
+
+def train_state(trainer: Trainer) -> TrainState:
+    """What a checkpoint of the trainer's current step holds (collective over dp: the
+    optimiser's state_trees gathers ZeRO shards)."""
+    c = trainer.cfg
+    try:
+        tokenizer = D.load_tokenizer(c.data).to_meta()
+    except (D.DataError, OSError):
+        tokenizer = None
+    return TrainState(
+        mesh=trainer.mesh, model=trainer.model, layout=trainer.layout, trees={g: join_units(t) for g, t in trainer.opt.state_trees().items()},
+        step=trainer.step, opt_step=trainer.opt.adam_step, dtype=c.dtype, seed=c.seed,
+        run_config=attrs.asdict(c), tokenizer=tokenizer,
+    )
+
+
+def restore(trainer: Trainer, path: str | Path) -> None:
+    """Set the trainer's parameters, AdamW moments and steps from a checkpoint written on
+    any mesh (collective; on error every rank raises and the trainer is unchanged)."""
+    got = read_local_state(path, trainer.mesh, trainer.model, trainer.layout, trainer.dtype)
+    trainer.opt.load_state_trees({g: split_units(t) for g, t in got.trees.items()}, got.opt_step)
+    trainer.step = got.step
 
 
 def save_final(trainer: Trainer, out_dir: Path, keep: int = 0) -> Path:
     """Write a sharded checkpoint of the trainer's current step to OUT/ckpt/step_NNNNNN and
     point OUT/ckpt/latest at it (collective; see numesh.checkpoint)."""
-    from numesh.checkpoint import save_checkpoint
-
-    return save_checkpoint(trainer, out_dir, keep=keep or None)
+    return save_checkpoint(train_state(trainer), out_dir, keep=keep or None)
 
 
 @attrs.frozen
@@ -276,6 +299,43 @@ class TrainResult:
     metrics: str
 
 
+def _step_record(trainer: Trainer, step: int, flops_per_peak: float) -> dict[str, Any]:
+    """Run step `step` (an evaluation on eval steps, then the optimiser step unless it is the
+    last) and return its metrics line ({} when nothing is logged)."""
+    c = trainer.cfg
+    record: dict[str, Any] = {}
+    if step % c.eval_interval == 0 or step == c.max_iters:
+        record.update(trainer.evaluate())
+    if step < c.max_iters:
+        t0 = time.perf_counter()
+        loss, norm, lr = trainer.train_step()
+        dt = time.perf_counter() - t0
+        tps = trainer.tokens_per_step / dt
+        if step % c.log_interval == 0 or step == c.max_iters - 1:
+            record.update(loss=loss, lr=lr, grad_norm=norm, dt_ms=dt * 1e3, tokens_per_s=tps, mfu=tps * flops_per_peak)
+    return {"step": step, **record} if record else record
+
+
+class _MetricsLog:
+    """OUT/config.json and OUT/metrics.jsonl, written by rank 0 only (one JSON object a line)."""
+
+    def __init__(self, out: Path, cfg: TrainConfig, root: bool):
+        self.file = None
+        if root:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps(attrs.asdict(cfg), indent=2))
+            self.file = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
 def train(
     cfg: TrainConfig,
     comm: MPI.Comm | None = None,
@@ -284,69 +344,41 @@ def train(
     """Train as `cfg` says, from scratch or from `cfg.resume` (a checkpoint of any mesh);
     writes OUT/config.json, OUT/metrics.jsonl and checkpoints OUT/ckpt/step_NNNNNN (every
     `ckpt_interval` steps and at the end) with OUT/ckpt/latest pointing at the newest."""
-    from numesh.checkpoint import load_checkpoint_into
-    from numesh.runtime import matmul_peak_flops
-
-    for name in ("ckpt_interval", "keep"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     trainer = Trainer(cfg, comm)
-    mesh = trainer.mesh
     if cfg.resume:
-        load_checkpoint_into(trainer, cfg.resume)
+        restore(trainer, cfg.resume)
         if trainer.step > cfg.max_iters:
             raise ConfigError(
                 f"checkpoint {cfg.resume} is at step {trainer.step}, past max_iters={cfg.max_iters}: raise --max-iters"
             )
-    start = trainer.step
-    out = Path(cfg.out)
-    root = mesh.rank == 0
-    if root:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(attrs.asdict(cfg), indent=2))
-        metrics_file = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
-    peak = psum_scalar(matmul_peak_flops(trainer.dtype), mesh, ("pp", "dp", "tp"))
-    fpt = flops_per_token(trainer.model, trainer.n_params)
-    t_start = time.perf_counter()
-    last: dict = {}
-    val = None
+    start, out = trainer.step, Path(cfg.out)
+    # MFU's denominator: every rank's measured matmul throughput (see README)
+    peak = psum_scalar(matmul_peak_flops(trainer.dtype), trainer.mesh, ("pp", "dp", "tp"))
+    flops_per_peak = flops_per_token(trainer.model, trainer.n_params) / peak
+    log = _MetricsLog(out, cfg, trainer.mesh.rank == 0)
+    last: dict[str, Any] = {}
     saved_at = None
-    for step in range(start, cfg.max_iters + 1):
-        record: dict[str, Any] = {}
-        if step % cfg.eval_interval == 0 or step == cfg.max_iters:
-            ev = trainer.evaluate()
-            record.update(ev)
-            val = ev["val_loss"]
-        if step < cfg.max_iters:
-            t0 = time.perf_counter()
-            loss, norm, lr = trainer.train_step()
-            dt = time.perf_counter() - t0
-            tps = trainer.tokens_per_step / dt
-            if step % cfg.log_interval == 0 or step == cfg.max_iters - 1:
-                record.update(step=step, loss=loss, lr=lr, grad_norm=norm, dt_ms=dt * 1e3, tokens_per_s=tps,
-                              mfu=tps * fpt / peak)
-        elif record:
-            record["step"] = step
-        if record:
-            record.setdefault("step", step)
-            last = {**last, **record}
-            if root:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-            if on_step is not None:
-                on_step(step, record)
-        if cfg.ckpt_interval and step < cfg.max_iters and trainer.step % cfg.ckpt_interval == 0:
-            save_final(trainer, out, cfg.keep)
-            saved_at = trainer.step
+    t_start = time.perf_counter()
+    try:
+        for step in range(start, cfg.max_iters + 1):
+            record = _step_record(trainer, step, flops_per_peak)
+            if record:
+                last.update(record)
+                log.write(record)
+                if on_step is not None:
+                    on_step(step, record)
+            if cfg.ckpt_interval and step < cfg.max_iters and trainer.step % cfg.ckpt_interval == 0:
+                save_final(trainer, out, cfg.keep)
+                saved_at = trainer.step
+    finally:
+        log.close()
     seconds = time.perf_counter() - t_start
-    if root:
-        metrics_file.close()
     if saved_at != trainer.step:
         save_final(trainer, out, cfg.keep)
     return TrainResult(
         steps=cfg.max_iters - start,
         final_loss=float(last.get("loss", math.nan)),
-        final_val_loss=val,
+        final_val_loss=last.get("val_loss"),
         seconds=seconds,
         checkpoint=str(out / "ckpt" / "latest"),
         metrics=str(out / "metrics.jsonl"),

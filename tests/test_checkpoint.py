@@ -18,7 +18,7 @@ from numesh.checkpoint import (
     CheckpointError,
     export_nanogpt,
     global_path,
-    load_checkpoint_into,
+    gpt_leaves,
     read_global_params,
     read_meta,
     read_params_dict,
@@ -27,14 +27,14 @@ from numesh.checkpoint import (
     save_checkpoint,
 )
 from numesh.checkpoint import save as save_mod
-from numesh.checkpoint.format import block_region, leaf_blocks, model_leaves, padded_shape
+from numesh.checkpoint.format import block_region, leaf_blocks
 from numesh.data import prepare_char_dataset
 from numesh.mesh import AXES, MeshError, P, local_slices
 from numesh.errors import ConfigError
 from numesh.nn.gpt import gpt_specs
 from numesh.nn.units import join_units
 from numesh.pipeline.stages import StageLayout, stage_tree
-from numesh.train import TrainConfig, Trainer, config_from, train
+from numesh.train import TrainConfig, Trainer, config_from, restore, train, train_state
 from numesh.tree import tree_leaves, tree_leaves_with_path, tree_map_with_path
 
 # 11 distinct characters, so tp=4 pads the vocabulary to 12
@@ -93,7 +93,7 @@ def assert_states_equal(a: dict, b: dict) -> None:
 def saved(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint after 3 steps (the module's pristine copy: tests copy it before breaking it)."""
     out = tmp_path_factory.mktemp("saved")
-    save_checkpoint(trainer_after(config(data, out), 3), out)
+    save_checkpoint(train_state(trainer_after(config(data, out), 3)), out)
     return out / "ckpt" / "step_000003"
 
 
@@ -137,8 +137,8 @@ def test_block_region_is_local_slices_and_blocks_tile(sizes: dict[str, int]) -> 
     from numesh.nn.gpt import GPTConfig
 
     model = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=True)
-    for path, (shape, spec) in model_leaves(model).items():
-        padded = padded_shape(model, path, shape, sizes["tp"])
+    for path, leaf in gpt_leaves(model).items():
+        shape, spec, padded = leaf.shape, leaf.spec, leaf.padded_shape(sizes)
         for coords in np.ndindex(*[sizes[a] for a in AXES]):
             c = dict(zip(AXES, coords))
             assert block_region(padded, spec, sizes, c) == local_slices(padded, spec, FakeMesh(sizes, c)), path
@@ -149,6 +149,33 @@ def test_block_region_is_local_slices_and_blocks_tile(sizes: dict[str, int]) -> 
         assert (cover == 1).all(), path
         assert len({s for s, _ in blocks}) == len(blocks)
     assert block_region((8, 6), P(("dp", "tp"), None), dict(pp=1, dp=2, tp=2), dict(pp=0, dp=1, tp=0)) == (slice(4, 6), slice(0, 6))
+
+
+def test_leaf_table_pads_only_the_vocabulary() -> None:
+    """The GPT's leaf table pads wte to a multiple of tp and nothing else; pad_vocab and
+    unpad_vocab are inverses; the format module itself imports no model."""
+    import ast
+
+    from numesh.checkpoint import format as fmt
+    from numesh.checkpoint import pad_vocab, unpad_vocab
+    from numesh.nn.gpt import GPTConfig, gpt_global_shapes
+    from numesh.tree import tree_map
+
+    model = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=True)
+    leaves = gpt_leaves(model)
+    for tp in (1, 2, 4):
+        sizes = dict(pp=1, dp=2, tp=tp)
+        assert leaves["wte"].padded_shape(sizes) == (model.padded_vocab(tp), 16)
+        assert all(leaf.padded_shape(sizes) == leaf.shape for path, leaf in leaves.items() if path != "wte")
+    rng = np.random.default_rng(0)
+    params = tree_map(lambda s: rng.standard_normal(s), gpt_global_shapes(model, 1))
+    padded = pad_vocab(params, model, 4)
+    assert padded.wte.shape == (12, 16) and not padded.wte[11:].any()
+    assert_trees_equal(unpad_vocab(padded, model), params)
+    imported = {
+        n.module for n in ast.walk(ast.parse(Path(fmt.__file__).read_text())) if isinstance(n, ast.ImportFrom)
+    }
+    assert not any(m and m.startswith(("numesh.nn", "numesh.pipeline", "numesh.optim")) for m in imported), imported
 
 
 def test_global_path_maps_pipeline_blocks() -> None:
@@ -177,13 +204,13 @@ def test_global_path_maps_pipeline_blocks() -> None:
 
 def test_round_trip_is_bit_exact(data: Path, tmp_path: Path) -> None:
     t = trainer_after(config(data, tmp_path / "a"), 3)
-    step_dir = save_checkpoint(t, tmp_path / "a")
+    step_dir = save_checkpoint(train_state(t), tmp_path / "a")
     assert step_dir == tmp_path / "a" / "ckpt" / "step_000003"
     latest = tmp_path / "a" / "ckpt" / "latest"
     assert latest.is_symlink() and os.readlink(latest) == "step_000003"
 
     u = Trainer(config(data, tmp_path / "b"), MPI.COMM_SELF)
-    load_checkpoint_into(u, latest)
+    restore(u, latest)
     assert u.step == 3 and u.opt.adam_step == t.opt.adam_step == 3
     assert_states_equal(state_trees(u), state_trees(t))
 
@@ -235,7 +262,7 @@ def test_corrupted_file(broken: Path, fresh: Trainer) -> None:
     raw[-5] ^= 0x01
     f.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match=r"blocks\.1\.mlp\.fc\.w\.tp0\.npy is corrupted"):
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
     with pytest.raises(CheckpointError, match=r"blocks\.1\.mlp\.fc\.w\.tp0\.npy is corrupted"):
         read_global_params(broken)
     assert fresh.step == 0
@@ -245,21 +272,21 @@ def test_truncated_file(broken: Path, fresh: Trainer) -> None:
     f = broken / "v" / "wte.tp0.npy"
     f.write_bytes(f.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=r"v/wte\.tp0\.npy is corrupted or truncated"):
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
 
 
 def test_missing_file(broken: Path, fresh: Trainer) -> None:
     (broken / "m" / "wpe.full.npy").unlink()
     with pytest.raises(CheckpointError, match=r"m/wpe\.full\.npy is missing"):
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
 
 
 def test_missing_meta(broken: Path, fresh: Trainer) -> None:
     (broken / "meta.json").unlink()
     with pytest.raises(CheckpointError, match=r"meta\.json is missing"):
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
     with pytest.raises(CheckpointError, match="no checkpoint at"):
-        load_checkpoint_into(fresh, broken / "nowhere")
+        restore(fresh, broken / "nowhere")
 
 
 def edit_meta(ckpt: Path, change: Any) -> None:
@@ -271,7 +298,7 @@ def edit_meta(ckpt: Path, change: Any) -> None:
 def test_wrong_format_or_version(broken: Path, fresh: Trainer) -> None:
     edit_meta(broken, lambda m: m.update(version=2))
     with pytest.raises(CheckpointError, match=r"meta\.json: checkpoint format version 2 is not supported"):
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
     edit_meta(broken, lambda m: m.update(version=1, format="something-else"))
     with pytest.raises(CheckpointError, match="not a numesh checkpoint"):
         read_global_params(broken)
@@ -280,7 +307,7 @@ def test_wrong_format_or_version(broken: Path, fresh: Trainer) -> None:
 def test_different_model_shape(saved: Path, data: Path, tmp_path: Path) -> None:
     other = Trainer(config(data, tmp_path, n_embd=32), MPI.COMM_SELF)
     with pytest.raises(CheckpointError, match=r"meta\.json: the checkpoint's model has n_embd=16 but this run has n_embd=32"):
-        load_checkpoint_into(other, saved)
+        restore(other, saved)
     with pytest.raises(CheckpointError, match="n_embd=32"):
         train(config(data, tmp_path / "x", n_embd=32, resume=str(saved)), MPI.COMM_SELF)
 
@@ -289,7 +316,7 @@ def test_different_model_shape(saved: Path, data: Path, tmp_path: Path) -> None:
 def test_metadata_path_escaping_the_dir(broken: Path, fresh: Trainer, bad: str) -> None:
     edit_meta(broken, lambda m: m["leaves"]["params/wpe"]["files"][0].update(file=bad))
     with pytest.raises(CheckpointError, match="absolute or leaves the checkpoint directory") as e:
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
     assert bad in str(e.value)
 
 
@@ -299,13 +326,13 @@ def test_symlinked_file_escaping_the_dir(broken: Path, fresh: Trainer, tmp_path:
     shutil.move(f, outside)
     f.symlink_to(outside)
     with pytest.raises(CheckpointError, match=r"wpe\.full\.npy leaves the checkpoint directory"):
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
 
 
 def test_inconsistent_blocks(broken: Path, fresh: Trainer) -> None:
     edit_meta(broken, lambda m: m["leaves"]["params/wpe"]["files"][0].update(shape=[4, 16]))
     with pytest.raises(CheckpointError, match="the blocks of 'params/wpe' cover 64 of its 128 values"):
-        load_checkpoint_into(fresh, broken)
+        restore(fresh, broken)
 
 
 # ---------------------------------------------------------------------------------------
@@ -315,7 +342,7 @@ def test_inconsistent_blocks(broken: Path, fresh: Trainer) -> None:
 def test_interrupted_save_keeps_latest(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "run"
     t = trainer_after(config(data, out), 2)
-    save_checkpoint(t, out)
+    save_checkpoint(train_state(t), out)
     t.train_step()
     calls = [0]
     real = save_mod.write_npy
@@ -328,12 +355,12 @@ def test_interrupted_save_keeps_latest(data: Path, tmp_path: Path, monkeypatch: 
 
     monkeypatch.setattr(save_mod, "write_npy", killed_midway)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(t, out)
+        save_checkpoint(train_state(t), out)
     ck = out / "ckpt"
     assert (ck / ".tmp-step_000003").is_dir() and not (ck / "step_000003").exists()
     assert os.readlink(ck / "latest") == "step_000002"
     u = Trainer(config(data, tmp_path / "u"), MPI.COMM_SELF)
-    load_checkpoint_into(u, ck / "latest")
+    restore(u, ck / "latest")
     assert u.step == 2
 
     # a write error (disk full) is a CheckpointError and leaves nothing behind
@@ -342,13 +369,13 @@ def test_interrupted_save_keeps_latest(data: Path, tmp_path: Path, monkeypatch: 
 
     monkeypatch.setattr(save_mod, "write_npy", disk_full)
     with pytest.raises(CheckpointError, match="No space left"):
-        save_checkpoint(t, out)
+        save_checkpoint(train_state(t), out)
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000002"]
     assert os.readlink(ck / "latest") == "step_000002"
 
     # the next good save completes and moves latest
     monkeypatch.setattr(save_mod, "write_npy", real)
-    save_checkpoint(t, out)
+    save_checkpoint(train_state(t), out)
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000002", "step_000003"]
     assert os.readlink(ck / "latest") == "step_000003"
 
@@ -365,7 +392,7 @@ def test_keep_prunes_old_checkpoints(data: Path, tmp_path: Path) -> None:
     ]
     # keep=1 on a directory with a newer step from an earlier run still keeps the new one
     t = trainer_after(config(data, out), 1)
-    save_checkpoint(t, out, keep=1)
+    save_checkpoint(train_state(t), out, keep=1)
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000001"]
 
 
@@ -389,8 +416,8 @@ def test_reshard_tp1_to_tp4_keeps_every_value(saved: Path, data: Path, tmp_path:
 
     a = Trainer(config(data, tmp_path / "a"), MPI.COMM_SELF)
     b = Trainer(config(data, tmp_path / "b"), MPI.COMM_SELF)
-    load_checkpoint_into(a, saved)
-    load_checkpoint_into(b, out)
+    restore(a, saved)
+    restore(b, out)
     assert_states_equal(state_trees(a), state_trees(b))
     assert b.step == 3
 

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from numesh.checkpoint import CheckpointError, load_checkpoint_into, read_state, save_checkpoint
+from numesh.checkpoint import CheckpointError, TrainState, gpt_leaves, read_local_state, read_meta, read_state, save_checkpoint
 from numesh.checkpoint import format as fmt
-from numesh.checkpoint.format import leaf_blocks, model_leaves, padded_shape
+from numesh.checkpoint.format import leaf_blocks
 from numesh.data import prepare_char_dataset
 from numesh.mesh import parse_mesh
-from numesh.nn.units import join_units
-from numesh.train import TrainConfig, Trainer, config_from, train
+from numesh.nn.units import join_units, split_units
+from numesh.train import TrainConfig, Trainer, config_from, restore, train, train_state
 from numesh.tree import tree_leaves_with_path
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -151,19 +151,19 @@ def test_each_rank_writes_its_own_blocks_once(data: Path, shared_tmp: Path) -> N
     def save(comm: MPI.Comm) -> str:
         t = Trainer(cfg, comm)
         t.train_step()
-        paths = comm.allgather(str(save_checkpoint(t, out)))
+        paths = comm.allgather(str(save_checkpoint(train_state(t), out)))
         assert len(set(paths)) == 1
         return paths[0]
 
     step_dir = Path(on_first(n, save))
 
     def check() -> None:
-        meta = fmt.read_meta(step_dir)
+        meta = read_meta(step_dir)
         sizes = parse_mesh(mesh, n)
         for group in ("params", "m", "v"):
-            for path, (shape, spec) in model_leaves(meta.model).items():
+            for path, leaf in gpt_leaves(meta.model).items():
                 files = meta.leaves[f"{group}/{path}"].files
-                want = leaf_blocks(shape, padded_shape(meta.model, path, shape, sizes["tp"]), spec, sizes)
+                want = leaf_blocks(leaf.shape, leaf.padded_shape(sizes), leaf.spec, sizes)
                 assert [r.region for r in files] == [r for _, r in want], path
                 assert len({r.file for r in files}) == len(files)
         assert sorted(p.name for p in step_dir.parent.iterdir()) == ["latest", "step_000001"]
@@ -187,8 +187,8 @@ def test_bad_file_seen_by_one_rank_fails_on_every_rank(data: Path, shared_tmp: P
 
     def go(comm: MPI.Comm) -> list[Any]:
         t = Trainer(cfg, comm)
-        step_dir = save_checkpoint(t, out)
-        load_checkpoint_into(Trainer(cfg, comm), step_dir)
+        step_dir = save_checkpoint(train_state(t), out)
+        restore(Trainer(cfg, comm), step_dir)
         mine = t.mesh.index("tp")
         seen = comm.allgather((mine, sorted(set(hashed))))
         comm.Barrier()
@@ -199,7 +199,7 @@ def test_bad_file_seen_by_one_rank_fails_on_every_rank(data: Path, shared_tmp: P
             f.write_bytes(bytes(raw))
         comm.Barrier()
         try:
-            load_checkpoint_into(t, step_dir)
+            restore(t, step_dir)
             msg = None
         except CheckpointError as e:
             msg = str(e)
@@ -273,10 +273,13 @@ def test_pipeline_stage_trees_save_and_load(data: Path, shared_tmp: Path) -> Non
 
     def go(comm: MPI.Comm) -> str:
         t = _stage_trainer(cfg, comm, mesh_a, 2, state, 7)
-        step_dir = save_checkpoint(t, cfg.out)
+        step_dir = save_checkpoint(TrainState(t.mesh, t.model, t.layout, {g: join_units(x) for g, x in t.opt.state_trees().items()}, t.step, t.opt.adam_step,
+                                              cfg.dtype, cfg.seed), cfg.out)
         for spec, v in ((f"pp=2,dp={n // 2}", 1), (f"dp={n}", 1), (mesh_a, 2)):
             u = _stage_trainer(cfg, comm, spec, v, None, 0)
-            load_checkpoint_into(u, step_dir)
+            got = read_local_state(step_dir, u.mesh, u.model, u.layout, u.dtype)
+            u.opt.load_state_trees({g: split_units(x) for g, x in got.trees.items()}, got.opt_step)
+            u.step = got.step
             assert u.step == 7 and u.opt.adam_step == 7
             want = _stage_state(u.model, u.layout, u.mesh, state)
             got = {g: join_units(t) for g, t in u.opt.state_trees().items()}

@@ -9,16 +9,25 @@ Layout of OUT/ckpt/ (format "numesh-ckpt", version 1)::
                                     spec and files [{file, offset, shape, sha256}]
     step_000100/params/wte.tp0.npy  one rectangular block of a global array (np.save)
     latest -> step_000100           relative symlink, replaced atomically after each save
+
+Modules: `format` (the model-independent format: geometry, files, meta.json schema),
+`model` (the GPT's leaf table, pipeline paths, vocabulary padding), `state` (what is saved
+and loaded), `common` (helpers the others share), `save`, `load`, `reshard`, `export`.
 """
 
+from numesh.checkpoint.common import read_meta
 from numesh.checkpoint.export import export_nanogpt, from_nanogpt, import_nanogpt, to_nanogpt
-from numesh.checkpoint.format import FORMAT, VERSION, CheckpointError, Meta, global_path, read_meta
-from numesh.checkpoint.load import load_checkpoint_into, read_global_params, read_params_dict, read_state
+from numesh.checkpoint.format import FORMAT, VERSION, LeafDef, Meta
+from numesh.checkpoint.load import read_global_params, read_local_state, read_params_dict, read_state
+from numesh.checkpoint.model import global_path, gpt_leaves, pad_vocab, unpad_vocab
 from numesh.checkpoint.reshard import reshard
 from numesh.checkpoint.save import save_checkpoint
+from numesh.checkpoint.state import LocalState, TrainState
+from numesh.errors import CheckpointError
 
 __all__ = [
-    "FORMAT", "VERSION", "CheckpointError", "Meta", "export_nanogpt", "from_nanogpt", "global_path",
-    "import_nanogpt", "load_checkpoint_into", "read_global_params", "read_meta", "read_params_dict",
-    "read_state", "reshard", "save_checkpoint", "to_nanogpt",
+    "FORMAT", "VERSION", "CheckpointError", "LeafDef", "LocalState", "Meta", "TrainState", "export_nanogpt",
+    "from_nanogpt", "global_path", "gpt_leaves", "import_nanogpt", "pad_vocab", "read_global_params",
+    "read_local_state", "read_meta", "read_params_dict", "read_state", "reshard", "save_checkpoint",
+    "to_nanogpt", "unpad_vocab",
 ]

@@ -16,7 +16,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from numesh.checkpoint.format import CheckpointError
+from numesh.checkpoint.common import read_group, read_meta
+from numesh.checkpoint.format import DTYPES
+from numesh.errors import CheckpointError
 from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
 from numesh.nn.layers import LayerNorm, Linear
 
@@ -114,13 +116,10 @@ def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = N
     `dtype` ("float32"/"float64") converts the tensors; default: the checkpoint's."""
     from safetensors.numpy import save_file
 
-    from numesh.checkpoint.format import DTYPES, read_meta
-    from numesh.checkpoint.load import _read_group
-
     meta = read_meta(path)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-    params = _read_group(meta, "params")
+    params = read_group(meta, "params")
     sd = to_nanogpt(params, meta.model)
     if dtype is not None:
         sd = {k: v.astype(dtype) for k, v in sd.items()}

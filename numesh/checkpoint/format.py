@@ -4,6 +4,9 @@ A checkpoint is a directory. `meta.json` describes every leaf of the parameters 
 both AdamW moments by its global path, unpadded global shape, dtype and partition spec,
 and lists the files that hold it: each file is one rectangular block of the global array
 (`offset` + `shape`), stored as `.npy` with its sha256. Nothing here is pickled.
+
+This module knows no model: what leaves a checkpoint must hold comes in as a table of
+`LeafDef`s (built for the GPT by `numesh.checkpoint.model`).
 """
 
 from __future__ import annotations
@@ -14,15 +17,13 @@ import math
 import os
 import re
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 import numpy as np
 
 from numesh.mesh import AXES, P
 from numesh.mesh.mesh import axis_names
-from numesh.nn.gpt import GPTConfig, gpt_global_shapes, gpt_specs
-from numesh.tree import tree_leaves_with_path
 from numesh.errors import CheckpointError
 
 FORMAT = "numesh-ckpt"
@@ -30,8 +31,6 @@ VERSION = 1
 META_FILE = "meta.json"
 GROUPS = ("params", "m", "v")
 DTYPES = ("float32", "float64")
-# model-config keys that change the shape of some parameter (dropout does not)
-SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
 STEP_DIR = re.compile(r"step_(\d+)")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -44,17 +43,8 @@ Region = tuple[slice, ...]
 
 
 def step_dir_name(step: int) -> str:
+    """The directory name of the checkpoint of `step` ("step_000100")."""
     return f"step_{step:06d}"
-
-
-def global_path(local_path: str, owned: Sequence[int]) -> str:
-    """The global leaf path of a pipeline rank's local path: local block j is global layer owned[j]."""
-    parts = local_path.split(".")
-    if parts[0] == "blocks":
-        if len(parts) < 2 or not parts[1].isdigit() or int(parts[1]) >= len(owned):
-            raise ValueError(f"local path '{local_path}' names no block of the {len(owned)} this rank owns")
-        parts[1] = str(owned[int(parts[1])])
-    return ".".join(parts)
 
 
 def _dims(ndim: int, spec: Sequence) -> list:
@@ -63,7 +53,7 @@ def _dims(ndim: int, spec: Sequence) -> list:
     return list(spec) + [None] * (ndim - len(spec))
 
 
-def block_region(padded_shape: Sequence[int], spec: Sequence, sizes: dict[str, int], coords: dict[str, int]) -> Region:
+def block_region(padded_shape: Sequence[int], spec: Sequence, sizes: Mapping[str, int], coords: Mapping[str, int]) -> Region:
     """Where the rank at `coords` of a mesh of `sizes` holds its shard of an array of
     (padded) global shape `padded_shape` split by `spec` (the pure form of `local_slices`)."""
     out = []
@@ -100,10 +90,12 @@ def relative(region: Region, origin: Region) -> Region:
 
 
 def region_of(offset: Sequence[int], shape: Sequence[int]) -> Region:
+    """The region of a block stored at `offset` with `shape`."""
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 def full_region(shape: Sequence[int]) -> Region:
+    """The whole of an array of `shape` (its unpadded part, given the unpadded shape)."""
     return tuple(slice(0, n) for n in shape)
 
 
@@ -135,21 +127,36 @@ def leaf_blocks(global_shape: Sequence[int], padded_shape: Sequence[int], spec: 
 
 
 def leaf_file(group: str, path: str, suffix: str) -> str:
+    """The file name of one block, relative to the checkpoint directory."""
     return f"{group}/{path}.{suffix}.npy"
 
 
-def model_leaves(model: GPTConfig) -> dict[str, tuple[tuple[int, ...], P]]:
-    """Global path -> (unpadded global shape, spec) of every parameter."""
-    shapes = dict(tree_leaves_with_path(gpt_global_shapes(model, 1)))
-    specs = dict(tree_leaves_with_path(gpt_specs(model)))
-    return {p: (tuple(shapes[p]), specs[p]) for p in shapes}
+@attrs.frozen
+class LeafDef:
+    """What the format needs of one model leaf: its unpadded global shape, its partition
+    spec, and the dims a mesh rounds up to a multiple of their shard count (an embedding's
+    vocabulary, so it splits evenly). Padding is zero, lives only in memory, never on disk."""
+
+    shape: tuple[int, ...] = attrs.field(converter=lambda s: tuple(int(n) for n in s))
+    spec: P = attrs.field(converter=lambda s: P(*s))
+    pad_dims: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+
+    def padded_shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        """The global shape a mesh of axis `sizes` holds."""
+        out = []
+        for i, (n, d) in enumerate(zip(self.shape, _dims(len(self.shape), self.spec))):
+            k = math.prod(sizes[a] for a in axis_names(d)) if i in self.pad_dims and d is not None else 1
+            out.append(-(-n // k) * k)
+        return tuple(out)
+
+    def region(self, sizes: Mapping[str, int], coords: Mapping[str, int]) -> Region:
+        """Where the rank at `coords` holds its shard, in padded global coordinates."""
+        return block_region(self.padded_shape(sizes), self.spec, sizes, coords)
 
 
-def padded_shape(model: GPTConfig, path: str, shape: Sequence[int], tp: int) -> tuple[int, ...]:
-    """The global shape a mesh with tensor-parallel size `tp` holds (wte padded to a multiple of tp)."""
-    if path == "wte":
-        return (model.padded_vocab(tp), *shape[1:])
-    return tuple(shape)
+# the model config and leaf table (global path -> LeafDef) that meta.json's "model" entry
+# describes; raises KeyError, TypeError or ValueError if the entry is bad
+Describe = Callable[[Any], tuple[Any, dict[str, LeafDef]]]
 
 
 # ---------------------------------------------------------------------------------------
@@ -157,6 +164,7 @@ def padded_shape(model: GPTConfig, path: str, shape: Sequence[int], tp: int) -> 
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """The sha256 of a file, read in chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while b := f.read(chunk):
@@ -187,6 +195,7 @@ def write_npy(path: Path, array: np.ndarray) -> str:
 
 
 def write_text_synced(path: Path, text: str) -> None:
+    """Write `text` and fsync it, so a crash never leaves a half-written meta.json."""
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
@@ -194,6 +203,7 @@ def write_text_synced(path: Path, text: str) -> None:
 
 
 def fsync_dir(path: Path) -> None:
+    """Make renames inside `path` durable (best effort: not every filesystem allows it)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -252,11 +262,12 @@ class LeafInfo:
 class Meta:
     root: Path  # the checkpoint directory (symlinks resolved)
     raw: dict[str, Any]
-    model: GPTConfig
+    model: Any  # the model config, as the `Describe` function given to `read_meta` built it
     step: int
     opt_step: int
     dtype: str
-    leaves: dict[str, LeafInfo]
+    leaves: dict[str, LeafInfo]  # "params/wte" -> what meta.json records of that leaf
+    defs: dict[str, LeafDef]  # "wte" -> what the model says that leaf is
 
     @property
     def path(self) -> Path:
@@ -292,9 +303,8 @@ def _spec(x: Any, meta_path: Path, key: str) -> tuple:
         raise CheckpointError(f"{meta_path}: leaf '{key}' has a malformed spec {x!r}") from None
 
 
-def parse_meta(raw: Any, root: Path) -> Meta:
-    """Check everything in meta.json that can be checked without the array files."""
-    meta_path = root / META_FILE
+def _parse_header(raw: Any, meta_path: Path, describe: Describe) -> tuple[Any, dict[str, LeafDef], int, int, str]:
+    """(model, leaf table, step, opt_step, dtype) of a meta.json document, checked."""
     if not isinstance(raw, dict):
         raise CheckpointError(f"{meta_path}: not a JSON object")
     if raw.get("format") != FORMAT:
@@ -305,8 +315,7 @@ def parse_meta(raw: Any, root: Path) -> Meta:
             f"(this numesh reads version {VERSION})"
         )
     try:
-        model = GPTConfig(**raw["model"])
-        model.validate(1)
+        model, defs = describe(raw["model"])
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{meta_path}: bad model config: {e}") from None
     step, opt_step = raw.get("step"), raw.get("opt_step", raw.get("step"))
@@ -316,45 +325,61 @@ def parse_meta(raw: Any, root: Path) -> Meta:
     dtype = raw.get("dtype")
     if dtype not in DTYPES:
         raise CheckpointError(f"{meta_path}: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return model, defs, step, opt_step, dtype
+
+
+def _parse_files(key: str, files_raw: Any, shape: tuple[int, ...], meta_path: Path) -> list[FileRecord]:
+    """The file records of leaf `key`, each a block inside its global `shape`."""
+    if not isinstance(files_raw, list):
+        raise CheckpointError(f"{meta_path}: leaf '{key}' has no file list")
+    files = []
+    for rec in files_raw:
+        if not isinstance(rec, dict):
+            raise CheckpointError(f"{meta_path}: leaf '{key}' has a malformed file record {rec!r}")
+        rel = safe_relpath(rec.get("file"), meta_path)
+        off = _int_list(rec.get("offset"), len(shape), f"offset of {rel}", meta_path)
+        shp = _int_list(rec.get("shape"), len(shape), f"shape of {rel}", meta_path)
+        if any(o + n > g for o, n, g in zip(off, shp, shape)) or 0 in shp:
+            raise CheckpointError(f"{meta_path}: block {rel} (offset {list(off)}, shape {list(shp)}) lies outside '{key}' {list(shape)}")
+        digest = rec.get("sha256")
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise CheckpointError(f"{meta_path}: file {rel} has no valid sha256")
+        files.append(FileRecord(rel, off, shp, digest))
+    return files
+
+
+def _parse_leaf(key: str, info: Any, shape: tuple[int, ...], meta_path: Path) -> LeafInfo:
+    """One entry of meta.json's leaf table, checked against the model's `shape`."""
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{meta_path}: leaf '{key}' is missing")
+    got_shape = _int_list(info.get("shape"), len(shape), f"shape of '{key}'", meta_path)
+    if got_shape != shape:
+        raise CheckpointError(f"{meta_path}: leaf '{key}' has shape {list(got_shape)}, the model needs {list(shape)}")
+    if info.get("dtype") not in DTYPES:
+        raise CheckpointError(f"{meta_path}: leaf '{key}' has dtype {info.get('dtype')!r}")
+    files = _parse_files(key, info.get("files"), shape, meta_path)
+    _check_tiling(key, shape, files, meta_path)
+    return LeafInfo(key, shape, info["dtype"], _spec(info.get("spec"), meta_path, key), tuple(files))
+
+
+def parse_meta(raw: Any, root: Path, describe: Describe) -> Meta:
+    """Check everything in meta.json that can be checked without the array files; `describe`
+    turns its "model" entry into the model config and the leaves that model has."""
+    meta_path = root / META_FILE
+    model, defs, step, opt_step, dtype = _parse_header(raw, meta_path, describe)
     leaves_raw = raw.get("leaves")
     if not isinstance(leaves_raw, dict):
         raise CheckpointError(f"{meta_path}: no 'leaves' table")
-    expected = model_leaves(model)
-    want_keys = {f"{g}/{p}" for g in GROUPS for p in expected}
+    want_keys = {f"{g}/{p}" for g in GROUPS for p in defs}
     extra = sorted(set(leaves_raw) - want_keys)
     if extra:
         raise CheckpointError(f"{meta_path}: leaf '{extra[0]}' is not a parameter of the model it describes")
-    leaves: dict[str, LeafInfo] = {}
-    for group in GROUPS:
-        for path, (shape, spec) in expected.items():
-            key = f"{group}/{path}"
-            info = leaves_raw.get(key)
-            if not isinstance(info, dict):
-                raise CheckpointError(f"{meta_path}: leaf '{key}' is missing")
-            got_shape = _int_list(info.get("shape"), len(shape), f"shape of '{key}'", meta_path)
-            if got_shape != shape:
-                raise CheckpointError(f"{meta_path}: leaf '{key}' has shape {list(got_shape)}, the model needs {list(shape)}")
-            if info.get("dtype") not in DTYPES:
-                raise CheckpointError(f"{meta_path}: leaf '{key}' has dtype {info.get('dtype')!r}")
-            files_raw = info.get("files")
-            if not isinstance(files_raw, list):
-                raise CheckpointError(f"{meta_path}: leaf '{key}' has no file list")
-            files = []
-            for rec in files_raw:
-                if not isinstance(rec, dict):
-                    raise CheckpointError(f"{meta_path}: leaf '{key}' has a malformed file record {rec!r}")
-                rel = safe_relpath(rec.get("file"), meta_path)
-                off = _int_list(rec.get("offset"), len(shape), f"offset of {rel}", meta_path)
-                shp = _int_list(rec.get("shape"), len(shape), f"shape of {rel}", meta_path)
-                if any(o + n > g for o, n, g in zip(off, shp, shape)) or 0 in shp:
-                    raise CheckpointError(f"{meta_path}: block {rel} (offset {list(off)}, shape {list(shp)}) lies outside '{key}' {list(shape)}")
-                digest = rec.get("sha256")
-                if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
-                    raise CheckpointError(f"{meta_path}: file {rel} has no valid sha256")
-                files.append(FileRecord(rel, off, shp, digest))
-            _check_tiling(key, shape, files, meta_path)
-            leaves[key] = LeafInfo(key, shape, info["dtype"], _spec(info.get("spec"), meta_path, key), tuple(files))
-    return Meta(root, raw, model, step, opt_step, dtype, leaves)
+    leaves = {
+        f"{g}/{p}": _parse_leaf(f"{g}/{p}", leaves_raw.get(f"{g}/{p}"), d.shape, meta_path)
+        for g in GROUPS
+        for p, d in defs.items()
+    }
+    return Meta(root, raw, model, step, opt_step, dtype, leaves, defs)
 
 
 def _check_tiling(key: str, shape: tuple[int, ...], files: list[FileRecord], meta_path: Path) -> None:
@@ -368,8 +393,9 @@ def _check_tiling(key: str, shape: tuple[int, ...], files: list[FileRecord], met
         raise CheckpointError(f"{meta_path}: the blocks of '{key}' cover {total} of its {math.prod(shape)} values")
 
 
-def read_meta(path: str | Path) -> Meta:
-    """Read and check `path/meta.json` (`path` may be the `latest` symlink)."""
+def read_meta(path: str | Path, describe: Describe) -> Meta:
+    """Read and check `path/meta.json` (`path` may be the `latest` symlink) for the model
+    `describe` builds from it (see `parse_meta`)."""
     given = Path(path)
     if not given.exists():
         raise CheckpointError(f"no checkpoint at {given}: pass a checkpoint directory such as RUN/ckpt/latest")
@@ -383,18 +409,7 @@ def read_meta(path: str | Path) -> Meta:
         raw = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{meta_path} cannot be read: {e}") from None
-    return parse_meta(raw, root)
-
-
-def check_model(meta: Meta, model: GPTConfig) -> None:
-    """Raise if the checkpoint's model has other parameter shapes than `model`."""
-    for key in SHAPE_KEYS:
-        have, want = getattr(meta.model, key), getattr(model, key)
-        if have != want:
-            raise CheckpointError(
-                f"{meta.path}: the checkpoint's model has {key}={have} but this run has {key}={want}: "
-                "resume with the same model config"
-            )
+    return parse_meta(raw, root, describe)
 
 
 # ---------------------------------------------------------------------------------------
@@ -451,8 +466,3 @@ class BlockReader:
             arr = self.open(leaf, rec)
             out[relative(common, region)] = arr[relative(common, rec.region)]
         return out
-
-    def files_for(self, key: str, region: Region) -> Iterator[FileRecord]:
-        for rec in self.meta.leaves[key].files:
-            if intersect(region, rec.region) is not None:
-                yield rec

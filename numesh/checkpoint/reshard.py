@@ -6,21 +6,22 @@ import json
 import shutil
 from pathlib import Path
 
+from numesh.checkpoint.common import TMP_PREFIX, install_dir, read_meta
 from numesh.checkpoint.format import (
+    META_FILE,
     BlockReader,
-    CheckpointError,
     FileRecord,
+    Meta,
     fsync_dir,
     leaf_blocks,
     leaf_file,
-    padded_shape,
-    read_meta,
     write_npy,
     write_text_synced,
 )
-from numesh.checkpoint.save import TMP_PREFIX, install_dir
+from numesh.errors import CheckpointError
 from numesh.mesh import AXES, MeshError, parse_mesh
 from numesh.mesh.mesh import parse_axis_sizes
+from numesh.pipeline.stages import StageLayout
 
 
 def target_mesh(source: dict[str, int], to: str) -> tuple[dict[str, int], list[str]]:
@@ -42,8 +43,6 @@ def reshard(path: str | Path, to: str, out: str | Path | None = None) -> Path:
     """Write checkpoint `path` as the ranks of mesh `to` would have written it (same values,
     other blocks) to `out` (default: a sibling named like `step_000100-tp4`). Reads and
     writes one block at a time; the output appears atomically. Returns the output dir."""
-    from numesh.pipeline.stages import StageLayout
-
     meta = read_meta(path)
     src_mesh = meta.raw.get("mesh") if isinstance(meta.raw.get("mesh"), dict) else {}
     sizes, named = target_mesh(src_mesh, to)
@@ -60,25 +59,31 @@ def reshard(path: str | Path, to: str, out: str | Path | None = None) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        reader = BlockReader(meta)
-        leaves_out = {}
-        for key, leaf in meta.leaves.items():
-            group, leaf_path = key.split("/", 1)
-            padded = padded_shape(meta.model, leaf_path, leaf.shape, sizes["tp"])
-            records = []
-            for suffix, region in leaf_blocks(leaf.shape, padded, leaf.spec, sizes):
-                rel = leaf_file(group, leaf_path, suffix)
-                digest = write_npy(tmp / rel, reader.read(key, region))
-                records.append(FileRecord(rel, tuple(r.start for r in region), tuple(r.stop - r.start for r in region), digest))
-            leaves_out[key] = leaf.to_json() | {"files": [r.to_json() for r in records]}
         doc = dict(meta.raw)
         doc["mesh"] = dict(sizes)
         doc["resharded_from"] = {"dir": meta.root.name, "mesh": src_mesh}
-        doc["leaves"] = leaves_out
-        write_text_synced(tmp / "meta.json", json.dumps(doc, indent=1))
+        doc["leaves"] = _write_blocks(meta, sizes, tmp)
+        write_text_synced(tmp / META_FILE, json.dumps(doc, indent=1))
         fsync_dir(tmp)
         install_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _write_blocks(meta: Meta, sizes: dict[str, int], tmp: Path) -> dict[str, dict]:
+    """Write every leaf of `meta` into `tmp` as the writing ranks of a mesh of `sizes` would;
+    return meta.json's new leaf table."""
+    reader = BlockReader(meta)
+    leaves_out = {}
+    for key, leaf in meta.leaves.items():
+        group, leaf_path = key.split("/", 1)
+        padded = meta.defs[leaf_path].padded_shape(sizes)
+        records = []
+        for suffix, region in leaf_blocks(leaf.shape, padded, leaf.spec, sizes):
+            rel = leaf_file(group, leaf_path, suffix)
+            digest = write_npy(tmp / rel, reader.read(key, region))
+            records.append(FileRecord(rel, tuple(r.start for r in region), tuple(r.stop - r.start for r in region), digest))
+        leaves_out[key] = leaf.to_json() | {"files": [r.to_json() for r in records]}
+    return leaves_out

@@ -16,23 +16,20 @@ from typing import Any
 
 import attrs
 
+from numesh.checkpoint.common import TMP_PREFIX, install_dir
 from numesh.checkpoint.format import (
     FORMAT,
     GROUPS,
     META_FILE,
     STEP_DIR,
     VERSION,
-    CheckpointError,
     FileRecord,
+    LeafDef,
     LeafInfo,
-    block_region,
     fsync_dir,
     full_region,
-    global_path,
     intersect,
     leaf_file,
-    model_leaves,
-    padded_shape,
     relative,
     shard_suffix,
     step_dir_name,
@@ -40,85 +37,71 @@ from numesh.checkpoint.format import (
     write_text_synced,
     writes_leaf,
 )
+from numesh.checkpoint.model import gpt_leaves, written_leaves
+from numesh.checkpoint.state import TrainState
+from numesh.errors import CheckpointError
 from numesh.mesh import AXES
-from numesh.nn.units import join_units
-from numesh.tree import tree_leaves_with_path
 
-TMP_PREFIX = ".tmp-"
 LATEST = "latest"
+# one written block: (leaf key "group/path", its file record as JSON, its dtype name)
+Written = tuple[str, dict[str, Any], str]
 
 
-def layout_of(trainer: Any):
-    from numesh.pipeline.stages import StageLayout
-
-    return getattr(trainer, "layout", None) or StageLayout(trainer.model.n_layer)
-
-
-def _write_rank_shards(trainer: Any, trees: dict[str, Any], tmp: Path) -> list[tuple[str, dict, str]]:
-    """Write this rank's blocks; return (leaf key, file record, dtype) triples."""
-    mesh, model = trainer.mesh, trainer.model
-    layout = layout_of(trainer)
-    pp_rank = mesh.index("pp")
-    owned = layout.owned(pp_rank)
-    leaves = model_leaves(model)
-    tp = mesh.size("tp")
+def _write_rank_shards(state: TrainState, leaves: dict[str, LeafDef], tmp: Path) -> list[Written]:
+    """Write the blocks this rank is the first holder of; return what it wrote."""
+    mesh = state.mesh
     out = []
     for group in GROUPS:
-        for local, x in tree_leaves_with_path(trees[group]):
-            path = global_path(local, owned)
-            if path == "wte" and not layout.is_first(pp_rank):
-                continue  # the tied copy on the last stage is written by the first
-            shape, spec = leaves[path]
-            if not writes_leaf(spec, mesh.coords):
+        for path, x in written_leaves(state.trees[group], state.layout, mesh.index("pp")):
+            leaf = leaves[path]
+            if not writes_leaf(leaf.spec, mesh.coords):
                 continue
-            held = block_region(padded_shape(model, path, shape, tp), spec, mesh.shape, mesh.coords)
+            held = leaf.region(mesh.shape, mesh.coords)
             if tuple(r.stop - r.start for r in held) != x.shape:
                 raise CheckpointError(f"rank {mesh.rank}: leaf {group}/{path} has local shape {x.shape}, expected {held}")
-            region = intersect(held, full_region(shape))
+            region = intersect(held, full_region(leaf.shape))
             if region is None:
                 continue  # wholly vocabulary padding
-            rel = leaf_file(group, path, shard_suffix(spec, mesh.coords))
+            rel = leaf_file(group, path, shard_suffix(leaf.spec, mesh.coords))
             digest = write_npy(tmp / rel, x[relative(region, held)])
             rec = FileRecord(rel, tuple(r.start for r in region), tuple(r.stop - r.start for r in region), digest)
             out.append((f"{group}/{path}", rec.to_json(), x.dtype.name))
     return out
 
 
-def build_meta(model: Any, step: int, opt_step: int, dtype: str, mesh_shape: dict[str, int], virtual_stages: int,
-               records: dict[str, list[dict]], leaf_dtypes: dict[str, str], extra: dict[str, Any]) -> dict[str, Any]:
-    """The meta.json document."""
-    leaves = {}
+def build_meta(state: TrainState, leaves: dict[str, LeafDef], written: list[Written]) -> dict[str, Any]:
+    """The meta.json document of `state`, whose ranks wrote the blocks `written`."""
+    records: dict[str, list[dict]] = {}
+    leaf_dtypes: dict[str, str] = {}
+    for key, rec, dt in written:
+        records.setdefault(key, []).append(rec)
+        leaf_dtypes[key] = dt
+    table = {}
     for group in GROUPS:
-        for path, (shape, spec) in model_leaves(model).items():
+        for path, leaf in leaves.items():
             key = f"{group}/{path}"
             files = sorted(records.get(key, []), key=lambda r: (r["offset"], r["file"]))
-            leaves[key] = LeafInfo(key, shape, leaf_dtypes.get(key, dtype), tuple(spec), ()).to_json() | {"files": files}
+            info = LeafInfo(key, leaf.shape, leaf_dtypes.get(key, state.dtype), tuple(leaf.spec), ())
+            table[key] = info.to_json() | {"files": files}
+    seed, step = state.seed, state.step
     return {
         "format": FORMAT,
         "version": VERSION,
         "step": step,
-        "opt_step": opt_step,
-        "dtype": dtype,
-        "mesh": {a: mesh_shape[a] for a in AXES},
-        "virtual_stages": virtual_stages,
-        "model": attrs.asdict(model),
-        **extra,
-        "leaves": leaves,
+        "opt_step": state.opt_step,
+        "dtype": state.dtype,
+        "mesh": {a: state.mesh.shape[a] for a in AXES},
+        "virtual_stages": state.layout.v,
+        "model": attrs.asdict(state.model),
+        "seed": seed,
+        # every random draw is a pure function of (seed, step, ...): restoring the
+        # step restores the data position and the dropout stream exactly
+        "rng": {"kind": "counter-based numpy default_rng", "dropout_key": "[seed, step, site]", "seed": seed},
+        "data": {"batch_key": "[seed, 0, step]", "next_step": step},
+        "train": state.run_config,
+        "tokenizer": state.tokenizer,
+        "leaves": table,
     }
-
-
-def install_dir(tmp: Path, final: Path) -> None:
-    """Rename a finished temp dir into place (replacing an older copy of the same step)."""
-    old = None
-    if final.exists() or final.is_symlink():
-        old = final.with_name(f"{TMP_PREFIX}old-{final.name}")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def point_latest(ckdir: Path, name: str) -> None:
@@ -156,21 +139,18 @@ def _prepare(ckdir: Path, tmp: Path) -> None:
         (tmp / group).mkdir(parents=True)
 
 
-def save_checkpoint(trainer: Any, out_dir: str | Path, keep: int | None = None) -> Path:
-    """Write `trainer`'s parameters, AdamW moments and step to OUT/ckpt/step_NNNNNN and point
+def save_checkpoint(state: TrainState, out_dir: str | Path, keep: int | None = None) -> Path:
+    """Write `state` (parameters, AdamW moments, step) to OUT/ckpt/step_NNNNNN and point
     OUT/ckpt/latest at it; keep only the `keep` newest step dirs if given (> 0).
 
-    Collective over the trainer's mesh: every rank writes its own blocks, nobody gathers
+    Collective over the state's mesh: every rank writes its own blocks, nobody gathers
     arrays. Returns the step directory."""
-    mesh = trainer.mesh
-    comm = mesh.world
+    comm = state.mesh.world
     rank = comm.Get_rank()
-    step = int(trainer.step)
     ckdir = Path(out_dir) / "ckpt"
-    name = step_dir_name(step)
+    name = step_dir_name(state.step)
     tmp, final = ckdir / f"{TMP_PREFIX}{name}", ckdir / name
-
-    trees = {g: join_units(t) for g, t in trainer.opt.state_trees().items()}  # collective over dp
+    leaves = gpt_leaves(state.model)
 
     err = None
     if rank == 0:
@@ -182,61 +162,35 @@ def save_checkpoint(trainer: Any, out_dir: str | Path, keep: int | None = None) 
     if err:
         raise CheckpointError(err)
 
-    records: list[tuple[str, dict, str]] = []
+    written: list[Written] = []
     try:
-        records = _write_rank_shards(trainer, trees, tmp)
+        written = _write_rank_shards(state, leaves, tmp)
     except (OSError, ValueError) as e:
         err = f"rank {rank}: cannot write checkpoint {tmp}: {e}"
-    gathered = comm.gather((records, err), root=0)
-
-    result: tuple[str, str] | None = None
-    if rank == 0:
-        errors = [e for _, e in gathered if e]
-        if errors:
-            shutil.rmtree(tmp, ignore_errors=True)
-            result = ("error", errors[0])
-        else:
-            try:
-                by_leaf: dict[str, list[dict]] = {}
-                leaf_dtypes: dict[str, str] = {}
-                for recs, _ in gathered:
-                    for key, rec, dt in recs:
-                        by_leaf.setdefault(key, []).append(rec)
-                        leaf_dtypes[key] = dt
-                seed = getattr(trainer.cfg, "seed", None)
-                extra: dict[str, Any] = {
-                    "seed": seed,
-                    # every random draw is a pure function of (seed, step, ...): restoring the
-                    # step restores the data position and the dropout stream exactly
-                    "rng": {"kind": "counter-based numpy default_rng", "dropout_key": "[seed, step, site]", "seed": seed},
-                    "data": {"batch_key": "[seed, 0, step]", "next_step": step},
-                }
-                extra["train"] = attrs.asdict(trainer.cfg) if attrs.has(type(trainer.cfg)) else None
-                extra["tokenizer"] = _tokenizer_meta(trainer)
-                layout = layout_of(trainer)
-                meta = build_meta(
-                    trainer.model, step, int(trainer.opt.adam_step), trainer.cfg.dtype, mesh.shape, layout.v,
-                    by_leaf, leaf_dtypes, extra,
-                )
-                write_text_synced(tmp / META_FILE, json.dumps(meta, indent=1))
-                fsync_dir(tmp)
-                install_dir(tmp, final)
-                point_latest(ckdir, name)
-                if keep:
-                    prune(ckdir, keep, final)
-                result = ("ok", str(final))
-            except OSError as e:
-                result = ("error", f"cannot finish checkpoint {final}: {e}")
+    gathered = comm.gather((written, err), root=0)
+    result = _finish(state, leaves, gathered, tmp, final, keep) if rank == 0 else None
     status, msg = comm.bcast(result, root=0)
     if status != "ok":
         raise CheckpointError(msg)
     return final
 
 
-def _tokenizer_meta(trainer: Any) -> dict | None:
-    from numesh import data as D
-
+def _finish(state: TrainState, leaves: dict[str, LeafDef], gathered: list[tuple[list[Written], str | None]],
+            tmp: Path, final: Path, keep: int | None) -> tuple[str, str]:
+    """On rank 0: write meta.json, install the step dir, move `latest`, prune;
+    ("ok", dir) or ("error", message)."""
+    errors = [e for _, e in gathered if e]
+    if errors:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return ("error", errors[0])
     try:
-        return D.load_tokenizer(trainer.cfg.data).to_meta()
-    except (D.DataError, OSError, AttributeError):
-        return None
+        meta = build_meta(state, leaves, [w for written, _ in gathered for w in written])
+        write_text_synced(tmp / META_FILE, json.dumps(meta, indent=1))
+        fsync_dir(tmp)
+        install_dir(tmp, final)
+        point_latest(final.parent, final.name)
+        if keep:
+            prune(final.parent, keep, final)
+        return ("ok", str(final))
+    except OSError as e:
+        return ("error", f"cannot finish checkpoint {final}: {e}")

@@ -1,0 +1,44 @@
+"""Helpers that save, load, reshard and export share, so none imports another's internals:
+GPT checkpoints' `read_meta`, whole-leaf reads, and installing a finished temp directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from numesh.checkpoint.format import BlockReader, Meta, full_region, fsync_dir
+from numesh.checkpoint.format import read_meta as read_any_meta
+from numesh.checkpoint.model import describe_gpt, global_paths
+from numesh.nn.gpt import GPT
+from numesh.tree import tree_map
+
+# name prefix of directories still being written (a save or reshard in progress or killed)
+TMP_PREFIX = ".tmp-"
+
+
+def read_meta(path: str | Path) -> Meta:
+    """Read and check the meta.json of the GPT checkpoint at `path` (may be `latest`)."""
+    return read_any_meta(path, describe_gpt)
+
+
+def read_group(meta: Meta, group: str) -> GPT:
+    """The whole unpadded tree of one group ("params", "m" or "v") of a checkpoint."""
+    reader = BlockReader(meta)
+    return tree_map(
+        lambda path: reader.read(f"{group}/{path}", full_region(meta.defs[path].shape)), global_paths(meta.model)
+    )
+
+
+def install_dir(tmp: Path, final: Path) -> None:
+    """Rename a finished temp dir into place (replacing an older copy of the same name)."""
+    old = None
+    if final.exists() or final.is_symlink():
+        old = final.with_name(f"{TMP_PREFIX}old-{final.name}")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,120 @@
+"""All the checkpoint layer knows about the GPT: its leaf table, its config in meta.json,
+how a pipeline rank's tree maps to global leaf paths, and vocabulary padding.
+
+Everything else in numesh/checkpoint works from the `LeafDef` table built here, so the
+format, block geometry and metadata parsing are the same for any model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from numesh.checkpoint.format import LeafDef, Meta, full_region
+from numesh.errors import CheckpointError
+from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs
+from numesh.pipeline.stages import StageLayout, stage_tree
+from numesh.tree import tree_leaves_with_path, tree_map_with_path
+
+# model-config keys that change the shape of some parameter (dropout does not)
+SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
+# leaves whose dim 0 is the vocabulary, padded to a multiple of tp on a mesh
+VOCAB_LEAVES = ("wte",)
+# tied leaves held by both the first and the last pipeline stage; the first one writes them
+TIED_LEAVES = ("wte",)
+
+
+def gpt_leaves(model: GPTConfig) -> dict[str, LeafDef]:
+    """Global path -> LeafDef of every parameter (unpadded shapes), in tree order."""
+    specs = dict(tree_leaves_with_path(gpt_specs(model)))
+    return {
+        path: LeafDef(shape, specs[path], (0,) if path in VOCAB_LEAVES else ())
+        for path, shape in tree_leaves_with_path(gpt_global_shapes(model, 1))
+    }
+
+
+def describe_gpt(raw_model: Any) -> tuple[GPTConfig, dict[str, LeafDef]]:
+    """The GPT config in meta.json's "model" entry and its leaf table (the format's `Describe`)."""
+    model = GPTConfig(**raw_model)
+    model.validate(1)
+    return model, gpt_leaves(model)
+
+
+def check_model(meta: Meta, model: GPTConfig) -> None:
+    """Raise if the checkpoint's model has other parameter shapes than `model`."""
+    for key in SHAPE_KEYS:
+        have, want = getattr(meta.model, key), getattr(model, key)
+        if have != want:
+            raise CheckpointError(
+                f"{meta.path}: the checkpoint's model has {key}={have} but this run has {key}={want}: "
+                "resume with the same model config"
+            )
+
+
+# ---------------------------------------------------------------------------------------
+# pipeline stages: local trees and global paths
+
+
+def global_path(local_path: str, owned: Sequence[int]) -> str:
+    """The global leaf path of a pipeline rank's local path: local block j is global layer owned[j]."""
+    parts = local_path.split(".")
+    if parts[0] == "blocks":
+        if len(parts) < 2 or not parts[1].isdigit() or int(parts[1]) >= len(owned):
+            raise ValueError(f"local path '{local_path}' names no block of the {len(owned)} this rank owns")
+        parts[1] = str(owned[int(parts[1])])
+    return ".".join(parts)
+
+
+def global_paths(model: GPTConfig) -> GPT:
+    """The whole-model tree whose leaves are their own global paths."""
+    return tree_map_with_path(lambda path, _shape: path, gpt_global_shapes(model, 1))
+
+
+def local_paths(model: GPTConfig, layout: StageLayout, pp_rank: int) -> GPT:
+    """The tree a pipeline rank holds (`stage_tree`'s cut), its leaves their global paths."""
+    return stage_tree(global_paths(model), layout, pp_rank)
+
+
+def written_leaves(tree: GPT, layout: StageLayout, pp_rank: int) -> Iterator[tuple[str, np.ndarray]]:
+    """(global path, local array) of each leaf of a pipeline rank's tree that this stage
+    writes: a tied copy is written by the first stage only."""
+    owned = layout.owned(pp_rank)
+    for local, x in tree_leaves_with_path(tree):
+        path = global_path(local, owned)
+        if path in TIED_LEAVES and not layout.is_first(pp_rank):
+            continue
+        yield path, x
+
+
+# ---------------------------------------------------------------------------------------
+# vocabulary padding: the one pad/unpad pair, driven by the leaf table
+
+
+def _pad_leaf(x: np.ndarray, leaf: LeafDef, sizes: Mapping[str, int]) -> np.ndarray:
+    """A whole unpadded leaf zero-padded to the shape a mesh of axis `sizes` holds."""
+    shape = leaf.padded_shape(sizes)
+    if shape == x.shape:
+        return x
+    out = np.zeros(shape, dtype=x.dtype)
+    out[full_region(x.shape)] = x
+    return out
+
+
+def _unpad_leaf(x: np.ndarray, leaf: LeafDef) -> np.ndarray:
+    """A whole padded leaf cut back to its true global shape."""
+    return x[full_region(leaf.shape)]
+
+
+def pad_vocab(params: GPT, model: GPTConfig, tp: int) -> GPT:
+    """Whole unpadded parameters padded for tensor-parallel size `tp` (zero rows)."""
+    leaves = gpt_leaves(model)
+    sizes = {"pp": 1, "dp": 1, "tp": tp}
+    return tree_map_with_path(lambda path, x: _pad_leaf(x, leaves[path], sizes), params)
+
+
+def unpad_vocab(params: GPT, model: GPTConfig) -> GPT:
+    """Whole (gathered) parameters with the vocabulary padding rows dropped."""
+    leaves = gpt_leaves(model)
+    return tree_map_with_path(lambda path, x: _unpad_leaf(x, leaves[path]), params)
+
