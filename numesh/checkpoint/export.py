@@ -18,7 +18,8 @@ import numpy as np
 
 from numesh.checkpoint.common import read_group, read_meta
 from numesh.checkpoint.format import DTYPES
-from numesh.errors import CheckpointError
+from numesh.data import CharTokenizer
+from numesh.errors import CheckpointError, DataError
 from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
 from numesh.nn.layers import LayerNorm, Linear
 
@@ -147,8 +148,6 @@ def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = N
 def import_nanogpt(file: str | Path) -> tuple[GPTConfig, Any, GPT, str, int]:
     """(model config, tokenizer or None, whole params, dtype name, step) of an exported file."""
     from safetensors import SafetensorError, safe_open
-
-    from numesh.data import CharTokenizer, DataError
 
     where = Path(file)
     if not where.is_file():

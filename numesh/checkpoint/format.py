@@ -22,9 +22,10 @@ from typing import Any, Callable, Mapping, Sequence
 import attrs
 import numpy as np
 
+from numesh.data import CharTokenizer
+from numesh.errors import CheckpointError, DataError
 from numesh.mesh import AXES, P
 from numesh.mesh.mesh import axis_names
-from numesh.errors import CheckpointError
 
 FORMAT = "numesh-ckpt"
 VERSION = 1
@@ -273,9 +274,7 @@ class Meta:
     def path(self) -> Path:
         return self.root / META_FILE
 
-    def tokenizer(self):
-        from numesh.data import CharTokenizer, DataError
-
+    def tokenizer(self) -> CharTokenizer | None:
         tok = self.raw.get("tokenizer")
         if tok is None:
             return None
