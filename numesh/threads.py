@@ -52,9 +52,10 @@ def threads() -> int:
 
 def _work() -> None:
     while True:
-        fn, done, errors = _jobs.get()
+        fn, done, errors, err_state = _jobs.get()
         try:
-            fn()
+            with np.errstate(**err_state):  # float warnings as the caller has them
+                fn()
         except BaseException as e:  # re-raised by the caller
             errors.append(e)
         finally:
@@ -64,10 +65,11 @@ def _work() -> None:
 def _run_all(calls: list[Callable[[], None]]) -> None:
     """Run calls[0] here and the others on the workers; wait for all, re-raise the first error."""
     dones, errors = [], []
+    err_state = np.geterr()
     for call in calls[1:]:
         done = threading.Lock()
         done.acquire()
-        _jobs.put((call, done, errors))
+        _jobs.put((call, done, errors, err_state))
         dones.append(done)
     try:
         calls[0]()

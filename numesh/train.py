@@ -31,6 +31,7 @@ from numesh.optim.zero import ZeroOptimizer
 from numesh.pipeline.executor import PipelineExecutor, StepStats
 from numesh.pipeline.schedules import make_schedule
 from numesh.pipeline.stages import StageLayout, gather_stages, stage_tree
+from numesh.rundir import RunDir
 from numesh.runtime import matmul_peak_flops
 from numesh.tree import tree_leaves, tree_map
 
@@ -85,6 +86,10 @@ class TrainConfig:
     ckpt_interval: int = _field(0, "save a checkpoint every N steps; 0 = only at the end")
     keep: int = _field(0, "keep the N newest checkpoints; 0 = all")
     resume: str = _field("", "checkpoint to continue from (written on any mesh), e.g. OUT/ckpt/latest")
+    overwrite: bool = _field(False, "replace a run already in --out (its config, metrics and checkpoints)")
+    # divergence
+    on_nan: str = _field("stop", "a non-finite loss or gradient norm: stop, or skip the step (no update)")
+    max_skips: int = _field(10, "with --on-nan skip: stop after this many skipped steps")
 
     def model(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(
@@ -142,8 +147,10 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
         raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
     if cfg.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
+    if cfg.on_nan not in ("stop", "skip"):
+        raise ConfigError(f"--on-nan must be stop or skip, got '{cfg.on_nan}'")
     for name in ("max_iters", "seed", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
-                 "ckpt_interval", "keep"):
+                 "ckpt_interval", "keep", "max_skips"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if not cfg.learning_rate > 0:
@@ -168,6 +175,14 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
     StageLayout(model.n_layer, shape["pp"], cfg.virtual_stages)
     make_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
     return shape, model
+
+
+class Diverged(ConfigError):
+    """A step's loss or gradient norm is not finite (the same on every rank)."""
+
+    def __init__(self, step: int, loss: float, norm: float, skipped: int):
+        self.step, self.loss, self.norm, self.skipped = step, loss, norm, skipped
+        super().__init__(f"step {step}: loss {loss}, gradient norm {norm}")
 
 
 def flops_per_token(model: GPTConfig, n_params: int) -> float:
@@ -201,6 +216,7 @@ class Trainer:
         self.train_data = D.load_split(cfg.data, "train")
         self.val_data = D.load_split(cfg.data, "val")
         self.step = 0
+        self.skipped = 0  # steps not applied because their loss or gradient was not finite
         self.n_params = sum(math.prod(s) for s in tree_leaves(gpt_global_shapes(self.model)))
 
     @property
@@ -236,7 +252,12 @@ class Trainer:
         loss = psum_scalar(stats.loss, mesh, ("pp", "dp"))
         norm = self.opt.global_norm()
         lr = self.lr(self.step)
-        self.opt.step(lr, clip_scale(norm, c.grad_clip))
+        if not (math.isfinite(loss) and math.isfinite(norm)):  # the same on every rank: both are global
+            self.skipped += 1
+            if c.on_nan == "stop" or self.skipped > c.max_skips:
+                raise Diverged(self.step, loss, norm, self.skipped)
+        else:
+            self.opt.step(lr, clip_scale(norm, c.grad_clip))
         self.step += 1
         return loss, norm, lr
 
@@ -285,8 +306,13 @@ def restore(trainer: Trainer, path: str | Path) -> None:
 
 def save_final(trainer: Trainer, out_dir: Path, keep: int = 0) -> Path:
     """Write a sharded checkpoint of the trainer's current step to OUT/ckpt/step_NNNNNN and
-    point OUT/ckpt/latest at it (collective; see numesh.checkpoint)."""
-    return save_checkpoint(train_state(trainer), out_dir, keep=keep or None)
+    point OUT/ckpt/latest at it (collective; see numesh.checkpoint). A state with a
+    non-finite value is refused on every rank: it never becomes `latest` or prunes a good one."""
+    state = train_state(trainer)
+    bad = sum(int(not np.isfinite(x).all()) for t in state.trees.values() for x in tree_leaves(t))
+    if psum_scalar(bad, trainer.mesh, ("pp", "dp", "tp")):
+        raise ConfigError(f"not saving step {trainer.step}: its parameters or optimiser state are not finite")
+    return save_checkpoint(state, out_dir, keep=keep or None)
 
 
 @attrs.frozen
@@ -316,24 +342,23 @@ def _step_record(trainer: Trainer, step: int, flops_per_peak: float) -> dict[str
     return {"step": step, **record} if record else record
 
 
-class _MetricsLog:
-    """OUT/config.json and OUT/metrics.jsonl, written by rank 0 only (one JSON object a line)."""
+def _last_checkpoint(out: Path) -> str:
+    latest = out / "ckpt" / "latest"
+    return str(latest.resolve()) if latest.exists() else "none (set --ckpt-interval to save during a run)"
 
-    def __init__(self, out: Path, cfg: TrainConfig, root: bool):
-        self.file = None
-        if root:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(json.dumps(attrs.asdict(cfg), indent=2))
-            self.file = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
 
-    def write(self, record: dict[str, Any]) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+def _diverged(d: Diverged, cfg: TrainConfig, out: Path) -> ConfigError:
+    how = "--on-nan skip skips such steps" if cfg.on_nan == "stop" else f"{d.skipped} steps skipped, over --max-skips"
+    return ConfigError(
+        f"training diverged at step {d.step} (loss {d.loss}, gradient norm {d.norm}; {how}); "
+        f"last good checkpoint: {_last_checkpoint(out)}"
+    )
 
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
+
+def _open_run(trainer: Trainer, cfg: TrainConfig) -> RunDir:
+    """Lock OUT, refuse to reuse a run unless resuming or overwriting, check room for a checkpoint."""
+    ckpt_bytes = 3 * trainer.n_params * np.dtype(trainer.dtype).itemsize  # params and both moments
+    return RunDir(Path(cfg.out), trainer.mesh.world, bool(cfg.resume), cfg.overwrite, ckpt_bytes, attrs.asdict(cfg))
 
 
 def train(
@@ -347,39 +372,41 @@ def train(
     trainer = Trainer(cfg, comm)
     if cfg.resume:
         restore(trainer, cfg.resume)
-        if trainer.step > cfg.max_iters:
-            raise ConfigError(
-                f"checkpoint {cfg.resume} is at step {trainer.step}, past max_iters={cfg.max_iters}: raise --max-iters"
-            )
+        if trainer.step >= cfg.max_iters:
+            where = "past" if trainer.step > cfg.max_iters else "already at"
+            raise ConfigError(f"checkpoint {cfg.resume} is at step {trainer.step}, {where} max_iters={cfg.max_iters}: "
+                              "raise --max-iters to train further")
     start, out = trainer.step, Path(cfg.out)
     # MFU's denominator: every rank's measured matmul throughput (see README)
     peak = psum_scalar(matmul_peak_flops(trainer.dtype), trainer.mesh, ("pp", "dp", "tp"))
     flops_per_peak = flops_per_token(trainer.model, trainer.n_params) / peak
-    log = _MetricsLog(out, cfg, trainer.mesh.rank == 0)
+    run = _open_run(trainer, cfg)
     last: dict[str, Any] = {}
-    saved_at = None
     t_start = time.perf_counter()
     try:
         for step in range(start, cfg.max_iters + 1):
-            record = _step_record(trainer, step, flops_per_peak)
+            try:
+                with np.errstate(all="ignore"):  # a non-finite step is caught below, with one message
+                    record = _step_record(trainer, step, flops_per_peak)
+            except Diverged as d:
+                run.write({"step": step, "loss": d.loss, "grad_norm": d.norm, "diverged": True})
+                raise _diverged(d, cfg, out) from None
             if record:
                 last.update(record)
-                log.write(record)
+                run.write(record)
                 if on_step is not None:
                     on_step(step, record)
             if cfg.ckpt_interval and step < cfg.max_iters and trainer.step % cfg.ckpt_interval == 0:
                 save_final(trainer, out, cfg.keep)
-                saved_at = trainer.step
     finally:
-        log.close()
-    seconds = time.perf_counter() - t_start
-    if saved_at != trainer.step:
+        run.close()
+    if not (cfg.ckpt_interval and trainer.step % cfg.ckpt_interval == 0):  # else saved just now
         save_final(trainer, out, cfg.keep)
     return TrainResult(
         steps=cfg.max_iters - start,
         final_loss=float(last.get("loss", math.nan)),
         final_val_loss=last.get("val_loss"),
-        seconds=seconds,
+        seconds=time.perf_counter() - t_start,
         checkpoint=str(out / "ckpt" / "latest"),
         metrics=str(out / "metrics.jsonl"),
     )

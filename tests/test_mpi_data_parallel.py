@@ -88,3 +88,17 @@ def test_replicas_stay_identical(shared_dataset: Path, shared_tmp: Path) -> None
         if mesh.size("tp") > 1 and "tp" not in P(*spec).axes():
             for other in mesh.comm("tp").allgather(np.array(leaf)):
                 np.testing.assert_allclose(other, leaf, rtol=1e-13, atol=1e-15, err_msg=path)
+
+
+def test_run_dir_refusals_and_divergence_are_the_same_error_on_every_rank(shared_dataset: Path, shared_tmp: Path) -> None:
+    """An --out that holds a run, and a diverged step, stop every rank with one error (no hang)."""
+    n = WORLD.Get_size()
+    out = shared_tmp / f"reuse-dp{n}"
+    cfg = small_run_config(shared_dataset, out, f"dp={n}", max_iters=1)
+    train(cfg, WORLD)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train(cfg, WORLD)
+    bad = small_run_config(shared_dataset, out, f"dp={n}", max_iters=50, learning_rate=1e200, grad_clip=0.0,
+                           overwrite=True)
+    with pytest.raises(ConfigError, match="training diverged at step"):
+        train(bad, WORLD)

@@ -1,0 +1,108 @@
+"""A run's output directory: held by one run at a time, never silently reused, with room
+for a checkpoint, and its metrics written as strict JSON lines.
+
+Rank 0 does the file work; every rank learns the outcome through one broadcast, so a
+problem is the same one-line error on every rank, before the first training step.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mpi4py import MPI
+
+from numesh.errors import ConfigError
+
+LOCK_FILE = ".lock"
+RUN_FILES = ("config.json", "metrics.jsonl")  # what makes a directory a run's
+
+
+class RunDir:
+    """OUT of one run: locked for the run's life (an flock, so a killed run leaves no stale
+    lock), refused if it already holds a run unless resuming or told to overwrite, checked
+    for space for a checkpoint; `write` appends a metrics line."""
+
+    def __init__(self, out: Path, comm: MPI.Comm, resume: bool, overwrite: bool, ckpt_bytes: int,
+                 config: dict[str, Any]):
+        self.out, self.comm = out, comm
+        self._lock = self.metrics = None
+        error = None
+        if comm.Get_rank() == 0:
+            try:
+                self._open(resume, overwrite, ckpt_bytes, config)
+            except (ConfigError, OSError) as e:
+                error = str(e) if isinstance(e, ConfigError) else f"cannot use --out {out}: {e}"
+                self.close()
+        error = comm.bcast(error, root=0)
+        if error:
+            raise ConfigError(error)
+
+    def _open(self, resume: bool, overwrite: bool, ckpt_bytes: int, config: dict[str, Any]) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._take_lock()
+        existing = [n for n in (*RUN_FILES, "ckpt") if (self.out / n).exists()]
+        if existing and not (resume or overwrite):
+            raise ConfigError(
+                f"--out {self.out} already holds a run ({', '.join(existing)}): pass --resume "
+                f"{self.out / 'ckpt' / 'latest'} to continue it, --overwrite to replace it, or another --out"
+            )
+        if overwrite and not resume:
+            for name in existing:
+                shutil.rmtree(self.out / name) if (self.out / name).is_dir() else (self.out / name).unlink()
+        free = shutil.disk_usage(self.out).free
+        if free < ckpt_bytes:
+            raise ConfigError(
+                f"--out {self.out} has {free / 2**20:.1f} MiB free but a checkpoint of this model needs "
+                f"~{ckpt_bytes / 2**20:.1f} MiB: free some space or choose another --out"
+            )
+        (self.out / "config.json").write_text(json.dumps(config, indent=2))
+        self.metrics = open(self.out / "metrics.jsonl", "a" if resume else "w")
+
+    def _take_lock(self) -> None:
+        path = self.out / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError(f"--out {self.out} is in use by {holder}: wait for it or choose another --out") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+        self._lock = fd
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one metrics line (rank 0; strict JSON: non-finite numbers become null)."""
+        if self.metrics is None:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        try:
+            self.metrics.write(json.dumps(clean, allow_nan=False) + "\n")
+            self.metrics.flush()
+        except OSError as e:
+            msg = f"cannot write {self.out / 'metrics.jsonl'}: {e.strerror or e}"
+            if self.comm.Get_size() > 1:  # only rank 0 writes: the others would wait for it forever
+                print(f"error: {msg}", file=sys.stderr, flush=True)
+                self.comm.Abort(2)
+            raise MetricsWriteError(msg) from None
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
+
+
+class MetricsWriteError(ConfigError):
+    """The metrics file could not be written (a full disk, a removed directory)."""
