@@ -220,3 +220,20 @@ def small_run_config(data: Path, out: Path, mesh: str, **kw: object) -> Any:
     )
     base.update(kw)
     return config_from(base)
+
+
+def cli(*args: str) -> Any:
+    """Run the `numesh` command line in-process (typer's CliRunner); stderr kept apart."""
+    from typer.testing import CliRunner
+
+    from numesh_cli.app import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def one_error_line(res: Any) -> str:
+    """The single `error: ...` line a user error prints (exit status 2), asserted to be alone."""
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2, res.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    return lines[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
+from conftest import cli, one_error_line
 from numesh_cli.app import app
 
 COMMANDS = (["train"], ["sample"], ["reshard"], ["export"], ["data", "shakespeare-char"])
@@ -43,10 +44,7 @@ def test_train_help_shows_every_default_in_brackets() -> None:
     ],
 )
 def test_sample_bad_values_are_one_line(args: list[str], message: str) -> None:
-    out = CliRunner().invoke(app, ["sample", "--ckpt", "nowhere", *args])
-    assert out.exit_code == 2
-    lines = out.output.strip().splitlines()
-    assert lines == [f"error: {lines[0][len('error: '):]}"] and message in lines[0]
+    assert message in one_error_line(cli("sample", "--ckpt", "nowhere", *args))
 
 
 @pytest.mark.parametrize(
@@ -61,7 +59,4 @@ def test_sample_bad_values_are_one_line(args: list[str], message: str) -> None:
 def test_train_bad_values_are_one_line(char_dataset, tmp_path, args: list[str], message: str) -> None:
     (tmp_path / "afile").write_text("x")
     args = [a.replace("{file}", str(tmp_path / "afile")) for a in args]
-    out = CliRunner().invoke(app, ["train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), *args])
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert out.exit_code == 2, out.output
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+    assert message in one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), *args))

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import cli, one_error_line
+
 from numesh import data as D
 from numesh.data import (
     CharTokenizer,
@@ -336,25 +338,10 @@ def test_read_text_file_errors(tmp_path: Path) -> None:
         D.read_text_file(tmp_path)
 
 
-def _cli(*args: str):
-    from typer.testing import CliRunner
-
-    from numesh_cli.app import app
-
-    return CliRunner().invoke(app, list(args))
-
-
-def _one_error_line(res) -> str:
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert res.exit_code == 2, res.output
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
-    return lines[0]
-
-
 def test_cli_data_char_any_text_file(tmp_path: Path) -> None:
     src = tmp_path / "my.txt"
     src.write_text(SYNTH, encoding="utf-8")
-    res = _cli("data", "char", "--src", str(src), "--out", str(tmp_path / "my"))
+    res = cli("data", "char", "--src", str(src), "--out", str(tmp_path / "my"))
     assert res.exit_code == 0, res.output
     _check_prepared(SYNTH, tmp_path / "my", {**json.loads((tmp_path / "my" / "meta.json").read_text()),
                                              "out_dir": str(tmp_path / "my")})
@@ -373,7 +360,7 @@ def test_cli_data_char_bad_source_is_one_line(tmp_path: Path, content: bytes | N
     src = tmp_path / "in.txt"
     if content is not None:
         src.write_bytes(content)
-    line = _one_error_line(_cli("data", "char", "--src", str(src), "--out", str(tmp_path / "o")))
+    line = one_error_line(cli("data", "char", "--src", str(src), "--out", str(tmp_path / "o")))
     assert match in line and str(src) in line
     assert not (tmp_path / "o").exists()
 
@@ -381,7 +368,7 @@ def test_cli_data_char_bad_source_is_one_line(tmp_path: Path, content: bytes | N
 def test_cli_data_shakespeare_char_still_works(tmp_path: Path) -> None:
     src = tmp_path / "input.txt"
     src.write_text(SYNTH, encoding="utf-8")
-    res = _cli("data", "shakespeare-char", "--src", str(src), "--out", str(tmp_path / "sc"))
+    res = cli("data", "shakespeare-char", "--src", str(src), "--out", str(tmp_path / "sc"))
     assert res.exit_code == 0, res.output
     assert load_tokenizer(tmp_path / "sc").vocab_size == len(set(SYNTH))
 
@@ -486,7 +473,7 @@ def test_ensure_dataset_existing_user_dir_untouched(fake_net, dataset: Path) -> 
 
 
 def test_cli_train_first_run_offline(fake_net, tmp_path: Path) -> None:
-    res = _cli("train", "--max-iters", "2", "--eval-iters", "1", "--eval-interval", "2", "--n-layer", "1",
+    res = cli("train", "--max-iters", "2", "--eval-iters", "1", "--eval-interval", "2", "--n-layer", "1",
                "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4")
     assert res.exit_code == 0, res.output
     offline = [line for line in res.stderr.splitlines() if line.startswith("offline:")]
@@ -496,7 +483,7 @@ def test_cli_train_first_run_offline(fake_net, tmp_path: Path) -> None:
 
 
 def test_cli_train_user_named_missing_data_is_one_line(fake_net, tmp_path: Path) -> None:
-    line = _one_error_line(_cli("train", "--data", str(tmp_path / "nope"), "--max-iters", "1"))
+    line = one_error_line(cli("train", "--data", str(tmp_path / "nope"), "--max-iters", "1"))
     assert "no dataset at" in line and fake_net.calls == 0
 
 
@@ -505,12 +492,12 @@ def test_cli_data_shakespeare_char_download_is_cached(fake_net, monkeypatch: pyt
     fake_net.body = body
     monkeypatch.setattr(D, "SHAKESPEARE_SHA256", hashlib.sha256(body).hexdigest())
     for _ in range(2):
-        res = _cli("data", "shakespeare-char", "--out", "ds")
+        res = cli("data", "shakespeare-char", "--out", "ds")
         assert res.exit_code == 0, res.output
     assert fake_net.calls == 1 and Path("ds/input.txt").read_bytes() == body
     assert D.read_corpus("ds")["name"] == "tinyshakespeare"
     fake_net.body = None  # offline, a dir without the cached download: the explicit command errors
-    line = _one_error_line(_cli("data", "shakespeare-char", "--out", "elsewhere"))
+    line = one_error_line(cli("data", "shakespeare-char", "--out", "elsewhere"))
     assert "failed" in line and "--src" in line
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import cli, one_error_line
+
 from numesh import plot as PL
 from numesh.errors import PlotError
 
@@ -27,21 +29,6 @@ def write_run(run: Path, steps: int = 10, eval_every: int = 5, scale: float = 1.
         lines.append(json.dumps(rec))
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return run
-
-
-def _cli(*args: str):
-    from typer.testing import CliRunner
-
-    from numesh_cli.app import app
-
-    return CliRunner().invoke(app, list(args))
-
-
-def _one_error_line(res) -> str:
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert res.exit_code == 2, res.output
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
-    return lines[0]
 
 
 def test_read_metrics(tmp_path: Path) -> None:
@@ -105,7 +92,7 @@ def test_labels_disambiguate_equal_names(tmp_path: Path) -> None:
 def test_cli_plot(tmp_path: Path) -> None:
     a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b")
     out = tmp_path / "p.svg"
-    res = _cli("plot", str(a), str(b), "--out", str(out))
+    res = cli("plot", str(a), str(b), "--out", str(out))
     assert res.exit_code == 0, res.output
     assert out.stat().st_size > 10_000 and str(out) in res.stdout
 
@@ -124,7 +111,7 @@ def test_cli_plot(tmp_path: Path) -> None:
 def test_cli_plot_errors_are_one_line(tmp_path: Path, make, out: str, match: str) -> None:
     run = tmp_path / "run"
     make(run)
-    line = _one_error_line(_cli("plot", str(run), "--out", str(tmp_path / out)))
+    line = one_error_line(cli("plot", str(run), "--out", str(tmp_path / out)))
     assert match in line
     assert not (tmp_path / out).exists()
 
@@ -134,6 +121,6 @@ def test_missing_matplotlib_is_one_line(tmp_path: Path, monkeypatch: pytest.Monk
     run = write_run(tmp_path / "r")
     with pytest.raises(PlotError, match="numesh plot needs matplotlib"):
         PL.plot_runs([run], tmp_path / "p.png")
-    line = _one_error_line(_cli("plot", str(run), "--out", str(tmp_path / "p.png")))
+    line = one_error_line(cli("plot", str(run), "--out", str(tmp_path / "p.png")))
     assert line == "error: numesh plot needs matplotlib: pip install 'numesh[plot]'"
     assert not (tmp_path / "p.png").exists()
