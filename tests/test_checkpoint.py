@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -514,3 +515,65 @@ def test_export_rejects_foreign_safetensors(tmp_path: Path) -> None:
     save_file({"x": np.zeros(3, np.float32)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(CheckpointError, match="not written by `numesh export`"):
         load_checkpoint(tmp_path / "other.safetensors")
+
+
+# ---------------------------------------------------------------------------------------
+# exported files: no silent overwrite, a tokenizer that fits (issue #18, point 11)
+
+
+def test_export_twice_needs_force(saved: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from numesh_cli.app import app
+
+    runner = CliRunner()
+    f = tmp_path / "m.safetensors"
+    assert runner.invoke(app, ["export", str(saved), "--out", str(f)]).exit_code == 0
+    f.write_bytes(f.read_bytes())  # a marker: is this copy replaced?
+    before = f.stat().st_mtime_ns
+    res = runner.invoke(app, ["export", str(saved), "--out", str(f), "--dtype", "float32"])
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2 and lines == [f"error: {f} exists: pass --force to overwrite"], res.output
+    assert f.stat().st_mtime_ns == before
+    with pytest.raises(CheckpointError, match="exists: pass --force to overwrite"):
+        export_nanogpt(saved, f)
+    res = runner.invoke(app, ["export", str(saved), "--out", str(f), "--dtype", "float32", "--force"])
+    assert res.exit_code == 0, res.output
+    from numesh.checkpoint import import_nanogpt
+
+    assert import_nanogpt(f)[3] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]  # no temp file left
+    with pytest.raises(CheckpointError, match="is a directory"):
+        export_nanogpt(saved, tmp_path, force=True)
+
+
+# ---------------------------------------------------------------------------------------
+# every file numesh writes is a normal file of the user's: 0666 less the umask
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077], ids=oct)
+def test_written_files_have_the_umask_mode(data: Path, tmp_path: Path, umask: int) -> None:
+    """Dataset files, checkpoint blocks and meta.json, reshard outputs and exports (all
+    written through temp files renamed into place) get the mode any new file would."""
+    old = os.umask(umask)
+    try:
+        ds = tmp_path / "ds"
+        prepare_char_dataset(TEXT, ds)
+        run_dir = tmp_path / "run"
+        train(config(ds, run_dir, max_iters=2), MPI.COMM_SELF)
+        resharded = reshard(run_dir / "ckpt" / "latest", "tp=2", tmp_path / "resharded")
+        exported = export_nanogpt(run_dir / "ckpt" / "latest", tmp_path / "out" / "m.safetensors")
+        forced = export_nanogpt(run_dir / "ckpt" / "latest", tmp_path / "out" / "m.safetensors", force=True)
+    finally:
+        os.umask(old)
+    assert exported == forced
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink()]
+    dirs = [p for p in tmp_path.rglob("*") if p.is_dir() and not p.is_symlink()]
+    names = {p.name for p in files}
+    assert {"train.bin", "val.bin", "meta.json", "config.json", "metrics.jsonl", "m.safetensors", "wte.tp0.npy",
+            "wte.tp1.npy"} <= names
+    assert resharded in dirs and run_dir / "ckpt" / "step_000002" in dirs
+    bad = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files if p.stat().st_mode & 0o777 != 0o666 & ~umask}
+    assert not bad, f"files not {oct(0o666 & ~umask)}: {bad}"
+    bad = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in dirs if p.stat().st_mode & 0o777 != 0o777 & ~umask}
+    assert not bad, f"directories not {oct(0o777 & ~umask)}: {bad}"
