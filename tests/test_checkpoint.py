@@ -518,6 +518,93 @@ def test_export_rejects_foreign_safetensors(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# the vocabulary a checkpoint was trained on (issue #18, point 9)
+
+
+def toml_of(cfg: TrainConfig) -> str:
+    """`cfg` as a --config file (every field is a str, int, float or bool)."""
+    return "".join(f"{k} = {json.dumps(v)}\n" for k, v in attrs.asdict(cfg).items())
+
+
+def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under `root` (content, mtime), symlinks as their target."""
+    return {
+        str(p.relative_to(root)): (os.readlink(p).encode() if p.is_symlink() else p.read_bytes(), p.lstat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() or p.is_symlink()
+    }
+
+
+@pytest.mark.parametrize(
+    "other_text, where",
+    [
+        # same 11 characters but 'k' for 'a': every id from 1 on means another character
+        (TEXT.replace("a", "k"), r"id 1 is 'a' in the checkpoint, 'b' in the dataset; vocab 11 vs 11"),
+        # one more character: the vocabulary message, not check_model's vocab_size one
+        (TEXT + "z", r"id 11 is absent in the checkpoint, 'z' in the dataset; vocab 11 vs 12"),
+    ],
+)
+def test_resume_on_another_vocabulary_is_one_line_and_writes_nothing(
+    data: Path, tmp_path: Path, other_text: str, where: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from numesh_cli.app import app
+
+    other = tmp_path / "other-data"
+    prepare_char_dataset(other_text, other)
+    run_dir = tmp_path / "run"
+    train(config(data, run_dir, max_iters=2), MPI.COMM_SELF)
+    before = snapshot(run_dir)
+    cfg = config(other, run_dir, max_iters=4, resume=str(run_dir / "ckpt" / "latest"))
+    (tmp_path / "resume.toml").write_text(toml_of(cfg))
+    res = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "resume.toml")])
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2, res.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert "step_000002 was trained on another vocabulary than dataset " + str(other) in lines[0]
+    assert re.search(where, lines[0]) and "resume with --data set to the dataset the checkpoint was trained on" in lines[0]
+    assert snapshot(run_dir) == before  # no config.json, metrics line or checkpoint written
+
+    # the library path: the same error, the trainer untouched
+    t = Trainer(config(other, tmp_path / "x"), MPI.COMM_SELF)
+    with pytest.raises(CheckpointError, match="trained on another vocabulary") as e:
+        restore(t, run_dir / "ckpt" / "latest")
+    assert re.search(where, str(e.value)) and t.step == 0
+
+
+def test_resume_on_the_same_vocabulary_in_another_directory(data: Path, saved: Path, tmp_path: Path) -> None:
+    """What is compared is the vocabulary, not where the dataset lives."""
+    copy = tmp_path / "copy"
+    shutil.copytree(data, copy)
+    t = Trainer(config(copy, tmp_path / "x"), MPI.COMM_SELF)
+    restore(t, saved)
+    assert t.step == 3
+
+
+def test_checkpoint_without_tokenizer_still_resumes(broken: Path, data: Path, tmp_path: Path) -> None:
+    """Checkpoints written before meta.json recorded the tokenizer load, unchecked; sampling
+    from one says what to do."""
+    from numesh.sample import load_checkpoint
+
+    edit_meta(broken, lambda m: m.pop("tokenizer"))
+    records = run(config(data, tmp_path / "resumed", max_iters=5, resume=str(broken)))
+    assert records[0]["step"] == 3 and read_meta(tmp_path / "resumed" / "ckpt" / "latest").step == 5
+    # the new checkpoint records the dataset's tokenizer again
+    assert read_meta(tmp_path / "resumed" / "ckpt" / "latest").tokenizer().vocab_size == 11
+    with pytest.raises(CheckpointError, match=r"holds no tokenizer.*numesh train --resume .* --max-iters 3"):
+        load_checkpoint(broken)
+
+
+def test_tokenizer_of_another_size_than_the_model(broken: Path, fresh: Trainer) -> None:
+    edit_meta(broken, lambda m: m["tokenizer"].update(vocab_size=3, chars=["a", "b", "c"]))
+    with pytest.raises(CheckpointError, match="its tokenizer has 3 characters but its model vocab_size is 11"):
+        restore(fresh, broken)
+    with pytest.raises(CheckpointError, match="its tokenizer has 3 characters"):
+        read_global_params(broken)
+
+
+# ---------------------------------------------------------------------------------------
 # exported files: no silent overwrite, a tokenizer that fits (issue #18, point 11)
 
 
@@ -545,6 +632,50 @@ def test_export_twice_needs_force(saved: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]  # no temp file left
     with pytest.raises(CheckpointError, match="is a directory"):
         export_nanogpt(saved, tmp_path, force=True)
+
+
+def rewrite_metadata(src: Path, dst: Path, **changes: str | None) -> None:
+    """Copy the exported file `src` to `dst` with metadata entries changed (None drops one)."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    with safe_open(str(src), framework="numpy") as f:
+        metadata = dict(f.metadata())
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+    for k, v in changes.items():
+        if v is None:
+            metadata.pop(k, None)
+        else:
+            metadata[k] = v
+    save_file(sd, str(dst), metadata=metadata)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"tokenizer": "null"}, r"holds no tokenizer, so its token ids cannot be turned into text: export it again"),
+        ({"tokenizer": None}, r"holds no tokenizer"),
+        ({"tokenizer": json.dumps({"vocab_size": 3, "chars": ["a", "b", "c"]})},
+         r"its tokenizer has 3 characters but its model vocab_size is 11"),
+        ({"tokenizer": "{not json"}, r"bad metadata"),
+        ({"tokenizer": json.dumps({"chars": ["a", "a"]})}, r"bad metadata"),
+    ],
+)
+def test_sample_from_export_with_a_bad_tokenizer(saved: Path, tmp_path: Path, changes: dict, match: str) -> None:
+    from typer.testing import CliRunner
+
+    from numesh.sample import load_checkpoint
+    from numesh_cli.app import app
+
+    good = export_nanogpt(saved, tmp_path / "good.safetensors")
+    assert load_checkpoint(good).tokenizer.vocab_size == 11
+    bad = tmp_path / "bad.safetensors"
+    rewrite_metadata(good, bad, **changes)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(bad)
+    res = CliRunner().invoke(app, ["sample", "--ckpt", str(bad), "--max-new-tokens", "2"])
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and re.search(match, lines[0]), res.output
 
 
 # ---------------------------------------------------------------------------------------

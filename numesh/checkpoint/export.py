@@ -174,6 +174,11 @@ def import_nanogpt(file: str | Path) -> tuple[GPTConfig, Any, GPT, str, int]:
         step = int(metadata.get("step", 0))
     except (TypeError, ValueError, DataError) as e:
         raise CheckpointError(f"{where}: bad metadata: {e}") from None
+    if tok is not None and tok.vocab_size != model.vocab_size:
+        raise CheckpointError(
+            f"{where}: its tokenizer has {tok.vocab_size} characters but its model vocab_size is "
+            f"{model.vocab_size}: the file is inconsistent; export it again with `numesh export`"
+        )
     params = from_nanogpt(sd, model, where)
     dtypes = {x.dtype.name for x in sd.values()}
     if len(dtypes) != 1 or next(iter(dtypes)) not in ("float32", "float64"):

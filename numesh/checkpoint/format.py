@@ -313,6 +313,21 @@ class Meta:
             raise CheckpointError(f"{self.path}: bad tokenizer: {e}") from None
 
 
+def vocab_difference(have: CharTokenizer, want: CharTokenizer) -> str | None:
+    """None if the two vocabularies are the same, else where they first differ, in words
+    ("id 3 is 'd' in the checkpoint, 'x' in the dataset; vocab 11 vs 11"): `have` is the
+    checkpoint's, `want` the dataset's."""
+    if have.chars == want.chars:
+        return None
+    i = next((i for i, (a, b) in enumerate(zip(have.chars, want.chars)) if a != b), min(have.vocab_size, want.vocab_size))
+
+    def at(tok: CharTokenizer) -> str:
+        return repr(tok.chars[i]) if i < tok.vocab_size else "absent"
+
+    return (f"id {i} is {at(have)} in the checkpoint, {at(want)} in the dataset; "
+            f"vocab {have.vocab_size} vs {want.vocab_size}")
+
+
 def _int_list(x: Any, n: int | None, what: str, meta_path: Path) -> tuple[int, ...]:
     if not isinstance(x, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in x) or (
         n is not None and len(x) != n
