@@ -244,13 +244,14 @@ def export_cmd(
     ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT", show_default=False),
     out: Path = typer.Option(..., help="output .safetensors file"),
     dtype: Optional[str] = typer.Option(None, help="float32 or float64", show_default="the checkpoint's"),
+    force: bool = typer.Option(False, "--force", help="overwrite OUT if it exists"),
 ) -> None:
     """Export the parameters as one safetensors file with nanoGPT's state-dict names (numesh sample --ckpt FILE reads it too)."""
 
     def go() -> None:
         from numesh.checkpoint import export_nanogpt
 
-        print(export_nanogpt(ckpt, out, dtype))
+        print(export_nanogpt(ckpt, out, dtype, force))
 
     _run(go)
 

@@ -69,7 +69,7 @@ class RunDir:
 
     def _take_lock(self) -> None:
         path = self.out / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides, as for any file
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -38,12 +38,15 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     p = Path(path)
     if p.is_file() or p.suffix == ".safetensors":
         model, tok, params, dtype, step = import_nanogpt(p)
+        fix = "export it again from a checkpoint that records its dataset's tokenizer"
     else:
         meta = read_meta(p)
         model, tok, params = read_global_params(p)
         dtype, step = meta.dtype, meta.step
+        fix = (f"save it again with its dataset's tokenizer: `numesh train --resume {p} --data DATASET "
+               f"--max-iters {step} --out NEW_RUN`")
     if tok is None:
-        raise CheckpointError(f"{p} holds no tokenizer: it cannot be sampled from")
+        raise CheckpointError(f"{p} holds no tokenizer, so its token ids cannot be turned into text: {fix}")
     return Checkpoint(model, tok, params, dtype, step)
 
 

@@ -298,8 +298,14 @@ def train_state(trainer: Trainer) -> TrainState:
 
 def restore(trainer: Trainer, path: str | Path) -> None:
     """Set the trainer's parameters, AdamW moments and steps from a checkpoint written on
-    any mesh (collective; on error every rank raises and the trainer is unchanged)."""
-    got = read_local_state(path, trainer.mesh, trainer.model, trainer.layout, trainer.dtype)
+    any mesh (collective; on error every rank raises and the trainer is unchanged). A
+    checkpoint trained on another vocabulary than the run's dataset is refused."""
+    try:
+        tokenizer = D.load_tokenizer(trainer.cfg.data)  # read by validate() a moment ago
+    except (D.DataError, OSError):
+        tokenizer = None  # as in train_state; a rank that cannot check still joins the collective read
+    got = read_local_state(path, trainer.mesh, trainer.model, trainer.layout, trainer.dtype,
+                           tokenizer, f"dataset {trainer.cfg.data}")
     trainer.opt.load_state_trees({g: split_units(t) for g, t in got.trees.items()}, got.opt_step)
     trainer.step = got.step
 

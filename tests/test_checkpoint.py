@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -514,3 +515,196 @@ def test_export_rejects_foreign_safetensors(tmp_path: Path) -> None:
     save_file({"x": np.zeros(3, np.float32)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(CheckpointError, match="not written by `numesh export`"):
         load_checkpoint(tmp_path / "other.safetensors")
+
+
+# ---------------------------------------------------------------------------------------
+# the vocabulary a checkpoint was trained on (issue #18, point 9)
+
+
+def toml_of(cfg: TrainConfig) -> str:
+    """`cfg` as a --config file (every field is a str, int, float or bool)."""
+    return "".join(f"{k} = {json.dumps(v)}\n" for k, v in attrs.asdict(cfg).items())
+
+
+def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under `root` (content, mtime), symlinks as their target."""
+    return {
+        str(p.relative_to(root)): (os.readlink(p).encode() if p.is_symlink() else p.read_bytes(), p.lstat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() or p.is_symlink()
+    }
+
+
+@pytest.mark.parametrize(
+    "other_text, where",
+    [
+        # same 11 characters but 'k' for 'a': every id from 1 on means another character
+        (TEXT.replace("a", "k"), r"id 1 is 'a' in the checkpoint, 'b' in the dataset; vocab 11 vs 11"),
+        # one more character: the vocabulary message, not check_model's vocab_size one
+        (TEXT + "z", r"id 11 is absent in the checkpoint, 'z' in the dataset; vocab 11 vs 12"),
+    ],
+)
+def test_resume_on_another_vocabulary_is_one_line_and_writes_nothing(
+    data: Path, tmp_path: Path, other_text: str, where: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from numesh_cli.app import app
+
+    other = tmp_path / "other-data"
+    prepare_char_dataset(other_text, other)
+    run_dir = tmp_path / "run"
+    train(config(data, run_dir, max_iters=2), MPI.COMM_SELF)
+    before = snapshot(run_dir)
+    cfg = config(other, run_dir, max_iters=4, resume=str(run_dir / "ckpt" / "latest"))
+    (tmp_path / "resume.toml").write_text(toml_of(cfg))
+    res = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "resume.toml")])
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2, res.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert "step_000002 was trained on another vocabulary than dataset " + str(other) in lines[0]
+    assert re.search(where, lines[0]) and "resume with --data set to the dataset the checkpoint was trained on" in lines[0]
+    assert snapshot(run_dir) == before  # no config.json, metrics line or checkpoint written
+
+    # the library path: the same error, the trainer untouched
+    t = Trainer(config(other, tmp_path / "x"), MPI.COMM_SELF)
+    with pytest.raises(CheckpointError, match="trained on another vocabulary") as e:
+        restore(t, run_dir / "ckpt" / "latest")
+    assert re.search(where, str(e.value)) and t.step == 0
+
+
+def test_resume_on_the_same_vocabulary_in_another_directory(data: Path, saved: Path, tmp_path: Path) -> None:
+    """What is compared is the vocabulary, not where the dataset lives."""
+    copy = tmp_path / "copy"
+    shutil.copytree(data, copy)
+    t = Trainer(config(copy, tmp_path / "x"), MPI.COMM_SELF)
+    restore(t, saved)
+    assert t.step == 3
+
+
+def test_checkpoint_without_tokenizer_still_resumes(broken: Path, data: Path, tmp_path: Path) -> None:
+    """Checkpoints written before meta.json recorded the tokenizer load, unchecked; sampling
+    from one says what to do."""
+    from numesh.sample import load_checkpoint
+
+    edit_meta(broken, lambda m: m.pop("tokenizer"))
+    records = run(config(data, tmp_path / "resumed", max_iters=5, resume=str(broken)))
+    assert records[0]["step"] == 3 and read_meta(tmp_path / "resumed" / "ckpt" / "latest").step == 5
+    # the new checkpoint records the dataset's tokenizer again
+    assert read_meta(tmp_path / "resumed" / "ckpt" / "latest").tokenizer().vocab_size == 11
+    with pytest.raises(CheckpointError, match=r"holds no tokenizer.*numesh train --resume .* --max-iters 3"):
+        load_checkpoint(broken)
+
+
+def test_tokenizer_of_another_size_than_the_model(broken: Path, fresh: Trainer) -> None:
+    edit_meta(broken, lambda m: m["tokenizer"].update(vocab_size=3, chars=["a", "b", "c"]))
+    with pytest.raises(CheckpointError, match="its tokenizer has 3 characters but its model vocab_size is 11"):
+        restore(fresh, broken)
+    with pytest.raises(CheckpointError, match="its tokenizer has 3 characters"):
+        read_global_params(broken)
+
+
+# ---------------------------------------------------------------------------------------
+# exported files: no silent overwrite, a tokenizer that fits (issue #18, point 11)
+
+
+def test_export_twice_needs_force(saved: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from numesh_cli.app import app
+
+    runner = CliRunner()
+    f = tmp_path / "m.safetensors"
+    assert runner.invoke(app, ["export", str(saved), "--out", str(f)]).exit_code == 0
+    f.write_bytes(f.read_bytes())  # a marker: is this copy replaced?
+    before = f.stat().st_mtime_ns
+    res = runner.invoke(app, ["export", str(saved), "--out", str(f), "--dtype", "float32"])
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2 and lines == [f"error: {f} exists: pass --force to overwrite"], res.output
+    assert f.stat().st_mtime_ns == before
+    with pytest.raises(CheckpointError, match="exists: pass --force to overwrite"):
+        export_nanogpt(saved, f)
+    res = runner.invoke(app, ["export", str(saved), "--out", str(f), "--dtype", "float32", "--force"])
+    assert res.exit_code == 0, res.output
+    from numesh.checkpoint import import_nanogpt
+
+    assert import_nanogpt(f)[3] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]  # no temp file left
+    with pytest.raises(CheckpointError, match="is a directory"):
+        export_nanogpt(saved, tmp_path, force=True)
+
+
+def rewrite_metadata(src: Path, dst: Path, **changes: str | None) -> None:
+    """Copy the exported file `src` to `dst` with metadata entries changed (None drops one)."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    with safe_open(str(src), framework="numpy") as f:
+        metadata = dict(f.metadata())
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+    for k, v in changes.items():
+        if v is None:
+            metadata.pop(k, None)
+        else:
+            metadata[k] = v
+    save_file(sd, str(dst), metadata=metadata)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"tokenizer": "null"}, r"holds no tokenizer, so its token ids cannot be turned into text: export it again"),
+        ({"tokenizer": None}, r"holds no tokenizer"),
+        ({"tokenizer": json.dumps({"vocab_size": 3, "chars": ["a", "b", "c"]})},
+         r"its tokenizer has 3 characters but its model vocab_size is 11"),
+        ({"tokenizer": "{not json"}, r"bad metadata"),
+        ({"tokenizer": json.dumps({"chars": ["a", "a"]})}, r"bad metadata"),
+    ],
+)
+def test_sample_from_export_with_a_bad_tokenizer(saved: Path, tmp_path: Path, changes: dict, match: str) -> None:
+    from typer.testing import CliRunner
+
+    from numesh.sample import load_checkpoint
+    from numesh_cli.app import app
+
+    good = export_nanogpt(saved, tmp_path / "good.safetensors")
+    assert load_checkpoint(good).tokenizer.vocab_size == 11
+    bad = tmp_path / "bad.safetensors"
+    rewrite_metadata(good, bad, **changes)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(bad)
+    res = CliRunner().invoke(app, ["sample", "--ckpt", str(bad), "--max-new-tokens", "2"])
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and re.search(match, lines[0]), res.output
+
+
+# ---------------------------------------------------------------------------------------
+# every file numesh writes is a normal file of the user's: 0666 less the umask
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077], ids=oct)
+def test_written_files_have_the_umask_mode(data: Path, tmp_path: Path, umask: int) -> None:
+    """Dataset files, checkpoint blocks and meta.json, reshard outputs and exports (all
+    written through temp files renamed into place) get the mode any new file would."""
+    old = os.umask(umask)
+    try:
+        ds = tmp_path / "ds"
+        prepare_char_dataset(TEXT, ds)
+        run_dir = tmp_path / "run"
+        train(config(ds, run_dir, max_iters=2), MPI.COMM_SELF)
+        resharded = reshard(run_dir / "ckpt" / "latest", "tp=2", tmp_path / "resharded")
+        exported = export_nanogpt(run_dir / "ckpt" / "latest", tmp_path / "out" / "m.safetensors")
+        forced = export_nanogpt(run_dir / "ckpt" / "latest", tmp_path / "out" / "m.safetensors", force=True)
+    finally:
+        os.umask(old)
+    assert exported == forced
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink()]
+    dirs = [p for p in tmp_path.rglob("*") if p.is_dir() and not p.is_symlink()]
+    names = {p.name for p in files}
+    assert {"train.bin", "val.bin", "meta.json", "config.json", "metrics.jsonl", "m.safetensors", "wte.tp0.npy",
+            "wte.tp1.npy"} <= names
+    assert resharded in dirs and run_dir / "ckpt" / "step_000002" in dirs
+    bad = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files if p.stat().st_mode & 0o777 != 0o666 & ~umask}
+    assert not bad, f"files not {oct(0o666 & ~umask)}: {bad}"
+    bad = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in dirs if p.stat().st_mode & 0o777 != 0o777 & ~umask}
+    assert not bad, f"directories not {oct(0o777 & ~umask)}: {bad}"

@@ -299,3 +299,36 @@ def test_pipeline_stage_trees_save_and_load(data: Path, shared_tmp: Path) -> Non
         assert len(meta.leaves["params/wte"].files) == (2 if n == 4 else 1)
 
     on_root(check)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mesh", ["dp=2", "tp=2"])
+def test_resume_on_another_vocabulary_fails_alike_on_every_rank(data: Path, shared_tmp: Path, mesh: str) -> None:
+    """A dataset with the same number of characters but other ones: every rank raises the
+    same CheckpointError before any step, and nothing is written into the run."""
+    base = shared_tmp / f"vocab-{mesh.replace('=', '')}"
+    other = base / "other-data"
+    if WORLD.Get_rank() == 0:
+        prepare_char_dataset(TEXT.replace("a", "k"), other)  # 11 characters, 'a' -> 'k'
+    WORLD.Barrier()
+    on_first(2, lambda comm: records_of(config(data, base / "run", mesh, max_iters=K), comm))
+    before = sorted(str(p) for p in (base / "run").rglob("*"))
+    cfg = config(other, base / "run", mesh, max_iters=2 * K, resume=str(base / "run" / "ckpt" / "latest"))
+
+    def go(comm: MPI.Comm) -> list[str]:
+        try:
+            records_of(cfg, comm)
+            msg = "no error"
+        except CheckpointError as e:
+            msg = str(e)
+        return comm.allgather(msg)
+
+    messages = on_first(2, go)
+    want = f"step_{K:06d} was trained on another vocabulary than dataset {other}"
+
+    def check() -> None:
+        assert len(set(messages)) == 1 and want in messages[0], messages
+        assert "id 1 is 'a' in the checkpoint, 'b' in the dataset; vocab 11 vs 11" in messages[0]
+        assert sorted(str(p) for p in (base / "run").rglob("*")) == before
+
+    on_root(check)

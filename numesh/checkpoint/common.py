@@ -10,6 +10,7 @@ from pathlib import Path
 from numesh.checkpoint.format import BlockReader, Meta, full_region, fsync_dir
 from numesh.checkpoint.format import read_meta as read_any_meta
 from numesh.checkpoint.model import describe_gpt, global_paths
+from numesh.errors import CheckpointError
 from numesh.nn.gpt import GPT
 from numesh.tree import tree_map
 
@@ -18,8 +19,16 @@ TMP_PREFIX = ".tmp-"
 
 
 def read_meta(path: str | Path) -> Meta:
-    """Read and check the meta.json of the GPT checkpoint at `path` (may be `latest`)."""
-    return read_any_meta(path, describe_gpt)
+    """Read and check the meta.json of the GPT checkpoint at `path` (may be `latest`),
+    its tokenizer included when it stores one (older checkpoints do not)."""
+    meta = read_any_meta(path, describe_gpt)
+    tok = meta.tokenizer()
+    if tok is not None and tok.vocab_size != meta.model.vocab_size:
+        raise CheckpointError(
+            f"{meta.path}: its tokenizer has {tok.vocab_size} characters but its model vocab_size is "
+            f"{meta.model.vocab_size}: the checkpoint is inconsistent; use another one"
+        )
+    return meta
 
 
 def read_group(meta: Meta, group: str) -> GPT:

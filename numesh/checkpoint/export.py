@@ -9,7 +9,6 @@ tokenizer, so `numesh sample --ckpt model.safetensors` can use it directly.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import attrs
 import numpy as np
 
 from numesh.checkpoint.common import read_group, read_meta
-from numesh.checkpoint.format import DTYPES
+from numesh.checkpoint.format import DTYPES, write_file_atomic
 from numesh.data import CharTokenizer
 from numesh.errors import CheckpointError, DataError
 from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
@@ -112,11 +111,17 @@ def from_nanogpt(sd: dict[str, np.ndarray], model: GPTConfig, where: Path) -> GP
     return params
 
 
-def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = None) -> Path:
-    """Write the checkpoint at `path` as one nanoGPT-named safetensors file (atomically).
-    `dtype` ("float32"/"float64") converts the tensors; default: the checkpoint's."""
-    from safetensors.numpy import save_file
+def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = None, force: bool = False) -> Path:
+    """Write the checkpoint at `path` as one nanoGPT-named safetensors file (atomically,
+    readable like any file the user creates). `dtype` ("float32"/"float64") converts the
+    tensors; default: the checkpoint's. An existing `out_file` is replaced only if `force`."""
+    from safetensors.numpy import save
 
+    out = Path(out_file)
+    if out.is_dir():
+        raise CheckpointError(f"{out} is a directory: pass --out a .safetensors file name")
+    if not force and (out.exists() or out.is_symlink()):
+        raise CheckpointError(f"{out} exists: pass --force to overwrite")
     meta = read_meta(path)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
@@ -124,7 +129,6 @@ def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = N
     sd = to_nanogpt(params, meta.model)
     if dtype is not None:
         sd = {k: v.astype(dtype) for k, v in sd.items()}
-    out = Path(out_file)
     tok = meta.raw.get("tokenizer")
     metadata = {
         "format": EXPORT_FORMAT,
@@ -134,14 +138,16 @@ def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = N
         "gelu": "tanh",
         "source": str(meta.root),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    # safetensors' own save_file writes through a 0600 temp file: serialise to bytes and
+    # write them with open(), which gives the mode the user's umask says
+    data = save(sd, metadata=metadata)
     try:
-        save_file(sd, str(tmp), metadata=metadata)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(out, data, overwrite=force)
+    except FileExistsError:
+        raise CheckpointError(f"{out} exists: pass --force to overwrite") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot write {out}: {e.strerror or e}") from None
     return out
 
 
@@ -168,6 +174,11 @@ def import_nanogpt(file: str | Path) -> tuple[GPTConfig, Any, GPT, str, int]:
         step = int(metadata.get("step", 0))
     except (TypeError, ValueError, DataError) as e:
         raise CheckpointError(f"{where}: bad metadata: {e}") from None
+    if tok is not None and tok.vocab_size != model.vocab_size:
+        raise CheckpointError(
+            f"{where}: its tokenizer has {tok.vocab_size} characters but its model vocab_size is "
+            f"{model.vocab_size}: the file is inconsistent; export it again with `numesh export`"
+        )
     params = from_nanogpt(sd, model, where)
     dtypes = {x.dtype.name for x in sd.values()}
     if len(dtypes) != 1 or next(iter(dtypes)) not in ("float32", "float64"):

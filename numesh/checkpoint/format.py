@@ -203,6 +203,35 @@ def write_text_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def write_file_atomic(path: Path, data: bytes, overwrite: bool = True) -> None:
+    """Write `data` to `path` through a temporary sibling that is renamed into place, so
+    readers never see half a file. The file is created by `open`, so it gets the mode any
+    new file of the user's gets (0666 less the umask), not a temp file's 0600. Unless
+    `overwrite`, an existing `path` is left alone and FileExistsError is raised (checked
+    again at the rename, by a hard link, where the filesystem allows one)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # fails if path exists, atomically
+            except FileExistsError:
+                raise
+            except OSError:  # no hard links here (some network or FAT filesystems)
+                if path.exists() or path.is_symlink():
+                    raise FileExistsError(path) from None
+                os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
 def fsync_dir(path: Path) -> None:
     """Make renames inside `path` durable (best effort: not every filesystem allows it)."""
     try:
@@ -282,6 +311,21 @@ class Meta:
             return CharTokenizer.from_meta(tok)
         except DataError as e:
             raise CheckpointError(f"{self.path}: bad tokenizer: {e}") from None
+
+
+def vocab_difference(have: CharTokenizer, want: CharTokenizer) -> str | None:
+    """None if the two vocabularies are the same, else where they first differ, in words
+    ("id 3 is 'd' in the checkpoint, 'x' in the dataset; vocab 11 vs 11"): `have` is the
+    checkpoint's, `want` the dataset's."""
+    if have.chars == want.chars:
+        return None
+    i = next((i for i, (a, b) in enumerate(zip(have.chars, want.chars)) if a != b), min(have.vocab_size, want.vocab_size))
+
+    def at(tok: CharTokenizer) -> str:
+        return repr(tok.chars[i]) if i < tok.vocab_size else "absent"
+
+    return (f"id {i} is {at(have)} in the checkpoint, {at(want)} in the dataset; "
+            f"vocab {have.vocab_size} vs {want.vocab_size}")
 
 
 def _int_list(x: Any, n: int | None, what: str, meta_path: Path) -> tuple[int, ...]:

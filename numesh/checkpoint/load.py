@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 
 from numesh.checkpoint.common import read_group, read_meta
-from numesh.checkpoint.format import GROUPS, BlockReader, Meta
+from numesh.checkpoint.format import GROUPS, BlockReader, Meta, vocab_difference
 from numesh.checkpoint.model import check_model, gpt_leaves, local_paths
 from numesh.checkpoint.state import LocalState
+from numesh.data import CharTokenizer
 from numesh.errors import CheckpointError
 from numesh.mesh import Mesh
 from numesh.nn.gpt import GPT, GPTConfig
@@ -41,9 +42,27 @@ def agree(comm: Any, error: tuple[str, str] | None) -> None:
             raise RuntimeError(f"rank {i} failed reading the checkpoint: {e[1]}")
 
 
-def read_local_state(path: str | Path, mesh: Mesh, model: GPTConfig, layout: StageLayout, dtype: Any) -> LocalState:
+def check_tokenizer(meta: Meta, tokenizer: CharTokenizer, dataset: str = "this run's dataset") -> None:
+    """Raise unless the checkpoint was trained on `tokenizer`'s vocabulary: with another one
+    (even of the same size) every token id would silently change meaning. A checkpoint
+    that stores no tokenizer (written by an older numesh) cannot be checked and passes."""
+    have = meta.tokenizer()
+    if have is None:
+        return
+    diff = vocab_difference(have, tokenizer)
+    if diff is not None:
+        raise CheckpointError(
+            f"{meta.root} was trained on another vocabulary than {dataset} ({diff}): "
+            "resume with --data set to the dataset the checkpoint was trained on"
+        )
+
+
+def read_local_state(path: str | Path, mesh: Mesh, model: GPTConfig, layout: StageLayout, dtype: Any,
+                     tokenizer: CharTokenizer | None = None, dataset: str = "this run's dataset") -> LocalState:
     """This rank's part of a checkpoint written on any mesh: trees shaped like
     `TrainState.trees` for `mesh` and `layout`, in `dtype`, and the steps to continue from.
+    With `tokenizer` (that of the run's data, described as `dataset` in errors), the
+    checkpoint must have been trained on the same vocabulary (see `check_tokenizer`).
 
     Collective over `mesh`: every rank reads only the blocks it needs, and every rank
     raises the same CheckpointError if any rank finds a problem."""
@@ -51,6 +70,8 @@ def read_local_state(path: str | Path, mesh: Mesh, model: GPTConfig, layout: Sta
     trees = meta = None
     try:
         meta = read_meta(path)
+        if tokenizer is not None:
+            check_tokenizer(meta, tokenizer, dataset)
         check_model(meta, model)
         trees = _read_local_trees(meta, mesh, model, layout, dtype)
     except CheckpointError as e:
