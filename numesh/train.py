@@ -21,7 +21,9 @@ from mpi4py import MPI
 
 from numesh import data as D
 from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
-from numesh.errors import ConfigError
+from numesh.checkpoint.format import step_dir_name
+from numesh.errors import ConfigError, Interrupted
+from numesh.interrupt import InterruptWatch
 from numesh.mesh import Mesh, parse_mesh, psum_scalar, unshard
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
@@ -289,6 +291,20 @@ def save_final(trainer: Trainer, out_dir: Path, keep: int = 0) -> Path:
     return save_checkpoint(train_state(trainer), out_dir, keep=keep or None)
 
 
+def stop_interrupted(trainer: Trainer, watch: InterruptWatch, signum: int, out: Path, saved_at: int | None) -> None:
+    """Some rank got SIGINT/SIGTERM and every rank is here at the same step boundary: save
+    this step's checkpoint if the run saves them (unless it was just saved), then raise
+    `Interrupted` (collective)."""
+    c, path, why_not = trainer.cfg, None, " (--ckpt-interval is 0)"
+    if c.ckpt_interval:
+        if saved_at == trainer.step:
+            path = out / "ckpt" / step_dir_name(trainer.step)
+        else:
+            with watch.saving():  # the watchdog allows the save more time than a step
+                path = save_final(trainer, out, c.keep)
+    raise Interrupted(trainer.step, signum, None if path is None else str(path), why_not)
+
+
 @attrs.frozen
 class TrainResult:
     steps: int
@@ -359,8 +375,11 @@ def train(
     last: dict[str, Any] = {}
     saved_at = None
     t_start = time.perf_counter()
+    watch = InterruptWatch(trainer.mesh.world).start()  # Ctrl-C: every rank stops at one step (numesh/interrupt.py)
     try:
         for step in range(start, cfg.max_iters + 1):
+            if signum := watch.requested():  # one-value all-reduce: did any rank get SIGINT/SIGTERM?
+                stop_interrupted(trainer, watch, signum, out, saved_at)
             record = _step_record(trainer, step, flops_per_peak)
             if record:
                 last.update(record)
@@ -372,6 +391,7 @@ def train(
                 saved_at = trainer.step
     finally:
         log.close()
+        watch.stop()  # the caller's signal handlers again
     seconds = time.perf_counter() - t_start
     if saved_at != trainer.step:
         save_final(trainer, out, cfg.keep)
