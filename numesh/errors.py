@@ -50,6 +50,8 @@ class Interrupted(KeyboardInterrupt):
     checkpoint when asked to). The CLI prints it as one line on rank 0 and exits 130 on every
     rank; a library caller that catches KeyboardInterrupt catches it too."""
 
+    EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
+
     def __init__(self, step: int, signum: int, checkpoint: str | None = None, why_not: str = ""):
         self.step, self.signum, self.checkpoint = step, signum, checkpoint
         try:

@@ -24,7 +24,9 @@ that never comes, and the job hangs (6 of 6 tries with pp=2, issue #18).
 It knows nothing of models: the caller decides what to save and what to raise
 (`numesh.errors.Interrupted`, which `numesh.runtime.guarded` turns into exit code 130).
 The flag all-reduce goes straight to the communicator, not through the mesh's byte
-counter, so the per-step traffic that tests and formulas count is unchanged.
+counter, so the per-step traffic that tests and formulas count is unchanged. The watchdog
+calls MPI_Abort from its own thread, which MPI allows under MPI_THREAD_MULTIPLE, the level
+mpi4py asks for by default.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ from typing import Iterator
 import numpy as np
 from mpi4py import MPI
 
-EXIT_CODE = 130  # 128 + SIGINT, what shells report for a Ctrl-C'd command
+from numesh.errors import Interrupted
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-GRACE_S = 5.0  # to finish the step in progress and agree (at least; see step_s)
+GRACE_S = 5.0  # to finish the step in progress and agree (at least: twice the longest step if that is longer)
 SAVE_GRACE_S = 120.0  # to write the interrupted step's checkpoint
 REPEAT_S = 0.5  # signals this close to the first one are the same Ctrl-C
 
@@ -217,7 +220,7 @@ class InterruptWatch:
             return
         print(f"[rank {MPI.COMM_WORLD.Get_rank()}] interrupted: {why}", file=sys.stderr, flush=True)
         try:
-            self.comm.Abort(EXIT_CODE)
+            self.comm.Abort(Interrupted.EXIT_CODE)
         finally:
-            os._exit(EXIT_CODE)
+            os._exit(Interrupted.EXIT_CODE)
 

@@ -101,9 +101,6 @@ def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports a Ctrl-C'd command
-
-
 def guarded(fn: Callable[[], T], user_errors: tuple[type[BaseException], ...] = (ValueError,)) -> T:
     """Run `fn`; a user error exits with status 2 and one line, anything else aborts every rank.
 
@@ -121,13 +118,13 @@ def guarded(fn: Callable[[], T], user_errors: tuple[type[BaseException], ...] = 
     except Interrupted as e:
         if comm.Get_rank() == 0:
             print(e, file=sys.stderr, flush=True)
-        raise SystemExit(INTERRUPTED_EXIT) from None
+        raise SystemExit(Interrupted.EXIT_CODE) from None
     except KeyboardInterrupt:
         if comm.Get_size() > 1:
             print(f"[rank {comm.Get_rank()}] interrupted", file=sys.stderr, flush=True)
-            comm.Abort(INTERRUPTED_EXIT)
+            comm.Abort(Interrupted.EXIT_CODE)
         print("interrupted", file=sys.stderr, flush=True)
-        raise SystemExit(INTERRUPTED_EXIT) from None
+        raise SystemExit(Interrupted.EXIT_CODE) from None
     except SystemExit:
         raise
     except BaseException:
