@@ -7,6 +7,8 @@ bug or a fault and aborts the whole MPI job with a rank-tagged traceback.
 
 from __future__ import annotations
 
+import signal
+
 
 class UserError(ValueError):
     """A request that cannot work, with what to change in the message."""
@@ -41,3 +43,20 @@ class ReplicaError(RuntimeError):
 
 
 USER_ERRORS: tuple[type[BaseException], ...] = (UserError,)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Training stopped on SIGINT/SIGTERM, at the same step on every rank (after saving a
+    checkpoint when asked to). The CLI prints it as one line on rank 0 and exits 130 on every
+    rank; a library caller that catches KeyboardInterrupt catches it too."""
+
+    EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
+
+    def __init__(self, step: int, signum: int, checkpoint: str | None = None, why_not: str = ""):
+        self.step, self.signum, self.checkpoint = step, signum, checkpoint
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        saved = f"checkpoint saved to {checkpoint}" if checkpoint else f"no checkpoint saved{why_not}"
+        super().__init__(f"interrupted at step {step} by {name}: {saved}")

@@ -17,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
+from numesh.errors import Interrupted
 from numesh.threads import set_threads
 
 T = TypeVar("T")
@@ -101,7 +102,12 @@ def log(msg: str) -> None:
 
 
 def guarded(fn: Callable[[], T], user_errors: tuple[type[BaseException], ...] = (ValueError,)) -> T:
-    """Run `fn`; a user error exits with status 2 and one line, anything else aborts every rank."""
+    """Run `fn`; a user error exits with status 2 and one line, anything else aborts every rank.
+
+    An `Interrupted` run (every rank stopped at the same step, see numesh/interrupt.py)
+    exits 130 on every rank with its one line on rank 0. A bare KeyboardInterrupt (a Ctrl-C
+    outside the training loop, where no rank agreed to stop) exits 130 too, aborting the job
+    when it has several ranks, since a peer may be blocked waiting for this one."""
     comm = MPI.COMM_WORLD
     try:
         return fn()
@@ -109,7 +115,17 @@ def guarded(fn: Callable[[], T], user_errors: tuple[type[BaseException], ...] = 
         if comm.Get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    except (SystemExit, KeyboardInterrupt):
+    except Interrupted as e:
+        if comm.Get_rank() == 0:
+            print(e, file=sys.stderr, flush=True)
+        raise SystemExit(Interrupted.EXIT_CODE) from None
+    except KeyboardInterrupt:
+        if comm.Get_size() > 1:
+            print(f"[rank {comm.Get_rank()}] interrupted", file=sys.stderr, flush=True)
+            comm.Abort(Interrupted.EXIT_CODE)
+        print("interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(Interrupted.EXIT_CODE) from None
+    except SystemExit:
         raise
     except BaseException:
         rank = comm.Get_rank()

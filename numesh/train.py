@@ -21,7 +21,9 @@ from mpi4py import MPI
 
 from numesh import data as D
 from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
-from numesh.errors import ConfigError
+from numesh.checkpoint.format import step_dir_name
+from numesh.errors import ConfigError, Interrupted
+from numesh.interrupt import InterruptWatch
 from numesh.mesh import Mesh, parse_mesh, psum_scalar, unshard
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
@@ -321,6 +323,20 @@ def save_final(trainer: Trainer, out_dir: Path, keep: int = 0) -> Path:
     return save_checkpoint(state, out_dir, keep=keep or None)
 
 
+def stop_interrupted(trainer: Trainer, watch: InterruptWatch, signum: int, out: Path, saved_at: int | None) -> None:
+    """Some rank got SIGINT/SIGTERM and every rank is here at the same step boundary: save
+    this step's checkpoint if the run saves them (unless it was just saved), then raise
+    `Interrupted` (collective)."""
+    c, path, why_not = trainer.cfg, None, " (--ckpt-interval is 0)"
+    if c.ckpt_interval:
+        if saved_at == trainer.step:
+            path = out / "ckpt" / step_dir_name(trainer.step)
+        else:
+            with watch.saving():  # the watchdog allows the save more time than a step
+                path = save_final(trainer, out, c.keep)
+    raise Interrupted(trainer.step, signum, None if path is None else str(path), why_not)
+
+
 @attrs.frozen
 class TrainResult:
     steps: int
@@ -361,6 +377,15 @@ def _diverged(d: Diverged, cfg: TrainConfig, out: Path) -> ConfigError:
     )
 
 
+def _resume(trainer: Trainer, cfg: TrainConfig) -> None:
+    """Continue from `cfg.resume`, which must be before `max_iters` (a checkpoint is never rewritten in place)."""
+    restore(trainer, cfg.resume)
+    if trainer.step >= cfg.max_iters:
+        where = "past" if trainer.step > cfg.max_iters else "already at"
+        raise ConfigError(f"checkpoint {cfg.resume} is at step {trainer.step}, {where} max_iters={cfg.max_iters}: "
+                          "raise --max-iters to train further")
+
+
 def _open_run(trainer: Trainer, cfg: TrainConfig) -> RunDir:
     """Lock OUT, refuse to reuse a run unless resuming or overwriting, check room for a checkpoint."""
     ckpt_bytes = 3 * trainer.n_params * np.dtype(trainer.dtype).itemsize  # params and both moments
@@ -377,20 +402,20 @@ def train(
     `ckpt_interval` steps and at the end) with OUT/ckpt/latest pointing at the newest."""
     trainer = Trainer(cfg, comm)
     if cfg.resume:
-        restore(trainer, cfg.resume)
-        if trainer.step >= cfg.max_iters:
-            where = "past" if trainer.step > cfg.max_iters else "already at"
-            raise ConfigError(f"checkpoint {cfg.resume} is at step {trainer.step}, {where} max_iters={cfg.max_iters}: "
-                              "raise --max-iters to train further")
+        _resume(trainer, cfg)
     start, out = trainer.step, Path(cfg.out)
     # MFU's denominator: every rank's measured matmul throughput (see README)
     peak = psum_scalar(matmul_peak_flops(trainer.dtype), trainer.mesh, ("pp", "dp", "tp"))
     flops_per_peak = flops_per_token(trainer.model, trainer.n_params) / peak
     run = _open_run(trainer, cfg)
     last: dict[str, Any] = {}
+    saved_at = None
     t_start = time.perf_counter()
+    watch = InterruptWatch(trainer.mesh.world).start()  # Ctrl-C: every rank stops at one step (numesh/interrupt.py)
     try:
         for step in range(start, cfg.max_iters + 1):
+            if signum := watch.requested():  # one-value all-reduce: did any rank get SIGINT/SIGTERM?
+                stop_interrupted(trainer, watch, signum, out, saved_at)
             try:
                 with np.errstate(all="ignore"):  # a non-finite step is caught below, with one message
                     record = _step_record(trainer, step, flops_per_peak)
@@ -404,9 +429,11 @@ def train(
                     on_step(step, record)
             if cfg.ckpt_interval and step < cfg.max_iters and trainer.step % cfg.ckpt_interval == 0:
                 save_final(trainer, out, cfg.keep)
+                saved_at = trainer.step
     finally:
         run.close()
-    if not (cfg.ckpt_interval and trainer.step % cfg.ckpt_interval == 0):  # else saved just now
+        watch.stop()  # the caller's signal handlers again
+    if saved_at != trainer.step:
         save_final(trainer, out, cfg.keep)
     return TrainResult(
         steps=cfg.max_iters - start,
