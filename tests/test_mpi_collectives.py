@@ -304,3 +304,46 @@ def test_byte_counter(tp_mesh: Mesh) -> None:
     pmax(x, tp_mesh, "tp")
     assert c.total("tp", "all_reduce", kind="payload") == 2 * S
     assert c.total(kind="calls") == 2
+
+
+def _every_call(mesh: Mesh) -> list[np.ndarray]:
+    """One of each collective and point-to-point call on the dp axis, results in order."""
+    r, n = mesh.index("dp"), mesh.size("dp")
+    x = np.arange(4 * n, dtype=np.float64) + 10 * r
+    out = [psum(x, mesh, "dp"), psum(x.copy(), mesh, "dp", inplace=True), pmax(x, mesh, "dp"),
+           all_gather(x, mesh, "dp"), psum_scatter(x, mesh, "dp"), broadcast(x.copy(), mesh, "dp", root=n - 1),
+           ipsum(x.copy(), mesh, "dp").wait(), ipsum_scatter(x, mesh, "dp").wait()]
+    prev, nxt = (r - 1) % n, (r + 1) % n
+    out.append(sendrecv(x, np.empty_like(x), mesh, "dp", nxt, prev))
+    h = isend(x, mesh, "dp", nxt, tag=5)
+    out.append(irecv(np.empty_like(x), mesh, "dp", prev, tag=5).wait())
+    h.wait()
+    if r % 2 == 0 and nxt != r:
+        send(x, mesh, "dp", nxt, tag=6)
+    if r % 2 == 1:
+        out.append(recv(np.empty_like(x), mesh, "dp", prev, tag=6))
+    if n % 2 == 1 and r == 0:  # odd n: rank n-1 (even) sent to rank 0 as well
+        out.append(recv(np.empty_like(x), mesh, "dp", prev, tag=6))
+    return out
+
+
+def test_observer_sees_every_call_and_changes_no_result() -> None:
+    from numesh.mesh import Recorder
+
+    mesh = Mesh.parse("dp=-1")
+    plain = _every_call(mesh)
+    counted = sum(mesh.counter.calls.values())
+    mesh.counter.reset()
+    rec = Recorder()
+    mesh.observer = rec
+    observed = _every_call(mesh)
+    mesh.observer = None
+    for a, b in zip(plain, observed, strict=True):
+        np.testing.assert_array_equal(a, b)
+    ops = [c.op for c in rec.calls]
+    assert ops[:8] == ["all_reduce", "all_reduce", "all_reduce", "all_gather", "reduce_scatter", "broadcast",
+                       "all_reduce", "reduce_scatter"]
+    assert ops[8:11] == ["sendrecv", "send", "recv"]
+    assert all(c.axes == ("dp",) and c.end is not None and c.end >= c.start for c in rec.calls)
+    # every counted call was observed (receives are observed but not counted)
+    assert sum(mesh.counter.calls.values()) == counted == len([o for o in ops if o != "recv"])

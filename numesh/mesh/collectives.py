@@ -3,9 +3,17 @@
 On an axis (or axis group) of size 1 every collective returns its input and costs nothing,
 so the 1×1×1 mesh runs the same code as any other. Every call adds its bytes to
 `mesh.counter`, keyed by axes and op.
+
+Observability has one hook: when `mesh.observer` is set (a `numesh.mesh.observe.Observer`:
+tracing, the flight recorder), every collective and point-to-point call is issued through
+it (`begin` → the nonblocking MPI call → `wait` → `end`), so it can time the call, record
+it, or give up on a peer that never comes. When it is None (the default) the plain
+blocking call runs: observation off costs one attribute test per call.
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -17,12 +25,18 @@ from numesh.tree import tree_map
 class Handle:
     """A nonblocking collective in flight; `wait()` returns its result."""
 
-    def __init__(self, request: MPI.Request | None, result: np.ndarray, finish=None):
+    def __init__(self, request: MPI.Request | None, result: np.ndarray, finish=None, observed: tuple | None = None):
         self._request, self._result, self._finish = request, result, finish
+        self._observed = observed  # (observer, token) when the mesh had an observer at issue
 
     def wait(self) -> np.ndarray:
         if self._request is not None:
-            self._request.Wait()
+            if self._observed is None:
+                self._request.Wait()
+            else:
+                obs, token = self._observed
+                obs.wait(self._request, token)
+                obs.end(token)
             self._request = None
             if self._finish is not None:
                 self._result = self._finish(self._result)
@@ -34,6 +48,26 @@ def _count(mesh: Mesh, axes: AxisNames, op: str, nbytes: int) -> None:
     mesh.counter.add(axis_names(axes), op, nbytes, mesh.size(axes))
 
 
+def _run(mesh: Mesh, axes: AxisNames, op: str, nbytes: int, blocking: Callable[[], Any],
+         nonblocking: Callable[[], MPI.Request]) -> None:
+    """A blocking call, or with an observer: begin, the nonblocking form, wait, end."""
+    obs = mesh.observer
+    if obs is None:
+        blocking()
+        return
+    token = obs.begin(op, axes, nbytes)
+    obs.wait(nonblocking(), token)
+    obs.end(token)
+
+
+def _issue(mesh: Mesh, axes: AxisNames, op: str, nbytes: int, start: Callable[[], MPI.Request],
+           result: np.ndarray, finish: Callable | None = None) -> Handle:
+    """A nonblocking call's handle; an observer, if any, sees it begin now and end at `wait()`."""
+    obs = mesh.observer
+    observed = None if obs is None else (obs, obs.begin(op, axes, nbytes))
+    return Handle(start(), result, finish, observed)
+
+
 def _contig(x: np.ndarray) -> np.ndarray:
     return x if x.flags.c_contiguous else np.ascontiguousarray(x)
 
@@ -43,11 +77,15 @@ def psum(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = No
     if mesh.size(axes) == 1:
         return x
     _count(mesh, axes, "all_reduce", x.nbytes)
+    comm = mesh.comm(axes)
     if inplace:
-        mesh.comm(axes).Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+        _run(mesh, axes, "all_reduce", x.nbytes, lambda: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM),
+             lambda: comm.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM))
         return x
     out = np.empty(x.shape, x.dtype) if out is None else out
-    mesh.comm(axes).Allreduce(_contig(x), out, op=MPI.SUM)
+    src = _contig(x)
+    _run(mesh, axes, "all_reduce", x.nbytes, lambda: comm.Allreduce(src, out, op=MPI.SUM),
+         lambda: comm.Iallreduce(src, out, op=MPI.SUM))
     return out
 
 
@@ -69,7 +107,9 @@ def pmax(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = No
         return x
     _count(mesh, axes, "all_reduce", x.nbytes)
     out = np.empty(x.shape, x.dtype) if out is None else out
-    mesh.comm(axes).Allreduce(_contig(x), out, op=MPI.MAX)
+    comm, src = mesh.comm(axes), _contig(x)
+    _run(mesh, axes, "all_reduce", x.nbytes, lambda: comm.Allreduce(src, out, op=MPI.MAX),
+         lambda: comm.Iallreduce(src, out, op=MPI.MAX))
     return out
 
 
@@ -78,7 +118,8 @@ def ipsum(x: np.ndarray, mesh: Mesh, axes: AxisNames) -> Handle:
     if mesh.size(axes) == 1:
         return Handle(None, x)
     _count(mesh, axes, "all_reduce", x.nbytes)
-    return Handle(mesh.comm(axes).Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM), x)
+    comm = mesh.comm(axes)
+    return _issue(mesh, axes, "all_reduce", x.nbytes, lambda: comm.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM), x)
 
 
 def all_gather(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> np.ndarray:
@@ -89,7 +130,8 @@ def all_gather(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> np.n
     dim = dim % x.ndim
     buf = np.empty((n, *x.shape), dtype=x.dtype)
     _count(mesh, axes, "all_gather", buf.nbytes)
-    mesh.comm(axes).Allgather(_contig(x), buf)
+    comm, src = mesh.comm(axes), _contig(x)
+    _run(mesh, axes, "all_gather", buf.nbytes, lambda: comm.Allgather(src, buf), lambda: comm.Iallgather(src, buf))
     if dim == 0:
         return buf.reshape(n * x.shape[0], *x.shape[1:])
     return np.concatenate(list(buf), axis=dim)
@@ -103,7 +145,9 @@ def all_gather_inplace(buf: np.ndarray, mesh: Mesh, axes: AxisNames) -> np.ndarr
     if buf.size % n:
         raise ValueError(f"buffer of {buf.size} values does not divide by {n} ranks")
     _count(mesh, axes, "all_gather", buf.nbytes)
-    mesh.comm(axes).Allgather(MPI.IN_PLACE, buf)
+    comm = mesh.comm(axes)
+    _run(mesh, axes, "all_gather", buf.nbytes, lambda: comm.Allgather(MPI.IN_PLACE, buf),
+         lambda: comm.Iallgather(MPI.IN_PLACE, buf))
     return buf
 
 
@@ -122,7 +166,9 @@ def psum_scatter(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> np
     send = _scatter_layout(x, n, dim)
     out = np.empty((send.shape[0] // n, *send.shape[1:]), dtype=x.dtype)
     _count(mesh, axes, "reduce_scatter", x.nbytes)
-    mesh.comm(axes).Reduce_scatter_block(send, out, op=MPI.SUM)
+    comm = mesh.comm(axes)
+    _run(mesh, axes, "reduce_scatter", x.nbytes, lambda: comm.Reduce_scatter_block(send, out, op=MPI.SUM),
+         lambda: comm.Ireduce_scatter_block(send, out, op=MPI.SUM))
     return np.moveaxis(out, 0, dim)
 
 
@@ -135,8 +181,9 @@ def ipsum_scatter(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> H
     send = _scatter_layout(x, n, dim)
     out = np.empty((send.shape[0] // n, *send.shape[1:]), dtype=x.dtype)
     _count(mesh, axes, "reduce_scatter", x.nbytes)
-    req = mesh.comm(axes).Ireduce_scatter_block(send, out, op=MPI.SUM)
-    handle = Handle(req, out, finish=lambda o: np.moveaxis(o, 0, dim))
+    comm = mesh.comm(axes)
+    handle = _issue(mesh, axes, "reduce_scatter", x.nbytes, lambda: comm.Ireduce_scatter_block(send, out, op=MPI.SUM),
+                    out, finish=lambda o: np.moveaxis(o, 0, dim))
     handle._keepalive = send  # the send buffer must live until the request completes
     return handle
 
@@ -146,7 +193,8 @@ def broadcast(x: np.ndarray, mesh: Mesh, axes: AxisNames, root: int = 0) -> np.n
     if mesh.size(axes) == 1:
         return x
     _count(mesh, axes, "broadcast", x.nbytes)
-    mesh.comm(axes).Bcast(x, root=root)
+    comm = mesh.comm(axes)
+    _run(mesh, axes, "broadcast", x.nbytes, lambda: comm.Bcast(x, root=root), lambda: comm.Ibcast(x, root=root))
     return x
 
 
@@ -154,12 +202,15 @@ def send(x: np.ndarray, mesh: Mesh, axis: str, dest: int, tag: int = 0) -> None:
     """Blocking send to `dest` (an index along `axis`, or PROC_NULL)."""
     if dest != MPI.PROC_NULL:
         _count(mesh, axis, "send", x.nbytes)
-    mesh.comm(axis).Send(_contig(x), dest=dest, tag=tag)
+    comm, src = mesh.comm(axis), _contig(x)
+    _run(mesh, axis, "send", x.nbytes, lambda: comm.Send(src, dest=dest, tag=tag), lambda: comm.Isend(src, dest=dest, tag=tag))
 
 
 def recv(buf: np.ndarray, mesh: Mesh, axis: str, source: int, tag: int = 0) -> np.ndarray:
     """Blocking receive into `buf` from `source` along `axis` (PROC_NULL leaves it untouched)."""
-    mesh.comm(axis).Recv(buf, source=source, tag=tag)
+    comm = mesh.comm(axis)
+    _run(mesh, axis, "recv", buf.nbytes, lambda: comm.Recv(buf, source=source, tag=tag),
+         lambda: comm.Irecv(buf, source=source, tag=tag))
     return buf
 
 
@@ -167,18 +218,38 @@ def isend(x: np.ndarray, mesh: Mesh, axis: str, dest: int, tag: int = 0) -> Hand
     """Nonblocking send; keep the handle (and `x`) until `wait()`."""
     if dest != MPI.PROC_NULL:
         _count(mesh, axis, "send", x.nbytes)
-    x = _contig(x)
-    return Handle(mesh.comm(axis).Isend(x, dest=dest, tag=tag), x)
+    x, comm = _contig(x), mesh.comm(axis)
+    return _issue(mesh, axis, "send", x.nbytes, lambda: comm.Isend(x, dest=dest, tag=tag), x)
 
 
 def irecv(buf: np.ndarray, mesh: Mesh, axis: str, source: int, tag: int = 0) -> Handle:
     """Nonblocking receive into `buf`; `wait()` returns it."""
-    return Handle(mesh.comm(axis).Irecv(buf, source=source, tag=tag), buf)
+    comm = mesh.comm(axis)
+    return _issue(mesh, axis, "recv", buf.nbytes, lambda: comm.Irecv(buf, source=source, tag=tag), buf)
 
 
 def sendrecv(x: np.ndarray, buf: np.ndarray, mesh: Mesh, axis: str, dest: int, source: int, tag: int = 0) -> np.ndarray:
     """Send `x` to `dest` while receiving into `buf` from `source` along `axis`."""
     if dest != MPI.PROC_NULL:
         _count(mesh, axis, "send", x.nbytes)
-    mesh.comm(axis).Sendrecv(_contig(x), dest=dest, sendtag=tag, recvbuf=buf, source=source, recvtag=tag)
+    comm, src = mesh.comm(axis), _contig(x)
+
+    def both() -> MPI.Request:  # a sendrecv observed as one call: wait for both halves
+        return _Both(comm.Isend(src, dest=dest, tag=tag), comm.Irecv(buf, source=source, tag=tag))
+
+    _run(mesh, axis, "sendrecv", x.nbytes,
+         lambda: comm.Sendrecv(src, dest=dest, sendtag=tag, recvbuf=buf, source=source, recvtag=tag), both)
     return buf
+
+
+class _Both:
+    """Two requests waited as one (what `Observer.wait` needs of a request: Wait and Test)."""
+
+    def __init__(self, a: MPI.Request, b: MPI.Request):
+        self.reqs = [a, b]
+
+    def Wait(self) -> None:
+        MPI.Request.Waitall(self.reqs)
+
+    def Test(self) -> bool:
+        return bool(MPI.Request.Testall(self.reqs))

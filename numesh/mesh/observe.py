@@ -1,0 +1,57 @@
+"""The one hook through which collectives are observed (tracing, the flight recorder).
+
+Set `mesh.observer` to an `Observer` and every collective and point-to-point call on that
+mesh is issued as `token = begin(op, axes, nbytes)`, the nonblocking MPI call,
+`wait(request, token)`, `end(token)` (nonblocking calls end when their handle is waited).
+`wait` owns the completion, so an observer may poll with a deadline instead of blocking
+forever. With no observer (the default) the plain blocking calls run.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+
+from numesh.mesh.mesh import AxisNames, axis_names
+
+
+class Observer:
+    """The do-nothing observer: subclasses override what they need."""
+
+    def begin(self, op: str, axes: AxisNames, nbytes: int) -> Any:
+        return None
+
+    def wait(self, request: Any, token: Any) -> None:
+        request.Wait()
+
+    def end(self, token: Any) -> None:
+        pass
+
+
+@attrs.define
+class Call:
+    """One observed call: what, over which axes, how many bytes, when (perf_counter seconds)."""
+
+    seq: int
+    op: str
+    axes: tuple[str, ...]
+    nbytes: int
+    start: float
+    end: float | None = None
+
+
+class Recorder(Observer):
+    """Keeps every observed call in order (tests, and the base of richer observers)."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+
+    def begin(self, op: str, axes: AxisNames, nbytes: int) -> Call:
+        call = Call(len(self.calls), op, axis_names(axes), nbytes, time.perf_counter())
+        self.calls.append(call)
+        return call
+
+    def end(self, token: Call) -> None:
+        token.end = time.perf_counter()
