@@ -280,3 +280,35 @@ def test_shard_returns_an_owned_copy() -> None:
     local = shard(x, P("tp", None), self_mesh())
     x[0, 0] = 100.0
     assert local[0, 0] == 0.0
+
+
+def test_chained_observers_each_see_every_call_and_the_first_waits() -> None:
+    from numesh.mesh.observe import Chain, Observer, Recorder, attach
+
+    class Waiter(Recorder):
+        waited = 0
+
+        def wait(self, request, token) -> None:
+            Waiter.waited += 1
+            request.Wait()
+
+    class Req:
+        def Wait(self) -> None: ...
+
+    a, b = Waiter(), Recorder()
+    chain = Chain(a, b)
+    tok = chain.begin("all_reduce", "dp", 8)
+    chain.wait(Req(), tok)
+    chain.end(tok)
+    assert Waiter.waited == 1 and [c.op for c in a.calls] == [c.op for c in b.calls] == ["all_reduce"]
+    assert a.calls[0].end is not None and b.calls[0].end is not None
+
+    class M:
+        observer = None
+
+    m = M()
+    attach(m, a)
+    assert m.observer is a
+    attach(m, b)
+    assert isinstance(m.observer, Chain) and m.observer.observers == (a, b)
+    assert isinstance(Observer(), Observer)

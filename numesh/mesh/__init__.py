@@ -19,11 +19,11 @@ from numesh.mesh.collectives import (
     sendrecv,
 )
 from numesh.mesh.mesh import AXES, ByteCounter, Group, Mesh, MeshError, parse_mesh
-from numesh.mesh.observe import Observer, Recorder
+from numesh.mesh.observe import Chain, Observer, Recorder, attach
 from numesh.mesh.spec import P, local_shape, local_slices, replicated_axes, shard, unshard
 
 __all__ = [
-    "AXES", "ByteCounter", "Group", "Handle", "Mesh", "MeshError", "Observer", "Recorder", "P", "all_gather", "all_gather_inplace", "broadcast", "ipsum",
+    "AXES", "ByteCounter", "Group", "Handle", "Mesh", "MeshError", "Chain", "Observer", "Recorder", "attach", "P", "all_gather", "all_gather_inplace", "broadcast", "ipsum",
     "ipsum_scatter", "irecv", "isend", "local_shape", "local_slices", "parse_mesh", "pmax", "psum", "psum_scalar", "psum_tree",
     "psum_scatter", "recv", "replicated_axes", "send", "sendrecv", "shard", "unshard",
 ]

@@ -55,3 +55,29 @@ class Recorder(Observer):
 
     def end(self, token: Call) -> None:
         token.end = time.perf_counter()
+
+
+class Chain(Observer):
+    """Several observers at once (e.g. the tracer and the flight recorder): each sees every
+    begin and end; the first one's `wait` completes the call (give the one that polls with a
+    deadline first)."""
+
+    def __init__(self, *observers: Observer):
+        if not observers:
+            raise ValueError("Chain needs at least one observer")
+        self.observers = observers
+
+    def begin(self, op: str, axes: AxisNames, nbytes: int) -> list:
+        return [o.begin(op, axes, nbytes) for o in self.observers]
+
+    def wait(self, request: Any, token: list) -> None:
+        self.observers[0].wait(request, token[0])
+
+    def end(self, token: list) -> None:
+        for o, t in zip(self.observers, token):
+            o.end(t)
+
+
+def attach(mesh: Any, observer: Observer) -> None:
+    """Add `observer` to `mesh` (chained after any observer it already has)."""
+    mesh.observer = observer if mesh.observer is None else Chain(mesh.observer, observer)
