@@ -129,7 +129,7 @@ def train_cmd(**options: Any) -> None:
     """Train a GPT on a prepared dataset (run under mpirun for a multi-rank --mesh)."""
 
     def go() -> None:
-        from numesh.runtime import configure_process, log
+        from numesh.runtime import configure_process, is_root, log
         from numesh.train import config_from, train
         from numesh_cli.dataset import ensure_run_dataset
 
@@ -139,6 +139,10 @@ def train_cmd(**options: Any) -> None:
         with _Progress(cfg.max_iters) as progress:
             result = train(cfg, on_step=progress.update)
         val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
+        if cfg.trace and is_root():  # the trace was written on rank 0 at the end of train()
+            from numesh import report
+
+            print(report.render(report.build(report.load(cfg.out))), file=sys.stderr)
         log(
             f"done: {result.steps} steps in {result.seconds:.1f} s, final loss {result.final_loss:.4f}, "
             f"val {val}\nmetrics: {result.metrics}\ncheckpoint: {result.checkpoint}"
@@ -252,6 +256,29 @@ def export_cmd(
         from numesh.checkpoint import export_nanogpt
 
         print(export_nanogpt(ckpt, out, dtype, force))
+
+    _run(go)
+
+
+@app.command("report", cls=_Command)
+def report_cmd(
+    out: Path = typer.Argument(..., help="a run directory written with `numesh train --trace` (or its trace.json)",
+                               metavar="OUT", show_default=False),
+    json_: bool = typer.Option(False, "--json", help="print the report as JSON"),
+) -> None:
+    """Theory beside measurement for a traced run: pipeline bubble, bytes per axis, time per category, MFU, slowest rank."""
+
+    def go() -> None:
+        import json
+
+        from numesh import report
+        from numesh.errors import ConfigError
+
+        path = out / "trace.json" if out.is_dir() else out
+        if not path.is_file():
+            raise ConfigError(f"{path} not found: run `numesh train --trace --out {out}` first")
+        rep = report.build(report.load(path))
+        print(json.dumps(rep, indent=1) if json_ else report.render(rep))
 
     _run(go)
 

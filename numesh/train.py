@@ -20,11 +20,13 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh import data as D
+from numesh import formulas
 from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
 from numesh.checkpoint.format import step_dir_name
 from numesh.errors import ConfigError, Interrupted
 from numesh.interrupt import InterruptWatch
-from numesh.mesh import Mesh, parse_mesh, psum_scalar, unshard
+from numesh.mesh import Mesh, attach, parse_mesh, psum_scalar, unshard
+from numesh.mesh.trace import Tracer
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
 from numesh.nn.units import OUTER, join_units, split_units
@@ -92,6 +94,8 @@ class TrainConfig:
     # divergence
     on_nan: str = _field("stop", "a non-finite loss or gradient norm: stop, or skip the step (no update)")
     max_skips: int = _field(10, "with --on-nan skip: stop after this many skipped steps")
+    # observability
+    trace: bool = _field(False, "write OUT/trace.json (Chrome trace events: open in Perfetto) and print `numesh report OUT`")
 
     def model(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(
@@ -189,7 +193,7 @@ class Diverged(ConfigError):
 
 def flops_per_token(model: GPTConfig, n_params: int) -> float:
     """Training FLOPs per token: 6 per parameter plus attention (PaLM's appendix B)."""
-    return 6.0 * n_params + 12.0 * model.n_layer * model.n_embd * model.block_size
+    return formulas.flops_per_token(model.n_layer, model.n_embd, model.block_size, n_params)
 
 
 class Trainer:
@@ -220,6 +224,7 @@ class Trainer:
         self.step = 0
         self.skipped = 0  # steps not applied because their loss or gradient was not finite
         self.n_params = sum(math.prod(s) for s in tree_leaves(gpt_global_shapes(self.model)))
+        self.trace: Tracer | None = None  # set by `start_trace`
 
     @property
     def params(self) -> GPT:
@@ -240,8 +245,12 @@ class Trainer:
 
     def train_step(self) -> tuple[float, float, float]:
         """One optimiser step on the global batch of `self.step`: (loss, grad norm, lr)."""
-        c, mesh = self.cfg, self.mesh
+        c, mesh, tr = self.cfg, self.mesh, self.trace
+        t_step = time.perf_counter()
         micro = self._micro_batches(self.train_data, D.train_key(c.seed, self.step), c.micro_batches)
+        if tr is not None:
+            tr.step = self.step
+            tr.span("data", "data", t_step)
         rows = micro[0][0].shape[0]
         drops = [
             DropoutKey(c.dropout, c.seed, self.step, (mesh.index("dp") * len(micro) + m) * rows, c.batch_size)
@@ -252,6 +261,7 @@ class Trainer:
         stats = self.pipeline.run(self.schedule, micro, 1.0 / self.tokens_per_step, drops)
         self.last_stats = stats
         loss = psum_scalar(stats.loss, mesh, ("pp", "dp"))
+        t_opt = time.perf_counter()
         norm = self.opt.global_norm()
         lr = self.lr(self.step)
         if not (math.isfinite(loss) and math.isfinite(norm)):  # the same on every rank: both are global
@@ -260,6 +270,9 @@ class Trainer:
                 raise Diverged(self.step, loss, norm, self.skipped)
         else:
             self.opt.step(lr, clip_scale(norm, c.grad_clip))
+        if tr is not None:
+            tr.span("optimizer", "optimizer", t_opt)
+            tr.span(f"step {self.step}", "step", t_step, None, {"step": self.step})
         self.step += 1
         return loss, norm, lr
 
@@ -267,12 +280,41 @@ class Trainer:
         """Mean loss over `eval_iters` fixed batches of each split (the same on every mesh)."""
         c, mesh = self.cfg, self.mesh
         out = {}
+        t0 = time.perf_counter()
         for split, data in (("train", self.train_data), ("val", self.val_data)):
             batches = [self._micro_batches(data, D.eval_key(c.seed, split, i), 1)[0] for i in range(c.eval_iters)]
             total = self.pipeline.forward_losses(batches)
             total = psum_scalar(total, mesh, ("pp", "dp"))
             out[f"{split}_loss"] = total / (c.eval_iters * self.tokens_per_step)
+        if self.trace is not None:
+            self.trace.span("evaluate", "eval", t0, None, {"step": self.step})
         return out
+
+    def start_trace(self, peak_flops: float) -> Tracer:
+        """Trace this rank from now on (collective: aligns the clocks of every rank); what
+        the report needs to compute the formulas goes in the trace's metadata."""
+        tr = Tracer(self.mesh)
+        attach(self.mesh, tr)  # chained after any observer already there (the flight recorder)
+        self.trace = self.pipeline.trace = tr
+        c, shape, pp_rank = self.cfg, self.mesh.shape, self.mesh.index("pp")
+        units = self.opt.units
+        itemsize = np.dtype(self.dtype).itemsize
+        holds_tied = shape["pp"] > 1 and pp_rank in (0, shape["pp"] - 1)
+        tr.meta = {
+            "chunks": [attrs.asdict(formulas.Chunk(len(s.blocks), s.first, s.last)) for s in self.pipeline.stages],
+            "padded_blocks": sum(u.padded for k, u in units.items() if not k.is_outer),
+            "padded_outer": units[OUTER].padded,
+            "tied_bytes": self.model.padded_vocab(shape["tp"]) // shape["tp"] * self.model.n_embd * itemsize if holds_tied else 0,
+        }
+        self.trace_meta = {
+            "mesh": dict(shape), "schedule": c.schedule, "micro_batches": c.micro_batches, "virtual_stages": c.virtual_stages,
+            "zero": c.zero, "dtype": c.dtype, "itemsize": itemsize, "batch_size": c.batch_size, "block_size": c.block_size,
+            "n_layer": self.model.n_layer, "n_embd": self.model.n_embd, "n_params": self.n_params,
+            "rows_per_micro_batch": c.batch_size // (shape["dp"] * c.micro_batches),
+            "tokens_per_step": self.tokens_per_step, "flops_per_token": flops_per_token(self.model, self.n_params),
+            "peak_flops": peak_flops,
+        }
+        return tr
 
     def gathered_params(self) -> GPT:
         """The global parameters (vocabulary unpadded), gathered on every rank (tests, export)."""
@@ -316,11 +358,15 @@ def save_final(trainer: Trainer, out_dir: Path, keep: int = 0) -> Path:
     """Write a sharded checkpoint of the trainer's current step to OUT/ckpt/step_NNNNNN and
     point OUT/ckpt/latest at it (collective; see numesh.checkpoint). A state with a
     non-finite value is refused on every rank: it never becomes `latest` or prunes a good one."""
+    t0 = time.perf_counter()
     state = train_state(trainer)
     bad = sum(int(not np.isfinite(x).all()) for t in state.trees.values() for x in tree_leaves(t))
     if psum_scalar(bad, trainer.mesh, ("pp", "dp", "tp")):
         raise ConfigError(f"not saving step {trainer.step}: its parameters or optimiser state are not finite")
-    return save_checkpoint(state, out_dir, keep=keep or None)
+    path = save_checkpoint(state, out_dir, keep=keep or None)
+    if trainer.trace is not None:
+        trainer.trace.span("checkpoint", "checkpoint", t0, None, {"step": trainer.step})
+    return path
 
 
 def stop_interrupted(trainer: Trainer, watch: InterruptWatch, signum: int, out: Path, saved_at: int | None) -> None:
@@ -408,6 +454,8 @@ def train(
     peak = psum_scalar(matmul_peak_flops(trainer.dtype), trainer.mesh, ("pp", "dp", "tp"))
     flops_per_peak = flops_per_token(trainer.model, trainer.n_params) / peak
     run = _open_run(trainer, cfg)
+    if cfg.trace:
+        trainer.start_trace(peak)
     last: dict[str, Any] = {}
     saved_at = None
     t_start = time.perf_counter()
@@ -435,6 +483,8 @@ def train(
         watch.stop()  # the caller's signal handlers again
     if saved_at != trainer.step:
         save_final(trainer, out, cfg.keep)
+    if trainer.trace is not None:  # every rank's events to rank 0, one file (collective)
+        trainer.trace.write(out / "trace.json", trainer.trace_meta)
     return TrainResult(
         steps=cfg.max_iters - start,
         final_loss=float(last.get("loss", math.nan)),

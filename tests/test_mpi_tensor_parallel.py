@@ -25,6 +25,7 @@ from conftest import (
     train_records,
 )
 from numesh.data import load_tokenizer
+from numesh.formulas import Chunk, tp_all_reduce_bytes
 from numesh.mesh import Mesh
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, gpt_specs, init_gpt
@@ -121,6 +122,7 @@ def test_tp_all_reduce_bytes_follow_megatron(tp_mesh: Mesh) -> None:
     head = act  # the LM head's input gradient, backward
     cross_entropy = B * T * item + 2 * B * T * item  # pmax of the row maxima, psum of [sum-exp, target logit]
     expected = L * per_block + embedding + head + cross_entropy
+    assert expected == tp_all_reduce_bytes(Chunk(L, first=True, last=True), B, T, C, item)  # numesh.formulas agrees
     c = tp_mesh.counter
     assert c.total("tp", "all_reduce", kind="payload") == expected
     assert c.total("tp", "all_reduce", kind="calls") == 4 * L + 2 + 2

@@ -238,13 +238,3 @@ def _checksums(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64, copy=False)
     return np.array([x.sum(), np.dot(x, np.arange(1, x.size + 1, dtype=np.float64) % 97.0)])
 
-
-def memory_formula(psi: int, dp: int, stage: int, itemsize: int = 4) -> dict[str, float]:
-    """The ZeRO paper's bytes per rank for single-precision AdamW over Ψ parameters:
-    params 4Ψ, grads 4Ψ, moments 8Ψ, each divided by N = dp where the stage shards it."""
-    k = itemsize
-    return {
-        "params": k * psi / (dp if stage >= 3 else 1),
-        "grads": k * psi / (dp if stage >= 2 else 1),
-        "optimizer": 2 * k * psi / (dp if stage >= 1 else 1),
-    }

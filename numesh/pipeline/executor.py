@@ -7,6 +7,11 @@ the deferred weight gradients. The stage math is `numesh.nn.stage`, the same wal
 single process uses. Sends are nonblocking and receives blocking, so any schedule whose
 lists respect the dependencies (which `schedules.validate`/`simulate` check) runs without
 deadlock. With pp=1 and 1F1B it is plain gradient accumulation over micro-batches.
+
+Tracing: when `trace` is a `numesh.mesh.trace.Tracer` (None by default, costing one test
+per action), each action becomes a span named as the schedule prints it ("F3", "B3.1"),
+from the start of its computation to the issue of its send, the whole schedule a
+"pipeline" span, and each message a flow arrow from the send to the receive.
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ class PipelineExecutor:
         # the tied embedding lives on the first and the last rank: their wte grads are summed
         self.tied = mesh.group("pp", (0, self.p - 1)) if self.p > 1 else None
         self.holds_tied = self.p > 1 and self.rank in (0, self.p - 1)
+        self.trace = None  # a numesh.mesh.trace.Tracer while tracing
+        self._runs = 0  # schedules run so far (the same count on every rank): part of flow ids
 
     # ------------------------------------------------------------------ messages
 
@@ -96,10 +103,19 @@ class PipelineExecutor:
     def _recv(self, kind: str, mb: int, stage: int, src_stage: int, st: _Step) -> np.ndarray:
         shape = (*st.micro[mb][0].shape, self.cfg.n_embd)
         buf = np.empty(shape, dtype=self.dtype)
-        return irecv(buf, self.mesh, "pp", src_stage % self.p, self._tag(kind, mb, stage, len(st.micro))).wait()
+        tag, tr = self._tag(kind, mb, stage, len(st.micro)), self.trace
+        if tr is None:
+            return irecv(buf, self.mesh, "pp", src_stage % self.p, tag).wait()
+        t0 = tr.now()
+        out = irecv(buf, self.mesh, "pp", src_stage % self.p, tag).wait()
+        tr.flow_end((self._runs << 24) + tag, (t0 + tr.now()) / 2, kind)  # inside the receive's span
+        return out
 
     def _send(self, x: np.ndarray, kind: str, mb: int, stage: int, st: _Step) -> None:
-        st.sends.append(isend(x, self.mesh, "pp", stage % self.p, self._tag(kind, mb, stage, len(st.micro))))
+        tag = self._tag(kind, mb, stage, len(st.micro))
+        st.sends.append(isend(x, self.mesh, "pp", stage % self.p, tag))
+        if self.trace is not None:
+            self.trace.flow_start((self._runs << 24) + tag, kind)
 
     # ------------------------------------------------------------------ actions
 
@@ -116,6 +132,8 @@ class PipelineExecutor:
             self._send(out, "F", a.mb, k + 1, st)
         if keep:
             st.acts[(a.mb, a.chunk)] = ctx
+        if self.trace is not None:
+            self.trace.span(str(a), "compute", t, None, {"kind": "F", "mb": a.mb, "chunk": a.chunk, "stage": k})
 
     def _backward(self, a: Action, st: _Step, split: bool) -> None:
         stage, k = self.stages[a.chunk], a.chunk * self.p + self.rank
@@ -129,11 +147,16 @@ class PipelineExecutor:
         st.busy += time.perf_counter() - t
         if not stage.first:
             self._send(dx, "B", a.mb, k - 1, st)
+        if self.trace is not None:
+            self.trace.span(str(a), "compute", t, None, {"kind": "B", "mb": a.mb, "chunk": a.chunk, "stage": k})
 
     def _weight(self, a: Action, st: _Step) -> None:
         t = time.perf_counter()
         stage_weight(self.units, st.deferred.pop((a.mb, a.chunk)))
         st.busy += time.perf_counter() - t
+        if self.trace is not None:
+            k = a.chunk * self.p + self.rank
+            self.trace.span(str(a), "compute", t, None, {"kind": "W", "mb": a.mb, "chunk": a.chunk, "stage": k})
 
     # ------------------------------------------------------------------ a training step
 
@@ -144,6 +167,7 @@ class PipelineExecutor:
         live: dict[tuple[int, int], int] = {}  # (mb, chunk) -> bytes held for it
         peak_live = peak_bytes = 0
         timeline = []
+        self._runs += 1
         start = time.perf_counter()
         for a in schedule.actions[self.rank]:
             t0 = time.perf_counter()
@@ -164,6 +188,8 @@ class PipelineExecutor:
             timeline.append((a.kind, a.mb, a.chunk, t0 - start, time.perf_counter() - start))
         st.finish_sends()
         span = time.perf_counter() - start
+        if self.trace is not None:
+            self.trace.span("pipeline", "pipeline", start, start + span, {"schedule": schedule.name})
         self._finish_outer(st)
         return StepStats(st.loss, st.busy, span, peak_live, peak_bytes, tuple(timeline))
 
@@ -182,6 +208,7 @@ class PipelineExecutor:
     def forward_losses(self, micro: list[Micro]) -> float:
         """Sum of token losses over `micro` through the pipeline, forward only (on the last rank; 0 elsewhere)."""
         st = _Step(micro, [None] * len(micro), 1.0)
+        self._runs += 1
         for mb in range(len(micro)):
             for chunk in range(self.layout.v):
                 self._forward(Action("F", mb, chunk), st, keep=False)

@@ -1,0 +1,313 @@
+"""`numesh report OUT`: theory beside measurement, from a traced run's OUT/trace.json.
+
+Pure functions over the trace (a dict as `json.load` gives it); `numesh train --trace`
+prints the same report at the end. What it measures, per rank and optimiser step (the
+"step" spans; the first step is left out as warm-up when there are more):
+
+* **Time per category**, a partition of each step's span, so the categories sum to the
+  step time. Each instant goes to the first of: exposed communication (a blocking
+  collective, not a pipeline message), bubble (waiting for a pipeline message), compute
+  (an F/B/W span), bubble (anything else inside the schedule's span: the stage idles),
+  exposed communication (a nonblocking collective still in flight while nothing else
+  runs: the rank is waiting for it), optimiser, other (data loading, the loss all-reduce's
+  bookkeeping, Python between the pieces).
+* **Pipeline bubble**: per step and pipeline (the pp ranks of one dp×tp coordinate), the
+  makespan from the first stage's start to the last one's end of the schedule (clocks
+  aligned), each stage's idle fraction `1 - busy/makespan` and the bubble `1 - Σbusy /
+  (p·makespan)`, beside `simulate` of the same schedule, with unit costs and with the
+  mean measured F, B and W times.
+* **Bytes per axis per step**: every call's payload (sends, not receives) by axes and op,
+  beside `numesh.formulas.step_bytes` for this rank's units.
+* **MFU**: achieved FLOP/s (FLOPs per token × tokens per step / mean step time) over the
+  sum of every rank's measured matmul peak (as the metrics' `mfu`).
+* **Slowest rank**: the one the others wait for. A rank's waiting is the time its
+  collectives spent for the last peer to arrive (`wait_ms`, from aligned begin times)
+  plus its time in pipeline receives; the slowest rank waits least, and it is slower by
+  the median of the other ranks' waiting minus its own, per step.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from numesh import formulas
+from numesh.pipeline.schedules import make_schedule
+
+CATEGORIES = ("compute", "comm", "bubble", "optimizer", "other")
+P2P = ("send", "recv", "sendrecv")
+# priorities of what an instant of a step is spent on (higher wins); see the module docstring
+_PRIO = {"other": 0, "optimizer": 1, "async_comm": 2, "idle_in_pipeline": 3, "compute": 4, "p2p": 5, "comm": 6}
+_CAT_OF = {"other": "other", "optimizer": "optimizer", "async_comm": "comm", "idle_in_pipeline": "bubble",
+           "compute": "compute", "p2p": "bubble", "comm": "comm"}
+
+
+def load(path: str | Path) -> dict:
+    """A trace from OUT (a run directory) or the trace file itself."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "trace.json"
+    return json.loads(path.read_text())
+
+
+def meta(trace: dict) -> dict:
+    return trace.get("otherData", {}).get("numesh", {})
+
+
+def rank_events(trace: dict) -> dict[int, list[dict]]:
+    """Each rank's "X" events, by start time."""
+    out: dict[int, list[dict]] = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X":
+            out.setdefault(e["pid"], []).append(e)
+    for evs in out.values():
+        evs.sort(key=lambda e: e["ts"])
+    return out
+
+
+def step_windows(events: list[dict], skip_first: bool = True) -> list[tuple[int, float, float]]:
+    """(step, start, end) in µs of each step span, the first left out when there are more."""
+    steps = [(e["args"]["step"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "step"]
+    steps.sort(key=lambda s: s[1])
+    return steps[1:] if skip_first and len(steps) > 1 else steps
+
+
+def _within(events: list[dict], start: float, end: float) -> list[dict]:
+    return [e for e in events if e["ts"] >= start and e["ts"] < end]
+
+
+def _kind(e: dict) -> str | None:
+    cat = e.get("cat")
+    if cat == "comm":
+        blocking = e.get("tid", 0) == 0
+        if e["args"]["op"] in P2P:
+            return "p2p" if blocking else None  # sends in flight: the stage is computing or idle anyway
+        return "comm" if blocking else "async_comm"
+    if cat == "compute":
+        return "compute"
+    if cat == "pipeline":
+        return "idle_in_pipeline"
+    if cat == "optimizer":
+        return "optimizer"
+    return None
+
+
+def categorize(events: list[dict], start: float, end: float) -> dict[str, float]:
+    """µs of [start, end) spent per category (CATEGORIES), a partition of the window."""
+    spans = []
+    for e in events:
+        k = _kind(e)
+        a, b = max(e["ts"], start), min(e["ts"] + e["dur"], end)
+        if k is not None and b > a:
+            spans.append((a, b, _PRIO[k]))
+    cuts = np.unique(np.array([start, end] + [s[0] for s in spans] + [s[1] for s in spans], dtype=np.float64))
+    prio = np.zeros(len(cuts) - 1, dtype=np.int64)
+    for a, b, p in spans:
+        i, j = np.searchsorted(cuts, a), np.searchsorted(cuts, b)
+        np.maximum(prio[i:j], p, out=prio[i:j])
+    widths = np.diff(cuts)
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for name, p in _PRIO.items():
+        out[_CAT_OF[name]] += float(widths[prio == p].sum())
+    return out
+
+
+def time_breakdown(trace: dict) -> dict[int, dict[str, float]]:
+    """Per rank, the mean ms per step of each category, and `step_ms`."""
+    out = {}
+    for rank, evs in rank_events(trace).items():
+        wins = step_windows(evs)
+        total = dict.fromkeys(CATEGORIES, 0.0)
+        step = 0.0
+        for _, a, b in wins:
+            for k, v in categorize(_within(evs, a, b), a, b).items():
+                total[k] += v
+            step += b - a
+        n = max(len(wins), 1)
+        out[rank] = {**{k: v / n / 1e3 for k, v in total.items()}, "step_ms": step / n / 1e3,
+                     "data_ms": sum(e["dur"] for _, a, b in wins for e in _within(evs, a, b) if e.get("cat") == "data") / n / 1e3}
+    return out
+
+
+def _ranks(trace: dict) -> dict[int, dict]:
+    return {r["rank"]: r for r in meta(trace).get("ranks", [])}
+
+
+def pipeline_bubble(trace: dict) -> dict[str, Any]:
+    """Measured bubble and per-stage idle (means over steps and pipelines) beside the schedule's theory."""
+    m = meta(trace)
+    shape, ranks, evs = m["mesh"], _ranks(trace), rank_events(trace)
+    p = shape["pp"]
+    sched = make_schedule(m["schedule"], p, m["micro_batches"], m["virtual_stages"])
+    pipes: dict[tuple, dict[int, int]] = {}  # (dp, tp) -> pp index -> rank
+    for r, info in ranks.items():
+        c = info["coords"]
+        pipes.setdefault((c["dp"], c["tp"]), {})[c["pp"]] = r
+    durations: dict[str, list[float]] = {"F": [], "B": [], "W": []}
+    fractions, idle = [], [[] for _ in range(p)]
+    for members in pipes.values():
+        per_rank = {}
+        for s, r in members.items():
+            wins = step_windows(evs[r])
+            spans = []
+            for _, a, b in wins:
+                inside = _within(evs[r], a, b)
+                pipe = next(e for e in inside if e.get("cat") == "pipeline")
+                acts = [e for e in inside if e.get("cat") == "compute"]
+                for e in acts:
+                    durations[e["args"]["kind"]].append(e["dur"])
+                spans.append((pipe["ts"], pipe["ts"] + pipe["dur"], sum(e["dur"] for e in acts)))
+            per_rank[s] = spans
+        for k in range(min(len(v) for v in per_rank.values())):
+            start = min(per_rank[s][k][0] for s in per_rank)
+            end = max(per_rank[s][k][1] for s in per_rank)
+            span = end - start
+            busy = [per_rank[s][k][2] for s in range(p)]
+            fractions.append(1 - sum(busy) / (p * span))
+            for s in range(p):
+                idle[s].append(1 - busy[s] / span)
+    mean = {k: (statistics.fmean(v) / 1e3 if v else 0.0) for k, v in durations.items()}
+    if sched.split_backward:
+        measured_costs = (mean["F"], mean["B"], mean["W"])
+    else:
+        measured_costs = (mean["F"], mean["B"], 0.0)  # B is the whole backward
+    unit = formulas.bubble(sched)
+    with_costs = formulas.bubble(sched, *measured_costs) if mean["F"] > 0 else unit
+    return {
+        "schedule": sched.name, "p": p, "m": sched.m, "v": sched.v,
+        "measured": statistics.fmean(fractions) if fractions else 0.0,
+        "measured_idle_per_stage": [statistics.fmean(x) if x else 0.0 for x in idle],
+        "theory_unit_costs": unit["fraction"],
+        "theory_unit_costs_per_stage": unit["per_rank"],
+        "theory_measured_costs": with_costs["fraction"],
+        "theory_measured_costs_per_stage": with_costs["per_rank"],
+        "mean_action_ms": mean,
+    }
+
+
+def _bytes_key(axes: str, op: str) -> str:
+    return f"{axes}/{op}"
+
+
+def bytes_per_step(trace: dict) -> dict[int, dict[str, dict[str, float]]]:
+    """Per rank, {"measured": {axes/op: payload bytes per step}, "formula": {...}}."""
+    m = meta(trace)
+    ranks = _ranks(trace)
+    out = {}
+    for r, evs in rank_events(trace).items():
+        wins = step_windows(evs)
+        got: dict[str, float] = {}
+        for _, a, b in wins:
+            for e in _within(evs, a, b):
+                if e.get("cat") == "comm" and e["args"]["op"] != "recv":
+                    key = _bytes_key(e["args"]["axes"], e["args"]["op"])
+                    got[key] = got.get(key, 0) + e["args"]["bytes"]
+        n = max(len(wins), 1)
+        info = ranks[r]
+        want = formulas.step_bytes(
+            m["mesh"], m["zero"], m["micro_batches"], m["rows_per_micro_batch"], m["block_size"], m["n_embd"],
+            m["itemsize"], [formulas.Chunk(**c) for c in info["chunks"]], info["padded_blocks"], info["padded_outer"],
+            info["tied_bytes"],
+        )
+        out[r] = {"measured": {k: v / n for k, v in sorted(got.items())},
+                  "formula": {_bytes_key(*k): v for k, v in sorted(want.items())}}
+    return out
+
+
+def slowest_rank(trace: dict) -> dict[str, Any]:
+    """The rank the others wait for, and by how much per step (module docstring)."""
+    waited = {}
+    for r, evs in rank_events(trace).items():
+        wins = step_windows(evs)
+        total = 0.0
+        for _, a, b in wins:
+            for e in _within(evs, a, b):
+                if e.get("cat") != "comm":
+                    continue
+                if e["args"]["op"] in P2P:
+                    total += e["dur"] if e["args"]["op"] != "send" and e.get("tid", 0) == 0 else 0.0
+                else:
+                    total += e["args"].get("wait_ms", 0.0) * 1e3
+        waited[r] = total / max(len(wins), 1) / 1e3
+    rank = min(waited, key=lambda r: (waited[r], r))
+    others = [v for r, v in waited.items() if r != rank]
+    return {"rank": rank, "slower_by_ms": (statistics.median(others) - waited[rank]) if others else 0.0,
+            "waited_ms_per_step": waited}
+
+
+def build(trace: dict) -> dict[str, Any]:
+    """Everything the report says, as plain data (`--json` prints it)."""
+    m = meta(trace)
+    times = time_breakdown(trace)
+    step_ms = max(t["step_ms"] for t in times.values())
+    achieved = m["flops_per_token"] * m["tokens_per_step"] / (step_ms / 1e3) if step_ms > 0 else 0.0
+    by = bytes_per_step(trace)
+    return {
+        "run": {k: m[k] for k in ("mesh", "schedule", "micro_batches", "virtual_stages", "zero", "dtype", "batch_size",
+                                  "block_size", "n_params")},
+        "clock": m["clock"],
+        "steps": len(step_windows(rank_events(trace)[0])),
+        "step_ms": step_ms,
+        "time_ms": {str(r): t for r, t in sorted(times.items())},
+        "bubble": pipeline_bubble(trace),
+        "bytes": {str(r): b for r, b in sorted(by.items())},
+        "bytes_match": all(b["measured"] == b["formula"] for b in by.values()),
+        "flops": {"achieved_per_s": achieved, "peak_per_s": m["peak_flops"],
+                  "mfu": achieved / m["peak_flops"] if m["peak_flops"] else 0.0},
+        "slowest": slowest_rank(trace),
+    }
+
+
+def _mb(x: float) -> str:
+    return f"{x / 2**20:.3f} MiB" if x >= 2**14 else f"{x:.0f} B"
+
+
+def render(rep: dict[str, Any]) -> str:
+    """The report as plain text."""
+    run, b = rep["run"], rep["bubble"]
+    mesh = ",".join(f"{k}={v}" for k, v in run["mesh"].items())
+    lines = [
+        f"numesh report: mesh {mesh}, schedule {run['schedule']} (m={run['micro_batches']}, v={run['virtual_stages']}), "
+        f"ZeRO {run['zero']}, {run['dtype']}; {rep['steps']} steps measured (the first left out)",
+        f"clocks aligned to rank 0 within {rep['clock']['max_uncertainty_us']:.1f} us "
+        f"(residual after alignment {rep['clock']['max_residual_us']:.1f} us)",
+        "",
+        "time per step (ms)      " + "".join(f"{c:>10}" for c in (*CATEGORIES, "sum", "step")),
+    ]
+    for r, t in rep["time_ms"].items():
+        total = sum(t[c] for c in CATEGORIES)
+        lines.append(f"  rank {r:<18}" + "".join(f"{t[c]:10.2f}" for c in CATEGORIES) + f"{total:10.2f}{t['step_ms']:10.2f}")
+    lines += [
+        "  (comm = exposed communication: blocking collectives and waits on nonblocking ones; bubble = waiting for",
+        "   pipeline messages or idle inside the schedule; other includes data loading)",
+        "",
+        f"pipeline bubble ({b['schedule']}, p={b['p']}, m={b['m']}, v={b['v']}): measured {100 * b['measured']:.1f} %, "
+        f"theory {100 * b['theory_unit_costs']:.1f} % (unit costs), {100 * b['theory_measured_costs']:.1f} % "
+        f"(measured F/B/W {b['mean_action_ms']['F']:.2f}/{b['mean_action_ms']['B']:.2f}/{b['mean_action_ms']['W']:.2f} ms)",
+        "  idle per stage: measured " + ", ".join(f"{100 * x:.1f} %" for x in b["measured_idle_per_stage"])
+        + "; theory " + ", ".join(f"{100 * x:.1f} %" for x in b["theory_measured_costs_per_stage"]),
+        "",
+        "bytes per step (payload; rank: measured = formula)",
+    ]
+    for r, by in rep["bytes"].items():
+        keys = sorted(set(by["measured"]) | set(by["formula"]))
+        parts = []
+        for k in keys:
+            got, want = by["measured"].get(k, 0), by["formula"].get(k, 0)
+            parts.append(f"{k} {_mb(got)}" + ("" if got == want else f" (formula {_mb(want)})"))
+        lines.append(f"  rank {r}: " + ("; ".join(parts) if parts else "nothing"))
+    lines.append("  every rank matches the formulas" if rep["bytes_match"] else "  MISMATCH with numesh.formulas")
+    f, s = rep["flops"], rep["slowest"]
+    lines += [
+        "",
+        f"achieved {f['achieved_per_s'] / 1e9:.2f} GFLOP/s of {f['peak_per_s'] / 1e9:.1f} GFLOP/s measured matmul peak: "
+        f"MFU {100 * f['mfu']:.1f} % (step {rep['step_ms']:.2f} ms, slowest rank's)",
+        f"slowest rank: {s['rank']}, {s['slower_by_ms']:.1f} ms per step slower than the median rank "
+        "(the others wait for it: " + ", ".join(f"rank {r} {v:.1f}" for r, v in sorted(s["waited_ms_per_step"].items()))
+        + " ms waited per step)",
+    ]
+    return "\n".join(lines)
