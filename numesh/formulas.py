@@ -41,14 +41,17 @@ def flops_per_token(n_layer: int, n_embd: int, block_size: int, n_params: int) -
     return 6.0 * n_params + 12.0 * n_layer * n_embd * block_size
 
 
-def dp_bytes(stage: int, micro_batches: int, padded_blocks: int, padded_outer: int, itemsize: int) -> dict[str, int]:
+def dp_bytes(stage: int, micro_batches: int, padded_blocks: int, padded_outer: int, itemsize: int,
+             split_backward: bool = False) -> dict[str, int]:
     """Payload bytes per op on the dp axis in one step for ZeRO `stage`, for this rank's
     units padded to a multiple of dp (blocks, and the embedding/head unit), with m micro-batches.
 
     Stage 0 all-reduces every gradient once; 1 reduce-scatters them and all-gathers the
     updated parameters; 2 reduce-scatters each block's gradient per micro-batch (it keeps no
     full gradient to accumulate into) and the outer unit's once (the executor sums it over
-    micro-batches); 3 also gathers every unit for each micro-batch's forward and backward."""
+    micro-batches); 3 also gathers every unit for each micro-batch's forward and backward,
+    and each block once more for its weight gradient when the schedule splits the backward
+    (zero-bubble: W runs later, after the block was freed)."""
     m, k = micro_batches, itemsize
     P = padded_blocks + padded_outer
     per_mb = (m * padded_blocks + padded_outer) * k
@@ -56,7 +59,7 @@ def dp_bytes(stage: int, micro_batches: int, padded_blocks: int, padded_outer: i
         0: {"all_reduce": P * k},
         1: {"reduce_scatter": P * k, "all_gather": P * k},
         2: {"reduce_scatter": per_mb, "all_gather": P * k},
-        3: {"reduce_scatter": per_mb, "all_gather": 2 * m * P * k},
+        3: {"reduce_scatter": per_mb, "all_gather": (2 * m * P + m * padded_blocks * split_backward) * k},
     }[stage]
 
 
@@ -112,13 +115,15 @@ def step_bytes(
     padded_blocks: int,
     padded_outer: int,
     tied_bytes: int,
+    split_backward: bool = False,
 ) -> dict[tuple[str, str], int]:
     """Payload bytes per (axes, op) one rank moves in one training step (axes as "dp",
     "pp+dp", or "pp[0,3]" for the tied-embedding group), sends but not receives.
 
     `rows` is a micro-batch's sequences on this rank; `chunks` this rank's model chunks;
     `padded_*` its units' sizes padded to dp; `tied_bytes` its wte gradient's bytes, summed
-    between the first and last pp rank when pp > 1 (0 on other ranks)."""
+    between the first and last pp rank when pp > 1 (0 on other ranks); `split_backward`
+    whether the schedule runs W apart from B (zb-h1)."""
     out: dict[tuple[str, str], int] = {}
 
     def add(axes: str, op: str, n: int) -> None:
@@ -128,7 +133,7 @@ def step_bytes(
     chunks = list(chunks)
     m = micro_batches
     if shape["dp"] > 1:
-        for op, n in dp_bytes(zero, m, padded_blocks, padded_outer, itemsize).items():
+        for op, n in dp_bytes(zero, m, padded_blocks, padded_outer, itemsize, split_backward).items():
             add("dp", op, n)
     if shape["tp"] > 1:
         add("tp", "all_reduce", m * sum(tp_all_reduce_bytes(c, rows, block_size, n_embd, itemsize) for c in chunks))
