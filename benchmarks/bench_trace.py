@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""What tracing costs, and the pipeline bubble it measures beside the schedule's theory.
+
+    mpirun -n 2 python benchmarks/bench_trace.py overhead --mesh pp=2      # and --mesh dp=2
+    mpirun -n 2 python benchmarks/bench_trace.py bubble                    # pp=2, every schedule
+    mpirun -n 4 python benchmarks/bench_trace.py bubble --micro-batches 8  # pp=4
+
+overhead: two Trainers of the same run in one job, one traced (`Trainer.start_trace`: the
+mesh observer, executor and loop spans) and one not, take turns step by step (barrier,
+then `train_step()`), so machine noise hits both alike; after `--warmup` steps each,
+`--iters` steps of each are timed and the slowest rank's median step is compared; then
+the traced one writes its trace (time reported apart: it happens once, at the end).
+
+bubble: for each schedule (gpipe, 1f1b, interleaved with v=2, zb-h1) a traced run of
+`--iters` steps; `numesh.report.pipeline_bubble` of its trace: measured 1 - Σbusy/(p·makespan)
+over each step's aligned pipeline spans, beside `simulate` with unit costs (F=B=W) and with
+the measured mean F, B, W times. Every rank gets one BLAS thread. Prints numbers, asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS)
+from mpi4py import MPI
+
+from numesh import report
+from numesh.runtime import configure_process, guarded
+from numesh.train import Trainer, config_from
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_SRC, dataset_dir  # noqa: E402
+
+MODEL = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16)
+
+
+def config(data: str, out: str, mesh: str, schedule: str, m: int, v: int = 1):
+    return config_from(dict(MODEL, data=data, out=out, mesh=mesh, schedule=schedule, micro_batches=m,
+                            virtual_stages=v, max_iters=10**6, eval_interval=10**6, warmup_iters=1))
+
+
+def timed_step(t: Trainer, comm: MPI.Comm) -> float:
+    comm.Barrier()
+    t0 = time.perf_counter()
+    t.train_step()
+    return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)  # the slowest rank's
+
+
+def overhead(args, data: str, comm: MPI.Comm) -> dict:
+    off = Trainer(config(data, tempfile.mkdtemp(), args.mesh, args.schedule, args.micro_batches), comm)
+    on = Trainer(config(data, tempfile.mkdtemp(), args.mesh, args.schedule, args.micro_batches), comm)
+    on.start_trace(0.0)
+    times = {"off": [], "on": []}
+    for i in range(args.warmup + args.iters):
+        for name, t in (("off", off), ("on", on)) if i % 2 else (("on", on), ("off", off)):
+            dt = timed_step(t, comm)
+            if i >= args.warmup:
+                times[name].append(dt)
+    t0 = time.perf_counter()
+    path = Path(tempfile.mkdtemp()) / "trace.json"
+    on.trace.write(path, on.trace_meta)
+    write_s = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return {"mesh": args.mesh, "schedule": args.schedule, "m": args.micro_batches, "steps": args.iters,
+            "off_ms": med["off"], "on_ms": med["on"], "overhead_pct": 100 * (med["on"] / med["off"] - 1),
+            "events_per_step": len(on.trace.events) / (args.warmup + args.iters), "write_s": write_s}
+
+
+def bubble(args, data: str, comm: MPI.Comm) -> list[dict]:
+    p = comm.Get_size()
+    rows = []
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+        out = tempfile.mkdtemp()
+        t = Trainer(config(data, out, f"pp={p}", name, args.micro_batches, v), comm)
+        t.start_trace(0.0)
+        for _ in range(args.warmup + args.iters):
+            t.train_step()
+        path = t.trace.write(Path(out) / "trace.json", t.trace_meta)
+        if comm.Get_rank() == 0:
+            b = report.pipeline_bubble(report.load(path))
+            rows.append({"schedule": name, "p": p, "m": args.micro_batches, "v": v, "measured": b["measured"],
+                         "theory_unit": b["theory_unit_costs"], "theory_measured_costs": b["theory_measured_costs"],
+                         "idle_per_stage": b["measured_idle_per_stage"], "F_B_W_ms": b["mean_action_ms"]})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("overhead", "bubble"))
+    ap.add_argument("--mesh", default="pp=2")
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--src", default=DEFAULT_SRC)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    configure_process(threads=1)
+    root = comm.Get_rank() == 0
+    with dataset_dir(args.data, args.src, comm) as data:
+        if args.what == "overhead":
+            res = overhead(args, data, comm)
+            if root:
+                print(json.dumps(res) if args.json else
+                      f"{res['mesh']} {res['schedule']} m={res['m']}: off {res['off_ms']:.2f} ms, on {res['on_ms']:.2f} ms, "
+                      f"overhead {res['overhead_pct']:+.2f} % ({res['events_per_step']:.0f} events/step/rank; "
+                      f"writing the trace {res['write_s']:.2f} s)")
+        else:
+            rows = bubble(args, data, comm)
+            if root:
+                for r in rows:
+                    print(json.dumps(r) if args.json else
+                          f"{r['schedule']:>11} p={r['p']} m={r['m']} v={r['v']}: measured {100 * r['measured']:5.1f} %, "
+                          f"theory {100 * r['theory_unit']:5.1f} % (F=B=W), {100 * r['theory_measured_costs']:5.1f} % "
+                          f"(measured costs F/B/W {r['F_B_W_ms']['F']:.2f}/{r['F_B_W_ms']['B']:.2f}/{r['F_B_W_ms']['W']:.2f} ms); "
+                          "idle per stage " + ", ".join(f"{100 * x:.1f}" for x in r["idle_per_stage"]))
+
+
+if __name__ == "__main__":
+    guarded(main)
