@@ -24,7 +24,8 @@ from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unp
 from numesh.checkpoint.format import step_dir_name
 from numesh.errors import ConfigError, Interrupted
 from numesh.interrupt import InterruptWatch
-from numesh.mesh import Mesh, parse_mesh, psum_scalar, unshard
+from numesh.mesh import Mesh, attach, parse_mesh, psum_scalar, unshard
+from numesh.mesh.inject import FaultInjector, faults_from_env
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
 from numesh.nn.units import OUTER, join_units, split_units
@@ -176,6 +177,7 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
     model.validate(shape["tp"])
     StageLayout(model.n_layer, shape["pp"], cfg.virtual_stages)
     make_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
+    faults_from_env(n_ranks)  # NUMESH_INJECT: a bad spec is this one-line error on every rank
     return shape, model
 
 
@@ -392,6 +394,17 @@ def _open_run(trainer: Trainer, cfg: TrainConfig) -> RunDir:
     return RunDir(Path(cfg.out), trainer.mesh.world, bool(cfg.resume), cfg.overwrite, ckpt_bytes, attrs.asdict(cfg))
 
 
+def _attach_observers(trainer: Trainer) -> FaultInjector | None:
+    """NUMESH_INJECT's faults for this rank (numesh/mesh/inject.py), attached to the mesh;
+    None (and nothing attached) when it is unset."""
+    mesh = trainer.mesh
+    inject = FaultInjector(faults_from_env(mesh.world.Get_size()), mesh.world.Get_rank(), mesh)
+    if not inject:
+        return None
+    attach(mesh, inject)
+    return inject
+
+
 def train(
     cfg: TrainConfig,
     comm: MPI.Comm | None = None,
@@ -408,6 +421,8 @@ def train(
     peak = psum_scalar(matmul_peak_flops(trainer.dtype), trainer.mesh, ("pp", "dp", "tp"))
     flops_per_peak = flops_per_token(trainer.model, trainer.n_params) / peak
     run = _open_run(trainer, cfg)
+    observed_before = trainer.mesh.observer
+    inject = _attach_observers(trainer)
     last: dict[str, Any] = {}
     saved_at = None
     t_start = time.perf_counter()
@@ -416,6 +431,8 @@ def train(
         for step in range(start, cfg.max_iters + 1):
             if signum := watch.requested():  # one-value all-reduce: did any rank get SIGINT/SIGTERM?
                 stop_interrupted(trainer, watch, signum, out, saved_at)
+            if inject is not None:
+                inject.on_step(step)  # NUMESH_INJECT: the step its faults wait for, and `slow`
             try:
                 with np.errstate(all="ignore"):  # a non-finite step is caught below, with one message
                     record = _step_record(trainer, step, flops_per_peak)
@@ -435,6 +452,7 @@ def train(
         watch.stop()  # the caller's signal handlers again
     if saved_at != trainer.step:
         save_final(trainer, out, cfg.keep)
+    trainer.mesh.observer = observed_before
     return TrainResult(
         steps=cfg.max_iters - start,
         final_loss=float(last.get("loss", math.nan)),
