@@ -25,6 +25,7 @@ from numesh.checkpoint.format import step_dir_name
 from numesh.errors import ConfigError, Interrupted
 from numesh.interrupt import InterruptWatch
 from numesh.mesh import Mesh, attach, parse_mesh, psum_scalar, unshard
+from numesh.mesh.flight import FlightRecorder
 from numesh.mesh.inject import FaultInjector, faults_from_env
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
@@ -93,6 +94,10 @@ class TrainConfig:
     # divergence
     on_nan: str = _field("stop", "a non-finite loss or gradient norm: stop, or skip the step (no update)")
     max_skips: int = _field(10, "with --on-nan skip: stop after this many skipped steps")
+    # hangs
+    collective_timeout: float = _field(
+        300.0, "seconds one collective may wait before the job dumps every rank's recent calls to OUT/flight, "
+        "names the stuck rank and exits 3 (multi-rank runs); 0 = off")
 
     def model(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(
@@ -153,7 +158,7 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
     if cfg.on_nan not in ("stop", "skip"):
         raise ConfigError(f"--on-nan must be stop or skip, got '{cfg.on_nan}'")
     for name in ("max_iters", "seed", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
-                 "ckpt_interval", "keep", "max_skips"):
+                 "ckpt_interval", "keep", "max_skips", "collective_timeout"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if not cfg.learning_rate > 0:
@@ -394,15 +399,21 @@ def _open_run(trainer: Trainer, cfg: TrainConfig) -> RunDir:
     return RunDir(Path(cfg.out), trainer.mesh.world, bool(cfg.resume), cfg.overwrite, ckpt_bytes, attrs.asdict(cfg))
 
 
-def _attach_observers(trainer: Trainer) -> FaultInjector | None:
-    """NUMESH_INJECT's faults for this rank (numesh/mesh/inject.py), attached to the mesh;
-    None (and nothing attached) when it is unset."""
-    mesh = trainer.mesh
+def _attach_observers(trainer: Trainer, out: Path) -> FlightRecorder | FaultInjector | None:
+    """The flight recorder (numesh/mesh/flight.py; with --collective-timeout on a multi-rank
+    mesh) and NUMESH_INJECT's faults for this rank (numesh/mesh/inject.py), attached to the
+    mesh; None, and nothing attached, when both are off. Collective."""
+    mesh, timeout = trainer.mesh, trainer.cfg.collective_timeout
     inject = FaultInjector(faults_from_env(mesh.world.Get_size()), mesh.world.Get_rank(), mesh)
-    if not inject:
+    inject = inject if inject else None
+    if timeout > 0 and mesh.world.Get_size() > 1:
+        observer = FlightRecorder(mesh, out / "flight", timeout, inject)  # it runs the injector first
+    elif inject is not None:
+        observer = inject
+    else:
         return None
-    attach(mesh, inject)
-    return inject
+    attach(mesh, observer)
+    return observer
 
 
 def train(
@@ -422,7 +433,7 @@ def train(
     flops_per_peak = flops_per_token(trainer.model, trainer.n_params) / peak
     run = _open_run(trainer, cfg)
     observed_before = trainer.mesh.observer
-    inject = _attach_observers(trainer)
+    observer = _attach_observers(trainer, out)
     last: dict[str, Any] = {}
     saved_at = None
     t_start = time.perf_counter()
@@ -431,8 +442,8 @@ def train(
         for step in range(start, cfg.max_iters + 1):
             if signum := watch.requested():  # one-value all-reduce: did any rank get SIGINT/SIGTERM?
                 stop_interrupted(trainer, watch, signum, out, saved_at)
-            if inject is not None:
-                inject.on_step(step)  # NUMESH_INJECT: the step its faults wait for, and `slow`
+            if observer is not None:
+                observer.on_step(step)  # the step the flight records and NUMESH_INJECT's faults wait for
             try:
                 with np.errstate(all="ignore"):  # a non-finite step is caught below, with one message
                     record = _step_record(trainer, step, flops_per_peak)
@@ -453,6 +464,8 @@ def train(
     if saved_at != trainer.step:
         save_final(trainer, out, cfg.keep)
     trainer.mesh.observer = observed_before
+    if observer is not None:
+        observer.close()  # a clean end: the flight files go
     return TrainResult(
         steps=cfg.max_iters - start,
         final_loss=float(last.get("loss", math.nan)),

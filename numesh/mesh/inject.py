@@ -130,6 +130,7 @@ class FaultInjector(Observer):
         self.slow = [f for f in faults if f.rank == rank and f.kind == "slow"]
         self.step = 0
         self.fired: list[tuple[Fault, str]] = []  # (fault, the call it hit)
+        self.on_fire: Any = None  # called with one line before a fault acts (the flight recorder's note)
 
     def __bool__(self) -> bool:
         return bool(self.pending or self.slow)
@@ -139,6 +140,9 @@ class FaultInjector(Observer):
         for f in self.slow:
             if step >= f.step:
                 time.sleep(f.ms / 1e3)
+
+    def close(self) -> None:
+        pass
 
     def _say(self, fault: Fault, what: str) -> None:
         print(f"[rank {self.rank}] {ENV}: {fault} fires at step {self.step}: {what}", file=sys.stderr, flush=True)
@@ -154,6 +158,8 @@ class FaultInjector(Observer):
         self.pending.remove(f)
         where = _where(op, axes)
         self.fired.append((f, where))
+        if self.on_fire is not None:
+            self.on_fire(f"{f} at step {self.step}, before {where}")
         if f.kind == "hang":
             self._say(f, f"sleeping forever before {where}")
             while True:
