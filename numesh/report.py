@@ -20,10 +20,12 @@ prints the same report at the end. What it measures, per rank and optimiser step
   beside `numesh.formulas.step_bytes` for this rank's units.
 * **MFU**: achieved FLOP/s (FLOPs per token × tokens per step / mean step time) over the
   sum of every rank's measured matmul peak (as the metrics' `mfu`).
-* **Slowest rank**: the one the others wait for. A rank's waiting is the time its
-  collectives spent for the last peer to arrive (`wait_ms`, from aligned begin times)
-  plus its time in pipeline receives; the slowest rank waits least, and it is slower by
-  the median of the other ranks' waiting minus its own, per step.
+* **Slowest rank**: the one the others wait for. A rank's waiting is the time it was
+  blocked in communication while a collective's last member had not begun it yet
+  (`wait_ms`, from aligned begin times; several nonblocking calls waiting at once count
+  once, and only while the rank is blocked), plus its time in pipeline receives; the
+  slowest rank waits least, and it is slower by the median of the other ranks' waiting
+  minus its own, per step.
 """
 
 from __future__ import annotations
@@ -96,19 +98,27 @@ def _kind(e: dict) -> str | None:
     return None
 
 
-def categorize(events: list[dict], start: float, end: float) -> dict[str, float]:
-    """µs of [start, end) spent per category (CATEGORIES), a partition of the window."""
+def _segments(events: list[dict], start: float, end: float, extra: list[float] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """Cut [start, end) at every event boundary (and `extra`): (cuts, priority of what each
+    piece is spent on, `_PRIO`)."""
     spans = []
     for e in events:
         k = _kind(e)
         a, b = max(e["ts"], start), min(e["ts"] + e["dur"], end)
         if k is not None and b > a:
             spans.append((a, b, _PRIO[k]))
-    cuts = np.unique(np.array([start, end] + [s[0] for s in spans] + [s[1] for s in spans], dtype=np.float64))
+    points = [start, end] + [s[0] for s in spans] + [s[1] for s in spans] + [x for x in extra if start < x < end]
+    cuts = np.unique(np.array(points, dtype=np.float64))
     prio = np.zeros(len(cuts) - 1, dtype=np.int64)
     for a, b, p in spans:
         i, j = np.searchsorted(cuts, a), np.searchsorted(cuts, b)
         np.maximum(prio[i:j], p, out=prio[i:j])
+    return cuts, prio
+
+
+def categorize(events: list[dict], start: float, end: float) -> dict[str, float]:
+    """µs of [start, end) spent per category (CATEGORIES), a partition of the window."""
+    cuts, prio = _segments(events, start, end)
     widths = np.diff(cuts)
     out = dict.fromkeys(CATEGORIES, 0.0)
     for name, p in _PRIO.items():
@@ -218,20 +228,27 @@ def bytes_per_step(trace: dict) -> dict[int, dict[str, dict[str, float]]]:
     return out
 
 
+def waiting(events: list[dict], start: float, end: float) -> float:
+    """µs of [start, end) this rank spent waiting for peers: blocked in communication
+    (exposed comm) while some collective's last member had not yet begun it (`wait_ms`,
+    counted once however many calls waited at once), or in a pipeline receive."""
+    waits = [(e["ts"], e["ts"] + e["args"].get("wait_ms", 0.0) * 1e3) for e in events
+             if e.get("cat") == "comm" and e["args"]["op"] not in P2P]
+    cuts, prio = _segments(events, start, end, [x for w in waits for x in w])
+    covered = np.zeros(len(prio), dtype=bool)
+    for a, b in waits:
+        covered[np.searchsorted(cuts, a):np.searchsorted(cuts, b)] = True
+    widths = np.diff(cuts)
+    blocked = (prio == _PRIO["comm"]) | (prio == _PRIO["async_comm"])
+    return float(widths[blocked & covered].sum() + widths[prio == _PRIO["p2p"]].sum())
+
+
 def slowest_rank(trace: dict) -> dict[str, Any]:
     """The rank the others wait for, and by how much per step (module docstring)."""
     waited = {}
     for r, evs in rank_events(trace).items():
         wins = step_windows(evs)
-        total = 0.0
-        for _, a, b in wins:
-            for e in _within(evs, a, b):
-                if e.get("cat") != "comm":
-                    continue
-                if e["args"]["op"] in P2P:
-                    total += e["dur"] if e["args"]["op"] != "send" and e.get("tid", 0) == 0 else 0.0
-                else:
-                    total += e["args"].get("wait_ms", 0.0) * 1e3
+        total = sum(waiting(_within(evs, a, b), a, b) for _, a, b in wins)
         waited[r] = total / max(len(wins), 1) / 1e3
     rank = min(waited, key=lambda r: (waited[r], r))
     others = [v for r, v in waited.items() if r != rank]
@@ -305,7 +322,7 @@ def render(rep: dict[str, Any]) -> str:
     lines += [
         "",
         f"achieved {f['achieved_per_s'] / 1e9:.2f} GFLOP/s of {f['peak_per_s'] / 1e9:.1f} GFLOP/s measured matmul peak: "
-        f"MFU {100 * f['mfu']:.1f} % (step {rep['step_ms']:.2f} ms, slowest rank's)",
+        f"MFU {100 * f['mfu']:.1f} % (step {rep['step_ms']:.2f} ms, the longest of any rank)",
         f"slowest rank: {s['rank']}, {s['slower_by_ms']:.1f} ms per step slower than the median rank "
         "(the others wait for it: " + ", ".join(f"rank {r} {v:.1f}" for r, v in sorted(s["waited_ms_per_step"].items()))
         + " ms waited per step)",

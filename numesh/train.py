@@ -26,6 +26,8 @@ from numesh.checkpoint.format import step_dir_name
 from numesh.errors import ConfigError, Interrupted
 from numesh.interrupt import InterruptWatch
 from numesh.mesh import Mesh, attach, parse_mesh, psum_scalar, unshard
+from numesh.mesh.flight import FlightRecorder
+from numesh.mesh.inject import FaultInjector, faults_from_env
 from numesh.mesh.trace import Tracer
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
@@ -94,6 +96,10 @@ class TrainConfig:
     # divergence
     on_nan: str = _field("stop", "a non-finite loss or gradient norm: stop, or skip the step (no update)")
     max_skips: int = _field(10, "with --on-nan skip: stop after this many skipped steps")
+    # hangs
+    collective_timeout: float = _field(
+        300.0, "seconds one collective may wait before the job dumps every rank's recent calls to OUT/flight, "
+        "names the stuck rank and exits 3 (multi-rank runs); 0 = off")
     # observability
     trace: bool = _field(False, "write OUT/trace.json (Chrome trace events: open in Perfetto) and print `numesh report OUT`")
 
@@ -156,7 +162,7 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
     if cfg.on_nan not in ("stop", "skip"):
         raise ConfigError(f"--on-nan must be stop or skip, got '{cfg.on_nan}'")
     for name in ("max_iters", "seed", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
-                 "ckpt_interval", "keep", "max_skips"):
+                 "ckpt_interval", "keep", "max_skips", "collective_timeout"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if not cfg.learning_rate > 0:
@@ -180,6 +186,7 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
     model.validate(shape["tp"])
     StageLayout(model.n_layer, shape["pp"], cfg.virtual_stages)
     make_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
+    faults_from_env(n_ranks)  # NUMESH_INJECT: a bad spec is this one-line error on every rank
     return shape, model
 
 
@@ -438,6 +445,23 @@ def _open_run(trainer: Trainer, cfg: TrainConfig) -> RunDir:
     return RunDir(Path(cfg.out), trainer.mesh.world, bool(cfg.resume), cfg.overwrite, ckpt_bytes, attrs.asdict(cfg))
 
 
+def _attach_observers(trainer: Trainer, out: Path) -> FlightRecorder | FaultInjector | None:
+    """The flight recorder (numesh/mesh/flight.py; with --collective-timeout on a multi-rank
+    mesh) and NUMESH_INJECT's faults for this rank (numesh/mesh/inject.py), attached to the
+    mesh; None, and nothing attached, when both are off. Collective."""
+    mesh, timeout = trainer.mesh, trainer.cfg.collective_timeout
+    inject = FaultInjector(faults_from_env(mesh.world.Get_size()), mesh.world.Get_rank(), mesh)
+    inject = inject if inject else None
+    if timeout > 0 and mesh.world.Get_size() > 1:
+        observer = FlightRecorder(mesh, out / "flight", timeout, inject)  # it runs the injector first
+    elif inject is not None:
+        observer = inject
+    else:
+        return None
+    attach(mesh, observer)
+    return observer
+
+
 def train(
     cfg: TrainConfig,
     comm: MPI.Comm | None = None,
@@ -454,7 +478,9 @@ def train(
     peak = psum_scalar(matmul_peak_flops(trainer.dtype), trainer.mesh, ("pp", "dp", "tp"))
     flops_per_peak = flops_per_token(trainer.model, trainer.n_params) / peak
     run = _open_run(trainer, cfg)
-    if cfg.trace:
+    observed_before = trainer.mesh.observer
+    observer = _attach_observers(trainer, out)
+    if cfg.trace:  # after the flight recorder: its wait, first in the chain, polls with a deadline
         trainer.start_trace(peak)
     last: dict[str, Any] = {}
     saved_at = None
@@ -464,6 +490,8 @@ def train(
         for step in range(start, cfg.max_iters + 1):
             if signum := watch.requested():  # one-value all-reduce: did any rank get SIGINT/SIGTERM?
                 stop_interrupted(trainer, watch, signum, out, saved_at)
+            if observer is not None:
+                observer.on_step(step)  # the step the flight records and NUMESH_INJECT's faults wait for
             try:
                 with np.errstate(all="ignore"):  # a non-finite step is caught below, with one message
                     record = _step_record(trainer, step, flops_per_peak)
@@ -485,6 +513,9 @@ def train(
         save_final(trainer, out, cfg.keep)
     if trainer.trace is not None:  # every rank's events to rank 0, one file (collective)
         trainer.trace.write(out / "trace.json", trainer.trace_meta)
+    trainer.mesh.observer = observed_before
+    if observer is not None:
+        observer.close()  # a clean end: the flight files go
     return TrainResult(
         steps=cfg.max_iters - start,
         final_loss=float(last.get("loss", math.nan)),

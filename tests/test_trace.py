@@ -209,3 +209,15 @@ def test_report_of_a_run_without_trace_is_one_error_line(tmp_path: Path) -> None
     res = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(tmp_path)], capture_output=True,
                          text=True, env=clean_env(), timeout=120)
     assert res.returncode != 0 and "numesh train --trace" in res.stderr
+
+
+def test_an_injected_slow_rank_is_the_slowest_in_the_report(tmp_path: Path) -> None:
+    """NUMESH_INJECT=slow:rank=1:ms=200 (numesh/mesh/inject.py) sleeps rank 1 at every step's
+    start: the report names it, 200 ms per step slower (within 10 %)."""
+    data = make_dataset(tmp_path / "data")
+    out = tmp_path / "run"
+    launch(2, out, data, "--mesh", "dp=2", "--max-iters", "5", env={"NUMESH_INJECT": "slow:rank=1:ms=200"})
+    rep = report.build(report.load(out))
+    assert rep["slowest"]["rank"] == 1
+    assert rep["slowest"]["slower_by_ms"] == pytest.approx(200, rel=0.10)
+    assert rep["time_ms"]["0"]["comm"] > 150  # rank 0 spends it waiting, exposed

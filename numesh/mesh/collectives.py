@@ -19,6 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh.mesh.mesh import AxisNames, Mesh, axis_names
+from numesh.mesh.observe import SkipCall
 from numesh.tree import tree_map
 
 
@@ -55,7 +56,10 @@ def _run(mesh: Mesh, axes: AxisNames, op: str, nbytes: int, blocking: Callable[[
     if obs is None:
         blocking()
         return
-    token = obs.begin(op, axes, nbytes)
+    try:
+        token = obs.begin(op, axes, nbytes)
+    except SkipCall:  # an injected fault: this rank leaves without calling MPI
+        return
     obs.wait(nonblocking(), token)
     obs.end(token)
 
@@ -64,8 +68,13 @@ def _issue(mesh: Mesh, axes: AxisNames, op: str, nbytes: int, start: Callable[[]
            result: np.ndarray, finish: Callable | None = None) -> Handle:
     """A nonblocking call's handle; an observer, if any, sees it begin now and end at `wait()`."""
     obs = mesh.observer
-    observed = None if obs is None else (obs, obs.begin(op, axes, nbytes))
-    return Handle(start(), result, finish, observed)
+    if obs is None:
+        return Handle(start(), result, finish)
+    try:
+        token = obs.begin(op, axes, nbytes)
+    except SkipCall:  # an injected fault: a finished handle, no MPI call
+        return Handle(None, result if finish is None else finish(result))
+    return Handle(start(), result, finish, (obs, token))
 
 
 def _contig(x: np.ndarray) -> np.ndarray:

@@ -5,6 +5,9 @@ mesh is issued as `token = begin(op, axes, nbytes)`, the nonblocking MPI call,
 `wait(request, token)`, `end(token)` (nonblocking calls end when their handle is waited).
 `wait` owns the completion, so an observer may poll with a deadline instead of blocking
 forever. With no observer (the default) the plain blocking calls run.
+
+`begin` may raise `SkipCall`: the call then returns at once without calling MPI (fault
+injection's `skip`, see numesh/mesh/inject.py); a nonblocking call returns a finished handle.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from typing import Any
 import attrs
 
 from numesh.mesh.mesh import AxisNames, axis_names
+
+
+class SkipCall(Exception):
+    """Raised by `Observer.begin` to make the collective return without calling MPI."""
 
 
 class Observer:

@@ -1,0 +1,562 @@
+"""The flight recorder: every rank's recent collectives, and a diagnosis when one never ends.
+
+`FlightRecorder` is an `Observer` (numesh/mesh/observe.py) on the training mesh. For
+each call through the mesh it writes one record (sequence number on its communicator,
+op, communicator, bytes, step, start, end) into a small ring held in a memory-mapped file,
+OUT/flight/ring-RANK.bin, whose header also holds a heartbeat, the per-communicator call
+counts, the call the rank is waiting in (and since when) and any injected fault that
+fired. Because the ring lives in a shared file mapping, it stays readable by the other
+ranks when its own rank is stuck in compute, hangs, or is dead: no rank has to answer.
+
+With a timeout, `wait` polls the request (Test, then short sleeps backing off to 1 ms)
+instead of blocking. A call that is still not done after `timeout` seconds, or whose
+Test raises an MPI error (a peer that called a collective of another size), makes the
+rank give up on MPI, which cannot be trusted any more:
+
+1. it writes OUT/flight/rank-RANK.json (its ring, decoded; atomically);
+2. it waits GRACE_S for the other ranks that time out too, then the lowest-numbered rank
+   with a dump of this run is the leader; the others wait for it (and take over if it
+   has not aborted the job LEADER_WAIT_S later);
+3. the leader reads every rank's ring file, writes the dumps of the ranks that could not,
+   works out who never entered the collective the others wait in, or called a different
+   one (other op, axes or size), or is dead, prints that as one block on stderr and in
+   OUT/flight/diagnosis.txt, and calls MPI_Abort(COMM_WORLD, EXIT_CODE).
+
+`diagnose` is a pure function of the ranks' states (`RankState`), so it is tested on
+synthetic rings. Sequence numbers count this rank's calls per communicator: the members
+of a communicator issue the same collectives in the same order, so their counts agree
+until one of them goes astray. Times are wall-clock (`time.time()`), comparable between
+the ranks of one node. A clean end of training removes the ring files (`close`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+from mpi4py import MPI
+
+from numesh.mesh.mesh import AXES, AxisNames, Group, axis_names
+from numesh.mesh.observe import Observer, SkipCall
+
+EXIT_CODE = 3
+GRACE_S = 2.0  # for the other ranks' time-outs and dumps before the leader diagnoses
+LEADER_WAIT_S = 5.0  # a non-leader takes over if the job is still alive this long after the grace
+RING = 256  # calls kept per rank (a step of the default model issues ~100 on a 2x2x2 mesh)
+MAX_COMMS = 32
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv", "sendrecv")
+COLLECTIVES = frozenset(OPS[:4])
+_OP_CODE = {op: i for i, op in enumerate(OPS)}
+SKIPPED, FAILED = 1, 2  # entry flags
+MAGIC = 0x6E756D6573680001
+
+HEAD = np.dtype([
+    ("magic", "<i8"), ("pid", "<i8"), ("ncalls", "<i8"), ("step", "<i8"), ("beat", "<f8"),
+    ("waiting", "<i8"), ("wait_since", "<f8"), ("failed", "<i8"), ("counts", "<i8", (MAX_COMMS,)), ("note", "S160"),
+])
+ENTRY = np.dtype([
+    ("seq", "<i8"), ("comm", "<i8"), ("op", "<i8"), ("nbytes", "<i8"), ("step", "<i8"),
+    ("start", "<f8"), ("end", "<f8"), ("flags", "<i8"),
+])
+
+
+def comm_name(axes: AxisNames) -> str:
+    """'tp', 'dp,tp', or a group of one axis as 'pp[0,3]'."""
+    if isinstance(axes, Group):
+        return f"{axes.axis}[{','.join(map(str, axes.members))}]"
+    return ",".join(axis_names(axes))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------
+# the states the diagnosis works on
+
+
+@attrs.define
+class CallRec:
+    seq: int
+    comm: str
+    op: str
+    nbytes: int
+    step: int
+    start: float
+    end: float | None  # None: not finished
+    flags: int = 0
+
+    def label(self) -> str:
+        return f"{self.op} over {self.comm} #{self.seq}"
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.define
+class RankState:
+    """What one rank's ring file says (or, for a missing file, None in `diagnose`'s dict)."""
+
+    rank: int
+    coords: dict[str, int]
+    shape: dict[str, int]
+    calls: list[CallRec]  # oldest first
+    counts: dict[str, int]  # calls issued per communicator
+    beat: float  # when the rank last began a call (0: never)
+    step: int = 0
+    waiting: CallRec | None = None  # the call it is blocked in
+    wait_since: float = 0.0
+    failed: str | None = None  # why it gave up ('timeout', 'MPI error ...'), None if it did not
+    alive: bool | None = None  # None: unknown (another host)
+    note: str = ""  # an injected fault that fired
+    pid: int = 0
+    host: str = ""
+
+    def where(self) -> str:
+        """'dp=1,tp=1': its coordinates on the axes of size > 1."""
+        return ",".join(f"{a}={self.coords[a]}" for a in AXES if self.shape.get(a, 1) > 1) or "the only rank"
+
+    def find(self, comm: str, seq: int) -> CallRec | None:
+        for c in self.calls:
+            if c.comm == comm and c.seq == seq and not c.flags & SKIPPED:
+                return c
+        return None
+
+    def last_activity(self) -> float:
+        ends = [c.end for c in self.calls if c.end]
+        return max([self.beat, *ends]) if ends or self.beat else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = attrs.asdict(self, recurse=False)
+        d["calls"] = [c.to_json() for c in self.calls]
+        d["waiting"] = None if self.waiting is None else self.waiting.to_json()
+        return d
+
+
+def members(comm: str, of: RankState, states: dict[int, RankState | None], shape: dict[str, int],
+            coords_of: dict[int, dict[str, int]]) -> list[int]:
+    """The world ranks of `of`'s communicator named `comm`."""
+    if "[" in comm:
+        axis, rest = comm.split("[", 1)
+        axes, allowed = (axis,), {int(x) for x in rest.rstrip("]").split(",") if x}
+    else:
+        axes, allowed = tuple(comm.split(",")), None
+    out = []
+    for r, c in coords_of.items():
+        if all(c[a] == of.coords[a] for a in AXES if a not in axes):
+            if allowed is None or c[axes[0]] in allowed:
+                out.append(r)
+    return sorted(out)
+
+
+def grid_coords(shape: dict[str, int]) -> dict[int, dict[str, int]]:
+    """World rank -> coordinates, row-major over AXES (as Mesh's Cart_create with reorder=False)."""
+    n = int(np.prod([shape.get(a, 1) for a in AXES]))
+    out = {}
+    for r in range(n):
+        rem, c = r, {}
+        for a in reversed(AXES):
+            c[a] = rem % shape.get(a, 1)
+            rem //= shape.get(a, 1)
+        out[r] = c
+    return out
+
+
+def _ranks(rs: list[int]) -> str:
+    rs = sorted(set(rs))
+    parts, i = [], 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}" if j > i + 1 else f"{rs[i]},{rs[j]}")
+        i = j + 1
+    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(parts)
+
+
+def _doing(s: RankState, now: float) -> str:
+    if s.alive is False:
+        return "it is dead (its process is gone)"
+    if s.waiting is not None:
+        return f"it waits in {s.waiting.label()} since {now - s.wait_since:.1f} s"
+    last = next((c for c in reversed(s.calls) if not c.flags & SKIPPED), None)
+    since = now - s.last_activity() if s.last_activity() else float("nan")
+    what = f"last call {last.label()} at step {last.step}" if last else "no call yet"
+    return f"it is outside MPI since {since:.1f} s, {what}: stuck in compute, hung, or slow"
+
+
+@attrs.define
+class _Finding:
+    priority: int  # 0 dead, 1 called something else / skipped, 2 outside MPI, 3 waits elsewhere
+    age: float  # how long its waiters wait (older first)
+    culprit: int
+    text: str  # without the waiters
+    waiters: set[int] = attrs.Factory(set)
+    call: str = ""
+
+
+def diagnose(states: dict[int, RankState | None], now: float, timeout: float, flight_dir: str = "") -> tuple[str, list[int]]:
+    """The diagnosis block and the ranks it blames first (tests), from every rank's state
+    (None: no ring file for that rank)."""
+    known = [s for s in states.values() if s is not None]
+    shape = known[0].shape if known else {}
+    coords_of = grid_coords(shape) if known else {}
+    findings: dict[tuple[int, str], _Finding] = {}
+
+    def add(priority: int, culprit: int, call: str, text: str, waiters: list[int], age: float) -> None:
+        f = findings.setdefault((culprit, call), _Finding(priority, age, culprit, text, call=call))
+        f.priority, f.age = min(f.priority, priority), max(f.age, age)
+        f.waiters.update(waiters)
+
+    def who(r: int) -> str:
+        s = states.get(r)
+        return f"rank {r} ({s.where()})" if s is not None else f"rank {r}"
+
+    for r in sorted(states):
+        s = states[r]
+        if s is None:
+            add(0, r, "", f"rank {r} left no flight record (dead before training, or another file system)", [], 0.0)
+            continue
+        if s.alive is False:
+            add(0, r, "", f"{who(r)} is dead (its process {s.pid} is gone){_last(s)}", [], 0.0)
+        for c in s.calls:
+            if c.flags & SKIPPED:
+                add(1, r, c.label(), f"{who(r)} skipped {c.label()} at step {c.step} (returned without calling MPI)", [], 0.0)
+
+    waiting = [s for s in known if s.waiting is not None]
+    # collectives: group the waiters by (communicator instance, sequence number)
+    groups: dict[tuple[str, int, tuple[int, ...]], list[RankState]] = {}
+    for s in waiting:
+        w = s.waiting
+        if w.op in COLLECTIVES or "[" in w.comm:
+            key = (w.comm, w.seq, tuple(members(w.comm, s, states, shape, coords_of)))
+            groups.setdefault(key, []).append(s)
+    for (comm, seq, group), ws in groups.items():
+        sigs = Counter((s.waiting.op, s.waiting.nbytes) for s in ws)
+        (op, nbytes), _ = max(sigs.items(), key=lambda kv: (kv[1], -min(s.rank for s in ws if (s.waiting.op, s.waiting.nbytes) == kv[0])))
+        label = f"{op} over {comm} #{seq}"
+        good = [s.rank for s in ws if (s.waiting.op, s.waiting.nbytes) == (op, nbytes)]
+        age = max(now - s.wait_since for s in ws)
+        for m in group:
+            if m in good:
+                continue
+            sm = states.get(m)
+            if sm is None or sm.alive is False:
+                add(0, m, label, f"{who(m)} is dead: it never entered {label}", good, age)
+                continue
+            e = sm.find(comm, seq)
+            if e is not None:
+                if (e.op, e.nbytes) != (op, nbytes):
+                    add(1, m, label, f"{who(m)} called {e.op} of {e.nbytes} B as {comm} #{seq} (step {e.step}) "
+                                     f"where the others called {op} of {nbytes} B", good, age)
+                continue  # it entered this one: it is not why the others wait
+            if sm.counts.get(comm, 0) <= seq:
+                prio = 3 if sm.waiting is not None else 2
+                add(prio, m, label, f"{who(m)} never entered {label} ({_doing(sm, now)})", good, age)
+    # point-to-point: the waiter's neighbours along the axis are its possible peers
+    for s in waiting:
+        w = s.waiting
+        if w.op in COLLECTIVES or "[" in w.comm:
+            continue
+        axis = w.comm.split(",")[0]
+        for d in (-1, 1):
+            c = dict(s.coords)
+            c[axis] += d
+            if not 0 <= c[axis] < shape.get(axis, 1):
+                continue
+            n = next(r for r, rc in coords_of.items() if rc == c)
+            sn = states.get(n)
+            label = f"the {axis} send/recv that {who(s.rank)} waits for"
+            if sn is None or sn.alive is False:
+                add(0, n, label, f"{who(n)} is dead: it never sent or received what {axis} neighbours wait for", [s.rank], now - s.wait_since)
+            elif sn.waiting is None:
+                add(2, n, f"{axis} p2p", f"{who(n)} never entered the {axis} send/recv its neighbours wait for "
+                                         f"({_doing(sn, now)})", [s.rank], now - s.wait_since)
+
+    ordered = sorted(findings.values(), key=lambda f: (f.priority, -f.age, f.culprit))
+    lines = [f"numesh flight recorder: a collective did not finish within {timeout:g} s; "
+             f"every rank's last calls are in {flight_dir or 'OUT/flight'}"]
+    for i, f in enumerate(ordered):
+        text = f.text
+        if f.waiters:
+            ws = sorted(f.waiters)
+            wait_calls = {states[r].waiting.label() for r in ws if states.get(r) and states[r].waiting}
+            what = "it" if f.call and wait_calls == {f.call} else " / ".join(sorted(wait_calls))
+            text += f"; {_ranks(ws)} wait{'s' if len(ws) == 1 else ''} in {what} since {f.age:.1f} s"
+        lines.append(("cause: " if i == 0 else "also:  ") + text)
+    if not ordered:
+        lines.append("cause: unknown: every rank waits in a call its peers also entered "
+                     "(a peer on another node, or MPI itself, may be stuck)")
+    lines.append("ranks:")
+    for r in sorted(states):
+        s = states[r]
+        if s is None:
+            lines.append(f"  rank {r}: no flight record")
+            continue
+        state = ("dead" if s.alive is False else
+                 f"waits in {s.waiting.label()} ({s.waiting.op} of {s.waiting.nbytes} B) since {now - s.wait_since:.1f} s"
+                 if s.waiting is not None else f"outside MPI since {now - s.last_activity():.1f} s")
+        extra = f"; gave up: {s.failed}" if s.failed else ""
+        note = f"; injected: {s.note}" if s.note else ""
+        lines.append(f"  rank {r} ({s.where()}) step {s.step}: {state}{extra}{note}")
+    return "\n".join(lines), [f.culprit for f in ordered]
+
+
+def _last(s: RankState) -> str:
+    last = next((c for c in reversed(s.calls) if not c.flags & SKIPPED), None)
+    return f"; its last call was {last.label()} at step {last.step}" if last else ""
+
+
+# ---------------------------------------------------------------------------------------
+# reading ring files
+
+
+def read_state(flight_dir: Path, rank: int, run: int) -> RankState | None:
+    """Rank `rank`'s state from its ring and meta files (None if missing or of another run)."""
+    try:
+        meta = json.loads((flight_dir / f"meta-{rank}.json").read_text())
+        raw = np.fromfile(flight_dir / f"ring-{rank}.bin", dtype=np.uint8)
+    except (OSError, ValueError):
+        return None
+    if meta.get("run") != run or raw.size < HEAD.itemsize:
+        return None
+    head = raw[:HEAD.itemsize].view(HEAD)[0]
+    ring = raw[HEAD.itemsize:HEAD.itemsize + RING * ENTRY.itemsize].view(ENTRY)
+    if int(head["magic"]) != MAGIC:
+        return None
+    names = meta["comms"]
+    ncalls = int(head["ncalls"])
+    calls, waiting = [], None
+    for k in range(max(0, ncalls - RING), ncalls):
+        e = ring[k % RING]
+        comm = int(e["comm"])
+        rec = CallRec(int(e["seq"]), names[comm] if comm < len(names) else f"comm{comm}", OPS[int(e["op"])],
+                      int(e["nbytes"]), int(e["step"]), float(e["start"]), float(e["end"]) or None, int(e["flags"]))
+        calls.append(rec)
+        if k % RING == int(head["waiting"]) and int(head["waiting"]) >= 0 and rec.end is None:
+            waiting = rec
+    counts = {names[i]: int(head["counts"][i]) for i in range(len(names))}
+    failed = {0: None, 1: "timeout", 2: "MPI error"}.get(int(head["failed"]), "?")
+    alive = None
+    if meta.get("host") == socket.gethostname():
+        alive = _alive(int(meta["pid"]))
+    return RankState(rank, meta["coords"], meta["shape"], calls, counts, float(head["beat"]), int(head["step"]),
+                     waiting, float(head["wait_since"]), failed, alive, head["note"].decode(errors="replace"),
+                     int(meta["pid"]), meta.get("host", ""))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by mpiexec's proxy) is dead too
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+# ---------------------------------------------------------------------------------------
+# the observer
+
+
+class FlightRecorder(Observer):
+    """Records every call of `mesh` in OUT/flight/ring-RANK.bin and, with `timeout` > 0,
+    turns a call that never ends into a diagnosis and MPI_Abort (see the module docstring).
+
+    `inject` (a `numesh.mesh.inject.FaultInjector`) runs first in `begin`, so that a call it
+    skips is recorded as skipped and a hang leaves the heartbeat stale. Made collectively
+    (every rank of `mesh.world`: the run id is broadcast)."""
+
+    def __init__(self, mesh: Any, flight_dir: str | Path, timeout: float, inject: Any = None,
+                 grace_s: float = GRACE_S, leader_wait_s: float = LEADER_WAIT_S):
+        self.mesh, self.dir, self.timeout, self.inject = mesh, Path(flight_dir), float(timeout), inject
+        self.grace_s, self.leader_wait_s = grace_s, leader_wait_s
+        world = mesh.world
+        self.rank, self.size = world.Get_rank(), world.Get_size()
+        run = np.array([time.time_ns() if self.rank == 0 else 0], dtype=np.int64)
+        world.Bcast(run, root=0)  # one id per run: stale dumps in a reused OUT are not ours
+        self.run = int(run[0])
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for name in (f"rank-{self.rank}.json", "diagnosis.txt" if self.rank == 0 else ""):
+            if name:
+                (self.dir / name).unlink(missing_ok=True)
+        self._ring_path = self.dir / f"ring-{self.rank}.bin"
+        self._mm = np.memmap(self._ring_path, dtype=np.uint8, mode="w+", shape=(HEAD.itemsize + RING * ENTRY.itemsize,))
+        self._head = self._mm[:HEAD.itemsize].view(HEAD)
+        self.ring = self._mm[HEAD.itemsize:].view(ENTRY)
+        self._end = self.ring["end"]
+        self._waiting, self._wait_since, self._beat = self._head["waiting"], self._head["wait_since"], self._head["beat"]
+        self._counts, self._ncalls = self._head["counts"][0], self._head["ncalls"]
+        self._head["pid"], self._head["waiting"] = os.getpid(), -1
+        self._comms: dict[Any, int] = {}
+        self._names: list[str] = []
+        self.step = 0
+        self._write_meta()
+        self._head["magic"] = MAGIC  # last: a reader sees a whole header or none
+        if inject is not None:
+            inject.on_fire = self._note
+        self._failing = False
+
+    def _write_meta(self) -> None:
+        meta = {"run": self.run, "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                "coords": dict(self.mesh.coords), "shape": dict(self.mesh.shape), "comms": self._names}
+        _write_atomic(self.dir / f"meta-{self.rank}.json", json.dumps(meta))
+
+    def _comm_id(self, axes: AxisNames) -> int:
+        key = axes if isinstance(axes, (str, Group)) else tuple(axes)
+        cid = self._comms.get(key)
+        if cid is None:
+            name = comm_name(axes)
+            cid = self._names.index(name) if name in self._names else len(self._names)
+            if cid >= MAX_COMMS:
+                raise RuntimeError(f"flight recorder: more than {MAX_COMMS} communicators")
+            if cid == len(self._names):
+                self._names.append(name)
+                self._write_meta()
+            self._comms[key] = cid
+        return cid
+
+    def _note(self, text: str) -> None:
+        self._head["note"] = text.encode()[:160]
+        self._mm.flush()
+
+    # ------------------------------------------------------------------ Observer
+
+    def on_step(self, step: int) -> None:
+        self.step = step
+        self._head["step"] = step
+        if self.inject is not None:
+            self.inject.on_step(step)
+
+    def begin(self, op: str, axes: AxisNames, nbytes: int) -> int:
+        cid = self._comm_id(axes)
+        if self.inject is not None:
+            try:
+                self.inject.begin(op, axes, nbytes)
+            except SkipCall:
+                now = time.time()
+                self._put(int(self._counts[cid]), cid, op, nbytes, now, now, SKIPPED)
+                raise
+        seq = int(self._counts[cid])
+        self._counts[cid] = seq + 1
+        return self._put(seq, cid, op, nbytes, time.time(), 0.0, 0)
+
+    def _put(self, seq: int, cid: int, op: str, nbytes: int, start: float, end: float, flags: int) -> int:
+        n = int(self._ncalls[0])
+        i = n % RING
+        self.ring[i] = (seq, cid, _OP_CODE[op], nbytes, self.step, start, end, flags)
+        self._ncalls[0] = n + 1
+        self._beat[0] = start
+        return i
+
+    def end(self, token: int) -> None:
+        self._end[token] = time.time()
+
+    def wait(self, request: Any, token: int) -> None:
+        try:
+            if request.Test():
+                return
+            if self.timeout <= 0:
+                request.Wait()
+                return
+            self._poll(request, token)
+        except MPI.Exception as e:
+            self._fail(token, f"MPI error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", 2)
+
+    def _poll(self, request: Any, token: int) -> None:
+        t0 = time.monotonic()
+        self._wait_since[0], self._waiting[0] = time.time(), token
+        deadline, spins, delay = t0 + self.timeout, 0, 20e-6
+        while not request.Test():
+            if spins < 20:
+                spins += 1
+                continue
+            now = time.monotonic()
+            if now > deadline:
+                self._fail(token, f"timeout after {now - t0:.1f} s", 1)
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+        self._waiting[0] = -1
+
+    def close(self) -> None:
+        """The run ended cleanly: remove this rank's files (and the folder once empty)."""
+        del self._head, self.ring, self._end, self._waiting, self._wait_since, self._beat, self._counts, self._ncalls
+        self._mm._mmap.close()  # type: ignore[attr-defined]
+        del self._mm
+        for name in (f"ring-{self.rank}.bin", f"meta-{self.rank}.json"):
+            (self.dir / name).unlink(missing_ok=True)
+        try:
+            self.dir.rmdir()
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ giving up
+
+    def _fail(self, token: int, reason: str, code: int) -> None:
+        """Never returns: dump, wait for the others, diagnose (leader) and abort the job."""
+        self._failing = True
+        self._waiting[0] = token
+        if not self._wait_since[0]:
+            self._wait_since[0] = time.time()
+        self.ring[token]["flags"] |= FAILED
+        self._head["failed"] = code
+        self._mm.flush()
+        state = read_state(self.dir, self.rank, self.run)
+        dump = {"run": self.run, "written_by": self.rank, "reason": reason, "time": time.time(),
+                **(state.to_json() if state is not None else {})}
+        _write_atomic(self.dir / f"rank-{self.rank}.json", json.dumps(dump, indent=1))
+        failed_at = time.monotonic()
+        time.sleep(self.grace_s)
+        while True:
+            dumps = self._dumps()
+            if not dumps or min(dumps) >= self.rank:
+                break  # the lowest-numbered rank that gave up: the leader
+            if time.monotonic() - failed_at > self.grace_s + self.leader_wait_s:
+                break  # the leader did not abort the job: take over
+            time.sleep(0.1)
+        self._lead(reason)
+
+    def _dumps(self) -> dict[int, dict]:
+        out = {}
+        for r in range(self.size):
+            try:
+                d = json.loads((self.dir / f"rank-{r}.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if d.get("run") == self.run:
+                out[r] = d
+        return out
+
+    def _lead(self, reason: str) -> None:
+        try:
+            states = {r: read_state(self.dir, r, self.run) for r in range(self.size)}
+            dumps = self._dumps()
+            for r, s in states.items():
+                if s is not None and r not in dumps:
+                    dump = {"run": self.run, "written_by": self.rank, "reason": "read from its ring by the leader",
+                            "time": time.time(), **s.to_json()}
+                    _write_atomic(self.dir / f"rank-{r}.json", json.dumps(dump, indent=1))
+            text, _ = diagnose(states, time.time(), self.timeout, str(self.dir))
+            text += f"\n(rank {self.rank} gave up: {reason}; exiting with code {EXIT_CODE} on every rank)"
+            _write_atomic(self.dir / "diagnosis.txt", text + "\n")
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+        except BaseException as e:  # the abort below must happen whatever went wrong here
+            print(f"[rank {self.rank}] flight recorder: diagnosis failed: {e!r}; aborting", file=sys.stderr, flush=True)
+        try:
+            MPI.COMM_WORLD.Abort(EXIT_CODE)
+        finally:
+            os._exit(EXIT_CODE)
