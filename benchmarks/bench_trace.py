@@ -37,7 +37,7 @@ from numesh.train import Trainer, config_from
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_SRC, dataset_dir  # noqa: E402
 
-MODEL = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16)
+MODEL = dict(n_layer=8, n_head=4, n_embd=128, block_size=64, batch_size=16)  # 8 layers: pp=4 with v=2
 
 
 def config(data: str, out: str, mesh: str, schedule: str, m: int, v: int = 1):
