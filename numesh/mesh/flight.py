@@ -241,9 +241,24 @@ def diagnose(states: dict[int, RankState | None], now: float, timeout: float, fl
         if w.op in COLLECTIVES or "[" in w.comm:
             key = (w.comm, w.seq, tuple(members(w.comm, s, states, shape, coords_of)))
             groups.setdefault(key, []).append(s)
+    def reference(comm: str, seq: int, ws: list[RankState]) -> tuple[str, int]:
+        """What call #seq on `comm` should be: the most common (op, bytes) among every rank's
+        entry for it, world-wide (every instance of a communicator runs the same program, so
+        a two-rank group still has a majority), ties broken by the lowest rank."""
+        votes: Counter = Counter()
+        first: dict[tuple[str, int], int] = {}
+        for s in known:
+            e = s.find(comm, seq)
+            if e is not None:
+                votes[(e.op, e.nbytes)] += 1
+                first.setdefault((e.op, e.nbytes), s.rank)
+        if not votes:
+            votes.update((s.waiting.op, s.waiting.nbytes) for s in ws)
+            first = {(s.waiting.op, s.waiting.nbytes): s.rank for s in reversed(ws)}
+        return max(votes, key=lambda k: (votes[k], -first.get(k, 0)))
+
     for (comm, seq, group), ws in groups.items():
-        sigs = Counter((s.waiting.op, s.waiting.nbytes) for s in ws)
-        (op, nbytes), _ = max(sigs.items(), key=lambda kv: (kv[1], -min(s.rank for s in ws if (s.waiting.op, s.waiting.nbytes) == kv[0])))
+        op, nbytes = reference(comm, seq, ws)
         label = f"{op} over {comm} #{seq}"
         good = [s.rank for s in ws if (s.waiting.op, s.waiting.nbytes) == (op, nbytes)]
         age = max(now - s.wait_since for s in ws)

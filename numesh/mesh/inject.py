@@ -8,8 +8,10 @@
                              (an all-reduce of a different length over the same axes)
     slow:rank=R:ms=M         rank R sleeps M ms at the start of every step (from step=S, default 0)
 
-"Collective" here is any call through the mesh (p2p sends and receives too), except for
-`mismatch`, which waits for the next true collective. `parse_faults` checks a spec
+`hang` and `crash` act before any call through the mesh (p2p sends and receives too);
+`skip` and `mismatch` wait for the next true collective (all-reduce, all-gather,
+reduce-scatter, broadcast): a skipped small send or receive is often absorbed by MPI's
+eager protocol and the job runs on with shifted data instead of failing. `parse_faults` checks a spec
 completely (ranks against the world size), so a bad one is the same one-line
 `ConfigError` on every rank before the first collective. `FaultInjector` is an
 `Observer` (numesh/mesh/observe.py): its `begin` hangs, crashes or raises `SkipCall`;
@@ -139,6 +141,8 @@ class FaultInjector(Observer):
         self.step = step
         for f in self.slow:
             if step >= f.step:
+                if step == f.step:
+                    self._say(f, f"sleeping {f.ms} ms in every step from now")
                 time.sleep(f.ms / 1e3)
 
     def close(self) -> None:
@@ -151,7 +155,7 @@ class FaultInjector(Observer):
         if not self.pending:
             return None
         for f in self.pending:
-            if self.step >= f.step and (f.kind != "mismatch" or op in COLLECTIVE_OPS):
+            if self.step >= f.step and (f.kind in ("hang", "crash") or op in COLLECTIVE_OPS):
                 break
         else:
             return None
@@ -170,9 +174,10 @@ class FaultInjector(Observer):
         if f.kind == "skip":
             self._say(f, f"skipping {where}")
             raise SkipCall
-        # mismatch: an all-reduce of another length over the same axes, instead of the real call
-        n = max(1, nbytes // 8)
-        wrong = np.zeros(n // 2 + 3 if n > 4 else n + 5, dtype=np.float64)
+        # mismatch: an all-reduce of another length over the same axes, instead of the real call.
+        # Longer, not shorter: MPICH completed a shorter one silently (the peers' extra data
+        # dropped), while a longer one overruns the peers' buffers, which MPI detects.
+        wrong = np.zeros(2 * max(1, nbytes // 8) + 3, dtype=np.float64)
         self._say(f, f"calling all_reduce of {wrong.nbytes} B instead of {where} of {nbytes} B")
         psum(wrong, self.mesh, axes, inplace=True)
         raise SkipCall

@@ -1,0 +1,236 @@
+"""Hangs become a diagnosis and exit code 3 (issue #16 points 3 and 4): the flight recorder
+(numesh/mesh/flight.py) and fault injection (numesh/mesh/inject.py).
+
+Unit tests: the NUMESH_INJECT parser, and `diagnose` on synthetic ring states. Real jobs
+(launched like tests/test_interrupt.py, whose Job they reuse): a fault is injected at step 2
+of a tiny model with --collective-timeout 3; the test checks that every process is gone
+within timeout + 10 s of the fault firing, that the job failed, and that the diagnosis names
+the right rank and collective.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from numesh.errors import ConfigError
+from numesh.mesh.flight import SKIPPED, CallRec, RankState, diagnose
+from numesh.mesh.inject import Fault, parse_faults
+from numesh.train import Trainer, _attach_observers, config_from
+from test_interrupt import START_WITHIN_S, Job, _alive, _children
+
+TIMEOUT_S = 3.0
+EXIT_WITHIN_S = TIMEOUT_S + 10.0
+
+
+# ---------------------------------------------------------------------------------------
+# the spec parser
+
+
+def test_parse_faults() -> None:
+    assert parse_faults("", 4) == parse_faults(None, 4) == ()
+    assert parse_faults("hang:rank=3:step=5; skip:rank=0:step=0;slow:rank=1:ms=20", 4) == (
+        Fault("hang", 3, 5), Fault("skip", 0, 0), Fault("slow", 1, 0, 20))
+    assert parse_faults("CRASH:rank=1:step=2;mismatch:step=1:rank=2;", 4) == (Fault("crash", 1, 2), Fault("mismatch", 2, 1))
+
+
+@pytest.mark.parametrize("spec, why", [
+    ("hang:rank=4:step=1", "rank 4 is not a rank of this 4-rank job"),
+    ("boom:rank=1:step=1", "unknown kind 'boom'"),
+    ("hang:rank=1", "missing step"),
+    ("hang:rank=x:step=1", "rank must be an integer"),
+    ("slow:rank=1:ms=0", "ms must be > 0"),
+    ("hang:rank=1:step=-1", "step must be >= 0"),
+    ("hang:rank=1:step=2:ms=3", "unknown key 'ms' for hang"),
+    ("hang:rank=1:rank=2:step=1", "'rank' given twice"),
+    ("hang:rank:step=1", "'rank' is not key=value"),
+])
+def test_bad_specs_are_one_line_config_errors(spec: str, why: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_faults(f"slow:rank=0:ms=1;{spec}", 4)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith(f"NUMESH_INJECT: bad fault '{spec}': {why}")
+
+
+def test_a_bad_spec_stops_training_before_it_starts(char_dataset: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("NUMESH_INJECT", "hang:rank=1:step=1")  # a 1-rank job has no rank 1
+    cfg = config_from(dict(n_layer=1, n_head=2, n_embd=8, block_size=8, batch_size=2, data=str(char_dataset),
+                           out=str(tmp_path / "run")))
+    with pytest.raises(ConfigError, match="rank 1 is not a rank of this 1-rank job"):
+        Trainer(cfg, MPI.COMM_SELF)
+
+
+def test_nothing_is_attached_when_both_are_off(char_dataset: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("NUMESH_INJECT", raising=False)
+    cfg = config_from(dict(n_layer=1, n_head=2, n_embd=8, block_size=8, batch_size=2, data=str(char_dataset),
+                           out=str(tmp_path / "run")))
+    t = Trainer(cfg, MPI.COMM_SELF)
+    assert _attach_observers(t, tmp_path / "run") is None and t.mesh.observer is None  # single process: off
+    t = Trainer(attrs_evolve(cfg, collective_timeout=0.0), MPI.COMM_SELF)
+    assert _attach_observers(t, tmp_path / "run") is None and t.mesh.observer is None
+    assert not (tmp_path / "run" / "flight").exists()
+
+
+def attrs_evolve(cfg, **kw):
+    import attrs
+
+    return attrs.evolve(cfg, **kw)
+
+
+# ---------------------------------------------------------------------------------------
+# the diagnosis on synthetic rings
+
+NOW = 1000.0
+
+
+def _state(rank: int, shape: dict, coords: dict, calls: list[CallRec], waiting: int | None = None, **kw) -> RankState:
+    counts: dict[str, int] = {}
+    for c in calls:
+        if not c.flags & SKIPPED:
+            counts[c.comm] = max(counts.get(c.comm, 0), c.seq + 1)
+    w = calls[waiting] if waiting is not None else None
+    beat = max(c.start for c in calls) if calls else 0.0
+    return RankState(rank, coords, shape, calls, counts, beat, 2, w, NOW - 12.0 if w else 0.0, **kw)
+
+
+def _tp_calls(n: int, stuck: bool, nbytes: int = 64) -> list[CallRec]:
+    calls = [CallRec(i, "tp", "all_reduce", nbytes, 2, NOW - 20 + i * 0.001, NOW - 20 + i * 0.001 + 0.0005) for i in range(n)]
+    if stuck:
+        calls.append(CallRec(n, "tp", "all_reduce", nbytes, 2, NOW - 12.0, None))
+    return calls
+
+
+def test_diagnosis_names_the_rank_that_never_entered() -> None:
+    shape = {"pp": 1, "dp": 2, "tp": 4}
+    states = {}
+    for r in range(8):
+        coords = {"pp": 0, "dp": r // 4, "tp": r % 4}
+        stuck = r in (0, 1, 2)
+        calls = _tp_calls(1042, stuck)
+        states[r] = _state(r, shape, coords, calls, waiting=-1 if stuck else None)
+    states[3].beat = NOW - 13.0
+    for r in (4, 5, 6, 7):  # the other dp replica waits over dp for 3's replica group
+        states[r].calls.append(CallRec(0, "dp", "all_reduce", 8, 2, NOW - 11.0, None))
+        states[r].counts["dp"] = 1
+        states[r].waiting, states[r].wait_since = states[r].calls[-1], NOW - 11.0
+    text, culprits = diagnose(states, NOW, 3.0)
+    first = text.splitlines()[1]
+    assert first.startswith("cause: rank 3 (dp=0,tp=3) never entered all_reduce over tp #1042 (it is outside MPI since 13.0 s")
+    assert first.endswith("ranks 0-2 wait in it since 12.0 s")
+    assert culprits[0] == 3
+
+
+def test_diagnosis_names_the_rank_that_called_another_size() -> None:
+    shape = {"pp": 1, "dp": 2, "tp": 2}
+    states = {}
+    for r in range(4):
+        coords = {"pp": 0, "dp": r // 2, "tp": r % 2}
+        calls = _tp_calls(40, stuck=False)
+        calls.append(CallRec(40, "tp", "all_reduce", 4120 if r == 0 else 2048, 2, NOW - 12.0, None if r < 2 else NOW - 11.9))
+        if r == 1:
+            calls.append(CallRec(41, "tp", "all_reduce", 2048, 2, NOW - 11.0, None))
+        states[r] = _state(r, shape, coords, calls, waiting=-1 if r < 2 else None)
+    text, culprits = diagnose(states, NOW, 3.0)
+    assert culprits[0] == 0
+    assert "cause: rank 0 (dp=0,tp=0) called all_reduce of 4120 B as tp #40 (step 2) where the others called all_reduce of 2048 B" in text
+
+
+def test_diagnosis_of_skips_dead_ranks_and_pipeline_waits() -> None:
+    shape = {"pp": 4, "dp": 1, "tp": 1}
+    states = {}
+    for r in range(4):
+        coords = {"pp": r, "dp": 0, "tp": 0}
+        calls = [CallRec(i, "pp", "recv" if i % 2 else "send", 1024, 2, NOW - 20 + i, NOW - 20 + i + 0.1) for i in range(5)]
+        if r in (1, 3):
+            calls.append(CallRec(5, "pp", "recv", 1024, 2, NOW - 12.0, None))
+        states[r] = _state(r, shape, coords, calls, waiting=-1 if r in (1, 3) else None)
+    states[0].calls.append(CallRec(5, "pp", "send", 1024, 2, NOW - 12.0, NOW - 12.0, SKIPPED))
+    text, culprits = diagnose(states, NOW, 3.0)
+    assert culprits[0] == 0 and text.splitlines()[1].startswith("cause: rank 0 (pp=0) skipped send over pp #5 at step 2")
+    assert "rank 2 (pp=2) never entered the pp send/recv its neighbours wait for" in text
+    states[2].alive = False
+    text, culprits = diagnose(states, NOW, 3.0)
+    assert culprits[0] == 2 and text.splitlines()[1].startswith("cause: rank 2 (pp=2) is dead")
+    states[2] = None
+    text, culprits = diagnose(states, NOW, 3.0)
+    assert culprits[0] == 2 and "rank 2 left no flight record" in text
+
+
+# ---------------------------------------------------------------------------------------
+# real jobs
+
+
+def run_fault(tmp: Path, monkeypatch, ranks: int, mesh: str, spec: str, *args: str) -> tuple[Job, int, float]:
+    """Launch `numesh train` with NUMESH_INJECT=spec; (job, mpiexec's code, seconds from the
+    fault firing until every process was gone)."""
+    monkeypatch.setenv("NUMESH_INJECT", spec)
+    j = Job(tmp, ranks, "--mesh", mesh, "--collective-timeout", str(TIMEOUT_S), "--n-head", "4", *args)
+    deadline = time.monotonic() + START_WITHIN_S
+    while "fires at step" not in j.stderr():
+        if j.proc.poll() is not None or time.monotonic() > deadline:
+            j.kill()
+            pytest.fail(f"the fault did not fire (exit {j.proc.returncode}):\n{j.stderr()}")
+        time.sleep(0.1)
+    fired = time.monotonic()
+    j.rank_pids = [k for p in _children(j.proc.pid) for k in _children(p)]
+    rc, _ = j.finish(within=EXIT_WITHIN_S)
+    gone = time.monotonic() - fired
+    assert not any(_alive(p) for p in j.rank_pids)
+    return j, rc, gone
+
+
+def cause(j: Job) -> str:
+    diag = j.out / "flight" / "diagnosis.txt"
+    assert diag.is_file(), j.stderr()
+    text = diag.read_text()
+    assert text in j.stderr()  # the same block on stderr
+    return text.splitlines()[1]
+
+
+FAULTS = [
+    # (ranks, mesh, NUMESH_INJECT, extra args, the diagnosis's first cause line)
+    (4, "dp=4", "hang:rank=1:step=2", (), r"cause: rank 1 \(dp=1\) never entered all_reduce over (pp,)?dp #\d+ \(it is outside MPI"),
+    (4, "tp=4", "hang:rank=2:step=2", (), r"cause: rank 2 \(tp=2\) never entered all_reduce over tp #\d+ .*ranks 0,1,3 wait in it"),
+    (4, "pp=4", "hang:rank=2:step=2", ("--n-layer", "4", "--micro-batches", "2"),
+     r"cause: rank 2 \(pp=2\) never entered the pp send/recv its neighbours wait for \(it is outside MPI"),
+    (4, "dp=2,tp=2", "skip:rank=3:step=2", (), r"cause: rank 3 \(dp=1,tp=1\) skipped all_reduce over tp #\d+ at step 2"),
+    (4, "dp=2,tp=2", "mismatch:rank=0:step=2", (),
+     r"cause: rank 0 \(dp=0,tp=0\) called all_reduce of \d+ B as tp #\d+ \(step 2\) where the others called all_reduce of \d+ B"),
+    (4, "dp=2,pp=2", "hang:rank=3:step=2", ("--micro-batches", "2"), r"cause: rank 3 \(pp=1,dp=1\) never entered"),
+    (4, "tp=2,pp=2", "skip:rank=2:step=2", ("--micro-batches", "2"), r"cause: rank 2 \(pp=1,tp=0\) skipped \w+ over \w+ #\d+ at step 2"),
+    (8, "dp=2,tp=2,pp=2", "hang:rank=5:step=2", ("--micro-batches", "2"), r"cause: rank 5 \(pp=1,dp=0,tp=1\) never entered"),
+    (8, "dp=2,tp=2,pp=2", "skip:rank=6:step=2", ("--micro-batches", "2"), r"cause: rank 6 \(pp=1,dp=1,tp=0\) skipped"),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks, mesh, spec, args, expect", FAULTS, ids=[f"{f[1]}-{f[2]}" for f in FAULTS])
+def test_a_fault_is_diagnosed_and_the_job_ends(tmp_path: Path, monkeypatch, ranks, mesh, spec, args, expect) -> None:
+    j, rc, gone = run_fault(tmp_path, monkeypatch, ranks, mesh, spec, *args)
+    assert rc == 3, j.stderr()
+    assert gone < EXIT_WITHIN_S
+    assert re.match(expect, cause(j)), j.stderr()
+    flight = j.out / "flight"
+    assert sorted(p.name for p in flight.glob("rank-*.json")) == [f"rank-{r}.json" for r in range(ranks)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh, spec", [("dp=2,pp=2", "crash:rank=2:step=2"), ("tp=4", "crash:rank=3:step=2")])
+def test_a_crashed_rank_ends_the_job(tmp_path: Path, monkeypatch, mesh: str, spec: str) -> None:
+    """MPICH ends the job itself when a rank dies; if the recorder got there first, it names the dead rank."""
+    j, rc, gone = run_fault(tmp_path, monkeypatch, 4, mesh, spec, "--micro-batches", "2")
+    assert rc != 0 and gone < EXIT_WITHIN_S
+    diag = j.out / "flight" / "diagnosis.txt"
+    if diag.is_file():
+        assert re.match(rf"cause: rank {spec.split('=')[1][0]} .*dead", diag.read_text().splitlines()[1])
+
+
+@pytest.mark.timeout(300)
+def test_a_slow_rank_within_the_timeout_is_not_a_hang(tmp_path: Path, monkeypatch) -> None:
+    j, rc, _ = run_fault(tmp_path, monkeypatch, 4, "dp=2,tp=2", "slow:rank=1:ms=1500", "--max-iters", "3")
+    assert rc == 0, j.stderr()
+    assert not (j.out / "flight").exists() and "flight recorder" not in j.stderr()
