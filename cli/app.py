@@ -262,21 +262,29 @@ def export_cmd(
 
 @app.command("report", cls=_Command)
 def report_cmd(
-    out: Path = typer.Argument(..., help="a run directory written with `numesh train --trace` (or its trace.json)",
+    out: Path = typer.Argument(..., help="a run directory of `numesh train` (or a trace.json)",
                                metavar="OUT", show_default=False),
-    json_: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    json_: bool = typer.Option(False, "--json", help="print the trace's report as JSON"),
 ) -> None:
-    """Theory beside measurement for a traced run: pipeline bubble, bytes per axis, time per category, MFU, slowest rank."""
+    """Why a run stopped and how it spent its time: the flight recorder's diagnosis of a job
+    that hung or lost a rank (OUT/flight), and for a `--trace` run theory beside measurement
+    (pipeline bubble, bytes per axis, time per category, MFU, slowest rank)."""
 
     def go() -> None:
         import json
 
         from numesh import report
         from numesh.errors import ConfigError
+        from numesh.mesh.flight import postmortem
 
         path = out / "trace.json" if out.is_dir() else out
+        diagnosis = postmortem(out / "flight") if out.is_dir() else None
+        if diagnosis and not json_:
+            print(diagnosis, end="\n" if path.is_file() else "")
         if not path.is_file():
-            raise ConfigError(f"{path} not found: run `numesh train --trace --out {out}` first")
+            if diagnosis:
+                return
+            raise ConfigError(f"{path} not found and no flight record there: run `numesh train --trace --out {out}` first")
         rep = report.build(report.load(path))
         print(json.dumps(rep, indent=1) if json_ else report.render(rep))
 

@@ -11,6 +11,8 @@ the right rank and collective.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import pytest
 from mpi4py import MPI
 
 from numesh.errors import ConfigError
-from numesh.mesh.flight import SKIPPED, CallRec, RankState, diagnose
+from numesh.mesh.flight import SKIPPED, CallRec, RankState, diagnose, postmortem
 from numesh.mesh.inject import Fault, parse_faults
 from numesh.train import Trainer, _attach_observers, config_from
 from test_interrupt import START_WITHIN_S, Job, _alive, _children
@@ -204,6 +206,9 @@ FAULTS = [
     (4, "tp=2,pp=2", "skip:rank=2:step=2", ("--micro-batches", "2"), r"cause: rank 2 \(pp=1,tp=0\) skipped \w+ over \w+ #\d+ at step 2"),
     (8, "dp=2,tp=2,pp=2", "hang:rank=5:step=2", ("--micro-batches", "2"), r"cause: rank 5 \(pp=1,dp=0,tp=1\) never entered"),
     (8, "dp=2,tp=2,pp=2", "skip:rank=6:step=2", ("--micro-batches", "2"), r"cause: rank 6 \(pp=1,dp=1,tp=0\) skipped"),
+    (8, "dp=2,tp=2,pp=2", "mismatch:rank=1:step=2", ("--micro-batches", "2"), r"cause: rank 1 \(pp=0,dp=0,tp=1\) called \w+ of \d+ B as"),
+    (4, "dp=2,tp=2", "slow:rank=1:ms=9000:step=2", (),
+     r"cause: rank 1 \(dp=0,tp=1\) never entered all_reduce over tp #\d+ \(it is outside MPI .*slow\)"),
 ]
 
 
@@ -220,13 +225,17 @@ def test_a_fault_is_diagnosed_and_the_job_ends(tmp_path: Path, monkeypatch, rank
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mesh, spec", [("dp=2,pp=2", "crash:rank=2:step=2"), ("tp=4", "crash:rank=3:step=2")])
-def test_a_crashed_rank_ends_the_job(tmp_path: Path, monkeypatch, mesh: str, spec: str) -> None:
-    """MPICH ends the job itself when a rank dies; if the recorder got there first, it names the dead rank."""
+def test_a_crashed_rank_ends_the_job_and_the_post_mortem_names_it(tmp_path: Path, monkeypatch, mesh: str, spec: str) -> None:
+    """MPICH ends the job itself when a rank dies, before any time-out; `numesh report OUT`
+    (flight.postmortem) then diagnoses the rings the ranks left behind."""
     j, rc, gone = run_fault(tmp_path, monkeypatch, 4, mesh, spec, "--micro-batches", "2")
     assert rc != 0 and gone < EXIT_WITHIN_S
-    diag = j.out / "flight" / "diagnosis.txt"
-    if diag.is_file():
-        assert re.match(rf"cause: rank {spec.split('=')[1][0]} .*dead", diag.read_text().splitlines()[1])
+    dead = spec.split("rank=")[1].split(":")[0]
+    text = postmortem(j.out / "flight")
+    assert text is not None and (j.out / "flight" / "diagnosis.txt").read_text() == text
+    assert re.match(rf"cause: rank {dead} \(", text.splitlines()[1]), text
+    report = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(j.out)], capture_output=True, text=True)
+    assert report.returncode == 0 and text.strip() in report.stdout, report.stderr
 
 
 @pytest.mark.timeout(300)

@@ -8,8 +8,8 @@ counts, the call the rank is waiting in (and since when) and any injected fault 
 fired. Because the ring lives in a shared file mapping, it stays readable by the other
 ranks when its own rank is stuck in compute, hangs, or is dead: no rank has to answer.
 
-With a timeout, `wait` polls the request (Test, then short sleeps backing off to 1 ms)
-instead of blocking. A call that is still not done after `timeout` seconds, or whose
+With a timeout, `wait` polls the request (Test, then sleeps of a twentieth of the time
+waited so far, at most 1 ms) instead of blocking. A call that is still not done after `timeout` seconds, or whose
 Test raises an MPI error (a peer that called a collective of another size), makes the
 rank give up on MPI, which cannot be trusted any more:
 
@@ -26,7 +26,9 @@ rank give up on MPI, which cannot be trusted any more:
 synthetic rings. Sequence numbers count this rank's calls per communicator: the members
 of a communicator issue the same collectives in the same order, so their counts agree
 until one of them goes astray. Times are wall-clock (`time.time()`), comparable between
-the ranks of one node. A clean end of training removes the ring files (`close`).
+the ranks of one node. A clean end of training removes the ring files (`close`). A job
+that the launcher killed (a rank died) leaves them behind: `postmortem` (`numesh report
+OUT`) diagnoses them afterwards.
 """
 
 from __future__ import annotations
@@ -184,7 +186,7 @@ def _ranks(rs: list[int]) -> str:
     return ("rank " if len(rs) == 1 else "ranks ") + ",".join(parts)
 
 
-def _doing(s: RankState, now: float) -> str:
+def _doing(s: RankState, now: float, ended: bool = False) -> str:
     if s.alive is False:
         return "it is dead (its process is gone)"
     if s.waiting is not None:
@@ -192,6 +194,8 @@ def _doing(s: RankState, now: float) -> str:
     last = next((c for c in reversed(s.calls) if not c.flags & SKIPPED), None)
     since = now - s.last_activity() if s.last_activity() else float("nan")
     what = f"last call {last.label()} at step {last.step}" if last else "no call yet"
+    if ended:
+        return f"it was outside MPI when the job ended, {what}: the rank that died, or stuck before it"
     return f"it is outside MPI since {since:.1f} s, {what}: stuck in compute, hung, or slow"
 
 
@@ -205,9 +209,11 @@ class _Finding:
     call: str = ""
 
 
-def diagnose(states: dict[int, RankState | None], now: float, timeout: float, flight_dir: str = "") -> tuple[str, list[int]]:
+def diagnose(states: dict[int, RankState | None], now: float, timeout: float, flight_dir: str = "",
+             title: str = "", ended: bool = False) -> tuple[str, list[int]]:
     """The diagnosis block and the ranks it blames first (tests), from every rank's state
-    (None: no ring file for that rank)."""
+    (None: no ring file for that rank). `title` replaces the first line; `ended`: the job
+    is over (a post-mortem), so "outside MPI" means "when it ended", not "now"."""
     known = [s for s in states.values() if s is not None]
     shape = known[0].shape if known else {}
     coords_of = grid_coords(shape) if known else {}
@@ -277,7 +283,7 @@ def diagnose(states: dict[int, RankState | None], now: float, timeout: float, fl
                 continue  # it entered this one: it is not why the others wait
             if sm.counts.get(comm, 0) <= seq:
                 prio = 3 if sm.waiting is not None else 2
-                add(prio, m, label, f"{who(m)} never entered {label} ({_doing(sm, now)})", good, age)
+                add(prio, m, label, f"{who(m)} never entered {label} ({_doing(sm, now, ended)})", good, age)
     # point-to-point: the waiter's neighbours along the axis are its possible peers
     for s in waiting:
         w = s.waiting
@@ -296,18 +302,22 @@ def diagnose(states: dict[int, RankState | None], now: float, timeout: float, fl
                 add(0, n, label, f"{who(n)} is dead: it never sent or received what {axis} neighbours wait for", [s.rank], now - s.wait_since)
             elif sn.waiting is None:
                 add(2, n, f"{axis} p2p", f"{who(n)} never entered the {axis} send/recv its neighbours wait for "
-                                         f"({_doing(sn, now)})", [s.rank], now - s.wait_since)
+                                         f"({_doing(sn, now, ended)})", [s.rank], now - s.wait_since)
 
     ordered = sorted(findings.values(), key=lambda f: (f.priority, -f.age, f.culprit))
-    lines = [f"numesh flight recorder: a collective did not finish within {timeout:g} s; "
-             f"every rank's last calls are in {flight_dir or 'OUT/flight'}"]
+    lines = [title or f"numesh flight recorder: a collective did not finish within {timeout:g} s; "
+                      f"every rank's last calls are in {flight_dir or 'OUT/flight'}"]
+    noted = [s for s in known if s.note and not any(f.culprit == s.rank for f in ordered)]
+    for s in noted:  # an injected fault nobody waited on yet (e.g. a crash the launcher cut short)
+        ordered.append(_Finding(2, 0.0, s.rank, f"{who(s.rank)}: injected {s.note}"))
     for i, f in enumerate(ordered):
         text = f.text
         if f.waiters:
             ws = sorted(f.waiters)
             wait_calls = {states[r].waiting.label() for r in ws if states.get(r) and states[r].waiting}
             what = "it" if f.call and wait_calls == {f.call} else " / ".join(sorted(wait_calls))
-            text += f"; {_ranks(ws)} wait{'s' if len(ws) == 1 else ''} in {what} since {f.age:.1f} s"
+            text += (f"; {_ranks(ws)} {'was' if len(ws) == 1 else 'were'} waiting in {what} when the job ended" if ended
+                     else f"; {_ranks(ws)} wait{'s' if len(ws) == 1 else ''} in {what} since {f.age:.1f} s")
         lines.append(("cause: " if i == 0 else "also:  ") + text)
     if not ordered:
         lines.append("cause: unknown: every rank waits in a call its peers also entered "
@@ -368,6 +378,45 @@ def read_state(flight_dir: Path, rank: int, run: int) -> RankState | None:
     return RankState(rank, meta["coords"], meta["shape"], calls, counts, float(head["beat"]), int(head["step"]),
                      waiting, float(head["wait_since"]), failed, alive, head["note"].decode(errors="replace"),
                      int(meta["pid"]), meta.get("host", ""))
+
+
+def postmortem(flight_dir: str | Path) -> str | None:
+    """The diagnosis of a job that ended without one, from the ring files it left behind.
+
+    A rank that dies makes the launcher kill the others at once (MPICH's and Open MPI's
+    mpiexec both do, with SIGKILL), before any time-out, so no rank is left to diagnose;
+    the rings live in file mappings and survive. This reads the latest run's rings and
+    diagnoses them as of the job's last recorded moment (writing OUT/flight/diagnosis.txt).
+    Returns the run's diagnosis (the one it wrote itself, if it did), or None when there is
+    no flight record or a rank of that run still runs."""
+    flight_dir = Path(flight_dir)
+    metas = []
+    for path in flight_dir.glob("meta-*.json"):
+        try:
+            metas.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not metas:
+        return None
+    diag = flight_dir / "diagnosis.txt"
+    if diag.is_file():
+        return diag.read_text()
+    run = max(m["run"] for m in metas)
+    shape = next(m["shape"] for m in metas if m["run"] == run)
+    states = {r: read_state(flight_dir, r, run) for r in range(int(np.prod(list(shape.values()))))}
+    if any(s is not None and s.alive for s in states.values()):
+        return None
+    for s in states.values():
+        if s is not None:
+            s.alive = None  # every process is gone now; which died first is what we infer
+    known = [s for s in states.values() if s is not None]
+    end = max(max(s.last_activity(), s.wait_since) for s in known)
+    title = (f"numesh flight recorder (post-mortem): the job ended at {time.strftime('%H:%M:%S', time.localtime(end))} "
+             f"without a diagnosis (a rank that dies makes mpiexec kill the others at once; its exit code is in "
+             f"mpiexec's message); every rank's last calls are in {flight_dir}")
+    text, _ = diagnose(states, end, 0.0, str(flight_dir), title=title, ended=True)
+    _write_atomic(diag, text + "\n")
+    return text + "\n"
 
 
 def _alive(pid: int) -> bool:
@@ -492,9 +541,12 @@ class FlightRecorder(Observer):
             self._fail(token, f"MPI error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", 2)
 
     def _poll(self, request: Any, token: int) -> None:
+        """Test until done; after some spins, sleep a twentieth of the time waited so far
+        (at most 1 ms), so a wait overshoots its end by at most ~5 % and a long wait frees
+        the core for an oversubscribed peer."""
         t0 = time.monotonic()
         self._wait_since[0], self._waiting[0] = time.time(), token
-        deadline, spins, delay = t0 + self.timeout, 0, 20e-6
+        deadline, spins = t0 + self.timeout, 0
         while not request.Test():
             if spins < 20:
                 spins += 1
@@ -502,8 +554,7 @@ class FlightRecorder(Observer):
             now = time.monotonic()
             if now > deadline:
                 self._fail(token, f"timeout after {now - t0:.1f} s", 1)
-            time.sleep(delay)
-            delay = min(2 * delay, 1e-3)
+            time.sleep(min(1e-3, max(10e-6, (now - t0) / 20)))
         self._waiting[0] = -1
 
     def close(self) -> None:
