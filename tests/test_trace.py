@@ -51,17 +51,19 @@ def test_categories_partition_a_step_by_priority() -> None:
     assert sum(got.values()) == 100
 
 
-def synthetic_trace(name: str, p: int, m: int, v: int = 1, steps: int = 3) -> dict:
-    """A trace whose pipeline runs exactly as `simulate` says (F 1 ms, B 2 ms, W 1 ms)."""
+def synthetic_trace(name: str, p: int, m: int, v: int = 1, steps: int = 3, stage_costs: dict | None = None) -> dict:
+    """A trace whose pipeline runs exactly as `simulate` says (F 1 ms, B 2 ms, W 1 ms, or
+    `stage_costs` in µs where given)."""
     sched = make_schedule(name, p, m, v)
-    tl = simulate(sched, t_f=1e3, t_b=1e3 if sched.split_backward else 2e3, t_w=1e3)
+    tl = simulate(sched, t_f=1e3, t_b=1e3 if sched.split_backward else 2e3, t_w=1e3, stage_costs=stage_costs)
     events, t = [], 0.0
     for s in range(steps):
         for r in range(p):
             events.append(X(r, f"step {s}", "step", t, tl.makespan + 10, step=s))
             events.append(X(r, "pipeline", "pipeline", t + 5, tl.makespan))
             for a, (b, e) in zip(sched.actions[r], tl.intervals[r]):
-                events.append(X(r, str(a), "compute", t + 5 + b, e - b, kind=a.kind, mb=a.mb, chunk=a.chunk))
+                events.append(X(r, str(a), "compute", t + 5 + b, e - b, kind=a.kind, mb=a.mb, chunk=a.chunk,
+                                stage=sched.stage(r, a.chunk)))
         t += tl.makespan + 20
     ranks = [{"rank": r, "coords": {"pp": r, "dp": 0, "tp": 0}} for r in range(p)]
     meta = {"mesh": {"pp": p, "dp": 1, "tp": 1}, "schedule": name, "micro_batches": m, "virtual_stages": v, "ranks": ranks}
@@ -78,6 +80,18 @@ def test_measured_bubble_of_an_ideal_run_is_the_theory(name: str, p: int, m: int
     assert b["theory_measured_costs"] == pytest.approx(want["fraction"], abs=1e-12)
     assert b["measured_idle_per_stage"] == pytest.approx(want["per_rank"], abs=1e-12)
     assert b["mean_action_ms"]["F"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name, p, m, v", [("1f1b", 2, 8, 1), ("interleaved", 2, 4, 2), ("zb-h1", 4, 8, 1)])
+def test_the_theory_with_each_stages_costs_matches_unequal_stages(name: str, p: int, m: int, v: int) -> None:
+    """The last stage also runs the head and loss, the first the embedding: with each
+    stage's own measured costs the simulation reproduces such a run; with mean costs it cannot."""
+    last = p * v - 1
+    costs = {("F", 0): 1.3e3, ("F", last): 1.8e3, ("B", last): 2.6e3 if name == "zb-h1" else 3.5e3}
+    b = report.pipeline_bubble(synthetic_trace(name, p, m, v, stage_costs=costs))
+    assert b["theory_stage_costs"] == pytest.approx(b["measured"], abs=1e-12)
+    assert b["theory_stage_costs_per_stage"] == pytest.approx(b["measured_idle_per_stage"], abs=1e-12)
+    assert abs(b["theory_measured_costs"] - b["measured"]) > 1e-3
 
 
 def test_peer_wait_is_the_time_until_the_last_member_began() -> None:

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 from numesh.errors import ScheduleError
@@ -354,18 +354,26 @@ def _costs(**kw: float) -> dict[str, float]:
     return out
 
 
-def simulate(s: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0, comm: float = 0.0) -> Timeline:
+def simulate(s: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0, comm: float = 0.0,
+             stage_costs: Mapping[tuple[str, int], float] | None = None) -> Timeline:
     """Run ``s`` on an idealised machine and return when each action starts and ends.
 
     Each rank executes its list in order; an action starts as soon as the rank is free
     and its dependencies (module docstring) have finished, plus ``comm`` for a dependency
     on another rank. Costs are per action (for interleaved schedules pass the cost of one
     chunk, e.g. ``t_f = 1/v`` of a full stage). When ``split_backward`` is False, B costs
-    ``t_b + t_w``. Raises :class:`ScheduleError` when the lists deadlock.
+    ``t_b + t_w``. ``stage_costs`` overrides the cost of ("F"|"B"|"W", global stage) where
+    stages differ (the first holds the embedding, the last the head and loss; a B given
+    there is the whole cost of that B). Raises :class:`ScheduleError` when the lists deadlock.
     """
     validate(s)
     c = _costs(t_f=t_f, t_b=t_b, t_w=t_w, comm=comm)
-    cost = {"F": c["t_f"], "B": c["t_b"] if s.split_backward else c["t_b"] + c["t_w"], "W": c["t_w"]}
+    base = {"F": c["t_f"], "B": c["t_b"] if s.split_backward else c["t_b"] + c["t_w"], "W": c["t_w"]}
+    over = {k: _costs(cost=v)["cost"] for k, v in (stage_costs or {}).items()}
+
+    def cost_of(kind: str, stage: int) -> float:
+        return over.get((kind, stage), base[kind])
+
     p = s.p
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, global stage) -> end time
     nxt = [0] * p
@@ -382,8 +390,9 @@ def simulate(s: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0, 
                 if any(key not in done for key, _ in ds):
                     break
                 start = max([free[r]] + [done[key] + (c["comm"] if dr != r else 0.0) for key, dr in ds])
-                end = start + cost[a.kind]
-                done[(a.kind, a.mb, s.stage(r, a.chunk))] = end
+                k = s.stage(r, a.chunk)
+                end = start + cost_of(a.kind, k)
+                done[(a.kind, a.mb, k)] = end
                 spans[r].append((start, end))
                 free[r] = end
                 nxt[r] += 1
