@@ -72,6 +72,7 @@ def on_first(n: int, fn: Callable[[MPI.Comm], Any]) -> Any:
         finally:
             comm.Free()
     status, value = WORLD.bcast(result, root=0)
+    WORLD.Barrier()  # rank 0 leaves a bcast before the others finish `fn` (e.g. remove their flight files)
     if status != "ok":
         raise AssertionError(f"rank 0 failed: {value}")
     return value
