@@ -324,10 +324,11 @@ class Trainer:
             "padded_blocks": sum(u.padded for k, u in units.items() if not k.is_outer),
             "padded_outer": units[OUTER].padded,
             "tied_bytes": self.model.padded_vocab(shape["tp"]) // shape["tp"] * self.model.n_embd * itemsize if holds_tied else 0,
+            "tp_partial_values": self.opt.tp_partial_values,
         }
         self.trace_meta = {
             "mesh": dict(shape), "schedule": c.schedule, "micro_batches": c.micro_batches, "virtual_stages": c.virtual_stages,
-            "zero": c.zero, "dtype": c.dtype, "itemsize": itemsize, "batch_size": c.batch_size, "block_size": c.block_size,
+            "zero": c.zero, "sequence_parallel": c.sequence_parallel, "dtype": c.dtype, "itemsize": itemsize, "batch_size": c.batch_size, "block_size": c.block_size,
             "n_layer": self.model.n_layer, "n_embd": self.model.n_embd, "n_params": self.n_params,
             "rows_per_micro_batch": c.batch_size // (shape["dp"] * c.micro_batches),
             "tokens_per_step": self.tokens_per_step, "flops_per_token": flops_per_token(self.model, self.n_params),

@@ -99,6 +99,11 @@ class ZeroOptimizer(Generic[K]):
         return self.layout.units
 
     @property
+    def tp_partial_values(self) -> int:
+        """How many gradient values `wait` all-reduces over tp each step (0 without sp)."""
+        return sum(b - a for runs in self._tp_partial_runs.values() for a, b in runs)
+
+    @property
     def adam_step(self) -> int:
         """AdamW steps taken (saved in checkpoints: bias correction depends on it)."""
         return self.adam.step
