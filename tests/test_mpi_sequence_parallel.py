@@ -147,10 +147,11 @@ def test_bytes_equal_plain_tp(tp_mesh: Mesh) -> None:
 
 
 def test_saved_activations_shrink(tp_mesh: Mesh) -> None:
-    """The LayerNorm contexts (xhat [B, T, C], rstd [B, T, 1]) of every block and of ln_f
-    are this rank's [B, T/tp, ...] with sp; everything else saved keeps its plain-tp shape
-    (the gathered LayerNorm outputs feed the weight grads, the attention and MLP insides
-    are split over heads and columns by tp already)."""
+    """With sp each LayerNorm (ln1, ln2 of every block, ln_f) keeps its gathered xhat
+    [B, T, C] and its rstd on this rank's slice [B, T/tp, 1], and not its output (recomputed
+    for the weight grad); plain tp keeps xhat, rstd [B, T, 1] and the output [B, T, C].
+    Everything else saved keeps its plain-tp shape (attention and MLP insides are split over
+    heads and columns by tp already)."""
     cfg = model_config(dropout=0.1)
     n, B, T, C, L, k = tp_mesh.size("tp"), 4, cfg.block_size, cfg.n_embd, cfg.n_layer, 8
     params = shard_params(random_global_params(cfg, seed=1), cfg, tp_mesh)
@@ -160,14 +161,14 @@ def test_saved_activations_shrink(tp_mesh: Mesh) -> None:
     plain_mesh = Mesh.create(WORLD, tp=n)
     _, plain = stage_forward(ResidentParams(params), whole_model(L), idx, tgt, cfg, plain_mesh, drop)
     plain_mesh.free()
-    t = T // n if tp_mesh.sequence_parallel else T
-    for b in ctx.blocks:
-        assert b.ln1[0].shape == b.ln2[0].shape == (B, t, C)
-        assert b.h1.shape == b.h2.shape == (B, T, C)
-    assert ctx.head.ln_f[0].shape == (B, t, C)
-    ln_ctx = (B * T * C + B * T) * k  # one LayerNorm's xhat and rstd on the whole sequence
-    saved = (2 * L + 1) * ln_ctx * (1 - t / T)
-    assert nbytes(plain) - nbytes(ctx) == saved
+    sp = tp_mesh.sequence_parallel
+    t = T // n if sp else T
+    for b in [*ctx.blocks, ctx.head]:
+        for ln in ((b.ln1, b.ln2) if b is not ctx.head else (b.ln_f,)):
+            assert ln[0].shape == (B, T, C) and ln[1].shape == (B, t, 1)
+    assert all((b.h1 is None) == (b.h2 is None) == sp for b in ctx.blocks) and (ctx.head.xf is None) == sp
+    per_norm = (B * T * C + B * T - B * t) * k if sp else 0  # the output, and rstd's other slices
+    assert nbytes(plain) - nbytes(ctx) == (2 * L + 1) * per_norm
 
 
 # ---------------------------------------------------------------------------------------

@@ -11,10 +11,13 @@ With sequence parallelism (`mesh.sequence_parallel`) the residual stream, LayerN
 residual dropout work on this tp rank's sequence slice [B, T/tp, C]; the f/g pair becomes
 all-gather before the column-parallel matmuls and reduce-scatter after the row-parallel
 ones (numesh/nn/parallel.py), and the head gathers the final LayerNorm's output before the
-vocab-parallel logits. The gathered LayerNorm outputs are kept for the weight gradients
-(no second all-gather in backward), so the bus bytes equal plain tp's. LayerNorm weight
-and bias gradients are then sums over this rank's tokens only: partial over tp, summed by
-`reduce_sequence_partial` or by the optimiser (`sequence_partial_leaves`).
+vocab-parallel logits. What is all-gathered is the normalised slice, not the LayerNorm's
+output (`norm_gather_fwd`): the same bytes, and the gathered xhat serves both the
+LayerNorm's backward (its slice) and the matmul's weight gradient (the output is
+recomputed from it, one multiply-add), so no second all-gather is needed in backward and
+the bus bytes equal plain tp's. LayerNorm weight and bias gradients are sums over this
+rank's tokens only: partial over tp, summed by `reduce_sequence_partial` or by the
+optimiser (`sequence_partial_leaves`).
 """
 
 from __future__ import annotations
@@ -64,16 +67,39 @@ def local_heads(cfg: GPTConfig, mesh: Mesh) -> tuple[int, int, slice]:
     return n_local, cfg.n_embd // cfg.n_head, slice(h0, h0 + n_local)
 
 
-def gather_seq(h: np.ndarray, mesh: Mesh) -> np.ndarray:
-    """f before a column-parallel matmul: identity forward, or the sequence all-gather."""
-    return gather_from_sequence_parallel_region(h, mesh) if mesh.sequence_parallel else h
+def norm_gather_fwd(p: LayerNorm, x: np.ndarray, mesh: Mesh) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """LayerNorm, then f: the input [B, T, C] of a column-parallel matmul, and the context.
+
+    Plain tp: `layernorm_fwd`; the context is (xhat, rstd) and the caller keeps the output.
+    Sequence parallel (x is [B, T/tp, C]): the statistics on this rank's slice, the
+    normalised slice all-gathered (the bytes of gathering the output), the affine applied to
+    the whole sequence. The context is (xhat [B, T, C], rstd [B, T/tp, 1]) and the output
+    is not kept: `norm_output` recomputes it for the weight gradient. Per LayerNorm that
+    keeps B·T·C + B·T/tp values where plain tp keeps 2·B·T·C + B·T (xhat and the output)."""
+    h, ctx = layernorm_fwd(p, x)
+    if not mesh.sequence_parallel:
+        return h, ctx
+    xhat = gather_from_sequence_parallel_region(ctx[0], mesh)
+    return norm_output(p, (xhat, ctx[1])), (xhat, ctx[1])
 
 
-def gather_seq_bwd(dh: np.ndarray, mesh: Mesh) -> np.ndarray:
-    """Backward of `gather_seq`: all-reduce, or reduce-scatter to this rank's slice."""
-    if mesh.sequence_parallel:
-        return gather_from_sequence_parallel_region_bwd(dh, mesh)
-    return copy_to_tp_bwd(dh, mesh)
+def norm_output(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """The LayerNorm's output from its context's xhat (what `layernorm_fwd` computes)."""
+    y = ctx[0] * p.w
+    if p.b is not None:
+        y += p.b
+    return y
+
+
+def norm_gather_bwd(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dh: np.ndarray,
+                    mesh: Mesh) -> tuple[np.ndarray, LayerNorm]:
+    """Backward of `norm_gather_fwd` from the column-parallel matmul's partial input grad
+    [B, T, C]: (grad of x, the LayerNorm's grads, partial over tp with sp)."""
+    if not mesh.sequence_parallel:
+        return layernorm_bwd(p, ctx, copy_to_tp_bwd(dh, mesh))
+    xhat, rstd = ctx
+    dh = gather_from_sequence_parallel_region_bwd(dh, mesh)  # [B, T/tp, C]
+    return layernorm_bwd(p, (xhat[:, sequence_slice(mesh, rstd.shape[1])], rstd), dh)
 
 
 def reduce_seq(y: np.ndarray, mesh: Mesh) -> np.ndarray:
@@ -108,12 +134,12 @@ def bias_add(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
 class BlockCtx:
     """What a block's backward needs from its forward (residual dropout masks are redrawn)."""
 
-    ln1: Any  # LayerNorm 1's context (xhat [B, T, C] and rstd [B, T, 1]; T/tp with sp)
-    h1: np.ndarray  # LayerNorm 1's output = the QKV matmul's input [B, T, C] (gathered with sp)
+    ln1: Any  # LayerNorm 1's context: xhat [B, T, C] and rstd [B, T, 1] (rstd [B, T/tp, 1] with sp)
+    h1: np.ndarray | None  # LayerNorm 1's output = the QKV matmul's input [B, T, C]; None with sp (recomputed)
     attn: Any  # attention core's context
     a: np.ndarray  # attention output = the out-projection's input [B, T, C/tp]
     ln2: Any
-    h2: np.ndarray  # LayerNorm 2's output = the MLP-up matmul's input [B, T, C] (gathered with sp)
+    h2: np.ndarray | None  # LayerNorm 2's output = the MLP-up matmul's input [B, T, C]; None with sp
     gelu: Any
     g: np.ndarray  # GELU output = the MLP-down matmul's input [B, T, 4C/tp]
     drop: DropoutKey | None
@@ -160,8 +186,7 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
     parallelism this rank's sequence slice [B, T/tp, C]."""
     B, T, C = x.shape[0], global_seq(mesh, x.shape[1]), x.shape[2]
     nh, hs, heads = local_heads(cfg, mesh)
-    h1, ln1 = layernorm_fwd(p.ln1, x)
-    h1 = gather_seq(h1, mesh)  # f: [B, T, C]
+    h1, ln1 = norm_gather_fwd(p.ln1, x, mesh)  # f: [B, T, C]
     qkv, _ = linear_fwd(p.attn.qkv, h1)
     qkv = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # [3, B, nh, T, hs]
     att_mask = drop.mask(Site("attn", layer), B, (cfg.n_head, T, T), (heads,)).astype(x.dtype) if drop else None
@@ -172,8 +197,7 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
     if drop:
         y *= _residual_mask(drop, Site("attn_out", layer), y, mesh)
     x = x + y
-    h2, ln2 = layernorm_fwd(p.ln2, x)
-    h2 = gather_seq(h2, mesh)
+    h2, ln2 = norm_gather_fwd(p.ln2, x, mesh)
     u, _ = linear_fwd(p.mlp.fc, h2)
     g, gelu = gelu_fwd(u)
     z, _ = linear_fwd(Linear(p.mlp.proj.w), g)
@@ -181,7 +205,8 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
     if drop:
         z *= _residual_mask(drop, Site("mlp_out", layer), z, mesh)
     x += z
-    return x, BlockCtx(ln1, h1, attn, a, ln2, h2, gelu, g, drop, layer)
+    keep = not mesh.sequence_parallel  # with sp the outputs are recomputed from the gathered xhat
+    return x, BlockCtx(ln1, h1 if keep else None, attn, a, ln2, h2 if keep else None, gelu, g, drop, layer)
 
 
 def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, BlockWeightCtx]:
@@ -193,8 +218,7 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mes
     # MLP half
     dz = reduce_seq_bwd(_drop_residual(dx, ctx.drop, Site("mlp_out", ctx.layer), mesh), mesh)  # [B, T, C]
     du = gelu_bwd(ctx.gelu, linear_bwd_input(p.mlp.proj, dz))
-    dh2 = gather_seq_bwd(linear_bwd_input(p.mlp.fc, du), mesh)  # like dx
-    dx2, d_ln2 = layernorm_bwd(p.ln2, ctx.ln2, dh2)
+    dx2, d_ln2 = norm_gather_bwd(p.ln2, ctx.ln2, linear_bwd_input(p.mlp.fc, du), mesh)  # like dx
     dx = dx + dx2
     # attention half
     dy = reduce_seq_bwd(_drop_residual(dx, ctx.drop, Site("attn_out", ctx.layer), mesh), mesh)  # [B, T, C]
@@ -205,10 +229,11 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mes
     dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
     dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
     dqkv = dqkv.reshape(B, T, 3 * nh * hs)
-    dh1 = gather_seq_bwd(linear_bwd_input(p.attn.qkv, dqkv), mesh)
-    dx1, d_ln1 = layernorm_bwd(p.ln1, ctx.ln1, dh1)
+    dx1, d_ln1 = norm_gather_bwd(p.ln1, ctx.ln1, linear_bwd_input(p.attn.qkv, dqkv), mesh)
     dx1 += dx  # not in place on dx: it may be `dy`, which the weight half still needs
-    io = BlockWeightCtx(d_ln1, d_ln2, LinearIO(ctx.h1, dqkv), LinearIO(ctx.a, dy), LinearIO(ctx.h2, du), LinearIO(ctx.g, dz))
+    h1 = norm_output(p.ln1, ctx.ln1) if ctx.h1 is None else ctx.h1
+    h2 = norm_output(p.ln2, ctx.ln2) if ctx.h2 is None else ctx.h2
+    io = BlockWeightCtx(d_ln1, d_ln2, LinearIO(h1, dqkv), LinearIO(ctx.a, dy), LinearIO(h2, du), LinearIO(ctx.g, dz))
     return dx1, io
 
 
@@ -267,29 +292,28 @@ def embed_bwd(params: GPT, ctx: EmbedCtx, dx: np.ndarray, mesh: Mesh) -> tuple[n
 
 @attrs.frozen
 class HeadCtx:
-    ln_f: Any
-    xf: np.ndarray  # final LayerNorm output [B*T, C]
+    ln_f: Any  # the final LayerNorm's context (xhat gathered over the sequence with sp)
+    xf: np.ndarray | None  # final LayerNorm output [B*T, C]; None with sp (recomputed from xhat)
     ce: Any  # the vocab-parallel cross-entropy's context
     shape: tuple[int, ...]  # the head input's shape [B, T, C]
 
 
 def head_fwd(params: GPT, x: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, HeadCtx]:
     """Final LayerNorm, tied LM head and vocab-parallel cross-entropy: per-token losses [B*T].
-    With sp the LayerNorm runs on this rank's slice and its output is gathered (f)."""
-    xf, lnf_ctx = layernorm_fwd(params.ln_f, x)
-    xf = gather_seq(xf, mesh)  # f: [B, T, C]
+    With sp the LayerNorm runs on this rank's slice and is gathered (`norm_gather_fwd`)."""
+    xf, lnf_ctx = norm_gather_fwd(params.ln_f, x, mesh)  # [B, T, C]
     xf2 = xf.reshape(-1, xf.shape[-1])
     logits = xf2 @ params.wte.T  # [B*T, V/tp]
     loss, ce_ctx = vocab_parallel_cross_entropy_fwd(logits, targets, cfg.vocab_size, mesh)
-    return loss, HeadCtx(lnf_ctx, xf2, ce_ctx, xf.shape)
+    return loss, HeadCtx(lnf_ctx, None if mesh.sequence_parallel else xf2, ce_ctx, xf.shape)
 
 
 def head_bwd(params: GPT, ctx: HeadCtx, dloss: np.ndarray | float, mesh: Mesh) -> tuple[np.ndarray, np.ndarray, LayerNorm]:
     """(grad of the head's input, grad of wte from the head, grads of ln_f)."""
     dlogits = vocab_parallel_cross_entropy_bwd(ctx.ce, dloss)
-    dwte = dlogits.T @ ctx.xf
-    dxf = gather_seq_bwd((dlogits @ params.wte).reshape(ctx.shape), mesh)  # [B, T, C] or [B, T/tp, C]
-    dx, d_lnf = layernorm_bwd(params.ln_f, ctx.ln_f, dxf)
+    xf = norm_output(params.ln_f, ctx.ln_f).reshape(-1, ctx.shape[-1]) if ctx.xf is None else ctx.xf
+    dwte = dlogits.T @ xf
+    dx, d_lnf = norm_gather_bwd(params.ln_f, ctx.ln_f, (dlogits @ params.wte).reshape(ctx.shape), mesh)
     return dx, dwte, d_lnf
 
 
