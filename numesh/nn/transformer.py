@@ -10,7 +10,7 @@ the only tp communication is the f/g pair around each half of the block (`copy_t
 With sequence parallelism (`mesh.sequence_parallel`) the residual stream, LayerNorms and
 residual dropout work on this tp rank's sequence slice [B, T/tp, C]; the f/g pair becomes
 all-gather before the column-parallel matmuls and reduce-scatter after the row-parallel
-ones (numesh/nn/parallel.py), and the head gathers the final LayerNorm's output before the
+ones (numesh/nn/parallel.py), and the head gathers the final LayerNorm before the
 vocab-parallel logits. What is all-gathered is the normalised slice, not the LayerNorm's
 output (`norm_gather_fwd`): the same bytes, and the gathered xhat serves both the
 LayerNorm's backward (its slice) and the matmul's weight gradient (the output is
