@@ -2,8 +2,8 @@
 (float64, 1e-10 relative), moves the bus bytes of plain tp, and shrinks the saved activations.
 
 Meshes by world size (each runs where the job has exactly its ranks; the others cover the
-rest): 2 ranks tp=2; 4 ranks tp=4, dp=2,tp=2 with ZeRO 1 and 3, tp=2,pp=2 with 1F1B and
-ZB-H1; 8 ranks dp=2,tp=2,pp=2 interleaved. Without sequence parallelism the same meshes are
+rest): 2 ranks tp=2; 4 ranks tp=4, dp=2,tp=2 with ZeRO 1, 2 and 3, tp=2,pp=2 with 1F1B,
+ZB-H1 and GPipe; 8 ranks dp=2,tp=2,pp=2 interleaved with ZeRO 1. Without sequence parallelism the same meshes are
 held to the 1-rank run by test_mpi_tensor_parallel.py, test_mpi_zero.py, test_mpi_pipeline.py.
 """
 
@@ -221,8 +221,9 @@ def test_optimizer_sums_tp_partial_grads_once(stage: int) -> None:
 
 MESHES = {
     2: [("tp=2", {})],
-    4: [("tp=4", {}), ("dp=2,tp=2", {"zero": 1}), ("dp=2,tp=2", {"zero": 3}),
-        ("tp=2,pp=2", {"micro_batches": 2, "schedule": "1f1b"}), ("tp=2,pp=2", {"micro_batches": 2, "schedule": "zb-h1"})],
+    4: [("tp=4", {}), ("dp=2,tp=2", {"zero": 1}), ("dp=2,tp=2", {"zero": 2, "micro_batches": 2}), ("dp=2,tp=2", {"zero": 3}),
+        ("tp=2,pp=2", {"micro_batches": 2, "schedule": "1f1b"}), ("tp=2,pp=2", {"micro_batches": 2, "schedule": "zb-h1"}),
+        ("tp=2,pp=2", {"micro_batches": 2, "schedule": "gpipe"})],
     8: [("dp=2,tp=2,pp=2", {"micro_batches": 2, "schedule": "interleaved", "virtual_stages": 2, "n_layer": 4, "zero": 1})],
 }
 # only this job's size: the other sizes' meshes are collected by their own suites
