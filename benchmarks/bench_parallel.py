@@ -13,6 +13,13 @@ the bytes each rank holds for parameters, gradients, optimiser state and workspa
     mpirun -n 2 python benchmarks/bench_parallel.py --meshes dp=2 --no-overlap --zero 0 1 2 3
 
 runs every dp mesh with and without overlap and at each ZeRO stage, side by side.
+
+    mpirun -n 2 python benchmarks/bench_parallel.py --meshes tp=2 --sequence-parallel --rounds 5
+
+runs every tp mesh without and with Megatron sequence parallelism, alternating the two
+`--rounds` times (each round a fresh trainer and the median of `--iters` steps; the table
+shows the median over rounds), and adds each rank's peak saved-activation bytes (the
+contexts the pipeline executor holds for backward, `StepStats.peak_bytes`).
 """
 
 from __future__ import annotations
@@ -53,7 +60,17 @@ def time_steps(overrides: dict, comm: MPI.Comm, warmup: int, iters: int) -> dict
         "/".join(axes) + ":" + op: v / iters
         for (axes, op), v in sorted(trainer.mesh.counter.bus.items())
     }
-    return {"ms": ms, "tokens_per_s": tokens / ms * 1e3, "bus_bytes_per_step": bus, "memory": trainer.opt.memory()}
+    payload = {"/".join(axes) + ":" + op: v / iters for (axes, op), v in sorted(trainer.mesh.counter.payload.items())}
+    return {"ms": ms, "tokens_per_s": tokens / ms * 1e3, "bus_bytes_per_step": bus, "payload_bytes_per_step": payload,
+            "memory": trainer.opt.memory(), "activation_bytes": trainer.last_stats.peak_bytes}
+
+
+def median_of_rounds(results: list[dict]) -> dict:
+    """One row from several rounds of `time_steps`: median ms (and tokens/s from it), the
+    rest (bytes, memory: the same every round) from the first."""
+    ms = statistics.median(r["ms"] for r in results)
+    return {**results[0], "ms": ms, "tokens_per_s": results[0]["tokens_per_s"] * results[0]["ms"] / ms,
+            "ms_rounds": [r["ms"] for r in results]}
 
 
 def main() -> None:
@@ -62,6 +79,9 @@ def main() -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
     ap.add_argument("--zero", type=int, nargs="+", default=[0], help="ZeRO stages to run each dp mesh at")
     ap.add_argument("--no-overlap", action="store_true", help="also run each dp mesh with overlap off")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="run each tp mesh without and with --sequence-parallel, alternating (see --rounds)")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of the sp / no-sp pair (median over them)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--data", default=None)
@@ -86,6 +106,17 @@ def run(args: argparse.Namespace, world: MPI.Comm, data: str) -> None:
     rows.append(("1x1x1 (1 rank)", ref, 1.0))
     for mesh in args.meshes:
         shape = parse_mesh(mesh, world.size)
+        if args.sequence_parallel and shape["tp"] > 1:
+            results: dict[bool, list[dict]] = {False: [], True: []}
+            for _ in range(args.rounds):  # alternate, so drift on a shared machine hits both alike
+                for sp in (False, True):
+                    cfg = dict(base, mesh=mesh, sequence_parallel=sp, batch_size=base["batch_size"] * shape["dp"])
+                    results[sp].append(time_steps(cfg, world, args.warmup, args.iters))
+            for sp in (False, True):
+                res = median_of_rounds(results[sp])
+                eff = res["tokens_per_s"] / (ref["tokens_per_s"] * (world.size if shape["dp"] > 1 else 1))
+                rows.append((mesh + (" sp" if sp else ""), res, eff))
+            continue
         overlaps = [True, False] if args.no_overlap and shape["dp"] > 1 else [True]
         stages = args.zero if shape["dp"] > 1 else [0]
         for zero in stages:
@@ -112,6 +143,11 @@ def run(args: argparse.Namespace, world: MPI.Comm, data: str) -> None:
     for mesh, r, _ in rows:
         mem = r["memory"]
         print(f"{mesh:<28}" + "".join(f"{mem[k] / 1e6:>12.3f}" for k in keys) + f"{sum(mem.values()) / 1e6:>12.3f}")
+    print("\npeak saved activations per rank (rank 0), MB, and payload bytes per step by axis and op")
+    for mesh, r, _ in rows:
+        pay = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in r["payload_bytes_per_step"].items()) or "-"
+        rounds = " ms per round " + " ".join(f"{x:.1f}" for x in r["ms_rounds"]) if "ms_rounds" in r else ""
+        print(f"{mesh:<28}{r['activation_bytes'] / 1e6:>10.3f}   {pay}{rounds}")
 
 
 if __name__ == "__main__":

@@ -88,10 +88,32 @@ def tp_all_reduce_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, i
     return total
 
 
-def pp_send_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, itemsize: int) -> int:
-    """Payload bytes one micro-batch sends along pp from a chunk: its output activation
-    forward (unless it is the last stage) and its input gradient backward (unless first)."""
+def tp_sequence_parallel_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, itemsize: int) -> dict[str, int]:
+    """Payload bytes per op over tp of one micro-batch's forward and backward through a chunk
+    with sequence parallelism (Korthikanti et al. 2022). Each all-reduce of an activation in
+    `tp_all_reduce_bytes` becomes an all-gather and a reduce-scatter of the full activation
+    (payload = the gathered output, the scattered input): per block the gathers before QKV
+    and MLP-up forward and their reduce-scatters backward, the reduce-scatters after the
+    out-projection and MLP-down forward and their gathers backward; the embedding's lookup
+    is reduce-scattered (its gradient gathered), the head's input gathered (its gradient
+    reduce-scattered). The cross-entropy's 3 values per token stay all-reduces.
+
+    Bus bytes are those of plain tp: an all-reduce of S moves 2(n-1)/n·S, a gather plus a
+    scatter (n-1)/n·S each. The LayerNorm grads' once-per-step all-reduce comes on top
+    (`step_bytes`, `tp_partial_values`)."""
     act = rows * block_size * n_embd * itemsize
+    pairs = 4 * chunk.blocks + int(chunk.first) + int(chunk.last)
+    out = {"all_gather": pairs * act, "reduce_scatter": pairs * act}
+    if chunk.last:
+        out["all_reduce"] = 3 * rows * block_size * itemsize
+    return out
+
+
+def pp_send_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, itemsize: int, seq_split: int = 1) -> int:
+    """Payload bytes one micro-batch sends along pp from a chunk: its output activation
+    forward (unless it is the last stage) and its input gradient backward (unless first);
+    with sequence parallelism each tp rank sends its 1/tp of the sequence (`seq_split` = tp)."""
+    act = rows * block_size // seq_split * n_embd * itemsize
     return act * (int(not chunk.last) + int(not chunk.first))
 
 
@@ -116,6 +138,8 @@ def step_bytes(
     padded_outer: int,
     tied_bytes: int,
     split_backward: bool = False,
+    sequence_parallel: bool = False,
+    tp_partial_values: int = 0,
 ) -> dict[tuple[str, str], int]:
     """Payload bytes per (axes, op) one rank moves in one training step (axes as "dp",
     "pp+dp", or "pp[0,3]" for the tied-embedding group), sends but not receives.
@@ -123,7 +147,9 @@ def step_bytes(
     `rows` is a micro-batch's sequences on this rank; `chunks` this rank's model chunks;
     `padded_*` its units' sizes padded to dp; `tied_bytes` its wte gradient's bytes, summed
     between the first and last pp rank when pp > 1 (0 on other ranks); `split_backward`
-    whether the schedule runs W apart from B (zb-h1)."""
+    whether the schedule runs W apart from B (zb-h1); `sequence_parallel` whether tp also
+    splits the sequence, and then `tp_partial_values` the LayerNorm gradient values this
+    rank holds (its dp shard of them under ZeRO >= 1), all-reduced over tp once per step."""
     out: dict[tuple[str, str], int] = {}
 
     def add(axes: str, op: str, n: int) -> None:
@@ -135,10 +161,16 @@ def step_bytes(
     if shape["dp"] > 1:
         for op, n in dp_bytes(zero, m, padded_blocks, padded_outer, itemsize, split_backward).items():
             add("dp", op, n)
-    if shape["tp"] > 1:
+    if shape["tp"] > 1 and sequence_parallel:
+        for c in chunks:
+            for op, n in tp_sequence_parallel_bytes(c, rows, block_size, n_embd, itemsize).items():
+                add("tp", op, m * n)
+        add("tp", "all_reduce", tp_partial_values * itemsize)
+    elif shape["tp"] > 1:
         add("tp", "all_reduce", m * sum(tp_all_reduce_bytes(c, rows, block_size, n_embd, itemsize) for c in chunks))
     if shape["pp"] > 1:
-        add("pp", "send", m * sum(pp_send_bytes(c, rows, block_size, n_embd, itemsize) for c in chunks))
+        split = shape["tp"] if sequence_parallel else 1
+        add("pp", "send", m * sum(pp_send_bytes(c, rows, block_size, n_embd, itemsize, split) for c in chunks))
         if tied_bytes:
             add(f"pp[0,{shape['pp'] - 1}]", "all_reduce", tied_bytes)
     if shape["pp"] * shape["dp"] > 1:  # the step's loss

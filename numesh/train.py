@@ -31,7 +31,7 @@ from numesh.mesh.inject import FaultInjector, faults_from_env
 from numesh.mesh.trace import Tracer
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
-from numesh.nn.units import OUTER, join_units, split_units
+from numesh.nn.units import OUTER, join_units, sequence_partial_leaves, split_units
 from numesh.optim import AdamWConfig, clip_scale, cosine_lr
 from numesh.optim.zero import ZeroOptimizer
 from numesh.pipeline.executor import PipelineExecutor, StepStats
@@ -78,6 +78,10 @@ class TrainConfig:
     # pipeline parallelism
     schedule: str = _field("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (micro-batches = --micro-batches)")
     virtual_stages: int = _field(1, "model chunks per pp rank (interleaved schedule)")
+    # tensor parallelism
+    sequence_parallel: bool = _field(
+        False, "Megatron sequence parallelism: LayerNorm, dropout and the residual stream split over the sequence "
+        "across tp (needs tp > 1 and block_size divisible by tp); activations per rank shrink, bytes stay")
     # evaluation and logging
     eval_interval: int = _field(250, "evaluate train/val loss every this many steps")
     eval_iters: int = _field(20, "batches per split and evaluation")
@@ -182,6 +186,12 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
         n = len(D.load_split(cfg.data, split))
         if n <= cfg.block_size:
             raise ConfigError(f"block_size={cfg.block_size} is larger than the {n}-token {split} split: use a smaller --block-size")
+    if cfg.sequence_parallel and shape["tp"] == 1:
+        raise ConfigError("--sequence-parallel splits the sequence over tp, which is 1 in this mesh: "
+                          "add tp=N (N > 1) to --mesh or drop --sequence-parallel")
+    if cfg.sequence_parallel and cfg.block_size % shape["tp"]:
+        raise ConfigError(f"--sequence-parallel splits the block_size={cfg.block_size} tokens over tp={shape['tp']}: "
+                          f"use a --block-size divisible by {shape['tp']}")
     model = cfg.model(tok.vocab_size)
     model.validate(shape["tp"])
     StageLayout(model.n_layer, shape["pp"], cfg.virtual_stages)
@@ -210,7 +220,7 @@ class Trainer:
         comm = MPI.COMM_WORLD if comm is None else comm
         shape, self.model = validate(cfg, comm.Get_size())
         self.cfg = cfg
-        self.mesh = Mesh(shape, comm)
+        self.mesh = Mesh(shape, comm, cfg.sequence_parallel)
         self.dtype = DTYPES[cfg.dtype]
         pp_rank = self.mesh.index("pp")
         self.layout = StageLayout(self.model.n_layer, shape["pp"], cfg.virtual_stages)
@@ -219,9 +229,11 @@ class Trainer:
         adamw = AdamWConfig(cfg.beta1, cfg.beta2, 1e-8, cfg.weight_decay)
         params = stage_tree(init_gpt(self.model, self.mesh, cfg.seed, self.dtype), self.layout, pp_rank)
         tied_copy = shape["pp"] > 1 and self.layout.is_last(pp_rank)  # counted on the first rank
+        units = split_units(params)
         self.opt = ZeroOptimizer(
-            split_units(params), split_units(self.specs), self.mesh, cfg.zero, adamw,
+            units, split_units(self.specs), self.mesh, cfg.zero, adamw,
             bucket_bytes=int(cfg.bucket_mb * 2**20), overlap=cfg.overlap, uncounted={(OUTER, "wte")} if tied_copy else (),
+            tp_partial=sequence_partial_leaves(units) if cfg.sequence_parallel else (),  # LayerNorm grads under sp
         )
         self.opt.check_replicas()
         self.pipeline = PipelineExecutor(self.model, self.mesh, self.layout, self.opt, self.dtype)
@@ -312,10 +324,11 @@ class Trainer:
             "padded_blocks": sum(u.padded for k, u in units.items() if not k.is_outer),
             "padded_outer": units[OUTER].padded,
             "tied_bytes": self.model.padded_vocab(shape["tp"]) // shape["tp"] * self.model.n_embd * itemsize if holds_tied else 0,
+            "tp_partial_values": self.opt.tp_partial_values,
         }
         self.trace_meta = {
             "mesh": dict(shape), "schedule": c.schedule, "micro_batches": c.micro_batches, "virtual_stages": c.virtual_stages,
-            "zero": c.zero, "dtype": c.dtype, "itemsize": itemsize, "batch_size": c.batch_size, "block_size": c.block_size,
+            "zero": c.zero, "sequence_parallel": c.sequence_parallel, "dtype": c.dtype, "itemsize": itemsize, "batch_size": c.batch_size, "block_size": c.block_size,
             "n_layer": self.model.n_layer, "n_embd": self.model.n_embd, "n_params": self.n_params,
             "rows_per_micro_batch": c.batch_size // (shape["dp"] * c.micro_batches),
             "tokens_per_step": self.tokens_per_step, "flops_per_token": flops_per_token(self.model, self.n_params),

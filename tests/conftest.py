@@ -170,17 +170,17 @@ _SERIAL: dict[Any, tuple[list[dict], dict[str, np.ndarray]]] = {}
 
 
 def serial_reference(cfg: Any) -> tuple[list[dict], dict[str, np.ndarray]]:
-    """The dp=1,tp=1,pp=1 run of `cfg` (mesh and out ignored): computed once on rank 0 of
-    COMM_WORLD, broadcast to every rank, cached for the session."""
+    """The dp=1,tp=1,pp=1 run of `cfg` (mesh, out and sequence parallelism ignored):
+    computed once on rank 0 of COMM_WORLD, broadcast to every rank, cached for the session."""
     import attrs
 
-    key = attrs.evolve(cfg, mesh="", out="")
+    key = attrs.evolve(cfg, mesh="", out="", sequence_parallel=False)
     if key not in _SERIAL:
         result = None
         if WORLD.Get_rank() == 0:
             out = Path(tempfile.mkdtemp(prefix="numesh-serial-"))
             try:
-                result = ("ok", train_records(attrs.evolve(cfg, mesh="", out=str(out)), MPI.COMM_SELF))
+                result = ("ok", train_records(attrs.evolve(key, out=str(out)), MPI.COMM_SELF))
             except Exception as e:  # every rank must learn of it, or the others would wait forever
                 result = ("error", repr(e))
             finally:

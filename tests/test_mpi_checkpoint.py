@@ -110,13 +110,18 @@ def close(got: np.ndarray, want: np.ndarray, rtol: float, what: str) -> None:
         pytest.param("tp=1", {}, "tp=4", {}, id="tp1-to-tp4"),
         pytest.param("pp=2", {"micro_batches": 2}, "pp=1", {}, id="pp2-to-pp1"),
         pytest.param("dp=2,tp=2,pp=2", {"micro_batches": 2, "zero": 1}, "tp=4", {}, id="dp2tp2pp2-to-tp4"),
+        # sequence parallelism changes no file: a checkpoint saved with it loads without, and back
+        pytest.param("tp=2", {"sequence_parallel": True}, "tp=2", {}, id="tp2sp-to-tp2"),
+        pytest.param("tp=2", {}, "tp=2", {"sequence_parallel": True}, id="tp2-to-tp2sp"),
+        pytest.param("tp=4", {"sequence_parallel": True}, "tp=2", {"sequence_parallel": True}, id="tp4sp-to-tp2sp"),
     ],
 )
 def test_resume_on_another_mesh(data: Path, shared_tmp: Path, mesh_a: str, kw_a: dict, mesh_b: str, kw_b: dict) -> None:
     need = max(_prod(mesh_a), _prod(mesh_b))
     if WORLD.Get_size() < need:
         pytest.skip(f"{mesh_a} -> {mesh_b} needs {need} ranks, the job has {WORLD.Get_size()}")
-    base = shared_tmp / f"resume-{mesh_a}-{mesh_b}".replace(",", "_").replace("=", "")
+    tags = ["sp" if kw.get("sequence_parallel") else "" for kw in (kw_a, kw_b)]
+    base = shared_tmp / f"resume-{mesh_a}{tags[0]}-{mesh_b}{tags[1]}".replace(",", "_").replace("=", "")
     # A: 2k uninterrupted steps, which also checkpoint at step k
     cfg_a = config(data, base / "a", mesh_a, ckpt_interval=K, **kw_a)
     whole = on_first(_prod(mesh_a), lambda comm: records_of(cfg_a, comm))

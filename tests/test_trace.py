@@ -219,6 +219,19 @@ def test_report_of_the_run(traced_run: tuple[Path, str]) -> None:
     assert "pipeline bubble (zb-h1" in text and "every rank matches the formulas" in text
 
 
+def test_report_of_a_sequence_parallel_run_matches_the_formulas(tmp_path: Path) -> None:
+    """With --sequence-parallel the tp traffic is all-gathers and reduce-scatters (and the
+    LayerNorm grads' all-reduce), and the report's formulas still equal the measurement."""
+    data = make_dataset(tmp_path / "data")
+    out = tmp_path / "run"
+    launch(2, out, data, "--mesh", "tp=2", "--sequence-parallel")
+    rep = report.build(report.load(out))
+    assert rep["bytes_match"]
+    for b in rep["bytes"].values():
+        assert b["measured"] == b["formula"]
+        assert {"tp/all_gather", "tp/reduce_scatter", "tp/all_reduce"} <= set(b["measured"])
+
+
 def test_report_of_a_run_without_trace_is_one_error_line(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(tmp_path)], capture_output=True,
                          text=True, env=clean_env(), timeout=120)

@@ -211,6 +211,10 @@ def test_error_classes_are_value_errors() -> None:
         (dict(dropout=1.0), 1, ConfigError, "dropout"),
         (dict(micro_batches=0), 1, ConfigError, "micro_batches"),
         (dict(max_iters=-1), 1, ConfigError, "max_iters"),
+        (dict(sequence_parallel=True), 1, ConfigError, "--sequence-parallel splits the sequence over tp, which is 1"),
+        (dict(sequence_parallel=True, mesh="dp=2"), 2, ConfigError, "or drop --sequence-parallel"),
+        (dict(sequence_parallel=True, mesh="tp=2", n_head=2, block_size=9), 2, ConfigError,
+         "splits the block_size=9 tokens over tp=2: use a --block-size divisible by 2"),
     ],
 )
 def test_validate_errors(char_dataset: Path, tmp_path: Path, overrides: dict, n_ranks: int,
@@ -251,6 +255,7 @@ def test_train_raises_before_writing_anything(char_dataset: Path, tmp_path: Path
         (["--config", "{tmp}/bad.toml"], "unknown config key 'n_layers'"),
         (["--zero", "5"], "--zero must be 0, 1, 2 or 3"),
         (["--schedule", "pipedream"], "unknown pipeline schedule 'pipedream'"),
+        (["--sequence-parallel"], "--sequence-parallel splits the sequence over tp, which is 1 in this mesh"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(char_dataset: Path, tmp_path: Path, args: list[str],

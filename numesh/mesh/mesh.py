@@ -123,11 +123,19 @@ def _axes_key(axes: AxisNames) -> tuple[str, ...]:
 
 
 class Mesh:
-    """Named axes over a communicator; `comm(axis)` is that axis's sub-communicator."""
+    """Named axes over a communicator; `comm(axis)` is that axis's sub-communicator.
 
-    def __init__(self, sizes: dict[str, int], comm: MPI.Comm | None = None):
+    `sequence_parallel` says how the model uses the tp axis between its tensor-parallel
+    matmuls: Megatron sequence parallelism, the activations split over the sequence
+    (numesh/nn/parallel.py). It needs tp > 1; the axes and communicators are the same."""
+
+    def __init__(self, sizes: dict[str, int], comm: MPI.Comm | None = None, sequence_parallel: bool = False):
         base = MPI.COMM_WORLD if comm is None else comm
         self.shape: dict[str, int] = parse_mesh(sizes, base.Get_size())
+        if sequence_parallel and self.shape["tp"] == 1:
+            raise MeshError("sequence parallelism splits the sequence over tp, which is 1 here: "
+                            "add tp=N (N > 1) to the mesh or turn sequence parallelism off")
+        self.sequence_parallel = sequence_parallel
         self.world = base
         self.cart = base.Create_cart([self.shape[a] for a in AXES], periods=[False] * len(AXES), reorder=False)
         self.rank = self.cart.Get_rank()
@@ -145,16 +153,17 @@ class Mesh:
                 self.comm(a)
 
     @classmethod
-    def create(cls, comm: MPI.Comm | None = None, **sizes: int) -> "Mesh":
-        return cls(sizes, comm)
+    def create(cls, comm: MPI.Comm | None = None, sequence_parallel: bool = False, **sizes: int) -> "Mesh":
+        return cls(sizes, comm, sequence_parallel)
 
     @classmethod
-    def parse(cls, spec: str | None, comm: MPI.Comm | None = None) -> "Mesh":
+    def parse(cls, spec: str | None, comm: MPI.Comm | None = None, sequence_parallel: bool = False) -> "Mesh":
         base = MPI.COMM_WORLD if comm is None else comm
-        return cls(parse_mesh(spec, base.Get_size()), base)
+        return cls(parse_mesh(spec, base.Get_size()), base, sequence_parallel)
 
     def __repr__(self) -> str:
-        return "Mesh(" + ", ".join(f"{a}={self.shape[a]}" for a in AXES) + ")"
+        sp = ", sequence_parallel=True" if self.sequence_parallel else ""
+        return "Mesh(" + ", ".join(f"{a}={self.shape[a]}" for a in AXES) + sp + ")"
 
     def group(self, axis: str, members: Iterable[int]) -> Group:
         """Make the group of `members` (indices along `axis`). Collective over the axis:

@@ -8,6 +8,7 @@ import math
 import attrs
 import numpy as np
 
+from numesh.errors import ConfigError
 from numesh.mesh import Mesh, all_gather
 from numesh.nn.gpt import GPT, GPTConfig
 from numesh.nn.layers import Linear, gelu_fwd, layernorm_fwd, linear_fwd
@@ -25,6 +26,8 @@ class KVCache:
 
 
 def new_kv_cache(cfg: GPTConfig, mesh: Mesh, batch: int, dtype) -> KVCache:
+    if mesh.sequence_parallel:  # a step decodes one token: there is no sequence to split
+        raise ConfigError("generation does not use sequence parallelism: make its mesh without sequence_parallel")
     nh, hs, _ = local_heads(cfg, mesh)
     shape = (batch, nh, cfg.block_size, hs)
     return KVCache([np.zeros(shape, dtype) for _ in range(cfg.n_layer)], [np.zeros(shape, dtype) for _ in range(cfg.n_layer)])

@@ -4,13 +4,23 @@ The conjugate pair `copy_to_tp` (f: identity forward, all-reduce backward) and
 `reduce_from_tp` (g: all-reduce forward, identity backward) are the only places the
 blocks communicate over tp. The vocabulary-parallel embedding and cross-entropy hold a
 contiguous slice of the (padded) vocabulary per tp rank and never gather the full logits.
+
+With sequence parallelism (`mesh.sequence_parallel`, Korthikanti et al. 2022) the
+activations between the tensor-parallel matmuls are split over the sequence (dim 1 of
+[B, T, C]) across the tp ranks, and the pair becomes all-gather / reduce-scatter:
+`gather_from_sequence_parallel_region` (all-gather forward, reduce-scatter backward)
+replaces f before a column-parallel matmul, `reduce_scatter_to_sequence_parallel_region`
+(reduce-scatter forward, all-gather backward) replaces g after a row-parallel one. A ring
+all-reduce is a reduce-scatter plus an all-gather, so the bus bytes are those of f/g.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from numesh.mesh import Mesh, pmax, psum
+from numesh.mesh import Mesh, all_gather, pmax, psum, psum_scatter
+
+SEQ = 1  # the sequence dimension of an activation [B, T, C]
 
 
 def copy_to_tp_bwd(dx: np.ndarray, mesh: Mesh) -> np.ndarray:
@@ -23,6 +33,37 @@ def reduce_from_tp(x: np.ndarray, mesh: Mesh) -> np.ndarray:
     return psum(x, mesh, "tp", inplace=True)
 
 
+def gather_from_sequence_parallel_region(x: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """Forward of the sp f: every tp rank's sequence slice [B, T/tp, C] -> [B, T, C]."""
+    return all_gather(x, mesh, "tp", SEQ)
+
+
+def gather_from_sequence_parallel_region_bwd(dx: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """Backward of the sp f: the full input was used by every tp rank, so each rank's slice
+    of the gradient is the sum over tp of that slice, [B, T, C] -> [B, T/tp, C]."""
+    return psum_scatter(dx, mesh, "tp", SEQ)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """Forward of the sp g: sum a row-parallel layer's partial results over tp, each rank
+    keeping its sequence slice, [B, T, C] -> [B, T/tp, C]."""
+    return psum_scatter(x, mesh, "tp", SEQ)
+
+
+def reduce_scatter_to_sequence_parallel_region_bwd(dy: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """Backward of the sp g: every rank needs the whole gradient, [B, T/tp, C] -> [B, T, C]."""
+    return all_gather(dy, mesh, "tp", SEQ)
+
+
+def sequence_slice(mesh: Mesh, t_local: int) -> slice:
+    """This tp rank's positions of the sequence when an activation holds `t_local` of them
+    (all of them without sequence parallelism)."""
+    if not mesh.sequence_parallel:
+        return slice(0, t_local)
+    t0 = mesh.index("tp") * t_local
+    return slice(t0, t0 + t_local)
+
+
 def vocab_range(vocab_local: int, mesh: Mesh) -> tuple[int, int]:
     """[start, stop) of this tp rank's vocabulary slice."""
     start = mesh.index("tp") * vocab_local
@@ -30,7 +71,9 @@ def vocab_range(vocab_local: int, mesh: Mesh) -> tuple[int, int]:
 
 
 def vocab_parallel_embedding_fwd(wte: np.ndarray, ids: np.ndarray, mesh: Mesh) -> tuple[np.ndarray, tuple]:
-    """Rows of the embedding for `ids`, each from the tp rank that holds it."""
+    """Rows of the embedding for `ids` [B, T], each from the tp rank that holds it: [B, T, C],
+    or with sequence parallelism this rank's sequence slice [B, T/tp, C] (the partial rows
+    reduce-scattered instead of all-reduced; its backward gathers the gradient first)."""
     if mesh.size("tp") == 1:
         return wte[ids], (ids, None)
     start, stop = vocab_range(wte.shape[0], mesh)
@@ -39,10 +82,14 @@ def vocab_parallel_embedding_fwd(wte: np.ndarray, ids: np.ndarray, mesh: Mesh) -
     local[outside] = 0
     y = wte[local]
     y[outside] = 0.0
+    if mesh.sequence_parallel:
+        return reduce_scatter_to_sequence_parallel_region(y, mesh), (local, outside)
     return reduce_from_tp(y, mesh), (local, outside)
 
 
 def vocab_parallel_embedding_bwd(wte: np.ndarray, ctx: tuple, dy: np.ndarray) -> np.ndarray:
+    """Gradient of this rank's wte rows from the gradient of the whole lookup [B, T, C]
+    (with sequence parallelism the caller gathers it over tp first)."""
     local, outside = ctx
     dwte = np.zeros_like(wte)
     dy2 = dy.reshape(-1, dy.shape[-1])

@@ -36,6 +36,7 @@ from numesh.nn.transformer import (
     embed_fwd,
     head_bwd,
     head_fwd,
+    reduce_sequence_partial,
 )
 from numesh.nn.units import OUTER, Unit, join_units
 from numesh.threads import RowChunks, chunked_bwd, chunked_fwd, chunked_sum, threads
@@ -82,6 +83,12 @@ class Stage:
     blocks: tuple[tuple[int, Unit], ...]
     first: bool
     last: bool
+
+
+def activation_shape(rows: int, seq: int, cfg: GPTConfig, mesh: Mesh) -> tuple[int, int, int]:
+    """Shape of the activation between blocks (and stages) for `rows` sequences of `seq`
+    tokens: [B, T, C], or this rank's sequence slice [B, T/tp, C] with sequence parallelism."""
+    return rows, seq // mesh.size("tp") if mesh.sequence_parallel else seq, cfg.n_embd
 
 
 def whole_model(n_layer: int) -> Stage:
@@ -148,7 +155,7 @@ def run_block_bwd(p: Block, ctx: BlockCtx | RowChunks, dx: np.ndarray, cfg: GPTC
 def stage_forward(units: ParamUnits, stage: Stage, inp: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig,
                   mesh: Mesh, drop: DropoutKey | None = None, keep: bool = True) -> tuple[np.ndarray, StageCtx | None]:
     """Run a stage forward on `inp` (token ids [B, T] on the first stage, else activations
-    [B, T, C]). Returns the per-token losses [B*T] on the last stage, else the activations
+    [B, T, C], or this rank's [B, T/tp, C] with sequence parallelism). Returns the per-token losses [B*T] on the last stage, else the activations
     for the next, and the context for backward (None if not `keep`)."""
     emb = head = None
     x = inp
@@ -194,7 +201,7 @@ def stage_backward(units: ParamUnits, stage: Stage, ctx: StageCtx, dy: np.ndarra
             units.release(unit)
             units.grads_ready(unit, grads)
     if stage.first:
-        dwte, dwpe = embed_bwd(units.get(OUTER), ctx.embed, dx)
+        dwte, dwpe = embed_bwd(units.get(OUTER), ctx.embed, dx, mesh)
         units.release(OUTER)
         outer = attrs.evolve(outer, wte=dwte if outer.wte is None else outer.wte + dwte, wpe=dwpe)
         dx = None
@@ -234,13 +241,15 @@ def loss_and_grads(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTCo
     """Sum of per-token losses × `loss_scale`, and its gradient w.r.t. this rank's shards.
 
     With `loss_scale = 1 / (tokens in the global batch)`, summing the results over
-    micro-batches and dp ranks gives the global mean loss and its gradient."""
+    micro-batches and dp ranks gives the global mean loss and its gradient. With sequence
+    parallelism the LayerNorm gradients are summed over tp here (the training loop leaves
+    that to the optimiser, once per step)."""
     units = ResidentParams(params)
     stage = whole_model(cfg.n_layer)
     loss, ctx = stage_forward(units, stage, idx, targets, cfg, mesh, drop)
     _, outer, _ = stage_backward(units, stage, ctx, loss_scale, cfg, mesh)
     units.grads_ready(OUTER, outer)
-    return float(loss.sum()) * loss_scale, units.grad_tree()
+    return float(loss.sum()) * loss_scale, reduce_sequence_partial(units.grad_tree(), mesh)
 
 
 def forward_loss(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> np.ndarray:

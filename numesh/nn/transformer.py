@@ -6,6 +6,18 @@ block's backward comes in two halves, so a zero-bubble pipeline can defer the se
 `block_bwd_weight` (a "W": the four Linear weight grads). Tensor parallelism is Megatron's:
 the only tp communication is the f/g pair around each half of the block (`copy_to_tp_bwd`,
 `reduce_from_tp`) and the vocab-parallel embedding and cross-entropy.
+
+With sequence parallelism (`mesh.sequence_parallel`) the residual stream, LayerNorms and
+residual dropout work on this tp rank's sequence slice [B, T/tp, C]; the f/g pair becomes
+all-gather before the column-parallel matmuls and reduce-scatter after the row-parallel
+ones (numesh/nn/parallel.py), and the head gathers the final LayerNorm before the
+vocab-parallel logits. What is all-gathered is the normalised slice, not the LayerNorm's
+output (`norm_gather_fwd`): the same bytes, and the gathered xhat serves both the
+LayerNorm's backward (its slice) and the matmul's weight gradient (the output is
+recomputed from it, one multiply-add), so no second all-gather is needed in backward and
+the bus bytes equal plain tp's. LayerNorm weight and bias gradients are sums over this
+rank's tokens only: partial over tp, summed by `reduce_sequence_partial` or by the
+optimiser (`sequence_partial_leaves`).
 """
 
 from __future__ import annotations
@@ -16,7 +28,7 @@ import attrs
 import numpy as np
 
 from numesh.errors import ConfigError
-from numesh.mesh import Mesh
+from numesh.mesh import Mesh, psum
 from numesh.nn.dropout import EMBED, DropoutKey, Site
 from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
 from numesh.nn.layers import (
@@ -34,12 +46,18 @@ from numesh.nn.layers import (
 )
 from numesh.nn.parallel import (
     copy_to_tp_bwd,
+    gather_from_sequence_parallel_region,
+    gather_from_sequence_parallel_region_bwd,
     reduce_from_tp,
+    reduce_scatter_to_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region_bwd,
+    sequence_slice,
     vocab_parallel_cross_entropy_bwd,
     vocab_parallel_cross_entropy_fwd,
     vocab_parallel_embedding_bwd,
     vocab_parallel_embedding_fwd,
 )
+from numesh.tree import tree_leaves_with_path
 
 
 def local_heads(cfg: GPTConfig, mesh: Mesh) -> tuple[int, int, slice]:
@@ -47,6 +65,58 @@ def local_heads(cfg: GPTConfig, mesh: Mesh) -> tuple[int, int, slice]:
     n_local = cfg.n_head // mesh.size("tp")
     h0 = mesh.index("tp") * n_local
     return n_local, cfg.n_embd // cfg.n_head, slice(h0, h0 + n_local)
+
+
+def norm_gather_fwd(p: LayerNorm, x: np.ndarray, mesh: Mesh) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """LayerNorm, then f: the input [B, T, C] of a column-parallel matmul, and the context.
+
+    Plain tp: `layernorm_fwd`; the context is (xhat, rstd) and the caller keeps the output.
+    Sequence parallel (x is [B, T/tp, C]): the statistics on this rank's slice, the
+    normalised slice all-gathered (the bytes of gathering the output), the affine applied to
+    the whole sequence. The context is (xhat [B, T, C], rstd [B, T/tp, 1]) and the output
+    is not kept: `norm_output` recomputes it for the weight gradient. Per LayerNorm that
+    keeps B·T·C + B·T/tp values where plain tp keeps 2·B·T·C + B·T (xhat and the output)."""
+    h, ctx = layernorm_fwd(p, x)
+    if not mesh.sequence_parallel:
+        return h, ctx
+    xhat = gather_from_sequence_parallel_region(ctx[0], mesh)
+    return norm_output(p, (xhat, ctx[1])), (xhat, ctx[1])
+
+
+def norm_output(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """The LayerNorm's output from its context's xhat (what `layernorm_fwd` computes)."""
+    y = ctx[0] * p.w
+    if p.b is not None:
+        y += p.b
+    return y
+
+
+def norm_gather_bwd(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dh: np.ndarray,
+                    mesh: Mesh) -> tuple[np.ndarray, LayerNorm]:
+    """Backward of `norm_gather_fwd` from the column-parallel matmul's partial input grad
+    [B, T, C]: (grad of x, the LayerNorm's grads, partial over tp with sp)."""
+    if not mesh.sequence_parallel:
+        return layernorm_bwd(p, ctx, copy_to_tp_bwd(dh, mesh))
+    xhat, rstd = ctx
+    dh = gather_from_sequence_parallel_region_bwd(dh, mesh)  # [B, T/tp, C]
+    return layernorm_bwd(p, (xhat[:, sequence_slice(mesh, rstd.shape[1])], rstd), dh)
+
+
+def reduce_seq(y: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """g after a row-parallel matmul: all-reduce, or reduce-scatter to this rank's slice."""
+    if mesh.sequence_parallel:
+        return reduce_scatter_to_sequence_parallel_region(y, mesh)
+    return reduce_from_tp(y, mesh)
+
+
+def reduce_seq_bwd(dy: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """Backward of `reduce_seq`: identity, or the sequence all-gather."""
+    return reduce_scatter_to_sequence_parallel_region_bwd(dy, mesh) if mesh.sequence_parallel else dy
+
+
+def global_seq(mesh: Mesh, t_local: int) -> int:
+    """The sequence length when an activation holds `t_local` positions on this rank."""
+    return t_local * mesh.size("tp") if mesh.sequence_parallel else t_local
 
 
 def bias_add(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
@@ -64,12 +134,12 @@ def bias_add(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
 class BlockCtx:
     """What a block's backward needs from its forward (residual dropout masks are redrawn)."""
 
-    ln1: Any  # LayerNorm 1's context
-    h1: np.ndarray  # LayerNorm 1's output = the QKV matmul's input [B, T, C]
+    ln1: Any  # LayerNorm 1's context: xhat [B, T, C] and rstd [B, T, 1] (rstd [B, T/tp, 1] with sp)
+    h1: np.ndarray | None  # LayerNorm 1's output = the QKV matmul's input [B, T, C]; None with sp (recomputed)
     attn: Any  # attention core's context
     a: np.ndarray  # attention output = the out-projection's input [B, T, C/tp]
     ln2: Any
-    h2: np.ndarray  # LayerNorm 2's output = the MLP-up matmul's input [B, T, C]
+    h2: np.ndarray | None  # LayerNorm 2's output = the MLP-up matmul's input [B, T, C]; None with sp
     gelu: Any
     g: np.ndarray  # GELU output = the MLP-down matmul's input [B, T, 4C/tp]
     drop: DropoutKey | None
@@ -96,53 +166,62 @@ class BlockWeightCtx:
     mlp_proj: LinearIO
 
 
-def _drop_residual(y: np.ndarray, drop: DropoutKey | None, site: Site) -> np.ndarray:
+def _residual_mask(drop: DropoutKey, site: Site, y: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """`site`'s mask for a residual-stream activation y [B, T, C] (this rank's sequence slice
+    of the whole sequence's mask with sp, so the masks do not depend on the mesh)."""
+    B, t, C = y.shape
+    return drop.mask(site, B, (global_seq(mesh, t), C), (sequence_slice(mesh, t),))
+
+
+def _drop_residual(y: np.ndarray, drop: DropoutKey | None, site: Site, mesh: Mesh) -> np.ndarray:
     """y times `site`'s residual-dropout mask (a new array), or y itself without dropout."""
     if drop is None:
         return y
-    return y * drop.mask(site, y.shape[0], y.shape[1:]).astype(y.dtype)
+    return y * _residual_mask(drop, site, y, mesh).astype(y.dtype)
 
 
 def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
               drop: DropoutKey | None = None) -> tuple[np.ndarray, BlockCtx]:
-    """One transformer block on x [B, T, C], replicated over tp."""
-    B, T, C = x.shape
+    """One transformer block on x [B, T, C], replicated over tp, or with sequence
+    parallelism this rank's sequence slice [B, T/tp, C]."""
+    B, T, C = x.shape[0], global_seq(mesh, x.shape[1]), x.shape[2]
     nh, hs, heads = local_heads(cfg, mesh)
-    h1, ln1 = layernorm_fwd(p.ln1, x)  # f: identity forward
+    h1, ln1 = norm_gather_fwd(p.ln1, x, mesh)  # f: [B, T, C]
     qkv, _ = linear_fwd(p.attn.qkv, h1)
     qkv = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # [3, B, nh, T, hs]
     att_mask = drop.mask(Site("attn", layer), B, (cfg.n_head, T, T), (heads,)).astype(x.dtype) if drop else None
     a, attn = causal_attention_fwd(qkv[0], qkv[1], qkv[2], att_mask)
     a = a.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)  # [B, T, C/tp]
     y, _ = linear_fwd(Linear(p.attn.proj.w), a)
-    y = bias_add(reduce_from_tp(y, mesh), p.attn.proj.b)  # g
+    y = bias_add(reduce_seq(y, mesh), p.attn.proj.b)  # g: [B, T, C] or [B, T/tp, C]
     if drop:
-        y *= drop.mask(Site("attn_out", layer), B, (T, C))
+        y *= _residual_mask(drop, Site("attn_out", layer), y, mesh)
     x = x + y
-    h2, ln2 = layernorm_fwd(p.ln2, x)
+    h2, ln2 = norm_gather_fwd(p.ln2, x, mesh)
     u, _ = linear_fwd(p.mlp.fc, h2)
     g, gelu = gelu_fwd(u)
     z, _ = linear_fwd(Linear(p.mlp.proj.w), g)
-    z = bias_add(reduce_from_tp(z, mesh), p.mlp.proj.b)
+    z = bias_add(reduce_seq(z, mesh), p.mlp.proj.b)
     if drop:
-        z *= drop.mask(Site("mlp_out", layer), B, (T, C))
+        z *= _residual_mask(drop, Site("mlp_out", layer), z, mesh)
     x += z
-    return x, BlockCtx(ln1, h1, attn, a, ln2, h2, gelu, g, drop, layer)
+    keep = not mesh.sequence_parallel  # with sp the outputs are recomputed from the gathered xhat
+    return x, BlockCtx(ln1, h1 if keep else None, attn, a, ln2, h2 if keep else None, gelu, g, drop, layer)
 
 
 def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, BlockWeightCtx]:
     """Input-gradient half of the block's backward (a zero-bubble "B"): (grad of the input,
-    what `block_bwd_weight` needs). LayerNorm and bias grads are cheap and done here."""
-    B, T, C = dx.shape
+    what `block_bwd_weight` needs). LayerNorm and bias grads are cheap and done here.
+    `dx` is shaped like the block's input (this rank's sequence slice with sp)."""
+    B, T = dx.shape[0], global_seq(mesh, dx.shape[1])
     nh, hs, _ = local_heads(cfg, mesh)
     # MLP half
-    dz = _drop_residual(dx, ctx.drop, Site("mlp_out", ctx.layer))
+    dz = reduce_seq_bwd(_drop_residual(dx, ctx.drop, Site("mlp_out", ctx.layer), mesh), mesh)  # [B, T, C]
     du = gelu_bwd(ctx.gelu, linear_bwd_input(p.mlp.proj, dz))
-    dh2 = copy_to_tp_bwd(linear_bwd_input(p.mlp.fc, du), mesh)
-    dx2, d_ln2 = layernorm_bwd(p.ln2, ctx.ln2, dh2)
+    dx2, d_ln2 = norm_gather_bwd(p.ln2, ctx.ln2, linear_bwd_input(p.mlp.fc, du), mesh)  # like dx
     dx = dx + dx2
     # attention half
-    dy = _drop_residual(dx, ctx.drop, Site("attn_out", ctx.layer))
+    dy = reduce_seq_bwd(_drop_residual(dx, ctx.drop, Site("attn_out", ctx.layer), mesh), mesh)  # [B, T, C]
     da = linear_bwd_input(p.attn.proj, dy).reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # [B, nh, T, hs]
     dq, dk, dv = causal_attention_bwd(ctx.attn, da)
     dqkv = np.empty((B, T, 3, nh, hs), dtype=dx.dtype)
@@ -150,16 +229,18 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mes
     dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
     dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
     dqkv = dqkv.reshape(B, T, 3 * nh * hs)
-    dh1 = copy_to_tp_bwd(linear_bwd_input(p.attn.qkv, dqkv), mesh)
-    dx1, d_ln1 = layernorm_bwd(p.ln1, ctx.ln1, dh1)
+    dx1, d_ln1 = norm_gather_bwd(p.ln1, ctx.ln1, linear_bwd_input(p.attn.qkv, dqkv), mesh)
     dx1 += dx  # not in place on dx: it may be `dy`, which the weight half still needs
-    io = BlockWeightCtx(d_ln1, d_ln2, LinearIO(ctx.h1, dqkv), LinearIO(ctx.a, dy), LinearIO(ctx.h2, du), LinearIO(ctx.g, dz))
+    h1 = norm_output(p.ln1, ctx.ln1) if ctx.h1 is None else ctx.h1
+    h2 = norm_output(p.ln2, ctx.ln2) if ctx.h2 is None else ctx.h2
+    io = BlockWeightCtx(d_ln1, d_ln2, LinearIO(h1, dqkv), LinearIO(ctx.a, dy), LinearIO(h2, du), LinearIO(ctx.g, dz))
     return dx1, io
 
 
 def _row_parallel_grad(lin: Linear, io: LinearIO) -> Linear:
     """A row-parallel Linear's grads: its bias is added after the tp reduction, so the bias
-    grad is the full upstream grad summed over tokens."""
+    grad is the full upstream grad summed over tokens (with sp `io.dy` is the gathered
+    [B, T, C], so this sum is over every token and needs no tp reduction)."""
     dw = linear_bwd_weight(Linear(lin.w), io.x, io.dy).w
     return Linear(dw, None if lin.b is None else io.dy.reshape(-1, io.dy.shape[-1]).sum(axis=0))
 
@@ -182,51 +263,81 @@ def block_bwd_weight(p: Block, w: BlockWeightCtx) -> Block:
 class EmbedCtx:
     tok: Any  # the vocab-parallel lookup's context
     drop: DropoutKey | None
-    T: int
+    pos0: int  # the position of the first token
 
 
 def embed_fwd(params: GPT, idx: np.ndarray, cfg: GPTConfig, mesh: Mesh, drop: DropoutKey | None = None,
               pos0: int = 0) -> tuple[np.ndarray, EmbedCtx]:
-    """Token + position embedding of ids [B, T] starting at position `pos0`: x [B, T, C]."""
+    """Token + position embedding of ids [B, T] starting at position `pos0`: x [B, T, C],
+    or with sequence parallelism this rank's sequence slice [B, T/tp, C]."""
     T = idx.shape[1]
     if pos0 + T > cfg.block_size:
         raise ConfigError(f"sequence of {pos0 + T} tokens is longer than block_size={cfg.block_size}")
     tok, tok_ctx = vocab_parallel_embedding_fwd(params.wte, idx, mesh)
-    x = tok + params.wpe[pos0 : pos0 + T]
+    seq = sequence_slice(mesh, tok.shape[1])
+    x = tok + params.wpe[pos0 + seq.start : pos0 + seq.stop]
     if drop:
-        x *= drop.mask(EMBED, x.shape[0], x.shape[1:])
-    return x, EmbedCtx(tok_ctx, drop, T)
+        x *= _residual_mask(drop, EMBED, x, mesh)
+    return x, EmbedCtx(tok_ctx, drop, pos0)
 
 
-def embed_bwd(params: GPT, ctx: EmbedCtx, dx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(grad of wte from the lookup, grad of wpe)."""
-    dx = _drop_residual(dx, ctx.drop, EMBED)
+def embed_bwd(params: GPT, ctx: EmbedCtx, dx: np.ndarray, mesh: Mesh) -> tuple[np.ndarray, np.ndarray]:
+    """(grad of wte from the lookup, grad of wpe). With sp the gradient is gathered over the
+    sequence first (the backward of the lookup's reduce-scatter), so both are whole."""
+    dx = reduce_seq_bwd(_drop_residual(dx, ctx.drop, EMBED, mesh), mesh)  # [B, T, C]
     dwpe = np.zeros_like(params.wpe)
-    dwpe[: ctx.T] = dx.sum(axis=0)
+    dwpe[ctx.pos0 : ctx.pos0 + dx.shape[1]] = dx.sum(axis=0)
     return vocab_parallel_embedding_bwd(params.wte, ctx.tok, dx), dwpe
 
 
 @attrs.frozen
 class HeadCtx:
-    ln_f: Any
-    xf: np.ndarray  # final LayerNorm output [B*T, C]
+    ln_f: Any  # the final LayerNorm's context (xhat gathered over the sequence with sp)
+    xf: np.ndarray | None  # final LayerNorm output [B*T, C]; None with sp (recomputed from xhat)
     ce: Any  # the vocab-parallel cross-entropy's context
     shape: tuple[int, ...]  # the head input's shape [B, T, C]
 
 
 def head_fwd(params: GPT, x: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, HeadCtx]:
-    """Final LayerNorm, tied LM head and vocab-parallel cross-entropy: per-token losses [B*T]."""
-    xf, lnf_ctx = layernorm_fwd(params.ln_f, x)  # f: identity forward
+    """Final LayerNorm, tied LM head and vocab-parallel cross-entropy: per-token losses [B*T].
+    With sp the LayerNorm runs on this rank's slice and is gathered (`norm_gather_fwd`)."""
+    xf, lnf_ctx = norm_gather_fwd(params.ln_f, x, mesh)  # [B, T, C]
     xf2 = xf.reshape(-1, xf.shape[-1])
     logits = xf2 @ params.wte.T  # [B*T, V/tp]
     loss, ce_ctx = vocab_parallel_cross_entropy_fwd(logits, targets, cfg.vocab_size, mesh)
-    return loss, HeadCtx(lnf_ctx, xf2, ce_ctx, x.shape)
+    return loss, HeadCtx(lnf_ctx, None if mesh.sequence_parallel else xf2, ce_ctx, xf.shape)
 
 
 def head_bwd(params: GPT, ctx: HeadCtx, dloss: np.ndarray | float, mesh: Mesh) -> tuple[np.ndarray, np.ndarray, LayerNorm]:
     """(grad of the head's input, grad of wte from the head, grads of ln_f)."""
     dlogits = vocab_parallel_cross_entropy_bwd(ctx.ce, dloss)
-    dwte = dlogits.T @ ctx.xf
-    dxf = copy_to_tp_bwd(dlogits @ params.wte, mesh).reshape(ctx.shape)
-    dx, d_lnf = layernorm_bwd(params.ln_f, ctx.ln_f, dxf)
+    xf = norm_output(params.ln_f, ctx.ln_f).reshape(-1, ctx.shape[-1]) if ctx.xf is None else ctx.xf
+    dwte = dlogits.T @ xf
+    dx, d_lnf = norm_gather_bwd(params.ln_f, ctx.ln_f, (dlogits @ params.wte).reshape(ctx.shape), mesh)
     return dx, dwte, d_lnf
+
+
+# ---------------------------------------------------------------------------------------
+# LayerNorm gradients under sequence parallelism
+
+
+def sequence_partial(path: str) -> bool:
+    """Whether the leaf at `path` (in a GPT, a Block, or a unit tree) gets a gradient that
+    is partial over tp with sequence parallelism: the LayerNorms' weight and bias, which
+    each rank sums over its own tokens only. Every other leaf's gradient is already whole:
+    the Linear and embedding grads are taken on gathered [B, T, ...] activations."""
+    return any(part in ("ln1", "ln2", "ln_f") for part in path.split("."))
+
+
+def reduce_sequence_partial(grads: GPT, mesh: Mesh) -> GPT:
+    """`grads` with the LayerNorm gradients summed over tp (in place; one all-reduce of all
+    of them), when the mesh is sequence-parallel; otherwise `grads` unchanged."""
+    if not mesh.sequence_parallel:
+        return grads
+    parts = [x for path, x in tree_leaves_with_path(grads) if x is not None and sequence_partial(path)]
+    flat = psum(np.concatenate([x.reshape(-1) for x in parts]), mesh, "tp", inplace=True)
+    i = 0
+    for x in parts:
+        x.reshape(-1)[...] = flat[i : i + x.size]
+        i += x.size
+    return grads

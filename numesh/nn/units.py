@@ -13,6 +13,8 @@ from typing import Any, Mapping
 import attrs
 
 from numesh.nn.gpt import GPT
+from numesh.nn.transformer import sequence_partial
+from numesh.tree import tree_leaves_with_path
 
 
 @attrs.frozen
@@ -49,3 +51,9 @@ def join_units(units: Mapping[Unit, Any]) -> GPT:
     """Inverse of `split_units`."""
     n = sum(1 for u in units if not u.is_outer)
     return attrs.evolve(units[OUTER], blocks=tuple(units[Unit(i)] for i in range(n)))
+
+
+def sequence_partial_leaves(units: Mapping[Unit, Any]) -> set[tuple[Unit, str]]:
+    """(unit, leaf path) of every leaf whose gradient is partial over tp under sequence
+    parallelism (the LayerNorms), for the optimiser to sum over tp once per step."""
+    return {(u, path) for u, tree in units.items() for path, _ in tree_leaves_with_path(tree) if sequence_partial(path)}

@@ -22,7 +22,7 @@ from typing import Collection, Generic, Hashable, Mapping, TypeVar
 import numpy as np
 
 from numesh.errors import ReplicaError
-from numesh.mesh import Mesh, pmax, psum_scalar
+from numesh.mesh import Mesh, pmax, psum, psum_scalar
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step, decays
 from numesh.optim.clip import counted_once
 from numesh.optim.flat import FlatLayout, Span
@@ -47,11 +47,15 @@ class ZeroOptimizer(Generic[K]):
         bucket_bytes: int = 1 << 20,
         overlap: bool = True,
         uncounted: Collection[tuple[K, str]] = (),
+        tp_partial: Collection[tuple[K, str]] = (),
     ):
         """`units`: this rank's tp/pp-local parameter trees, in the order backward finishes
         them; `specs`: their partition specs. `uncounted`: (unit, leaf path in the unit)
         pairs left out of the gradient norm (the last pipeline stage's tied wte, whose
-        copy is counted on the first)."""
+        copy is counted on the first). `tp_partial`: (unit, leaf path) pairs whose
+        gradients are partial sums over tp (the LayerNorms under sequence parallelism):
+        `wait` sums them over tp once per step, after the dp reduction, so the norm and the
+        update see whole, tp-replicated gradients."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         self.mesh, self.stage, self.adamw = mesh, stage, adamw
@@ -60,6 +64,8 @@ class ZeroOptimizer(Generic[K]):
         self.dtype = next(x for t in units.values() for x in tree_leaves(t)).dtype
         full = self.layout.flatten(units, self.dtype)
         decay, counted = self._masks(units, frozenset(uncounted))
+        partial = self.layout.leaf_mask(
+            {k: tree_map_with_path(lambda path, _x, k=k: (k, path) in tp_partial, t) for k, t in units.items()})
         self.residency = make_residency(stage, self.layout, mesh, full)
         self.sync = make_grad_sync(stage, self.layout, mesh, self.dtype, overlap, bucket_bytes)
         # the optimiser state follows the gradient: whole units, or this rank's shards
@@ -67,6 +73,9 @@ class ZeroOptimizer(Generic[K]):
         self.state_slices = {k: (u.shard if sharded else u.full) for k, u in self.layout.units.items()}
         part = self.layout.take_shard if sharded else (lambda x: x)
         self.decay, self.counted = part(decay), part(counted)
+        # runs of tp-partial values per unit, in the gradient buffer the sync keeps
+        self._tp_partial_runs = {k: r for k, s in self.state_slices.items() if (r := _true_runs(part(partial)[s]))}
+        self._tp_partial_pending = False
         n = self.layout.shard_total if sharded else self.layout.total
         self.adam = AdamWState(np.zeros(n, self.dtype), np.zeros(n, self.dtype))
         self.scratch = np.empty_like(self.adam.m)
@@ -90,6 +99,11 @@ class ZeroOptimizer(Generic[K]):
         return self.layout.units
 
     @property
+    def tp_partial_values(self) -> int:
+        """How many gradient values `wait` all-reduces over tp each step (0 without sp)."""
+        return sum(b - a for runs in self._tp_partial_runs.values() for a, b in runs)
+
+    @property
     def adam_step(self) -> int:
         """AdamW steps taken (saved in checkpoints: bias correction depends on it)."""
         return self.adam.step
@@ -108,14 +122,29 @@ class ZeroOptimizer(Generic[K]):
         """The gradient of unit `key` summed over `count` micro-batches; its reduction
         starts once the step's micro-batches are in (stages 0/1) or at once (2/3)."""
         self.sync.grads_ready(key, grads, count)
+        self._tp_partial_pending = bool(self._tp_partial_runs)
 
     def begin_step(self, n_micro: int) -> None:
         """Start a step whose every unit will receive `n_micro` micro-batch gradients."""
         self.sync.begin_step(n_micro)
 
     def wait(self) -> None:
-        """Complete every gradient collective in flight."""
+        """Complete every gradient collective in flight; then, once the step's gradients
+        are all in, sum the tp-partial ones over tp (once: later calls find nothing to do)."""
         self.sync.wait()
+        if self._tp_partial_pending:
+            self._tp_partial_pending = False
+            self._sum_tp_partial()
+
+    def _sum_tp_partial(self) -> None:
+        """One all-reduce over tp of every tp-partial gradient value this rank holds (its dp
+        shard of them under ZeRO >= 1: the tp ranks of one dp index hold the same layout)."""
+        pieces = [(self.sync.grad(k), a, b) for k, runs in self._tp_partial_runs.items() for a, b in runs]
+        buf = psum(np.concatenate([g[a:b] for g, a, b in pieces]), self.mesh, "tp", inplace=True)
+        i = 0
+        for g, a, b in pieces:
+            g[a:b] = buf[i : i + b - a]
+            i += b - a
 
     # ------------------------------------------------------------------ the step
 

@@ -25,7 +25,16 @@ import numpy as np
 from numesh.mesh import Handle, Mesh, irecv, isend, psum
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig
-from numesh.nn.stage import ParamUnits, Stage, StageCtx, add_outer, stage_backward, stage_forward, stage_weight
+from numesh.nn.stage import (
+    ParamUnits,
+    Stage,
+    StageCtx,
+    activation_shape,
+    add_outer,
+    stage_backward,
+    stage_forward,
+    stage_weight,
+)
 from numesh.nn.units import OUTER
 from numesh.pipeline.schedules import Action, Schedule
 from numesh.pipeline.stages import StageLayout
@@ -101,8 +110,7 @@ class PipelineExecutor:
         return ((0 if kind == "F" else 1) * self.n_stages + stage) * m + mb
 
     def _recv(self, kind: str, mb: int, stage: int, src_stage: int, st: _Step) -> np.ndarray:
-        shape = (*st.micro[mb][0].shape, self.cfg.n_embd)
-        buf = np.empty(shape, dtype=self.dtype)
+        buf = np.empty(activation_shape(*st.micro[mb][0].shape, self.cfg, self.mesh), dtype=self.dtype)
         tag, tr = self._tag(kind, mb, stage, len(st.micro)), self.trace
         if tr is None:
             return irecv(buf, self.mesh, "pp", src_stage % self.p, tag).wait()
