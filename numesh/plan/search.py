@@ -1,0 +1,60 @@
+"""Every layout of a model on N ranks that `numesh train` accepts.
+
+Candidates are all dp x tp x pp = N, ZeRO stages (0 only when dp = 1: the others are the
+same then), micro-batch counts dividing the per-rank batch, and schedules (pp = 1 runs one
+stage, where every schedule is gradient accumulation: 1F1B, which holds one micro-batch's
+activations, is the one listed), with virtual stages for the interleaved one. Each is kept
+only if `numesh.train.check_layout` accepts it: the planner never lists a layout that
+training would refuse.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import attrs
+
+from numesh.errors import UserError
+from numesh.plan.layout import Layout, ModelSpec, divisors
+from numesh.train import TrainConfig, check_layout
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def candidates(model: ModelSpec, ranks: int) -> Iterator[Layout]:
+    """Layouts to try (some invalid: check_layout decides)."""
+    for pp in divisors(ranks):
+        for tp in divisors(ranks // pp):
+            dp = ranks // (pp * tp)
+            if model.batch_size % dp:
+                continue
+            for m in divisors(model.batch_size // dp):
+                for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
+                    if pp == 1:
+                        yield Layout(dp, tp, pp, zero, "1f1b", m)
+                        continue
+                    for sched in PIPELINE_SCHEDULES:
+                        if sched != "interleaved":
+                            yield Layout(dp, tp, pp, zero, sched, m)
+                            continue
+                        for v in divisors(model.n_layer // pp) if model.n_layer % pp == 0 else ():
+                            if v > 1:
+                                yield Layout(dp, tp, pp, zero, sched, m, v)
+
+
+def train_config(base: TrainConfig, layout: Layout) -> TrainConfig:
+    """`base` with the layout's options."""
+    return attrs.evolve(base, mesh=layout.mesh, zero=layout.zero, schedule=layout.schedule,
+                        micro_batches=layout.micro_batches, virtual_stages=layout.virtual_stages)
+
+
+def valid_layouts(base: TrainConfig, model: ModelSpec, ranks: int) -> list[Layout]:
+    """Every candidate that `check_layout` accepts for `ranks` ranks."""
+    out = []
+    for layout in candidates(model, ranks):
+        try:
+            check_layout(train_config(base, layout), ranks, model.vocab_size)
+        except UserError:
+            continue
+        out.append(layout)
+    return out
