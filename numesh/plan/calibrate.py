@@ -68,22 +68,24 @@ def model_gemm_shapes(base: TrainConfig, model: ModelSpec, ranks: int, itemsize:
     return rec.shapes
 
 
-def _timed(comm: MPI.Comm, fn: Callable[[], object], min_time: float = 0.02, reps: int = 3) -> float:
-    """Median seconds of fn() with every rank running it at once (the median over ranks of
-    each rank's median over repeats); repeats grow until they take `min_time`."""
+def _timed(comm: MPI.Comm, fn: Callable[[], object], min_time: float = 0.1, reps: int = 3) -> float:
+    """Seconds of fn() with every rank running it at once: the wall time of a run of repeats
+    lasting at least `min_time`, over the repeats (the median over ranks). A mean over a
+    long run, not the best of short ones: a rank that shares its core (oversubscribed, or a
+    busy machine) is measured with its share, as a training step gets it."""
     fn()
     comm.Barrier()
     t0 = time.perf_counter()
     fn()
     once = time.perf_counter() - t0
-    n = max(reps, min(200, int(min_time / max(once, 1e-7))))
+    n = max(reps, min(1000, int(min_time / max(once, 1e-7))))
     n = comm.allreduce(n, op=MPI.MAX)  # the same count everywhere: collectives stay matched
-    times = []
+    comm.Barrier()
+    t0 = time.perf_counter()
     for _ in range(n):
-        t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(comm.allgather(statistics.median(times)))
+    mine = (time.perf_counter() - t0) / n
+    return statistics.median(comm.allgather(mine))
 
 
 def _gemm(comm: MPI.Comm, shape: tuple[int, int, int, int], dtype: np.dtype) -> float:
@@ -105,9 +107,9 @@ def _softmax_kernels(shape: tuple[int, int, int], dtype: np.dtype) -> tuple[Call
 
     def fwd() -> None:
         np.add(a, bias, out=work)
-        work -= work.max(axis=-1, keepdims=True)
+        np.subtract(work, work.max(axis=-1, keepdims=True), out=work)
         np.exp(work, out=work)
-        work *= 1.0 / work.sum(axis=-1, keepdims=True)
+        np.multiply(work, 1.0 / work.sum(axis=-1, keepdims=True), out=work)
 
     def bwd() -> None:
         g = d - np.einsum("...ij,...ij->...i", d, work)[..., None]
@@ -160,7 +162,7 @@ def _collectives(comm: MPI.Comm, dtype: np.dtype) -> dict[str, tuple[tuple[float
         pts = []
         for size in COMM_SIZES:
             buf = np.ones(max(1, size // 8), np.float64)
-            pts.append((float(buf.nbytes), _timed(comm, lambda: sub.Allreduce(MPI.IN_PLACE, buf), 0.01)))
+            pts.append((float(buf.nbytes), _timed(comm, lambda: sub.Allreduce(MPI.IN_PLACE, buf), 0.05)))
         out[f"all_reduce:{g}"] = tuple(pts)
         sub.Free()
     if n >= 2:
@@ -168,7 +170,7 @@ def _collectives(comm: MPI.Comm, dtype: np.dtype) -> dict[str, tuple[tuple[float
         pts = []
         for size in COMM_SIZES:
             s, r = np.ones(max(1, size // 8)), np.empty(max(1, size // 8))
-            pts.append((float(s.nbytes), _timed(comm, lambda: comm.Sendrecv(s, partner, 7, r, partner, 7), 0.01)))
+            pts.append((float(s.nbytes), _timed(comm, lambda: comm.Sendrecv(s, partner, 7, r, partner, 7), 0.05)))
         out["send"] = tuple(pts)
     return out
 

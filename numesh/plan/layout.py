@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 from numesh import formulas
+from numesh.pipeline.schedules import Schedule, make_schedule
 
 
 @attrs.frozen
@@ -63,6 +66,10 @@ class Layout:
         """Sequences in one micro-batch on one rank."""
         return model.batch_size // (self.dp * self.micro_batches)
 
+    @property
+    def sched(self) -> Schedule:
+        return schedule_of(self.schedule, self.pp, self.micro_batches, self.virtual_stages)
+
     def train_flags(self) -> str:
         """The `numesh train` options that select this layout."""
         flags = f"--mesh {self.mesh} --zero {self.zero} --schedule {self.schedule} --micro-batches {self.micro_batches}"
@@ -75,3 +82,10 @@ class Layout:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@functools.lru_cache(maxsize=256)
+def schedule_of(name: str, pp: int, micro_batches: int, virtual_stages: int) -> Schedule:
+    """`make_schedule`, built once per shape: the memory walk, the time model and the search
+    ask for the same schedule many times (a 64-stage schedule of 768 micro-batches has 98k actions)."""
+    return make_schedule(name, pp, micro_batches, virtual_stages)

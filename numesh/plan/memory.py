@@ -13,7 +13,7 @@ from __future__ import annotations
 import attrs
 
 from numesh import formulas
-from numesh.pipeline.schedules import Schedule, make_schedule
+from numesh.pipeline.schedules import Schedule
 from numesh.plan.layout import Layout, ModelSpec
 
 PARTS = ("params", "grads", "optimizer", "workspace", "activations", "comm_buffers")
@@ -70,7 +70,7 @@ def peak_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, itemsi
     """The most saved-activation bytes rank `pp_rank` holds at once: its action list walked
     as the executor walks it (F adds a context, B frees it or, when the backward is split,
     keeps the W's inputs until W)."""
-    sched = sched or make_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
+    sched = sched or layout.sched
     cost = {c: _chunk_bytes(model, layout, sched, pp_rank, c, itemsize, threads) for c in range(layout.virtual_stages)}
     live: dict[tuple[int, int], int] = {}
     peak = 0
@@ -108,6 +108,7 @@ def rank_memory(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 
 
 
 def layout_memory(model: ModelSpec, layout: Layout, itemsize: int = 4, threads: int = 1) -> list[RankMemory]:
-    """Predicted bytes of each pipeline rank."""
-    sched = make_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
-    return [rank_memory(model, layout, r, itemsize, threads, sched) for r in range(layout.pp)]
+    """Predicted bytes of the pipeline ranks that can hold the most: the first (embedding),
+    the last (head) and the second (the middle rank that starts the most micro-batches
+    before its first backward: the schedules warm up less on every later rank)."""
+    return [rank_memory(model, layout, r, itemsize, threads, layout.sched) for r in sorted({0, min(1, layout.pp - 1), layout.pp - 1})]

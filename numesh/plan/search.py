@@ -6,6 +6,9 @@ stage, where every schedule is gradient accumulation: 1F1B, which holds one micr
 activations, is the one listed), with virtual stages for the interleaved one. Each is kept
 only if `numesh.train.check_layout` accepts it: the planner never lists a layout that
 training would refuse.
+
+Beyond `SCALE_RANKS` ranks the search keeps to seconds by trying micro-batch counts that
+are powers of two (and the largest, one sequence per micro-batch) and 2 or 4 virtual stages.
 """
 
 from __future__ import annotations
@@ -19,6 +22,19 @@ from numesh.plan.layout import Layout, ModelSpec, divisors
 from numesh.train import TrainConfig, check_layout
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCALE_RANKS = 64
+
+
+def _micro_batch_counts(per_rank_batch: int, ranks: int) -> list[int]:
+    counts = divisors(per_rank_batch)
+    if ranks <= SCALE_RANKS:
+        return counts
+    return [m for m in counts if m & (m - 1) == 0 or m == per_rank_batch]
+
+
+def _virtual_stages(layers_per_rank: int, ranks: int) -> list[int]:
+    vs = [v for v in divisors(layers_per_rank) if v > 1]
+    return vs if ranks <= SCALE_RANKS else [v for v in vs if v in (2, 4)]
 
 
 def candidates(model: ModelSpec, ranks: int) -> Iterator[Layout]:
@@ -28,7 +44,7 @@ def candidates(model: ModelSpec, ranks: int) -> Iterator[Layout]:
             dp = ranks // (pp * tp)
             if model.batch_size % dp:
                 continue
-            for m in divisors(model.batch_size // dp):
+            for m in _micro_batch_counts(model.batch_size // dp, ranks):
                 for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
                     if pp == 1:
                         yield Layout(dp, tp, pp, zero, "1f1b", m)
@@ -37,9 +53,8 @@ def candidates(model: ModelSpec, ranks: int) -> Iterator[Layout]:
                         if sched != "interleaved":
                             yield Layout(dp, tp, pp, zero, sched, m)
                             continue
-                        for v in divisors(model.n_layer // pp) if model.n_layer % pp == 0 else ():
-                            if v > 1:
-                                yield Layout(dp, tp, pp, zero, sched, m, v)
+                        for v in _virtual_stages(model.n_layer // pp, ranks) if model.n_layer % pp == 0 else ():
+                            yield Layout(dp, tp, pp, zero, sched, m, v)
 
 
 def train_config(base: TrainConfig, layout: Layout) -> TrainConfig:

@@ -15,9 +15,11 @@ from __future__ import annotations
 import attrs
 
 from numesh import formulas
-from numesh.pipeline.schedules import make_schedule, simulate
+import functools
+
+from numesh.pipeline.schedules import simulate
 from numesh.plan.hardware import Profile
-from numesh.plan.layout import Layout, ModelSpec
+from numesh.plan.layout import Layout, ModelSpec, schedule_of
 from numesh.plan.memory import unit_sizes
 
 
@@ -121,6 +123,10 @@ def chunk_costs(model: ModelSpec, layout: Layout, profile: Profile, place: Place
     stages = layout.pp * layout.virtual_stages
     per = model.n_layer // stages
     block = block_cost(model, layout, profile, place, split)
+    if layout.recompute == "full":  # each block's forward runs again before its backward
+        block = ActionCost(block.f, block.b + block.f, block.w, block.tp * 1.5, block.zero3 + block.zero3 / 2)
+    elif layout.recompute != "none":
+        raise ValueError(f"recompute={layout.recompute!r}: the time model knows none and full")
     blocks = ActionCost(block.f * per, block.b * per, block.w * per, block.tp * per, block.zero3 * per)
     return [blocks + outer_cost(model, layout, profile, place, k == 0, k == stages - 1) for k in range(stages)]
 
@@ -144,17 +150,25 @@ def _dp_calls(model: ModelSpec, layout: Layout, sizes: list[int], itemsize: int,
     return {"reduce_scatter": rs, "all_gather": units if layout.zero == 2 else 0}
 
 
+@functools.lru_cache(maxsize=4096)
+def _simulated(name: str, pp: int, m: int, v: int, t_f: float, t_b: float, t_w: float, hop: float) -> tuple[float, float]:
+    """(makespan, busy time of the busiest rank) of `simulate`; cached, as layouts that differ
+    only in what the pipeline does not see (ZeRO 0-2, say) ask for the same."""
+    tl = simulate(schedule_of(name, pp, m, v), t_f=t_f, t_b=t_b, t_w=t_w, comm=hop)
+    return tl.makespan, max(tl.busy(r) for r in range(pp))
+
+
 def predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_bytes: int = 1 << 20) -> StepTime:
     """The predicted step of the slowest rank."""
     place = placement(layout, profile)
     ron, k = place.ranks_on_node, profile.itemsize
-    sched = make_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
+    sched = layout.sched
     costs = chunk_costs(model, layout, profile, place, sched.split_backward)
     worst = max(costs, key=lambda c: c.f + c.b + c.w)
     act = layout.rows(model) * model.block_size * model.n_embd * k
     hop = profile.comm_time("send", act, 2, place.pp_intra, ron) if layout.pp > 1 else 0.0
-    tl = simulate(sched, t_f=worst.f, t_b=worst.b, t_w=worst.w, comm=hop)
-    busy = max(tl.busy(r) for r in range(layout.pp))
+    makespan, busy = _simulated(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages,
+                                worst.f, worst.b, worst.w, hop)
     per_mb = layout.micro_batches * layout.virtual_stages
     tp_time, z3_time = worst.tp * per_mb, worst.zero3 * per_mb
     # data parallel: formulas.dp_bytes' payload, split over its calls, on the pp rank with the most
@@ -185,11 +199,12 @@ def predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byte
     sizes0 = unit_sizes(model, layout, 0)
     state = sum(-(-n // layout.dp) for n in sizes0) if layout.zero >= 1 else sum(sizes0)
     optimizer = profile.elementwise_time("adamw", state, ron) + profile.elementwise_time("copy", state, ron)  # + the norm's dot
-    pp_exposed = max(0.0, tl.makespan - busy) if layout.pp > 1 else 0.0
-    bubble_ideal = simulate(sched, t_f=worst.f, t_b=worst.b, t_w=worst.w).makespan - busy
+    pp_exposed = max(0.0, makespan - busy) if layout.pp > 1 else 0.0
+    bubble_ideal = _simulated(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages,
+                              worst.f, worst.b, worst.w, 0.0)[0] - busy
     pp_comm = max(0.0, pp_exposed - bubble_ideal)
     compute = busy - tp_time - z3_time
-    total = tl.makespan + dp_exposed + other + optimizer
+    total = makespan + dp_exposed + other + optimizer
     return StepTime(
         compute=compute,
         comm={"tp": tp_time, "pp": pp_comm, "dp": dp_exposed + z3_time, "other": other},
