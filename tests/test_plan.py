@@ -86,11 +86,13 @@ def test_pipeline_peak_walks_the_schedule() -> None:
     """GPipe holds all m micro-batches, 1F1B at most p on rank 0 (the middle of a 4-stage pipe)."""
     model = ModelSpec(8, 4, 32, 16, 50, 16)
     one = formulas.activation_bytes(micro_batch=2, seq=16, n_embd=32, n_head=4, n_layer=2, vocab=50, first=False, last=False)
-    gp = layout_memory(model, Layout(1, 1, 4, 0, "gpipe", 8))
-    fb = layout_memory(model, Layout(1, 1, 4, 0, "1f1b", 8))
-    assert gp[1].activations == 8 * one
-    assert fb[1].activations == 3 * one  # rank 1 of 4 holds p - 1 = 3
+    gp = [rank_memory(model, Layout(1, 1, 4, 0, "gpipe", 8), r) for r in range(4)]
+    fb = [rank_memory(model, Layout(1, 1, 4, 0, "1f1b", 8), r) for r in range(4)]
+    assert gp[1].activations == gp[2].activations == 8 * one
+    assert [fb[1].activations, fb[2].activations] == [3 * one, 2 * one]  # rank s of 4 holds p - s
     assert fb[0].activations > fb[3].activations  # rank 0 holds 4 (with the embedding), the last 1
+    # layout_memory keeps the ranks that can hold the most: first, second, last
+    assert max(m.total for m in layout_memory(model, Layout(1, 1, 4, 0, "1f1b", 8))) == max(m.total for m in fb)
 
 
 # ---------------------------------------------------------------------------------------
