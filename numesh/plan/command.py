@@ -98,13 +98,21 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
         raise ConfigError(_fits_nowhere(preds, ranks, limit))
     if as_json_out:
         return json.dumps([as_json(p, ranks) for p in preds], indent=1)
-    extra = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items()
+    extra = " ".join(_flag(k, v) for k, v in overrides.items()
                      if v is not None and k not in ("mesh", "zero", "schedule", "micro_batches", "virtual_stages"))
     if model_preset:
         p = preset(model_preset)
         extra = (f"--n-layer {p.n_layer} --n-head {p.n_head} --n-embd {p.n_embd} --block-size {p.block_size} "
                  f"--batch-size {cfg.batch_size} " + extra).strip()
     return table(preds, ranks, top, limit, profile.name, extra)
+
+
+def _flag(name: str, value: Any) -> str:
+    """An option as `numesh train` takes it (booleans as --x / --no-x)."""
+    flag = name.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{flag}" if value else f"--no-{flag}"
+    return f"--{flag} {value}"
 
 
 def _fits_nowhere(preds: list[Prediction], ranks: int, limit: float) -> str:

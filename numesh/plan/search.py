@@ -7,6 +7,9 @@ activations, is the one listed), with virtual stages for the interleaved one. Ea
 only if `numesh.train.check_layout` accepts it: the planner never lists a layout that
 training would refuse.
 
+Activation recomputation is tried ("none" and "full") once TrainConfig has a `recompute`
+option; until then every layout keeps all activations, as numesh does.
+
 Beyond `SCALE_RANKS` ranks the search keeps to seconds by trying micro-batch counts that
 are powers of two (and the largest, one sequence per micro-batch) and 2 or 4 virtual stages.
 """
@@ -37,8 +40,19 @@ def _virtual_stages(layers_per_rank: int, ranks: int) -> list[int]:
     return vs if ranks <= SCALE_RANKS else [v for v in vs if v in (2, 4)]
 
 
+def recompute_choices() -> tuple[str, ...]:
+    """Recomputation settings to try: the ones the time model knows, if training has the option."""
+    return ("none", "full") if "recompute" in attrs.fields_dict(TrainConfig) else ("none",)
+
+
 def candidates(model: ModelSpec, ranks: int) -> Iterator[Layout]:
     """Layouts to try (some invalid: check_layout decides)."""
+    for layout in _meshes_and_schedules(model, ranks):
+        for r in recompute_choices():
+            yield attrs.evolve(layout, recompute=r)
+
+
+def _meshes_and_schedules(model: ModelSpec, ranks: int) -> Iterator[Layout]:
     for pp in divisors(ranks):
         for tp in divisors(ranks // pp):
             dp = ranks // (pp * tp)
@@ -59,8 +73,9 @@ def candidates(model: ModelSpec, ranks: int) -> Iterator[Layout]:
 
 def train_config(base: TrainConfig, layout: Layout) -> TrainConfig:
     """`base` with the layout's options."""
+    extra = {"recompute": layout.recompute} if "recompute" in attrs.fields_dict(TrainConfig) else {}
     return attrs.evolve(base, mesh=layout.mesh, zero=layout.zero, schedule=layout.schedule,
-                        micro_batches=layout.micro_batches, virtual_stages=layout.virtual_stages)
+                        micro_batches=layout.micro_batches, virtual_stages=layout.virtual_stages, **extra)
 
 
 def valid_layouts(base: TrainConfig, model: ModelSpec, ranks: int) -> list[Layout]:
