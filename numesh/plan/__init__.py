@@ -51,7 +51,8 @@ def plan(base: TrainConfig, model: ModelSpec, ranks: int, profile: Profile, memo
 
 def no_layout_reason(model: ModelSpec, ranks: int) -> str:
     """Why no layout of `model` uses `ranks` ranks, and rank counts that would work."""
-    good = [n for n in range(1, 4 * ranks + 1) if any(True for _ in _valid_quick(model, n))]
+    near = set(range(max(1, ranks - 32), ranks + 33)) | {2**k for k in range(0, (4 * ranks).bit_length())}
+    good = [n for n in sorted(near) if any(True for _ in _valid_quick(model, n))]
     near = ", ".join(str(n) for n in sorted(good, key=lambda n: (abs(n - ranks), n))[:6])
     return (f"no layout of this model uses {ranks} ranks: dp must divide batch_size={model.batch_size}, tp divide "
             f"n_head={model.n_head}, pp (x virtual stages) divide n_layer={model.n_layer}; "
