@@ -8,6 +8,11 @@ B (blocking); pipeline sends are the cross-rank delay of `simulate`, which turns
 slowest stage's F/B/W costs into the schedule's makespan (its idle part is the bubble).
 Data-parallel reduction overlaps the backward when the profile says collectives progress
 on their own, and is exposed otherwise; the post-step all-gathers of ZeRO 1-3 are exposed.
+
+Not modelled: a single rank with several threads runs each block as row chunks, one per
+thread (numesh.nn.stage); the model times its GEMMs with multi-threaded BLAS instead. The
+Python overhead of a step outside the timed kernels (the executor, slicing, allocation) is
+not counted either.
 """
 
 from __future__ import annotations
