@@ -155,6 +155,59 @@ train_cmd.__signature__ = _train_signature()  # type: ignore[attr-defined]
 app.command("train", cls=_Command)(train_cmd)
 
 
+_PLAN_OPTIONS = [
+    ("ranks", Optional[int], typer.Option(None, "--ranks", help="ranks to plan for (every dp x tp x pp layout of them)")),
+    ("model_preset", Optional[str], typer.Option(None, "--model", help="a model preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, "
+     "gpt3-125m, gpt3-1.3b, gpt3-13b, gpt3-175b, megatron-18b, megatron-146b, megatron-1t); options given override it")),
+    ("vocab_size", Optional[int], typer.Option(None, "--vocab-size", help="vocabulary  [default: the preset's, or --data's]")),
+    ("memory_per_rank", Optional[str], typer.Option(None, "--memory-per-rank", help="memory of one rank, e.g. 8GiB  "
+     "[default: the profile's device memory, or this machine's RAM / ranks]")),
+    ("hardware", str, typer.Option("local", "--hardware", help="hardware profile: local (this machine, after --calibrate), "
+     "a100-80gb, h100-80gb, or a profile's .json path")),
+    ("json_", bool, typer.Option(False, "--json", help="print every layout as a JSON list")),
+    ("top", int, typer.Option(15, "--top", help="layouts in the table")),
+    ("calibrate", bool, typer.Option(False, "--calibrate", help="measure this machine (run under mpirun -n N for N ranks) "
+     "and save the profile")),
+    ("profile_out", Optional[Path], typer.Option(None, "--profile-out", help="where --calibrate saves  "
+     "[default: ~/.cache/numesh/local.json, or $NUMESH_PROFILE_DIR/local.json]")),
+]
+
+
+def plan_cmd(**options: Any) -> None:
+    """Predict memory per rank and step time of every layout of a model on --ranks ranks, fastest first."""
+
+    def go() -> None:
+        from numesh.plan.command import run_calibrate, run_plan
+        from numesh.runtime import configure_process, is_root, log
+
+        plan_keys = {name for name, _, _ in _PLAN_OPTIONS} | {"config"}
+        overrides = {k: v for k, v in options.items() if k not in plan_keys}
+        if options["calibrate"]:
+            configure_process()
+            path = run_calibrate(overrides, options.get("config"), options["model_preset"], options["vocab_size"],
+                                 options["profile_out"], log)
+            if path is not None:
+                print(f"saved profile {path}: plan with `numesh plan --ranks N --hardware "
+                      f"{'local' if options['profile_out'] is None else path}`")
+            return
+        out = run_plan(overrides, options.get("config"), options["ranks"], options["model_preset"], options["vocab_size"],
+                       options["memory_per_rank"], options["hardware"], options["json_"], options["top"])
+        if is_root():
+            print(out)
+
+    _run(go)
+
+
+def _plan_signature() -> inspect.Signature:
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=typ)
+             for name, typ, opt in _PLAN_OPTIONS]
+    return inspect.Signature(extra + list(_train_signature().parameters.values()))
+
+
+plan_cmd.__signature__ = _plan_signature()  # type: ignore[attr-defined]
+app.command("plan", cls=_Command)(plan_cmd)
+
+
 class _Progress:
     """A rich progress bar on rank 0 (stderr), showing loss, val loss and speed."""
 

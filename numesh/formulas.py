@@ -188,3 +188,95 @@ def bubble(schedule: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 
     tl = simulate(schedule, t_f=t_f, t_b=t_b, t_w=t_w, stage_costs=stage_costs)
     per_rank = [tl.idle(r) / tl.makespan if tl.makespan > 0 else 0.0 for r in range(schedule.p)]
     return {"fraction": tl.bubble_fraction, "per_rank": per_rank, "makespan": tl.makespan}
+
+
+# ---------------------------------------------------------------------------------------
+# Memory per rank: parameter units, ZeRO buffers and saved activations
+#
+# Counted the way numesh measures them: `ZeroOptimizer.memory()` for the buffers held
+# between steps, `StepStats.peak_bytes` (the `nbytes` of the contexts the executor holds)
+# for activations. The planner (numesh.plan) builds its predictions from these.
+
+TOKEN_ID_BYTES = 8  # token ids and targets are int64 (numesh.data.read_rows)
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of tp (GPTConfig.padded_vocab)."""
+    return -(-vocab // tp) * tp
+
+
+def block_params(n_embd: int, tp: int = 1, bias: bool = False) -> int:
+    """Values of one transformer block on one tp rank: QKV, MLP-up (column-parallel) and
+    attention-out, MLP-down (row-parallel) split over tp; the two LayerNorms replicated;
+    row-parallel biases replicated, column-parallel ones split."""
+    C = n_embd
+    n = 12 * C * C // tp + 2 * C
+    if bias:
+        n += 2 * C + 3 * C // tp + C + 4 * C // tp + C
+    return n
+
+
+def outer_params(n_embd: int, vocab: int, block_size: int, tp: int = 1, first: bool = True, last: bool = True,
+                 bias: bool = False) -> int:
+    """Values of the outer unit on one rank: the vocab-parallel wte (first and last stage,
+    tied), wpe (first stage) and the final LayerNorm (last stage)."""
+    C = n_embd
+    n = padded_vocab(vocab, tp) // tp * C if (first or last) else 0
+    n += block_size * C if first else 0
+    n += (2 * C if bias else C) if last else 0
+    return n
+
+
+def zero_buffer_bytes(unit_sizes: Iterable[int], dp: int, stage: int, itemsize: int = 4) -> dict[str, int]:
+    """`ZeroOptimizer.memory()` of a rank whose units hold `unit_sizes` values: each unit
+    padded to a multiple of dp; parameters, gradients and AdamW's two moments whole or as
+    this rank's 1/dp as the stage says; the workspace is AdamW's scratch (one state-sized
+    buffer) and the weight-decay and norm masks (a byte per state value each)."""
+    padded = [-(-n // dp) * dp for n in unit_sizes]
+    full, shard = sum(padded), sum(p // dp for p in padded)
+    state = shard if stage >= 1 else full
+    return {
+        "params": (shard if stage >= 3 else full) * itemsize,
+        "grads": (shard if stage >= 2 else full) * itemsize,
+        "optimizer": 2 * state * itemsize,
+        "workspace": state * itemsize + 2 * state,
+    }
+
+
+def activation_bytes(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_layer: int, vocab: int, tp: int = 1,
+                     first: bool = True, last: bool = True, recompute: str = "none", dropout: bool = False,
+                     itemsize: int = 4) -> int:
+    """Bytes of saved activations one micro-batch leaves on a stage of `n_layer` blocks
+    (what `numesh.nn.stage.StageCtx` holds after its forward, as `nbytes` counts it).
+
+    Per block, with b·T tokens and H/tp local heads: LayerNorm 1 and 2 keep x̂ [bTC] and
+    1/σ [bT] and give their output to a matmul [bTC]; attention keeps q, k, v [bTC/tp] and
+    the softmax [b,H/tp,T,T] (and, with dropout, its mask of the same size); the attention
+    output [bTC/tp]; GELU keeps its input and tanh [4bTC/tp each] and gives its output to
+    MLP-down [4bTC/tp]. The first stage keeps the token ids (int64; with tp, the ids local to
+    its vocabulary slice and a byte mask of those outside it); the last the final LayerNorm's x̂, 1/σ and output, the
+    local logits [bT, V/tp], the sum-exp [bT], the local targets (int64) and a byte mask."""
+    if recompute != "none":
+        raise ValueError(f"recompute={recompute!r} is not implemented on this branch (only 'none')")
+    b, T, C, k = micro_batch, seq, n_embd, itemsize
+    bt = b * T
+    heads = n_head // tp
+    per_block = (4 * bt * C + 2 * bt + 16 * bt * C // tp + b * heads * T * T * (2 if dropout else 1)) * k
+    total = n_layer * per_block
+    if first:
+        total += bt * TOKEN_ID_BYTES + (bt if tp > 1 else 0)
+    if last:
+        v_local = padded_vocab(vocab, tp) // tp
+        total += (2 * bt * C + 2 * bt + bt * v_local) * k + bt * TOKEN_ID_BYTES + bt
+    return total
+
+
+def weight_grad_bytes(*, micro_batch: int, seq: int, n_embd: int, n_layer: int, tp: int = 1, bias: bool = False,
+                      chunks: int = 1, itemsize: int = 4) -> int:
+    """Bytes a split backward (zero-bubble B) keeps for the W of one micro-batch on a stage
+    of `n_layer` blocks: per block each Linear's input and output gradient (QKV [bTC] and
+    [3bTC/tp], attention-out [bTC/tp] and [bTC], MLP-up [bTC] and [4bTC/tp], MLP-down
+    [4bTC/tp] and [bTC]) and the two LayerNorms' gradients, once per thread chunk."""
+    bt, C = micro_batch * seq, n_embd
+    ln = (4 if bias else 2) * C * chunks
+    return n_layer * (4 * bt * C + 12 * bt * C // tp + ln) * itemsize

@@ -153,7 +153,22 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
 
 def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]:
     """Every check that can fail, run identically on every rank before any collective."""
-    shape = parse_mesh(cfg.mesh, n_ranks)
+    check_options(cfg, n_ranks)
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ConfigError(f"--out {cfg.out} is a file, not a directory: name a directory for the run")
+    tok = D.load_tokenizer(cfg.data)
+    for split in D.SPLITS:
+        n = len(D.load_split(cfg.data, split))
+        if n <= cfg.block_size:
+            raise ConfigError(f"block_size={cfg.block_size} is larger than the {n}-token {split} split: use a smaller --block-size")
+    shape, model = check_layout(cfg, n_ranks, tok.vocab_size)
+    faults_from_env(n_ranks)  # NUMESH_INJECT: a bad spec is this one-line error on every rank
+    return shape, model
+
+
+def check_options(cfg: TrainConfig, n_ranks: int) -> None:
+    """The checks of single options (no dataset, no layout)."""
+    parse_mesh(cfg.mesh, n_ranks)
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
     for name in ("batch_size", "micro_batches", "eval_interval", "eval_iters", "log_interval"):
@@ -174,29 +189,28 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
     for name in ("beta1", "beta2"):
         if not 0.0 <= getattr(cfg, name) < 1.0:
             raise ConfigError(f"{name} must be in [0, 1), got {getattr(cfg, name)}")
-    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
-        raise ConfigError(f"--out {cfg.out} is a file, not a directory: name a directory for the run")
+
+
+def check_layout(cfg: TrainConfig, n_ranks: int, vocab_size: int) -> tuple[dict[str, int], GPTConfig]:
+    """The checks of the parallel layout (mesh, micro-batches, model shape, pipeline) for a
+    model of `vocab_size` tokens: no dataset needed, so `numesh plan` asks the same."""
+    check_options(cfg, n_ranks)
+    shape = parse_mesh(cfg.mesh, n_ranks)
     if cfg.batch_size % (shape["dp"] * cfg.micro_batches):
         raise ConfigError(
             f"batch_size {cfg.batch_size} is not divisible by dp={shape['dp']} x micro_batches={cfg.micro_batches}: "
             f"use a multiple of {shape['dp'] * cfg.micro_batches}"
         )
-    tok = D.load_tokenizer(cfg.data)
-    for split in D.SPLITS:
-        n = len(D.load_split(cfg.data, split))
-        if n <= cfg.block_size:
-            raise ConfigError(f"block_size={cfg.block_size} is larger than the {n}-token {split} split: use a smaller --block-size")
     if cfg.sequence_parallel and shape["tp"] == 1:
         raise ConfigError("--sequence-parallel splits the sequence over tp, which is 1 in this mesh: "
                           "add tp=N (N > 1) to --mesh or drop --sequence-parallel")
     if cfg.sequence_parallel and cfg.block_size % shape["tp"]:
         raise ConfigError(f"--sequence-parallel splits the block_size={cfg.block_size} tokens over tp={shape['tp']}: "
                           f"use a --block-size divisible by {shape['tp']}")
-    model = cfg.model(tok.vocab_size)
+    model = cfg.model(vocab_size)
     model.validate(shape["tp"])
     StageLayout(model.n_layer, shape["pp"], cfg.virtual_stages)
     make_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
-    faults_from_env(n_ranks)  # NUMESH_INJECT: a bad spec is this one-line error on every rank
     return shape, model
 
 

@@ -1,0 +1,219 @@
+"""`numesh plan --calibrate`: measure this machine into a hardware profile.
+
+Run under `mpirun -n N` to measure what N ranks sharing this machine get: every rank times
+the same thing at the same moment (a barrier before each), so the contention of N ranks on
+the cores and memory is in the numbers, and the median over ranks is kept. Measured:
+* the seconds of each GEMM shape the model's layouts on N ranks run (collected by asking
+  the time model which shapes it needs), and a curve of square-ish GEMMs for others;
+* numesh's element-wise kernels (LayerNorm, GELU, the softmax's element-wise part, a
+  residual add, AdamW) by array size;
+* all-reduce on groups of every size dividing N (all groups at once, as a mesh axis
+  runs), and a send between pairs, by payload.
+Calibrating with 1, 2, 4 and 8 ranks in turn fills one profile (each run adds its count).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import attrs
+import numpy as np
+from mpi4py import MPI
+
+from numesh.nn.layers import LayerNorm, gelu_bwd, gelu_fwd, layernorm_bwd, layernorm_fwd
+from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
+from numesh.plan.hardware import Measured, Profile, load_profile, save_profile
+from numesh.plan.layout import ModelSpec
+from numesh.plan.search import valid_layouts
+from numesh.plan.timing import block_cost, outer_cost, placement
+from numesh.threads import threads as numesh_threads
+from numesh.train import TrainConfig
+
+ELEMENT_SIZES = [4**i for i in range(5, 12)]  # 1 Ki .. 4 Mi values
+COMM_SIZES = [8] + [4**i for i in range(3, 13)]  # 8 B .. 16 MiB
+GEMM_CURVE = [(64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (2048, 1024, 1024)]
+
+
+class _ShapeRecorder:
+    """Stands in for a Profile to collect the GEMM shapes the time model asks for."""
+
+    def __init__(self, itemsize: int):
+        self.itemsize, self.measured, self.devices_per_node = itemsize, {0: None}, 1
+        self.shapes: set[tuple[int, int, int, int]] = set()
+
+    def gemm_time(self, b: int, m: int, k: int, n: int, ranks_on_node: int) -> float:
+        self.shapes.add((b, m, k, n))
+        return 0.0
+
+    def elementwise_time(self, *args: object) -> float:
+        return 0.0
+
+    def comm_time(self, *args: object) -> float:
+        return 0.0
+
+
+def model_gemm_shapes(base: TrainConfig, model: ModelSpec, ranks: int, itemsize: int) -> set[tuple[int, int, int, int]]:
+    """Every (batch, m, k, n) matmul the layouts of `model` on `ranks` ranks run."""
+    rec = _ShapeRecorder(itemsize)
+    for lay in valid_layouts(base, model, ranks):
+        place = placement(lay, rec)  # type: ignore[arg-type]
+        block_cost(model, lay, rec, place, False)  # type: ignore[arg-type]
+        outer_cost(model, lay, rec, place, True, True)  # type: ignore[arg-type]
+    return rec.shapes
+
+
+def _timed(comm: MPI.Comm, fn: Callable[[], object], min_time: float = 0.1, reps: int = 3) -> float:
+    """Seconds of fn() with every rank running it at once: the wall time of a run of repeats
+    lasting at least `min_time`, over the repeats (the median over ranks). A mean over a
+    long run, not the best of short ones: a rank that shares its core (oversubscribed, or a
+    busy machine) is measured with its share, as a training step gets it."""
+    fn()
+    comm.Barrier()
+    t0 = time.perf_counter()
+    fn()
+    once = time.perf_counter() - t0
+    n = max(reps, min(1000, int(min_time / max(once, 1e-7))))
+    n = comm.allreduce(n, op=MPI.MAX)  # the same count everywhere: collectives stay matched
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    mine = (time.perf_counter() - t0) / n
+    return statistics.median(comm.allgather(mine))
+
+
+def _gemm(comm: MPI.Comm, shape: tuple[int, int, int, int], dtype: np.dtype) -> float:
+    b, m, k, n = shape
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((b, m, k) if b > 1 else (m, k)).astype(dtype)
+    w = rng.standard_normal((b, k, n) if b > 1 else (k, n)).astype(dtype)
+    out = np.empty((b, m, n) if b > 1 else (m, n), dtype)
+    return _timed(comm, lambda: np.matmul(a, w, out=out))
+
+
+def _softmax_kernels(shape: tuple[int, int, int], dtype: np.dtype) -> tuple[Callable, Callable]:
+    """The element-wise part of numesh's causal attention softmax, forward and backward."""
+    T = shape[-1]
+    a = np.random.default_rng(0).standard_normal(shape).astype(dtype)
+    bias = np.where(np.tri(T, dtype=bool), 0.0, -np.inf).astype(dtype)
+    d = np.random.default_rng(1).standard_normal(shape).astype(dtype)
+    work = np.empty_like(a)
+
+    def fwd() -> None:
+        np.add(a, bias, out=work)
+        np.subtract(work, work.max(axis=-1, keepdims=True), out=work)
+        np.exp(work, out=work)
+        np.multiply(work, 1.0 / work.sum(axis=-1, keepdims=True), out=work)
+
+    def bwd() -> None:
+        g = d - np.einsum("...ij,...ij->...i", d, work)[..., None]
+        g *= work
+
+    fwd()
+    return fwd, bwd
+
+
+def _elementwise(comm: MPI.Comm, kernel: str, n: int, C: int, T: int, dtype: np.dtype) -> float:
+    rng = np.random.default_rng(0)
+    if kernel.startswith("softmax"):
+        rows = max(1, n // (T * T))
+        fwd, bwd = _softmax_kernels((rows, T, T), dtype)
+        return _timed(comm, fwd if kernel.endswith("fwd") else bwd) * n / (rows * T * T)
+    if kernel.startswith("layernorm"):
+        rows = max(1, n // C)
+        x = rng.standard_normal((rows, C)).astype(dtype)
+        p = LayerNorm(np.ones(C, dtype))
+        y, ctx = layernorm_fwd(p, x)
+        fn = (lambda: layernorm_fwd(p, x)) if kernel.endswith("fwd") else (lambda: layernorm_bwd(p, ctx, y))
+        return _timed(comm, fn) * n / (rows * C)
+    if kernel.startswith("gelu"):
+        x = rng.standard_normal((max(1, n // (4 * C)), 4 * C)).astype(dtype)
+        _, ctx = gelu_fwd(x)
+        fn = (lambda: gelu_fwd(x)) if kernel.endswith("fwd") else (lambda: gelu_bwd(ctx, x))
+        return _timed(comm, fn) * n / x.size
+    if kernel == "copy":
+        a, b = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
+        out = np.empty_like(a)
+        return _timed(comm, lambda: np.add(a, b, out=out))
+    if kernel == "adamw":
+        p, g = rng.standard_normal(n).astype(dtype), rng.standard_normal(n).astype(dtype)
+        state = AdamWState(np.zeros_like(p), np.zeros_like(p))
+        decay, scratch = np.ones(n, dtype=bool), np.empty_like(p)
+        return _timed(comm, lambda: adamw_step(p, g, state, 1e-4, AdamWConfig(), decay, scratch))
+    raise ValueError(kernel)
+
+
+KERNELS = ("layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd", "softmax_fwd", "softmax_bwd", "copy", "adamw")
+
+
+def _collectives(comm: MPI.Comm, dtype: np.dtype) -> dict[str, tuple[tuple[float, float], ...]]:
+    """All-reduce on groups of each size dividing N (consecutive ranks, all groups at once)
+    and a send between pairs, by payload bytes."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    out: dict[str, tuple[tuple[float, float], ...]] = {}
+    for g in (d for d in range(2, n + 1) if n % d == 0):
+        sub = comm.Split(rank // g, rank)
+        pts = []
+        for size in COMM_SIZES:
+            buf = np.ones(max(1, size // 8), np.float64)
+            pts.append((float(buf.nbytes), _timed(comm, lambda: sub.Allreduce(MPI.IN_PLACE, buf), 0.05)))
+        out[f"all_reduce:{g}"] = tuple(pts)
+        sub.Free()
+    if n >= 2:
+        partner = rank ^ 1 if (rank ^ 1) < n else rank
+        pts = []
+        for size in COMM_SIZES:
+            s, r = np.ones(max(1, size // 8)), np.empty(max(1, size // 8))
+            pts.append((float(s.nbytes), _timed(comm, lambda: comm.Sendrecv(s, partner, 7, r, partner, 7), 0.05)))
+        out["send"] = tuple(pts)
+    return out
+
+
+def calibrate(base: TrainConfig, model: ModelSpec, comm: MPI.Comm | None = None,
+              log: Callable[[str], None] = lambda s: None) -> Measured:
+    """Measure what `comm`'s ranks get on this machine, running at once (collective)."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    n = comm.Get_size()
+    dtype = np.dtype(base.dtype)
+    shapes = sorted(model_gemm_shapes(base, model, n, dtype.itemsize))
+    log(f"calibrating {n} rank(s): {len(shapes)} GEMM shapes of the model's layouts")
+    gemm = {",".join(map(str, s)): _gemm(comm, s, dtype) for s in shapes}
+    curve = tuple((2.0 * m * k * nn, _gemm(comm, (1, m, k, nn), dtype)) for m, k, nn in GEMM_CURVE)
+    log("element-wise kernels")
+    elementwise = {
+        k: tuple((float(s), _elementwise(comm, k, s, model.n_embd, model.block_size, dtype)) for s in ELEMENT_SIZES)
+        for k in KERNELS
+    }
+    log("collectives")
+    collectives = _collectives(comm, dtype) if n > 1 else {}
+    return Measured(n, numesh_threads(), gemm, tuple(sorted(curve)), elementwise, collectives)
+
+
+def merged_profile(path: Path, measured: Measured, dtype: str) -> Profile:
+    """The profile at `path` (or a new one) with `measured` added for its rank count."""
+    old = load_profile(str(path)) if path.is_file() else None
+    if old is not None and old.dtype != dtype:
+        old = None  # a calibration of another dtype is replaced, not mixed
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    base = old or Profile(name="local", source="", dtype=dtype, itemsize=np.dtype(dtype).itemsize)
+    return attrs.evolve(
+        base, source=f"numesh plan --calibrate on {platform.node()} ({os.cpu_count()} cores), {now}",
+        memory_bytes=float(ram), cores=os.cpu_count() or 1, overlap=False,  # MPICH progresses nonblocking calls only inside MPI calls
+        measured={**base.measured, measured.ranks: measured},
+    )
+
+
+def run_calibration(base: TrainConfig, model: ModelSpec, path: Path, log: Callable[[str], None]) -> Path | None:
+    """Calibrate on COMM_WORLD and (rank 0) save the merged profile at `path`."""
+    comm = MPI.COMM_WORLD
+    measured = calibrate(base, model, comm, log)
+    if comm.Get_rank() == 0:
+        return save_profile(merged_profile(path, measured, base.dtype), path)
+    return None

@@ -1,0 +1,133 @@
+"""What `numesh plan` does, as library functions the CLI calls with its parsed options."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+import numpy as np
+
+from numesh import data as D
+from numesh.errors import ConfigError, UserError
+from numesh.plan import Prediction, plan
+from numesh.plan.hardware import Profile, load_profile, local_profile_path
+from numesh.plan.layout import ModelSpec
+from numesh.plan.presets import preset
+from numesh.plan.render import as_json, human_bytes, table
+from numesh.train import TrainConfig, check_options, config_from
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """'8GiB', '512 MB', '1e9' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"--memory-per-rank {text!r} is not a size: write e.g. 8GiB, 512MiB or 16GB")
+    try:
+        return float(m.group(1)) * _UNITS[m.group(2).lower()]
+    except ValueError:
+        raise ConfigError(f"--memory-per-rank {text!r} is not a size: write e.g. 8GiB, 512MiB or 16GB") from None
+
+
+def base_config(overrides: dict[str, Any], toml: Path | None, model_preset: str | None) -> TrainConfig:
+    """TrainConfig defaults, then the preset's model and batch, then the options given."""
+    values = {}
+    if model_preset:
+        p = preset(model_preset)
+        values = {"n_layer": p.n_layer, "n_head": p.n_head, "n_embd": p.n_embd, "block_size": p.block_size,
+                  "batch_size": p.batch_size}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return config_from(values, toml)
+
+
+def model_spec(cfg: TrainConfig, vocab_size: int | None, model_preset: str | None) -> ModelSpec:
+    """The model's sizes: the vocabulary from --vocab-size, the preset, or the dataset."""
+    if vocab_size is None and model_preset:
+        vocab_size = preset(model_preset).vocab_size
+    if vocab_size is None:
+        try:
+            vocab_size = D.load_tokenizer(cfg.data).vocab_size
+        except (UserError, OSError):
+            raise ConfigError(f"no dataset at --data {cfg.data} to take the vocabulary from: pass --vocab-size, "
+                              "--model PRESET or the --data of a prepared dataset") from None
+    if vocab_size < 1:
+        raise ConfigError(f"--vocab-size must be >= 1, got {vocab_size}")
+    return ModelSpec(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, vocab_size, cfg.batch_size, cfg.bias,
+                     cfg.dropout > 0)
+
+
+def _itemsize(cfg: TrainConfig, profile: Profile) -> int:
+    """Bytes per value: numesh's --dtype on a measured profile (which must be calibrated in
+    it), the profile's training dtype on a spec-sheet one."""
+    if not profile.measured:
+        return profile.itemsize
+    if profile.dtype != cfg.dtype:
+        raise ConfigError(f"profile {profile.name} was calibrated in {profile.dtype}, not --dtype {cfg.dtype}: "
+                          f"run `numesh plan --calibrate --dtype {cfg.dtype}`")
+    return np.dtype(cfg.dtype).itemsize
+
+
+def memory_limit(profile: Profile, ranks: int, given: str | None) -> float:
+    """Bytes per rank: --memory-per-rank, else a device's memory, or a measured machine's RAM shared by its ranks."""
+    if given:
+        return parse_bytes(given)
+    if profile.measured:
+        return profile.memory_bytes / max(1, ranks)
+    return profile.memory_bytes
+
+
+def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, model_preset: str | None,
+             vocab_size: int | None, memory: str | None, hardware: str, as_json_out: bool, top: int) -> str:
+    """`numesh plan`'s output (the table or the JSON list)."""
+    if ranks is None or ranks < 1:
+        raise ConfigError("give --ranks N (the ranks to plan for, >= 1), or --calibrate to measure this machine")
+    cfg = base_config(overrides, toml, model_preset)
+    check_options(attrs.evolve(cfg, mesh=""), 1)
+    model = model_spec(cfg, vocab_size, model_preset)
+    profile = load_profile(hardware)
+    itemsize = _itemsize(cfg, profile)
+    limit = memory_limit(profile, ranks, memory)
+    threads = max(1, (profile.cores or 1) // ranks) if profile.measured else 1
+    preds = plan(cfg, model, ranks, profile, limit, itemsize, threads)
+    if not preds[0].fits:
+        raise ConfigError(_fits_nowhere(preds, ranks, limit))
+    if as_json_out:
+        return json.dumps([as_json(p, ranks) for p in preds], indent=1)
+    extra = " ".join(_flag(k, v) for k, v in overrides.items()
+                     if v is not None and k not in ("mesh", "zero", "schedule", "micro_batches", "virtual_stages"))
+    if model_preset:
+        p = preset(model_preset)
+        extra = (f"--n-layer {p.n_layer} --n-head {p.n_head} --n-embd {p.n_embd} --block-size {p.block_size} "
+                 f"--batch-size {cfg.batch_size} " + extra).strip()
+    return table(preds, ranks, top, limit, profile.name, extra)
+
+
+def _flag(name: str, value: Any) -> str:
+    """An option as `numesh train` takes it (booleans as --x / --no-x)."""
+    flag = name.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{flag}" if value else f"--no-{flag}"
+    return f"--{flag} {value}"
+
+
+def _fits_nowhere(preds: list[Prediction], ranks: int, limit: float) -> str:
+    small = min(preds, key=lambda p: p.memory.total)
+    return (f"no layout of this model fits in {human_bytes(limit)} per rank on {ranks} ranks: the smallest, "
+            f"{small.layout.train_flags()}, needs {human_bytes(small.memory.total)}; give more ranks, "
+            f"--memory-per-rank of at least that, or a smaller model or --batch-size")
+
+
+def run_calibrate(overrides: dict[str, Any], toml: Path | None, model_preset: str | None, vocab_size: int | None,
+                  out: Path | None, log: Callable[[str], None]) -> Path | None:
+    """Measure this machine with the ranks of COMM_WORLD; save (rank 0) and return the profile's path."""
+    from numesh.plan.calibrate import run_calibration
+
+    cfg = base_config(overrides, toml, model_preset)
+    check_options(attrs.evolve(cfg, mesh=""), 1)
+    model = model_spec(cfg, vocab_size, model_preset)
+    return run_calibration(cfg, model, out or local_profile_path(), log)

@@ -1,0 +1,220 @@
+"""Hardware profiles: what a rank can compute and move, as plain data.
+
+Two kinds, one class:
+* spec-sheet profiles (`numesh/plan/profiles/*.json`, shipped with the package): peak
+  FLOP/s of the training dtype, an achieved-GEMM efficiency, memory and its bandwidth, and
+  intra-/inter-node link latency and bandwidth; each file names its sources. They let a
+  user plan for a cluster they don't have.
+* measured profiles (`numesh plan --calibrate`): for each rank count the calibration ran
+  with (all ranks busy at once, so a shared machine's contention is in the numbers), the
+  seconds of the model's GEMM shapes, of numesh's element-wise kernels and of collectives
+  by payload, interpolated between the measured sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from numesh.errors import ConfigError
+from numesh.plan import costs
+
+Points = tuple[tuple[float, float], ...]  # (size, seconds), sorted by size
+
+# Memory passes (element reads + writes) of numesh's element-wise kernels, per element of
+# the array each works on, counted from numesh/nn/layers.py: what a spec-sheet profile
+# divides by memory bandwidth (a measured profile times the kernels themselves).
+PASSES = {
+    "layernorm_fwd": 9, "layernorm_bwd": 14,  # mean, centre, variance, scale, affine; grads of w and x
+    "gelu_fwd": 12, "gelu_bwd": 14,  # tanh form in place, 8 ops on x and t
+    "softmax_fwd": 10, "softmax_bwd": 10,  # mask, max, shift, exp, sum, scale; grad through the saved softmax
+    "copy": 3,  # a residual add or a transposing copy: two reads, a write
+    "adamw": 12,  # read p, g, m, v and the masks; write p, m, v (and the scratch)
+}
+
+
+@attrs.frozen
+class Link:
+    """One device's share of a link: latency per message (s) and bandwidth (bytes/s, one direction)."""
+
+    latency_s: float
+    bandwidth: float
+
+
+@attrs.frozen
+class Measured:
+    """What calibration measured with `ranks` ranks busy at once (`threads` BLAS threads each)."""
+
+    ranks: int
+    threads: int
+    gemm: dict[str, float]  # "b,m,k,n" -> seconds of one (batched) matmul of that shape
+    gemm_curve: Points  # (FLOPs, seconds) of square-ish GEMMs, for shapes not in `gemm`
+    elementwise: dict[str, Points]  # kernel -> (elements, seconds)
+    collectives: dict[str, Points]  # "all_reduce:n" (n ranks per group, all groups at once), "send" -> (bytes, seconds)
+
+
+@attrs.frozen
+class Profile:
+    name: str
+    source: str
+    dtype: str = "float32"
+    itemsize: int = 4
+    memory_bytes: float = 0.0  # per device (0: unknown, nothing is marked as not fitting)
+    devices_per_node: int = 1
+    peak_flops: float = 0.0  # dense matmul FLOP/s of `dtype` per device
+    gemm_efficiency: float = 1.0  # achieved / peak for large GEMMs
+    mem_bandwidth: float = 0.0  # bytes/s per device
+    intra: Link = Link(1e-6, 1e10)
+    inter: Link = Link(1e-5, 1e10)
+    overlap: bool = True  # gradient reduction progresses during backward (NCCL streams: yes; MPICH without a progress thread: no)
+    cores: int = 0  # CPU cores of a node (measured profiles)
+    measured: dict[int, Measured] = attrs.field(factory=dict)
+
+    # ------------------------------------------------------------------ lookups
+
+    def for_ranks(self, ranks_on_node: int) -> tuple[Measured | None, float]:
+        """The measurement to use for `ranks_on_node` ranks sharing a node, and a factor for
+        its compute times: measured with the same count, 1; else the nearest count, scaled by
+        how much more each rank's share of the cores shrinks (time-sharing when oversubscribed)."""
+        if not self.measured:
+            return None, 1.0
+        if ranks_on_node in self.measured:
+            return self.measured[ranks_on_node], 1.0
+        near = min(self.measured, key=lambda n: (abs(n - ranks_on_node), n))
+        cores = self.cores or 1
+        share = lambda n: max(1.0, n / cores)  # noqa: E731  (how many ranks share a core)
+        return self.measured[near], share(ranks_on_node) / share(near)
+
+    def gemm_time(self, b: int, m: int, k: int, n: int, ranks_on_node: int) -> float:
+        """Seconds of b matmuls [m, k] @ [k, n] on one rank."""
+        flops = 2.0 * b * m * k * n
+        meas, scale = self.for_ranks(ranks_on_node)
+        if meas is None:
+            return flops / (self.peak_flops * self.gemm_efficiency)
+        hit = meas.gemm.get(f"{b},{m},{k},{n}")
+        if hit is not None:
+            return hit * scale
+        return costs.interp_time(meas.gemm_curve, flops) * scale
+
+    def elementwise_time(self, kernel: str, elements: float, ranks_on_node: int) -> float:
+        """Seconds of numesh's element-wise `kernel` over `elements` values on one rank."""
+        if elements <= 0:
+            return 0.0
+        meas, scale = self.for_ranks(ranks_on_node)
+        if meas is None:
+            return PASSES[kernel] * elements * self.itemsize / self.mem_bandwidth
+        return costs.interp_time(meas.elementwise[kernel], elements) * scale
+
+    def comm_time(self, op: str, payload: float, n: int, intra: bool, ranks_on_node: int) -> float:
+        """Seconds of one collective (or a send, n=2) of `payload` bytes over a group of n ranks."""
+        if payload <= 0 or (n <= 1 and op != "send"):
+            return 0.0
+        meas, _ = self.for_ranks(ranks_on_node)
+        if meas is not None:
+            return self._measured_comm(meas, op, payload, n)
+        link = self.intra if intra else self.inter
+        return costs.collective_time(op, payload, n, link.latency_s, link.bandwidth)
+
+    def _measured_comm(self, meas: Measured, op: str, payload: float, n: int) -> float:
+        if op == "send":
+            return costs.interp_time(meas.collectives["send"], payload)
+        key = f"all_reduce:{n}"
+        if key in meas.collectives:
+            t = costs.interp_time(meas.collectives[key], payload)
+        else:  # a group size not measured: α and β fitted on the nearest measured group
+            sizes = sorted(int(k.split(":")[1]) for k in meas.collectives if k.startswith("all_reduce:"))
+            g = min(sizes, key=lambda s: abs(s - n))
+            alpha, beta = costs.fit_alpha_beta(meas.collectives[f"all_reduce:{g}"], 2 * (g - 1), 2 * (g - 1) / g)
+            t = costs.ring_time("all_reduce", payload, n, alpha, beta)
+        # a ring all-gather or reduce-scatter is half an all-reduce's steps and bytes
+        return t if op == "all_reduce" else t / 2
+
+    # ------------------------------------------------------------------ files
+
+    def to_json(self) -> dict[str, Any]:
+        d = attrs.asdict(self, recurse=True)
+        d["measured"] = {str(k): v for k, v in d["measured"].items()}
+        return d
+
+
+def _points(rows: Any) -> Points:
+    return tuple(sorted((float(a), float(b)) for a, b in rows))
+
+
+def profile_from_json(d: dict[str, Any], where: str) -> Profile:
+    """A Profile from its JSON form; a missing or unknown key is a ConfigError naming `where`."""
+    fields = {f.name for f in attrs.fields(Profile)} | {"comment"}
+    unknown = set(d) - fields
+    if unknown:
+        raise ConfigError(f"hardware profile {where} has unknown keys {', '.join(sorted(unknown))}: the keys are {', '.join(sorted(fields))}")
+    try:
+        d = dict(d)
+        d.pop("comment", None)
+        for link in ("intra", "inter"):
+            if link in d:
+                d[link] = Link(**d[link])
+        d["measured"] = {
+            int(n): Measured(
+                ranks=int(m["ranks"]), threads=int(m["threads"]), gemm={k: float(v) for k, v in m["gemm"].items()},
+                gemm_curve=_points(m["gemm_curve"]),
+                elementwise={k: _points(v) for k, v in m["elementwise"].items()},
+                collectives={k: _points(v) for k, v in m["collectives"].items()},
+            )
+            for n, m in d.get("measured", {}).items()
+        }
+        prof = Profile(**d)
+    except (TypeError, KeyError, ValueError) as e:
+        raise ConfigError(f"hardware profile {where} is malformed ({e}): write it as `numesh plan --calibrate` does") from None
+    if not prof.measured and not (prof.peak_flops > 0 and prof.mem_bandwidth > 0):
+        raise ConfigError(f"hardware profile {where} has neither measurements nor peak_flops and mem_bandwidth")
+    return prof
+
+
+def builtin_profiles() -> list[str]:
+    """Names of the spec-sheet profiles shipped with numesh."""
+    files = resources.files("numesh.plan") / "profiles"
+    return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".json"))
+
+
+def local_profile_path() -> Path:
+    """Where `numesh plan --calibrate` saves this machine's profile (NUMESH_PROFILE_DIR or ~/.cache/numesh)."""
+    base = Path(os.environ.get("NUMESH_PROFILE_DIR") or Path.home() / ".cache" / "numesh")
+    return base / "local.json"
+
+
+def load_profile(name: str) -> Profile:
+    """A profile by file path, by builtin name, or "local" (this machine's calibration)."""
+    path = Path(name)
+    if name == "local":
+        path = local_profile_path()
+        if not path.is_file():
+            raise ConfigError(f"no calibrated profile of this machine at {path}: run `numesh plan --calibrate` "
+                              f"(under mpirun -n N for N ranks), or pass --hardware one of {', '.join(builtin_profiles())}")
+    elif not (name.endswith(".json") or path.is_file()):
+        names = builtin_profiles()
+        if name not in names:
+            raise ConfigError(f"unknown hardware profile '{name}': use one of {', '.join(names)}, local "
+                              "(after `numesh plan --calibrate`) or a profile's .json path")
+        text = (resources.files("numesh.plan") / "profiles" / f"{name}.json").read_text()
+        return profile_from_json(json.loads(text), name)
+    if not path.is_file():
+        raise ConfigError(f"hardware profile {path} not found: give a profile's .json path or a builtin name "
+                          f"({', '.join(builtin_profiles())})")
+    try:
+        return profile_from_json(json.loads(path.read_text()), str(path))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"hardware profile {path} is not valid JSON: {e}") from None
+
+
+def save_profile(profile: Profile, path: Path) -> Path:
+    """Write `profile` as JSON (atomically: a temp file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile.to_json(), indent=1))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,93 @@
+"""What the planner plans: a model (sizes only, no dataset) and one parallel layout of it."""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+
+from numesh import formulas
+from numesh.pipeline.schedules import Schedule, make_schedule
+
+
+@attrs.frozen
+class ModelSpec:
+    """A GPT's sizes and the step's global batch: all the planner needs of a model."""
+
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int
+    vocab_size: int
+    batch_size: int  # global batch in sequences per optimiser step
+    bias: bool = False
+    dropout: bool = False
+
+    @property
+    def n_params(self) -> int:
+        """Parameters of the whole model (vocabulary unpadded), as `Trainer.n_params` counts them."""
+        C = self.n_embd
+        outer = self.vocab_size * C + self.block_size * C + (2 * C if self.bias else C)
+        return self.n_layer * formulas.block_params(C, 1, self.bias) + outer
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.block_size
+
+    @property
+    def flops_per_token(self) -> float:
+        return formulas.flops_per_token(self.n_layer, self.n_embd, self.block_size, self.n_params)
+
+
+@attrs.frozen
+class Layout:
+    """One way to run a model on `ranks` ranks. `recompute` is "none" until activation
+    recomputation reaches TrainConfig (the enumeration then lists its values too)."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    schedule: str
+    micro_batches: int
+    virtual_stages: int = 1
+    recompute: str = "none"
+
+    @property
+    def ranks(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def mesh(self) -> str:
+        """The mesh as `--mesh` takes it (every axis written, so nothing is inferred)."""
+        return f"dp={self.dp},tp={self.tp},pp={self.pp}"
+
+    def rows(self, model: ModelSpec) -> int:
+        """Sequences in one micro-batch on one rank."""
+        return model.batch_size // (self.dp * self.micro_batches)
+
+    @property
+    def sched(self) -> Schedule:
+        return schedule_of(self.schedule, self.pp, self.micro_batches, self.virtual_stages)
+
+    def train_flags(self) -> str:
+        """The `numesh train` options that select this layout."""
+        flags = f"--mesh {self.mesh} --zero {self.zero} --schedule {self.schedule} --micro-batches {self.micro_batches}"
+        if self.virtual_stages > 1:
+            flags += f" --virtual-stages {self.virtual_stages}"
+        if self.recompute != "none":
+            flags += f" --recompute {self.recompute}"
+        return flags
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending (O(√n): rank counts reach the thousands)."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@functools.lru_cache(maxsize=256)
+def schedule_of(name: str, pp: int, micro_batches: int, virtual_stages: int) -> Schedule:
+    """`make_schedule`, built once per shape: the memory walk, the time model and the search
+    ask for the same schedule many times (a 64-stage schedule of 768 micro-batches has 98k actions)."""
+    return make_schedule(name, pp, micro_batches, virtual_stages)

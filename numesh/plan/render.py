@@ -1,0 +1,68 @@
+"""`numesh plan`'s output: a short table with the best layout's command line, or JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from numesh.plan import Prediction
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e6:.0f} us"
+
+
+def as_json(p: Prediction, ranks: int) -> dict[str, Any]:
+    """One layout as `--json` prints it."""
+    lay, t = p.layout, p.time
+    return {
+        "mesh": lay.mesh, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero, "schedule": lay.schedule,
+        "micro_batches": lay.micro_batches, "virtual_stages": lay.virtual_stages, "recompute": lay.recompute,
+        "fits": p.fits, "memory_bytes_per_rank": p.memory.total, "memory": attrs.asdict(p.memory),
+        "step_time_s": t.total, "time": {"compute": t.compute, **{f"comm_{k}": v for k, v in t.comm.items()},
+                                         "bubble": t.bubble, "optimizer": t.optimizer},
+        "tokens_per_s": p.tokens_per_s, "train_flags": lay.train_flags(),
+    }
+
+
+def command(p: Prediction, ranks: int, extra: str = "") -> str:
+    """The `mpirun` line that runs this layout."""
+    launch = f"mpirun -n {ranks} " if ranks > 1 else ""
+    return f"{launch}numesh train {p.layout.train_flags()}{' ' + extra if extra else ''}"
+
+
+def table(preds: list[Prediction], ranks: int, top: int, limit: float, profile: str, extra: str = "") -> str:
+    """The `top` best layouts as a table, a count of the rest, and the best one's command."""
+    head = ["#", "mesh", "zero", "schedule", "m", "v", "memory/rank", "fits", "step", "compute", "tp", "pp", "dp",
+            "bubble", "optim", "tokens/s"]
+    rows = []
+    for i, p in enumerate(preds[:top], 1):
+        t, lay = p.time, p.layout
+        rows.append([str(i), lay.mesh, str(lay.zero), lay.schedule, str(lay.micro_batches), str(lay.virtual_stages),
+                     human_bytes(p.memory.total), "yes" if p.fits else "NO", human_seconds(t.total),
+                     human_seconds(t.compute), human_seconds(t.comm["tp"]), human_seconds(t.comm["pp"]),
+                     human_seconds(t.comm["dp"]), human_seconds(t.bubble), human_seconds(t.optimizer),
+                     f"{p.tokens_per_s:,.0f}"])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.rjust(w) if i not in (1, 3) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    fit = sum(p.fits for p in preds)
+    lines = [fmt(head), *map(fmt, rows)]
+    lim = human_bytes(limit) if limit > 0 else "no limit"
+    lines.append(f"{len(preds)} layouts on {ranks} ranks ({fit} fit in {lim} per rank), profile {profile}; "
+                 f"--json lists all with memory and time parts")
+    best = next((p for p in preds if p.fits), None)
+    if best is not None:
+        lines.append(f"best: {command(best, ranks, extra)}")
+    return "\n".join(lines)

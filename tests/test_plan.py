@@ -1,0 +1,297 @@
+"""`numesh plan`: the memory model against what numesh measures, the layout search against
+train's validation, the cost models on hand-worked numbers, profiles, and the CLI.
+
+Memory is exact by construction (the same units, padding, sharding and contexts), so the
+single-process checks compare bytes for equality; the multi-rank ones are in
+test_mpi_plan.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from numesh import formulas
+from numesh.errors import ConfigError, UserError
+from numesh.pipeline.schedules import simulate, make_schedule
+from numesh.plan import costs, plan, predict
+from numesh.plan.hardware import Link, Measured, Profile, builtin_profiles, load_profile, profile_from_json, save_profile
+from numesh.plan.layout import Layout, ModelSpec
+from numesh.plan.memory import layout_memory, rank_memory
+from numesh.plan.search import candidates, train_config, valid_layouts
+from numesh.plan.timing import predict_time
+from numesh.threads import threads
+from numesh.train import TrainConfig, Trainer, validate
+from numesh_cli.app import app
+
+
+def spec_of(cfg: TrainConfig, vocab: int) -> ModelSpec:
+    return ModelSpec(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, vocab, cfg.batch_size, cfg.bias, cfg.dropout > 0)
+
+
+# ---------------------------------------------------------------------------------------
+# memory: formulas and the model against ZeroOptimizer.memory() and peak_bytes
+
+
+def test_activation_bytes_hand_worked() -> None:
+    # b=2, T=4, C=8, H=2, one block, tp=1, float32, the middle of a pipeline:
+    # per block 4bTC + 2bT + 16bTC + b·H·T² = 256 + 16 + 1024 + 64 = 1360 values = 5440 bytes
+    got = formulas.activation_bytes(micro_batch=2, seq=4, n_embd=8, n_head=2, n_layer=1, vocab=10, first=False, last=False)
+    assert got == 5440
+    # the first stage adds the int64 token ids (8 bT = 64 bytes); with tp=2 a byte mask too
+    assert formulas.activation_bytes(micro_batch=2, seq=4, n_embd=8, n_head=2, n_layer=1, vocab=10, last=False) == 5440 + 64
+    # the last stage: x̂, output (2bTC), 1/σ and sum-exp (2bT), logits bT·V (vocab 10), int64 targets, a byte mask
+    head = (2 * 64 + 2 * 8 + 8 * 10) * 4 + 8 * 8 + 8
+    assert formulas.activation_bytes(micro_batch=2, seq=4, n_embd=8, n_head=2, n_layer=1, vocab=10, first=False) == 5440 + head
+    with pytest.raises(ValueError):
+        formulas.activation_bytes(micro_batch=1, seq=1, n_embd=8, n_head=2, n_layer=1, vocab=10, recompute="full")
+
+
+def test_zero_buffer_bytes_hand_worked() -> None:
+    # units of 5 and 3 values on dp=2: padded 6 + 4 = 10 full, 5 per shard
+    assert formulas.zero_buffer_bytes([5, 3], 2, 0) == {"params": 40, "grads": 40, "optimizer": 80, "workspace": 60}
+    assert formulas.zero_buffer_bytes([5, 3], 2, 1) == {"params": 40, "grads": 40, "optimizer": 40, "workspace": 30}
+    assert formulas.zero_buffer_bytes([5, 3], 2, 2)["grads"] == 20
+    assert formulas.zero_buffer_bytes([5, 3], 2, 3)["params"] == 20
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(micro_batches=1), dict(micro_batches=2, bias=True), dict(micro_batches=4, dropout=0.1),
+    dict(micro_batches=2, dtype="float64"), dict(micro_batches=3, batch_size=6, schedule="zb-h1"),
+])
+def test_memory_model_equals_measured_single_process(char_dataset: Path, tmp_path: Path, overrides: dict) -> None:
+    cfg = TrainConfig(**{**dict(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=2, n_embd=32, n_head=4,
+                         block_size=16, batch_size=8, max_iters=1), **overrides})
+    t = Trainer(cfg)
+    t.train_step()
+    itemsize = np.dtype(cfg.dtype).itemsize
+    layout = Layout(1, 1, 1, 0, cfg.schedule, cfg.micro_batches)
+    pred = rank_memory(spec_of(cfg, t.model.vocab_size), layout, 0, itemsize, threads())
+    assert {**t.opt.memory(), "activations": t.last_stats.peak_bytes} == {
+        k: getattr(pred, k) for k in ("params", "grads", "optimizer", "workspace", "activations")}
+    assert n_params_match(cfg, t)
+
+
+def n_params_match(cfg: TrainConfig, t: Trainer) -> bool:
+    return spec_of(cfg, t.model.vocab_size).n_params == t.n_params
+
+
+def test_pipeline_peak_walks_the_schedule() -> None:
+    """GPipe holds all m micro-batches, 1F1B at most p on rank 0 (the middle of a 4-stage pipe)."""
+    model = ModelSpec(8, 4, 32, 16, 50, 16)
+    one = formulas.activation_bytes(micro_batch=2, seq=16, n_embd=32, n_head=4, n_layer=2, vocab=50, first=False, last=False)
+    gp = [rank_memory(model, Layout(1, 1, 4, 0, "gpipe", 8), r) for r in range(4)]
+    fb = [rank_memory(model, Layout(1, 1, 4, 0, "1f1b", 8), r) for r in range(4)]
+    assert gp[1].activations == gp[2].activations == 8 * one
+    assert [fb[1].activations, fb[2].activations] == [3 * one, 2 * one]  # rank s of 4 holds p - s
+    assert fb[0].activations > fb[3].activations  # rank 0 holds 4 (with the embedding), the last 1
+    # layout_memory keeps the ranks that can hold the most: first, second, last
+    assert max(m.total for m in layout_memory(model, Layout(1, 1, 4, 0, "1f1b", 8))) == max(m.total for m in fb)
+
+
+# ---------------------------------------------------------------------------------------
+# the search
+
+
+def test_every_listed_layout_passes_validate_and_no_valid_one_is_missing(char_dataset: Path, tmp_path: Path) -> None:
+    base = TrainConfig(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=4, batch_size=8)
+    shape, gpt = validate(base, 1)
+    model = spec_of(base, gpt.vocab_size)
+    for ranks in (1, 2, 4, 8):
+        listed = valid_layouts(base, model, ranks)
+        assert listed, ranks
+        for lay in listed:
+            validate(train_config(base, lay), ranks)  # raises if train would refuse it
+        rejected = 0
+        for lay in candidates(model, ranks):
+            if lay in listed:
+                continue
+            rejected += 1
+            with pytest.raises(UserError):
+                validate(train_config(base, lay), ranks)
+        assert len(set(listed)) == len(listed)
+    # tp=8 cannot split 4 heads: never listed
+    assert not [lay for lay in valid_layouts(base, model, 8) if lay.tp == 8]
+
+
+# ---------------------------------------------------------------------------------------
+# cost models
+
+
+def test_ring_and_tree_hand_worked() -> None:
+    # all-reduce of 1000 B on 4 ranks, α = 1 s, β = 100 B/s: ring 2·3·1 + 2·3·250/100 = 21; tree 2·2·1 + 2·1000/100 = 24
+    assert costs.ring_time("all_reduce", 1000, 4, 1.0, 100.0) == pytest.approx(21.0)
+    assert costs.tree_time("all_reduce", 1000, 4, 1.0, 100.0) == pytest.approx(24.0)
+    assert costs.collective_time("all_reduce", 1000, 4, 1.0, 100.0) == pytest.approx(21.0)
+    # tiny payload on many ranks: the tree's log2 latency wins (ring 2·63 = 126 s, tree 2·6 + ...)
+    assert costs.collective_time("all_reduce", 8, 64, 1.0, 1e9) == pytest.approx(12.0, rel=1e-6)
+    assert costs.ring_time("all_gather", 1000, 4, 1.0, 100.0) == pytest.approx(3 + 7.5)
+    assert costs.ring_time("send", 1000, 2, 1.0, 100.0) == pytest.approx(11.0)
+    assert costs.ring_time("all_reduce", 1000, 1, 1.0, 100.0) == 0.0
+
+
+def test_interpolation_and_fit() -> None:
+    pts = [(10.0, 1.0), (1000.0, 100.0)]
+    assert costs.interp_loglog(pts, 100.0) == pytest.approx(10.0)
+    assert costs.interp_time(pts, 1.0) == 1.0  # below the smallest: its time (a per-call floor)
+    assert costs.interp_time(pts, 2000.0) == pytest.approx(200.0)  # above: its rate
+    alpha, beta = 2e-6, 5e9
+    meas = [(s, 6 * alpha + 1.5 * s / beta) for s in (1e3, 1e5, 1e7)]  # ring all-reduce on 4 ranks
+    a, b = costs.fit_alpha_beta(meas, 6, 1.5)
+    assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(beta, rel=1e-6)
+
+
+def synthetic_profile(**kw) -> Profile:
+    return Profile(name="test", source="test", itemsize=4, memory_bytes=1e9, devices_per_node=8, peak_flops=1e12,
+                   gemm_efficiency=0.5, mem_bandwidth=1e11, intra=Link(1e-6, 1e10), inter=Link(1e-5, 1e9), **kw)
+
+
+def test_time_model_single_rank_is_micro_batches_times_a_pass() -> None:
+    model = ModelSpec(4, 4, 64, 32, 100, 8)
+    prof = synthetic_profile()
+    one = predict_time(model, Layout(1, 1, 1, 0, "1f1b", 1), prof)
+    two = predict_time(model, Layout(1, 1, 1, 0, "1f1b", 2), prof)
+    # GEMMs and element-wise work are linear in tokens on a spec profile: same compute
+    assert two.compute == pytest.approx(one.compute, rel=1e-9)
+    assert one.comm == {"tp": 0.0, "pp": 0.0, "dp": 0.0, "other": 0.0} and one.bubble == 0.0
+    assert one.total == pytest.approx(one.compute + one.optimizer)
+    # the model's FLOPs over the achieved rate bound the compute from below
+    flops = 6 * model.n_params * model.tokens_per_step
+    assert one.compute > flops / (prof.peak_flops * prof.gemm_efficiency)
+
+
+def test_time_model_bubble_is_simulate_and_comm_is_exposed_per_axis() -> None:
+    model = ModelSpec(8, 4, 64, 32, 100, 16)
+    prof = synthetic_profile()
+    pp = predict_time(model, Layout(1, 1, 4, 0, "1f1b", 4), prof)
+    gp = predict_time(model, Layout(1, 1, 4, 0, "gpipe", 4), prof)
+    zb = predict_time(model, Layout(1, 1, 4, 0, "zb-h1", 4), prof)
+    assert pp.bubble > 0 and zb.bubble < pp.bubble  # zero-bubble fills the cool-down with W
+    assert gp.bubble == pytest.approx(pp.bubble, rel=1e-9)  # the same idle time, more memory
+    assert pp.comm["pp"] > 0
+    tp = predict_time(model, Layout(1, 4, 1, 0, "1f1b", 1), prof)
+    assert tp.comm["tp"] > 0 and tp.comm["dp"] == 0
+    z = [predict_time(model, Layout(4, 1, 1, s, "1f1b", 2), prof) for s in range(4)]
+    assert z[3].comm["dp"] > z[0].comm["dp"]  # ZeRO-3 gathers parameters in every F and B
+    no_overlap = predict_time(model, Layout(4, 1, 1, 0, "1f1b", 2), attrs.evolve(prof, overlap=False))
+    assert no_overlap.comm["dp"] >= z[0].comm["dp"]
+
+
+def test_placement_tp_inside_a_node_first() -> None:
+    model = ModelSpec(8, 8, 64, 32, 100, 64)
+    prof = synthetic_profile()
+    inside = predict_time(model, Layout(2, 8, 1, 0, "1f1b", 1), prof)  # tp=8 fills a node of 8
+    across = predict_time(model, Layout(1, 8, 2, 0, "1f1b", 2), attrs.evolve(prof, devices_per_node=4))
+    assert across.comm["tp"] > inside.comm["tp"] * 2  # tp over the slower inter-node link
+
+
+def test_plan_sorts_fitting_first_then_fastest(char_dataset: Path, tmp_path: Path) -> None:
+    base = TrainConfig(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=4, batch_size=8)
+    model = spec_of(base, 20)
+    preds = plan(base, model, 4, synthetic_profile(), 0.0, 4)
+    tps = [p.tokens_per_s for p in preds]
+    assert tps == sorted(tps, reverse=True)
+    small = min(p.memory.total for p in preds)
+    limited = plan(base, model, 4, synthetic_profile(), small, 4)
+    fits = [p.fits for p in limited]
+    assert fits[0] and fits == sorted(fits, reverse=True) and not all(fits)
+
+
+# ---------------------------------------------------------------------------------------
+# profiles
+
+
+def test_builtin_profiles_load() -> None:
+    names = builtin_profiles()
+    assert {"a100-80gb", "h100-80gb"} <= set(names)
+    for name in names:
+        p = load_profile(name)
+        assert p.peak_flops > 0 and p.mem_bandwidth > 0 and p.source
+
+
+def test_measured_profile_round_trip_and_lookup(tmp_path: Path) -> None:
+    meas = Measured(2, 1, {"1,64,64,64": 1e-4}, ((1e3, 1e-6), (1e9, 1e-2)), {"copy": ((10.0, 1e-6), (1e6, 1e-3))},
+                    {"all_reduce:2": ((8.0, 1e-5), (1e6, 1e-3)), "send": ((8.0, 1e-5), (1e6, 5e-4))})
+    prof = Profile(name="local", source="test", cores=2, overlap=False, measured={2: meas})
+    path = save_profile(prof, tmp_path / "p.json")
+    back = load_profile(str(path))
+    assert back == prof
+    assert back.gemm_time(1, 64, 64, 64, 2) == 1e-4  # an exact shape
+    assert back.gemm_time(1, 1000, 1000, 500, 2) == pytest.approx(1e-2 * 1e9 / 1e9)  # the curve
+    assert back.gemm_time(1, 64, 64, 64, 4) == pytest.approx(2e-4)  # 4 ranks share 2 cores: twice as slow as 2
+    assert back.comm_time("all_reduce", 1e6, 2, True, 2) == pytest.approx(1e-3)
+    assert back.comm_time("reduce_scatter", 1e6, 2, True, 2) == pytest.approx(5e-4)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{", "not valid JSON"),
+    ('{"name": "x", "source": "y", "colour": 1}', "unknown keys colour"),
+    ('{"name": "x", "source": "y"}', "neither measurements nor peak_flops"),
+])
+def test_bad_profiles(tmp_path: Path, text: str, match: str) -> None:
+    (tmp_path / "p.json").write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_profile(str(tmp_path / "p.json"))
+
+
+# ---------------------------------------------------------------------------------------
+# the command
+
+
+def invoke(args: list[str]):
+    return CliRunner().invoke(app, ["plan", *args])
+
+
+def test_cli_json_schema(char_dataset: Path) -> None:
+    res = invoke(["--ranks", "4", "--data", str(char_dataset), "--hardware", "a100-80gb", "--batch-size", "8", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)
+    assert len(rows) > 10
+    for r in rows:
+        assert {"mesh", "zero", "schedule", "micro_batches", "fits", "memory_bytes_per_rank", "step_time_s"} <= set(r)
+        assert isinstance(r["fits"], bool) and r["memory_bytes_per_rank"] > 0 and r["step_time_s"] > 0
+        dp, tp, pp = (int(x.split("=")[1]) for x in r["mesh"].split(","))
+        assert dp * tp * pp == 4
+    assert [r["step_time_s"] for r in rows] == sorted(r["step_time_s"] for r in rows)
+
+
+def test_cli_table_and_command(char_dataset: Path) -> None:
+    res = invoke(["--ranks", "2", "--data", str(char_dataset), "--hardware", "h100-80gb", "--top", "3"])
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 1 + 3 + 2 and lines[-1].startswith("best: mpirun -n 2 numesh train --mesh ")
+
+
+def test_cli_preset_at_scale() -> None:
+    res = invoke(["--ranks", "16", "--model", "gpt2-xl", "--hardware", "a100-80gb", "--memory-per-rank", "24GiB", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)
+    assert rows[0]["fits"] and not rows[-1]["fits"]  # dp=16 without ZeRO holds 1.5B parameters' state on every rank
+    assert all(r["fits"] == (r["memory_bytes_per_rank"] <= 24 * 2**30) for r in rows)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--ranks", "7"], "no layout of this model uses 7 ranks"),
+    (["--ranks", "2", "--memory-per-rank", "1KiB"], "no layout of this model fits in 1.0 KiB per rank"),
+    (["--ranks", "2", "--hardware", "tpu-v9"], "unknown hardware profile 'tpu-v9'"),
+    (["--ranks", "2", "--memory-per-rank", "lots"], "is not a size"),
+    (["--ranks", "2", "--model", "gpt5"], "unknown model preset 'gpt5'"),
+    ([], "give --ranks N"),
+])
+def test_cli_bad_input_is_one_line(char_dataset: Path, args: list[str], match: str) -> None:
+    res = invoke(["--data", str(char_dataset), "--hardware", "a100-80gb", "--batch-size", "12", *args])
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2, res.output
+    assert len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0], res.stderr
+
+
+def test_cli_missing_local_profile(char_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NUMESH_PROFILE_DIR", str(tmp_path / "none"))
+    res = invoke(["--ranks", "2", "--data", str(char_dataset)])
+    assert res.exit_code == 2 and "run `numesh plan --calibrate`" in res.stderr
