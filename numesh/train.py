@@ -368,7 +368,7 @@ def save_final(trainer: Trainer, out_dir: Path, keep: int = 0) -> Path:
     t0 = time.perf_counter()
     state = train_state(trainer)
     bad = sum(int(not np.isfinite(x).all()) for t in state.trees.values() for x in tree_leaves(t))
-    if psum_scalar(bad, trainer.mesh, ("pp", "dp", "tp")):
+    if psum_scalar(bad, trainer.mesh, ("pp", "dp", "cp", "tp")):
         raise ConfigError(f"not saving step {trainer.step}: its parameters or optimiser state are not finite")
     path = save_checkpoint(state, out_dir, keep=keep or None)
     if trainer.trace is not None:
@@ -475,7 +475,7 @@ def train(
         _resume(trainer, cfg)
     start, out = trainer.step, Path(cfg.out)
     # MFU's denominator: every rank's measured matmul throughput (see README)
-    peak = psum_scalar(matmul_peak_flops(trainer.dtype), trainer.mesh, ("pp", "dp", "tp"))
+    peak = psum_scalar(matmul_peak_flops(trainer.dtype), trainer.mesh, ("pp", "dp", "cp", "tp"))
     flops_per_peak = flops_per_token(trainer.model, trainer.n_params) / peak
     run = _open_run(trainer, cfg)
     observed_before = trainer.mesh.observer

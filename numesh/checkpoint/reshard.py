@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def target_mesh(source: dict[str, int], to: str) -> tuple[dict[str, int], list[s
     named = list(given)
     if not named:
         raise MeshError("--to names no mesh axis: pass e.g. tp=4")
-    n = sizes["pp"] * sizes["dp"] * sizes["tp"]
+    n = math.prod(sizes[a] for a in AXES)
     return parse_mesh(sizes, n), named
 
 
