@@ -1,7 +1,8 @@
 """The training loop, as a library function over an attrs config.
 
 Every rank runs the same loop on its shard of the mesh: draw its rows of the step's
-global batch, accumulate gradients over micro-batches, sum them over dp, clip by the
+global batch (with cp, its two chunks of each row's tokens), accumulate gradients over
+micro-batches, sum them over dp and cp, clip by the
 true global norm, take an AdamW step. Losses are means over the whole global batch, so
 the logged numbers are the same on every mesh.
 """
@@ -172,6 +173,11 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
             raise ConfigError(f"{name} must be in [0, 1), got {getattr(cfg, name)}")
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ConfigError(f"--out {cfg.out} is a file, not a directory: name a directory for the run")
+    if shape["cp"] > 1 and cfg.block_size % (2 * shape["cp"]):
+        raise ConfigError(
+            f"block_size={cfg.block_size} does not split into 2*cp={2 * shape['cp']} equal chunks (context parallelism's "
+            f"load balance): use a --block-size that is a multiple of {2 * shape['cp']} or a smaller cp"
+        )
     if cfg.batch_size % (shape["dp"] * cfg.micro_batches):
         raise ConfigError(
             f"batch_size {cfg.batch_size} is not divisible by dp={shape['dp']} x micro_batches={cfg.micro_batches}: "
@@ -248,7 +254,8 @@ class Trainer:
 
     def _micro_batches(self, data: np.ndarray, key: tuple[int, ...], count: int) -> list:
         c, mesh = self.cfg, self.mesh
-        return D.local_batch(data, key, c.batch_size, c.block_size, mesh.index("dp"), mesh.size("dp"), count)
+        return D.local_batch(data, key, c.batch_size, c.block_size, mesh.index("dp"), mesh.size("dp"), count,
+                             mesh.index("cp"), mesh.size("cp"))
 
     def train_step(self) -> tuple[float, float, float]:
         """One optimiser step on the global batch of `self.step`: (loss, grad norm, lr)."""
@@ -267,7 +274,7 @@ class Trainer:
         self.opt.begin_step(len(micro))
         stats = self.pipeline.run(self.schedule, micro, 1.0 / self.tokens_per_step, drops)
         self.last_stats = stats
-        loss = psum_scalar(stats.loss, mesh, ("pp", "dp"))
+        loss = psum_scalar(stats.loss, mesh, formulas.loss_axes(mesh.shape))
         t_opt = time.perf_counter()
         norm = self.opt.global_norm()
         lr = self.lr(self.step)
@@ -291,7 +298,7 @@ class Trainer:
         for split, data in (("train", self.train_data), ("val", self.val_data)):
             batches = [self._micro_batches(data, D.eval_key(c.seed, split, i), 1)[0] for i in range(c.eval_iters)]
             total = self.pipeline.forward_losses(batches)
-            total = psum_scalar(total, mesh, ("pp", "dp"))
+            total = psum_scalar(total, mesh, formulas.loss_axes(mesh.shape))
             out[f"{split}_loss"] = total / (c.eval_iters * self.tokens_per_step)
         if self.trace is not None:
             self.trace.span("evaluate", "eval", t0, None, {"step": self.step})

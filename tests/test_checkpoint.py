@@ -218,7 +218,7 @@ def test_round_trip_is_bit_exact(data: Path, tmp_path: Path) -> None:
     # the files: no pickle, padding never stored, meta.json complete
     meta = json.loads((step_dir / "meta.json").read_text())
     assert (meta["format"], meta["version"], meta["step"], meta["seed"]) == ("numesh-ckpt", 1, 3, 5)
-    assert meta["mesh"] == {"pp": 1, "dp": 1, "tp": 1} and meta["train"] == attrs.asdict(t.cfg)
+    assert meta["mesh"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 1} and meta["train"] == attrs.asdict(t.cfg)
     assert meta["model"]["vocab_size"] == 11 and len(meta["tokenizer"]["chars"]) == 11
     assert meta["leaves"]["m/wte"]["shape"] == [11, 16]
     assert meta["leaves"]["params/blocks.1.attn.qkv.w"]["spec"] == [None, None, "tp"]
@@ -408,7 +408,7 @@ def test_reshard_tp1_to_tp4_keeps_every_value(saved: Path, data: Path, tmp_path:
     out = reshard(tmp_path / "ckpt" / "latest", "tp=4")
     assert out == tmp_path / "ckpt" / "step_000003-tp4"
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["mesh"] == {"pp": 1, "dp": 1, "tp": 4}
+    assert meta["mesh"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 4}
     wte = meta["leaves"]["params/wte"]["files"]  # vocabulary 11 over tp=4: rows 3, 3, 3, 2 (+1 padding)
     assert [(r["offset"][0], r["shape"][0]) for r in wte] == [(0, 3), (3, 3), (6, 3), (9, 2)]
     assert len(meta["leaves"]["v/blocks.0.mlp.proj.w"]["files"]) == 4

@@ -25,11 +25,14 @@ the probabilities by global position, so it stays mesh-independent.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import attrs
 import numpy as np
 
-from numesh.nn.context_parallel import DKV_TAG, KV_TAG, Ring, positions
+from numesh.mesh import Mesh
+from numesh.nn.context_parallel import DKV_TAG, KV_TAG, MeshRing, Ring, positions
+from numesh.nn.layers import causal_attention_bwd, causal_attention_fwd
 
 
 @attrs.frozen
@@ -147,3 +150,19 @@ def ring_attention_bwd(ctx: RingAttnCtx, dy: np.ndarray, ring: Ring,
     dqs *= 1.0 / math.sqrt(hs)
     return dqs, dkv[0], dkv[1]
 
+
+
+def attention_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, drop_mask: np.ndarray | None,
+                  mesh: Mesh) -> tuple[np.ndarray, Any]:
+    """The block's attention core on any mesh: whole-sequence causal attention, or with
+    cp > 1 ring attention over the cp axis (q, k, v [B, H, T/cp, hs] of this rank's chunks)."""
+    if mesh.size("cp") == 1:
+        return causal_attention_fwd(q, k, v, drop_mask)
+    return ring_attention_fwd(q, k, v, MeshRing(mesh), drop_mask)
+
+
+def attention_bwd(ctx: Any, dy: np.ndarray, mesh: Mesh) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Backward of `attention_fwd`."""
+    if isinstance(ctx, RingAttnCtx):
+        return ring_attention_bwd(ctx, dy, MeshRing(mesh))
+    return causal_attention_bwd(ctx, dy)

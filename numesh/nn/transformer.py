@@ -17,13 +17,12 @@ import numpy as np
 
 from numesh.errors import ConfigError
 from numesh.mesh import Mesh
+from numesh.nn.context_parallel import CpSlice
 from numesh.nn.dropout import EMBED, DropoutKey, Site
 from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
 from numesh.nn.layers import (
     LayerNorm,
     Linear,
-    causal_attention_bwd,
-    causal_attention_fwd,
     gelu_bwd,
     gelu_fwd,
     layernorm_bwd,
@@ -40,6 +39,7 @@ from numesh.nn.parallel import (
     vocab_parallel_embedding_bwd,
     vocab_parallel_embedding_fwd,
 )
+from numesh.nn.ring_attention import attention_bwd, attention_fwd
 
 
 def local_heads(cfg: GPTConfig, mesh: Mesh) -> tuple[int, int, slice]:
@@ -96,28 +96,30 @@ class BlockWeightCtx:
     mlp_proj: LinearIO
 
 
-def _drop_residual(y: np.ndarray, drop: DropoutKey | None, site: Site) -> np.ndarray:
+def _drop_residual(y: np.ndarray, drop: DropoutKey | None, site: Site, cp: CpSlice) -> np.ndarray:
     """y times `site`'s residual-dropout mask (a new array), or y itself without dropout."""
     if drop is None:
         return y
-    return y * drop.mask(site, y.shape[0], y.shape[1:]).astype(y.dtype)
+    return y * drop.seq_mask(site, y.shape[0], y.shape[1], y.shape[2:], cp).astype(y.dtype)
 
 
 def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
               drop: DropoutKey | None = None) -> tuple[np.ndarray, BlockCtx]:
-    """One transformer block on x [B, T, C], replicated over tp."""
+    """One transformer block on x [B, T, C], replicated over tp (with cp, T is this rank's
+    two chunks of each sequence and attention runs around the cp ring)."""
     B, T, C = x.shape
     nh, hs, heads = local_heads(cfg, mesh)
+    cp = CpSlice.of(mesh)
     h1, ln1 = layernorm_fwd(p.ln1, x)  # f: identity forward
     qkv, _ = linear_fwd(p.attn.qkv, h1)
     qkv = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # [3, B, nh, T, hs]
-    att_mask = drop.mask(Site("attn", layer), B, (cfg.n_head, T, T), (heads,)).astype(x.dtype) if drop else None
-    a, attn = causal_attention_fwd(qkv[0], qkv[1], qkv[2], att_mask)
+    att_mask = drop.attn_mask(layer, B, cfg.n_head, T, heads, cp).astype(x.dtype) if drop else None
+    a, attn = attention_fwd(qkv[0], qkv[1], qkv[2], att_mask, mesh)
     a = a.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)  # [B, T, C/tp]
     y, _ = linear_fwd(Linear(p.attn.proj.w), a)
     y = bias_add(reduce_from_tp(y, mesh), p.attn.proj.b)  # g
     if drop:
-        y *= drop.mask(Site("attn_out", layer), B, (T, C))
+        y *= drop.seq_mask(Site("attn_out", layer), B, T, (C,), cp)
     x = x + y
     h2, ln2 = layernorm_fwd(p.ln2, x)
     u, _ = linear_fwd(p.mlp.fc, h2)
@@ -125,7 +127,7 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
     z, _ = linear_fwd(Linear(p.mlp.proj.w), g)
     z = bias_add(reduce_from_tp(z, mesh), p.mlp.proj.b)
     if drop:
-        z *= drop.mask(Site("mlp_out", layer), B, (T, C))
+        z *= drop.seq_mask(Site("mlp_out", layer), B, T, (C,), cp)
     x += z
     return x, BlockCtx(ln1, h1, attn, a, ln2, h2, gelu, g, drop, layer)
 
@@ -135,16 +137,17 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mes
     what `block_bwd_weight` needs). LayerNorm and bias grads are cheap and done here."""
     B, T, C = dx.shape
     nh, hs, _ = local_heads(cfg, mesh)
+    cp = CpSlice.of(mesh)
     # MLP half
-    dz = _drop_residual(dx, ctx.drop, Site("mlp_out", ctx.layer))
+    dz = _drop_residual(dx, ctx.drop, Site("mlp_out", ctx.layer), cp)
     du = gelu_bwd(ctx.gelu, linear_bwd_input(p.mlp.proj, dz))
     dh2 = copy_to_tp_bwd(linear_bwd_input(p.mlp.fc, du), mesh)
     dx2, d_ln2 = layernorm_bwd(p.ln2, ctx.ln2, dh2)
     dx = dx + dx2
     # attention half
-    dy = _drop_residual(dx, ctx.drop, Site("attn_out", ctx.layer))
+    dy = _drop_residual(dx, ctx.drop, Site("attn_out", ctx.layer), cp)
     da = linear_bwd_input(p.attn.proj, dy).reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # [B, nh, T, hs]
-    dq, dk, dv = causal_attention_bwd(ctx.attn, da)
+    dq, dk, dv = attention_bwd(ctx.attn, da, mesh)
     dqkv = np.empty((B, T, 3, nh, hs), dtype=dx.dtype)
     dqkv[:, :, 0] = dq.transpose(0, 2, 1, 3)
     dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
@@ -183,26 +186,31 @@ class EmbedCtx:
     tok: Any  # the vocab-parallel lookup's context
     drop: DropoutKey | None
     T: int
+    pos: np.ndarray | None = None  # the tokens' positions when not 0..T-1 (cp: two chunks)
+    cp: CpSlice = CpSlice()
 
 
 def embed_fwd(params: GPT, idx: np.ndarray, cfg: GPTConfig, mesh: Mesh, drop: DropoutKey | None = None,
               pos0: int = 0) -> tuple[np.ndarray, EmbedCtx]:
-    """Token + position embedding of ids [B, T] starting at position `pos0`: x [B, T, C]."""
+    """Token + position embedding of ids [B, T] starting at position `pos0`: x [B, T, C].
+    With cp, `idx` is this rank's two chunks of each sequence, at their own positions."""
     T = idx.shape[1]
-    if pos0 + T > cfg.block_size:
-        raise ConfigError(f"sequence of {pos0 + T} tokens is longer than block_size={cfg.block_size}")
+    cp = CpSlice.of(mesh)
+    if pos0 + T * cp.size > cfg.block_size:
+        raise ConfigError(f"sequence of {pos0 + T * cp.size} tokens is longer than block_size={cfg.block_size}")
     tok, tok_ctx = vocab_parallel_embedding_fwd(params.wte, idx, mesh)
-    x = tok + params.wpe[pos0 : pos0 + T]
+    pos = cp.positions(T) if cp.size > 1 else None
+    x = tok + (params.wpe[pos0 : pos0 + T] if pos is None else params.wpe[pos])
     if drop:
-        x *= drop.mask(EMBED, x.shape[0], x.shape[1:])
-    return x, EmbedCtx(tok_ctx, drop, T)
+        x *= drop.seq_mask(EMBED, x.shape[0], T, x.shape[2:], cp)
+    return x, EmbedCtx(tok_ctx, drop, T, pos, cp)
 
 
 def embed_bwd(params: GPT, ctx: EmbedCtx, dx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(grad of wte from the lookup, grad of wpe)."""
-    dx = _drop_residual(dx, ctx.drop, EMBED)
+    dx = _drop_residual(dx, ctx.drop, EMBED, ctx.cp)
     dwpe = np.zeros_like(params.wpe)
-    dwpe[: ctx.T] = dx.sum(axis=0)
+    dwpe[slice(0, ctx.T) if ctx.pos is None else ctx.pos] = dx.sum(axis=0)
     return vocab_parallel_embedding_bwd(params.wte, ctx.tok, dx), dwpe
 
 
