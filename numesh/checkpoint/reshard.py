@@ -19,7 +19,7 @@ from numesh.checkpoint.format import (
     write_npy,
     write_text_synced,
 )
-from numesh.errors import CheckpointError
+from numesh.errors import CheckpointError, ConfigError
 from numesh.mesh import AXES, MeshError, parse_mesh
 from numesh.mesh.mesh import parse_axis_sizes
 from numesh.pipeline.stages import StageLayout
@@ -48,6 +48,9 @@ def reshard(path: str | Path, to: str, out: str | Path | None = None) -> Path:
     src_mesh = meta.raw.get("mesh") if isinstance(meta.raw.get("mesh"), dict) else {}
     sizes, named = target_mesh(src_mesh, to)
     meta.model.validate(sizes["tp"])
+    if sizes["cp"] > 1 and meta.model.block_size % (2 * sizes["cp"]):
+        raise ConfigError(f"block_size={meta.model.block_size} does not split into 2*cp={2 * sizes['cp']} equal chunks: "
+                          f"use a cp with 2*cp dividing {meta.model.block_size}")
     v = meta.raw.get("virtual_stages", 1)
     StageLayout(meta.model.n_layer, sizes["pp"], v if isinstance(v, int) and v >= 1 else 1)
     if out is None:
