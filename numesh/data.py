@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import attrs
 import numpy as np
 from numesh.errors import DataError
-from numesh.nn.context_parallel import take_local
+from numesh.mesh.zigzag import take_local
 
 SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -557,7 +557,7 @@ def local_batch(
     Rank r takes global rows r*B/dp ... (r+1)*B/dp; only those rows are read from `data`.
     Returns `micro_batches` pairs (x, y), each of shape (B/(dp*micro_batches), block_size/cp):
     with context parallelism, cp rank c keeps of each sequence its chunks c and 2cp-1-c of
-    2cp (`numesh.nn.context_parallel.positions`), inputs and targets alike.
+    2cp (`numesh.mesh.zigzag.positions`), inputs and targets alike.
     """
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise DataError(f"dp rank {dp_rank} is not in 0..{dp_size - 1}: check the mesh's dp axis")

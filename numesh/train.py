@@ -86,7 +86,7 @@ class TrainConfig:
     # run
     data: str = _field("data/shakespeare_char", "dataset directory written by `numesh data`")
     out: str = _field("runs/shakespeare_char", "output directory: config.json, metrics.jsonl, ckpt/")
-    mesh: str = _field("", "process mesh, e.g. dp=2,tp=2 (omitted axes = 1, one axis may be -1)")
+    mesh: str = _field("", "process mesh over pp, dp, cp, tp, e.g. dp=2,tp=2 or cp=2 (omitted axes = 1, one axis may be -1)")
     seed: int = _field(1337, "seed of the initial parameters, data order and dropout")
     dtype: str = _field("float32", "float32 or float64")
     # checkpoints

@@ -87,6 +87,20 @@ def test_positions_are_the_zigzag_chunks() -> None:
     np.testing.assert_array_equal(take_local(x, 2, 1), x[:, 4:12])
 
 
+def test_dropout_masks_of_a_cp_rank_are_its_positions_of_the_whole_mask() -> None:
+    from numesh.nn.context_parallel import CpSlice
+    from numesh.nn.dropout import DropoutKey, Site
+
+    key = DropoutKey(0.3, seed=1, step=2, row0=1, global_rows=3)
+    T, C, cp = 8, 5, 2
+    whole = key.seq_mask(Site("mlp_out", 1), 2, T, (C,), CpSlice())
+    att = key.attn_mask(1, 2, 4, T, slice(2, 4), CpSlice())
+    for r in range(cp):
+        pos = positions(T, cp, r)
+        np.testing.assert_array_equal(key.seq_mask(Site("mlp_out", 1), 2, T // cp, (C,), CpSlice(cp, r)), whole[:, pos])
+        np.testing.assert_array_equal(key.attn_mask(1, 2, 4, T // cp, slice(2, 4), CpSlice(cp, r)), att[:, :, pos])
+
+
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_every_rank_does_the_same_work(cp: int) -> None:
     """The load balance: off the diagonal every step is half a block on every rank, and the

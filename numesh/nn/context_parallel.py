@@ -1,10 +1,10 @@
 """Context parallelism's layout and communication: which tokens a cp rank holds, and the
 ring that passes K/V blocks (and their gradients) between the cp ranks.
 
-Load balancing (the "zigzag" layout of Megatron's context parallelism): a sequence of T
-tokens is cut into 2·cp chunks of T/(2cp); cp rank r holds chunk r and its mirror chunk
-2cp-1-r. Under a causal mask the front chunk of rank r sees few keys and the back chunk
-many, so every rank does the same attention work (see `numesh.nn.ring_attention`).
+Load balancing (the "zigzag" layout of Megatron's context parallelism, `numesh.mesh.zigzag`):
+a sequence of T tokens is cut into 2·cp chunks of T/(2cp); cp rank r holds chunk r and its
+mirror chunk 2cp-1-r. Under a causal mask the front chunk of rank r sees few keys and the
+back chunk many, so every rank does the same attention work (see `numesh.nn.ring_attention`).
 
 The ring's communication is kept apart from the attention math (picotron's layout): the
 math asks a `Ring` to start passing some arrays to the next rank and later waits for what
@@ -20,35 +20,13 @@ import attrs
 import numpy as np
 
 from numesh.mesh import Handle, Mesh, irecv, isend
+from numesh.mesh.zigzag import chunk_ids, chunk_len, positions, take_local
+
+__all__ = ["CpSlice", "DKV_TAG", "KV_TAG", "MeshRing", "Ring", "Transfer", "chunk_ids", "chunk_len", "positions",
+           "take_local"]
 
 # tags of the ring's two message streams (K/V blocks, and dK/dV accumulators going home)
 KV_TAG, DKV_TAG = 71, 72
-
-
-def chunk_len(seq_len: int, cp: int) -> int:
-    """Tokens per chunk: a sequence of `seq_len` is cut into 2·cp chunks."""
-    return seq_len // (2 * cp)
-
-
-def chunk_ids(cp: int, r: int) -> tuple[int, int]:
-    """The two chunks cp rank `r` holds: its front chunk r and the mirrored back chunk."""
-    return r, 2 * cp - 1 - r
-
-
-def positions(seq_len: int, cp: int, r: int) -> np.ndarray:
-    """Global positions [T/cp] of the tokens cp rank `r` holds, in its local order."""
-    if cp == 1:
-        return np.arange(seq_len)
-    c = chunk_len(seq_len, cp)
-    a, b = chunk_ids(cp, r)
-    return np.concatenate([np.arange(a * c, (a + 1) * c), np.arange(b * c, (b + 1) * c)])
-
-
-def take_local(x: np.ndarray, cp: int, r: int, axis: int = 1) -> np.ndarray:
-    """cp rank `r`'s tokens of `x` (whole sequences along `axis`), contiguous."""
-    if cp == 1:
-        return x
-    return np.ascontiguousarray(np.take(x, positions(x.shape[axis], cp, r), axis=axis))
 
 
 @attrs.frozen
