@@ -283,7 +283,7 @@ def sample_cmd(
 @app.command("reshard", cls=_Command)
 def reshard_cmd(
     ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT", show_default=False),
-    to: str = typer.Option(..., "--to", help="target mesh, e.g. tp=4 (axes not named keep the checkpoint's size)"),
+    to: str = typer.Option(..., "--to", help="target mesh, e.g. tp=4 or cp=2,tp=2 (axes not named keep the checkpoint's size)"),
     out: Optional[Path] = typer.Option(None, help="output directory", show_default="a sibling such as step_000100-tp4"),
 ) -> None:
     """Rewrite a checkpoint as another mesh's ranks would have written it (one process; any mesh can also load any checkpoint directly)."""

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import attrs
 import numpy as np
 from numesh.errors import DataError
+from numesh.mesh.zigzag import take_local
 
 SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -548,11 +549,15 @@ def local_batch(
     dp_rank: int,
     dp_size: int,
     micro_batches: int,
+    cp_rank: int = 0,
+    cp_size: int = 1,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """This dp rank's share of the global batch for `key`, split in order into micro-batches.
 
     Rank r takes global rows r*B/dp ... (r+1)*B/dp; only those rows are read from `data`.
-    Returns `micro_batches` pairs (x, y), each of shape (B/(dp*micro_batches), block_size).
+    Returns `micro_batches` pairs (x, y), each of shape (B/(dp*micro_batches), block_size/cp):
+    with context parallelism, cp rank c keeps of each sequence its chunks c and 2cp-1-c of
+    2cp (`numesh.mesh.zigzag.positions`), inputs and targets alike.
     """
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise DataError(f"dp rank {dp_rank} is not in 0..{dp_size - 1}: check the mesh's dp axis")
@@ -567,6 +572,11 @@ def local_batch(
     per_rank = batch_size // dp_size
     mine = offsets[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     x, y = read_rows(data, mine, block_size)
+    if cp_size > 1:
+        if block_size % (2 * cp_size):
+            raise DataError(f"block_size {block_size} does not split into 2*cp={2 * cp_size} chunks: "
+                            f"use a --block-size that is a multiple of {2 * cp_size}")
+        x, y = take_local(x, cp_size, cp_rank), take_local(y, cp_size, cp_rank)  # [B/dp, T/cp]
     per_micro = per_rank // micro_batches
     return [
         (x[m * per_micro : (m + 1) * per_micro], y[m * per_micro : (m + 1) * per_micro])

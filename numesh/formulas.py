@@ -117,6 +117,34 @@ def pp_send_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, itemsiz
     return act * (int(not chunk.last) + int(not chunk.first))
 
 
+def loss_axes(shape: dict[str, int]) -> tuple[str, ...]:
+    """Axes a step's loss (a sum of per-token losses) is all-reduced over: the last pipeline
+    stage holds it, each dp rank for its rows and, with cp, each cp rank for its tokens."""
+    return ("pp", "dp", "cp") if shape.get("cp", 1) > 1 else ("pp", "dp")
+
+
+def cp_ring_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, tp: int, cp: int, itemsize: int) -> int:
+    """Payload bytes one micro-batch sends around the cp ring through a chunk (ring
+    attention, `numesh.nn.ring_attention`). A K or V block is rows × T/cp tokens × C/tp
+    (this tp rank's heads); per layer the forward passes cp-1 K and V blocks, the backward
+    cp-1 K and V blocks again and cp dK and dV accumulators (the last hop takes each home)."""
+    if cp == 1:
+        return 0
+    blk = rows * (block_size // cp) * (n_embd // tp) * itemsize
+    return chunk.blocks * (2 * (cp - 1) + 2 * (cp - 1) + 2 * cp) * blk
+
+
+def cp_grad_bytes(zero: int, micro_batches: int, padded_blocks: int, padded_outer: int, itemsize: int) -> int:
+    """Payload bytes of gradients all-reduced over cp alone in one step under ZeRO 1-3 (ZeRO
+    0 all-reduces over dp×cp jointly instead: `dp_bytes` on "dp+cp"): stage 1 each unit
+    once, stages 2/3 each block per micro-batch and the outer unit once (see `dp_bytes`)."""
+    if zero == 0:
+        return 0
+    if zero == 1:
+        return (padded_blocks + padded_outer) * itemsize
+    return (micro_batches * padded_blocks + padded_outer) * itemsize
+
+
 def norm_axes(shape: dict[str, int], zero: int) -> tuple[str, ...]:
     """Axes the gradient norm's partial sums are all-reduced over."""
     axes = [a for a in ("pp", "tp") if shape[a] > 1]
@@ -149,8 +177,11 @@ def step_bytes(
     between the first and last pp rank when pp > 1 (0 on other ranks); `split_backward`
     whether the schedule runs W apart from B (zb-h1); `sequence_parallel` whether tp also
     splits the sequence, and then `tp_partial_values` the LayerNorm gradient values this
-    rank holds (its dp shard of them under ZeRO >= 1), all-reduced over tp once per step."""
+    rank holds (its dp shard of them under ZeRO >= 1), all-reduced over tp once per step.
+    With cp, add the ring's K/V traffic and the gradients' sum over cp (`cp_ring_bytes`,
+    `cp_grad_bytes`)."""
     out: dict[tuple[str, str], int] = {}
+    cp = shape.get("cp", 1)
 
     def add(axes: str, op: str, n: int) -> None:
         if n:
@@ -158,23 +189,28 @@ def step_bytes(
 
     chunks = list(chunks)
     m = micro_batches
-    if shape["dp"] > 1:
+    if shape["dp"] > 1 or (cp > 1 and zero == 0):
         for op, n in dp_bytes(zero, m, padded_blocks, padded_outer, itemsize, split_backward).items():
-            add("dp", op, n)
+            if shape["dp"] > 1 or op == "all_reduce":
+                add("dp+cp" if cp > 1 and zero == 0 else "dp", op, n)
+    if cp > 1:
+        add("cp", "send", m * sum(cp_ring_bytes(c, rows, block_size, n_embd, shape["tp"], cp, itemsize) for c in chunks))
+        add("cp", "all_reduce", cp_grad_bytes(zero, m, padded_blocks, padded_outer, itemsize))
+    t = block_size // cp  # tokens of each sequence on this rank
     if shape["tp"] > 1 and sequence_parallel:
         for c in chunks:
-            for op, n in tp_sequence_parallel_bytes(c, rows, block_size, n_embd, itemsize).items():
+            for op, n in tp_sequence_parallel_bytes(c, rows, t, n_embd, itemsize).items():
                 add("tp", op, m * n)
         add("tp", "all_reduce", tp_partial_values * itemsize)
     elif shape["tp"] > 1:
-        add("tp", "all_reduce", m * sum(tp_all_reduce_bytes(c, rows, block_size, n_embd, itemsize) for c in chunks))
+        add("tp", "all_reduce", m * sum(tp_all_reduce_bytes(c, rows, t, n_embd, itemsize) for c in chunks))
     if shape["pp"] > 1:
         split = shape["tp"] if sequence_parallel else 1
-        add("pp", "send", m * sum(pp_send_bytes(c, rows, block_size, n_embd, itemsize, split) for c in chunks))
+        add("pp", "send", m * sum(pp_send_bytes(c, rows, t, n_embd, itemsize, split) for c in chunks))
         if tied_bytes:
             add(f"pp[0,{shape['pp'] - 1}]", "all_reduce", tied_bytes)
-    if shape["pp"] * shape["dp"] > 1:  # the step's loss
-        add("pp+dp", "all_reduce", SCALAR)
+    if shape["pp"] * shape["dp"] * cp > 1:  # the step's loss
+        add("+".join(loss_axes(shape)), "all_reduce", SCALAR)
     if axes := norm_axes(shape, zero):  # the gradient norm
         add("+".join(axes), "all_reduce", SCALAR)
     return out

@@ -153,10 +153,10 @@ def pipeline_bubble(trace: dict) -> dict[str, Any]:
     shape, ranks, evs = m["mesh"], _ranks(trace), rank_events(trace)
     p = shape["pp"]
     sched = make_schedule(m["schedule"], p, m["micro_batches"], m["virtual_stages"])
-    pipes: dict[tuple, dict[int, int]] = {}  # (dp, tp) -> pp index -> rank
+    pipes: dict[tuple, dict[int, int]] = {}  # (dp, cp, tp) -> pp index -> rank
     for r, info in ranks.items():
         c = info["coords"]
-        pipes.setdefault((c["dp"], c["tp"]), {})[c["pp"]] = r
+        pipes.setdefault((c["dp"], c.get("cp", 0), c["tp"]), {})[c["pp"]] = r
     durations: dict[str, list[float]] = {"F": [], "B": [], "W": []}
     per_stage: dict[tuple[str, int], list[float]] = {}  # (kind, global stage) -> durations
     fractions, idle = [], [[] for _ in range(p)]

@@ -16,6 +16,7 @@ from numesh.checkpoint import import_nanogpt, pad_vocab, read_global_params, rea
 from numesh.data import CharTokenizer
 from numesh.errors import CheckpointError, ConfigError
 from numesh.mesh import Mesh, shard
+from numesh.mesh.mesh import parse_axis_sizes
 from numesh.nn.decode import logits_cached, logits_last, new_kv_cache
 from numesh.nn.gpt import GPT, GPTConfig, gpt_specs
 from numesh.tree import tree_map
@@ -135,6 +136,8 @@ class SampleConfig:
             raise ConfigError(f"--top-k must be >= 1 (or 0 for all), got {self.top_k}")
         if self.seed < 0:
             raise ConfigError(f"--seed must be >= 0, got {self.seed}")
+        if parse_axis_sizes(self.mesh or "").get("cp", 1) != 1:  # generation adds one token at a time: nothing to split
+            raise ConfigError("sampling does not run with context parallelism: use a mesh without cp, e.g. --mesh tp=N")
 
 
 def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:

@@ -1,7 +1,8 @@
 """The training loop, as a library function over an attrs config.
 
 Every rank runs the same loop on its shard of the mesh: draw its rows of the step's
-global batch, accumulate gradients over micro-batches, sum them over dp, clip by the
+global batch (with cp, its two chunks of each row's tokens), accumulate gradients over
+micro-batches, sum them over dp and cp, clip by the
 true global norm, take an AdamW step. Losses are means over the whole global batch, so
 the logged numbers are the same on every mesh.
 """
@@ -89,7 +90,7 @@ class TrainConfig:
     # run
     data: str = _field("data/shakespeare_char", "dataset directory written by `numesh data`")
     out: str = _field("runs/shakespeare_char", "output directory: config.json, metrics.jsonl, ckpt/")
-    mesh: str = _field("", "process mesh, e.g. dp=2,tp=2 (omitted axes = 1, one axis may be -1)")
+    mesh: str = _field("", "process mesh over pp, dp, cp, tp, e.g. dp=2,tp=2 or cp=2 (omitted axes = 1, one axis may be -1)")
     seed: int = _field(1337, "seed of the initial parameters, data order and dropout")
     dtype: str = _field("float32", "float32 or float64")
     # checkpoints
@@ -196,6 +197,14 @@ def check_layout(cfg: TrainConfig, n_ranks: int, vocab_size: int) -> tuple[dict[
     model of `vocab_size` tokens: no dataset needed, so `numesh plan` asks the same."""
     check_options(cfg, n_ranks)
     shape = parse_mesh(cfg.mesh, n_ranks)
+    if shape["cp"] > 1 and cfg.block_size % (2 * shape["cp"]):
+        raise ConfigError(
+            f"block_size={cfg.block_size} does not split into 2*cp={2 * shape['cp']} equal chunks (context parallelism's "
+            f"load balance): use a --block-size that is a multiple of {2 * shape['cp']} or a smaller cp"
+        )
+    if shape["cp"] > 1 and cfg.sequence_parallel:
+        raise ConfigError("--sequence-parallel together with cp > 1 is not supported yet: drop --sequence-parallel "
+                          "or use a mesh without cp")
     if cfg.batch_size % (shape["dp"] * cfg.micro_batches):
         raise ConfigError(
             f"batch_size {cfg.batch_size} is not divisible by dp={shape['dp']} x micro_batches={cfg.micro_batches}: "
@@ -274,7 +283,8 @@ class Trainer:
 
     def _micro_batches(self, data: np.ndarray, key: tuple[int, ...], count: int) -> list:
         c, mesh = self.cfg, self.mesh
-        return D.local_batch(data, key, c.batch_size, c.block_size, mesh.index("dp"), mesh.size("dp"), count)
+        return D.local_batch(data, key, c.batch_size, c.block_size, mesh.index("dp"), mesh.size("dp"), count,
+                             mesh.index("cp"), mesh.size("cp"))
 
     def train_step(self) -> tuple[float, float, float]:
         """One optimiser step on the global batch of `self.step`: (loss, grad norm, lr)."""
@@ -293,7 +303,7 @@ class Trainer:
         self.opt.begin_step(len(micro))
         stats = self.pipeline.run(self.schedule, micro, 1.0 / self.tokens_per_step, drops)
         self.last_stats = stats
-        loss = psum_scalar(stats.loss, mesh, ("pp", "dp"))
+        loss = psum_scalar(stats.loss, mesh, formulas.loss_axes(mesh.shape))
         t_opt = time.perf_counter()
         norm = self.opt.global_norm()
         lr = self.lr(self.step)
@@ -317,7 +327,7 @@ class Trainer:
         for split, data in (("train", self.train_data), ("val", self.val_data)):
             batches = [self._micro_batches(data, D.eval_key(c.seed, split, i), 1)[0] for i in range(c.eval_iters)]
             total = self.pipeline.forward_losses(batches)
-            total = psum_scalar(total, mesh, ("pp", "dp"))
+            total = psum_scalar(total, mesh, formulas.loss_axes(mesh.shape))
             out[f"{split}_loss"] = total / (c.eval_iters * self.tokens_per_step)
         if self.trace is not None:
             self.trace.span("evaluate", "eval", t0, None, {"step": self.step})
@@ -395,7 +405,7 @@ def save_final(trainer: Trainer, out_dir: Path, keep: int = 0) -> Path:
     t0 = time.perf_counter()
     state = train_state(trainer)
     bad = sum(int(not np.isfinite(x).all()) for t in state.trees.values() for x in tree_leaves(t))
-    if psum_scalar(bad, trainer.mesh, ("pp", "dp", "tp")):
+    if psum_scalar(bad, trainer.mesh, ("pp", "dp", "cp", "tp")):
         raise ConfigError(f"not saving step {trainer.step}: its parameters or optimiser state are not finite")
     path = save_checkpoint(state, out_dir, keep=keep or None)
     if trainer.trace is not None:
@@ -502,7 +512,7 @@ def train(
         _resume(trainer, cfg)
     start, out = trainer.step, Path(cfg.out)
     # MFU's denominator: every rank's measured matmul throughput (see README)
-    peak = psum_scalar(matmul_peak_flops(trainer.dtype), trainer.mesh, ("pp", "dp", "tp"))
+    peak = psum_scalar(matmul_peak_flops(trainer.dtype), trainer.mesh, ("pp", "dp", "cp", "tp"))
     flops_per_peak = flops_per_token(trainer.model, trainer.n_params) / peak
     run = _open_run(trainer, cfg)
     observed_before = trainer.mesh.observer

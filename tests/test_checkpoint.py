@@ -133,7 +133,7 @@ class FakeMesh:
         return i
 
 
-@pytest.mark.parametrize("sizes", [dict(pp=1, dp=1, tp=1), dict(pp=2, dp=2, tp=2), dict(pp=1, dp=3, tp=4)])
+@pytest.mark.parametrize("sizes", [dict(pp=1, dp=1, cp=1, tp=1), dict(pp=2, dp=2, cp=1, tp=2), dict(pp=1, dp=3, cp=1, tp=4), dict(pp=1, dp=2, cp=2, tp=2)])
 def test_block_region_is_local_slices_and_blocks_tile(sizes: dict[str, int]) -> None:
     from numesh.nn.gpt import GPTConfig
 
@@ -218,7 +218,7 @@ def test_round_trip_is_bit_exact(data: Path, tmp_path: Path) -> None:
     # the files: no pickle, padding never stored, meta.json complete
     meta = json.loads((step_dir / "meta.json").read_text())
     assert (meta["format"], meta["version"], meta["step"], meta["seed"]) == ("numesh-ckpt", 1, 3, 5)
-    assert meta["mesh"] == {"pp": 1, "dp": 1, "tp": 1} and meta["train"] == attrs.asdict(t.cfg)
+    assert meta["mesh"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 1} and meta["train"] == attrs.asdict(t.cfg)
     assert meta["model"]["vocab_size"] == 11 and len(meta["tokenizer"]["chars"]) == 11
     assert meta["leaves"]["m/wte"]["shape"] == [11, 16]
     assert meta["leaves"]["params/blocks.1.attn.qkv.w"]["spec"] == [None, None, "tp"]
@@ -408,7 +408,7 @@ def test_reshard_tp1_to_tp4_keeps_every_value(saved: Path, data: Path, tmp_path:
     out = reshard(tmp_path / "ckpt" / "latest", "tp=4")
     assert out == tmp_path / "ckpt" / "step_000003-tp4"
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["mesh"] == {"pp": 1, "dp": 1, "tp": 4}
+    assert meta["mesh"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 4}
     wte = meta["leaves"]["params/wte"]["files"]  # vocabulary 11 over tp=4: rows 3, 3, 3, 2 (+1 padding)
     assert [(r["offset"][0], r["shape"][0]) for r in wte] == [(0, 3), (3, 3), (6, 3), (9, 2)]
     assert len(meta["leaves"]["v/blocks.0.mlp.proj.w"]["files"]) == 4
@@ -426,6 +426,22 @@ def test_reshard_tp1_to_tp4_keeps_every_value(saved: Path, data: Path, tmp_path:
     assert json.loads((back / "meta.json").read_text())["mesh"]["tp"] == 2
     assert_states_equal(read_state(back)[1], read_state(saved)[1])
     assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+
+
+def test_reshard_to_a_cp_mesh_writes_the_same_blocks(saved: Path, data: Path, tmp_path: Path) -> None:
+    """Parameters are replicated over cp: a cp mesh's checkpoint has the blocks of the same
+    mesh without cp (written by cp index 0), and loads back to the same state."""
+    out = reshard(saved, "cp=2,tp=2", tmp_path / "cp2tp2")
+    ref = reshard(saved, "tp=2", tmp_path / "tp2")
+    meta, want = (json.loads((d / "meta.json").read_text()) for d in (out, ref))
+    assert meta["mesh"] == {"pp": 1, "dp": 1, "cp": 2, "tp": 2}
+    assert meta["leaves"] == want["leaves"]
+    assert_states_equal(read_state(out)[1], read_state(saved)[1])
+    b = Trainer(config(data, tmp_path / "b"), MPI.COMM_SELF)
+    restore(b, out)
+    assert b.step == 3
+    with pytest.raises(ConfigError, match=r"block_size=8 does not split into 2\*cp=6 equal chunks"):
+        reshard(saved, "cp=3", tmp_path / "x")
 
 
 def test_reshard_validates_the_target(saved: Path, tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ def test_train_help_shows_every_default_in_brackets() -> None:
         (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 0"),
         (["--temperature", "-1"], "--temperature must be >= 0"),
         (["--seed", "-1"], "--seed must be >= 0"),
+        (["--mesh", "cp=2"], "sampling does not run with context parallelism: use a mesh without cp"),
     ],
 )
 def test_sample_bad_values_are_one_line(args: list[str], message: str) -> None:

@@ -281,6 +281,29 @@ def test_local_batch_mesh_independent(dataset: Path, dp: int, mb: int) -> None:
     np.testing.assert_array_equal(np.concatenate([y for _, y in parts]), gy)
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_local_batch_with_cp_takes_the_zigzag_chunks(dataset: Path, cp: int) -> None:
+    """cp rank c holds chunks c and 2cp-1-c of each of its dp rows, inputs and targets;
+    together the cp ranks hold every token of the global batch exactly once."""
+    from numesh.nn.context_parallel import positions
+
+    data = load_split(dataset, "train")
+    B, T, dp = 8, 16, 2
+    key = train_key(11, 4)
+    gx, gy = read_rows(data, batch_offsets(key, len(data), B, T), T)
+    for r in range(dp):
+        rows = slice(r * B // dp, (r + 1) * B // dp)
+        x_full, y_full = np.zeros_like(gx[rows]), np.zeros_like(gy[rows])
+        for c in range(cp):
+            ((x, y),) = local_batch(data, key, B, T, r, dp, 1, c, cp)
+            assert x.shape == y.shape == (B // dp, T // cp)
+            x_full[:, positions(T, cp, c)], y_full[:, positions(T, cp, c)] = x, y
+        np.testing.assert_array_equal(x_full, gx[rows])
+        np.testing.assert_array_equal(y_full, gy[rows])
+    with pytest.raises(DataError, match="does not split into 2\\*cp=12 chunks"):
+        local_batch(data, key, B, T, 0, dp, 1, 0, 6)
+
+
 def test_local_batch_reads_only_own_rows(dataset: Path) -> None:
     data = np.asarray(load_split(dataset, "train"))
     B, T, dp = 8, 16, 4

@@ -40,16 +40,18 @@ from numesh.mesh import (
 @pytest.mark.parametrize(
     "spec, n, want",
     [
-        ("", 1, dict(pp=1, dp=1, tp=1)),
-        (None, 1, dict(pp=1, dp=1, tp=1)),
-        ("dp=2,tp=2,pp=2", 8, dict(pp=2, dp=2, tp=2)),
-        ("tp=4", 4, dict(pp=1, dp=1, tp=4)),
-        (" dp = 2 , tp = 2 ", 4, dict(pp=1, dp=2, tp=2)),
-        ("dp=-1,tp=2", 8, dict(pp=1, dp=4, tp=2)),
-        ("tp=-1", 8, dict(pp=1, dp=1, tp=8)),
-        ("pp=2,dp=-1,tp=2", 8, dict(pp=2, dp=2, tp=2)),
-        ("dp=-1", 1, dict(pp=1, dp=1, tp=1)),
-        ({"dp": -1, "tp": 2}, 8, dict(pp=1, dp=4, tp=2)),
+        ("", 1, dict(pp=1, dp=1, cp=1, tp=1)),
+        (None, 1, dict(pp=1, dp=1, cp=1, tp=1)),
+        ("dp=2,tp=2,pp=2", 8, dict(pp=2, dp=2, cp=1, tp=2)),
+        ("tp=4", 4, dict(pp=1, dp=1, cp=1, tp=4)),
+        (" dp = 2 , tp = 2 ", 4, dict(pp=1, dp=2, cp=1, tp=2)),
+        ("dp=-1,tp=2", 8, dict(pp=1, dp=4, cp=1, tp=2)),
+        ("tp=-1", 8, dict(pp=1, dp=1, cp=1, tp=8)),
+        ("pp=2,dp=-1,tp=2", 8, dict(pp=2, dp=2, cp=1, tp=2)),
+        ("dp=-1", 1, dict(pp=1, dp=1, cp=1, tp=1)),
+        ({"dp": -1, "tp": 2}, 8, dict(pp=1, dp=4, cp=1, tp=2)),
+        ("dp=2,cp=2,tp=2", 8, dict(pp=1, dp=2, cp=2, tp=2)),
+        ("cp=-1,tp=2", 8, dict(pp=1, dp=1, cp=4, tp=2)),
     ],
 )
 def test_parse_mesh(spec: object, n: int, want: dict) -> None:
@@ -89,17 +91,17 @@ def test_mesh_error_is_value_error() -> None:
 
 def test_mesh_on_comm_self() -> None:
     mesh = self_mesh()
-    assert mesh.shape == {"pp": 1, "dp": 1, "tp": 1}
+    assert mesh.shape == {"pp": 1, "dp": 1, "cp": 1, "tp": 1}
     for axes in (*AXES, ("dp", "tp"), ("pp", "dp", "tp"), ("tp", "pp")):
         assert mesh.size(axes) == 1
         assert mesh.index(axes) == 0
         assert mesh.comm(axes).Get_size() == 1
     assert mesh.rank == 0
-    assert mesh.coords == {"pp": 0, "dp": 0, "tp": 0}
+    assert mesh.coords == {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
     assert mesh.neighbors("pp") == (MPI.PROC_NULL, MPI.PROC_NULL)
     assert mesh.axes_of_size_gt1() == ()
     assert mesh.comm(("tp", "dp")) is mesh.comm(("dp", "tp"))  # one cached sub-communicator per axis set
-    assert repr(mesh) == "Mesh(pp=1, dp=1, tp=1)"
+    assert repr(mesh) == "Mesh(pp=1, dp=1, cp=1, tp=1)"
     with pytest.raises(MeshError):
         mesh.size("ep")
     with pytest.raises(MeshError):
@@ -107,7 +109,7 @@ def test_mesh_on_comm_self() -> None:
 
 
 def test_mesh_parse_and_create_check_the_rank_count() -> None:
-    assert Mesh.parse("dp=-1", MPI.COMM_SELF).shape == {"pp": 1, "dp": 1, "tp": 1}
+    assert Mesh.parse("dp=-1", MPI.COMM_SELF).shape == {"pp": 1, "dp": 1, "cp": 1, "tp": 1}
     with pytest.raises(MeshError):
         Mesh.parse("tp=2", MPI.COMM_SELF)
     with pytest.raises(MeshError):
@@ -134,6 +136,9 @@ def test_merged_axis_size_and_index_are_row_major_in_axis_order() -> None:
     assert m.neighbors("tp") == (2, MPI.PROC_NULL)
     m2 = _fake_mesh(pp=3, pp_i=1)
     assert m2.neighbors("pp") == (0, 2)
+    m3 = _fake_mesh(dp=2, cp=2, tp=2, dp_i=1, cp_i=1, tp_i=0)  # cp sits between dp and tp
+    assert m3.index(("dp", "cp", "tp")) == (1 * 2 + 1) * 2 + 0
+    assert m3.index(("cp", "dp")) == 1 * 2 + 1
     assert _fake_mesh(pp=3).neighbors("pp") == (MPI.PROC_NULL, 1)
 
 
@@ -230,8 +235,8 @@ def test_partition_spec_validation() -> None:
 
 
 def test_replicated_axes() -> None:
-    assert replicated_axes(P(None, "tp")) == ("pp", "dp")
-    assert replicated_axes(P(("dp", "tp"))) == ("pp",)
+    assert replicated_axes(P(None, "tp")) == ("pp", "dp", "cp")
+    assert replicated_axes(P(("dp", "tp"))) == ("pp", "cp")
     assert replicated_axes(P()) == AXES
     assert replicated_axes(P(None, "tp"), self_mesh()) == ()  # with a mesh: only axes of size > 1
     assert replicated_axes(P(None, "tp"), _fake_mesh(dp=2, tp=2)) == ("dp",)

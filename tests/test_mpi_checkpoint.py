@@ -114,6 +114,9 @@ def close(got: np.ndarray, want: np.ndarray, rtol: float, what: str) -> None:
         pytest.param("tp=2", {"sequence_parallel": True}, "tp=2", {}, id="tp2sp-to-tp2"),
         pytest.param("tp=2", {}, "tp=2", {"sequence_parallel": True}, id="tp2-to-tp2sp"),
         pytest.param("tp=4", {"sequence_parallel": True}, "tp=2", {"sequence_parallel": True}, id="tp4sp-to-tp2sp"),
+        pytest.param("cp=2", {}, "dp=2", {"zero": 1}, id="cp2-to-dp2zero1"),
+        pytest.param("tp=1", {}, "cp=2,tp=2", {}, id="tp1-to-cp2tp2"),
+        pytest.param("dp=2,cp=2", {"zero": 3}, "cp=4", {}, id="dp2cp2zero3-to-cp4"),
     ],
 )
 def test_resume_on_another_mesh(data: Path, shared_tmp: Path, mesh_a: str, kw_a: dict, mesh_b: str, kw_b: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from numesh.checkpoint.format import (
     write_npy,
     write_text_synced,
 )
-from numesh.errors import CheckpointError
+from numesh.errors import CheckpointError, ConfigError
 from numesh.mesh import AXES, MeshError, parse_mesh
 from numesh.mesh.mesh import parse_axis_sizes
 from numesh.pipeline.stages import StageLayout
@@ -35,7 +36,7 @@ def target_mesh(source: dict[str, int], to: str) -> tuple[dict[str, int], list[s
     named = list(given)
     if not named:
         raise MeshError("--to names no mesh axis: pass e.g. tp=4")
-    n = sizes["pp"] * sizes["dp"] * sizes["tp"]
+    n = math.prod(sizes[a] for a in AXES)
     return parse_mesh(sizes, n), named
 
 
@@ -47,6 +48,9 @@ def reshard(path: str | Path, to: str, out: str | Path | None = None) -> Path:
     src_mesh = meta.raw.get("mesh") if isinstance(meta.raw.get("mesh"), dict) else {}
     sizes, named = target_mesh(src_mesh, to)
     meta.model.validate(sizes["tp"])
+    if sizes["cp"] > 1 and meta.model.block_size % (2 * sizes["cp"]):
+        raise ConfigError(f"block_size={meta.model.block_size} does not split into 2*cp={2 * sizes['cp']} equal chunks: "
+                          f"use a cp with 2*cp dividing {meta.model.block_size}")
     v = meta.raw.get("virtual_stages", 1)
     StageLayout(meta.model.n_layer, sizes["pp"], v if isinstance(v, int) and v >= 1 else 1)
     if out is None:

@@ -126,7 +126,7 @@ class RankState:
 
     def where(self) -> str:
         """'dp=1,tp=1': its coordinates on the axes of size > 1."""
-        return ",".join(f"{a}={self.coords[a]}" for a in AXES if self.shape.get(a, 1) > 1) or "the only rank"
+        return ",".join(f"{a}={self.coords.get(a, 0)}" for a in AXES if self.shape.get(a, 1) > 1) or "the only rank"
 
     def find(self, comm: str, seq: int) -> CallRec | None:
         for c in self.calls:
@@ -155,7 +155,7 @@ def members(comm: str, of: RankState, states: dict[int, RankState | None], shape
         axes, allowed = tuple(comm.split(",")), None
     out = []
     for r, c in coords_of.items():
-        if all(c[a] == of.coords[a] for a in AXES if a not in axes):
+        if all(c[a] == of.coords.get(a, 0) for a in AXES if a not in axes):  # a record without an axis: 0 on it
             if allowed is None or c[axes[0]] in allowed:
                 out.append(r)
     return sorted(out)
@@ -291,7 +291,7 @@ def diagnose(states: dict[int, RankState | None], now: float, timeout: float, fl
             continue
         axis = w.comm.split(",")[0]
         for d in (-1, 1):
-            c = dict(s.coords)
+            c = {a: s.coords.get(a, 0) for a in AXES}  # a record without an axis: 0 on it
             c[axis] += d
             if not 0 <= c[axis] < shape.get(axis, 1):
                 continue

@@ -1,8 +1,10 @@
-"""The process mesh: named axes pp × dp × tp over an MPI communicator.
+"""The process mesh: named axes pp × dp × cp × tp over an MPI communicator.
 
-Ranks are laid out by `Cart_create` with tp varying fastest, so a tensor-parallel group
-is a run of neighbouring ranks (on one node, when ranks are placed in order). Every axis
-and every combination of axes has its own sub-communicator from `Cart_sub`.
+Ranks are laid out by `Cart_create` with tp varying fastest, then cp (context parallel:
+each rank holds a slice of every sequence), as Megatron orders them: a tensor-parallel
+group is a run of neighbouring ranks (on one node, when ranks are placed in order), and
+the cp ring, which moves K/V blocks every layer, is the next nearest. Every axis and every
+combination of axes has its own sub-communicator from `Cart_sub`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import attrs
 from mpi4py import MPI
 from numesh.errors import MeshError
 
-AXES: tuple[str, ...] = ("pp", "dp", "tp")
+AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 
 
 @attrs.frozen
@@ -39,7 +41,7 @@ def parse_axis_sizes(spec: str) -> dict[str, int]:
             continue
         name, eq, value = part.partition("=")
         if not eq or not name:
-            raise MeshError(f"malformed mesh '{spec}': expected comma-separated axis=size, e.g. dp=2,tp=2,pp=2")
+            raise MeshError(f"malformed mesh '{spec}': expected comma-separated axis=size, e.g. dp=2,cp=2,tp=2,pp=2")
         if name in sizes:
             raise MeshError(f"axis '{name}' given twice in mesh '{spec}'")
         if name not in AXES:
@@ -76,7 +78,9 @@ def parse_mesh(spec: str | dict[str, int] | None, n_ranks: int) -> dict[str, int
             raise MeshError(f"cannot infer {inferred[0]}: {n_ranks} ranks do not divide by {known}")
         sizes[inferred[0]] = n_ranks // known
     full = {a: sizes.get(a, 1) for a in AXES}
-    product = full["pp"] * full["dp"] * full["tp"]
+    product = 1
+    for a in AXES:
+        product *= full[a]
     if product != n_ranks:
         shown = ",".join(f"{a}={full[a]}" for a in AXES)
         raise MeshError(
@@ -223,7 +227,7 @@ class Mesh:
 
 
 def axis_names(axes: Iterable[str] | str) -> tuple[str, ...]:
-    """Canonical (pp, dp, tp) ordering of a set of axis names (a group's: its axis)."""
+    """Canonical (pp, dp, cp, tp) ordering of a set of axis names (a group's: its axis)."""
     if isinstance(axes, Group):
         return (axes.axis,)
     return _axes_key(tuple(axes) if not isinstance(axes, str) else axes)

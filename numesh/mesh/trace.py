@@ -226,7 +226,7 @@ def comm_key(label: str, coords: dict[str, int]) -> tuple:
     """Which communicator a call on `label` from a rank at `coords` used: the members share
     their coordinates on every other axis."""
     axes = label_axes(label)
-    return (label, tuple(coords[a] for a in AXES if a not in axes))
+    return (label, tuple(coords.get(a, 0) for a in AXES if a not in axes))  # a trace without an axis: 0 on it
 
 
 def add_peer_waits(events: list[dict], coords: dict[int, dict[str, int]]) -> None:

@@ -110,8 +110,10 @@ class StageCtx:
 
 
 def _split(mesh: Mesh, rows: int) -> bool:
-    """Split a block over the threads: several threads, no tp inside, more than one row."""
-    return threads() > 1 and mesh.size("tp") == 1 and rows > 1
+    """Split a block over the threads: several threads, no tp or cp inside, more than one
+    row. Not with cp: every thread's block would run its own ring over the one cp
+    communicator, with the same tags, so their K/V blocks could be matched to each other."""
+    return threads() > 1 and mesh.size("tp") == 1 and mesh.size("cp") == 1 and rows > 1
 
 
 def run_block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int, drop: DropoutKey | None = None):

@@ -29,13 +29,12 @@ import numpy as np
 
 from numesh.errors import ConfigError
 from numesh.mesh import Mesh, psum
+from numesh.nn.context_parallel import CpSlice
 from numesh.nn.dropout import EMBED, DropoutKey, Site
 from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
 from numesh.nn.layers import (
     LayerNorm,
     Linear,
-    causal_attention_bwd,
-    causal_attention_fwd,
     gelu_bwd,
     gelu_fwd,
     layernorm_bwd,
@@ -57,6 +56,7 @@ from numesh.nn.parallel import (
     vocab_parallel_embedding_bwd,
     vocab_parallel_embedding_fwd,
 )
+from numesh.nn.ring_attention import attention_bwd, attention_fwd
 from numesh.tree import tree_leaves_with_path
 
 
@@ -166,11 +166,24 @@ class BlockWeightCtx:
     mlp_proj: LinearIO
 
 
+def token_positions(mesh: Mesh, t_local: int, pos0: int = 0, gathered: bool = False) -> slice | np.ndarray:
+    """Global positions of this rank's `t_local` residual-stream tokens (starting at `pos0`):
+    with cp its two chunks of each sequence, with sp this tp rank's slice of those, or all of
+    them when `gathered` over the sp slices."""
+    t = global_seq(mesh, t_local)  # this rank's tokens of each sequence before any sp split
+    seq = slice(0, t) if gathered else sequence_slice(mesh, t_local)
+    cp = CpSlice.of(mesh)
+    if cp.size == 1:
+        return slice(pos0 + seq.start, pos0 + seq.stop)
+    return cp.positions(t)[seq] + pos0
+
+
 def _residual_mask(drop: DropoutKey, site: Site, y: np.ndarray, mesh: Mesh) -> np.ndarray:
-    """`site`'s mask for a residual-stream activation y [B, T, C] (this rank's sequence slice
-    of the whole sequence's mask with sp, so the masks do not depend on the mesh)."""
+    """`site`'s mask for a residual-stream activation y [B, t, C]: the whole sequence's mask
+    at this rank's positions (cp chunks, sp slice), so the masks do not depend on the mesh."""
     B, t, C = y.shape
-    return drop.mask(site, B, (global_seq(mesh, t), C), (sequence_slice(mesh, t),))
+    T = global_seq(mesh, t) * mesh.size("cp")
+    return drop.mask(site, B, (T, C), (token_positions(mesh, t),))
 
 
 def _drop_residual(y: np.ndarray, drop: DropoutKey | None, site: Site, mesh: Mesh) -> np.ndarray:
@@ -183,14 +196,16 @@ def _drop_residual(y: np.ndarray, drop: DropoutKey | None, site: Site, mesh: Mes
 def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
               drop: DropoutKey | None = None) -> tuple[np.ndarray, BlockCtx]:
     """One transformer block on x [B, T, C], replicated over tp, or with sequence
-    parallelism this rank's sequence slice [B, T/tp, C]."""
+    parallelism this rank's sequence slice [B, T/tp, C] (with cp, T is this rank's two
+    chunks of each sequence and attention runs around the cp ring)."""
     B, T, C = x.shape[0], global_seq(mesh, x.shape[1]), x.shape[2]
     nh, hs, heads = local_heads(cfg, mesh)
+    cp = CpSlice.of(mesh)
     h1, ln1 = norm_gather_fwd(p.ln1, x, mesh)  # f: [B, T, C]
     qkv, _ = linear_fwd(p.attn.qkv, h1)
     qkv = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # [3, B, nh, T, hs]
-    att_mask = drop.mask(Site("attn", layer), B, (cfg.n_head, T, T), (heads,)).astype(x.dtype) if drop else None
-    a, attn = causal_attention_fwd(qkv[0], qkv[1], qkv[2], att_mask)
+    att_mask = drop.attn_mask(layer, B, cfg.n_head, T, heads, cp).astype(x.dtype) if drop else None
+    a, attn = attention_fwd(qkv[0], qkv[1], qkv[2], att_mask, mesh)
     a = a.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)  # [B, T, C/tp]
     y, _ = linear_fwd(Linear(p.attn.proj.w), a)
     y = bias_add(reduce_seq(y, mesh), p.attn.proj.b)  # g: [B, T, C] or [B, T/tp, C]
@@ -215,6 +230,7 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mes
     `dx` is shaped like the block's input (this rank's sequence slice with sp)."""
     B, T = dx.shape[0], global_seq(mesh, dx.shape[1])
     nh, hs, _ = local_heads(cfg, mesh)
+    cp = CpSlice.of(mesh)
     # MLP half
     dz = reduce_seq_bwd(_drop_residual(dx, ctx.drop, Site("mlp_out", ctx.layer), mesh), mesh)  # [B, T, C]
     du = gelu_bwd(ctx.gelu, linear_bwd_input(p.mlp.proj, dz))
@@ -223,7 +239,7 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mes
     # attention half
     dy = reduce_seq_bwd(_drop_residual(dx, ctx.drop, Site("attn_out", ctx.layer), mesh), mesh)  # [B, T, C]
     da = linear_bwd_input(p.attn.proj, dy).reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # [B, nh, T, hs]
-    dq, dk, dv = causal_attention_bwd(ctx.attn, da)
+    dq, dk, dv = attention_bwd(ctx.attn, da, mesh)
     dqkv = np.empty((B, T, 3, nh, hs), dtype=dx.dtype)
     dqkv[:, :, 0] = dq.transpose(0, 2, 1, 3)
     dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
@@ -263,22 +279,23 @@ def block_bwd_weight(p: Block, w: BlockWeightCtx) -> Block:
 class EmbedCtx:
     tok: Any  # the vocab-parallel lookup's context
     drop: DropoutKey | None
-    pos0: int  # the position of the first token
+    pos: slice | np.ndarray  # the positions of the (sp-gathered) tokens in wpe
 
 
 def embed_fwd(params: GPT, idx: np.ndarray, cfg: GPTConfig, mesh: Mesh, drop: DropoutKey | None = None,
               pos0: int = 0) -> tuple[np.ndarray, EmbedCtx]:
     """Token + position embedding of ids [B, T] starting at position `pos0`: x [B, T, C],
-    or with sequence parallelism this rank's sequence slice [B, T/tp, C]."""
+    or with sequence parallelism this rank's sequence slice [B, T/tp, C]. With cp, `idx` is
+    this rank's two chunks of each sequence, at their own positions."""
     T = idx.shape[1]
-    if pos0 + T > cfg.block_size:
-        raise ConfigError(f"sequence of {pos0 + T} tokens is longer than block_size={cfg.block_size}")
+    cp = CpSlice.of(mesh)
+    if pos0 + T * cp.size > cfg.block_size:
+        raise ConfigError(f"sequence of {pos0 + T * cp.size} tokens is longer than block_size={cfg.block_size}")
     tok, tok_ctx = vocab_parallel_embedding_fwd(params.wte, idx, mesh)
-    seq = sequence_slice(mesh, tok.shape[1])
-    x = tok + params.wpe[pos0 + seq.start : pos0 + seq.stop]
+    x = tok + params.wpe[token_positions(mesh, tok.shape[1], pos0)]
     if drop:
         x *= _residual_mask(drop, EMBED, x, mesh)
-    return x, EmbedCtx(tok_ctx, drop, pos0)
+    return x, EmbedCtx(tok_ctx, drop, token_positions(mesh, tok.shape[1], pos0, gathered=True))
 
 
 def embed_bwd(params: GPT, ctx: EmbedCtx, dx: np.ndarray, mesh: Mesh) -> tuple[np.ndarray, np.ndarray]:
@@ -286,7 +303,7 @@ def embed_bwd(params: GPT, ctx: EmbedCtx, dx: np.ndarray, mesh: Mesh) -> tuple[n
     sequence first (the backward of the lookup's reduce-scatter), so both are whole."""
     dx = reduce_seq_bwd(_drop_residual(dx, ctx.drop, EMBED, mesh), mesh)  # [B, T, C]
     dwpe = np.zeros_like(params.wpe)
-    dwpe[ctx.pos0 : ctx.pos0 + dx.shape[1]] = dx.sum(axis=0)
+    dwpe[ctx.pos] = dx.sum(axis=0)
     return vocab_parallel_embedding_bwd(params.wte, ctx.tok, dx), dwpe
 
 

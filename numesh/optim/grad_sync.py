@@ -1,4 +1,4 @@
-"""Gradient sync over dp on a flat layout: the strategies behind ZeRO stages 0-3.
+"""Gradient sync over dp (and cp) on a flat layout: the strategies behind ZeRO stages 0-3.
 
 Every strategy takes each unit's gradient as it becomes final (`grads_ready`), starts its
 collective at once so it runs during the rest of backward (unless `overlap` is off), and
@@ -13,6 +13,15 @@ the optimiser state is replicated (stage 0), this rank's 1/dp of it when it is s
 
 Stage 1 keeps the full gradient buffer (the ZeRO paper's Pos shards only the moments), so
 its memory and bytes moved per step are those of plain DP; the tests check both.
+
+Context parallelism: parameters are replicated over cp and each cp rank's gradient is
+its tokens' share, so gradients are summed over cp as over dp. Stage 0 all-reduces over
+dp×cp jointly (one collective per bucket, the same ring algorithm over dp·cp ranks, as
+Megatron's data-parallel group includes cp). Stages 1-3 keep their dp shards (the
+optimiser state is sharded over dp only, so cp ranks stay exact replicas of each other)
+and first all-reduce the gradient over cp, then reduce-scatter it over dp: one extra
+all-reduce on the (small, usually intra-node) cp group, but no second layout sharded
+over dp·cp to keep in step with checkpoints and ZeRO-3's parameter gathers.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from typing import Any, Hashable, Protocol
 
 import numpy as np
 
-from numesh.mesh import Handle, Mesh, ipsum, ipsum_scatter
+from numesh.mesh import Handle, Mesh, ipsum, ipsum_scatter, psum
 from numesh.optim.flat import FlatLayout
 from numesh.tree import Tree, flatten
 
@@ -100,6 +109,7 @@ class AllReduceSync(_Sync):
     def __init__(self, layout: FlatLayout, mesh: Mesh, dtype: Any, overlap: bool, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
         self.order = list(layout.units)
+        self.axes = ("dp", "cp") if mesh.size("cp") > 1 else "dp"  # one all-reduce over both
         super().__init__(layout, mesh, overlap, np.zeros(layout.total, dtype=dtype))
 
     def begin_step(self, n_micro: int) -> None:
@@ -123,7 +133,7 @@ class AllReduceSync(_Sync):
             if nbytes >= self.bucket_bytes or self.next_ready == len(self.order):
                 span = slice(units[self.bucket[0]].start, units[self.bucket[-1]].full.stop)
                 self.bucket = []
-                self._launch(ipsum(self.buffer[span], self.mesh, "dp"), None)
+                self._launch(ipsum(self.buffer[span], self.mesh, self.axes), None)
 
     def grad(self, key: Any) -> np.ndarray:
         return self.buffer[self.layout.units[key].full]
@@ -138,7 +148,8 @@ class ScatterIntoFullSync(_Sync):
 
     def grads_ready(self, key: Any, grads: Tree, count: int = 1) -> None:
         if self._accumulate(key, grads, count):
-            self._launch(ipsum_scatter(self.buffer[self.layout.units[key].full], self.mesh, "dp"), key)
+            full = psum(self.buffer[self.layout.units[key].full], self.mesh, "cp", inplace=True)
+            self._launch(ipsum_scatter(full, self.mesh, "dp"), key)
 
     def _land(self, key: Any, result: np.ndarray) -> None:
         self.buffer[self.layout.mine(key)] = result
@@ -162,7 +173,7 @@ class ScatterToShardSync(_Sync):
         self.received[key] += count
         buf = np.zeros(u.padded, dtype=self.buffer.dtype)
         flatten(grads, out=buf[: u.size])
-        self._launch(ipsum_scatter(buf, self.mesh, "dp"), key)
+        self._launch(ipsum_scatter(psum(buf, self.mesh, "cp", inplace=True), self.mesh, "dp"), key)
 
     def _land(self, key: Any, result: np.ndarray) -> None:
         shard = self.buffer[self.layout.units[key].shard]

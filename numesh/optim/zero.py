@@ -226,7 +226,7 @@ class ZeroOptimizer(Generic[K]):
         """Raise ReplicaError if copies that must be identical differ (over dp, and over tp
         for tp-replicated leaves). Cheap: two checksums per unit, one all-reduce."""
         local = np.concatenate([_checksums(self.residency.held(k)) for k in self.layout.units])
-        self._compare(local, [] if self.residency.sharded else ["dp"], [str(k) for k in self.layout.units])
+        self._compare(local, ["cp"] if self.residency.sharded else ["dp", "cp"], [str(k) for k in self.layout.units])
         if self.mesh.shape["tp"] > 1:
             self._check_tp_replicated()
 
