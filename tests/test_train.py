@@ -215,6 +215,9 @@ def test_error_classes_are_value_errors() -> None:
         (dict(sequence_parallel=True, mesh="dp=2"), 2, ConfigError, "or drop --sequence-parallel"),
         (dict(sequence_parallel=True, mesh="tp=2", n_head=2, block_size=9), 2, ConfigError,
          "splits the block_size=9 tokens over tp=2: use a --block-size divisible by 2"),
+        (dict(sequence_parallel=True, mesh="cp=2,tp=2", n_head=2, block_size=8), 4, ConfigError,
+         "--sequence-parallel together with cp > 1 is not supported yet"),
+        (dict(mesh="cp=2", block_size=6), 2, ConfigError, "does not split into 2\\*cp=4 equal chunks"),
     ],
 )
 def test_validate_errors(char_dataset: Path, tmp_path: Path, overrides: dict, n_ranks: int,
