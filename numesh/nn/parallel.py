@@ -4,12 +4,15 @@ The conjugate pair `copy_to_tp` (f: identity forward, all-reduce backward) and
 `reduce_from_tp` (g: all-reduce forward, identity backward) are the only places the
 blocks communicate over tp. The vocabulary-parallel embedding and cross-entropy hold a
 contiguous slice of the (padded) vocabulary per tp rank and never gather the full logits.
+The cross-entropy's backward is one fused pass (numesh.kernels.ce_bwd) when numba is
+installed; `vocab_parallel_cross_entropy_bwd_reference` is its NumPy definition.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from numesh import kernels as K
 from numesh.mesh import Mesh, pmax, psum
 
 
@@ -85,7 +88,17 @@ def vocab_parallel_cross_entropy_fwd(
 
 
 def vocab_parallel_cross_entropy_bwd(ctx: tuple, dloss: np.ndarray | float) -> np.ndarray:
-    """Gradient w.r.t. the local logits for upstream gradient `dloss` per token."""
+    """Gradient w.r.t. the local logits for upstream gradient `dloss` per token (`ctx`'s
+    buffer is reused)."""
+    if not K.enabled():
+        return vocab_parallel_cross_entropy_bwd_reference(ctx, dloss)
+    probs, sumexp, local, inside = ctx
+    targets = np.where(inside, local, -1)  # -1: the target is another rank's
+    K.ce_bwd(probs, sumexp, targets, np.asarray(dloss, dtype=np.float64).reshape(-1))
+    return probs
+
+
+def vocab_parallel_cross_entropy_bwd_reference(ctx: tuple, dloss: np.ndarray | float) -> np.ndarray:
     probs, sumexp, local, inside = ctx
     probs /= sumexp[:, None]
     rows = np.nonzero(inside)[0]
