@@ -18,7 +18,7 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 from numesh.errors import Interrupted
-from numesh.threads import set_threads
+from numesh.threads import over_batch, set_threads, threads
 
 T = TypeVar("T")
 
@@ -79,16 +79,57 @@ def configure_process(threads: int | None = None, comm: MPI.Comm | None = None) 
 
 
 def matmul_peak_flops(dtype=np.float32, n: int = 512, repeats: int = 5) -> float:
-    """This rank's measured matrix-multiply throughput (FLOP/s), the denominator of MFU."""
-    a = np.ones((n, n), dtype=dtype)
-    out = np.empty_like(a)
-    np.matmul(a, a, out=out)
+    """One n³ matrix multiply's best throughput on this rank's BLAS threads (FLOP/s)."""
+    return gemm_flops(n, n, n, dtype, repeats)
+
+
+def gemm_flops(m: int, k: int, n: int, dtype=np.float32, repeats: int = 5, split: bool = False) -> float:
+    """Best throughput (FLOP/s) of an [m, k] @ [k, n] multiply over `repeats` tries, after a
+    warm-up. With `split`, the rows are spread over numesh's threads with BLAS on one thread
+    in each (`over_batch`), as a block runs when split over threads."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+    out = np.empty((m, n), dtype)
+
+    def rows(r: slice) -> None:
+        np.matmul(a[r], b, out=out[r])
+
+    def once() -> None:
+        if split:
+            over_batch(rows, m)
+        else:
+            rows(slice(0, m))
+
+    once()
     best = float("inf")
+    # at least `repeats` tries and ~20 ms, so a small GEMM's timer noise averages out
     for _ in range(repeats):
         t0 = time.perf_counter()
-        np.matmul(a, a, out=out)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n**3 / best
+        count = 0
+        while True:
+            once()
+            count += 1
+            dt = time.perf_counter() - t0
+            if dt > 0.02 / repeats:
+                break
+        best = min(best, dt / count)
+    return 2.0 * m * k * n / best
+
+
+def rank_peak_flops(shapes: list[tuple[int, int, int]], dtype=np.float32, large: int = 1024) -> dict[str, float]:
+    """This rank's matmul peak as it is used: the best of the model's own GEMM `shapes`
+    (whole, and split over the threads as blocks are) and a large `large`³ GEMM on all of
+    the rank's BLAS threads. Returns {"model": best of the model shapes, "large": the large
+    one, "peak": the larger}. Run it on every rank at once (the caller's barrier), so ranks
+    that share a node share its cores and memory bandwidth as in training."""
+    model = 0.0
+    for m, k, n in shapes:
+        model = max(model, gemm_flops(m, k, n, dtype))
+        if threads() > 1:
+            model = max(model, gemm_flops(m, k, n, dtype, split=True))
+    big = gemm_flops(large, large, large, dtype, repeats=3)
+    return {"model": model, "large": big, "peak": max(model, big)}
 
 
 def is_root() -> bool:

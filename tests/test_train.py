@@ -19,7 +19,7 @@ from numesh.errors import ConfigError
 from numesh.train import TrainConfig, Trainer, config_from, train, validate
 from numesh.tree import tree_leaves_with_path
 
-TRAIN_KEYS = {"step", "loss", "lr", "dt_ms", "tokens_per_s", "mfu"}
+TRAIN_KEYS = {"step", "loss", "lr", "dt_ms", "tokens_per_s", "flops_per_s", "mfu"}
 
 
 def run_config(data: Path, out: Path, **overrides: Any) -> TrainConfig:
@@ -211,6 +211,7 @@ def test_error_classes_are_value_errors() -> None:
         (dict(dropout=1.0), 1, ConfigError, "dropout"),
         (dict(micro_batches=0), 1, ConfigError, "micro_batches"),
         (dict(max_iters=-1), 1, ConfigError, "max_iters"),
+        (dict(peak_flops=-1.0), 1, ConfigError, "--peak-flops must be >= 0"),
     ],
 )
 def test_validate_errors(char_dataset: Path, tmp_path: Path, overrides: dict, n_ranks: int,
