@@ -35,8 +35,9 @@ def ranks_per_node(comm: MPI.Comm | None = None) -> int:
 
 
 def set_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None) -> int:
-    """Limit BLAS threads (and numesh's intra-op threads) so that ranks on this node ×
-    threads = its cores.
+    """Give this rank `threads` threads so that ranks on this node × threads = its cores:
+    numesh's intra-op threads, with BLAS on one thread (numesh splits matmuls itself, see
+    numesh/threads.py: two thread pools on the same cores fought). Returns the threads.
 
     An explicit `threads`, or OMP/OPENBLAS_NUM_THREADS in the environment, wins."""
     global _LIMITER
@@ -47,8 +48,30 @@ def set_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None) -
                 break
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // ranks_per_node(comm))
-    _LIMITER = threadpool_limits(limits=threads, user_api="blas")
-    return set_threads(threads)  # the same cores serve numpy's non-BLAS work
+    _LIMITER = threadpool_limits(limits=1, user_api="blas")
+    return set_threads(threads)
+
+
+# From 4 threads up one process stops scaling on the default model (issue #14, a 16-core
+# Xeon: 83/51/47/70/102 ms at 1/2/4/8/16 threads) while dp ranks at one thread each scale
+# almost linearly: the GIL-bound glue of a step does not split over threads, it does over ranks.
+HINT_MIN_THREADS = 4
+
+
+def dp_hint(world_size: int, threads: int, batch_size: int, micro_batches: int = 1) -> str | None:
+    """The one-line hint `numesh train` prints when one process runs on many threads and a dp
+    mesh of ranks would be faster: the largest dp ≤ threads that divides the batch. None when
+    it does not apply (several ranks already, few threads, or no dp divides the batch)."""
+    if world_size != 1 or threads < HINT_MIN_THREADS:
+        return None
+    dps = [d for d in range(2, threads + 1) if batch_size % (d * micro_batches) == 0]
+    if not dps:
+        return None
+    dp = max(dps)
+    per = threads // dp
+    return (f"hint: one process on {threads} threads; `mpirun -n {dp} numesh train --mesh dp={dp} ...` "
+            f"({dp} ranks x {per} thread{'s' if per > 1 else ''}) is usually faster "
+            "(python benchmarks/bench_node.py measures both on this machine)")
 
 
 def keep_freed_memory() -> bool:

@@ -38,7 +38,8 @@ from numesh.pipeline.executor import PipelineExecutor, StepStats
 from numesh.pipeline.schedules import make_schedule
 from numesh.pipeline.stages import StageLayout, gather_stages, stage_tree
 from numesh.rundir import RunDir
-from numesh.runtime import log, rank_peak_flops
+from numesh.runtime import dp_hint, log, rank_peak_flops
+from numesh.threads import threads
 from numesh.tree import tree_leaves, tree_map
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -498,6 +499,8 @@ def train(
     if cfg.resume:
         _resume(trainer, cfg)
     start, out = trainer.step, Path(cfg.out)
+    if hint := dp_hint(trainer.mesh.world.Get_size(), threads(), cfg.batch_size, cfg.micro_batches):
+        log(hint)
     peak, source = job_peak_flops(trainer)  # MFU's denominator (see README)
     log(f"MFU peak: {peak / 1e9:.1f} GFLOP/s ({source})")
     run = _open_run(trainer, cfg)

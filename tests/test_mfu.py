@@ -67,3 +67,26 @@ def test_peak_flops_option_is_the_denominator(char_dataset: Path, tmp_path: Path
         assert r["mfu"] == pytest.approx(r["flops_per_s"] / big, rel=1e-12)
     for r in _train_records(char_dataset, tmp_path / "tiny", peak_flops=1.0):
         assert r["mfu"] == 1.0
+
+
+@pytest.mark.parametrize("world, n_threads, batch, micro, want", [
+    (1, 16, 12, 1, (12, 1)),
+    (1, 16, 64, 1, (16, 1)),
+    (1, 16, 8, 1, (8, 2)),
+    (1, 8, 12, 2, (6, 1)),
+    (1, 4, 12, 1, (4, 1)),
+    (1, 2, 12, 1, None),    # few threads: one process is fine
+    (4, 16, 12, 1, None),   # already several ranks
+    (1, 4, 7, 1, None),     # no dp <= 4 divides the batch
+])
+def test_dp_hint(world: int, n_threads: int, batch: int, micro: int, want: tuple[int, int] | None) -> None:
+    from numesh.runtime import dp_hint
+
+    got = dp_hint(world, n_threads, batch, micro)
+    if want is None:
+        assert got is None
+        return
+    dp, per = want
+    assert got is not None and got.startswith("hint:") and "\n" not in got
+    assert f"mpirun -n {dp} numesh train --mesh dp={dp} ..." in got
+    assert f"({dp} ranks x {per} thread" in got

@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 
 from numesh import kernels as K
-from numesh.threads import over_rows
+from numesh.threads import matmul, over_rows
 
 LN_EPS = 1e-5
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -44,7 +44,7 @@ def _rows(x: np.ndarray) -> np.ndarray:
 
 def linear_fwd(p: Linear, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     w2 = p.w.reshape(p.w.shape[0], -1)
-    y = _rows(x) @ w2
+    y = matmul(_rows(x), w2)
     if p.b is not None:
         y += p.b.reshape(-1)
     return y.reshape(*x.shape[:-1], w2.shape[1]), x
@@ -52,12 +52,12 @@ def linear_fwd(p: Linear, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def linear_bwd_input(p: Linear, dy: np.ndarray) -> np.ndarray:
     w2 = p.w.reshape(p.w.shape[0], -1)
-    return (_rows(dy) @ w2.T).reshape(*dy.shape[:-1], w2.shape[0])
+    return matmul(_rows(dy), w2.T).reshape(*dy.shape[:-1], w2.shape[0])
 
 
 def linear_bwd_weight(p: Linear, x: np.ndarray, dy: np.ndarray) -> Linear:
     dy2 = _rows(dy)
-    dw = (_rows(x).T @ dy2).reshape(p.w.shape)
+    dw = matmul(_rows(x).T, dy2).reshape(p.w.shape)
     db = None if p.b is None else dy2.sum(axis=0).reshape(p.b.shape)
     return Linear(dw, db)
 

@@ -40,6 +40,7 @@ from numesh.nn.parallel import (
     vocab_parallel_embedding_bwd,
     vocab_parallel_embedding_fwd,
 )
+from numesh.threads import matmul
 
 
 def local_heads(cfg: GPTConfig, mesh: Mesh) -> tuple[int, int, slice]:
@@ -218,7 +219,7 @@ def head_fwd(params: GPT, x: np.ndarray, targets: np.ndarray, cfg: GPTConfig, me
     """Final LayerNorm, tied LM head and vocab-parallel cross-entropy: per-token losses [B*T]."""
     xf, lnf_ctx = layernorm_fwd(params.ln_f, x)  # f: identity forward
     xf2 = xf.reshape(-1, xf.shape[-1])
-    logits = xf2 @ params.wte.T  # [B*T, V/tp]
+    logits = matmul(xf2, params.wte.T)  # [B*T, V/tp]
     loss, ce_ctx = vocab_parallel_cross_entropy_fwd(logits, targets, cfg.vocab_size, mesh)
     return loss, HeadCtx(lnf_ctx, xf2, ce_ctx, x.shape)
 
@@ -226,7 +227,7 @@ def head_fwd(params: GPT, x: np.ndarray, targets: np.ndarray, cfg: GPTConfig, me
 def head_bwd(params: GPT, ctx: HeadCtx, dloss: np.ndarray | float, mesh: Mesh) -> tuple[np.ndarray, np.ndarray, LayerNorm]:
     """(grad of the head's input, grad of wte from the head, grads of ln_f)."""
     dlogits = vocab_parallel_cross_entropy_bwd(ctx.ce, dloss)
-    dwte = dlogits.T @ ctx.xf
-    dxf = copy_to_tp_bwd(dlogits @ params.wte, mesh).reshape(ctx.shape)
+    dwte = matmul(dlogits.T, ctx.xf)
+    dxf = copy_to_tp_bwd(matmul(dlogits, params.wte), mesh).reshape(ctx.shape)
     dx, d_lnf = layernorm_bwd(params.ln_f, ctx.ln_f, dxf)
     return dx, dwte, d_lnf
