@@ -273,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baby-iters", type=int, default=3, help="timed steps per baby-model measurement (default 3)")
     ap.add_argument("--launcher", default=None, help="MPI launcher command (default $NUMESH_MPIRUN or mpirun)")
     ap.add_argument("--no-torch", action="store_true", help="measure numesh only")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds one measurement may take (default 1800)")
     ap.add_argument("--data", default=None, help="dataset dir from `numesh data` (default: a temporary one)")
     ap.add_argument("--src", default=DEFAULT_SRC, help="text for the temporary dataset")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -310,9 +311,10 @@ def main(argv: list[str] | None = None) -> int:
             for n in powers_up_to(args.cores):
                 log(f"threads={n} ...")
                 row: dict[str, Any] = {"threads": n,
-                                       "numesh": run_worker("numesh", default, data, n, args.iters, args.warmup)}
+                                       "numesh": run_worker("numesh", default, data, n, args.iters, args.warmup,
+                                                                   timeout=args.timeout)}
                 if have_torch:
-                    row["torch"] = run_worker("torch", default, data, n, args.iters, args.warmup)
+                    row["torch"] = run_worker("torch", default, data, n, args.iters, args.warmup, timeout=args.timeout)
                 rep["threads"].append(row)
         if "weak" in sections:
             rep["weak"] = []
@@ -320,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"weak scaling dp={dp} ...")
                 model = dict(default, batch_size=default["batch_size"] * dp)
                 rep["weak"].append({"dp": dp, "numesh": run_worker("numesh", model, data, 1, args.iters, args.warmup,
-                                                                  ranks=dp, mesh=f"dp={dp}", launcher=launcher)})
+                                                                  ranks=dp, mesh=f"dp={dp}", launcher=launcher,
+                                                                  timeout=args.timeout)})
         if "baby" in sections:
             meshes = []
             for dp, tp, pp in baby_meshes(args.cores, BABY):
@@ -330,11 +333,12 @@ def main(argv: list[str] | None = None) -> int:
                 meshes.append({"mesh": name, "ranks": ranks, "threads": args.cores // ranks,
                                "numesh": run_worker("numesh", BABY, data, args.cores // ranks, args.baby_iters, 1,
                                                     ranks=ranks, mesh=name if ranks > 1 else "",
-                                                    micro_batches=2 * pp if pp > 1 else 1, launcher=launcher)})
+                                                    micro_batches=2 * pp if pp > 1 else 1, launcher=launcher,
+                                                    timeout=args.timeout)})
             rep["baby"] = {"meshes": meshes}
             if have_torch:
                 log("baby torch eager ...")
-                rep["baby"]["torch"] = run_worker("torch", BABY, data, args.cores, args.baby_iters, 1)
+                rep["baby"]["torch"] = run_worker("torch", BABY, data, args.cores, args.baby_iters, 1, timeout=args.timeout)
     if args.json:
         print(json.dumps(rep))
     else:
