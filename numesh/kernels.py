@@ -152,18 +152,22 @@ def layernorm_fwd(x, w, b, has_b, y, xhat, rstd):
     Sums are accumulated in float64 whatever the dtype (two passes: mean, then the centred
     variance, as the reference; xhat holds x - mean in between)."""
     n, c = x.shape
+    cast = x.dtype.type  # elementwise math in the array's dtype (8 float32 lanes, not 4 float64)
     for i in range(n):
-        mu = _row_sum(x, i, c) / c
+        mu = cast(_row_sum(x, i, c) / c)
         for j in range(c):
             xhat[i, j] = x[i, j] - mu
-        r = 1.0 / math.sqrt(_row_dot(xhat, xhat, i, c) / c + LN_EPS)
+        r = cast(1.0 / math.sqrt(_row_dot(xhat, xhat, i, c) / c + LN_EPS))
         rstd[i] = r
-        for j in range(c):
-            h = xhat[i, j] * r
-            xhat[i, j] = h
-            if has_b:
+        if has_b:
+            for j in range(c):
+                h = xhat[i, j] * r
+                xhat[i, j] = h
                 y[i, j] = h * w[j] + b[j]
-            else:
+        else:
+            for j in range(c):
+                h = xhat[i, j] * r
+                xhat[i, j] = h
                 y[i, j] = h * w[j]
 
 
@@ -182,8 +186,9 @@ def layernorm_bwd(dy, xhat, rstd, w, dx, dw, db):
             dw[j] += g * xhat[i, j]
             db[j] += g
             dx[i, j] = g * w[j]
-        mean_d = _row_sum(dx, i, c) / c
-        mean_dx = _row_dot(dx, xhat, i, c) / c
+        cast = dx.dtype.type
+        mean_d = cast(_row_sum(dx, i, c) / c)
+        mean_dx = cast(_row_dot(dx, xhat, i, c) / c)
         r = rstd[i]
         for j in range(c):
             dx[i, j] = (dx[i, j] - mean_d - xhat[i, j] * mean_dx) * r
@@ -199,25 +204,31 @@ def layernorm_bwd(dy, xhat, rstd, w, dx, dw, db):
 @njit(**_JIT)
 def gelu_fwd_pre(x, u):
     """u = k·(x + 0.044715·x³) (then tanh'ed in place by the caller)."""
+    k = x.dtype.type(GELU_K)
+    c = x.dtype.type(GELU_C)
     for i in range(x.shape[0]):
         v = x[i]
-        u[i] = GELU_K * (v + GELU_C * v * v * v)
+        u[i] = k * (v + c * v * v * v)
 
 
 @njit(**_JIT)
 def gelu_fwd_post(x, t, y):
     """y = 0.5·x·(1 + t) from t = tanh(u)."""
+    half = x.dtype.type(0.5)
+    one = x.dtype.type(1.0)
     for i in range(x.shape[0]):
-        y[i] = 0.5 * x[i] * (1.0 + t[i])
+        y[i] = half * x[i] * (one + t[i])
 
 
 @njit(**_JIT)
 def gelu_bwd(x, t, dy, dx):
     """dx = dy · (0.5(1+t) + 0.5·x·(1-t²)·k·(1 + 3·0.044715·x²))."""
+    f = x.dtype.type
+    half, one, k, c3 = f(0.5), f(1.0), f(GELU_K), f(3.0 * GELU_C)
     for i in range(x.shape[0]):
         v = x[i]
         th = t[i]
-        d = 0.5 * (1.0 + th) + 0.5 * v * (1.0 - th * th) * GELU_K * (1.0 + 3.0 * GELU_C * v * v)
+        d = half * (one + th) + half * v * (one - th * th) * k * (one + c3 * v * v)
         dx[i] = d * dy[i]
 
 
@@ -248,7 +259,7 @@ def causal_softmax_post(att):
     for h in range(m):
         a = att[h]
         for i in range(T):
-            inv = 1.0 / _row_sum(a, i, i + 1)
+            inv = att.dtype.type(1.0 / _row_sum(a, i, i + 1))
             for j in range(i + 1):
                 a[i, j] *= inv
 
@@ -268,7 +279,7 @@ def causal_softmax_bwd(a, da):
         ah = a[h]
         dh = da[h]
         for i in range(T):
-            s = _row_dot(dh, ah, i, i + 1)
+            s = dh.dtype.type(_row_dot(dh, ah, i, i + 1))
             for j in range(i + 1):
                 dh[i, j] = ah[i, j] * (dh[i, j] - s)
             for j in range(i + 1, T):
