@@ -325,3 +325,32 @@ def adamw(p, g, m, v, decay, wd, beta1, beta2, eps, c1, c2):
         m[i] = mi
         v[i] = vi
         p[i] = pi - mi / (math.sqrt(vi) * c2 + eps) * c1
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def warm_up(dtype) -> None:
+    """Compile (or load from the disk cache) every kernel a training run of `dtype` calls,
+    on tiny arrays: at start-up, before any collective has a deadline, rather than inside
+    step 0 (a cold compile takes seconds; a warm cache loads in well under one)."""
+    if not enabled():
+        return
+    f = np.dtype(dtype).type
+    x = np.ones((2, 4), f)
+    w, r = np.ones(4, f), np.ones(2, f)
+    y, xh, dx = np.empty_like(x), np.empty_like(x), np.empty_like(x)
+    dw, db = np.empty(4, np.float64), np.empty(4, np.float64)
+    layernorm_fwd(x, w, w, False, y, xh, r)
+    layernorm_fwd(x, w, w, True, y, xh, r)
+    layernorm_bwd(x, xh, r, w, dx, dw, db)
+    flat, out, t = x.reshape(-1), y.reshape(-1), xh.reshape(-1)
+    gelu_fwd_pre(flat, t)
+    gelu_fwd_post(flat, t, out)
+    gelu_bwd(flat, t, flat, out)
+    att = np.zeros((1, 2, 2), f)
+    causal_softmax_fwd(att)
+    causal_softmax_bwd(att, np.zeros_like(att))
+    ce_bwd(np.ones((2, 3), f), np.ones(2, f), np.zeros(2, np.int64), np.ones(1))
+    z = np.zeros(8, f)
+    adamw(z, z.copy(), z.copy(), z.copy(), np.ones(8, bool), 0.0, 0.9, 0.99, 1e-8, 1.0, 1.0)  # decay: a bool mask

@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh import data as D
-from numesh import formulas
+from numesh import formulas, kernels
 from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
 from numesh.checkpoint.format import step_dir_name
 from numesh.errors import ConfigError, Interrupted
@@ -496,6 +496,7 @@ def train(
     writes OUT/config.json, OUT/metrics.jsonl and checkpoints OUT/ckpt/step_NNNNNN (every
     `ckpt_interval` steps and at the end) with OUT/ckpt/latest pointing at the newest."""
     trainer = Trainer(cfg, comm)
+    kernels.warm_up(trainer.dtype)  # compiled before any collective has a deadline
     if cfg.resume:
         _resume(trainer, cfg)
     start, out = trainer.step, Path(cfg.out)
