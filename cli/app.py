@@ -238,7 +238,7 @@ class _Progress:
         if self.task is None:  # started on the first step, after validation passed
             self.bar.start()
             self.task = self.bar.add_task("train", total=self.total, info="")
-        self.info.update({k: v for k, v in record.items() if k in ("loss", "val_loss", "tokens_per_s")})
+        self.info.update({k: v for k, v in record.items() if k in ("loss", "val_loss", "tokens_per_s", "flops_per_s", "mfu")})
         parts = []
         if "loss" in self.info:
             parts.append(f"loss {self.info['loss']:.4f}")
@@ -246,6 +246,8 @@ class _Progress:
             parts.append(f"val {self.info['val_loss']:.4f}")
         if "tokens_per_s" in self.info:
             parts.append(f"{self.info['tokens_per_s']:,.0f} tok/s")
+        if "flops_per_s" in self.info:
+            parts.append(f"{self.info['flops_per_s'] / 1e9:.2f} GFLOP/s, MFU {100 * self.info['mfu']:.1f} %")
         if "val_loss" in record:
             self.bar.console.print(f"step {step}: train {record['train_loss']:.4f}, val {record['val_loss']:.4f}")
         self.bar.update(self.task, completed=min(step + 1, self.total), info=", ".join(parts))

@@ -19,7 +19,8 @@ prints the same report at the end. What it measures, per rank and optimiser step
 * **Bytes per axis per step**: every call's payload (sends, not receives) by axes and op,
   beside `numesh.formulas.step_bytes` for this rank's units.
 * **MFU**: achieved FLOP/s (FLOPs per token × tokens per step / mean step time) over the
-  sum of every rank's measured matmul peak (as the metrics' `mfu`).
+  job's peak (`--peak-flops`, or every rank's matmul peak measured with all ranks at once:
+  the model's GEMM shapes and a large GEMM), never above 1 (`numesh.formulas.mfu`).
 * **Slowest rank**: the one the others wait for. A rank's waiting is the time it was
   blocked in communication while a collective's last member had not begun it yet
   (`wait_ms`, from aligned begin times; several nonblocking calls waiting at once count
@@ -282,7 +283,7 @@ def build(trace: dict) -> dict[str, Any]:
         "bytes": {str(r): b for r, b in sorted(by.items())},
         "bytes_match": all(b["measured"] == b["formula"] for b in by.values()),
         "flops": {"achieved_per_s": achieved, "peak_per_s": m["peak_flops"],
-                  "mfu": achieved / m["peak_flops"] if m["peak_flops"] else 0.0},
+                  "mfu": formulas.mfu(achieved, m["peak_flops"])},
         "slowest": slowest_rank(trace),
     }
 
@@ -330,7 +331,7 @@ def render(rep: dict[str, Any]) -> str:
     f, s = rep["flops"], rep["slowest"]
     lines += [
         "",
-        f"achieved {f['achieved_per_s'] / 1e9:.2f} GFLOP/s of {f['peak_per_s'] / 1e9:.1f} GFLOP/s measured matmul peak: "
+        f"achieved {f['achieved_per_s'] / 1e9:.2f} GFLOP/s of {f['peak_per_s'] / 1e9:.1f} GFLOP/s peak: "
         f"MFU {100 * f['mfu']:.1f} % (step {rep['step_ms']:.2f} ms, the longest of any rank)",
         f"slowest rank: {s['rank']}, {s['slower_by_ms']:.1f} ms per step slower than the median rank "
         "(the others wait for it: " + ", ".join(f"rank {r} {v:.1f}" for r, v in sorted(s["waited_ms_per_step"].items()))

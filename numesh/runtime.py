@@ -18,7 +18,7 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 from numesh.errors import Interrupted
-from numesh.threads import set_threads
+from numesh.threads import over_batch, set_threads, threads
 
 T = TypeVar("T")
 
@@ -35,8 +35,9 @@ def ranks_per_node(comm: MPI.Comm | None = None) -> int:
 
 
 def set_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None) -> int:
-    """Limit BLAS threads (and numesh's intra-op threads) so that ranks on this node ×
-    threads = its cores.
+    """Give this rank `threads` threads so that ranks on this node × threads = its cores:
+    numesh's intra-op threads, with BLAS on one thread (numesh splits matmuls itself, see
+    numesh/threads.py: two thread pools on the same cores fought). Returns the threads.
 
     An explicit `threads`, or OMP/OPENBLAS_NUM_THREADS in the environment, wins."""
     global _LIMITER
@@ -47,8 +48,30 @@ def set_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None) -
                 break
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // ranks_per_node(comm))
-    _LIMITER = threadpool_limits(limits=threads, user_api="blas")
-    return set_threads(threads)  # the same cores serve numpy's non-BLAS work
+    _LIMITER = threadpool_limits(limits=1, user_api="blas")
+    return set_threads(threads)
+
+
+# From 4 threads up one process stops scaling on the default model (issue #14, a 16-core
+# Xeon: 83/51/47/70/102 ms at 1/2/4/8/16 threads) while dp ranks at one thread each scale
+# almost linearly: the GIL-bound glue of a step does not split over threads, it does over ranks.
+HINT_MIN_THREADS = 4
+
+
+def dp_hint(world_size: int, threads: int, batch_size: int, micro_batches: int = 1) -> str | None:
+    """The one-line hint `numesh train` prints when one process runs on many threads and a dp
+    mesh of ranks would be faster: the largest dp ≤ threads that divides the batch. None when
+    it does not apply (several ranks already, few threads, or no dp divides the batch)."""
+    if world_size != 1 or threads < HINT_MIN_THREADS:
+        return None
+    dps = [d for d in range(2, threads + 1) if batch_size % (d * micro_batches) == 0]
+    if not dps:
+        return None
+    dp = max(dps)
+    per = threads // dp
+    return (f"hint: one process on {threads} threads; `mpirun -n {dp} numesh train --mesh dp={dp} ...` "
+            f"({dp} ranks x {per} thread{'s' if per > 1 else ''}) is usually faster "
+            "(python benchmarks/bench_node.py measures both on this machine)")
 
 
 def keep_freed_memory() -> bool:
@@ -79,16 +102,57 @@ def configure_process(threads: int | None = None, comm: MPI.Comm | None = None) 
 
 
 def matmul_peak_flops(dtype=np.float32, n: int = 512, repeats: int = 5) -> float:
-    """This rank's measured matrix-multiply throughput (FLOP/s), the denominator of MFU."""
-    a = np.ones((n, n), dtype=dtype)
-    out = np.empty_like(a)
-    np.matmul(a, a, out=out)
+    """One n³ matrix multiply's best throughput on this rank's BLAS threads (FLOP/s)."""
+    return gemm_flops(n, n, n, dtype, repeats)
+
+
+def gemm_flops(m: int, k: int, n: int, dtype=np.float32, repeats: int = 5, split: bool = False) -> float:
+    """Best throughput (FLOP/s) of an [m, k] @ [k, n] multiply over `repeats` tries, after a
+    warm-up. With `split`, the rows are spread over numesh's threads with BLAS on one thread
+    in each (`over_batch`), as a block runs when split over threads."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+    out = np.empty((m, n), dtype)
+
+    def rows(r: slice) -> None:
+        np.matmul(a[r], b, out=out[r])
+
+    def once() -> None:
+        if split:
+            over_batch(rows, m)
+        else:
+            rows(slice(0, m))
+
+    once()
     best = float("inf")
+    # at least `repeats` tries and ~20 ms, so a small GEMM's timer noise averages out
     for _ in range(repeats):
         t0 = time.perf_counter()
-        np.matmul(a, a, out=out)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n**3 / best
+        count = 0
+        while True:
+            once()
+            count += 1
+            dt = time.perf_counter() - t0
+            if dt > 0.02 / repeats:
+                break
+        best = min(best, dt / count)
+    return 2.0 * m * k * n / best
+
+
+def rank_peak_flops(shapes: list[tuple[int, int, int]], dtype=np.float32, large: int = 768) -> dict[str, float]:
+    """This rank's matmul peak as it is used: the best of the model's own GEMM `shapes`
+    (whole, and split over the threads as blocks are) and a large `large`³ GEMM on all of
+    the rank's BLAS threads. Returns {"model": best of the model shapes, "large": the large
+    one, "peak": the larger}. Run it on every rank at once (the caller's barrier), so ranks
+    that share a node share its cores and memory bandwidth as in training."""
+    model = 0.0
+    for m, k, n in shapes:
+        model = max(model, gemm_flops(m, k, n, dtype))
+        if threads() > 1:
+            model = max(model, gemm_flops(m, k, n, dtype, split=True))
+    big = gemm_flops(large, large, large, dtype, repeats=2)  # 768³: ~0.9 GFLOP a call, ~30 ms per rank on a core
+    return {"model": model, "large": big, "peak": max(model, big)}
 
 
 def is_root() -> bool:

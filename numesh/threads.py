@@ -12,13 +12,27 @@ inside, so the cores meet once per piece instead of once per op. That matters on
 models: a BLAS or pool thread that has gone idle takes ~0.1 ms to wake, paid by each of
 the ~50 matmuls of a step.
 
+One thread model: numesh owns a rank's threads and BLAS runs on one thread
+(`numesh.runtime.set_blas_threads`). Matrix multiplies outside a split block (the LM head,
+tensor-parallel blocks) are split over rows by `matmul` like any other row-independent op.
+Two pools (OpenBLAS's and numesh's) on the same cores fought: each BLAS call on several
+threads must wake the others, and when the cores are busy (other ranks, or numesh's own
+workers) a wake-up waits for a scheduler slice. Measured on the shared 2-core machine under
+load: one transformer block (16 tokens, 128 wide) on BLAS's 2 threads 490 ms, split over
+numesh's 2 threads with BLAS on one 31 ms (benchmarks/bench_node.py measures the sweep).
+
+Nothing is split so small that the hand-off (~20 µs) outweighs the work: `over_rows`
+takes a minimum rows per chunk, `matmul` one of `MIN_CHUNK_FLOPS`, and `block_chunks` weighs a
+block's work against the Python glue each chunk pays under the GIL.
+
 The thread count follows `numesh.runtime.set_blas_threads` (ranks × threads = cores);
-with one thread, as in an oversubscribed MPI job, both are a plain call.
+with one thread, as in an oversubscribed MPI job, everything is a plain call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
 from typing import Any, Callable, Iterator, NamedTuple, TypeVar
@@ -114,12 +128,13 @@ def _single_threaded() -> Iterator[None]:
         _threads = saved
 
 
-def over_batch(fn: Callable[[slice], T], n: int) -> list[T]:
-    """`fn(rows)` for contiguous chunks of range(n), one per thread; the results in row order.
+def over_batch(fn: Callable[[slice], T], n: int, k: int | None = None) -> list[T]:
+    """`fn(rows)` for `k` (default: one per thread) contiguous chunks of range(n); the results
+    in row order.
 
     Each call runs single-threaded (BLAS included), so `fn` may do a whole sub-computation
     on its rows, but it must not communicate (MPI calls stay on the main thread)."""
-    k = min(_threads, n)
+    k = min(_threads, n) if k is None else max(1, min(k, _threads, n))
     if k <= 1:
         return [fn(slice(0, n))]
     chunks = _bounds(n, k)
@@ -131,6 +146,44 @@ def over_batch(fn: Callable[[slice], T], n: int) -> list[T]:
     with _single_threaded():
         _run_all([lambda i=i: call(i) for i in range(k)])
     return out
+
+
+# A single-threaded sgemm does ~1 MFLOP in 20 µs (50 GFLOP/s, one AVX2 core), the cost of a
+# hand-off: chunks of at least 4 MFLOP keep the hand-off under ~20 % of each.
+MIN_CHUNK_FLOPS = 4e6
+
+
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a [M, K] @ b [K, N], rows split over the threads when each chunk has enough work.
+
+    Each row of the result is computed by one single-threaded BLAS call on a block of rows,
+    so the split changes no bit of a row beyond what BLAS's own blocking would."""
+    m, k = a.shape
+    n = b.shape[1]
+    out = np.empty((m, n), np.result_type(a, b))
+    min_rows = max(1, int(MIN_CHUNK_FLOPS // max(1, 2 * k * n)))
+
+    def rows(r: slice) -> None:
+        np.matmul(a[r], b, out=out[r])
+
+    over_rows(rows, m, min_rows)
+    return out
+
+
+# A transformer block's Python glue (~60 NumPy calls forward and backward, ~5 µs each: ~0.3
+# ms) runs under the GIL, so the chunks pay it one after another, while their matmuls run
+# side by side: k chunks of a block of W FLOPs take about max(W / (k·R), k·G) with R a
+# core's rate and G the glue. The best k is sqrt(W / (R·G)); at R ≈ 50 GFLOP/s a core does
+# R·G ≈ 15 MFLOP in one chunk's glue. (Estimates, not fitted: on 2 cores k ≤ 2 never binds
+# for the default model, W ≈ 0.9 GFLOP gives k = 7; the baby model's W ≈ 30 GFLOP, k = 44.)
+GLUE_FLOPS = 15e6
+
+
+def block_chunks(n_threads: int, rows: int, block_flops: float) -> int:
+    """How many chunks to split a block of `block_flops` FLOPs on `rows` sequences into: at
+    most one per thread and per row, and no more than sqrt(W / GLUE_FLOPS) (1 = not split)."""
+    best = int(math.sqrt(max(block_flops, 0.0) / GLUE_FLOPS))
+    return max(1, min(n_threads, rows, best))
 
 
 # ---------------------------------------------------------------------------------------
@@ -149,9 +202,9 @@ def _over_chunks(fn: Callable[[int], T], n: int) -> list[T]:
     return [y for ys in over_batch(lambda r: [fn(i) for i in range(r.start, r.stop)], n) for y in ys]
 
 
-def chunked_fwd(fn: Callable[[slice], tuple[np.ndarray, Any]], n: int) -> tuple[np.ndarray, RowChunks]:
-    """`fn(rows) -> (y, ctx)` over row chunks of range(n) (`over_batch`): y concatenated by rows."""
-    parts = over_batch(lambda r: (r, *fn(r)), n)
+def chunked_fwd(fn: Callable[[slice], tuple[np.ndarray, Any]], n: int, k: int | None = None) -> tuple[np.ndarray, RowChunks]:
+    """`fn(rows) -> (y, ctx)` over `k` row chunks of range(n) (`over_batch`): y concatenated by rows."""
+    parts = over_batch(lambda r: (r, *fn(r)), n, k)
     y = np.concatenate([y for _, y, _ in parts])
     return y, RowChunks(tuple(r for r, _, _ in parts), tuple(c for _, _, c in parts))
 

@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh import data as D
-from numesh import formulas
+from numesh import formulas, kernels
 from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
 from numesh.checkpoint.format import step_dir_name
 from numesh.errors import ConfigError, Interrupted
@@ -39,7 +39,8 @@ from numesh.pipeline.executor import PipelineExecutor, StepStats
 from numesh.pipeline.schedules import make_schedule
 from numesh.pipeline.stages import StageLayout, gather_stages, stage_tree
 from numesh.rundir import RunDir
-from numesh.runtime import matmul_peak_flops
+from numesh.runtime import dp_hint, log, rank_peak_flops
+from numesh.threads import threads
 from numesh.tree import tree_leaves, tree_map
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -107,6 +108,9 @@ class TrainConfig:
         "names the stuck rank and exits 3 (multi-rank runs); 0 = off")
     # observability
     trace: bool = _field(False, "write OUT/trace.json (Chrome trace events: open in Perfetto) and print `numesh report OUT`")
+    peak_flops: float = _field(
+        0.0, "peak FLOP/s of all the job's cores together, MFU's denominator; 0 = measure it at start-up "
+        "(the model's own GEMM shapes and a large GEMM, on every rank at once)")
 
     def model(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(
@@ -185,6 +189,8 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> None:
                  "ckpt_interval", "keep", "max_skips", "collective_timeout"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.peak_flops < 0:
+        raise ConfigError(f"--peak-flops must be >= 0 (0 = measure it), got {cfg.peak_flops}")
     if not cfg.learning_rate > 0:
         raise ConfigError(f"learning_rate must be > 0, got {cfg.learning_rate}")
     for name in ("beta1", "beta2"):
@@ -437,7 +443,24 @@ class TrainResult:
     metrics: str
 
 
-def _step_record(trainer: Trainer, step: int, flops_per_peak: float) -> dict[str, Any]:
+def job_peak_flops(trainer: Trainer) -> tuple[float, str]:
+    """MFU's denominator for the whole job and where it came from: --peak-flops, or the sum
+    over ranks of each rank's matmul peak measured with every rank measuring at once (so
+    ranks sharing a node share it as in training). Collective."""
+    c, mesh = trainer.cfg, trainer.mesh
+    if c.peak_flops > 0:
+        return c.peak_flops, "--peak-flops"
+    tp = mesh.size("tp")
+    rows = max(1, c.batch_size // (mesh.size("dp") * c.micro_batches)) * (c.block_size // mesh.size("cp"))
+    shapes = formulas.model_gemm_shapes(rows, c.n_embd, trainer.model.padded_vocab(tp) // tp, tp)
+    mesh.world.Barrier()
+    mine = rank_peak_flops(shapes, trainer.dtype)
+    total = psum_scalar(mine["peak"], mesh, ("pp", "dp", "cp", "tp"))
+    model = psum_scalar(mine["model"], mesh, ("pp", "dp", "cp", "tp"))
+    return total, f"measured on {mesh.world.Get_size()} rank(s) at once; the model's GEMMs reach {model / 1e9:.1f} GFLOP/s"
+
+
+def _step_record(trainer: Trainer, step: int, peak_flops: float) -> dict[str, Any]:
     """Run step `step` (an evaluation on eval steps, then the optimiser step unless it is the
     last) and return its metrics line ({} when nothing is logged)."""
     c = trainer.cfg
@@ -450,7 +473,9 @@ def _step_record(trainer: Trainer, step: int, flops_per_peak: float) -> dict[str
         dt = time.perf_counter() - t0
         tps = trainer.tokens_per_step / dt
         if step % c.log_interval == 0 or step == c.max_iters - 1:
-            record.update(loss=loss, lr=lr, grad_norm=norm, dt_ms=dt * 1e3, tokens_per_s=tps, mfu=tps * flops_per_peak)
+            achieved = tps * flops_per_token(trainer.model, trainer.n_params)
+            record.update(loss=loss, lr=lr, grad_norm=norm, dt_ms=dt * 1e3, tokens_per_s=tps, flops_per_s=achieved,
+                          mfu=formulas.mfu(achieved, peak_flops))
     return {"step": step, **record} if record else record
 
 
@@ -508,12 +533,14 @@ def train(
     writes OUT/config.json, OUT/metrics.jsonl and checkpoints OUT/ckpt/step_NNNNNN (every
     `ckpt_interval` steps and at the end) with OUT/ckpt/latest pointing at the newest."""
     trainer = Trainer(cfg, comm)
+    kernels.warm_up(trainer.dtype)  # compiled before any collective has a deadline
     if cfg.resume:
         _resume(trainer, cfg)
     start, out = trainer.step, Path(cfg.out)
-    # MFU's denominator: every rank's measured matmul throughput (see README)
-    peak = psum_scalar(matmul_peak_flops(trainer.dtype), trainer.mesh, ("pp", "dp", "cp", "tp"))
-    flops_per_peak = flops_per_token(trainer.model, trainer.n_params) / peak
+    if hint := dp_hint(trainer.mesh.world.Get_size(), threads(), cfg.batch_size, cfg.micro_batches):
+        log(hint)
+    peak, source = job_peak_flops(trainer)  # MFU's denominator (see README)
+    log(f"MFU peak: {peak / 1e9:.1f} GFLOP/s ({source})")
     run = _open_run(trainer, cfg)
     observed_before = trainer.mesh.observer
     observer = _attach_observers(trainer, out)
@@ -531,7 +558,7 @@ def train(
                 observer.on_step(step)  # the step the flight records and NUMESH_INJECT's faults wait for
             try:
                 with np.errstate(all="ignore"):  # a non-finite step is caught below, with one message
-                    record = _step_record(trainer, step, flops_per_peak)
+                    record = _step_record(trainer, step, peak)
             except Diverged as d:
                 run.write({"step": step, "loss": d.loss, "grad_norm": d.norm, "diverged": True})
                 raise _diverged(d, cfg, out) from None

@@ -109,7 +109,8 @@ def test_over_batch_returns_chunks_in_order_single_threaded_inside(with_threads)
 
 @pytest.mark.parametrize("batch", [2, 5])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_blocks_split_over_sequences_match_one_thread(with_threads, batch: int, dropout: float) -> None:
+def test_blocks_split_over_sequences_match_one_thread(with_threads, monkeypatch, batch: int, dropout: float) -> None:
+    monkeypatch.setattr(threads, "GLUE_FLOPS", 1.0)  # split even this tiny model's blocks
     cfg = GPTConfig(vocab_size=23, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=dropout, bias=True)
     mesh = Mesh.parse("")
     params = init_gpt(cfg, mesh, seed=3, dtype=np.float64)
@@ -141,3 +142,45 @@ def test_blocks_split_over_sequences_match_one_thread(with_threads, batch: int, 
     np.testing.assert_array_equal(dx2, dx1)
     for a, b in zip(tree_leaves(w1), tree_leaves(w2)):
         np.testing.assert_allclose(b, a, rtol=1e-11, atol=1e-15)
+
+
+@pytest.mark.parametrize("n_threads, rows, flops, want", [
+    (16, 12, 906e6, 7),      # the default model: its glue, not its matmuls, bounds the split
+    (16, 64, 30e9, 16),      # the baby model: every thread
+    (16, 2, 30e9, 2),        # no more chunks than rows
+    (2, 12, 906e6, 2),       # no more chunks than threads
+    (8, 12, 1e6, 1),         # too little work: whole
+    (1, 12, 30e9, 1),
+])
+def test_block_chunks(n_threads: int, rows: int, flops: float, want: int) -> None:
+    assert threads.block_chunks(n_threads, rows, flops) == want
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 3, 5), (257, 64, 96), (1000, 128, 65)])
+def test_matmul_split_over_rows_is_bit_identical(with_threads, monkeypatch, m: int, k: int, n: int) -> None:
+    """Each row comes from one BLAS call on a block of rows: splitting changes no bit (BLAS
+    on one thread, as numesh.runtime.set_blas_threads sets it), and small products are not split."""
+    from threadpoolctl import threadpool_limits
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    calls: list[int] = []
+    real = threads.over_rows
+
+    def counting(fn, rows, min_rows=1):
+        calls.append(min(threads.threads(), rows // max(1, min_rows)))
+        real(fn, rows, min_rows)
+
+    monkeypatch.setattr(threads, "over_rows", counting)
+    with threadpool_limits(limits=1, user_api="blas"):
+        with_threads(1)
+        one = threads.matmul(a, b)
+        with_threads(3)
+        monkeypatch.setattr(threads, "MIN_CHUNK_FLOPS", 1.0)
+        split = threads.matmul(a, b)
+        np.testing.assert_array_equal(split, one)
+        np.testing.assert_array_equal(threads.matmul(a.T.copy().T, b), one)  # a strided view
+        monkeypatch.setattr(threads, "MIN_CHUNK_FLOPS", 1e12)
+        calls.clear()
+        threads.matmul(a, b)
+        assert calls[-1] <= 1  # too small to split

@@ -19,7 +19,7 @@ from numesh.errors import ConfigError
 from numesh.train import TrainConfig, Trainer, config_from, train, validate
 from numesh.tree import tree_leaves_with_path
 
-TRAIN_KEYS = {"step", "loss", "lr", "dt_ms", "tokens_per_s", "mfu"}
+TRAIN_KEYS = {"step", "loss", "lr", "dt_ms", "tokens_per_s", "flops_per_s", "mfu"}
 
 
 def run_config(data: Path, out: Path, **overrides: Any) -> TrainConfig:
@@ -218,6 +218,7 @@ def test_error_classes_are_value_errors() -> None:
         (dict(sequence_parallel=True, mesh="cp=2,tp=2", n_head=2, block_size=8), 4, ConfigError,
          "--sequence-parallel together with cp > 1 is not supported yet"),
         (dict(mesh="cp=2", block_size=6), 2, ConfigError, "does not split into 2\\*cp=4 equal chunks"),
+        (dict(peak_flops=-1.0), 1, ConfigError, "--peak-flops must be >= 0"),
     ],
 )
 def test_validate_errors(char_dataset: Path, tmp_path: Path, overrides: dict, n_ranks: int,

@@ -4,6 +4,10 @@ Every layer has `*_fwd(params, x) -> (y, ctx)` and `*_bwd(params, ctx, dy) -> (d
 where `dparams` has the parameters' own attrs class. Linear layers also expose their
 input-grad and weight-grad halves separately (`linear_bwd_input`, `linear_bwd_weight`),
 which is what lets a zero-bubble pipeline schedule defer the weight half.
+
+LayerNorm, GELU and the attention softmax run as fused kernels (numesh/kernels.py) when
+numba is installed; the `*_reference` functions are the plain NumPy versions, the readable
+definition that the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import math
 import attrs
 import numpy as np
 
-from numesh.threads import over_rows
+from numesh import kernels as K
+from numesh.threads import matmul, over_rows
 
 LN_EPS = 1e-5
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -39,7 +44,7 @@ def _rows(x: np.ndarray) -> np.ndarray:
 
 def linear_fwd(p: Linear, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     w2 = p.w.reshape(p.w.shape[0], -1)
-    y = _rows(x) @ w2
+    y = matmul(_rows(x), w2)
     if p.b is not None:
         y += p.b.reshape(-1)
     return y.reshape(*x.shape[:-1], w2.shape[1]), x
@@ -47,12 +52,12 @@ def linear_fwd(p: Linear, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def linear_bwd_input(p: Linear, dy: np.ndarray) -> np.ndarray:
     w2 = p.w.reshape(p.w.shape[0], -1)
-    return (_rows(dy) @ w2.T).reshape(*dy.shape[:-1], w2.shape[0])
+    return matmul(_rows(dy), w2.T).reshape(*dy.shape[:-1], w2.shape[0])
 
 
 def linear_bwd_weight(p: Linear, x: np.ndarray, dy: np.ndarray) -> Linear:
     dy2 = _rows(dy)
-    dw = (_rows(x).T @ dy2).reshape(p.w.shape)
+    dw = matmul(_rows(x).T, dy2).reshape(p.w.shape)
     db = None if p.b is None else dy2.sum(axis=0).reshape(p.b.shape)
     return Linear(dw, db)
 
@@ -62,6 +67,30 @@ def linear_bwd(p: Linear, ctx: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, 
 
 
 def layernorm_fwd(p: LayerNorm, x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """LayerNorm over the last dim; the context is (xhat, rstd [..., 1])."""
+    if not K.enabled():
+        return layernorm_fwd_reference(p, x)
+    x = np.ascontiguousarray(x)
+    y, xhat = np.empty_like(x), np.empty_like(x)
+    rstd = np.empty((*x.shape[:-1], 1), x.dtype)
+    b = p.w if p.b is None else p.b  # unused without a bias
+    K.layernorm_fwd(_rows(x), p.w, b, p.b is not None, _rows(y), _rows(xhat), rstd.reshape(-1))
+    return y, (xhat, rstd)
+
+
+def layernorm_bwd(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, LayerNorm]:
+    if not K.enabled():
+        return layernorm_bwd_reference(p, ctx, dy)
+    xhat, rstd = ctx
+    dy = np.ascontiguousarray(dy)
+    dx = np.empty_like(dy)
+    c = dy.shape[-1]
+    dw, db = np.empty(c, np.float64), np.empty(c, np.float64)  # float64 accumulators
+    K.layernorm_bwd(_rows(dy), _rows(xhat), rstd.reshape(-1), p.w, _rows(dx), dw, db)
+    return dx, LayerNorm(dw.astype(dy.dtype), None if p.b is None else db.astype(dy.dtype))
+
+
+def layernorm_fwd_reference(p: LayerNorm, x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     mu = x.mean(axis=-1, keepdims=True)
     xc = x - mu
     var = np.einsum("...i,...i->...", xc, xc)[..., None] / x.shape[-1]
@@ -74,7 +103,7 @@ def layernorm_fwd(p: LayerNorm, x: np.ndarray) -> tuple[np.ndarray, tuple[np.nda
     return y, (xhat, rstd)
 
 
-def layernorm_bwd(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, LayerNorm]:
+def layernorm_bwd_reference(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, LayerNorm]:
     xhat, rstd = ctx
     dy2, xh2 = _rows(dy), _rows(xhat)
     dw = np.einsum("ni,ni->i", dy2, xh2)
@@ -95,7 +124,36 @@ def _chunk_rows(row_len: int, elements: int = 1 << 15) -> int:
 
 
 def gelu_fwd(x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-    """GELU in GPT-2's tanh form: 0.5·x·(1 + tanh(k·(x + 0.044715·x³)))."""
+    """GELU in GPT-2's tanh form: 0.5·x·(1 + tanh(k·(x + 0.044715·x³))); the context is (x, tanh)."""
+    if not K.enabled():
+        return gelu_fwd_reference(x)
+    x = np.ascontiguousarray(x)
+    t, y = np.empty_like(x), np.empty_like(x)
+    x2, t2, y2 = _rows(x), _rows(t), _rows(y)
+
+    def rows(r: slice) -> None:
+        xr, tr = x2[r].reshape(-1), t2[r].reshape(-1)
+        K.gelu_fwd_pre(xr, tr)
+        np.tanh(tr, out=tr)
+        K.gelu_fwd_post(xr, tr, y2[r].reshape(-1))
+
+    over_rows(rows, x2.shape[0], _chunk_rows(x2.shape[1]))
+    return y, (x, t)
+
+
+def gelu_bwd(ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> np.ndarray:
+    if not K.enabled():
+        return gelu_bwd_reference(ctx, dy)
+    x, t = ctx
+    dy = np.ascontiguousarray(dy)
+    dx = np.empty_like(dy)
+    x2, t2, dy2, dx2 = _rows(x), _rows(t), _rows(dy), _rows(dx)
+    over_rows(lambda r: K.gelu_bwd(x2[r].reshape(-1), t2[r].reshape(-1), dy2[r].reshape(-1), dx2[r].reshape(-1)),
+              x2.shape[0], _chunk_rows(x2.shape[1]))
+    return dx
+
+
+def gelu_fwd_reference(x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     t, y = np.empty_like(x), np.empty_like(x)
     x2, t2, y2 = _rows(x), _rows(t), _rows(y)
 
@@ -114,7 +172,7 @@ def gelu_fwd(x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     return y, (x, t)
 
 
-def gelu_bwd(ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> np.ndarray:
+def gelu_bwd_reference(ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> np.ndarray:
     x, t = ctx
     dx = np.empty_like(dy)
     x2, t2, dy2, dx2 = _rows(x), _rows(t), _rows(dy), _rows(dx)
@@ -141,7 +199,10 @@ def gelu_bwd(ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> np.ndarray:
 def causal_attention_fwd(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, drop_mask: np.ndarray | None = None
 ) -> tuple[np.ndarray, tuple]:
-    """Causal softmax attention over [B, H, T, hs] tensors; `drop_mask` (already scaled) applies to the weights."""
+    """Causal softmax attention over [B, H, T, hs] tensors; `drop_mask` (already scaled) applies to the weights.
+
+    The context is (q·scale, k, v, the attention weights [B, H, T, T], drop_mask)."""
+    fused = K.enabled()
     B, H, T, hs = q.shape
     scale = 1.0 / math.sqrt(hs)  # scaling q costs T·hs, scaling the scores T·T
     qs, y = np.empty(q.shape, q.dtype), np.empty(q.shape, q.dtype)
@@ -152,18 +213,26 @@ def causal_attention_fwd(
         a = att[r]
         np.multiply(q[r], scale, out=qs[r])
         np.matmul(qs[r], k[r].swapaxes(-1, -2), out=a)
+        if fused:
+            K.causal_softmax_fwd(a.reshape(-1, T, T))  # [b*H, T, T]
+            return _attend(a, drop_mask, r, v, y)
         a += bias
         a -= a.max(axis=-1, keepdims=True)
         np.exp(a, out=a)
         a *= 1.0 / a.sum(axis=-1, keepdims=True)
-        np.matmul(a if drop_mask is None else a * drop_mask[r], v[r], out=y[r])
+        _attend(a, drop_mask, r, v, y)
 
     over_rows(rows, B, _chunk_rows(H * T * T))
     return y, (qs, k, v, att, drop_mask)
 
 
+def _attend(a: np.ndarray, drop_mask: np.ndarray | None, r: slice, v: np.ndarray, y: np.ndarray) -> None:
+    np.matmul(a if drop_mask is None else a * drop_mask[r], v[r], out=y[r])
+
+
 def causal_attention_bwd(ctx: tuple, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     qs, k, v, att, drop_mask = ctx
+    fused = K.enabled()
     scale = 1.0 / math.sqrt(qs.shape[-1])
     dq, dk, dv = (np.empty(x.shape, dy.dtype) for x in (qs, k, v))
 
@@ -175,8 +244,11 @@ def causal_attention_bwd(ctx: tuple, dy: np.ndarray) -> tuple[np.ndarray, np.nda
         if drop_mask is not None:
             datt *= drop_mask[r]
         # softmax backward: ds = a * (da - sum(da * a))
-        datt -= np.einsum("...ij,...ij->...i", datt, a)[..., None]
-        datt *= a
+        if fused:
+            K.causal_softmax_bwd(a.reshape(-1, *a.shape[-2:]), datt.reshape(-1, *a.shape[-2:]))  # [b*H, T, T]
+        else:
+            datt -= np.einsum("...ij,...ij->...i", datt, a)[..., None]
+            datt *= a
         np.matmul(datt, k[r], out=dq[r])
         dq[r] *= scale
         np.matmul(datt.swapaxes(-1, -2), qs[r], out=dk[r])

@@ -12,12 +12,16 @@ activations between the tensor-parallel matmuls are split over the sequence (dim
 replaces f before a column-parallel matmul, `reduce_scatter_to_sequence_parallel_region`
 (reduce-scatter forward, all-gather backward) replaces g after a row-parallel one. A ring
 all-reduce is a reduce-scatter plus an all-gather, so the bus bytes are those of f/g.
+
+The cross-entropy's backward is one fused pass (numesh.kernels.ce_bwd) when numba is
+installed; `vocab_parallel_cross_entropy_bwd_reference` is its NumPy definition.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from numesh import kernels as K
 from numesh.mesh import Mesh, all_gather, pmax, psum, psum_scatter
 
 SEQ = 1  # the sequence dimension of an activation [B, T, C]
@@ -132,7 +136,17 @@ def vocab_parallel_cross_entropy_fwd(
 
 
 def vocab_parallel_cross_entropy_bwd(ctx: tuple, dloss: np.ndarray | float) -> np.ndarray:
-    """Gradient w.r.t. the local logits for upstream gradient `dloss` per token."""
+    """Gradient w.r.t. the local logits for upstream gradient `dloss` per token (`ctx`'s
+    buffer is reused)."""
+    if not K.enabled():
+        return vocab_parallel_cross_entropy_bwd_reference(ctx, dloss)
+    probs, sumexp, local, inside = ctx
+    targets = np.where(inside, local, -1)  # -1: the target is another rank's
+    K.ce_bwd(probs, sumexp, targets, np.asarray(dloss, dtype=np.float64).reshape(-1))
+    return probs
+
+
+def vocab_parallel_cross_entropy_bwd_reference(ctx: tuple, dloss: np.ndarray | float) -> np.ndarray:
     probs, sumexp, local, inside = ctx
     probs /= sumexp[:, None]
     rows = np.nonzero(inside)[0]

@@ -12,7 +12,9 @@ Thread splitting wraps the block functions here and is not written into them: wi
 block does not communicate, so with several threads each one runs the whole block on its
 own rows (`numesh.threads.chunked_*`): the cores meet once per block instead of once per
 matmul, which saved ~3 ms of a 47 ms step on 2 cores (an idle thread takes ~0.1 ms to wake,
-paid by each of ~50 matmuls). With tp, blocks stay on the main thread and BLAS threads.
+paid by each of ~50 matmuls). A block is split into at most one chunk per thread, fewer when
+its work is small beside the Python glue each chunk pays (`numesh.threads.block_chunks`). With tp, blocks stay
+on the main thread, their ops split over rows (`numesh.threads.matmul`, `over_rows`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from numesh.nn.transformer import (
     reduce_sequence_partial,
 )
 from numesh.nn.units import OUTER, Unit, join_units
-from numesh.threads import RowChunks, chunked_bwd, chunked_fwd, chunked_sum, threads
+from numesh.threads import RowChunks, block_chunks, chunked_bwd, chunked_fwd, chunked_sum, threads
 
 
 class ParamUnits(Protocol):
@@ -109,18 +111,24 @@ class StageCtx:
 # blocks, whole or split over the threads
 
 
-def _split(mesh: Mesh, rows: int) -> bool:
-    """Split a block over the threads: several threads, no tp or cp inside, more than one
-    row. Not with cp: every thread's block would run its own ring over the one cp
-    communicator, with the same tags, so their K/V blocks could be matched to each other."""
-    return threads() > 1 and mesh.size("tp") == 1 and mesh.size("cp") == 1 and rows > 1
+def _chunks(mesh: Mesh, x: np.ndarray) -> int:
+    """Chunks to split a block on x [B, T, C] into: 1 (whole) with tp or cp inside, else
+    `block_chunks` of the threads, rows and the block's training FLOPs (72·C² per token for
+    its matmuls, 12·C·T for attention, as numesh.formulas.flops_per_token). Not with cp:
+    every thread's block would run its own ring over the one cp communicator, with the same
+    tags, so their K/V blocks could be matched to each other."""
+    if threads() == 1 or mesh.size("tp") > 1 or mesh.size("cp") > 1:
+        return 1
+    B, T, C = x.shape
+    return block_chunks(threads(), B, B * T * (72.0 * C * C + 12.0 * C * T))
 
 
 def run_block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int, drop: DropoutKey | None = None):
     """`block_fwd`, whole or as row chunks over the threads (its context says which)."""
-    if not _split(mesh, x.shape[0]):
+    k = _chunks(mesh, x)
+    if k == 1:
         return block_fwd(p, x, cfg, mesh, layer, drop)
-    return chunked_fwd(lambda r: block_fwd(p, x[r], cfg, mesh, layer, drop and drop.shifted(r)), x.shape[0])
+    return chunked_fwd(lambda r: block_fwd(p, x[r], cfg, mesh, layer, drop and drop.shifted(r)), x.shape[0], k)
 
 
 def run_block_bwd_input(p: Block, ctx: BlockCtx | RowChunks, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh):

@@ -58,6 +58,7 @@ from numesh.nn.parallel import (
 )
 from numesh.nn.ring_attention import attention_bwd, attention_fwd
 from numesh.tree import tree_leaves_with_path
+from numesh.threads import matmul
 
 
 def local_heads(cfg: GPTConfig, mesh: Mesh) -> tuple[int, int, slice]:
@@ -320,7 +321,7 @@ def head_fwd(params: GPT, x: np.ndarray, targets: np.ndarray, cfg: GPTConfig, me
     With sp the LayerNorm runs on this rank's slice and is gathered (`norm_gather_fwd`)."""
     xf, lnf_ctx = norm_gather_fwd(params.ln_f, x, mesh)  # [B, T, C]
     xf2 = xf.reshape(-1, xf.shape[-1])
-    logits = xf2 @ params.wte.T  # [B*T, V/tp]
+    logits = matmul(xf2, params.wte.T)  # [B*T, V/tp]
     loss, ce_ctx = vocab_parallel_cross_entropy_fwd(logits, targets, cfg.vocab_size, mesh)
     return loss, HeadCtx(lnf_ctx, None if mesh.sequence_parallel else xf2, ce_ctx, xf.shape)
 
@@ -329,8 +330,8 @@ def head_bwd(params: GPT, ctx: HeadCtx, dloss: np.ndarray | float, mesh: Mesh) -
     """(grad of the head's input, grad of wte from the head, grads of ln_f)."""
     dlogits = vocab_parallel_cross_entropy_bwd(ctx.ce, dloss)
     xf = norm_output(params.ln_f, ctx.ln_f).reshape(-1, ctx.shape[-1]) if ctx.xf is None else ctx.xf
-    dwte = dlogits.T @ xf
-    dx, d_lnf = norm_gather_bwd(params.ln_f, ctx.ln_f, (dlogits @ params.wte).reshape(ctx.shape), mesh)
+    dwte = matmul(dlogits.T, xf)
+    dx, d_lnf = norm_gather_bwd(params.ln_f, ctx.ln_f, matmul(dlogits, params.wte).reshape(ctx.shape), mesh)
     return dx, dwte, d_lnf
 
 

@@ -4,6 +4,10 @@ Parameters, gradients and both moments live in flat buffers (the parameter tree 
 of views into its buffer), so an optimiser step is a handful of vectorised operations
 whatever the number of leaves, and ZeRO can shard the same buffers by plain slicing.
 The step updates its buffers in place: they are donated, as with JAX's `donate_argnums`.
+
+With numba installed the update is one fused pass (numesh.kernels.adamw) instead of the
+reference's fourteen NumPy passes; `adamw_step_reference` is the readable definition it is
+tested against (bit-identical in float64: same operations in the same order).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from numesh import kernels as K
 from numesh.threads import over_rows
 from numesh.tree import Tree, flatten, tree_map_with_path
 
@@ -57,6 +62,30 @@ def adamw_step(
     scratch: np.ndarray | None = None,
 ) -> None:
     """One decoupled-weight-decay Adam step on flat buffers (PyTorch's AdamW formula)."""
+    if not K.enabled():
+        return adamw_step_reference(params, grads, state, lr, cfg, decay, scratch)
+    state.step += 1
+    t = state.step
+    wd = lr * cfg.weight_decay
+    c2 = 1.0 / np.sqrt(1.0 - cfg.beta2**t)
+    c1 = lr / (1.0 - cfg.beta1**t)
+
+    def rows(r: slice) -> None:
+        K.adamw(params[r], grads[r], state.m[r], state.v[r], decay[r], wd, cfg.beta1, cfg.beta2, cfg.eps, c1, c2)
+
+    over_rows(rows, params.shape[0], 1 << 16)
+
+
+def adamw_step_reference(
+    params: np.ndarray,
+    grads: np.ndarray,
+    state: AdamWState,
+    lr: float,
+    cfg: AdamWConfig,
+    decay: np.ndarray,
+    scratch: np.ndarray | None = None,
+) -> None:
+    """`adamw_step` as plain NumPy passes over a scratch buffer."""
     state.step += 1
     t = state.step
     tmp = np.empty_like(params) if scratch is None else scratch
