@@ -568,7 +568,9 @@ def local_batch(
     mine = offsets[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     x, y = read_rows(data, mine, block_size)
     per_micro = per_rank // micro_batches
+    # each micro-batch its own arrays (not views of the rank's rows), so what a micro-batch's
+    # saved state holds (the embedding keeps its ids) is its own rows: activation accounting
     return [
-        (x[m * per_micro : (m + 1) * per_micro], y[m * per_micro : (m + 1) * per_micro])
+        (x[m * per_micro : (m + 1) * per_micro].copy(), y[m * per_micro : (m + 1) * per_micro].copy())
         for m in range(micro_batches)
     ]

@@ -9,7 +9,7 @@ bytes. `bus_bytes` turns them into NCCL-tests bus bytes.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import attrs
 
@@ -73,14 +73,17 @@ class Chunk:
     last: bool
 
 
-def tp_all_reduce_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, itemsize: int) -> int:
+def tp_all_reduce_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, itemsize: int,
+                        recompute: str = "none") -> int:
     """Payload bytes all-reduced over tp by one micro-batch's forward and backward through
     a chunk (Megatron): per block the g of attention and MLP forward and the f of both
-    halves backward (4 activations); the vocab-parallel embedding lookup (forward) and the
-    LM head's input gradient (backward), one activation each; the cross-entropy's row
-    maxima (pmax) and [sum-exp, target logit] (psum), 3 values per token."""
+    halves backward (4 activations), 6 under full recomputation (backward reruns the
+    forward, its two g's included; selective recomputes no communicating op); the
+    vocab-parallel embedding lookup (forward) and the LM head's input gradient (backward),
+    one activation each; the cross-entropy's row maxima (pmax) and [sum-exp, target logit]
+    (psum), 3 values per token."""
     act = rows * block_size * n_embd * itemsize
-    total = 4 * chunk.blocks * act
+    total = (6 if recompute == "full" else 4) * chunk.blocks * act
     if chunk.first:
         total += act
     if chunk.last:
@@ -116,6 +119,7 @@ def step_bytes(
     padded_outer: int,
     tied_bytes: int,
     split_backward: bool = False,
+    recompute: str = "none",
 ) -> dict[tuple[str, str], int]:
     """Payload bytes per (axes, op) one rank moves in one training step (axes as "dp",
     "pp+dp", or "pp[0,3]" for the tied-embedding group), sends but not receives.
@@ -123,7 +127,8 @@ def step_bytes(
     `rows` is a micro-batch's sequences on this rank; `chunks` this rank's model chunks;
     `padded_*` its units' sizes padded to dp; `tied_bytes` its wte gradient's bytes, summed
     between the first and last pp rank when pp > 1 (0 on other ranks); `split_backward`
-    whether the schedule runs W apart from B (zb-h1)."""
+    whether the schedule runs W apart from B (zb-h1); `recompute` the activation
+    recomputation ("full" reruns each block's forward tp all-reduces in backward)."""
     out: dict[tuple[str, str], int] = {}
 
     def add(axes: str, op: str, n: int) -> None:
@@ -136,7 +141,8 @@ def step_bytes(
         for op, n in dp_bytes(zero, m, padded_blocks, padded_outer, itemsize, split_backward).items():
             add("dp", op, n)
     if shape["tp"] > 1:
-        add("tp", "all_reduce", m * sum(tp_all_reduce_bytes(c, rows, block_size, n_embd, itemsize) for c in chunks))
+        add("tp", "all_reduce",
+            m * sum(tp_all_reduce_bytes(c, rows, block_size, n_embd, itemsize, recompute) for c in chunks))
     if shape["pp"] > 1:
         add("pp", "send", m * sum(pp_send_bytes(c, rows, block_size, n_embd, itemsize) for c in chunks))
         if tied_bytes:
@@ -154,3 +160,112 @@ def bubble(schedule: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 
     tl = simulate(schedule, t_f=t_f, t_b=t_b, t_w=t_w)
     per_rank = [tl.idle(r) / tl.makespan if tl.makespan > 0 else 0.0 for r in range(schedule.p)]
     return {"fraction": tl.bubble_fraction, "per_rank": per_rank, "makespan": tl.makespan}
+
+
+# ---------------------------------------------------------------------------------------
+# activation memory
+
+
+ID_BYTES = 8  # token ids and targets are int64 (numesh.data.read_rows)
+
+
+def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_layer: int, vocab: int, tp: int = 1,
+                     first: bool = True, last: bool = True, recompute: str = "none", dropout: bool = False,
+                     itemsize: int = 4) -> dict[str, int]:
+    """`activation_bytes` part by part: what numesh's forward saves for backward, in bytes,
+    for one micro-batch of b = `micro_batch` sequences of s = `seq` tokens, width h =
+    `n_embd`, a = `n_head` heads, t = `tp`, k = `itemsize` (the activation dtype's).
+
+    Per block (numesh.nn.transformer.BlockCtx, each array counted once):
+      "block_replicated"  k·(4·sbh + 2·sb): LayerNorm 1 and 2 each keep x̂ [b,s,h] and 1/σ
+                          [b,s,1], and their outputs h1, h2 [b,s,h] (the QKV and MLP-up
+                          inputs). Replicated over tp: Megatron sequence parallelism
+                          divides this part by t (`sp` plugs in here).
+      "block_sharded"     k·17·sbh/t: the scaled queries (1), the QKV output that k and v
+                          are views of (3), the attention output (1), the MLP-up output,
+                          GELU's tanh and GELU's output (4 each).
+      "block_scores"      k·(1 + d)·a·s²·b/t: the softmax probabilities [b, a/t, s, s] and,
+                          with dropout (d = 1), their mask. Selective recomputation drops
+                          this part.
+      "block_input"       k·sbh: full recomputation keeps only the block's input, instead
+                          of the three parts above.
+    Residual and embedding dropout masks are redrawn in backward, never kept. So a block
+    holds k·(sbh·(4 + 17/t) + 2·sb + (1 + d)·a·s²·b/t) bytes (Korthikanti et al. count
+    34·sbh + 5·a·s²·b for fp16 with byte masks: numesh keeps x̂ beside the LayerNorm output,
+    and neither the residual masks nor the dropped-out probabilities), k·(sbh·(4 + 17/t) +
+    2·sb) under selective recomputation (no s² term) and k·sbh under full.
+
+    Outside the blocks:
+      "embed"  (first stage) the token ids, int64 [b,s]; with tp > 1 instead the ids
+               relative to this rank's vocabulary slice (int64) and which fall outside it
+               (bool), 9·sb.
+      "head"   (last stage) the final LayerNorm's x̂, 1/σ and output, k·(2·sbh + sb); the
+               exponentiated logits [b·s, V/t] (V padded to a multiple of t) and the
+               [sum-exp, target logit] pair, k·(sb·V/t + 2·sb); the targets relative to the
+               vocabulary slice (int64) and whether they are inside it (bool), 9·sb.
+
+    Context parallelism (a `cp` axis splitting the sequence) divides s by cp in every
+    term linear in s; the s² term becomes (s/cp)·s for the queries' keys, or whatever
+    ring attention keeps: it plugs in as s → s/cp here and in "block_scores"."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    b, s, h, a, t, k = micro_batch, seq, n_embd, n_head, tp, itemsize
+    sb, sbh = s * b, s * b * h
+    parts: dict[str, int] = {}
+    if recompute == "full":
+        parts["block_input"] = n_layer * k * sbh
+    else:
+        parts["block_replicated"] = n_layer * k * (4 * sbh + 2 * sb)
+        parts["block_sharded"] = n_layer * k * 17 * sbh // t
+        if recompute == "none":
+            parts["block_scores"] = n_layer * k * (1 + int(dropout)) * a * s * s * b // t
+    if first:
+        parts["embed"] = sb * ID_BYTES + (sb if t > 1 else 0)
+    if last:
+        v_local = -(-vocab // t)  # the vocabulary padded to a multiple of t, this rank's slice
+        parts["head"] = k * (2 * sbh + sb) + k * (sb * v_local + 2 * sb) + sb * (ID_BYTES + 1)
+    return parts
+
+
+def activation_bytes(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_layer: int, vocab: int, tp: int = 1,
+                     first: bool = True, last: bool = True, recompute: str = "none", dropout: bool = False,
+                     itemsize: int = 4) -> int:
+    """Bytes of saved activations one micro-batch leaves on a pipeline stage holding
+    `n_layer` blocks (plus the embedding if `first`, the final LayerNorm, head and loss if
+    `last`) between its forward and its backward: the sum of `activation_parts`."""
+    return sum(activation_parts(micro_batch=micro_batch, seq=seq, n_embd=n_embd, n_head=n_head, n_layer=n_layer,
+                                vocab=vocab, tp=tp, first=first, last=last, recompute=recompute, dropout=dropout,
+                                itemsize=itemsize).values())
+
+
+def weight_ctx_bytes(*, micro_batch: int, seq: int, n_embd: int, n_layer: int, tp: int = 1, bias: bool = False,
+                     itemsize: int = 4, chunks: int = 1) -> int:
+    """Bytes a zero-bubble B leaves for its W (numesh.nn.transformer.BlockWeightCtx) over
+    `n_layer` blocks, for any recomputation: per block the four Linears' inputs (h1, h2
+    [b,s,h]; attention output sbh/t, GELU output 4·sbh/t) and output gradients (QKV's
+    3·sbh/t, MLP-up's 4·sbh/t, the two row-parallel ones sbh each), so k·(4·sbh + 12·sbh/t),
+    plus both LayerNorms' weight (and bias) gradients, once per thread chunk."""
+    sbh, k = seq * micro_batch * n_embd, itemsize
+    ln_grads = chunks * 2 * n_embd * (2 if bias else 1) * k
+    return n_layer * (k * (4 * sbh + 12 * sbh // tp) + ln_grads)
+
+
+def peak_activation_bytes(schedule: Schedule, rank: int, saved: Callable[[int], int],
+                          deferred: Callable[[int], int] | None = None) -> int:
+    """The most activation bytes `rank` holds between two of its actions: F adds the
+    micro-batch's `saved(chunk)` bytes, B frees them (or, when the schedule splits the
+    backward, leaves `deferred(chunk)` bytes until W). What the executor's `peak_bytes`
+    measures; with every chunk alike it is peak_activations(schedule)[rank] × saved(0)
+    for schedules that do not split the backward."""
+    live: dict[tuple[int, int], int] = {}
+    peak = 0
+    for a in schedule.actions[rank]:
+        key = (a.mb, a.chunk)
+        if a.kind == "F":
+            live[key] = saved(a.chunk)
+        elif a.kind == "B" and schedule.split_backward:
+            live[key] = deferred(a.chunk) if deferred is not None else 0
+        else:
+            live.pop(key, None)
+        peak = max(peak, sum(live.values()))
+    return peak

@@ -31,6 +31,7 @@ from numesh.mesh.inject import FaultInjector, faults_from_env
 from numesh.mesh.trace import Tracer
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
+from numesh.nn.stage import check_recompute
 from numesh.nn.units import OUTER, join_units, split_units
 from numesh.optim import AdamWConfig, clip_scale, cosine_lr
 from numesh.optim.zero import ZeroOptimizer
@@ -78,6 +79,10 @@ class TrainConfig:
     # pipeline parallelism
     schedule: str = _field("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (micro-batches = --micro-batches)")
     virtual_stages: int = _field(1, "model chunks per pp rank (interleaved schedule)")
+    # activation memory
+    recompute: str = _field(
+        "none", "activation recomputation: none; selective (the attention core's T×T softmax and dropout mask "
+        "recomputed in backward); full (each block rerun from its input in backward)")
     # evaluation and logging
     eval_interval: int = _field(250, "evaluate train/val loss every this many steps")
     eval_iters: int = _field(20, "batches per split and evaluation")
@@ -159,6 +164,7 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
         raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
     if cfg.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
+    check_recompute(cfg.recompute)
     if cfg.on_nan not in ("stop", "skip"):
         raise ConfigError(f"--on-nan must be stop or skip, got '{cfg.on_nan}'")
     for name in ("max_iters", "seed", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
@@ -224,7 +230,7 @@ class Trainer:
             bucket_bytes=int(cfg.bucket_mb * 2**20), overlap=cfg.overlap, uncounted={(OUTER, "wte")} if tied_copy else (),
         )
         self.opt.check_replicas()
-        self.pipeline = PipelineExecutor(self.model, self.mesh, self.layout, self.opt, self.dtype)
+        self.pipeline = PipelineExecutor(self.model, self.mesh, self.layout, self.opt, self.dtype, cfg.recompute)
         self.last_stats: StepStats | None = None
         self.train_data = D.load_split(cfg.data, "train")
         self.val_data = D.load_split(cfg.data, "val")
@@ -315,7 +321,7 @@ class Trainer:
         }
         self.trace_meta = {
             "mesh": dict(shape), "schedule": c.schedule, "micro_batches": c.micro_batches, "virtual_stages": c.virtual_stages,
-            "zero": c.zero, "dtype": c.dtype, "itemsize": itemsize, "batch_size": c.batch_size, "block_size": c.block_size,
+            "zero": c.zero, "recompute": c.recompute, "dtype": c.dtype, "itemsize": itemsize, "batch_size": c.batch_size, "block_size": c.block_size,
             "n_layer": self.model.n_layer, "n_embd": self.model.n_embd, "n_params": self.n_params,
             "rows_per_micro_batch": c.batch_size // (shape["dp"] * c.micro_batches),
             "tokens_per_step": self.tokens_per_step, "flops_per_token": flops_per_token(self.model, self.n_params),

@@ -149,17 +149,37 @@ def causal_attention_fwd(
     bias = _causal_bias(T, att.dtype)
 
     def rows(r: slice) -> None:
-        a = att[r]
         np.multiply(q[r], scale, out=qs[r])
-        np.matmul(qs[r], k[r].swapaxes(-1, -2), out=a)
-        a += bias
-        a -= a.max(axis=-1, keepdims=True)
-        np.exp(a, out=a)
-        a *= 1.0 / a.sum(axis=-1, keepdims=True)
+        a = _probs(qs[r], k[r], bias, att[r])
         np.matmul(a if drop_mask is None else a * drop_mask[r], v[r], out=y[r])
 
     over_rows(rows, B, _chunk_rows(H * T * T))
     return y, (qs, k, v, att, drop_mask)
+
+
+def _probs(qs: np.ndarray, k: np.ndarray, bias: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Causal softmax of qs @ kᵀ into `out` [..., T, T] (qs already scaled)."""
+    np.matmul(qs, k.swapaxes(-1, -2), out=out)
+    out += bias
+    out -= out.max(axis=-1, keepdims=True)
+    np.exp(out, out=out)
+    out *= 1.0 / out.sum(axis=-1, keepdims=True)
+    return out
+
+
+def causal_attention_probs(qs: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """The attention probabilities [B, H, T, T] of `causal_attention_fwd` from its saved
+    scaled queries and keys, bit for bit (the same operations row by row): what selective
+    recomputation redoes in backward instead of keeping the T×T tensor."""
+    B, H, T, _ = qs.shape
+    att = np.empty((B, H, T, T), qs.dtype)
+    bias = _causal_bias(T, att.dtype)
+
+    def rows(r: slice) -> None:
+        _probs(qs[r], k[r], bias, att[r])
+
+    over_rows(rows, B, _chunk_rows(H * T * T))
+    return att
 
 
 def causal_attention_bwd(ctx: tuple, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

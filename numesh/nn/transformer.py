@@ -24,6 +24,7 @@ from numesh.nn.layers import (
     Linear,
     causal_attention_bwd,
     causal_attention_fwd,
+    causal_attention_probs,
     gelu_bwd,
     gelu_fwd,
     layernorm_bwd,
@@ -107,11 +108,11 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
               drop: DropoutKey | None = None) -> tuple[np.ndarray, BlockCtx]:
     """One transformer block on x [B, T, C], replicated over tp."""
     B, T, C = x.shape
-    nh, hs, heads = local_heads(cfg, mesh)
+    nh, hs, _ = local_heads(cfg, mesh)
     h1, ln1 = layernorm_fwd(p.ln1, x)  # f: identity forward
     qkv, _ = linear_fwd(p.attn.qkv, h1)
     qkv = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # [3, B, nh, T, hs]
-    att_mask = drop.mask(Site("attn", layer), B, (cfg.n_head, T, T), (heads,)).astype(x.dtype) if drop else None
+    att_mask = attention_drop_mask(drop, layer, B, T, cfg, mesh, x.dtype)
     a, attn = causal_attention_fwd(qkv[0], qkv[1], qkv[2], att_mask)
     a = a.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)  # [B, T, C/tp]
     y, _ = linear_fwd(Linear(p.attn.proj.w), a)
@@ -128,6 +129,43 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
         z *= drop.mask(Site("mlp_out", layer), B, (T, C))
     x += z
     return x, BlockCtx(ln1, h1, attn, a, ln2, h2, gelu, g, drop, layer)
+
+
+def attention_drop_mask(drop: DropoutKey | None, layer: int, B: int, T: int, cfg: GPTConfig, mesh: Mesh,
+                        dtype) -> np.ndarray | None:
+    """This tp rank's heads of block `layer`'s attention-probability dropout mask [B, nh, T, T]
+    (None without dropout): a function of the key alone, so recomputation redraws it."""
+    if not drop:
+        return None
+    _, _, heads = local_heads(cfg, mesh)
+    return drop.mask(Site("attn", layer), B, (cfg.n_head, T, T), (heads,)).astype(dtype)
+
+
+@attrs.frozen
+class AttnInputs:
+    """The attention core's context without its T×T tensors (selective recomputation):
+    the scaled queries, keys and values [B, nh, T, hs] that rebuild them."""
+
+    qs: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+
+
+def without_scores(ctx: BlockCtx) -> BlockCtx:
+    """`ctx` keeping q, k, v instead of the softmax probabilities and their dropout mask."""
+    qs, k, v, _, _ = ctx.attn
+    return attrs.evolve(ctx, attn=AttnInputs(qs, k, v))
+
+
+def with_scores(ctx: BlockCtx, cfg: GPTConfig, mesh: Mesh) -> BlockCtx:
+    """A `without_scores` context made whole again: the probabilities recomputed from q and
+    k and the mask redrawn from the dropout key, bit for bit what the forward had."""
+    if not isinstance(ctx.attn, AttnInputs):
+        return ctx
+    qs, k, v = ctx.attn.qs, ctx.attn.k, ctx.attn.v
+    B, _, T, _ = qs.shape
+    att = causal_attention_probs(qs, k)
+    return attrs.evolve(ctx, attn=(qs, k, v, att, attention_drop_mask(ctx.drop, ctx.layer, B, T, cfg, mesh, qs.dtype)))
 
 
 def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, BlockWeightCtx]:
