@@ -211,6 +211,7 @@ def test_error_classes_are_value_errors() -> None:
         (dict(dropout=1.0), 1, ConfigError, "dropout"),
         (dict(micro_batches=0), 1, ConfigError, "micro_batches"),
         (dict(max_iters=-1), 1, ConfigError, "max_iters"),
+        (dict(recompute="attention"), 1, ConfigError, "--recompute must be one of none, selective, full, got 'attention'"),
     ],
 )
 def test_validate_errors(char_dataset: Path, tmp_path: Path, overrides: dict, n_ranks: int,
@@ -251,6 +252,7 @@ def test_train_raises_before_writing_anything(char_dataset: Path, tmp_path: Path
         (["--config", "{tmp}/bad.toml"], "unknown config key 'n_layers'"),
         (["--zero", "5"], "--zero must be 0, 1, 2 or 3"),
         (["--schedule", "pipedream"], "unknown pipeline schedule 'pipedream'"),
+        (["--recompute", "some"], "--recompute must be one of none, selective, full, got 'some'"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(char_dataset: Path, tmp_path: Path, args: list[str],
