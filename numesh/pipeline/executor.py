@@ -29,7 +29,7 @@ from numesh.nn.stage import ParamUnits, Stage, StageCtx, add_outer, stage_backwa
 from numesh.nn.units import OUTER
 from numesh.pipeline.schedules import Action, Schedule
 from numesh.pipeline.stages import StageLayout
-from numesh.tree import held_bytes
+from numesh.tree import held_buffers
 
 Micro = tuple[np.ndarray, np.ndarray]  # (token ids [B, T], targets [B, T]) of one micro-batch
 
@@ -157,7 +157,10 @@ class PipelineExecutor:
         """Execute this rank's actions for one optimiser step; every block gradient goes to
         `units.grads_ready` as it becomes final, the outer unit's once at the end."""
         st = _Step(micro, drops, loss_scale)
-        live: dict[tuple[int, int], Any] = {}  # (mb, chunk) -> its saved forward state, or its deferred W halves
+        # (mb, chunk) -> the buffers its saved forward state (or its deferred W halves) holds,
+        # walked once when stored: walking all 8 live contexts of GPipe at m=8 (8 layers of
+        # the default width) at every action took ~6 ms per action, merging these dicts 0.03 ms
+        live: dict[tuple[int, int], dict[int, int]] = {}
         peak_live = peak_bytes = 0
         timeline = []
         self._runs += 1
@@ -167,11 +170,11 @@ class PipelineExecutor:
             key = (a.mb, a.chunk)
             if a.kind == "F":
                 self._forward(a, st)
-                live[key] = st.acts[key]
+                live[key] = held_buffers(st.acts[key])
             elif a.kind == "B":
                 self._backward(a, st, schedule.split_backward)
                 if schedule.split_backward:
-                    live[key] = st.deferred[key]
+                    live[key] = held_buffers(st.deferred[key])
                 else:
                     live.pop(key, None)
             else:
@@ -179,7 +182,10 @@ class PipelineExecutor:
                 live.pop(key, None)
             # every buffer once, however many contexts hold it (measured, not assumed: the
             # formula numesh.formulas.activation_bytes is tested against it)
-            peak_live, peak_bytes = max(peak_live, len(live)), max(peak_bytes, held_bytes(live))
+            held: dict[int, int] = {}
+            for buffers in live.values():
+                held.update(buffers)
+            peak_live, peak_bytes = max(peak_live, len(live)), max(peak_bytes, sum(held.values()))
             timeline.append((a.kind, a.mb, a.chunk, t0 - start, time.perf_counter() - start))
         st.finish_sends()
         span = time.perf_counter() - start
