@@ -8,7 +8,11 @@ built in the same process; after warm-up their steps alternate (none, selective,
 none, ...), so that load from other processes falls on every mode alike, and the median
 step time of each is reported with tokens/s, the cost against none, and the activation
 bytes each rank held at the peak of a step (`StepStats.peak_bytes`, measured from the
-buffers) beside `numesh.formulas.activation_bytes`'s prediction.
+buffers) beside `numesh.formulas.activation_bytes`'s prediction. Last, one more step of
+each mode runs under `tracemalloc` (untimed): the most bytes NumPy had allocated at once
+during it, above what was allocated when it began ("step peak"): the saved activations
+plus everything transient (the block being computed, a rerun block's whole context,
+gradients, communication buffers).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
@@ -56,6 +61,17 @@ def predicted_peak(trainer: Trainer) -> int:
     return formulas.peak_activation_bytes(trainer.schedule, mesh.index("pp"), saved, deferred)
 
 
+def traced_step_peak(trainer: Trainer) -> int:
+    """Bytes allocated at the peak of one step above those allocated when it began."""
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        trainer.train_step()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
 def bench(base: dict, comm: MPI.Comm, warmup: int, rounds: int) -> dict[str, dict]:
     trainers = {m: Trainer(config_from(dict(base, recompute=m)), comm) for m in MODES}
     for t in trainers.values():
@@ -68,12 +84,14 @@ def bench(base: dict, comm: MPI.Comm, warmup: int, rounds: int) -> dict[str, dic
             t0 = time.perf_counter()
             t.train_step()
             times[m].append(time.perf_counter() - t0)
+    step_peak = {m: traced_step_peak(t) for m, t in trainers.items()}
     out = {}
     for m, t in trainers.items():
         ms = statistics.median(times[m]) * 1e3
         peak = comm.allreduce(t.last_stats.peak_bytes, op=MPI.MAX)
         out[m] = {"ms": ms, "tokens_per_s": t.tokens_per_step / ms * 1e3, "act_mib": peak / 2**20,
-                  "act_mib_formula": comm.allreduce(predicted_peak(t), op=MPI.MAX) / 2**20}
+                  "act_mib_formula": comm.allreduce(predicted_peak(t), op=MPI.MAX) / 2**20,
+                  "step_peak_mib": comm.allreduce(step_peak[m], op=MPI.MAX) / 2**20}
     return out
 
 
@@ -106,13 +124,15 @@ def main() -> None:
         return
     print(f"preset {args.preset}, mesh {args.mesh or '1x1x1'}, {world.size} rank(s), median of {args.rounds} "
           "alternating steps per mode")
-    print(f"{'T':>5} {'recompute':<10}{'ms/step':>10}{'tokens/s':>11}{'cost':>8}{'act MiB/rank':>14}{'formula':>10}")
+    print(f"{'T':>5} {'recompute':<10}{'ms/step':>10}{'tokens/s':>11}{'cost':>8}{'act MiB/rank':>14}{'formula':>10}"
+          f"{'step peak':>11}")
     for T, r in results:
         for m in MODES:
             cost = 1.0 - r[m]["tokens_per_s"] / r["none"]["tokens_per_s"]
             print(f"{T:>5} {m:<10}{r[m]['ms']:>10.1f}{r[m]['tokens_per_s']:>11,.0f}{cost:>8.1%}"
-                  f"{r[m]['act_mib']:>14.2f}{r[m]['act_mib_formula']:>10.2f}")
-    print("cost = throughput lost against none; act = saved activations at the step's peak (measured, and formula)")
+                  f"{r[m]['act_mib']:>14.2f}{r[m]['act_mib_formula']:>10.2f}{r[m]['step_peak_mib']:>11.2f}")
+    print("cost = throughput lost against none; act = saved activations at the step's peak (measured, and formula);\n"
+          "step peak = MiB NumPy allocated at once during a step, above the step's start (tracemalloc)")
 
 
 if __name__ == "__main__":
