@@ -212,6 +212,7 @@ def stage_forward(units: ParamUnits, stage: Stage, inp: np.ndarray, targets: np.
     [B, T, C]). Returns the per-token losses [B*T] on the last stage, else the activations
     for the next, and the context for backward (None if not `keep`; its blocks' parts as
     `recompute` says: "none", "selective" or "full")."""
+    check_recompute(recompute)
     emb = head = None
     x = inp
     if stage.first:
