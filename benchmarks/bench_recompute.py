@@ -78,18 +78,22 @@ def bench(base: dict, comm: MPI.Comm, warmup: int, rounds: int) -> dict[str, dic
         for _ in range(warmup):
             t.train_step()
     times: dict[str, list[float]] = {m: [] for m in MODES}
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}
     for _ in range(rounds):
         for m, t in trainers.items():  # alternating: none, selective, full, none, ...
             comm.Barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             t.train_step()
             times[m].append(time.perf_counter() - t0)
+            cpu[m].append(time.process_time() - c0)
     step_peak = {m: traced_step_peak(t) for m, t in trainers.items()}
     out = {}
     for m, t in trainers.items():
         ms = statistics.median(times[m]) * 1e3
         peak = comm.allreduce(t.last_stats.peak_bytes, op=MPI.MAX)
-        out[m] = {"ms": ms, "tokens_per_s": t.tokens_per_step / ms * 1e3, "act_mib": peak / 2**20,
+        cpu_ms = statistics.median(cpu[m]) * 1e3
+        out[m] = {"ms": ms, "tokens_per_s": t.tokens_per_step / ms * 1e3, "cpu_ms": cpu_ms,
+                  "tokens_per_cpu_s": t.tokens_per_step / cpu_ms * 1e3, "act_mib": peak / 2**20,
                   "act_mib_formula": comm.allreduce(predicted_peak(t), op=MPI.MAX) / 2**20,
                   "step_peak_mib": comm.allreduce(step_peak[m], op=MPI.MAX) / 2**20}
     return out
@@ -124,15 +128,17 @@ def main() -> None:
         return
     print(f"preset {args.preset}, mesh {args.mesh or '1x1x1'}, {world.size} rank(s), median of {args.rounds} "
           "alternating steps per mode")
-    print(f"{'T':>5} {'recompute':<10}{'ms/step':>10}{'tokens/s':>11}{'cost':>8}{'act MiB/rank':>14}{'formula':>10}"
-          f"{'step peak':>11}")
+    print(f"{'T':>5} {'recompute':<10}{'ms/step':>9}{'tokens/s':>10}{'cost':>8}{'cpu ms':>9}{'cpu cost':>9}"
+          f"{'act MiB/rank':>14}{'formula':>9}{'step peak':>11}")
     for T, r in results:
         for m in MODES:
             cost = 1.0 - r[m]["tokens_per_s"] / r["none"]["tokens_per_s"]
-            print(f"{T:>5} {m:<10}{r[m]['ms']:>10.1f}{r[m]['tokens_per_s']:>11,.0f}{cost:>8.1%}"
-                  f"{r[m]['act_mib']:>14.2f}{r[m]['act_mib_formula']:>10.2f}{r[m]['step_peak_mib']:>11.2f}")
-    print("cost = throughput lost against none; act = saved activations at the step's peak (measured, and formula);\n"
-          "step peak = MiB NumPy allocated at once during a step, above the step's start (tracemalloc)")
+            cpu_cost = 1.0 - r[m]["tokens_per_cpu_s"] / r["none"]["tokens_per_cpu_s"]
+            print(f"{T:>5} {m:<10}{r[m]['ms']:>9.1f}{r[m]['tokens_per_s']:>10,.0f}{cost:>8.1%}{r[m]['cpu_ms']:>9.1f}"
+                  f"{cpu_cost:>9.1%}{r[m]['act_mib']:>14.2f}{r[m]['act_mib_formula']:>9.2f}{r[m]['step_peak_mib']:>11.2f}")
+    print("cost = throughput lost against none, by wall time and by this process's CPU time (all its threads: less\n"
+          "sensitive to other processes on the machine); act = saved activations at the step's peak (measured, and\n"
+          "formula); step peak = MiB NumPy allocated at once during a step, above the step's start (tracemalloc)")
 
 
 if __name__ == "__main__":
