@@ -184,16 +184,20 @@ def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_
       "block_sharded"     k·17·sbh/t: the scaled queries (1), the QKV output that k and v
                           are views of (3), the attention output (1), the MLP-up output,
                           GELU's tanh and GELU's output (4 each).
+      "block_stats"       k·2·a·sb/t: each score row's maximum and 1/Σexp, which let
+                          selective recomputation rebuild the probabilities without the
+                          row reductions.
       "block_scores"      k·(1 + d)·a·s²·b/t: the softmax probabilities [b, a/t, s, s] and,
                           with dropout (d = 1), their mask. Selective recomputation drops
                           this part.
       "block_input"       k·sbh: full recomputation keeps only the block's input, instead
-                          of the three parts above.
+                          of the four parts above.
     Residual and embedding dropout masks are redrawn in backward, never kept. So a block
-    holds k·(sbh·(4 + 17/t) + 2·sb + (1 + d)·a·s²·b/t) bytes (Korthikanti et al. count
-    34·sbh + 5·a·s²·b for fp16 with byte masks: numesh keeps x̂ beside the LayerNorm output,
-    and neither the residual masks nor the dropped-out probabilities), k·(sbh·(4 + 17/t) +
-    2·sb) under selective recomputation (no s² term) and k·sbh under full.
+    holds k·(sbh·(4 + 17/t) + 2·sb + 2·a·sb/t + (1 + d)·a·s²·b/t) bytes (Korthikanti et
+    al. count 34·sbh + 5·a·s²·b for fp16 with byte masks: numesh keeps x̂ beside the
+    LayerNorm output, and neither the residual masks nor the dropped-out probabilities),
+    k·(sbh·(4 + 17/t) + 2·sb + 2·a·sb/t) under selective recomputation (no s² term) and
+    k·sbh under full.
 
     Outside the blocks:
       "embed"  (first stage) the token ids, int64 [b,s]; with tp > 1 instead the ids
@@ -217,6 +221,7 @@ def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_
     else:
         parts["block_replicated"] = n_layer * k * (4 * sbh + 2 * sb)
         parts["block_sharded"] = n_layer * k * 17 * sbh // t
+        parts["block_stats"] = n_layer * k * 2 * a * sb // t
         if recompute == "none":
             parts["block_scores"] = n_layer * k * (1 + int(dropout)) * a * s * s * b // t
     if first:

@@ -112,7 +112,7 @@ def test_recomputed_contexts_are_the_forwards(thread_count, dropout: bool) -> No
     _, ctx = block_fwd(p, x, cfg, mesh, 1, drop)
     lean = without_scores(ctx)
     assert isinstance(lean.attn, AttnInputs)
-    assert held_bytes(ctx) - held_bytes(lean) == ctx.attn[3].nbytes * (2 if dropout else 1)
+    assert held_bytes(ctx) - held_bytes(lean) == ctx.attn[3].nbytes * (2 if dropout else 1)  # stats kept
     assert_trees_equal(with_scores(lean, cfg, mesh), ctx)
     if dropout:  # the mask is really there, and really redrawn
         assert (ctx.attn[4] == 0).any()

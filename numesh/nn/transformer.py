@@ -144,17 +144,20 @@ def attention_drop_mask(drop: DropoutKey | None, layer: int, B: int, T: int, cfg
 @attrs.frozen
 class AttnInputs:
     """The attention core's context without its T×T tensors (selective recomputation):
-    the scaled queries, keys and values [B, nh, T, hs] that rebuild them."""
+    the scaled queries, keys and values [B, nh, T, hs] and each score row's maximum and
+    1/Σexp [B, nh, T, 1], which rebuild them."""
 
     qs: np.ndarray
     k: np.ndarray
     v: np.ndarray
+    mx: np.ndarray
+    inv: np.ndarray
 
 
 def without_scores(ctx: BlockCtx) -> BlockCtx:
     """`ctx` keeping q, k, v instead of the softmax probabilities and their dropout mask."""
-    qs, k, v, _, _ = ctx.attn
-    return attrs.evolve(ctx, attn=AttnInputs(qs, k, v))
+    qs, k, v, _, _, mx, inv = ctx.attn
+    return attrs.evolve(ctx, attn=AttnInputs(qs, k, v, mx, inv))
 
 
 def with_scores(ctx: BlockCtx, cfg: GPTConfig, mesh: Mesh) -> BlockCtx:
@@ -162,10 +165,11 @@ def with_scores(ctx: BlockCtx, cfg: GPTConfig, mesh: Mesh) -> BlockCtx:
     k and the mask redrawn from the dropout key, bit for bit what the forward had."""
     if not isinstance(ctx.attn, AttnInputs):
         return ctx
-    qs, k, v = ctx.attn.qs, ctx.attn.k, ctx.attn.v
-    B, _, T, _ = qs.shape
-    att = causal_attention_probs(qs, k)
-    return attrs.evolve(ctx, attn=(qs, k, v, att, attention_drop_mask(ctx.drop, ctx.layer, B, T, cfg, mesh, qs.dtype)))
+    c = ctx.attn
+    B, _, T, _ = c.qs.shape
+    att = causal_attention_probs(c.qs, c.k, c.mx, c.inv)
+    mask = attention_drop_mask(ctx.drop, ctx.layer, B, T, cfg, mesh, c.qs.dtype)
+    return attrs.evolve(ctx, attn=(c.qs, c.k, c.v, att, mask, c.mx, c.inv))
 
 
 def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, BlockWeightCtx]:
