@@ -135,7 +135,7 @@ class BlockInput:
     layer: int
 
 
-def _saved(mode: str, ctx: BlockCtx, x: np.ndarray, drop: DropoutKey | None, layer: int) -> BlockCtx | BlockInput:
+def _saved(mode: Recompute, ctx: BlockCtx, x: np.ndarray, drop: DropoutKey | None, layer: int) -> BlockCtx | BlockInput:
     """What a block keeps for backward under recomputation `mode`."""
     if mode == "full":
         return BlockInput(x, drop, layer)
@@ -159,7 +159,7 @@ def _split(mesh: Mesh, rows: int) -> bool:
 
 
 def run_block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int, drop: DropoutKey | None = None,
-                  recompute: str = "none"):
+                  recompute: Recompute = "none"):
     """`block_fwd`, whole or as row chunks over the threads (its context says which),
     keeping what `recompute` says (each chunk its own)."""
 
@@ -207,7 +207,7 @@ def run_block_bwd(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np.ndarr
 
 def stage_forward(units: ParamUnits, stage: Stage, inp: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig,
                   mesh: Mesh, drop: DropoutKey | None = None, keep: bool = True,
-                  recompute: str = "none") -> tuple[np.ndarray, StageCtx | None]:
+                  recompute: Recompute = "none") -> tuple[np.ndarray, StageCtx | None]:
     """Run a stage forward on `inp` (token ids [B, T] on the first stage, else activations
     [B, T, C]). Returns the per-token losses [B*T] on the last stage, else the activations
     for the next, and the context for backward (None if not `keep`; its blocks' parts as
@@ -293,7 +293,7 @@ def add_outer(total: GPT | None, part: GPT) -> GPT:
 
 
 def loss_and_grads(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh, loss_scale: float,
-                   drop: DropoutKey | None = None, recompute: str = "none") -> tuple[float, GPT]:
+                   drop: DropoutKey | None = None, recompute: Recompute = "none") -> tuple[float, GPT]:
     """Sum of per-token losses × `loss_scale`, and its gradient w.r.t. this rank's shards.
 
     With `loss_scale = 1 / (tokens in the global batch)`, summing the results over
