@@ -6,9 +6,15 @@ Every rank gets one BLAS thread. The reference is the 1x1x1 mesh on rank 0 alone
 the same thread count (the other ranks wait), timed in the same job. For dp meshes the
 batch is weak-scaled (batch × dp), so efficiency = tokens/s(mesh) / (ranks × tokens/s(1)).
 For tp meshes the batch is the same (strong scaling): speed-up = tokens/s(mesh) / tokens/s(1).
-It also prints bytes moved per step per axis (bus bytes, as NCCL-tests count them) and
-the bytes each rank holds for parameters, gradients, optimiser state and workspace
-(`ZeroOptimizer.memory()`, measured from its buffers).
+It also prints the saved activations each rank held at the peak of a step (MiB, the most
+over the ranks: `StepStats.peak_bytes`, measured from the buffers, see
+`numesh.formulas.activation_bytes`), bytes moved per step per axis (bus bytes, as
+NCCL-tests count them) and the bytes each rank holds for parameters, gradients, optimiser
+state and workspace (`ZeroOptimizer.memory()`, measured from its buffers).
+
+    mpirun -n 2 python benchmarks/bench_parallel.py --meshes tp=2 --recompute none selective full
+
+runs every mesh with each activation recomputation mode.
 
     mpirun -n 2 python benchmarks/bench_parallel.py --meshes dp=2 --no-overlap --zero 0 1 2 3
 
@@ -56,13 +62,14 @@ def time_steps(overrides: dict, comm: MPI.Comm, warmup: int, iters: int) -> dict
         times.append(time.perf_counter() - t0)
     ms = statistics.median(times) * 1e3
     tokens = trainer.tokens_per_step
+    act = comm.allreduce(trainer.last_stats.peak_bytes, op=MPI.MAX)
     bus = {
         "/".join(axes) + ":" + op: v / iters
         for (axes, op), v in sorted(trainer.mesh.counter.bus.items())
     }
     payload = {"/".join(axes) + ":" + op: v / iters for (axes, op), v in sorted(trainer.mesh.counter.payload.items())}
     return {"ms": ms, "tokens_per_s": tokens / ms * 1e3, "bus_bytes_per_step": bus, "payload_bytes_per_step": payload,
-            "memory": trainer.opt.memory(), "activation_bytes": trainer.last_stats.peak_bytes}
+            "memory": trainer.opt.memory(), "activation_bytes": act, "activation_mib": act / 2**20}
 
 
 def median_of_rounds(results: list[dict]) -> dict:
@@ -82,6 +89,8 @@ def main() -> None:
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="run each tp mesh without and with --sequence-parallel, alternating (see --rounds)")
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of the sp / no-sp pair (median over them)")
+    ap.add_argument("--recompute", nargs="+", default=["none"], choices=["none", "selective", "full"],
+                    help="activation recomputation modes to run each mesh at")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--data", default=None)
@@ -121,29 +130,33 @@ def run(args: argparse.Namespace, world: MPI.Comm, data: str) -> None:
         stages = args.zero if shape["dp"] > 1 else [0]
         for zero in stages:
             for overlap in overlaps:
-                cfg = dict(base, mesh=mesh, zero=zero, overlap=overlap, batch_size=base["batch_size"] * shape["dp"])
-                res = time_steps(cfg, world, args.warmup, args.iters)
-                eff = res["tokens_per_s"] / (ref["tokens_per_s"] * (world.size if shape["dp"] > 1 else 1))
-                name = mesh + (f" zero{zero}" if shape["dp"] > 1 else "") + ("" if overlap else " no-overlap")
-                rows.append((name, res, eff))
+                for rc in args.recompute:
+                    cfg = dict(base, mesh=mesh, zero=zero, overlap=overlap, recompute=rc,
+                               batch_size=base["batch_size"] * shape["dp"])
+                    res = time_steps(cfg, world, args.warmup, args.iters)
+                    eff = res["tokens_per_s"] / (ref["tokens_per_s"] * (world.size if shape["dp"] > 1 else 1))
+                    name = (mesh + (f" zero{zero}" if shape["dp"] > 1 else "") + ("" if overlap else " no-overlap")
+                            + ("" if rc == "none" else f" rc={rc}"))
+                    rows.append((name, res, eff))
     if world.rank != 0:
         return
     if args.json:
         print(json.dumps([{"mesh": m, **r, "efficiency": e} for m, r, e in rows], indent=2))
         return
     print(f"preset {args.preset}, {world.size} ranks x 1 BLAS thread, median of {args.iters} steps")
-    print(f"{'mesh':<28}{'ms/step':>10}{'tokens/s':>12}{'vs 1 rank':>11}   bus bytes/step by axis")
+    print(f"{'mesh':<28}{'ms/step':>10}{'tokens/s':>12}{'vs 1 rank':>11}{'act MiB':>9}   bus bytes/step by axis")
     for mesh, r, eff in rows:
         bus = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in r["bus_bytes_per_step"].items()) or "-"
-        print(f"{mesh:<28}{r['ms']:>10.1f}{r['tokens_per_s']:>12,.0f}{eff:>10.2f}x   {bus}")
+        print(f"{mesh:<28}{r['ms']:>10.1f}{r['tokens_per_s']:>12,.0f}{eff:>10.2f}x{r['activation_mib']:>9.2f}   {bus}")
     print("vs 1 rank: tp = speed-up at the same batch; dp = weak-scaling efficiency (batch x dp)")
+    print("act MiB: saved activations per rank at the step's peak (the most over ranks), measured from the buffers")
     keys = list(rows[0][1]["memory"])
     print(f"\nmemory per rank, MB (ZeroOptimizer.memory())")
     print(f"{'mesh':<28}" + "".join(f"{k:>12}" for k in keys) + f"{'total':>12}")
     for mesh, r, _ in rows:
         mem = r["memory"]
         print(f"{mesh:<28}" + "".join(f"{mem[k] / 1e6:>12.3f}" for k in keys) + f"{sum(mem.values()) / 1e6:>12.3f}")
-    print("\npeak saved activations per rank (rank 0), MB, and payload bytes per step by axis and op")
+    print("\npeak saved activations per rank (the most over ranks), MB, and payload bytes per step by axis and op")
     for mesh, r, _ in rows:
         pay = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in r["payload_bytes_per_step"].items()) or "-"
         rounds = " ms per round " + " ".join(f"{x:.1f}" for x in r["ms_rounds"]) if "ms_rounds" in r else ""

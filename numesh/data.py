@@ -578,7 +578,9 @@ def local_batch(
                             f"use a --block-size that is a multiple of {2 * cp_size}")
         x, y = take_local(x, cp_size, cp_rank), take_local(y, cp_size, cp_rank)  # [B/dp, T/cp]
     per_micro = per_rank // micro_batches
+    # each micro-batch its own arrays (not views of the rank's rows), so what a micro-batch's
+    # saved state holds (the embedding keeps its ids) is its own rows: activation accounting
     return [
-        (x[m * per_micro : (m + 1) * per_micro], y[m * per_micro : (m + 1) * per_micro])
+        (x[m * per_micro : (m + 1) * per_micro].copy(), y[m * per_micro : (m + 1) * per_micro].copy())
         for m in range(micro_batches)
     ]

@@ -9,7 +9,7 @@ bytes. `bus_bytes` turns them into NCCL-tests bus bytes.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import attrs
 
@@ -89,14 +89,17 @@ class Chunk:
     last: bool
 
 
-def tp_all_reduce_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, itemsize: int) -> int:
+def tp_all_reduce_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, itemsize: int,
+                        recompute: str = "none") -> int:
     """Payload bytes all-reduced over tp by one micro-batch's forward and backward through
     a chunk (Megatron): per block the g of attention and MLP forward and the f of both
-    halves backward (4 activations); the vocab-parallel embedding lookup (forward) and the
-    LM head's input gradient (backward), one activation each; the cross-entropy's row
-    maxima (pmax) and [sum-exp, target logit] (psum), 3 values per token."""
+    halves backward (4 activations), 6 under full recomputation (backward reruns the
+    forward, its two g's included; selective recomputes no communicating op); the
+    vocab-parallel embedding lookup (forward) and the LM head's input gradient (backward),
+    one activation each; the cross-entropy's row maxima (pmax) and [sum-exp, target logit]
+    (psum), 3 values per token."""
     act = rows * block_size * n_embd * itemsize
-    total = 4 * chunk.blocks * act
+    total = (6 if recompute == "full" else 4) * chunk.blocks * act
     if chunk.first:
         total += act
     if chunk.last:
@@ -184,6 +187,7 @@ def step_bytes(
     split_backward: bool = False,
     sequence_parallel: bool = False,
     tp_partial_values: int = 0,
+    recompute: str = "none",
 ) -> dict[tuple[str, str], int]:
     """Payload bytes per (axes, op) one rank moves in one training step (axes as "dp",
     "pp+dp", or "pp[0,3]" for the tied-embedding group), sends but not receives.
@@ -195,7 +199,9 @@ def step_bytes(
     splits the sequence, and then `tp_partial_values` the LayerNorm gradient values this
     rank holds (its dp shard of them under ZeRO >= 1), all-reduced over tp once per step.
     With cp, add the ring's K/V traffic and the gradients' sum over cp (`cp_ring_bytes`,
-    `cp_grad_bytes`)."""
+    `cp_grad_bytes`); `recompute` the activation
+    recomputation ("full" reruns each block's forward tp all-reduces in backward; counted for
+    plain tp, not yet for sequence parallelism)."""
     out: dict[tuple[str, str], int] = {}
     cp = shape.get("cp", 1)
 
@@ -219,7 +225,7 @@ def step_bytes(
                 add("tp", op, m * n)
         add("tp", "all_reduce", tp_partial_values * itemsize)
     elif shape["tp"] > 1:
-        add("tp", "all_reduce", m * sum(tp_all_reduce_bytes(c, rows, t, n_embd, itemsize) for c in chunks))
+        add("tp", "all_reduce", m * sum(tp_all_reduce_bytes(c, rows, t, n_embd, itemsize, recompute) for c in chunks))
     if shape["pp"] > 1:
         split = shape["tp"] if sequence_parallel else 1
         add("pp", "send", m * sum(pp_send_bytes(c, rows, t, n_embd, itemsize, split) for c in chunks))
@@ -295,40 +301,109 @@ def zero_buffer_bytes(unit_sizes: Iterable[int], dp: int, stage: int, itemsize: 
     }
 
 
+
+
+def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_layer: int, vocab: int, tp: int = 1,
+                     first: bool = True, last: bool = True, recompute: str = "none", dropout: bool = False,
+                     itemsize: int = 4) -> dict[str, int]:
+    """`activation_bytes` part by part: what numesh's forward saves for backward, in bytes,
+    for one micro-batch of b = `micro_batch` sequences of s = `seq` tokens, width h =
+    `n_embd`, a = `n_head` heads, t = `tp`, k = `itemsize` (the activation dtype's).
+
+    Per block (numesh.nn.transformer.BlockCtx, each array counted once):
+      "block_replicated"  k·(4·sbh + 2·sb): LayerNorm 1 and 2 each keep x̂ [b,s,h] and 1/σ
+                          [b,s,1], and their outputs h1, h2 [b,s,h] (the QKV and MLP-up
+                          inputs). Replicated over tp: Megatron sequence parallelism
+                          divides this part by t (`sp` plugs in here).
+      "block_sharded"     k·17·sbh/t: the scaled queries (1), the QKV output that k and v
+                          are views of (3), the attention output (1), the MLP-up output,
+                          GELU's tanh and GELU's output (4 each).
+      "block_scores"      k·(1 + d)·a·s²·b/t: the softmax probabilities [b, a/t, s, s] and,
+                          with dropout (d = 1), their mask. Selective recomputation drops
+                          this part.
+      "block_input"       k·sbh: full recomputation keeps only the block's input, instead
+                          of the four parts above.
+    Residual and embedding dropout masks are redrawn in backward, never kept. So a block
+    holds k·(sbh·(4 + 17/t) + 2·sb + (1 + d)·a·s²·b/t) bytes (Korthikanti et
+    al. count 34·sbh + 5·a·s²·b for fp16 with byte masks: numesh keeps x̂ beside the
+    LayerNorm output, and neither the residual masks nor the dropped-out probabilities),
+    k·(sbh·(4 + 17/t) + 2·sb) under selective recomputation (no s² term) and
+    k·sbh under full.
+
+    Outside the blocks:
+      "embed"  (first stage) the token ids, int64 [b,s]; with tp > 1 instead the ids
+               relative to this rank's vocabulary slice (int64) and which fall outside it
+               (bool), 9·sb.
+      "head"   (last stage) the final LayerNorm's x̂, 1/σ and output, k·(2·sbh + sb); the
+               exponentiated logits [b·s, V/t] (V padded to a multiple of t) and the
+               [sum-exp, target logit] pair, k·(sb·V/t + 2·sb); the targets relative to the
+               vocabulary slice (int64) and whether they are inside it (bool), 9·sb.
+
+    Context parallelism (a `cp` axis splitting the sequence) divides s by cp in every
+    term linear in s; the s² term becomes (s/cp)·s for the queries' keys, or whatever
+    ring attention keeps: it plugs in as s → s/cp here and in "block_scores"."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    b, s, h, a, t, k = micro_batch, seq, n_embd, n_head, tp, itemsize
+    sb, sbh = s * b, s * b * h
+    parts: dict[str, int] = {}
+    if recompute == "full":
+        parts["block_input"] = n_layer * k * sbh
+    else:
+        parts["block_replicated"] = n_layer * k * (4 * sbh + 2 * sb)
+        parts["block_sharded"] = n_layer * k * 17 * sbh // t
+        if recompute == "none":
+            parts["block_scores"] = n_layer * k * (1 + int(dropout)) * a * s * s * b // t
+    if first:
+        parts["embed"] = sb * TOKEN_ID_BYTES + (sb if t > 1 else 0)
+    if last:
+        v_local = padded_vocab(vocab, t) // t
+        parts["head"] = k * (2 * sbh + sb) + k * (sb * v_local + 2 * sb) + sb * (TOKEN_ID_BYTES + 1)
+    return parts
+
+
 def activation_bytes(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_layer: int, vocab: int, tp: int = 1,
                      first: bool = True, last: bool = True, recompute: str = "none", dropout: bool = False,
                      itemsize: int = 4) -> int:
-    """Bytes of saved activations one micro-batch leaves on a stage of `n_layer` blocks
-    (what `numesh.nn.stage.StageCtx` holds after its forward, as `nbytes` counts it).
-
-    Per block, with b·T tokens and H/tp local heads: LayerNorm 1 and 2 keep x̂ [bTC] and
-    1/σ [bT] and give their output to a matmul [bTC]; attention keeps q, k, v [bTC/tp] and
-    the softmax [b,H/tp,T,T] (and, with dropout, its mask of the same size); the attention
-    output [bTC/tp]; GELU keeps its input and tanh [4bTC/tp each] and gives its output to
-    MLP-down [4bTC/tp]. The first stage keeps the token ids (int64; with tp, the ids local to
-    its vocabulary slice and a byte mask of those outside it); the last the final LayerNorm's x̂, 1/σ and output, the
-    local logits [bT, V/tp], the sum-exp [bT], the local targets (int64) and a byte mask."""
-    if recompute != "none":
-        raise ValueError(f"recompute={recompute!r} is not implemented on this branch (only 'none')")
-    b, T, C, k = micro_batch, seq, n_embd, itemsize
-    bt = b * T
-    heads = n_head // tp
-    per_block = (4 * bt * C + 2 * bt + 16 * bt * C // tp + b * heads * T * T * (2 if dropout else 1)) * k
-    total = n_layer * per_block
-    if first:
-        total += bt * TOKEN_ID_BYTES + (bt if tp > 1 else 0)
-    if last:
-        v_local = padded_vocab(vocab, tp) // tp
-        total += (2 * bt * C + 2 * bt + bt * v_local) * k + bt * TOKEN_ID_BYTES + bt
-    return total
+    """Bytes of saved activations one micro-batch leaves on a pipeline stage holding
+    `n_layer` blocks (plus the embedding if `first`, the final LayerNorm, head and loss if
+    `last`) between its forward and its backward: the sum of `activation_parts`."""
+    return sum(activation_parts(micro_batch=micro_batch, seq=seq, n_embd=n_embd, n_head=n_head, n_layer=n_layer,
+                                vocab=vocab, tp=tp, first=first, last=last, recompute=recompute, dropout=dropout,
+                                itemsize=itemsize).values())
 
 
-def weight_grad_bytes(*, micro_batch: int, seq: int, n_embd: int, n_layer: int, tp: int = 1, bias: bool = False,
-                      chunks: int = 1, itemsize: int = 4) -> int:
-    """Bytes a split backward (zero-bubble B) keeps for the W of one micro-batch on a stage
-    of `n_layer` blocks: per block each Linear's input and output gradient (QKV [bTC] and
-    [3bTC/tp], attention-out [bTC/tp] and [bTC], MLP-up [bTC] and [4bTC/tp], MLP-down
-    [4bTC/tp] and [bTC]) and the two LayerNorms' gradients, once per thread chunk."""
-    bt, C = micro_batch * seq, n_embd
-    ln = (4 if bias else 2) * C * chunks
-    return n_layer * (4 * bt * C + 12 * bt * C // tp + ln) * itemsize
+def weight_ctx_bytes(*, micro_batch: int, seq: int, n_embd: int, n_layer: int, tp: int = 1, bias: bool = False,
+                     itemsize: int = 4, chunks: int = 1) -> int:
+    """Bytes a zero-bubble B leaves for its W (numesh.nn.transformer.BlockWeightCtx) over
+    `n_layer` blocks, for any recomputation: per block the four Linears' inputs (h1, h2
+    [b,s,h]; attention output sbh/t, GELU output 4·sbh/t) and output gradients (QKV's
+    3·sbh/t, MLP-up's 4·sbh/t, the two row-parallel ones sbh each), so k·(4·sbh + 12·sbh/t),
+    plus both LayerNorms' weight (and bias) gradients, once per thread chunk."""
+    sbh, k = seq * micro_batch * n_embd, itemsize
+    ln_grads = chunks * 2 * n_embd * (2 if bias else 1) * k
+    return n_layer * (k * (4 * sbh + 12 * sbh // tp) + ln_grads)
+
+
+def peak_activation_bytes(schedule: Schedule, rank: int, saved: Callable[[int], int],
+                          deferred: Callable[[int], int] | None = None) -> int:
+    """The most activation bytes `rank` holds between two of its actions: F adds the
+    micro-batch's `saved(chunk)` bytes, B frees them (or, when the schedule splits the
+    backward, leaves `deferred(chunk)` bytes until W). What the executor's `peak_bytes`
+    measures; with every chunk alike it is peak_activations(schedule)[rank] × saved(0)
+    for schedules that do not split the backward."""
+    live: dict[tuple[int, int], int] = {}
+    peak = 0
+    for a in schedule.actions[rank]:
+        key = (a.mb, a.chunk)
+        if a.kind == "F":
+            live[key] = saved(a.chunk)
+        elif a.kind == "B" and schedule.split_backward:
+            live[key] = deferred(a.chunk) if deferred is not None else 0
+        else:
+            live.pop(key, None)
+        peak = max(peak, sum(live.values()))
+    return peak
+
+
+weight_grad_bytes = weight_ctx_bytes  # the planner's name for it

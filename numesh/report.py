@@ -231,6 +231,7 @@ def bytes_per_step(trace: dict) -> dict[int, dict[str, dict[str, float]]]:
             m["itemsize"], [formulas.Chunk(**c) for c in info["chunks"]], info["padded_blocks"], info["padded_outer"],
             info["tied_bytes"], make_schedule(m["schedule"], m["mesh"]["pp"], m["micro_batches"], m["virtual_stages"]).split_backward,
             m.get("sequence_parallel", False), info.get("tp_partial_values", 0),  # absent in traces before sp
+            recompute=m.get("recompute", "none"),  # traces written before --recompute ran without it
         )
         out[r] = {"measured": {k: v / n for k, v in sorted(got.items())},
                   "formula": {_bytes_key(*k): v for k, v in sorted(want.items())}}

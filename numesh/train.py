@@ -32,6 +32,7 @@ from numesh.mesh.inject import FaultInjector, faults_from_env
 from numesh.mesh.trace import Tracer
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
+from numesh.nn.stage import check_recompute
 from numesh.nn.units import OUTER, join_units, sequence_partial_leaves, split_units
 from numesh.optim import AdamWConfig, clip_scale, cosine_lr
 from numesh.optim.zero import ZeroOptimizer
@@ -84,6 +85,10 @@ class TrainConfig:
     sequence_parallel: bool = _field(
         False, "Megatron sequence parallelism: LayerNorm, dropout and the residual stream split over the sequence "
         "across tp (needs tp > 1 and block_size divisible by tp); activations per rank shrink, bytes stay")
+    # activation memory
+    recompute: str = _field(
+        "none", "activation recomputation: none; selective (the attention core's T×T softmax and dropout mask "
+        "recomputed in backward); full (each block rerun from its input in backward)")
     # evaluation and logging
     eval_interval: int = _field(250, "evaluate train/val loss every this many steps")
     eval_iters: int = _field(20, "batches per split and evaluation")
@@ -183,6 +188,7 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> None:
         raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
     if cfg.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
+    check_recompute(cfg.recompute)
     if cfg.on_nan not in ("stop", "skip"):
         raise ConfigError(f"--on-nan must be stop or skip, got '{cfg.on_nan}'")
     for name in ("max_iters", "seed", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
@@ -265,7 +271,7 @@ class Trainer:
             tp_partial=sequence_partial_leaves(units) if cfg.sequence_parallel else (),  # LayerNorm grads under sp
         )
         self.opt.check_replicas()
-        self.pipeline = PipelineExecutor(self.model, self.mesh, self.layout, self.opt, self.dtype)
+        self.pipeline = PipelineExecutor(self.model, self.mesh, self.layout, self.opt, self.dtype, cfg.recompute)
         self.last_stats: StepStats | None = None
         self.train_data = D.load_split(cfg.data, "train")
         self.val_data = D.load_split(cfg.data, "val")
@@ -358,7 +364,7 @@ class Trainer:
         }
         self.trace_meta = {
             "mesh": dict(shape), "schedule": c.schedule, "micro_batches": c.micro_batches, "virtual_stages": c.virtual_stages,
-            "zero": c.zero, "sequence_parallel": c.sequence_parallel, "dtype": c.dtype, "itemsize": itemsize, "batch_size": c.batch_size, "block_size": c.block_size,
+            "zero": c.zero, "sequence_parallel": c.sequence_parallel, "recompute": c.recompute, "dtype": c.dtype, "itemsize": itemsize, "batch_size": c.batch_size, "block_size": c.block_size,
             "n_layer": self.model.n_layer, "n_embd": self.model.n_embd, "n_params": self.n_params,
             "rows_per_micro_batch": c.batch_size // (shape["dp"] * c.micro_batches),
             "tokens_per_step": self.tokens_per_step, "flops_per_token": flops_per_token(self.model, self.n_params),

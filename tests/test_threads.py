@@ -14,7 +14,7 @@ from numesh.nn.gpt import GPTConfig, init_gpt
 from numesh.nn.stage import loss_and_grads
 from numesh.nn.layers import causal_attention_bwd, causal_attention_fwd, gelu_bwd, gelu_fwd
 from numesh.optim.adamw import AdamWConfig, adamw_init, adamw_step
-from numesh.pipeline.executor import nbytes as _nbytes
+from numesh.tree import held_bytes as _nbytes
 from numesh.tree import tree_leaves
 
 

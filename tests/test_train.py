@@ -219,6 +219,7 @@ def test_error_classes_are_value_errors() -> None:
          "--sequence-parallel together with cp > 1 is not supported yet"),
         (dict(mesh="cp=2", block_size=6), 2, ConfigError, "does not split into 2\\*cp=4 equal chunks"),
         (dict(peak_flops=-1.0), 1, ConfigError, "--peak-flops must be >= 0"),
+        (dict(recompute="attention"), 1, ConfigError, "--recompute must be one of none, selective, full, got 'attention'"),
     ],
 )
 def test_validate_errors(char_dataset: Path, tmp_path: Path, overrides: dict, n_ranks: int,
@@ -260,6 +261,7 @@ def test_train_raises_before_writing_anything(char_dataset: Path, tmp_path: Path
         (["--zero", "5"], "--zero must be 0, 1, 2 or 3"),
         (["--schedule", "pipedream"], "unknown pipeline schedule 'pipedream'"),
         (["--sequence-parallel"], "--sequence-parallel splits the sequence over tp, which is 1 in this mesh"),
+        (["--recompute", "some"], "--recompute must be one of none, selective, full, got 'some'"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(char_dataset: Path, tmp_path: Path, args: list[str],

@@ -202,28 +202,51 @@ def causal_attention_fwd(
     """Causal softmax attention over [B, H, T, hs] tensors; `drop_mask` (already scaled) applies to the weights.
 
     The context is (q·scale, k, v, the attention weights [B, H, T, T], drop_mask)."""
-    fused = K.enabled()
     B, H, T, hs = q.shape
     scale = 1.0 / math.sqrt(hs)  # scaling q costs T·hs, scaling the scores T·T
     qs, y = np.empty(q.shape, q.dtype), np.empty(q.shape, q.dtype)
     att = np.empty((B, H, T, T), q.dtype)
     bias = _causal_bias(T, att.dtype)
+    fused = K.enabled()
 
     def rows(r: slice) -> None:
-        a = att[r]
         np.multiply(q[r], scale, out=qs[r])
-        np.matmul(qs[r], k[r].swapaxes(-1, -2), out=a)
-        if fused:
-            K.causal_softmax_fwd(a.reshape(-1, T, T))  # [b*H, T, T]
-            return _attend(a, drop_mask, r, v, y)
-        a += bias
-        a -= a.max(axis=-1, keepdims=True)
-        np.exp(a, out=a)
-        a *= 1.0 / a.sum(axis=-1, keepdims=True)
-        _attend(a, drop_mask, r, v, y)
+        _probs(qs[r], k[r], bias, att[r], fused)
+        _attend(att[r], drop_mask, r, v, y)
 
     over_rows(rows, B, _chunk_rows(H * T * T))
     return y, (qs, k, v, att, drop_mask)
+
+
+def _probs(qs: np.ndarray, k: np.ndarray, bias: np.ndarray, out: np.ndarray, fused: bool) -> np.ndarray:
+    """Causal softmax of qs @ kᵀ into `out` [..., T, T] (qs already scaled): the fused kernel
+    or its NumPy reference; the same operations on the same values give the same bits."""
+    T = out.shape[-1]
+    np.matmul(qs, k.swapaxes(-1, -2), out=out)
+    if fused:
+        K.causal_softmax_fwd(out.reshape(-1, T, T))  # [b*H, T, T]
+        return out
+    out += bias
+    out -= out.max(axis=-1, keepdims=True)
+    np.exp(out, out=out)
+    out *= 1.0 / out.sum(axis=-1, keepdims=True)
+    return out
+
+
+def causal_attention_probs(qs: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """The attention probabilities [B, H, T, T] of `causal_attention_fwd` from its saved
+    scaled queries and keys, bit for bit: what selective recomputation redoes in backward
+    instead of keeping the T×T tensor."""
+    B, H, T, _ = qs.shape
+    att = np.empty((B, H, T, T), qs.dtype)
+    bias = _causal_bias(T, att.dtype)
+    fused = K.enabled()
+
+    def rows(r: slice) -> None:
+        _probs(qs[r], k[r], bias, att[r], fused)
+
+    over_rows(rows, B, _chunk_rows(H * T * T))
+    return att
 
 
 def _attend(a: np.ndarray, drop_mask: np.ndarray | None, r: slice, v: np.ndarray, y: np.ndarray) -> None:

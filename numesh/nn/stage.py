@@ -15,15 +15,27 @@ matmul, which saved ~3 ms of a 47 ms step on 2 cores (an idle thread takes ~0.1 
 paid by each of ~50 matmuls). A block is split into at most one chunk per thread, fewer when
 its work is small beside the Python glue each chunk pays (`numesh.threads.block_chunks`). With tp, blocks stay
 on the main thread, their ops split over rows (`numesh.threads.matmul`, `over_rows`).
+
+Activation recomputation wraps the block functions here too (`Recompute`): "selective"
+keeps a block's context without the attention core's T×T tensors (softmax probabilities
+and their dropout mask) and rebuilds them from q and k in backward; "full" keeps only the
+block's input (`BlockInput`, with its dropout key) and reruns the block's forward, tp
+all-reduces included, right before its backward. Dropout masks are functions of (seed,
+step, site, rows), so the rerun redraws the same ones, and the recomputed context is bit
+for bit the forward's: every mode gives the same losses and gradients. A zero-bubble B
+recomputes and leaves W the recomputed inputs it needs; under ZeRO-3 the rerun uses the
+parameters that backward gathers anyway; split over threads, each thread reruns its own
+rows.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import attrs
 import numpy as np
 
+from numesh.errors import ConfigError
 from numesh.mesh import Mesh
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, Block, GPTConfig
@@ -39,6 +51,8 @@ from numesh.nn.transformer import (
     head_bwd,
     head_fwd,
     reduce_sequence_partial,
+    with_scores,
+    without_scores,
 )
 from numesh.nn.units import OUTER, Unit, join_units
 from numesh.threads import RowChunks, block_chunks, chunked_bwd, chunked_fwd, chunked_sum, threads
@@ -108,6 +122,43 @@ class StageCtx:
 
 
 # ---------------------------------------------------------------------------------------
+# activation recomputation
+
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+
+
+def check_recompute(mode: str) -> None:
+    """Raise a one-line ConfigError unless `mode` is one of `RECOMPUTE`."""
+    if mode not in RECOMPUTE:
+        raise ConfigError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got '{mode}'")
+
+
+@attrs.frozen
+class BlockInput:
+    """A block's saved state under full recomputation: its input x [B, T, C] and what its
+    forward drew dropout from; backward reruns the forward from them."""
+
+    x: np.ndarray
+    drop: DropoutKey | None
+    layer: int
+
+
+def _saved(mode: Recompute, ctx: BlockCtx, x: np.ndarray, drop: DropoutKey | None, layer: int) -> BlockCtx | BlockInput:
+    """What a block keeps for backward under recomputation `mode`."""
+    if mode == "full":
+        return BlockInput(x, drop, layer)
+    return without_scores(ctx) if mode == "selective" else ctx
+
+
+def _restored(p: Block, saved: BlockCtx | BlockInput, cfg: GPTConfig, mesh: Mesh) -> BlockCtx:
+    """The whole context `block_fwd` returned, rebuilt from what `_saved` kept."""
+    if isinstance(saved, BlockInput):
+        return block_fwd(p, saved.x, cfg, mesh, saved.layer, saved.drop)[1]
+    return with_scores(saved, cfg, mesh)
+
+
+# ---------------------------------------------------------------------------------------
 # blocks, whole or split over the threads
 
 
@@ -123,19 +174,27 @@ def _chunks(mesh: Mesh, x: np.ndarray) -> int:
     return block_chunks(threads(), B, B * T * (72.0 * C * C + 12.0 * C * T))
 
 
-def run_block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int, drop: DropoutKey | None = None):
-    """`block_fwd`, whole or as row chunks over the threads (its context says which)."""
+def run_block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int, drop: DropoutKey | None = None,
+                  recompute: Recompute = "none"):
+    """`block_fwd`, whole or as row chunks over the threads (its context says which),
+    keeping what `recompute` says (each chunk its own)."""
+
+    def one(rows: slice | None) -> tuple[np.ndarray, Any]:
+        xr, dr = (x, drop) if rows is None else (x[rows], drop and drop.shifted(rows))
+        y, ctx = block_fwd(p, xr, cfg, mesh, layer, dr)
+        return y, _saved(recompute, ctx, xr, dr, layer)
+
     k = _chunks(mesh, x)
     if k == 1:
-        return block_fwd(p, x, cfg, mesh, layer, drop)
-    return chunked_fwd(lambda r: block_fwd(p, x[r], cfg, mesh, layer, drop and drop.shifted(r)), x.shape[0], k)
+        return one(None)
+    return chunked_fwd(one, x.shape[0], k)
 
 
-def run_block_bwd_input(p: Block, ctx: BlockCtx | RowChunks, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh):
-    """`block_bwd_input` of a `run_block_fwd` context."""
+def run_block_bwd_input(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh):
+    """`block_bwd_input` of a `run_block_fwd` context (recomputing what it did not keep)."""
     if not isinstance(ctx, RowChunks):
-        return block_bwd_input(p, ctx, dx, cfg, mesh)
-    return chunked_bwd(lambda c, r: block_bwd_input(p, c, dx[r], cfg, mesh), ctx)
+        return block_bwd_input(p, _restored(p, ctx, cfg, mesh), dx, cfg, mesh)
+    return chunked_bwd(lambda c, r: block_bwd_input(p, _restored(p, c, cfg, mesh), dx[r], cfg, mesh), ctx)
 
 
 def run_block_bwd_weight(p: Block, w: Any) -> Block:
@@ -145,11 +204,12 @@ def run_block_bwd_weight(p: Block, w: Any) -> Block:
     return chunked_sum(lambda c: block_bwd_weight(p, c), w)
 
 
-def run_block_bwd(p: Block, ctx: BlockCtx | RowChunks, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, Block]:
+def run_block_bwd(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np.ndarray, cfg: GPTConfig,
+                  mesh: Mesh) -> tuple[np.ndarray, Block]:
     """B and W at once (each thread does both halves for its rows)."""
 
-    def both(c: BlockCtx, r: slice | None = None) -> tuple[np.ndarray, Block]:
-        d, w = block_bwd_input(p, c, dx if r is None else dx[r], cfg, mesh)
+    def both(c: BlockCtx | BlockInput, r: slice | None = None) -> tuple[np.ndarray, Block]:
+        d, w = block_bwd_input(p, _restored(p, c, cfg, mesh), dx if r is None else dx[r], cfg, mesh)
         return d, block_bwd_weight(p, w)
 
     if not isinstance(ctx, RowChunks):
@@ -163,10 +223,13 @@ def run_block_bwd(p: Block, ctx: BlockCtx | RowChunks, dx: np.ndarray, cfg: GPTC
 
 
 def stage_forward(units: ParamUnits, stage: Stage, inp: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig,
-                  mesh: Mesh, drop: DropoutKey | None = None, keep: bool = True) -> tuple[np.ndarray, StageCtx | None]:
+                  mesh: Mesh, drop: DropoutKey | None = None, keep: bool = True,
+                  recompute: Recompute = "none") -> tuple[np.ndarray, StageCtx | None]:
     """Run a stage forward on `inp` (token ids [B, T] on the first stage, else activations
     [B, T, C], or this rank's [B, T/tp, C] with sequence parallelism). Returns the per-token losses [B*T] on the last stage, else the activations
-    for the next, and the context for backward (None if not `keep`)."""
+    for the next, and the context for backward (None if not `keep`; its blocks' parts as
+    `recompute` says: "none", "selective" or "full")."""
+    check_recompute(recompute)
     emb = head = None
     x = inp
     if stage.first:
@@ -175,7 +238,7 @@ def stage_forward(units: ParamUnits, stage: Stage, inp: np.ndarray, targets: np.
             units.release(OUTER)
     ctxs = []
     for layer, unit in stage.blocks:
-        x, c = run_block_fwd(units.get(unit), x, cfg, mesh, layer, drop)
+        x, c = run_block_fwd(units.get(unit), x, cfg, mesh, layer, drop, recompute if keep else "none")
         units.release(unit)
         ctxs.append(c if keep else None)
     if stage.last:
@@ -247,7 +310,7 @@ def add_outer(total: GPT | None, part: GPT) -> GPT:
 
 
 def loss_and_grads(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh, loss_scale: float,
-                   drop: DropoutKey | None = None) -> tuple[float, GPT]:
+                   drop: DropoutKey | None = None, recompute: Recompute = "none") -> tuple[float, GPT]:
     """Sum of per-token losses × `loss_scale`, and its gradient w.r.t. this rank's shards.
 
     With `loss_scale = 1 / (tokens in the global batch)`, summing the results over
@@ -256,7 +319,7 @@ def loss_and_grads(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTCo
     that to the optimiser, once per step)."""
     units = ResidentParams(params)
     stage = whole_model(cfg.n_layer)
-    loss, ctx = stage_forward(units, stage, idx, targets, cfg, mesh, drop)
+    loss, ctx = stage_forward(units, stage, idx, targets, cfg, mesh, drop, recompute=recompute)
     _, outer, _ = stage_backward(units, stage, ctx, loss_scale, cfg, mesh)
     units.grads_ready(OUTER, outer)
     return float(loss.sum()) * loss_scale, reduce_sequence_partial(units.grad_tree(), mesh)

@@ -35,6 +35,7 @@ from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
 from numesh.nn.layers import (
     LayerNorm,
     Linear,
+    causal_attention_probs,
     gelu_bwd,
     gelu_fwd,
     layernorm_bwd,
@@ -205,7 +206,7 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
     h1, ln1 = norm_gather_fwd(p.ln1, x, mesh)  # f: [B, T, C]
     qkv, _ = linear_fwd(p.attn.qkv, h1)
     qkv = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # [3, B, nh, T, hs]
-    att_mask = drop.attn_mask(layer, B, cfg.n_head, T, heads, cp).astype(x.dtype) if drop else None
+    att_mask = attention_drop_mask(drop, layer, B, T, cfg, mesh, x.dtype)
     a, attn = attention_fwd(qkv[0], qkv[1], qkv[2], att_mask, mesh)
     a = a.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)  # [B, T, C/tp]
     y, _ = linear_fwd(Linear(p.attn.proj.w), a)
@@ -223,6 +224,48 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
     x += z
     keep = not mesh.sequence_parallel  # with sp the outputs are recomputed from the gathered xhat
     return x, BlockCtx(ln1, h1 if keep else None, attn, a, ln2, h2 if keep else None, gelu, g, drop, layer)
+
+
+def attention_drop_mask(drop: DropoutKey | None, layer: int, B: int, T: int, cfg: GPTConfig, mesh: Mesh,
+                        dtype) -> np.ndarray | None:
+    """This tp rank's heads of block `layer`'s attention-probability dropout mask (None
+    without dropout): [B, nh, T, T], or with cp this rank's query rows against every key
+    [B, nh, T, T·cp]; a function of the key alone, so recomputation redraws it."""
+    if not drop:
+        return None
+    _, _, heads = local_heads(cfg, mesh)
+    return drop.attn_mask(layer, B, cfg.n_head, T, heads, CpSlice.of(mesh)).astype(dtype)
+
+
+@attrs.frozen
+class AttnInputs:
+    """The attention core's context without its T×T tensors (selective recomputation):
+    the scaled queries, keys and values [B, nh, T, hs], which rebuild them."""
+
+    qs: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+
+
+def without_scores(ctx: BlockCtx) -> BlockCtx:
+    """`ctx` keeping q, k, v instead of the softmax probabilities and their dropout mask.
+    Ring attention (cp > 1) keeps no T×T tensor in the first place: its context stays."""
+    if not isinstance(ctx.attn, tuple):
+        return ctx
+    qs, k, v, _, _ = ctx.attn
+    return attrs.evolve(ctx, attn=AttnInputs(qs, k, v))
+
+
+def with_scores(ctx: BlockCtx, cfg: GPTConfig, mesh: Mesh) -> BlockCtx:
+    """A `without_scores` context made whole again: the probabilities recomputed from q and
+    k and the mask redrawn from the dropout key, bit for bit what the forward had."""
+    if not isinstance(ctx.attn, AttnInputs):
+        return ctx
+    c = ctx.attn
+    B, _, T, _ = c.qs.shape
+    att = causal_attention_probs(c.qs, c.k)
+    mask = attention_drop_mask(ctx.drop, ctx.layer, B, T, cfg, mesh, c.qs.dtype)
+    return attrs.evolve(ctx, attn=(c.qs, c.k, c.v, att, mask))
 
 
 def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, BlockWeightCtx]:

@@ -1,0 +1,250 @@
+"""Activation recomputation (`--recompute none|selective|full`) and activation accounting.
+
+* Every mode gives the same losses and gradients as keeping everything, bit for bit, with
+  dropout, on one thread and split over threads, whole backward or zero-bubble B then W:
+  the recomputed context is the forward's (probabilities from q and k, masks redrawn
+  from the dropout key, a block rerun from its input).
+* What a stage's forward saves, measured from the buffers (`numesh.tree.held_bytes`),
+  equals `numesh.formulas.activation_bytes` exactly, for every mode, with and without
+  dropout, float32 and float64, first, middle and last stages, one or two threads; what a
+  zero-bubble B leaves for W equals `weight_ctx_bytes`; the executor's measured peak over
+  a step equals `peak_activation_bytes` replayed over the schedule (pp=1 here; pp and tp
+  in tests/test_mpi_recompute.py).
+* Selective recomputation removes exactly the s² term.
+* Whole training runs with each mode log the same numbers; a bad mode is one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from conftest import self_mesh, tiny_config
+from numesh import formulas, threads
+from numesh.errors import ConfigError
+from numesh.nn import stage as S
+from numesh.nn.dropout import DropoutKey
+from numesh.nn.gpt import GPTConfig, init_gpt
+from numesh.nn.transformer import AttnInputs, block_fwd, with_scores, without_scores
+from numesh.nn.units import Unit
+from numesh.pipeline.schedules import make_schedule
+from numesh.train import Trainer, config_from, train
+from numesh.tree import held_bytes, tree_leaves
+
+MODES = ("none", "selective", "full")
+
+
+@pytest.fixture
+def thread_count(monkeypatch):
+    """Set the intra-op thread count for a test, restoring it afterwards; blocks of these
+    tiny models split over the threads as a large model's would (numesh.threads.block_chunks)."""
+    monkeypatch.setattr(threads, "GLUE_FLOPS", 1.0)
+    before = threads.threads()
+    yield threads.set_threads
+    threads.set_threads(before)
+
+
+def batch(cfg: GPTConfig, rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and targets [rows, T], each its own array (as `numesh.data.local_batch` gives)."""
+    rng = np.random.default_rng(seed)
+    return tuple(rng.integers(0, cfg.vocab_size, (rows, cfg.block_size)) for _ in range(2))
+
+
+def key(cfg: GPTConfig, rows: int, dropout: bool) -> DropoutKey | None:
+    return DropoutKey(0.2, 5, 3, 0, rows) if dropout else None
+
+
+def assert_trees_equal(a, b) -> None:
+    la, lb = tree_leaves(a), tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(x, y)
+
+
+# ---------------------------------------------------------------------------------------
+# the same numbers in every mode
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_every_mode_gives_the_same_losses_and_grads(thread_count, dropout: bool, n_threads: int) -> None:
+    thread_count(n_threads)
+    cfg = tiny_config(dropout=0.2 if dropout else 0.0, n_layer=3)
+    mesh = self_mesh()
+    params = init_gpt(cfg, mesh, seed=1, dtype=np.float64)
+    rows = 4
+    idx, tgt = batch(cfg, rows)
+    drop = key(cfg, rows, dropout)
+    runs = {m: S.loss_and_grads(params, idx, tgt, cfg, mesh, 1.0 / idx.size, drop, recompute=m) for m in MODES}
+    for m in ("selective", "full"):
+        assert runs[m][0] == runs["none"][0], m
+        assert_trees_equal(runs[m][1], runs["none"][1])
+
+    # the zero-bubble halves: B recomputes, W uses what B left
+    stage = S.whole_model(cfg.n_layer)
+    split = {}
+    for m in MODES:
+        units = S.ResidentParams(params)
+        _, ctx = S.stage_forward(units, stage, idx, tgt, cfg, mesh, drop, recompute=m)
+        if n_threads > 1:
+            assert all(isinstance(c, threads.RowChunks) for c in ctx.blocks)
+        _, outer, deferred = S.stage_backward(units, stage, ctx, 1.0 / idx.size, cfg, mesh, split=True)
+        S.stage_weight(units, deferred)
+        split[m] = (outer, [units.grads[Unit(i)] for i in range(cfg.n_layer)])
+    for m in ("selective", "full"):
+        assert_trees_equal(split[m], split["none"])
+    if n_threads == 1:  # one thread: the split backward is the whole one, bit for bit
+        assert_trees_equal(split["none"][1], list(runs["none"][1].blocks))
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_recomputed_contexts_are_the_forwards(thread_count, dropout: bool) -> None:
+    """Selective rebuilds the probabilities and redraws the same attention dropout mask;
+    full's rerun gives the forward's whole context back (arrays equal bit for bit)."""
+    thread_count(1)  # one context, not row chunks (earlier tests may have left more threads)
+    cfg = tiny_config(dropout=0.2 if dropout else 0.0)
+    mesh = self_mesh()
+    p = init_gpt(cfg, mesh, seed=2, dtype=np.float32).blocks[1]
+    x = np.random.default_rng(1).standard_normal((3, cfg.block_size, cfg.n_embd)).astype(np.float32)
+    drop = key(cfg, 3, dropout)
+    _, ctx = block_fwd(p, x, cfg, mesh, 1, drop)
+    lean = without_scores(ctx)
+    assert isinstance(lean.attn, AttnInputs)
+    assert held_bytes(ctx) - held_bytes(lean) == ctx.attn[3].nbytes * (2 if dropout else 1)  # stats kept
+    assert_trees_equal(with_scores(lean, cfg, mesh), ctx)
+    if dropout:  # the mask is really there, and really redrawn
+        assert (ctx.attn[4] == 0).any()
+    _, saved = S.run_block_fwd(p, x, cfg, mesh, 1, drop, recompute="full")
+    assert isinstance(saved, S.BlockInput) and saved.x is x and saved.drop == drop
+    assert_trees_equal(S._restored(p, saved, cfg, mesh), ctx)
+
+
+# ---------------------------------------------------------------------------------------
+# measured activation bytes == the formula
+
+
+def stage_kinds(n_layer: int) -> dict[str, S.Stage]:
+    blocks = tuple((i, Unit(i)) for i in range(n_layer))
+    return {
+        "whole": S.Stage(blocks, first=True, last=True),
+        "first": S.Stage(blocks, first=True, last=False),
+        "middle": S.Stage(blocks, first=False, last=False),
+        "last": S.Stage(blocks, first=False, last=True),
+    }
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dropout", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_measured_activation_bytes_equal_the_formula(thread_count, mode: str, dropout: bool, dtype, n_threads: int) -> None:
+    thread_count(n_threads)
+    cfg = tiny_config(dropout=0.2 if dropout else 0.0, n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=11)
+    mesh = self_mesh()
+    params = init_gpt(cfg, mesh, seed=0, dtype=dtype)
+    rows = 4
+    idx, tgt = batch(cfg, rows)
+    x = np.random.default_rng(2).standard_normal((rows, cfg.block_size, cfg.n_embd)).astype(dtype)
+    drop = key(cfg, rows, dropout)
+    for name, stage in stage_kinds(cfg.n_layer).items():
+        _, ctx = S.stage_forward(S.ResidentParams(params), stage, idx if stage.first else x, tgt, cfg, mesh, drop,
+                                 recompute=mode)
+        want = formulas.activation_bytes(
+            micro_batch=rows, seq=cfg.block_size, n_embd=cfg.n_embd, n_head=cfg.n_head, n_layer=cfg.n_layer,
+            vocab=cfg.vocab_size, first=stage.first, last=stage.last, recompute=mode, dropout=dropout,
+            itemsize=np.dtype(dtype).itemsize)
+        assert held_bytes(ctx) == want, (name, formulas.activation_parts(
+            micro_batch=rows, seq=cfg.block_size, n_embd=cfg.n_embd, n_head=cfg.n_head, n_layer=cfg.n_layer,
+            vocab=cfg.vocab_size, first=stage.first, last=stage.last, recompute=mode, dropout=dropout,
+            itemsize=np.dtype(dtype).itemsize))
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_what_b_leaves_for_w_equals_the_formula(thread_count, mode: str, bias: bool, n_threads: int) -> None:
+    thread_count(n_threads)
+    cfg = tiny_config(dropout=0.2, bias=bias, n_layer=2)
+    mesh = self_mesh()
+    params = init_gpt(cfg, mesh, seed=0, dtype=np.float64)
+    rows = 4
+    idx, tgt = batch(cfg, rows)
+    units = S.ResidentParams(params)
+    stage = S.whole_model(cfg.n_layer)
+    _, ctx = S.stage_forward(units, stage, idx, tgt, cfg, mesh, key(cfg, rows, True), recompute=mode)
+    _, _, deferred = S.stage_backward(units, stage, ctx, 1.0, cfg, mesh, split=True)
+    want = formulas.weight_ctx_bytes(micro_batch=rows, seq=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+                                     bias=bias, itemsize=8, chunks=n_threads)
+    assert held_bytes(deferred) == want
+
+
+def test_selective_removes_the_s2_term() -> None:
+    """none − selective is exactly the s² term, k·(1 + d)·a·s²·b/t per layer, and it is
+    what quadruples when the context doubles; selective and full grow linearly in s."""
+    kw = dict(micro_batch=3, n_embd=64, n_head=8, n_layer=5, vocab=65, tp=2, itemsize=4, first=False, last=False)
+    for dropout in (False, True):
+        for s in (64, 128, 256):
+            none = formulas.activation_bytes(seq=s, recompute="none", dropout=dropout, **kw)
+            sel = formulas.activation_bytes(seq=s, recompute="selective", dropout=dropout, **kw)
+            assert none - sel == 5 * 4 * (1 + dropout) * (8 // 2) * s * s * 3
+        lin = [formulas.activation_bytes(seq=s, recompute=m, dropout=dropout, **kw)
+               for m in ("selective", "full") for s in (64, 128)]
+        assert lin[1] == 2 * lin[0] and lin[3] == 2 * lin[2]
+    with pytest.raises(ValueError, match="recompute must be none, selective or full"):
+        formulas.activation_bytes(seq=8, recompute="most", **kw)
+
+
+# ---------------------------------------------------------------------------------------
+# whole steps and runs
+
+
+def run_config(data: Path, out: Path, **kw: object):
+    base: dict = dict(n_layer=2, n_head=2, n_embd=16, block_size=8, batch_size=8, max_iters=3, dropout=0.1,
+                      bias=True, learning_rate=3e-2, warmup_iters=1, lr_decay_iters=3, eval_interval=2,
+                      eval_iters=1, data=str(data), out=str(out), seed=3, dtype="float64")
+    base.update(kw)
+    return config_from(base)
+
+
+@pytest.mark.parametrize("schedule, m", [("1f1b", 2), ("gpipe", 4), ("zb-h1", 2)])
+@pytest.mark.parametrize("mode", MODES)
+def test_step_peak_bytes_equal_the_formula(thread_count, char_dataset: Path, tmp_path: Path, mode: str, schedule: str,
+                                          m: int) -> None:
+    """The executor's measured peak over one step (pp=1) is the schedule replayed with the
+    formula's bytes per micro-batch (GPipe holds all m, 1F1B one, zb-h1 one and its W)."""
+    thread_count(1)
+    cfg = run_config(char_dataset, tmp_path / "o", recompute=mode, schedule=schedule, micro_batches=m, dtype="float32")
+    trainer = Trainer(cfg, MPI.COMM_SELF)
+    trainer.train_step()
+    model, rows = trainer.model, cfg.batch_size // m
+    saved = formulas.activation_bytes(micro_batch=rows, seq=cfg.block_size, n_embd=model.n_embd, n_head=model.n_head,
+                                      n_layer=model.n_layer, vocab=model.vocab_size, recompute=mode, dropout=True)
+    deferred = formulas.weight_ctx_bytes(micro_batch=rows, seq=cfg.block_size, n_embd=model.n_embd,
+                                         n_layer=model.n_layer, bias=True)
+    s = make_schedule(schedule, 1, m)
+    assert trainer.last_stats.peak_bytes == formulas.peak_activation_bytes(s, 0, lambda c: saved, lambda c: deferred)
+    if schedule == "gpipe":
+        assert trainer.last_stats.peak_bytes == m * saved
+
+
+@pytest.mark.parametrize("threads_n", [1, 2])
+def test_runs_log_the_same_numbers_in_every_mode(thread_count, char_dataset: Path, tmp_path: Path, threads_n: int) -> None:
+    thread_count(threads_n)
+    records = {}
+    for mode in MODES:
+        got = []
+        train(run_config(char_dataset, tmp_path / mode, recompute=mode, micro_batches=2), MPI.COMM_SELF,
+              on_step=lambda step, rec: got.append({k: v for k, v in rec.items() if k not in ("dt_ms", "tokens_per_s", "mfu", "flops_per_s")}))
+        records[mode] = got
+    assert records["none"] and records["selective"] == records["none"] and records["full"] == records["none"]
+
+
+def test_recompute_field_is_checked(char_dataset: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        S.check_recompute("Full")
+    assert str(info.value) == "--recompute must be one of none, selective, full, got 'Full'"
+    assert attrs.fields_dict(type(run_config(char_dataset, tmp_path)))["recompute"].default == "none"
