@@ -161,7 +161,7 @@ def test_tp_bytes_follow_the_formula(shared_dataset: Path, shared_tmp: Path, mes
         shape, cfg.zero, cfg.micro_batches, cfg.batch_size // (shape["dp"] * cfg.micro_batches), cfg.block_size,
         cfg.n_embd, itemsize, [formulas.Chunk(len(s.blocks), s.first, s.last) for s in trainer.pipeline.stages],
         sum(u.padded for key, u in units.items() if not key.is_outer), units[OUTER].padded, 0,
-        trainer.schedule.split_backward, mode)
+        trainer.schedule.split_backward, recompute=mode)
     got = trainer.mesh.counter.total("tp", "all_reduce", kind="payload")
     assert got == want[("tp", "all_reduce")]
     blocks = sum(len(s.blocks) for s in trainer.pipeline.stages)
