@@ -214,9 +214,9 @@ def check_layout(cfg: TrainConfig, n_ranks: int, vocab_size: int) -> tuple[dict[
             f"block_size={cfg.block_size} does not split into 2*cp={2 * shape['cp']} equal chunks (context parallelism's "
             f"load balance): use a --block-size that is a multiple of {2 * shape['cp']} or a smaller cp"
         )
-    if shape["cp"] > 1 and cfg.sequence_parallel:
-        raise ConfigError("--sequence-parallel together with cp > 1 is not supported yet: drop --sequence-parallel "
-                          "or use a mesh without cp")
+    if shape["cp"] > 1 and cfg.sequence_parallel and cfg.block_size % (shape["cp"] * shape["tp"]):
+        raise ConfigError(f"--sequence-parallel with cp splits a cp rank's block_size/cp tokens over tp: use a "
+                          f"--block-size that is a multiple of cp*tp={shape['cp'] * shape['tp']}")
     if cfg.batch_size % (shape["dp"] * cfg.micro_batches):
         raise ConfigError(
             f"batch_size {cfg.batch_size} is not divisible by dp={shape['dp']} x micro_batches={cfg.micro_batches}: "

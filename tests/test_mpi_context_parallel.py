@@ -134,13 +134,13 @@ def test_observers_see_the_ring(layer_mesh: Mesh) -> None:
     assert all(c.end is not None for c in rec.calls)
 
 
-def run_config(data: Path, out: Path, mesh: str, schedule: str, m: int, zero: int):
+def run_config(data: Path, out: Path, mesh: str, schedule: str, m: int, zero: int, sp: bool = False):
     pp = int(dict(p.split("=") for p in mesh.split(",")).get("pp", 1))
     return config_from(dict(
         n_layer=2 * pp, n_head=4, n_embd=16, block_size=16, batch_size=4, max_iters=3, dropout=0.1, bias=True,
         learning_rate=3e-2, min_lr=1e-3, warmup_iters=1, lr_decay_iters=3, grad_clip=0.5, eval_interval=2,
         eval_iters=1, data=str(data), out=str(out), mesh=mesh, seed=11, dtype="float64", schedule=schedule,
-        micro_batches=m, zero=zero,
+        micro_batches=m, zero=zero, sequence_parallel=sp,
     ))
 
 
@@ -153,6 +153,19 @@ def train_cases() -> list:
 def test_training_matches_one_rank(shared_dataset: Path, shared_tmp: Path, mesh: str, schedule: str, m: int,
                                    zero: int) -> None:
     cfg = run_config(shared_dataset, shared_tmp / f"cp-{mesh}-{schedule}-{m}-{zero}", mesh, schedule, m, zero)
+    want = serial_reference(attrs.evolve(cfg, schedule="1f1b", micro_batches=1, zero=0))
+    assert_same_run(train_records(cfg, WORLD), want)
+
+
+SP_CASES = {4: [("cp=2,tp=2", "1f1b", 1, 0)], 8: [("dp=2,cp=2,tp=2", "1f1b", 1, 1), ("cp=2,tp=2,pp=2", "zb-h1", 2, 0)]}
+
+
+@pytest.mark.parametrize("mesh, schedule, m, zero", [pytest.param(*c, id=f"{c[0]}-{c[1]}-sp") for c in
+                                                     SP_CASES.get(WORLD.Get_size(), [])])
+def test_sequence_parallel_with_cp_matches_one_rank(shared_dataset: Path, shared_tmp: Path, mesh: str, schedule: str,
+                                                    m: int, zero: int) -> None:
+    """sp slices each cp rank's tokens over tp (numesh.nn.transformer.token_positions)."""
+    cfg = run_config(shared_dataset, shared_tmp / f"cpsp-{mesh}-{schedule}", mesh, schedule, m, zero, sp=True)
     want = serial_reference(attrs.evolve(cfg, schedule="1f1b", micro_batches=1, zero=0))
     assert_same_run(train_records(cfg, WORLD), want)
 
