@@ -305,7 +305,7 @@ def zero_buffer_bytes(unit_sizes: Iterable[int], dp: int, stage: int, itemsize: 
 
 def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_layer: int, vocab: int, tp: int = 1,
                      first: bool = True, last: bool = True, recompute: str = "none", dropout: bool = False,
-                     itemsize: int = 4) -> dict[str, int]:
+                     itemsize: int = 4, sp: bool = False, cp: int = 1) -> dict[str, int]:
     """`activation_bytes` part by part: what numesh's forward saves for backward, in bytes,
     for one micro-batch of b = `micro_batch` sequences of s = `seq` tokens, width h =
     `n_embd`, a = `n_head` heads, t = `tp`, k = `itemsize` (the activation dtype's).
@@ -339,38 +339,49 @@ def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_
                [sum-exp, target logit] pair, k·(sb·V/t + 2·sb); the targets relative to the
                vocabulary slice (int64) and whether they are inside it (bool), 9·sb.
 
-    Context parallelism (a `cp` axis splitting the sequence) divides s by cp in every
-    term linear in s; the s² term becomes (s/cp)·s for the queries' keys, or whatever
-    ring attention keeps: it plugs in as s → s/cp here and in "block_scores"."""
+    Sequence parallelism (`sp`) keeps each LayerNorm's x̂ gathered [b,s,h] but its 1/σ on
+    this rank's slice [b,s/t,1], and not its output (recomputed from x̂ for the weight
+    gradient): "block_replicated" becomes k·(2·sbh + 2·sb/t), the head's LayerNorm
+    k·(sbh + sb/t), and a fully recomputed block's input k·sbh/t.
+
+    Context parallelism (`cp`) gives each rank s = seq/cp tokens of every sequence, so
+    every term above is taken with that s; ring attention keeps no s×s scores but its
+    output y and each row's log-sum-exp, "block_ring" k·(sbh/t + a·sb/t), and with dropout
+    the mask rows of its queries against every key, k·a·s·(s·cp)·b/t. Selective
+    recomputation has nothing more to drop there. The first stage also keeps the s positions
+    of its tokens (int64) for the position embedding's gradient."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
-    b, s, h, a, t, k = micro_batch, seq, n_embd, n_head, tp, itemsize
+    b, s, h, a, t, k = micro_batch, seq // cp, n_embd, n_head, tp, itemsize
     sb, sbh = s * b, s * b * h
     parts: dict[str, int] = {}
     if recompute == "full":
-        parts["block_input"] = n_layer * k * sbh
+        parts["block_input"] = n_layer * k * (sbh // t if sp else sbh)
     else:
-        parts["block_replicated"] = n_layer * k * (4 * sbh + 2 * sb)
+        parts["block_replicated"] = n_layer * k * ((2 * sbh + 2 * sb // t) if sp else (4 * sbh + 2 * sb))
         parts["block_sharded"] = n_layer * k * 17 * sbh // t
-        if recompute == "none":
+        if cp > 1:
+            parts["block_ring"] = n_layer * k * (sbh + a * sb) // t + n_layer * k * int(dropout) * a * s * s * cp * b // t
+        elif recompute == "none":
             parts["block_scores"] = n_layer * k * (1 + int(dropout)) * a * s * s * b // t
     if first:
-        parts["embed"] = sb * TOKEN_ID_BYTES + (sb if t > 1 else 0)
+        parts["embed"] = sb * TOKEN_ID_BYTES + (sb if t > 1 else 0) + (s * TOKEN_ID_BYTES if cp > 1 else 0)  # cp: positions
     if last:
         v_local = padded_vocab(vocab, t) // t
-        parts["head"] = k * (2 * sbh + sb) + k * (sb * v_local + 2 * sb) + sb * (TOKEN_ID_BYTES + 1)
+        ln_f = (sbh + sb // t) if sp else (2 * sbh + sb)
+        parts["head"] = k * ln_f + k * (sb * v_local + 2 * sb) + sb * (TOKEN_ID_BYTES + 1)
     return parts
 
 
 def activation_bytes(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_layer: int, vocab: int, tp: int = 1,
                      first: bool = True, last: bool = True, recompute: str = "none", dropout: bool = False,
-                     itemsize: int = 4) -> int:
+                     itemsize: int = 4, sp: bool = False, cp: int = 1) -> int:
     """Bytes of saved activations one micro-batch leaves on a pipeline stage holding
     `n_layer` blocks (plus the embedding if `first`, the final LayerNorm, head and loss if
     `last`) between its forward and its backward: the sum of `activation_parts`."""
     return sum(activation_parts(micro_batch=micro_batch, seq=seq, n_embd=n_embd, n_head=n_head, n_layer=n_layer,
                                 vocab=vocab, tp=tp, first=first, last=last, recompute=recompute, dropout=dropout,
-                                itemsize=itemsize).values())
+                                itemsize=itemsize, sp=sp, cp=cp).values())
 
 
 def weight_ctx_bytes(*, micro_batch: int, seq: int, n_embd: int, n_layer: int, tp: int = 1, bias: bool = False,

@@ -94,7 +94,8 @@ def test_parity_cases_cover_the_brief() -> None:
 
 
 def memory_meshes(n: int) -> list[str]:
-    return {2: ["tp=2", "pp=2"], 4: ["tp=2,pp=2"], 8: ["tp=2,pp=4"]}.get(n, [])
+    return {2: ["tp=2", "pp=2", "tp=2 sp", "cp=2"], 4: ["tp=2,pp=2", "tp=2,pp=2 sp", "cp=2,pp=2", "cp=2,tp=2 sp"],
+            8: ["tp=2,pp=4", "cp=2,tp=2,pp=2 sp"]}.get(n, [])
 
 
 def memory_cases(n: int) -> list:
@@ -113,11 +114,13 @@ def chunks_per_block(trainer: Trainer, rows: int) -> int:
 @pytest.mark.parametrize("mesh, schedule, mode, dtype, dropout", memory_cases(N))
 def test_measured_peak_activation_bytes_equal_the_formula(shared_dataset: Path, shared_tmp: Path, mesh: str,
                                                           schedule: str, mode: str, dtype: str, dropout: bool) -> None:
-    pp = dict(a.split("=") for a in mesh.split(",")).get("pp", "1")
-    m = 2 * int(pp)
-    cfg = run_config(shared_dataset, shared_tmp / f"mem-{mesh}-{schedule}-{mode}-{dtype}-{dropout}", mesh,
+    mesh, _, sp = mesh.partition(" ")
+    sizes = dict(a.split("=") for a in mesh.split(","))
+    pp, cp = int(sizes.get("pp", "1")), int(sizes.get("cp", "1"))
+    m = 2 * pp
+    cfg = run_config(shared_dataset, shared_tmp / f"mem-{mesh}{sp}-{schedule}-{mode}-{dtype}-{dropout}", mesh,
                      schedule=schedule, micro_batches=m, recompute=mode, dtype=dtype, dropout=0.1 if dropout else 0.0,
-                     n_layer=2 * int(pp))
+                     n_layer=2 * pp, sequence_parallel=bool(sp))
     trainer = Trainer(cfg, WORLD)
     trainer.train_step()
     model, rows, tp = trainer.model, cfg.batch_size // m, trainer.mesh.size("tp")
@@ -128,10 +131,11 @@ def test_measured_peak_activation_bytes_equal_the_formula(shared_dataset: Path, 
         s = stages[chunk]
         return formulas.activation_bytes(micro_batch=rows, seq=cfg.block_size, n_embd=model.n_embd,
                                          n_head=model.n_head, n_layer=len(s.blocks), vocab=model.vocab_size, tp=tp,
-                                         first=s.first, last=s.last, recompute=mode, dropout=dropout, itemsize=k)
+                                         first=s.first, last=s.last, recompute=mode, dropout=dropout, itemsize=k,
+                                         sp=bool(sp), cp=cp)
 
     def deferred(chunk: int) -> int:
-        return formulas.weight_ctx_bytes(micro_batch=rows, seq=cfg.block_size, n_embd=model.n_embd,
+        return formulas.weight_ctx_bytes(micro_batch=rows, seq=cfg.block_size // cp, n_embd=model.n_embd,
                                          n_layer=len(stages[chunk].blocks), tp=tp, bias=True, itemsize=k,
                                          chunks=chunks_per_block(trainer, rows))
 
