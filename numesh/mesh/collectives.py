@@ -50,18 +50,20 @@ def _count(mesh: Mesh, axes: AxisNames, op: str, nbytes: int) -> None:
 
 
 def _run(mesh: Mesh, axes: AxisNames, op: str, nbytes: int, blocking: Callable[[], Any],
-         nonblocking: Callable[[], MPI.Request]) -> None:
-    """A blocking call, or with an observer: begin, the nonblocking form, wait, end."""
+         nonblocking: Callable[[], MPI.Request]) -> bool:
+    """A blocking call, or with an observer: begin, the nonblocking form, wait, end.
+    False when an injected fault skipped it (no MPI call: the caller's output is unset)."""
     obs = mesh.observer
     if obs is None:
         blocking()
-        return
+        return True
     try:
         token = obs.begin(op, axes, nbytes)
     except SkipCall:  # an injected fault: this rank leaves without calling MPI
-        return
+        return False
     obs.wait(nonblocking(), token)
     obs.end(token)
+    return True
 
 
 def _issue(mesh: Mesh, axes: AxisNames, op: str, nbytes: int, start: Callable[[], MPI.Request],
@@ -93,8 +95,9 @@ def psum(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = No
         return x
     out = np.empty(x.shape, x.dtype) if out is None else out
     src = _contig(x)
-    _run(mesh, axes, "all_reduce", x.nbytes, lambda: comm.Allreduce(src, out, op=MPI.SUM),
-         lambda: comm.Iallreduce(src, out, op=MPI.SUM))
+    if not _run(mesh, axes, "all_reduce", x.nbytes, lambda: comm.Allreduce(src, out, op=MPI.SUM),
+                lambda: comm.Iallreduce(src, out, op=MPI.SUM)):
+        out[...] = src  # skipped (NUMESH_INJECT): this rank's own values, not uninitialised memory
     return out
 
 
@@ -117,8 +120,9 @@ def pmax(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = No
     _count(mesh, axes, "all_reduce", x.nbytes)
     out = np.empty(x.shape, x.dtype) if out is None else out
     comm, src = mesh.comm(axes), _contig(x)
-    _run(mesh, axes, "all_reduce", x.nbytes, lambda: comm.Allreduce(src, out, op=MPI.MAX),
-         lambda: comm.Iallreduce(src, out, op=MPI.MAX))
+    if not _run(mesh, axes, "all_reduce", x.nbytes, lambda: comm.Allreduce(src, out, op=MPI.MAX),
+                lambda: comm.Iallreduce(src, out, op=MPI.MAX)):
+        out[...] = src  # skipped (NUMESH_INJECT)
     return out
 
 
