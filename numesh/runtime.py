@@ -101,11 +101,6 @@ def configure_process(threads: int | None = None, comm: MPI.Comm | None = None) 
     return set_blas_threads(threads, comm)
 
 
-def matmul_peak_flops(dtype=np.float32, n: int = 512, repeats: int = 5) -> float:
-    """One n³ matrix multiply's best throughput on this rank's BLAS threads (FLOP/s)."""
-    return gemm_flops(n, n, n, dtype, repeats)
-
-
 def gemm_flops(m: int, k: int, n: int, dtype=np.float32, repeats: int = 5, split: bool = False) -> float:
     """Best throughput (FLOP/s) of an [m, k] @ [k, n] multiply over `repeats` tries, after a
     warm-up. With `split`, the rows are spread over numesh's threads with BLAS on one thread

@@ -37,8 +37,8 @@ from numesh.nn.gpt import GPTConfig, gpt_specs
 from numesh.nn.stage import ResidentParams, forward_loss, loss_and_grads, stage_forward, whole_model
 from numesh.nn.units import OUTER
 from numesh.optim.zero import ZeroOptimizer
-from numesh.tree import held_bytes as nbytes  # each buffer once, as the activation accounting counts
 from numesh.train import Trainer
+from numesh.tree import held_bytes as nbytes  # each buffer once, as the activation accounting counts
 from numesh.tree import tree_leaves, tree_leaves_with_path
 
 pytestmark = pytest.mark.mpi(min_size=2)

@@ -52,6 +52,14 @@ def decay_mask(params: Tree, dtype=np.float64) -> np.ndarray:
     return flatten(tree_map_with_path(lambda p, x: np.full(np.shape(x), float(decays(p, x))), params), dtype=dtype)
 
 
+def _next_step(state: AdamWState, lr: float, cfg: AdamWConfig) -> tuple[float, float, float]:
+    """Count the step and return its scalars: the decay factor lr·wd, lr/(1 - β1^t) and
+    1/sqrt(1 - β2^t) (the bias corrections), the same for the fused and reference updates."""
+    state.step += 1
+    t = state.step
+    return lr * cfg.weight_decay, lr / (1.0 - cfg.beta1**t), 1.0 / np.sqrt(1.0 - cfg.beta2**t)
+
+
 def adamw_step(
     params: np.ndarray,
     grads: np.ndarray,
@@ -64,11 +72,7 @@ def adamw_step(
     """One decoupled-weight-decay Adam step on flat buffers (PyTorch's AdamW formula)."""
     if not K.enabled():
         return adamw_step_reference(params, grads, state, lr, cfg, decay, scratch)
-    state.step += 1
-    t = state.step
-    wd = lr * cfg.weight_decay
-    c2 = 1.0 / np.sqrt(1.0 - cfg.beta2**t)
-    c1 = lr / (1.0 - cfg.beta1**t)
+    wd, c1, c2 = _next_step(state, lr, cfg)
 
     def rows(r: slice) -> None:
         K.adamw(params[r], grads[r], state.m[r], state.v[r], decay[r], wd, cfg.beta1, cfg.beta2, cfg.eps, c1, c2)
@@ -86,12 +90,8 @@ def adamw_step_reference(
     scratch: np.ndarray | None = None,
 ) -> None:
     """`adamw_step` as plain NumPy passes over a scratch buffer."""
-    state.step += 1
-    t = state.step
+    wd, c1, c2 = _next_step(state, lr, cfg)
     tmp = np.empty_like(params) if scratch is None else scratch
-    wd = lr * cfg.weight_decay
-    c2 = 1.0 / np.sqrt(1.0 - cfg.beta2**t)
-    c1 = lr / (1.0 - cfg.beta1**t)
 
     def rows(r: slice) -> None:
         p, g, m, v, s = params[r], grads[r], state.m[r], state.v[r], tmp[r]
