@@ -107,7 +107,8 @@ def tp_all_reduce_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, i
     return total
 
 
-def tp_sequence_parallel_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, itemsize: int) -> dict[str, int]:
+def tp_sequence_parallel_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, itemsize: int,
+                               recompute: str = "none") -> dict[str, int]:
     """Payload bytes per op over tp of one micro-batch's forward and backward through a chunk
     with sequence parallelism (Korthikanti et al. 2022). Each all-reduce of an activation in
     `tp_all_reduce_bytes` becomes an all-gather and a reduce-scatter of the full activation
@@ -117,12 +118,20 @@ def tp_sequence_parallel_bytes(chunk: Chunk, rows: int, block_size: int, n_embd:
     is reduce-scattered (its gradient gathered), the head's input gathered (its gradient
     reduce-scattered). The cross-entropy's 3 values per token stay all-reduces.
 
-    Bus bytes are those of plain tp: an all-reduce of S moves 2(n-1)/n·S, a gather plus a
-    scatter (n-1)/n·S each. The LayerNorm grads' once-per-step all-reduce comes on top
-    (`step_bytes`, `tp_partial_values`)."""
+    A LayerNorm keeps only its sequence slice, so backward gathers each one again for its
+    matmul's weight gradient (numesh.nn.transformer.norm_regather): 2 more all-gathers per
+    block and one for the head. Under full recomputation the rerun forward gathers and
+    reduce-scatters twice per block more and keeps its gathered outputs (no regather in
+    its blocks); selective recomputes no communicating op.
+
+    Bus bytes of the pairs are those of plain tp (an all-reduce of S moves 2(n-1)/n·S, a
+    gather plus a scatter (n-1)/n·S each); the regathers add (n-1)/n·S per LayerNorm. The
+    LayerNorm grads' once-per-step all-reduce comes on top (`step_bytes`, `tp_partial_values`)."""
     act = rows * block_size * n_embd * itemsize
     pairs = 4 * chunk.blocks + int(chunk.first) + int(chunk.last)
-    out = {"all_gather": pairs * act, "reduce_scatter": pairs * act}
+    rerun = 2 * chunk.blocks if recompute == "full" else 0
+    regather = (0 if recompute == "full" else 2 * chunk.blocks) + int(chunk.last)
+    out = {"all_gather": (pairs + rerun + regather) * act, "reduce_scatter": (pairs + rerun) * act}
     if chunk.last:
         out["all_reduce"] = 3 * rows * block_size * itemsize
     return out
@@ -199,9 +208,8 @@ def step_bytes(
     splits the sequence, and then `tp_partial_values` the LayerNorm gradient values this
     rank holds (its dp shard of them under ZeRO >= 1), all-reduced over tp once per step.
     With cp, add the ring's K/V traffic and the gradients' sum over cp (`cp_ring_bytes`,
-    `cp_grad_bytes`); `recompute` the activation
-    recomputation ("full" reruns each block's forward tp all-reduces in backward; counted for
-    plain tp, not yet for sequence parallelism)."""
+    `cp_grad_bytes`); `recompute` the activation recomputation ("full" reruns each block's
+    forward, its tp communication included, in backward)."""
     out: dict[tuple[str, str], int] = {}
     cp = shape.get("cp", 1)
 
@@ -221,7 +229,7 @@ def step_bytes(
     t = block_size // cp  # tokens of each sequence on this rank
     if shape["tp"] > 1 and sequence_parallel:
         for c in chunks:
-            for op, n in tp_sequence_parallel_bytes(c, rows, t, n_embd, itemsize).items():
+            for op, n in tp_sequence_parallel_bytes(c, rows, t, n_embd, itemsize, recompute).items():
                 add("tp", op, m * n)
         add("tp", "all_reduce", tp_partial_values * itemsize)
     elif shape["tp"] > 1:
@@ -313,8 +321,7 @@ def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_
     Per block (numesh.nn.transformer.BlockCtx, each array counted once):
       "block_replicated"  k·(4·sbh + 2·sb): LayerNorm 1 and 2 each keep x̂ [b,s,h] and 1/σ
                           [b,s,1], and their outputs h1, h2 [b,s,h] (the QKV and MLP-up
-                          inputs). Replicated over tp: Megatron sequence parallelism
-                          divides this part by t (`sp` plugs in here).
+                          inputs). Replicated over tp unless sequence-parallel (`sp`).
       "block_sharded"     k·17·sbh/t: the scaled queries (1), the QKV output that k and v
                           are views of (3), the attention output (1), the MLP-up output,
                           GELU's tanh and GELU's output (4 each).
@@ -339,10 +346,10 @@ def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_
                [sum-exp, target logit] pair, k·(sb·V/t + 2·sb); the targets relative to the
                vocabulary slice (int64) and whether they are inside it (bool), 9·sb.
 
-    Sequence parallelism (`sp`) keeps each LayerNorm's x̂ gathered [b,s,h] but its 1/σ on
-    this rank's slice [b,s/t,1], and not its output (recomputed from x̂ for the weight
-    gradient): "block_replicated" becomes k·(2·sbh + 2·sb/t), the head's LayerNorm
-    k·(sbh + sb/t), and a fully recomputed block's input k·sbh/t.
+    Sequence parallelism (`sp`) keeps each LayerNorm's x̂ and 1/σ on this rank's slice
+    [b,s/t,·] and not its output (gathered again in backward for the weight gradient):
+    "block_replicated" becomes k·2·(sbh + sb)/t, the head's LayerNorm k·(sbh + sb)/t, and a
+    fully recomputed block's input k·sbh/t: every part of a block is then divided by t.
 
     Context parallelism (`cp`) gives each rank s = seq/cp tokens of every sequence, so
     every term above is taken with that s; ring attention keeps no s×s scores but its
@@ -358,7 +365,7 @@ def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_
     if recompute == "full":
         parts["block_input"] = n_layer * k * (sbh // t if sp else sbh)
     else:
-        parts["block_replicated"] = n_layer * k * ((2 * sbh + 2 * sb // t) if sp else (4 * sbh + 2 * sb))
+        parts["block_replicated"] = n_layer * k * (2 * (sbh + sb) // t if sp else (4 * sbh + 2 * sb))
         parts["block_sharded"] = n_layer * k * 17 * sbh // t
         if cp > 1:
             parts["block_ring"] = n_layer * k * (sbh + a * sb) // t + n_layer * k * int(dropout) * a * s * s * cp * b // t
@@ -368,7 +375,7 @@ def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_
         parts["embed"] = sb * TOKEN_ID_BYTES + (sb if t > 1 else 0) + (s * TOKEN_ID_BYTES if cp > 1 else 0)  # cp: positions
     if last:
         v_local = padded_vocab(vocab, t) // t
-        ln_f = (sbh + sb // t) if sp else (2 * sbh + sb)
+        ln_f = (sbh + sb) // t if sp else (2 * sbh + sb)
         parts["head"] = k * ln_f + k * (sb * v_local + 2 * sb) + sb * (TOKEN_ID_BYTES + 1)
     return parts
 

@@ -319,25 +319,31 @@ def test_chained_observers_each_see_every_call_and_the_first_waits() -> None:
     assert isinstance(Observer(), Observer)
 
 
-def test_sequence_parallel_formulas_move_the_bus_bytes_of_plain_tp() -> None:
+def test_sequence_parallel_formulas_move_plain_tp_bus_bytes_plus_the_regathers() -> None:
     """Megatron's claim, on the formulas: an all-reduce of S is a reduce-scatter of S plus an
-    all-gather into S, so sp's tp bus bytes equal plain tp's (the LayerNorm grads' once-per-
-    step all-reduce aside), while its pipeline sends are 1/tp of plain tp's."""
+    all-gather into S, so sp's f/g pairs move plain tp's bus bytes; the LayerNorms' slices
+    gathered again in backward add one all-gather of S each (2 per block, 1 for the head),
+    and full recomputation's rerun forward adds its pairs, as it adds plain tp's all-reduces
+    (the LayerNorm grads' once-per-step all-reduce aside). Pipeline sends are 1/tp."""
     from numesh.formulas import (Chunk, bus_bytes, pp_send_bytes, step_bytes, tp_all_reduce_bytes,
                                  tp_sequence_parallel_bytes)
 
     for n in (2, 4, 8):
         for chunk in (Chunk(3, True, True), Chunk(2, True, False), Chunk(1, False, True), Chunk(4, False, False)):
-            plain = bus_bytes("all_reduce", tp_all_reduce_bytes(chunk, 4, 16, 32, 8), n)
-            sp = sum(bus_bytes(op, b, n) for op, b in tp_sequence_parallel_bytes(chunk, 4, 16, 32, 8).items())
-            assert sp == pytest.approx(plain, rel=1e-14)
+            act = 4 * 16 * 32 * 8
+            for mode in ("none", "selective", "full"):
+                plain = bus_bytes("all_reduce", tp_all_reduce_bytes(chunk, 4, 16, 32, 8, mode), n)
+                sp = sum(bus_bytes(op, b, n) for op, b in tp_sequence_parallel_bytes(chunk, 4, 16, 32, 8, mode).items())
+                regathers = (0 if mode == "full" else 2 * chunk.blocks) + int(chunk.last)
+                assert sp == pytest.approx(plain + regathers * bus_bytes("all_gather", act, n), rel=1e-14)
             assert pp_send_bytes(chunk, 4, 16, 32, 8, seq_split=n) * n == pp_send_bytes(chunk, 4, 16, 32, 8)
     shape = {"pp": 2, "dp": 1, "tp": 2}
     kw = dict(shape=shape, zero=0, micro_batches=3, rows=2, block_size=8, n_embd=16, itemsize=4,
               chunks=[Chunk(2, True, False)], padded_blocks=100, padded_outer=50, tied_bytes=64)
     plain, sp = step_bytes(**kw), step_bytes(**kw, sequence_parallel=True, tp_partial_values=96)
     act = 2 * 8 * 16 * 4
-    assert sp[("tp", "all_gather")] == sp[("tp", "reduce_scatter")] == 3 * (4 * 2 + 1) * act
+    assert sp[("tp", "reduce_scatter")] == 3 * (4 * 2 + 1) * act
+    assert sp[("tp", "all_gather")] == 3 * (4 * 2 + 1 + 2 * 2) * act
     assert sp[("tp", "all_reduce")] == 96 * 4  # the LayerNorm grads, once per step
     assert plain[("tp", "all_reduce")] == 3 * (4 * 2 + 1) * act
     assert sp[("pp", "send")] * 2 == plain[("pp", "send")]

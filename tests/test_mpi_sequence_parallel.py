@@ -121,37 +121,45 @@ def test_layernorm_grads_are_partial_before_the_tp_sum() -> None:
     mesh.free()
 
 
-def test_bytes_equal_plain_tp(tp_mesh: Mesh) -> None:
-    """Payload per op follows numesh.formulas; bus bytes equal plain tp's, plus the one
-    all-reduce of the LayerNorm grads (4C per block + 2C for ln_f, with biases)."""
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_bytes_are_plain_tp_plus_the_regathers(tp_mesh: Mesh, recompute: str) -> None:
+    """Payload per op follows numesh.formulas: plain tp's all-reduces become all-gather +
+    reduce-scatter pairs, each LayerNorm's slice is gathered again in backward (not under
+    full recomputation, whose rerun keeps its gathered outputs but gathers and scatters
+    twice per block more), plus the one all-reduce of the LayerNorm grads (4C per block +
+    2C for ln_f, with biases)."""
     cfg = model_config(dropout=0.0)
     n, B, T, C, L, k = tp_mesh.size("tp"), 4, cfg.block_size, cfg.n_embd, cfg.n_layer, 8
     params = shard_params(random_global_params(cfg, seed=1), cfg, tp_mesh)
     idx, tgt = batch(cfg, B)
     tp_mesh.counter.reset()
-    loss_and_grads(params, idx, tgt, cfg, tp_mesh, 1.0 / (B * T))
+    loss_and_grads(params, idx, tgt, cfg, tp_mesh, 1.0 / (B * T), recompute=recompute)
     c, chunk = tp_mesh.counter, formulas.Chunk(L, first=True, last=True)
-    plain = formulas.tp_all_reduce_bytes(chunk, B, T, C, k)
+    plain = formulas.tp_all_reduce_bytes(chunk, B, T, C, k, recompute)
     if not tp_mesh.sequence_parallel:
         assert c.total("tp", "all_reduce", kind="payload") == plain
         return
     ln_bytes = (4 * C * L + 2 * C) * k
-    want = formulas.tp_sequence_parallel_bytes(chunk, B, T, C, k)
+    want = formulas.tp_sequence_parallel_bytes(chunk, B, T, C, k, recompute)
     act = B * T * C * k
-    assert want == {"all_gather": (4 * L + 2) * act, "reduce_scatter": (4 * L + 2) * act, "all_reduce": 3 * B * T * k}
+    pairs = (6 if recompute == "full" else 4) * L + 2
+    gathers = pairs + (1 if recompute == "full" else 2 * L + 1)
+    assert want == {"all_gather": gathers * act, "reduce_scatter": pairs * act, "all_reduce": 3 * B * T * k}
     got = {op: c.total("tp", op, kind="payload") for op in ("all_gather", "reduce_scatter", "all_reduce")}
     assert got == {**want, "all_reduce": want["all_reduce"] + ln_bytes}
-    assert c.total("tp", "all_gather", kind="calls") == c.total("tp", "reduce_scatter", kind="calls") == 4 * L + 2
-    plain_bus = 2 * (n - 1) / n * plain
+    assert c.total("tp", "all_gather", kind="calls") == gathers
+    assert c.total("tp", "reduce_scatter", kind="calls") == pairs
+    plain_bus = 2 * (n - 1) / n * plain + (gathers - pairs) * (n - 1) / n * act
     assert c.total("tp") - 2 * (n - 1) / n * ln_bytes == pytest.approx(plain_bus, rel=1e-14)
 
 
 def test_saved_activations_shrink(tp_mesh: Mesh) -> None:
-    """With sp each LayerNorm (ln1, ln2 of every block, ln_f) keeps its gathered xhat
-    [B, T, C] and its rstd on this rank's slice [B, T/tp, 1], and not its output (recomputed
-    for the weight grad); plain tp keeps xhat, rstd [B, T, 1] and the output [B, T, C].
-    Everything else saved keeps its plain-tp shape (attention and MLP insides are split over
-    heads and columns by tp already)."""
+    """With sp each LayerNorm (ln1, ln2 of every block, ln_f) keeps its xhat and rstd on
+    this rank's slice [B, T/tp, C], [B, T/tp, 1], and not its output (gathered again for the
+    weight grad); plain tp keeps xhat, rstd [B, T, 1] and the output [B, T, C]. Everything
+    else saved keeps its plain-tp shape (attention and MLP insides are split over heads and
+    columns by tp already), so a block saves 1/tp of what it saves on the 1-rank mesh,
+    less the LayerNorm outputs."""
     cfg = model_config(dropout=0.1)
     n, B, T, C, L, k = tp_mesh.size("tp"), 4, cfg.block_size, cfg.n_embd, cfg.n_layer, 8
     params = shard_params(random_global_params(cfg, seed=1), cfg, tp_mesh)
@@ -165,10 +173,14 @@ def test_saved_activations_shrink(tp_mesh: Mesh) -> None:
     t = T // n if sp else T
     for b in [*ctx.blocks, ctx.head]:
         for ln in ((b.ln1, b.ln2) if b is not ctx.head else (b.ln_f,)):
-            assert ln[0].shape == (B, T, C) and ln[1].shape == (B, t, 1)
+            assert ln[0].shape == (B, t, C) and ln[1].shape == (B, t, 1)
     assert all((b.h1 is None) == (b.h2 is None) == sp for b in ctx.blocks) and (ctx.head.xf is None) == sp
-    per_norm = (B * T * C + B * T - B * t) * k if sp else 0  # the output, and rstd's other slices
+    per_norm = (B * T * C + (B * T - B * t) * (C + 1)) * k if sp else 0  # the output, x-hat's and rstd's other slices
     assert nbytes(plain) - nbytes(ctx) == (2 * L + 1) * per_norm
+    if sp:  # a block's saved bytes are exactly 1/tp of the 1-rank mesh's
+        _, whole = stage_forward(ResidentParams(random_global_params(cfg, seed=1)), whole_model(L), idx, tgt, cfg,
+                                 self_mesh(), drop)
+        assert [nbytes(b) * n for b in ctx.blocks] == [nbytes(b) - b.h1.nbytes - b.h2.nbytes for b in whole.blocks]
 
 
 # ---------------------------------------------------------------------------------------
@@ -243,7 +255,8 @@ def test_training_run_matches_one_rank(shared_dataset: Path, shared_tmp: Path, n
 @pytest.mark.parametrize("n, mesh, kw", CASES)
 def test_step_bytes_follow_the_formula(shared_dataset: Path, shared_tmp: Path, n: int, mesh: str, kw: dict) -> None:
     """Every (axes, op)'s payload in one step equals `formulas.step_bytes` with sp; the tp bus
-    bytes equal a run without sp but for the LayerNorm all-reduce, and pp sends shrink by tp."""
+    bytes equal a run without sp but for the LayerNorm all-reduce and the backward's
+    re-gathers of the LayerNorm slices, and pp sends shrink by tp."""
     got = {}
     for sp in (False, True):
         cfg = small_run_config(shared_dataset, shared_tmp / f"bytes-{mesh}-{sp}", mesh, sequence_parallel=sp, **kw)
@@ -260,7 +273,10 @@ def test_step_bytes_follow_the_formula(shared_dataset: Path, shared_tmp: Path, n
     tp = got[True].mesh.size("tp")
     ln_bus = 2 * (tp - 1) / tp * got[True].opt.tp_partial_values * 8
     assert got[True].opt.tp_partial_values > 0 or got[True].opt.sync.sharded
-    assert sp.total("tp") - ln_bus == pytest.approx(plain.total("tp"), rel=1e-14)
+    # the LayerNorm slices gathered again in backward: the all-gathers beyond the pairs
+    regather = sp.total("tp", "all_gather", kind="payload") - sp.total("tp", "reduce_scatter", kind="payload")
+    assert regather > 0
+    assert sp.total("tp") - ln_bus - (tp - 1) / tp * regather == pytest.approx(plain.total("tp"), rel=1e-14)
     assert sp.total("pp", "send", kind="payload") * tp == plain.total("pp", "send", kind="payload")
     assert sp.total("dp") == plain.total("dp")
 

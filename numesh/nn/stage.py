@@ -154,7 +154,7 @@ def _saved(mode: Recompute, ctx: BlockCtx, x: np.ndarray, drop: DropoutKey | Non
 def _restored(p: Block, saved: BlockCtx | BlockInput, cfg: GPTConfig, mesh: Mesh) -> BlockCtx:
     """The whole context `block_fwd` returned, rebuilt from what `_saved` kept."""
     if isinstance(saved, BlockInput):
-        return block_fwd(p, saved.x, cfg, mesh, saved.layer, saved.drop)[1]
+        return block_fwd(p, saved.x, cfg, mesh, saved.layer, saved.drop, transient=True)[1]
     return with_scores(saved, cfg, mesh)
 
 

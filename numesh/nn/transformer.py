@@ -11,13 +11,15 @@ With sequence parallelism (`mesh.sequence_parallel`) the residual stream, LayerN
 residual dropout work on this tp rank's sequence slice [B, T/tp, C]; the f/g pair becomes
 all-gather before the column-parallel matmuls and reduce-scatter after the row-parallel
 ones (numesh/nn/parallel.py), and the head gathers the final LayerNorm before the
-vocab-parallel logits. What is all-gathered is the normalised slice, not the LayerNorm's
-output (`norm_gather_fwd`): the same bytes, and the gathered xhat serves both the
-LayerNorm's backward (its slice) and the matmul's weight gradient (the output is
-recomputed from it, one multiply-add), so no second all-gather is needed in backward and
-the bus bytes equal plain tp's. LayerNorm weight and bias gradients are sums over this
-rank's tokens only: partial over tp, summed by `reduce_sequence_partial` or by the
-optimiser (`sequence_partial_leaves`).
+vocab-parallel logits. As in Korthikanti et al. (2022), a LayerNorm keeps only its own
+slice of x̂ and 1/σ for backward; the gathered output is used by the forward matmul and
+dropped, and backward gathers the x̂ slices again for the matmul's weight gradient
+(`norm_regather`): one more all-gather of an activation per LayerNorm, the price of
+holding every activation of the block 1/tp (keeping the gathered x̂ instead, as numesh
+did before, moves exactly plain tp's bytes but holds 2·B·T·C values per block
+replicated: at tp=2 only 0.83x of plain tp's activations, measured). LayerNorm weight and
+bias gradients are sums over this rank's tokens only: partial over tp, summed by
+`reduce_sequence_partial` or by the optimiser (`sequence_partial_leaves`).
 """
 
 from __future__ import annotations
@@ -73,24 +75,30 @@ def norm_gather_fwd(p: LayerNorm, x: np.ndarray, mesh: Mesh) -> tuple[np.ndarray
     """LayerNorm, then f: the input [B, T, C] of a column-parallel matmul, and the context.
 
     Plain tp: `layernorm_fwd`; the context is (xhat, rstd) and the caller keeps the output.
-    Sequence parallel (x is [B, T/tp, C]): the statistics on this rank's slice, the
-    normalised slice all-gathered (the bytes of gathering the output), the affine applied to
-    the whole sequence. The context is (xhat [B, T, C], rstd [B, T/tp, 1]) and the output
-    is not kept: `norm_output` recomputes it for the weight gradient. Per LayerNorm that
-    keeps B·T·C + B·T/tp values where plain tp keeps 2·B·T·C + B·T (xhat and the output)."""
+    Sequence parallel (x is [B, T/tp, C]): the LayerNorm on this rank's slice, its
+    normalised slice all-gathered (the bytes of gathering the output) and the affine
+    applied to the whole sequence. The context is this rank's slice (xhat [B, T/tp, C],
+    rstd [B, T/tp, 1]) and the output is not kept: `norm_regather` rebuilds it for the
+    weight gradient. Per LayerNorm that keeps B·T/tp·(C + 1) values where plain tp keeps
+    2·B·T·C + B·T (xhat and the output)."""
     h, ctx = layernorm_fwd(p, x)
     if not mesh.sequence_parallel:
         return h, ctx
-    xhat = gather_from_sequence_parallel_region(ctx[0], mesh)
-    return norm_output(p, (xhat, ctx[1])), (xhat, ctx[1])
+    return norm_output(p, gather_from_sequence_parallel_region(ctx[0], mesh)), ctx
 
 
-def norm_output(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """The LayerNorm's output from its context's xhat (what `layernorm_fwd` computes)."""
-    y = ctx[0] * p.w
+def norm_output(p: LayerNorm, xhat: np.ndarray) -> np.ndarray:
+    """The LayerNorm's output from its normalised input (what `layernorm_fwd` computes)."""
+    y = xhat * p.w
     if p.b is not None:
         y += p.b
     return y
+
+
+def norm_regather(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], mesh: Mesh) -> np.ndarray:
+    """The sequence-parallel LayerNorm's whole output [B, T, C] again, for a weight
+    gradient: its context's x̂ slices all-gathered over tp, the affine applied."""
+    return norm_output(p, gather_from_sequence_parallel_region(ctx[0], mesh))
 
 
 def norm_gather_bwd(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dh: np.ndarray,
@@ -99,9 +107,7 @@ def norm_gather_bwd(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dh: np.nda
     [B, T, C]: (grad of x, the LayerNorm's grads, partial over tp with sp)."""
     if not mesh.sequence_parallel:
         return layernorm_bwd(p, ctx, copy_to_tp_bwd(dh, mesh))
-    xhat, rstd = ctx
-    dh = gather_from_sequence_parallel_region_bwd(dh, mesh)  # [B, T/tp, C]
-    return layernorm_bwd(p, (xhat[:, sequence_slice(mesh, rstd.shape[1])], rstd), dh)
+    return layernorm_bwd(p, ctx, gather_from_sequence_parallel_region_bwd(dh, mesh))  # dh: [B, T/tp, C]
 
 
 def reduce_seq(y: np.ndarray, mesh: Mesh) -> np.ndarray:
@@ -136,8 +142,8 @@ def bias_add(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
 class BlockCtx:
     """What a block's backward needs from its forward (residual dropout masks are redrawn)."""
 
-    ln1: Any  # LayerNorm 1's context: xhat [B, T, C] and rstd [B, T, 1] (rstd [B, T/tp, 1] with sp)
-    h1: np.ndarray | None  # LayerNorm 1's output = the QKV matmul's input [B, T, C]; None with sp (recomputed)
+    ln1: Any  # LayerNorm 1's context: xhat [B, T, C] and rstd [B, T, 1] ([B, T/tp, ...] with sp)
+    h1: np.ndarray | None  # LayerNorm 1's output = the QKV matmul's input [B, T, C]; None with sp (regathered)
     attn: Any  # attention core's context
     a: np.ndarray  # attention output = the out-projection's input [B, T, C/tp]
     ln2: Any
@@ -196,10 +202,12 @@ def _drop_residual(y: np.ndarray, drop: DropoutKey | None, site: Site, mesh: Mes
 
 
 def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
-              drop: DropoutKey | None = None) -> tuple[np.ndarray, BlockCtx]:
+              drop: DropoutKey | None = None, transient: bool = False) -> tuple[np.ndarray, BlockCtx]:
     """One transformer block on x [B, T, C], replicated over tp, or with sequence
     parallelism this rank's sequence slice [B, T/tp, C] (with cp, T is this rank's two
-    chunks of each sequence and attention runs around the cp ring)."""
+    chunks of each sequence and attention runs around the cp ring). A `transient` context
+    (full recomputation's rerun, used at once by backward) keeps the gathered LayerNorm
+    outputs under sp instead of gathering them again."""
     B, T, C = x.shape[0], global_seq(mesh, x.shape[1]), x.shape[2]
     nh, hs, heads = local_heads(cfg, mesh)
     cp = CpSlice.of(mesh)
@@ -222,7 +230,7 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
     if drop:
         z *= _residual_mask(drop, Site("mlp_out", layer), z, mesh)
     x += z
-    keep = not mesh.sequence_parallel  # with sp the outputs are recomputed from the gathered xhat
+    keep = transient or not mesh.sequence_parallel  # with sp backward gathers them again (norm_regather)
     return x, BlockCtx(ln1, h1 if keep else None, attn, a, ln2, h2 if keep else None, gelu, g, drop, layer)
 
 
@@ -291,8 +299,8 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mes
     dqkv = dqkv.reshape(B, T, 3 * nh * hs)
     dx1, d_ln1 = norm_gather_bwd(p.ln1, ctx.ln1, linear_bwd_input(p.attn.qkv, dqkv), mesh)
     dx1 += dx  # not in place on dx: it may be `dy`, which the weight half still needs
-    h1 = norm_output(p.ln1, ctx.ln1) if ctx.h1 is None else ctx.h1
-    h2 = norm_output(p.ln2, ctx.ln2) if ctx.h2 is None else ctx.h2
+    h1 = norm_regather(p.ln1, ctx.ln1, mesh) if ctx.h1 is None else ctx.h1  # [B, T, C]
+    h2 = norm_regather(p.ln2, ctx.ln2, mesh) if ctx.h2 is None else ctx.h2
     io = BlockWeightCtx(d_ln1, d_ln2, LinearIO(h1, dqkv), LinearIO(ctx.a, dy), LinearIO(h2, du), LinearIO(ctx.g, dz))
     return dx1, io
 
@@ -353,8 +361,8 @@ def embed_bwd(params: GPT, ctx: EmbedCtx, dx: np.ndarray, mesh: Mesh) -> tuple[n
 
 @attrs.frozen
 class HeadCtx:
-    ln_f: Any  # the final LayerNorm's context (xhat gathered over the sequence with sp)
-    xf: np.ndarray | None  # final LayerNorm output [B*T, C]; None with sp (recomputed from xhat)
+    ln_f: Any  # the final LayerNorm's context (this rank's sequence slice with sp)
+    xf: np.ndarray | None  # final LayerNorm output [B*T, C]; None with sp (regathered)
     ce: Any  # the vocab-parallel cross-entropy's context
     shape: tuple[int, ...]  # the head input's shape [B, T, C]
 
@@ -372,7 +380,7 @@ def head_fwd(params: GPT, x: np.ndarray, targets: np.ndarray, cfg: GPTConfig, me
 def head_bwd(params: GPT, ctx: HeadCtx, dloss: np.ndarray | float, mesh: Mesh) -> tuple[np.ndarray, np.ndarray, LayerNorm]:
     """(grad of the head's input, grad of wte from the head, grads of ln_f)."""
     dlogits = vocab_parallel_cross_entropy_bwd(ctx.ce, dloss)
-    xf = norm_output(params.ln_f, ctx.ln_f).reshape(-1, ctx.shape[-1]) if ctx.xf is None else ctx.xf
+    xf = norm_regather(params.ln_f, ctx.ln_f, mesh).reshape(-1, ctx.shape[-1]) if ctx.xf is None else ctx.xf
     dwte = matmul(dlogits.T, xf)
     dx, d_lnf = norm_gather_bwd(params.ln_f, ctx.ln_f, matmul(dlogits, params.wte).reshape(ctx.shape), mesh)
     return dx, dwte, d_lnf
