@@ -22,10 +22,14 @@ runs every dp mesh with and without overlap and at each ZeRO stage, side by side
 
     mpirun -n 2 python benchmarks/bench_parallel.py --meshes tp=2 --sequence-parallel --rounds 5
 
-runs every tp mesh without and with Megatron sequence parallelism, alternating the two
-`--rounds` times (each round a fresh trainer and the median of `--iters` steps; the table
-shows the median over rounds), and adds each rank's peak saved-activation bytes (the
-contexts the pipeline executor holds for backward, `StepStats.peak_bytes`).
+runs every tp mesh without and with Megatron sequence parallelism. Every variant of a mesh
+(sp, ZeRO stage, overlap, recomputation) runs in turn, `--rounds` times alternating (each
+round a fresh trainer and the median of `--iters` steps; the table shows the median over
+rounds), so drift on a shared machine hits them alike.
+
+    mpirun -n 4 python benchmarks/bench_parallel.py --meshes cp=4 --block-size 2048 --batch-size 1
+
+a long context on a cp mesh (the 1-rank reference runs the same context on one rank).
 """
 
 from __future__ import annotations
@@ -88,7 +92,10 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true", help="also run each dp mesh with overlap off")
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="run each tp mesh without and with --sequence-parallel, alternating (see --rounds)")
-    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of the sp / no-sp pair (median over them)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds over every variant of a mesh (sp, ZeRO, overlap, recompute), alternating; median over them")
+    ap.add_argument("--block-size", type=int, default=None, help="context length (default: the preset's)")
+    ap.add_argument("--batch-size", type=int, default=None, help="sequences per step on one rank (default: the preset's)")
     ap.add_argument("--recompute", nargs="+", default=["none"], choices=["none", "selective", "full"],
                     help="activation recomputation modes to run each mesh at")
     ap.add_argument("--iters", type=int, default=20)
@@ -106,6 +113,7 @@ def main() -> None:
 
 def run(args: argparse.Namespace, world: MPI.Comm, data: str) -> None:
     base = dict(PRESETS[args.preset], data=data, out=tempfile.gettempdir() + "/numesh-bench-run")
+    base.update({k: v for k, v in (("block_size", args.block_size), ("batch_size", args.batch_size)) if v})
 
     rows = []
     ref = None
@@ -115,35 +123,33 @@ def run(args: argparse.Namespace, world: MPI.Comm, data: str) -> None:
     rows.append(("1x1x1 (1 rank)", ref, 1.0))
     for mesh in args.meshes:
         shape = parse_mesh(mesh, world.size)
-        if args.sequence_parallel and shape["tp"] > 1:
-            results: dict[bool, list[dict]] = {False: [], True: []}
-            for _ in range(args.rounds):  # alternate, so drift on a shared machine hits both alike
-                for sp in (False, True):
-                    cfg = dict(base, mesh=mesh, sequence_parallel=sp, batch_size=base["batch_size"] * shape["dp"])
-                    results[sp].append(time_steps(cfg, world, args.warmup, args.iters))
-            for sp in (False, True):
-                res = median_of_rounds(results[sp])
-                eff = res["tokens_per_s"] / (ref["tokens_per_s"] * (world.size if shape["dp"] > 1 else 1))
-                rows.append((mesh + (" sp" if sp else ""), res, eff))
-            continue
+        variants = []  # (row name, config) of every run of this mesh
+        sps = [False, True] if args.sequence_parallel and shape["tp"] > 1 else [False]
         overlaps = [True, False] if args.no_overlap and shape["dp"] > 1 else [True]
-        stages = args.zero if shape["dp"] > 1 else [0]
-        for zero in stages:
+        for zero in args.zero if shape["dp"] > 1 else [0]:
             for overlap in overlaps:
-                for rc in args.recompute:
-                    cfg = dict(base, mesh=mesh, zero=zero, overlap=overlap, recompute=rc,
-                               batch_size=base["batch_size"] * shape["dp"])
-                    res = time_steps(cfg, world, args.warmup, args.iters)
-                    eff = res["tokens_per_s"] / (ref["tokens_per_s"] * (world.size if shape["dp"] > 1 else 1))
-                    name = (mesh + (f" zero{zero}" if shape["dp"] > 1 else "") + ("" if overlap else " no-overlap")
-                            + ("" if rc == "none" else f" rc={rc}"))
-                    rows.append((name, res, eff))
+                for sp in sps:
+                    for rc in args.recompute:
+                        name = (mesh + (f" zero{zero}" if shape["dp"] > 1 else "") + ("" if overlap else " no-overlap")
+                                + (" sp" if sp else "") + ("" if rc == "none" else f" rc={rc}"))
+                        variants.append((name, dict(base, mesh=mesh, zero=zero, overlap=overlap, sequence_parallel=sp,
+                                                    recompute=rc, batch_size=base["batch_size"] * shape["dp"])))
+        results: dict[str, list[dict]] = {name: [] for name, _ in variants}
+        for _ in range(args.rounds):  # alternate, so drift on a shared machine hits every variant alike
+            for name, cfg in variants:
+                results[name].append(time_steps(cfg, world, args.warmup, args.iters))
+        for name, _ in variants:
+            res = median_of_rounds(results[name])
+            eff = res["tokens_per_s"] / (ref["tokens_per_s"] * (world.size if shape["dp"] > 1 else 1))
+            rows.append((name, res, eff))
     if world.rank != 0:
         return
     if args.json:
         print(json.dumps([{"mesh": m, **r, "efficiency": e} for m, r, e in rows], indent=2))
         return
-    print(f"preset {args.preset}, {world.size} ranks x 1 BLAS thread, median of {args.iters} steps")
+    print(f"preset {args.preset} (block size {base['block_size']}, batch {base['batch_size']} per dp rank), "
+          f"{world.size} ranks x 1 BLAS thread, median of {args.iters} steps"
+          + (f", median over {args.rounds} alternating rounds" if args.rounds > 1 else ""))
     print(f"{'mesh':<28}{'ms/step':>10}{'tokens/s':>12}{'vs 1 rank':>11}{'act MiB':>9}   bus bytes/step by axis")
     for mesh, r, eff in rows:
         bus = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in r["bus_bytes_per_step"].items()) or "-"
