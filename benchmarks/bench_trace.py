@@ -14,8 +14,10 @@ the traced one writes its trace (time reported apart: it happens once, at the en
 bubble: for each schedule (gpipe, 1f1b, interleaved with v=2, zb-h1) a traced run of
 `--iters` steps; `numesh.report.pipeline_bubble` of its trace: measured 1 - Σbusy/(p·makespan)
 over each step's aligned pipeline spans, beside `simulate` with unit costs (F=B=W) and with
-the measured mean F, B, W times, and with each stage's own measured F, B, W times (the
-first stage also embeds, the last runs the head and loss). Every rank gets one BLAS thread. Prints numbers, asserts nothing.
+the measured mean F, B, W times, with each stage's own measured F, B, W times (the
+first stage also embeds, the last runs the head and loss), and with each step's own
+action times (the bubble the schedule implies for the work exactly as it ran; the rest is
+overhead: messages and the code between actions). Every rank gets one BLAS thread. Prints numbers, asserts nothing.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def bubble(args, data: str, comm: MPI.Comm) -> list[dict]:
             b = report.pipeline_bubble(report.load(path))
             rows.append({"schedule": name, "p": p, "m": args.micro_batches, "v": v, "measured": b["measured"],
                          "theory_unit": b["theory_unit_costs"], "theory_measured_costs": b["theory_measured_costs"],
-                         "theory_stage_costs": b["theory_stage_costs"],
+                         "theory_stage_costs": b["theory_stage_costs"], "theory_action_costs": b["theory_action_costs"],
                          "idle_per_stage": b["measured_idle_per_stage"], "F_B_W_ms": b["mean_action_ms"]})
     return rows
 
@@ -123,7 +125,8 @@ def main() -> None:
                           f"{r['schedule']:>11} p={r['p']} m={r['m']} v={r['v']}: measured {100 * r['measured']:5.1f} %, "
                           f"theory {100 * r['theory_unit']:5.1f} % (F=B=W), {100 * r['theory_measured_costs']:5.1f} % "
                           f"(mean costs F/B/W {r['F_B_W_ms']['F']:.2f}/{r['F_B_W_ms']['B']:.2f}/{r['F_B_W_ms']['W']:.2f} ms), "
-                          f"{100 * r['theory_stage_costs']:5.1f} % (each stage's costs); "
+                          f"{100 * r['theory_stage_costs']:5.1f} % (each stage's costs), "
+                          f"{100 * r['theory_action_costs']:5.1f} % (each action's own time); "
                           "idle per stage " + ", ".join(f"{100 * x:.1f}" for x in r["idle_per_stage"]))
 
 

@@ -247,11 +247,13 @@ def step_bytes(
 
 
 def bubble(schedule: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0,
-           stage_costs: dict[tuple[str, int], float] | None = None) -> dict:
+           stage_costs: dict[tuple[str, int], float] | None = None,
+           action_costs: dict[tuple[str, int, int], float] | None = None) -> dict:
     """The schedule's idle time on an ideal machine (`simulate`, no communication cost):
     the fraction `1 - busy / (p · makespan)` and each rank's idle fraction of the makespan.
-    `stage_costs` gives (kind, global stage) its own cost (see `simulate`)."""
-    tl = simulate(schedule, t_f=t_f, t_b=t_b, t_w=t_w, stage_costs=stage_costs)
+    `stage_costs` gives (kind, global stage) its own cost, `action_costs` (kind,
+    micro-batch, global stage) its own (see `simulate`)."""
+    tl = simulate(schedule, t_f=t_f, t_b=t_b, t_w=t_w, stage_costs=stage_costs, action_costs=action_costs)
     per_rank = [tl.idle(r) / tl.makespan if tl.makespan > 0 else 0.0 for r in range(schedule.p)]
     return {"fraction": tl.bubble_fraction, "per_rank": per_rank, "makespan": tl.makespan}
 

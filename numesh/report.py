@@ -14,8 +14,10 @@ prints the same report at the end. What it measures, per rank and optimiser step
 * **Pipeline bubble**: per step and pipeline (the pp ranks of one dp×tp coordinate), the
   makespan from the first stage's start to the last one's end of the schedule (clocks
   aligned), each stage's idle fraction `1 - busy/makespan` and the bubble `1 - Σbusy /
-  (p·makespan)`, beside `simulate` of the same schedule, with unit costs and with the
-  mean measured F, B and W times.
+  (p·makespan)`, beside `simulate` of the same schedule, with unit costs, with the
+  mean measured F, B and W times, with each stage's own means, and with each step's own
+  measured action times (the schedule's bubble for exactly the work that ran: what the
+  measurement has beyond it is overhead, pipeline messages and code between actions).
 * **Bytes per axis per step**: every call's payload (sends, not receives) by axes and op,
   beside `numesh.formulas.step_bytes` for this rank's units.
 * **MFU**: achieved FLOP/s (FLOPs per token × tokens per step / mean step time) over the
@@ -161,6 +163,7 @@ def pipeline_bubble(trace: dict) -> dict[str, Any]:
     durations: dict[str, list[float]] = {"F": [], "B": [], "W": []}
     per_stage: dict[tuple[str, int], list[float]] = {}  # (kind, global stage) -> durations
     fractions, idle = [], [[] for _ in range(p)]
+    replay, replay_idle = [], [[] for _ in range(p)]  # each step's own action costs through the schedule
     for members in pipes.values():
         per_rank = {}
         for s, r in members.items():
@@ -170,10 +173,13 @@ def pipeline_bubble(trace: dict) -> dict[str, Any]:
                 inside = _within(evs[r], a, b)
                 pipe = next(e for e in inside if e.get("cat") == "pipeline")
                 acts = [e for e in inside if e.get("cat") == "compute"]
+                costs = {}
                 for e in acts:
-                    durations[e["args"]["kind"]].append(e["dur"])
-                    per_stage.setdefault((e["args"]["kind"], e["args"]["stage"]), []).append(e["dur"])
-                spans.append((pipe["ts"], pipe["ts"] + pipe["dur"], sum(e["dur"] for e in acts)))
+                    kind, stage = e["args"]["kind"], e["args"]["stage"]
+                    durations[kind].append(e["dur"])
+                    per_stage.setdefault((kind, stage), []).append(e["dur"])
+                    costs[(kind, e["args"]["mb"], stage)] = e["dur"] / 1e3
+                spans.append((pipe["ts"], pipe["ts"] + pipe["dur"], sum(e["dur"] for e in acts), costs))
             per_rank[s] = spans
         for k in range(min(len(v) for v in per_rank.values())):
             start = min(per_rank[s][k][0] for s in per_rank)
@@ -183,6 +189,12 @@ def pipeline_bubble(trace: dict) -> dict[str, Any]:
             fractions.append(1 - sum(busy) / (p * span))
             for s in range(p):
                 idle[s].append(1 - busy[s] / span)
+            costs = {key: c for s in per_rank for key, c in per_rank[s][k][3].items()}
+            if len(costs) == sum(len(a) for a in sched.actions):
+                own = formulas.bubble(sched, action_costs=costs)
+                replay.append(own["fraction"])
+                for s in range(p):
+                    replay_idle[s].append(own["per_rank"][s])
     mean = {k: (statistics.fmean(v) / 1e3 if v else 0.0) for k, v in durations.items()}
     if sched.split_backward:
         measured_costs = (mean["F"], mean["B"], mean["W"])
@@ -203,6 +215,8 @@ def pipeline_bubble(trace: dict) -> dict[str, Any]:
         "theory_measured_costs_per_stage": with_costs["per_rank"],
         "theory_stage_costs": with_stage_costs["fraction"],
         "theory_stage_costs_per_stage": with_stage_costs["per_rank"],
+        "theory_action_costs": statistics.fmean(replay) if replay else None,
+        "theory_action_costs_per_stage": [statistics.fmean(x) if x else None for x in replay_idle],
         "mean_action_ms": mean,
     }
 
@@ -318,6 +332,10 @@ def render(rep: dict[str, Any]) -> str:
         f"{100 * b['theory_stage_costs']:.1f} % (each stage's measured costs)",
         "  idle per stage: measured " + ", ".join(f"{100 * x:.1f} %" for x in b["measured_idle_per_stage"])
         + "; theory " + ", ".join(f"{100 * x:.1f} %" for x in b["theory_stage_costs_per_stage"]),
+        *([f"  each step's own action times through the schedule: {100 * b['theory_action_costs']:.1f} % (per stage "
+           + ", ".join(f"{100 * x:.1f} %" for x in b["theory_action_costs_per_stage"])
+           + "); measured minus this is the run's overhead: pipeline messages and the code between actions"]
+          if b.get("theory_action_costs") is not None else []),
         "",
         "bytes per step (payload; rank: measured = formula)",
     ]

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import make_dataset
@@ -51,11 +52,13 @@ def test_categories_partition_a_step_by_priority() -> None:
     assert sum(got.values()) == 100
 
 
-def synthetic_trace(name: str, p: int, m: int, v: int = 1, steps: int = 3, stage_costs: dict | None = None) -> dict:
+def synthetic_trace(name: str, p: int, m: int, v: int = 1, steps: int = 3, stage_costs: dict | None = None,
+                    action_costs: dict | None = None) -> dict:
     """A trace whose pipeline runs exactly as `simulate` says (F 1 ms, B 2 ms, W 1 ms, or
-    `stage_costs` in µs where given)."""
+    `stage_costs` / `action_costs` in µs where given)."""
     sched = make_schedule(name, p, m, v)
-    tl = simulate(sched, t_f=1e3, t_b=1e3 if sched.split_backward else 2e3, t_w=1e3, stage_costs=stage_costs)
+    tl = simulate(sched, t_f=1e3, t_b=1e3 if sched.split_backward else 2e3, t_w=1e3, stage_costs=stage_costs,
+                  action_costs=action_costs)
     events, t = [], 0.0
     for s in range(steps):
         for r in range(p):
@@ -92,6 +95,24 @@ def test_the_theory_with_each_stages_costs_matches_unequal_stages(name: str, p: 
     assert b["theory_stage_costs"] == pytest.approx(b["measured"], abs=1e-12)
     assert b["theory_stage_costs_per_stage"] == pytest.approx(b["measured_idle_per_stage"], abs=1e-12)
     assert abs(b["theory_measured_costs"] - b["measured"]) > 1e-3
+
+
+@pytest.mark.parametrize("name, p, m, v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2),
+                                           ("zb-h1", 4, 8, 1)])
+def test_the_theory_with_each_actions_costs_matches_uneven_actions(name: str, p: int, m: int, v: int) -> None:
+    """Actions of one kind and stage that take different times (a loaded machine, cache
+    effects) make a bubble that mean costs need not show; each action's own measured time
+    through the schedule reproduces it, stage by stage, and a message delay between the
+    stages (`comm`) shows up as the difference."""
+    sched = make_schedule(name, p, m, v)
+    rng = np.random.default_rng(3)
+    costs = {(a.kind, a.mb, sched.stage(r, a.chunk)): float(rng.uniform(0.5e3, 3e3))
+             for r in range(p) for a in sched.actions[r]}
+    b = report.pipeline_bubble(synthetic_trace(name, p, m, v, action_costs=costs))
+    assert b["theory_action_costs"] == pytest.approx(b["measured"], abs=1e-12)
+    assert b["theory_action_costs_per_stage"] == pytest.approx(b["measured_idle_per_stage"], abs=1e-12)
+    delayed = simulate(sched, action_costs=costs, comm=200.0)
+    assert delayed.bubble_fraction > b["theory_action_costs"] + 1e-3
 
 
 def test_peer_wait_is_the_time_until_the_last_member_began() -> None:

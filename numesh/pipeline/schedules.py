@@ -355,7 +355,8 @@ def _costs(**kw: float) -> dict[str, float]:
 
 
 def simulate(s: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0, comm: float = 0.0,
-             stage_costs: Mapping[tuple[str, int], float] | None = None) -> Timeline:
+             stage_costs: Mapping[tuple[str, int], float] | None = None,
+             action_costs: Mapping[tuple[str, int, int], float] | None = None) -> Timeline:
     """Run ``s`` on an idealised machine and return when each action starts and ends.
 
     Each rank executes its list in order; an action starts as soon as the rank is free
@@ -364,15 +365,18 @@ def simulate(s: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0, 
     chunk, e.g. ``t_f = 1/v`` of a full stage). When ``split_backward`` is False, B costs
     ``t_b + t_w``. ``stage_costs`` overrides the cost of ("F"|"B"|"W", global stage) where
     stages differ (the first holds the embedding, the last the head and loss; a B given
-    there is the whole cost of that B). Raises :class:`ScheduleError` when the lists deadlock.
+    there is the whole cost of that B); ``action_costs`` overrides the cost of one action,
+    (kind, micro-batch, global stage), e.g. each one's measured duration in one step.
+    Raises :class:`ScheduleError` when the lists deadlock.
     """
     validate(s)
     c = _costs(t_f=t_f, t_b=t_b, t_w=t_w, comm=comm)
     base = {"F": c["t_f"], "B": c["t_b"] if s.split_backward else c["t_b"] + c["t_w"], "W": c["t_w"]}
     over = {k: _costs(cost=v)["cost"] for k, v in (stage_costs or {}).items()}
+    each = {k: _costs(cost=v)["cost"] for k, v in (action_costs or {}).items()}
 
-    def cost_of(kind: str, stage: int) -> float:
-        return over.get((kind, stage), base[kind])
+    def cost_of(kind: str, mb: int, stage: int) -> float:
+        return each.get((kind, mb, stage), over.get((kind, stage), base[kind]))
 
     p = s.p
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, global stage) -> end time
@@ -391,7 +395,7 @@ def simulate(s: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0, 
                     break
                 start = max([free[r]] + [done[key] + (c["comm"] if dr != r else 0.0) for key, dr in ds])
                 k = s.stage(r, a.chunk)
-                end = start + cost_of(a.kind, k)
+                end = start + cost_of(a.kind, a.mb, k)
                 done[(a.kind, a.mb, k)] = end
                 spans[r].append((start, end))
                 free[r] = end
