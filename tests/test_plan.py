@@ -161,7 +161,7 @@ def test_time_model_single_rank_is_micro_batches_times_a_pass() -> None:
     two = predict_time(model, Layout(1, 1, 1, 0, "1f1b", 2), prof)
     # GEMMs and element-wise work are linear in tokens on a spec profile: same compute
     assert two.compute == pytest.approx(one.compute, rel=1e-9)
-    assert one.comm == {"tp": 0.0, "pp": 0.0, "dp": 0.0, "other": 0.0} and one.bubble == 0.0
+    assert one.comm == {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0, "other": 0.0} and one.bubble == 0.0
     assert one.total == pytest.approx(one.compute + one.optimizer)
     # the model's FLOPs over the achieved rate bound the compute from below
     flops = 6 * model.n_params * model.tokens_per_step
@@ -256,10 +256,18 @@ def test_cli_json_schema(char_dataset: Path) -> None:
     rows = json.loads(res.stdout)
     assert len(rows) > 10
     for r in rows:
-        assert {"mesh", "zero", "schedule", "micro_batches", "fits", "memory_bytes_per_rank", "step_time_s"} <= set(r)
+        assert {"mesh", "dp", "cp", "tp", "pp", "sequence_parallel", "recompute", "zero", "schedule", "micro_batches",
+                "fits", "memory_bytes_per_rank", "step_time_s"} <= set(r)
         assert isinstance(r["fits"], bool) and r["memory_bytes_per_rank"] > 0 and r["step_time_s"] > 0
-        dp, tp, pp = (int(x.split("=")[1]) for x in r["mesh"].split(","))
-        assert dp * tp * pp == 4
+        sizes = {a: 1 for a in ("dp", "cp", "tp", "pp")} | {k: int(v) for k, v in (x.split("=") for x in r["mesh"].split(","))}
+        assert sizes == {a: r[a] for a in sizes} and r["dp"] * r["cp"] * r["tp"] * r["pp"] == 4
+        assert ("cp=" in r["mesh"]) == (r["cp"] > 1)
+        assert isinstance(r["sequence_parallel"], bool) and (r["tp"] > 1 or not r["sequence_parallel"])
+        assert ("--sequence-parallel" in r["train_flags"]) == r["sequence_parallel"]
+        assert r["recompute"] in ("none", "selective", "full")
+        assert ("--recompute" in r["train_flags"]) == (r["recompute"] != "none")
+    assert {r["cp"] for r in rows} == {1, 2, 4} and {r["recompute"] for r in rows} == {"none", "selective", "full"}
+    assert {r["sequence_parallel"] for r in rows} == {False, True}
     times = [r["step_time_s"] for r in rows]  # sorted by tokens/s: step times ascending, to rounding
     assert all(a <= b * (1 + 1e-12) for a, b in zip(times, times[1:]))
 
@@ -272,7 +280,8 @@ def test_cli_table_and_command(char_dataset: Path) -> None:
 
 
 def test_cli_preset_at_scale() -> None:
-    res = invoke(["--ranks", "16", "--model", "gpt2-xl", "--hardware", "a100-80gb", "--memory-per-rank", "24GiB", "--json"])
+    res = invoke(["--ranks", "16", "--model", "gpt2-xl", "--batch-size", "32", "--hardware", "a100-80gb",
+                  "--memory-per-rank", "24GiB", "--json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)
     assert rows[0]["fits"] and not rows[-1]["fits"]  # dp=16 without ZeRO holds 1.5B parameters' state on every rank

@@ -45,7 +45,9 @@ def plan(base: TrainConfig, model: ModelSpec, ranks: int, profile: Profile, memo
     if not layouts:
         raise ConfigError(no_layout_reason(model, ranks))
     bucket = int(base.bucket_mb * 2**20)
-    preds = [predict(model, lay, profile, memory_limit, itemsize, threads, bucket) for lay in layouts]
+    # grouped by schedule, so that each schedule's laid-out dependencies are built once
+    by_schedule = sorted(layouts, key=lambda lay: (lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages))
+    preds = [predict(model, lay, profile, memory_limit, itemsize, threads, bucket) for lay in by_schedule]
     return sorted(preds, key=lambda p: (not p.fits, -p.tokens_per_s))
 
 
