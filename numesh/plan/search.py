@@ -16,11 +16,15 @@ attention hides each K/V hop behind the attention of one chunk pair, (T/cp)² wo
 T/cp tokens sent, so short chunks leave the hops exposed, and below ~1k tokens a sequence's
 activations are too small for splitting them to be what makes a model fit (Megatron-LM
 turns cp on from 8k-token contexts). On gpt3-175b (2048 tokens) that keeps cp = 1 and 2.
+It also runs tp with sequence parallelism only: sp moves the same bus bytes as plain tp (an
+all-reduce is a reduce-scatter plus an all-gather) and holds less, so plain tp is never
+faster nor smaller in the model; and `numesh.plan.plan` keeps, of the layouts that differ
+only in recomputation, the least recomputation that fits (`least_recompute`).
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import attrs
 
@@ -55,8 +59,9 @@ def _cp_sizes(model: ModelSpec, rest: int, ranks: int) -> list[int]:
 
 def candidates(model: ModelSpec, ranks: int) -> Iterator[Layout]:
     """Layouts to try (some invalid: check_layout decides)."""
+    sp_choices = (False, True) if ranks <= SCALE_RANKS else (True,)
     for layout in _meshes_and_schedules(model, ranks):
-        for sp in ((False, True) if layout.tp > 1 else (False,)):
+        for sp in (sp_choices if layout.tp > 1 else (False,)):
             for r in RECOMPUTE:
                 yield attrs.evolve(layout, recompute=r, sp=sp)
 
@@ -97,4 +102,20 @@ def valid_layouts(base: TrainConfig, model: ModelSpec, ranks: int) -> list[Layou
         except UserError:
             continue
         out.append(layout)
+    return out
+
+
+def least_recompute(layouts: list[Layout], fits: Callable[[Layout], bool]) -> list[Layout]:
+    """Of each group of layouts that differ only in recomputation, the first of none,
+    selective, full that `fits` (the last, the smallest, when none does). Each step down
+    that list trades step time for memory, so a layout that already fits gains nothing
+    from more recomputation."""
+    groups: dict[Layout, list[Layout]] = {}
+    for lay in layouts:
+        groups.setdefault(attrs.evolve(lay, recompute="none"), []).append(lay)
+    out = []
+    for group in groups.values():
+        group.sort(key=lambda lay: RECOMPUTE.index(lay.recompute))
+        first = next((lay for lay in group if fits(lay)), None)
+        out.append(first if first is not None else group[-1])
     return out
