@@ -25,7 +25,7 @@ from numesh.plan.hardware import Link, Measured, Profile, builtin_profiles, load
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.memory import layout_memory, rank_memory
 from numesh.plan.pipesim import makespan_and_busy
-from numesh.plan.search import _cp_sizes, candidates, train_config, valid_layouts
+from numesh.plan.search import _cp_sizes, candidates, least_recompute, train_config, valid_layouts
 from numesh.plan.timing import attention_cost, placement, predict_time, ring_hop_bytes
 from numesh.threads import threads
 from numesh.train import TrainConfig, Trainer, validate
@@ -148,6 +148,14 @@ def test_search_at_scale_keeps_cp_to_long_chunks() -> None:
     model = ModelSpec(8, 8, 64, 2048, 100, 256)
     assert _cp_sizes(model, 128, 128) == [1, 2]
     assert _cp_sizes(model, 16, 16) == [1, 2, 4, 8, 16]  # below the scale: every size that splits the block
+
+
+def test_least_recompute_keeps_the_first_that_fits() -> None:
+    lays = [Layout(2, 2, 1, z, "1f1b", 1, recompute=r, sp=True) for z in (0, 3) for r in ("full", "none", "selective")]
+    fits = {(0, "full"), (0, "selective"), (3, "none"), (3, "selective")}
+    kept = least_recompute(lays, lambda lay: (lay.zero, lay.recompute) in fits)
+    assert sorted((lay.zero, lay.recompute) for lay in kept) == [(0, "selective"), (3, "none")]
+    assert [lay.recompute for lay in least_recompute(lays[:3], lambda lay: False)] == ["full"]  # none fit: the smallest
 
 
 @pytest.mark.parametrize("name, p, m, v", [("gpipe", 4, 6, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 2, 1),
