@@ -45,8 +45,8 @@ def plan(base: TrainConfig, model: ModelSpec, ranks: int, profile: Profile, memo
     layouts = valid_layouts(base, model, ranks)
     if not layouts:
         raise ConfigError(no_layout_reason(model, ranks))
-    if ranks > SCALE_RANKS and memory_limit > 0:
-        layouts = least_recompute(layouts, lambda lay: max(
+    if ranks > SCALE_RANKS:
+        layouts = least_recompute(layouts, lambda lay: memory_limit <= 0 or max(
             m.total for m in layout_memory(model, lay, itemsize, threads)) <= memory_limit)
     bucket = int(base.bucket_mb * 2**20)
     # grouped by schedule, so that each schedule's laid-out dependencies are built once
