@@ -2,16 +2,21 @@
 
     python benchmarks/bench_plan.py                       # 2, 4 and 8 ranks, calibrating first
     python benchmarks/bench_plan.py --ranks 2 --profile /tmp/p.json --no-calibrate
+    python benchmarks/bench_plan.py --memory-only                # memory alone: no calibration, one step each
 
 For each rank count it (1) calibrates this machine with that many ranks into a profile
 (`numesh plan --calibrate` under mpirun; skipped with --no-calibrate), (2) picks layouts of a
 small model that `numesh plan` lists (every mesh, ZeRO stage and schedule, one or two
-micro-batch counts each), (3) runs them all in one mpirun job (a worker mode of this script:
+micro-batch counts each, without cp, sp or recomputation; then `--new-axes` more with cp,
+sequence parallelism or selective or full recomputation, spread over those), (3) runs them all in one mpirun job (a worker mode of this script:
 a Trainer per layout, warm-up steps, then timed steps; the step's time is the slowest rank's,
 the median over steps), measuring memory the way numesh does (`ZeroOptimizer.memory()` plus
 the executor's `peak_bytes`, the largest rank's), and (4) prints predicted vs measured with
 the errors, the MAPE of step time, and whether plan's first choice among them is within 5 %
 of the fastest measured one.
+
+`--memory-only` skips the calibration and runs one step per layout: memory is validated
+(predicted == measured, part by part) and step times are not reported.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ def worker(layouts_file: str, data: str, warmup: int, steps: int) -> None:
     for spec in json.loads(Path(layouts_file).read_text()):
         cfg = TrainConfig(**MODEL, data=data, out=tempfile.gettempdir() + "/bench-plan-unused", mesh=spec["mesh"],
                           zero=spec["zero"], schedule=spec["schedule"], micro_batches=spec["micro_batches"],
-                          virtual_stages=spec["virtual_stages"], max_iters=warmup + steps, collective_timeout=0.0)
+                          virtual_stages=spec["virtual_stages"], recompute=spec["recompute"],
+                          sequence_parallel=spec["sequence_parallel"], max_iters=warmup + steps, collective_timeout=0.0)
         trainer = Trainer(cfg, comm)
         times, peak = [], 0
         for i in range(warmup + steps):
@@ -67,11 +73,25 @@ def worker(layouts_file: str, data: str, warmup: int, steps: int) -> None:
         del trainer
 
 
+def pick_new_axes(preds: list, count: int) -> list:
+    """`count` layouts with cp > 1, sp or recomputation, spread evenly over plan's list of
+    them (in a fixed order: mesh, ZeRO, schedule, micro-batches)."""
+    new = sorted((p for p in preds if p.layout.cp > 1 or p.layout.sp or p.layout.recompute != "none"),
+                 key=lambda p: (p.layout.mesh, p.layout.zero, p.layout.schedule, p.layout.micro_batches,
+                                p.layout.virtual_stages, p.layout.recompute, p.layout.sp))
+    if len(new) <= count:
+        return new
+    return [new[int(i * len(new) / count)] for i in range(count)]
+
+
 def pick_layouts(preds: list, per_ranks: int) -> list:
-    """One or two micro-batch counts of every (mesh, ZeRO stage, schedule, v), up to `per_ranks`."""
+    """One or two micro-batch counts of every (mesh, ZeRO stage, schedule, v), up to
+    `per_ranks`, without cp, sp or recomputation."""
     groups: dict[tuple, list] = {}
     for p in preds:
         lay = p.layout
+        if lay.cp > 1 or lay.sp or lay.recompute != "none":
+            continue
         groups.setdefault((lay.mesh, lay.zero, lay.schedule, lay.virtual_stages), []).append(p)
     chosen, spare = [], []
     for key in sorted(groups):
@@ -91,6 +111,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--per-ranks", type=int, default=12, help="layouts per rank count")
+    ap.add_argument("--new-axes", type=int, default=6, help="more layouts per rank count with cp, sp or recomputation")
+    ap.add_argument("--memory-only", action="store_true", help="validate memory only: no calibration, one step each")
     ap.add_argument("--profile", default=None, help="profile file (default: a temporary one)")
     ap.add_argument("--no-calibrate", action="store_true", help="use --profile as it is")
     ap.add_argument("--data", default=None, help="prepared dataset (default: one made from --src)")
@@ -123,20 +145,23 @@ def main() -> None:
     model = ModelSpec(base.n_layer, base.n_head, base.n_embd, base.block_size, vocab, base.batch_size)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
     results = []
+    if args.memory_only:
+        args.no_calibrate, args.warmup, args.steps = True, 0, 1
     for n in args.ranks:
         if not args.no_calibrate:
             t0 = time.perf_counter()
             subprocess.run([mpirun, "-n", str(n), str(bindir / "numesh"), "plan", "--calibrate", "--data", data,
                             "--profile-out", str(profile_path), *flags], check=True, stdout=subprocess.DEVNULL)
             print(f"calibrated {n} ranks in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        profile = load_profile(str(profile_path))
+        profile = load_profile("a100-80gb" if args.memory_only else str(profile_path))  # its times unused
         threads = max(1, (profile.cores or 1) // n)
         preds = [predict(model, lay, profile, 0, 4, threads) for lay in valid_layouts(base, model, n)]
-        chosen = pick_layouts(preds, args.per_ranks)
+        chosen = pick_layouts(preds, args.per_ranks) + pick_new_axes(preds, args.new_axes)
         spec_file = tmp / f"layouts-{n}.json"
         spec_file.write_text(json.dumps([{"mesh": p.layout.mesh, "zero": p.layout.zero, "schedule": p.layout.schedule,
                                           "micro_batches": p.layout.micro_batches,
-                                          "virtual_stages": p.layout.virtual_stages} for p in chosen]))
+                                          "virtual_stages": p.layout.virtual_stages, "recompute": p.layout.recompute,
+                                          "sequence_parallel": p.layout.sp} for p in chosen]))
         t0 = time.perf_counter()
         out = subprocess.run([mpirun, "-n", str(n), sys.executable, str(HERE), "--worker", str(spec_file), "--data", data,
                               "--warmup", str(args.warmup), "--steps", str(args.steps)],
@@ -145,11 +170,33 @@ def main() -> None:
         measured = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         for p, m in zip(chosen, measured):
             results.append((n, p, m))
-    report(results)
+    report(results, args.memory_only)
 
 
-def report(results: list) -> None:
-    head = f"{'n':>2} {'layout':<58} {'mem pred':>10} {'mem meas':>10} {'err':>6} {'step pred':>10} {'step meas':>10} {'err':>7}"
+def name_of(lay) -> str:
+    return (f"{lay.mesh} z{lay.zero} {lay.schedule} m={lay.micro_batches}" + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+            + (" sp" if lay.sp else "") + (f" rc={lay.recompute}" if lay.recompute != "none" else ""))
+
+
+def report_memory(results: list) -> None:
+    """Predicted vs measured memory part by part (the largest rank's), and how many match exactly."""
+    parts = ("params", "grads", "optimizer", "workspace", "activations")
+    print(f"{'n':>2} {'layout':<66} {'predicted':>12} {'measured':>12}  parts that differ")
+    exact = 0
+    for n, p, m in results:
+        mem = m["memory"]
+        bad = [k for k in parts if getattr(p.memory, k) != mem[k]]
+        exact += not bad and p.memory.measured_parts == mem["total"]
+        diff = ", ".join(f"{k} {getattr(p.memory, k):,} vs {mem[k]:,}" for k in bad) or "-"
+        print(f"{n:>2} {name_of(p.layout):<66} {p.memory.measured_parts:>12,} {mem['total']:>12,}  {diff}")
+    print(f"\n{len(results)} layouts: memory exact on {exact}")
+
+
+def report(results: list, memory_only: bool = False) -> None:
+    if memory_only:
+        report_memory(results)
+        return
+    head = f"{'n':>2} {'layout':<66} {'mem pred':>10} {'mem meas':>10} {'err':>6} {'step pred':>10} {'step meas':>10} {'err':>7}"
     print(head)
     errs_t, errs_m = [], []
     by_n: dict[int, list] = {}
@@ -161,9 +208,8 @@ def report(results: list) -> None:
         errs_t.append(abs(et))
         errs_m.append(abs(em))
         exact = all(getattr(p.memory, k) == m["memory"][k] for k in ("params", "grads", "optimizer"))
-        lay = p.layout
-        name = f"{lay.mesh} z{lay.zero} {lay.schedule} m={lay.micro_batches}" + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
-        print(f"{n:>2} {name:<58} {pm / 2**20:>8.2f}Mi {mm / 2**20:>8.2f}Mi {em:>+5.1f}% {p.time.total * 1e3:>8.1f}ms "
+        name = name_of(p.layout)
+        print(f"{n:>2} {name:<66} {pm / 2**20:>8.2f}Mi {mm / 2**20:>8.2f}Mi {em:>+5.1f}% {p.time.total * 1e3:>8.1f}ms "
               f"{m['step_s'] * 1e3:>8.1f}ms {et:>+6.1f}%{'' if exact else '  params/grads/optimizer NOT exact'}")
         by_n.setdefault(n, []).append((p, m))
     print(f"\n{len(results)} layouts: memory max |error| {max(errs_m):.2f} %, step time MAPE {statistics.mean(errs_t):.1f} % "

@@ -24,8 +24,9 @@ from numesh.plan import costs, plan, predict
 from numesh.plan.hardware import Link, Measured, Profile, builtin_profiles, load_profile, profile_from_json, save_profile
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.memory import layout_memory, rank_memory
-from numesh.plan.search import candidates, train_config, valid_layouts
-from numesh.plan.timing import predict_time
+from numesh.plan.pipesim import makespan_and_busy
+from numesh.plan.search import _cp_sizes, candidates, least_recompute, train_config, valid_layouts
+from numesh.plan.timing import attention_cost, placement, predict_time, ring_hop_bytes
 from numesh.threads import threads
 from numesh.train import TrainConfig, Trainer, validate
 from numesh_cli.app import app
@@ -122,6 +123,54 @@ def test_every_listed_layout_passes_validate_and_no_valid_one_is_missing(char_da
     assert not [lay for lay in valid_layouts(base, model, 8) if lay.tp == 8]
 
 
+def test_search_lists_cp_sp_and_every_recompute(char_dataset: Path, tmp_path: Path) -> None:
+    """cp over every size check_layout takes (block_size into 2·cp chunks), sp only with tp > 1
+    (and then both ways), every recomputation mode on every mesh."""
+    base = TrainConfig(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=2, n_head=4, block_size=8, batch_size=4)
+    model = spec_of(base, 20)
+    listed = valid_layouts(base, model, 8)
+    assert {lay.cp for lay in listed} == {1, 2, 4}  # cp=8 would need 16 | block_size
+    assert all(lay.tp > 1 for lay in listed if lay.sp)
+    meshes = {(lay.dp, lay.cp, lay.tp, lay.pp) for lay in listed}
+    for mesh in meshes:
+        same = [lay for lay in listed if (lay.dp, lay.cp, lay.tp, lay.pp) == mesh]
+        assert {lay.recompute for lay in same} == {"none", "selective", "full"}
+        assert {lay.sp for lay in same} == ({False, True} if mesh[2] > 1 else {False})
+    assert (2, 2, 2, 1) in meshes and (1, 4, 2, 1) in meshes
+    lay = next(x for x in listed if x.cp == 2 and x.tp == 2 and x.sp and x.recompute == "selective")
+    assert lay.mesh == f"dp={lay.dp},cp=2,tp=2,pp={lay.pp}" and lay.ranks == 8
+    assert lay.train_flags().endswith("--recompute selective --sequence-parallel")
+    validate(train_config(base, lay), 8)
+
+
+def test_search_at_scale_keeps_cp_to_long_chunks() -> None:
+    """Beyond SCALE_RANKS, cp only while each rank keeps CP_MIN_TOKENS tokens of a sequence."""
+    model = ModelSpec(8, 8, 64, 2048, 100, 256)
+    assert _cp_sizes(model, 128, 128) == [1, 2]
+    assert _cp_sizes(model, 16, 16) == [1, 2, 4, 8, 16]  # below the scale: every size that splits the block
+
+
+def test_least_recompute_keeps_the_first_that_fits() -> None:
+    lays = [Layout(2, 2, 1, z, "1f1b", 1, recompute=r, sp=True) for z in (0, 3) for r in ("full", "none", "selective")]
+    fits = {(0, "full"), (0, "selective"), (3, "none"), (3, "selective")}
+    kept = least_recompute(lays, lambda lay: (lay.zero, lay.recompute) in fits)
+    assert sorted((lay.zero, lay.recompute) for lay in kept) == [(0, "selective"), (3, "none")]
+    assert [lay.recompute for lay in least_recompute(lays[:3], lambda lay: False)] == ["full"]  # none fit: the smallest
+
+
+@pytest.mark.parametrize("name, p, m, v", [("gpipe", 4, 6, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 2, 1),
+                                          ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 3), ("zb-h1", 4, 8, 1),
+                                          ("zb-h1", 1, 3, 1)])
+def test_pipesim_equals_simulate(name: str, p: int, m: int, v: int) -> None:
+    rng = np.random.default_rng(p * 100 + m * 10 + v)
+    sched = make_schedule(name, p, m, v)
+    for _ in range(4):
+        t_f, t_b, t_w, comm = (float(x) for x in rng.uniform(0.1, 2.0, 4))
+        tl = simulate(sched, t_f=t_f, t_b=t_b, t_w=t_w, comm=comm)
+        got = makespan_and_busy(sched, t_f, t_b, t_w, comm)
+        assert got == pytest.approx((tl.makespan, max(tl.busy(r) for r in range(p))), rel=1e-12)
+
+
 # ---------------------------------------------------------------------------------------
 # cost models
 
@@ -161,7 +210,7 @@ def test_time_model_single_rank_is_micro_batches_times_a_pass() -> None:
     two = predict_time(model, Layout(1, 1, 1, 0, "1f1b", 2), prof)
     # GEMMs and element-wise work are linear in tokens on a spec profile: same compute
     assert two.compute == pytest.approx(one.compute, rel=1e-9)
-    assert one.comm == {"tp": 0.0, "pp": 0.0, "dp": 0.0, "other": 0.0} and one.bubble == 0.0
+    assert one.comm == {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0, "other": 0.0} and one.bubble == 0.0
     assert one.total == pytest.approx(one.compute + one.optimizer)
     # the model's FLOPs over the achieved rate bound the compute from below
     flops = 6 * model.n_params * model.tokens_per_step
@@ -183,6 +232,33 @@ def test_time_model_bubble_is_simulate_and_comm_is_exposed_per_axis() -> None:
     assert z[3].comm["dp"] > z[0].comm["dp"]  # ZeRO-3 gathers parameters in every F and B
     no_overlap = predict_time(model, Layout(4, 1, 1, 0, "1f1b", 2), attrs.evolve(prof, overlap=False))
     assert no_overlap.comm["dp"] >= z[0].comm["dp"]
+
+
+def test_time_model_recompute_cp_and_sp() -> None:
+    """Selective recomputation costs the scores' rerun (less than full); cp splits a
+    rank's work and adds ring hops, whose payloads are formulas.cp_ring_bytes; sp moves
+    tp traffic as all-gathers and reduce-scatters."""
+    model = ModelSpec(4, 4, 64, 256, 100, 8)
+    prof = synthetic_profile()
+    t = {r: predict_time(model, Layout(1, 1, 1, 0, "1f1b", 2, recompute=r), prof) for r in ("none", "selective", "full")}
+    assert t["none"].compute < t["selective"].compute < t["full"].compute
+    att = attention_cost(model, Layout(1, 1, 1, 0, "1f1b", 2), prof, placement(Layout(1, 1, 1, 0, "1f1b", 2), prof))
+    assert t["selective"].compute - t["none"].compute == pytest.approx(2 * model.n_layer * att.scores, rel=1e-9)
+    # the scores' GEMM: 2·b·s²·h FLOPs per layer per micro-batch (b = 4 rows, h = n_embd)
+    assert att.scores > 2 * 4 * 256**2 * 64 / (prof.peak_flops * prof.gemm_efficiency)
+    one = predict_time(model, Layout(1, 1, 1, 0, "1f1b", 2), prof)
+    cp = predict_time(model, Layout(1, 1, 1, 0, "1f1b", 2, cp=2), prof)
+    assert cp.compute < one.compute and cp.comm["dp"] > 0  # ZeRO 0 sums the gradients over dp x cp
+    slow = predict_time(model, Layout(1, 1, 1, 0, "1f1b", 2, cp=4), attrs.evolve(prof, intra=Link(1e-3, 1e6)))
+    assert slow.comm["cp"] > 0
+    lay = Layout(1, 2, 1, 0, "1f1b", 2, cp=4)
+    fwd, bwd = ring_hop_bytes(model, lay, 4)
+    assert sum(fwd) + sum(bwd) == formulas.cp_ring_bytes(formulas.Chunk(1, False, False), 4, 256, 64, 2, 4, 4)
+    z1 = predict_time(model, Layout(2, 1, 1, 1, "1f1b", 2, cp=2), prof)
+    assert z1.comm["cp"] > 0  # ZeRO 1-3: the cp all-reduce of the gradients before dp's reduce-scatter
+    plain = predict_time(model, Layout(1, 2, 1, 0, "1f1b", 2), prof)
+    sp = predict_time(model, Layout(1, 2, 1, 0, "1f1b", 2, sp=True), prof)
+    assert sp.comm["tp"] > 0 and sp.compute < plain.compute  # LayerNorms and residual adds on half the tokens
 
 
 def test_placement_tp_inside_a_node_first() -> None:
@@ -256,10 +332,18 @@ def test_cli_json_schema(char_dataset: Path) -> None:
     rows = json.loads(res.stdout)
     assert len(rows) > 10
     for r in rows:
-        assert {"mesh", "zero", "schedule", "micro_batches", "fits", "memory_bytes_per_rank", "step_time_s"} <= set(r)
+        assert {"mesh", "dp", "cp", "tp", "pp", "sequence_parallel", "recompute", "zero", "schedule", "micro_batches",
+                "fits", "memory_bytes_per_rank", "step_time_s"} <= set(r)
         assert isinstance(r["fits"], bool) and r["memory_bytes_per_rank"] > 0 and r["step_time_s"] > 0
-        dp, tp, pp = (int(x.split("=")[1]) for x in r["mesh"].split(","))
-        assert dp * tp * pp == 4
+        sizes = {a: 1 for a in ("dp", "cp", "tp", "pp")} | {k: int(v) for k, v in (x.split("=") for x in r["mesh"].split(","))}
+        assert sizes == {a: r[a] for a in sizes} and r["dp"] * r["cp"] * r["tp"] * r["pp"] == 4
+        assert ("cp=" in r["mesh"]) == (r["cp"] > 1)
+        assert isinstance(r["sequence_parallel"], bool) and (r["tp"] > 1 or not r["sequence_parallel"])
+        assert ("--sequence-parallel" in r["train_flags"]) == r["sequence_parallel"]
+        assert r["recompute"] in ("none", "selective", "full")
+        assert ("--recompute" in r["train_flags"]) == (r["recompute"] != "none")
+    assert {r["cp"] for r in rows} == {1, 2, 4} and {r["recompute"] for r in rows} == {"none", "selective", "full"}
+    assert {r["sequence_parallel"] for r in rows} == {False, True}
     times = [r["step_time_s"] for r in rows]  # sorted by tokens/s: step times ascending, to rounding
     assert all(a <= b * (1 + 1e-12) for a, b in zip(times, times[1:]))
 
@@ -272,7 +356,8 @@ def test_cli_table_and_command(char_dataset: Path) -> None:
 
 
 def test_cli_preset_at_scale() -> None:
-    res = invoke(["--ranks", "16", "--model", "gpt2-xl", "--hardware", "a100-80gb", "--memory-per-rank", "24GiB", "--json"])
+    res = invoke(["--ranks", "16", "--model", "gpt2-xl", "--batch-size", "32", "--hardware", "a100-80gb",
+                  "--memory-per-rank", "24GiB", "--json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)
     assert rows[0]["fits"] and not rows[-1]["fits"]  # dp=16 without ZeRO holds 1.5B parameters' state on every rank

@@ -14,7 +14,7 @@ from numesh.errors import ConfigError
 from numesh.plan.hardware import Profile
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.memory import RankMemory, layout_memory
-from numesh.plan.search import valid_layouts
+from numesh.plan.search import SCALE_RANKS, least_recompute, valid_layouts
 from numesh.plan.timing import StepTime, predict_time
 from numesh.train import TrainConfig
 
@@ -40,12 +40,18 @@ def predict(model: ModelSpec, layout: Layout, profile: Profile, memory_limit: fl
 
 def plan(base: TrainConfig, model: ModelSpec, ranks: int, profile: Profile, memory_limit: float, itemsize: int,
          threads: int = 1) -> list[Prediction]:
-    """Every valid layout's prediction, those that fit first, fastest first."""
+    """Every valid layout's prediction, those that fit first, fastest first (beyond
+    SCALE_RANKS ranks, only the least recomputation that fits of each layout)."""
     layouts = valid_layouts(base, model, ranks)
     if not layouts:
         raise ConfigError(no_layout_reason(model, ranks))
+    if ranks > SCALE_RANKS:
+        layouts = least_recompute(layouts, lambda lay: memory_limit <= 0 or max(
+            m.total for m in layout_memory(model, lay, itemsize, threads)) <= memory_limit)
     bucket = int(base.bucket_mb * 2**20)
-    preds = [predict(model, lay, profile, memory_limit, itemsize, threads, bucket) for lay in layouts]
+    # grouped by schedule, so that each schedule's laid-out dependencies are built once
+    by_schedule = sorted(layouts, key=lambda lay: (lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages))
+    preds = [predict(model, lay, profile, memory_limit, itemsize, threads, bucket) for lay in by_schedule]
     return sorted(preds, key=lambda p: (not p.fits, -p.tokens_per_s))
 
 

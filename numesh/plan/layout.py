@@ -41,8 +41,9 @@ class ModelSpec:
 
 @attrs.frozen
 class Layout:
-    """One way to run a model on `ranks` ranks. `recompute` is "none" until activation
-    recomputation reaches TrainConfig (the enumeration then lists its values too)."""
+    """One way to run a model on `ranks` ranks: the mesh (cp: context parallelism, each
+    rank holding block_size/cp tokens of every sequence; `sp`: sequence parallelism on tp),
+    ZeRO stage, pipeline schedule and activation recomputation (none, selective, full)."""
 
     dp: int
     tp: int
@@ -52,15 +53,24 @@ class Layout:
     micro_batches: int
     virtual_stages: int = 1
     recompute: str = "none"
+    cp: int = 1
+    sp: bool = False
 
     @property
     def ranks(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def mesh(self) -> str:
-        """The mesh as `--mesh` takes it (every axis written, so nothing is inferred)."""
-        return f"dp={self.dp},tp={self.tp},pp={self.pp}"
+        """The mesh as `--mesh` takes it (dp, tp and pp always written, so nothing is
+        inferred; cp when it is > 1, as older meshes never name it)."""
+        cp = f"cp={self.cp}," if self.cp > 1 else ""
+        return f"dp={self.dp},{cp}tp={self.tp},pp={self.pp}"
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Axis sizes as `numesh.mesh.parse_mesh` gives them (what `formulas.step_bytes` takes)."""
+        return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
 
     def rows(self, model: ModelSpec) -> int:
         """Sequences in one micro-batch on one rank."""
@@ -77,6 +87,8 @@ class Layout:
             flags += f" --virtual-stages {self.virtual_stages}"
         if self.recompute != "none":
             flags += f" --recompute {self.recompute}"
+        if self.sp:
+            flags += " --sequence-parallel"
         return flags
 
 

@@ -10,11 +10,14 @@ per-unit reduce-scatter input).
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 from numesh import formulas
 from numesh.pipeline.schedules import Schedule
-from numesh.plan.layout import Layout, ModelSpec
+from numesh.plan.layout import Layout, ModelSpec, schedule_of
+from numesh.threads import block_chunks
 
 PARTS = ("params", "grads", "optimizer", "workspace", "activations", "comm_buffers")
 
@@ -48,20 +51,31 @@ def unit_sizes(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
     return [formulas.block_params(model.n_embd, layout.tp, model.bias)] * blocks + [outer]
 
 
+def row_chunks(model: ModelSpec, layout: Layout, threads: int) -> int:
+    """Row chunks a block runs as (numesh.nn.stage._chunks): one per thread and row, as
+    `block_chunks` caps them by the block's FLOPs, and 1 (whole) with tp or cp inside."""
+    if threads == 1 or layout.tp > 1 or layout.cp > 1:
+        return 1
+    b, T, C = layout.rows(model), model.block_size, model.n_embd
+    return block_chunks(threads, b, b * T * (72.0 * C * C + 12.0 * C * T))
+
+
 def _chunk_bytes(model: ModelSpec, layout: Layout, sched: Schedule, pp_rank: int, chunk: int, itemsize: int,
                  threads: int) -> tuple[int, int]:
     """(bytes after F, bytes kept after a split B) of one micro-batch through one chunk."""
     k = sched.stage(pp_rank, chunk)
     per_chunk = model.n_layer // (layout.pp * layout.virtual_stages)
     rows = layout.rows(model)
+    # activation_bytes takes the whole sequence and cp (each rank keeps seq/cp tokens);
+    # the W contexts are Linear inputs and output grads, so this rank's tokens
     f = formulas.activation_bytes(
         micro_batch=rows, seq=model.block_size, n_embd=model.n_embd, n_head=model.n_head, n_layer=per_chunk,
         vocab=model.vocab_size, tp=layout.tp, first=k == 0, last=k == sched.num_stages - 1,
-        recompute=layout.recompute, dropout=model.dropout, itemsize=itemsize,
+        recompute=layout.recompute, dropout=model.dropout, itemsize=itemsize, sp=layout.sp, cp=layout.cp,
     )
-    chunks = min(threads, rows) if (threads > 1 and layout.tp == 1 and rows > 1) else 1  # numesh.nn.stage._split
-    w = formulas.weight_grad_bytes(micro_batch=rows, seq=model.block_size, n_embd=model.n_embd, n_layer=per_chunk,
-                                   tp=layout.tp, bias=model.bias, chunks=chunks, itemsize=itemsize)
+    w = formulas.weight_grad_bytes(micro_batch=rows, seq=model.block_size // layout.cp, n_embd=model.n_embd,
+                                   n_layer=per_chunk, tp=layout.tp, bias=model.bias,
+                                   chunks=row_chunks(model, layout, threads), itemsize=itemsize)
     return f, w
 
 
@@ -71,7 +85,15 @@ def peak_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, itemsi
     as the executor walks it (F adds a context, B frees it or, when the backward is split,
     keeps the W's inputs until W)."""
     sched = sched or layout.sched
-    cost = {c: _chunk_bytes(model, layout, sched, pp_rank, c, itemsize, threads) for c in range(layout.virtual_stages)}
+    cost = tuple(_chunk_bytes(model, layout, sched, pp_rank, c, itemsize, threads) for c in range(layout.virtual_stages))
+    return _walk(sched.name, sched.p, sched.m, sched.v, pp_rank, cost)
+
+
+@functools.lru_cache(maxsize=4096)
+def _walk(name: str, pp: int, m: int, v: int, pp_rank: int, cost: tuple[tuple[int, int], ...]) -> int:
+    """`peak_activation_bytes`' walk, cached: layouts that differ only in their ZeRO stage
+    hold the same activations (a walk of a 98k-action schedule is milliseconds)."""
+    sched = schedule_of(name, pp, m, v)
     live: dict[tuple[int, int], int] = {}
     peak = 0
     for a in sched.actions[pp_rank]:
@@ -97,7 +119,9 @@ def comm_buffer_bytes(model: ModelSpec, layout: Layout, sizes: list[int], itemsi
 
 def rank_memory(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 4, threads: int = 1,
                 sched: Schedule | None = None) -> RankMemory:
-    """Predicted bytes of pipeline rank `pp_rank` (every dp and tp rank of it holds the same)."""
+    """Predicted bytes of pipeline rank `pp_rank` (every dp, cp and tp rank of it holds the
+    same). Parameters are replicated over cp and ZeRO shards over dp alone
+    (`ZeroOptimizer`'s flat layout: cp ranks sum their gradients, then dp shards them)."""
     sizes = unit_sizes(model, layout, pp_rank)
     buffers = formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize)
     return RankMemory(

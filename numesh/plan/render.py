@@ -28,7 +28,8 @@ def as_json(p: Prediction, ranks: int) -> dict[str, Any]:
     """One layout as `--json` prints it."""
     lay, t = p.layout, p.time
     return {
-        "mesh": lay.mesh, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero, "schedule": lay.schedule,
+        "mesh": lay.mesh, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "pp": lay.pp, "sequence_parallel": lay.sp,
+        "zero": lay.zero, "schedule": lay.schedule,
         "micro_batches": lay.micro_batches, "virtual_stages": lay.virtual_stages, "recompute": lay.recompute,
         "fits": p.fits, "memory_bytes_per_rank": p.memory.total, "memory": attrs.asdict(p.memory),
         "step_time_s": t.total, "time": {"compute": t.compute, **{f"comm_{k}": v for k, v in t.comm.items()},
@@ -45,18 +46,19 @@ def command(p: Prediction, ranks: int, extra: str = "") -> str:
 
 def table(preds: list[Prediction], ranks: int, top: int, limit: float, profile: str, extra: str = "") -> str:
     """The `top` best layouts as a table, a count of the rest, and the best one's command."""
-    head = ["#", "mesh", "zero", "schedule", "m", "v", "memory/rank", "fits", "step", "compute", "tp", "pp", "dp",
-            "bubble", "optim", "tokens/s"]
+    head = ["#", "mesh", "sp", "zero", "schedule", "m", "v", "recompute", "memory/rank", "fits", "step", "compute", "tp",
+            "cp", "pp", "dp", "bubble", "optim", "tokens/s"]
     rows = []
     for i, p in enumerate(preds[:top], 1):
         t, lay = p.time, p.layout
-        rows.append([str(i), lay.mesh, str(lay.zero), lay.schedule, str(lay.micro_batches), str(lay.virtual_stages),
-                     human_bytes(p.memory.total), "yes" if p.fits else "NO", human_seconds(t.total),
-                     human_seconds(t.compute), human_seconds(t.comm["tp"]), human_seconds(t.comm["pp"]),
+        rows.append([str(i), lay.mesh, "yes" if lay.sp else "no", str(lay.zero), lay.schedule, str(lay.micro_batches),
+                     str(lay.virtual_stages), lay.recompute, human_bytes(p.memory.total), "yes" if p.fits else "NO",
+                     human_seconds(t.total), human_seconds(t.compute), human_seconds(t.comm["tp"]),
+                     human_seconds(t.comm["cp"]), human_seconds(t.comm["pp"]),
                      human_seconds(t.comm["dp"]), human_seconds(t.bubble), human_seconds(t.optimizer),
                      f"{p.tokens_per_s:,.0f}"])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    fmt = lambda r: "  ".join(c.rjust(w) if i not in (1, 3) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    fmt = lambda r: "  ".join(c.rjust(w) if i not in (1, 4, 7) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     fit = sum(p.fits for p in preds)
     lines = [fmt(head), *map(fmt, rows)]
     lim = human_bytes(limit) if limit > 0 else "no limit"

@@ -1,22 +1,30 @@
 """Every layout of a model on N ranks that `numesh train` accepts.
 
-Candidates are all dp x tp x pp = N, ZeRO stages (0 only when dp = 1: the others are the
-same then), micro-batch counts dividing the per-rank batch, and schedules (pp = 1 runs one
-stage, where every schedule is gradient accumulation: 1F1B, which holds one micro-batch's
-activations, is the one listed), with virtual stages for the interleaved one. Each is kept
-only if `numesh.train.check_layout` accepts it: the planner never lists a layout that
-training would refuse.
-
-Activation recomputation is tried ("none" and "full") once TrainConfig has a `recompute`
-option; until then every layout keeps all activations, as numesh does.
+Candidates are all pp x dp x cp x tp = N, ZeRO stages (0 only when dp = 1: the others are
+the same then), micro-batch counts dividing the per-rank batch, and schedules (pp = 1 runs
+one stage, where every schedule is gradient accumulation: 1F1B, which holds one
+micro-batch's activations, is the one listed), with virtual stages for the interleaved one;
+each with sequence parallelism off and (when tp > 1) on, and activation recomputation none,
+selective and full. cp runs over the divisors of N that split block_size into 2·cp chunks.
+Each is kept only if `numesh.train.check_layout` accepts it: the planner never lists a
+layout that training would refuse.
 
 Beyond `SCALE_RANKS` ranks the search keeps to seconds by trying micro-batch counts that
-are powers of two (and the largest, one sequence per micro-batch) and 2 or 4 virtual stages.
+are powers of two (and the largest, one sequence per micro-batch) and 2 or 4 virtual stages,
+and cp only while every rank keeps at least `CP_MIN_TOKENS` tokens of a sequence: ring
+attention hides each K/V hop behind the attention of one chunk pair, (T/cp)² work against
+T/cp tokens sent, so short chunks leave the hops exposed, and below ~1k tokens a sequence's
+activations are too small for splitting them to be what makes a model fit (Megatron-LM
+turns cp on from 8k-token contexts). On gpt3-175b (2048 tokens) that keeps cp = 1 and 2.
+It also runs tp with sequence parallelism only: sp moves the same bus bytes as plain tp (an
+all-reduce is a reduce-scatter plus an all-gather) and holds less, so plain tp is never
+faster nor smaller in the model; and `numesh.plan.plan` keeps, of the layouts that differ
+only in recomputation, the least recomputation that fits (`least_recompute`).
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import attrs
 
@@ -25,7 +33,9 @@ from numesh.plan.layout import Layout, ModelSpec, divisors
 from numesh.train import TrainConfig, check_layout
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+RECOMPUTE = ("none", "selective", "full")
 SCALE_RANKS = 64
+CP_MIN_TOKENS = 1024
 
 
 def _micro_batch_counts(per_rank_batch: int, ranks: int) -> list[int]:
@@ -40,42 +50,47 @@ def _virtual_stages(layers_per_rank: int, ranks: int) -> list[int]:
     return vs if ranks <= SCALE_RANKS else [v for v in vs if v in (2, 4)]
 
 
-def recompute_choices() -> tuple[str, ...]:
-    """Recomputation settings to try: the ones the time model knows, if training has the option."""
-    return ("none", "full") if "recompute" in attrs.fields_dict(TrainConfig) else ("none",)
+def _cp_sizes(model: ModelSpec, rest: int, ranks: int) -> list[int]:
+    """cp sizes to try on the `rest` ranks a pipeline stage has (of `ranks`): those that
+    split block_size into 2·cp equal chunks (ring attention's load balance)."""
+    sizes = [c for c in divisors(rest) if c == 1 or model.block_size % (2 * c) == 0]
+    return sizes if ranks <= SCALE_RANKS else [c for c in sizes if c == 1 or model.block_size // c >= CP_MIN_TOKENS]
 
 
 def candidates(model: ModelSpec, ranks: int) -> Iterator[Layout]:
     """Layouts to try (some invalid: check_layout decides)."""
+    sp_choices = (False, True) if ranks <= SCALE_RANKS else (True,)
     for layout in _meshes_and_schedules(model, ranks):
-        for r in recompute_choices():
-            yield attrs.evolve(layout, recompute=r)
+        for sp in (sp_choices if layout.tp > 1 else (False,)):
+            for r in RECOMPUTE:
+                yield attrs.evolve(layout, recompute=r, sp=sp)
 
 
 def _meshes_and_schedules(model: ModelSpec, ranks: int) -> Iterator[Layout]:
     for pp in divisors(ranks):
-        for tp in divisors(ranks // pp):
-            dp = ranks // (pp * tp)
-            if model.batch_size % dp:
-                continue
-            for m in _micro_batch_counts(model.batch_size // dp, ranks):
-                for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
-                    if pp == 1:
-                        yield Layout(dp, tp, pp, zero, "1f1b", m)
-                        continue
-                    for sched in PIPELINE_SCHEDULES:
-                        if sched != "interleaved":
-                            yield Layout(dp, tp, pp, zero, sched, m)
+        for cp in _cp_sizes(model, ranks // pp, ranks):
+            for tp in divisors(ranks // (pp * cp)):
+                dp = ranks // (pp * cp * tp)
+                if model.batch_size % dp:
+                    continue
+                for m in _micro_batch_counts(model.batch_size // dp, ranks):
+                    for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
+                        if pp == 1:
+                            yield Layout(dp, tp, pp, zero, "1f1b", m, cp=cp)
                             continue
-                        for v in _virtual_stages(model.n_layer // pp, ranks) if model.n_layer % pp == 0 else ():
-                            yield Layout(dp, tp, pp, zero, sched, m, v)
+                        for sched in PIPELINE_SCHEDULES:
+                            if sched != "interleaved":
+                                yield Layout(dp, tp, pp, zero, sched, m, cp=cp)
+                                continue
+                            for v in _virtual_stages(model.n_layer // pp, ranks) if model.n_layer % pp == 0 else ():
+                                yield Layout(dp, tp, pp, zero, sched, m, v, cp=cp)
 
 
 def train_config(base: TrainConfig, layout: Layout) -> TrainConfig:
     """`base` with the layout's options."""
-    extra = {"recompute": layout.recompute} if "recompute" in attrs.fields_dict(TrainConfig) else {}
     return attrs.evolve(base, mesh=layout.mesh, zero=layout.zero, schedule=layout.schedule,
-                        micro_batches=layout.micro_batches, virtual_stages=layout.virtual_stages, **extra)
+                        micro_batches=layout.micro_batches, virtual_stages=layout.virtual_stages,
+                        recompute=layout.recompute, sequence_parallel=layout.sp)
 
 
 def valid_layouts(base: TrainConfig, model: ModelSpec, ranks: int) -> list[Layout]:
@@ -87,4 +102,20 @@ def valid_layouts(base: TrainConfig, model: ModelSpec, ranks: int) -> list[Layou
         except UserError:
             continue
         out.append(layout)
+    return out
+
+
+def least_recompute(layouts: list[Layout], fits: Callable[[Layout], bool]) -> list[Layout]:
+    """Of each group of layouts that differ only in recomputation, the first of none,
+    selective, full that `fits` (the last, the smallest, when none does). Each step down
+    that list trades step time for memory, so a layout that already fits gains nothing
+    from more recomputation."""
+    groups: dict[Layout, list[Layout]] = {}
+    for lay in layouts:
+        groups.setdefault(attrs.evolve(lay, recompute="none"), []).append(lay)
+    out = []
+    for group in groups.values():
+        group.sort(key=lambda lay: RECOMPUTE.index(lay.recompute))
+        first = next((lay for lay in group if fits(lay)), None)
+        out.append(first if first is not None else group[-1])
     return out

@@ -9,6 +9,19 @@ slowest stage's F/B/W costs into the schedule's makespan (its idle part is the b
 Data-parallel reduction overlaps the backward when the profile says collectives progress
 on their own, and is exposed otherwise; the post-step all-gathers of ZeRO 1-3 are exposed.
 
+Context parallelism (cp) gives each rank T/cp tokens of every sequence: its GEMMs and
+element-wise work shrink by cp, and ring attention runs one causal block and cp-1 half
+blocks of scores per rank (`numesh.nn.ring_attention`), recomputing the scores in backward
+from the kept log-sum-exp; each K/V hop (`formulas.cp_ring_bytes`) is posted before the
+block it overlaps, so only what a hop takes beyond one block's attention is exposed. The
+gradients are summed over cp: ZeRO 0 all-reduces over dp x cp at once, ZeRO 1-3 all-reduce
+over cp (blocking, `formulas.cp_grad_bytes`) before the dp reduce-scatter. Sequence
+parallelism (sp) moves tp's traffic as `formulas.tp_sequence_parallel_bytes` counts it
+(all-gathers and reduce-scatters of whole activations), runs LayerNorms and residual adds
+on 1/tp of the tokens, and all-reduces the LayerNorm gradients over tp once per step.
+Selective recomputation reruns each block's scores (QK^T and the softmax) before its
+backward; full recomputation the whole block forward, its communication included.
+
 Not modelled: a single rank with several threads runs each block as row chunks, one per
 thread (numesh.nn.stage); the model times its GEMMs with multi-threaded BLAS instead. The
 Python overhead of a step outside the timed kernels (the executor, slicing, allocation) is
@@ -17,15 +30,17 @@ not counted either.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import attrs
 
 from numesh import formulas
-import functools
 
-from numesh.pipeline.schedules import simulate
 from numesh.plan.hardware import Profile
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
 from numesh.plan.memory import unit_sizes
+from numesh.plan.pipesim import makespan_and_busy
 
 
 @attrs.frozen
@@ -37,9 +52,13 @@ class ActionCost:
     w: float
     tp: float  # of f + b: the exposed tensor-parallel communication
     zero3: float  # of f + b + w: ZeRO-3's parameter gathers
+    cp: float = 0.0  # of f + b: ring attention's exposed K/V hops
 
     def __add__(self, o: "ActionCost") -> "ActionCost":
-        return ActionCost(self.f + o.f, self.b + o.b, self.w + o.w, self.tp + o.tp, self.zero3 + o.zero3)
+        return ActionCost(self.f + o.f, self.b + o.b, self.w + o.w, self.tp + o.tp, self.zero3 + o.zero3, self.cp + o.cp)
+
+    def times(self, n: int) -> "ActionCost":
+        return ActionCost(self.f * n, self.b * n, self.w * n, self.tp * n, self.zero3 * n, self.cp * n)
 
 
 @attrs.frozen
@@ -47,7 +66,7 @@ class StepTime:
     """A predicted training step on the slowest rank (seconds)."""
 
     compute: float  # busy time of the slowest pipeline rank, less its tp communication
-    comm: dict[str, float]  # exposed communication by axis: tp, pp, dp (with ZeRO-3's gathers), other
+    comm: dict[str, float]  # exposed communication by axis: tp, cp, pp, dp (with ZeRO-3's gathers), other
     bubble: float  # idle time of the pipeline schedule
     optimizer: float  # gradient norm and AdamW on this rank's state
     total: float
@@ -55,67 +74,159 @@ class StepTime:
 
 @attrs.frozen
 class Placement:
-    """Which axes stay inside a node (ranks are numbered tp fastest, then dp, then pp)."""
+    """Which axes stay inside a node (ranks are numbered tp fastest, then cp, dp, pp: AXES)."""
 
     ranks_on_node: int
     tp_intra: bool
     dp_intra: bool
     pp_intra: bool
+    cp_intra: bool = True
 
 
 def placement(layout: Layout, profile: Profile) -> Placement:
     node = profile.devices_per_node if not profile.measured else max(layout.ranks, 1)
-    t, d, p = layout.tp, layout.dp, layout.pp
-    return Placement(min(layout.ranks, node), t <= node, t * d <= node, t * d * p <= node)
+    t, c, d, p = layout.tp, layout.cp, layout.dp, layout.pp
+    return Placement(min(layout.ranks, node), t <= node, t * c * d <= node, t * c * d * p <= node, t * c <= node)
 
 
 def _gemms(profile: Profile, shapes: list[tuple[int, int, int, int]], ron: int) -> float:
     return sum(profile.gemm_time(b, m, k, n, ron) for b, m, k, n in shapes)
 
 
-def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, split: bool) -> ActionCost:
-    """One transformer block, one micro-batch (shapes as numesh/nn/transformer.py runs them)."""
-    b, T, C, tp = layout.rows(model), model.block_size, model.n_embd, layout.tp
-    h, hs, bt, ron = model.n_head // tp, C // model.n_head, layout.rows(model) * model.block_size, place.ranks_on_node
+@attrs.frozen
+class Attention:
+    """One block's attention on one rank for one micro-batch: forward and backward seconds,
+    the scores' recomputation (selective), and the exposed cp hops forward and backward."""
+
+    f: float
+    b: float
+    scores: float
+    cp_f: float
+    cp_b: float
+
+
+def score_pairs(layout: Layout, T: int) -> list[tuple[int, int]]:
+    """(query rows, key columns) of the score blocks one rank computes for one sequence:
+    the whole causal T x T without cp; with ring attention its own block of T/cp tokens and
+    cp-1 half blocks (`numesh.nn.ring_attention.block_pairs`: the load balance)."""
+    if layout.cp == 1:
+        return [(T, T)]
+    t = T // layout.cp
+    return [(t, t)] + [(t, t // 2)] * (layout.cp - 1)
+
+
+def ring_hop_bytes(model: ModelSpec, layout: Layout, itemsize: int) -> tuple[list[int], list[int]]:
+    """Payload of each ring hop of one block, forward (K and V, cp-1 hops) and backward (K, V
+    and the dK, dV accumulators, the last hop the accumulators alone): they add up to
+    `formulas.cp_ring_bytes`."""
+    cp = layout.cp
+    blk = layout.rows(model) * (model.block_size // cp) * (model.n_embd // layout.tp) * itemsize
+    return [2 * blk] * (cp - 1), [4 * blk] * (cp - 1) + [2 * blk] * (cp > 1)
+
+
+def attention_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement) -> Attention:
+    """Scores, softmax and weighted values forward; their four gradients backward (ring
+    attention also recomputes the scores from the kept log-sum-exp)."""
+    b, hs, ron = layout.rows(model), model.n_embd // model.n_head, place.ranks_on_node
+    bh = b * model.n_head // layout.tp
+    pairs = score_pairs(layout, model.block_size)
+    ring = layout.cp > 1
+    qk = sum(profile.gemm_time(bh, q, hs, k, ron) for q, k in pairs)
+    pv = sum(profile.gemm_time(bh, q, k, hs, ron) for q, k in pairs)
+    grads = sum(2 * profile.gemm_time(bh, k, q, hs, ron) + profile.gemm_time(bh, q, hs, k, ron)
+                + profile.gemm_time(bh, q, k, hs, ron) for q, k in pairs)  # dV, dK; dP; dQ
+    elems = bh * sum(q * k for q, k in pairs)
     ew = profile.elementwise_time
-    f = _gemms(profile, [(1, bt, C, 3 * C // tp), (b * h, T, hs, T), (b * h, T, T, hs), (1, bt, C // tp, C),
-                         (1, bt, C, 4 * C // tp), (1, bt, 4 * C // tp, C)], ron)
-    f += 2 * ew("layernorm_fwd", bt * C, ron) + ew("softmax_fwd", b * h * T * T, ron) + ew("gelu_fwd", 4 * bt * C // tp, ron)
-    f += ew("copy", 2 * bt * C + 2 * bt * C // tp, ron)  # q scaled, heads merged, two residual adds
-    bw = _gemms(profile, [(1, bt, C, 4 * C // tp), (1, bt, 4 * C // tp, C), (1, bt, C, C // tp), (b * h, T, T, hs),
-                          (b * h, T, hs, T), (b * h, T, T, hs), (b * h, T, T, hs), (1, bt, 3 * C // tp, C)], ron)
-    bw += 2 * ew("layernorm_bwd", bt * C, ron) + ew("softmax_bwd", b * h * T * T, ron) + ew("gelu_bwd", 4 * bt * C // tp, ron)
-    bw += ew("copy", 2 * bt * C + 5 * bt * C // tp, ron)  # dq, dk, dv packed, heads split, dq scaled, two adds
+    soft_f = ew("softmax_fwd", elems, ron)
+    f = qk + pv + soft_f
+    bw = grads + ew("softmax_bwd", elems, ron)
+    if ring:  # the online softmax rescales the output at every step; backward reruns the scores
+        f += ew("copy", len(pairs) * bh * (model.block_size // layout.cp) * hs, ron)
+        bw += qk + soft_f
+    cp_f = cp_b = 0.0
+    if ring:
+        fwd, bwd = ring_hop_bytes(model, layout, profile.itemsize)
+        per_pair_f, per_pair_b = f / len(pairs), bw / len(pairs)  # the block each hop hides behind
+        hop = lambda n: profile.comm_time("send", n, 2, place.cp_intra, ron)  # noqa: E731
+        cp_f = sum(max(0.0, hop(n) - per_pair_f) for n in fwd)
+        cp_b = sum(max(0.0, hop(n) - per_pair_b) for n in bwd)
+    # selective recomputation reruns QK^T and the softmax; ring attention keeps no scores to drop
+    scores = 0.0 if ring else qk + soft_f
+    return Attention(f + cp_f, bw + cp_b, scores, cp_f, cp_b)
+
+
+def tp_block_comm(model: ModelSpec, layout: Layout, profile: Profile, place: Placement,
+                  chunk: formulas.Chunk) -> float:
+    """Seconds of tp communication of one micro-batch's forward and backward through `chunk`
+    besides the cross-entropy's all-reduces: 4 activation all-reduces per block (and one each
+    for the embedding and the head) without sp; with sp whatever
+    `formulas.tp_sequence_parallel_bytes` counts, as calls of one whole activation each."""
+    if layout.tp == 1:
+        return 0.0
+    t, k, ron = model.block_size // layout.cp, profile.itemsize, place.ranks_on_node
+    act = layout.rows(model) * t * model.n_embd * k
+    if not layout.sp:
+        calls = 4 * chunk.blocks + int(chunk.first) + int(chunk.last)
+        return calls * profile.comm_time("all_reduce", act, layout.tp, place.tp_intra, ron)
+    parts = formulas.tp_sequence_parallel_bytes(chunk, layout.rows(model), t, model.n_embd, k)
+    return sum(n / act * profile.comm_time(op, act, layout.tp, place.tp_intra, ron)
+               for op, n in parts.items() if op != "all_reduce")
+
+
+def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, split: bool) -> ActionCost:
+    """One transformer block, one micro-batch (shapes as numesh/nn/transformer.py runs them),
+    with the layout's recomputation: selective adds the scores to B, full the whole F."""
+    b, C, tp = layout.rows(model), model.n_embd, layout.tp
+    bt, ron = b * (model.block_size // layout.cp), place.ranks_on_node
+    ln = bt * C // tp if layout.sp else bt * C  # sp: LayerNorms and residual adds on this rank's tokens only
+    ew = profile.elementwise_time
+    att = attention_cost(model, layout, profile, place)
+    f = _gemms(profile, [(1, bt, C, 3 * C // tp), (1, bt, C // tp, C), (1, bt, C, 4 * C // tp), (1, bt, 4 * C // tp, C)],
+               ron) + att.f
+    f += 2 * ew("layernorm_fwd", ln, ron) + ew("gelu_fwd", 4 * bt * C // tp, ron)
+    f += ew("copy", 2 * ln + 2 * bt * C // tp, ron)  # q scaled, heads merged, two residual adds
+    bw = _gemms(profile, [(1, bt, C, 4 * C // tp), (1, bt, 4 * C // tp, C), (1, bt, C, C // tp), (1, bt, 3 * C // tp, C)],
+                ron) + att.b
+    bw += 2 * ew("layernorm_bwd", ln, ron) + ew("gelu_bwd", 4 * bt * C // tp, ron)
+    bw += ew("copy", 2 * ln + 5 * bt * C // tp, ron)  # dq, dk, dv packed, heads split, dq scaled, two adds
     w = _gemms(profile, [(1, C, bt, 3 * C // tp), (1, C // tp, bt, C), (1, C, bt, 4 * C // tp), (1, 4 * C // tp, bt, C)], ron)
-    ar = profile.comm_time("all_reduce", bt * C * profile.itemsize, tp, place.tp_intra, ron)  # one g or f
+    tp_half = tp_block_comm(model, layout, profile, place, formulas.Chunk(1, False, False)) / 2  # half F, half B
     gather = 0.0
     if layout.zero == 3 and layout.dp > 1:
         unit = -(-formulas.block_params(C, tp, model.bias) // layout.dp) * layout.dp * profile.itemsize
         gather = profile.comm_time("all_gather", unit, layout.dp, place.dp_intra, ron)
     w_gather = gather if split else 0.0  # the deferred W gathers the block again
-    return ActionCost(f + 2 * ar + gather, bw + 2 * ar + gather, w + w_gather, 4 * ar, 2 * gather + w_gather)
+    f_all = f + tp_half + gather
+    if layout.recompute == "full":  # the forward runs again, communication included, before B
+        return ActionCost(f_all, bw + tp_half + gather + f_all, w + w_gather, 3 * tp_half, 3 * gather + w_gather,
+                          2 * att.cp_f + att.cp_b)
+    if layout.recompute == "selective":
+        bw += att.scores
+    return ActionCost(f_all, bw + tp_half + gather, w + w_gather, 2 * tp_half, 2 * gather + w_gather, att.cp_f + att.cp_b)
 
 
 def outer_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, first: bool, last: bool) -> ActionCost:
     """The embedding (first stage) and the final LayerNorm, tied head and vocab-parallel
     cross-entropy (last stage) for one micro-batch; their weight grads are part of B."""
-    bt, C, tp, ron = layout.rows(model) * model.block_size, model.n_embd, layout.tp, place.ranks_on_node
+    bt, C, tp, ron = layout.rows(model) * (model.block_size // layout.cp), model.n_embd, layout.tp, place.ranks_on_node
     k, ew = profile.itemsize, profile.elementwise_time
     v_local = formulas.padded_vocab(model.vocab_size, tp) // tp
-    f = b = tp_s = 0.0
+    ln = bt * C // tp if layout.sp else bt * C
+    tp_s = tp_block_comm(model, layout, profile, place, formulas.Chunk(0, first, last))
+    # the lookup's all-reduce is in F, the head input gradient's in B; with sp each is a
+    # reduce-scatter and an all-gather, one in F and one in B
+    f = tp_s / 2 if (layout.sp or last) and first else (tp_s if first else 0.0)
+    b = tp_s - f
     if first:
         f += ew("copy", bt * C, ron)  # the lookup and the position add
         b += ew("copy", 3 * bt * C, ron)  # wpe's sum and the sorted row sums of wte
-        t = profile.comm_time("all_reduce", bt * C * k, tp, place.tp_intra, ron)
-        f, tp_s = f + t, tp_s + t
     if last:
-        f += ew("layernorm_fwd", bt * C, ron) + profile.gemm_time(1, bt, C, v_local, ron) + ew("softmax_fwd", bt * v_local, ron)
+        f += ew("layernorm_fwd", ln, ron) + profile.gemm_time(1, bt, C, v_local, ron) + ew("softmax_fwd", bt * v_local, ron)
         b += (ew("softmax_bwd", bt * v_local, ron) + profile.gemm_time(1, v_local, bt, C, ron)
-              + profile.gemm_time(1, bt, v_local, C, ron) + ew("layernorm_bwd", bt * C, ron))
+              + profile.gemm_time(1, bt, v_local, C, ron) + ew("layernorm_bwd", ln, ron))
         t_f = profile.comm_time("all_reduce", bt * k, tp, place.tp_intra, ron) + profile.comm_time(
             "all_reduce", 2 * bt * k, tp, place.tp_intra, ron)  # the row maxima; [sum-exp, target logit]
-        t_b = profile.comm_time("all_reduce", bt * C * k, tp, place.tp_intra, ron)
-        f, b, tp_s = f + t_f, b + t_b, tp_s + t_f + t_b
+        f, tp_s = f + t_f, tp_s + t_f
     gather = 0.0
     if layout.zero == 3 and layout.dp > 1 and (first or last):
         n = formulas.outer_params(C, model.vocab_size, model.block_size, tp, first, last, model.bias)
@@ -127,12 +238,7 @@ def chunk_costs(model: ModelSpec, layout: Layout, profile: Profile, place: Place
     """Per model stage (pp·v of them), one micro-batch's costs through it."""
     stages = layout.pp * layout.virtual_stages
     per = model.n_layer // stages
-    block = block_cost(model, layout, profile, place, split)
-    if layout.recompute == "full":  # each block's forward runs again before its backward
-        block = ActionCost(block.f, block.b + block.f, block.w, block.tp * 1.5, block.zero3 + block.zero3 / 2)
-    elif layout.recompute != "none":
-        raise ValueError(f"recompute={layout.recompute!r}: the time model knows none and full")
-    blocks = ActionCost(block.f * per, block.b * per, block.w * per, block.tp * per, block.zero3 * per)
+    blocks = block_cost(model, layout, profile, place, split).times(per)
     return [blocks + outer_cost(model, layout, profile, place, k == 0, k == stages - 1) for k in range(stages)]
 
 
@@ -157,10 +263,10 @@ def _dp_calls(model: ModelSpec, layout: Layout, sizes: list[int], itemsize: int,
 
 @functools.lru_cache(maxsize=4096)
 def _simulated(name: str, pp: int, m: int, v: int, t_f: float, t_b: float, t_w: float, hop: float) -> tuple[float, float]:
-    """(makespan, busy time of the busiest rank) of `simulate`; cached, as layouts that differ
+    """(makespan, busy time of the busiest rank) of `simulate`, by `pipesim` (the same
+    numbers, once the schedule's dependencies are laid out); cached, as layouts that differ
     only in what the pipeline does not see (ZeRO 0-2, say) ask for the same."""
-    tl = simulate(schedule_of(name, pp, m, v), t_f=t_f, t_b=t_b, t_w=t_w, comm=hop)
-    return tl.makespan, max(tl.busy(r) for r in range(pp))
+    return makespan_and_busy(schedule_of(name, pp, m, v), t_f, t_b, t_w, hop)
 
 
 def predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_bytes: int = 1 << 20) -> StepTime:
@@ -170,19 +276,26 @@ def predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byte
     sched = layout.sched
     costs = chunk_costs(model, layout, profile, place, sched.split_backward)
     worst = max(costs, key=lambda c: c.f + c.b + c.w)
-    act = layout.rows(model) * model.block_size * model.n_embd * k
+    act = formulas.pp_send_bytes(formulas.Chunk(0, True, False), layout.rows(model), model.block_size // layout.cp,
+                                 model.n_embd, k, layout.tp if layout.sp else 1)  # one activation, forward
     hop = profile.comm_time("send", act, 2, place.pp_intra, ron) if layout.pp > 1 else 0.0
     makespan, busy = _simulated(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages,
                                 worst.f, worst.b, worst.w, hop)
     per_mb = layout.micro_batches * layout.virtual_stages
-    tp_time, z3_time = worst.tp * per_mb, worst.zero3 * per_mb
-    # data parallel: formulas.dp_bytes' payload, split over its calls, on the pp rank with the most
+    tp_time, z3_time, cp_time = worst.tp * per_mb, worst.zero3 * per_mb, worst.cp * per_mb
+    sizes = unit_sizes(model, layout, 0)
+    padded = [-(-n // layout.dp) * layout.dp for n in sizes]
+    calls = _dp_calls(model, layout, sizes, k, bucket_bytes)
+    # data parallel: formulas.dp_bytes' payload, split over its calls, on the pp rank with the most;
+    # ZeRO 0 all-reduces over dp x cp in one group, ZeRO 1-3 first all-reduce over cp (blocking)
+    dp_group = layout.dp * (layout.cp if layout.zero == 0 else 1)
+    if layout.cp > 1 and layout.zero >= 1:
+        cp_bytes = formulas.cp_grad_bytes(layout.zero, layout.micro_batches, sum(padded[:-1]), padded[-1], k)
+        n = calls["reduce_scatter"]  # one per unit reduced: the cp sum comes just before each
+        cp_time += n * profile.comm_time("all_reduce", cp_bytes / n, layout.cp, place.cp_intra, ron)
     dp_exposed = 0.0
-    if layout.dp > 1:
-        sizes = unit_sizes(model, layout, 0)
-        padded = [-(-n // layout.dp) * layout.dp for n in sizes]
+    if dp_group > 1:
         total = formulas.dp_bytes(layout.zero, layout.micro_batches, sum(padded[:-1]), padded[-1], k, sched.split_backward)
-        calls = _dp_calls(model, layout, sizes, k, bucket_bytes)
         backward = layout.micro_batches * (worst.b + worst.w) if layout.zero >= 2 else worst.b + worst.w
         for op, nbytes in total.items():
             if op == "all_gather" and layout.zero == 3:
@@ -190,7 +303,7 @@ def predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byte
             n = calls.get(op, 0)
             if not n or not nbytes:
                 continue
-            one = profile.comm_time(op, nbytes / n, layout.dp, place.dp_intra, ron)
+            one = profile.comm_time(op, nbytes / n, dp_group, place.dp_intra, ron)
             if op == "all_gather" or not profile.overlap:
                 dp_exposed += n * one  # after the optimiser step / no progress during backward
             else:
@@ -199,20 +312,27 @@ def predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byte
     if layout.pp > 1:  # the tied embedding's gradient, summed between the first and last stage
         tied = formulas.padded_vocab(model.vocab_size, layout.tp) // layout.tp * model.n_embd * k
         other += profile.comm_time("all_reduce", tied, 2, place.pp_intra, ron)
-    for group in (layout.pp * layout.dp, layout.pp * layout.tp * (layout.dp if layout.zero else 1)):  # loss, norm
+    shape = layout.shape
+    for axes in (formulas.loss_axes(shape), formulas.norm_axes(shape, layout.zero)):  # the loss, the gradient norm
+        group = math.prod(shape[a] for a in axes)
         other += profile.comm_time("all_reduce", formulas.SCALAR, group, place.pp_intra and place.dp_intra, ron)
-    sizes0 = unit_sizes(model, layout, 0)
-    state = sum(-(-n // layout.dp) for n in sizes0) if layout.zero >= 1 else sum(sizes0)
+    if layout.sp:  # the LayerNorm gradients, partial sums over tp, all-reduced once per step (this dp shard's)
+        ln = (2 * (model.n_layer // layout.pp) + int(layout.pp == 1)) * model.n_embd * (2 if model.bias else 1)
+        tp_time += profile.comm_time("all_reduce", -(-ln // layout.dp) * k if layout.zero else ln * k, layout.tp,
+                                     place.tp_intra, ron)
+    state = sum(-(-n // layout.dp) for n in sizes) if layout.zero >= 1 else sum(sizes)
     optimizer = profile.elementwise_time("adamw", state, ron) + profile.elementwise_time("copy", state, ron)  # + the norm's dot
     pp_exposed = max(0.0, makespan - busy) if layout.pp > 1 else 0.0
     bubble_ideal = _simulated(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages,
                               worst.f, worst.b, worst.w, 0.0)[0] - busy
     pp_comm = max(0.0, pp_exposed - bubble_ideal)
-    compute = busy - tp_time - z3_time
-    total = makespan + dp_exposed + other + optimizer
+    compute = busy - (worst.tp + worst.zero3 + worst.cp) * per_mb
+    ln_tp = tp_time - worst.tp * per_mb  # sp's once-per-step LayerNorm all-reduce, after the pipeline
+    cp_grads = cp_time - worst.cp * per_mb  # ZeRO 1-3's cp gradient sums, after the backward
+    total = makespan + dp_exposed + other + optimizer + ln_tp + cp_grads
     return StepTime(
         compute=compute,
-        comm={"tp": tp_time, "pp": pp_comm, "dp": dp_exposed + z3_time, "other": other},
+        comm={"tp": tp_time, "cp": cp_time, "pp": pp_comm, "dp": dp_exposed + z3_time, "other": other},
         bubble=max(0.0, bubble_ideal),
         optimizer=optimizer,
         total=total,
