@@ -16,9 +16,9 @@ attention hides each K/V hop behind the attention of one chunk pair, (T/cp)² wo
 T/cp tokens sent, so short chunks leave the hops exposed, and below ~1k tokens a sequence's
 activations are too small for splitting them to be what makes a model fit (Megatron-LM
 turns cp on from 8k-token contexts). On gpt3-175b (2048 tokens) that keeps cp = 1 and 2.
-It also runs tp with sequence parallelism only: sp moves the same bus bytes as plain tp (an
-all-reduce is a reduce-scatter plus an all-gather) and holds less, so plain tp is never
-faster nor smaller in the model; and `numesh.plan.plan` keeps, of the layouts that differ
+Sequence parallelism is tried off and on at every scale: it holds a block's activations
+1/tp but gathers each LayerNorm's slice again in backward (about 25 % more tp bytes), so
+neither dominates. `numesh.plan.plan` keeps, of the layouts that differ
 only in recomputation, the least recomputation that fits (`least_recompute`).
 """
 
@@ -59,7 +59,7 @@ def _cp_sizes(model: ModelSpec, rest: int, ranks: int) -> list[int]:
 
 def candidates(model: ModelSpec, ranks: int) -> Iterator[Layout]:
     """Layouts to try (some invalid: check_layout decides)."""
-    sp_choices = (False, True) if ranks <= SCALE_RANKS else (True,)
+    sp_choices = (False, True)
     for layout in _meshes_and_schedules(model, ranks):
         for sp in (sp_choices if layout.tp > 1 else (False,)):
             for r in RECOMPUTE:
