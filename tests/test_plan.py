@@ -26,7 +26,8 @@ from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.memory import layout_memory, rank_memory
 from numesh.plan.pipesim import makespan_and_busy
 from numesh.plan.search import _cp_sizes, candidates, least_recompute, train_config, valid_layouts
-from numesh.plan.timing import attention_cost, placement, predict_time, ring_hop_bytes
+from numesh.plan.calibrate import KERNELS, fit_scale_and_overhead
+from numesh.plan.timing import Placement, attention_cost, block_cost, placement, predict_time, ring_hop_bytes
 from numesh.threads import threads
 from numesh.train import TrainConfig, Trainer, validate
 from numesh_cli.app import app
@@ -305,6 +306,62 @@ def test_measured_profile_round_trip_and_lookup(tmp_path: Path) -> None:
     assert back.gemm_time(1, 64, 64, 64, 4) == pytest.approx(2e-4)  # 4 ranks share 2 cores: twice as slow as 2
     assert back.comm_time("all_reduce", 1e6, 2, True, 2) == pytest.approx(1e-3)
     assert back.comm_time("reduce_scatter", 1e6, 2, True, 2) == pytest.approx(5e-4)
+
+
+def test_in_situ_scale_and_call_overhead_apply_and_round_trip(tmp_path: Path) -> None:
+    """The fitted step terms scale every measured kernel and add one overhead per block
+    action; an older profile without them loads with 1 and 0."""
+    meas = Measured(2, 1, {"1,64,64,64": 1e-4}, ((1e3, 1e-6), (1e9, 1e-2)),
+                    {k: ((10.0, 1e-6), (1e6, 1e-3)) for k in KERNELS},
+                    {"all_reduce:2": ((8.0, 1e-5), (1e6, 1e-3)), "send": ((8.0, 1e-5), (1e6, 5e-4))})
+    fitted = attrs.evolve(meas, in_situ=1.5, call_overhead_s=2e-4)
+    prof = Profile(name="local", source="test", cores=2, measured={2: fitted})
+    back = load_profile(str(save_profile(prof, tmp_path / "p.json")))
+    assert back == prof
+    assert back.gemm_time(1, 64, 64, 64, 2) == pytest.approx(1.5e-4)
+    assert back.elementwise_time("copy", 1e6, 2) == pytest.approx(1.5e-3)
+    assert back.comm_time("all_reduce", 1e6, 2, True, 2) == pytest.approx(1e-3)  # communication is not scaled
+    assert back.call_overhead(2) == 2e-4 and back.call_overhead(4) == pytest.approx(4e-4)  # 4 ranks share 2 cores
+    plain = attrs.evolve(prof, measured={2: meas})
+    d = plain.to_json()
+    for m in d["measured"].values():
+        del m["in_situ"], m["call_overhead_s"]
+    assert profile_from_json(d, "old") == plain
+    model = ModelSpec(2, 2, 64, 64, 65, 8)
+    for split in (False, True):
+        place = Placement(2, True, True, True, True)
+        lay = Layout(1, 1, 1, 0, "zb-h1" if split else "1f1b", 1)
+        without = block_cost(model, lay, attrs.evolve(prof, measured={2: attrs.evolve(fitted, call_overhead_s=0.0)}),
+                             place, split)
+        with_ = block_cost(model, lay, prof, place, split)
+        assert with_.f - without.f == pytest.approx(2e-4) and with_.b - without.b == pytest.approx(2e-4)
+        assert with_.w - without.w == pytest.approx(2e-4 if split else 0.0)
+
+
+def test_fit_scale_and_overhead() -> None:
+    # T = 1.5 K + 0.1 A on both points: solved exactly
+    assert fit_scale_and_overhead([(20.0, 8, 30.8), (21.0, 32, 34.7)]) == pytest.approx((1.5, 0.1))
+    # a negative overhead (noise) falls back to the ratio of the sums, no overhead
+    assert fit_scale_and_overhead([(20.0, 8, 40.0), (21.0, 32, 30.0)]) == pytest.approx((70.0 / 41.0, 0.0))
+    assert fit_scale_and_overhead([(20.0, 8, 30.0)]) == pytest.approx((1.5, 0.0))
+
+
+def test_fit_steps_on_real_steps(char_dataset: Path, tmp_path: Path) -> None:
+    """Calibration's last part trains the model on this rank at two micro-batch counts and
+    fits T = in_situ·K + overhead·A to them; without a dataset it keeps the kernel times."""
+    from mpi4py import MPI
+
+    from numesh.plan.calibrate import _kernel_time, fit_steps
+
+    base = TrainConfig(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=2, n_head=2, n_embd=32,
+                       block_size=16, batch_size=4)
+    model = ModelSpec(2, 2, 32, 16, 65, 4)
+    kernels = Measured(1, 1, {}, ((1e3, 1e-7), (1e9, 1e-2)), {k: ((10.0, 1e-7), (1e6, 1e-3)) for k in KERNELS}, {})
+    meas = fit_steps(MPI.COMM_SELF, base, model, kernels)
+    assert meas.in_situ > 0 and meas.call_overhead_s >= 0 and (meas.in_situ, meas.call_overhead_s) != (1.0, 0.0)
+    bare = fit_steps(MPI.COMM_SELF, attrs.evolve(base, data=str(tmp_path / "none")), model, kernels)
+    assert (bare.in_situ, bare.call_overhead_s) == (1.0, 0.0)  # no dataset: nothing fitted
+    assert _kernel_time(model, meas, 4, 4) > _kernel_time(model, meas, 4, 1) > 0  # the fit's two points differ
 
 
 @pytest.mark.parametrize("text, match", [

@@ -56,6 +56,10 @@ class Measured:
     gemm_curve: Points  # (FLOPs, seconds) of square-ish GEMMs, for shapes not in `gemm`
     elementwise: dict[str, Points]  # kernel -> (elements, seconds)
     collectives: dict[str, Points]  # "all_reduce:n" (n ranks per group, all groups at once), "send" -> (bytes, seconds)
+    # fitted on real training steps (`numesh.plan.calibrate.fit_steps`): measured kernel
+    # times x `in_situ` + `call_overhead_s` per block action (F, B or W) = a step's time
+    in_situ: float = 1.0
+    call_overhead_s: float = 0.0
 
 
 @attrs.frozen
@@ -98,8 +102,8 @@ class Profile:
             return flops / (self.peak_flops * self.gemm_efficiency)
         hit = meas.gemm.get(f"{b},{m},{k},{n}")
         if hit is not None:
-            return hit * scale
-        return costs.interp_time(meas.gemm_curve, flops) * scale
+            return hit * scale * meas.in_situ
+        return costs.interp_time(meas.gemm_curve, flops) * scale * meas.in_situ
 
     def elementwise_time(self, kernel: str, elements: float, ranks_on_node: int) -> float:
         """Seconds of numesh's element-wise `kernel` over `elements` values on one rank."""
@@ -108,7 +112,13 @@ class Profile:
         meas, scale = self.for_ranks(ranks_on_node)
         if meas is None:
             return PASSES[kernel] * elements * self.itemsize / self.mem_bandwidth
-        return costs.interp_time(meas.elementwise[kernel], elements) * scale
+        return costs.interp_time(meas.elementwise[kernel], elements) * scale * meas.in_situ
+
+    def call_overhead(self, ranks_on_node: int) -> float:
+        """Seconds a block action (F, B or W) costs beyond its kernels: the Python between
+        them, as fitted on real steps (0 on spec-sheet profiles)."""
+        meas, scale = self.for_ranks(ranks_on_node)
+        return 0.0 if meas is None else meas.call_overhead_s * scale
 
     def comm_time(self, op: str, payload: float, n: int, intra: bool, ranks_on_node: int) -> float:
         """Seconds of one collective (or a send, n=2) of `payload` bytes over a group of n ranks."""
@@ -164,6 +174,7 @@ def profile_from_json(d: dict[str, Any], where: str) -> Profile:
                 gemm_curve=_points(m["gemm_curve"]),
                 elementwise={k: _points(v) for k, v in m["elementwise"].items()},
                 collectives={k: _points(v) for k, v in m["collectives"].items()},
+                in_situ=float(m.get("in_situ", 1.0)), call_overhead_s=float(m.get("call_overhead_s", 0.0)),
             )
             for n, m in d.get("measured", {}).items()
         }

@@ -190,6 +190,8 @@ def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
     bw += 2 * ew("layernorm_bwd", ln, ron) + ew("gelu_bwd", 4 * bt * C // tp, ron)
     bw += ew("copy", 2 * ln + 5 * bt * C // tp, ron)  # dq, dk, dv packed, heads split, dq scaled, two adds
     w = _gemms(profile, [(1, C, bt, 3 * C // tp), (1, C // tp, bt, C), (1, C, bt, 4 * C // tp), (1, 4 * C // tp, bt, C)], ron)
+    call = profile.call_overhead(ron)  # each of F, B (and W apart) pays it once
+    f, bw, w = f + call, bw + call, w + (call if split else 0.0)
     tp_half = tp_block_comm(model, layout, profile, place, formulas.Chunk(1, False, False)) / 2  # half F, half B
     gather = 0.0
     if layout.zero == 3 and layout.dp > 1:
