@@ -84,7 +84,7 @@ def norm_gather_fwd(p: LayerNorm, x: np.ndarray, mesh: Mesh) -> tuple[np.ndarray
     h, ctx = layernorm_fwd(p, x)
     if not mesh.sequence_parallel:
         return h, ctx
-    return norm_output(p, gather_from_sequence_parallel_region(ctx[0], mesh)), ctx
+    return norm_regather(p, ctx, mesh), ctx
 
 
 def norm_output(p: LayerNorm, xhat: np.ndarray) -> np.ndarray:

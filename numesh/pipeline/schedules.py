@@ -379,31 +379,54 @@ def simulate(s: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0, 
         return each.get((kind, mb, stage), over.get((kind, stage), base[kind]))
 
     p = s.p
-    done: dict[tuple[str, int, int], float] = {}  # (kind, mb, global stage) -> end time
-    nxt = [0] * p
+    order = ready_order(s)
+    end = [0.0] * len(order)
     free = [0.0] * p
     spans: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    for i, st in enumerate(order):
+        start = max([free[st.rank]] + [end[d] + (c["comm"] if cross else 0.0) for d, cross in st.deps])
+        end[i] = start + cost_of(st.action.kind, st.action.mb, st.stage)
+        spans[st.rank].append((start, end[i]))
+        free[st.rank] = end[i]
+    makespan = max(free) if p else 0.0
+    return Timeline(schedule=s, intervals=tuple(tuple(x) for x in spans), makespan=makespan)
+
+
+@attrs.frozen
+class ReadyAction:
+    """One action of `ready_order`: where it runs and the positions it waits for."""
+
+    rank: int
+    action: Action
+    stage: int  # global stage
+    deps: tuple[tuple[int, bool], ...]  # (position in the order of a dependency, on another rank?)
+
+
+def ready_order(s: Schedule) -> tuple[ReadyAction, ...]:
+    """Every action of `s` once, each after its rank's previous one and after what it waits
+    for (module docstring): the order `simulate` runs them in. It does not depend on the
+    costs, so a caller simulating one schedule many times (the planner) builds it once.
+    Raises :class:`ScheduleError` naming what each stuck rank waits for when the lists deadlock."""
+    where: dict[tuple[str, int, int], int] = {}  # (kind, mb, global stage) -> position in the order
+    order: list[ReadyAction] = []
+    nxt = [0] * s.p
     progress = True
     while progress:
         progress = False
-        for r in range(p):
+        for r in range(s.p):
             acts = s.actions[r]
             while nxt[r] < len(acts):
                 a = acts[nxt[r]]
                 ds = _deps(s, r, a)
-                if any(key not in done for key, _ in ds):
+                if any(key not in where for key, _ in ds):
                     break
-                start = max([free[r]] + [done[key] + (c["comm"] if dr != r else 0.0) for key, dr in ds])
                 k = s.stage(r, a.chunk)
-                end = start + cost_of(a.kind, a.mb, k)
-                done[(a.kind, a.mb, k)] = end
-                spans[r].append((start, end))
-                free[r] = end
+                where[(a.kind, a.mb, k)] = len(order)
+                order.append(ReadyAction(r, a, k, tuple((where[key], dr != r) for key, dr in ds)))
                 nxt[r] += 1
                 progress = True
-    _raise_if_stuck(s, nxt, done)
-    makespan = max(free) if p else 0.0
-    return Timeline(schedule=s, intervals=tuple(tuple(x) for x in spans), makespan=makespan)
+    _raise_if_stuck(s, nxt, where)
+    return tuple(order)
 
 
 def _deps(s: Schedule, rank: int, a: Action) -> list[tuple[tuple[str, int, int], int]]:
