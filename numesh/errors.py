@@ -7,7 +7,11 @@ bug or a fault and aborts the whole MPI job with a rank-tagged traceback.
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import time
+from typing import Any, NoReturn
 
 
 class UserError(ValueError):
@@ -60,3 +64,39 @@ class Interrupted(KeyboardInterrupt):
             name = f"signal {signum}"
         saved = f"checkpoint saved to {checkpoint}" if checkpoint else f"no checkpoint saved{why_not}"
         super().__init__(f"interrupted at step {step} by {name}: {saved}")
+
+
+def abort_job(comm: Any, code: int) -> NoReturn:
+    """End every rank of an MPI job with `code`, after what this rank printed reached the user.
+
+    Under mpiexec a rank's stderr is a pipe that the launcher's proxy reads; MPI_Abort makes
+    the proxy kill the job, and bytes still in the pipe are lost (CI once lost a flight
+    recorder diagnosis this way). So wait until the pipe is empty (FIONREAD, at most 2 s),
+    then 0.3 s for the proxy to pass it on, and only then `comm.Abort(code)`.
+    """
+    sys.stderr.flush()
+    _drain_stderr_pipe(max_s=2.0, settle_s=0.3)
+    try:
+        comm.Abort(code)
+    finally:
+        os._exit(code)
+
+
+def _drain_stderr_pipe(max_s: float, settle_s: float) -> None:
+    try:
+        import fcntl
+        import termios
+
+        fd = sys.stderr.fileno()
+        if "pipe" not in os.readlink(f"/proc/self/fd/{fd}"):
+            return  # a terminal or a file keeps what was written
+        unread = bytearray(4)
+        end = time.monotonic() + max_s
+        while time.monotonic() < end:
+            fcntl.ioctl(fd, termios.FIONREAD, unread)
+            if int.from_bytes(unread, sys.byteorder) == 0:
+                break
+            time.sleep(0.02)
+        time.sleep(settle_s)
+    except (OSError, ValueError, ImportError):  # not Linux, or stderr is closed: nothing to wait for
+        return

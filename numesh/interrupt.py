@@ -43,7 +43,7 @@ from typing import Iterator
 import numpy as np
 from mpi4py import MPI
 
-from numesh.errors import Interrupted
+from numesh.errors import Interrupted, abort_job
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 GRACE_S = 5.0  # to finish the step in progress and agree (at least: twice the longest step if that is longer)
@@ -219,8 +219,5 @@ class InterruptWatch:
         if self._closing:
             return
         print(f"[rank {MPI.COMM_WORLD.Get_rank()}] interrupted: {why}", file=sys.stderr, flush=True)
-        try:
-            self.comm.Abort(Interrupted.EXIT_CODE)
-        finally:
-            os._exit(Interrupted.EXIT_CODE)
+        abort_job(self.comm, Interrupted.EXIT_CODE)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from numesh.errors import ConfigError
+from numesh.errors import ConfigError, abort_job
 
 LOCK_FILE = ".lock"
 RUN_FILES = ("config.json", "metrics.jsonl")  # what makes a directory a run's
@@ -92,7 +92,7 @@ class RunDir:
             msg = f"cannot write {self.out / 'metrics.jsonl'}: {e.strerror or e}"
             if self.comm.Get_size() > 1:  # only rank 0 writes: the others would wait for it forever
                 print(f"error: {msg}", file=sys.stderr, flush=True)
-                self.comm.Abort(2)
+                abort_job(self.comm, 2)
             raise MetricsWriteError(msg) from None
 
     def close(self) -> None:

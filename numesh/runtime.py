@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from numesh.errors import Interrupted
+from numesh.errors import Interrupted, abort_job
 from numesh.threads import over_batch, set_threads, threads
 
 T = TypeVar("T")
@@ -181,7 +181,7 @@ def guarded(fn: Callable[[], T], user_errors: tuple[type[BaseException], ...] = 
     except KeyboardInterrupt:
         if comm.Get_size() > 1:
             print(f"[rank {comm.Get_rank()}] interrupted", file=sys.stderr, flush=True)
-            comm.Abort(Interrupted.EXIT_CODE)
+            abort_job(comm, Interrupted.EXIT_CODE)
         print("interrupted", file=sys.stderr, flush=True)
         raise SystemExit(Interrupted.EXIT_CODE) from None
     except SystemExit:
@@ -191,5 +191,5 @@ def guarded(fn: Callable[[], T], user_errors: tuple[type[BaseException], ...] = 
         lines = traceback.format_exc().rstrip().splitlines()
         print("\n".join(f"[rank {rank}] {line}" for line in lines), file=sys.stderr, flush=True)
         if comm.Get_size() > 1:
-            comm.Abort(1)
+            abort_job(comm, 1)
         raise SystemExit(1) from None

@@ -46,6 +46,7 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
+from numesh.errors import abort_job
 from numesh.mesh.mesh import AXES, AxisNames, Group, axis_names
 from numesh.mesh.observe import Observer, SkipCall
 
@@ -620,37 +621,7 @@ class FlightRecorder(Observer):
             _write_atomic(self.dir / "diagnosis.txt", text + "\n")
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
-            _drain_stderr()
         except BaseException as e:  # the abort below must happen whatever went wrong here
             print(f"[rank {self.rank}] flight recorder: diagnosis failed: {e!r}; aborting", file=sys.stderr, flush=True)
-        try:
-            MPI.COMM_WORLD.Abort(EXIT_CODE)
-        finally:
-            os._exit(EXIT_CODE)
+        abort_job(MPI.COMM_WORLD, EXIT_CODE)
 
-
-def _drain_stderr(max_s: float = 2.0, settle_s: float = 0.3) -> None:
-    """Give the launcher time to forward what this rank wrote to stderr before MPI_Abort.
-
-    Under mpiexec a rank's stderr is a pipe read by the launcher's proxy; Abort makes the
-    proxy kill the job, and bytes still in the pipe are lost (CI saw the diagnosis in
-    diagnosis.txt but not on the terminal once in ~100 faulted jobs). Wait until the pipe
-    is empty (FIONREAD), at most `max_s`, then `settle_s` for the proxy to pass it on.
-    """
-    try:
-        import fcntl
-        import termios
-
-        fd = sys.stderr.fileno()
-        if not os.path.exists(f"/proc/self/fd/{fd}") or "pipe" not in os.readlink(f"/proc/self/fd/{fd}"):
-            return
-        buf = bytearray(4)
-        end = time.monotonic() + max_s
-        while time.monotonic() < end:
-            fcntl.ioctl(fd, termios.FIONREAD, buf)
-            if int.from_bytes(buf, sys.byteorder) == 0:
-                break
-            time.sleep(0.02)
-        time.sleep(settle_s)
-    except (OSError, ValueError, ImportError):
-        return
