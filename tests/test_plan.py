@@ -211,7 +211,7 @@ def test_time_model_single_rank_is_micro_batches_times_a_pass() -> None:
     two = predict_time(model, Layout(1, 1, 1, 0, "1f1b", 2), prof)
     # GEMMs and element-wise work are linear in tokens on a spec profile: same compute
     assert two.compute == pytest.approx(one.compute, rel=1e-9)
-    assert one.comm == {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0, "other": 0.0} and one.bubble == 0.0
+    assert one.comm == {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0, "other": 0.0, "wait": 0.0} and one.bubble == 0.0
     assert one.total == pytest.approx(one.compute + one.optimizer)
     # the model's FLOPs over the achieved rate bound the compute from below
     flops = 6 * model.n_params * model.tokens_per_step
@@ -440,3 +440,77 @@ def test_cli_missing_local_profile(char_dataset: Path, tmp_path: Path, monkeypat
     monkeypatch.setenv("NUMESH_PROFILE_DIR", str(tmp_path / "none"))
     res = invoke(["--ranks", "2", "--data", str(char_dataset)])
     assert res.exit_code == 2 and "run `numesh plan --calibrate`" in res.stderr
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_the_fit_predicts_the_steps_it_was_fitted_on(ranks: int) -> None:
+    """Calibration fits T = in_situ·K + overhead·A with K the kernel-time prediction of a
+    one-rank step; the planner must then predict exactly that T for the same step (one
+    rank alone, `ranks` sharing the node), so K has to count everything the planner counts,
+    the weight gradients included, and A every F and B action of the step."""
+    from numesh.plan.calibrate import _kernel_time
+    from numesh.plan.timing import Placement
+
+    model = ModelSpec(4, 4, 128, 64, 65, 8)
+    kernels = Measured(ranks, 1, {}, ((1e3, 1e-7), (1e9, 1e-2)), {k: ((10.0, 1e-7), (1e6, 1e-3)) for k in KERNELS}, {})
+    fitted = attrs.evolve(kernels, in_situ=1.7, call_overhead_s=3e-4)
+    prof = Profile(name="t", source="", itemsize=4, cores=2, measured={ranks: fitted})
+    for m in (1, 2, 8):
+        step = predict_time(model, Layout(1, 1, 1, 0, "1f1b", m), prof, place=Placement(ranks, True, True, True, True))
+        assert step.total == pytest.approx(1.7 * _kernel_time(model, kernels, 4, m) + 3e-4 * m * 2 * model.n_layer)
+        split = block_cost(model, Layout(1, 1, 1, 0, "1f1b", m), attrs.evolve(prof, measured={ranks: kernels}),
+                           Placement(ranks, True, True, True, True), False)
+        assert split.w > 0  # the weight gradients are real work, inside K
+        assert _kernel_time(model, kernels, 4, m) > m * model.n_layer * (split.f + split.b)
+
+
+def _measured_profile(ranks: int, **fit) -> Profile:
+    curve = ((8.0, 5e-6), (1e6, 1e-4), (1e8, 1e-2))
+    meas = Measured(ranks, 1, {}, ((1e3, 1e-7), (1e9, 1e-2)), {k: ((10.0, 1e-7), (1e6, 1e-3)) for k in KERNELS},
+                    {f"all_reduce:{g}": curve for g in (2, 4) if ranks % g == 0} | {"send": curve}, **fit)
+    return Profile(name="t", source="", itemsize=4, cores=2, measured={ranks: meas})
+
+
+def test_blocking_calls_are_counted_where_ranks_wait_for_each_other() -> None:
+    """`blocking_calls` counts the collectives and ring hops of a step (not pipeline sends,
+    whose waits the schedule's simulation already holds): tp's four all-reduces per block
+    and micro-batch, more with sp, dp's few buckets, cp's hops even when their transfer
+    hides behind attention."""
+    from numesh.plan.timing import blocking_calls
+
+    model = ModelSpec(4, 4, 128, 64, 65, 16)
+    prof = _measured_profile(2)
+    place = Placement(2, True, True, True, True)
+    calls = lambda lay: blocking_calls(model, lay, prof, place)  # noqa: E731
+    assert calls(Layout(1, 1, 1, 0, "1f1b", 1)) == pytest.approx(0.0, abs=1e-6)
+    tp1, tp2 = calls(Layout(1, 2, 1, 0, "1f1b", 1)), calls(Layout(1, 2, 1, 0, "1f1b", 2))
+    assert tp2 - tp1 == pytest.approx(4 * model.n_layer + 4, abs=1e-3)  # per micro-batch: blocks, lookup, head, 2 in the loss
+    assert calls(Layout(1, 2, 1, 0, "1f1b", 1, sp=True)) > tp1
+    dp = calls(Layout(2, 1, 1, 0, "1f1b", 1))
+    assert 1 <= dp <= 5  # buckets of gradients, the loss and the norm
+    assert calls(Layout(2, 1, 1, 3, "1f1b", 1)) > dp + 2 * model.n_layer  # ZeRO-3 gathers each block in F and B
+    assert calls(Layout(1, 1, 1, 0, "1f1b", 1, cp=2)) >= 2 * model.n_layer  # a hop per block forward and backward
+    assert calls(Layout(1, 1, 2, 0, "1f1b", 4)) == pytest.approx(3.0)  # tied embedding, loss, norm: no sends
+
+
+@pytest.mark.parametrize("sync_s, sync_share, bound", [(1e-4, 10.0, "calls"), (10.0, 0.05, "compute")])
+def test_the_wait_is_the_smaller_of_per_call_and_per_compute(sync_s: float, sync_share: float, bound: str) -> None:
+    from numesh.plan.timing import blocking_calls
+
+    model = ModelSpec(4, 4, 128, 64, 65, 16)
+    lay, place = Layout(1, 2, 1, 0, "1f1b", 2), Placement(2, True, True, True, True)
+    bare = predict_time(model, lay, _measured_profile(2), place=place)
+    fitted = predict_time(model, lay, _measured_profile(2, sync_s=sync_s, sync_share=sync_share), place=place)
+    calls = blocking_calls(model, lay, _measured_profile(2), place)
+    want = sync_s * calls if bound == "calls" else sync_share * bare.compute
+    assert fitted.comm["wait"] == pytest.approx(want, rel=1e-6) and bare.comm["wait"] == 0.0
+    assert fitted.total == pytest.approx(bare.total + want, rel=1e-9)
+
+
+def test_a_profile_keeps_its_fitted_waits_and_not_the_probe(tmp_path: Path) -> None:
+    prof = _measured_profile(2, sync_s=2e-4, sync_share=0.1)
+    prof = attrs.evolve(prof, measured={2: attrs.evolve(prof.measured[2], call_probe_s=1.0)})
+    save_profile(prof, tmp_path / "p.json")
+    assert "call_probe_s" not in (tmp_path / "p.json").read_text()
+    back = load_profile(str(tmp_path / "p.json")).measured[2]
+    assert (back.sync_s, back.sync_share, back.call_probe_s) == (2e-4, 0.1, 0.0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -31,9 +32,8 @@ from numesh.nn.layers import LayerNorm, gelu_bwd, gelu_fwd, layernorm_bwd, layer
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
 from numesh.plan.hardware import Measured, Profile, load_profile, save_profile
 from numesh.plan.layout import Layout, ModelSpec
-from numesh.plan.search import valid_layouts
-from numesh.plan.memory import unit_sizes
-from numesh.plan.timing import Placement, block_cost, chunk_costs, outer_cost, placement
+from numesh.plan.search import train_config, valid_layouts
+from numesh.plan.timing import Placement, block_cost, blocking_calls, outer_cost, placement, predict_time
 from numesh.threads import threads as numesh_threads
 from numesh.train import TrainConfig
 
@@ -204,15 +204,14 @@ def calibrate(base: TrainConfig, model: ModelSpec, comm: MPI.Comm | None = None,
 
 def _kernel_time(model: ModelSpec, measured: Measured, itemsize: int, m: int) -> float:
     """Predicted seconds of a one-rank step of `m` micro-batches from the kernel times
-    alone (in_situ 1, no call overhead), with `measured.ranks` ranks sharing the node."""
+    alone (in_situ 1, no call overhead), with `measured.ranks` ranks sharing the node: the
+    planner's own `predict_time`, so that the fit and the predictions count the same work
+    (a copy of it here once left out the weight gradients, and every plan came out ~20 %
+    slow on 2 ranks)."""
     prof = Profile(name="fit", source="", itemsize=itemsize, cores=os.cpu_count() or 1,
                    measured={measured.ranks: attrs.evolve(measured, in_situ=1.0, call_overhead_s=0.0)})
-    lay = Layout(1, 1, 1, 0, "1f1b", m)
     place = Placement(measured.ranks, True, True, True, True)
-    chunk = chunk_costs(model, lay, prof, place, False)[0]
-    state = sum(unit_sizes(model, lay, 0))
-    n = measured.ranks
-    return m * (chunk.f + chunk.b) + prof.elementwise_time("adamw", state, n) + prof.elementwise_time("copy", state, n)
+    return predict_time(model, Layout(1, 1, 1, 0, "1f1b", m), prof, place=place).total
 
 
 def _step_time(comm: MPI.Comm, cfg: TrainConfig, warmup: int = 2, steps: int = 5) -> float:
@@ -273,7 +272,71 @@ def fit_steps(comm: MPI.Comm, base: TrainConfig, model: ModelSpec, measured: Mea
     s, c = fit_scale_and_overhead(points)
     log(f"steps measured {', '.join(f'{t * 1e3:.1f} ms' for _, _, t in points)} against kernel sums "
         f"{', '.join(f'{k * 1e3:.1f} ms' for k, _, _ in points)}: in situ x{s:.3f}, {c * 1e6:.0f} us per block action")
-    return attrs.evolve(measured, in_situ=s, call_overhead_s=c)
+    return fit_sync(comm, base, model, attrs.evolve(measured, in_situ=s, call_overhead_s=c), log)
+
+
+def sync_layout(model: ModelSpec, ranks: int) -> Layout | None:
+    """The mesh `fit_sync` measures on `ranks` ranks: tp as wide as the heads allow (a
+    blocking all-reduce after every attention and MLP), the rest dp; without tp, dp alone
+    under ZeRO-3 (a gather per block in F and B). None on one rank."""
+    if ranks < 2:
+        return None
+    tp = max(t for t in range(1, ranks + 1) if ranks % t == 0 and model.n_head % t == 0)
+    dp = ranks // tp
+    if tp > 1:
+        return Layout(dp, tp, 1, 0, "1f1b", 1) if model.batch_size % dp == 0 else None
+    return Layout(dp, 1, 1, 3, "1f1b", 1) if model.batch_size % dp == 0 else None
+
+
+def fit_sync(comm: MPI.Comm, base: TrainConfig, model: ModelSpec, measured: Measured,
+             log: Callable[[str], None] = lambda s: None) -> Measured:
+    """`measured` with `sync_s` and `sync_share` fitted on a real step of `sync_layout`: the
+    collectives timed back to back in calibration find every rank already there, while in a
+    step the ranks drift apart between calls and each blocking call waits for the last one
+    (2-core VM, 2 ranks: a tp=2 step took ~8 % longer than predicted). The step's extra time
+    over the prediction is spread over its blocking calls (`sync_s`, the wait of one call
+    after a whole block's work) and over its compute (`sync_share`, for layouts whose calls
+    come after less work each: with sp, or more micro-batches)."""
+    n = comm.Get_size()
+    lay = sync_layout(model, n)
+    if lay is None:
+        return measured
+    prof = Profile(name="fit", source="", itemsize=np.dtype(base.dtype).itemsize, cores=os.cpu_count() or 1,
+                   measured={n: attrs.evolve(measured, sync_s=0.0, sync_share=0.0)})
+    place = Placement(n, True, True, True, True)
+    step = predict_time(model, lay, prof, place=place)
+    calls = blocking_calls(model, lay, prof, place)
+    cfg = attrs.evolve(train_config(base, lay), collective_timeout=0.0, peak_flops=1e12, eval_interval=10**9,
+                       max_iters=10**6)
+    t = _mesh_step_time(comm, cfg)
+    extra = max(0.0, t - step.total)
+    q, r = (extra / calls, extra / step.compute) if calls > 0 else (0.0, 0.0)
+    log(f"a {lay.mesh} step measured {t * 1e3:.1f} ms against {step.total * 1e3:.1f} ms predicted: its "
+        f"{calls:.0f} blocking calls waited {q * 1e6:.0f} us each ({r * 100:.1f} % of its compute)")
+    return attrs.evolve(measured, sync_s=q, sync_share=r)
+
+
+def _mesh_step_time(comm: MPI.Comm, cfg: TrainConfig, warmup: int = 2, steps: int = 9) -> float:
+    """Median over steps of the slowest rank's seconds of a training step of `cfg` on `comm`."""
+    from numesh.train import Trainer  # noqa: PLC0415  (a training run only here)
+
+    out = tempfile.mkdtemp() if comm.Get_rank() == 0 else None
+    out = comm.bcast(out)
+    try:
+        trainer = Trainer(attrs.evolve(cfg, out=out), comm)
+        for _ in range(warmup):
+            trainer.train_step()
+        times = []
+        for _ in range(steps):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            trainer.train_step()
+            times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    finally:
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            shutil.rmtree(out, ignore_errors=True)
+    return statistics.median(times)
 
 
 def merged_profile(path: Path, measured: Measured, dtype: str) -> Profile:

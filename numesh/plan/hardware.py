@@ -60,6 +60,15 @@ class Measured:
     # times x `in_situ` + `call_overhead_s` per block action (F, B or W) = a step's time
     in_situ: float = 1.0
     call_overhead_s: float = 0.0
+    # fitted on a real step of a mesh (`numesh.plan.calibrate.fit_sync`): a blocking
+    # collective also waits for its group's last member to arrive (ranks drift apart between
+    # calls; with more ranks than cores, until each member is scheduled). The wait grows with
+    # the work done since the last call, so a step waits min(sync_s x calls, sync_share x
+    # compute): the first term rules where calls are few (dp), the second where they are many.
+    sync_s: float = 0.0
+    sync_share: float = 0.0
+    # added to every blocking call by `comm_time`: only `timing.predict_time` sets it, to count calls
+    call_probe_s: float = attrs.field(default=0.0, eq=False, repr=False)
 
 
 @attrs.frozen
@@ -121,12 +130,15 @@ class Profile:
         return 0.0 if meas is None else meas.call_overhead_s * scale
 
     def comm_time(self, op: str, payload: float, n: int, intra: bool, ranks_on_node: int) -> float:
-        """Seconds of one collective (or a send, n=2) of `payload` bytes over a group of n ranks."""
+        """Seconds of one collective (or a send, n=2) of `payload` bytes over a group of n ranks;
+        `exchange` is a send both partners wait in (a ring hop), blocking like a collective."""
+        blocking = op != "send"
+        op = "send" if op == "exchange" else op
         if payload <= 0 or (n <= 1 and op != "send"):
             return 0.0
         meas, _ = self.for_ranks(ranks_on_node)
         if meas is not None:
-            return self._measured_comm(meas, op, payload, n)
+            return self._measured_comm(meas, op, payload, n) + (meas.call_probe_s if blocking else 0.0)
         link = self.intra if intra else self.inter
         return costs.collective_time(op, payload, n, link.latency_s, link.bandwidth)
 
@@ -148,7 +160,7 @@ class Profile:
 
     def to_json(self) -> dict[str, Any]:
         d = attrs.asdict(self, recurse=True)
-        d["measured"] = {str(k): v for k, v in d["measured"].items()}
+        d["measured"] = {str(k): {f: x for f, x in v.items() if f != "call_probe_s"} for k, v in d["measured"].items()}
         return d
 
 
@@ -175,6 +187,7 @@ def profile_from_json(d: dict[str, Any], where: str) -> Profile:
                 elementwise={k: _points(v) for k, v in m["elementwise"].items()},
                 collectives={k: _points(v) for k, v in m["collectives"].items()},
                 in_situ=float(m.get("in_situ", 1.0)), call_overhead_s=float(m.get("call_overhead_s", 0.0)),
+                sync_s=float(m.get("sync_s", 0.0)), sync_share=float(m.get("sync_share", 0.0)),
             )
             for n, m in d.get("measured", {}).items()
         }

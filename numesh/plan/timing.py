@@ -66,7 +66,8 @@ class StepTime:
     """A predicted training step on the slowest rank (seconds)."""
 
     compute: float  # busy time of the slowest pipeline rank, less its tp communication
-    comm: dict[str, float]  # exposed communication by axis: tp, cp, pp, dp (with ZeRO-3's gathers), other
+    comm: dict[str, float]  # exposed communication by axis: tp, cp, pp, dp (with ZeRO-3's gathers), other, and
+    # "wait": blocking calls waiting for their groups' last members (measured profiles)
     bubble: float  # idle time of the pipeline schedule
     optimizer: float  # gradient norm and AdamW on this rank's state
     total: float
@@ -147,9 +148,12 @@ def attention_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Pl
     if ring:
         fwd, bwd = ring_hop_bytes(model, layout, profile.itemsize)
         per_pair_f, per_pair_b = f / len(pairs), bw / len(pairs)  # the block each hop hides behind
-        hop = lambda n: profile.comm_time("send", n, 2, place.cp_intra, ron)  # noqa: E731
-        cp_f = sum(max(0.0, hop(n) - per_pair_f) for n in fwd)
-        cp_b = sum(max(0.0, hop(n) - per_pair_b) for n in bwd)
+        # a hop's transfer hides behind a block of attention, but waiting for the partner to
+        # arrive (`exchange` less `send`: what predict_time counts blocking calls by) does not
+        send = lambda n: profile.comm_time("send", n, 2, place.cp_intra, ron)  # noqa: E731
+        wait = lambda n: profile.comm_time("exchange", n, 2, place.cp_intra, ron) - send(n)  # noqa: E731
+        cp_f = sum(max(0.0, send(n) - per_pair_f) + wait(n) for n in fwd)
+        cp_b = sum(max(0.0, send(n) - per_pair_b) + wait(n) for n in bwd)
     # selective recomputation reruns QK^T and the softmax; ring attention keeps no scores to drop
     scores = 0.0 if ring else qk + soft_f
     return Attention(f + cp_f, bw + cp_b, scores, cp_f, cp_b)
@@ -271,9 +275,43 @@ def _simulated(name: str, pp: int, m: int, v: int, t_f: float, t_b: float, t_w: 
     return makespan_and_busy(schedule_of(name, pp, m, v), t_f, t_b, t_w, hop)
 
 
-def predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_bytes: int = 1 << 20) -> StepTime:
-    """The predicted step of the slowest rank."""
-    place = placement(layout, profile)
+# what `predict_time` adds to each blocking call to count them (small: the count is the
+# derivative of the step time, and nothing in the model is non-linear in it)
+PROBE_S = 1e-6
+
+
+def predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_bytes: int = 1 << 20,
+                 place: Placement | None = None) -> StepTime:
+    """The predicted step of the slowest rank (`place`: where its ranks sit, by default as
+    `placement` puts them; calibration passes the rank count it measured with), with the
+    waits of its blocking calls for their groups' last members on a measured profile
+    (`Measured.sync_s`, `sync_share`) as comm["wait"]."""
+    place = placement(layout, profile) if place is None else place
+    step = _predict_time(model, layout, profile, bucket_bytes, place)
+    meas, _ = profile.for_ranks(place.ranks_on_node)
+    if meas is None or layout.ranks == 1 or not (meas.sync_s or meas.sync_share):
+        return step
+    probe = _probing(profile, meas, PROBE_S)
+    calls = max(0.0, _predict_time(model, layout, probe, bucket_bytes, place).total - step.total) / PROBE_S
+    wait = min(meas.sync_s * calls, meas.sync_share * step.compute)
+    return attrs.evolve(step, comm={**step.comm, "wait": wait}, total=step.total + wait)
+
+
+def blocking_calls(model: ModelSpec, layout: Layout, profile: Profile, place: Placement) -> float:
+    """How many blocking calls (collectives and ring hops, not pipeline sends) lie on the
+    predicted step's critical path, as `predict_time` counts them on a measured profile."""
+    meas, _ = profile.for_ranks(place.ranks_on_node)
+    if meas is None:
+        return 0.0
+    return max(0.0, _predict_time(model, layout, _probing(profile, meas, PROBE_S), 1 << 20, place).total
+               - _predict_time(model, layout, _probing(profile, meas, 0.0), 1 << 20, place).total) / PROBE_S
+
+
+def _probing(profile: Profile, meas: Measured, probe_s: float) -> Profile:
+    return attrs.evolve(profile, measured={**profile.measured, meas.ranks: attrs.evolve(meas, call_probe_s=probe_s)})
+
+
+def _predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_bytes: int, place: Placement) -> StepTime:
     ron, k = place.ranks_on_node, profile.itemsize
     sched = layout.sched
     costs = chunk_costs(model, layout, profile, place, sched.split_backward)
@@ -334,7 +372,7 @@ def predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byte
     total = makespan + dp_exposed + other + optimizer + ln_tp + cp_grads
     return StepTime(
         compute=compute,
-        comm={"tp": tp_time, "cp": cp_time, "pp": pp_comm, "dp": dp_exposed + z3_time, "other": other},
+        comm={"tp": tp_time, "cp": cp_time, "pp": pp_comm, "dp": dp_exposed + z3_time, "other": other, "wait": 0.0},
         bubble=max(0.0, bubble_ideal),
         optimizer=optimizer,
         total=total,
