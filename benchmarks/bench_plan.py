@@ -13,7 +13,9 @@ a Trainer per layout, warm-up steps, then timed steps; the step's time is the sl
 the median over steps), measuring memory the way numesh does (`ZeroOptimizer.memory()` plus
 the executor's `peak_bytes`, the largest rank's), and (4) prints predicted vs measured with
 the errors, the MAPE of step time, and whether plan's first choice among them is within 5 %
-of the fastest measured one.
+of the fastest measured one; when they differ, (5) runs those two again, alternating
+`--confirm` rounds, and prints the medians of the rounds (one pass measures each layout
+over a few seconds, and a shared 2-core machine drifts by more than 5 % in that time).
 
 `--memory-only` skips the calibration and runs one step per layout: memory is validated
 (predicted == measured, part by part) and step times are not reported.
@@ -119,6 +121,8 @@ def main() -> None:
     ap.add_argument("--src", default=DEFAULT_SRC)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--confirm", type=int, default=3,
+                    help="rounds that re-run plan's first choice and the fastest measured, alternating, when they differ (0: off)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -145,6 +149,7 @@ def main() -> None:
     model = ModelSpec(base.n_layer, base.n_head, base.n_embd, base.block_size, vocab, base.batch_size)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
     results = []
+    confirmed: dict[int, tuple] = {}  # ranks -> (first choice, its step s, fastest, its step s) re-measured
     if args.memory_only:
         args.no_calibrate, args.warmup, args.steps = True, 0, 1
     for n in args.ranks:
@@ -170,7 +175,18 @@ def main() -> None:
         measured = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         for p, m in zip(chosen, measured):
             results.append((n, p, m))
-    report(results, args.memory_only)
+        first = max(range(len(chosen)), key=lambda i: chosen[i].tokens_per_s)
+        fastest = min(range(len(chosen)), key=lambda i: measured[i]["step_s"])
+        if args.confirm and not args.memory_only and first != fastest:
+            # one pass measures each layout over a few seconds, and a shared 2-core machine
+            # drifts by more than 5 % in that time: the two that decide the target run again, alternating
+            spec_file.write_text(json.dumps([json.loads(spec_file.read_text())[i] for i in (first, fastest)] * args.confirm))
+            out = subprocess.run([mpirun, "-n", str(n), sys.executable, str(HERE), "--worker", str(spec_file), "--data", data,
+                                  "--warmup", str(args.warmup), "--steps", str(args.steps)],
+                                 check=True, capture_output=True, text=True).stdout
+            again = [json.loads(line)["step_s"] for line in out.splitlines() if line.startswith("{")]
+            confirmed[n] = (chosen[first], statistics.median(again[0::2]), chosen[fastest], statistics.median(again[1::2]))
+    report(results, args.memory_only, confirmed)
 
 
 def name_of(lay) -> str:
@@ -192,7 +208,7 @@ def report_memory(results: list) -> None:
     print(f"\n{len(results)} layouts: memory exact on {exact}")
 
 
-def report(results: list, memory_only: bool = False) -> None:
+def report(results: list, memory_only: bool = False, confirmed: dict | None = None) -> None:
     if memory_only:
         report_memory(results)
         return
@@ -223,6 +239,11 @@ def report(results: list, memory_only: bool = False) -> None:
               f"{first[1]['step_s'] * 1e3:.1f} ms, fastest measured {fastest[1]['step_s'] * 1e3:.1f} ms "
               f"({fastest[0].layout.mesh} z{fastest[0].layout.zero} {fastest[0].layout.schedule} m={fastest[0].layout.micro_batches}): "
               f"{gap:+.1f} % ({'within' if gap <= 5 else 'NOT within'} 5 %)")
+        if n in (confirmed or {}):
+            p1, t1, p2, t2 = confirmed[n]
+            gap = (t1 - t2) / t2 * 100
+            print(f"   again, alternating (medians of the rounds): first choice {t1 * 1e3:.1f} ms, "
+                  f"{name_of(p2.layout)} {t2 * 1e3:.1f} ms: {gap:+.1f} % ({'within' if gap <= 5 else 'NOT within'} 5 %)")
 
 
 if __name__ == "__main__":
