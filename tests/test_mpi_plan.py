@@ -68,3 +68,34 @@ def test_new_axes_cover_cp_sp_and_selective() -> None:
     if N in (2, 4, 8):
         assert any("cp=" in c[0] for c in cases) and any(c[6] for c in cases)
         assert any(c[5] == "selective" for c in cases)
+
+
+def test_the_waits_are_fitted_on_a_real_mesh_step(shared_dataset: Path, shared_tmp: Path) -> None:
+    """Calibration's last part (`fit_sync`) runs a real step of a tp mesh on every rank and
+    spreads what it takes beyond the prediction over its blocking calls and its compute.
+    With kernel times far below this machine's, the step is slower than predicted, so both
+    come out positive, equal on every rank, and the fitted profile predicts that mesh's step
+    slower by exactly min(sync_s × calls, sync_share × compute), both terms equal there."""
+    import attrs
+
+    from numesh.plan.calibrate import KERNELS, fit_sync, sync_layout
+    from numesh.plan.hardware import Measured, Profile
+    from numesh.plan.timing import Placement, blocking_calls, predict_time
+
+    base = TrainConfig(data=str(shared_dataset), out=str(shared_tmp / "o"), n_layer=2, n_head=4, n_embd=32,
+                       block_size=16, batch_size=8)
+    model = ModelSpec(2, 4, 32, 16, 65, 8)
+    curve = ((8.0, 1e-7), (1e8, 1e-5))
+    fast = Measured(N, 1, {}, ((1e3, 1e-9), (1e9, 1e-6)), {k: ((10.0, 1e-9), (1e6, 1e-7)) for k in KERNELS},
+                    {f"all_reduce:{g}": curve for g in range(2, N + 1) if N % g == 0} | {"send": curve})
+    fitted = fit_sync(WORLD, base, model, fast)
+    assert fitted.sync_s > 0 and fitted.sync_share > 0
+    assert WORLD.allgather((fitted.sync_s, fitted.sync_share)) == [(fitted.sync_s, fitted.sync_share)] * N
+    lay, place = sync_layout(model, N), Placement(N, True, True, True, True)
+    assert lay is not None and lay.tp > 1
+    bare = Profile(name="t", source="", itemsize=4, cores=2, measured={N: fast})
+    step = predict_time(model, lay, bare, place=place)
+    with_waits = predict_time(model, lay, attrs.evolve(bare, measured={N: fitted}), place=place)
+    calls = blocking_calls(model, lay, bare, place)
+    assert fitted.sync_s * calls == pytest.approx(fitted.sync_share * step.compute, rel=1e-9)
+    assert with_waits.total - step.total == pytest.approx(fitted.sync_s * calls, rel=1e-9)
