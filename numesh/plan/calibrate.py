@@ -22,7 +22,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import attrs
 import numpy as np
@@ -36,6 +36,9 @@ from numesh.plan.search import train_config, valid_layouts
 from numesh.plan.timing import Placement, block_cost, blocking_calls, outer_cost, placement, predict_time
 from numesh.threads import threads as numesh_threads
 from numesh.train import TrainConfig
+
+if TYPE_CHECKING:
+    from numesh.train import Trainer
 
 ELEMENT_SIZES = [4**i for i in range(5, 12)]  # 1 Ki .. 4 Mi values
 COMM_SIZES = [8] + [4**i for i in range(3, 13)]  # 8 B .. 16 MiB
@@ -214,21 +217,27 @@ def _kernel_time(model: ModelSpec, measured: Measured, itemsize: int, m: int) ->
     return predict_time(model, Layout(1, 1, 1, 0, "1f1b", m), prof, place=place).total
 
 
+def _timed_steps(trainer: Trainer, comm: MPI.Comm, warmup: int, steps: int) -> list[float]:
+    """This rank's seconds of `steps` training steps after `warmup`, every rank starting each
+    step together (a barrier)."""
+    for _ in range(warmup):
+        trainer.train_step()
+    times = []
+    for _ in range(steps):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        trainer.train_step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def _step_time(comm: MPI.Comm, cfg: TrainConfig, warmup: int = 2, steps: int = 5) -> float:
     """Median seconds of a training step of `cfg` on each rank alone, every rank at once
     (so each gets its share of the cores, as in a run); the median over ranks."""
     from numesh.train import Trainer  # noqa: PLC0415  (a training run only here)
 
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(attrs.evolve(cfg, out=out), MPI.COMM_SELF)
-        for _ in range(warmup):
-            trainer.train_step()
-        times = []
-        for _ in range(steps):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            trainer.train_step()
-            times.append(time.perf_counter() - t0)
+        times = _timed_steps(Trainer(attrs.evolve(cfg, out=out), MPI.COMM_SELF), comm, warmup, steps)
     return statistics.median(comm.allgather(statistics.median(times)))
 
 
@@ -320,23 +329,14 @@ def _mesh_step_time(comm: MPI.Comm, cfg: TrainConfig, warmup: int = 2, steps: in
     """Median over steps of the slowest rank's seconds of a training step of `cfg` on `comm`."""
     from numesh.train import Trainer  # noqa: PLC0415  (a training run only here)
 
-    out = tempfile.mkdtemp() if comm.Get_rank() == 0 else None
-    out = comm.bcast(out)
+    out = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None)
     try:
-        trainer = Trainer(attrs.evolve(cfg, out=out), comm)
-        for _ in range(warmup):
-            trainer.train_step()
-        times = []
-        for _ in range(steps):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            trainer.train_step()
-            times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+        times = _timed_steps(Trainer(attrs.evolve(cfg, out=out), comm), comm, warmup, steps)
     finally:
         comm.Barrier()
         if comm.Get_rank() == 0:
             shutil.rmtree(out, ignore_errors=True)
-    return statistics.median(times)
+    return statistics.median(comm.allreduce(t, op=MPI.MAX) for t in times)
 
 
 def merged_profile(path: Path, measured: Measured, dtype: str) -> Profile:
