@@ -160,27 +160,30 @@ def _elementwise(comm: MPI.Comm, kernel: str, n: int, C: int, T: int, dtype: np.
 KERNELS = ("layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd", "softmax_fwd", "softmax_bwd", "copy", "adamw")
 
 
-def _collectives(comm: MPI.Comm, dtype: np.dtype) -> dict[str, tuple[tuple[float, float], ...]]:
+def _collectives(comm: MPI.Comm, dtype: np.dtype, rounds: int = 3) -> dict[str, tuple[tuple[float, float], ...]]:
     """All-reduce on groups of each size dividing N (consecutive ranks, all groups at once)
-    and a send between pairs, by payload bytes."""
+    and a send between pairs, by payload bytes: the median of `rounds` measurements, each
+    round going over every group size and payload once. One round alone moved by 4x from
+    one calibration to the next (2 ranks on the 2-core VM, 1 MiB: 124 to 542 us), and tp's
+    and dp's predictions with it."""
     n, rank = comm.Get_size(), comm.Get_rank()
-    out: dict[str, tuple[tuple[float, float], ...]] = {}
-    for g in (d for d in range(2, n + 1) if n % d == 0):
-        sub = comm.Split(rank // g, rank)
-        pts = []
-        for size in COMM_SIZES:
-            buf = np.ones(max(1, size // 8), np.float64)
-            pts.append((float(buf.nbytes), _timed(comm, lambda: sub.Allreduce(MPI.IN_PLACE, buf), 0.05)))
-        out[f"all_reduce:{g}"] = tuple(pts)
+    groups = [d for d in range(2, n + 1) if n % d == 0]
+    subs = {g: comm.Split(rank // g, rank) for g in groups}
+    partner = rank ^ 1 if (rank ^ 1) < n else rank
+    bufs = {size: np.ones(max(1, size // 8), np.float64) for size in COMM_SIZES}
+    recv = {size: np.empty(max(1, size // 8), np.float64) for size in COMM_SIZES}
+    calls: dict[str, Callable[[int], Callable[[], object]]] = {
+        f"all_reduce:{g}": (lambda g: lambda size: lambda: subs[g].Allreduce(MPI.IN_PLACE, bufs[size]))(g) for g in groups}
+    calls["send"] = lambda size: lambda: comm.Sendrecv(bufs[size], partner, 7, recv[size], partner, 7)
+    times: dict[str, dict[int, list[float]]] = {k: {size: [] for size in COMM_SIZES} for k in calls}
+    for _ in range(rounds):
+        for key, call in calls.items():
+            for size in COMM_SIZES:
+                times[key][size].append(_timed(comm, call(size), 0.05))
+    for sub in subs.values():
         sub.Free()
-    if n >= 2:
-        partner = rank ^ 1 if (rank ^ 1) < n else rank
-        pts = []
-        for size in COMM_SIZES:
-            s, r = np.ones(max(1, size // 8)), np.empty(max(1, size // 8))
-            pts.append((float(s.nbytes), _timed(comm, lambda: comm.Sendrecv(s, partner, 7, r, partner, 7), 0.05)))
-        out["send"] = tuple(pts)
-    return out
+    return {key: tuple((float(bufs[size].nbytes), statistics.median(ts[size])) for size in COMM_SIZES)
+            for key, ts in times.items()}
 
 
 def calibrate(base: TrainConfig, model: ModelSpec, comm: MPI.Comm | None = None,
