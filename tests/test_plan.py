@@ -514,3 +514,19 @@ def test_a_profile_keeps_its_fitted_waits_and_not_the_probe(tmp_path: Path) -> N
     assert "call_probe_s" not in (tmp_path / "p.json").read_text()
     back = load_profile(str(tmp_path / "p.json")).measured[2]
     assert (back.sync_s, back.sync_share, back.call_probe_s) == (2e-4, 0.1, 0.0)
+
+
+def test_the_table_shows_waits_only_where_the_profile_has_them() -> None:
+    from numesh.plan.render import table
+
+    model = ModelSpec(4, 4, 128, 64, 65, 16)
+    lays = [Layout(2, 1, 1, 0, "1f1b", 1), Layout(1, 2, 1, 0, "1f1b", 1)]
+    for fit, shown in (({}, False), ({"sync_s": 1e-4, "sync_share": 0.1}, True)):
+        prof = _measured_profile(2, **fit)
+        preds = [predict(model, lay, prof, 0, 4) for lay in lays]
+        head = table(preds, 2, 5, 0, "t").splitlines()[0].split()
+        assert ("wait" in head) == shown
+        for p in preds:  # the step is the sum of its parts, the wait among them
+            assert (p.time.comm["wait"] > 0) == shown
+            assert p.time.total == pytest.approx(p.time.compute + sum(p.time.comm.values()) + p.time.bubble
+                                                 + p.time.optimizer, rel=1e-12)

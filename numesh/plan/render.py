@@ -46,17 +46,19 @@ def command(p: Prediction, ranks: int, extra: str = "") -> str:
 
 def table(preds: list[Prediction], ranks: int, top: int, limit: float, profile: str, extra: str = "") -> str:
     """The `top` best layouts as a table, a count of the rest, and the best one's command."""
+    # "wait": blocking calls waiting for their groups' last members, on a calibrated profile only
+    waits = any(p.time.comm.get("wait", 0.0) > 0 for p in preds[:top])
     head = ["#", "mesh", "sp", "zero", "schedule", "m", "v", "recompute", "memory/rank", "fits", "step", "compute", "tp",
-            "cp", "pp", "dp", "bubble", "optim", "tokens/s"]
+            "cp", "pp", "dp", *(["wait"] if waits else []), "bubble", "optim", "tokens/s"]
     rows = []
     for i, p in enumerate(preds[:top], 1):
         t, lay = p.time, p.layout
         rows.append([str(i), lay.mesh, "yes" if lay.sp else "no", str(lay.zero), lay.schedule, str(lay.micro_batches),
                      str(lay.virtual_stages), lay.recompute, human_bytes(p.memory.total), "yes" if p.fits else "NO",
                      human_seconds(t.total), human_seconds(t.compute), human_seconds(t.comm["tp"]),
-                     human_seconds(t.comm["cp"]), human_seconds(t.comm["pp"]),
-                     human_seconds(t.comm["dp"]), human_seconds(t.bubble), human_seconds(t.optimizer),
-                     f"{p.tokens_per_s:,.0f}"])
+                     human_seconds(t.comm["cp"]), human_seconds(t.comm["pp"]), human_seconds(t.comm["dp"]),
+                     *([human_seconds(t.comm["wait"])] if waits else []), human_seconds(t.bubble),
+                     human_seconds(t.optimizer), f"{p.tokens_per_s:,.0f}"])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.rjust(w) if i not in (1, 4, 7) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     fit = sum(p.fits for p in preds)
