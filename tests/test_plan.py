@@ -530,3 +530,28 @@ def test_the_table_shows_waits_only_where_the_profile_has_them() -> None:
             assert (p.time.comm["wait"] > 0) == shown
             assert p.time.total == pytest.approx(p.time.compute + sum(p.time.comm.values()) + p.time.bubble
                                                  + p.time.optimizer, rel=1e-12)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+def test_calibration_collects_every_gemm_shape_the_time_model_asks_for(ranks: int, tmp_path: Path) -> None:
+    """`model_gemm_shapes` runs the time model on a stand-in profile that records GEMM shapes
+    (cp layouts among them from 2 ranks on); every shape predict_time then asks a profile
+    calibrated for those ranks is one that calibration measured."""
+    from numesh.plan.calibrate import model_gemm_shapes
+
+    base = TrainConfig(data=str(tmp_path), n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16)
+    model = ModelSpec(4, 4, 128, 64, 65, 16)
+    shapes = model_gemm_shapes(base, model, ranks, 4)
+    asked: set = set()
+
+    class Asking(Profile):
+        def gemm_time(self, b: int, m: int, k: int, n: int, ranks_on_node: int) -> float:
+            asked.add((b, m, k, n))
+            return super().gemm_time(b, m, k, n, ranks_on_node)
+
+    prof = Asking(**{f.name: getattr(_measured_profile(ranks), f.name) for f in attrs.fields(Profile)})
+    lays = valid_layouts(base, model, ranks)
+    assert ranks == 1 or any(lay.cp > 1 for lay in lays)
+    for lay in lays:
+        predict_time(model, lay, prof)
+    assert asked and asked <= shapes

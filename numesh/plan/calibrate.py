@@ -49,7 +49,7 @@ class _ShapeRecorder:
     """Stands in for a Profile to collect the GEMM shapes the time model asks for."""
 
     def __init__(self, itemsize: int):
-        self.itemsize, self.measured, self.devices_per_node = itemsize, {0: None}, 1
+        self.itemsize, self.measured, self.devices_per_node, self.overlap = itemsize, {0: None}, 1, False
         self.shapes: set[tuple[int, int, int, int]] = set()
 
     def gemm_time(self, b: int, m: int, k: int, n: int, ranks_on_node: int) -> float:

@@ -147,7 +147,10 @@ def attention_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Pl
     cp_f = cp_b = 0.0
     if ring:
         fwd, bwd = ring_hop_bytes(model, layout, profile.itemsize)
-        per_pair_f, per_pair_b = f / len(pairs), bw / len(pairs)  # the block each hop hides behind
+        # the block each hop hides behind, where transfers progress on their own (NCCL); MPICH
+        # moves a large nonblocking message only inside MPI calls, so here it waits at the end
+        hide = 1.0 if profile.overlap else 0.0
+        per_pair_f, per_pair_b = hide * f / len(pairs), hide * bw / len(pairs)
         # a hop's transfer hides behind a block of attention, but waiting for the partner to
         # arrive (`exchange` less `send`: what predict_time counts blocking calls by) does not
         send = lambda n: profile.comm_time("send", n, 2, place.cp_intra, ron)  # noqa: E731
