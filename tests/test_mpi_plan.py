@@ -71,14 +71,14 @@ def test_new_axes_cover_cp_sp_and_selective() -> None:
 
 
 def test_the_waits_are_fitted_on_a_real_mesh_step(shared_dataset: Path, shared_tmp: Path) -> None:
-    """Calibration's last part (`fit_sync`) runs a real step of a tp mesh on every rank and
-    spreads what it takes beyond the prediction over its blocking calls and its compute.
-    With kernel times far below this machine's, the step is slower than predicted, so both
-    come out positive, equal on every rank, and the fitted profile predicts that mesh's step
-    slower by exactly min(sync_s × calls, sync_share × compute), both terms equal there."""
+    """Calibration's last part (`fit_sync`, called by `fit_steps`) runs a real step of a tp
+    mesh on every rank, alternating with the one-rank step the kernels were fitted on, and
+    spreads what the mesh step takes beyond the prediction over its blocking calls and its
+    compute: the same on every rank, never negative, and the fitted profile adds exactly
+    min(sync_s x calls, sync_share x compute) to that mesh, both terms equal there."""
     import attrs
 
-    from numesh.plan.calibrate import KERNELS, fit_sync, sync_layout
+    from numesh.plan.calibrate import KERNELS, fit_steps, sync_layout
     from numesh.plan.hardware import Measured, Profile
     from numesh.plan.timing import Placement, blocking_calls, predict_time
 
@@ -86,16 +86,18 @@ def test_the_waits_are_fitted_on_a_real_mesh_step(shared_dataset: Path, shared_t
                        block_size=16, batch_size=8)
     model = ModelSpec(2, 4, 32, 16, 65, 8)
     curve = ((8.0, 1e-7), (1e8, 1e-5))
-    fast = Measured(N, 1, {}, ((1e3, 1e-9), (1e9, 1e-6)), {k: ((10.0, 1e-9), (1e6, 1e-7)) for k in KERNELS},
-                    {f"all_reduce:{g}": curve for g in range(2, N + 1) if N % g == 0} | {"send": curve})
-    fitted = fit_sync(WORLD, base, model, fast)
-    assert fitted.sync_s > 0 and fitted.sync_share > 0
+    kernels = Measured(N, 1, {}, ((1e3, 1e-8), (1e9, 1e-5)), {k: ((10.0, 1e-8), (1e6, 1e-6)) for k in KERNELS},
+                       {f"all_reduce:{g}": curve for g in range(2, N + 1) if N % g == 0} | {"send": curve})
+    fitted = fit_steps(WORLD, base, model, kernels)
+    assert fitted.sync_s >= 0 and fitted.sync_share >= 0 and fitted.in_situ > 0
     assert WORLD.allgather((fitted.sync_s, fitted.sync_share)) == [(fitted.sync_s, fitted.sync_share)] * N
     lay, place = sync_layout(model, N), Placement(N, True, True, True, True)
     assert lay is not None and lay.tp > 1
-    bare = Profile(name="t", source="", itemsize=4, cores=2, measured={N: fast})
+    bare = Profile(name="t", source="", itemsize=4, cores=2,
+                   measured={N: attrs.evolve(fitted, sync_s=0.0, sync_share=0.0)})
     step = predict_time(model, lay, bare, place=place)
     with_waits = predict_time(model, lay, attrs.evolve(bare, measured={N: fitted}), place=place)
     calls = blocking_calls(model, lay, bare, place)
-    assert fitted.sync_s * calls == pytest.approx(fitted.sync_share * step.compute, rel=1e-9)
-    assert with_waits.total - step.total == pytest.approx(fitted.sync_s * calls, rel=1e-9)
+    assert calls > 0
+    assert fitted.sync_s * calls == pytest.approx(fitted.sync_share * step.compute, rel=1e-9, abs=1e-15)
+    assert with_waits.total - step.total == pytest.approx(fitted.sync_s * calls, rel=1e-9, abs=1e-15)

@@ -555,3 +555,16 @@ def test_calibration_collects_every_gemm_shape_the_time_model_asks_for(ranks: in
     for lay in lays:
         predict_time(model, lay, prof)
     assert asked and asked <= shapes
+
+
+def test_the_wait_fit_takes_the_machine_speed_out() -> None:
+    """`sync_from_step`: fit_sync scales the prediction by how the one-rank step now compares
+    with its fit, so a machine running 2x slower during the mesh step is not read as waits."""
+    from numesh.plan.calibrate import sync_from_step
+
+    pred, compute, calls = 0.040, 0.036, 20
+    assert sync_from_step(0.080, 2 * pred, compute, calls) == (0.0, 0.0)  # all of it the drift
+    q, r = sync_from_step(0.082, 2 * pred, compute, calls)
+    assert q == pytest.approx(0.002 / calls) and r == pytest.approx(0.002 / compute)
+    assert sync_from_step(0.030, pred, compute, calls) == (0.0, 0.0)  # faster than predicted: no negative wait
+    assert sync_from_step(0.050, pred, compute, 0) == (0.0, 0.0)  # nothing to spread it over

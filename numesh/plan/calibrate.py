@@ -300,15 +300,31 @@ def sync_layout(model: ModelSpec, ranks: int) -> Layout | None:
     return Layout(dp, 1, 1, 3, "1f1b", 1) if model.batch_size % dp == 0 else None
 
 
+def sync_from_step(measured_s: float, predicted_s: float, compute_s: float, calls: float) -> tuple[float, float]:
+    """(wait per blocking call, wait per second of predicted compute) from a mesh step
+    measured at `measured_s` where the model (its compute `compute_s`, `calls` blocking
+    calls) predicts `predicted_s` without waits: whatever the step takes beyond the
+    prediction, none if less."""
+    extra = max(0.0, measured_s - predicted_s)
+    return (extra / calls, extra / compute_s) if calls > 0 and compute_s > 0 else (0.0, 0.0)
+
+
 def fit_sync(comm: MPI.Comm, base: TrainConfig, model: ModelSpec, measured: Measured,
-             log: Callable[[str], None] = lambda s: None) -> Measured:
+             log: Callable[[str], None] = lambda s: None, rounds: int = 3) -> Measured:
     """`measured` with `sync_s` and `sync_share` fitted on a real step of `sync_layout`: the
     collectives timed back to back in calibration find every rank already there, while in a
     step the ranks drift apart between calls and each blocking call waits for the last one
     (2-core VM, 2 ranks: a tp=2 step took ~8 % longer than predicted). The step's extra time
     over the prediction is spread over its blocking calls (`sync_s`, the wait of one call
     after a whole block's work) and over its compute (`sync_share`, for layouts whose calls
-    come after less work each: with sp, or more micro-batches)."""
+    come after less work each: with sp, or more micro-batches).
+
+    The mesh step alternates, `rounds` times, with the one-rank step `fit_steps` fitted on,
+    and the prediction is scaled by how that one now compares with its fit: the machine's
+    speed drifts between the two measurements by as much as the waits (on the 2-core VM the
+    fitted wait moved from 0 to 540 us per call between calibrations a minute apart)."""
+    from numesh.train import Trainer  # noqa: PLC0415  (a training run only here)
+
     n = comm.Get_size()
     lay = sync_layout(model, n)
     if lay is None:
@@ -318,28 +334,30 @@ def fit_sync(comm: MPI.Comm, base: TrainConfig, model: ModelSpec, measured: Meas
     place = Placement(n, True, True, True, True)
     step = predict_time(model, lay, prof, place=place)
     calls = blocking_calls(model, lay, prof, place)
-    cfg = attrs.evolve(train_config(base, lay), collective_timeout=0.0, peak_flops=1e12, eval_interval=10**9,
-                       max_iters=10**6)
-    t = _mesh_step_time(comm, cfg)
-    extra = max(0.0, t - step.total)
-    q, r = (extra / calls, extra / step.compute) if calls > 0 else (0.0, 0.0)
-    log(f"a {lay.mesh} step measured {t * 1e3:.1f} ms against {step.total * 1e3:.1f} ms predicted: its "
-        f"{calls:.0f} blocking calls waited {q * 1e6:.0f} us each ({r * 100:.1f} % of its compute)")
-    return attrs.evolve(measured, sync_s=q, sync_share=r)
-
-
-def _mesh_step_time(comm: MPI.Comm, cfg: TrainConfig, warmup: int = 2, steps: int = 9) -> float:
-    """Median over steps of the slowest rank's seconds of a training step of `cfg` on `comm`."""
-    from numesh.train import Trainer  # noqa: PLC0415  (a training run only here)
-
+    rows = model.batch_size // n
+    alone = predict_time(attrs.evolve(model, batch_size=rows), Layout(1, 1, 1, 0, "1f1b", 1), prof, place=place).total
+    quiet = dict(collective_timeout=0.0, peak_flops=1e12, eval_interval=10**9, max_iters=10**6)
     out = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None)
+    mesh_t, alone_t = [], []
     try:
-        times = _timed_steps(Trainer(attrs.evolve(cfg, out=out), comm), comm, warmup, steps)
+        mesh = Trainer(attrs.evolve(train_config(base, lay), out=out, **quiet), comm)
+        single = Trainer(attrs.evolve(base, mesh="dp=1", batch_size=rows, micro_batches=1, zero=0, schedule="1f1b",
+                                      virtual_stages=1, recompute="none", sequence_parallel=False,
+                                      out=f"{out}/alone-{comm.Get_rank()}", **quiet), MPI.COMM_SELF)
+        for i in range(rounds):
+            warm = 2 if i == 0 else 1
+            mesh_t += [comm.allreduce(t, op=MPI.MAX) for t in _timed_steps(mesh, comm, warm, 3)]
+            alone_t.append(statistics.median(comm.allgather(statistics.median(_timed_steps(single, comm, warm, 3)))))
     finally:
         comm.Barrier()
         if comm.Get_rank() == 0:
             shutil.rmtree(out, ignore_errors=True)
-    return statistics.median(comm.allreduce(t, op=MPI.MAX) for t in times)
+    t, drift = statistics.median(mesh_t), statistics.median(alone_t) / alone
+    q, r = sync_from_step(t, step.total * drift, step.compute, calls)  # so the profile predicts extra for it
+    log(f"a {lay.mesh} step measured {t * 1e3:.1f} ms against {step.total * 1e3:.1f} ms predicted x{drift:.3f} "
+        f"(the one-rank step against its fit, alternating): its {calls:.0f} blocking calls waited "
+        f"{q * 1e6:.0f} us each ({r * 100:.1f} % of its compute)")
+    return attrs.evolve(measured, sync_s=q, sync_share=r)
 
 
 def merged_profile(path: Path, measured: Measured, dtype: str) -> Profile:
