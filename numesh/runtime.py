@@ -52,10 +52,12 @@ def set_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None) -
     return set_threads(threads)
 
 
-# From 4 threads up one process stops scaling on the default model (issue #14, a 16-core
-# Xeon: 83/51/47/70/102 ms at 1/2/4/8/16 threads) while dp ranks at one thread each scale
-# almost linearly: the GIL-bound glue of a step does not split over threads, it does over ranks.
-HINT_MIN_THREADS = 4
+# One process stops scaling early (issue #14, a 16-core Xeon, default model: 83/51/47/70/102
+# ms at 1/2/4/8/16 threads) while dp ranks at one thread each scale almost linearly: the
+# GIL-bound glue of a step does not split over threads, it does over ranks. Already at 2
+# (the 2-core VM, quiet, bench_node.py): baby model, batch 64, dp=2 7.0 s a step against 9.1 s
+# for one process on 2 threads; default model 22.7k tokens/s (dp=2) against 15.5k.
+HINT_MIN_THREADS = 2
 
 
 def dp_hint(world_size: int, threads: int, batch_size: int, micro_batches: int = 1) -> str | None:

@@ -75,7 +75,8 @@ def test_peak_flops_option_is_the_denominator(char_dataset: Path, tmp_path: Path
     (1, 16, 8, 1, (8, 2)),
     (1, 8, 12, 2, (6, 1)),
     (1, 4, 12, 1, (4, 1)),
-    (1, 2, 12, 1, None),    # few threads: one process is fine
+    (1, 2, 12, 1, (2, 1)),
+    (1, 1, 12, 1, None),    # one thread: nothing to split
     (4, 16, 12, 1, None),   # already several ranks
     (1, 4, 7, 1, None),     # no dp <= 4 divides the batch
 ])
