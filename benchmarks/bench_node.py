@@ -269,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores to use (default: all)")
     ap.add_argument("--sections", default="threads,weak,baby", help="comma-separated: threads, weak, baby")
     ap.add_argument("--iters", type=int, default=20, help="timed steps per measurement (default 20)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    # torch eager in a fresh process needs more than 3 steps to settle: on the 2-core VM its
+    # 2-thread step read 53.0 ms after 3 warm-up steps and 41.4 ms after 10 (numesh: 49.4, 40.1)
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
     ap.add_argument("--baby-iters", type=int, default=3, help="timed steps per baby-model measurement (default 3)")
     ap.add_argument("--launcher", default=None, help="MPI launcher command (default $NUMESH_MPIRUN or mpirun)")
     ap.add_argument("--no-torch", action="store_true", help="measure numesh only")
