@@ -8,7 +8,11 @@ the cores and memory is in the numbers, and the median over ranks is kept. Measu
 * numesh's element-wise kernels (LayerNorm, GELU, the softmax's element-wise part, a
   residual add, AdamW) by array size;
 * all-reduce on groups of every size dividing N (all groups at once, as a mesh axis
-  runs), and a send between pairs, by payload.
+  runs), and a send between pairs, by payload (medians of 3 rounds);
+* with a dataset, real training steps: each rank alone at 1 and more micro-batches
+  (`fit_steps`: how much slower kernels run inside a step, and the Python per block
+  action), then a tp mesh on all N (`fit_sync`: how long blocking calls wait for their
+  groups' last members).
 Calibrating with 1, 2, 4 and 8 ranks in turn fills one profile (each run adds its count).
 """
 

@@ -37,7 +37,7 @@ import attrs
 
 from numesh import formulas
 
-from numesh.plan.hardware import Profile
+from numesh.plan.hardware import Measured, Profile
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
 from numesh.plan.memory import unit_sizes
 from numesh.plan.pipesim import makespan_and_busy
@@ -147,12 +147,12 @@ def attention_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Pl
     cp_f = cp_b = 0.0
     if ring:
         fwd, bwd = ring_hop_bytes(model, layout, profile.itemsize)
-        # the block each hop hides behind, where transfers progress on their own (NCCL); MPICH
-        # moves a large nonblocking message only inside MPI calls, so here it waits at the end
+        # a hop's transfer hides behind a block of attention where transfers progress on their
+        # own (NCCL); MPICH moves a large nonblocking message only inside MPI calls, so there it
+        # is exposed whole. Waiting for the partner to arrive (`exchange` less `send`: what
+        # predict_time counts blocking calls by) is never hidden.
         hide = 1.0 if profile.overlap else 0.0
         per_pair_f, per_pair_b = hide * f / len(pairs), hide * bw / len(pairs)
-        # a hop's transfer hides behind a block of attention, but waiting for the partner to
-        # arrive (`exchange` less `send`: what predict_time counts blocking calls by) does not
         send = lambda n: profile.comm_time("send", n, 2, place.cp_intra, ron)  # noqa: E731
         wait = lambda n: profile.comm_time("exchange", n, 2, place.cp_intra, ron) - send(n)  # noqa: E731
         cp_f = sum(max(0.0, send(n) - per_pair_f) + wait(n) for n in fwd)
