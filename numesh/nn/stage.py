@@ -162,16 +162,22 @@ def _restored(p: Block, saved: BlockCtx | BlockInput, cfg: GPTConfig, mesh: Mesh
 # blocks, whole or split over the threads
 
 
-def _chunks(mesh: Mesh, x: np.ndarray) -> int:
-    """Chunks to split a block on x [B, T, C] into: 1 (whole) with tp or cp inside, else
-    `block_chunks` of the threads, rows and the block's training FLOPs (72·C² per token for
-    its matmuls, 12·C·T for attention, as numesh.formulas.flops_per_token). Not with cp:
+def row_chunks(n_threads: int, tp: int, cp: int, rows: int, seq: int, n_embd: int) -> int:
+    """Chunks to split a block on [rows, seq, n_embd] into: 1 (whole) with tp or cp inside,
+    else `block_chunks` of the threads, rows and the block's training FLOPs (72·C² per token
+    for its matmuls, 12·C·T for attention, as numesh.formulas.flops_per_token). Not with cp:
     every thread's block would run its own ring over the one cp communicator, with the same
-    tags, so their K/V blocks could be matched to each other."""
-    if threads() == 1 or mesh.size("tp") > 1 or mesh.size("cp") > 1:
+    tags, so their K/V blocks could be matched to each other. The planner's memory model
+    asks the same (numesh.plan.memory)."""
+    if n_threads == 1 or tp > 1 or cp > 1:
         return 1
+    return block_chunks(n_threads, rows, rows * seq * (72.0 * n_embd * n_embd + 12.0 * n_embd * seq))
+
+
+def _chunks(mesh: Mesh, x: np.ndarray) -> int:
+    """`row_chunks` for a block on x [B, T, C] on this mesh and thread count."""
     B, T, C = x.shape
-    return block_chunks(threads(), B, B * T * (72.0 * C * C + 12.0 * C * T))
+    return row_chunks(threads(), mesh.size("tp"), mesh.size("cp"), B, T, C)
 
 
 def run_block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int, drop: DropoutKey | None = None,

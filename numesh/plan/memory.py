@@ -15,9 +15,9 @@ import functools
 import attrs
 
 from numesh import formulas
+from numesh.nn.stage import row_chunks as stage_row_chunks
 from numesh.pipeline.schedules import Schedule
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
-from numesh.threads import block_chunks
 
 PARTS = ("params", "grads", "optimizer", "workspace", "activations", "comm_buffers")
 
@@ -52,12 +52,8 @@ def unit_sizes(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
 
 
 def row_chunks(model: ModelSpec, layout: Layout, threads: int) -> int:
-    """Row chunks a block runs as (numesh.nn.stage._chunks): one per thread and row, as
-    `block_chunks` caps them by the block's FLOPs, and 1 (whole) with tp or cp inside."""
-    if threads == 1 or layout.tp > 1 or layout.cp > 1:
-        return 1
-    b, T, C = layout.rows(model), model.block_size, model.n_embd
-    return block_chunks(threads, b, b * T * (72.0 * C * C + 12.0 * C * T))
+    """Row chunks a block of this layout runs as (numesh.nn.stage.row_chunks)."""
+    return stage_row_chunks(threads, layout.tp, layout.cp, layout.rows(model), model.block_size, model.n_embd)
 
 
 def _chunk_bytes(model: ModelSpec, layout: Layout, sched: Schedule, pp_rank: int, chunk: int, itemsize: int,
