@@ -212,6 +212,17 @@ def calibrate(base: TrainConfig, model: ModelSpec, comm: MPI.Comm | None = None,
     return fit_steps(comm, base, model, measured, log)
 
 
+# a timed run: no flight recorder, no MFU start-up benchmark, no evaluation, no end
+QUIET = dict(collective_timeout=0.0, peak_flops=1e12, eval_interval=10**9, max_iters=10**6)
+
+
+def _alone(base: TrainConfig, rows: int, m: int) -> TrainConfig:
+    """`base` on one rank, `rows` sequences a step in `m` micro-batches, nothing else on:
+    the step calibration fits kernel times on."""
+    return attrs.evolve(base, mesh="dp=1", batch_size=rows, micro_batches=m, zero=0, schedule="1f1b", virtual_stages=1,
+                        recompute="none", sequence_parallel=False, **QUIET)
+
+
 def _kernel_time(model: ModelSpec, measured: Measured, itemsize: int, m: int) -> float:
     """Predicted seconds of a one-rank step of `m` micro-batches from the kernel times
     alone (in_situ 1, no call overhead), with `measured.ranks` ranks sharing the node: the
@@ -279,12 +290,9 @@ def fit_steps(comm: MPI.Comm, base: TrainConfig, model: ModelSpec, measured: Mea
     counts = sorted({1, max(d for d in (1, 2, 4, 8) if rows % d == 0)})
     points = []
     for m in counts:
-        cfg = attrs.evolve(base, mesh="dp=1", batch_size=rows, micro_batches=m, zero=0, schedule="1f1b",
-                           virtual_stages=1, recompute="none", sequence_parallel=False, collective_timeout=0.0,
-                           peak_flops=1e12, eval_interval=10**9, max_iters=10**6)
         spec = attrs.evolve(model, batch_size=rows)
         points.append((_kernel_time(spec, measured, np.dtype(base.dtype).itemsize, m),
-                       m * 2 * model.n_layer, _step_time(comm, cfg)))
+                       m * 2 * model.n_layer, _step_time(comm, _alone(base, rows, m))))
     s, c = fit_scale_and_overhead(points)
     log(f"steps measured {', '.join(f'{t * 1e3:.1f} ms' for _, _, t in points)} against kernel sums "
         f"{', '.join(f'{k * 1e3:.1f} ms' for k, _, _ in points)}: in situ x{s:.3f}, {c * 1e6:.0f} us per block action")
@@ -340,14 +348,11 @@ def fit_sync(comm: MPI.Comm, base: TrainConfig, model: ModelSpec, measured: Meas
     calls = blocking_calls(model, lay, prof, place)
     rows = model.batch_size // n
     alone = predict_time(attrs.evolve(model, batch_size=rows), Layout(1, 1, 1, 0, "1f1b", 1), prof, place=place).total
-    quiet = dict(collective_timeout=0.0, peak_flops=1e12, eval_interval=10**9, max_iters=10**6)
     out = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None)
     mesh_t, alone_t = [], []
     try:
-        mesh = Trainer(attrs.evolve(train_config(base, lay), out=out, **quiet), comm)
-        single = Trainer(attrs.evolve(base, mesh="dp=1", batch_size=rows, micro_batches=1, zero=0, schedule="1f1b",
-                                      virtual_stages=1, recompute="none", sequence_parallel=False,
-                                      out=f"{out}/alone-{comm.Get_rank()}", **quiet), MPI.COMM_SELF)
+        mesh = Trainer(attrs.evolve(train_config(base, lay), out=out, **QUIET), comm)
+        single = Trainer(attrs.evolve(_alone(base, rows, 1), out=f"{out}/alone-{comm.Get_rank()}"), MPI.COMM_SELF)
         for i in range(rounds):
             warm = 2 if i == 0 else 1
             mesh_t += [comm.allreduce(t, op=MPI.MAX) for t in _timed_steps(mesh, comm, warm, 3)]
