@@ -294,8 +294,7 @@ def predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byte
     meas, _ = profile.for_ranks(place.ranks_on_node)
     if meas is None or layout.ranks == 1 or not (meas.sync_s or meas.sync_share):
         return step
-    probe = _probing(profile, meas, PROBE_S)
-    calls = max(0.0, _predict_time(model, layout, probe, bucket_bytes, place).total - step.total) / PROBE_S
+    calls = _calls(model, layout, profile, meas, bucket_bytes, place, step.total)
     wait = min(meas.sync_s * calls, meas.sync_share * step.compute)
     return attrs.evolve(step, comm={**step.comm, "wait": wait}, total=step.total + wait)
 
@@ -306,8 +305,15 @@ def blocking_calls(model: ModelSpec, layout: Layout, profile: Profile, place: Pl
     meas, _ = profile.for_ranks(place.ranks_on_node)
     if meas is None:
         return 0.0
-    return max(0.0, _predict_time(model, layout, _probing(profile, meas, PROBE_S), 1 << 20, place).total
-               - _predict_time(model, layout, _probing(profile, meas, 0.0), 1 << 20, place).total) / PROBE_S
+    bare = _probing(profile, meas, 0.0)
+    return _calls(model, layout, bare, meas, 1 << 20, place, _predict_time(model, layout, bare, 1 << 20, place).total)
+
+
+def _calls(model: ModelSpec, layout: Layout, profile: Profile, meas: Measured, bucket_bytes: int, place: Placement,
+           unprobed_s: float) -> float:
+    """Blocking calls of the step predicted at `unprobed_s`: how much PROBE_S per call adds."""
+    probed = _predict_time(model, layout, _probing(profile, meas, PROBE_S), bucket_bytes, place).total
+    return max(0.0, probed - unprobed_s) / PROBE_S
 
 
 def _probing(profile: Profile, meas: Measured, probe_s: float) -> Profile:
