@@ -162,17 +162,22 @@ def main() -> None:
         threads = max(1, (profile.cores or 1) // n)
         preds = [predict(model, lay, profile, 0, 4, threads) for lay in valid_layouts(base, model, n)]
         chosen = pick_layouts(preds, args.per_ranks) + pick_new_axes(preds, args.new_axes)
-        spec_file = tmp / f"layouts-{n}.json"
-        spec_file.write_text(json.dumps([{"mesh": p.layout.mesh, "zero": p.layout.zero, "schedule": p.layout.schedule,
-                                          "micro_batches": p.layout.micro_batches,
-                                          "virtual_stages": p.layout.virtual_stages, "recompute": p.layout.recompute,
-                                          "sequence_parallel": p.layout.sp} for p in chosen]))
+        specs = [{"mesh": p.layout.mesh, "zero": p.layout.zero, "schedule": p.layout.schedule,
+                  "micro_batches": p.layout.micro_batches, "virtual_stages": p.layout.virtual_stages,
+                  "recompute": p.layout.recompute, "sequence_parallel": p.layout.sp} for p in chosen]
+
+        def run(layouts: list[dict]) -> list[dict]:
+            """One mpirun job of the worker over `layouts`: its JSON line per layout."""
+            spec_file = tmp / f"layouts-{n}.json"
+            spec_file.write_text(json.dumps(layouts))
+            out = subprocess.run([mpirun, "-n", str(n), sys.executable, str(HERE), "--worker", str(spec_file), "--data",
+                                  data, "--warmup", str(args.warmup), "--steps", str(args.steps)],
+                                 check=True, capture_output=True, text=True).stdout
+            return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
         t0 = time.perf_counter()
-        out = subprocess.run([mpirun, "-n", str(n), sys.executable, str(HERE), "--worker", str(spec_file), "--data", data,
-                              "--warmup", str(args.warmup), "--steps", str(args.steps)],
-                             check=True, capture_output=True, text=True).stdout
+        measured = run(specs)
         print(f"ran {len(chosen)} layouts on {n} ranks in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        measured = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         for p, m in zip(chosen, measured):
             results.append((n, p, m))
         first = max(range(len(chosen)), key=lambda i: chosen[i].tokens_per_s)
@@ -180,11 +185,7 @@ def main() -> None:
         if args.confirm and not args.memory_only and first != fastest:
             # one pass measures each layout over a few seconds, and a shared 2-core machine
             # drifts by more than 5 % in that time: the two that decide the target run again, alternating
-            spec_file.write_text(json.dumps([json.loads(spec_file.read_text())[i] for i in (first, fastest)] * args.confirm))
-            out = subprocess.run([mpirun, "-n", str(n), sys.executable, str(HERE), "--worker", str(spec_file), "--data", data,
-                                  "--warmup", str(args.warmup), "--steps", str(args.steps)],
-                                 check=True, capture_output=True, text=True).stdout
-            again = [json.loads(line)["step_s"] for line in out.splitlines() if line.startswith("{")]
+            again = [m["step_s"] for m in run([specs[first], specs[fastest]] * args.confirm)]
             confirmed[n] = (chosen[first], statistics.median(again[0::2]), chosen[fastest], statistics.median(again[1::2]))
     report(results, args.memory_only, confirmed)
 
