@@ -5,11 +5,14 @@
     mpirun -n 2 python benchmarks/bench_trace.py bubble                    # pp=2, every schedule
     mpirun -n 4 python benchmarks/bench_trace.py bubble --micro-batches 8  # pp=4
 
-overhead: two Trainers of the same run in one job, one traced (`Trainer.start_trace`: the
-mesh observer, executor and loop spans) and one not, take turns step by step (barrier,
-then `train_step()`), so machine noise hits both alike; after `--warmup` steps each,
-`--iters` steps of each are timed and the slowest rank's median step is compared; then
-the traced one writes its trace (time reported apart: it happens once, at the end).
+overhead: three Trainers of the same run in one job, bare, with the flight recorder
+(`numesh train`'s default on more than one rank: --collective-timeout 300) and with the
+recorder and tracing (`Trainer.start_trace`: the mesh observer, executor and loop spans),
+take turns step by step (barrier, then `train_step()`), each first in turn, so machine
+noise hits all alike; after `--warmup` steps each, `--iters` steps of each are timed and
+the slowest rank's median steps are compared: the recorder against bare, tracing against
+the recorder; then the traced one writes its trace (time reported apart: it happens once,
+at the end).
 
 bubble: for each schedule (gpipe, 1f1b, interleaved with v=2, zb-h1) a traced run of
 `--iters` steps; `numesh.report.pipeline_bubble` of its trace: measured 1 - Σbusy/(p·makespan)
@@ -34,6 +37,8 @@ import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS)
 from mpi4py import MPI
 
 from numesh import report
+from numesh.mesh import attach
+from numesh.mesh.flight import FlightRecorder
 from numesh.runtime import configure_process, guarded
 from numesh.train import Trainer, config_from
 
@@ -56,22 +61,30 @@ def timed_step(t: Trainer, comm: MPI.Comm) -> float:
 
 
 def overhead(args, data: str, comm: MPI.Comm) -> dict:
-    off = Trainer(config(data, tempfile.mkdtemp(), args.mesh, args.schedule, args.micro_batches), comm)
-    on = Trainer(config(data, tempfile.mkdtemp(), args.mesh, args.schedule, args.micro_batches), comm)
-    on.start_trace(0.0)
-    times = {"off": [], "on": []}
+    """Bare Trainer, one with the flight recorder (what `numesh train` attaches on more than
+    one rank by default) and one with the recorder and tracing (`--trace`), in turns."""
+    runs = {name: Trainer(config(data, tempfile.mkdtemp(), args.mesh, args.schedule, args.micro_batches), comm)
+            for name in ("off", "recorder", "on")}
+    for name in ("recorder", "on"):
+        t = runs[name]
+        attach(t.mesh, FlightRecorder(t.mesh, Path(t.cfg.out) / "flight", t.cfg.collective_timeout))
+    runs["on"].start_trace(0.0)
+    order = list(runs)
+    times: dict[str, list[float]] = {k: [] for k in runs}
     for i in range(args.warmup + args.iters):
-        for name, t in (("off", off), ("on", on)) if i % 2 else (("on", on), ("off", off)):
-            dt = timed_step(t, comm)
+        for name in order[i % 3:] + order[:i % 3]:  # each goes first in turn
+            dt = timed_step(runs[name], comm)
             if i >= args.warmup:
                 times[name].append(dt)
+    on = runs["on"]
     t0 = time.perf_counter()
     path = Path(tempfile.mkdtemp()) / "trace.json"
     on.trace.write(path, on.trace_meta)
     write_s = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {"mesh": args.mesh, "schedule": args.schedule, "m": args.micro_batches, "steps": args.iters,
-            "off_ms": med["off"], "on_ms": med["on"], "overhead_pct": 100 * (med["on"] / med["off"] - 1),
+            "off_ms": med["off"], "recorder_ms": med["recorder"], "on_ms": med["on"],
+            "recorder_pct": 100 * (med["recorder"] / med["off"] - 1), "overhead_pct": 100 * (med["on"] / med["recorder"] - 1),
             "events_per_step": len(on.trace.events) / (args.warmup + args.iters), "write_s": write_s}
 
 
@@ -114,8 +127,9 @@ def main() -> None:
             res = overhead(args, data, comm)
             if root:
                 print(json.dumps(res) if args.json else
-                      f"{res['mesh']} {res['schedule']} m={res['m']}: off {res['off_ms']:.2f} ms, on {res['on_ms']:.2f} ms, "
-                      f"overhead {res['overhead_pct']:+.2f} % ({res['events_per_step']:.0f} events/step/rank; "
+                      f"{res['mesh']} {res['schedule']} m={res['m']}: bare {res['off_ms']:.2f} ms, flight recorder "
+                      f"{res['recorder_ms']:.2f} ms ({res['recorder_pct']:+.2f} %), recorder and trace {res['on_ms']:.2f} ms "
+                      f"(tracing {res['overhead_pct']:+.2f} % on top; {res['events_per_step']:.0f} events/step/rank; "
                       f"writing the trace {res['write_s']:.2f} s)")
         else:
             rows = bubble(args, data, comm)
