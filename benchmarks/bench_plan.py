@@ -9,8 +9,9 @@ For each rank count it (1) calibrates this machine with that many ranks into a p
 small model that `numesh plan` lists (every mesh, ZeRO stage and schedule, one or two
 micro-batch counts each, without cp, sp or recomputation; then `--new-axes` more with cp,
 sequence parallelism or selective or full recomputation, spread over those), (3) runs them all in one mpirun job (a worker mode of this script:
-a Trainer per layout, warm-up steps, then timed steps; the step's time is the slowest rank's,
-the median over steps), measuring memory the way numesh does (`ZeroOptimizer.memory()` plus
+a Trainer per layout, warm-up steps, then timed steps; the step's time is the slowest rank's;
+`--passes` over the list, every other one in reverse order; a layout's time is the median
+of its steps over all passes), measuring memory the way numesh does (`ZeroOptimizer.memory()` plus
 the executor's `peak_bytes`, the largest rank's), and (4) prints predicted vs measured with
 the errors, the MAPE of step time, and whether plan's first choice among them is within 5 %
 of the fastest measured one; when they differ, (5) runs those two again, alternating
@@ -71,7 +72,7 @@ def worker(layouts_file: str, data: str, warmup: int, steps: int) -> None:
         rows = comm.gather({"total": mine, **mem, "activations": peak}, root=0)
         if comm.Get_rank() == 0:
             biggest = max(rows, key=lambda r: r["total"])
-            print(json.dumps({"spec": spec, "step_s": statistics.median(times), "memory": biggest}), flush=True)
+            print(json.dumps({"spec": spec, "step_s": statistics.median(times), "times": times, "memory": biggest}), flush=True)
         del trainer
 
 
@@ -121,6 +122,8 @@ def main() -> None:
     ap.add_argument("--src", default=DEFAULT_SRC)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--passes", type=int, default=2,
+                    help="passes over the layouts in one job, every other one in reverse order; a layout's time is the median of all its steps")
     ap.add_argument("--confirm", type=int, default=3,
                     help="rounds that re-run plan's first choice and the fastest measured, alternating, when they differ (0: off)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -176,7 +179,15 @@ def main() -> None:
             return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
         t0 = time.perf_counter()
-        measured = run(specs)
+        # a layout measured in one pass is a few seconds of a machine whose speed drifts by
+        # ±10 % over minutes: passes in alternating order put each layout early and late
+        order = [i for p in range(args.passes) for i in (range(len(specs)) if p % 2 == 0 else reversed(range(len(specs))))]
+        lines = run([specs[i] for i in order])
+        measured = []
+        for i in range(len(specs)):
+            mine = [m for j, m in zip(order, lines) if j == i]
+            times = [t for m in mine for t in m["times"]]
+            measured.append({**mine[0], "times": times, "step_s": statistics.median(times)})
         print(f"ran {len(chosen)} layouts on {n} ranks in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         for p, m in zip(chosen, measured):
             results.append((n, p, m))
