@@ -180,6 +180,19 @@ def tp_block_comm(model: ModelSpec, layout: Layout, profile: Profile, place: Pla
                for op, n in parts.items() if op != "all_reduce")
 
 
+# What sequence parallelism adds to a micro-batch's forward and backward, in whole-sequence
+# activations [B, T, C] written once each (numesh/nn/transformer.py, numesh/mesh/collectives.py):
+# a gather along the sequence concatenates the ranks' slices (a copy), a reduce-scatter first
+# lays the sequence out rank-major (a copy), and a LayerNorm's output is its gathered x̂
+# times w (a pass over the whole sequence), in forward and again in backward (norm_regather).
+# Per block, F: 2 LayerNorm gathers (gather + affine) and 2 reduce-scatters; B: 2 gathers of
+# the output gradients, 2 reduce-scatters of the input gradients, 2 regathers (gather + affine;
+# none under full recomputation, whose rerun keeps the gathered outputs).
+# The first stage's embedding is reduce-scattered (F) and its gradient gathered (B); the
+# last's final LayerNorm gathers (F), regathers and reduce-scatters its input gradient (B).
+SP_COPIES = {"block": (6, 8), "first": (1, 1), "last": (2, 3)}
+
+
 def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, split: bool) -> ActionCost:
     """One transformer block, one micro-batch (shapes as numesh/nn/transformer.py runs them),
     with the layout's recomputation: selective adds the scores to B, full the whole F."""
@@ -197,6 +210,11 @@ def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
     bw += 2 * ew("layernorm_bwd", ln, ron) + ew("gelu_bwd", 4 * bt * C // tp, ron)
     bw += ew("copy", 2 * ln + 5 * bt * C // tp, ron)  # dq, dk, dv packed, heads split, dq scaled, two adds
     w = _gemms(profile, [(1, C, bt, 3 * C // tp), (1, C // tp, bt, C), (1, C, bt, 4 * C // tp), (1, 4 * C // tp, bt, C)], ron)
+    if layout.sp:
+        sp_f, sp_b = SP_COPIES["block"]
+        sp_b -= 4 if layout.recompute == "full" else 0  # the rerun forward keeps its gathered outputs: no regathers
+        f += ew("copy", sp_f * bt * C, ron)
+        bw += ew("copy", sp_b * bt * C, ron)
     call = profile.call_overhead(ron)  # each of F, B (and W apart) pays it once
     f, bw, w = f + call, bw + call, w + (call if split else 0.0)
     tp_half = tp_block_comm(model, layout, profile, place, formulas.Chunk(1, False, False)) / 2  # half F, half B
@@ -229,6 +247,10 @@ def outer_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
     if first:
         f += ew("copy", bt * C, ron)  # the lookup and the position add
         b += ew("copy", 3 * bt * C, ron)  # wpe's sum and the sorted row sums of wte
+    for end, here in (("first", first), ("last", last)):
+        if layout.sp and here:
+            f += ew("copy", SP_COPIES[end][0] * bt * C, ron)
+            b += ew("copy", SP_COPIES[end][1] * bt * C, ron)
     if last:
         f += ew("layernorm_fwd", ln, ron) + profile.gemm_time(1, bt, C, v_local, ron) + ew("softmax_fwd", bt * v_local, ron)
         b += (ew("softmax_bwd", bt * v_local, ron) + profile.gemm_time(1, v_local, bt, C, ron)
