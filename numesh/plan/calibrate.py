@@ -249,14 +249,23 @@ def _timed_steps(trainer: Trainer, comm: MPI.Comm, warmup: int, steps: int) -> l
     return times
 
 
-def _step_time(comm: MPI.Comm, cfg: TrainConfig, warmup: int = 2, steps: int = 5) -> float:
-    """Median seconds of a training step of `cfg` on each rank alone, every rank at once
-    (so each gets its share of the cores, as in a run); the median over ranks."""
+def _step_times(comm: MPI.Comm, cfgs: list[TrainConfig], rounds: int = 3) -> list[float]:
+    """Seconds of a training step of each of `cfgs` on each rank alone, every rank at once
+    (so each gets its share of the cores, as in a run): the configs take turns for `rounds`
+    rounds of 3 steps, and each gets the median over its rounds of the median over ranks.
+    Taking turns keeps the machine's drift out of their differences: measured one after
+    the other, the two steps `fit_steps` solves for moved the fitted overhead per block
+    action from 0.9 to 2.8 ms between two calibrations of 8 ranks on the 2-core VM."""
     from numesh.train import Trainer  # noqa: PLC0415  (a training run only here)
 
     with tempfile.TemporaryDirectory() as out:
-        times = _timed_steps(Trainer(attrs.evolve(cfg, out=out), MPI.COMM_SELF), comm, warmup, steps)
-    return statistics.median(comm.allgather(statistics.median(times)))
+        trainers = [Trainer(attrs.evolve(cfg, out=f"{out}/{i}"), MPI.COMM_SELF) for i, cfg in enumerate(cfgs)]
+        got: list[list[float]] = [[] for _ in cfgs]
+        for r in range(rounds):
+            for t, mine in zip(trainers, got):
+                times = _timed_steps(t, comm, 2 if r == 0 else 1, 3)
+                mine.append(statistics.median(comm.allgather(statistics.median(times))))
+    return [statistics.median(mine) for mine in got]
 
 
 def fit_scale_and_overhead(points: list[tuple[float, int, float]]) -> tuple[float, float]:
@@ -288,11 +297,10 @@ def fit_steps(comm: MPI.Comm, base: TrainConfig, model: ModelSpec, measured: Mea
         log(f"no dataset at {base.data}: kernel times used as measured (give --data to fit them on real steps)")
         return measured
     counts = sorted({1, max(d for d in (1, 2, 4, 8) if rows % d == 0)})
-    points = []
-    for m in counts:
-        spec = attrs.evolve(model, batch_size=rows)
-        points.append((_kernel_time(spec, measured, np.dtype(base.dtype).itemsize, m),
-                       m * 2 * model.n_layer, _step_time(comm, _alone(base, rows, m))))
+    spec = attrs.evolve(model, batch_size=rows)
+    steps = _step_times(comm, [_alone(base, rows, m) for m in counts])
+    points = [(_kernel_time(spec, measured, np.dtype(base.dtype).itemsize, m), m * 2 * model.n_layer, t)
+              for m, t in zip(counts, steps)]
     s, c = fit_scale_and_overhead(points)
     log(f"steps measured {', '.join(f'{t * 1e3:.1f} ms' for _, _, t in points)} against kernel sums "
         f"{', '.join(f'{k * 1e3:.1f} ms' for k, _, _ in points)}: in situ x{s:.3f}, {c * 1e6:.0f} us per block action")
