@@ -51,6 +51,7 @@ from numesh.mesh.mesh import AXES, AxisNames, Group, axis_names
 from numesh.mesh.observe import Observer, SkipCall
 
 EXIT_CODE = 3
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))  # no sched_yield on Windows: sleep(0) yields there
 GRACE_S = 2.0  # for the other ranks' time-outs and dumps before the leader diagnoses
 LEADER_WAIT_S = 5.0  # a non-leader takes over if the job is still alive this long after the grace
 RING = 256  # calls kept per rank (a step of the default model issues ~100 on a 2x2x2 mesh)
@@ -556,7 +557,7 @@ class FlightRecorder(Observer):
         while not request.Test():
             if time.monotonic() > deadline:
                 self._fail(token, f"timeout after {time.monotonic() - t0:.1f} s", 1)
-            os.sched_yield()
+            _yield()
         self._waiting[0] = -1
 
     def close(self) -> None:
