@@ -249,6 +249,18 @@ def _timed_steps(trainer: Trainer, comm: MPI.Comm, warmup: int, steps: int) -> l
     return times
 
 
+def _round(trainer: Trainer, comm: MPI.Comm, first: bool) -> list[float]:
+    """One round of a calibration's alternating measurements: this rank's seconds of 3
+    steps after a warm-up (2 steps in the first round, 1 after)."""
+    return _timed_steps(trainer, comm, 2 if first else 1, 3)
+
+
+def _round_alone(trainer: Trainer, comm: MPI.Comm, first: bool) -> float:
+    """A `_round` of a one-rank trainer on every rank at once: the median over ranks of
+    each rank's median step."""
+    return statistics.median(comm.allgather(statistics.median(_round(trainer, comm, first))))
+
+
 def _step_times(comm: MPI.Comm, cfgs: list[TrainConfig], rounds: int = 3) -> list[float]:
     """Seconds of a training step of each of `cfgs` on each rank alone, every rank at once
     (so each gets its share of the cores, as in a run): the configs take turns for `rounds`
@@ -263,8 +275,7 @@ def _step_times(comm: MPI.Comm, cfgs: list[TrainConfig], rounds: int = 3) -> lis
         got: list[list[float]] = [[] for _ in cfgs]
         for r in range(rounds):
             for t, mine in zip(trainers, got):
-                times = _timed_steps(t, comm, 2 if r == 0 else 1, 3)
-                mine.append(statistics.median(comm.allgather(statistics.median(times))))
+                mine.append(_round_alone(t, comm, r == 0))
     return [statistics.median(mine) for mine in got]
 
 
@@ -362,9 +373,8 @@ def fit_sync(comm: MPI.Comm, base: TrainConfig, model: ModelSpec, measured: Meas
         mesh = Trainer(attrs.evolve(train_config(base, lay), out=out, **QUIET), comm)
         single = Trainer(attrs.evolve(_alone(base, rows, 1), out=f"{out}/alone-{comm.Get_rank()}"), MPI.COMM_SELF)
         for i in range(rounds):
-            warm = 2 if i == 0 else 1
-            mesh_t += [comm.allreduce(t, op=MPI.MAX) for t in _timed_steps(mesh, comm, warm, 3)]
-            alone_t.append(statistics.median(comm.allgather(statistics.median(_timed_steps(single, comm, warm, 3)))))
+            mesh_t += [comm.allreduce(t, op=MPI.MAX) for t in _round(mesh, comm, i == 0)]
+            alone_t.append(_round_alone(single, comm, i == 0))
     finally:
         comm.Barrier()
         if comm.Get_rank() == 0:
