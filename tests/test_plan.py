@@ -346,6 +346,24 @@ def test_in_situ_scale_and_call_overhead_apply_and_round_trip(tmp_path: Path) ->
         assert with_.w - without.w == pytest.approx(2e-4 if split else 0.0)
 
 
+def test_full_recompute_reruns_the_kernels_inside_b() -> None:
+    """Full recomputation's rerun forward runs inside B's action: B grows by F's kernels
+    (and its communication) but not by a second action's overhead."""
+    from numesh.plan.timing import Placement
+
+    meas = Measured(2, 1, {}, ((1e3, 1e-7), (1e9, 1e-2)), {k: ((10.0, 1e-7), (1e6, 1e-3)) for k in KERNELS},
+                    {"all_reduce:2": ((8.0, 1e-5), (1e6, 1e-3)), "send": ((8.0, 1e-5), (1e6, 5e-4))},
+                    in_situ=1.2, call_overhead_s=3e-4)
+    prof = Profile(name="t", source="", itemsize=4, cores=2, measured={2: meas})
+    model, place = ModelSpec(2, 2, 64, 64, 65, 8), Placement(2, True, True, True, True)
+    for tp in (1, 2):
+        none, full = (block_cost(model, Layout(1, tp, 1, 0, "1f1b", 2, recompute=r), prof, place, False)
+                      for r in ("none", "full"))
+        assert full.f == pytest.approx(none.f)
+        assert full.b - none.b == pytest.approx(none.f - 3e-4)  # F's kernels and its tp all-reduces, no overhead
+        assert full.tp == pytest.approx(1.5 * none.tp)
+
+
 def test_fit_scale_and_overhead() -> None:
     # T = 1.5 K + 0.1 A on both points: solved exactly
     assert fit_scale_and_overhead([(20.0, 8, 30.8), (21.0, 32, 34.7)]) == pytest.approx((1.5, 0.1))
