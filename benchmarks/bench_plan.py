@@ -11,7 +11,8 @@ micro-batch counts each, without cp, sp or recomputation; then `--new-axes` more
 sequence parallelism or selective or full recomputation, spread over those), (3) runs them all in one mpirun job (a worker mode of this script:
 a Trainer per layout, warm-up steps, then timed steps; the step's time is the slowest rank's;
 `--passes` over the list, every other one in reverse order; a layout's time is the median
-of its steps over all passes), measuring memory the way numesh does (`ZeroOptimizer.memory()` plus
+of its steps over all passes; plan's first choice again before every
+`--reference-every` layouts and at the end, to show how the machine's speed moved during the job), measuring memory the way numesh does (`ZeroOptimizer.memory()` plus
 the executor's `peak_bytes`, the largest rank's), and (4) prints predicted vs measured with
 the errors, the MAPE of step time, and whether plan's first choice among them is within 5 %
 of the fastest measured one; when they differ, (5) runs those two again, alternating
@@ -126,6 +127,8 @@ def main() -> None:
                     help="passes over the layouts in one job, every other one in reverse order; a layout's time is the median of all its steps")
     ap.add_argument("--confirm", type=int, default=3,
                     help="rounds that re-run plan's first choice and the fastest measured, alternating, when they differ (0: off)")
+    ap.add_argument("--reference-every", type=int, default=6,
+                    help="re-run plan's first choice before every this many layouts and at the end, and print how much it moved (0: off)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -153,8 +156,9 @@ def main() -> None:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
     results = []
     confirmed: dict[int, tuple] = {}  # ranks -> (first choice, its step s, fastest, its step s) re-measured
+    reference: dict[int, list[float]] = {}  # ranks -> the first choice's step s at each of its re-runs in the job
     if args.memory_only:
-        args.no_calibrate, args.warmup, args.steps = True, 0, 1
+        args.no_calibrate, args.warmup, args.steps, args.reference_every = True, 0, 1, 0
     for n in args.ranks:
         if not args.no_calibrate:
             t0 = time.perf_counter()
@@ -179,26 +183,30 @@ def main() -> None:
             return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
         t0 = time.perf_counter()
+        first = max(range(len(chosen)), key=lambda i: chosen[i].tokens_per_s)
         # a layout measured in one pass is a few seconds of a machine whose speed drifts by
         # ±10 % over minutes: passes in alternating order put each layout early and late
         order = [i for p in range(args.passes) for i in (range(len(specs)) if p % 2 == 0 else reversed(range(len(specs))))]
-        lines = run([specs[i] for i in order])
+        if args.reference_every:  # plan's first choice again every so often (-1): how the machine drifted meanwhile
+            order = [k for at, i in enumerate(order) for k in ((-1, i) if at % args.reference_every == 0 else (i,))] + [-1]
+        lines = run([specs[first if i < 0 else i] for i in order])
         measured = []
         for i in range(len(specs)):
             mine = [m for j, m in zip(order, lines) if j == i]
             times = [t for m in mine for t in m["times"]]
             measured.append({**mine[0], "times": times, "step_s": statistics.median(times)})
+        if args.reference_every:
+            reference[n] = [m["step_s"] for j, m in zip(order, lines) if j < 0]
         print(f"ran {len(chosen)} layouts on {n} ranks in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         for p, m in zip(chosen, measured):
             results.append((n, p, m))
-        first = max(range(len(chosen)), key=lambda i: chosen[i].tokens_per_s)
         fastest = min(range(len(chosen)), key=lambda i: measured[i]["step_s"])
         if args.confirm and not args.memory_only and first != fastest:
             # one pass measures each layout over a few seconds, and a shared 2-core machine
             # drifts by more than 5 % in that time: the two that decide the target run again, alternating
             again = [m["step_s"] for m in run([specs[first], specs[fastest]] * args.confirm)]
             confirmed[n] = (chosen[first], statistics.median(again[0::2]), chosen[fastest], statistics.median(again[1::2]))
-    report(results, args.memory_only, confirmed)
+    report(results, args.memory_only, confirmed, reference)
 
 
 def name_of(lay) -> str:
@@ -220,7 +228,8 @@ def report_memory(results: list) -> None:
     print(f"\n{len(results)} layouts: memory exact on {exact}")
 
 
-def report(results: list, memory_only: bool = False, confirmed: dict | None = None) -> None:
+def report(results: list, memory_only: bool = False, confirmed: dict | None = None,
+           reference: dict | None = None) -> None:
     if memory_only:
         report_memory(results)
         return
@@ -251,6 +260,13 @@ def report(results: list, memory_only: bool = False, confirmed: dict | None = No
               f"{first[1]['step_s'] * 1e3:.1f} ms, fastest measured {fastest[1]['step_s'] * 1e3:.1f} ms "
               f"({fastest[0].layout.mesh} z{fastest[0].layout.zero} {fastest[0].layout.schedule} m={fastest[0].layout.micro_batches}): "
               f"{gap:+.1f} % ({'within' if gap <= 5 else 'NOT within'} 5 %)")
+        if len((reference or {}).get(n, ())) > 1:
+            # the same layout again and again through the job: what the machine's speed did
+            # meanwhile (errors below this spread say nothing about the model)
+            ref = reference[n]
+            lo, mid, hi = min(ref), statistics.median(ref), max(ref)
+            print(f"   machine drift during the job: plan's first choice re-run {len(ref)} times read {lo * 1e3:.1f}-"
+                  f"{hi * 1e3:.1f} ms (median {mid * 1e3:.1f}, {(lo - mid) / mid * 100:+.0f} / {(hi - mid) / mid * 100:+.0f} %)")
         if n in (confirmed or {}):
             p1, t1, p2, t2 = confirmed[n]
             gap = (t1 - t2) / t2 * 100
