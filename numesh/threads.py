@@ -1,32 +1,30 @@
-"""Intra-op threads: run row-independent NumPy work on all of a rank's cores.
+"""Intra-op threads: run NumPy work on all of a rank's cores, the same bits on any count.
 
 BLAS uses every thread a rank has, but NumPy's elementwise ops, reductions and the small
 per-head matmuls of attention run on one core, so outside the big matmuls the other cores
 idle. `over_rows(fn, n)` splits `range(n)` into contiguous chunks and runs `fn(rows)` for
-each on its own thread (NumPy releases the GIL inside its loops). The ops it is used for
-are independent per row, so the result is bit-identical to one call on all rows.
+each on its own thread (NumPy releases the GIL inside its loops); it is used only for work
+whose rows are independent, so the result is the same bits as one call on all rows.
 
-`over_batch(fn, n)` is the coarse form: each thread runs a whole piece of work (a
-transformer block on some of the sequences) with BLAS and `over_rows` single-threaded
-inside, so the cores meet once per piece instead of once per op. That matters on small
-models: a BLAS or pool thread that has gone idle takes ~0.1 ms to wake, paid by each of
-the ~50 matmuls of a step.
+Anything that is not row-independent (a matmul's rows depend on the BLAS call they are in;
+a block's weight gradients sum over its sequences) is cut into fixed tiles, chosen from the
+shape alone, and the threads only decide who computes which tile: see "Fixed tiles" below.
+`matmul` makes one BLAS call per tile of rows; a block runs as fixed pieces of its
+sequences (`chunked_*`, numesh.nn.stage), each thread running whole blocks on its pieces
+with BLAS and `over_rows` single-threaded inside (`over_batch`), so the cores meet once
+per block instead of once per op. That matters on small models: a BLAS or pool thread
+that has gone idle takes ~0.1 ms to wake, paid by each of the ~50 matmuls of a step.
 
 One thread model: numesh owns a rank's threads and BLAS runs on one thread
-(`numesh.runtime.set_blas_threads`). Matrix multiplies outside a split block (the LM head,
-tensor-parallel blocks) are split over rows by `matmul` like any other row-independent op.
-Two pools (OpenBLAS's and numesh's) on the same cores fought: each BLAS call on several
-threads must wake the others, and when the cores are busy (other ranks, or numesh's own
-workers) a wake-up waits for a scheduler slice. Measured on the shared 2-core machine under
-load: one transformer block (16 tokens, 128 wide) on BLAS's 2 threads 490 ms, split over
-numesh's 2 threads with BLAS on one 31 ms (benchmarks/bench_node.py measures the sweep).
+(`numesh.runtime.set_blas_threads`). Two pools (OpenBLAS's and numesh's) on the same
+cores fought: each BLAS call on several threads must wake the others, and when the cores
+are busy (other ranks, or numesh's own workers) a wake-up waits for a scheduler slice
+(benchmarks/bench_node.py measures the thread sweep).
 
-Nothing is split so small that the hand-off (~20 µs) outweighs the work: `over_rows`
-takes a minimum rows per chunk, `matmul` one of `MIN_CHUNK_FLOPS`, and `block_chunks` weighs a
-block's work against the Python glue each chunk pays under the GIL.
-
+Nothing is handed to another thread when the hand-off (~20 µs) would outweigh the work:
+`over_rows` takes a minimum rows per chunk and `matmul` one of `MIN_CHUNK_FLOPS` per thread.
 The thread count follows `numesh.runtime.set_blas_threads` (ranks × threads = cores);
-with one thread, as in an oversubscribed MPI job, everything is a plain call.
+with one thread, as in an oversubscribed MPI job, the same tiles run one after another.
 """
 
 from __future__ import annotations
@@ -102,8 +100,10 @@ def _bounds(n: int, k: int) -> list[slice]:
 def over_rows(fn: Callable[[slice], None], n: int, min_rows: int = 1) -> None:
     """Call `fn(slice)` over contiguous chunks covering range(n), one per thread, and wait.
 
-    Chunks have at least `min_rows` rows, so small inputs run as one call (a hand-off costs
-    ~20 µs). `fn` must only write to its own rows of preallocated outputs."""
+    Only for row-independent work: `fn` must compute each row with the same operations
+    whatever chunk it is in, and only write to its own rows of preallocated outputs; the
+    chunks follow the thread count. Chunks have at least `min_rows` rows, so small inputs
+    run as one call (a hand-off costs ~20 µs)."""
     k = min(_threads, n // max(1, min_rows))
     if k <= 1:
         fn(slice(0, n))
@@ -148,78 +148,162 @@ def over_batch(fn: Callable[[slice], T], n: int, k: int | None = None) -> list[T
     return out
 
 
+# ---------------------------------------------------------------------------------------
+# Fixed tiles: why no split changes a bit
+#
+# BLAS computes a row of a product along different code paths (micro-kernel tails,
+# small-matrix kernels) depending on the shape of the call the row is part of, and which
+# paths exist depends on the kernel family OpenBLAS picked for the CPU (OPENBLAS_CORETYPE):
+# the same row can round differently in a call of 64 rows and in one of 1000. So work that
+# numesh splits is cut into tiles chosen from the problem's shape alone, never from the
+# thread count (`tiles`): every tile is the same BLAS call, or the same block on the same
+# sequences, on 1 thread or 16, and the thread count only decides which thread makes each
+# call. Sums over tiles (a block's weight gradients, taken per piece of sequences) are added
+# in one fixed pairwise tree over the tiles, whichever thread computed which (`tree_sum`).
+# Element-wise and per-row work (`over_rows`) needs no tiles: its rows never meet, and each
+# row makes the same calls in any chunk. Together: the same bits for any thread count, on
+# any BLAS kernel (tests/test_threads.py runs the check under four kernel families).
+
+MAX_TILES = 64
+
+
+def tiles(n: int, min_rows: int, max_tiles: int = MAX_TILES) -> tuple[slice, ...]:
+    """The fixed tiles of range(n): the most contiguous, near-equal tiles of at least
+    `min_rows` rows each, as a power of two up to `max_tiles` (balanced over 2, 4, 8, ...
+    threads). A function of its arguments only."""
+    count = 1
+    while 2 * count <= max_tiles and n // (2 * count) >= max(1, min_rows):
+        count *= 2
+    return tuple(_bounds(n, count))
+
+
+def over_tiles(fn: Callable[[int], T], count: int, k: int | None = None) -> list[T]:
+    """`fn(i)` for each of `count` tiles, dealt to at most `k` threads (default: all) in
+    contiguous runs; the results in tile order. Unlike `over_batch` the callers keep BLAS as
+    it is (single-threaded under numesh.runtime)."""
+    k = min(_threads, count) if k is None else max(1, min(k, _threads, count))
+    out: list = [None] * count
+
+    def run(r: slice) -> None:
+        for i in range(r.start, r.stop):
+            out[i] = fn(i)
+
+    if k <= 1:
+        run(slice(0, count))
+    else:
+        _run_all([lambda r=r: run(r) for r in _bounds(count, k)])
+    return out
+
+
+# Rows of a matmul tile: at 256 rows one BLAS call per tile costs 0-5 % over one call on all
+# rows (the packed right-hand side is re-packed per call), at 64 rows 10-15 %
+# (benchmarks/bench_tiles.py measures it).
+TILE_ROWS = 256
 # A single-threaded sgemm does ~1 MFLOP in 20 µs (50 GFLOP/s, one AVX2 core), the cost of a
-# hand-off: chunks of at least 4 MFLOP keep the hand-off under ~20 % of each.
+# hand-off: each thread gets at least 4 MFLOP, else the tiles run on the caller's thread.
 MIN_CHUNK_FLOPS = 4e6
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a [M, K] @ b [K, N], rows split over the threads when each chunk has enough work.
-
-    Each row of the result is computed by one single-threaded BLAS call on a block of rows,
-    so the split changes no bit of a row beyond what BLAS's own blocking would."""
+    """a [M, K] @ b [K, N]: one single-threaded BLAS call per fixed row tile of a (`tiles`
+    of TILE_ROWS), the tiles spread over the threads when each thread gets enough work, so
+    the result is the same bits for any thread count."""
     m, k = a.shape
     n = b.shape[1]
     out = np.empty((m, n), np.result_type(a, b))
-    min_rows = max(1, int(MIN_CHUNK_FLOPS // max(1, 2 * k * n)))
+    rows = tiles(m, TILE_ROWS)
 
-    def rows(r: slice) -> None:
-        np.matmul(a[r], b, out=out[r])
+    def tile(i: int) -> None:
+        np.matmul(a[rows[i]], b, out=out[rows[i]])
 
-    over_rows(rows, m, min_rows)
+    over_tiles(tile, len(rows), int(2.0 * m * k * n // MIN_CHUNK_FLOPS))
     return out
 
 
-# A transformer block's Python glue (~60 NumPy calls forward and backward, ~5 µs each: ~0.3
-# ms) runs under the GIL, so the chunks pay it one after another, while their matmuls run
-# side by side: k chunks of a block of W FLOPs take about max(W / (k·R), k·G) with R a
-# core's rate and G the glue. The best k is sqrt(W / (R·G)); at R ≈ 50 GFLOP/s a core does
-# R·G ≈ 15 MFLOP in one chunk's glue. (Estimates, not fitted: on 2 cores k ≤ 2 never binds
-# for the default model, W ≈ 0.9 GFLOP gives k = 7; the baby model's W ≈ 30 GFLOP, k = 44.)
-GLUE_FLOPS = 15e6
-
-
-def block_chunks(n_threads: int, rows: int, block_flops: float) -> int:
-    """How many chunks to split a block of `block_flops` FLOPs on `rows` sequences into: at
-    most one per thread and per row, and no more than sqrt(W / GLUE_FLOPS) (1 = not split)."""
-    best = int(math.sqrt(max(block_flops, 0.0) / GLUE_FLOPS))
-    return max(1, min(n_threads, rows, best))
-
-
 # ---------------------------------------------------------------------------------------
-# A forward/backward pair run as row chunks, one per thread
+# A forward/backward pair run as fixed pieces of sequences, spread over the threads
 
 
 class RowChunks(NamedTuple):
-    """Context of a computation run as row chunks: each chunk's rows and its own context."""
+    """Context of a computation run as pieces of rows (`tiles`): each piece's rows and its
+    own context."""
 
     rows: tuple[slice, ...]
     parts: tuple
 
 
-def _over_chunks(fn: Callable[[int], T], n: int) -> list[T]:
-    """`fn(i)` for each of n chunks, spread over the threads like the chunks they came from."""
+def _over_pieces(fn: Callable[[int], T], n: int) -> list[T]:
+    """`fn(i)` for each of n pieces, dealt to the threads in contiguous runs, each thread
+    single-threaded inside (`over_batch`); the results in piece order."""
     return [y for ys in over_batch(lambda r: [fn(i) for i in range(r.start, r.stop)], n) for y in ys]
 
 
-def chunked_fwd(fn: Callable[[slice], tuple[np.ndarray, Any]], n: int, k: int | None = None) -> tuple[np.ndarray, RowChunks]:
-    """`fn(rows) -> (y, ctx)` over `k` row chunks of range(n) (`over_batch`): y concatenated by rows."""
-    parts = over_batch(lambda r: (r, *fn(r)), n, k)
-    y = np.concatenate([y for _, y, _ in parts])
-    return y, RowChunks(tuple(r for r, _, _ in parts), tuple(c for _, _, c in parts))
+def chunked_fwd(fn: Callable[[slice], tuple[np.ndarray, Any]], pieces: tuple[slice, ...]) -> tuple[np.ndarray, RowChunks]:
+    """`fn(rows) -> (y, ctx)` for each piece of rows: y concatenated by rows."""
+    parts = _over_pieces(lambda i: fn(pieces[i]), len(pieces))
+    y = np.concatenate([y for y, _ in parts])
+    return y, RowChunks(pieces, tuple(c for _, c in parts))
 
 
 def chunked_bwd(fn: Callable[[Any, slice], tuple[np.ndarray, Any]], ctx: RowChunks) -> tuple[np.ndarray, RowChunks]:
-    """`fn(chunk ctx, rows) -> (dx, next ctx)` for each chunk of `ctx`: dx concatenated by rows."""
-    parts = _over_chunks(lambda i: fn(ctx.parts[i], ctx.rows[i]), len(ctx.rows))
+    """`fn(piece ctx, rows) -> (dx, next ctx)` for each piece of `ctx`: dx concatenated by rows."""
+    parts = _over_pieces(lambda i: fn(ctx.parts[i], ctx.rows[i]), len(ctx.rows))
     return np.concatenate([d for d, _ in parts]), RowChunks(ctx.rows, tuple(w for _, w in parts))
 
 
 def chunked_sum(fn: Callable[[Any], Any], ctx: RowChunks) -> Any:
-    """`fn(chunk ctx) -> tree` for each chunk, the trees summed in chunk order (into the first's
-    fresh arrays): weight gradients differ from one thread's only by float rounding."""
-    trees = _over_chunks(lambda i: fn(ctx.parts[i]), len(ctx.rows))
-    total = trees[0]
-    for t in trees[1:]:
-        tree_map(lambda a, b: a.__iadd__(b), total, t)
-    return total
+    """`fn(piece ctx) -> tree` for each piece, summed in the fixed pairwise tree over the
+    pieces (`tree_sum`): the same bits whichever thread computed which piece."""
+    return tree_sum(lambda i: (None, fn(ctx.parts[i])), len(ctx.rows))[1]
+
+
+def chunked_bwd_sum(fn: Callable[[Any, slice], tuple[np.ndarray, Any]], ctx: RowChunks) -> tuple[np.ndarray, Any]:
+    """`fn(piece ctx, rows) -> (dx, tree)` for each piece: dx concatenated by rows, the trees
+    summed as `chunked_sum` sums them (each thread adds up its own pieces as it goes)."""
+    dxs, total = tree_sum(lambda i: fn(ctx.parts[i], ctx.rows[i]), len(ctx.rows))
+    return np.concatenate(dxs), total
+
+
+# The tree over n pieces: node (lo, size) covers pieces [lo, lo + size), size a power of two
+# and lo a multiple of it; its value is its left half's plus its right half's (or the left
+# half's alone past the last piece), the leaves are the pieces' own trees.
+
+
+def _add(a: Any, b: Any) -> Any:
+    """a += b over two trees, into a's arrays (fresh arrays of one piece's result)."""
+    tree_map(lambda x, y: x.__iadd__(y), a, b)
+    return a
+
+
+def _own_nodes(fn: Callable[[int], tuple[Any, Any]], r: slice) -> tuple[list, dict]:
+    """`fn(i) -> (side, tree)` for the pieces of run `r` in order: the sides, and the run's
+    trees added up into the largest whole nodes of the tree (a binary counter)."""
+    sides, stack = [], []  # stack of (lo, size, tree)
+    for i in range(r.start, r.stop):
+        side, t = fn(i)
+        sides.append(side)
+        stack.append((i, 1, t))
+        while len(stack) > 1:
+            (lo, size, left), (lo2, size2, right) = stack[-2], stack[-1]
+            if size != size2 or lo % (2 * size) or lo2 != lo + size:
+                break
+            stack[-2:] = [(lo, 2 * size, _add(left, right))]
+    return sides, {(lo, size): t for lo, size, t in stack}
+
+
+def tree_sum(fn: Callable[[int], tuple[Any, Any]], n: int) -> tuple[list, Any]:
+    """`fn(i) -> (side, tree)` for i in range(n), spread over the threads like
+    `chunked_fwd`: ([side for each i], the trees summed in the fixed pairwise tree)."""
+    runs = over_batch(lambda r: _own_nodes(fn, r), n)
+    nodes = {key: t for _, part in runs for key, t in part.items()}
+
+    def node(lo: int, size: int) -> Any:
+        if lo >= n:
+            return None
+        if (lo, size) in nodes:
+            return nodes[(lo, size)]
+        left, right = node(lo, size // 2), node(lo + size // 2, size // 2)
+        return left if right is None else _add(left, right)
+
+    top = 1 << max(0, n - 1).bit_length()
+    return [s for sides, _ in runs for s in sides], node(0, top)

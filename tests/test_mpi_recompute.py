@@ -24,7 +24,8 @@ import pytest
 from mpi4py import MPI
 
 from conftest import assert_same_run, serial_reference, train_records
-from numesh import formulas, threads
+from numesh import formulas
+from numesh.nn.stage import block_pieces
 from numesh.nn.units import OUTER
 from numesh.train import TrainConfig, Trainer, config_from
 
@@ -106,10 +107,10 @@ def memory_cases(n: int) -> list:
 
 
 def chunks_per_block(trainer: Trainer, rows: int) -> int:
-    """Row chunks a block is split into (numesh.nn.stage._split): >1 only without tp."""
-    if threads.threads() > 1 and trainer.mesh.size("tp") == 1 and rows > 1:
-        return min(threads.threads(), rows)
-    return 1
+    """Pieces a block runs as (numesh.nn.stage.block_pieces): >1 only without tp and cp."""
+    mesh = trainer.mesh
+    return len(block_pieces(mesh.size("tp"), mesh.size("cp"), rows, trainer.cfg.block_size // mesh.size("cp"),
+                            trainer.cfg.n_embd))
 
 
 @pytest.mark.parametrize("mesh, schedule, mode, dtype, dropout", memory_cases(N))

@@ -40,11 +40,16 @@ MODES = ("none", "selective", "full")
 
 @pytest.fixture
 def thread_count(monkeypatch):
-    """Set the intra-op thread count for a test, restoring it afterwards; blocks of these
-    tiny models split over the threads as a large model's would (numesh.threads.block_chunks)."""
-    monkeypatch.setattr(threads, "GLUE_FLOPS", 1.0)
-    before = threads.threads()
-    yield threads.set_threads
+    """Set the intra-op thread count for a test, restoring it afterwards. With more than one,
+    blocks of these tiny models also run as pieces of one sequence, as a large model's blocks
+    run as pieces (numesh.nn.stage.block_pieces); with one they stay whole."""
+    before, piece_flops = threads.threads(), S.PIECE_FLOPS
+
+    def set_count(n: int) -> None:
+        monkeypatch.setattr(S, "PIECE_FLOPS", 1.0 if n > 1 else piece_flops)
+        threads.set_threads(n)
+
+    yield set_count
     threads.set_threads(before)
 
 
@@ -97,15 +102,14 @@ def test_every_mode_gives_the_same_losses_and_grads(thread_count, dropout: bool,
         split[m] = (outer, [units.grads[Unit(i)] for i in range(cfg.n_layer)])
     for m in ("selective", "full"):
         assert_trees_equal(split[m], split["none"])
-    if n_threads == 1:  # one thread: the split backward is the whole one, bit for bit
-        assert_trees_equal(split["none"][1], list(runs["none"][1].blocks))
+    assert_trees_equal(split["none"][1], list(runs["none"][1].blocks))  # the split backward is the whole one
 
 
 @pytest.mark.parametrize("dropout", [False, True])
 def test_recomputed_contexts_are_the_forwards(thread_count, dropout: bool) -> None:
     """Selective rebuilds the probabilities and redraws the same attention dropout mask;
     full's rerun gives the forward's whole context back (arrays equal bit for bit)."""
-    thread_count(1)  # one context, not row chunks (earlier tests may have left more threads)
+    thread_count(1)  # one context, not pieces
     cfg = tiny_config(dropout=0.2 if dropout else 0.0)
     mesh = self_mesh()
     p = init_gpt(cfg, mesh, seed=2, dtype=np.float32).blocks[1]
@@ -178,7 +182,7 @@ def test_what_b_leaves_for_w_equals_the_formula(thread_count, mode: str, bias: b
     _, ctx = S.stage_forward(units, stage, idx, tgt, cfg, mesh, key(cfg, rows, True), recompute=mode)
     _, _, deferred = S.stage_backward(units, stage, ctx, 1.0, cfg, mesh, split=True)
     want = formulas.weight_ctx_bytes(micro_batch=rows, seq=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-                                     bias=bias, itemsize=8, chunks=n_threads)
+                                     bias=bias, itemsize=8, chunks=len(S.block_pieces(1, 1, rows, cfg.block_size, cfg.n_embd)))
     assert held_bytes(deferred) == want
 
 

@@ -14,8 +14,8 @@ from numesh.nn.gpt import GPTConfig, init_gpt
 from numesh.nn.stage import loss_and_grads
 from numesh.nn.layers import causal_attention_bwd, causal_attention_fwd, gelu_bwd, gelu_fwd
 from numesh.optim.adamw import AdamWConfig, adamw_init, adamw_step
-from numesh.tree import held_bytes as _nbytes
 from numesh.tree import tree_leaves
+from threadpoolctl import threadpool_limits
 
 
 @pytest.fixture
@@ -107,80 +107,144 @@ def test_over_batch_returns_chunks_in_order_single_threaded_inside(with_threads)
     assert threads.threads() == 3  # restored after an error too
 
 
+@pytest.mark.bits
 @pytest.mark.parametrize("batch", [2, 5])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_blocks_split_over_sequences_match_one_thread(with_threads, monkeypatch, batch: int, dropout: float) -> None:
-    monkeypatch.setattr(threads, "GLUE_FLOPS", 1.0)  # split even this tiny model's blocks
+def test_blocks_run_as_pieces_are_the_same_bits_on_any_thread_count(with_threads, monkeypatch, batch: int,
+                                                                     dropout: float) -> None:
+    monkeypatch.setattr(stage, "PIECE_FLOPS", 1.0)  # pieces of one sequence, even in this tiny model
     cfg = GPTConfig(vocab_size=23, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=dropout, bias=True)
     mesh = Mesh.parse("")
     params = init_gpt(cfg, mesh, seed=3, dtype=np.float64)
     rng = np.random.default_rng(0)
     idx, targets = rng.integers(0, cfg.vocab_size, (2, batch, cfg.block_size))
     drop = DropoutKey(dropout, 7, 1, 0, batch) if dropout else None
-    runs = {}
-    for k in (1, 2):
-        with_threads(k)
-        runs[k] = loss_and_grads(params, idx, targets, cfg, mesh, 1.0 / idx.size, drop)
-    (loss1, g1), (loss2, g2) = runs[1], runs[2]
-    assert abs(loss1 - loss2) <= 1e-13 * abs(loss1)
-    for a, b in zip(tree_leaves(g1), tree_leaves(g2)):
-        np.testing.assert_allclose(b, a, rtol=1e-11, atol=1e-15)
-
-    # the zero-bubble halves (input grad now, weight grad later) split the same way
     x = rng.standard_normal((batch, cfg.block_size, cfg.n_embd))
     dy = rng.standard_normal(x.shape)
     block = params.blocks[0]
-    with_threads(1)
-    y1, ctx1 = stage.run_block_fwd(block, x, cfg, mesh, 0, drop)
-    dx1, w1 = stage.run_block_bwd(block, ctx1, dy, cfg, mesh)
-    with_threads(2)
-    y2, ctx2 = stage.run_block_fwd(block, x, cfg, mesh, 0, drop)
-    assert isinstance(ctx2, threads.RowChunks) and _nbytes(ctx2) == _nbytes(ctx1)  # pipeline memory accounting
-    dx2, wctx = stage.run_block_bwd_input(block, ctx2, dy, cfg, mesh)
-    w2 = stage.run_block_bwd_weight(block, wctx)
-    np.testing.assert_array_equal(y2, y1)  # rows are independent: no sum crosses chunks
-    np.testing.assert_array_equal(dx2, dx1)
-    for a, b in zip(tree_leaves(w1), tree_leaves(w2)):
-        np.testing.assert_allclose(b, a, rtol=1e-11, atol=1e-15)
-
-
-@pytest.mark.parametrize("n_threads, rows, flops, want", [
-    (16, 12, 906e6, 7),      # the default model: its glue, not its matmuls, bounds the split
-    (16, 64, 30e9, 16),      # the baby model: every thread
-    (16, 2, 30e9, 2),        # no more chunks than rows
-    (2, 12, 906e6, 2),       # no more chunks than threads
-    (8, 12, 1e6, 1),         # too little work: whole
-    (1, 12, 30e9, 1),
-])
-def test_block_chunks(n_threads: int, rows: int, flops: float, want: int) -> None:
-    assert threads.block_chunks(n_threads, rows, flops) == want
-
-
-@pytest.mark.parametrize("m, k, n", [(1, 3, 5), (257, 64, 96), (1000, 128, 65)])
-def test_matmul_split_over_rows_is_bit_identical(with_threads, monkeypatch, m: int, k: int, n: int) -> None:
-    """Each row comes from one BLAS call on a block of rows: splitting changes no bit (BLAS
-    on one thread, as numesh.runtime.set_blas_threads sets it), and small products are not split."""
-    from threadpoolctl import threadpool_limits
-
-    rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
-    calls: list[int] = []
-    real = threads.over_rows
-
-    def counting(fn, rows, min_rows=1):
-        calls.append(min(threads.threads(), rows // max(1, min_rows)))
-        real(fn, rows, min_rows)
-
-    monkeypatch.setattr(threads, "over_rows", counting)
+    runs = {}
     with threadpool_limits(limits=1, user_api="blas"):
-        with_threads(1)
-        one = threads.matmul(a, b)
-        with_threads(3)
-        monkeypatch.setattr(threads, "MIN_CHUNK_FLOPS", 1.0)
-        split = threads.matmul(a, b)
-        np.testing.assert_array_equal(split, one)
-        np.testing.assert_array_equal(threads.matmul(a.T.copy().T, b), one)  # a strided view
-        monkeypatch.setattr(threads, "MIN_CHUNK_FLOPS", 1e12)
-        calls.clear()
-        threads.matmul(a, b)
-        assert calls[-1] <= 1  # too small to split
+        for k in (1, 2, 3):
+            with_threads(k)
+            loss, grads = loss_and_grads(params, idx, targets, cfg, mesh, 1.0 / idx.size, drop)
+            y, ctx = stage.run_block_fwd(block, x, cfg, mesh, 0, drop)
+            assert isinstance(ctx, threads.RowChunks) and len(ctx.rows) == len(threads.tiles(batch, 1, stage.MAX_PIECES))
+            dx, w = stage.run_block_bwd(block, ctx, dy, cfg, mesh)
+            # the zero-bubble halves (input grad now, weight grad later): the same pieces, the same tree
+            _, ctx2 = stage.run_block_fwd(block, x, cfg, mesh, 0, drop)
+            dx2, wctx = stage.run_block_bwd_input(block, ctx2, dy, cfg, mesh)
+            w2 = stage.run_block_bwd_weight(block, wctx)
+            for a, b in zip([dx, *tree_leaves(w)], [dx2, *tree_leaves(w2)], strict=True):
+                np.testing.assert_array_equal(b, a)  # B then W = B and W at once
+            runs[k] = [np.array(loss), *tree_leaves(grads), y, dx, *tree_leaves(w)]
+    for k in (2, 3):
+        for a, b in zip(runs[1], runs[k], strict=True):
+            np.testing.assert_array_equal(b, a)
+
+
+def test_block_pieces_are_a_function_of_the_shape() -> None:
+    """At least PIECE_FLOPS of work a piece, a power of two of them; whole with tp or cp."""
+    assert len(stage.block_pieces(1, 1, 12, 64, 128)) == 1  # the default model: 82 MFLOP a sequence, whole
+    assert len(stage.block_pieces(1, 1, 2, 1024, 128)) == 2  # 2.8 GFLOP a sequence
+    assert len(stage.block_pieces(1, 1, 64, 256, 384)) == stage.MAX_PIECES  # the baby model: 4 sequences each
+    assert len(stage.block_pieces(1, 1, 1, 4096, 128)) == 1
+    assert stage.block_pieces(2, 1, 64, 256, 384) == stage.block_pieces(1, 2, 64, 256, 384) == (slice(0, 64),)
+
+
+@pytest.mark.parametrize("n, min_rows, count", [(768, 256, 2), (1000, 256, 2), (1100, 256, 4), (511, 256, 1),
+                                                (12, 2, 4), (64, 1, 64), (1000, 1, threads.MAX_TILES), (0, 4, 1)])
+def test_tiles(with_threads, n: int, min_rows: int, count: int) -> None:
+    got = {}
+    for k in (1, 2, 16):
+        with_threads(k)
+        got[k] = threads.tiles(n, min_rows)
+    assert got[1] == got[2] == got[16]  # never a function of the thread count
+    t = got[1]
+    assert len(t) == count and t[0].start == 0 and t[-1].stop == n
+    assert all(a.stop == b.start for a, b in zip(t, t[1:]))
+    assert count == 1 or min(r.stop - r.start for r in t) >= min_rows
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13])
+def test_tree_sum_adds_in_one_tree_whichever_thread_adds(with_threads, n: int) -> None:
+    """Values whose sum depends on the order of the additions: every thread count (so every
+    split of the pieces into runs) gives the same bits as the pairwise tree written out."""
+    vals = [np.array([1.0, 3.0]) * 10.0 ** (4 * (i % 5)) + 0.1 * i for i in range(n)]
+
+    def tree(lo: int, size: int):
+        if lo >= n:
+            return None
+        if size == 1:
+            return vals[lo].copy()
+        left, right = tree(lo, size // 2), tree(lo + size // 2, size // 2)
+        return left if right is None else left + right
+
+    want = tree(0, 1 << (n - 1).bit_length())
+    for k in (1, 2, 3, 4):
+        with_threads(k)
+        sides, got = threads.tree_sum(lambda i: (i, vals[i].copy()), n)
+        assert sides == list(range(n))
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.bits
+@pytest.mark.parametrize("tile_rows", [16, threads.TILE_ROWS])
+@pytest.mark.parametrize("m, k, n", [(1, 3, 5), (257, 64, 96), (1000, 128, 65), (1100, 64, 48)])
+def test_matmul_split_over_rows_is_bit_identical(with_threads, monkeypatch, tile_rows: int, m: int, k: int,
+                                                 n: int) -> None:
+    """Each row comes from one single-threaded BLAS call on a fixed tile of rows: splitting
+    over threads changes no bit (BLAS on one thread, as numesh.runtime.set_blas_threads sets
+    it), and small products are not handed to other threads."""
+    monkeypatch.setattr(threads, "TILE_ROWS", tile_rows)
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+        used: list[int] = []
+        real = threads.over_tiles
+
+        def counting(fn, count, k=None):
+            used.append(min(threads.threads(), count, k))
+            return real(fn, count, k)
+
+        monkeypatch.setattr(threads, "over_tiles", counting)
+        with threadpool_limits(limits=1, user_api="blas"):
+            monkeypatch.setattr(threads, "MIN_CHUNK_FLOPS", 1.0)
+            with_threads(1)
+            one = threads.matmul(a, b)
+            a_f = a.T.copy().T  # a strided view, as the weight gradient's xᵀ: BLAS's transposed path
+            one_f = threads.matmul(a_f, b)
+            for n_threads in (2, 3):
+                with_threads(n_threads)
+                np.testing.assert_array_equal(threads.matmul(a, b), one)
+                np.testing.assert_array_equal(threads.matmul(a_f, b), one_f)
+            assert max(used) == min(3, len(threads.tiles(m, tile_rows)))
+            monkeypatch.setattr(threads, "MIN_CHUNK_FLOPS", 1e12)
+            used.clear()
+            np.testing.assert_array_equal(threads.matmul(a, b), one)
+            assert used == [0]  # too small to hand off: every tile on this thread
+        monkeypatch.setattr(threads, "over_tiles", real)
+
+
+@pytest.mark.bits
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_training_step_is_the_same_bits_on_1_and_2_threads(char_dataset, tmp_path, with_threads, monkeypatch,
+                                                              dtype: str) -> None:
+    """Two optimiser steps: once with blocks whole (their matmuls in row tiles) and once as 4
+    pieces; losses, gradient norms and every parameter bit for bit."""
+    from numesh.train import TrainConfig, Trainer
+
+    for piece_flops, pieces in ((stage.PIECE_FLOPS, 1), (4e7, 4)):  # 22 MFLOP a sequence
+        monkeypatch.setattr(stage, "PIECE_FLOPS", piece_flops)
+        monkeypatch.setattr(threads, "TILE_ROWS", 128)  # the head and the whole blocks' matmuls in 4 tiles
+        runs = {}
+        with threadpool_limits(limits=1, user_api="blas"):
+            for k in (1, 2):
+                with_threads(k)
+                cfg = TrainConfig(data=str(char_dataset), out=str(tmp_path / f"t{k}-{pieces}"), n_layer=2, n_embd=64,
+                                  n_head=4, block_size=64, batch_size=8, max_iters=2, dtype=dtype, dropout=0.1, bias=True)
+                t = Trainer(cfg)
+                assert len(stage.block_pieces(1, 1, cfg.batch_size, cfg.block_size, cfg.n_embd)) == pieces
+                steps = [t.train_step() for _ in range(2)]
+                runs[k] = [np.array(steps), *tree_leaves(t.gathered_params())]
+        for a, b in zip(runs[1], runs[2], strict=True):
+            np.testing.assert_array_equal(b, a)

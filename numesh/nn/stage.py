@@ -8,13 +8,15 @@ Parameters come from a `ParamUnits` (all resident, or the ZeRO optimiser, which 
 a unit before use and free it after), and every unit's gradient goes back to it as soon as
 it is final, so gradient reduction can start during backward.
 
-Thread splitting wraps the block functions here and is not written into them: without tp a
-block does not communicate, so with several threads each one runs the whole block on its
-own rows (`numesh.threads.chunked_*`): the cores meet once per block instead of once per
-matmul, which saved ~3 ms of a 47 ms step on 2 cores (an idle thread takes ~0.1 ms to wake,
-paid by each of ~50 matmuls). A block is split into at most one chunk per thread, fewer when
-its work is small beside the Python glue each chunk pays (`numesh.threads.block_chunks`). With tp, blocks stay
-on the main thread, their ops split over rows (`numesh.threads.matmul`, `over_rows`).
+Thread splitting wraps the block functions here and is not written into them: without tp or
+cp a large block does not communicate, so it runs as fixed pieces of its sequences
+(`block_pieces`), each piece a whole block call, the pieces dealt to the threads
+(`numesh.threads.chunked_*`): the cores meet once per block instead of once per matmul. The
+pieces follow from the shape alone, never from the thread count, and the pieces' weight
+gradients are added in one fixed tree, so every thread count gives the same bits
+(numesh/threads.py says why that needs fixed tiles). Small blocks, and blocks with tp or
+cp, run whole on the main thread, their ops split over fixed row tiles
+(`numesh.threads.matmul`, `over_rows`).
 
 Activation recomputation wraps the block functions here too (`Recompute`): "selective"
 keeps a block's context without the attention core's T×T tensors (softmax probabilities
@@ -24,12 +26,13 @@ all-reduces included, right before its backward. Dropout masks are functions of 
 step, site, rows), so the rerun redraws the same ones, and the recomputed context is bit
 for bit the forward's: every mode gives the same losses and gradients. A zero-bubble B
 recomputes and leaves W the recomputed inputs it needs; under ZeRO-3 the rerun uses the
-parameters that backward gathers anyway; split over threads, each thread reruns its own
+parameters that backward gathers anyway; run as pieces, each piece reruns its own
 rows.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Protocol
 
 import attrs
@@ -55,7 +58,7 @@ from numesh.nn.transformer import (
     without_scores,
 )
 from numesh.nn.units import OUTER, Unit, join_units
-from numesh.threads import RowChunks, block_chunks, chunked_bwd, chunked_fwd, chunked_sum, threads
+from numesh.threads import RowChunks, chunked_bwd, chunked_bwd_sum, chunked_fwd, chunked_sum, tiles
 
 
 class ParamUnits(Protocol):
@@ -117,7 +120,7 @@ class StageCtx:
     """A stage's saved forward state for one micro-batch."""
 
     embed: EmbedCtx | None
-    blocks: list  # BlockCtx, or RowChunks of them when split over threads
+    blocks: list  # BlockCtx, or RowChunks of them when run as pieces
     head: HeadCtx | None
 
 
@@ -162,38 +165,48 @@ def _restored(p: Block, saved: BlockCtx | BlockInput, cfg: GPTConfig, mesh: Mesh
 # blocks, whole or split over the threads
 
 
-def row_chunks(n_threads: int, tp: int, cp: int, rows: int, seq: int, n_embd: int) -> int:
-    """Chunks to split a block on [rows, seq, n_embd] into: 1 (whole) with tp or cp inside,
-    else `block_chunks` of the threads, rows and the block's training FLOPs (72·C² per token
-    for its matmuls, 12·C·T for attention, as numesh.formulas.flops_per_token). Not with cp:
-    every thread's block would run its own ring over the one cp communicator, with the same
-    tags, so their K/V blocks could be matched to each other. The planner's memory model
-    asks the same (numesh.plan.memory)."""
-    if n_threads == 1 or tp > 1 or cp > 1:
-        return 1
-    return block_chunks(n_threads, rows, rows * seq * (72.0 * n_embd * n_embd + 12.0 * n_embd * seq))
+# A piece pays the block's Python glue (~60 NumPy calls forward and backward, ~0.4 ms) once
+# more than the whole block would; at 1.5 GFLOP a piece that is ~2 % of its time on one
+# core, so smaller blocks run whole, their matmuls split over fixed row tiles instead
+# (benchmarks/bench_tiles.py measures both ways). At most 16 pieces: each one's weight
+# gradients are one more tree addition of the block's parameters.
+PIECE_FLOPS = 1.5e9
+MAX_PIECES = 16
 
 
-def _chunks(mesh: Mesh, x: np.ndarray) -> int:
-    """`row_chunks` for a block on x [B, T, C] on this mesh and thread count."""
-    B, T, C = x.shape
-    return row_chunks(threads(), mesh.size("tp"), mesh.size("cp"), B, T, C)
+def block_pieces(tp: int, cp: int, rows: int, seq: int, n_embd: int) -> tuple[slice, ...]:
+    """The pieces of its `rows` sequences a block on [rows, seq, n_embd] runs as: the whole
+    with tp or cp inside, else `numesh.threads.tiles` of at least PIECE_FLOPS of training
+    work each (72·C² per token for the matmuls, 12·C·T for attention, as
+    numesh.formulas.flops_per_token). A function of the shape and mesh, not of the thread
+    count. Not with cp: every thread's piece would run its own ring over the one cp
+    communicator, with the same tags, so their K/V blocks could be matched to each other.
+    The planner's memory model asks the same (numesh.plan.memory)."""
+    if tp > 1 or cp > 1:
+        return (slice(0, rows),)
+    row_flops = seq * (72.0 * n_embd * n_embd + 12.0 * n_embd * seq)
+    return tiles(rows, math.ceil(PIECE_FLOPS / max(row_flops, 1.0)), MAX_PIECES)
+
+
+def _pieces(mesh: Mesh, x: np.ndarray) -> tuple[slice, ...]:
+    """`block_pieces` for a block on x [B, T, C] on this mesh."""
+    return block_pieces(mesh.size("tp"), mesh.size("cp"), *x.shape)
 
 
 def run_block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int, drop: DropoutKey | None = None,
                   recompute: Recompute = "none"):
-    """`block_fwd`, whole or as row chunks over the threads (its context says which),
-    keeping what `recompute` says (each chunk its own)."""
+    """`block_fwd`, whole or as pieces of rows over the threads (its context says which),
+    keeping what `recompute` says (each piece its own)."""
 
     def one(rows: slice | None) -> tuple[np.ndarray, Any]:
         xr, dr = (x, drop) if rows is None else (x[rows], drop and drop.shifted(rows))
         y, ctx = block_fwd(p, xr, cfg, mesh, layer, dr)
         return y, _saved(recompute, ctx, xr, dr, layer)
 
-    k = _chunks(mesh, x)
-    if k == 1:
+    pieces = _pieces(mesh, x)
+    if len(pieces) == 1:
         return one(None)
-    return chunked_fwd(one, x.shape[0], k)
+    return chunked_fwd(one, pieces)
 
 
 def run_block_bwd_input(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh):
@@ -204,7 +217,7 @@ def run_block_bwd_input(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np
 
 
 def run_block_bwd_weight(p: Block, w: Any) -> Block:
-    """`block_bwd_weight` of a `run_block_bwd_input` context (chunk grads summed)."""
+    """`block_bwd_weight` of a `run_block_bwd_input` context (piece grads summed in a fixed tree)."""
     if not isinstance(w, RowChunks):
         return block_bwd_weight(p, w)
     return chunked_sum(lambda c: block_bwd_weight(p, c), w)
@@ -212,7 +225,7 @@ def run_block_bwd_weight(p: Block, w: Any) -> Block:
 
 def run_block_bwd(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np.ndarray, cfg: GPTConfig,
                   mesh: Mesh) -> tuple[np.ndarray, Block]:
-    """B and W at once (each thread does both halves for its rows)."""
+    """B and W at once (each thread does both halves for its pieces)."""
 
     def both(c: BlockCtx | BlockInput, r: slice | None = None) -> tuple[np.ndarray, Block]:
         d, w = block_bwd_input(p, _restored(p, c, cfg, mesh), dx if r is None else dx[r], cfg, mesh)
@@ -220,8 +233,7 @@ def run_block_bwd(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np.ndarr
 
     if not isinstance(ctx, RowChunks):
         return both(ctx)
-    dx, grads = chunked_bwd(both, ctx)
-    return dx, chunked_sum(lambda g: g, grads)
+    return chunked_bwd_sum(both, ctx)
 
 
 # ---------------------------------------------------------------------------------------
