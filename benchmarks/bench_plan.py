@@ -166,7 +166,8 @@ def main() -> None:
                             "--profile-out", str(profile_path), *flags], check=True, stdout=subprocess.DEVNULL)
             print(f"calibrated {n} ranks in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         profile = load_profile("a100-80gb" if args.memory_only else str(profile_path))  # its times unused
-        preds = [predict(model, lay, profile, 0, 4) for lay in valid_layouts(base, model, n)]
+        threads = max(1, (profile.cores or 1) // n)
+        preds = [predict(model, lay, profile, 0, 4, threads) for lay in valid_layouts(base, model, n)]
         chosen = pick_layouts(preds, args.per_ranks) + pick_new_axes(preds, args.new_axes)
         specs = [{"mesh": p.layout.mesh, "zero": p.layout.zero, "schedule": p.layout.schedule,
                   "micro_batches": p.layout.micro_batches, "virtual_stages": p.layout.virtual_stages,

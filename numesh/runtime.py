@@ -18,7 +18,7 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 from numesh.errors import Interrupted, abort_job
-from numesh.threads import over_batch, set_threads, threads
+from numesh.threads import over_batch, set_cores, set_threads, threads
 
 T = TypeVar("T")
 
@@ -41,13 +41,14 @@ def set_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None) -
 
     An explicit `threads`, or OMP/OPENBLAS_NUM_THREADS in the environment, wins."""
     global _LIMITER
+    cores = set_cores(max(1, (os.cpu_count() or 1) // ranks_per_node(comm)))  # tiles follow cores, not threads
     if threads is None:
         for var in _THREAD_ENV:
             if os.environ.get(var, "").isdigit():
                 threads = int(os.environ[var])
                 break
     if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // ranks_per_node(comm))
+        threads = cores
     _LIMITER = threadpool_limits(limits=1, user_api="blas")
     return set_threads(threads)
 

@@ -9,11 +9,12 @@ whose rows are independent, so the result is the same bits as one call on all ro
 Anything that is not row-independent (a matmul's rows depend on the BLAS call they are in;
 a block's weight gradients sum over its sequences) is cut into fixed tiles, chosen from the
 shape alone, and the threads only decide who computes which tile: see "Fixed tiles" below.
-`matmul` makes one BLAS call per tile of rows; a block runs as fixed pieces of its
-sequences (`chunked_*`, numesh.nn.stage), each thread running whole blocks on its pieces
-with BLAS and `over_rows` single-threaded inside (`over_batch`), so the cores meet once
-per block instead of once per op. That matters on small models: a BLAS or pool thread
-that has gone idle takes ~0.1 ms to wake, paid by each of the ~50 matmuls of a step.
+`matmul` makes one BLAS call per tile of rows; a block on enough tokens is cut into fixed
+pieces of its sequences (numesh.nn.stage), and each thread runs the whole block on a run
+of pieces (`chunked_*`) with BLAS and `over_rows` single-threaded inside (`over_batch`),
+so the cores meet once per block instead of once per op. That matters on small models: a
+BLAS or pool thread that has gone idle takes ~0.1 ms to wake, paid by each of the ~50
+matmuls of a step.
 
 One thread model: numesh owns a rank's threads and BLAS runs on one thread
 (`numesh.runtime.set_blas_threads`). Two pools (OpenBLAS's and numesh's) on the same
@@ -30,7 +31,8 @@ with one thread, as in an oversubscribed MPI job, the same tiles run one after a
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
+import os
 import queue
 import threading
 from typing import Any, Callable, Iterator, NamedTuple, TypeVar
@@ -133,7 +135,9 @@ def over_batch(fn: Callable[[slice], T], n: int, k: int | None = None) -> list[T
     in row order.
 
     Each call runs single-threaded (BLAS included), so `fn` may do a whole sub-computation
-    on its rows, but it must not communicate (MPI calls stay on the main thread)."""
+    on its rows, but it must not communicate (MPI calls stay on the main thread). The chunks
+    follow the thread count: a caller whose numbers must not depend on it hands in fixed
+    tiles (`runs_for`, `tree_sum`) rather than rows."""
     k = min(_threads, n) if k is None else max(1, min(k, _threads, n))
     if k <= 1:
         return [fn(slice(0, n))]
@@ -154,33 +158,57 @@ def over_batch(fn: Callable[[slice], T], n: int, k: int | None = None) -> list[T
 # BLAS computes a row of a product along different code paths (micro-kernel tails,
 # small-matrix kernels) depending on the shape of the call the row is part of, and which
 # paths exist depends on the kernel family OpenBLAS picked for the CPU (OPENBLAS_CORETYPE):
-# the same row can round differently in a call of 64 rows and in one of 1000. So work that
-# numesh splits is cut into tiles chosen from the problem's shape alone, never from the
-# thread count (`tiles`): every tile is the same BLAS call, or the same block on the same
-# sequences, on 1 thread or 16, and the thread count only decides which thread makes each
-# call. Sums over tiles (a block's weight gradients, taken per piece of sequences) are added
-# in one fixed pairwise tree over the tiles, whichever thread computed which (`tree_sum`).
+# the same row can round differently in a call of 64 rows and in one of 1000. So what numesh
+# splits is cut into tiles chosen from the shape and the cores this rank may use on its
+# machine (`cores`: the machine's cores over the ranks on it, a fact of the machine and the
+# launch), never from the thread count (`tiles`); the thread count only decides which
+# thread computes which tile. Never more tiles than cores: more could not run at once, and
+# each tile costs a few % of a large matmul's speed on one thread (it packs the right-hand
+# side again: benchmarks/bench_tiles.py). So:
+#
+# - `matmul` makes one BLAS call per fixed tile of rows;
+# - a block's tokens are cut into fixed pieces of whole sequences (numesh.nn.stage); inside
+#   a block call, every matmul over token rows makes its calls piece by piece, and every sum
+#   over tokens (weight, bias and LayerNorm gradients: `token_sum`) adds the pieces' sums in
+#   one fixed pairwise tree. One thread runs the block on all pieces at once, several
+#   threads on runs of them (`runs_for`, each an aligned subtree), and the runs' results are
+#   added by the same tree (`tree_sum`): the same calls and the same additions either way.
+#
 # Element-wise and per-row work (`over_rows`) needs no tiles: its rows never meet, and each
-# row makes the same calls in any chunk. Together: the same bits for any thread count, on
-# any BLAS kernel (tests/test_threads.py runs the check under four kernel families).
+# row gets the same operations in any chunk. Together: the same bits for any thread count,
+# on any BLAS kernel (tests/test_threads.py, rerun under four kernel families by
+# tests/test_blas_kernels.py).
 
-MAX_TILES = 64
+_cores = max(1, os.cpu_count() or 1)
 
 
-def tiles(n: int, min_rows: int, max_tiles: int = MAX_TILES) -> tuple[slice, ...]:
+def set_cores(n: int) -> int:
+    """The cores this rank may use (numesh.runtime.set_blas_threads: the machine's cores over
+    the ranks on it), which bound how finely work is tiled; returns n."""
+    global _cores
+    _cores = max(1, int(n))
+    return _cores
+
+
+def cores() -> int:
+    return _cores
+
+
+@functools.lru_cache(maxsize=1024)
+def tiles(n: int, min_rows: int, most: int) -> tuple[slice, ...]:
     """The fixed tiles of range(n): the most contiguous, near-equal tiles of at least
-    `min_rows` rows each, as a power of two up to `max_tiles` (balanced over 2, 4, 8, ...
-    threads). A function of its arguments only."""
+    `min_rows` rows each, as a power of two (balanced over 2, 4, 8, ... threads) and at
+    most `most`. A function of its arguments only."""
     count = 1
-    while 2 * count <= max_tiles and n // (2 * count) >= max(1, min_rows):
+    while 2 * count <= most and n // (2 * count) >= max(1, min_rows):
         count *= 2
     return tuple(_bounds(n, count))
 
 
 def over_tiles(fn: Callable[[int], T], count: int, k: int | None = None) -> list[T]:
     """`fn(i)` for each of `count` tiles, dealt to at most `k` threads (default: all) in
-    contiguous runs; the results in tile order. Unlike `over_batch` the callers keep BLAS as
-    it is (single-threaded under numesh.runtime)."""
+    contiguous runs; the results in tile order. BLAS stays as it is (single-threaded under
+    numesh.runtime)."""
     k = min(_threads, count) if k is None else max(1, min(k, _threads, count))
     out: list = [None] * count
 
@@ -196,22 +224,44 @@ def over_tiles(fn: Callable[[int], T], count: int, k: int | None = None) -> list
 
 
 # Rows of a matmul tile: at 256 rows one BLAS call per tile costs 0-5 % over one call on all
-# rows (the packed right-hand side is re-packed per call), at 64 rows 10-15 %
+# rows (each call packs the right-hand side again), at 64 rows 10-15 %
 # (benchmarks/bench_tiles.py measures it).
 TILE_ROWS = 256
 # A single-threaded sgemm does ~1 MFLOP in 20 µs (50 GFLOP/s, one AVX2 core), the cost of a
 # hand-off: each thread gets at least 4 MFLOP, else the tiles run on the caller's thread.
 MIN_CHUNK_FLOPS = 4e6
 
+_local = threading.local()  # .pieces: the token rows of each piece of the block call on this thread
+
+
+@contextlib.contextmanager
+def token_pieces(rows: tuple[slice, ...] | None) -> Iterator[None]:
+    """Inside, matmuls over `rows[-1].stop` token rows make their calls piece by piece and
+    `token_sum` adds piece by piece (this thread only; None: no pieces)."""
+    saved = getattr(_local, "pieces", None)  # None on a thread that never set it
+    _local.pieces = rows
+    try:
+        yield
+    finally:
+        _local.pieces = saved
+
+
+def _pieces(n: int) -> tuple[slice, ...]:
+    """The pieces of n token rows inside `token_pieces`, else the one piece range(n)."""
+    rows = getattr(_local, "pieces", None)
+    return rows if rows and rows[-1].stop == n else (slice(0, n),)
+
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a [M, K] @ b [K, N]: one single-threaded BLAS call per fixed row tile of a (`tiles`
-    of TILE_ROWS), the tiles spread over the threads when each thread gets enough work, so
-    the result is the same bits for any thread count."""
+    """a [M, K] @ b [K, N]: one single-threaded BLAS call per fixed tile of rows (`tiles` of
+    TILE_ROWS, at most `cores`, within each of `token_pieces`' pieces), the tiles spread
+    over the threads when each thread gets enough work: the same bits for any thread count."""
     m, k = a.shape
     n = b.shape[1]
     out = np.empty((m, n), np.result_type(a, b))
-    rows = tiles(m, TILE_ROWS)
+    rows = [slice(p.start + t.start, p.start + t.stop) for p in _pieces(m) for t in tiles(p.stop - p.start, TILE_ROWS, _cores)]
+    if len(rows) == 1:
+        return np.matmul(a, b, out=out)
 
     def tile(i: int) -> None:
         np.matmul(a[rows[i]], b, out=out[rows[i]])
@@ -220,64 +270,111 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+def token_sum(fn: Callable[[slice], Any], n: int) -> Any:
+    """`fn(rows) -> array or tuple of arrays` (a sum over those token rows) for each of
+    `token_pieces`' pieces of the n token rows, added in the fixed pairwise tree ((0+1) +
+    (2+3), ...); `fn(range(n))` outside pieces."""
+    pieces = _pieces(n)
+    if len(pieces) == 1:
+        return fn(pieces[0])
+    assert len(pieces) & (len(pieces) - 1) == 0, "token pieces must be a power of two"
+    saved, _local.pieces = _local.pieces, None  # fn's own matmuls are not over these token rows
+    try:
+        sums = [fn(r) for r in pieces]
+    finally:
+        _local.pieces = saved
+    while len(sums) > 1:
+        sums = [_add(sums[i], sums[i + 1]) for i in range(0, len(sums), 2)]
+    return sums[0]
+
+
 # ---------------------------------------------------------------------------------------
-# A forward/backward pair run as fixed pieces of sequences, spread over the threads
+# A block run as runs of fixed pieces, one run per thread
 
 
 class RowChunks(NamedTuple):
-    """Context of a computation run as pieces of rows (`tiles`): each piece's rows and its
-    own context."""
+    """Context of a computation run as runs of pieces of rows (`runs_for`): each run's rows, its
+    pieces (rows relative to the run) and its own context."""
 
     rows: tuple[slice, ...]
+    pieces: tuple[tuple[slice, ...], ...]
     parts: tuple
 
 
-def _over_pieces(fn: Callable[[int], T], n: int) -> list[T]:
-    """`fn(i)` for each of n pieces, dealt to the threads in contiguous runs, each thread
-    single-threaded inside (`over_batch`); the results in piece order."""
+def runs_for(n_threads: int, pieces: tuple[slice, ...]) -> tuple[tuple[slice, tuple[slice, ...]], ...]:
+    """The pieces (a power of two of them) dealt to `n_threads` threads: a power of two of
+    runs of equally many pieces, at most one per thread, so each run is a whole subtree of
+    the pieces' tree. Each run's rows and its pieces relative to the run."""
+    count = len(pieces)
+    assert count & (count - 1) == 0, "pieces must be a power of two"
+    k = 1
+    while 2 * k <= min(n_threads, count):
+        k *= 2
+    per = count // k
+    out = []
+    for r in range(k):
+        ps = pieces[r * per:(r + 1) * per]
+        s0 = ps[0].start
+        out.append((slice(s0, ps[-1].stop), tuple(slice(p.start - s0, p.stop - s0) for p in ps)))
+    return tuple(out)
+
+
+def _over_runs(fn: Callable[[int], T], n: int) -> list[T]:
+    """`fn(i)` for each of n runs, each on its own thread (n ≤ threads), single-threaded
+    inside (`over_batch`); the results in run order."""
     return [y for ys in over_batch(lambda r: [fn(i) for i in range(r.start, r.stop)], n) for y in ys]
 
 
-def chunked_fwd(fn: Callable[[slice], tuple[np.ndarray, Any]], pieces: tuple[slice, ...]) -> tuple[np.ndarray, RowChunks]:
-    """`fn(rows) -> (y, ctx)` for each piece of rows: y concatenated by rows."""
-    parts = _over_pieces(lambda i: fn(pieces[i]), len(pieces))
-    y = np.concatenate([y for y, _ in parts])
-    return y, RowChunks(pieces, tuple(c for _, c in parts))
+def chunked_fwd(fn: Callable[[slice, tuple[slice, ...]], tuple[np.ndarray, Any]],
+                pieces: tuple[slice, ...]) -> tuple[np.ndarray, RowChunks]:
+    """`fn(rows, pieces) -> (y, ctx)` for each run of `pieces`: y concatenated by rows."""
+    rs = runs_for(_threads, pieces)
+    parts = _over_runs(lambda i: fn(*rs[i]), len(rs))
+    y = np.concatenate([y for y, _ in parts]) if len(parts) > 1 else parts[0][0]
+    return y, RowChunks(tuple(r for r, _ in rs), tuple(p for _, p in rs), tuple(c for _, c in parts))
 
 
-def chunked_bwd(fn: Callable[[Any, slice], tuple[np.ndarray, Any]], ctx: RowChunks) -> tuple[np.ndarray, RowChunks]:
-    """`fn(piece ctx, rows) -> (dx, next ctx)` for each piece of `ctx`: dx concatenated by rows."""
-    parts = _over_pieces(lambda i: fn(ctx.parts[i], ctx.rows[i]), len(ctx.rows))
-    return np.concatenate([d for d, _ in parts]), RowChunks(ctx.rows, tuple(w for _, w in parts))
+def chunked_bwd(fn: Callable[[Any, slice, tuple[slice, ...]], tuple[np.ndarray, Any]],
+                ctx: RowChunks) -> tuple[np.ndarray, RowChunks]:
+    """`fn(run ctx, rows, pieces) -> (dx, next ctx)` for each run of `ctx`: dx concatenated."""
+    parts = _over_runs(lambda i: fn(ctx.parts[i], ctx.rows[i], ctx.pieces[i]), len(ctx.rows))
+    dx = np.concatenate([d for d, _ in parts]) if len(parts) > 1 else parts[0][0]
+    return dx, RowChunks(ctx.rows, ctx.pieces, tuple(w for _, w in parts))
 
 
-def chunked_sum(fn: Callable[[Any], Any], ctx: RowChunks) -> Any:
-    """`fn(piece ctx) -> tree` for each piece, summed in the fixed pairwise tree over the
-    pieces (`tree_sum`): the same bits whichever thread computed which piece."""
-    return tree_sum(lambda i: (None, fn(ctx.parts[i])), len(ctx.rows))[1]
+def chunked_sum(fn: Callable[[Any, tuple[slice, ...]], Any], ctx: RowChunks) -> Any:
+    """`fn(run ctx, pieces) -> tree` for each run, the runs' trees added as the top of the
+    pieces' pairwise tree (`tree_sum`): the same bits whichever thread ran which run."""
+    return tree_sum(lambda i: (None, fn(ctx.parts[i], ctx.pieces[i])), len(ctx.rows))[1]
 
 
-def chunked_bwd_sum(fn: Callable[[Any, slice], tuple[np.ndarray, Any]], ctx: RowChunks) -> tuple[np.ndarray, Any]:
-    """`fn(piece ctx, rows) -> (dx, tree)` for each piece: dx concatenated by rows, the trees
-    summed as `chunked_sum` sums them (each thread adds up its own pieces as it goes)."""
-    dxs, total = tree_sum(lambda i: fn(ctx.parts[i], ctx.rows[i]), len(ctx.rows))
-    return np.concatenate(dxs), total
+def chunked_bwd_sum(fn: Callable[[Any, slice, tuple[slice, ...]], tuple[np.ndarray, Any]],
+                    ctx: RowChunks) -> tuple[np.ndarray, Any]:
+    """`fn(run ctx, rows, pieces) -> (dx, tree)` for each run: dx concatenated by rows, the
+    trees added as `chunked_sum` adds them."""
+    dxs, total = tree_sum(lambda i: fn(ctx.parts[i], ctx.rows[i], ctx.pieces[i]), len(ctx.rows))
+    return (np.concatenate(dxs) if len(dxs) > 1 else dxs[0]), total
 
 
-# The tree over n pieces: node (lo, size) covers pieces [lo, lo + size), size a power of two
+# The tree over n leaves: node (lo, size) covers leaves [lo, lo + size), size a power of two
 # and lo a multiple of it; its value is its left half's plus its right half's (or the left
-# half's alone past the last piece), the leaves are the pieces' own trees.
+# half's alone past the last leaf).
 
 
 def _add(a: Any, b: Any) -> Any:
-    """a += b over two trees, into a's arrays (fresh arrays of one piece's result)."""
+    """a += b over two trees, into a's arrays (fresh arrays of one leaf's result)."""
+    if isinstance(a, np.ndarray):
+        a += b
+        return a
+    if isinstance(a, tuple):
+        return tuple(_add(x, y) for x, y in zip(a, b, strict=True))
     tree_map(lambda x, y: x.__iadd__(y), a, b)
     return a
 
 
 def _own_nodes(fn: Callable[[int], tuple[Any, Any]], r: slice) -> tuple[list, dict]:
-    """`fn(i) -> (side, tree)` for the pieces of run `r` in order: the sides, and the run's
-    trees added up into the largest whole nodes of the tree (a binary counter)."""
+    """`fn(i) -> (side, tree)` for the leaves of `r` in order: the sides, and the trees
+    added up into the largest whole nodes of the tree inside `r` (a binary counter)."""
     sides, stack = [], []  # stack of (lo, size, tree)
     for i in range(r.start, r.stop):
         side, t = fn(i)
@@ -292,10 +389,10 @@ def _own_nodes(fn: Callable[[int], tuple[Any, Any]], r: slice) -> tuple[list, di
 
 
 def tree_sum(fn: Callable[[int], tuple[Any, Any]], n: int) -> tuple[list, Any]:
-    """`fn(i) -> (side, tree)` for i in range(n), spread over the threads like
-    `chunked_fwd`: ([side for each i], the trees summed in the fixed pairwise tree)."""
-    runs = over_batch(lambda r: _own_nodes(fn, r), n)
-    nodes = {key: t for _, part in runs for key, t in part.items()}
+    """`fn(i) -> (side, tree)` for i in range(n), leaves dealt to the threads in contiguous
+    runs (`over_batch`): ([side for each i], the trees added in the fixed pairwise tree)."""
+    parts = over_batch(lambda r: _own_nodes(fn, r), n)
+    nodes = {key: t for _, part in parts for key, t in part.items()}
 
     def node(lo: int, size: int) -> Any:
         if lo >= n:
@@ -305,5 +402,4 @@ def tree_sum(fn: Callable[[int], tuple[Any, Any]], n: int) -> tuple[list, Any]:
         left, right = node(lo, size // 2), node(lo + size // 2, size // 2)
         return left if right is None else _add(left, right)
 
-    top = 1 << max(0, n - 1).bit_length()
-    return [s for sides, _ in runs for s in sides], node(0, top)
+    return [s for sides, _ in parts for s in sides], node(0, 1 << max(0, n - 1).bit_length())

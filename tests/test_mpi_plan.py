@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.memory import rank_memory
+from numesh.threads import threads
 from numesh.train import TrainConfig, Trainer
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -53,7 +54,7 @@ def test_predicted_memory_equals_measured(shared_dataset: Path, shared_tmp: Path
     s = t.mesh.shape
     model = ModelSpec(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, t.model.vocab_size, cfg.batch_size)
     layout = Layout(s["dp"], s["tp"], s["pp"], zero, schedule, m, v, recompute, cp=s["cp"], sp=sp)
-    pred = rank_memory(model, layout, t.mesh.index("pp"), 4)
+    pred = rank_memory(model, layout, t.mesh.index("pp"), 4, threads())
     got = {**t.opt.memory(), "activations": t.last_stats.peak_bytes}
     want = {k: getattr(pred, k) for k in got}
     bad = WORLD.allreduce(int(got != want))

@@ -24,7 +24,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import assert_same_run, serial_reference, train_records
-from numesh import formulas
+from numesh import formulas, threads
 from numesh.nn.stage import block_pieces
 from numesh.nn.units import OUTER
 from numesh.train import TrainConfig, Trainer, config_from
@@ -107,10 +107,11 @@ def memory_cases(n: int) -> list:
 
 
 def chunks_per_block(trainer: Trainer, rows: int) -> int:
-    """Pieces a block runs as (numesh.nn.stage.block_pieces): >1 only without tp and cp."""
+    """Runs of pieces a block runs as (numesh.nn.stage.row_chunks): >1 only without tp and cp."""
     mesh = trainer.mesh
-    return len(block_pieces(mesh.size("tp"), mesh.size("cp"), rows, trainer.cfg.block_size // mesh.size("cp"),
-                            trainer.cfg.n_embd))
+    pieces = block_pieces(mesh.size("tp"), mesh.size("cp"), rows, trainer.cfg.block_size // mesh.size("cp"),
+                          threads.cores())
+    return len(threads.runs_for(threads.threads(), pieces))
 
 
 @pytest.mark.parametrize("mesh, schedule, mode, dtype, dropout", memory_cases(N))

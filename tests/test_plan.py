@@ -28,6 +28,7 @@ from numesh.plan.pipesim import makespan_and_busy
 from numesh.plan.search import _cp_sizes, candidates, least_recompute, train_config, valid_layouts
 from numesh.plan.calibrate import KERNELS, fit_scale_and_overhead
 from numesh.plan.timing import Placement, attention_cost, block_cost, placement, predict_time, ring_hop_bytes
+from numesh.threads import threads
 from numesh.train import TrainConfig, Trainer, validate
 from numesh_cli.app import app
 
@@ -75,7 +76,7 @@ def test_memory_model_equals_measured_single_process(char_dataset: Path, tmp_pat
     t.train_step()
     itemsize = np.dtype(cfg.dtype).itemsize
     layout = Layout(1, 1, 1, 0, cfg.schedule, cfg.micro_batches)
-    pred = rank_memory(spec_of(cfg, t.model.vocab_size), layout, 0, itemsize)
+    pred = rank_memory(spec_of(cfg, t.model.vocab_size), layout, 0, itemsize, threads())
     assert {**t.opt.memory(), "activations": t.last_stats.peak_bytes} == {
         k: getattr(pred, k) for k in ("params", "grads", "optimizer", "workspace", "activations")}
     assert n_params_match(cfg, t)

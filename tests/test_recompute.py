@@ -43,14 +43,16 @@ def thread_count(monkeypatch):
     """Set the intra-op thread count for a test, restoring it afterwards. With more than one,
     blocks of these tiny models also run as pieces of one sequence, as a large model's blocks
     run as pieces (numesh.nn.stage.block_pieces); with one they stay whole."""
-    before, piece_flops = threads.threads(), S.PIECE_FLOPS
+    before, cores, piece_tokens = threads.threads(), threads.cores(), S.PIECE_TOKENS
 
     def set_count(n: int) -> None:
-        monkeypatch.setattr(S, "PIECE_FLOPS", 1.0 if n > 1 else piece_flops)
+        monkeypatch.setattr(S, "PIECE_TOKENS", 1 if n > 1 else piece_tokens)
+        threads.set_cores(16)
         threads.set_threads(n)
 
     yield set_count
     threads.set_threads(before)
+    threads.set_cores(cores)
 
 
 def batch(cfg: GPTConfig, rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -182,7 +184,7 @@ def test_what_b_leaves_for_w_equals_the_formula(thread_count, mode: str, bias: b
     _, ctx = S.stage_forward(units, stage, idx, tgt, cfg, mesh, key(cfg, rows, True), recompute=mode)
     _, _, deferred = S.stage_backward(units, stage, ctx, 1.0, cfg, mesh, split=True)
     want = formulas.weight_ctx_bytes(micro_batch=rows, seq=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-                                     bias=bias, itemsize=8, chunks=len(S.block_pieces(1, 1, rows, cfg.block_size, cfg.n_embd)))
+                                     bias=bias, itemsize=8, chunks=len(threads.runs_for(n_threads, S.block_pieces(1, 1, rows, cfg.block_size, 16))))
     assert held_bytes(deferred) == want
 
 

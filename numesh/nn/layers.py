@@ -18,7 +18,7 @@ import attrs
 import numpy as np
 
 from numesh import kernels as K
-from numesh.threads import matmul, over_rows
+from numesh.threads import matmul, over_rows, token_sum
 
 LN_EPS = 1e-5
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -56,9 +56,11 @@ def linear_bwd_input(p: Linear, dy: np.ndarray) -> np.ndarray:
 
 
 def linear_bwd_weight(p: Linear, x: np.ndarray, dy: np.ndarray) -> Linear:
-    dy2 = _rows(dy)
-    dw = matmul(_rows(x).T, dy2).reshape(p.w.shape)
-    db = None if p.b is None else dy2.sum(axis=0).reshape(p.b.shape)
+    """The weight (and bias) gradient, a sum over tokens (`token_sum`: piece by piece inside
+    a block run as pieces)."""
+    x2, dy2 = _rows(x), _rows(dy)
+    dw = token_sum(lambda r: matmul(x2[r].T, dy2[r]), x2.shape[0]).reshape(p.w.shape)
+    db = None if p.b is None else token_sum(lambda r: dy2[r].sum(axis=0), dy2.shape[0]).reshape(p.b.shape)
     return Linear(dw, db)
 
 
@@ -84,10 +86,15 @@ def layernorm_bwd(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarr
     xhat, rstd = ctx
     dy = np.ascontiguousarray(dy)
     dx = np.empty_like(dy)
-    c = dy.shape[-1]
-    dw, db = np.empty(c, np.float64), np.empty(c, np.float64)  # float64 accumulators
-    K.layernorm_bwd(_rows(dy), _rows(xhat), rstd.reshape(-1), p.w, _rows(dx), dw, db)
-    return dx, LayerNorm(dw.astype(dy.dtype), None if p.b is None else db.astype(dy.dtype))
+    dy2, xh2, rstd2, dx2 = _rows(dy), _rows(xhat), rstd.reshape(-1), _rows(dx)
+
+    def rows(r: slice) -> tuple[np.ndarray, np.ndarray]:  # dx of these rows; their dw, db
+        dw, db = np.empty(dy.shape[-1], np.float64), np.empty(dy.shape[-1], np.float64)  # float64 accumulators
+        K.layernorm_bwd(dy2[r], xh2[r], rstd2[r], p.w, dx2[r], dw, db)
+        return dw.astype(dy.dtype), db.astype(dy.dtype)
+
+    dw, db = token_sum(rows, dy2.shape[0])
+    return dx, LayerNorm(dw, None if p.b is None else db)
 
 
 def layernorm_fwd_reference(p: LayerNorm, x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
@@ -106,8 +113,8 @@ def layernorm_fwd_reference(p: LayerNorm, x: np.ndarray) -> tuple[np.ndarray, tu
 def layernorm_bwd_reference(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, LayerNorm]:
     xhat, rstd = ctx
     dy2, xh2 = _rows(dy), _rows(xhat)
-    dw = np.einsum("ni,ni->i", dy2, xh2)
-    db = None if p.b is None else dy2.sum(axis=0)
+    dw = token_sum(lambda r: np.einsum("ni,ni->i", dy2[r], xh2[r]), dy2.shape[0])
+    db = None if p.b is None else token_sum(lambda r: dy2[r].sum(axis=0), dy2.shape[0])
     dxhat = dy * p.w
     n = xhat.shape[-1]
     mean_d = dxhat.sum(axis=-1, keepdims=True) / n

@@ -8,14 +8,16 @@ Parameters come from a `ParamUnits` (all resident, or the ZeRO optimiser, which 
 a unit before use and free it after), and every unit's gradient goes back to it as soon as
 it is final, so gradient reduction can start during backward.
 
-Thread splitting wraps the block functions here and is not written into them: without tp or
-cp a large block does not communicate, so it runs as fixed pieces of its sequences
-(`block_pieces`), each piece a whole block call, the pieces dealt to the threads
-(`numesh.threads.chunked_*`): the cores meet once per block instead of once per matmul. The
-pieces follow from the shape alone, never from the thread count, and the pieces' weight
-gradients are added in one fixed tree, so every thread count gives the same bits
-(numesh/threads.py says why that needs fixed tiles). Small blocks, and blocks with tp or
-cp, run whole on the main thread, their ops split over fixed row tiles
+Thread splitting wraps the block functions here and is not written into them. Without tp
+or cp a block does not communicate, and a block on enough tokens is cut into fixed pieces
+of its sequences (`block_pieces`, from the shape alone): inside a block call every matmul
+over tokens makes its BLAS calls piece by piece and every sum over tokens adds the pieces
+in one fixed tree (`numesh.threads.token_pieces`). One thread runs the block once on all
+pieces; several threads each run it on a run of pieces (`numesh.threads.chunked_*`), so
+the cores meet once per block instead of once per matmul, and the runs' weight gradients
+are added by the same tree. Either way the same calls and the same additions: every thread
+count gives the same bits (numesh/threads.py says why that needs fixed tiles). Other
+blocks run whole on the main thread, their ops split over fixed row tiles
 (`numesh.threads.matmul`, `over_rows`).
 
 Activation recomputation wraps the block functions here too (`Recompute`): "selective"
@@ -26,13 +28,12 @@ all-reduces included, right before its backward. Dropout masks are functions of 
 step, site, rows), so the rerun redraws the same ones, and the recomputed context is bit
 for bit the forward's: every mode gives the same losses and gradients. A zero-bubble B
 recomputes and leaves W the recomputed inputs it needs; under ZeRO-3 the rerun uses the
-parameters that backward gathers anyway; run as pieces, each piece reruns its own
+parameters that backward gathers anyway; run as pieces, each run reruns its own
 rows.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal, Protocol
 
 import attrs
@@ -58,7 +59,17 @@ from numesh.nn.transformer import (
     without_scores,
 )
 from numesh.nn.units import OUTER, Unit, join_units
-from numesh.threads import RowChunks, chunked_bwd, chunked_bwd_sum, chunked_fwd, chunked_sum, tiles
+from numesh.threads import (
+    RowChunks,
+    chunked_bwd,
+    chunked_bwd_sum,
+    chunked_fwd,
+    chunked_sum,
+    cores,
+    runs_for,
+    tiles,
+    token_pieces,
+)
 
 
 class ParamUnits(Protocol):
@@ -165,75 +176,99 @@ def _restored(p: Block, saved: BlockCtx | BlockInput, cfg: GPTConfig, mesh: Mesh
 # blocks, whole or split over the threads
 
 
-# A piece pays the block's Python glue (~60 NumPy calls forward and backward, ~0.4 ms) once
-# more than the whole block would; at 1.5 GFLOP a piece that is ~2 % of its time on one
-# core, so smaller blocks run whole, their matmuls split over fixed row tiles instead
-# (benchmarks/bench_tiles.py measures both ways). At most 16 pieces: each one's weight
-# gradients are one more tree addition of the block's parameters.
-PIECE_FLOPS = 1.5e9
-MAX_PIECES = 16
+# Pieces of at least 256 tokens: a matmul made piece by piece then costs 0-5 % over one
+# call, and a weight gradient summed over pieces about as much (benchmarks/bench_tiles.py).
+PIECE_TOKENS = 256
 
 
-def block_pieces(tp: int, cp: int, rows: int, seq: int, n_embd: int) -> tuple[slice, ...]:
-    """The pieces of its `rows` sequences a block on [rows, seq, n_embd] runs as: the whole
-    with tp or cp inside, else `numesh.threads.tiles` of at least PIECE_FLOPS of training
-    work each (72·C² per token for the matmuls, 12·C·T for attention, as
-    numesh.formulas.flops_per_token). A function of the shape and mesh, not of the thread
-    count. Not with cp: every thread's piece would run its own ring over the one cp
-    communicator, with the same tags, so their K/V blocks could be matched to each other.
-    The planner's memory model asks the same (numesh.plan.memory)."""
+def block_pieces(tp: int, cp: int, rows: int, seq: int, cores: int) -> tuple[slice, ...]:
+    """The fixed pieces of its `rows` sequences (of `seq` tokens) a block runs as: one (the
+    whole) with tp or cp inside, else `numesh.threads.tiles` of at least PIECE_TOKENS
+    tokens, at most `cores` (the cores the rank may use). A function of the shape, mesh and
+    machine, never of the thread count. Not with cp: every thread's run would go around its
+    own ring over the one cp communicator, with the same tags, so their K/V blocks could be
+    matched to each other."""
     if tp > 1 or cp > 1:
         return (slice(0, rows),)
-    row_flops = seq * (72.0 * n_embd * n_embd + 12.0 * n_embd * seq)
-    return tiles(rows, math.ceil(PIECE_FLOPS / max(row_flops, 1.0)), MAX_PIECES)
+    return tiles(rows, -(-PIECE_TOKENS // max(1, seq)), cores)
+
+
+def row_chunks(n_threads: int, tp: int, cp: int, rows: int, seq: int) -> int:
+    """How many runs of pieces a block on [rows, seq, C] runs as on a rank with `n_threads`
+    threads and as many cores (what the planner's memory model asks: each run keeps its own
+    LayerNorm gradients for W)."""
+    return len(runs_for(n_threads, block_pieces(tp, cp, rows, seq, n_threads)))
 
 
 def _pieces(mesh: Mesh, x: np.ndarray) -> tuple[slice, ...]:
-    """`block_pieces` for a block on x [B, T, C] on this mesh."""
-    return block_pieces(mesh.size("tp"), mesh.size("cp"), *x.shape)
+    """`block_pieces` for a block on x [B, T, C] on this mesh and rank."""
+    return block_pieces(mesh.size("tp"), mesh.size("cp"), x.shape[0], x.shape[1], cores())
+
+
+def _tokens(pieces: tuple[slice, ...], seq: int) -> tuple[slice, ...]:
+    """Pieces of sequences as token rows ([B*T] rows of [B, T, C])."""
+    return tuple(slice(p.start * seq, p.stop * seq) for p in pieces)
 
 
 def run_block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int, drop: DropoutKey | None = None,
                   recompute: Recompute = "none"):
-    """`block_fwd`, whole or as pieces of rows over the threads (its context says which),
-    keeping what `recompute` says (each piece its own)."""
+    """`block_fwd`, whole or as runs of pieces over the threads (its context says which),
+    keeping what `recompute` says (each run its own)."""
 
-    def one(rows: slice | None) -> tuple[np.ndarray, Any]:
-        xr, dr = (x, drop) if rows is None else (x[rows], drop and drop.shifted(rows))
-        y, ctx = block_fwd(p, xr, cfg, mesh, layer, dr)
+    def run(rows: slice, pieces: tuple[slice, ...]) -> tuple[np.ndarray, Any]:
+        xr, dr = x[rows], drop and drop.shifted(rows)
+        with token_pieces(_tokens(pieces, x.shape[1])):
+            y, ctx = block_fwd(p, xr, cfg, mesh, layer, dr)
         return y, _saved(recompute, ctx, xr, dr, layer)
 
     pieces = _pieces(mesh, x)
     if len(pieces) == 1:
-        return one(None)
-    return chunked_fwd(one, pieces)
+        y, ctx = block_fwd(p, x, cfg, mesh, layer, drop)
+        return y, _saved(recompute, ctx, x, drop, layer)
+    return chunked_fwd(run, pieces)
 
 
 def run_block_bwd_input(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh):
     """`block_bwd_input` of a `run_block_fwd` context (recomputing what it did not keep)."""
     if not isinstance(ctx, RowChunks):
         return block_bwd_input(p, _restored(p, ctx, cfg, mesh), dx, cfg, mesh)
-    return chunked_bwd(lambda c, r: block_bwd_input(p, _restored(p, c, cfg, mesh), dx[r], cfg, mesh), ctx)
+
+    def run(c: BlockCtx | BlockInput, rows: slice, pieces: tuple[slice, ...]) -> tuple[np.ndarray, Any]:
+        with token_pieces(_tokens(pieces, dx.shape[1])):
+            return block_bwd_input(p, _restored(p, c, cfg, mesh), dx[rows], cfg, mesh)
+
+    return chunked_bwd(run, ctx)
 
 
 def run_block_bwd_weight(p: Block, w: Any) -> Block:
-    """`block_bwd_weight` of a `run_block_bwd_input` context (piece grads summed in a fixed tree)."""
+    """`block_bwd_weight` of a `run_block_bwd_input` context (the runs' grads added by the
+    pieces' tree)."""
     if not isinstance(w, RowChunks):
         return block_bwd_weight(p, w)
-    return chunked_sum(lambda c: block_bwd_weight(p, c), w)
+
+    def run(c: Any, pieces: tuple[slice, ...]) -> Block:
+        with token_pieces(_tokens(pieces, c.qkv.x.shape[1])):
+            return block_bwd_weight(p, c)
+
+    return chunked_sum(run, w)
 
 
 def run_block_bwd(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np.ndarray, cfg: GPTConfig,
                   mesh: Mesh) -> tuple[np.ndarray, Block]:
-    """B and W at once (each thread does both halves for its pieces)."""
+    """B and W at once (each thread does both halves for its run)."""
 
-    def both(c: BlockCtx | BlockInput, r: slice | None = None) -> tuple[np.ndarray, Block]:
-        d, w = block_bwd_input(p, _restored(p, c, cfg, mesh), dx if r is None else dx[r], cfg, mesh)
+    def both(c: BlockCtx | BlockInput, rows: slice | None = None) -> tuple[np.ndarray, Block]:
+        d, w = block_bwd_input(p, _restored(p, c, cfg, mesh), dx if rows is None else dx[rows], cfg, mesh)
         return d, block_bwd_weight(p, w)
 
     if not isinstance(ctx, RowChunks):
         return both(ctx)
-    return chunked_bwd_sum(both, ctx)
+
+    def run(c: BlockCtx | BlockInput, rows: slice, pieces: tuple[slice, ...]) -> tuple[np.ndarray, Block]:
+        with token_pieces(_tokens(pieces, dx.shape[1])):
+            return both(c, rows)
+
+    return chunked_bwd_sum(run, ctx)
 
 
 # ---------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ from numesh.nn.parallel import (
 )
 from numesh.nn.ring_attention import attention_bwd, attention_fwd
 from numesh.tree import tree_leaves_with_path
-from numesh.threads import matmul
+from numesh.threads import matmul, token_sum
 
 
 def local_heads(cfg: GPTConfig, mesh: Mesh) -> tuple[int, int, slice]:
@@ -310,7 +310,10 @@ def _row_parallel_grad(lin: Linear, io: LinearIO) -> Linear:
     grad is the full upstream grad summed over tokens (with sp `io.dy` is the gathered
     [B, T, C], so this sum is over every token and needs no tp reduction)."""
     dw = linear_bwd_weight(Linear(lin.w), io.x, io.dy).w
-    return Linear(dw, None if lin.b is None else io.dy.reshape(-1, io.dy.shape[-1]).sum(axis=0))
+    if lin.b is None:
+        return Linear(dw, None)
+    dy2 = io.dy.reshape(-1, io.dy.shape[-1])
+    return Linear(dw, token_sum(lambda r: dy2[r].sum(axis=0), dy2.shape[0]))
 
 
 def block_bwd_weight(p: Block, w: BlockWeightCtx) -> Block:

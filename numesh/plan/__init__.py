@@ -31,15 +31,15 @@ class Prediction:
 
 
 def predict(model: ModelSpec, layout: Layout, profile: Profile, memory_limit: float, itemsize: int,
-            bucket_bytes: int = 1 << 20) -> Prediction:
+            threads: int = 1, bucket_bytes: int = 1 << 20) -> Prediction:
     """Memory and step time of one layout; `memory_limit` bytes per rank (0: no limit)."""
-    mem = max(layout_memory(model, layout, itemsize), key=lambda m: m.total)
+    mem = max(layout_memory(model, layout, itemsize, threads), key=lambda m: m.total)
     t = predict_time(model, layout, profile, bucket_bytes)
     return Prediction(layout, mem, t, memory_limit <= 0 or mem.total <= memory_limit, model.tokens_per_step / t.total)
 
 
-def plan(base: TrainConfig, model: ModelSpec, ranks: int, profile: Profile, memory_limit: float,
-         itemsize: int) -> list[Prediction]:
+def plan(base: TrainConfig, model: ModelSpec, ranks: int, profile: Profile, memory_limit: float, itemsize: int,
+         threads: int = 1) -> list[Prediction]:
     """Every valid layout's prediction, those that fit first, fastest first (beyond
     SCALE_RANKS ranks, only the least recomputation that fits of each layout)."""
     layouts = valid_layouts(base, model, ranks)
@@ -47,11 +47,11 @@ def plan(base: TrainConfig, model: ModelSpec, ranks: int, profile: Profile, memo
         raise ConfigError(no_layout_reason(model, ranks))
     if ranks > SCALE_RANKS:
         layouts = least_recompute(layouts, lambda lay: memory_limit <= 0 or max(
-            m.total for m in layout_memory(model, lay, itemsize)) <= memory_limit)
+            m.total for m in layout_memory(model, lay, itemsize, threads)) <= memory_limit)
     bucket = int(base.bucket_mb * 2**20)
     # grouped by schedule, so that each schedule's laid-out dependencies are built once
     by_schedule = sorted(layouts, key=lambda lay: (lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages))
-    preds = [predict(model, lay, profile, memory_limit, itemsize, bucket) for lay in by_schedule]
+    preds = [predict(model, lay, profile, memory_limit, itemsize, threads, bucket) for lay in by_schedule]
     return sorted(preds, key=lambda p: (not p.fits, -p.tokens_per_s))
 
 

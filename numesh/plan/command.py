@@ -92,7 +92,8 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
     profile = load_profile(hardware)
     itemsize = _itemsize(cfg, profile)
     limit = memory_limit(profile, ranks, memory)
-    preds = plan(cfg, model, ranks, profile, limit, itemsize)
+    threads = max(1, (profile.cores or 1) // ranks) if profile.measured else 1
+    preds = plan(cfg, model, ranks, profile, limit, itemsize, threads)
     if not preds[0].fits:
         raise ConfigError(_fits_nowhere(preds, ranks, limit))
     if as_json_out:

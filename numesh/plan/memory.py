@@ -15,7 +15,7 @@ import functools
 import attrs
 
 from numesh import formulas
-from numesh.nn.stage import block_pieces
+from numesh.nn.stage import row_chunks as stage_row_chunks
 from numesh.pipeline.schedules import Schedule
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
 
@@ -51,13 +51,13 @@ def unit_sizes(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
     return [formulas.block_params(model.n_embd, layout.tp, model.bias)] * blocks + [outer]
 
 
-def pieces(model: ModelSpec, layout: Layout) -> int:
-    """Pieces a block of this layout runs as (numesh.nn.stage.block_pieces)."""
-    return len(block_pieces(layout.tp, layout.cp, layout.rows(model), model.block_size // layout.cp, model.n_embd))
+def row_chunks(model: ModelSpec, layout: Layout, threads: int) -> int:
+    """Runs of pieces a block of this layout runs as on `threads` (numesh.nn.stage.row_chunks)."""
+    return stage_row_chunks(threads, layout.tp, layout.cp, layout.rows(model), model.block_size // layout.cp)
 
 
-def _chunk_bytes(model: ModelSpec, layout: Layout, sched: Schedule, pp_rank: int, chunk: int,
-                 itemsize: int) -> tuple[int, int]:
+def _chunk_bytes(model: ModelSpec, layout: Layout, sched: Schedule, pp_rank: int, chunk: int, itemsize: int,
+                 threads: int) -> tuple[int, int]:
     """(bytes after F, bytes kept after a split B) of one micro-batch through one chunk."""
     k = sched.stage(pp_rank, chunk)
     per_chunk = model.n_layer // (layout.pp * layout.virtual_stages)
@@ -71,17 +71,17 @@ def _chunk_bytes(model: ModelSpec, layout: Layout, sched: Schedule, pp_rank: int
     )
     w = formulas.weight_grad_bytes(micro_batch=rows, seq=model.block_size // layout.cp, n_embd=model.n_embd,
                                    n_layer=per_chunk, tp=layout.tp, bias=model.bias,
-                                   chunks=pieces(model, layout), itemsize=itemsize)
+                                   chunks=row_chunks(model, layout, threads), itemsize=itemsize)
     return f, w
 
 
-def peak_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 4,
+def peak_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 4, threads: int = 1,
                           sched: Schedule | None = None) -> int:
     """The most saved-activation bytes rank `pp_rank` holds at once: its action list walked
     as the executor walks it (F adds a context, B frees it or, when the backward is split,
     keeps the W's inputs until W)."""
     sched = sched or layout.sched
-    cost = tuple(_chunk_bytes(model, layout, sched, pp_rank, c, itemsize) for c in range(layout.virtual_stages))
+    cost = tuple(_chunk_bytes(model, layout, sched, pp_rank, c, itemsize, threads) for c in range(layout.virtual_stages))
     return _walk(sched.name, sched.p, sched.m, sched.v, pp_rank, cost)
 
 
@@ -113,7 +113,7 @@ def comm_buffer_bytes(model: ModelSpec, layout: Layout, sizes: list[int], itemsi
     return {0: 0, 1: 0, 2: largest, 3: 2 * largest}[layout.zero]
 
 
-def rank_memory(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 4,
+def rank_memory(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 4, threads: int = 1,
                 sched: Schedule | None = None) -> RankMemory:
     """Predicted bytes of pipeline rank `pp_rank` (every dp, cp and tp rank of it holds the
     same). Parameters are replicated over cp and ZeRO shards over dp alone
@@ -122,13 +122,13 @@ def rank_memory(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 
     buffers = formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize)
     return RankMemory(
         **buffers,
-        activations=peak_activation_bytes(model, layout, pp_rank, itemsize, sched),
+        activations=peak_activation_bytes(model, layout, pp_rank, itemsize, threads, sched),
         comm_buffers=comm_buffer_bytes(model, layout, sizes, itemsize),
     )
 
 
-def layout_memory(model: ModelSpec, layout: Layout, itemsize: int = 4) -> list[RankMemory]:
+def layout_memory(model: ModelSpec, layout: Layout, itemsize: int = 4, threads: int = 1) -> list[RankMemory]:
     """Predicted bytes of the pipeline ranks that can hold the most: the first (embedding),
     the last (head) and the second (the middle rank that starts the most micro-batches
     before its first backward: the schedules warm up less on every later rank)."""
-    return [rank_memory(model, layout, r, itemsize, layout.sched) for r in sorted({0, min(1, layout.pp - 1), layout.pp - 1})]
+    return [rank_memory(model, layout, r, itemsize, threads, layout.sched) for r in sorted({0, min(1, layout.pp - 1), layout.pp - 1})]

@@ -22,7 +22,7 @@ on 1/tp of the tokens, and all-reduces the LayerNorm gradients over tp once per 
 Selective recomputation reruns each block's scores (QK^T and the softmax) before its
 backward; full recomputation the whole block forward, its communication included.
 
-Not modelled: a single rank with several threads runs each block as row chunks, one per
+Not modelled: a single rank with several threads runs each block as runs of pieces, one per
 thread (numesh.nn.stage); the model times its GEMMs with multi-threaded BLAS instead. The
 Python overhead of a step outside the timed kernels (the executor, slicing, allocation) is
 not counted either.
