@@ -2,7 +2,7 @@
 
 A dataset directory holds `train.bin` and `val.bin` (raw little-endian uint16 token ids) and
 `meta.json` (the tokenizer's characters plus token counts; JSON, no pickle). Batches follow
-the *mesh-independent data* rule of DESIGN.md: the global batch of a step depends only on
+the *mesh-independent data* rule of docs/design.md: the global batch of a step depends only on
 its key (derived from seed and step), data-parallel rank r takes rows r*B/dp ... (r+1)*B/dp
 and micro-batches split those rows in order, so every mesh sees the same global batch.
 

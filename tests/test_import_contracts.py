@@ -1,4 +1,4 @@
-"""The layering of DESIGN.md, checked by import-linter: one test per contract in pyproject.toml.
+"""The layering of docs/design.md, checked by import-linter: one test per contract in pyproject.toml.
 
 Each test runs `lint-imports --contract ID` (import-linter, in the dev extra) on the source
 tree and fails with import-linter's report, which names every offending import as

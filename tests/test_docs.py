@@ -1,0 +1,118 @@
+"""The documentation: the MkDocs site builds without a warning, the README stays short and
+points only at pages that exist, and the code cites the design that ships with it.
+
+`mkdocs build --strict` fails on a broken link or anchor, a page left out of the nav, or a
+docstring the API reference cannot render (mkdocs.yml turns each into a warning). mkdocs
+and mkdocstrings come with the `docs` extra, which `dev` includes: without them the build
+test fails, it does not skip, so CI cannot pass with the site unchecked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+MKDOCS_YML = ROOT / "mkdocs.yml"
+DOCS = ROOT / "docs"
+README_MAX_LINES = 250
+# the founding design file outside the repository, which users never get (spelled in two
+# parts so that this file does not cite it)
+OUTSIDE_DESIGN = "DESIGN" + ".md"
+OWN_DESIGN = "docs/design.md"
+
+
+def _missing_doc_tools() -> list[str]:
+    need = {"mkdocs": "mkdocs", "mkdocstrings": "mkdocstrings", "mkdocstrings[python]": "mkdocstrings_handlers.python"}
+    missing = []
+    for name, module in need.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ModuleNotFoundError, ValueError):  # a parent package is missing, or a broken install
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def nav_pages() -> list[str]:
+    """Every page mkdocs.yml's nav lists (paths relative to docs/), in order."""
+    pages, in_nav = [], False
+    for line in MKDOCS_YML.read_text().splitlines():
+        if re.match(r"^nav:\s*$", line):
+            in_nav = True
+            continue
+        if in_nav and line and not line[0].isspace() and not line.startswith("#"):
+            break  # the next top-level key
+        m = re.search(r":\s*([\w./-]+\.md)\s*$", line) if in_nav else None
+        if m:
+            pages.append(m.group(1))
+    return pages
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    missing = _missing_doc_tools()
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not installed, so the documentation cannot be checked: "
+                    f"pip install -e '.[dev]' (or '.[docs]')", pytrace=False)
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site), "--config-file", str(MKDOCS_YML)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        print(output)
+    assert proc.returncode == 0, f"mkdocs build --strict failed (exit {proc.returncode}):\n{output[-6000:]}"
+    for page in nav_pages():
+        built = site / (page[: -len("index.md")] if page.endswith("index.md") else page[: -len(".md")] + "/") / "index.html"
+        assert built.is_file(), f"{page} was not built ({built.relative_to(site)} missing)"
+
+
+def test_readme_is_short() -> None:
+    n = len(README.read_text().splitlines())
+    assert n <= README_MAX_LINES, (
+        f"README.md has {n} lines, more than {README_MAX_LINES}: move the depth into a page under docs/ and link it")
+
+
+def test_readme_keeps_the_install_and_test_commands() -> None:
+    """.ci/run and newcomers read these two commands in the README."""
+    text = README.read_text()
+    assert "pip install -e '.[dev]'" in text
+    assert re.search(r"^```bash\npytest\n```$", text, re.M), "the README's test command block `pytest` is gone"
+
+
+def test_nav_pages_exist_and_every_page_is_in_nav() -> None:
+    pages = nav_pages()
+    assert pages, "mkdocs.yml has no nav pages"
+    missing = [p for p in pages if not (DOCS / p).is_file()]
+    assert not missing, f"mkdocs.yml's nav lists pages that do not exist under docs/: {missing}"
+    on_disk = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
+    left_out = [p for p in on_disk if p not in pages]
+    assert not left_out, f"pages under docs/ missing from mkdocs.yml's nav: {left_out}"
+
+
+def test_readme_docs_paths_exist() -> None:
+    text = README.read_text()
+    paths = sorted(set(re.findall(r"docs/[\w./-]*\w", text)))
+    assert paths, "the README points at no page under docs/"
+    missing = [p for p in paths if not (ROOT / p).exists()]
+    assert not missing, f"README.md mentions docs paths that do not exist: {missing}"
+    linked = {p for p in paths if p.endswith(".md")}
+    unlinked = [p for p in nav_pages() if f"docs/{p}" not in linked and p != "index.md" and not p.startswith("api/")]
+    assert not unlinked, f"pages a newcomer cannot reach from the README: {unlinked}"
+
+
+def test_code_cites_the_design_in_the_repository() -> None:
+    assert (ROOT / OWN_DESIGN).is_file()
+    files = [ROOT / "pyproject.toml", *sorted((ROOT / "numesh").rglob("*.py")), *sorted((ROOT / "cli").rglob("*.py")),
+             *sorted((ROOT / "tests").rglob("*.py"))]
+    citing = [str(f.relative_to(ROOT)) for f in files if OUTSIDE_DESIGN in f.read_text(encoding="utf-8")]
+    assert not citing, (f"{citing} cite {OUTSIDE_DESIGN}, which is not in the repository: "
+                        f"cite {OWN_DESIGN} (and keep that page true)")
