@@ -1,0 +1,36 @@
+"""The reader's block (numesh.nn.reference, nanoGPT's shape) computes what the real block
+computes on the 1-rank mesh."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import self_mesh, tiny_config
+from numesh.nn import reference
+from numesh.nn.gpt import init_gpt
+from numesh.nn.transformer import block_fwd
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("fused", [True, False])
+def test_reference_block_equals_the_block(bias: bool, fused: bool) -> None:
+    from numesh import kernels
+
+    cfg = tiny_config(bias=bias, n_embd=32, n_head=4, block_size=16)
+    mesh = self_mesh()
+    params = init_gpt(cfg, mesh, seed=5, dtype=np.float64)
+    rng = np.random.default_rng(1)
+    block = params.blocks[0]
+    if bias:  # non-zero biases and LayerNorm affines, so a dropped term would show
+        block = type(block)(*(_jitter(part, rng) for part in (block.ln1, block.attn, block.ln2, block.mlp)))
+    x = rng.standard_normal((3, cfg.block_size, cfg.n_embd))
+    with kernels.switched(fused):
+        want, _ = block_fwd(block, x, cfg, mesh, layer=0)
+    np.testing.assert_allclose(reference.block_fwd(block, x, cfg.n_head), want, rtol=1e-12, atol=1e-12)
+
+
+def _jitter(tree, rng):
+    from numesh.tree import tree_map
+
+    return tree_map(lambda a: a + 0.1 * rng.standard_normal(a.shape), tree)
