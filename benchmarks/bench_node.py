@@ -59,7 +59,7 @@ def _peak_rss_mb() -> float:
 
 
 def worker_numesh(args: argparse.Namespace) -> None:
-    import numesh  # noqa: F401  (before numpy: OpenBLAS set-up)
+    import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
     from mpi4py import MPI
 
     from numesh.runtime import configure_process
@@ -88,7 +88,7 @@ def worker_numesh(args: argparse.Namespace) -> None:
 
 
 def worker_torch(args: argparse.Namespace) -> None:
-    import numesh  # noqa: F401
+    import numesh  # noqa: F401  # isort: skip  (before torch, which loads numpy: OpenBLAS set-up)
     import torch
 
     from bench_train import torch_trainer

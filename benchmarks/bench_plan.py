@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS)
+import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS)
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-import numesh  # noqa: F401,I001
-
+import numesh  # noqa: F401  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 from numesh.plan.hardware import load_profile
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.timing import predict_time

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS)
+import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS)
 from mpi4py import MPI
 
 from numesh import report

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
+import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

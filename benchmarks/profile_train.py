@@ -35,14 +35,13 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
+import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import CpuMonitor, log, make_trainer, preset_config  # noqa: E402
 from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
 from numesh.runtime import keep_freed_memory  # noqa: E402
-
 
 # --------------------------------------------------------------------------------------
 # timers around numesh's own functions, while Trainer.train_step() runs unchanged

@@ -13,6 +13,7 @@ from typer.core import TyperCommand
 
 import numesh  # noqa: F401  (first: it sets up OpenBLAS before numpy loads it)
 
+
 class _Command(TyperCommand):
     """Usage lines name arguments as CKPT, not typer's {ckpt}."""
 

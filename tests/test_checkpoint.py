@@ -30,8 +30,8 @@ from numesh.checkpoint import (
 from numesh.checkpoint import save as save_mod
 from numesh.checkpoint.format import block_region, leaf_blocks
 from numesh.data import prepare_char_dataset
-from numesh.mesh import AXES, MeshError, P, local_slices
 from numesh.errors import ConfigError
+from numesh.mesh import AXES, MeshError, P, local_slices
 from numesh.nn.gpt import gpt_specs
 from numesh.nn.units import join_units
 from numesh.pipeline.stages import StageLayout, stage_tree
@@ -466,8 +466,8 @@ def test_reshard_validates_the_target(saved: Path, tmp_path: Path) -> None:
 def numesh_logits(params: Any, model: Any, idx: np.ndarray) -> np.ndarray:
     """Logits at every position by a full forward on the 1-rank mesh."""
     from numesh.mesh import Mesh
-    from numesh.nn.transformer import block_fwd, embed_fwd
     from numesh.nn.layers import layernorm_fwd
+    from numesh.nn.transformer import block_fwd, embed_fwd
     from numesh.sample import shard_params
 
     mesh = Mesh.create(comm=MPI.COMM_SELF)

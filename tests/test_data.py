@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from conftest import cli, one_error_line
-
 from numesh import data as D
 from numesh.data import (
     CharTokenizer,

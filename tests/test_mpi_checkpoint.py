@@ -17,7 +17,15 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from numesh.checkpoint import CheckpointError, TrainState, gpt_leaves, read_local_state, read_meta, read_state, save_checkpoint
+from numesh.checkpoint import (
+    CheckpointError,
+    TrainState,
+    gpt_leaves,
+    read_local_state,
+    read_meta,
+    read_state,
+    save_checkpoint,
+)
 from numesh.checkpoint import format as fmt
 from numesh.checkpoint.format import leaf_blocks
 from numesh.data import prepare_char_dataset

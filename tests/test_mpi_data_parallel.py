@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import SMALL_BATCH, small_run_config, assert_same_run, serial_reference, train_records
-from numesh.mesh import MeshError
+from conftest import SMALL_BATCH, assert_same_run, serial_reference, small_run_config, train_records
 from numesh.errors import ConfigError
+from numesh.mesh import MeshError
 from numesh.train import train
 
 pytestmark = pytest.mark.mpi(min_size=2)

@@ -31,7 +31,7 @@ from conftest import (
 )
 from numesh import formulas
 from numesh.errors import ConfigError, MeshError
-from numesh.mesh import P, Mesh
+from numesh.mesh import Mesh, P
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, gpt_specs
 from numesh.nn.stage import ResidentParams, forward_loss, loss_and_grads, stage_forward, whole_model

@@ -26,12 +26,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import SMALL_BATCH, small_run_config, assert_same_run, serial_reference, train_records
+from conftest import SMALL_BATCH, assert_same_run, serial_reference, small_run_config, train_records
+from numesh.formulas import dp_bytes, memory_formula
 from numesh.mesh import Mesh, MeshError
 from numesh.mesh.mesh import ByteCounter
 from numesh.nn.gpt import ConfigError, gpt_specs, init_gpt
 from numesh.nn.units import OUTER, split_units
-from numesh.formulas import dp_bytes, memory_formula
 from numesh.optim.zero import ZeroOptimizer
 from numesh.train import Trainer, train
 from numesh.tree import tree_leaves

@@ -19,14 +19,22 @@ from typer.testing import CliRunner
 
 from numesh import formulas
 from numesh.errors import ConfigError, UserError
-from numesh.pipeline.schedules import simulate, make_schedule
+from numesh.pipeline.schedules import make_schedule, simulate
 from numesh.plan import costs, plan, predict
-from numesh.plan.hardware import Link, Measured, Profile, builtin_profiles, load_profile, profile_from_json, save_profile
+from numesh.plan.calibrate import KERNELS, fit_scale_and_overhead
+from numesh.plan.hardware import (
+    Link,
+    Measured,
+    Profile,
+    builtin_profiles,
+    load_profile,
+    profile_from_json,
+    save_profile,
+)
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.memory import layout_memory, rank_memory
 from numesh.plan.pipesim import makespan_and_busy
 from numesh.plan.search import _cp_sizes, candidates, least_recompute, train_config, valid_layouts
-from numesh.plan.calibrate import KERNELS, fit_scale_and_overhead
 from numesh.plan.timing import Placement, attention_cost, block_cost, placement, predict_time, ring_hop_bytes
 from numesh.threads import threads
 from numesh.train import TrainConfig, Trainer, validate

@@ -45,8 +45,9 @@ def test_divergence_stops_with_one_line_and_keeps_the_good_checkpoint(char_datas
     assert int(latest.name.split("_")[1]) <= step  # never a checkpoint of the diverged state
     lines = strict_lines(out / "metrics.jsonl")  # strict JSON: NaN written as null
     assert lines[-1] == {"step": step, "loss": None, "grad_norm": None, "diverged": True}
-    from numesh.checkpoint import read_state
     import numpy as np
+
+    from numesh.checkpoint import read_state
 
     _, trees = read_state(latest)
     from numesh.tree import tree_leaves

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
 
 from numesh import threads
 from numesh.mesh import Mesh
 from numesh.nn import stage
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, init_gpt
-from numesh.nn.stage import loss_and_grads
 from numesh.nn.layers import causal_attention_bwd, causal_attention_fwd, gelu_bwd, gelu_fwd
+from numesh.nn.stage import loss_and_grads
 from numesh.optim.adamw import AdamWConfig, adamw_init, adamw_step
 from numesh.tree import tree_leaves
-from threadpoolctl import threadpool_limits
 
 
 @pytest.fixture

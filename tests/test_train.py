@@ -14,8 +14,8 @@ from mpi4py import MPI
 from conftest import SYNTH_TEXT
 from numesh.checkpoint import read_meta, read_params_dict
 from numesh.data import DataError
-from numesh.mesh import MeshError
 from numesh.errors import ConfigError
+from numesh.mesh import MeshError
 from numesh.train import TrainConfig, Trainer, config_from, train, validate
 from numesh.tree import tree_leaves_with_path
 

@@ -60,8 +60,8 @@ from numesh.nn.parallel import (
     vocab_parallel_embedding_fwd,
 )
 from numesh.nn.ring_attention import attention_bwd, attention_fwd
-from numesh.tree import tree_leaves_with_path
 from numesh.threads import matmul, token_sum
+from numesh.tree import tree_leaves_with_path
 
 
 def local_heads(cfg: GPTConfig, mesh: Mesh) -> tuple[int, int, slice]:

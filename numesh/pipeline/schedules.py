@@ -50,6 +50,7 @@ from collections import Counter
 from typing import Any, Callable, Iterable, Mapping
 
 import attrs
+
 from numesh.errors import ScheduleError
 
 __all__ = [

@@ -36,7 +36,6 @@ import math
 import attrs
 
 from numesh import formulas
-
 from numesh.plan.hardware import Measured, Profile
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
 from numesh.plan.memory import unit_sizes
