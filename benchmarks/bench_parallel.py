@@ -157,7 +157,7 @@ def run(args: argparse.Namespace, world: MPI.Comm, data: str) -> None:
     print("vs 1 rank: tp = speed-up at the same batch; dp = weak-scaling efficiency (batch x dp)")
     print("act MiB: saved activations per rank at the step's peak (the most over ranks), measured from the buffers")
     keys = list(rows[0][1]["memory"])
-    print(f"\nmemory per rank, MB (ZeroOptimizer.memory())")
+    print("\nmemory per rank, MB (ZeroOptimizer.memory())")
     print(f"{'mesh':<28}" + "".join(f"{k:>12}" for k in keys) + f"{'total':>12}")
     for mesh, r, _ in rows:
         mem = r["memory"]

@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n== phases (ms per step, mean of {n} instrumented steps: {total / n * 1e3:.2f} ms; "
               f"median {statistics.median(t) * 1e3:.2f} ms vs {step_ms:.2f} ms uninstrumented; {_load(mon, args.steps)}) ==")
         report_phases(inst, total, n)
-        print(f"\n== ops and glue (exclusive time of each wrapped function, ms per step) ==")
+        print("\n== ops and glue (exclusive time of each wrapped function, ms per step) ==")
         report_ops(inst, total, n)
     return 0
 

@@ -10,7 +10,6 @@ the logged numbers are the same on every mesh.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import time
 import tomllib

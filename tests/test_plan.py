@@ -9,7 +9,6 @@ test_mpi_plan.py.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import attrs

@@ -11,7 +11,6 @@ to numesh.formulas.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

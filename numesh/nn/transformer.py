@@ -208,9 +208,8 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
     chunks of each sequence and attention runs around the cp ring). A `transient` context
     (full recomputation's rerun, used at once by backward) keeps the gathered LayerNorm
     outputs under sp instead of gathering them again."""
-    B, T, C = x.shape[0], global_seq(mesh, x.shape[1]), x.shape[2]
-    nh, hs, heads = local_heads(cfg, mesh)
-    cp = CpSlice.of(mesh)
+    B, T = x.shape[0], global_seq(mesh, x.shape[1])
+    nh, hs, _ = local_heads(cfg, mesh)
     h1, ln1 = norm_gather_fwd(p.ln1, x, mesh)  # f: [B, T, C]
     qkv, _ = linear_fwd(p.attn.qkv, h1)
     qkv = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # [3, B, nh, T, hs]
@@ -282,7 +281,6 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mes
     `dx` is shaped like the block's input (this rank's sequence slice with sp)."""
     B, T = dx.shape[0], global_seq(mesh, dx.shape[1])
     nh, hs, _ = local_heads(cfg, mesh)
-    cp = CpSlice.of(mesh)
     # MLP half
     dz = reduce_seq_bwd(_drop_residual(dx, ctx.drop, Site("mlp_out", ctx.layer), mesh), mesh)  # [B, T, C]
     du = gelu_bwd(ctx.gelu, linear_bwd_input(p.mlp.proj, dz))

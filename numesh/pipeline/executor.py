@@ -27,7 +27,6 @@ from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig
 from numesh.nn.stage import (
     ParamUnits,
-    Stage,
     StageCtx,
     activation_shape,
     add_outer,
