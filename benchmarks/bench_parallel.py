@@ -93,9 +93,11 @@ def main() -> None:
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="run each tp mesh without and with --sequence-parallel, alternating (see --rounds)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="rounds over every variant of a mesh (sp, ZeRO, overlap, recompute), alternating; median over them")
+                    help="rounds over every variant of a mesh (sp, ZeRO, overlap, recompute), alternating; "
+                         "median over them")
     ap.add_argument("--block-size", type=int, default=None, help="context length (default: the preset's)")
-    ap.add_argument("--batch-size", type=int, default=None, help="sequences per step on one rank (default: the preset's)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="sequences per step on one rank (default: the preset's)")
     ap.add_argument("--recompute", nargs="+", default=["none"], choices=["none", "selective", "full"],
                     help="activation recomputation modes to run each mesh at")
     ap.add_argument("--iters", type=int, default=20)

@@ -335,8 +335,8 @@ def bad_combinations(n: int) -> list:
     """(config overrides, the one line it must fail with) for a cp mesh of n ranks."""
     cases = [
         (dict(mesh=f"cp={n}", block_size=12 if n > 2 else 6),
-         rf"block_size={12 if n > 2 else 6} does not split into 2\*cp={2 * n} equal chunks \(context parallelism's load "
-         rf"balance\): use a --block-size that is a multiple of {2 * n} or a smaller cp"),
+         rf"block_size={12 if n > 2 else 6} does not split into 2\*cp={2 * n} equal chunks "
+         rf"\(context parallelism's load balance\): use a --block-size that is a multiple of {2 * n} or a smaller cp"),
         (dict(mesh=f"cp={n}", sequence_parallel=True),
          r"--sequence-parallel splits the sequence over tp, which is 1 in this mesh: add tp=N \(N > 1\) to --mesh or "
          r"drop --sequence-parallel"),
@@ -346,8 +346,8 @@ def bad_combinations(n: int) -> list:
                            micro_batches=2), r"n_layer=2 is not divisible by pp x virtual stages"))
     if n == 8:
         cases.append((dict(mesh="cp=2,tp=4", sequence_parallel=True, block_size=12),
-                       r"--sequence-parallel with cp splits a cp rank's block_size/cp tokens over tp: use a --block-size "
-                       r"that is a multiple of cp\*tp=8"))
+                       r"--sequence-parallel with cp splits a cp rank's block_size/cp tokens over tp: "
+                       r"use a --block-size that is a multiple of cp\*tp=8"))
     return cases
 
 

@@ -121,7 +121,8 @@ def test_no_room_for_a_checkpoint_is_found_before_training(char_dataset: Path, t
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_a_failing_metrics_write_is_one_line(char_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_metrics_write_is_one_line(char_dataset: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from numesh import rundir
 
     class Full:

@@ -275,7 +275,8 @@ def with_scores(ctx: BlockCtx, cfg: GPTConfig, mesh: Mesh) -> BlockCtx:
     return attrs.evolve(ctx, attn=(c.qs, c.k, c.v, att, mask))
 
 
-def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, BlockWeightCtx]:
+def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig,
+                    mesh: Mesh) -> tuple[np.ndarray, BlockWeightCtx]:
     """Input-gradient half of the block's backward (a zero-bubble "B"): (grad of the input,
     what `block_bwd_weight` needs). LayerNorm and bias grads are cheap and done here.
     `dx` is shaped like the block's input (this rank's sequence slice with sp)."""
@@ -318,7 +319,8 @@ def block_bwd_weight(p: Block, w: BlockWeightCtx) -> Block:
     """Weight-gradient half of the block's backward (a zero-bubble "W"): the Linear grads."""
     return Block(
         ln1=w.d_ln1,
-        attn=Attention(qkv=linear_bwd_weight(p.attn.qkv, w.qkv.x, w.qkv.dy), proj=_row_parallel_grad(p.attn.proj, w.attn_proj)),
+        attn=Attention(qkv=linear_bwd_weight(p.attn.qkv, w.qkv.x, w.qkv.dy),
+                       proj=_row_parallel_grad(p.attn.proj, w.attn_proj)),
         ln2=w.d_ln2,
         mlp=MLP(fc=linear_bwd_weight(p.mlp.fc, w.fc.x, w.fc.dy), proj=_row_parallel_grad(p.mlp.proj, w.mlp_proj)),
     )
@@ -378,7 +380,8 @@ def head_fwd(params: GPT, x: np.ndarray, targets: np.ndarray, cfg: GPTConfig, me
     return loss, HeadCtx(lnf_ctx, None if mesh.sequence_parallel else xf2, ce_ctx, xf.shape)
 
 
-def head_bwd(params: GPT, ctx: HeadCtx, dloss: np.ndarray | float, mesh: Mesh) -> tuple[np.ndarray, np.ndarray, LayerNorm]:
+def head_bwd(params: GPT, ctx: HeadCtx, dloss: np.ndarray | float,
+             mesh: Mesh) -> tuple[np.ndarray, np.ndarray, LayerNorm]:
     """(grad of the head's input, grad of wte from the head, grads of ln_f)."""
     dlogits = vocab_parallel_cross_entropy_bwd(ctx.ce, dloss)
     xf = norm_regather(params.ln_f, ctx.ln_f, mesh).reshape(-1, ctx.shape[-1]) if ctx.xf is None else ctx.xf
