@@ -244,7 +244,9 @@ def check_layout(cfg: TrainConfig, n_ranks: int, vocab_size: int) -> tuple[dict[
 def _check_schedule(name: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
     """`make_schedule` builds and validates it or raises; remembered when it passes (only that:
     no schedule is kept). `numesh plan` asks about the same shape for every ZeRO stage, cp, sp
-    and recompute setting: on gpt3-175b x 1024 ranks rebuilding it took 111 of 395 s."""
+    and recompute setting, and rebuilding it each time was a large share of a big plan
+    (`python -m cProfile -s cumtime -m numesh_cli.app plan --model gpt3-175b --ranks 1024
+    --hardware a100-80gb` shows where a plan's time goes)."""
     make_schedule(name, pp, micro_batches, virtual_stages)
 
 

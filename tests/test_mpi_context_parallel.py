@@ -155,8 +155,8 @@ def run_config(data: Path, out: Path, mesh: str, schedule: str, m: int, zero: in
         bias=True, learning_rate=3e-2, min_lr=1e-3, warmup_iters=1, lr_decay_iters=3, grad_clip=0.5, eval_interval=2,
         eval_iters=1, data=str(data), out=str(out), mesh=mesh, seed=11, dtype="float64", schedule=schedule,
         micro_batches=m, zero=zero, sequence_parallel=sp,
-        # MFU's denominator given, not measured: the GEMM benchmark took 0.54 s of a 1.58 s
-        # cp=2,pp=2 run (cProfile, 4 ranks on 2 cores), and parity does not look at MFU
+        # MFU's denominator given, not measured: the start-up GEMM benchmark is a large share
+        # of a run this short (cProfile it), and parity does not look at MFU
         peak_flops=1e12,
     )
     base.update(kw)

@@ -549,12 +549,11 @@ class FlightRecorder(Observer):
     def _poll(self, request: Any, token: int) -> None:
         """Test until done, yielding the core between tests (`sched_yield`: back at once when no
         other process wants the core, so the wait ends as soon as a blocking call's would; an
-        oversubscribed peer runs meanwhile). Sleeping between tests, as this did before,
-        stalled the collective itself: MPICH progresses a non-blocking collective only inside
-        Test, so every round waited for the sleeper. 2 ranks, 8 KiB to 1 MiB all-reduce, rank
-        0 arriving ~0.2 ms early: blocking 224-489 us, Test and sleep 439-1024 us, Test and
-        yield 231-479 us; `bench_trace.py overhead --mesh tp=2`: the recorder cost +51 % of a
-        step with sleeps, +3.9 % with yields."""
+        oversubscribed peer runs meanwhile). Sleeping between tests stalled the collective
+        itself: MPICH progresses a non-blocking collective only inside Test, so every round
+        waited for the sleeper, and a call took up to twice a blocking one where Test and
+        yield takes what a blocking call does. `mpirun -n 2 python benchmarks/bench_trace.py
+        overhead --mesh tp=2` measures what the recorder costs a step."""
         t0 = time.monotonic()
         self._wait_since[0], self._waiting[0] = time.time(), token
         deadline = t0 + self.timeout

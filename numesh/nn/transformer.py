@@ -15,11 +15,13 @@ vocab-parallel logits. As in Korthikanti et al. (2022), a LayerNorm keeps only i
 slice of x̂ and 1/σ for backward; the gathered output is used by the forward matmul and
 dropped, and backward gathers the x̂ slices again for the matmul's weight gradient
 (`norm_regather`): one more all-gather of an activation per LayerNorm, the price of
-holding every activation of the block 1/tp (keeping the gathered x̂ instead, as numesh
-did before, moves exactly plain tp's bytes but holds 2·B·T·C values per block
-replicated: at tp=2 only 0.83x of plain tp's activations, measured). LayerNorm weight and
-bias gradients are sums over this rank's tokens only: partial over tp, summed by
-`reduce_sequence_partial` or by the optimiser (`sequence_partial_leaves`).
+holding every activation of the block 1/tp (keeping the gathered x̂ instead moves exactly
+plain tp's bytes but holds 2·B·T·C values per block replicated, which at tp=2 leaves most
+of plain tp's activations: compare the block terms of `numesh.formulas.activation_parts`;
+`mpirun -n 2 python benchmarks/bench_parallel.py --meshes tp=2 --sequence-parallel` measures
+what each rank holds with and without sp). LayerNorm weight and bias gradients are sums
+over this rank's tokens only: partial over tp, summed by `reduce_sequence_partial` or by
+the optimiser (`sequence_partial_leaves`).
 """
 
 from __future__ import annotations
