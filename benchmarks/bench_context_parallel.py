@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
+import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 import attrs
 import numpy as np
 from mpi4py import MPI

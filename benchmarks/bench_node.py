@@ -59,7 +59,7 @@ def _peak_rss_mb() -> float:
 
 
 def worker_numesh(args: argparse.Namespace) -> None:
-    import numesh  # noqa: F401  (before numpy: OpenBLAS set-up)
+    import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
     from mpi4py import MPI
 
     from numesh.runtime import configure_process
@@ -88,7 +88,7 @@ def worker_numesh(args: argparse.Namespace) -> None:
 
 
 def worker_torch(args: argparse.Namespace) -> None:
-    import numesh  # noqa: F401
+    import numesh  # noqa: F401  # isort: skip  (before torch, which loads numpy: OpenBLAS set-up)
     import torch
 
     from bench_train import torch_trainer
@@ -148,7 +148,8 @@ def run_worker(kind: str, model: dict, data: str, threads: int, iters: int, warm
            "--mesh", mesh, "--micro-batches", str(micro_batches)]
     if ranks > 1:
         cmd = [*(launcher or default_launcher()), "-n", str(ranks), *cmd]
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -222,15 +223,17 @@ def print_report(rep: dict[str, Any]) -> None:
     m = rep["machine"]
     print(f"machine: {m['cpu']}, {m['cpu_count']} cpus; python {m['python']}, numpy {m['numpy']}, numba {m['numba']}, "
           f"torch {m['torch'] or '(not installed)'}, mpi4py {m['mpi4py']}; load avg at start {m['loadavg']}")
-    print(f"cores used: {rep['cores']}; {rep['iters']} timed steps after {rep['warmup']} (baby: {rep['baby_iters']} after 1); "
-          "ms = median step; RSS = peak resident MB of the largest rank")
+    print(f"cores used: {rep['cores']}; {rep['iters']} timed steps after {rep['warmup']} "
+          f"(baby: {rep['baby_iters']} after 1); ms = median step; RSS = peak resident MB of the largest rank")
     if "threads" in rep:
         print("\n== thread sweep: default model (4x128, block 64, batch 12), one process ==")
-        print(f"{'threads':>7} {'numesh ms':>10} {'tok/s':>9} {'RSS MB':>7} | {'torch ms':>9} {'tok/s':>9} {'RSS MB':>7} | {'numesh/torch':>12}")
+        print(f"{'threads':>7} {'numesh ms':>10} {'tok/s':>9} {'RSS MB':>7} | "
+              f"{'torch ms':>9} {'tok/s':>9} {'RSS MB':>7} | {'numesh/torch':>12}")
         for row in rep["threads"]:
             n, t = row["numesh"], row.get("torch")
-            print(f"{row['threads']:>7} {_fmt(n, 'ms', '10.1f')} {_fmt(n, 'tokens_per_s', '9,.0f')} {_fmt(n, 'rss_mb', '7.0f')} | "
-                  f"{_fmt(t, 'ms', '9.1f')} {_fmt(t, 'tokens_per_s', '9,.0f')} {_fmt(t, 'rss_mb', '7.0f')} | {_ratio(n, t):>12}")
+            print(f"{row['threads']:>7} {_fmt(n, 'ms', '10.1f')} {_fmt(n, 'tokens_per_s', '9,.0f')} "
+                  f"{_fmt(n, 'rss_mb', '7.0f')} | {_fmt(t, 'ms', '9.1f')} {_fmt(t, 'tokens_per_s', '9,.0f')} "
+                  f"{_fmt(t, 'rss_mb', '7.0f')} | {_ratio(n, t):>12}")
             for r in (n, t):
                 if r and "error" in r:
                     print(f"        error: {r['error']}")
@@ -242,7 +245,8 @@ def print_report(rep: dict[str, Any]) -> None:
             n = row["numesh"]
             eff = "-" if not base or "error" in base or "error" in n else \
                 f"{n['tokens_per_s'] / (row['dp'] * base['tokens_per_s']):.2f}"
-            print(f"{row['dp']:>4} {_fmt(n, 'ms', '8.1f')} {_fmt(n, 'tokens_per_s', '9,.0f')} {eff:>10} {_fmt(n, 'rss_mb', '11.0f')}")
+            print(f"{row['dp']:>4} {_fmt(n, 'ms', '8.1f')} {_fmt(n, 'tokens_per_s', '9,.0f')} {eff:>10} "
+                  f"{_fmt(n, 'rss_mb', '11.0f')}")
             if "error" in n:
                 print(f"     error: {n['error']}")
     if "baby" in rep:
@@ -252,20 +256,22 @@ def print_report(rep: dict[str, Any]) -> None:
         print(f"{'mesh':>16} {'ranks x thr':>11} {'step ms':>9} {'tok/s':>8} {'RSS MB/rank':>11} {'vs torch':>8}")
         for row in b["meshes"]:
             n = row["numesh"]
-            print(f"{row['mesh']:>16} {row['ranks']:>5} x {row['threads']:<3} {_fmt(n, 'ms', '9.0f')} {_fmt(n, 'tokens_per_s', '8,.0f')} "
-                  f"{_fmt(n, 'rss_mb', '11.0f')} {_ratio(n, t):>8}")
+            print(f"{row['mesh']:>16} {row['ranks']:>5} x {row['threads']:<3} {_fmt(n, 'ms', '9.0f')} "
+                  f"{_fmt(n, 'tokens_per_s', '8,.0f')} {_fmt(n, 'rss_mb', '11.0f')} {_ratio(n, t):>8}")
             if "error" in n:
                 print(f"     error: {n['error']}")
         if t is not None:
-            print(f"{'torch eager':>16} {1:>5} x {rep['cores']:<3} {_fmt(t, 'ms', '9.0f')} {_fmt(t, 'tokens_per_s', '8,.0f')} "
-                  f"{_fmt(t, 'rss_mb', '11.0f')} {'1.00' if 'error' not in t else '-':>8}")
+            print(f"{'torch eager':>16} {1:>5} x {rep['cores']:<3} {_fmt(t, 'ms', '9.0f')} "
+                  f"{_fmt(t, 'tokens_per_s', '8,.0f')} {_fmt(t, 'rss_mb', '11.0f')} "
+                  f"{'1.00' if 'error' not in t else '-':>8}")
             if "error" in t:
                 print(f"     error: {t['error']}")
     print("\nratios: numesh tokens/s over torch eager's (> 1: numesh faster)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores to use (default: all)")
     ap.add_argument("--sections", default="threads,weak,baby", help="comma-separated: threads, weak, baby")
     ap.add_argument("--iters", type=int, default=20, help="timed steps per measurement (default 20)")
@@ -340,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
             rep["baby"] = {"meshes": meshes}
             if have_torch:
                 log("baby torch eager ...")
-                rep["baby"]["torch"] = run_worker("torch", BABY, data, args.cores, args.baby_iters, 1, timeout=args.timeout)
+                rep["baby"]["torch"] = run_worker("torch", BABY, data, args.cores, args.baby_iters, 1,
+                                                  timeout=args.timeout)
     if args.json:
         print(json.dumps(rep))
     else:

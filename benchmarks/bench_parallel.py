@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
+import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 from mpi4py import MPI
 
 from numesh.mesh import parse_mesh
@@ -93,9 +93,11 @@ def main() -> None:
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="run each tp mesh without and with --sequence-parallel, alternating (see --rounds)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="rounds over every variant of a mesh (sp, ZeRO, overlap, recompute), alternating; median over them")
+                    help="rounds over every variant of a mesh (sp, ZeRO, overlap, recompute), alternating; "
+                         "median over them")
     ap.add_argument("--block-size", type=int, default=None, help="context length (default: the preset's)")
-    ap.add_argument("--batch-size", type=int, default=None, help="sequences per step on one rank (default: the preset's)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="sequences per step on one rank (default: the preset's)")
     ap.add_argument("--recompute", nargs="+", default=["none"], choices=["none", "selective", "full"],
                     help="activation recomputation modes to run each mesh at")
     ap.add_argument("--iters", type=int, default=20)
@@ -157,7 +159,7 @@ def run(args: argparse.Namespace, world: MPI.Comm, data: str) -> None:
     print("vs 1 rank: tp = speed-up at the same batch; dp = weak-scaling efficiency (batch x dp)")
     print("act MiB: saved activations per rank at the step's peak (the most over ranks), measured from the buffers")
     keys = list(rows[0][1]["memory"])
-    print(f"\nmemory per rank, MB (ZeroOptimizer.memory())")
+    print("\nmemory per rank, MB (ZeroOptimizer.memory())")
     print(f"{'mesh':<28}" + "".join(f"{k:>12}" for k in keys) + f"{'total':>12}")
     for mesh, r, _ in rows:
         mem = r["memory"]

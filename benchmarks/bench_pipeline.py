@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
+import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 from mpi4py import MPI
 
 from numesh.mesh import parse_mesh

@@ -8,16 +8,18 @@ For each rank count it (1) calibrates this machine with that many ranks into a p
 (`numesh plan --calibrate` under mpirun; skipped with --no-calibrate), (2) picks layouts of a
 small model that `numesh plan` lists (every mesh, ZeRO stage and schedule, one or two
 micro-batch counts each, without cp, sp or recomputation; then `--new-axes` more with cp,
-sequence parallelism or selective or full recomputation, spread over those), (3) runs them all in one mpirun job (a worker mode of this script:
-a Trainer per layout, warm-up steps, then timed steps; the step's time is the slowest rank's;
-`--passes` over the list, every other one in reverse order; a layout's time is the median
-of its steps over all passes; plan's first choice again before every
-`--reference-every` layouts and at the end, to show how the machine's speed moved during the job), measuring memory the way numesh does (`ZeroOptimizer.memory()` plus
-the executor's `peak_bytes`, the largest rank's), and (4) prints predicted vs measured with
-the errors, the MAPE of step time, and whether plan's first choice among them is within 5 %
-of the fastest measured one; when they differ, (5) runs those two again, alternating
-`--confirm` rounds, and prints the medians of the rounds (one pass measures each layout
-over a few seconds, and a shared 2-core machine drifts by more than 5 % in that time).
+sequence parallelism or selective or full recomputation, spread over those), (3) runs them
+all in one mpirun job (a worker mode of this script: a Trainer per layout, warm-up steps,
+then timed steps; the step's time is the slowest rank's; `--passes` over the list, every
+other one in reverse order; a layout's time is the median of its steps over all passes;
+plan's first choice again before every `--reference-every` layouts and at the end, to show
+how the machine's speed moved during the job), measuring memory the way numesh does
+(`ZeroOptimizer.memory()` plus the executor's `peak_bytes`, the largest rank's), and (4)
+prints predicted vs measured with the errors, the MAPE of step time, and whether plan's
+first choice among them is within 5 % of the fastest measured one; when they differ, (5)
+runs those two again, alternating `--confirm` rounds, and prints the medians of the rounds
+(one pass measures each layout over a few seconds, and a shared 2-core machine drifts by
+more than 5 % in that time).
 
 `--memory-only` skips the calibration and runs one step per layout: memory is validated
 (predicted == measured, part by part) and step times are not reported.
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -35,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS)
+import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS)
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
@@ -73,7 +74,8 @@ def worker(layouts_file: str, data: str, warmup: int, steps: int) -> None:
         rows = comm.gather({"total": mine, **mem, "activations": peak}, root=0)
         if comm.Get_rank() == 0:
             biggest = max(rows, key=lambda r: r["total"])
-            print(json.dumps({"spec": spec, "step_s": statistics.median(times), "times": times, "memory": biggest}), flush=True)
+            print(json.dumps({"spec": spec, "step_s": statistics.median(times), "times": times, "memory": biggest}),
+                  flush=True)
         del trainer
 
 
@@ -124,11 +126,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--passes", type=int, default=2,
-                    help="passes over the layouts in one job, every other one in reverse order; a layout's time is the median of all its steps")
+                    help="passes over the layouts in one job, every other one in reverse order; "
+                         "a layout's time is the median of all its steps")
     ap.add_argument("--confirm", type=int, default=3,
-                    help="rounds that re-run plan's first choice and the fastest measured, alternating, when they differ (0: off)")
+                    help="rounds that re-run plan's first choice and the fastest measured, alternating, "
+                         "when they differ (0: off)")
     ap.add_argument("--reference-every", type=int, default=6,
-                    help="re-run plan's first choice before every this many layouts and at the end, and print how much it moved (0: off)")
+                    help="re-run plan's first choice before every this many layouts and at the end, "
+                         "and print how much it moved (0: off)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -186,9 +191,11 @@ def main() -> None:
         first = max(range(len(chosen)), key=lambda i: chosen[i].tokens_per_s)
         # a layout measured in one pass is a few seconds of a machine whose speed drifts by
         # ±10 % over minutes: passes in alternating order put each layout early and late
-        order = [i for p in range(args.passes) for i in (range(len(specs)) if p % 2 == 0 else reversed(range(len(specs))))]
+        order = [i for p in range(args.passes)
+                 for i in (range(len(specs)) if p % 2 == 0 else reversed(range(len(specs))))]
         if args.reference_every:  # plan's first choice again every so often (-1): how the machine drifted meanwhile
-            order = [k for at, i in enumerate(order) for k in ((-1, i) if at % args.reference_every == 0 else (i,))] + [-1]
+            order = [k for at, i in enumerate(order)
+                     for k in ((-1, i) if at % args.reference_every == 0 else (i,))] + [-1]
         lines = run([specs[first if i < 0 else i] for i in order])
         measured = []
         for i in range(len(specs)):
@@ -205,12 +212,14 @@ def main() -> None:
             # one pass measures each layout over a few seconds, and a shared 2-core machine
             # drifts by more than 5 % in that time: the two that decide the target run again, alternating
             again = [m["step_s"] for m in run([specs[first], specs[fastest]] * args.confirm)]
-            confirmed[n] = (chosen[first], statistics.median(again[0::2]), chosen[fastest], statistics.median(again[1::2]))
+            confirmed[n] = (chosen[first], statistics.median(again[0::2]),
+                            chosen[fastest], statistics.median(again[1::2]))
     report(results, args.memory_only, confirmed, reference)
 
 
 def name_of(lay) -> str:
-    return (f"{lay.mesh} z{lay.zero} {lay.schedule} m={lay.micro_batches}" + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+    return (f"{lay.mesh} z{lay.zero} {lay.schedule} m={lay.micro_batches}"
+            + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "")
             + (" sp" if lay.sp else "") + (f" rc={lay.recompute}" if lay.recompute != "none" else ""))
 
 
@@ -233,7 +242,8 @@ def report(results: list, memory_only: bool = False, confirmed: dict | None = No
     if memory_only:
         report_memory(results)
         return
-    head = f"{'n':>2} {'layout':<66} {'mem pred':>10} {'mem meas':>10} {'err':>6} {'step pred':>10} {'step meas':>10} {'err':>7}"
+    head = (f"{'n':>2} {'layout':<66} {'mem pred':>10} {'mem meas':>10} {'err':>6} "
+            f"{'step pred':>10} {'step meas':>10} {'err':>7}")
     print(head)
     errs_t, errs_m = [], []
     by_n: dict[int, list] = {}
@@ -249,7 +259,8 @@ def report(results: list, memory_only: bool = False, confirmed: dict | None = No
         print(f"{n:>2} {name:<66} {pm / 2**20:>8.2f}Mi {mm / 2**20:>8.2f}Mi {em:>+5.1f}% {p.time.total * 1e3:>8.1f}ms "
               f"{m['step_s'] * 1e3:>8.1f}ms {et:>+6.1f}%{'' if exact else '  params/grads/optimizer NOT exact'}")
         by_n.setdefault(n, []).append((p, m))
-    print(f"\n{len(results)} layouts: memory max |error| {max(errs_m):.2f} %, step time MAPE {statistics.mean(errs_t):.1f} % "
+    print(f"\n{len(results)} layouts: memory max |error| {max(errs_m):.2f} %, "
+          f"step time MAPE {statistics.mean(errs_t):.1f} % "
           f"(median {statistics.median(errs_t):.1f} %, max {max(errs_t):.1f} %)")
     for n, rows in sorted(by_n.items()):
         first = max(rows, key=lambda r: r[0].tokens_per_s)
@@ -258,7 +269,8 @@ def report(results: list, memory_only: bool = False, confirmed: dict | None = No
         lay = first[0].layout
         print(f"{n} ranks: plan's first choice {lay.mesh} z{lay.zero} {lay.schedule} m={lay.micro_batches} measured "
               f"{first[1]['step_s'] * 1e3:.1f} ms, fastest measured {fastest[1]['step_s'] * 1e3:.1f} ms "
-              f"({fastest[0].layout.mesh} z{fastest[0].layout.zero} {fastest[0].layout.schedule} m={fastest[0].layout.micro_batches}): "
+              f"({fastest[0].layout.mesh} z{fastest[0].layout.zero} {fastest[0].layout.schedule} "
+              f"m={fastest[0].layout.micro_batches}): "
               f"{gap:+.1f} % ({'within' if gap <= 5 else 'NOT within'} 5 %)")
         if len((reference or {}).get(n, ())) > 1:
             # the same layout again and again through the job: what the machine's speed did
@@ -266,12 +278,14 @@ def report(results: list, memory_only: bool = False, confirmed: dict | None = No
             ref = reference[n]
             lo, mid, hi = min(ref), statistics.median(ref), max(ref)
             print(f"   machine drift during the job: plan's first choice re-run {len(ref)} times read {lo * 1e3:.1f}-"
-                  f"{hi * 1e3:.1f} ms (median {mid * 1e3:.1f}, {(lo - mid) / mid * 100:+.0f} / {(hi - mid) / mid * 100:+.0f} %)")
+                  f"{hi * 1e3:.1f} ms (median {mid * 1e3:.1f}, "
+                  f"{(lo - mid) / mid * 100:+.0f} / {(hi - mid) / mid * 100:+.0f} %)")
         if n in (confirmed or {}):
             p1, t1, p2, t2 = confirmed[n]
             gap = (t1 - t2) / t2 * 100
             print(f"   again, alternating (medians of the rounds): first choice {t1 * 1e3:.1f} ms, "
-                  f"{name_of(p2.layout)} {t2 * 1e3:.1f} ms: {gap:+.1f} % ({'within' if gap <= 5 else 'NOT within'} 5 %)")
+                  f"{name_of(p2.layout)} {t2 * 1e3:.1f} ms: "
+                  f"{gap:+.1f} % ({'within' if gap <= 5 else 'NOT within'} 5 %)")
 
 
 if __name__ == "__main__":

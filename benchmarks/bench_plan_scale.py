@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-import numesh  # noqa: F401,I001
-
+import numesh  # noqa: F401  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 from numesh.plan.hardware import load_profile
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.timing import predict_time
@@ -41,8 +40,8 @@ def main() -> None:
     ap.add_argument("--hardware", default="a100-80gb")
     args = ap.parse_args()
     prof = load_profile(args.hardware)
-    print(f"{'run':>7} {'GPUs':>5} {'tp,pp,dp':>9} {'published':>10} {'predicted':>10} {'error':>7}   (TFLOP/s per GPU, paper's count; "
-          f"tokens/s per GPU)")
+    print(f"{'run':>7} {'GPUs':>5} {'tp,pp,dp':>9} {'published':>10} {'predicted':>10} {'error':>7}   "
+          f"(TFLOP/s per GPU, paper's count; tokens/s per GPU)")
     for name, _, heads, hidden, layers, tp, pp, gpus, batch, published in RUNS:
         dp = gpus // (tp * pp)
         model = ModelSpec(layers, heads, hidden, SEQ, VOCAB, batch)

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS)
+import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS)
 from mpi4py import MPI
 
 from numesh import report
@@ -100,9 +100,11 @@ def overhead(args, data: str, comm: MPI.Comm) -> dict:
     write_s = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     inside_ms = comm.allreduce(inside[0], op=MPI.MAX) / (args.warmup + args.iters) * 1e3
-    return {"mesh": args.mesh, "tracer_ms": inside_ms, "tracer_pct": 100 * inside_ms / med["on"], "schedule": args.schedule, "m": args.micro_batches, "steps": args.iters,
+    return {"mesh": args.mesh, "tracer_ms": inside_ms, "tracer_pct": 100 * inside_ms / med["on"],
+            "schedule": args.schedule, "m": args.micro_batches, "steps": args.iters,
             "off_ms": med["off"], "recorder_ms": med["recorder"], "on_ms": med["on"],
-            "recorder_pct": 100 * (med["recorder"] / med["off"] - 1), "overhead_pct": 100 * (med["on"] / med["recorder"] - 1),
+            "recorder_pct": 100 * (med["recorder"] / med["off"] - 1),
+            "overhead_pct": 100 * (med["on"] / med["recorder"] - 1),
             "events_per_step": len(on.trace.events) / (args.warmup + args.iters), "write_s": write_s}
 
 
@@ -146,18 +148,21 @@ def main() -> None:
             if root:
                 print(json.dumps(res) if args.json else
                       f"{res['mesh']} {res['schedule']} m={res['m']}: bare {res['off_ms']:.2f} ms, flight recorder "
-                      f"{res['recorder_ms']:.2f} ms ({res['recorder_pct']:+.2f} %), recorder and trace {res['on_ms']:.2f} ms "
-                      f"(tracing {res['overhead_pct']:+.2f} % on top; measured inside the tracer: {res['tracer_ms']:.3f} ms "
-                      f"a step on the busiest rank, {res['tracer_pct']:.2f} %; {res['events_per_step']:.0f} events/step/rank; "
+                      f"{res['recorder_ms']:.2f} ms ({res['recorder_pct']:+.2f} %), "
+                      f"recorder and trace {res['on_ms']:.2f} ms (tracing {res['overhead_pct']:+.2f} % on top; "
+                      f"measured inside the tracer: {res['tracer_ms']:.3f} ms a step on the busiest rank, "
+                      f"{res['tracer_pct']:.2f} %; {res['events_per_step']:.0f} events/step/rank; "
                       f"writing the trace {res['write_s']:.2f} s)")
         else:
             rows = bubble(args, data, comm)
             if root:
                 for r in rows:
                     print(json.dumps(r) if args.json else
-                          f"{r['schedule']:>11} p={r['p']} m={r['m']} v={r['v']}: measured {100 * r['measured']:5.1f} %, "
+                          f"{r['schedule']:>11} p={r['p']} m={r['m']} v={r['v']}: "
+                          f"measured {100 * r['measured']:5.1f} %, "
                           f"theory {100 * r['theory_unit']:5.1f} % (F=B=W), {100 * r['theory_measured_costs']:5.1f} % "
-                          f"(mean costs F/B/W {r['F_B_W_ms']['F']:.2f}/{r['F_B_W_ms']['B']:.2f}/{r['F_B_W_ms']['W']:.2f} ms), "
+                          f"(mean costs F/B/W {r['F_B_W_ms']['F']:.2f}/{r['F_B_W_ms']['B']:.2f}/"
+                          f"{r['F_B_W_ms']['W']:.2f} ms), "
                           f"{100 * r['theory_stage_costs']:5.1f} % (each stage's costs), "
                           f"{100 * r['theory_action_costs']:5.1f} % (each action's own time); "
                           "idle per stage " + ", ".join(f"{100 * x:.1f}" for x in r["idle_per_stage"]))

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
+import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -75,7 +75,8 @@ def make_trainer(model_cfg: dict[str, Any], data: str, dtype: str = "float32", s
     """A single-process numesh Trainer for this model on this dataset."""
     from numesh.train import Trainer, config_from
 
-    cfg = config_from({**model_cfg, "data": data, "dtype": dtype, "seed": seed, "dropout": 0.0, "bias": False, "mesh": ""})
+    cfg = config_from({**model_cfg, "data": data, "dtype": dtype, "seed": seed, "dropout": 0.0, "bias": False,
+                       "mesh": ""})
     return Trainer(cfg)
 
 
@@ -306,7 +307,8 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"config: preset={c['preset']} n_layer={c['n_layer']} n_head={c['n_head']} n_embd={c['n_embd']} "
           f"block={c['block_size']} batch={c['batch_size']} dtype={c['dtype']} "
           f"tokens/iter={c['tokens_per_iter']} warmup={c['warmup']} iters={c['iters']}")
-    print(f"malloc: {'freed memory kept for reuse (numesh.runtime.keep_freed_memory)' if report.get('keep_freed_memory') else 'glibc defaults'}")
+    kept = report.get("keep_freed_memory")
+    print(f"malloc: {'freed memory kept for reuse (numesh.runtime.keep_freed_memory)' if kept else 'glibc defaults'}")
     print(f"env: torch {report.get('torch_version') or '(not installed)'}, numpy {e['numpy']}, "
           f"OPENBLAS_CORETYPE={e['OPENBLAS_CORETYPE'] if e['OPENBLAS_CORETYPE'] is not None else '(unset)'}, "
           f"OPENBLAS_THREAD_TIMEOUT={e['OPENBLAS_THREAD_TIMEOUT']}, "
@@ -325,7 +327,8 @@ def print_table(report: dict[str, Any]) -> None:
     for name, v in r.items():
         ratio = v["median_ms"] / base if name != "numesh" else 1.0
         print(f"{name:<14} {v['median_ms']:>16.2f} {v['mean_ms']:>8.2f} {v['min_ms']:>8.2f} "
-              f"{v['tokens_per_s']:>10,.0f} {ratio:>7.2f} {_cores(v['own_cpu_cores']):>8} {_cores(v['other_cpu_cores']):>9}"
+              f"{v['tokens_per_s']:>10,.0f} {ratio:>7.2f} "
+              f"{_cores(v['own_cpu_cores']):>8} {_cores(v['other_cpu_cores']):>9}"
               f" {_pct(v['sys_share']):>5} {v['minor_faults_per_iter']:>11,.0f}")
     print("ratio = impl ms / numesh ms (median): > 1 means numesh is faster")
     print("own cpu / other cpu = cores busy in this process / in all other processes during the timed iterations;")
@@ -335,12 +338,14 @@ def print_table(report: dict[str, Any]) -> None:
         ls = v["losses"]
         print(f"{name}: params {v['n_params']:,}, loss step 0 {ls[0]:.4f} -> step {len(ls) - 1} {ls[-1]:.4f}")
     if "loss_max_abs_diff" in report:
-        print(f"same init + same batches: max |loss_numesh - loss_torch| over all steps = {report['loss_max_abs_diff']:.2e}")
+        print("same init + same batches: max |loss_numesh - loss_torch| over all steps = "
+              f"{report['loss_max_abs_diff']:.2e}")
     print(f"batch draw (numpy, included in both timings): {r['numesh']['batch_draw_ms']:.3f} ms")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
     ap.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
     ap.add_argument("--block-size", type=int, default=None, help="override the preset's context length")
@@ -350,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--data", default=None, help="dataset dir from `numesh data` (default: prepare a temporary one)")
-    ap.add_argument("--src", default=DEFAULT_SRC, help=f"text to prepare the temporary dataset from (default {DEFAULT_SRC})")
+    ap.add_argument("--src", default=DEFAULT_SRC,
+                    help=f"text to prepare the temporary dataset from (default {DEFAULT_SRC})")
     ap.add_argument("--no-torch", action="store_true", help="measure numesh only")
     ap.add_argument("--torch-attention", choices=("sdpa", "manual"), default="sdpa",
                     help="torch attention: scaled_dot_product_attention (nanoGPT's default) or explicit softmax")
@@ -395,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.set_default_dtype(torch.float64)
             torch.set_num_threads(threads)
             report["torch_version"] = torch.__version__
-            report["torch_blas"] = (f"{torch.get_num_threads()} intra-op threads, MKL={torch.backends.mkl.is_available()}, "
+            report["torch_blas"] = (f"{torch.get_num_threads()} intra-op threads, "
+                                    f"MKL={torch.backends.mkl.is_available()}, "
                                     f"mkldnn={torch.backends.mkldnn.is_available()}, "
                                     f"attention={args.torch_attention}, AdamW={args.torch_optim}")
             log(f"torch {torch.__version__}: {args.warmup} + {args.iters} iterations ...")

@@ -28,7 +28,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 @contextlib.contextmanager
-def dataset_dir(data: str | None, src: str, comm: Any = None, log: Callable[[str], None] | None = None) -> Iterator[str]:
+def dataset_dir(data: str | None, src: str, comm: Any = None,
+                log: Callable[[str], None] | None = None) -> Iterator[str]:
     """Yield a dataset directory: `data` if it holds a prepared dataset (`numesh data`), else
     a temporary one prepared from the text file `src` and removed afterwards.
 

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
+import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':8} {'train s':>8} {'train loss':>11} {'val loss':>9}   (mean over {args.eval_batches} batches; "
           f"the first 20 = training's eval: train/val)")
     for name, secs, ev in rows:
-        print(f"{name:8} {secs:8.1f} {ev['train']:11.4f} {ev['val']:9.4f}   first 20: {ev['train20']:.4f}/{ev['val20']:.4f}")
+        print(f"{name:8} {secs:8.1f} {ev['train']:11.4f} {ev['val']:9.4f}   "
+              f"first 20: {ev['train20']:.4f}/{ev['val20']:.4f}")
     return 0
 
 

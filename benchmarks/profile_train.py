@@ -35,14 +35,13 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import numesh  # noqa: F401,I001  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
+import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import CpuMonitor, log, make_trainer, preset_config  # noqa: E402
 from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
 from numesh.runtime import keep_freed_memory  # noqa: E402
-
 
 # --------------------------------------------------------------------------------------
 # timers around numesh's own functions, while Trainer.train_step() runs unchanged
@@ -56,7 +55,9 @@ PHASE_FUNCS = {
     "local_batch": "other", "global_norm": "other", "clip_scale": "other",
 }
 # methods of Trainer.opt (the ZeRO optimiser) -> phase
-PHASE_METHODS = {"step": "optimizer", "global_norm": "other", "grads_ready": "other", "begin_step": "other", "wait": "other"}
+PHASE_METHODS = {
+    "step": "optimizer", "global_norm": "other", "grads_ready": "other", "begin_step": "other", "wait": "other",
+}
 # the layer functions inside the blocks (numesh.nn.layers / numesh.nn.parallel)
 OP_FUNCS = (
     "layernorm_fwd", "layernorm_bwd", "linear_fwd", "linear_bwd_input", "linear_bwd_weight",
@@ -187,7 +188,8 @@ def report_ops(inst: Instrument, step_total: float, n: int) -> None:
     total = step_total + inst.worker_time
     if inst.worker_time:
         print(f"(ops run on every thread: blocks split their sequences over threads, so times are summed\n"
-              f" over threads, {_ms(total, n).strip()} of thread time per {_ms(step_total, n).strip()} step; shares are of that)")
+              f" over threads, {_ms(total, n).strip()} of thread time per {_ms(step_total, n).strip()} step; "
+              "shares are of that)")
     print(f"{'function':<44} {'per step':>11} {'share':>6} calls/step")
     rows = []
     for lab, t in inst.excl.items():
@@ -256,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         stats.sort_stats(args.sort).print_stats(args.top)
         text = buf.getvalue()
         text = text[text.find("   ncalls") if "   ncalls" in text else 0:]
-        print(f"\n== cProfile over {args.steps} train_step calls (top {args.top} by {args.sort}; {_load(mon, args.steps)}) ==")
+        print(f"\n== cProfile over {args.steps} train_step calls (top {args.top} by {args.sort}; "
+              f"{_load(mon, args.steps)}) ==")
         print(text.rstrip().replace(str(Path(__file__).resolve().parents[1]) + "/", ""))
 
         # 2 + 3. phases and ops, from timers around numesh's functions during train_step()
@@ -276,9 +279,10 @@ def main(argv: list[str] | None = None) -> int:
             inst.restore()
         n, total = args.steps, sum(t)
         print(f"\n== phases (ms per step, mean of {n} instrumented steps: {total / n * 1e3:.2f} ms; "
-              f"median {statistics.median(t) * 1e3:.2f} ms vs {step_ms:.2f} ms uninstrumented; {_load(mon, args.steps)}) ==")
+              f"median {statistics.median(t) * 1e3:.2f} ms vs {step_ms:.2f} ms uninstrumented; "
+              f"{_load(mon, args.steps)}) ==")
         report_phases(inst, total, n)
-        print(f"\n== ops and glue (exclusive time of each wrapped function, ms per step) ==")
+        print("\n== ops and glue (exclusive time of each wrapped function, ms per step) ==")
         report_ops(inst, total, n)
     return 0
 

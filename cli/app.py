@@ -13,6 +13,7 @@ from typer.core import TyperCommand
 
 import numesh  # noqa: F401  (first: it sets up OpenBLAS before numpy loads it)
 
+
 class _Command(TyperCommand):
     """Usage lines name arguments as CKPT, not typer's {ckpt}."""
 
@@ -106,7 +107,8 @@ def _train_signature() -> inspect.Signature:
         inspect.Parameter(
             "config",
             inspect.Parameter.KEYWORD_ONLY,
-            default=typer.Option(None, "--config", help="TOML file of these options (command-line options override it)"),
+            default=typer.Option(None, "--config",
+                                 help="TOML file of these options (command-line options override it)"),
             annotation=Optional[Path],
         )
     ]
@@ -118,7 +120,8 @@ def _train_signature() -> inspect.Signature:
             inspect.Parameter(
                 f.name,
                 inspect.Parameter.KEYWORD_ONLY,
-                default=typer.Option(None, *decls, help=f"{f.metadata['help']}  [default: {_shown(f.default)}]", show_default=False),
+                default=typer.Option(None, *decls, help=f"{f.metadata['help']}  [default: {_shown(f.default)}]",
+                                     show_default=False),
                 annotation=Optional[typ],
             )
         )
@@ -135,7 +138,8 @@ def train_cmd(**options: Any) -> None:
 
         configure_process()
         cfg = config_from({k: v for k, v in options.items() if k != "config"}, options.get("config"))
-        ensure_run_dataset(cfg.data)  # the default dataset is prepared on rank 0 if missing (download or offline fallback)
+        # the default dataset is prepared on rank 0 if missing (download or offline fallback)
+        ensure_run_dataset(cfg.data)
         with _Progress(cfg.max_iters) as progress:
             result = train(cfg, on_step=progress.update)
         val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
@@ -156,18 +160,21 @@ app.command("train", cls=_Command)(train_cmd)
 
 
 _PLAN_OPTIONS = [
-    ("ranks", Optional[int], typer.Option(None, "--ranks", help="ranks to plan for (every dp x tp x pp layout of them)")),
-    ("model_preset", Optional[str], typer.Option(None, "--model", help="a model preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, "
-     "gpt3-125m, gpt3-1.3b, gpt3-13b, gpt3-175b, megatron-18b, megatron-146b, megatron-1t); options given override it")),
-    ("vocab_size", Optional[int], typer.Option(None, "--vocab-size", help="vocabulary  [default: the preset's, or --data's]")),
+    ("ranks", Optional[int], typer.Option(None, "--ranks",
+                                          help="ranks to plan for (every dp x tp x pp layout of them)")),
+    ("model_preset", Optional[str], typer.Option(None, "--model", help="a model preset (gpt2, gpt2-medium, gpt2-large, "
+     "gpt2-xl, gpt3-125m, gpt3-1.3b, gpt3-13b, gpt3-175b, megatron-18b, megatron-146b, megatron-1t); "
+     "options given override it")),
+    ("vocab_size", Optional[int], typer.Option(None, "--vocab-size",
+                                               help="vocabulary  [default: the preset's, or --data's]")),
     ("memory_per_rank", Optional[str], typer.Option(None, "--memory-per-rank", help="memory of one rank, e.g. 8GiB  "
      "[default: the profile's device memory, or this machine's RAM / ranks]")),
-    ("hardware", str, typer.Option("local", "--hardware", help="hardware profile: local (this machine, after --calibrate), "
-     "a100-80gb, h100-80gb, or a profile's .json path")),
+    ("hardware", str, typer.Option("local", "--hardware", help="hardware profile: local (this machine, after "
+     "--calibrate), a100-80gb, h100-80gb, or a profile's .json path")),
     ("json_", bool, typer.Option(False, "--json", help="print every layout as a JSON list")),
     ("top", int, typer.Option(15, "--top", help="layouts in the table")),
-    ("calibrate", bool, typer.Option(False, "--calibrate", help="measure this machine (run under mpirun -n N for N ranks) "
-     "and save the profile")),
+    ("calibrate", bool, typer.Option(False, "--calibrate", help="measure this machine (run under mpirun -n N for N "
+     "ranks) and save the profile")),
     ("profile_out", Optional[Path], typer.Option(None, "--profile-out", help="where --calibrate saves  "
      "[default: ~/.cache/numesh/local.json, or $NUMESH_PROFILE_DIR/local.json]")),
 ]
@@ -190,8 +197,9 @@ def plan_cmd(**options: Any) -> None:
                 print(f"saved profile {path}: plan with `numesh plan --ranks N --hardware "
                       f"{'local' if options['profile_out'] is None else path}`")
             return
-        out = run_plan(overrides, options.get("config"), options["ranks"], options["model_preset"], options["vocab_size"],
-                       options["memory_per_rank"], options["hardware"], options["json_"], options["top"])
+        out = run_plan(overrides, options.get("config"), options["ranks"], options["model_preset"],
+                       options["vocab_size"], options["memory_per_rank"], options["hardware"], options["json_"],
+                       options["top"])
         if is_root():
             print(out)
 
@@ -238,7 +246,8 @@ class _Progress:
         if self.task is None:  # started on the first step, after validation passed
             self.bar.start()
             self.task = self.bar.add_task("train", total=self.total, info="")
-        self.info.update({k: v for k, v in record.items() if k in ("loss", "val_loss", "tokens_per_s", "flops_per_s", "mfu")})
+        self.info.update({k: v for k, v in record.items()
+                          if k in ("loss", "val_loss", "tokens_per_s", "flops_per_s", "mfu")})
         parts = []
         if "loss" in self.info:
             parts.append(f"loss {self.info['loss']:.4f}")
@@ -274,7 +283,8 @@ def sample_cmd(
         from numesh.sample import SampleConfig, sample
 
         configure_process()
-        cfg = SampleConfig(str(ckpt), prompt, max_new_tokens, temperature, top_k or None, seed, num_samples, mesh, kv_cache)
+        cfg = SampleConfig(str(ckpt), prompt, max_new_tokens, temperature, top_k or None, seed, num_samples, mesh,
+                           kv_cache)
         texts = sample(cfg)
         if is_root():
             print("\n---------------\n".join(texts))
@@ -284,11 +294,14 @@ def sample_cmd(
 
 @app.command("reshard", cls=_Command)
 def reshard_cmd(
-    ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT", show_default=False),
-    to: str = typer.Option(..., "--to", help="target mesh, e.g. tp=4 or cp=2,tp=2 (axes not named keep the checkpoint's size)"),
+    ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT",
+                                show_default=False),
+    to: str = typer.Option(..., "--to",
+                           help="target mesh, e.g. tp=4 or cp=2,tp=2 (axes not named keep the checkpoint's size)"),
     out: Optional[Path] = typer.Option(None, help="output directory", show_default="a sibling such as step_000100-tp4"),
 ) -> None:
-    """Rewrite a checkpoint as another mesh's ranks would have written it (one process; any mesh can also load any checkpoint directly)."""
+    """Rewrite a checkpoint as another mesh's ranks would have written it (one process; any
+    mesh can also load any checkpoint directly)."""
 
     def go() -> None:
         from numesh.checkpoint import reshard
@@ -300,12 +313,14 @@ def reshard_cmd(
 
 @app.command("export", cls=_Command)
 def export_cmd(
-    ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT", show_default=False),
+    ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT",
+                                show_default=False),
     out: Path = typer.Option(..., help="output .safetensors file"),
     dtype: Optional[str] = typer.Option(None, help="float32 or float64", show_default="the checkpoint's"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT if it exists"),
 ) -> None:
-    """Export the parameters as one safetensors file with nanoGPT's state-dict names (numesh sample --ckpt FILE reads it too)."""
+    """Export the parameters as one safetensors file with nanoGPT's state-dict names (numesh
+    sample --ckpt FILE reads it too)."""
 
     def go() -> None:
         from numesh.checkpoint import export_nanogpt
@@ -339,7 +354,8 @@ def report_cmd(
         if not path.is_file():
             if diagnosis:
                 return
-            raise ConfigError(f"{path} not found and no flight record there: run `numesh train --trace --out {out}` first")
+            raise ConfigError(f"{path} not found and no flight record there: "
+                              f"run `numesh train --trace --out {out}` first")
         rep = report.build(report.load(path))
         print(json.dumps(rep, indent=1) if json_ else report.render(rep))
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import attrs
 import numpy as np
+
 from numesh.errors import DataError
 from numesh.mesh.zigzag import take_local
 

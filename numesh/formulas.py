@@ -224,7 +224,8 @@ def step_bytes(
             if shape["dp"] > 1 or op == "all_reduce":
                 add("dp+cp" if cp > 1 and zero == 0 else "dp", op, n)
     if cp > 1:
-        add("cp", "send", m * sum(cp_ring_bytes(c, rows, block_size, n_embd, shape["tp"], cp, itemsize) for c in chunks))
+        add("cp", "send",
+            m * sum(cp_ring_bytes(c, rows, block_size, n_embd, shape["tp"], cp, itemsize) for c in chunks))
         add("cp", "all_reduce", cp_grad_bytes(zero, m, padded_blocks, padded_outer, itemsize))
     t = block_size // cp  # tokens of each sequence on this rank
     if shape["tp"] > 1 and sequence_parallel:
@@ -370,11 +371,13 @@ def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_
         parts["block_replicated"] = n_layer * k * (2 * (sbh + sb) // t if sp else (4 * sbh + 2 * sb))
         parts["block_sharded"] = n_layer * k * 17 * sbh // t
         if cp > 1:
-            parts["block_ring"] = n_layer * k * (sbh + a * sb) // t + n_layer * k * int(dropout) * a * s * s * cp * b // t
+            parts["block_ring"] = (n_layer * k * (sbh + a * sb) // t
+                                   + n_layer * k * int(dropout) * a * s * s * cp * b // t)
         elif recompute == "none":
             parts["block_scores"] = n_layer * k * (1 + int(dropout)) * a * s * s * b // t
     if first:
-        parts["embed"] = sb * TOKEN_ID_BYTES + (sb if t > 1 else 0) + (s * TOKEN_ID_BYTES if cp > 1 else 0)  # cp: positions
+        parts["embed"] = (sb * TOKEN_ID_BYTES + (sb if t > 1 else 0)
+                          + (s * TOKEN_ID_BYTES if cp > 1 else 0))  # cp: positions
     if last:
         v_local = padded_vocab(vocab, t) // t
         ln_f = (sbh + sb) // t if sp else (2 * sbh + sb)

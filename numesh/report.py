@@ -142,7 +142,8 @@ def time_breakdown(trace: dict) -> dict[int, dict[str, float]]:
             step += b - a
         n = max(len(wins), 1)
         out[rank] = {**{k: v / n / 1e3 for k, v in total.items()}, "step_ms": step / n / 1e3,
-                     "data_ms": sum(e["dur"] for _, a, b in wins for e in _within(evs, a, b) if e.get("cat") == "data") / n / 1e3}
+                     "data_ms": sum(e["dur"] for _, a, b in wins for e in _within(evs, a, b)
+                                    if e.get("cat") == "data") / n / 1e3}
     return out
 
 
@@ -243,7 +244,8 @@ def bytes_per_step(trace: dict) -> dict[int, dict[str, dict[str, float]]]:
         want = formulas.step_bytes(
             m["mesh"], m["zero"], m["micro_batches"], m["rows_per_micro_batch"], m["block_size"], m["n_embd"],
             m["itemsize"], [formulas.Chunk(**c) for c in info["chunks"]], info["padded_blocks"], info["padded_outer"],
-            info["tied_bytes"], make_schedule(m["schedule"], m["mesh"]["pp"], m["micro_batches"], m["virtual_stages"]).split_backward,
+            info["tied_bytes"],
+            make_schedule(m["schedule"], m["mesh"]["pp"], m["micro_batches"], m["virtual_stages"]).split_backward,
             m.get("sequence_parallel", False), info.get("tp_partial_values", 0),  # absent in traces before sp
             recompute=m.get("recompute", "none"),  # traces written before --recompute ran without it
         )
@@ -312,7 +314,8 @@ def render(rep: dict[str, Any]) -> str:
     run, b = rep["run"], rep["bubble"]
     mesh = ",".join(f"{k}={v}" for k, v in run["mesh"].items())
     lines = [
-        f"numesh report: mesh {mesh}, schedule {run['schedule']} (m={run['micro_batches']}, v={run['virtual_stages']}), "
+        f"numesh report: mesh {mesh}, schedule {run['schedule']} "
+        f"(m={run['micro_batches']}, v={run['virtual_stages']}), "
         f"ZeRO {run['zero']}, {run['dtype']}; {rep['steps']} steps measured (the first left out)",
         f"clocks aligned to rank 0 within {rep['clock']['max_uncertainty_us']:.1f} us "
         f"(residual after alignment {rep['clock']['max_residual_us']:.1f} us)",
@@ -321,14 +324,16 @@ def render(rep: dict[str, Any]) -> str:
     ]
     for r, t in rep["time_ms"].items():
         total = sum(t[c] for c in CATEGORIES)
-        lines.append(f"  rank {r:<18}" + "".join(f"{t[c]:10.2f}" for c in CATEGORIES) + f"{total:10.2f}{t['step_ms']:10.2f}")
+        lines.append(f"  rank {r:<18}" + "".join(f"{t[c]:10.2f}" for c in CATEGORIES)
+                     + f"{total:10.2f}{t['step_ms']:10.2f}")
     lines += [
         "  (comm = exposed communication: blocking collectives and waits on nonblocking ones; bubble = waiting for",
         "   pipeline messages or idle inside the schedule; other includes data loading)",
         "",
         f"pipeline bubble ({b['schedule']}, p={b['p']}, m={b['m']}, v={b['v']}): measured {100 * b['measured']:.1f} %, "
         f"theory {100 * b['theory_unit_costs']:.1f} % (unit costs), {100 * b['theory_measured_costs']:.1f} % "
-        f"(measured mean F/B/W {b['mean_action_ms']['F']:.2f}/{b['mean_action_ms']['B']:.2f}/{b['mean_action_ms']['W']:.2f} ms), "
+        f"(measured mean F/B/W {b['mean_action_ms']['F']:.2f}/{b['mean_action_ms']['B']:.2f}/"
+        f"{b['mean_action_ms']['W']:.2f} ms), "
         f"{100 * b['theory_stage_costs']:.1f} % (each stage's measured costs)",
         "  idle per stage: measured " + ", ".join(f"{100 * x:.1f} %" for x in b["measured_idle_per_stage"])
         + "; theory " + ", ".join(f"{100 * x:.1f} %" for x in b["theory_stage_costs_per_stage"]),

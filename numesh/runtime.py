@@ -82,7 +82,8 @@ def keep_freed_memory() -> bool:
 
     A training step allocates and frees the same activation-sized arrays every time;
     with glibc's defaults each one is a fresh mmap, so every step pays thousands of page
-    faults and zero-fills (measured: ~11,000 faults per step on the default model). Same
+    faults and zero-fills (`python benchmarks/bench_train.py --malloc glibc` against the
+    default `--malloc` shows the page faults per step on this machine). Same
     effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ in the environment."""
     import ctypes
     import ctypes.util

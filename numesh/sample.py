@@ -152,6 +152,7 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
     prompt = ck.tokenizer.encode(cfg.prompt)[None, :]
     out = []
     for i in range(cfg.num_samples):
-        ids = generate(params, ck.model, mesh, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed + i, cfg.kv_cache)
+        ids = generate(params, ck.model, mesh, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed + i,
+                       cfg.kv_cache)
         out.append(ck.tokenizer.decode(ids[0]))
     return out

@@ -259,7 +259,8 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     m, k = a.shape
     n = b.shape[1]
     out = np.empty((m, n), np.result_type(a, b))
-    rows = [slice(p.start + t.start, p.start + t.stop) for p in _pieces(m) for t in tiles(p.stop - p.start, TILE_ROWS, _cores)]
+    rows = [slice(p.start + t.start, p.start + t.stop)
+            for p in _pieces(m) for t in tiles(p.stop - p.start, TILE_ROWS, _cores)]
     if len(rows) == 1:
         return np.matmul(a, b, out=out)
 

@@ -10,7 +10,6 @@ the logged numbers are the same on every mesh.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import time
 import tomllib
@@ -80,7 +79,8 @@ class TrainConfig:
     bucket_mb: float = _field(1.0, "MiB per gradient all-reduce bucket (ZeRO 0); reduction starts during backward")
     overlap: bool = _field(True, "overlap gradient reduction with backward (off: reduce each bucket at once)")
     # pipeline parallelism
-    schedule: str = _field("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (micro-batches = --micro-batches)")
+    schedule: str = _field(
+        "1f1b", "pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (micro-batches = --micro-batches)")
     virtual_stages: int = _field(1, "model chunks per pp rank (interleaved schedule)")
     # tensor parallelism
     sequence_parallel: bool = _field(
@@ -97,7 +97,8 @@ class TrainConfig:
     # run
     data: str = _field("data/shakespeare_char", "dataset directory written by `numesh data`")
     out: str = _field("runs/shakespeare_char", "output directory: config.json, metrics.jsonl, ckpt/")
-    mesh: str = _field("", "process mesh over pp, dp, cp, tp, e.g. dp=2,tp=2 or cp=2 (omitted axes = 1, one axis may be -1)")
+    mesh: str = _field(
+        "", "process mesh over pp, dp, cp, tp, e.g. dp=2,tp=2 or cp=2 (omitted axes = 1, one axis may be -1)")
     seed: int = _field(1337, "seed of the initial parameters, data order and dropout")
     dtype: str = _field("float32", "float32 or float64")
     # checkpoints
@@ -113,7 +114,8 @@ class TrainConfig:
         300.0, "seconds one collective may wait before the job dumps every rank's recent calls to OUT/flight, "
         "names the stuck rank and exits 3 (multi-rank runs); 0 = off")
     # observability
-    trace: bool = _field(False, "write OUT/trace.json (Chrome trace events: open in Perfetto) and print `numesh report OUT`")
+    trace: bool = _field(
+        False, "write OUT/trace.json (Chrome trace events: open in Perfetto) and print `numesh report OUT`")
     peak_flops: float = _field(
         0.0, "peak FLOP/s of all the job's cores together, MFU's denominator; 0 = measure it at start-up "
         "(the model's own GEMM shapes and a large GEMM, on every rank at once)")
@@ -171,7 +173,8 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
     for split in D.SPLITS:
         n = len(D.load_split(cfg.data, split))
         if n <= cfg.block_size:
-            raise ConfigError(f"block_size={cfg.block_size} is larger than the {n}-token {split} split: use a smaller --block-size")
+            raise ConfigError(f"block_size={cfg.block_size} is larger than the {n}-token {split} split: "
+                              "use a smaller --block-size")
     shape, model = check_layout(cfg, n_ranks, tok.vocab_size)
     faults_from_env(n_ranks)  # NUMESH_INJECT: a bad spec is this one-line error on every rank
     return shape, model
@@ -212,8 +215,9 @@ def check_layout(cfg: TrainConfig, n_ranks: int, vocab_size: int) -> tuple[dict[
     shape = parse_mesh(cfg.mesh, n_ranks)
     if shape["cp"] > 1 and cfg.block_size % (2 * shape["cp"]):
         raise ConfigError(
-            f"block_size={cfg.block_size} does not split into 2*cp={2 * shape['cp']} equal chunks (context parallelism's "
-            f"load balance): use a --block-size that is a multiple of {2 * shape['cp']} or a smaller cp"
+            f"block_size={cfg.block_size} does not split into 2*cp={2 * shape['cp']} equal chunks "
+            f"(context parallelism's load balance): "
+            f"use a --block-size that is a multiple of {2 * shape['cp']} or a smaller cp"
         )
     if shape["cp"] > 1 and cfg.sequence_parallel and cfg.block_size % (shape["cp"] * shape["tp"]):
         raise ConfigError(f"--sequence-parallel with cp splits a cp rank's block_size/cp tokens over tp: use a "
@@ -240,7 +244,9 @@ def check_layout(cfg: TrainConfig, n_ranks: int, vocab_size: int) -> tuple[dict[
 def _check_schedule(name: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
     """`make_schedule` builds and validates it or raises; remembered when it passes (only that:
     no schedule is kept). `numesh plan` asks about the same shape for every ZeRO stage, cp, sp
-    and recompute setting: on gpt3-175b x 1024 ranks rebuilding it took 111 of 395 s."""
+    and recompute setting, and rebuilding it each time was a large share of a big plan
+    (`python -m cProfile -s cumtime -m numesh_cli.app plan --model gpt3-175b --ranks 1024
+    --hardware a100-80gb` shows where a plan's time goes)."""
     make_schedule(name, pp, micro_batches, virtual_stages)
 
 
@@ -276,7 +282,8 @@ class Trainer:
         units = split_units(params)
         self.opt = ZeroOptimizer(
             units, split_units(self.specs), self.mesh, cfg.zero, adamw,
-            bucket_bytes=int(cfg.bucket_mb * 2**20), overlap=cfg.overlap, uncounted={(OUTER, "wte")} if tied_copy else (),
+            bucket_bytes=int(cfg.bucket_mb * 2**20), overlap=cfg.overlap,
+            uncounted={(OUTER, "wte")} if tied_copy else (),
             tp_partial=sequence_partial_leaves(units) if cfg.sequence_parallel else (),  # LayerNorm grads under sp
         )
         self.opt.check_replicas()
@@ -368,12 +375,15 @@ class Trainer:
             "chunks": [attrs.asdict(formulas.Chunk(len(s.blocks), s.first, s.last)) for s in self.pipeline.stages],
             "padded_blocks": sum(u.padded for k, u in units.items() if not k.is_outer),
             "padded_outer": units[OUTER].padded,
-            "tied_bytes": self.model.padded_vocab(shape["tp"]) // shape["tp"] * self.model.n_embd * itemsize if holds_tied else 0,
+            "tied_bytes": (self.model.padded_vocab(shape["tp"]) // shape["tp"] * self.model.n_embd * itemsize
+                           if holds_tied else 0),
             "tp_partial_values": self.opt.tp_partial_values,
         }
         self.trace_meta = {
-            "mesh": dict(shape), "schedule": c.schedule, "micro_batches": c.micro_batches, "virtual_stages": c.virtual_stages,
-            "zero": c.zero, "sequence_parallel": c.sequence_parallel, "recompute": c.recompute, "dtype": c.dtype, "itemsize": itemsize, "batch_size": c.batch_size, "block_size": c.block_size,
+            "mesh": dict(shape), "schedule": c.schedule, "micro_batches": c.micro_batches,
+            "virtual_stages": c.virtual_stages, "zero": c.zero, "sequence_parallel": c.sequence_parallel,
+            "recompute": c.recompute, "dtype": c.dtype, "itemsize": itemsize, "batch_size": c.batch_size,
+            "block_size": c.block_size,
             "n_layer": self.model.n_layer, "n_embd": self.model.n_embd, "n_params": self.n_params,
             "rows_per_micro_batch": c.batch_size // (shape["dp"] * c.micro_batches),
             "tokens_per_step": self.tokens_per_step, "flops_per_token": flops_per_token(self.model, self.n_params),
@@ -399,7 +409,8 @@ def train_state(trainer: Trainer) -> TrainState:
     except (D.DataError, OSError):
         tokenizer = None
     return TrainState(
-        mesh=trainer.mesh, model=trainer.model, layout=trainer.layout, trees={g: join_units(t) for g, t in trainer.opt.state_trees().items()},
+        mesh=trainer.mesh, model=trainer.model, layout=trainer.layout,
+        trees={g: join_units(t) for g, t in trainer.opt.state_trees().items()},
         step=trainer.step, opt_step=trainer.opt.adam_step, dtype=c.dtype, seed=c.seed,
         run_config=attrs.asdict(c), tokenizer=tokenizer,
     )
@@ -472,7 +483,8 @@ def job_peak_flops(trainer: Trainer) -> tuple[float, str]:
     mine = rank_peak_flops(shapes, trainer.dtype)
     total = psum_scalar(mine["peak"], mesh, ("pp", "dp", "cp", "tp"))
     model = psum_scalar(mine["model"], mesh, ("pp", "dp", "cp", "tp"))
-    return total, f"measured on {mesh.world.Get_size()} rank(s) at once; the model's GEMMs reach {model / 1e9:.1f} GFLOP/s"
+    return total, (f"measured on {mesh.world.Get_size()} rank(s) at once; "
+                   f"the model's GEMMs reach {model / 1e9:.1f} GFLOP/s")
 
 
 def _step_record(trainer: Trainer, step: int, peak_flops: float) -> dict[str, Any]:

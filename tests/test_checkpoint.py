@@ -30,8 +30,8 @@ from numesh.checkpoint import (
 from numesh.checkpoint import save as save_mod
 from numesh.checkpoint.format import block_region, leaf_blocks
 from numesh.data import prepare_char_dataset
-from numesh.mesh import AXES, MeshError, P, local_slices
 from numesh.errors import ConfigError
+from numesh.mesh import AXES, MeshError, P, local_slices
 from numesh.nn.gpt import gpt_specs
 from numesh.nn.units import join_units
 from numesh.pipeline.stages import StageLayout, stage_tree
@@ -133,7 +133,8 @@ class FakeMesh:
         return i
 
 
-@pytest.mark.parametrize("sizes", [dict(pp=1, dp=1, cp=1, tp=1), dict(pp=2, dp=2, cp=1, tp=2), dict(pp=1, dp=3, cp=1, tp=4), dict(pp=1, dp=2, cp=2, tp=2)])
+@pytest.mark.parametrize("sizes", [dict(pp=1, dp=1, cp=1, tp=1), dict(pp=2, dp=2, cp=1, tp=2),
+                                   dict(pp=1, dp=3, cp=1, tp=4), dict(pp=1, dp=2, cp=2, tp=2)])
 def test_block_region_is_local_slices_and_blocks_tile(sizes: dict[str, int]) -> None:
     from numesh.nn.gpt import GPTConfig
 
@@ -149,7 +150,8 @@ def test_block_region_is_local_slices_and_blocks_tile(sizes: dict[str, int]) -> 
             cover[region] += 1
         assert (cover == 1).all(), path
         assert len({s for s, _ in blocks}) == len(blocks)
-    assert block_region((8, 6), P(("dp", "tp"), None), dict(pp=1, dp=2, tp=2), dict(pp=0, dp=1, tp=0)) == (slice(4, 6), slice(0, 6))
+    assert block_region((8, 6), P(("dp", "tp"), None), dict(pp=1, dp=2, tp=2), dict(pp=0, dp=1, tp=0)) == (
+        slice(4, 6), slice(0, 6))
 
 
 def test_leaf_table_pads_only_the_vocabulary() -> None:
@@ -238,7 +240,8 @@ def test_resume_is_bit_for_bit(data: Path, tmp_path: Path) -> None:
     whole = run(config(data, tmp_path / "whole", max_iters=2 * k))
     first = run(config(data, tmp_path / "first", max_iters=k))
     assert [r for r in first if "loss" in r] == [r for r in whole if r["step"] < k and "loss" in r]
-    resumed = run(config(data, tmp_path / "second", max_iters=2 * k, resume=str(tmp_path / "first" / "ckpt" / "latest")))
+    resumed = run(config(data, tmp_path / "second", max_iters=2 * k,
+                         resume=str(tmp_path / "first" / "ckpt" / "latest")))
     assert resumed[0]["step"] == k
     assert resumed == [r for r in whole if r["step"] >= k]
     assert_states_equal(read_state(tmp_path / "second" / "ckpt" / "latest")[1],
@@ -307,7 +310,8 @@ def test_wrong_format_or_version(broken: Path, fresh: Trainer) -> None:
 
 def test_different_model_shape(saved: Path, data: Path, tmp_path: Path) -> None:
     other = Trainer(config(data, tmp_path, n_embd=32), MPI.COMM_SELF)
-    with pytest.raises(CheckpointError, match=r"meta\.json: the checkpoint's model has n_embd=16 but this run has n_embd=32"):
+    with pytest.raises(CheckpointError,
+                       match=r"meta\.json: the checkpoint's model has n_embd=16 but this run has n_embd=32"):
         restore(other, saved)
     with pytest.raises(CheckpointError, match="n_embd=32"):
         train(config(data, tmp_path / "x", n_embd=32, resume=str(saved)), MPI.COMM_SELF)
@@ -466,8 +470,8 @@ def test_reshard_validates_the_target(saved: Path, tmp_path: Path) -> None:
 def numesh_logits(params: Any, model: Any, idx: np.ndarray) -> np.ndarray:
     """Logits at every position by a full forward on the 1-rank mesh."""
     from numesh.mesh import Mesh
-    from numesh.nn.transformer import block_fwd, embed_fwd
     from numesh.nn.layers import layernorm_fwd
+    from numesh.nn.transformer import block_fwd, embed_fwd
     from numesh.sample import shard_params
 
     mesh = Mesh.create(comm=MPI.COMM_SELF)
@@ -579,7 +583,8 @@ def test_resume_on_another_vocabulary_is_one_line_and_writes_nothing(
     assert res.exit_code == 2, res.output
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
     assert "step_000002 was trained on another vocabulary than dataset " + str(other) in lines[0]
-    assert re.search(where, lines[0]) and "resume with --data set to the dataset the checkpoint was trained on" in lines[0]
+    assert re.search(where, lines[0]) and (
+        "resume with --data set to the dataset the checkpoint was trained on" in lines[0])
     assert snapshot(run_dir) == before  # no config.json, metrics line or checkpoint written
 
     # the library path: the same error, the trainer untouched
@@ -720,7 +725,9 @@ def test_written_files_have_the_umask_mode(data: Path, tmp_path: Path, umask: in
     assert {"train.bin", "val.bin", "meta.json", "config.json", "metrics.jsonl", "m.safetensors", "wte.tp0.npy",
             "wte.tp1.npy"} <= names
     assert resharded in dirs and run_dir / "ckpt" / "step_000002" in dirs
-    bad = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files if p.stat().st_mode & 0o777 != 0o666 & ~umask}
+    bad = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777)
+           for p in files if p.stat().st_mode & 0o777 != 0o666 & ~umask}
     assert not bad, f"files not {oct(0o666 & ~umask)}: {bad}"
-    bad = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in dirs if p.stat().st_mode & 0o777 != 0o777 & ~umask}
+    bad = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777)
+           for p in dirs if p.stat().st_mode & 0o777 != 0o777 & ~umask}
     assert not bad, f"directories not {oct(0o777 & ~umask)}: {bad}"

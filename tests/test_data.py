@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from conftest import cli, one_error_line
-
 from numesh import data as D
 from numesh.data import (
     CharTokenizer,
@@ -431,7 +430,8 @@ def test_ensure_dataset_downloads_once_and_caches(fake_net, monkeypatch: pytest.
     assert seen[-1] == (len(body), len(body))
     assert (path / D.SHAKESPEARE_FILE).read_bytes() == body  # cached beside the dataset
     assert D.read_corpus(path)["name"] == "tinyshakespeare"
-    assert load_tokenizer(path).decode(np.concatenate([load_split(path, "train"), load_split(path, "val")])) == body.decode()
+    assert load_tokenizer(path).decode(
+        np.concatenate([load_split(path, "train"), load_split(path, "val")])) == body.decode()
 
     # the next run finds the dataset: no download, nothing to say
     assert D.ensure_dataset(D.DEFAULT_DATA_DIR) == (path, None)

@@ -63,7 +63,8 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
                     f"pip install -e '.[dev]' (or '.[docs]')", pytrace=False)
     site = tmp_path / "site"
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site), "--config-file", str(MKDOCS_YML)],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site),
+         "--config-file", str(MKDOCS_YML)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     output = proc.stdout + proc.stderr
@@ -71,7 +72,8 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
         print(output)
     assert proc.returncode == 0, f"mkdocs build --strict failed (exit {proc.returncode}):\n{output[-6000:]}"
     for page in nav_pages():
-        built = site / (page[: -len("index.md")] if page.endswith("index.md") else page[: -len(".md")] + "/") / "index.html"
+        built = (site / (page[: -len("index.md")] if page.endswith("index.md") else page[: -len(".md")] + "/")
+                 / "index.html")
         assert built.is_file(), f"{page} was not built ({built.relative_to(site)} missing)"
 
 

@@ -37,7 +37,8 @@ def test_parse_faults() -> None:
     assert parse_faults("", 4) == parse_faults(None, 4) == ()
     assert parse_faults("hang:rank=3:step=5; skip:rank=0:step=0;slow:rank=1:ms=20", 4) == (
         Fault("hang", 3, 5), Fault("skip", 0, 0), Fault("slow", 1, 0, 20))
-    assert parse_faults("CRASH:rank=1:step=2;mismatch:step=1:rank=2;", 4) == (Fault("crash", 1, 2), Fault("mismatch", 2, 1))
+    assert parse_faults("CRASH:rank=1:step=2;mismatch:step=1:rank=2;", 4) == (
+        Fault("crash", 1, 2), Fault("mismatch", 2, 1))
 
 
 @pytest.mark.parametrize("spec, why", [
@@ -100,7 +101,8 @@ def _state(rank: int, shape: dict, coords: dict, calls: list[CallRec], waiting: 
 
 
 def _tp_calls(n: int, stuck: bool, nbytes: int = 64) -> list[CallRec]:
-    calls = [CallRec(i, "tp", "all_reduce", nbytes, 2, NOW - 20 + i * 0.001, NOW - 20 + i * 0.001 + 0.0005) for i in range(n)]
+    calls = [CallRec(i, "tp", "all_reduce", nbytes, 2, NOW - 20 + i * 0.001, NOW - 20 + i * 0.001 + 0.0005)
+             for i in range(n)]
     if stuck:
         calls.append(CallRec(n, "tp", "all_reduce", nbytes, 2, NOW - 12.0, None))
     return calls
@@ -121,7 +123,8 @@ def test_diagnosis_names_the_rank_that_never_entered() -> None:
         states[r].waiting, states[r].wait_since = states[r].calls[-1], NOW - 11.0
     text, culprits = diagnose(states, NOW, 3.0)
     first = text.splitlines()[1]
-    assert first.startswith("cause: rank 3 (dp=0,tp=3) never entered all_reduce over tp #1042 (it is outside MPI since 13.0 s")
+    assert first.startswith("cause: rank 3 (dp=0,tp=3) never entered all_reduce over tp #1042 "
+                            "(it is outside MPI since 13.0 s")
     assert first.endswith("ranks 0-2 wait in it since 12.0 s")
     assert culprits[0] == 3
 
@@ -132,13 +135,15 @@ def test_diagnosis_names_the_rank_that_called_another_size() -> None:
     for r in range(4):
         coords = {"pp": 0, "dp": r // 2, "tp": r % 2}
         calls = _tp_calls(40, stuck=False)
-        calls.append(CallRec(40, "tp", "all_reduce", 4120 if r == 0 else 2048, 2, NOW - 12.0, None if r < 2 else NOW - 11.9))
+        calls.append(CallRec(40, "tp", "all_reduce", 4120 if r == 0 else 2048, 2, NOW - 12.0,
+                             None if r < 2 else NOW - 11.9))
         if r == 1:
             calls.append(CallRec(41, "tp", "all_reduce", 2048, 2, NOW - 11.0, None))
         states[r] = _state(r, shape, coords, calls, waiting=-1 if r < 2 else None)
     text, culprits = diagnose(states, NOW, 3.0)
     assert culprits[0] == 0
-    assert "cause: rank 0 (dp=0,tp=0) called all_reduce of 4120 B as tp #40 (step 2) where the others called all_reduce of 2048 B" in text
+    assert ("cause: rank 0 (dp=0,tp=0) called all_reduce of 4120 B as tp #40 (step 2) "
+            "where the others called all_reduce of 2048 B") in text
 
 
 def test_diagnosis_of_skips_dead_ranks_and_pipeline_waits() -> None:
@@ -146,13 +151,15 @@ def test_diagnosis_of_skips_dead_ranks_and_pipeline_waits() -> None:
     states = {}
     for r in range(4):
         coords = {"pp": r, "dp": 0, "tp": 0}
-        calls = [CallRec(i, "pp", "recv" if i % 2 else "send", 1024, 2, NOW - 20 + i, NOW - 20 + i + 0.1) for i in range(5)]
+        calls = [CallRec(i, "pp", "recv" if i % 2 else "send", 1024, 2, NOW - 20 + i, NOW - 20 + i + 0.1)
+                 for i in range(5)]
         if r in (1, 3):
             calls.append(CallRec(5, "pp", "recv", 1024, 2, NOW - 12.0, None))
         states[r] = _state(r, shape, coords, calls, waiting=-1 if r in (1, 3) else None)
     states[0].calls.append(CallRec(5, "pp", "send", 1024, 2, NOW - 12.0, NOW - 12.0, SKIPPED))
     text, culprits = diagnose(states, NOW, 3.0)
-    assert culprits[0] == 0 and text.splitlines()[1].startswith("cause: rank 0 (pp=0) skipped send over pp #5 at step 2")
+    assert culprits[0] == 0 and text.splitlines()[1].startswith(
+        "cause: rank 0 (pp=0) skipped send over pp #5 at step 2")
     assert "rank 2 (pp=2) never entered the pp send/recv its neighbours wait for" in text
     states[2].alive = False
     text, culprits = diagnose(states, NOW, 3.0)
@@ -195,18 +202,25 @@ def cause(j: Job) -> str:
 
 FAULTS = [
     # (ranks, mesh, NUMESH_INJECT, extra args, the diagnosis's first cause line)
-    (4, "dp=4", "hang:rank=1:step=2", (), r"cause: rank 1 \(dp=1\) never entered all_reduce over (pp,)?dp #\d+ \(it is outside MPI"),
-    (4, "tp=4", "hang:rank=2:step=2", (), r"cause: rank 2 \(tp=2\) never entered all_reduce over tp #\d+ .*ranks 0,1,3 wait in it"),
+    (4, "dp=4", "hang:rank=1:step=2", (),
+     r"cause: rank 1 \(dp=1\) never entered all_reduce over (pp,)?dp #\d+ \(it is outside MPI"),
+    (4, "tp=4", "hang:rank=2:step=2", (),
+     r"cause: rank 2 \(tp=2\) never entered all_reduce over tp #\d+ .*ranks 0,1,3 wait in it"),
     (4, "pp=4", "hang:rank=2:step=2", ("--n-layer", "4", "--micro-batches", "2"),
      r"cause: rank 2 \(pp=2\) never entered the pp send/recv its neighbours wait for \(it is outside MPI"),
-    (4, "dp=2,tp=2", "skip:rank=3:step=2", (), r"cause: rank 3 \(dp=1,tp=1\) skipped all_reduce over tp #\d+ at step 2"),
+    (4, "dp=2,tp=2", "skip:rank=3:step=2", (),
+     r"cause: rank 3 \(dp=1,tp=1\) skipped all_reduce over tp #\d+ at step 2"),
     (4, "dp=2,tp=2", "mismatch:rank=0:step=2", (),
-     r"cause: rank 0 \(dp=0,tp=0\) called all_reduce of \d+ B as tp #\d+ \(step 2\) where the others called all_reduce of \d+ B"),
+     r"cause: rank 0 \(dp=0,tp=0\) called all_reduce of \d+ B as tp #\d+ \(step 2\) "
+     r"where the others called all_reduce of \d+ B"),
     (4, "dp=2,pp=2", "hang:rank=3:step=2", ("--micro-batches", "2"), r"cause: rank 3 \(pp=1,dp=1\) never entered"),
-    (4, "tp=2,pp=2", "skip:rank=2:step=2", ("--micro-batches", "2"), r"cause: rank 2 \(pp=1,tp=0\) skipped \w+ over \w+ #\d+ at step 2"),
-    (8, "dp=2,tp=2,pp=2", "hang:rank=5:step=2", ("--micro-batches", "2"), r"cause: rank 5 \(pp=1,dp=0,tp=1\) never entered"),
+    (4, "tp=2,pp=2", "skip:rank=2:step=2", ("--micro-batches", "2"),
+     r"cause: rank 2 \(pp=1,tp=0\) skipped \w+ over \w+ #\d+ at step 2"),
+    (8, "dp=2,tp=2,pp=2", "hang:rank=5:step=2", ("--micro-batches", "2"),
+     r"cause: rank 5 \(pp=1,dp=0,tp=1\) never entered"),
     (8, "dp=2,tp=2,pp=2", "skip:rank=6:step=2", ("--micro-batches", "2"), r"cause: rank 6 \(pp=1,dp=1,tp=0\) skipped"),
-    (8, "dp=2,tp=2,pp=2", "mismatch:rank=1:step=2", ("--micro-batches", "2"), r"cause: rank 1 \(pp=0,dp=0,tp=1\) called \w+ of \d+ B as"),
+    (8, "dp=2,tp=2,pp=2", "mismatch:rank=1:step=2", ("--micro-batches", "2"),
+     r"cause: rank 1 \(pp=0,dp=0,tp=1\) called \w+ of \d+ B as"),
     (4, "dp=2,tp=2", "slow:rank=1:ms=9000:step=2", (),
      r"cause: rank 1 \(dp=0,tp=1\) never entered all_reduce over tp #\d+ \(it is outside MPI .*slow\)"),
 ]
@@ -225,7 +239,8 @@ def test_a_fault_is_diagnosed_and_the_job_ends(tmp_path: Path, monkeypatch, rank
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mesh, spec", [("dp=2,pp=2", "crash:rank=2:step=2"), ("tp=4", "crash:rank=3:step=2")])
-def test_a_crashed_rank_ends_the_job_and_the_post_mortem_names_it(tmp_path: Path, monkeypatch, mesh: str, spec: str) -> None:
+def test_a_crashed_rank_ends_the_job_and_the_post_mortem_names_it(tmp_path: Path, monkeypatch, mesh: str,
+                                                                   spec: str) -> None:
     """MPICH ends the job itself when a rank dies, before any time-out; `numesh report OUT`
     (flight.postmortem) then diagnoses the rings the ranks left behind."""
     j, rc, gone = run_fault(tmp_path, monkeypatch, 4, mesh, spec, "--micro-batches", "2")
@@ -234,7 +249,8 @@ def test_a_crashed_rank_ends_the_job_and_the_post_mortem_names_it(tmp_path: Path
     text = postmortem(j.out / "flight")
     assert text is not None and (j.out / "flight" / "diagnosis.txt").read_text() == text
     assert re.match(rf"cause: rank {dead} \(", text.splitlines()[1]), text
-    report = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(j.out)], capture_output=True, text=True)
+    report = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(j.out)],
+                            capture_output=True, text=True)
     assert report.returncode == 0 and text.strip() in report.stdout, report.stderr
 
 

@@ -38,7 +38,8 @@ def test_every_contract_has_an_id() -> None:
 def test_import_contract(contract: str) -> None:
     exe = lint_imports()
     if exe is None:
-        pytest.fail("lint-imports not found: install the dev extra (`pip install -e '.[dev]'`, which brings import-linter)")
+        pytest.fail("lint-imports not found: "
+                    "install the dev extra (`pip install -e '.[dev]'`, which brings import-linter)")
     # import-linter finds numesh and numesh_cli where Python imports them from: this source tree
     # with `pip install -e` (numesh_cli is the directory cli/, pyproject's package-dir)
     cmd = [exe, "--no-cache", "--no-logo", "--contract", contract]

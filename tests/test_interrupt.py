@@ -95,7 +95,8 @@ def test_without_ckpt_interval_nothing_is_saved(char_dataset: Path, tmp_path: Pa
         if step == 1:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    with pytest.raises(Interrupted, match=r"^interrupted at step 2 by SIGTERM: no checkpoint saved \(--ckpt-interval is 0\)$"):
+    with pytest.raises(Interrupted,
+                       match=r"^interrupted at step 2 by SIGTERM: no checkpoint saved \(--ckpt-interval is 0\)$"):
         train(_config(char_dataset, tmp_path / "run"), MPI.COMM_SELF, on_step=on_step)
     assert not (tmp_path / "run" / "ckpt").exists()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

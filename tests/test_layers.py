@@ -10,7 +10,6 @@ import pytest
 
 from conftest import random_global_params, self_mesh, tiny_config
 from numesh.nn.dropout import EMBED, DropoutKey, Site
-from numesh.nn.stage import forward_loss, loss_and_grads
 from numesh.nn.layers import (
     LayerNorm,
     Linear,
@@ -32,6 +31,7 @@ from numesh.nn.parallel import (
     vocab_parallel_embedding_bwd,
     vocab_parallel_embedding_fwd,
 )
+from numesh.nn.stage import forward_loss, loss_and_grads
 from numesh.tree import tree_leaves, tree_leaves_with_path
 
 EPS = 1e-6

@@ -325,8 +325,14 @@ def test_sequence_parallel_formulas_move_plain_tp_bus_bytes_plus_the_regathers()
     gathered again in backward add one all-gather of S each (2 per block, 1 for the head),
     and full recomputation's rerun forward adds its pairs, as it adds plain tp's all-reduces
     (the LayerNorm grads' once-per-step all-reduce aside). Pipeline sends are 1/tp."""
-    from numesh.formulas import (Chunk, bus_bytes, pp_send_bytes, step_bytes, tp_all_reduce_bytes,
-                                 tp_sequence_parallel_bytes)
+    from numesh.formulas import (
+        Chunk,
+        bus_bytes,
+        pp_send_bytes,
+        step_bytes,
+        tp_all_reduce_bytes,
+        tp_sequence_parallel_bytes,
+    )
 
     for n in (2, 4, 8):
         for chunk in (Chunk(3, True, True), Chunk(2, True, False), Chunk(1, False, True), Chunk(4, False, False)):

@@ -17,7 +17,15 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from numesh.checkpoint import CheckpointError, TrainState, gpt_leaves, read_local_state, read_meta, read_state, save_checkpoint
+from numesh.checkpoint import (
+    CheckpointError,
+    TrainState,
+    gpt_leaves,
+    read_local_state,
+    read_meta,
+    read_state,
+    save_checkpoint,
+)
 from numesh.checkpoint import format as fmt
 from numesh.checkpoint.format import leaf_blocks
 from numesh.data import prepare_char_dataset
@@ -180,7 +188,8 @@ def test_each_rank_writes_its_own_blocks_once(data: Path, shared_tmp: Path) -> N
     on_root(check)
 
 
-def test_bad_file_seen_by_one_rank_fails_on_every_rank(data: Path, shared_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_file_seen_by_one_rank_fails_on_every_rank(data: Path, shared_tmp: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """On tp=2, tp rank 1 alone reads the tp1 blocks; when one of them is corrupt, both
     ranks raise the same CheckpointError (no hang), and each rank hashes only its files."""
     out = shared_tmp / "bad-one-rank"
@@ -233,7 +242,8 @@ def _stage_state(model: Any, layout: Any, mesh: Any, state: dict) -> dict:
     for group, tree in state.items():
         wte = np.zeros((model.padded_vocab(mesh.size("tp")), model.n_embd))
         wte[: model.vocab_size] = tree.wte
-        full = tree_map(lambda x, s: shard(x, s, mesh), type(tree)(wte, tree.wpe, tree.blocks, tree.ln_f), gpt_specs(model))
+        full = tree_map(lambda x, s: shard(x, s, mesh), type(tree)(wte, tree.wpe, tree.blocks, tree.ln_f),
+                        gpt_specs(model))
         out[group] = stage_tree(full, layout, mesh.index("pp"))
     return out
 
@@ -278,12 +288,14 @@ def test_pipeline_stage_trees_save_and_load(data: Path, shared_tmp: Path) -> Non
     mesh_a = "pp=2,tp=2" if n == 4 else "pp=2"
     cfg = config(data, shared_tmp / "pp-stages", mesh_a, n_layer=4)
     rng = np.random.default_rng(0)
-    state = {g: tree_map(lambda z: rng.standard_normal(z.shape), _zero_state(cfg.model(11))) for g in ("params", "m", "v")}
+    state = {g: tree_map(lambda z: rng.standard_normal(z.shape), _zero_state(cfg.model(11)))
+             for g in ("params", "m", "v")}
 
     def go(comm: MPI.Comm) -> str:
         t = _stage_trainer(cfg, comm, mesh_a, 2, state, 7)
-        step_dir = save_checkpoint(TrainState(t.mesh, t.model, t.layout, {g: join_units(x) for g, x in t.opt.state_trees().items()}, t.step, t.opt.adam_step,
-                                              cfg.dtype, cfg.seed), cfg.out)
+        step_dir = save_checkpoint(TrainState(t.mesh, t.model, t.layout,
+                                              {g: join_units(x) for g, x in t.opt.state_trees().items()},
+                                              t.step, t.opt.adam_step, cfg.dtype, cfg.seed), cfg.out)
         for spec, v in ((f"pp=2,dp={n // 2}", 1), (f"dp={n}", 1), (mesh_a, 2)):
             u = _stage_trainer(cfg, comm, spec, v, None, 0)
             got = read_local_state(step_dir, u.mesh, u.model, u.layout, u.dtype)

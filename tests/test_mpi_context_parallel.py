@@ -155,8 +155,8 @@ def run_config(data: Path, out: Path, mesh: str, schedule: str, m: int, zero: in
         bias=True, learning_rate=3e-2, min_lr=1e-3, warmup_iters=1, lr_decay_iters=3, grad_clip=0.5, eval_interval=2,
         eval_iters=1, data=str(data), out=str(out), mesh=mesh, seed=11, dtype="float64", schedule=schedule,
         micro_batches=m, zero=zero, sequence_parallel=sp,
-        # MFU's denominator given, not measured: the GEMM benchmark took 0.54 s of a 1.58 s
-        # cp=2,pp=2 run (cProfile, 4 ranks on 2 cores), and parity does not look at MFU
+        # MFU's denominator given, not measured: the start-up GEMM benchmark is a large share
+        # of a run this short (cProfile it), and parity does not look at MFU
         peak_flops=1e12,
     )
     base.update(kw)
@@ -335,8 +335,8 @@ def bad_combinations(n: int) -> list:
     """(config overrides, the one line it must fail with) for a cp mesh of n ranks."""
     cases = [
         (dict(mesh=f"cp={n}", block_size=12 if n > 2 else 6),
-         rf"block_size={12 if n > 2 else 6} does not split into 2\*cp={2 * n} equal chunks \(context parallelism's load "
-         rf"balance\): use a --block-size that is a multiple of {2 * n} or a smaller cp"),
+         rf"block_size={12 if n > 2 else 6} does not split into 2\*cp={2 * n} equal chunks "
+         rf"\(context parallelism's load balance\): use a --block-size that is a multiple of {2 * n} or a smaller cp"),
         (dict(mesh=f"cp={n}", sequence_parallel=True),
          r"--sequence-parallel splits the sequence over tp, which is 1 in this mesh: add tp=N \(N > 1\) to --mesh or "
          r"drop --sequence-parallel"),
@@ -346,8 +346,8 @@ def bad_combinations(n: int) -> list:
                            micro_batches=2), r"n_layer=2 is not divisible by pp x virtual stages"))
     if n == 8:
         cases.append((dict(mesh="cp=2,tp=4", sequence_parallel=True, block_size=12),
-                       r"--sequence-parallel with cp splits a cp rank's block_size/cp tokens over tp: use a --block-size "
-                       r"that is a multiple of cp\*tp=8"))
+                       r"--sequence-parallel with cp splits a cp rank's block_size/cp tokens over tp: "
+                       r"use a --block-size that is a multiple of cp\*tp=8"))
     return cases
 
 

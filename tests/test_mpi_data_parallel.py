@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import SMALL_BATCH, small_run_config, assert_same_run, serial_reference, train_records
-from numesh.mesh import MeshError
+from conftest import SMALL_BATCH, assert_same_run, serial_reference, small_run_config, train_records
 from numesh.errors import ConfigError
+from numesh.mesh import MeshError
 from numesh.train import train
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -90,7 +90,8 @@ def test_replicas_stay_identical(shared_dataset: Path, shared_tmp: Path) -> None
                 np.testing.assert_allclose(other, leaf, rtol=1e-13, atol=1e-15, err_msg=path)
 
 
-def test_run_dir_refusals_and_divergence_are_the_same_error_on_every_rank(shared_dataset: Path, shared_tmp: Path) -> None:
+def test_run_dir_refusals_and_divergence_are_the_same_error_on_every_rank(shared_dataset: Path,
+                                                                           shared_tmp: Path) -> None:
     """An --out that holds a run, and a diverged step, stop every rank with one error (no hang)."""
     n = WORLD.Get_size()
     out = shared_tmp / f"reuse-dp{n}"

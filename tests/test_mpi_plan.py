@@ -46,9 +46,9 @@ def new_axes() -> list[tuple[str, int, str, int, int, str, bool]]:
 @pytest.mark.parametrize("mesh, zero, schedule, m, v, recompute, sp", layouts())
 def test_predicted_memory_equals_measured(shared_dataset: Path, shared_tmp: Path, mesh: str, zero: int,
                                           schedule: str, m: int, v: int, recompute: str, sp: bool) -> None:
-    cfg = TrainConfig(data=str(shared_dataset), out=str(shared_tmp / "o"), n_layer=4, n_head=4, n_embd=32, block_size=16,
-                      batch_size=16, mesh=mesh, zero=zero, schedule=schedule, micro_batches=m, virtual_stages=v,
-                      recompute=recompute, sequence_parallel=sp, max_iters=1, collective_timeout=0.0)
+    cfg = TrainConfig(data=str(shared_dataset), out=str(shared_tmp / "o"), n_layer=4, n_head=4, n_embd=32,
+                      block_size=16, batch_size=16, mesh=mesh, zero=zero, schedule=schedule, micro_batches=m,
+                      virtual_stages=v, recompute=recompute, sequence_parallel=sp, max_iters=1, collective_timeout=0.0)
     t = Trainer(cfg, WORLD)
     t.train_step()
     s = t.mesh.shape

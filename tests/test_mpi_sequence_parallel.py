@@ -31,7 +31,7 @@ from conftest import (
 )
 from numesh import formulas
 from numesh.errors import ConfigError, MeshError
-from numesh.mesh import P, Mesh
+from numesh.mesh import Mesh, P
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, gpt_specs
 from numesh.nn.stage import ResidentParams, forward_loss, loss_and_grads, stage_forward, whole_model
@@ -84,8 +84,8 @@ def test_loss_and_every_grad_match_one_rank(tp_mesh: Mesh, dropout: float) -> No
     full = gather_tree(grads, gpt_specs(cfg), tp_mesh)
     want_loss, want = loss_and_grads(gp, idx, tgt, cfg, self_mesh(), scale, drop)
     assert loss == pytest.approx(want_loss, rel=1e-10, abs=0)
-    np.testing.assert_allclose(forward_loss(local, idx, tgt, cfg, tp_mesh), forward_loss(gp, idx, tgt, cfg, self_mesh()),
-                               rtol=1e-10)
+    np.testing.assert_allclose(forward_loss(local, idx, tgt, cfg, tp_mesh),
+                               forward_loss(gp, idx, tgt, cfg, self_mesh()), rtol=1e-10)
     for (path, got), w in zip(tree_leaves_with_path(full), tree_leaves(want)):
         assert_close(got[: cfg.vocab_size] if path == "wte" else got, w, 1e-10, what=path)
     # tp-replicated leaves (LayerNorms, row-parallel biases, wpe) hold the same grad on every tp rank
@@ -233,10 +233,12 @@ def test_optimizer_sums_tp_partial_grads_once(stage: int) -> None:
 
 MESHES = {
     2: [("tp=2", {})],
-    4: [("tp=4", {}), ("dp=2,tp=2", {"zero": 1}), ("dp=2,tp=2", {"zero": 2, "micro_batches": 2}), ("dp=2,tp=2", {"zero": 3}),
-        ("tp=2,pp=2", {"micro_batches": 2, "schedule": "1f1b"}), ("tp=2,pp=2", {"micro_batches": 2, "schedule": "zb-h1"}),
+    4: [("tp=4", {}), ("dp=2,tp=2", {"zero": 1}), ("dp=2,tp=2", {"zero": 2, "micro_batches": 2}),
+        ("dp=2,tp=2", {"zero": 3}), ("tp=2,pp=2", {"micro_batches": 2, "schedule": "1f1b"}),
+        ("tp=2,pp=2", {"micro_batches": 2, "schedule": "zb-h1"}),
         ("tp=2,pp=2", {"micro_batches": 2, "schedule": "gpipe"})],
-    8: [("dp=2,tp=2,pp=2", {"micro_batches": 2, "schedule": "interleaved", "virtual_stages": 2, "n_layer": 4, "zero": 1})],
+    8: [("dp=2,tp=2,pp=2",
+         {"micro_batches": 2, "schedule": "interleaved", "virtual_stages": 2, "n_layer": 4, "zero": 1})],
 }
 # only this job's size: the other sizes' meshes are collected by their own suites
 CASES = [pytest.param(n, mesh, kw, id=f"{mesh}-" + "-".join(f"{k}{v}" for k, v in kw.items()))

@@ -26,12 +26,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import SMALL_BATCH, small_run_config, assert_same_run, serial_reference, train_records
+from conftest import SMALL_BATCH, assert_same_run, serial_reference, small_run_config, train_records
+from numesh.formulas import dp_bytes, memory_formula
 from numesh.mesh import Mesh, MeshError
 from numesh.mesh.mesh import ByteCounter
 from numesh.nn.gpt import ConfigError, gpt_specs, init_gpt
 from numesh.nn.units import OUTER, split_units
-from numesh.formulas import dp_bytes, memory_formula
 from numesh.optim.zero import ZeroOptimizer
 from numesh.train import Trainer, train
 from numesh.tree import tree_leaves
@@ -142,7 +142,8 @@ def test_memory_shrinks_with_each_stage(shared_dataset: Path, shared_tmp: Path) 
     n = WORLD.Get_size()
     totals = []
     for stage in range(4):
-        cfg = small_run_config(shared_dataset, shared_tmp / f"mem-order-{stage}", f"dp={n}", zero=stage, dtype="float32")
+        cfg = small_run_config(shared_dataset, shared_tmp / f"mem-order-{stage}", f"dp={n}", zero=stage,
+                               dtype="float32")
         mem = Trainer(cfg, WORLD).opt.memory()
         totals.append(mem["params"] + mem["grads"] + mem["optimizer"])
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4, totals
@@ -212,7 +213,8 @@ def test_bytes_per_step_follow_the_zero_paper(
     assert payload == want
     # numesh.formulas (what `numesh report` compares a traced run with) says the same, less the norm's scalar
     formula = dp_bytes(stage, m, P_blocks, P_outer, k)
-    assert {op: want[op] - 8 * (op == "all_reduce" and stage >= 1) for op in want} == {op: formula.get(op, 0) for op in want}
+    assert ({op: want[op] - 8 * (op == "all_reduce" and stage >= 1) for op in want}
+            == {op: formula.get(op, 0) for op in want})
     gradient_bus = counter.total("dp") - scalar_bus
 
     if m == 1:
@@ -225,7 +227,8 @@ def test_bytes_per_step_follow_the_zero_paper(
     else:
         # with m micro-batches stage 0/1 still reduce once per step; 2 and 3 pay per micro-batch
         assert gradient_bus == pytest.approx(
-            {0: plain_dp, 1: plain_dp, 2: f * k * (m * P_blocks + P_outer + P), 3: f * k * (2 * m * P + m * P_blocks + P_outer)}[stage],
+            {0: plain_dp, 1: plain_dp, 2: f * k * (m * P_blocks + P_outer + P),
+             3: f * k * (2 * m * P + m * P_blocks + P_outer)}[stage],
             rel=1e-12,
         )
 

@@ -9,7 +9,6 @@ test_mpi_plan.py.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import attrs
@@ -19,14 +18,22 @@ from typer.testing import CliRunner
 
 from numesh import formulas
 from numesh.errors import ConfigError, UserError
-from numesh.pipeline.schedules import simulate, make_schedule
+from numesh.pipeline.schedules import make_schedule, simulate
 from numesh.plan import costs, plan, predict
-from numesh.plan.hardware import Link, Measured, Profile, builtin_profiles, load_profile, profile_from_json, save_profile
+from numesh.plan.calibrate import KERNELS, fit_scale_and_overhead
+from numesh.plan.hardware import (
+    Link,
+    Measured,
+    Profile,
+    builtin_profiles,
+    load_profile,
+    profile_from_json,
+    save_profile,
+)
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.memory import layout_memory, rank_memory
 from numesh.plan.pipesim import makespan_and_busy
 from numesh.plan.search import _cp_sizes, candidates, least_recompute, train_config, valid_layouts
-from numesh.plan.calibrate import KERNELS, fit_scale_and_overhead
 from numesh.plan.timing import Placement, attention_cost, block_cost, placement, predict_time, ring_hop_bytes
 from numesh.threads import threads
 from numesh.train import TrainConfig, Trainer, validate
@@ -34,7 +41,8 @@ from numesh_cli.app import app
 
 
 def spec_of(cfg: TrainConfig, vocab: int) -> ModelSpec:
-    return ModelSpec(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, vocab, cfg.batch_size, cfg.bias, cfg.dropout > 0)
+    return ModelSpec(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, vocab, cfg.batch_size, cfg.bias,
+                     cfg.dropout > 0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -46,13 +54,17 @@ def test_activation_bytes_hand_worked() -> None:
     # per block 4bTC + 2bT + 17bTC + b·H·T² = 256 + 16 + 1088 + 64 = 1424 values = 5696 bytes
     # (17bTC: the scaled queries, the QKV buffer k and v are views of, the attention output,
     # the MLP-up output, GELU's tanh and output)
-    got = formulas.activation_bytes(micro_batch=2, seq=4, n_embd=8, n_head=2, n_layer=1, vocab=10, first=False, last=False)
+    got = formulas.activation_bytes(micro_batch=2, seq=4, n_embd=8, n_head=2, n_layer=1, vocab=10, first=False,
+                                    last=False)
     assert got == 5696
     # the first stage adds the int64 token ids (8 bT = 64 bytes); with tp=2 a byte mask too
-    assert formulas.activation_bytes(micro_batch=2, seq=4, n_embd=8, n_head=2, n_layer=1, vocab=10, last=False) == 5696 + 64
-    # the last stage: x̂, output (2bTC), 1/σ, sum-exp and target logit (3bT), logits bT·V (vocab 10), int64 targets, a byte mask
+    assert formulas.activation_bytes(micro_batch=2, seq=4, n_embd=8, n_head=2, n_layer=1, vocab=10,
+                                     last=False) == 5696 + 64
+    # the last stage: x̂, output (2bTC), 1/σ, sum-exp and target logit (3bT), logits bT·V (vocab 10),
+    # int64 targets, a byte mask
     head = (2 * 64 + 3 * 8 + 8 * 10) * 4 + 8 * 8 + 8
-    assert formulas.activation_bytes(micro_batch=2, seq=4, n_embd=8, n_head=2, n_layer=1, vocab=10, first=False) == 5696 + head
+    assert formulas.activation_bytes(micro_batch=2, seq=4, n_embd=8, n_head=2, n_layer=1, vocab=10,
+                                     first=False) == 5696 + head
     with pytest.raises(ValueError):
         formulas.activation_bytes(micro_batch=1, seq=1, n_embd=8, n_head=2, n_layer=1, vocab=10, recompute="some")
 
@@ -89,7 +101,8 @@ def n_params_match(cfg: TrainConfig, t: Trainer) -> bool:
 def test_pipeline_peak_walks_the_schedule() -> None:
     """GPipe holds all m micro-batches, 1F1B at most p on rank 0 (the middle of a 4-stage pipe)."""
     model = ModelSpec(8, 4, 32, 16, 50, 16)
-    one = formulas.activation_bytes(micro_batch=2, seq=16, n_embd=32, n_head=4, n_layer=2, vocab=50, first=False, last=False)
+    one = formulas.activation_bytes(micro_batch=2, seq=16, n_embd=32, n_head=4, n_layer=2, vocab=50, first=False,
+                                    last=False)
     gp = [rank_memory(model, Layout(1, 1, 4, 0, "gpipe", 8), r) for r in range(4)]
     fb = [rank_memory(model, Layout(1, 1, 4, 0, "1f1b", 8), r) for r in range(4)]
     assert gp[1].activations == gp[2].activations == 8 * one
@@ -241,7 +254,8 @@ def test_time_model_recompute_cp_and_sp() -> None:
     tp traffic as all-gathers and reduce-scatters."""
     model = ModelSpec(4, 4, 64, 256, 100, 8)
     prof = synthetic_profile()
-    t = {r: predict_time(model, Layout(1, 1, 1, 0, "1f1b", 2, recompute=r), prof) for r in ("none", "selective", "full")}
+    t = {r: predict_time(model, Layout(1, 1, 1, 0, "1f1b", 2, recompute=r), prof)
+         for r in ("none", "selective", "full")}
     assert t["none"].compute < t["selective"].compute < t["full"].compute
     att = attention_cost(model, Layout(1, 1, 1, 0, "1f1b", 2), prof, placement(Layout(1, 1, 1, 0, "1f1b", 2), prof))
     assert t["selective"].compute - t["none"].compute == pytest.approx(2 * model.n_layer * att.scores, rel=1e-9)
@@ -265,7 +279,8 @@ def test_time_model_recompute_cp_and_sp() -> None:
     bt, C, ew = 4 * 256, 64, lambda op, n: prof.elementwise_time(op, n, 2)  # noqa: E731
     ln_saved = sum(2 * (ew(op, bt * C) - ew(op, bt * C // 2)) for op in ("layernorm_fwd", "layernorm_bwd"))
     ln_saved += 4 * (ew("copy", bt * C) - ew("copy", bt * C // 2))  # two residual adds in F, two in B
-    ln_saved = model.n_layer * ln_saved + sum(ew(op, bt * C) - ew(op, bt * C // 2) for op in ("layernorm_fwd", "layernorm_bwd"))
+    ln_saved = model.n_layer * ln_saved + sum(ew(op, bt * C) - ew(op, bt * C // 2)
+                                              for op in ("layernorm_fwd", "layernorm_bwd"))
     copies = model.n_layer * ew("copy", 14 * bt * C) + ew("copy", 2 * bt * C) + ew("copy", 5 * bt * C)
     assert sp.compute - plain.compute == pytest.approx(2 * (copies - ln_saved), rel=1e-9)
 
@@ -410,7 +425,8 @@ def invoke(args: list[str]):
 
 
 def test_cli_json_schema(char_dataset: Path) -> None:
-    res = invoke(["--ranks", "4", "--data", str(char_dataset), "--hardware", "a100-80gb", "--batch-size", "8", "--json"])
+    res = invoke(["--ranks", "4", "--data", str(char_dataset), "--hardware", "a100-80gb", "--batch-size", "8",
+                  "--json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)
     assert len(rows) > 10
@@ -418,7 +434,8 @@ def test_cli_json_schema(char_dataset: Path) -> None:
         assert {"mesh", "dp", "cp", "tp", "pp", "sequence_parallel", "recompute", "zero", "schedule", "micro_batches",
                 "fits", "memory_bytes_per_rank", "step_time_s"} <= set(r)
         assert isinstance(r["fits"], bool) and r["memory_bytes_per_rank"] > 0 and r["step_time_s"] > 0
-        sizes = {a: 1 for a in ("dp", "cp", "tp", "pp")} | {k: int(v) for k, v in (x.split("=") for x in r["mesh"].split(","))}
+        sizes = ({a: 1 for a in ("dp", "cp", "tp", "pp")}
+                 | {k: int(v) for k, v in (x.split("=") for x in r["mesh"].split(","))})
         assert sizes == {a: r[a] for a in sizes} and r["dp"] * r["cp"] * r["tp"] * r["pp"] == 4
         assert ("cp=" in r["mesh"]) == (r["cp"] > 1)
         assert isinstance(r["sequence_parallel"], bool) and (r["tp"] > 1 or not r["sequence_parallel"])
@@ -510,7 +527,8 @@ def test_blocking_calls_are_counted_where_ranks_wait_for_each_other() -> None:
     calls = lambda lay: blocking_calls(model, lay, prof, place)  # noqa: E731
     assert calls(Layout(1, 1, 1, 0, "1f1b", 1)) == pytest.approx(0.0, abs=1e-6)
     tp1, tp2 = calls(Layout(1, 2, 1, 0, "1f1b", 1)), calls(Layout(1, 2, 1, 0, "1f1b", 2))
-    assert tp2 - tp1 == pytest.approx(4 * model.n_layer + 4, abs=1e-3)  # per micro-batch: blocks, lookup, head, 2 in the loss
+    # per micro-batch: blocks, lookup, head, 2 in the loss
+    assert tp2 - tp1 == pytest.approx(4 * model.n_layer + 4, abs=1e-3)
     assert calls(Layout(1, 2, 1, 0, "1f1b", 1, sp=True)) > tp1
     dp = calls(Layout(2, 1, 1, 0, "1f1b", 1))
     assert 1 <= dp <= 5  # buckets of gradients, the loss and the norm

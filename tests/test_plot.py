@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from conftest import cli, one_error_line
-
 from numesh import plot as PL
 from numesh.errors import PlotError
 

@@ -147,7 +147,8 @@ def stage_kinds(n_layer: int) -> dict[str, S.Stage]:
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize("mode", MODES)
-def test_measured_activation_bytes_equal_the_formula(thread_count, mode: str, dropout: bool, dtype, n_threads: int) -> None:
+def test_measured_activation_bytes_equal_the_formula(thread_count, mode: str, dropout: bool, dtype,
+                                                     n_threads: int) -> None:
     thread_count(n_threads)
     cfg = tiny_config(dropout=0.2 if dropout else 0.0, n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=11)
     mesh = self_mesh()
@@ -184,7 +185,9 @@ def test_what_b_leaves_for_w_equals_the_formula(thread_count, mode: str, bias: b
     _, ctx = S.stage_forward(units, stage, idx, tgt, cfg, mesh, key(cfg, rows, True), recompute=mode)
     _, _, deferred = S.stage_backward(units, stage, ctx, 1.0, cfg, mesh, split=True)
     want = formulas.weight_ctx_bytes(micro_batch=rows, seq=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-                                     bias=bias, itemsize=8, chunks=len(threads.runs_for(n_threads, S.block_pieces(1, 1, rows, cfg.block_size, 16))))
+                                     bias=bias, itemsize=8,
+                                     chunks=len(threads.runs_for(n_threads,
+                                                                 S.block_pieces(1, 1, rows, cfg.block_size, 16))))
     assert held_bytes(deferred) == want
 
 
@@ -238,13 +241,15 @@ def test_step_peak_bytes_equal_the_formula(thread_count, char_dataset: Path, tmp
 
 
 @pytest.mark.parametrize("threads_n", [1, 2])
-def test_runs_log_the_same_numbers_in_every_mode(thread_count, char_dataset: Path, tmp_path: Path, threads_n: int) -> None:
+def test_runs_log_the_same_numbers_in_every_mode(thread_count, char_dataset: Path, tmp_path: Path,
+                                                 threads_n: int) -> None:
     thread_count(threads_n)
     records = {}
     for mode in MODES:
         got = []
         train(run_config(char_dataset, tmp_path / mode, recompute=mode, micro_batches=2), MPI.COMM_SELF,
-              on_step=lambda step, rec: got.append({k: v for k, v in rec.items() if k not in ("dt_ms", "tokens_per_s", "mfu", "flops_per_s")}))
+              on_step=lambda step, rec: got.append({k: v for k, v in rec.items()
+                                                    if k not in ("dt_ms", "tokens_per_s", "mfu", "flops_per_s")}))
         records[mode] = got
     assert records["none"] and records["selective"] == records["none"] and records["full"] == records["none"]
 

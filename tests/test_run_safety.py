@@ -45,8 +45,9 @@ def test_divergence_stops_with_one_line_and_keeps_the_good_checkpoint(char_datas
     assert int(latest.name.split("_")[1]) <= step  # never a checkpoint of the diverged state
     lines = strict_lines(out / "metrics.jsonl")  # strict JSON: NaN written as null
     assert lines[-1] == {"step": step, "loss": None, "grad_norm": None, "diverged": True}
-    from numesh.checkpoint import read_state
     import numpy as np
+
+    from numesh.checkpoint import read_state
 
     _, trees = read_state(latest)
     from numesh.tree import tree_leaves
@@ -120,7 +121,8 @@ def test_no_room_for_a_checkpoint_is_found_before_training(char_dataset: Path, t
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_a_failing_metrics_write_is_one_line(char_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_metrics_write_is_one_line(char_dataset: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from numesh import rundir
 
     class Full:

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
 
 from numesh import threads
 from numesh.mesh import Mesh
 from numesh.nn import stage
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, init_gpt
-from numesh.nn.stage import loss_and_grads
 from numesh.nn.layers import causal_attention_bwd, causal_attention_fwd, gelu_bwd, gelu_fwd
+from numesh.nn.stage import loss_and_grads
 from numesh.optim.adamw import AdamWConfig, adamw_init, adamw_step
 from numesh.tree import tree_leaves
-from threadpoolctl import threadpool_limits
 
 
 @pytest.fixture
@@ -131,7 +131,8 @@ def test_blocks_run_as_pieces_are_the_same_bits_on_any_thread_count(with_threads
             with_threads(k)
             loss, grads = loss_and_grads(params, idx, targets, cfg, mesh, 1.0 / idx.size, drop)
             y, ctx = stage.run_block_fwd(block, x, cfg, mesh, 0, drop)
-            assert isinstance(ctx, threads.RowChunks) and len(ctx.rows) == len(threads.runs_for(k, threads.tiles(batch, 1, 16)))
+            assert isinstance(ctx, threads.RowChunks) and len(ctx.rows) == len(
+                threads.runs_for(k, threads.tiles(batch, 1, 16)))
             dx, w = stage.run_block_bwd(block, ctx, dy, cfg, mesh)
             # the zero-bubble halves (input grad now, weight grad later): the same pieces, the same tree
             _, ctx2 = stage.run_block_fwd(block, x, cfg, mesh, 0, drop)
@@ -253,7 +254,8 @@ def test_a_training_step_is_the_same_bits_on_1_and_2_threads(char_dataset, tmp_p
             for k in (1, 2):
                 with_threads(k)
                 cfg = TrainConfig(data=str(char_dataset), out=str(tmp_path / f"t{k}-{pieces}"), n_layer=2, n_embd=64,
-                                  n_head=4, block_size=64, batch_size=8, max_iters=2, dtype=dtype, dropout=0.1, bias=True)
+                                  n_head=4, block_size=64, batch_size=8, max_iters=2, dtype=dtype, dropout=0.1,
+                                  bias=True)
                 t = Trainer(cfg)
                 assert len(stage.block_pieces(1, 1, cfg.batch_size, cfg.block_size, threads.cores())) == pieces
                 steps = [t.train_step() for _ in range(2)]

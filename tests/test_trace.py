@@ -11,7 +11,6 @@ to numesh.formulas.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -69,11 +68,13 @@ def synthetic_trace(name: str, p: int, m: int, v: int = 1, steps: int = 3, stage
                                 stage=sched.stage(r, a.chunk)))
         t += tl.makespan + 20
     ranks = [{"rank": r, "coords": {"pp": r, "dp": 0, "tp": 0}} for r in range(p)]
-    meta = {"mesh": {"pp": p, "dp": 1, "tp": 1}, "schedule": name, "micro_batches": m, "virtual_stages": v, "ranks": ranks}
+    meta = {"mesh": {"pp": p, "dp": 1, "tp": 1}, "schedule": name, "micro_batches": m, "virtual_stages": v,
+            "ranks": ranks}
     return {"traceEvents": events, "otherData": {"numesh": meta}}
 
 
-@pytest.mark.parametrize("name, p, m, v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("zb-h1", 4, 4, 1)])
+@pytest.mark.parametrize("name, p, m, v",
+                         [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("zb-h1", 4, 4, 1)])
 def test_measured_bubble_of_an_ideal_run_is_the_theory(name: str, p: int, m: int, v: int) -> None:
     b = report.pipeline_bubble(synthetic_trace(name, p, m, v))
     sched = make_schedule(name, p, m, v)
@@ -234,7 +235,8 @@ def test_report_of_the_run(traced_run: tuple[Path, str]) -> None:
                          text=True, env=clean_env(), timeout=120)
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout)
-    assert set(got) == {"run", "clock", "steps", "step_ms", "time_ms", "bubble", "bytes", "bytes_match", "flops", "slowest"}
+    assert set(got) == {"run", "clock", "steps", "step_ms", "time_ms", "bubble", "bytes", "bytes_match", "flops",
+                        "slowest"}
     text = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(out)], capture_output=True, text=True,
                           env=clean_env(), timeout=120).stdout
     assert "pipeline bubble (zb-h1" in text and "every rank matches the formulas" in text

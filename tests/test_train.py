@@ -14,8 +14,8 @@ from mpi4py import MPI
 from conftest import SYNTH_TEXT
 from numesh.checkpoint import read_meta, read_params_dict
 from numesh.data import DataError
-from numesh.mesh import MeshError
 from numesh.errors import ConfigError
+from numesh.mesh import MeshError
 from numesh.train import TrainConfig, Trainer, config_from, train, validate
 from numesh.tree import tree_leaves_with_path
 
@@ -205,7 +205,8 @@ def test_error_classes_are_value_errors() -> None:
         (dict(n_head=2, mesh="tp=4"), 4, ConfigError, "n_head=2 is not divisible by tp=4"),
         (dict(n_layer=3, mesh="pp=2"), 2, ConfigError, "n_layer=3 is not divisible by pp x virtual stages"),
         (dict(schedule="pipedream"), 1, ValueError, "unknown pipeline schedule"),
-        (dict(n_layer=4, mesh="pp=2", schedule="interleaved", virtual_stages=2, micro_batches=1), 2, ValueError, "interleaved"),
+        (dict(n_layer=4, mesh="pp=2", schedule="interleaved", virtual_stages=2, micro_batches=1), 2, ValueError,
+         "interleaved"),
         (dict(mesh="dp=2"), 1, MeshError, "needs 2 ranks"),
         (dict(dtype="float16"), 1, ConfigError, "dtype"),
         (dict(dropout=1.0), 1, ConfigError, "dropout"),
@@ -223,7 +224,8 @@ def test_error_classes_are_value_errors() -> None:
         (dict(mesh="cp=2,pp=2", schedule="interleaved", virtual_stages=2, micro_batches=1, n_layer=4), 4, ValueError,
          "interleaved needs micro-batches m=1 to be a multiple of pp=2"),
         (dict(peak_flops=-1.0), 1, ConfigError, "--peak-flops must be >= 0"),
-        (dict(recompute="attention"), 1, ConfigError, "--recompute must be one of none, selective, full, got 'attention'"),
+        (dict(recompute="attention"), 1, ConfigError,
+         "--recompute must be one of none, selective, full, got 'attention'"),
     ],
 )
 def test_validate_errors(char_dataset: Path, tmp_path: Path, overrides: dict, n_ranks: int,

@@ -305,7 +305,8 @@ def test_uncounted_leaves_stay_out_of_the_norm() -> None:
     units = three_units()
     grads = {"c": [np.full(5, 1.0)], "a": {"b": np.array([2.0]), "w": np.full((2, 3), 3.0)}, "b": (np.full(4, 4.0),)}
     everything = 5 * 1 + 4 + 6 * 9 + 4 * 16
-    for uncounted, want in (((), everything), ({("a", "w")}, everything - 54), ({("b", "0"), ("c", "0")}, everything - 69)):
+    for uncounted, want in (((), everything), ({("a", "w")}, everything - 54),
+                            ({("b", "0"), ("c", "0")}, everything - 69)):
         opt = ZeroOptimizer(units, specs_of(units), self_mesh(), uncounted=uncounted)
         for k in units:
             opt.grads_ready(k, grads[k])

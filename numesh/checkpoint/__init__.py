@@ -26,8 +26,8 @@ from numesh.checkpoint.state import LocalState, TrainState
 from numesh.errors import CheckpointError
 
 __all__ = [
-    "FORMAT", "VERSION", "CheckpointError", "LeafDef", "LocalState", "Meta", "TrainState", "check_tokenizer", "export_nanogpt",
-    "from_nanogpt", "global_path", "gpt_leaves", "import_nanogpt", "pad_vocab", "read_global_params",
+    "FORMAT", "VERSION", "CheckpointError", "LeafDef", "LocalState", "Meta", "TrainState", "check_tokenizer",
+    "export_nanogpt", "from_nanogpt", "global_path", "gpt_leaves", "import_nanogpt", "pad_vocab", "read_global_params",
     "read_local_state", "read_meta", "read_params_dict", "read_state", "reshard", "save_checkpoint",
     "to_nanogpt", "unpad_vocab",
 ]

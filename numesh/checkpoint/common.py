@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from numesh.checkpoint.format import BlockReader, Meta, full_region, fsync_dir
+from numesh.checkpoint.format import BlockReader, Meta, fsync_dir, full_region
 from numesh.checkpoint.format import read_meta as read_any_meta
 from numesh.checkpoint.model import describe_gpt, global_paths
 from numesh.errors import CheckpointError

@@ -54,7 +54,8 @@ def _dims(ndim: int, spec: Sequence) -> list:
     return list(spec) + [None] * (ndim - len(spec))
 
 
-def block_region(padded_shape: Sequence[int], spec: Sequence, sizes: Mapping[str, int], coords: Mapping[str, int]) -> Region:
+def block_region(padded_shape: Sequence[int], spec: Sequence, sizes: Mapping[str, int],
+                 coords: Mapping[str, int]) -> Region:
     """Where the rank at `coords` of a mesh of `sizes` holds its shard of an array of
     (padded) global shape `padded_shape` split by `spec` (the pure form of `local_slices`)."""
     out = []
@@ -285,7 +286,8 @@ class LeafInfo:
 
     def to_json(self) -> dict[str, Any]:
         spec = [list(d) if isinstance(d, tuple) else d for d in self.spec]
-        return {"shape": list(self.shape), "dtype": self.dtype, "spec": spec, "files": [r.to_json() for r in self.files]}
+        return {"shape": list(self.shape), "dtype": self.dtype, "spec": spec,
+                "files": [r.to_json() for r in self.files]}
 
 
 @attrs.frozen
@@ -319,7 +321,8 @@ def vocab_difference(have: CharTokenizer, want: CharTokenizer) -> str | None:
     checkpoint's, `want` the dataset's."""
     if have.chars == want.chars:
         return None
-    i = next((i for i, (a, b) in enumerate(zip(have.chars, want.chars)) if a != b), min(have.vocab_size, want.vocab_size))
+    i = next((i for i, (a, b) in enumerate(zip(have.chars, want.chars)) if a != b),
+             min(have.vocab_size, want.vocab_size))
 
     def at(tok: CharTokenizer) -> str:
         return repr(tok.chars[i]) if i < tok.vocab_size else "absent"
@@ -351,7 +354,8 @@ def _parse_header(raw: Any, meta_path: Path, describe: Describe) -> tuple[Any, d
     if not isinstance(raw, dict):
         raise CheckpointError(f"{meta_path}: not a JSON object")
     if raw.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path}: format is {raw.get('format')!r}, expected {FORMAT!r}: not a numesh checkpoint")
+        raise CheckpointError(f"{meta_path}: format is {raw.get('format')!r}, expected {FORMAT!r}: "
+                              "not a numesh checkpoint")
     if raw.get("version") != VERSION:
         raise CheckpointError(
             f"{meta_path}: checkpoint format version {raw.get('version')!r} is not supported "
@@ -383,7 +387,8 @@ def _parse_files(key: str, files_raw: Any, shape: tuple[int, ...], meta_path: Pa
         off = _int_list(rec.get("offset"), len(shape), f"offset of {rel}", meta_path)
         shp = _int_list(rec.get("shape"), len(shape), f"shape of {rel}", meta_path)
         if any(o + n > g for o, n, g in zip(off, shp, shape)) or 0 in shp:
-            raise CheckpointError(f"{meta_path}: block {rel} (offset {list(off)}, shape {list(shp)}) lies outside '{key}' {list(shape)}")
+            raise CheckpointError(f"{meta_path}: block {rel} (offset {list(off)}, shape {list(shp)}) "
+                                  f"lies outside '{key}' {list(shape)}")
         digest = rec.get("sha256")
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
             raise CheckpointError(f"{meta_path}: file {rel} has no valid sha256")
@@ -484,7 +489,8 @@ class BlockReader:
             except OSError as e:
                 raise CheckpointError(f"{path} cannot be read: {e}") from None
             if digest != rec.sha256:
-                raise CheckpointError(f"{path} is corrupted or truncated: sha256 {digest} does not match the recorded {rec.sha256}")
+                raise CheckpointError(f"{path} is corrupted or truncated: "
+                                      f"sha256 {digest} does not match the recorded {rec.sha256}")
             self.verified.add(rec.file)
         try:
             arr = np.load(real, mmap_mode="r", allow_pickle=False)

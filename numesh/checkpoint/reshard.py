@@ -49,8 +49,8 @@ def reshard(path: str | Path, to: str, out: str | Path | None = None) -> Path:
     sizes, named = target_mesh(src_mesh, to)
     meta.model.validate(sizes["tp"])
     if sizes["cp"] > 1 and meta.model.block_size % (2 * sizes["cp"]):
-        raise ConfigError(f"block_size={meta.model.block_size} does not split into 2*cp={2 * sizes['cp']} equal chunks: "
-                          f"use a cp with 2*cp dividing {meta.model.block_size}")
+        raise ConfigError(f"block_size={meta.model.block_size} does not split into 2*cp={2 * sizes['cp']} "
+                          f"equal chunks: use a cp with 2*cp dividing {meta.model.block_size}")
     v = meta.raw.get("virtual_stages", 1)
     StageLayout(meta.model.n_layer, sizes["pp"], v if isinstance(v, int) and v >= 1 else 1)
     if out is None:
@@ -88,6 +88,7 @@ def _write_blocks(meta: Meta, sizes: dict[str, int], tmp: Path) -> dict[str, dic
         for suffix, region in leaf_blocks(leaf.shape, padded, leaf.spec, sizes):
             rel = leaf_file(group, leaf_path, suffix)
             digest = write_npy(tmp / rel, reader.read(key, region))
-            records.append(FileRecord(rel, tuple(r.start for r in region), tuple(r.stop - r.start for r in region), digest))
+            records.append(FileRecord(rel, tuple(r.start for r in region), tuple(r.stop - r.start for r in region),
+                                      digest))
         leaves_out[key] = leaf.to_json() | {"files": [r.to_json() for r in records]}
     return leaves_out

@@ -58,7 +58,8 @@ def _write_rank_shards(state: TrainState, leaves: dict[str, LeafDef], tmp: Path)
                 continue
             held = leaf.region(mesh.shape, mesh.coords)
             if tuple(r.stop - r.start for r in held) != x.shape:
-                raise CheckpointError(f"rank {mesh.rank}: leaf {group}/{path} has local shape {x.shape}, expected {held}")
+                raise CheckpointError(f"rank {mesh.rank}: leaf {group}/{path} has local shape {x.shape}, "
+                                      f"expected {held}")
             region = intersect(held, full_region(leaf.shape))
             if region is None:
                 continue  # wholly vocabulary padding

@@ -23,7 +23,8 @@ from numesh.mesh.observe import Chain, Observer, Recorder, attach
 from numesh.mesh.spec import P, local_shape, local_slices, replicated_axes, shard, unshard
 
 __all__ = [
-    "AXES", "ByteCounter", "Group", "Handle", "Mesh", "MeshError", "Chain", "Observer", "Recorder", "attach", "P", "all_gather", "all_gather_inplace", "broadcast", "ipsum",
-    "ipsum_scatter", "irecv", "isend", "local_shape", "local_slices", "parse_mesh", "pmax", "psum", "psum_scalar", "psum_tree",
-    "psum_scatter", "recv", "replicated_axes", "send", "sendrecv", "shard", "unshard",
+    "AXES", "ByteCounter", "Group", "Handle", "Mesh", "MeshError", "Chain", "Observer", "Recorder", "attach", "P",
+    "all_gather", "all_gather_inplace", "broadcast", "ipsum", "ipsum_scatter", "irecv", "isend", "local_shape",
+    "local_slices", "parse_mesh", "pmax", "psum", "psum_scalar", "psum_tree", "psum_scatter", "recv", "replicated_axes",
+    "send", "sendrecv", "shard", "unshard",
 ]

@@ -83,7 +83,8 @@ def _contig(x: np.ndarray) -> np.ndarray:
     return x if x.flags.c_contiguous else np.ascontiguousarray(x)
 
 
-def psum(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = None, inplace: bool = False) -> np.ndarray:
+def psum(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = None,
+         inplace: bool = False) -> np.ndarray:
     """Sum over the axis. `inplace=True` overwrites `x` (which must be contiguous)."""
     if mesh.size(axes) == 1:
         return x
@@ -216,7 +217,8 @@ def send(x: np.ndarray, mesh: Mesh, axis: str, dest: int, tag: int = 0) -> None:
     if dest != MPI.PROC_NULL:
         _count(mesh, axis, "send", x.nbytes)
     comm, src = mesh.comm(axis), _contig(x)
-    _run(mesh, axis, "send", x.nbytes, lambda: comm.Send(src, dest=dest, tag=tag), lambda: comm.Isend(src, dest=dest, tag=tag))
+    _run(mesh, axis, "send", x.nbytes,
+         lambda: comm.Send(src, dest=dest, tag=tag), lambda: comm.Isend(src, dest=dest, tag=tag))
 
 
 def recv(buf: np.ndarray, mesh: Mesh, axis: str, source: int, tag: int = 0) -> np.ndarray:

@@ -239,7 +239,8 @@ def diagnose(states: dict[int, RankState | None], now: float, timeout: float, fl
             add(0, r, "", f"{who(r)} is dead (its process {s.pid} is gone){_last(s)}", [], 0.0)
         for c in s.calls:
             if c.flags & SKIPPED:
-                add(1, r, c.label(), f"{who(r)} skipped {c.label()} at step {c.step} (returned without calling MPI)", [], 0.0)
+                add(1, r, c.label(), f"{who(r)} skipped {c.label()} at step {c.step} (returned without calling MPI)",
+                    [], 0.0)
 
     waiting = [s for s in known if s.waiting is not None]
     # collectives: group the waiters by (communicator instance, sequence number)
@@ -301,7 +302,8 @@ def diagnose(states: dict[int, RankState | None], now: float, timeout: float, fl
             sn = states.get(n)
             label = f"the {axis} send/recv that {who(s.rank)} waits for"
             if sn is None or sn.alive is False:
-                add(0, n, label, f"{who(n)} is dead: it never sent or received what {axis} neighbours wait for", [s.rank], now - s.wait_since)
+                add(0, n, label, f"{who(n)} is dead: it never sent or received what {axis} neighbours wait for",
+                    [s.rank], now - s.wait_since)
             elif sn.waiting is None:
                 add(2, n, f"{axis} p2p", f"{who(n)} never entered the {axis} send/recv its neighbours wait for "
                                          f"({_doing(sn, now, ended)})", [s.rank], now - s.wait_since)
@@ -331,7 +333,8 @@ def diagnose(states: dict[int, RankState | None], now: float, timeout: float, fl
             lines.append(f"  rank {r}: no flight record")
             continue
         state = ("dead" if s.alive is False else
-                 f"waits in {s.waiting.label()} ({s.waiting.op} of {s.waiting.nbytes} B) since {now - s.wait_since:.1f} s"
+                 f"waits in {s.waiting.label()} ({s.waiting.op} of {s.waiting.nbytes} B) "
+                 f"since {now - s.wait_since:.1f} s"
                  if s.waiting is not None else f"outside MPI since {now - s.last_activity():.1f} s")
         extra = f"; gave up: {s.failed}" if s.failed else ""
         note = f"; injected: {s.note}" if s.note else ""
@@ -464,7 +467,8 @@ class FlightRecorder(Observer):
         self._head = self._mm[:HEAD.itemsize].view(HEAD)
         self.ring = self._mm[HEAD.itemsize:].view(ENTRY)
         self._end = self.ring["end"]
-        self._waiting, self._wait_since, self._beat = self._head["waiting"], self._head["wait_since"], self._head["beat"]
+        self._waiting, self._wait_since, self._beat = (self._head["waiting"], self._head["wait_since"],
+                                                       self._head["beat"])
         self._counts, self._ncalls = self._head["counts"][0], self._head["ncalls"]
         self._head["pid"], self._head["waiting"] = os.getpid(), -1
         self._comms: dict[Any, int] = {}
@@ -545,12 +549,11 @@ class FlightRecorder(Observer):
     def _poll(self, request: Any, token: int) -> None:
         """Test until done, yielding the core between tests (`sched_yield`: back at once when no
         other process wants the core, so the wait ends as soon as a blocking call's would; an
-        oversubscribed peer runs meanwhile). Sleeping between tests, as this did before,
-        stalled the collective itself: MPICH progresses a non-blocking collective only inside
-        Test, so every round waited for the sleeper. 2 ranks, 8 KiB to 1 MiB all-reduce, rank
-        0 arriving ~0.2 ms early: blocking 224-489 us, Test and sleep 439-1024 us, Test and
-        yield 231-479 us; `bench_trace.py overhead --mesh tp=2`: the recorder cost +51 % of a
-        step with sleeps, +3.9 % with yields."""
+        oversubscribed peer runs meanwhile). Sleeping between tests stalled the collective
+        itself: MPICH progresses a non-blocking collective only inside Test, so every round
+        waited for the sleeper, and a call took up to twice a blocking one where Test and
+        yield takes what a blocking call does. `mpirun -n 2 python benchmarks/bench_trace.py
+        overhead --mesh tp=2` measures what the recorder costs a step."""
         t0 = time.monotonic()
         self._wait_since[0], self._waiting[0] = time.time(), token
         deadline = t0 + self.timeout

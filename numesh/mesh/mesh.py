@@ -14,6 +14,7 @@ from typing import Iterable
 
 import attrs
 from mpi4py import MPI
+
 from numesh.errors import MeshError
 
 AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")

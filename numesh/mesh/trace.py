@@ -126,7 +126,8 @@ class Tracer(Observer):
         # nothing recorded since it began: a blocking call (or issued and waited at once),
         # which nests in the main thread's spans; otherwise it overlapped them
         tid = MAIN_TID if len(self.events) == n0 else ASYNC_TID
-        self._add(("X", op, "comm", tid, t0, time.perf_counter(), {"op": op, "axes": axes_label(axes), "bytes": nbytes}))
+        self._add(("X", op, "comm", tid, t0, time.perf_counter(),
+                   {"op": op, "axes": axes_label(axes), "bytes": nbytes}))
 
     # ------------------------------------------------------------------ spans and flows
 
@@ -169,7 +170,8 @@ class Tracer(Observer):
                 if ph == "f":
                     ev["bp"] = "e"  # bind to the slice enclosing ts (the receive)
             out.append(ev)
-        out += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": ASYNC_TID + i, "args": {"name": f"async comm {i}"}}
+        out += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": ASYNC_TID + i,
+                 "args": {"name": f"async comm {i}"}}
                 for i in range(len(lanes))]
         return out
 

@@ -30,7 +30,8 @@ def new_kv_cache(cfg: GPTConfig, mesh: Mesh, batch: int, dtype) -> KVCache:
         raise ConfigError("generation does not use sequence parallelism: make its mesh without sequence_parallel")
     nh, hs, _ = local_heads(cfg, mesh)
     shape = (batch, nh, cfg.block_size, hs)
-    return KVCache([np.zeros(shape, dtype) for _ in range(cfg.n_layer)], [np.zeros(shape, dtype) for _ in range(cfg.n_layer)])
+    return KVCache([np.zeros(shape, dtype) for _ in range(cfg.n_layer)],
+                   [np.zeros(shape, dtype) for _ in range(cfg.n_layer)])
 
 
 def _attend_cached(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray:

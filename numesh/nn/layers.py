@@ -110,7 +110,8 @@ def layernorm_fwd_reference(p: LayerNorm, x: np.ndarray) -> tuple[np.ndarray, tu
     return y, (xhat, rstd)
 
 
-def layernorm_bwd_reference(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, LayerNorm]:
+def layernorm_bwd_reference(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray],
+                            dy: np.ndarray) -> tuple[np.ndarray, LayerNorm]:
     xhat, rstd = ctx
     dy2, xh2 = _rows(dy), _rows(xhat)
     dw = token_sum(lambda r: np.einsum("ni,ni->i", dy2[r], xh2[r]), dy2.shape[0])

@@ -82,9 +82,9 @@ def ring_attention_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, ring: Ring,
     """Causal attention of this rank's q, k, v [B, H, Tl, hs] (its two chunks) against the
     whole sequence; `drop_mask` [B, H, Tl, T] (already scaled) over global key positions.
     `overlap=False` sends each block only after computing on it (for measuring what overlap
-    buys: on one 2-core node, cp=2, 1024 tokens, batch 4, one layer's forward+backward took
-    575 ms with overlap and 578 without, medians of 9 alternating runs; the 1 MB blocks
-    are cheap beside the compute there, so it is kept on for networks where they are not)."""
+    buys: `mpirun -n 2 python benchmarks/bench_context_parallel.py overlap --block-size 1024`
+    times both, alternating; on one 2-core node the 1 MB blocks are cheap beside the compute
+    and the two times are within noise, so it is kept on for networks where they are not)."""
     B, H, Tl, hs = q.shape
     n, r, c = ring.size, ring.index, Tl // 2
     T = Tl * n

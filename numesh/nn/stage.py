@@ -279,9 +279,10 @@ def stage_forward(units: ParamUnits, stage: Stage, inp: np.ndarray, targets: np.
                   mesh: Mesh, drop: DropoutKey | None = None, keep: bool = True,
                   recompute: Recompute = "none") -> tuple[np.ndarray, StageCtx | None]:
     """Run a stage forward on `inp` (token ids [B, T] on the first stage, else activations
-    [B, T, C], or this rank's [B, T/tp, C] with sequence parallelism). Returns the per-token losses [B*T] on the last stage, else the activations
-    for the next, and the context for backward (None if not `keep`; its blocks' parts as
-    `recompute` says: "none", "selective" or "full")."""
+    [B, T, C], or this rank's [B, T/tp, C] with sequence parallelism). Returns the per-token
+    losses [B*T] on the last stage, else the activations for the next, and the context for
+    backward (None if not `keep`; its blocks' parts as `recompute` says: "none", "selective"
+    or "full")."""
     check_recompute(recompute)
     emb = head = None
     x = inp

@@ -15,11 +15,13 @@ vocab-parallel logits. As in Korthikanti et al. (2022), a LayerNorm keeps only i
 slice of x̂ and 1/σ for backward; the gathered output is used by the forward matmul and
 dropped, and backward gathers the x̂ slices again for the matmul's weight gradient
 (`norm_regather`): one more all-gather of an activation per LayerNorm, the price of
-holding every activation of the block 1/tp (keeping the gathered x̂ instead, as numesh
-did before, moves exactly plain tp's bytes but holds 2·B·T·C values per block
-replicated: at tp=2 only 0.83x of plain tp's activations, measured). LayerNorm weight and
-bias gradients are sums over this rank's tokens only: partial over tp, summed by
-`reduce_sequence_partial` or by the optimiser (`sequence_partial_leaves`).
+holding every activation of the block 1/tp (keeping the gathered x̂ instead moves exactly
+plain tp's bytes but holds 2·B·T·C values per block replicated, which at tp=2 leaves most
+of plain tp's activations: compare the block terms of `numesh.formulas.activation_parts`;
+`mpirun -n 2 python benchmarks/bench_parallel.py --meshes tp=2 --sequence-parallel` measures
+what each rank holds with and without sp). LayerNorm weight and bias gradients are sums
+over this rank's tokens only: partial over tp, summed by `reduce_sequence_partial` or by
+the optimiser (`sequence_partial_leaves`).
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ from numesh.nn.parallel import (
     vocab_parallel_embedding_fwd,
 )
 from numesh.nn.ring_attention import attention_bwd, attention_fwd
-from numesh.tree import tree_leaves_with_path
 from numesh.threads import matmul, token_sum
+from numesh.tree import tree_leaves_with_path
 
 
 def local_heads(cfg: GPTConfig, mesh: Mesh) -> tuple[int, int, slice]:
@@ -208,9 +210,8 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
     chunks of each sequence and attention runs around the cp ring). A `transient` context
     (full recomputation's rerun, used at once by backward) keeps the gathered LayerNorm
     outputs under sp instead of gathering them again."""
-    B, T, C = x.shape[0], global_seq(mesh, x.shape[1]), x.shape[2]
-    nh, hs, heads = local_heads(cfg, mesh)
-    cp = CpSlice.of(mesh)
+    B, T = x.shape[0], global_seq(mesh, x.shape[1])
+    nh, hs, _ = local_heads(cfg, mesh)
     h1, ln1 = norm_gather_fwd(p.ln1, x, mesh)  # f: [B, T, C]
     qkv, _ = linear_fwd(p.attn.qkv, h1)
     qkv = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # [3, B, nh, T, hs]
@@ -276,13 +277,13 @@ def with_scores(ctx: BlockCtx, cfg: GPTConfig, mesh: Mesh) -> BlockCtx:
     return attrs.evolve(ctx, attn=(c.qs, c.k, c.v, att, mask))
 
 
-def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, BlockWeightCtx]:
+def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig,
+                    mesh: Mesh) -> tuple[np.ndarray, BlockWeightCtx]:
     """Input-gradient half of the block's backward (a zero-bubble "B"): (grad of the input,
     what `block_bwd_weight` needs). LayerNorm and bias grads are cheap and done here.
     `dx` is shaped like the block's input (this rank's sequence slice with sp)."""
     B, T = dx.shape[0], global_seq(mesh, dx.shape[1])
     nh, hs, _ = local_heads(cfg, mesh)
-    cp = CpSlice.of(mesh)
     # MLP half
     dz = reduce_seq_bwd(_drop_residual(dx, ctx.drop, Site("mlp_out", ctx.layer), mesh), mesh)  # [B, T, C]
     du = gelu_bwd(ctx.gelu, linear_bwd_input(p.mlp.proj, dz))
@@ -320,7 +321,8 @@ def block_bwd_weight(p: Block, w: BlockWeightCtx) -> Block:
     """Weight-gradient half of the block's backward (a zero-bubble "W"): the Linear grads."""
     return Block(
         ln1=w.d_ln1,
-        attn=Attention(qkv=linear_bwd_weight(p.attn.qkv, w.qkv.x, w.qkv.dy), proj=_row_parallel_grad(p.attn.proj, w.attn_proj)),
+        attn=Attention(qkv=linear_bwd_weight(p.attn.qkv, w.qkv.x, w.qkv.dy),
+                       proj=_row_parallel_grad(p.attn.proj, w.attn_proj)),
         ln2=w.d_ln2,
         mlp=MLP(fc=linear_bwd_weight(p.mlp.fc, w.fc.x, w.fc.dy), proj=_row_parallel_grad(p.mlp.proj, w.mlp_proj)),
     )
@@ -380,7 +382,8 @@ def head_fwd(params: GPT, x: np.ndarray, targets: np.ndarray, cfg: GPTConfig, me
     return loss, HeadCtx(lnf_ctx, None if mesh.sequence_parallel else xf2, ce_ctx, xf.shape)
 
 
-def head_bwd(params: GPT, ctx: HeadCtx, dloss: np.ndarray | float, mesh: Mesh) -> tuple[np.ndarray, np.ndarray, LayerNorm]:
+def head_bwd(params: GPT, ctx: HeadCtx, dloss: np.ndarray | float,
+             mesh: Mesh) -> tuple[np.ndarray, np.ndarray, LayerNorm]:
     """(grad of the head's input, grad of wte from the head, grads of ln_f)."""
     dlogits = vocab_parallel_cross_entropy_bwd(ctx.ce, dloss)
     xf = norm_regather(params.ln_f, ctx.ln_f, mesh).reshape(-1, ctx.shape[-1]) if ctx.xf is None else ctx.xf

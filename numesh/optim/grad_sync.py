@@ -8,7 +8,7 @@ the optimiser state is replicated (stage 0), this rank's 1/dp of it when it is s
 | strategy | stages | gradient buffer | collective |
 |---|---|---|---|
 | `AllReduceSync` | 0 | full | all-reduce of contiguous buckets of ready units |
-| `ScatterIntoFullSync` | 1 | full | reduce-scatter of each unit once its micro-batches are summed; the shard lands back in the full buffer |
+| `ScatterIntoFullSync` | 1 | full | reduce-scatter of each unit after its last micro-batch, into the full buffer |
 | `ScatterToShardSync` | 2, 3 | 1/dp | reduce-scatter of every micro-batch's gradient, summed into the shard |
 
 Stage 1 keeps the full gradient buffer (the ZeRO paper's Pos shards only the moments), so
@@ -186,7 +186,8 @@ class ScatterToShardSync(_Sync):
         return self.buffer[self.layout.units[key].shard]
 
 
-def make_grad_sync(stage: int, layout: FlatLayout, mesh: Mesh, dtype: Any, overlap: bool, bucket_bytes: int) -> GradSync:
+def make_grad_sync(stage: int, layout: FlatLayout, mesh: Mesh, dtype: Any, overlap: bool,
+                   bucket_bytes: int) -> GradSync:
     """The strategy for ZeRO `stage`."""
     if stage == 0:
         return AllReduceSync(layout, mesh, dtype, overlap, bucket_bytes)

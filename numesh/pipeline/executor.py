@@ -27,7 +27,6 @@ from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig
 from numesh.nn.stage import (
     ParamUnits,
-    Stage,
     StageCtx,
     activation_shape,
     add_outer,
@@ -140,7 +139,8 @@ class PipelineExecutor:
         stage, k = self.stages[a.chunk], a.chunk * self.p + self.rank
         dy = st.loss_scale if stage.last else self._recv("B", a.mb, k, k + 1, st)
         t = time.perf_counter()
-        dx, outer, deferred = stage_backward(self.units, stage, st.acts.pop((a.mb, a.chunk)), dy, self.cfg, self.mesh, split)
+        dx, outer, deferred = stage_backward(self.units, stage, st.acts.pop((a.mb, a.chunk)), dy, self.cfg, self.mesh,
+                                             split)
         if stage.first or stage.last:
             st.outer = add_outer(st.outer, outer)
         if split:
@@ -161,7 +161,8 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ a training step
 
-    def run(self, schedule: Schedule, micro: list[Micro], loss_scale: float, drops: list[DropoutKey | None]) -> StepStats:
+    def run(self, schedule: Schedule, micro: list[Micro], loss_scale: float,
+            drops: list[DropoutKey | None]) -> StepStats:
         """Execute this rank's actions for one optimiser step; every block gradient goes to
         `units.grads_ready` as it becomes final, the outer unit's once at the end."""
         st = _Step(micro, drops, loss_scale)

@@ -50,6 +50,7 @@ from collections import Counter
 from typing import Any, Callable, Iterable, Mapping
 
 import attrs
+
 from numesh.errors import ScheduleError
 
 __all__ = [
@@ -299,7 +300,8 @@ def validate(s: Schedule) -> None:
         dup = sorted(k for k, n in seen.items() if n > 1)
         if dup:
             k = dup[0]
-            raise ScheduleError(f"schedule {s.name!r} rank {rank} runs {Action(*k)} {seen[k]} times; each action runs once")
+            raise ScheduleError(f"schedule {s.name!r} rank {rank} runs {Action(*k)} {seen[k]} times; "
+                                "each action runs once")
         missing = sorted(want - set(seen))
         if missing:
             raise ScheduleError(

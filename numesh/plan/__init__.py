@@ -72,5 +72,6 @@ def _valid_quick(model: ModelSpec, ranks: int):
     for pp in divisors(ranks):
         for tp in divisors(ranks // pp):
             dp = ranks // (pp * tp)
-            if model.batch_size % dp == 0 and model.n_head % tp == 0 and (4 * model.n_embd) % tp == 0 and model.n_layer % pp == 0:
+            if (model.batch_size % dp == 0 and model.n_head % tp == 0 and (4 * model.n_embd) % tp == 0
+                    and model.n_layer % pp == 0):
                 yield dp, tp, pp

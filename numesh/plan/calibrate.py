@@ -177,7 +177,8 @@ def _collectives(comm: MPI.Comm, dtype: np.dtype, rounds: int = 3) -> dict[str, 
     bufs = {size: np.ones(max(1, size // 8), np.float64) for size in COMM_SIZES}
     recv = {size: np.empty(max(1, size // 8), np.float64) for size in COMM_SIZES}
     calls: dict[str, Callable[[int], Callable[[], object]]] = {
-        f"all_reduce:{g}": (lambda g: lambda size: lambda: subs[g].Allreduce(MPI.IN_PLACE, bufs[size]))(g) for g in groups}
+        f"all_reduce:{g}": (lambda g: lambda size: lambda: subs[g].Allreduce(MPI.IN_PLACE, bufs[size]))(g)
+        for g in groups}
     calls["send"] = lambda size: lambda: comm.Sendrecv(bufs[size], partner, 7, recv[size], partner, 7)
     times: dict[str, dict[int, list[float]]] = {k: {size: [] for size in COMM_SIZES} for k in calls}
     for _ in range(rounds):
@@ -397,7 +398,8 @@ def merged_profile(path: Path, measured: Measured, dtype: str) -> Profile:
     base = old or Profile(name="local", source="", dtype=dtype, itemsize=np.dtype(dtype).itemsize)
     return attrs.evolve(
         base, source=f"numesh plan --calibrate on {platform.node()} ({os.cpu_count()} cores), {now}",
-        memory_bytes=float(ram), cores=os.cpu_count() or 1, overlap=False,  # MPICH progresses nonblocking calls only inside MPI calls
+        # overlap: MPICH progresses nonblocking calls only inside MPI calls
+        memory_bytes=float(ram), cores=os.cpu_count() or 1, overlap=False,
         measured={**base.measured, measured.ranks: measured},
     )
 

@@ -99,8 +99,8 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
     if as_json_out:
         return json.dumps([as_json(p, ranks) for p in preds], indent=1)
     extra = " ".join(_flag(k, v) for k, v in overrides.items()
-                     if v is not None and k not in ("mesh", "zero", "schedule", "micro_batches", "virtual_stages", "recompute",
-                                  "sequence_parallel"))
+                     if v is not None and k not in ("mesh", "zero", "schedule", "micro_batches", "virtual_stages",
+                                                    "recompute", "sequence_parallel"))
     if model_preset:
         p = preset(model_preset)
         extra = (f"--n-layer {p.n_layer} --n-head {p.n_head} --n-embd {p.n_embd} --block-size {p.block_size} "

@@ -84,7 +84,8 @@ class Profile:
     mem_bandwidth: float = 0.0  # bytes/s per device
     intra: Link = Link(1e-6, 1e10)
     inter: Link = Link(1e-5, 1e10)
-    overlap: bool = True  # gradient reduction progresses during backward (NCCL streams: yes; MPICH without a progress thread: no)
+    # gradient reduction progresses during backward (NCCL streams: yes; MPICH without a progress thread: no)
+    overlap: bool = True
     cores: int = 0  # CPU cores of a node (measured profiles)
     measured: dict[int, Measured] = attrs.field(factory=dict)
 
@@ -173,7 +174,8 @@ def profile_from_json(d: dict[str, Any], where: str) -> Profile:
     fields = {f.name for f in attrs.fields(Profile)} | {"comment"}
     unknown = set(d) - fields
     if unknown:
-        raise ConfigError(f"hardware profile {where} has unknown keys {', '.join(sorted(unknown))}: the keys are {', '.join(sorted(fields))}")
+        raise ConfigError(f"hardware profile {where} has unknown keys {', '.join(sorted(unknown))}: "
+                          f"the keys are {', '.join(sorted(fields))}")
     try:
         d = dict(d)
         d.pop("comment", None)
@@ -193,7 +195,8 @@ def profile_from_json(d: dict[str, Any], where: str) -> Profile:
         }
         prof = Profile(**d)
     except (TypeError, KeyError, ValueError) as e:
-        raise ConfigError(f"hardware profile {where} is malformed ({e}): write it as `numesh plan --calibrate` does") from None
+        raise ConfigError(f"hardware profile {where} is malformed ({e}): "
+                          "write it as `numesh plan --calibrate` does") from None
     if not prof.measured and not (prof.peak_flops > 0 and prof.mem_bandwidth > 0):
         raise ConfigError(f"hardware profile {where} has neither measurements nor peak_flops and mem_bandwidth")
     return prof
@@ -218,7 +221,8 @@ def load_profile(name: str) -> Profile:
         path = local_profile_path()
         if not path.is_file():
             raise ConfigError(f"no calibrated profile of this machine at {path}: run `numesh plan --calibrate` "
-                              f"(under mpirun -n N for N ranks), or pass --hardware one of {', '.join(builtin_profiles())}")
+                              f"(under mpirun -n N for N ranks), "
+                              f"or pass --hardware one of {', '.join(builtin_profiles())}")
     elif not (name.endswith(".json") or path.is_file()):
         names = builtin_profiles()
         if name not in names:

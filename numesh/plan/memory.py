@@ -81,7 +81,8 @@ def peak_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, itemsi
     as the executor walks it (F adds a context, B frees it or, when the backward is split,
     keeps the W's inputs until W)."""
     sched = sched or layout.sched
-    cost = tuple(_chunk_bytes(model, layout, sched, pp_rank, c, itemsize, threads) for c in range(layout.virtual_stages))
+    cost = tuple(_chunk_bytes(model, layout, sched, pp_rank, c, itemsize, threads)
+                 for c in range(layout.virtual_stages))
     return _walk(sched.name, sched.p, sched.m, sched.v, pp_rank, cost)
 
 
@@ -131,4 +132,5 @@ def layout_memory(model: ModelSpec, layout: Layout, itemsize: int = 4, threads: 
     """Predicted bytes of the pipeline ranks that can hold the most: the first (embedding),
     the last (head) and the second (the middle rank that starts the most micro-batches
     before its first backward: the schedules warm up less on every later rank)."""
-    return [rank_memory(model, layout, r, itemsize, threads, layout.sched) for r in sorted({0, min(1, layout.pp - 1), layout.pp - 1})]
+    return [rank_memory(model, layout, r, itemsize, threads, layout.sched)
+            for r in sorted({0, min(1, layout.pp - 1), layout.pp - 1})]

@@ -4,9 +4,10 @@ twice per layout, for thousands of layouts of the same few schedules.
 `numesh.pipeline.schedules.simulate` validates the schedule and builds its dependency order
 (`ready_order`) on every call. None of that depends on the costs, so it is done once per
 schedule shape here (`_plan`: each action of that order as its rank, kind and the positions
-of what it waits for); a call is then one pass of additions and maxima. Same numbers as `simulate` (tests/test_plan.py
-compares them on every schedule); on gpt2-xl x 16 ranks simulate took 186 of 236 s
-(profiled), 20 ms a call on 98k-action schedules.
+of what it waits for); a call is then one pass of additions and maxima. Same numbers as
+`simulate` (tests/test_plan.py compares them on every schedule). Calling `simulate` itself
+was most of a large plan's time; `python -m cProfile -s cumtime -m numesh_cli.app plan
+--model gpt2-xl --ranks 16 --hardware a100-80gb` shows where a plan's time goes.
 """
 
 from __future__ import annotations

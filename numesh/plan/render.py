@@ -48,8 +48,8 @@ def table(preds: list[Prediction], ranks: int, top: int, limit: float, profile: 
     """The `top` best layouts as a table, a count of the rest, and the best one's command."""
     # "wait": blocking calls waiting for their groups' last members, on a calibrated profile only
     waits = any(p.time.comm.get("wait", 0.0) > 0 for p in preds[:top])
-    head = ["#", "mesh", "sp", "zero", "schedule", "m", "v", "recompute", "memory/rank", "fits", "step", "compute", "tp",
-            "cp", "pp", "dp", *(["wait"] if waits else []), "bubble", "optim", "tokens/s"]
+    head = ["#", "mesh", "sp", "zero", "schedule", "m", "v", "recompute", "memory/rank", "fits", "step", "compute",
+            "tp", "cp", "pp", "dp", *(["wait"] if waits else []), "bubble", "optim", "tokens/s"]
     rows = []
     for i, p in enumerate(preds[:top], 1):
         t, lay = p.time, p.layout
@@ -60,7 +60,8 @@ def table(preds: list[Prediction], ranks: int, top: int, limit: float, profile: 
                      *([human_seconds(t.comm["wait"])] if waits else []), human_seconds(t.bubble),
                      human_seconds(t.optimizer), f"{p.tokens_per_s:,.0f}"])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    fmt = lambda r: "  ".join(c.rjust(w) if i not in (1, 4, 7) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    fmt = lambda r: "  ".join(c.rjust(w) if i not in (1, 4, 7) else c.ljust(w)  # noqa: E731
+                              for i, (c, w) in enumerate(zip(r, widths)))
     fit = sum(p.fits for p in preds)
     lines = [fmt(head), *map(fmt, rows)]
     lim = human_bytes(limit) if limit > 0 else "no limit"

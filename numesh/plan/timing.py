@@ -36,7 +36,6 @@ import math
 import attrs
 
 from numesh import formulas
-
 from numesh.plan.hardware import Measured, Profile
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
 from numesh.plan.memory import unit_sizes
@@ -55,7 +54,8 @@ class ActionCost:
     cp: float = 0.0  # of f + b: ring attention's exposed K/V hops
 
     def __add__(self, o: "ActionCost") -> "ActionCost":
-        return ActionCost(self.f + o.f, self.b + o.b, self.w + o.w, self.tp + o.tp, self.zero3 + o.zero3, self.cp + o.cp)
+        return ActionCost(self.f + o.f, self.b + o.b, self.w + o.w, self.tp + o.tp, self.zero3 + o.zero3,
+                          self.cp + o.cp)
 
     def times(self, n: int) -> "ActionCost":
         return ActionCost(self.f * n, self.b * n, self.w * n, self.tp * n, self.zero3 * n, self.cp * n)
@@ -202,15 +202,19 @@ def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
     ln = bt * C // tp if layout.sp else bt * C  # sp: LayerNorms and residual adds on this rank's tokens only
     ew = profile.elementwise_time
     att = attention_cost(model, layout, profile, place)
-    f = _gemms(profile, [(1, bt, C, 3 * C // tp), (1, bt, C // tp, C), (1, bt, C, 4 * C // tp), (1, bt, 4 * C // tp, C)],
+    f = _gemms(profile,
+               [(1, bt, C, 3 * C // tp), (1, bt, C // tp, C), (1, bt, C, 4 * C // tp), (1, bt, 4 * C // tp, C)],
                ron) + att.f
     f += 2 * ew("layernorm_fwd", ln, ron) + ew("gelu_fwd", 4 * bt * C // tp, ron)
     f += ew("copy", 2 * ln + 2 * bt * C // tp, ron)  # q scaled, heads merged, two residual adds
-    bw = _gemms(profile, [(1, bt, C, 4 * C // tp), (1, bt, 4 * C // tp, C), (1, bt, C, C // tp), (1, bt, 3 * C // tp, C)],
+    bw = _gemms(profile,
+                [(1, bt, C, 4 * C // tp), (1, bt, 4 * C // tp, C), (1, bt, C, C // tp), (1, bt, 3 * C // tp, C)],
                 ron) + att.b
     bw += 2 * ew("layernorm_bwd", ln, ron) + ew("gelu_bwd", 4 * bt * C // tp, ron)
     bw += ew("copy", 2 * ln + 5 * bt * C // tp, ron)  # dq, dk, dv packed, heads split, dq scaled, two adds
-    w = _gemms(profile, [(1, C, bt, 3 * C // tp), (1, C // tp, bt, C), (1, C, bt, 4 * C // tp), (1, 4 * C // tp, bt, C)], ron)
+    w = _gemms(profile,
+               [(1, C, bt, 3 * C // tp), (1, C // tp, bt, C), (1, C, bt, 4 * C // tp), (1, 4 * C // tp, bt, C)],
+               ron)
     if layout.sp:
         sp_f, sp_b = SP_COPIES["block"]
         sp_b -= 4 if layout.recompute == "full" else 0  # the rerun forward keeps its gathered outputs: no regathers
@@ -234,10 +238,12 @@ def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
                           2 * att.cp_f + att.cp_b)
     if layout.recompute == "selective":
         bw += att.scores
-    return ActionCost(f_all, bw + tp_half + gather, w + w_gather, 2 * tp_half, 2 * gather + w_gather, att.cp_f + att.cp_b)
+    return ActionCost(f_all, bw + tp_half + gather, w + w_gather, 2 * tp_half, 2 * gather + w_gather,
+                      att.cp_f + att.cp_b)
 
 
-def outer_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, first: bool, last: bool) -> ActionCost:
+def outer_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, first: bool,
+               last: bool) -> ActionCost:
     """The embedding (first stage) and the final LayerNorm, tied head and vocab-parallel
     cross-entropy (last stage) for one micro-batch; their weight grads are part of B."""
     bt, C, tp, ron = layout.rows(model) * (model.block_size // layout.cp), model.n_embd, layout.tp, place.ranks_on_node
@@ -257,7 +263,8 @@ def outer_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
             f += ew("copy", SP_COPIES[end][0] * bt * C, ron)
             b += ew("copy", SP_COPIES[end][1] * bt * C, ron)
     if last:
-        f += ew("layernorm_fwd", ln, ron) + profile.gemm_time(1, bt, C, v_local, ron) + ew("softmax_fwd", bt * v_local, ron)
+        f += (ew("layernorm_fwd", ln, ron) + profile.gemm_time(1, bt, C, v_local, ron)
+              + ew("softmax_fwd", bt * v_local, ron))
         b += (ew("softmax_bwd", bt * v_local, ron) + profile.gemm_time(1, v_local, bt, C, ron)
               + profile.gemm_time(1, bt, v_local, C, ron) + ew("layernorm_bwd", ln, ron))
         t_f = profile.comm_time("all_reduce", bt * k, tp, place.tp_intra, ron) + profile.comm_time(
@@ -298,7 +305,8 @@ def _dp_calls(model: ModelSpec, layout: Layout, sizes: list[int], itemsize: int,
 
 
 @functools.lru_cache(maxsize=4096)
-def _simulated(name: str, pp: int, m: int, v: int, t_f: float, t_b: float, t_w: float, hop: float) -> tuple[float, float]:
+def _simulated(name: str, pp: int, m: int, v: int, t_f: float, t_b: float, t_w: float,
+               hop: float) -> tuple[float, float]:
     """(makespan, busy time of the busiest rank) of `simulate`, by `pipesim` (the same
     numbers, once the schedule's dependencies are laid out); cached, as layouts that differ
     only in what the pipeline does not see (ZeRO 0-2, say) ask for the same."""
@@ -371,7 +379,8 @@ def _predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byt
         cp_time += n * profile.comm_time("all_reduce", cp_bytes / n, layout.cp, place.cp_intra, ron)
     dp_exposed = 0.0
     if dp_group > 1:
-        total = formulas.dp_bytes(layout.zero, layout.micro_batches, sum(padded[:-1]), padded[-1], k, sched.split_backward)
+        total = formulas.dp_bytes(layout.zero, layout.micro_batches, sum(padded[:-1]), padded[-1], k,
+                                  sched.split_backward)
         backward = layout.micro_batches * (worst.b + worst.w) if layout.zero >= 2 else worst.b + worst.w
         for op, nbytes in total.items():
             if op == "all_gather" and layout.zero == 3:
@@ -397,7 +406,8 @@ def _predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byt
         tp_time += profile.comm_time("all_reduce", -(-ln // layout.dp) * k if layout.zero else ln * k, layout.tp,
                                      place.tp_intra, ron)
     state = sum(-(-n // layout.dp) for n in sizes) if layout.zero >= 1 else sum(sizes)
-    optimizer = profile.elementwise_time("adamw", state, ron) + profile.elementwise_time("copy", state, ron)  # + the norm's dot
+    optimizer = (profile.elementwise_time("adamw", state, ron)
+                 + profile.elementwise_time("copy", state, ron))  # + the norm's dot
     pp_exposed = max(0.0, makespan - busy) if layout.pp > 1 else 0.0
     bubble_ideal = _simulated(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages,
                               worst.f, worst.b, worst.w, 0.0)[0] - busy
