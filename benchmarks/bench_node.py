@@ -20,7 +20,7 @@ Sections (each measurement is a fresh process, so its peak RSS is its own):
 Every row reports the median step time over --iters timed steps after --warmup, tokens/s,
 and the peak RSS of each rank (the largest over ranks). Ratios are tokens/s over torch's.
 torch is optional: without it the torch columns say so. This is a benchmark: it asserts
-nothing. The README's "Speed on one node" section holds its output for the machines we ran.
+nothing. docs/benchmarks.md ("Speed on one node") holds its output for the machines we ran.
 """
 
 from __future__ import annotations
