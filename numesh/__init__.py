@@ -1,4 +1,4 @@
-"""numesh: GPT training with dp x tp x pp parallelism in NumPy and MPI."""
+"""numesh: GPT training with dp x cp x tp x pp parallelism and ZeRO in NumPy and MPI."""
 
 import os
 
