@@ -32,8 +32,8 @@ from numesh.mesh.inject import FaultInjector, faults_from_env
 from numesh.mesh.trace import Tracer
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
-from numesh.nn.stage import check_recompute
 from numesh.nn.units import OUTER, join_units, sequence_partial_leaves, split_units
+from numesh.nn.walk import check_recompute
 from numesh.optim import AdamWConfig, clip_scale, cosine_lr
 from numesh.optim.zero import ZeroOptimizer
 from numesh.pipeline.executor import PipelineExecutor, StepStats

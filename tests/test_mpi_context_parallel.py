@@ -54,8 +54,8 @@ from numesh.mesh import Mesh, psum, psum_scalar
 from numesh.nn.context_parallel import take_local
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, gpt_specs
-from numesh.nn.stage import forward_loss, loss_and_grads
 from numesh.nn.units import OUTER
+from numesh.nn.walk import forward_loss, loss_and_grads
 from numesh.train import TrainConfig, Trainer, check_layout, config_from
 from numesh.tree import tree_leaves, tree_leaves_with_path, tree_map
 

@@ -25,8 +25,8 @@ from mpi4py import MPI
 
 from conftest import assert_same_run, serial_reference, train_records
 from numesh import formulas, threads
-from numesh.nn.stage import block_pieces
 from numesh.nn.units import OUTER
+from numesh.nn.walk import block_pieces
 from numesh.train import TrainConfig, Trainer, config_from
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -107,7 +107,7 @@ def memory_cases(n: int) -> list:
 
 
 def chunks_per_block(trainer: Trainer, rows: int) -> int:
-    """Runs of pieces a block runs as (numesh.nn.stage.row_chunks): >1 only without tp and cp."""
+    """Runs of pieces a block runs as (numesh.nn.walk.row_chunks): >1 only without tp and cp."""
     mesh = trainer.mesh
     pieces = block_pieces(mesh.size("tp"), mesh.size("cp"), rows, trainer.cfg.block_size // mesh.size("cp"),
                           threads.cores())

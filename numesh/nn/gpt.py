@@ -2,7 +2,7 @@
 
 Parameters are stored as this rank's shards of the global arrays; `gpt_specs` says how.
 The forward and backward math is in `numesh.nn.transformer`, the walk over a pipeline
-stage (pp=1: the whole model) in `numesh.nn.stage`, cached inference in `numesh.nn.decode`.
+stage (pp=1: the whole model) in `numesh.nn.walk`, cached inference in `numesh.nn.decode`.
 Tensor parallelism follows Megatron: QKV and MLP-up are column-parallel, attention-out
 and MLP-down row-parallel, heads split over tp, the tied embedding/LM head split over the
 vocabulary. On tp=1 every tp collective is the identity, so this is also the serial model.

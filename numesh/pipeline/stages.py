@@ -18,8 +18,8 @@ import numpy as np
 from numesh.errors import ConfigError
 from numesh.mesh import Mesh, broadcast
 from numesh.nn.gpt import GPT
-from numesh.nn.stage import Stage
 from numesh.nn.units import Unit
+from numesh.nn.walk import Stage
 from numesh.tree import tree_map
 
 

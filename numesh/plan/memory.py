@@ -15,7 +15,7 @@ import functools
 import attrs
 
 from numesh import formulas
-from numesh.nn.stage import row_chunks as stage_row_chunks
+from numesh.nn.walk import row_chunks as stage_row_chunks
 from numesh.pipeline.schedules import Schedule
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
 
@@ -52,7 +52,7 @@ def unit_sizes(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
 
 
 def row_chunks(model: ModelSpec, layout: Layout, threads: int) -> int:
-    """Runs of pieces a block of this layout runs as on `threads` (numesh.nn.stage.row_chunks)."""
+    """Runs of pieces a block of this layout runs as on `threads` (numesh.nn.walk.row_chunks)."""
     return stage_row_chunks(threads, layout.tp, layout.cp, layout.rows(model), model.block_size // layout.cp)
 
 

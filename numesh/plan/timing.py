@@ -23,7 +23,7 @@ Selective recomputation reruns each block's scores (QK^T and the softmax) before
 backward; full recomputation the whole block forward, its communication included.
 
 Not modelled: a single rank with several threads runs each block as runs of pieces, one per
-thread (numesh.nn.stage); the model times its GEMMs with multi-threaded BLAS instead. The
+thread (numesh.nn.walk); the model times its GEMMs with multi-threaded BLAS instead. The
 Python overhead of a step outside the timed kernels (the executor, slicing, allocation) is
 not counted either.
 """
