@@ -345,7 +345,7 @@ def report_cmd(
 
         from numesh import report
         from numesh.errors import ConfigError
-        from numesh.mesh.flight import postmortem
+        from numesh.observe.flight import postmortem
 
         path = out / "trace.json" if out.is_dir() else out
         diagnosis = postmortem(out / "flight") if out.is_dir() else None

@@ -26,14 +26,15 @@ from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unp
 from numesh.checkpoint.format import step_dir_name
 from numesh.errors import ConfigError, Interrupted
 from numesh.interrupt import InterruptWatch
-from numesh.mesh import Mesh, attach, parse_mesh, psum_scalar, unshard
-from numesh.mesh.flight import FlightRecorder
-from numesh.mesh.inject import FaultInjector, faults_from_env
-from numesh.mesh.trace import Tracer
+from numesh.mesh import Mesh, parse_mesh, psum_scalar, unshard
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
 from numesh.nn.units import OUTER, join_units, sequence_partial_leaves, split_units
 from numesh.nn.walk import check_recompute
+from numesh.observe import attach
+from numesh.observe.flight import FlightRecorder
+from numesh.observe.inject import FaultInjector, faults_from_env
+from numesh.observe.trace import Tracer
 from numesh.optim import AdamWConfig, clip_scale, cosine_lr
 from numesh.optim.zero import ZeroOptimizer
 from numesh.pipeline.executor import PipelineExecutor, StepStats
@@ -535,8 +536,8 @@ def _open_run(trainer: Trainer, cfg: TrainConfig) -> RunDir:
 
 
 def _attach_observers(trainer: Trainer, out: Path) -> FlightRecorder | FaultInjector | None:
-    """The flight recorder (numesh/mesh/flight.py; with --collective-timeout on a multi-rank
-    mesh) and NUMESH_INJECT's faults for this rank (numesh/mesh/inject.py), attached to the
+    """The flight recorder (numesh/observe/flight.py; with --collective-timeout on a multi-rank
+    mesh) and NUMESH_INJECT's faults for this rank (numesh/observe/inject.py), attached to the
     mesh; None, and nothing attached, when both are off. Collective."""
     mesh, timeout = trainer.mesh, trainer.cfg.collective_timeout
     inject = FaultInjector(faults_from_env(mesh.world.Get_size()), mesh.world.Get_rank(), mesh)

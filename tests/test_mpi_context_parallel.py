@@ -121,9 +121,9 @@ def test_observers_see_the_ring(layer_mesh: Mesh) -> None:
     """Every K/V block goes through the mesh's observer hook (the tracer and the flight
     recorder see cp traffic): one layer's ring sends and receives, on the cp axis, with the
     same results as unobserved."""
-    from numesh.mesh import Recorder, attach
     from numesh.nn.context_parallel import MeshRing
     from numesh.nn.ring_attention import ring_attention_bwd, ring_attention_fwd
+    from numesh.observe import Recorder, attach
 
     mesh = layer_mesh
     cp = mesh.size("cp")

@@ -8,7 +8,7 @@ single process uses. Sends are nonblocking and receives blocking, so any schedul
 lists respect the dependencies (which `schedules.validate`/`simulate` check) runs without
 deadlock. With pp=1 and 1F1B it is plain gradient accumulation over micro-batches.
 
-Tracing: when `trace` is a `numesh.mesh.trace.Tracer` (None by default, costing one test
+Tracing: when `trace` is a `numesh.observe.trace.Tracer` (None by default, costing one test
 per action), each action becomes a span named as the schedule prints it ("F3", "B3.1"),
 from the start of its computation to the issue of its send, the whole schedule a
 "pipeline" span, and each message a flow arrow from the send to the receive.
@@ -92,7 +92,7 @@ class PipelineExecutor:
         # the tied embedding lives on the first and the last rank: their wte grads are summed
         self.tied = mesh.group("pp", (0, self.p - 1)) if self.p > 1 else None
         self.holds_tied = self.p > 1 and self.rank in (0, self.p - 1)
-        self.trace = None  # a numesh.mesh.trace.Tracer while tracing
+        self.trace = None  # a numesh.observe.trace.Tracer while tracing
         self._runs = 0  # schedules run so far (the same count on every rank): part of flow ids
 
     # ------------------------------------------------------------------ messages

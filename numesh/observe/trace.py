@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from numesh.mesh.hook import Observer
 from numesh.mesh.mesh import AXES, Group, Mesh
-from numesh.mesh.observe import Observer
 
 P2P_OPS = ("send", "recv", "sendrecv")
 MAIN_TID, ASYNC_TID = 0, 1
