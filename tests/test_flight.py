@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
+from numesh.config import config_from
 from numesh.errors import ConfigError
 from numesh.observe.diagnosis import SKIPPED, CallRec, RankState, diagnose
 from numesh.observe.flight import postmortem
 from numesh.observe.inject import Fault, parse_faults
-from numesh.train import Trainer, _attach_observers, config_from
+from numesh.train import Trainer, _attach_observers
 from test_interrupt import START_WITHIN_S, Job, _alive, _children
 
 TIMEOUT_S = 3.0

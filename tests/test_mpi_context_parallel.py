@@ -49,6 +49,7 @@ from conftest import (
     train_records,
 )
 from numesh import formulas
+from numesh.config import TrainConfig, check_layout, config_from
 from numesh.errors import ConfigError
 from numesh.mesh import Mesh, psum, psum_scalar
 from numesh.nn.context_parallel import take_local
@@ -56,7 +57,7 @@ from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, gpt_specs
 from numesh.nn.units import OUTER
 from numesh.nn.walk import forward_loss, loss_and_grads
-from numesh.train import TrainConfig, Trainer, check_layout, config_from
+from numesh.train import Trainer
 from numesh.tree import tree_leaves, tree_leaves_with_path, tree_map
 
 pytestmark = pytest.mark.mpi(min_size=2)

@@ -25,9 +25,10 @@ from mpi4py import MPI
 
 from conftest import assert_same_run, serial_reference, train_records
 from numesh import formulas, threads
+from numesh.config import TrainConfig, config_from
 from numesh.nn.units import OUTER
 from numesh.nn.walk import block_pieces
-from numesh.train import TrainConfig, Trainer, config_from
+from numesh.train import Trainer
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

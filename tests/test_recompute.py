@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from conftest import self_mesh, tiny_config
 from numesh import formulas, threads
+from numesh.config import config_from
 from numesh.errors import ConfigError
 from numesh.nn import walk as S
 from numesh.nn.dropout import DropoutKey
@@ -32,7 +33,7 @@ from numesh.nn.gpt import GPTConfig, init_gpt
 from numesh.nn.transformer import AttnInputs, block_fwd, with_scores, without_scores
 from numesh.nn.units import Unit
 from numesh.pipeline.schedules import make_schedule
-from numesh.train import Trainer, config_from, train
+from numesh.train import Trainer, train
 from numesh.tree import held_bytes, tree_leaves
 
 MODES = ("none", "selective", "full")

@@ -244,7 +244,8 @@ def test_a_training_step_is_the_same_bits_on_1_and_2_threads(char_dataset, tmp_p
     """Two optimiser steps: once with blocks whole (their matmuls in row tiles) and once as 4
     pieces (one run of 4 on one thread, two runs of 2 on two); losses, gradient norms and
     every parameter bit for bit."""
-    from numesh.train import TrainConfig, Trainer
+    from numesh.config import TrainConfig
+    from numesh.train import Trainer
 
     for piece_tokens, pieces in ((1 << 20, 1), (128, 4)):
         monkeypatch.setattr(walk, "PIECE_TOKENS", piece_tokens)
