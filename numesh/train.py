@@ -72,7 +72,7 @@ class Trainer:
         self.specs = stage_tree(gpt_specs(self.model), self.layout, pp_rank)
         adamw = AdamWConfig(cfg.beta1, cfg.beta2, 1e-8, cfg.weight_decay)
         params = stage_tree(init_gpt(self.model, self.mesh, cfg.seed, self.dtype), self.layout, pp_rank)
-        tied_copy = shape["pp"] > 1 and self.layout.is_last(pp_rank)  # counted on the first rank
+        tied_copy = self.layout.holds_tied(pp_rank) and self.layout.is_last(pp_rank)  # counted on the first rank
         units = split_units(params)
         self.opt = ZeroOptimizer(
             units, split_units(self.specs), self.mesh, cfg.zero, adamw,
@@ -164,7 +164,7 @@ class Trainer:
         c, shape, pp_rank = self.cfg, self.mesh.shape, self.mesh.index("pp")
         units = self.opt.units
         itemsize = np.dtype(self.dtype).itemsize
-        holds_tied = shape["pp"] > 1 and pp_rank in (0, shape["pp"] - 1)
+        holds_tied = self.layout.holds_tied(pp_rank)
         tr.meta = {
             "chunks": [attrs.asdict(formulas.Chunk(len(s.blocks), s.first, s.last)) for s in self.pipeline.stages],
             "padded_blocks": sum(u.padded for k, u in units.items() if not k.is_outer),

@@ -65,6 +65,11 @@ class StageLayout:
     def is_last(self, rank: int) -> bool:
         return rank == self.pp - 1
 
+    def holds_tied(self, rank: int) -> bool:
+        """Whether `rank` holds one of the tied embedding's two copies (wte on the first rank,
+        the LM head on the last), whose gradients are summed: only with pp > 1."""
+        return self.pp > 1 and (self.is_first(rank) or self.is_last(rank))
+
 
 def stage_tree(full: GPT, layout: StageLayout, rank: int) -> GPT:
     """The part of a whole-model tree (params, grads or specs) that pipeline rank `rank` holds."""
