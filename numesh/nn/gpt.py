@@ -19,6 +19,7 @@ import numpy as np
 from numesh.errors import ConfigError
 from numesh.mesh import Mesh, P, shard
 from numesh.nn.layers import LayerNorm, Linear
+from numesh.padding import padded_vocab
 from numesh.tree import tree_map, tree_map_with_path
 
 
@@ -34,7 +35,7 @@ class GPTConfig:
 
     def padded_vocab(self, tp: int) -> int:
         """The vocabulary rounded up to a multiple of tp (padding rows never get probability)."""
-        return -(-self.vocab_size // tp) * tp
+        return padded_vocab(self.vocab_size, tp)
 
     def validate(self, tp: int = 1) -> None:
         """Raise ConfigError if this model cannot run with tensor-parallel size `tp`."""

@@ -42,6 +42,7 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh.errors import abort_job
+from numesh.files import write_atomic
 from numesh.mesh.hook import Observer, SkipCall
 from numesh.mesh.mesh import AxisNames, Group, axis_names
 from numesh.observe.diagnosis import FAILED, SKIPPED, CallRec, RankState, diagnose
@@ -71,12 +72,6 @@ def comm_name(axes: AxisNames) -> str:
     if isinstance(axes, Group):
         return f"{axes.axis}[{','.join(map(str, axes.members))}]"
     return ",".join(axis_names(axes))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------
@@ -152,7 +147,7 @@ def postmortem(flight_dir: str | Path) -> str | None:
              f"without a diagnosis (a rank that dies makes mpiexec kill the others at once; its exit code is in "
              f"mpiexec's message); every rank's last calls are in {flight_dir}")
     text, _ = diagnose(states, end, 0.0, str(flight_dir), title=title, ended=True)
-    _write_atomic(diag, text + "\n")
+    write_atomic(diag, text + "\n")
     return text + "\n"
 
 
@@ -215,7 +210,7 @@ class FlightRecorder(Observer):
     def _write_meta(self) -> None:
         meta = {"run": self.run, "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
                 "coords": dict(self.mesh.coords), "shape": dict(self.mesh.shape), "comms": self._names}
-        _write_atomic(self.dir / f"meta-{self.rank}.json", json.dumps(meta))
+        write_atomic(self.dir / f"meta-{self.rank}.json", json.dumps(meta))
 
     def _comm_id(self, axes: AxisNames) -> int:
         key = axes if isinstance(axes, (str, Group)) else tuple(axes)
@@ -321,7 +316,7 @@ class FlightRecorder(Observer):
         state = read_state(self.dir, self.rank, self.run)
         dump = {"run": self.run, "written_by": self.rank, "reason": reason, "time": time.time(),
                 **(state.to_json() if state is not None else {})}
-        _write_atomic(self.dir / f"rank-{self.rank}.json", json.dumps(dump, indent=1))
+        write_atomic(self.dir / f"rank-{self.rank}.json", json.dumps(dump, indent=1))
         failed_at = time.monotonic()
         time.sleep(self.grace_s)
         while True:
@@ -352,10 +347,10 @@ class FlightRecorder(Observer):
                 if s is not None and r not in dumps:
                     dump = {"run": self.run, "written_by": self.rank, "reason": "read from its ring by the leader",
                             "time": time.time(), **s.to_json()}
-                    _write_atomic(self.dir / f"rank-{r}.json", json.dumps(dump, indent=1))
+                    write_atomic(self.dir / f"rank-{r}.json", json.dumps(dump, indent=1))
             text, _ = diagnose(states, time.time(), self.timeout, str(self.dir))
             text += f"\n(rank {self.rank} gave up: {reason}; exiting with code {EXIT_CODE} on every rank)"
-            _write_atomic(self.dir / "diagnosis.txt", text + "\n")
+            write_atomic(self.dir / "diagnosis.txt", text + "\n")
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
         except BaseException as e:  # the abort below must happen whatever went wrong here

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from numesh.files import write_atomic
 from numesh.mesh.hook import Observer
 from numesh.mesh.mesh import AXES, Group, Mesh
 
@@ -201,9 +202,7 @@ class Tracer(Observer):
             at += n
         trace = merge(parts, meta or {})
         path = Path(path)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(trace, allow_nan=False))
-        tmp.replace(path)
+        write_atomic(path, json.dumps(trace, allow_nan=False))
         return path
 
 
