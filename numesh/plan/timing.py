@@ -375,33 +375,11 @@ def _predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byt
     # ZeRO 0 all-reduces over dp x cp in one group, ZeRO 1-3 first all-reduce over cp (blocking)
     dp_group = layout.dp * (layout.cp if layout.zero == 0 else 1)
     if layout.cp > 1 and layout.zero >= 1:
-        cp_bytes = formulas.cp_grad_bytes(layout.zero, layout.micro_batches, sum(padded[:-1]), padded[-1], k)
-        n = calls["reduce_scatter"]  # one per unit reduced: the cp sum comes just before each
-        cp_time += n * profile.comm_time("all_reduce", cp_bytes / n, layout.cp, place.cp_intra, ron)
+        cp_time += _cp_grad_sum_time(layout, profile, place, padded, calls)
     dp_exposed = 0.0
     if dp_group > 1:
-        total = formulas.dp_bytes(layout.zero, layout.micro_batches, sum(padded[:-1]), padded[-1], k,
-                                  sched.split_backward)
-        backward = layout.micro_batches * (worst.b + worst.w) if layout.zero >= 2 else worst.b + worst.w
-        for op, nbytes in total.items():
-            if op == "all_gather" and layout.zero == 3:
-                continue  # inside F and B (worst.zero3)
-            n = calls.get(op, 0)
-            if not n or not nbytes:
-                continue
-            one = profile.comm_time(op, nbytes / n, dp_group, place.dp_intra, ron)
-            if op == "all_gather" or not profile.overlap:
-                dp_exposed += n * one  # after the optimiser step / no progress during backward
-            else:
-                dp_exposed += max(one, n * one - backward)
-    other = 0.0
-    if layout.pp > 1:  # the tied embedding's gradient, summed between the first and last stage
-        tied = padded_vocab(model.vocab_size, layout.tp) // layout.tp * model.n_embd * k
-        other += profile.comm_time("all_reduce", tied, 2, place.pp_intra, ron)
-    shape = layout.shape
-    for axes in (formulas.loss_axes(shape), formulas.norm_axes(shape, layout.zero)):  # the loss, the gradient norm
-        group = math.prod(shape[a] for a in axes)
-        other += profile.comm_time("all_reduce", formulas.SCALAR, group, place.pp_intra and place.dp_intra, ron)
+        dp_exposed = _dp_exposed(layout, profile, place, padded, calls, worst, dp_group)
+    other = _scalar_and_tied_time(model, layout, profile, place)
     if layout.sp:  # the LayerNorm gradients, partial sums over tp, all-reduced once per step (this dp shard's)
         ln = (2 * (model.n_layer // layout.pp) + int(layout.pp == 1)) * model.n_embd * (2 if model.bias else 1)
         tp_time += profile.comm_time("all_reduce", ceil_div(ln, layout.dp) * k if layout.zero else ln * k, layout.tp,
@@ -424,3 +402,49 @@ def _predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byt
         optimizer=optimizer,
         total=total,
     )
+
+
+def _cp_grad_sum_time(layout: Layout, profile: Profile, place: Placement, padded: list[int],
+                      calls: dict[str, int]) -> float:
+    """ZeRO 1-3 with cp: the blocking all-reduce over cp before each unit's reduce-scatter."""
+    k, ron = profile.itemsize, place.ranks_on_node
+    cp_bytes = formulas.cp_grad_bytes(layout.zero, layout.micro_batches, sum(padded[:-1]), padded[-1], k)
+    n = calls["reduce_scatter"]  # one per unit reduced: the cp sum comes just before each
+    return n * profile.comm_time("all_reduce", cp_bytes / n, layout.cp, place.cp_intra, ron)
+
+
+def _dp_exposed(layout: Layout, profile: Profile, place: Placement, padded: list[int], calls: dict[str, int],
+                worst: ActionCost, dp_group: int) -> float:
+    """The data-parallel reduction's time not hidden behind the backward (ZeRO-3's gathers are
+    inside F and B: `worst.zero3`)."""
+    k, ron = profile.itemsize, place.ranks_on_node
+    total = formulas.dp_bytes(layout.zero, layout.micro_batches, sum(padded[:-1]), padded[-1], k,
+                              layout.sched.split_backward)
+    backward = layout.micro_batches * (worst.b + worst.w) if layout.zero >= 2 else worst.b + worst.w
+    dp_exposed = 0.0
+    for op, nbytes in total.items():
+        if op == "all_gather" and layout.zero == 3:
+            continue  # inside F and B (worst.zero3)
+        n = calls.get(op, 0)
+        if not n or not nbytes:
+            continue
+        one = profile.comm_time(op, nbytes / n, dp_group, place.dp_intra, ron)
+        if op == "all_gather" or not profile.overlap:
+            dp_exposed += n * one  # after the optimiser step / no progress during backward
+        else:
+            dp_exposed += max(one, n * one - backward)
+    return dp_exposed
+
+
+def _scalar_and_tied_time(model: ModelSpec, layout: Layout, profile: Profile, place: Placement) -> float:
+    """The tied embedding's gradient sum (pp > 1) and the step's two scalar all-reduces."""
+    k, ron = profile.itemsize, place.ranks_on_node
+    other = 0.0
+    if layout.pp > 1:  # the tied embedding's gradient, summed between the first and last stage
+        tied = padded_vocab(model.vocab_size, layout.tp) // layout.tp * model.n_embd * k
+        other += profile.comm_time("all_reduce", tied, 2, place.pp_intra, ron)
+    shape = layout.shape
+    for axes in (formulas.loss_axes(shape), formulas.norm_axes(shape, layout.zero)):  # the loss, the gradient norm
+        group = math.prod(shape[a] for a in axes)
+        other += profile.comm_time("all_reduce", formulas.SCALAR, group, place.pp_intra and place.dp_intra, ron)
+    return other
