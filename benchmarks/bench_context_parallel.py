@@ -32,13 +32,14 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
+from numesh.config import config_from
 from numesh.mesh import Mesh
 from numesh.nn.context_parallel import MeshRing, take_local
 from numesh.nn.gpt import GPTConfig, init_gpt
 from numesh.nn.ring_attention import ring_attention_bwd, ring_attention_fwd
-from numesh.nn.stage import ResidentParams, stage_forward, whole_model
+from numesh.nn.walk import ResidentParams, stage_forward, whole_model
 from numesh.runtime import configure_process
-from numesh.train import Trainer, config_from
+from numesh.train import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_SRC, dataset_dir  # noqa: E402

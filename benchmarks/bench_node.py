@@ -62,8 +62,9 @@ def worker_numesh(args: argparse.Namespace) -> None:
     import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
     from mpi4py import MPI
 
+    from numesh.config import config_from
     from numesh.runtime import configure_process
-    from numesh.train import Trainer, config_from
+    from numesh.train import Trainer
 
     comm = MPI.COMM_WORLD
     threads = configure_process(args.threads, comm)
@@ -93,7 +94,7 @@ def worker_torch(args: argparse.Namespace) -> None:
 
     from bench_train import torch_trainer
     from numesh import data as D
-    from numesh.train import config_from
+    from numesh.config import config_from
 
     torch.set_num_threads(args.threads)
     model = json.loads(args.model)

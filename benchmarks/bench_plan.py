@@ -49,8 +49,9 @@ def worker(layouts_file: str, data: str, warmup: int, steps: int) -> None:
     """Run every layout of the file on COMM_WORLD; rank 0 prints one JSON line per layout."""
     from mpi4py import MPI
 
+    from numesh.config import TrainConfig
     from numesh.runtime import configure_process
-    from numesh.train import TrainConfig, Trainer
+    from numesh.train import Trainer
 
     configure_process()
     comm = MPI.COMM_WORLD
@@ -141,11 +142,11 @@ def main() -> None:
         return
 
     from numesh import data as D
+    from numesh.config import TrainConfig
     from numesh.plan import predict
     from numesh.plan.hardware import load_profile
     from numesh.plan.layout import ModelSpec
     from numesh.plan.search import valid_layouts
-    from numesh.train import TrainConfig
 
     bindir = Path(sys.executable).parent
     mpirun = str(bindir / "mpirun") if (bindir / "mpirun").exists() else "mpirun"

@@ -30,8 +30,9 @@ import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, 
 from mpi4py import MPI
 
 from numesh import formulas
+from numesh.config import config_from
 from numesh.runtime import configure_process
-from numesh.train import Trainer, config_from
+from numesh.train import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402

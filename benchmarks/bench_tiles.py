@@ -6,7 +6,7 @@ BLAS on one thread:
 1. matmul: one BLAS call on all rows against `threads.matmul`'s fixed row tiles at a few
    tile sizes, for the products a step makes (forward, input grad, the weight grad's xᵀ·dy).
 2. a transformer block's forward and backward: whole against cut into 2, 4, ... pieces of
-   its sequences (numesh.nn.stage.block_pieces; what a run on one thread pays for pieces).
+   its sequences (numesh.nn.walk.block_pieces; what a run on one thread pays for pieces).
 
     python benchmarks/bench_tiles.py                # the default model's shapes
     python benchmarks/bench_tiles.py --n-embd 384 --n-head 6 --block-size 256 --batch 16
@@ -25,7 +25,7 @@ from threadpoolctl import threadpool_limits
 from numesh import threads
 from numesh.mesh import Mesh
 from numesh.nn.gpt import GPTConfig, init_gpt
-from numesh.nn.stage import run_block_bwd, run_block_fwd
+from numesh.nn.walk import run_block_bwd, run_block_fwd
 from numesh.runtime import keep_freed_memory
 
 
@@ -72,7 +72,7 @@ def block_table(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.batch, args.block_size, args.n_embd)).astype(np.float32)
     dy = rng.standard_normal(x.shape).astype(np.float32)
-    import numesh.nn.stage as stage
+    import numesh.nn.walk as walk
 
     fns = {}
     for pieces in (1, 2, 4, 8, 16):
@@ -80,7 +80,7 @@ def block_table(args: argparse.Namespace) -> None:
             break
 
         def run(pieces: int = pieces) -> None:
-            stage.PIECE_TOKENS = args.batch // pieces * args.block_size if pieces > 1 else 1 << 40
+            walk.PIECE_TOKENS = args.batch // pieces * args.block_size if pieces > 1 else 1 << 40
             _, ctx = run_block_fwd(p, x, cfg, mesh, 0)
             run_block_bwd(p, ctx, dy, cfg, mesh)
         fns[pieces] = run

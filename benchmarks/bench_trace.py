@@ -38,10 +38,11 @@ import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS)
 from mpi4py import MPI
 
 from numesh import report
-from numesh.mesh import attach
-from numesh.mesh.flight import FlightRecorder
+from numesh.config import config_from
+from numesh.observe import attach
+from numesh.observe.flight import FlightRecorder
 from numesh.runtime import configure_process, guarded
-from numesh.train import Trainer, config_from
+from numesh.train import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_SRC, dataset_dir  # noqa: E402

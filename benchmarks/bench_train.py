@@ -73,7 +73,8 @@ def preset_config(preset: str, batch_size: int | None = None, block_size: int | 
 
 def make_trainer(model_cfg: dict[str, Any], data: str, dtype: str = "float32", seed: int = 1337):
     """A single-process numesh Trainer for this model on this dataset."""
-    from numesh.train import Trainer, config_from
+    from numesh.config import config_from
+    from numesh.train import Trainer
 
     cfg = config_from({**model_cfg, "data": data, "dtype": dtype, "seed": seed, "dropout": 0.0, "bias": False,
                        "mesh": ""})

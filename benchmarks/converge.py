@@ -43,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from mpi4py import MPI
 
+    from numesh.config import config_from
     from numesh.runtime import keep_freed_memory, set_blas_threads
-    from numesh.train import Trainer, config_from
+    from numesh.train import Trainer
     from numesh.tree import tree_map
 
     threads = set_blas_threads(args.threads)

@@ -89,9 +89,6 @@ def data_char(
     _run(go)
 
 
-_PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
-
-
 def _shown(default: Any) -> str:
     """A default as the help shows it: '' as (none), booleans as the flag that is on."""
     if isinstance(default, bool):
@@ -101,7 +98,7 @@ def _shown(default: Any) -> str:
 
 def _train_signature() -> inspect.Signature:
     """One option per TrainConfig field (None = not given, so --config values survive)."""
-    from numesh.train import TrainConfig
+    from numesh.config import TrainConfig, field_type
 
     params = [
         inspect.Parameter(
@@ -113,7 +110,7 @@ def _train_signature() -> inspect.Signature:
         )
     ]
     for f in attrs.fields(TrainConfig):
-        typ = _PY_TYPES[f.type]
+        typ = field_type(f)
         flag = "--" + f.name.replace("_", "-")
         decls = [f"{flag}/--no-{flag[2:]}"] if typ is bool else [flag]
         params.append(
@@ -132,8 +129,9 @@ def train_cmd(**options: Any) -> None:
     """Train a GPT on a prepared dataset (run under mpirun for a multi-rank --mesh)."""
 
     def go() -> None:
+        from numesh.config import config_from
         from numesh.runtime import configure_process, is_root, log
-        from numesh.train import config_from, train
+        from numesh.train import train
         from numesh_cli.dataset import ensure_run_dataset
 
         configure_process()
@@ -345,7 +343,7 @@ def report_cmd(
 
         from numesh import report
         from numesh.errors import ConfigError
-        from numesh.mesh.flight import postmortem
+        from numesh.observe.flight import postmortem
 
         path = out / "trace.json" if out.is_dir() else out
         diagnosis = postmortem(out / "flight") if out.is_dir() else None

@@ -26,6 +26,7 @@ import attrs
 import numpy as np
 
 from numesh.errors import DataError
+from numesh.files import write_atomic
 from numesh.mesh.zigzag import take_local
 
 SHAKESPEARE_URL = (
@@ -269,7 +270,7 @@ def shakespeare_text(cache_dir: str | Path, progress: Callable[[int, int], None]
     text = download_shakespeare(progress)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(cached, lambda p: p.write_bytes(text.encode("utf-8")))
+        write_atomic(cached, text.encode("utf-8"))
     except OSError as e:
         raise DataError(
             f"cannot write {cached} ({e.strerror or e}): choose a writable dataset directory"
@@ -344,17 +345,6 @@ def fallback_corpus() -> tuple[str, dict[str, Any]]:
     return text, corpus
 
 
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through a temporary sibling then rename, so readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def prepare_char_dataset(text: str, out_dir: str | Path, corpus: dict[str, Any] | None = None) -> dict[str, Any]:
     """Tokenize `text` and write train.bin / val.bin (90% / 10%) and meta.json to `out_dir`.
 
@@ -378,10 +368,10 @@ def prepare_char_dataset(text: str, out_dir: str | Path, corpus: dict[str, Any] 
     meta = tok.to_meta() | {"train_tokens": int(len(train)), "val_tokens": int(len(val))}
     if corpus is not None:
         meta["corpus"] = corpus
-    _write_atomic(out / "train.bin", lambda p: train.astype(TOKEN_DTYPE).tofile(p))
-    _write_atomic(out / "val.bin", lambda p: val.astype(TOKEN_DTYPE).tofile(p))
+    write_atomic(out / "train.bin", lambda p: train.astype(TOKEN_DTYPE).tofile(p))
+    write_atomic(out / "val.bin", lambda p: val.astype(TOKEN_DTYPE).tofile(p))
     meta_text = json.dumps(meta, ensure_ascii=False, indent=1)
-    _write_atomic(out / META_FILE, lambda p: p.write_text(meta_text, encoding="utf-8"))
+    write_atomic(out / META_FILE, meta_text)
     return {
         "vocab_size": tok.vocab_size,
         "train_tokens": int(len(train)),

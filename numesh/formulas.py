@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 
 import attrs
 
+from numesh.padding import padded_vocab, round_up
 from numesh.pipeline.schedules import Schedule, simulate
 
 SCALAR = 8  # one float64 all-reduced (loss, gradient norm)
@@ -269,11 +270,6 @@ def bubble(schedule: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 
 TOKEN_ID_BYTES = 8  # token ids and targets are int64 (numesh.data.read_rows)
 
 
-def padded_vocab(vocab: int, tp: int) -> int:
-    """The vocabulary rounded up to a multiple of tp (GPTConfig.padded_vocab)."""
-    return -(-vocab // tp) * tp
-
-
 def block_params(n_embd: int, tp: int = 1, bias: bool = False) -> int:
     """Values of one transformer block on one tp rank: QKV, MLP-up (column-parallel) and
     attention-out, MLP-down (row-parallel) split over tp; the two LayerNorms replicated;
@@ -301,7 +297,7 @@ def zero_buffer_bytes(unit_sizes: Iterable[int], dp: int, stage: int, itemsize: 
     padded to a multiple of dp; parameters, gradients and AdamW's two moments whole or as
     this rank's 1/dp as the stage says; the workspace is AdamW's scratch (one state-sized
     buffer) and the weight-decay and norm masks (a byte per state value each)."""
-    padded = [-(-n // dp) * dp for n in unit_sizes]
+    padded = [round_up(n, dp) for n in unit_sizes]
     full, shard = sum(padded), sum(p // dp for p in padded)
     state = shard if stage >= 1 else full
     return {

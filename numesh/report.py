@@ -154,48 +154,13 @@ def _ranks(trace: dict) -> dict[int, dict]:
 def pipeline_bubble(trace: dict) -> dict[str, Any]:
     """Measured bubble and per-stage idle (means over steps and pipelines) beside the schedule's theory."""
     m = meta(trace)
-    shape, ranks, evs = m["mesh"], _ranks(trace), rank_events(trace)
-    p = shape["pp"]
+    p, evs = m["mesh"]["pp"], rank_events(trace)
     sched = make_schedule(m["schedule"], p, m["micro_batches"], m["virtual_stages"])
-    pipes: dict[tuple, dict[int, int]] = {}  # (dp, cp, tp) -> pp index -> rank
-    for r, info in ranks.items():
-        c = info["coords"]
-        pipes.setdefault((c["dp"], c.get("cp", 0), c["tp"]), {})[c["pp"]] = r
     durations: dict[str, list[float]] = {"F": [], "B": [], "W": []}
     per_stage: dict[tuple[str, int], list[float]] = {}  # (kind, global stage) -> durations
-    fractions, idle = [], [[] for _ in range(p)]
-    replay, replay_idle = [], [[] for _ in range(p)]  # each step's own action costs through the schedule
-    for members in pipes.values():
-        per_rank = {}
-        for s, r in members.items():
-            wins = step_windows(evs[r])
-            spans = []
-            for _, a, b in wins:
-                inside = _within(evs[r], a, b)
-                pipe = next(e for e in inside if e.get("cat") == "pipeline")
-                acts = [e for e in inside if e.get("cat") == "compute"]
-                costs = {}
-                for e in acts:
-                    kind, stage = e["args"]["kind"], e["args"]["stage"]
-                    durations[kind].append(e["dur"])
-                    per_stage.setdefault((kind, stage), []).append(e["dur"])
-                    costs[(kind, e["args"]["mb"], stage)] = e["dur"] / 1e3
-                spans.append((pipe["ts"], pipe["ts"] + pipe["dur"], sum(e["dur"] for e in acts), costs))
-            per_rank[s] = spans
-        for k in range(min(len(v) for v in per_rank.values())):
-            start = min(per_rank[s][k][0] for s in per_rank)
-            end = max(per_rank[s][k][1] for s in per_rank)
-            span = end - start
-            busy = [per_rank[s][k][2] for s in range(p)]
-            fractions.append(1 - sum(busy) / (p * span))
-            for s in range(p):
-                idle[s].append(1 - busy[s] / span)
-            costs = {key: c for s in per_rank for key, c in per_rank[s][k][3].items()}
-            if len(costs) == sum(len(a) for a in sched.actions):
-                own = formulas.bubble(sched, action_costs=costs)
-                replay.append(own["fraction"])
-                for s in range(p):
-                    replay_idle[s].append(own["per_rank"][s])
+    bubbles = _Bubbles(p)
+    for members in _pipelines(_ranks(trace)).values():
+        bubbles.add(sched, {s: _step_spans(evs[r], durations, per_stage) for s, r in members.items()})
     mean = {k: (statistics.fmean(v) / 1e3 if v else 0.0) for k, v in durations.items()}
     if sched.split_backward:
         measured_costs = (mean["F"], mean["B"], mean["W"])
@@ -208,18 +173,77 @@ def pipeline_bubble(trace: dict) -> dict[str, Any]:
     with_stage_costs = formulas.bubble(sched, *measured_costs, stage_costs=stage_costs) if mean["F"] > 0 else unit
     return {
         "schedule": sched.name, "p": p, "m": sched.m, "v": sched.v,
-        "measured": statistics.fmean(fractions) if fractions else 0.0,
-        "measured_idle_per_stage": [statistics.fmean(x) if x else 0.0 for x in idle],
+        "measured": statistics.fmean(bubbles.fractions) if bubbles.fractions else 0.0,
+        "measured_idle_per_stage": [statistics.fmean(x) if x else 0.0 for x in bubbles.idle],
         "theory_unit_costs": unit["fraction"],
         "theory_unit_costs_per_stage": unit["per_rank"],
         "theory_measured_costs": with_costs["fraction"],
         "theory_measured_costs_per_stage": with_costs["per_rank"],
         "theory_stage_costs": with_stage_costs["fraction"],
         "theory_stage_costs_per_stage": with_stage_costs["per_rank"],
-        "theory_action_costs": statistics.fmean(replay) if replay else None,
-        "theory_action_costs_per_stage": [statistics.fmean(x) if x else None for x in replay_idle],
+        "theory_action_costs": statistics.fmean(bubbles.replay) if bubbles.replay else None,
+        "theory_action_costs_per_stage": [statistics.fmean(x) if x else None for x in bubbles.replay_idle],
         "mean_action_ms": mean,
     }
+
+
+def _pipelines(ranks: dict[int, dict]) -> dict[tuple, dict[int, int]]:
+    """Every pipeline of the mesh: (dp, cp, tp) -> pp index -> rank."""
+    pipes: dict[tuple, dict[int, int]] = {}
+    for r, info in ranks.items():
+        c = info["coords"]
+        pipes.setdefault((c["dp"], c.get("cp", 0), c["tp"]), {})[c["pp"]] = r
+    return pipes
+
+
+def _step_spans(evs: list[dict], durations: dict[str, list[float]],
+                per_stage: dict[tuple[str, int], list[float]]) -> list[tuple[float, float, float, dict]]:
+    """Each traced step of one rank: (its pipeline run's start, end, the time busy computing,
+    {(kind, micro-batch, stage): ms of that action}); every action's duration also goes into
+    `durations` (by kind) and `per_stage` (by kind and global stage)."""
+    spans = []
+    for _, a, b in step_windows(evs):
+        inside = _within(evs, a, b)
+        pipe = next(e for e in inside if e.get("cat") == "pipeline")
+        acts = [e for e in inside if e.get("cat") == "compute"]
+        costs = {}
+        for e in acts:
+            kind, stage = e["args"]["kind"], e["args"]["stage"]
+            durations[kind].append(e["dur"])
+            per_stage.setdefault((kind, stage), []).append(e["dur"])
+            costs[(kind, e["args"]["mb"], stage)] = e["dur"] / 1e3
+        spans.append((pipe["ts"], pipe["ts"] + pipe["dur"], sum(e["dur"] for e in acts), costs))
+    return spans
+
+
+class _Bubbles:
+    """Each step's measured bubble of each pipeline, and the schedule replayed with that
+    step's own action costs (when every action of the step was traced)."""
+
+    def __init__(self, p: int):
+        self.p = p
+        self.fractions: list[float] = []
+        self.idle: list[list[float]] = [[] for _ in range(p)]
+        self.replay: list[float] = []
+        self.replay_idle: list[list[float]] = [[] for _ in range(p)]
+
+    def add(self, sched: Any, per_rank: dict[int, list[tuple[float, float, float, dict]]]) -> None:
+        """The steps of one pipeline (`per_rank`: pp index -> `_step_spans`)."""
+        p = self.p
+        for k in range(min(len(v) for v in per_rank.values())):
+            start = min(per_rank[s][k][0] for s in per_rank)
+            end = max(per_rank[s][k][1] for s in per_rank)
+            span = end - start
+            busy = [per_rank[s][k][2] for s in range(p)]
+            self.fractions.append(1 - sum(busy) / (p * span))
+            for s in range(p):
+                self.idle[s].append(1 - busy[s] / span)
+            costs = {key: c for s in per_rank for key, c in per_rank[s][k][3].items()}
+            if len(costs) == sum(len(a) for a in sched.actions):
+                own = formulas.bubble(sched, action_costs=costs)
+                self.replay.append(own["fraction"])
+                for s in range(p):
+                    self.replay_idle[s].append(own["per_rank"][s])
 
 
 def _bytes_key(axes: str, op: str) -> str:

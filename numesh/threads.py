@@ -10,7 +10,7 @@ Anything that is not row-independent (a matmul's rows depend on the BLAS call th
 a block's weight gradients sum over its sequences) is cut into fixed tiles, chosen from the
 shape alone, and the threads only decide who computes which tile: see "Fixed tiles" below.
 `matmul` makes one BLAS call per tile of rows; a block on enough tokens is cut into fixed
-pieces of its sequences (numesh.nn.stage), and each thread runs the whole block on a run
+pieces of its sequences (numesh.nn.walk), and each thread runs the whole block on a run
 of pieces (`chunked_*`) with BLAS and `over_rows` single-threaded inside (`over_batch`),
 so the cores meet once per block instead of once per op. That matters on small models: a
 BLAS or pool thread that has gone idle takes ~0.1 ms to wake, paid by each of the ~50
@@ -167,7 +167,7 @@ def over_batch(fn: Callable[[slice], T], n: int, k: int | None = None) -> list[T
 # side again: benchmarks/bench_tiles.py). So:
 #
 # - `matmul` makes one BLAS call per fixed tile of rows;
-# - a block's tokens are cut into fixed pieces of whole sequences (numesh.nn.stage); inside
+# - a block's tokens are cut into fixed pieces of whole sequences (numesh.nn.walk); inside
 #   a block call, every matmul over token rows makes its calls piece by piece, and every sum
 #   over tokens (weight, bias and LayerNorm gradients: `token_sum`) adds the pieces' sums in
 #   one fixed pairwise tree. One thread runs the block on all pieces at once, several

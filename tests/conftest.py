@@ -211,7 +211,7 @@ SMALL_BATCH = 8
 
 def small_run_config(data: Path, out: Path, mesh: str, **kw: object) -> Any:
     """A tiny float64 training run with dropout and biases (every code path), for parity tests."""
-    from numesh.train import config_from
+    from numesh.config import config_from
 
     base: dict = dict(
         n_layer=2, n_head=4, n_embd=16, block_size=8, batch_size=SMALL_BATCH, max_iters=4, dropout=0.1, bias=True,

@@ -29,13 +29,14 @@ from numesh.checkpoint import (
 )
 from numesh.checkpoint import save as save_mod
 from numesh.checkpoint.format import block_region, leaf_blocks
+from numesh.config import TrainConfig, config_from
 from numesh.data import prepare_char_dataset
 from numesh.errors import ConfigError
 from numesh.mesh import AXES, MeshError, P, local_slices
 from numesh.nn.gpt import gpt_specs
 from numesh.nn.units import join_units
 from numesh.pipeline.stages import StageLayout, stage_tree
-from numesh.train import TrainConfig, Trainer, config_from, restore, train, train_state
+from numesh.train import Trainer, restore, train, train_state
 from numesh.tree import tree_leaves, tree_leaves_with_path, tree_map_with_path
 
 # 11 distinct characters, so tp=4 pads the vocabulary to 12

@@ -1,5 +1,5 @@
 """Hangs become a diagnosis and exit code 3 (issue #16 points 3 and 4): the flight recorder
-(numesh/mesh/flight.py) and fault injection (numesh/mesh/inject.py).
+(numesh/observe/flight.py, numesh/observe/diagnosis.py) and fault injection (numesh/observe/inject.py).
 
 Unit tests: the NUMESH_INJECT parser, and `diagnose` on synthetic ring states. Real jobs
 (launched like tests/test_interrupt.py, whose Job they reuse): a fault is injected at step 2
@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
+from numesh.config import config_from
 from numesh.errors import ConfigError
-from numesh.mesh.flight import SKIPPED, CallRec, RankState, diagnose, postmortem
-from numesh.mesh.inject import Fault, parse_faults
-from numesh.train import Trainer, _attach_observers, config_from
+from numesh.observe.diagnosis import SKIPPED, CallRec, RankState, diagnose
+from numesh.observe.flight import postmortem
+from numesh.observe.inject import Fault, parse_faults
+from numesh.train import Trainer, _attach_observers
 from test_interrupt import START_WITHIN_S, Job, _alive, _children
 
 TIMEOUT_S = 3.0

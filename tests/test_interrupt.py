@@ -29,9 +29,10 @@ from mpi4py import MPI
 
 from conftest import make_dataset
 from numesh.checkpoint import read_meta, read_params_dict
+from numesh.config import config_from
 from numesh.errors import Interrupted
 from numesh.runtime import guarded
-from numesh.train import config_from, train
+from numesh.train import train
 from test_mpi_suites import clean_env, launcher
 
 START_WITHIN_S = 180  # to start and log STEPS_BEFORE steps (imports and set-up on a loaded 2-core machine)

@@ -31,7 +31,7 @@ from numesh.nn.parallel import (
     vocab_parallel_embedding_bwd,
     vocab_parallel_embedding_fwd,
 )
-from numesh.nn.stage import forward_loss, loss_and_grads
+from numesh.nn.walk import forward_loss, loss_and_grads
 from numesh.tree import tree_leaves, tree_leaves_with_path
 
 EPS = 1e-6

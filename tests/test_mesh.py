@@ -288,7 +288,7 @@ def test_shard_returns_an_owned_copy() -> None:
 
 
 def test_chained_observers_each_see_every_call_and_the_first_waits() -> None:
-    from numesh.mesh.observe import Chain, Observer, Recorder, attach
+    from numesh.observe import Chain, Observer, Recorder, attach
 
     class Waiter(Recorder):
         waited = 0

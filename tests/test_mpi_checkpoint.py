@@ -28,10 +28,11 @@ from numesh.checkpoint import (
 )
 from numesh.checkpoint import format as fmt
 from numesh.checkpoint.format import leaf_blocks
+from numesh.config import TrainConfig, config_from
 from numesh.data import prepare_char_dataset
 from numesh.mesh import parse_mesh
 from numesh.nn.units import join_units, split_units
-from numesh.train import TrainConfig, Trainer, config_from, restore, train, train_state
+from numesh.train import Trainer, restore, train, train_state
 from numesh.tree import tree_leaves_with_path
 
 pytestmark = pytest.mark.mpi(min_size=2)

@@ -344,7 +344,7 @@ def _every_call(mesh: Mesh) -> list[np.ndarray]:
 
 
 def test_observer_sees_every_call_and_changes_no_result() -> None:
-    from numesh.mesh import Recorder
+    from numesh.observe import Recorder
 
     mesh = Mesh.parse("dp=-1")
     plain = _every_call(mesh)

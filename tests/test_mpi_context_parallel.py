@@ -49,14 +49,15 @@ from conftest import (
     train_records,
 )
 from numesh import formulas
+from numesh.config import TrainConfig, check_layout, config_from
 from numesh.errors import ConfigError
 from numesh.mesh import Mesh, psum, psum_scalar
 from numesh.nn.context_parallel import take_local
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, gpt_specs
-from numesh.nn.stage import forward_loss, loss_and_grads
 from numesh.nn.units import OUTER
-from numesh.train import TrainConfig, Trainer, check_layout, config_from
+from numesh.nn.walk import forward_loss, loss_and_grads
+from numesh.train import Trainer
 from numesh.tree import tree_leaves, tree_leaves_with_path, tree_map
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -121,9 +122,9 @@ def test_observers_see_the_ring(layer_mesh: Mesh) -> None:
     """Every K/V block goes through the mesh's observer hook (the tracer and the flight
     recorder see cp traffic): one layer's ring sends and receives, on the cp axis, with the
     same results as unobserved."""
-    from numesh.mesh import Recorder, attach
     from numesh.nn.context_parallel import MeshRing
     from numesh.nn.ring_attention import ring_attention_bwd, ring_attention_fwd
+    from numesh.observe import Recorder, attach
 
     mesh = layer_mesh
     cp = mesh.size("cp")

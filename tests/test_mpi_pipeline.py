@@ -29,9 +29,10 @@ import pytest
 from mpi4py import MPI
 
 from conftest import assert_same_run, serial_reference, train_records
+from numesh.config import TrainConfig, config_from
 from numesh.errors import ConfigError
 from numesh.pipeline.schedules import ScheduleError, bubble_fraction, peak_activations, simulate
-from numesh.train import TrainConfig, Trainer, config_from, train
+from numesh.train import Trainer, train
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

@@ -25,9 +25,10 @@ from mpi4py import MPI
 
 from conftest import assert_same_run, serial_reference, train_records
 from numesh import formulas, threads
-from numesh.nn.stage import block_pieces
+from numesh.config import TrainConfig, config_from
 from numesh.nn.units import OUTER
-from numesh.train import TrainConfig, Trainer, config_from
+from numesh.nn.walk import block_pieces
+from numesh.train import Trainer
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -107,7 +108,7 @@ def memory_cases(n: int) -> list:
 
 
 def chunks_per_block(trainer: Trainer, rows: int) -> int:
-    """Runs of pieces a block runs as (numesh.nn.stage.row_chunks): >1 only without tp and cp."""
+    """Runs of pieces a block runs as (numesh.nn.walk.row_chunks): >1 only without tp and cp."""
     mesh = trainer.mesh
     pieces = block_pieces(mesh.size("tp"), mesh.size("cp"), rows, trainer.cfg.block_size // mesh.size("cp"),
                           threads.cores())

@@ -34,8 +34,8 @@ from numesh.errors import ConfigError, MeshError
 from numesh.mesh import Mesh, P
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, gpt_specs
-from numesh.nn.stage import ResidentParams, forward_loss, loss_and_grads, stage_forward, whole_model
 from numesh.nn.units import OUTER
+from numesh.nn.walk import ResidentParams, forward_loss, loss_and_grads, stage_forward, whole_model
 from numesh.optim.zero import ZeroOptimizer
 from numesh.train import Trainer
 from numesh.tree import held_bytes as nbytes  # each buffer once, as the activation accounting counts
@@ -100,8 +100,8 @@ def test_layernorm_grads_are_partial_before_the_tp_sum() -> None:
     n = WORLD.Get_size()
     if n not in (2, 4):
         pytest.skip("runs on 2 and 4 ranks")
-    from numesh.nn.stage import stage_backward
     from numesh.nn.units import join_units
+    from numesh.nn.walk import stage_backward
 
     mesh = Mesh.create(WORLD, sequence_parallel=True, tp=n)
     cfg = model_config(dropout=0.0)

@@ -24,13 +24,13 @@ from conftest import (
     tiny_config,
     train_records,
 )
+from numesh.config import config_from
 from numesh.data import load_tokenizer
 from numesh.formulas import Chunk, tp_all_reduce_bytes
 from numesh.mesh import Mesh
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, gpt_specs, init_gpt
-from numesh.nn.stage import forward_loss, loss_and_grads
-from numesh.train import config_from
+from numesh.nn.walk import forward_loss, loss_and_grads
 from numesh.tree import tree_leaves, tree_leaves_with_path
 
 pytestmark = pytest.mark.mpi(min_size=2)

@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from numesh import formulas
+from numesh.config import TrainConfig, validate
 from numesh.errors import ConfigError, UserError
 from numesh.pipeline.schedules import make_schedule, simulate
 from numesh.plan import costs, plan, predict
@@ -36,7 +37,7 @@ from numesh.plan.pipesim import makespan_and_busy
 from numesh.plan.search import _cp_sizes, candidates, least_recompute, train_config, valid_layouts
 from numesh.plan.timing import Placement, attention_cost, block_cost, placement, predict_time, ring_hop_bytes
 from numesh.threads import threads
-from numesh.train import TrainConfig, Trainer, validate
+from numesh.train import Trainer
 from numesh_cli.app import app
 
 

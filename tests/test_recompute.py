@@ -25,14 +25,15 @@ from mpi4py import MPI
 
 from conftest import self_mesh, tiny_config
 from numesh import formulas, threads
+from numesh.config import config_from
 from numesh.errors import ConfigError
-from numesh.nn import stage as S
+from numesh.nn import walk as S
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, init_gpt
 from numesh.nn.transformer import AttnInputs, block_fwd, with_scores, without_scores
 from numesh.nn.units import Unit
 from numesh.pipeline.schedules import make_schedule
-from numesh.train import Trainer, config_from, train
+from numesh.train import Trainer, train
 from numesh.tree import held_bytes, tree_leaves
 
 MODES = ("none", "selective", "full")
@@ -42,7 +43,7 @@ MODES = ("none", "selective", "full")
 def thread_count(monkeypatch):
     """Set the intra-op thread count for a test, restoring it afterwards. With more than one,
     blocks of these tiny models also run as pieces of one sequence, as a large model's blocks
-    run as pieces (numesh.nn.stage.block_pieces); with one they stay whole."""
+    run as pieces (numesh.nn.walk.block_pieces); with one they stay whole."""
     before, cores, piece_tokens = threads.threads(), threads.cores(), S.PIECE_TOKENS
 
     def set_count(n: int) -> None:

@@ -9,11 +9,11 @@ from threadpoolctl import threadpool_limits
 
 from numesh import threads
 from numesh.mesh import Mesh
-from numesh.nn import stage
+from numesh.nn import walk
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, init_gpt
 from numesh.nn.layers import causal_attention_bwd, causal_attention_fwd, gelu_bwd, gelu_fwd
-from numesh.nn.stage import loss_and_grads
+from numesh.nn.walk import loss_and_grads
 from numesh.optim.adamw import AdamWConfig, adamw_init, adamw_step
 from numesh.tree import tree_leaves
 
@@ -115,7 +115,7 @@ def test_over_batch_returns_chunks_in_order_single_threaded_inside(with_threads)
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_blocks_run_as_pieces_are_the_same_bits_on_any_thread_count(with_threads, monkeypatch, batch: int,
                                                                      dropout: float) -> None:
-    monkeypatch.setattr(stage, "PIECE_TOKENS", 1)  # pieces of one sequence, even in this tiny model
+    monkeypatch.setattr(walk, "PIECE_TOKENS", 1)  # pieces of one sequence, even in this tiny model
     cfg = GPTConfig(vocab_size=23, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=dropout, bias=True)
     mesh = Mesh.parse("")
     params = init_gpt(cfg, mesh, seed=3, dtype=np.float64)
@@ -130,14 +130,14 @@ def test_blocks_run_as_pieces_are_the_same_bits_on_any_thread_count(with_threads
         for k in (1, 2, 3, 4):
             with_threads(k)
             loss, grads = loss_and_grads(params, idx, targets, cfg, mesh, 1.0 / idx.size, drop)
-            y, ctx = stage.run_block_fwd(block, x, cfg, mesh, 0, drop)
+            y, ctx = walk.run_block_fwd(block, x, cfg, mesh, 0, drop)
             assert isinstance(ctx, threads.RowChunks) and len(ctx.rows) == len(
                 threads.runs_for(k, threads.tiles(batch, 1, 16)))
-            dx, w = stage.run_block_bwd(block, ctx, dy, cfg, mesh)
+            dx, w = walk.run_block_bwd(block, ctx, dy, cfg, mesh)
             # the zero-bubble halves (input grad now, weight grad later): the same pieces, the same tree
-            _, ctx2 = stage.run_block_fwd(block, x, cfg, mesh, 0, drop)
-            dx2, wctx = stage.run_block_bwd_input(block, ctx2, dy, cfg, mesh)
-            w2 = stage.run_block_bwd_weight(block, wctx)
+            _, ctx2 = walk.run_block_fwd(block, x, cfg, mesh, 0, drop)
+            dx2, wctx = walk.run_block_bwd_input(block, ctx2, dy, cfg, mesh)
+            w2 = walk.run_block_bwd_weight(block, wctx)
             for a, b in zip([dx, *tree_leaves(w)], [dx2, *tree_leaves(w2)], strict=True):
                 np.testing.assert_array_equal(b, a)  # B then W = B and W at once
             runs[k] = [np.array(loss), *tree_leaves(grads), y, dx, *tree_leaves(w)]
@@ -149,17 +149,17 @@ def test_blocks_run_as_pieces_are_the_same_bits_on_any_thread_count(with_threads
 def test_block_pieces_are_a_function_of_the_shape() -> None:
     """At least PIECE_TOKENS tokens a piece, a power of two of them, at most one per core;
     whole with tp or cp; one run of pieces per thread, a power of two of them."""
-    assert len(stage.block_pieces(1, 1, 12, 64, 16)) == 2  # the default model: 2 pieces of 6 sequences
-    assert len(stage.block_pieces(1, 1, 2, 1024, 16)) == 2
-    assert len(stage.block_pieces(1, 1, 64, 256, 16)) == 16  # the baby model on 16 cores: 4 sequences each
-    assert len(stage.block_pieces(1, 1, 64, 256, 2)) == 2  # on 2
-    assert len(stage.block_pieces(1, 1, 64, 256, 1)) == 1
-    assert len(stage.block_pieces(1, 1, 1, 4096, 16)) == 1
-    assert len(stage.block_pieces(1, 1, 12, 8, 16)) == 1  # 96 tokens: whole
-    assert stage.block_pieces(2, 1, 64, 256, 16) == stage.block_pieces(1, 2, 64, 256, 16) == (slice(0, 64),)
-    pieces = stage.block_pieces(1, 1, 64, 256, 16)
+    assert len(walk.block_pieces(1, 1, 12, 64, 16)) == 2  # the default model: 2 pieces of 6 sequences
+    assert len(walk.block_pieces(1, 1, 2, 1024, 16)) == 2
+    assert len(walk.block_pieces(1, 1, 64, 256, 16)) == 16  # the baby model on 16 cores: 4 sequences each
+    assert len(walk.block_pieces(1, 1, 64, 256, 2)) == 2  # on 2
+    assert len(walk.block_pieces(1, 1, 64, 256, 1)) == 1
+    assert len(walk.block_pieces(1, 1, 1, 4096, 16)) == 1
+    assert len(walk.block_pieces(1, 1, 12, 8, 16)) == 1  # 96 tokens: whole
+    assert walk.block_pieces(2, 1, 64, 256, 16) == walk.block_pieces(1, 2, 64, 256, 16) == (slice(0, 64),)
+    pieces = walk.block_pieces(1, 1, 64, 256, 16)
     assert [len(threads.runs_for(n, pieces)) for n in (1, 2, 3, 4, 16, 32)] == [1, 2, 2, 4, 16, 16]
-    assert stage.row_chunks(4, 1, 1, 64, 256) == 4 and stage.row_chunks(4, 2, 1, 64, 256) == 1
+    assert walk.row_chunks(4, 1, 1, 64, 256) == 4 and walk.row_chunks(4, 2, 1, 64, 256) == 1
 
 
 @pytest.mark.parametrize("n, min_rows, most, count", [(768, 256, 16, 2), (1000, 256, 16, 2), (1100, 256, 16, 4),
@@ -244,10 +244,11 @@ def test_a_training_step_is_the_same_bits_on_1_and_2_threads(char_dataset, tmp_p
     """Two optimiser steps: once with blocks whole (their matmuls in row tiles) and once as 4
     pieces (one run of 4 on one thread, two runs of 2 on two); losses, gradient norms and
     every parameter bit for bit."""
-    from numesh.train import TrainConfig, Trainer
+    from numesh.config import TrainConfig
+    from numesh.train import Trainer
 
     for piece_tokens, pieces in ((1 << 20, 1), (128, 4)):
-        monkeypatch.setattr(stage, "PIECE_TOKENS", piece_tokens)
+        monkeypatch.setattr(walk, "PIECE_TOKENS", piece_tokens)
         monkeypatch.setattr(threads, "TILE_ROWS", 128)  # the head and the whole blocks' matmuls in 4 tiles
         runs = {}
         with threadpool_limits(limits=1, user_api="blas"):
@@ -257,7 +258,7 @@ def test_a_training_step_is_the_same_bits_on_1_and_2_threads(char_dataset, tmp_p
                                   n_head=4, block_size=64, batch_size=8, max_iters=2, dtype=dtype, dropout=0.1,
                                   bias=True)
                 t = Trainer(cfg)
-                assert len(stage.block_pieces(1, 1, cfg.batch_size, cfg.block_size, threads.cores())) == pieces
+                assert len(walk.block_pieces(1, 1, cfg.batch_size, cfg.block_size, threads.cores())) == pieces
                 steps = [t.train_step() for _ in range(2)]
                 runs[k] = [np.array(steps), *tree_leaves(t.gathered_params())]
         for a, b in zip(runs[1], runs[2], strict=True):

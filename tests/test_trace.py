@@ -20,7 +20,7 @@ import pytest
 
 from conftest import make_dataset
 from numesh import formulas, report
-from numesh.mesh.trace import add_peer_waits, axes_label, comm_key
+from numesh.observe.trace import add_peer_waits, axes_label, comm_key
 from numesh.pipeline.schedules import make_schedule, simulate
 from test_mpi_suites import clean_env, launcher
 
@@ -262,7 +262,7 @@ def test_report_of_a_run_without_trace_is_one_error_line(tmp_path: Path) -> None
 
 
 def test_an_injected_slow_rank_is_the_slowest_in_the_report(tmp_path: Path) -> None:
-    """NUMESH_INJECT=slow:rank=1:ms=200 (numesh/mesh/inject.py) sleeps rank 1 at every step's
+    """NUMESH_INJECT=slow:rank=1:ms=200 (numesh/observe/inject.py) sleeps rank 1 at every step's
     start: the report names it, 200 ms per step slower (within 10 %)."""
     data = make_dataset(tmp_path / "data")
     out = tmp_path / "run"

@@ -13,10 +13,11 @@ from mpi4py import MPI
 
 from conftest import SYNTH_TEXT
 from numesh.checkpoint import read_meta, read_params_dict
+from numesh.config import TrainConfig, config_from, validate
 from numesh.data import DataError
 from numesh.errors import ConfigError
 from numesh.mesh import MeshError
-from numesh.train import TrainConfig, Trainer, config_from, train, validate
+from numesh.train import Trainer, train
 from numesh.tree import tree_leaves_with_path
 
 TRAIN_KEYS = {"step", "loss", "lr", "dt_ms", "tokens_per_s", "flops_per_s", "mfu"}

@@ -26,6 +26,7 @@ from numesh.data import CharTokenizer
 from numesh.errors import CheckpointError, DataError
 from numesh.mesh import AXES, P
 from numesh.mesh.mesh import axis_names
+from numesh.padding import round_up
 
 FORMAT = "numesh-ckpt"
 VERSION = 1
@@ -148,7 +149,7 @@ class LeafDef:
         out = []
         for i, (n, d) in enumerate(zip(self.shape, _dims(len(self.shape), self.spec))):
             k = math.prod(sizes[a] for a in axis_names(d)) if i in self.pad_dims and d is not None else 1
-            out.append(-(-n // k) * k)
+            out.append(round_up(n, k))
         return tuple(out)
 
     def region(self, sizes: Mapping[str, int], coords: Mapping[str, int]) -> Region:

@@ -1,4 +1,5 @@
-"""The process mesh, collectives by axis name, and partition specs."""
+"""The process mesh, collectives by axis name, partition specs, and the observer hook
+(`mesh.observer`, numesh/mesh/hook.py; the observers are in `numesh.observe`)."""
 
 from numesh.mesh.collectives import (
     Handle,
@@ -18,13 +19,13 @@ from numesh.mesh.collectives import (
     send,
     sendrecv,
 )
+from numesh.mesh.hook import Observer, SkipCall
 from numesh.mesh.mesh import AXES, ByteCounter, Group, Mesh, MeshError, parse_mesh
-from numesh.mesh.observe import Chain, Observer, Recorder, attach
 from numesh.mesh.spec import P, local_shape, local_slices, replicated_axes, shard, unshard
 
 __all__ = [
-    "AXES", "ByteCounter", "Group", "Handle", "Mesh", "MeshError", "Chain", "Observer", "Recorder", "attach", "P",
-    "all_gather", "all_gather_inplace", "broadcast", "ipsum", "ipsum_scatter", "irecv", "isend", "local_shape",
-    "local_slices", "parse_mesh", "pmax", "psum", "psum_scalar", "psum_tree", "psum_scatter", "recv", "replicated_axes",
-    "send", "sendrecv", "shard", "unshard",
+    "AXES", "ByteCounter", "Group", "Handle", "Mesh", "MeshError", "Observer", "P", "SkipCall", "all_gather",
+    "all_gather_inplace", "broadcast", "ipsum", "ipsum_scatter", "irecv", "isend", "local_shape", "local_slices",
+    "parse_mesh", "pmax", "psum", "psum_scalar", "psum_tree", "psum_scatter", "recv", "replicated_axes", "send",
+    "sendrecv", "shard", "unshard",
 ]

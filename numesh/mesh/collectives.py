@@ -4,7 +4,7 @@ On an axis (or axis group) of size 1 every collective returns its input and cost
 so the 1×1×1 mesh runs the same code as any other. Every call adds its bytes to
 `mesh.counter`, keyed by axes and op.
 
-Observability has one hook: when `mesh.observer` is set (a `numesh.mesh.observe.Observer`:
+Observability has one hook: when `mesh.observer` is set (a `numesh.mesh.hook.Observer`:
 tracing, the flight recorder), every collective and point-to-point call is issued through
 it (`begin` → the nonblocking MPI call → `wait` → `end`), so it can time the call, record
 it, or give up on a peer that never comes. When it is None (the default) the plain
@@ -18,8 +18,8 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
+from numesh.mesh.hook import SkipCall
 from numesh.mesh.mesh import AxisNames, Mesh, axis_names
-from numesh.mesh.observe import SkipCall
 from numesh.tree import tree_map
 
 

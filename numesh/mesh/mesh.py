@@ -148,7 +148,7 @@ class Mesh:
         self._comms: dict[tuple[str, ...], MPI.Comm] = {}
         self._groups: dict[Group, MPI.Comm | None] = {}
         self.counter = ByteCounter()
-        self.observer = None  # a numesh.mesh.observe.Observer sees every call when set
+        self.observer = None  # a numesh.mesh.hook.Observer sees every call when set
         # Cart_sub is collective over the whole mesh, so make each axis's communicator now,
         # while every rank is here, not at its first use: that may be on some ranks only
         # (ZeRO-3 gathers a unit over dp on the first pipeline stage while the later stages

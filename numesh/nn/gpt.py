@@ -2,7 +2,7 @@
 
 Parameters are stored as this rank's shards of the global arrays; `gpt_specs` says how.
 The forward and backward math is in `numesh.nn.transformer`, the walk over a pipeline
-stage (pp=1: the whole model) in `numesh.nn.stage`, cached inference in `numesh.nn.decode`.
+stage (pp=1: the whole model) in `numesh.nn.walk`, cached inference in `numesh.nn.decode`.
 Tensor parallelism follows Megatron: QKV and MLP-up are column-parallel, attention-out
 and MLP-down row-parallel, heads split over tp, the tied embedding/LM head split over the
 vocabulary. On tp=1 every tp collective is the identity, so this is also the serial model.
@@ -19,6 +19,7 @@ import numpy as np
 from numesh.errors import ConfigError
 from numesh.mesh import Mesh, P, shard
 from numesh.nn.layers import LayerNorm, Linear
+from numesh.padding import padded_vocab
 from numesh.tree import tree_map, tree_map_with_path
 
 
@@ -34,7 +35,7 @@ class GPTConfig:
 
     def padded_vocab(self, tp: int) -> int:
         """The vocabulary rounded up to a multiple of tp (padding rows never get probability)."""
-        return -(-self.vocab_size // tp) * tp
+        return padded_vocab(self.vocab_size, tp)
 
     def validate(self, tp: int = 1) -> None:
         """Raise ConfigError if this model cannot run with tensor-parallel size `tp`."""

@@ -14,6 +14,7 @@ from typing import Any, Generic, Hashable, Mapping, TypeVar
 import attrs
 import numpy as np
 
+from numesh.padding import round_up
 from numesh.tree import Tree, flatten, tree_leaves, tree_map, unflatten
 
 K = TypeVar("K", bound=Hashable)
@@ -57,7 +58,7 @@ class FlatLayout(Generic[K]):
         start = shard_start = 0
         for key, tree in units.items():
             size = sum(int(np.size(x)) for x in tree_leaves(tree))
-            padded = -(-size // dp) * dp
+            padded = round_up(size, dp)
             # placeholders, not the arrays: the caller's arrays would stay alive
             self.units[key] = Span(tree_map(_placeholder, tree), start, size, padded, shard_start, padded // dp)
             start += padded

@@ -3,12 +3,12 @@
 It walks this rank's action list in order: F runs a model stage forward (receiving the
 activation from the previous stage, sending its output to the next), B runs it backward
 (the full backward, or only the input gradient when the schedule splits it), W computes
-the deferred weight gradients. The stage math is `numesh.nn.stage`, the same walk a
+the deferred weight gradients. The stage math is `numesh.nn.walk`, the same walk a
 single process uses. Sends are nonblocking and receives blocking, so any schedule whose
 lists respect the dependencies (which `schedules.validate`/`simulate` check) runs without
 deadlock. With pp=1 and 1F1B it is plain gradient accumulation over micro-batches.
 
-Tracing: when `trace` is a `numesh.mesh.trace.Tracer` (None by default, costing one test
+Tracing: when `trace` is a `numesh.observe.trace.Tracer` (None by default, costing one test
 per action), each action becomes a span named as the schedule prints it ("F3", "B3.1"),
 from the start of its computation to the issue of its send, the whole schedule a
 "pipeline" span, and each message a flow arrow from the send to the receive.
@@ -25,7 +25,8 @@ import numpy as np
 from numesh.mesh import Handle, Mesh, irecv, isend, psum
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig
-from numesh.nn.stage import (
+from numesh.nn.units import OUTER
+from numesh.nn.walk import (
     ParamUnits,
     StageCtx,
     activation_shape,
@@ -34,7 +35,6 @@ from numesh.nn.stage import (
     stage_forward,
     stage_weight,
 )
-from numesh.nn.units import OUTER
 from numesh.pipeline.schedules import Action, Schedule
 from numesh.pipeline.stages import StageLayout
 from numesh.tree import held_buffers
@@ -85,14 +85,14 @@ class PipelineExecutor:
     def __init__(self, cfg: GPTConfig, mesh: Mesh, layout: StageLayout, units: ParamUnits, dtype: Any,
                  recompute: str = "none"):
         self.cfg, self.mesh, self.layout, self.units, self.dtype = cfg, mesh, layout, units, np.dtype(dtype)
-        self.recompute = recompute  # "none", "selective" or "full" (numesh.nn.stage)
+        self.recompute = recompute  # "none", "selective" or "full" (numesh.nn.walk)
         self.p, self.rank = mesh.size("pp"), mesh.index("pp")
         self.n_stages = layout.pp * layout.v
         self.stages = [layout.stage(self.rank, c) for c in range(layout.v)]
         # the tied embedding lives on the first and the last rank: their wte grads are summed
         self.tied = mesh.group("pp", (0, self.p - 1)) if self.p > 1 else None
-        self.holds_tied = self.p > 1 and self.rank in (0, self.p - 1)
-        self.trace = None  # a numesh.mesh.trace.Tracer while tracing
+        self.holds_tied = layout.holds_tied(self.rank)
+        self.trace = None  # a numesh.observe.trace.Tracer while tracing
         self._runs = 0  # schedules run so far (the same count on every rank): part of flow ids
 
     # ------------------------------------------------------------------ messages

@@ -18,8 +18,8 @@ import numpy as np
 from numesh.errors import ConfigError
 from numesh.mesh import Mesh, broadcast
 from numesh.nn.gpt import GPT
-from numesh.nn.stage import Stage
 from numesh.nn.units import Unit
+from numesh.nn.walk import Stage
 from numesh.tree import tree_map
 
 
@@ -64,6 +64,11 @@ class StageLayout:
 
     def is_last(self, rank: int) -> bool:
         return rank == self.pp - 1
+
+    def holds_tied(self, rank: int) -> bool:
+        """Whether `rank` holds one of the tied embedding's two copies (wte on the first rank,
+        the LM head on the last), whose gradients are summed: only with pp > 1."""
+        return self.pp > 1 and (self.is_first(rank) or self.is_last(rank))
 
 
 def stage_tree(full: GPT, layout: StageLayout, rank: int) -> GPT:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import attrs
 
+from numesh.config import TrainConfig
 from numesh.errors import ConfigError
 from numesh.plan.hardware import Profile
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.memory import RankMemory, layout_memory
 from numesh.plan.search import SCALE_RANKS, least_recompute, valid_layouts
 from numesh.plan.timing import StepTime, predict_time
-from numesh.train import TrainConfig
 
 __all__ = ["Layout", "ModelSpec", "Prediction", "plan", "predict"]
 

@@ -32,6 +32,7 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
+from numesh.config import TrainConfig
 from numesh.nn.layers import LayerNorm, gelu_bwd, gelu_fwd, layernorm_bwd, layernorm_fwd
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
 from numesh.plan.hardware import Measured, Profile, load_profile, save_profile
@@ -39,7 +40,6 @@ from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.search import train_config, valid_layouts
 from numesh.plan.timing import Placement, block_cost, blocking_calls, outer_cost, placement, predict_time
 from numesh.threads import threads as numesh_threads
-from numesh.train import TrainConfig
 
 if TYPE_CHECKING:
     from numesh.train import Trainer

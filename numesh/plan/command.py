@@ -11,13 +11,13 @@ import attrs
 import numpy as np
 
 from numesh import data as D
+from numesh.config import TrainConfig, check_options, config_from
 from numesh.errors import ConfigError, UserError
 from numesh.plan import Prediction, plan
 from numesh.plan.hardware import Profile, load_profile, local_profile_path
 from numesh.plan.layout import ModelSpec
 from numesh.plan.presets import preset
 from numesh.plan.render import as_json, human_bytes, table
-from numesh.train import TrainConfig, check_options, config_from
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

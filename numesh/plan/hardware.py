@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 
 from numesh.errors import ConfigError
+from numesh.files import write_atomic
 from numesh.plan import costs
 
 Points = tuple[tuple[float, float], ...]  # (size, seconds), sorted by size
@@ -242,7 +243,5 @@ def load_profile(name: str) -> Profile:
 def save_profile(profile: Profile, path: Path) -> Path:
     """Write `profile` as JSON (atomically: a temp file, then rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(profile.to_json(), indent=1))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(profile.to_json(), indent=1))
     return path

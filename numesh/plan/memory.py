@@ -15,7 +15,8 @@ import functools
 import attrs
 
 from numesh import formulas
-from numesh.nn.stage import row_chunks as stage_row_chunks
+from numesh.nn.walk import row_chunks as stage_row_chunks
+from numesh.padding import round_up
 from numesh.pipeline.schedules import Schedule
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
 
@@ -52,7 +53,7 @@ def unit_sizes(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
 
 
 def row_chunks(model: ModelSpec, layout: Layout, threads: int) -> int:
-    """Runs of pieces a block of this layout runs as on `threads` (numesh.nn.stage.row_chunks)."""
+    """Runs of pieces a block of this layout runs as on `threads` (numesh.nn.walk.row_chunks)."""
     return stage_row_chunks(threads, layout.tp, layout.cp, layout.rows(model), model.block_size // layout.cp)
 
 
@@ -110,7 +111,7 @@ def comm_buffer_bytes(model: ModelSpec, layout: Layout, sizes: list[int], itemsi
     and the largest unit's reduce-scatter input (ZeRO 2/3 keep no full gradient)."""
     if layout.dp == 1:
         return 0
-    largest = max(-(-n // layout.dp) * layout.dp for n in sizes) * itemsize
+    largest = max(round_up(n, layout.dp) for n in sizes) * itemsize
     return {0: 0, 1: 0, 2: largest, 3: 2 * largest}[layout.zero]
 
 

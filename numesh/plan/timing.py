@@ -23,7 +23,7 @@ Selective recomputation reruns each block's scores (QK^T and the softmax) before
 backward; full recomputation the whole block forward, its communication included.
 
 Not modelled: a single rank with several threads runs each block as runs of pieces, one per
-thread (numesh.nn.stage); the model times its GEMMs with multi-threaded BLAS instead. The
+thread (numesh.nn.walk); the model times its GEMMs with multi-threaded BLAS instead. The
 Python overhead of a step outside the timed kernels (the executor, slicing, allocation) is
 not counted either.
 """
@@ -36,6 +36,7 @@ import math
 import attrs
 
 from numesh import formulas
+from numesh.padding import ceil_div, padded_vocab, round_up
 from numesh.plan.hardware import Measured, Profile
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
 from numesh.plan.memory import unit_sizes
@@ -225,7 +226,7 @@ def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
     tp_half = tp_block_comm(model, layout, profile, place, formulas.Chunk(1, False, False)) / 2  # half F, half B
     gather = 0.0
     if layout.zero == 3 and layout.dp > 1:
-        unit = -(-formulas.block_params(C, tp, model.bias) // layout.dp) * layout.dp * profile.itemsize
+        unit = round_up(formulas.block_params(C, tp, model.bias), layout.dp) * profile.itemsize
         gather = profile.comm_time("all_gather", unit, layout.dp, place.dp_intra, ron)
     w_gather = gather if split else 0.0  # the deferred W gathers the block again
     f_all = f + tp_half + gather
@@ -248,7 +249,7 @@ def outer_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
     cross-entropy (last stage) for one micro-batch; their weight grads are part of B."""
     bt, C, tp, ron = layout.rows(model) * (model.block_size // layout.cp), model.n_embd, layout.tp, place.ranks_on_node
     k, ew = profile.itemsize, profile.elementwise_time
-    v_local = formulas.padded_vocab(model.vocab_size, tp) // tp
+    v_local = padded_vocab(model.vocab_size, tp) // tp
     ln = bt * C // tp if layout.sp else bt * C
     tp_s = tp_block_comm(model, layout, profile, place, formulas.Chunk(0, first, last))
     # the lookup's all-reduce is in F, the head input gradient's in B; with sp each is a
@@ -273,7 +274,7 @@ def outer_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
     gather = 0.0
     if layout.zero == 3 and layout.dp > 1 and (first or last):
         n = formulas.outer_params(C, model.vocab_size, model.block_size, tp, first, last, model.bias)
-        gather = profile.comm_time("all_gather", -(-n // layout.dp) * layout.dp * k, layout.dp, place.dp_intra, ron)
+        gather = profile.comm_time("all_gather", round_up(n, layout.dp) * k, layout.dp, place.dp_intra, ron)
     return ActionCost(f + gather, b + gather, 0.0, tp_s, 2 * gather)
 
 
@@ -294,7 +295,7 @@ def _dp_calls(model: ModelSpec, layout: Layout, sizes: list[int], itemsize: int,
     if layout.zero == 0:
         calls, acc = 0, 0
         for n in sizes:  # layout order: blocks last to first, then the outer unit
-            acc += -(-n // layout.dp) * layout.dp * itemsize
+            acc += round_up(n, layout.dp) * itemsize
             if acc >= bucket_bytes:
                 calls, acc = calls + 1, 0
         return {"all_reduce": calls + (acc > 0)}
@@ -368,44 +369,22 @@ def _predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byt
     per_mb = layout.micro_batches * layout.virtual_stages
     tp_time, z3_time, cp_time = worst.tp * per_mb, worst.zero3 * per_mb, worst.cp * per_mb
     sizes = unit_sizes(model, layout, 0)
-    padded = [-(-n // layout.dp) * layout.dp for n in sizes]
+    padded = [round_up(n, layout.dp) for n in sizes]
     calls = _dp_calls(model, layout, sizes, k, bucket_bytes)
     # data parallel: formulas.dp_bytes' payload, split over its calls, on the pp rank with the most;
     # ZeRO 0 all-reduces over dp x cp in one group, ZeRO 1-3 first all-reduce over cp (blocking)
     dp_group = layout.dp * (layout.cp if layout.zero == 0 else 1)
     if layout.cp > 1 and layout.zero >= 1:
-        cp_bytes = formulas.cp_grad_bytes(layout.zero, layout.micro_batches, sum(padded[:-1]), padded[-1], k)
-        n = calls["reduce_scatter"]  # one per unit reduced: the cp sum comes just before each
-        cp_time += n * profile.comm_time("all_reduce", cp_bytes / n, layout.cp, place.cp_intra, ron)
+        cp_time += _cp_grad_sum_time(layout, profile, place, padded, calls)
     dp_exposed = 0.0
     if dp_group > 1:
-        total = formulas.dp_bytes(layout.zero, layout.micro_batches, sum(padded[:-1]), padded[-1], k,
-                                  sched.split_backward)
-        backward = layout.micro_batches * (worst.b + worst.w) if layout.zero >= 2 else worst.b + worst.w
-        for op, nbytes in total.items():
-            if op == "all_gather" and layout.zero == 3:
-                continue  # inside F and B (worst.zero3)
-            n = calls.get(op, 0)
-            if not n or not nbytes:
-                continue
-            one = profile.comm_time(op, nbytes / n, dp_group, place.dp_intra, ron)
-            if op == "all_gather" or not profile.overlap:
-                dp_exposed += n * one  # after the optimiser step / no progress during backward
-            else:
-                dp_exposed += max(one, n * one - backward)
-    other = 0.0
-    if layout.pp > 1:  # the tied embedding's gradient, summed between the first and last stage
-        tied = formulas.padded_vocab(model.vocab_size, layout.tp) // layout.tp * model.n_embd * k
-        other += profile.comm_time("all_reduce", tied, 2, place.pp_intra, ron)
-    shape = layout.shape
-    for axes in (formulas.loss_axes(shape), formulas.norm_axes(shape, layout.zero)):  # the loss, the gradient norm
-        group = math.prod(shape[a] for a in axes)
-        other += profile.comm_time("all_reduce", formulas.SCALAR, group, place.pp_intra and place.dp_intra, ron)
+        dp_exposed = _dp_exposed(layout, profile, place, padded, calls, worst, dp_group)
+    other = _scalar_and_tied_time(model, layout, profile, place)
     if layout.sp:  # the LayerNorm gradients, partial sums over tp, all-reduced once per step (this dp shard's)
         ln = (2 * (model.n_layer // layout.pp) + int(layout.pp == 1)) * model.n_embd * (2 if model.bias else 1)
-        tp_time += profile.comm_time("all_reduce", -(-ln // layout.dp) * k if layout.zero else ln * k, layout.tp,
+        tp_time += profile.comm_time("all_reduce", ceil_div(ln, layout.dp) * k if layout.zero else ln * k, layout.tp,
                                      place.tp_intra, ron)
-    state = sum(-(-n // layout.dp) for n in sizes) if layout.zero >= 1 else sum(sizes)
+    state = sum(ceil_div(n, layout.dp) for n in sizes) if layout.zero >= 1 else sum(sizes)
     optimizer = (profile.elementwise_time("adamw", state, ron)
                  + profile.elementwise_time("copy", state, ron))  # + the norm's dot
     pp_exposed = max(0.0, makespan - busy) if layout.pp > 1 else 0.0
@@ -423,3 +402,49 @@ def _predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byt
         optimizer=optimizer,
         total=total,
     )
+
+
+def _cp_grad_sum_time(layout: Layout, profile: Profile, place: Placement, padded: list[int],
+                      calls: dict[str, int]) -> float:
+    """ZeRO 1-3 with cp: the blocking all-reduce over cp before each unit's reduce-scatter."""
+    k, ron = profile.itemsize, place.ranks_on_node
+    cp_bytes = formulas.cp_grad_bytes(layout.zero, layout.micro_batches, sum(padded[:-1]), padded[-1], k)
+    n = calls["reduce_scatter"]  # one per unit reduced: the cp sum comes just before each
+    return n * profile.comm_time("all_reduce", cp_bytes / n, layout.cp, place.cp_intra, ron)
+
+
+def _dp_exposed(layout: Layout, profile: Profile, place: Placement, padded: list[int], calls: dict[str, int],
+                worst: ActionCost, dp_group: int) -> float:
+    """The data-parallel reduction's time not hidden behind the backward (ZeRO-3's gathers are
+    inside F and B: `worst.zero3`)."""
+    k, ron = profile.itemsize, place.ranks_on_node
+    total = formulas.dp_bytes(layout.zero, layout.micro_batches, sum(padded[:-1]), padded[-1], k,
+                              layout.sched.split_backward)
+    backward = layout.micro_batches * (worst.b + worst.w) if layout.zero >= 2 else worst.b + worst.w
+    dp_exposed = 0.0
+    for op, nbytes in total.items():
+        if op == "all_gather" and layout.zero == 3:
+            continue  # inside F and B (worst.zero3)
+        n = calls.get(op, 0)
+        if not n or not nbytes:
+            continue
+        one = profile.comm_time(op, nbytes / n, dp_group, place.dp_intra, ron)
+        if op == "all_gather" or not profile.overlap:
+            dp_exposed += n * one  # after the optimiser step / no progress during backward
+        else:
+            dp_exposed += max(one, n * one - backward)
+    return dp_exposed
+
+
+def _scalar_and_tied_time(model: ModelSpec, layout: Layout, profile: Profile, place: Placement) -> float:
+    """The tied embedding's gradient sum (pp > 1) and the step's two scalar all-reduces."""
+    k, ron = profile.itemsize, place.ranks_on_node
+    other = 0.0
+    if layout.pp > 1:  # the tied embedding's gradient, summed between the first and last stage
+        tied = padded_vocab(model.vocab_size, layout.tp) // layout.tp * model.n_embd * k
+        other += profile.comm_time("all_reduce", tied, 2, place.pp_intra, ron)
+    shape = layout.shape
+    for axes in (formulas.loss_axes(shape), formulas.norm_axes(shape, layout.zero)):  # the loss, the gradient norm
+        group = math.prod(shape[a] for a in axes)
+        other += profile.comm_time("all_reduce", formulas.SCALAR, group, place.pp_intra and place.dp_intra, ron)
+    return other

@@ -1,4 +1,5 @@
-"""Learning-rate schedules."""
+"""The learning-rate schedule (a function of the step; the pipeline's schedules of actions are
+numesh/pipeline/schedules.py, another thing)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The flight recorder: every rank's recent collectives, and a diagnosis when one never ends.
 
-`FlightRecorder` is an `Observer` (numesh/mesh/observe.py) on the training mesh. For
+`FlightRecorder` is an `Observer` (numesh/mesh/hook.py) on the training mesh. For
 each call through the mesh it writes one record (sequence number on its communicator,
 op, communicator, bytes, step, start, end) into a small ring held in a memory-mapped file,
 OUT/flight/ring-RANK.bin, whose header also holds a heartbeat, the per-communicator call
@@ -22,13 +22,10 @@ rank give up on MPI, which cannot be trusted any more:
    one (other op, axes or size), or is dead, prints that as one block on stderr and in
    OUT/flight/diagnosis.txt, and calls MPI_Abort(COMM_WORLD, EXIT_CODE).
 
-`diagnose` is a pure function of the ranks' states (`RankState`), so it is tested on
-synthetic rings. Sequence numbers count this rank's calls per communicator: the members
-of a communicator issue the same collectives in the same order, so their counts agree
-until one of them goes astray. Times are wall-clock (`time.time()`), comparable between
-the ranks of one node. A clean end of training removes the ring files (`close`). A job
-that the launcher killed (a rank died) leaves them behind: `postmortem` (`numesh report
-OUT`) diagnoses them afterwards.
+The diagnosis itself (`diagnose`, numesh/observe/diagnosis.py) is a pure function of the
+ranks' states, which `read_state` decodes from their ring files. A clean end of training
+removes the ring files (`close`). A job that the launcher killed (a rank died) leaves them
+behind: `postmortem` (`numesh report OUT`) diagnoses them afterwards.
 """
 
 from __future__ import annotations
@@ -38,17 +35,17 @@ import os
 import socket
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import attrs
 import numpy as np
 from mpi4py import MPI
 
 from numesh.errors import abort_job
-from numesh.mesh.mesh import AXES, AxisNames, Group, axis_names
-from numesh.mesh.observe import Observer, SkipCall
+from numesh.files import write_atomic
+from numesh.mesh.hook import Observer, SkipCall
+from numesh.mesh.mesh import AxisNames, Group, axis_names
+from numesh.observe.diagnosis import FAILED, SKIPPED, CallRec, RankState, diagnose
 
 EXIT_CODE = 3
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))  # no sched_yield on Windows: sleep(0) yields there
@@ -56,10 +53,8 @@ GRACE_S = 2.0  # for the other ranks' time-outs and dumps before the leader diag
 LEADER_WAIT_S = 5.0  # a non-leader takes over if the job is still alive this long after the grace
 RING = 256  # calls kept per rank (a step of the default model issues ~100 on a 2x2x2 mesh)
 MAX_COMMS = 32
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv", "sendrecv")
-COLLECTIVES = frozenset(OPS[:4])
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv", "sendrecv")  # a ring entry's op codes
 _OP_CODE = {op: i for i, op in enumerate(OPS)}
-SKIPPED, FAILED = 1, 2  # entry flags
 MAGIC = 0x6E756D6573680001
 
 HEAD = np.dtype([
@@ -77,274 +72,6 @@ def comm_name(axes: AxisNames) -> str:
     if isinstance(axes, Group):
         return f"{axes.axis}[{','.join(map(str, axes.members))}]"
     return ",".join(axis_names(axes))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------------------
-# the states the diagnosis works on
-
-
-@attrs.define
-class CallRec:
-    seq: int
-    comm: str
-    op: str
-    nbytes: int
-    step: int
-    start: float
-    end: float | None  # None: not finished
-    flags: int = 0
-
-    def label(self) -> str:
-        return f"{self.op} over {self.comm} #{self.seq}"
-
-    def to_json(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
-
-@attrs.define
-class RankState:
-    """What one rank's ring file says (or, for a missing file, None in `diagnose`'s dict)."""
-
-    rank: int
-    coords: dict[str, int]
-    shape: dict[str, int]
-    calls: list[CallRec]  # oldest first
-    counts: dict[str, int]  # calls issued per communicator
-    beat: float  # when the rank last began a call (0: never)
-    step: int = 0
-    waiting: CallRec | None = None  # the call it is blocked in
-    wait_since: float = 0.0
-    failed: str | None = None  # why it gave up ('timeout', 'MPI error ...'), None if it did not
-    alive: bool | None = None  # None: unknown (another host)
-    note: str = ""  # an injected fault that fired
-    pid: int = 0
-    host: str = ""
-
-    def where(self) -> str:
-        """'dp=1,tp=1': its coordinates on the axes of size > 1."""
-        return ",".join(f"{a}={self.coords.get(a, 0)}" for a in AXES if self.shape.get(a, 1) > 1) or "the only rank"
-
-    def find(self, comm: str, seq: int) -> CallRec | None:
-        for c in self.calls:
-            if c.comm == comm and c.seq == seq and not c.flags & SKIPPED:
-                return c
-        return None
-
-    def last_activity(self) -> float:
-        ends = [c.end for c in self.calls if c.end]
-        return max([self.beat, *ends]) if ends or self.beat else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        d = attrs.asdict(self, recurse=False)
-        d["calls"] = [c.to_json() for c in self.calls]
-        d["waiting"] = None if self.waiting is None else self.waiting.to_json()
-        return d
-
-
-def members(comm: str, of: RankState, states: dict[int, RankState | None], shape: dict[str, int],
-            coords_of: dict[int, dict[str, int]]) -> list[int]:
-    """The world ranks of `of`'s communicator named `comm`."""
-    if "[" in comm:
-        axis, rest = comm.split("[", 1)
-        axes, allowed = (axis,), {int(x) for x in rest.rstrip("]").split(",") if x}
-    else:
-        axes, allowed = tuple(comm.split(",")), None
-    out = []
-    for r, c in coords_of.items():
-        if all(c[a] == of.coords.get(a, 0) for a in AXES if a not in axes):  # a record without an axis: 0 on it
-            if allowed is None or c[axes[0]] in allowed:
-                out.append(r)
-    return sorted(out)
-
-
-def grid_coords(shape: dict[str, int]) -> dict[int, dict[str, int]]:
-    """World rank -> coordinates, row-major over AXES (as Mesh's Cart_create with reorder=False)."""
-    n = int(np.prod([shape.get(a, 1) for a in AXES]))
-    out = {}
-    for r in range(n):
-        rem, c = r, {}
-        for a in reversed(AXES):
-            c[a] = rem % shape.get(a, 1)
-            rem //= shape.get(a, 1)
-        out[r] = c
-    return out
-
-
-def _ranks(rs: list[int]) -> str:
-    rs = sorted(set(rs))
-    parts, i = [], 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}" if j > i + 1 else f"{rs[i]},{rs[j]}")
-        i = j + 1
-    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(parts)
-
-
-def _doing(s: RankState, now: float, ended: bool = False) -> str:
-    if s.alive is False:
-        return "it is dead (its process is gone)"
-    if s.waiting is not None:
-        return f"it waits in {s.waiting.label()} since {now - s.wait_since:.1f} s"
-    last = next((c for c in reversed(s.calls) if not c.flags & SKIPPED), None)
-    since = now - s.last_activity() if s.last_activity() else float("nan")
-    what = f"last call {last.label()} at step {last.step}" if last else "no call yet"
-    if ended:
-        return f"it was outside MPI when the job ended, {what}: the rank that died, or stuck before it"
-    return f"it is outside MPI since {since:.1f} s, {what}: stuck in compute, hung, or slow"
-
-
-@attrs.define
-class _Finding:
-    priority: int  # 0 dead, 1 called something else / skipped, 2 outside MPI, 3 waits elsewhere
-    age: float  # how long its waiters wait (older first)
-    culprit: int
-    text: str  # without the waiters
-    waiters: set[int] = attrs.Factory(set)
-    call: str = ""
-
-
-def diagnose(states: dict[int, RankState | None], now: float, timeout: float, flight_dir: str = "",
-             title: str = "", ended: bool = False) -> tuple[str, list[int]]:
-    """The diagnosis block and the ranks it blames first (tests), from every rank's state
-    (None: no ring file for that rank). `title` replaces the first line; `ended`: the job
-    is over (a post-mortem), so "outside MPI" means "when it ended", not "now"."""
-    known = [s for s in states.values() if s is not None]
-    shape = known[0].shape if known else {}
-    coords_of = grid_coords(shape) if known else {}
-    findings: dict[tuple[int, str], _Finding] = {}
-
-    def add(priority: int, culprit: int, call: str, text: str, waiters: list[int], age: float) -> None:
-        f = findings.setdefault((culprit, call), _Finding(priority, age, culprit, text, call=call))
-        f.priority, f.age = min(f.priority, priority), max(f.age, age)
-        f.waiters.update(waiters)
-
-    def who(r: int) -> str:
-        s = states.get(r)
-        return f"rank {r} ({s.where()})" if s is not None else f"rank {r}"
-
-    for r in sorted(states):
-        s = states[r]
-        if s is None:
-            add(0, r, "", f"rank {r} left no flight record (dead before training, or another file system)", [], 0.0)
-            continue
-        if s.alive is False:
-            add(0, r, "", f"{who(r)} is dead (its process {s.pid} is gone){_last(s)}", [], 0.0)
-        for c in s.calls:
-            if c.flags & SKIPPED:
-                add(1, r, c.label(), f"{who(r)} skipped {c.label()} at step {c.step} (returned without calling MPI)",
-                    [], 0.0)
-
-    waiting = [s for s in known if s.waiting is not None]
-    # collectives: group the waiters by (communicator instance, sequence number)
-    groups: dict[tuple[str, int, tuple[int, ...]], list[RankState]] = {}
-    for s in waiting:
-        w = s.waiting
-        if w.op in COLLECTIVES or "[" in w.comm:
-            key = (w.comm, w.seq, tuple(members(w.comm, s, states, shape, coords_of)))
-            groups.setdefault(key, []).append(s)
-    def reference(comm: str, seq: int, ws: list[RankState]) -> tuple[str, int]:
-        """What call #seq on `comm` should be: the most common (op, bytes) among every rank's
-        entry for it, world-wide (every instance of a communicator runs the same program, so
-        a two-rank group still has a majority), ties broken by the lowest rank."""
-        votes: Counter = Counter()
-        first: dict[tuple[str, int], int] = {}
-        for s in known:
-            e = s.find(comm, seq)
-            if e is not None:
-                votes[(e.op, e.nbytes)] += 1
-                first.setdefault((e.op, e.nbytes), s.rank)
-        if not votes:
-            votes.update((s.waiting.op, s.waiting.nbytes) for s in ws)
-            first = {(s.waiting.op, s.waiting.nbytes): s.rank for s in reversed(ws)}
-        return max(votes, key=lambda k: (votes[k], -first.get(k, 0)))
-
-    for (comm, seq, group), ws in groups.items():
-        op, nbytes = reference(comm, seq, ws)
-        label = f"{op} over {comm} #{seq}"
-        good = [s.rank for s in ws if (s.waiting.op, s.waiting.nbytes) == (op, nbytes)]
-        age = max(now - s.wait_since for s in ws)
-        for m in group:
-            if m in good:
-                continue
-            sm = states.get(m)
-            if sm is None or sm.alive is False:
-                add(0, m, label, f"{who(m)} is dead: it never entered {label}", good, age)
-                continue
-            e = sm.find(comm, seq)
-            if e is not None:
-                if (e.op, e.nbytes) != (op, nbytes):
-                    add(1, m, label, f"{who(m)} called {e.op} of {e.nbytes} B as {comm} #{seq} (step {e.step}) "
-                                     f"where the others called {op} of {nbytes} B", good, age)
-                continue  # it entered this one: it is not why the others wait
-            if sm.counts.get(comm, 0) <= seq:
-                prio = 3 if sm.waiting is not None else 2
-                add(prio, m, label, f"{who(m)} never entered {label} ({_doing(sm, now, ended)})", good, age)
-    # point-to-point: the waiter's neighbours along the axis are its possible peers
-    for s in waiting:
-        w = s.waiting
-        if w.op in COLLECTIVES or "[" in w.comm:
-            continue
-        axis = w.comm.split(",")[0]
-        for d in (-1, 1):
-            c = {a: s.coords.get(a, 0) for a in AXES}  # a record without an axis: 0 on it
-            c[axis] += d
-            if not 0 <= c[axis] < shape.get(axis, 1):
-                continue
-            n = next(r for r, rc in coords_of.items() if rc == c)
-            sn = states.get(n)
-            label = f"the {axis} send/recv that {who(s.rank)} waits for"
-            if sn is None or sn.alive is False:
-                add(0, n, label, f"{who(n)} is dead: it never sent or received what {axis} neighbours wait for",
-                    [s.rank], now - s.wait_since)
-            elif sn.waiting is None:
-                add(2, n, f"{axis} p2p", f"{who(n)} never entered the {axis} send/recv its neighbours wait for "
-                                         f"({_doing(sn, now, ended)})", [s.rank], now - s.wait_since)
-
-    ordered = sorted(findings.values(), key=lambda f: (f.priority, -f.age, f.culprit))
-    lines = [title or f"numesh flight recorder: a collective did not finish within {timeout:g} s; "
-                      f"every rank's last calls are in {flight_dir or 'OUT/flight'}"]
-    noted = [s for s in known if s.note and not any(f.culprit == s.rank for f in ordered)]
-    for s in noted:  # an injected fault nobody waited on yet (e.g. a crash the launcher cut short)
-        ordered.append(_Finding(2, 0.0, s.rank, f"{who(s.rank)}: injected {s.note}"))
-    for i, f in enumerate(ordered):
-        text = f.text
-        if f.waiters:
-            ws = sorted(f.waiters)
-            wait_calls = {states[r].waiting.label() for r in ws if states.get(r) and states[r].waiting}
-            what = "it" if f.call and wait_calls == {f.call} else " / ".join(sorted(wait_calls))
-            text += (f"; {_ranks(ws)} {'was' if len(ws) == 1 else 'were'} waiting in {what} when the job ended" if ended
-                     else f"; {_ranks(ws)} wait{'s' if len(ws) == 1 else ''} in {what} since {f.age:.1f} s")
-        lines.append(("cause: " if i == 0 else "also:  ") + text)
-    if not ordered:
-        lines.append("cause: unknown: every rank waits in a call its peers also entered "
-                     "(a peer on another node, or MPI itself, may be stuck)")
-    lines.append("ranks:")
-    for r in sorted(states):
-        s = states[r]
-        if s is None:
-            lines.append(f"  rank {r}: no flight record")
-            continue
-        state = ("dead" if s.alive is False else
-                 f"waits in {s.waiting.label()} ({s.waiting.op} of {s.waiting.nbytes} B) "
-                 f"since {now - s.wait_since:.1f} s"
-                 if s.waiting is not None else f"outside MPI since {now - s.last_activity():.1f} s")
-        extra = f"; gave up: {s.failed}" if s.failed else ""
-        note = f"; injected: {s.note}" if s.note else ""
-        lines.append(f"  rank {r} ({s.where()}) step {s.step}: {state}{extra}{note}")
-    return "\n".join(lines), [f.culprit for f in ordered]
-
-
-def _last(s: RankState) -> str:
-    last = next((c for c in reversed(s.calls) if not c.flags & SKIPPED), None)
-    return f"; its last call was {last.label()} at step {last.step}" if last else ""
 
 
 # ---------------------------------------------------------------------------------------
@@ -420,7 +147,7 @@ def postmortem(flight_dir: str | Path) -> str | None:
              f"without a diagnosis (a rank that dies makes mpiexec kill the others at once; its exit code is in "
              f"mpiexec's message); every rank's last calls are in {flight_dir}")
     text, _ = diagnose(states, end, 0.0, str(flight_dir), title=title, ended=True)
-    _write_atomic(diag, text + "\n")
+    write_atomic(diag, text + "\n")
     return text + "\n"
 
 
@@ -445,7 +172,7 @@ class FlightRecorder(Observer):
     """Records every call of `mesh` in OUT/flight/ring-RANK.bin and, with `timeout` > 0,
     turns a call that never ends into a diagnosis and MPI_Abort (see the module docstring).
 
-    `inject` (a `numesh.mesh.inject.FaultInjector`) runs first in `begin`, so that a call it
+    `inject` (a `numesh.observe.inject.FaultInjector`) runs first in `begin`, so that a call it
     skips is recorded as skipped and a hang leaves the heartbeat stale. Made collectively
     (every rank of `mesh.world`: the run id is broadcast)."""
 
@@ -483,7 +210,7 @@ class FlightRecorder(Observer):
     def _write_meta(self) -> None:
         meta = {"run": self.run, "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
                 "coords": dict(self.mesh.coords), "shape": dict(self.mesh.shape), "comms": self._names}
-        _write_atomic(self.dir / f"meta-{self.rank}.json", json.dumps(meta))
+        write_atomic(self.dir / f"meta-{self.rank}.json", json.dumps(meta))
 
     def _comm_id(self, axes: AxisNames) -> int:
         key = axes if isinstance(axes, (str, Group)) else tuple(axes)
@@ -589,7 +316,7 @@ class FlightRecorder(Observer):
         state = read_state(self.dir, self.rank, self.run)
         dump = {"run": self.run, "written_by": self.rank, "reason": reason, "time": time.time(),
                 **(state.to_json() if state is not None else {})}
-        _write_atomic(self.dir / f"rank-{self.rank}.json", json.dumps(dump, indent=1))
+        write_atomic(self.dir / f"rank-{self.rank}.json", json.dumps(dump, indent=1))
         failed_at = time.monotonic()
         time.sleep(self.grace_s)
         while True:
@@ -620,10 +347,10 @@ class FlightRecorder(Observer):
                 if s is not None and r not in dumps:
                     dump = {"run": self.run, "written_by": self.rank, "reason": "read from its ring by the leader",
                             "time": time.time(), **s.to_json()}
-                    _write_atomic(self.dir / f"rank-{r}.json", json.dumps(dump, indent=1))
+                    write_atomic(self.dir / f"rank-{r}.json", json.dumps(dump, indent=1))
             text, _ = diagnose(states, time.time(), self.timeout, str(self.dir))
             text += f"\n(rank {self.rank} gave up: {reason}; exiting with code {EXIT_CODE} on every rank)"
-            _write_atomic(self.dir / "diagnosis.txt", text + "\n")
+            write_atomic(self.dir / "diagnosis.txt", text + "\n")
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
         except BaseException as e:  # the abort below must happen whatever went wrong here

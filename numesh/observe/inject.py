@@ -14,7 +14,7 @@ reduce-scatter, broadcast): a skipped small send or receive is often absorbed by
 eager protocol and the job runs on with shifted data instead of failing. `parse_faults` checks a spec
 completely (ranks against the world size), so a bad one is the same one-line
 `ConfigError` on every rank before the first collective. `FaultInjector` is an
-`Observer` (numesh/mesh/observe.py): its `begin` hangs, crashes or raises `SkipCall`;
+`Observer` (numesh/mesh/hook.py): its `begin` hangs, crashes or raises `SkipCall`;
 `on_step(step)`, called by the training loop at each step start, tells it the step and
 does the `slow` sleep. With `NUMESH_INJECT` unset nothing is made and nothing is
 attached: it costs nothing.
@@ -32,8 +32,8 @@ import numpy as np
 
 from numesh.errors import ConfigError
 from numesh.mesh.collectives import psum
+from numesh.mesh.hook import Observer, SkipCall
 from numesh.mesh.mesh import AxisNames, Group, axis_names
-from numesh.mesh.observe import Observer, SkipCall
 
 ENV = "NUMESH_INJECT"
 KINDS = {  # kind -> (required keys, optional keys with defaults)

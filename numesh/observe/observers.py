@@ -1,14 +1,6 @@
-"""The one hook through which collectives are observed (tracing, the flight recorder).
-
-Set `mesh.observer` to an `Observer` and every collective and point-to-point call on that
-mesh is issued as `token = begin(op, axes, nbytes)`, the nonblocking MPI call,
-`wait(request, token)`, `end(token)` (nonblocking calls end when their handle is waited).
-`wait` owns the completion, so an observer may poll with a deadline instead of blocking
-forever. With no observer (the default) the plain blocking calls run.
-
-`begin` may raise `SkipCall`: the call then returns at once without calling MPI (fault
-injection's `skip`, see numesh/mesh/inject.py); a nonblocking call returns a finished handle.
-"""
+"""Small observers of the mesh's hook (numesh/mesh/hook.py): `Recorder` keeps every call
+(tests, and the base of richer observers), `Chain` runs several at once, and `attach` adds
+one to a mesh."""
 
 from __future__ import annotations
 
@@ -17,24 +9,8 @@ from typing import Any
 
 import attrs
 
+from numesh.mesh.hook import Observer
 from numesh.mesh.mesh import AxisNames, axis_names
-
-
-class SkipCall(Exception):
-    """Raised by `Observer.begin` to make the collective return without calling MPI."""
-
-
-class Observer:
-    """The do-nothing observer: subclasses override what they need."""
-
-    def begin(self, op: str, axes: AxisNames, nbytes: int) -> Any:
-        return None
-
-    def wait(self, request: Any, token: Any) -> None:
-        request.Wait()
-
-    def end(self, token: Any) -> None:
-        pass
 
 
 @attrs.define

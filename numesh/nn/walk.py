@@ -59,6 +59,7 @@ from numesh.nn.transformer import (
     without_scores,
 )
 from numesh.nn.units import OUTER, Unit, join_units
+from numesh.padding import ceil_div
 from numesh.threads import (
     RowChunks,
     chunked_bwd,
@@ -190,7 +191,7 @@ def block_pieces(tp: int, cp: int, rows: int, seq: int, cores: int) -> tuple[sli
     matched to each other."""
     if tp > 1 or cp > 1:
         return (slice(0, rows),)
-    return tiles(rows, -(-PIECE_TOKENS // max(1, seq)), cores)
+    return tiles(rows, ceil_div(PIECE_TOKENS, max(1, seq)), cores)
 
 
 def row_chunks(n_threads: int, tp: int, cp: int, rows: int, seq: int) -> int:

@@ -37,8 +37,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from numesh.files import write_atomic
+from numesh.mesh.hook import Observer
 from numesh.mesh.mesh import AXES, Group, Mesh
-from numesh.mesh.observe import Observer
 
 P2P_OPS = ("send", "recv", "sendrecv")
 MAIN_TID, ASYNC_TID = 0, 1
@@ -201,9 +202,7 @@ class Tracer(Observer):
             at += n
         trace = merge(parts, meta or {})
         path = Path(path)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(trace, allow_nan=False))
-        tmp.replace(path)
+        write_atomic(path, json.dumps(trace, allow_nan=False))
         return path
 
 

@@ -1,0 +1,245 @@
+"""A training run's configuration: `TrainConfig` (every knob of `numesh train`), reading it
+from options and a TOML file (`config_from`), and its validation, one pass run identically
+on every rank before any collective (`validate`; `check_layout`, its dataset-free half, is
+what `numesh plan` asks of each layout it lists).
+
+The CLI's options are the fields, `_` spelled `-`; each field's help is the option's.
+"""
+
+from __future__ import annotations
+
+import functools
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from numesh import data as D
+from numesh.errors import ConfigError
+from numesh.mesh import parse_mesh
+from numesh.nn.gpt import GPTConfig
+from numesh.nn.walk import check_recompute
+from numesh.observe.inject import faults_from_env
+from numesh.pipeline.schedules import make_schedule
+from numesh.pipeline.stages import StageLayout
+
+DTYPES = {"float32": np.float32, "float64": np.float64}
+_PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _field(default: Any, help: str) -> Any:
+    return attrs.field(default=default, metadata={"help": help})
+
+
+@attrs.frozen
+class TrainConfig:
+    """Every knob of a training run; defaults are nanoGPT's Shakespeare-char CPU quick start."""
+
+    # model
+    n_layer: int = _field(4, "transformer blocks")
+    n_head: int = _field(4, "attention heads (divisible by tp)")
+    n_embd: int = _field(128, "embedding width (divisible by n_head)")
+    block_size: int = _field(64, "context length in tokens")
+    dropout: float = _field(0.0, "dropout probability")
+    bias: bool = _field(False, "biases in Linear and LayerNorm layers")
+    # optimisation
+    batch_size: int = _field(12, "global batch in sequences per optimiser step, whatever the mesh")
+    micro_batches: int = _field(1, "gradient-accumulation micro-batches per dp rank and step")
+    max_iters: int = _field(2000, "optimiser steps")
+    learning_rate: float = _field(1e-3, "peak learning rate")
+    min_lr: float = _field(1e-4, "learning rate at the end of the cosine decay")
+    warmup_iters: int = _field(100, "linear warmup steps")
+    lr_decay_iters: int = _field(2000, "step at which the cosine decay reaches min_lr")
+    weight_decay: float = _field(0.1, "AdamW weight decay (matrices and embeddings only)")
+    beta1: float = _field(0.9, "AdamW beta1")
+    beta2: float = _field(0.99, "AdamW beta2")
+    grad_clip: float = _field(1.0, "clip gradients to this global norm (0 = off)")
+    # data parallelism
+    zero: int = _field(0, "ZeRO stage over dp: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters")
+    bucket_mb: float = _field(1.0, "MiB per gradient all-reduce bucket (ZeRO 0); reduction starts during backward")
+    overlap: bool = _field(True, "overlap gradient reduction with backward (off: reduce each bucket at once)")
+    # pipeline parallelism
+    schedule: str = _field(
+        "1f1b", "pipeline schedule: gpipe, 1f1b, interleaved or zb-h1 (micro-batches = --micro-batches)")
+    virtual_stages: int = _field(1, "model chunks per pp rank (interleaved schedule)")
+    # tensor parallelism
+    sequence_parallel: bool = _field(
+        False, "Megatron sequence parallelism: LayerNorm, dropout and the residual stream split over the sequence "
+        "across tp (needs tp > 1 and block_size divisible by tp); activations per rank shrink, bytes stay")
+    # activation memory
+    recompute: str = _field(
+        "none", "activation recomputation: none; selective (the attention core's T×T softmax and dropout mask "
+        "recomputed in backward); full (each block rerun from its input in backward)")
+    # evaluation and logging
+    eval_interval: int = _field(250, "evaluate train/val loss every this many steps")
+    eval_iters: int = _field(20, "batches per split and evaluation")
+    log_interval: int = _field(1, "write a metrics line every this many steps")
+    # run
+    data: str = _field("data/shakespeare_char", "dataset directory written by `numesh data`")
+    out: str = _field("runs/shakespeare_char", "output directory: config.json, metrics.jsonl, ckpt/")
+    mesh: str = _field(
+        "", "process mesh over pp, dp, cp, tp, e.g. dp=2,tp=2 or cp=2 (omitted axes = 1, one axis may be -1)")
+    seed: int = _field(1337, "seed of the initial parameters, data order and dropout")
+    dtype: str = _field("float32", "float32 or float64")
+    # checkpoints
+    ckpt_interval: int = _field(0, "save a checkpoint every N steps; 0 = only at the end")
+    keep: int = _field(0, "keep the N newest checkpoints; 0 = all")
+    resume: str = _field("", "checkpoint to continue from (written on any mesh), e.g. OUT/ckpt/latest")
+    overwrite: bool = _field(False, "replace a run already in --out (its config, metrics and checkpoints)")
+    # divergence
+    on_nan: str = _field("stop", "a non-finite loss or gradient norm: stop, or skip the step (no update)")
+    max_skips: int = _field(10, "with --on-nan skip: stop after this many skipped steps")
+    # hangs
+    collective_timeout: float = _field(
+        300.0, "seconds one collective may wait before the job dumps every rank's recent calls to OUT/flight, "
+        "names the stuck rank and exits 3 (multi-rank runs); 0 = off")
+    # observability
+    trace: bool = _field(
+        False, "write OUT/trace.json (Chrome trace events: open in Perfetto) and print `numesh report OUT`")
+    peak_flops: float = _field(
+        0.0, "peak FLOP/s of all the job's cores together, MFU's denominator; 0 = measure it at start-up "
+        "(the model's own GEMM shapes and a large GEMM, on every rank at once)")
+
+    def model(self, vocab_size: int) -> GPTConfig:
+        return GPTConfig(
+            vocab_size=vocab_size,
+            block_size=self.block_size,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_embd=self.n_embd,
+            dropout=self.dropout,
+            bias=self.bias,
+        )
+
+
+def field_type(field: attrs.Attribute) -> type:
+    """The Python type of a `TrainConfig` field (its annotation is a string here, under
+    `from __future__ import annotations`): what `config_from` checks values against and the
+    CLI types its option with."""
+    return _PY_TYPES[field.type] if isinstance(field.type, str) else field.type
+
+
+def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) -> TrainConfig:
+    """Defaults, then the TOML file, then `overrides` (None values are ignored)."""
+    fields = {f.name: f for f in attrs.fields(TrainConfig)}
+    values: dict[str, Any] = {}
+    if toml_path is not None:
+        path = Path(toml_path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found")
+        try:
+            loaded = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        for key, value in loaded.items():
+            name = key.replace("-", "_")
+            if name not in fields:
+                raise ConfigError(f"unknown config key '{key}' in {path}: the keys are {', '.join(fields)}")
+            values[name] = value
+    for key, value in overrides.items():
+        if key not in fields:
+            raise ConfigError(f"unknown config key '{key}': the keys are {', '.join(fields)}")
+        if value is not None:
+            values[key] = value
+    for name, value in values.items():
+        want = field_type(fields[name])
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            values[name] = float(value)
+        elif not isinstance(values[name], want) or (want is int and isinstance(value, bool)):
+            raise ConfigError(f"config key '{name}' must be {want.__name__}, got {value!r}")
+    return TrainConfig(**values)
+
+
+def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]:
+    """Every check that can fail, run identically on every rank before any collective: the
+    options, the dataset, the layout (each once)."""
+    shape = check_options(cfg, n_ranks)
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ConfigError(f"--out {cfg.out} is a file, not a directory: name a directory for the run")
+    tok = D.load_tokenizer(cfg.data)
+    for split in D.SPLITS:
+        n = len(D.load_split(cfg.data, split))
+        if n <= cfg.block_size:
+            raise ConfigError(f"block_size={cfg.block_size} is larger than the {n}-token {split} split: "
+                              "use a smaller --block-size")
+    model = _check_layout(cfg, shape, tok.vocab_size)
+    faults_from_env(n_ranks)  # NUMESH_INJECT: a bad spec is this one-line error on every rank
+    return shape, model
+
+
+def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
+    """The checks of single options (no dataset, no layout); returns the mesh's axis sizes."""
+    shape = parse_mesh(cfg.mesh, n_ranks)
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
+    for name in ("batch_size", "micro_batches", "eval_interval", "eval_iters", "log_interval"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero must be 0, 1, 2 or 3, got {cfg.zero}")
+    if cfg.bucket_mb <= 0:
+        raise ConfigError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
+    check_recompute(cfg.recompute)
+    if cfg.on_nan not in ("stop", "skip"):
+        raise ConfigError(f"--on-nan must be stop or skip, got '{cfg.on_nan}'")
+    for name in ("max_iters", "seed", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
+                 "ckpt_interval", "keep", "max_skips", "collective_timeout"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.peak_flops < 0:
+        raise ConfigError(f"--peak-flops must be >= 0 (0 = measure it), got {cfg.peak_flops}")
+    if not cfg.learning_rate > 0:
+        raise ConfigError(f"learning_rate must be > 0, got {cfg.learning_rate}")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(cfg, name) < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {getattr(cfg, name)}")
+    return shape
+
+
+def check_layout(cfg: TrainConfig, n_ranks: int, vocab_size: int) -> tuple[dict[str, int], GPTConfig]:
+    """The checks of the parallel layout (mesh, micro-batches, model shape, pipeline) for a
+    model of `vocab_size` tokens: no dataset needed, so `numesh plan` asks the same."""
+    shape = check_options(cfg, n_ranks)
+    return shape, _check_layout(cfg, shape, vocab_size)
+
+
+def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> GPTConfig:
+    """`check_layout` on options already checked (`shape` is the mesh they name)."""
+    if shape["cp"] > 1 and cfg.block_size % (2 * shape["cp"]):
+        raise ConfigError(
+            f"block_size={cfg.block_size} does not split into 2*cp={2 * shape['cp']} equal chunks "
+            f"(context parallelism's load balance): "
+            f"use a --block-size that is a multiple of {2 * shape['cp']} or a smaller cp"
+        )
+    if shape["cp"] > 1 and cfg.sequence_parallel and cfg.block_size % (shape["cp"] * shape["tp"]):
+        raise ConfigError(f"--sequence-parallel with cp splits a cp rank's block_size/cp tokens over tp: use a "
+                          f"--block-size that is a multiple of cp*tp={shape['cp'] * shape['tp']}")
+    if cfg.batch_size % (shape["dp"] * cfg.micro_batches):
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} is not divisible by dp={shape['dp']} x micro_batches={cfg.micro_batches}: "
+            f"use a multiple of {shape['dp'] * cfg.micro_batches}"
+        )
+    if cfg.sequence_parallel and shape["tp"] == 1:
+        raise ConfigError("--sequence-parallel splits the sequence over tp, which is 1 in this mesh: "
+                          "add tp=N (N > 1) to --mesh or drop --sequence-parallel")
+    if cfg.sequence_parallel and cfg.block_size % shape["tp"]:
+        raise ConfigError(f"--sequence-parallel splits the block_size={cfg.block_size} tokens over tp={shape['tp']}: "
+                          f"use a --block-size divisible by {shape['tp']}")
+    model = cfg.model(vocab_size)
+    model.validate(shape["tp"])
+    StageLayout(model.n_layer, shape["pp"], cfg.virtual_stages)
+    _check_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
+    return model
+
+
+@functools.lru_cache(maxsize=4096)
+def _check_schedule(name: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
+    """`make_schedule` builds and validates it or raises; remembered when it passes (only that:
+    no schedule is kept). `numesh plan` asks about the same shape for every ZeRO stage, cp, sp
+    and recompute setting, and rebuilding it each time was a large share of a big plan
+    (`python -m cProfile -s cumtime -m numesh_cli.app plan --model gpt3-175b --ranks 1024
+    --hardware a100-80gb` shows where a plan's time goes)."""
+    make_schedule(name, pp, micro_batches, virtual_stages)
+

@@ -1,0 +1,26 @@
+"""Writing a file so that readers never see half of it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+
+def write_atomic(path: Path, content: str | bytes | Callable[[Path], None]) -> None:
+    """Write `content` (text as UTF-8, bytes, or a function that writes the path it is given)
+    to a temporary sibling, then rename it to `path`: a reader sees the old file or the whole
+    new one. The temporary file is removed if writing fails. No fsync: checkpoints, which
+    must survive a crash, use numesh.checkpoint.format.write_file_atomic."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        if isinstance(content, str):
+            tmp.write_text(content, encoding="utf-8")
+        elif isinstance(content, bytes):
+            tmp.write_bytes(content)
+        else:
+            content(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
