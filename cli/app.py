@@ -27,7 +27,7 @@ app = typer.Typer(
     context_settings={"max_content_width": 100},
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    help="Train GPT models with dp x tp x pp parallelism in NumPy and MPI.",
+    help="Train GPT models with dp x cp x tp x pp parallelism and ZeRO in NumPy and MPI.",
 )
 data_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Prepare datasets.")
 app.add_typer(data_app, name="data")
@@ -159,7 +159,7 @@ app.command("train", cls=_Command)(train_cmd)
 
 _PLAN_OPTIONS = [
     ("ranks", Optional[int], typer.Option(None, "--ranks",
-                                          help="ranks to plan for (every dp x tp x pp layout of them)")),
+                                          help="ranks to plan for (every dp x cp x tp x pp layout of them)")),
     ("model_preset", Optional[str], typer.Option(None, "--model", help="a model preset (gpt2, gpt2-medium, gpt2-large, "
      "gpt2-xl, gpt3-125m, gpt3-1.3b, gpt3-13b, gpt3-175b, megatron-18b, megatron-146b, megatron-1t); "
      "options given override it")),

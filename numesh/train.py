@@ -361,7 +361,7 @@ def train(
     start, out = trainer.step, Path(cfg.out)
     if hint := dp_hint(trainer.mesh.world.Get_size(), threads(), cfg.batch_size, cfg.micro_batches):
         log(hint)
-    peak, source = job_peak_flops(trainer)  # MFU's denominator (see README)
+    peak, source = job_peak_flops(trainer)  # MFU's denominator (docs/observability.md)
     log(f"MFU peak: {peak / 1e9:.1f} GFLOP/s ({source})")
     run = _open_run(trainer, cfg)
     observed_before = trainer.mesh.observer
