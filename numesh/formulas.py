@@ -42,20 +42,10 @@ def flops_per_token(n_layer: int, n_embd: int, block_size: int, n_params: int) -
     return 6.0 * n_params + 12.0 * n_layer * n_embd * block_size
 
 
-def model_gemm_shapes(rows: int, n_embd: int, vocab_local: int, tp: int) -> list[tuple[int, int, int]]:
-    """(m, k, n) of the model's own matrix multiplies on one rank for `rows` tokens: QKV,
-    attention out, MLP up, MLP down (Megatron-split over tp) and the vocab-parallel head."""
-    C = n_embd
-    return [(rows, C, 3 * C // tp), (rows, C // tp, C), (rows, C, 4 * C // tp), (rows, 4 * C // tp, C),
-            (rows, C, vocab_local)]
-
-
 def mfu(achieved_flops: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation, never above 1: the peak is at least what was achieved (a
-    step faster than the measured peak means the peak was measured low, not MFU > 1)."""
-    if achieved_flops <= 0.0:
-        return 0.0
-    return achieved_flops / max(peak_flops, achieved_flops)
+    """Model FLOPs utilisation: achieved over peak, never clamped (above 1 says the peak is
+    wrong, and hiding that would hide it); 0 without a peak."""
+    return achieved_flops / peak_flops if peak_flops > 0 else 0.0
 
 
 def dp_bytes(stage: int, micro_batches: int, padded_blocks: int, padded_outer: int, itemsize: int,

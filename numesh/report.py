@@ -21,8 +21,9 @@ prints the same report at the end. What it measures, per rank and optimiser step
 * **Bytes per axis per step**: every call's payload (sends, not receives) by axes and op,
   beside `numesh.formulas.step_bytes` for this rank's units.
 * **MFU**: achieved FLOP/s (FLOPs per token × tokens per step / mean step time) over the
-  job's peak (`--peak-flops`, or every rank's matmul peak measured with all ranks at once:
-  the model's GEMM shapes and a large GEMM), never above 1 (`numesh.formulas.mfu`).
+  job's peak (`--peak-flops`, or the cores the job uses times one core's matmul peak,
+  measured once per machine: `numesh.runtime.job_peak_flops`), not clamped
+  (`numesh.formulas.mfu`).
 * **Slowest rank**: the one the others wait for. A rank's waiting is the time it was
   blocked in communication while a collective's last member had not begun it yet
   (`wait_ms`, from aligned begin times; several nonblocking calls waiting at once count

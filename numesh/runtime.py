@@ -7,18 +7,22 @@ unexpected exception on one rank prints a rank-tagged traceback and aborts the j
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Callable, TypeVar
 
 import numpy as np
 from mpi4py import MPI
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from numesh.errors import Interrupted, abort_job
-from numesh.threads import over_batch, set_cores, set_threads, threads
+from numesh.files import write_atomic
+from numesh.threads import over_batch, set_cores, set_threads
 
 T = TypeVar("T")
 
@@ -139,19 +143,76 @@ def gemm_flops(m: int, k: int, n: int, dtype=np.float32, repeats: int = 5, split
     return 2.0 * m * k * n / best
 
 
-def rank_peak_flops(shapes: list[tuple[int, int, int]], dtype=np.float32, large: int = 768) -> dict[str, float]:
-    """This rank's matmul peak as it is used: the best of the model's own GEMM `shapes`
-    (whole, and split over the threads as blocks are) and a large `large`³ GEMM on all of
-    the rank's BLAS threads. Returns {"model": best of the model shapes, "large": the large
-    one, "peak": the larger}. Run it on every rank at once (the caller's barrier), so ranks
-    that share a node share its cores and memory bandwidth as in training."""
-    model = 0.0
-    for m, k, n in shapes:
-        model = max(model, gemm_flops(m, k, n, dtype))
-        if threads() > 1:
-            model = max(model, gemm_flops(m, k, n, dtype, split=True))
-    big = gemm_flops(large, large, large, dtype, repeats=2)  # 768³: ~0.9 GFLOP a call, ~30 ms per rank on a core
-    return {"model": model, "large": big, "peak": max(model, big)}
+# ---------------------------------------------------------------------------------------
+# MFU's peak: one core's matmul rate, measured once per machine, times the cores the job uses
+
+
+def peak_cache_path() -> Path:
+    """Where one core's peak is cached: $NUMESH_CACHE_DIR, else $XDG_CACHE_HOME/numesh, else
+    ~/.cache/numesh; the file `peak_flops.json`. Delete it to measure again."""
+    base = os.environ.get("NUMESH_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "numesh")
+    return Path(base) / "peak_flops.json"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.processor())
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def machine_key(dtype) -> str:
+    """What a cached peak belongs to: the CPU, the BLAS library and the kernels it runs
+    (OPENBLAS_CORETYPE changes them), and the dtype."""
+    blas = [i for i in threadpool_info() if i["user_api"] == "blas"]
+    lib = f"{blas[0]['internal_api']} {blas[0]['version']} {blas[0].get('architecture')}" if blas else "no BLAS"
+    return f"{_cpu_model()} | {platform.machine()} | {lib} | {np.dtype(dtype).name}"
+
+
+def core_peak_flops(dtype=np.float32) -> tuple[float, str]:
+    """One core's matmul peak: a 768³ GEMM on one BLAS thread, the best of several tries,
+    measured the first time on this machine and then read from `peak_cache_path()`, so it
+    does not depend on what else runs when a job starts. (FLOP/s, where it came from)."""
+    path, key = peak_cache_path(), machine_key(dtype)
+    try:
+        cache = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cache = {}
+    if isinstance(cache.get(key), dict) and cache[key].get("flops", 0) > 0:
+        return float(cache[key]["flops"]), f"cached in {path} on {cache[key].get('date', '?')}"
+    with threadpool_limits(limits=1, user_api="blas"):
+        flops = gemm_flops(768, 768, 768, dtype, repeats=10)
+    cache[key] = {"flops": flops, "date": time.strftime("%Y-%m-%d")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(cache, indent=1))
+        return flops, f"measured now, cached in {path}"
+    except OSError as e:
+        return flops, f"measured now; not cached ({e.strerror or e})"
+
+
+def host_cores_used(cores: int, rank_threads: list[int]) -> int:
+    """Cores the job's ranks on one host can keep busy: their threads, but never more than
+    the host has (ranks that share cores share their peak)."""
+    return max(1, min(cores, sum(rank_threads)))
+
+
+def job_peak_flops(comm: MPI.Comm, n_threads: int, dtype=np.float32) -> tuple[float, str]:
+    """MFU's denominator: over the job's hosts, the cores its ranks use there times one core's
+    peak on that host (`core_peak_flops`, measured by one rank per host). Collective."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        leader = node.Get_rank() == 0
+        per_core, source = node.bcast(core_peak_flops(dtype) if leader else None, root=0)
+        used = host_cores_used(os.cpu_count() or 1, node.allgather(n_threads))
+    finally:
+        node.Free()
+    total = comm.allreduce(used * per_core if leader else 0.0)
+    cores, hosts = comm.allreduce(used if leader else 0), comm.allreduce(int(leader))
+    return total, (f"{cores} core(s) on {hosts} host(s) x one core's {np.dtype(dtype).name} matmul peak "
+                   f"{per_core / 1e9:.1f} GFLOP/s, {source}")
 
 
 def is_root() -> bool:

@@ -39,7 +39,8 @@ from numesh.pipeline.executor import PipelineExecutor, StepStats
 from numesh.pipeline.schedules import make_schedule
 from numesh.pipeline.stages import StageLayout, gather_stages, stage_tree
 from numesh.rundir import RunDir
-from numesh.runtime import dp_hint, log, rank_peak_flops
+from numesh.runtime import dp_hint, log
+from numesh.runtime import job_peak_flops as measured_peak_flops
 from numesh.threads import threads
 from numesh.tree import tree_leaves, tree_map
 
@@ -265,21 +266,12 @@ class TrainResult:
 
 
 def job_peak_flops(trainer: Trainer) -> tuple[float, str]:
-    """MFU's denominator for the whole job and where it came from: --peak-flops, or the sum
-    over ranks of each rank's matmul peak measured with every rank measuring at once (so
-    ranks sharing a node share it as in training). Collective."""
-    c, mesh = trainer.cfg, trainer.mesh
-    if c.peak_flops > 0:
-        return c.peak_flops, "--peak-flops"
-    tp = mesh.size("tp")
-    rows = max(1, c.batch_size // (mesh.size("dp") * c.micro_batches)) * (c.block_size // mesh.size("cp"))
-    shapes = formulas.model_gemm_shapes(rows, c.n_embd, trainer.model.padded_vocab(tp) // tp, tp)
-    mesh.world.Barrier()
-    mine = rank_peak_flops(shapes, trainer.dtype)
-    total = psum_scalar(mine["peak"], mesh, ("pp", "dp", "cp", "tp"))
-    model = psum_scalar(mine["model"], mesh, ("pp", "dp", "cp", "tp"))
-    return total, (f"measured on {mesh.world.Get_size()} rank(s) at once; "
-                   f"the model's GEMMs reach {model / 1e9:.1f} GFLOP/s")
+    """MFU's denominator for the whole job and where it came from: --peak-flops, or the cores
+    the job uses times one core's matmul peak, measured once per machine
+    (numesh.runtime.job_peak_flops). Collective."""
+    if trainer.cfg.peak_flops > 0:
+        return trainer.cfg.peak_flops, "--peak-flops"
+    return measured_peak_flops(trainer.mesh.world, threads(), trainer.dtype)
 
 
 def _step_record(trainer: Trainer, step: int, peak_flops: float) -> dict[str, Any]:

@@ -11,6 +11,8 @@ and running them on every oversubscribed rank would only cost time).
 
 from __future__ import annotations
 
+import atexit
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +27,12 @@ from numesh.nn.gpt import GPT, GPTConfig, gpt_specs, init_gpt
 from numesh.tree import tree_map
 
 WORLD = MPI.COMM_WORLD
+
+# MFU's per-core peak is cached per machine (numesh.runtime.peak_cache_path): the suite and
+# the jobs it launches keep theirs in a temporary directory, never the user's cache.
+if "NUMESH_CACHE_DIR" not in os.environ:
+    os.environ["NUMESH_CACHE_DIR"] = tempfile.mkdtemp(prefix="numesh-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["NUMESH_CACHE_DIR"], True)
 
 if WORLD.Get_size() > 1:
     # ranks x BLAS threads = cores, so oversubscribed MPI runs do not thrash
