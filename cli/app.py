@@ -235,7 +235,7 @@ class _Progress:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.bar is not None:
+        if self.task is not None:  # rich's stop() of a bar never started still prints a newline
             self.bar.stop()
 
     def update(self, step: int, record: dict) -> None:

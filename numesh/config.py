@@ -156,6 +156,8 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
     """Every check that can fail, run identically on every rank before any collective: the
     options, the dataset, the layout (each once)."""
     shape = check_options(cfg, n_ranks)
+    if not cfg.out.strip():  # Path("") is ".": the run would land in the current directory
+        raise ConfigError(f"--out must name a directory for the run, got {cfg.out!r}")
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ConfigError(f"--out {cfg.out} is a file, not a directory: name a directory for the run")
     tok = D.load_tokenizer(cfg.data)
@@ -174,7 +176,7 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
     shape = parse_mesh(cfg.mesh, n_ranks)
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
-    for name in ("batch_size", "micro_batches", "eval_interval", "eval_iters", "log_interval"):
+    for name in ("max_iters", "batch_size", "micro_batches", "eval_interval", "eval_iters", "log_interval"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.zero not in (0, 1, 2, 3):
@@ -184,7 +186,7 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
     check_recompute(cfg.recompute)
     if cfg.on_nan not in ("stop", "skip"):
         raise ConfigError(f"--on-nan must be stop or skip, got '{cfg.on_nan}'")
-    for name in ("max_iters", "seed", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
+    for name in ("seed", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
                  "ckpt_interval", "keep", "max_skips", "collective_timeout"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")

@@ -18,7 +18,8 @@ points at $XDG_CACHE_HOME/numesh/numba (~/.cache/numesh/numba) unless the user s
 Signatures are compiled lazily, so only the dtypes a run uses are compiled.
 
 `enabled()` says whether the kernels are used: numba is importable and NUMESH_KERNELS is
-not "numpy" (the switch the A/B benchmarks and the reference tests use).
+not "numpy" (the switch the A/B benchmarks and the reference tests use). Any value other than
+numba, numpy or empty is a ConfigError from `check_mode()`, which commands call at start-up.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def _cache_dir() -> None:
 
 
 _MODE = os.environ.get("NUMESH_KERNELS", "numba").strip().lower()
+MODES = ("numba", "numpy")  # and unset or empty: numba when installed
 try:
     if _MODE == "numpy":
         raise ImportError("NUMESH_KERNELS=numpy")
@@ -74,6 +76,16 @@ _JIT = dict(cache=True, nogil=True, fastmath=False, error_model="numpy")
 
 
 _on = HAVE_NUMBA
+
+
+def check_mode() -> None:
+    """A NUMESH_KERNELS this module does not know is a one-line error (a ConfigError), raised
+    at a command's start-up rather than here at import: `cuda` once ran numba silently."""
+    if _MODE not in MODES and _MODE != "":
+        from numesh.errors import ConfigError
+
+        raise ConfigError(f"NUMESH_KERNELS={os.environ.get('NUMESH_KERNELS', '')!r} is not one of "
+                          f"{', '.join(MODES)} (or unset/empty for numba when installed)")
 
 
 def enabled() -> bool:

@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from numesh.errors import Interrupted, abort_job
+from numesh.errors import ConfigError, Interrupted, abort_job
 from numesh.files import write_atomic
 from numesh.threads import over_batch, set_cores, set_threads
 
@@ -43,18 +43,31 @@ def set_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None) -
     numesh's intra-op threads, with BLAS on one thread (numesh splits matmuls itself, see
     numesh/threads.py: two thread pools on the same cores fought). Returns the threads.
 
-    An explicit `threads`, or OMP/OPENBLAS_NUM_THREADS in the environment, wins."""
+    An explicit `threads`, or OMP/OPENBLAS_NUM_THREADS in the environment, wins; one of those
+    set to anything but a whole number >= 1 is a ConfigError naming it."""
     global _LIMITER
     cores = set_cores(max(1, (os.cpu_count() or 1) // ranks_per_node(comm)))  # tiles follow cores, not threads
     if threads is None:
-        for var in _THREAD_ENV:
-            if os.environ.get(var, "").isdigit():
-                threads = int(os.environ[var])
-                break
+        threads = env_threads()
     if threads is None:
         threads = cores
     _LIMITER = threadpool_limits(limits=1, user_api="blas")
     return set_threads(threads)
+
+
+def env_threads() -> int | None:
+    """The thread count the environment asks for: the first of OMP_NUM_THREADS,
+    OPENBLAS_NUM_THREADS, MKL_NUM_THREADS that is set and not empty, else None. A value that is
+    not a whole number >= 1 is a ConfigError naming the variable (it was once silently ignored)."""
+    for var in _THREAD_ENV:
+        value = os.environ.get(var, "").strip()
+        if not value:
+            continue
+        if not (value.isascii() and value.isdigit()) or int(value) < 1:
+            raise ConfigError(f"{var}={os.environ[var]!r} must be a whole number >= 1 (threads per rank): "
+                              f"set it to one or unset it")
+        return int(value)
+    return None
 
 
 # One process stops scaling early (issue #14, a 16-core Xeon, default model: 83/51/47/70/102
@@ -104,7 +117,11 @@ def keep_freed_memory() -> bool:
 
 
 def configure_process(threads: int | None = None, comm: MPI.Comm | None = None) -> int:
-    """Per-rank set-up before heavy work: BLAS threads and allocator reuse. Returns the threads."""
+    """Per-rank set-up before heavy work: BLAS threads and allocator reuse. Returns the threads.
+    A bad NUMESH_KERNELS or thread variable in the environment is a ConfigError here."""
+    from numesh.kernels import check_mode  # here, not at the top: numba loads with it
+
+    check_mode()
     keep_freed_memory()
     return set_blas_threads(threads, comm)
 

@@ -6,6 +6,7 @@ the same random stream, so all ranks agree on every token without extra communic
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import attrs
@@ -88,8 +89,8 @@ def generate(
 
     With the KV cache each new token costs one position until the context is full; after
     that the window slides and, positions being absolute, the window is recomputed."""
-    if temperature < 0:
-        raise ConfigError(f"temperature must be >= 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError(f"temperature must be >= 0 and finite, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ConfigError(f"top_k must be >= 1, got {top_k}")
     if prompt.shape[1] < 1:
@@ -130,8 +131,8 @@ class SampleConfig:
             raise ConfigError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
         if self.num_samples < 1:
             raise ConfigError(f"--num-samples must be >= 1, got {self.num_samples}")
-        if self.temperature < 0:
-            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN compares False: check it too
+            raise ConfigError(f"--temperature must be >= 0 and finite, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ConfigError(f"--top-k must be >= 1 (or 0 for all), got {self.top_k}")
         if self.seed < 0:

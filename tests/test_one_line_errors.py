@@ -1,0 +1,96 @@
+"""Nothing silently wrong: options and environment variables that used to be ignored or to
+produce nonsense (a NaN temperature, an empty --out, NUMESH_KERNELS=cuda, OMP_NUM_THREADS=abc,
+--max-iters 0) are one `error:` line and exit status 2, and that line is the first one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import cli, one_error_line
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-0.5"])
+def test_sample_refuses_a_temperature_that_is_not_a_finite_number_ge_0(value: str) -> None:
+    line = one_error_line(cli("sample", "--ckpt", "nowhere", "--temperature", value))
+    assert "--temperature must be >= 0 and finite" in line
+
+
+def test_generate_refuses_a_nan_temperature_too() -> None:
+    from numesh.errors import ConfigError
+    from numesh.sample import SampleConfig
+
+    with pytest.raises(ConfigError, match="temperature must be >= 0 and finite"):
+        SampleConfig("nowhere", temperature=float("nan")).validate()
+
+
+@pytest.mark.parametrize("out", ["", "  "])
+def test_an_empty_out_is_an_error_not_the_current_directory(char_dataset: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch, out: str) -> None:
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", out, "--max-iters", "1"))
+    assert "--out must name a directory" in line
+    assert list(work.iterdir()) == []  # no lock, config, metrics or ckpt/ here
+
+
+def test_max_iters_0_is_refused(char_dataset: Path, tmp_path: Path) -> None:
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--max-iters", "0"))
+    assert "max_iters must be >= 1, got 0" in line
+
+
+@pytest.mark.parametrize("var, value", [("OMP_NUM_THREADS", "abc"), ("OPENBLAS_NUM_THREADS", "0"),
+                                        ("OMP_NUM_THREADS", "-2")])
+def test_a_bad_thread_variable_is_one_line_naming_it(char_dataset: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(var, value)
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--max-iters", "1"))
+    assert f"{var}='{value}' must be a whole number >= 1" in line
+
+
+def test_thread_variables_that_are_numbers_or_empty_still_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    from numesh.runtime import env_threads
+
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    assert env_threads() is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
+    assert env_threads() == 3
+
+
+def test_an_unknown_numesh_kernels_is_one_line_at_start_up(char_dataset: Path, tmp_path: Path) -> None:
+    """Read when numesh.kernels is imported, so the CLI runs in a fresh process: importing
+    still works, and `numesh train` stops with one line naming the values it accepts."""
+    env = {**os.environ, "NUMESH_KERNELS": "cuda"}
+    code = ("import sys; import numesh.kernels; from numesh_cli.app import main; "
+            "sys.argv = ['numesh', *sys.argv[1:]]; main()")
+    res = subprocess.run([sys.executable, "-c", code, "train", "--data", str(char_dataset), "--out",
+                          str(tmp_path / "o"), "--max-iters", "1"], env=env, capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.splitlines() == ["error: NUMESH_KERNELS='cuda' is not one of numba, numpy "
+                                       "(or unset/empty for numba when installed)"], res.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("mode", ["numba", "numpy", "", " NumPy "])
+def test_the_numesh_kernels_values_it_accepts_pass(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    import numesh.kernels as K
+
+    monkeypatch.setattr(K, "_MODE", mode.strip().lower())
+    K.check_mode()
+
+
+def test_a_train_error_is_the_first_line_not_after_a_blank_one(char_dataset: Path, tmp_path: Path) -> None:
+    """The progress bar, never started, printed a newline when it closed (rich's Progress.stop
+    on a non-terminal), before the error line."""
+    res = cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--mesh", "tp=3")
+    one_error_line(res)
+    assert res.stderr.startswith("error: mesh pp=1,dp=1,cp=1,tp=3 needs 3 ranks"), repr(res.stderr)
