@@ -274,7 +274,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def token_sum(fn: Callable[[slice], Any], n: int) -> Any:
     """`fn(rows) -> array or tuple of arrays` (a sum over those token rows) for each of
     `token_pieces`' pieces of the n token rows, added in the fixed pairwise tree ((0+1) +
-    (2+3), ...); `fn(range(n))` outside pieces."""
+    (2+3), ... (`_pairwise`); `fn(range(n))` outside pieces."""
     pieces = _pieces(n)
     if len(pieces) == 1:
         return fn(pieces[0])
@@ -284,9 +284,7 @@ def token_sum(fn: Callable[[slice], Any], n: int) -> Any:
         sums = [fn(r) for r in pieces]
     finally:
         _local.pieces = saved
-    while len(sums) > 1:
-        sums = [_add(sums[i], sums[i + 1]) for i in range(0, len(sums), 2)]
-    return sums[0]
+    return _pairwise(sums)
 
 
 # ---------------------------------------------------------------------------------------
@@ -321,8 +319,8 @@ def runs_for(n_threads: int, pieces: tuple[slice, ...]) -> tuple[tuple[slice, tu
 
 
 def _over_runs(fn: Callable[[int], T], n: int) -> list[T]:
-    """`fn(i)` for each of n runs, each on its own thread (n ≤ threads), single-threaded
-    inside (`over_batch`); the results in run order."""
+    """`fn(i)` for each of n runs (or leaves), dealt to the threads in contiguous runs,
+    single-threaded inside (`over_batch`); the results in order."""
     return [y for ys in over_batch(lambda r: [fn(i) for i in range(r.start, r.stop)], n) for y in ys]
 
 
@@ -357,11 +355,6 @@ def chunked_bwd_sum(fn: Callable[[Any, slice, tuple[slice, ...]], tuple[np.ndarr
     return (np.concatenate(dxs) if len(dxs) > 1 else dxs[0]), total
 
 
-# The tree over n leaves: node (lo, size) covers leaves [lo, lo + size), size a power of two
-# and lo a multiple of it; its value is its left half's plus its right half's (or the left
-# half's alone past the last leaf).
-
-
 def _add(a: Any, b: Any) -> Any:
     """a += b over two trees, into a's arrays (fresh arrays of one leaf's result)."""
     if isinstance(a, np.ndarray):
@@ -373,34 +366,17 @@ def _add(a: Any, b: Any) -> Any:
     return a
 
 
-def _own_nodes(fn: Callable[[int], tuple[Any, Any]], r: slice) -> tuple[list, dict]:
-    """`fn(i) -> (side, tree)` for the leaves of `r` in order: the sides, and the trees
-    added up into the largest whole nodes of the tree inside `r` (a binary counter)."""
-    sides, stack = [], []  # stack of (lo, size, tree)
-    for i in range(r.start, r.stop):
-        side, t = fn(i)
-        sides.append(side)
-        stack.append((i, 1, t))
-        while len(stack) > 1:
-            (lo, size, left), (lo2, size2, right) = stack[-2], stack[-1]
-            if size != size2 or lo % (2 * size) or lo2 != lo + size:
-                break
-            stack[-2:] = [(lo, 2 * size, _add(left, right))]
-    return sides, {(lo, size): t for lo, size, t in stack}
+def _pairwise(sums: list) -> Any:
+    """The trees of `sums` added in the fixed pairwise tree: (0+1) + (2+3), ..., level by
+    level, an odd last one carried up as it is; None for none."""
+    while len(sums) > 1:
+        sums = [_add(sums[i], sums[i + 1]) if i + 1 < len(sums) else sums[i] for i in range(0, len(sums), 2)]
+    return sums[0] if sums else None
 
 
 def tree_sum(fn: Callable[[int], tuple[Any, Any]], n: int) -> tuple[list, Any]:
-    """`fn(i) -> (side, tree)` for i in range(n), leaves dealt to the threads in contiguous
-    runs (`over_batch`): ([side for each i], the trees added in the fixed pairwise tree)."""
-    parts = over_batch(lambda r: _own_nodes(fn, r), n)
-    nodes = {key: t for _, part in parts for key, t in part.items()}
-
-    def node(lo: int, size: int) -> Any:
-        if lo >= n:
-            return None
-        if (lo, size) in nodes:
-            return nodes[(lo, size)]
-        left, right = node(lo, size // 2), node(lo + size // 2, size // 2)
-        return left if right is None else _add(left, right)
-
-    return [s for sides, _ in parts for s in sides], node(0, 1 << max(0, n - 1).bit_length())
+    """`fn(i) -> (side, tree)` for i in range(n), dealt to the threads in contiguous runs
+    (`over_batch`): ([side for each i], the trees added by `_pairwise`), the same bits
+    whichever thread computed which."""
+    parts = _over_runs(fn, n)
+    return [side for side, _ in parts], _pairwise([t for _, t in parts])
