@@ -10,7 +10,8 @@ ring's transfers buys.
 `memory`: one forward of the whole model on a cp=world mesh (default: 2048 tokens, 2
 layers, width 128, 4 heads, batch 1, float32, no dropout), then the bytes of the unique
 arrays its saved contexts hold (arrays that are views are counted once, by the array that
-owns the memory), per rank and by kind, as one JSON line.
+owns the memory), per rank and by kind, beside `numesh.formulas.activation_bytes`, as one
+JSON line.
 `speed`: median ms and tokens/s of training steps on cp=world (one BLAS thread per rank).
 `overlap`: one layer's ring attention forward+backward on cp=world, with the next K/V
 transfer posted before the current block's compute or only after it, runs alternating,
@@ -32,6 +33,7 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
+from numesh import formulas
 from numesh.config import config_from
 from numesh.mesh import Mesh
 from numesh.nn.context_parallel import MeshRing, take_local
@@ -86,10 +88,14 @@ def memory(args: argparse.Namespace) -> None:
             kinds[where] = kinds.get(where, 0) + x.nbytes
     total = sum(kinds.values())
     per_rank = WORLD.gather(total, root=0)
+    formula = formulas.activation_bytes(micro_batch=args.batch, seq=args.block_size, n_embd=args.n_embd,
+                                        n_head=args.n_head, n_layer=args.n_layer, vocab=65, cp=cp,
+                                        itemsize=np.dtype(dtype).itemsize)
     if WORLD.Get_rank() == 0:
         print(json.dumps({"cp": cp, "block_size": args.block_size, "n_layer": args.n_layer, "n_embd": args.n_embd,
                           "n_head": args.n_head, "batch": args.batch, "dtype": args.dtype,
                           "bytes_per_rank_max": max(per_rank), "bytes_per_rank": per_rank,
+                          "formula_bytes": formula,
                           "by_kind_rank0": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}))
 
 
@@ -134,8 +140,8 @@ def overlap(args: argparse.Namespace) -> None:
         ov = i % 2 == 0  # alternate, so drifts in machine load hit both alike
         WORLD.Barrier()
         t0 = time.perf_counter()
-        _, ctx = ring_attention_fwd(q, k, v, ring, None, ov)
-        ring_attention_bwd(ctx, dy, ring, ov)
+        ctx = ring_attention_fwd(q, k, v, np.empty_like(q), ring, None, ov)
+        ring_attention_bwd(ctx, dy, *(np.zeros_like(q) for _ in range(3)), ring, ov)
         dt = WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         if i >= 2 * args.warmup:
             times[ov].append(dt)

@@ -12,7 +12,7 @@ over the ranks: `StepStats.peak_bytes`, measured from the buffers, see
 NCCL-tests count them) and the bytes each rank holds for parameters, gradients, optimiser
 state and workspace (`ZeroOptimizer.memory()`, measured from its buffers).
 
-    mpirun -n 2 python benchmarks/bench_parallel.py --meshes tp=2 --recompute none selective full
+    mpirun -n 2 python benchmarks/bench_parallel.py --meshes tp=2 --recompute none full
 
 runs every mesh with each activation recomputation mode.
 
@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=None, help="context length (default: the preset's)")
     ap.add_argument("--batch-size", type=int, default=None,
                     help="sequences per step on one rank (default: the preset's)")
-    ap.add_argument("--recompute", nargs="+", default=["none"], choices=["none", "selective", "full"],
+    ap.add_argument("--recompute", nargs="+", default=["none"], choices=["none", "full"],
                     help="activation recomputation modes to run each mesh at")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)

@@ -8,7 +8,7 @@ For each rank count it (1) calibrates this machine with that many ranks into a p
 (`numesh plan --calibrate` under mpirun; skipped with --no-calibrate), (2) picks layouts of a
 small model that `numesh plan` lists (every mesh, ZeRO stage and schedule, one or two
 micro-batch counts each, without cp, sp or recomputation; then `--new-axes` more with cp,
-sequence parallelism or selective or full recomputation, spread over those), (3) runs them
+sequence parallelism or full recomputation, spread over those), (3) runs them
 all in one mpirun job (a worker mode of this script: a Trainer per layout, warm-up steps,
 then timed steps; the step's time is the slowest rank's; `--passes` over the list, every
 other one in reverse order; a layout's time is the median of its steps over all passes;

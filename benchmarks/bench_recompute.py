@@ -3,12 +3,12 @@
     python benchmarks/bench_recompute.py --preset default --block-size 64 256
     mpirun -n 2 python benchmarks/bench_recompute.py --mesh tp=2
 
-For each context length, one trainer per `--recompute` mode (none, selective, full) is
-built in the same process; after warm-up their steps alternate (none, selective, full,
-none, ...), so that load from other processes falls on every mode alike, and the median
-step time of each is reported with tokens/s, the cost against none, and the activation
-bytes each rank held at the peak of a step (`StepStats.peak_bytes`, measured from the
-buffers) beside `numesh.formulas.activation_bytes`'s prediction. Last, one more step of
+For each context length, one trainer per `--recompute` mode (none, full) is built in the
+same process; after warm-up their steps alternate (none, full, none, ...), so that load
+from other processes falls on every mode alike, and the median step time of each is
+reported with tokens/s, the cost against none, and the activation bytes each rank held at
+the peak of a step (`StepStats.peak_bytes`, measured from the buffers) beside
+`numesh.formulas.activation_bytes`'s prediction. Last, one more step of
 each mode runs under `tracemalloc` (untimed): the most bytes NumPy had allocated at once
 during it, above what was allocated when it began ("step peak"): the saved activations
 plus everything transient (the block being computed, a rerun block's whole context,
@@ -37,7 +37,7 @@ from numesh.train import Trainer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
 
-MODES = ("none", "selective", "full")
+MODES = ("none", "full")
 
 
 def predicted_peak(trainer: Trainer) -> int:
@@ -81,7 +81,7 @@ def bench(base: dict, comm: MPI.Comm, warmup: int, rounds: int) -> dict[str, dic
     times: dict[str, list[float]] = {m: [] for m in MODES}
     cpu: dict[str, list[float]] = {m: [] for m in MODES}
     for _ in range(rounds):
-        for m, t in trainers.items():  # alternating: none, selective, full, none, ...
+        for m, t in trainers.items():  # alternating: none, full, none, ...
             comm.Barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             t.train_step()

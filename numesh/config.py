@@ -70,8 +70,8 @@ class TrainConfig:
         "across tp (needs tp > 1 and block_size divisible by tp); activations per rank shrink, bytes stay")
     # activation memory
     recompute: str = _field(
-        "none", "activation recomputation: none; selective (the attention core's T×T softmax and dropout mask "
-        "recomputed in backward); full (each block rerun from its input in backward)")
+        "none", "activation recomputation: none, or full (each block rerun from its input in backward; keeps "
+        "only the blocks' inputs)")
     # evaluation and logging
     eval_interval: int = _field(250, "evaluate train/val loss every this many steps")
     eval_iters: int = _field(20, "batches per split and evaluation")

@@ -38,8 +38,23 @@ def memory_formula(psi: int, dp: int, stage: int, itemsize: int = 4) -> dict[str
 
 
 def flops_per_token(n_layer: int, n_embd: int, block_size: int, n_params: int) -> float:
-    """Training FLOPs per token: 6 per parameter plus attention (PaLM's appendix B)."""
+    """Training FLOPs per token as MFU counts them: 6 per parameter plus 12·L·H·Q·T for
+    attention (H·Q = n_embd), the convention of PaLM's appendix B and nanoGPT's MFU. It
+    counts attention's scores and weighted sum over all T keys; the fused kernel computes
+    only the causal half (`attention_flops`), so like every causal trainer reporting this
+    convention, MFU credits attention with about twice the FLOPs it executes."""
     return 6.0 * n_params + 12.0 * n_layer * n_embd * block_size
+
+
+def attention_flops(seq: int, n_embd: int, query_tile: int = 1) -> float:
+    """FLOPs one sequence's causal attention executes in one layer, forward and backward,
+    summed over heads: each of the 7 head-size GEMMs (forward q·kᵀ and p·v; backward q·kᵀ
+    again, dp, dv, dq, dk) covers each query's visible keys once, 2·n_embd FLOPs per
+    (query, key) pair. The kernel multiplies whole stripes of `query_tile` queries by every
+    key up to the stripe's last one, so a stripe's diagonal tile is computed whole."""
+    t = max(1, query_tile)
+    pairs = sum(min(seq, q0 + t) * (min(seq, q0 + t) - q0) for q0 in range(0, seq, t))
+    return 7 * 2.0 * n_embd * pairs
 
 
 def mfu(achieved_flops: float, peak_flops: float) -> float:
@@ -85,10 +100,9 @@ def tp_all_reduce_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, i
     """Payload bytes all-reduced over tp by one micro-batch's forward and backward through
     a chunk (Megatron): per block the g of attention and MLP forward and the f of both
     halves backward (4 activations), 6 under full recomputation (backward reruns the
-    forward, its two g's included; selective recomputes no communicating op); the
-    vocab-parallel embedding lookup (forward) and the LM head's input gradient (backward),
-    one activation each; the cross-entropy's row maxima (pmax) and [sum-exp, target logit]
-    (psum), 3 values per token."""
+    forward, its two g's included); the vocab-parallel embedding lookup (forward) and the
+    LM head's input gradient (backward), one activation each; the cross-entropy's row
+    maxima (pmax) and [sum-exp, target logit] (psum), 3 values per token."""
     act = rows * block_size * n_embd * itemsize
     total = (6 if recompute == "full" else 4) * chunk.blocks * act
     if chunk.first:
@@ -113,7 +127,7 @@ def tp_sequence_parallel_bytes(chunk: Chunk, rows: int, block_size: int, n_embd:
     matmul's weight gradient (numesh.nn.transformer.norm_regather): 2 more all-gathers per
     block and one for the head. Under full recomputation the rerun forward gathers and
     reduce-scatters twice per block more and keeps its gathered outputs (no regather in
-    its blocks); selective recomputes no communicating op.
+    its blocks).
 
     Bus bytes of the pairs are those of plain tp (an all-reduce of S moves 2(n-1)/n·S, a
     gather plus a scatter (n-1)/n·S each); the regathers add (n-1)/n·S per LayerNorm. The
@@ -300,6 +314,13 @@ def zero_buffer_bytes(unit_sizes: Iterable[int], dp: int, stage: int, itemsize: 
 
 
 
+def check_recompute_mode(recompute: str) -> None:
+    """ValueError unless `recompute` is none or full ("selective" was retired with the fused
+    attention kernel: numesh.nn.walk.RETIRED)."""
+    if recompute not in ("none", "full"):
+        raise ValueError(f"recompute must be none or full, got {recompute!r}")
+
+
 def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_layer: int, vocab: int, tp: int = 1,
                      first: bool = True, last: bool = True, recompute: str = "none", dropout: bool = False,
                      itemsize: int = 4, sp: bool = False, cp: int = 1) -> dict[str, int]:
@@ -311,20 +332,19 @@ def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_
       "block_replicated"  k·(4·sbh + 2·sb): LayerNorm 1 and 2 each keep x̂ [b,s,h] and 1/σ
                           [b,s,1], and their outputs h1, h2 [b,s,h] (the QKV and MLP-up
                           inputs). Replicated over tp unless sequence-parallel (`sp`).
-      "block_sharded"     k·17·sbh/t: the scaled queries (1), the QKV output that k and v
-                          are views of (3), the attention output (1), the MLP-up output,
-                          GELU's tanh and GELU's output (4 each).
-      "block_scores"      k·(1 + d)·a·s²·b/t: the softmax probabilities [b, a/t, s, s] and,
-                          with dropout (d = 1), their mask. Selective recomputation drops
-                          this part.
+      "block_sharded"     k·16·sbh/t: the QKV output that q, k and v are views of (3), the
+                          attention output (1, which attention's context views too), the
+                          MLP-up output, GELU's tanh and GELU's output (4 each).
+      "block_lse"         k·a·sb/t: each query row's log-sum-exp [b, a/t, s], all the fused
+                          attention keeps of its softmax (numesh/nn/attention.py): nothing
+                          s×s, with or without dropout, whose pattern is a hash.
       "block_input"       k·sbh: full recomputation keeps only the block's input, instead
-                          of the four parts above.
+                          of the three parts above.
     Residual and embedding dropout masks are redrawn in backward, never kept. So a block
-    holds k·(sbh·(4 + 17/t) + 2·sb + (1 + d)·a·s²·b/t) bytes (Korthikanti et
-    al. count 34·sbh + 5·a·s²·b for fp16 with byte masks: numesh keeps x̂ beside the
-    LayerNorm output, and neither the residual masks nor the dropped-out probabilities),
-    k·(sbh·(4 + 17/t) + 2·sb) under selective recomputation (no s² term) and
-    k·sbh under full.
+    holds k·(sbh·(4 + 16/t) + 2·sb + a·sb/t) bytes (Korthikanti et al. count 34·sbh +
+    5·a·s²·b for fp16 with byte masks and the s×s softmax kept: numesh keeps x̂ beside the
+    LayerNorm output, and neither the residual masks nor any s×s tensor) and k·sbh under
+    full recomputation.
 
     Outside the blocks:
       "embed"  (first stage) the token ids, int64 [b,s]; with tp > 1 instead the ids
@@ -341,13 +361,11 @@ def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_
     fully recomputed block's input k·sbh/t: every part of a block is then divided by t.
 
     Context parallelism (`cp`) gives each rank s = seq/cp tokens of every sequence, so
-    every term above is taken with that s; ring attention keeps no s×s scores but its
-    output y and each row's log-sum-exp, "block_ring" k·(sbh/t + a·sb/t), and with dropout
-    the mask rows of its queries against every key, k·a·s·(s·cp)·b/t. Selective
-    recomputation has nothing more to drop there. The first stage also keeps the s positions
-    of its tokens (int64) for the position embedding's gradient."""
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    every term above is taken with that s (ring attention keeps the same output and
+    log-sum-exp as one rank's). The first stage also keeps the s positions of its tokens
+    (int64) for the position embedding's gradient. `dropout` changes nothing here (kept for
+    the callers that pass it)."""
+    check_recompute_mode(recompute)
     b, s, h, a, t, k = micro_batch, seq // cp, n_embd, n_head, tp, itemsize
     sb, sbh = s * b, s * b * h
     parts: dict[str, int] = {}
@@ -355,12 +373,8 @@ def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_
         parts["block_input"] = n_layer * k * (sbh // t if sp else sbh)
     else:
         parts["block_replicated"] = n_layer * k * (2 * (sbh + sb) // t if sp else (4 * sbh + 2 * sb))
-        parts["block_sharded"] = n_layer * k * 17 * sbh // t
-        if cp > 1:
-            parts["block_ring"] = (n_layer * k * (sbh + a * sb) // t
-                                   + n_layer * k * int(dropout) * a * s * s * cp * b // t)
-        elif recompute == "none":
-            parts["block_scores"] = n_layer * k * (1 + int(dropout)) * a * s * s * b // t
+        parts["block_sharded"] = n_layer * k * 16 * sbh // t
+        parts["block_lse"] = n_layer * k * a * sb // t
     if first:
         parts["embed"] = (sb * TOKEN_ID_BYTES + (sb if t > 1 else 0)
                           + (s * TOKEN_ID_BYTES if cp > 1 else 0))  # cp: positions

@@ -245,57 +245,143 @@ def gelu_bwd(x, t, dy, dx):
 
 
 # ---------------------------------------------------------------------------------------
-# causal softmax over att [M, T, T] (M = batch × heads), in place; NumPy's exp between
+# attention stripes (numesh/nn/attention.py): the scores of a tile of keys against a stripe
+# of queries, for a group of (batch row, head) pairs, transposed, s [G, keys, queries]
+# (k·qᵀ: BLAS runs that shape faster than q·kᵀ, and every pass below then runs along a
+# key's row of queries, where it vectorises without reordering a sum). Query r sees key j
+# iff j < vis0 + r. NumPy's SIMD exp runs between the passes (numba's exp is scalar,
+# several times slower).
+#
+# Attention dropout draws no mask: whether query q of (batch row b, head h) keeps key j is a
+# hash of (the stream's key, the counter ((b·H + h)·S + q)·S + j), with b, h, q and j global,
+# so every mesh and every tile drops the same pairs. `row_base[g, r]` carries
+# ((b·H + h)·S + q)·S for group g's query r and `kpos[j]` the key's global position. splitmix64's finaliser
+# mixes the counter; its top 24 bits against `threshold` = ceil(p·2^24) keep or drop.
 
 
 @njit(**_JIT)
-def causal_softmax_pre(att):
-    """Row i: subtract the max of columns 0..i; -inf after column i (exp makes it 0)."""
-    m, T, _ = att.shape
-    for h in range(m):
-        for i in range(T):
-            mx = att[h, i, 0]
-            for j in range(1, i + 1):
-                if att[h, i, j] > mx:
-                    mx = att[h, i, j]
-            for j in range(i + 1):
-                att[h, i, j] -= mx
-            for j in range(i + 1, T):
-                att[h, i, j] = -np.inf
+def drop_keep(key, counter, threshold):
+    """Whether the pair with this counter survives dropout (all uint64)."""
+    z = key ^ (counter * np.uint64(0x9E3779B97F4A7C15))
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(40)) >= threshold
 
 
 @njit(**_JIT)
-def causal_softmax_post(att):
-    """Row i (already exp'ed): divide columns 0..i by their sum."""
-    m, T, _ = att.shape
-    for h in range(m):
-        a = att[h]
-        for i in range(T):
-            inv = att.dtype.type(1.0 / _row_sum(a, i, i + 1))
-            for j in range(i + 1):
-                a[i, j] *= inv
-
-
-def causal_softmax_fwd(att: np.ndarray) -> None:
-    """Causal softmax of att [M, T, T] in place: a fused pass, NumPy's SIMD exp, a fused pass."""
-    causal_softmax_pre(att)
-    np.exp(att, out=att)
-    causal_softmax_post(att)
+def _first_seen(vis0, j, rows):
+    """The first query of the stripe that sees key j."""
+    return min(max(j - vis0 + 1, 0), rows)
 
 
 @njit(**_JIT)
-def causal_softmax_bwd(a, da):
-    """da <- a · (da - Σ_j da·a) per row, in place (zero above the diagonal, where a is 0)."""
-    m, T, _ = a.shape
-    for h in range(m):
-        ah = a[h]
-        dh = da[h]
-        for i in range(T):
-            s = dh.dtype.type(_row_dot(dh, ah, i, i + 1))
-            for j in range(i + 1):
-                dh[i, j] = ah[i, j] * (dh[i, j] - s)
-            for j in range(i + 1, T):
-                dh[i, j] = 0.0
+def _hide(s, vis0):
+    """Hidden scores (query r, key j >= vis0 + r) to -inf. Every pass here then runs whole
+    rows: a loop from a varying start does not vectorise (numba/LLVM), one over a row does."""
+    groups, keys, rows = s.shape
+    for g in range(groups):
+        for j in range(max(0, vis0), keys):
+            row = s[g, j]
+            for r in range(_first_seen(vis0, j, rows)):
+                row[r] = -np.inf
+
+
+@njit(**_JIT)
+def stripe_shift(s, vis0, m, alpha):
+    """Online softmax, first pass, for each group g (a (batch row, head)) of s [G, keys,
+    queries]: m[g, r] <- max(m[g, r], max of query r's visible scores), alpha[g, r] =
+    exp(old m - new m); visible scores minus the new max, hidden ones -inf. Needs a visible
+    key for every query by this tile (m finite after it)."""
+    groups, keys, rows = s.shape
+    _hide(s, vis0)
+    mx = np.empty(rows, m.dtype)
+    for g in range(groups):
+        mg, ag = m[g], alpha[g]
+        for r in range(rows):
+            mx[r] = mg[r]
+        for j in range(keys):
+            row = s[g, j]
+            for r in range(rows):
+                mx[r] = max(mx[r], row[r])
+        for r in range(rows):
+            ag[r] = math.exp(mg[r] - mx[r]) if mg[r] > -np.inf else 0.0
+            mg[r] = mx[r]
+        for j in range(keys):
+            row = s[g, j]
+            for r in range(rows):
+                row[r] -= mx[r]
+
+
+@njit(**_JIT)
+def stripe_sums(s, l, alpha, key, threshold, inv_keep, row_base, kpos):
+    """Online softmax, second pass (s already exp'ed): l[g, r] <- l[g, r]·alpha[g, r] +
+    Σ_j s[g, j, r] (float64 sums); then, with dropout (threshold > 0), s scaled by the keep
+    mask."""
+    groups, keys, rows = s.shape
+    acc = np.empty(rows, np.float64)
+    for g in range(groups):
+        acc[:] = 0.0
+        for j in range(keys):
+            row = s[g, j]
+            for r in range(rows):
+                acc[r] += row[r]
+        for r in range(rows):
+            l[g, r] = l[g, r] * alpha[g, r] + acc[r]
+        if threshold > 0:
+            base = row_base[g]
+            for j in range(keys):
+                kj = kpos[j]
+                row = s[g, j]
+                for r in range(rows):
+                    if drop_keep(key, base[r] + kj, threshold):
+                        row[r] *= inv_keep
+                    else:
+                        row[r] = 0.0
+
+
+@njit(**_JIT)
+def stripe_logits(s, vis0, lse):
+    """Backward, first pass: visible scores minus their query's log-sum-exp lse [G, queries]
+    (exp gives the probabilities), hidden ones -inf."""
+    groups, keys, rows = s.shape
+    _hide(s, vis0)
+    for g in range(groups):
+        lg = lse[g]
+        for j in range(keys):
+            row = s[g, j]
+            for r in range(rows):
+                row[r] -= lg[r]
+
+
+@njit(**_JIT)
+def stripe_dropped(p, out, key, threshold, inv_keep, row_base, kpos):
+    """out = the probabilities p after dropout (the weights the values were averaged with)."""
+    groups, keys, rows = p.shape
+    for g in range(groups):
+        base = row_base[g]
+        for j in range(keys):
+            kj = kpos[j]
+            for r in range(rows):
+                out[g, j, r] = p[g, j, r] * inv_keep if drop_keep(key, base[r] + kj, threshold) else 0.0
+
+
+@njit(**_JIT)
+def stripe_grad(p, dp, dd, key, threshold, inv_keep, row_base, kpos):
+    """Softmax backward in place: dp <- p·(dp∘keep - dd[g, r]), dd = rowsum(dy·y)."""
+    groups, keys, rows = p.shape
+    for g in range(groups):
+        dg = dd[g]
+        for j in range(keys):
+            pj, dj = p[g, j], dp[g, j]
+            if threshold > 0:
+                base, kj = row_base[g], kpos[j]
+                for r in range(rows):
+                    x = dj[r] * inv_keep if drop_keep(key, base[r] + kj, threshold) else 0.0
+                    dj[r] = pj[r] * (x - dg[r])
+            else:
+                for r in range(rows):
+                    dj[r] = pj[r] * (dj[r] - dg[r])
 
 
 # ---------------------------------------------------------------------------------------
@@ -360,9 +446,12 @@ def warm_up(dtype) -> None:
     gelu_fwd_pre(flat, t)
     gelu_fwd_post(flat, t, out)
     gelu_bwd(flat, t, flat, out)
-    att = np.zeros((1, 2, 2), f)
-    causal_softmax_fwd(att)
-    causal_softmax_bwd(att, np.zeros_like(att))
+    s, v1, u = np.zeros((1, 4, 2), f), np.zeros((1, 2), f), np.zeros((1, 4), np.uint64)
+    stripe_shift(s, 1, v1, v1.copy())
+    stripe_sums(s, v1, v1.copy(), np.uint64(1), np.uint64(1), f(2), u[:, :2], u[0])
+    stripe_logits(s, 1, v1)
+    stripe_dropped(s, s.copy(), np.uint64(1), np.uint64(1), f(2), u[:, :2], u[0])
+    stripe_grad(s, s.copy(), v1, np.uint64(1), np.uint64(1), f(2), u[:, :2], u[0])
     ce_bwd(np.ones((2, 3), f), np.ones(2, f), np.zeros(2, np.int64), np.ones(1))
     z = np.zeros(8, f)
     adamw(z, z.copy(), z.copy(), z.copy(), np.ones(8, bool), 0.0, 0.9, 0.99, 1e-8, 1.0, 1.0)  # decay: a bool mask

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from numesh import threads
 from numesh.mesh import Mesh, unshard
 from numesh.nn.gpt import GPT, GPTConfig, gpt_specs, init_gpt
 from numesh.tree import tree_map
@@ -246,3 +247,14 @@ def one_error_line(res: Any) -> str:
     assert res.exit_code == 2, res.output
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
     return lines[0]
+
+
+@pytest.fixture
+def with_threads():
+    """Run a test body once per thread count, restoring the count afterwards. The rank may
+    use 16 cores, whatever this machine has, so the work is cut as finely as on a node."""
+    before, cores = threads.threads(), threads.cores()
+    threads.set_cores(16)
+    yield threads.set_threads
+    threads.set_threads(before)
+    threads.set_cores(cores)

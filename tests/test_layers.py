@@ -13,8 +13,6 @@ from numesh.nn.dropout import EMBED, DropoutKey, Site
 from numesh.nn.layers import (
     LayerNorm,
     Linear,
-    causal_attention_bwd,
-    causal_attention_fwd,
     dropout_mask,
     gelu_bwd,
     gelu_fwd,
@@ -151,53 +149,9 @@ def test_gelu_value_and_fd(rng: np.random.Generator) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# attention
+# attention: tests/test_attention.py (the fused kernel against its definition and finite
+# differences)
 
-
-def _attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-    T = q.shape[-2]
-    s = q @ k.swapaxes(-1, -2) / math.sqrt(q.shape[-1])
-    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
-    a = np.exp(s - s.max(-1, keepdims=True))
-    a /= a.sum(-1, keepdims=True)
-    if mask is not None:
-        a = a * mask
-    return a @ v
-
-
-@pytest.mark.parametrize("dropout", [False, True])
-def test_causal_attention_fd(rng: np.random.Generator, dropout: bool) -> None:
-    B, H, T, hs = 2, 2, 4, 3
-    q, k, v = (rng.standard_normal((B, H, T, hs)) for _ in range(3))
-    mask = dropout_mask(np.random.default_rng(7), (B, H, T, T), 0.3, np.float64) if dropout else None
-    if dropout:
-        assert (mask == 0).any() and (mask > 1).any()
-    r = rng.standard_normal((B, H, T, hs))
-
-    def loss() -> float:
-        return float(np.sum(causal_attention_fwd(q, k, v, mask)[0] * r))
-
-    y, ctx = causal_attention_fwd(q, k, v, mask)
-    np.testing.assert_allclose(y, _attention_reference(q, k, v, mask), rtol=1e-12, atol=1e-14)
-    dq, dk, dv = causal_attention_bwd(ctx, r)
-    assert_fd(dq, fd_grad(loss, q), "dq")
-    assert_fd(dk, fd_grad(loss, k), "dk")
-    assert_fd(dv, fd_grad(loss, v), "dv")
-
-
-def test_causal_attention_is_causal(rng: np.random.Generator) -> None:
-    B, H, T, hs = 2, 2, 6, 4
-    q, k, v = (rng.standard_normal((B, H, T, hs)) for _ in range(3))
-    y, _ = causal_attention_fwd(q, k, v)
-    for t in range(T - 1):
-        q2, k2, v2 = q.copy(), k.copy(), v.copy()
-        for a in (q2, k2, v2):
-            a[..., t + 1 :, :] = rng.standard_normal(a[..., t + 1 :, :].shape) * 10
-        y2, _ = causal_attention_fwd(q2, k2, v2)
-        np.testing.assert_array_equal(y2[..., : t + 1, :], y[..., : t + 1, :])
-        assert not np.allclose(y2[..., t + 1 :, :], y[..., t + 1 :, :])
-    # position 0 attends only to itself
-    np.testing.assert_allclose(y[..., 0, :], v[..., 0, :], rtol=1e-14)
 
 
 def test_dropout_mask_values() -> None:

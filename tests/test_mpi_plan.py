@@ -2,7 +2,7 @@
 gradients, optimiser state, workspace and peak saved activations equal what it measures
 (`ZeroOptimizer.memory()`, `StepStats.peak_bytes`) after a step, for dp with every ZeRO
 stage, tp, and pp with every schedule, and for cp (with ZeRO over dp beside it), sequence
-parallelism and selective and full recomputation. Adapts to the world size N (2, 4 or 8)."""
+parallelism and full recomputation. Adapts to the world size N (2, 4 or 8)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ def layouts() -> list[tuple[str, int, str, int, int, str, bool]]:
 def new_axes() -> list[tuple[str, int, str, int, int, str, bool]]:
     """cp, sp and recomputation layouts: cp beside dp (ZeRO shards over dp only), tp and pp."""
     return {
-        2: [("cp=2", 0, "1f1b", 2, 1, "none", False), ("cp=2", 0, "1f1b", 2, 1, "selective", False),
-            ("tp=2", 0, "1f1b", 2, 1, "selective", True), ("tp=2", 0, "1f1b", 2, 1, "full", True)],
-        4: [("dp=2,cp=2", 1, "1f1b", 2, 1, "selective", False), ("dp=2,cp=2", 3, "1f1b", 2, 1, "full", False),
-            ("cp=2,tp=2", 0, "1f1b", 2, 1, "none", True), ("pp=2,tp=2", 0, "zb-h1", 4, 1, "selective", True),
+        2: [("cp=2", 0, "1f1b", 2, 1, "none", False), ("cp=2", 0, "1f1b", 2, 1, "full", False),
+            ("tp=2", 0, "1f1b", 2, 1, "none", True), ("tp=2", 0, "1f1b", 2, 1, "full", True)],
+        4: [("dp=2,cp=2", 1, "1f1b", 2, 1, "none", False), ("dp=2,cp=2", 3, "1f1b", 2, 1, "full", False),
+            ("cp=2,tp=2", 0, "1f1b", 2, 1, "none", True), ("pp=2,tp=2", 0, "zb-h1", 4, 1, "full", True),
             ("pp=2,cp=2", 0, "zb-h1", 4, 1, "none", False)],
-        8: [("dp=2,cp=2,tp=2", 2, "1f1b", 2, 1, "selective", True), ("pp=2,cp=2,tp=2", 0, "zb-h1", 4, 1, "full", True),
+        8: [("dp=2,cp=2,tp=2", 2, "1f1b", 2, 1, "none", True), ("pp=2,cp=2,tp=2", 0, "zb-h1", 4, 1, "full", True),
             ("pp=2,dp=2,cp=2", 3, "interleaved", 2, 2, "none", False)],
     }.get(N, [])
 
@@ -63,12 +63,12 @@ def test_predicted_memory_equals_measured(shared_dataset: Path, shared_tmp: Path
     assert bad == 0
 
 
-def test_new_axes_cover_cp_sp_and_selective() -> None:
-    """On 2, 4 and 8 ranks the memory cases include cp, sp and selective recomputation."""
+def test_new_axes_cover_cp_sp_and_full_recompute() -> None:
+    """On 2, 4 and 8 ranks the memory cases include cp, sp and full recomputation."""
     cases = new_axes()
     if N in (2, 4, 8):
         assert any("cp=" in c[0] for c in cases) and any(c[6] for c in cases)
-        assert any(c[5] == "selective" for c in cases)
+        assert any(c[5] == "full" for c in cases)
 
 
 def test_the_waits_are_fitted_on_a_real_mesh_step(shared_dataset: Path, shared_tmp: Path) -> None:

@@ -1,6 +1,7 @@
 """Nothing silently wrong: options and environment variables that used to be ignored or to
 produce nonsense (a NaN temperature, an empty --out, NUMESH_KERNELS=cuda, OMP_NUM_THREADS=abc,
---max-iters 0) are one `error:` line and exit status 2, and that line is the first one."""
+--max-iters 0), and the retired --recompute selective, are one `error:` line and exit
+status 2, and that line is the first one."""
 
 from __future__ import annotations
 
@@ -37,6 +38,15 @@ def test_an_empty_out_is_an_error_not_the_current_directory(char_dataset: Path, 
     line = one_error_line(cli("train", "--data", str(char_dataset), "--out", out, "--max-iters", "1"))
     assert "--out must name a directory" in line
     assert list(work.iterdir()) == []  # no lock, config, metrics or ckpt/ here
+
+
+def test_recompute_selective_is_retired_in_one_line(char_dataset: Path, tmp_path: Path) -> None:
+    """The fused attention keeps nothing T×T, so selective recomputation is gone: asking for
+    it is one line saying so, before anything is written."""
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--max-iters", "1",
+                              "--recompute", "selective"))
+    assert "--recompute selective is retired" in line
+    assert not (tmp_path / "o").exists()
 
 
 def test_max_iters_0_is_refused(char_dataset: Path, tmp_path: Path) -> None:

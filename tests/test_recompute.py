@@ -1,17 +1,19 @@
-"""Activation recomputation (`--recompute none|selective|full`) and activation accounting.
+"""Activation recomputation (`--recompute none|full`) and activation accounting.
 
-* Every mode gives the same losses and gradients as keeping everything, bit for bit, with
-  dropout, on one thread and split over threads, whole backward or zero-bubble B then W:
-  the recomputed context is the forward's (probabilities from q and k, masks redrawn
-  from the dropout key, a block rerun from its input).
+* Full recomputation gives the same losses and gradients as keeping everything, bit for
+  bit, with dropout, on one thread and split over threads, whole backward or zero-bubble B
+  then W: the recomputed context is the forward's (a block rerun from its input, dropout
+  redrawn from the dropout key).
 * What a stage's forward saves, measured from the buffers (`numesh.tree.held_bytes`),
   equals `numesh.formulas.activation_bytes` exactly, for every mode, with and without
   dropout, float32 and float64, first, middle and last stages, one or two threads; what a
   zero-bubble B leaves for W equals `weight_ctx_bytes`; the executor's measured peak over
   a step equals `peak_activation_bytes` replayed over the schedule (pp=1 here; pp and tp
   in tests/test_mpi_recompute.py).
-* Selective recomputation removes exactly the s² term.
-* Whole training runs with each mode log the same numbers; a bad mode is one line.
+* Nothing kept grows as s²: none and full grow linearly in the context.
+* Whole training runs with each mode log the same numbers; a bad mode is one line, and so
+  is the retired "selective" (the fused attention keeps nothing T×T, so it would keep
+  exactly what none keeps).
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ from numesh.errors import ConfigError
 from numesh.nn import walk as S
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, init_gpt
-from numesh.nn.transformer import AttnInputs, block_fwd, with_scores, without_scores
+from numesh.nn.transformer import block_fwd
 from numesh.nn.units import Unit
 from numesh.pipeline.schedules import make_schedule
 from numesh.train import Trainer, train
 from numesh.tree import held_bytes, tree_leaves
 
-MODES = ("none", "selective", "full")
+MODES = ("none", "full")
 
 
 @pytest.fixture
@@ -88,9 +90,8 @@ def test_every_mode_gives_the_same_losses_and_grads(thread_count, dropout: bool,
     idx, tgt = batch(cfg, rows)
     drop = key(cfg, rows, dropout)
     runs = {m: S.loss_and_grads(params, idx, tgt, cfg, mesh, 1.0 / idx.size, drop, recompute=m) for m in MODES}
-    for m in ("selective", "full"):
-        assert runs[m][0] == runs["none"][0], m
-        assert_trees_equal(runs[m][1], runs["none"][1])
+    assert runs["full"][0] == runs["none"][0]
+    assert_trees_equal(runs["full"][1], runs["none"][1])
 
     # the zero-bubble halves: B recomputes, W uses what B left
     stage = S.whole_model(cfg.n_layer)
@@ -103,15 +104,14 @@ def test_every_mode_gives_the_same_losses_and_grads(thread_count, dropout: bool,
         _, outer, deferred = S.stage_backward(units, stage, ctx, 1.0 / idx.size, cfg, mesh, split=True)
         S.stage_weight(units, deferred)
         split[m] = (outer, [units.grads[Unit(i)] for i in range(cfg.n_layer)])
-    for m in ("selective", "full"):
-        assert_trees_equal(split[m], split["none"])
+    assert_trees_equal(split["full"], split["none"])
     assert_trees_equal(split["none"][1], list(runs["none"][1].blocks))  # the split backward is the whole one
 
 
 @pytest.mark.parametrize("dropout", [False, True])
 def test_recomputed_contexts_are_the_forwards(thread_count, dropout: bool) -> None:
-    """Selective rebuilds the probabilities and redraws the same attention dropout mask;
-    full's rerun gives the forward's whole context back (arrays equal bit for bit)."""
+    """Full's rerun gives the forward's whole context back (arrays equal bit for bit), the
+    same attention dropout pattern redrawn; none keeps the forward's context itself."""
     thread_count(1)  # one context, not pieces
     cfg = tiny_config(dropout=0.2 if dropout else 0.0)
     mesh = self_mesh()
@@ -119,12 +119,8 @@ def test_recomputed_contexts_are_the_forwards(thread_count, dropout: bool) -> No
     x = np.random.default_rng(1).standard_normal((3, cfg.block_size, cfg.n_embd)).astype(np.float32)
     drop = key(cfg, 3, dropout)
     _, ctx = block_fwd(p, x, cfg, mesh, 1, drop)
-    lean = without_scores(ctx)
-    assert isinstance(lean.attn, AttnInputs)
-    assert held_bytes(ctx) - held_bytes(lean) == ctx.attn[3].nbytes * (2 if dropout else 1)  # stats kept
-    assert_trees_equal(with_scores(lean, cfg, mesh), ctx)
-    if dropout:  # the mask is really there, and really redrawn
-        assert (ctx.attn[4] == 0).any()
+    _, kept = S.run_block_fwd(p, x, cfg, mesh, 1, drop, recompute="none")
+    assert_trees_equal(S._restored(p, kept, cfg, mesh), ctx)
     _, saved = S.run_block_fwd(p, x, cfg, mesh, 1, drop, recompute="full")
     assert isinstance(saved, S.BlockInput) and saved.x is x and saved.drop == drop
     assert_trees_equal(S._restored(p, saved, cfg, mesh), ctx)
@@ -192,20 +188,18 @@ def test_what_b_leaves_for_w_equals_the_formula(thread_count, mode: str, bias: b
     assert held_bytes(deferred) == want
 
 
-def test_selective_removes_the_s2_term() -> None:
-    """none − selective is exactly the s² term, k·(1 + d)·a·s²·b/t per layer, and it is
-    what quadruples when the context doubles; selective and full grow linearly in s."""
+def test_no_mode_keeps_an_s2_term() -> None:
+    """The fused attention keeps nothing s×s, so none and full both grow linearly in s,
+    with or without dropout (which changes nothing kept); "selective" is no mode."""
     kw = dict(micro_batch=3, n_embd=64, n_head=8, n_layer=5, vocab=65, tp=2, itemsize=4, first=False, last=False)
     for dropout in (False, True):
-        for s in (64, 128, 256):
-            none = formulas.activation_bytes(seq=s, recompute="none", dropout=dropout, **kw)
-            sel = formulas.activation_bytes(seq=s, recompute="selective", dropout=dropout, **kw)
-            assert none - sel == 5 * 4 * (1 + dropout) * (8 // 2) * s * s * 3
         lin = [formulas.activation_bytes(seq=s, recompute=m, dropout=dropout, **kw)
-               for m in ("selective", "full") for s in (64, 128)]
+               for m in MODES for s in (64, 128)]
         assert lin[1] == 2 * lin[0] and lin[3] == 2 * lin[2]
-    with pytest.raises(ValueError, match="recompute must be none, selective or full"):
-        formulas.activation_bytes(seq=8, recompute="most", **kw)
+        assert lin[0] == formulas.activation_bytes(seq=64, recompute="none", dropout=not dropout, **kw)
+    for bad in ("most", "selective"):
+        with pytest.raises(ValueError, match="recompute must be none or full"):
+            formulas.activation_bytes(seq=8, recompute=bad, **kw)
 
 
 # ---------------------------------------------------------------------------------------
@@ -252,11 +246,20 @@ def test_runs_log_the_same_numbers_in_every_mode(thread_count, char_dataset: Pat
               on_step=lambda step, rec: got.append({k: v for k, v in rec.items()
                                                     if k not in ("dt_ms", "tokens_per_s", "mfu", "flops_per_s")}))
         records[mode] = got
-    assert records["none"] and records["selective"] == records["none"] and records["full"] == records["none"]
+    assert records["none"] and records["full"] == records["none"]
 
 
 def test_recompute_field_is_checked(char_dataset: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         S.check_recompute("Full")
-    assert str(info.value) == "--recompute must be one of none, selective, full, got 'Full'"
+    assert str(info.value) == "--recompute must be one of none, full, got 'Full'"
     assert attrs.fields_dict(type(run_config(char_dataset, tmp_path)))["recompute"].default == "none"
+
+
+def test_selective_is_retired_in_one_line() -> None:
+    """--recompute selective says it is retired, and why, in one line."""
+    with pytest.raises(ConfigError) as info:
+        S.check_recompute("selective")
+    msg = str(info.value)
+    assert msg.startswith("--recompute selective is retired: ") and "\n" not in msg
+    assert "T×T" in msg and "--recompute none" in msg

@@ -3,8 +3,8 @@
 The cp ranks are simulated by threads that run the real `ring_attention_fwd`/`_bwd` and
 pass their blocks through queues (`SimRing`), so the ring's order of transfers, the
 load-balanced block pairs and the dK/dV accumulators' way home are all exercised without
-MPI. float64, 1e-12 against `numesh.nn.layers.causal_attention_*` (the plain NumPy
-reference), plus finite differences of the ring itself.
+MPI. float64, 1e-12 against `numesh.nn.attention.attention_reference` and its backward (the
+plain whole-sequence definition), dropout included, plus finite differences of the ring itself.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Callable, Sequence
 import numpy as np
 import pytest
 
+from numesh.nn.attention import AttnDropout, attention_reference, attention_reference_bwd
 from numesh.nn.context_parallel import chunk_ids, positions, take_local
-from numesh.nn.layers import causal_attention_bwd, causal_attention_fwd
 from numesh.nn.ring_attention import block_pairs, ring_attention_bwd, ring_attention_fwd
 
 
@@ -76,6 +76,16 @@ def qkv(B: int, H: int, T: int, hs: int, seed: int = 0) -> tuple[np.ndarray, ...
     return tuple(rng.standard_normal((B, H, T, hs)) for _ in range(4))  # q, k, v, dy
 
 
+def _ring_fwd_bwd(ring: SimRing, cp: int, arrays, drop=None, overlap: bool = True):
+    """This simulated rank's output and (dq, dk, dv) for the whole-sequence arrays (q, k, v, dy)."""
+    q, k, v, dy = (take_local(a, cp, ring.index, axis=2) for a in arrays)
+    y = np.empty_like(q)
+    ctx = ring_attention_fwd(q, k, v, y, ring, drop, overlap)
+    grads = [np.zeros_like(a) for a in (q, k, v)]
+    ring_attention_bwd(ctx, dy, *grads, ring, overlap)
+    return y, grads
+
+
 def test_positions_are_the_zigzag_chunks() -> None:
     assert chunk_ids(4, 1) == (1, 6)
     np.testing.assert_array_equal(positions(16, 2, 0), [0, 1, 2, 3, 12, 13, 14, 15])
@@ -88,17 +98,20 @@ def test_positions_are_the_zigzag_chunks() -> None:
 
 
 def test_dropout_masks_of_a_cp_rank_are_its_positions_of_the_whole_mask() -> None:
+    """Residual masks are slices of the whole sequence's; attention dropout's stream is the
+    same object whatever the cp split (the kernel hashes global positions:
+    tests/test_attention.py checks the pattern)."""
     from numesh.nn.context_parallel import CpSlice
     from numesh.nn.dropout import DropoutKey, Site
 
     key = DropoutKey(0.3, seed=1, step=2, row0=1, global_rows=3)
     T, C, cp = 8, 5, 2
     whole = key.seq_mask(Site("mlp_out", 1), 2, T, (C,), CpSlice())
-    att = key.attn_mask(1, 2, 4, T, slice(2, 4), CpSlice())
     for r in range(cp):
         pos = positions(T, cp, r)
         np.testing.assert_array_equal(key.seq_mask(Site("mlp_out", 1), 2, T // cp, (C,), CpSlice(cp, r)), whole[:, pos])
-        np.testing.assert_array_equal(key.attn_mask(1, 2, 4, T // cp, slice(2, 4), CpSlice(cp, r)), att[:, :, pos])
+    assert key.attention(1, 4, slice(2, 4), T) == key.attention(1, 4, slice(2, 4), T)
+    assert key.attention(1, 4, slice(2, 4), T).key != key.attention(2, 4, slice(2, 4), T).key
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
@@ -129,19 +142,12 @@ def test_every_rank_does_the_same_work(cp: int) -> None:
 def test_ring_matches_whole_sequence_attention(cp: int, dropout: bool, overlap: bool) -> None:
     B, H, T, hs = 2, 3, 16, 5
     q, k, v, dy = qkv(B, H, T, hs, seed=cp)
-    mask = None
-    if dropout:
-        rng = np.random.default_rng(9)
-        mask = (rng.random((B, H, T, T)) >= 0.2) / 0.8
-    want_y, ctx = causal_attention_fwd(q, k, v, mask)
-    want = causal_attention_bwd(ctx, dy)
+    drop = AttnDropout(0.2, key=9, row0=0, n_head=H, head0=0, seq=T) if dropout else None
+    want_y = attention_reference(q, k, v, drop=drop)
+    want = attention_reference_bwd(q, k, v, dy, drop=drop)
 
     def rank(ring: SimRing):
-        r = ring.index
-        loc = [take_local(a, cp, r, axis=2) for a in (q, k, v, dy)]
-        m = None if mask is None else np.ascontiguousarray(mask[:, :, positions(T, cp, r)])
-        y, c = ring_attention_fwd(loc[0], loc[1], loc[2], ring, m, overlap)
-        return y, ring_attention_bwd(c, loc[3], ring, overlap)
+        return _ring_fwd_bwd(ring, cp, (q, k, v, dy), drop, overlap)
 
     results, rings = run_ring(cp, rank)
     for r, (y, grads) in enumerate(results):
@@ -162,16 +168,12 @@ def test_ring_backward_matches_finite_differences() -> None:
     def loss(qq: np.ndarray, kk: np.ndarray, vv: np.ndarray) -> float:
         def rank(ring: SimRing) -> float:
             loc = [take_local(a, cp, ring.index, axis=2) for a in (qq, kk, vv, w)]
-            y, _ = ring_attention_fwd(loc[0], loc[1], loc[2], ring)
+            y = np.empty_like(loc[0])
+            ring_attention_fwd(loc[0], loc[1], loc[2], y, ring)
             return float((y * loc[3]).sum())
         return sum(run_ring(cp, rank)[0])
 
-    def grads(ring: SimRing):
-        loc = [take_local(a, cp, ring.index, axis=2) for a in (q, k, v, w)]
-        _, c = ring_attention_fwd(loc[0], loc[1], loc[2], ring)
-        return ring_attention_bwd(c, loc[3], ring)
-
-    per_rank, _ = run_ring(cp, grads)
+    per_rank = [g for _, g in run_ring(cp, lambda ring: _ring_fwd_bwd(ring, cp, (q, k, v, w)))[0]]
     eps = 1e-6
     rng = np.random.default_rng(0)
     for which, name in enumerate("qkv"):

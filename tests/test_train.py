@@ -226,7 +226,7 @@ def test_error_classes_are_value_errors() -> None:
          "interleaved needs micro-batches m=1 to be a multiple of pp=2"),
         (dict(peak_flops=-1.0), 1, ConfigError, "--peak-flops must be >= 0"),
         (dict(recompute="attention"), 1, ConfigError,
-         "--recompute must be one of none, selective, full, got 'attention'"),
+         "--recompute must be one of none, full, got 'attention'"),
     ],
 )
 def test_validate_errors(char_dataset: Path, tmp_path: Path, overrides: dict, n_ranks: int,
@@ -268,7 +268,7 @@ def test_train_raises_before_writing_anything(char_dataset: Path, tmp_path: Path
         (["--zero", "5"], "--zero must be 0, 1, 2 or 3"),
         (["--schedule", "pipedream"], "unknown pipeline schedule 'pipedream'"),
         (["--sequence-parallel"], "--sequence-parallel splits the sequence over tp, which is 1 in this mesh"),
-        (["--recompute", "some"], "--recompute must be one of none, selective, full, got 'some'"),
+        (["--recompute", "some"], "--recompute must be one of none, full, got 'some'"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(char_dataset: Path, tmp_path: Path, args: list[str],

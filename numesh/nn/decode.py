@@ -10,6 +10,7 @@ import numpy as np
 
 from numesh.errors import ConfigError
 from numesh.mesh import Mesh, all_gather
+from numesh.nn.attention import attend_fwd
 from numesh.nn.gpt import GPT, GPTConfig
 from numesh.nn.layers import Linear, gelu_fwd, layernorm_fwd, linear_fwd
 from numesh.nn.parallel import reduce_from_tp
@@ -35,15 +36,11 @@ def new_kv_cache(cfg: GPTConfig, mesh: Mesh, batch: int, dtype) -> KVCache:
 
 
 def _attend_cached(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray:
-    """Attention of new queries at positions pos0.. over every cached key up to them."""
-    T, S = q.shape[-2], k.shape[-2]
-    att = q @ k.swapaxes(-1, -2) / math.sqrt(q.shape[-1])  # [B, nh, T, S]
-    visible = np.arange(S)[None, :] <= (pos0 + np.arange(T))[:, None]
-    att = np.where(visible, att, -np.inf)
-    att -= att.max(axis=-1, keepdims=True)
-    np.exp(att, out=att)
-    att /= att.sum(axis=-1, keepdims=True)
-    return att @ v
+    """Attention of new queries at positions pos0.. over every cached key up to them: the
+    training kernel with the diagonal moved by pos0 (one query row per generated token)."""
+    y = np.empty(q.shape, q.dtype)
+    attend_fwd(q, k, v, y, scale=1.0 / math.sqrt(q.shape[-1]), diag=pos0)
+    return y
 
 
 def logits_cached(params: GPT, idx: np.ndarray, cache: KVCache, cfg: GPTConfig, mesh: Mesh) -> np.ndarray:

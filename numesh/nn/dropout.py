@@ -1,9 +1,10 @@
 """Dropout that does not depend on the mesh.
 
-Each site's mask is drawn for the whole global batch (and, for attention, all heads) from
-a counter-based stream of (seed, step, site), and every rank or thread keeps its own rows
-(and heads, and with cp its tokens' positions). So a dp, tp, cp or thread split draws
-exactly the masks one rank would.
+Each residual site's mask is drawn for the whole global batch from a counter-based stream
+of (seed, step, site), and every rank or thread keeps its own rows (and with cp its tokens'
+positions). Attention dropout draws no mask at all: the attention kernel hashes each
+(global row, head, query position, key position) with the site's stream key
+(numesh/nn/attention.py). So a dp, tp, cp or thread split drops exactly what one rank would.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from numesh.nn.attention import AttnDropout
 from numesh.nn.context_parallel import CpSlice
 from numesh.nn.layers import dropout_mask
 
@@ -57,14 +59,13 @@ class DropoutKey:
             return self.mask(site, rows, (seq_len, *inner))
         return self.mask(site, rows, (seq_len * cp.size, *inner), (cp.positions(seq_len),))
 
-    def attn_mask(self, layer: int, rows: int, n_head: int, seq_len: int, heads: slice, cp: CpSlice) -> np.ndarray:
-        """The attention-probability mask [rows, local heads, seq_len, seq_len·cp]: this rank's
-        query rows against every key of the whole sequence."""
-        site = Site("attn", layer)
-        if cp.size == 1:
-            return self.mask(site, rows, (n_head, seq_len, seq_len), (heads,))
-        T = seq_len * cp.size
-        return self.mask(site, rows, (n_head, T, T), (heads, cp.positions(seq_len)))
+    def attention(self, layer: int, n_head: int, heads: slice, seq: int) -> AttnDropout:
+        """Block `layer`'s attention dropout for this micro-batch's rows and the local `heads`
+        of `n_head`, over sequences of `seq` tokens (the whole sequence, before any cp split):
+        no mask, a hash stream the attention kernel evaluates per (row, head, query, key)."""
+        stream = np.random.SeedSequence([self.seed, self.step, Site("attn", layer).stream])
+        key = int(stream.generate_state(1, np.uint64)[0])
+        return AttnDropout(self.p, key, self.row0, n_head, heads.start, seq)
 
     def shifted(self, rows: slice) -> DropoutKey:
         """The key of rows `rows` of this micro-batch (a thread's chunk of it)."""

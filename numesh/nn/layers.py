@@ -5,9 +5,9 @@ where `dparams` has the parameters' own attrs class. Linear layers also expose t
 input-grad and weight-grad halves separately (`linear_bwd_input`, `linear_bwd_weight`),
 which is what lets a zero-bubble pipeline schedule defer the weight half.
 
-LayerNorm, GELU and the attention softmax run as fused kernels (numesh/kernels.py) when
-numba is installed; the `*_reference` functions are the plain NumPy versions, the readable
-definition that the kernels are tested against.
+LayerNorm and GELU run as fused kernels (numesh/kernels.py) when numba is installed; the
+`*_reference` functions are the plain NumPy versions, the readable definition that the
+kernels are tested against. Attention has its own module (numesh/nn/attention.py).
 """
 
 from __future__ import annotations
@@ -202,101 +202,6 @@ def gelu_bwd_reference(ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> np
 
     over_rows(rows, x2.shape[0], _chunk_rows(x2.shape[1]))
     return dx
-
-
-def causal_attention_fwd(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, drop_mask: np.ndarray | None = None
-) -> tuple[np.ndarray, tuple]:
-    """Causal softmax attention over [B, H, T, hs] tensors; `drop_mask` (already scaled) applies to the weights.
-
-    The context is (q·scale, k, v, the attention weights [B, H, T, T], drop_mask)."""
-    B, H, T, hs = q.shape
-    scale = 1.0 / math.sqrt(hs)  # scaling q costs T·hs, scaling the scores T·T
-    qs, y = np.empty(q.shape, q.dtype), np.empty(q.shape, q.dtype)
-    att = np.empty((B, H, T, T), q.dtype)
-    bias = _causal_bias(T, att.dtype)
-    fused = K.enabled()
-
-    def rows(r: slice) -> None:
-        np.multiply(q[r], scale, out=qs[r])
-        _probs(qs[r], k[r], bias, att[r], fused)
-        _attend(att[r], drop_mask, r, v, y)
-
-    over_rows(rows, B, _chunk_rows(H * T * T))
-    return y, (qs, k, v, att, drop_mask)
-
-
-def _probs(qs: np.ndarray, k: np.ndarray, bias: np.ndarray, out: np.ndarray, fused: bool) -> np.ndarray:
-    """Causal softmax of qs @ kᵀ into `out` [..., T, T] (qs already scaled): the fused kernel
-    or its NumPy reference; the same operations on the same values give the same bits."""
-    T = out.shape[-1]
-    np.matmul(qs, k.swapaxes(-1, -2), out=out)
-    if fused:
-        K.causal_softmax_fwd(out.reshape(-1, T, T))  # [b*H, T, T]
-        return out
-    out += bias
-    out -= out.max(axis=-1, keepdims=True)
-    np.exp(out, out=out)
-    out *= 1.0 / out.sum(axis=-1, keepdims=True)
-    return out
-
-
-def causal_attention_probs(qs: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """The attention probabilities [B, H, T, T] of `causal_attention_fwd` from its saved
-    scaled queries and keys, bit for bit: what selective recomputation redoes in backward
-    instead of keeping the T×T tensor."""
-    B, H, T, _ = qs.shape
-    att = np.empty((B, H, T, T), qs.dtype)
-    bias = _causal_bias(T, att.dtype)
-    fused = K.enabled()
-
-    def rows(r: slice) -> None:
-        _probs(qs[r], k[r], bias, att[r], fused)
-
-    over_rows(rows, B, _chunk_rows(H * T * T))
-    return att
-
-
-def _attend(a: np.ndarray, drop_mask: np.ndarray | None, r: slice, v: np.ndarray, y: np.ndarray) -> None:
-    np.matmul(a if drop_mask is None else a * drop_mask[r], v[r], out=y[r])
-
-
-def causal_attention_bwd(ctx: tuple, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    qs, k, v, att, drop_mask = ctx
-    fused = K.enabled()
-    scale = 1.0 / math.sqrt(qs.shape[-1])
-    dq, dk, dv = (np.empty(x.shape, dy.dtype) for x in (qs, k, v))
-
-    def rows(r: slice) -> None:
-        a = att[r]
-        p = a if drop_mask is None else a * drop_mask[r]
-        np.matmul(p.swapaxes(-1, -2), dy[r], out=dv[r])
-        datt = dy[r] @ v[r].swapaxes(-1, -2)
-        if drop_mask is not None:
-            datt *= drop_mask[r]
-        # softmax backward: ds = a * (da - sum(da * a))
-        if fused:
-            K.causal_softmax_bwd(a.reshape(-1, *a.shape[-2:]), datt.reshape(-1, *a.shape[-2:]))  # [b*H, T, T]
-        else:
-            datt -= np.einsum("...ij,...ij->...i", datt, a)[..., None]
-            datt *= a
-        np.matmul(datt, k[r], out=dq[r])
-        dq[r] *= scale
-        np.matmul(datt.swapaxes(-1, -2), qs[r], out=dk[r])
-
-    over_rows(rows, qs.shape[0], _chunk_rows(att[0].size))
-    return dq, dk, dv
-
-
-_CAUSAL_BIAS: dict[tuple[int, np.dtype], np.ndarray] = {}
-
-
-def _causal_bias(T: int, dtype) -> np.ndarray:
-    """[T, T] additive mask: 0 on and below the diagonal, -inf above."""
-    key = (T, np.dtype(dtype))
-    if key not in _CAUSAL_BIAS:
-        _CAUSAL_BIAS[key] = np.where(np.tri(T, dtype=bool), 0.0, -np.inf).astype(dtype)
-    return _CAUSAL_BIAS[key]
 
 
 def dropout_mask(rng: np.random.Generator, shape: tuple[int, ...], p: float, dtype) -> np.ndarray:

@@ -33,13 +33,13 @@ import numpy as np
 
 from numesh.errors import ConfigError
 from numesh.mesh import Mesh, psum
+from numesh.nn.attention import AttnDropout
 from numesh.nn.context_parallel import CpSlice
 from numesh.nn.dropout import EMBED, DropoutKey, Site
 from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
 from numesh.nn.layers import (
     LayerNorm,
     Linear,
-    causal_attention_probs,
     gelu_bwd,
     gelu_fwd,
     layernorm_bwd,
@@ -214,10 +214,10 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
     nh, hs, _ = local_heads(cfg, mesh)
     h1, ln1 = norm_gather_fwd(p.ln1, x, mesh)  # f: [B, T, C]
     qkv, _ = linear_fwd(p.attn.qkv, h1)
-    qkv = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # [3, B, nh, T, hs]
-    att_mask = attention_drop_mask(drop, layer, B, T, cfg, mesh, x.dtype)
-    a, attn = attention_fwd(qkv[0], qkv[1], qkv[2], att_mask, mesh)
-    a = a.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)  # [B, T, C/tp]
+    q, k, v = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # views [B, nh, T, hs]
+    a = np.empty((B, T, nh, hs), x.dtype)
+    attn = attention_fwd(q, k, v, a.transpose(0, 2, 1, 3), attention_dropout(drop, layer, T, cfg, mesh), mesh)
+    a = a.reshape(B, T, nh * hs)  # [B, T, C/tp], the same memory as attn.y
     y, _ = linear_fwd(Linear(p.attn.proj.w), a)
     y = bias_add(reduce_seq(y, mesh), p.attn.proj.b)  # g: [B, T, C] or [B, T/tp, C]
     if drop:
@@ -235,46 +235,13 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
     return x, BlockCtx(ln1, h1 if keep else None, attn, a, ln2, h2 if keep else None, gelu, g, drop, layer)
 
 
-def attention_drop_mask(drop: DropoutKey | None, layer: int, B: int, T: int, cfg: GPTConfig, mesh: Mesh,
-                        dtype) -> np.ndarray | None:
-    """This tp rank's heads of block `layer`'s attention-probability dropout mask (None
-    without dropout): [B, nh, T, T], or with cp this rank's query rows against every key
-    [B, nh, T, T·cp]; a function of the key alone, so recomputation redraws it."""
+def attention_dropout(drop: DropoutKey | None, layer: int, T: int, cfg: GPTConfig, mesh: Mesh) -> AttnDropout | None:
+    """Block `layer`'s attention dropout on this rank's heads (None without dropout), for
+    sequences of T tokens here (T·cp in all): a stream the kernel hashes, not a mask."""
     if not drop:
         return None
     _, _, heads = local_heads(cfg, mesh)
-    return drop.attn_mask(layer, B, cfg.n_head, T, heads, CpSlice.of(mesh)).astype(dtype)
-
-
-@attrs.frozen
-class AttnInputs:
-    """The attention core's context without its T×T tensors (selective recomputation):
-    the scaled queries, keys and values [B, nh, T, hs], which rebuild them."""
-
-    qs: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-
-
-def without_scores(ctx: BlockCtx) -> BlockCtx:
-    """`ctx` keeping q, k, v instead of the softmax probabilities and their dropout mask.
-    Ring attention (cp > 1) keeps no T×T tensor in the first place: its context stays."""
-    if not isinstance(ctx.attn, tuple):
-        return ctx
-    qs, k, v, _, _ = ctx.attn
-    return attrs.evolve(ctx, attn=AttnInputs(qs, k, v))
-
-
-def with_scores(ctx: BlockCtx, cfg: GPTConfig, mesh: Mesh) -> BlockCtx:
-    """A `without_scores` context made whole again: the probabilities recomputed from q and
-    k and the mask redrawn from the dropout key, bit for bit what the forward had."""
-    if not isinstance(ctx.attn, AttnInputs):
-        return ctx
-    c = ctx.attn
-    B, _, T, _ = c.qs.shape
-    att = causal_attention_probs(c.qs, c.k)
-    mask = attention_drop_mask(ctx.drop, ctx.layer, B, T, cfg, mesh, c.qs.dtype)
-    return attrs.evolve(ctx, attn=(c.qs, c.k, c.v, att, mask))
+    return drop.attention(layer, cfg.n_head, heads, T * mesh.size("cp"))
 
 
 def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig,
@@ -292,11 +259,8 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig,
     # attention half
     dy = reduce_seq_bwd(_drop_residual(dx, ctx.drop, Site("attn_out", ctx.layer), mesh), mesh)  # [B, T, C]
     da = linear_bwd_input(p.attn.proj, dy).reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # [B, nh, T, hs]
-    dq, dk, dv = attention_bwd(ctx.attn, da, mesh)
-    dqkv = np.empty((B, T, 3, nh, hs), dtype=dx.dtype)
-    dqkv[:, :, 0] = dq.transpose(0, 2, 1, 3)
-    dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
-    dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
+    dqkv = np.zeros((B, T, 3, nh, hs), dtype=dx.dtype)
+    attention_bwd(ctx.attn, da, *dqkv.transpose(2, 0, 3, 1, 4), mesh)  # into views [B, nh, T, hs]
     dqkv = dqkv.reshape(B, T, 3 * nh * hs)
     dx1, d_ln1 = norm_gather_bwd(p.ln1, ctx.ln1, linear_bwd_input(p.attn.qkv, dqkv), mesh)
     dx1 += dx  # not in place on dx: it may be `dy`, which the weight half still needs

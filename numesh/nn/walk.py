@@ -20,10 +20,8 @@ count gives the same bits (numesh/threads.py says why that needs fixed tiles). O
 blocks run whole on the main thread, their ops split over fixed row tiles
 (`numesh.threads.matmul`, `over_rows`).
 
-Activation recomputation wraps the block functions here too (`Recompute`): "selective"
-keeps a block's context without the attention core's T×T tensors (softmax probabilities
-and their dropout mask) and rebuilds them from q and k in backward; "full" keeps only the
-block's input (`BlockInput`, with its dropout key) and reruns the block's forward, tp
+Activation recomputation wraps the block functions here too (`Recompute`): "full" keeps
+only the block's input (`BlockInput`, with its dropout key) and reruns the block's forward, tp
 all-reduces included, right before its backward. Dropout masks are functions of (seed,
 step, site, rows), so the rerun redraws the same ones, and the recomputed context is bit
 for bit the forward's: every mode gives the same losses and gradients. A zero-bubble B
@@ -55,8 +53,6 @@ from numesh.nn.transformer import (
     head_bwd,
     head_fwd,
     reduce_sequence_partial,
-    with_scores,
-    without_scores,
 )
 from numesh.nn.units import OUTER, Unit, join_units
 from numesh.padding import ceil_div
@@ -139,12 +135,20 @@ class StageCtx:
 # ---------------------------------------------------------------------------------------
 # activation recomputation
 
-Recompute = Literal["none", "selective", "full"]
-RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+Recompute = Literal["none", "full"]
+RECOMPUTE: tuple[str, ...] = ("none", "full")
+# "selective" (Korthikanti et al.: drop the attention core's T×T softmax and dropout mask,
+# rebuild them in backward) was retired with the fused attention kernel, which keeps
+# nothing T×T: it would keep exactly what "none" keeps.
+RETIRED = {"selective": "attention keeps nothing T×T since its fused kernel (numesh/nn/attention.py), so "
+                        "selective would keep exactly what none keeps: use --recompute none, or full to keep only "
+                        "each block's input"}
 
 
 def check_recompute(mode: str) -> None:
     """Raise a one-line ConfigError unless `mode` is one of `RECOMPUTE`."""
+    if mode in RETIRED:
+        raise ConfigError(f"--recompute {mode} is retired: {RETIRED[mode]}")
     if mode not in RECOMPUTE:
         raise ConfigError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got '{mode}'")
 
@@ -163,14 +167,14 @@ def _saved(mode: Recompute, ctx: BlockCtx, x: np.ndarray, drop: DropoutKey | Non
     """What a block keeps for backward under recomputation `mode`."""
     if mode == "full":
         return BlockInput(x, drop, layer)
-    return without_scores(ctx) if mode == "selective" else ctx
+    return ctx
 
 
 def _restored(p: Block, saved: BlockCtx | BlockInput, cfg: GPTConfig, mesh: Mesh) -> BlockCtx:
     """The whole context `block_fwd` returned, rebuilt from what `_saved` kept."""
     if isinstance(saved, BlockInput):
         return block_fwd(p, saved.x, cfg, mesh, saved.layer, saved.drop, transient=True)[1]
-    return with_scores(saved, cfg, mesh)
+    return saved
 
 
 # ---------------------------------------------------------------------------------------
@@ -282,8 +286,7 @@ def stage_forward(units: ParamUnits, stage: Stage, inp: np.ndarray, targets: np.
     """Run a stage forward on `inp` (token ids [B, T] on the first stage, else activations
     [B, T, C], or this rank's [B, T/tp, C] with sequence parallelism). Returns the per-token
     losses [B*T] on the last stage, else the activations for the next, and the context for
-    backward (None if not `keep`; its blocks' parts as `recompute` says: "none", "selective"
-    or "full")."""
+    backward (None if not `keep`; its blocks' parts as `recompute` says: "none" or "full")."""
     check_recompute(recompute)
     emb = head = None
     x = inp

@@ -85,7 +85,7 @@ class PipelineExecutor:
     def __init__(self, cfg: GPTConfig, mesh: Mesh, layout: StageLayout, units: ParamUnits, dtype: Any,
                  recompute: str = "none"):
         self.cfg, self.mesh, self.layout, self.units, self.dtype = cfg, mesh, layout, units, np.dtype(dtype)
-        self.recompute = recompute  # "none", "selective" or "full" (numesh.nn.walk)
+        self.recompute = recompute  # "none" or "full" (numesh.nn.walk)
         self.p, self.rank = mesh.size("pp"), mesh.index("pp")
         self.n_stages = layout.pp * layout.v
         self.stages = [layout.stage(self.rank, c) for c in range(layout.v)]

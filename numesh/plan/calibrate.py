@@ -33,6 +33,7 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh.config import TrainConfig
+from numesh.nn.attention import QUERY_TILE, stripe_passes
 from numesh.nn.layers import LayerNorm, gelu_bwd, gelu_fwd, layernorm_bwd, layernorm_fwd
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
 from numesh.plan.hardware import Measured, Profile, load_profile, save_profile
@@ -109,34 +110,12 @@ def _gemm(comm: MPI.Comm, shape: tuple[int, int, int, int], dtype: np.dtype) -> 
     return _timed(comm, lambda: np.matmul(a, w, out=out))
 
 
-def _softmax_kernels(shape: tuple[int, int, int], dtype: np.dtype) -> tuple[Callable, Callable]:
-    """The element-wise part of numesh's causal attention softmax, forward and backward."""
-    T = shape[-1]
-    a = np.random.default_rng(0).standard_normal(shape).astype(dtype)
-    bias = np.where(np.tri(T, dtype=bool), 0.0, -np.inf).astype(dtype)
-    d = np.random.default_rng(1).standard_normal(shape).astype(dtype)
-    work = np.empty_like(a)
-
-    def fwd() -> None:
-        np.add(a, bias, out=work)
-        np.subtract(work, work.max(axis=-1, keepdims=True), out=work)
-        np.exp(work, out=work)
-        np.multiply(work, 1.0 / work.sum(axis=-1, keepdims=True), out=work)
-
-    def bwd() -> None:
-        g = d - np.einsum("...ij,...ij->...i", d, work)[..., None]
-        g *= work
-
-    fwd()
-    return fwd, bwd
-
-
 def _elementwise(comm: MPI.Comm, kernel: str, n: int, C: int, T: int, dtype: np.dtype) -> float:
     rng = np.random.default_rng(0)
-    if kernel.startswith("softmax"):
-        rows = max(1, n // (T * T))
-        fwd, bwd = _softmax_kernels((rows, T, T), dtype)
-        return _timed(comm, fwd if kernel.endswith("fwd") else bwd) * n / (rows * T * T)
+    if kernel.startswith("softmax"):  # the attention kernel's passes over one stripe of scores
+        keys = max(1, min(T, n // QUERY_TILE))
+        fwd, bwd = stripe_passes(keys, QUERY_TILE, dtype)
+        return _timed(comm, fwd if kernel.endswith("fwd") else bwd) * n / (keys * QUERY_TILE)
     if kernel.startswith("layernorm"):
         rows = max(1, n // C)
         x = rng.standard_normal((rows, C)).astype(dtype)

@@ -33,7 +33,9 @@ Points = tuple[tuple[float, float], ...]  # (size, seconds), sorted by size
 PASSES = {
     "layernorm_fwd": 9, "layernorm_bwd": 14,  # mean, centre, variance, scale, affine; grads of w and x
     "gelu_fwd": 12, "gelu_bwd": 14,  # tanh form in place, 8 ops on x and t
-    "softmax_fwd": 10, "softmax_bwd": 10,  # mask, max, shift, exp, sum, scale; grad through the saved softmax
+    # attention's passes over each score (numesh/kernels.py stripe_*): max, shift, exp, sum;
+    # backward the logits, exp and the gradient (reads p and dp, writes dp)
+    "softmax_fwd": 6, "softmax_bwd": 7,
     "copy": 3,  # a residual add or a transposing copy: two reads, a write
     "adamw": 12,  # read p, g, m, v and the masks; write p, m, v (and the scratch)
 }

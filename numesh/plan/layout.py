@@ -43,7 +43,7 @@ class ModelSpec:
 class Layout:
     """One way to run a model on `ranks` ranks: the mesh (cp: context parallelism, each
     rank holding block_size/cp tokens of every sequence; `sp`: sequence parallelism on tp),
-    ZeRO stage, pipeline schedule and activation recomputation (none, selective, full)."""
+    ZeRO stage, pipeline schedule and activation recomputation (none, full)."""
 
     dp: int
     tp: int

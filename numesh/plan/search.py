@@ -4,8 +4,8 @@ Candidates are all pp x dp x cp x tp = N, ZeRO stages (0 only when dp = 1: the o
 the same then), micro-batch counts dividing the per-rank batch, and schedules (pp = 1 runs
 one stage, where every schedule is gradient accumulation: 1F1B, which holds one
 micro-batch's activations, is the one listed), with virtual stages for the interleaved one;
-each with sequence parallelism off and (when tp > 1) on, and activation recomputation none,
-selective and full. cp runs over the divisors of N that split block_size into 2·cp chunks.
+each with sequence parallelism off and (when tp > 1) on, and activation recomputation none
+and full. cp runs over the divisors of N that split block_size into 2·cp chunks.
 Each is kept only if `numesh.config.check_layout` accepts it: the planner never lists a
 layout that training would refuse.
 
@@ -33,7 +33,7 @@ from numesh.errors import UserError
 from numesh.plan.layout import Layout, ModelSpec, divisors
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "full")
 SCALE_RANKS = 64
 CP_MIN_TOKENS = 1024
 
@@ -106,10 +106,10 @@ def valid_layouts(base: TrainConfig, model: ModelSpec, ranks: int) -> list[Layou
 
 
 def least_recompute(layouts: list[Layout], fits: Callable[[Layout], bool]) -> list[Layout]:
-    """Of each group of layouts that differ only in recomputation, the first of none,
-    selective, full that `fits` (the last, the smallest, when none does). Each step down
-    that list trades step time for memory, so a layout that already fits gains nothing
-    from more recomputation."""
+    """Of each group of layouts that differ only in recomputation, the first of none, full
+    that `fits` (the last, the smallest, when none does). Each step down that list trades
+    step time for memory, so a layout that already fits gains nothing from more
+    recomputation."""
     groups: dict[Layout, list[Layout]] = {}
     for lay in layouts:
         groups.setdefault(attrs.evolve(lay, recompute="none"), []).append(lay)

@@ -11,16 +11,17 @@ on their own, and is exposed otherwise; the post-step all-gathers of ZeRO 1-3 ar
 
 Context parallelism (cp) gives each rank T/cp tokens of every sequence: its GEMMs and
 element-wise work shrink by cp, and ring attention runs one causal block and cp-1 half
-blocks of scores per rank (`numesh.nn.ring_attention`), recomputing the scores in backward
-from the kept log-sum-exp; each K/V hop (`formulas.cp_ring_bytes`) is posted before the
-block it overlaps, so only what a hop takes beyond one block's attention is exposed. The
+blocks of scores per rank (`numesh.nn.ring_attention`), through the fused kernel that,
+with or without cp, recomputes the scores in backward from the kept log-sum-exp; each
+K/V hop (`formulas.cp_ring_bytes`) is posted before the block it overlaps, so only what a
+hop takes beyond one block's attention is exposed. The
 gradients are summed over cp: ZeRO 0 all-reduces over dp x cp at once, ZeRO 1-3 all-reduce
 over cp (blocking, `formulas.cp_grad_bytes`) before the dp reduce-scatter. Sequence
 parallelism (sp) moves tp's traffic as `formulas.tp_sequence_parallel_bytes` counts it
 (all-gathers and reduce-scatters of whole activations), runs LayerNorms and residual adds
 on 1/tp of the tokens, and all-reduces the LayerNorm gradients over tp once per step.
-Selective recomputation reruns each block's scores (QK^T and the softmax) before its
-backward; full recomputation the whole block forward, its communication included.
+Full recomputation reruns the whole block forward, its communication included, before its
+backward.
 
 Not modelled: a single rank with several threads runs each block as runs of pieces, one per
 thread (numesh.nn.walk); the model times its GEMMs with multi-threaded BLAS instead. The
@@ -36,6 +37,7 @@ import math
 import attrs
 
 from numesh import formulas
+from numesh.nn.attention import QUERY_TILE
 from numesh.padding import ceil_div, padded_vocab, round_up
 from numesh.plan.hardware import Measured, Profile
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
@@ -98,23 +100,29 @@ def _gemms(profile: Profile, shapes: list[tuple[int, int, int, int]], ron: int) 
 @attrs.frozen
 class Attention:
     """One block's attention on one rank for one micro-batch: forward and backward seconds,
-    the scores' recomputation (selective), and the exposed cp hops forward and backward."""
+    and the exposed cp hops forward and backward."""
 
     f: float
     b: float
-    scores: float
     cp_f: float
     cp_b: float
 
 
-def score_pairs(layout: Layout, T: int) -> list[tuple[int, int]]:
-    """(query rows, key columns) of the score blocks one rank computes for one sequence:
-    the whole causal T x T without cp; with ring attention its own block of T/cp tokens and
-    cp-1 half blocks (`numesh.nn.ring_attention.block_pairs`: the load balance)."""
-    if layout.cp == 1:
-        return [(T, T)]
+def score_pairs(layout: Layout, T: int) -> list[tuple[int, int, int]]:
+    """(stripes, query rows, keys) of the score tiles one rank computes for one sequence, as
+    the fused kernel runs them (numesh.nn.attention): QUERY_TILE-query stripes, each against
+    the keys up to its last query (a causal block), or whole half blocks. Without cp, the
+    causal T x T; with ring attention its own causal block of T/cp tokens and cp-1 half
+    blocks (`numesh.nn.ring_attention.block_pairs`: the load balance). Stripes of a causal
+    block are grouped by the keys they see, pooled into one mean size."""
     t = T // layout.cp
-    return [(t, t)] + [(t, t // 2)] * (layout.cp - 1)
+    qt = min(QUERY_TILE, t)
+    n = -(-t // qt)
+    mean_keys = sum(min(t, (i + 1) * qt) for i in range(n)) // n
+    own = [(n, qt, mean_keys)]
+    if layout.cp == 1:
+        return own
+    return own + [(1, t, t // 2)] * (layout.cp - 1)
 
 
 def ring_hop_bytes(model: ModelSpec, layout: Layout, itemsize: int) -> tuple[list[int], list[int]]:
@@ -127,24 +135,24 @@ def ring_hop_bytes(model: ModelSpec, layout: Layout, itemsize: int) -> tuple[lis
 
 
 def attention_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement) -> Attention:
-    """Scores, softmax and weighted values forward; their four gradients backward (ring
-    attention also recomputes the scores from the kept log-sum-exp)."""
+    """The fused kernel's tiles (`score_pairs`): scores, softmax passes and weighted values
+    forward; backward recomputes the scores from the kept log-sum-exp and makes the four
+    gradients (dP, dV, dK, dQ), with its own softmax passes; ring attention also merges each
+    pair's output."""
     b, hs, ron = layout.rows(model), model.n_embd // model.n_head, place.ranks_on_node
     bh = b * model.n_head // layout.tp
     pairs = score_pairs(layout, model.block_size)
     ring = layout.cp > 1
-    qk = sum(profile.gemm_time(bh, q, hs, k, ron) for q, k in pairs)
-    pv = sum(profile.gemm_time(bh, q, k, hs, ron) for q, k in pairs)
-    grads = sum(2 * profile.gemm_time(bh, k, q, hs, ron) + profile.gemm_time(bh, q, hs, k, ron)
-                + profile.gemm_time(bh, q, k, hs, ron) for q, k in pairs)  # dV, dK; dP; dQ
-    elems = bh * sum(q * k for q, k in pairs)
+    qk = sum(profile.gemm_time(bh * n, k, hs, q, ron) for n, q, k in pairs)  # k·qᵀ: [keys, queries]
+    pv = sum(profile.gemm_time(bh * n, q, k, hs, ron) for n, q, k in pairs)
+    grads = sum(3 * profile.gemm_time(bh * n, k, q, hs, ron) + profile.gemm_time(bh * n, k, hs, q, ron)
+                for n, q, k in pairs)  # dV, dK, dQ; dP
+    elems = bh * sum(n * q * k for n, q, k in pairs)
     ew = profile.elementwise_time
-    soft_f = ew("softmax_fwd", elems, ron)
-    f = qk + pv + soft_f
-    bw = grads + ew("softmax_bwd", elems, ron)
-    if ring:  # the online softmax rescales the output at every step; backward reruns the scores
+    f = qk + pv + ew("softmax_fwd", elems, ron)
+    bw = qk + grads + ew("softmax_bwd", elems, ron)
+    if ring:  # each pair's output and log-sum-exp merged into the running ones
         f += ew("copy", len(pairs) * bh * (model.block_size // layout.cp) * hs, ron)
-        bw += qk + soft_f
     cp_f = cp_b = 0.0
     if ring:
         fwd, bwd = ring_hop_bytes(model, layout, profile.itemsize)
@@ -158,9 +166,7 @@ def attention_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Pl
         wait = lambda n: profile.comm_time("exchange", n, 2, place.cp_intra, ron) - send(n)  # noqa: E731
         cp_f = sum(max(0.0, send(n) - per_pair_f) + wait(n) for n in fwd)
         cp_b = sum(max(0.0, send(n) - per_pair_b) + wait(n) for n in bwd)
-    # selective recomputation reruns QK^T and the softmax; ring attention keeps no scores to drop
-    scores = 0.0 if ring else qk + soft_f
-    return Attention(f + cp_f, bw + cp_b, scores, cp_f, cp_b)
+    return Attention(f + cp_f, bw + cp_b, cp_f, cp_b)
 
 
 def tp_block_comm(model: ModelSpec, layout: Layout, profile: Profile, place: Placement,
@@ -196,8 +202,8 @@ SP_COPIES = {"block": (6, 8), "first": (1, 1), "last": (2, 3)}
 
 def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, split: bool) -> ActionCost:
     """One transformer block, one micro-batch (shapes as numesh/nn/transformer.py runs them),
-    with the layout's recomputation: selective adds the scores to B, full F's kernels and
-    communication (not its action's overhead)."""
+    with the layout's recomputation: full adds F's kernels and communication to B (not its
+    action's overhead)."""
     b, C, tp = layout.rows(model), model.n_embd, layout.tp
     bt, ron = b * (model.block_size // layout.cp), place.ranks_on_node
     ln = bt * C // tp if layout.sp else bt * C  # sp: LayerNorms and residual adds on this rank's tokens only
@@ -237,8 +243,6 @@ def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
         rerun = f - call + tp_half + gather
         return ActionCost(f_all, bw + tp_half + gather + rerun, w + w_gather, 3 * tp_half, 3 * gather + w_gather,
                           2 * att.cp_f + att.cp_b)
-    if layout.recompute == "selective":
-        bw += att.scores
     return ActionCost(f_all, bw + tp_half + gather, w + w_gather, 2 * tp_half, 2 * gather + w_gather,
                       att.cp_f + att.cp_b)
 

@@ -1,0 +1,195 @@
+#!/usr/bin/env python
+"""Long contexts: numesh beside PyTorch eager (SDPA) as the context grows, and the fused
+attention kernel beside the time of its FLOPs.
+
+    python benchmarks/bench_long_context.py                        # both sections, 2 threads
+    python benchmarks/bench_long_context.py --sections attention --threads 1
+    python benchmarks/bench_long_context.py --rows default:2048x1,baby:1024x2 --rounds 3
+
+Sections:
+  model      training steps of the default model (4 layers × 128, 4 heads) at T × B = 64×32,
+             256×8, 1024×2, 2048×1 and 4096×1 (~2048 tokens per step; 4096 tokens at the
+             last row, where B cannot shrink further) and of the baby model (6 × 384, 6
+             heads) at 256×8 and 1024×2: each measurement a fresh process
+             (benchmarks/bench_node.py's workers), numesh and torch alternating, --rounds
+             rounds; median step ms over --iters steps after --warmup, the ratio of tokens/s
+             (numesh / torch) and each process's peak RSS.
+  attention  one layer's attention core alone, forward + backward, float32, T = 2048,
+             B·H = 4, head size 32, in this process: numesh's `attend_fwd`/`attend_bwd` and
+             torch's `scaled_dot_product_attention(is_causal=True)` with its backward,
+             alternating, median of --attn-runs; the causal half's FLOPs (7 GEMMs over each
+             query's visible keys: numesh.formulas.attention_flops) and the time they take
+             at the machine's GEMM rate (numesh.runtime.gemm_flops of a 1024³ float32 GEMM on
+             the same threads): the kernel's time over that is its distance from the GEMM
+             bound.
+
+Ratios above 1 mean numesh is faster. This is a benchmark: it asserts nothing. The README's
+"Long context" table and docs/benchmarks.md hold its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import numesh  # noqa: E402,F401  # isort: skip  (before numpy: it sets up OpenBLAS)
+from bench_node import machine, run_worker  # noqa: E402
+from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
+
+ROWS = "default:64x32,default:256x8,default:1024x2,default:2048x1,default:4096x1,baby:256x8,baby:1024x2"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_rows(spec: str) -> list[tuple[str, int, int]]:
+    rows = []
+    for item in spec.split(","):
+        name, _, shape = item.partition(":")
+        t, _, b = shape.partition("x")
+        rows.append((name, int(t), int(b)))
+    return rows
+
+
+def model_section(args: argparse.Namespace, data: str) -> list[dict[str, Any]]:
+    out = []
+    for name, T, B in parse_rows(args.rows):
+        model = dict(PRESETS[name], block_size=T, batch_size=B)
+        runs: dict[str, list[dict]] = {"numesh": [], "torch": []}
+        for rnd in range(args.rounds):
+            for kind in ("numesh", "torch"):
+                r = run_worker(kind, model, data, args.threads, args.iters, args.warmup, timeout=args.timeout)
+                log(f"  {name} {T}x{B} round {rnd + 1} {kind}: {r.get('ms', r.get('error'))}")
+                runs[kind].append(r)
+        out.append({"model": name, "T": T, "B": B, **runs})
+    return out
+
+
+def _span(rs: list[dict], key: str, spec: str) -> str:
+    vals = [r[key] for r in rs if key in r]
+    if not vals:
+        return "error: " + "; ".join(r.get("error", "?") for r in rs)
+    lo, hi = min(vals), max(vals)
+    return format(lo, spec) if format(lo, spec) == format(hi, spec) else f"{lo:{spec}}–{hi:{spec}}"
+
+
+def _ratios(row: dict) -> str:
+    """numesh/torch tokens/s per round (each round's pair ran back to back)."""
+    rs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(row["numesh"], row["torch"])
+          if "tokens_per_s" in a and "tokens_per_s" in b]
+    if not rs:
+        return "n/a"
+    return f"{min(rs):.2f}×" if len(rs) == 1 else f"{min(rs):.2f}–{max(rs):.2f}×"
+
+
+def print_model(rows: list[dict], threads: int) -> None:
+    print(f"\nmodel: training step, {threads} threads, float32, fresh process per measurement")
+    print("| model | T × B | numesh ms | torch ms | numesh / torch tokens/s | numesh peak RSS MB | torch peak RSS MB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['T']} × {r['B']} | {_span(r['numesh'], 'ms', '.1f')} | "
+              f"{_span(r['torch'], 'ms', '.1f')} | **{_ratios(r)}** | {_span(r['numesh'], 'rss_mb', '.0f')} | "
+              f"{_span(r['torch'], 'rss_mb', '.0f')} |")
+
+
+def attention_section(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from numesh import formulas, threads
+    from numesh.nn import attention as A
+    from numesh.runtime import configure_process, gemm_flops
+
+    n = configure_process(args.threads, None)
+    torch.set_num_threads(n)
+    T, B, H, hs = 2048, 1, 4, 32
+    rng = np.random.default_rng(0)
+    qkv = rng.standard_normal((B, T, 3, H, hs)).astype(np.float32)
+    q, k, v = qkv.transpose(2, 0, 3, 1, 4)  # views, as a block passes them
+    dy = rng.standard_normal((B, H, T, hs)).astype(np.float32)
+    y = np.empty((B, T, H, hs), np.float32).transpose(0, 2, 1, 3)
+    scale = 1 / math.sqrt(hs)
+
+    def numesh_step() -> None:
+        lse = A.attend_fwd(q, k, v, y, scale=scale)
+        grads = [np.zeros((B, H, T, hs), np.float32) for _ in range(3)]
+        A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=scale)
+
+    tq, tk, tv = (torch.tensor(np.ascontiguousarray(a), requires_grad=True) for a in (q, k, v))
+    tdy = torch.tensor(dy)
+
+    def torch_step() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+        out.backward(tdy)
+        for t in (tq, tk, tv):
+            t.grad = None
+
+    times: dict[str, list[float]] = {"numesh": [], "torch": []}
+    for i in range(2 * (args.attn_runs + 2)):
+        name, fn = ("numesh", numesh_step) if i % 2 == 0 else ("torch", torch_step)
+        t0 = time.perf_counter()
+        fn()
+        if i >= 4:
+            times[name].append(time.perf_counter() - t0)
+    rate = gemm_flops(1024, 1024, 1024, split=threads.threads() > 1)
+    causal = 7 * 2.0 * H * hs * T * (T + 1) / 2
+    executed = B * formulas.attention_flops(T, H * hs, A.QUERY_TILE)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"T": T, "B": B, "H": H, "head_size": hs, "threads": n, "numesh_ms": med["numesh"] * 1e3,
+            "torch_ms": med["torch"] * 1e3, "gemm_gflops": rate / 1e9, "causal_gflop": causal / 1e9,
+            "executed_gflop": executed / 1e9, "bound_ms": causal / rate * 1e3,
+            "numesh_over_bound": med["numesh"] / (causal / rate), "query_tile": A.QUERY_TILE,
+            "key_tile": A.KEY_TILE, "torch": torch.__version__}
+
+
+def print_attention(a: dict) -> None:
+    print(f"\nattention: forward + backward, T = {a['T']}, B·H = {a['B'] * a['H']}, head size {a['head_size']}, "
+          f"float32, {a['threads']} threads")
+    print(f"  numesh {a['numesh_ms']:.1f} ms, torch SDPA {a['torch_ms']:.1f} ms "
+          f"(numesh / torch speed {a['torch_ms'] / a['numesh_ms']:.2f}×)")
+    print(f"  causal half {a['causal_gflop']:.2f} GFLOP (executed with {a['query_tile']}-query stripes: "
+          f"{a['executed_gflop']:.2f}) at the GEMM rate {a['gemm_gflops']:.1f} GFLOP/s = {a['bound_ms']:.1f} ms: "
+          f"numesh takes {a['numesh_over_bound']:.2f}× that")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default="model,attention", help="comma-separated: model, attention")
+    ap.add_argument("--threads", type=int, default=2, help="threads per process (default 2)")
+    ap.add_argument("--rows", default=ROWS, help=f"model:TxB,... (default {ROWS})")
+    ap.add_argument("--rounds", type=int, default=2, help="numesh/torch rounds per row (default 2)")
+    ap.add_argument("--iters", type=int, default=8, help="timed steps per measurement (default 8)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    ap.add_argument("--attn-runs", type=int, default=10, help="timed runs each in the attention section")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds one measurement may take")
+    ap.add_argument("--data", default=None, help="dataset dir from `numesh data` (default: a temporary one)")
+    ap.add_argument("--src", default=DEFAULT_SRC, help="text for the temporary dataset")
+    ap.add_argument("--json", action="store_true", help="also print the report as one JSON line")
+    args = ap.parse_args(argv)
+    sections = set(args.sections.split(","))
+    report: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d")}
+    print(f"machine: {json.dumps(report['machine'])}, {report['date']}")
+    if "model" in sections:
+        with dataset_dir(args.data, args.src, log=log) as data:
+            report["model"] = model_section(args, data)
+        print_model(report["model"], args.threads)
+    if "attention" in sections:
+        report["attention"] = attention_section(args)
+        print_attention(report["attention"])
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

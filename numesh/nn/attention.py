@@ -1,0 +1,452 @@
+"""Causal attention, fused and tiled: nothing of size T×T is ever held.
+
+`attend_fwd` walks each (batch row, head) in stripes of QUERY_TILE query rows. A stripe
+multiplies its queries by only the keys they can see (keys above the diagonal are never
+multiplied or masked), KEY_TILE keys at a time, folding each key tile into an online
+(log-sum-exp) softmax: the largest buffer is KEY_TILE × QUERY_TILE per thread, whatever T.
+A tile's scores are held transposed, [keys, queries] (see numesh/kernels.py for why).
+It keeps the output and each row's log-sum-exp. `attend_bwd` is FlashAttention-2's
+backward: each stripe's probabilities are recomputed from q, k and the saved log-sum-exp,
+and dq, dk, dv accumulate stripe by stripe. The tile GEMMs run on BLAS (NumPy's matmul);
+the softmax passes between them are numba kernels (numesh/kernels.py, `stripe_*`) or their
+NumPy equivalents here. `attention_reference` is the plain definition (the whole T×T
+matrix at once) that both are tested against.
+
+Which keys a query sees is one rule, `diag`: query i sees key j iff j <= i + diag. Training
+is diag = 0 (causal), ring attention's off-diagonal blocks see every key (diag >= keys),
+and decoding T new tokens after `pos0` cached ones is diag = pos0.
+
+Threads: the forward's units are (batch row, head, query stripe), all independent; the
+backward's are (batch row, head), each accumulating its dk and dv over its stripes in
+order. A unit computes the same bits whichever thread runs it, so results do not depend on
+the thread count. Attention dropout draws no mask: `AttnDropout` names the hash stream, and
+each tile's keep/drop pattern comes from global (batch row, head, query, key) coordinates
+(see numesh/kernels.py), the same pattern on every mesh.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import attrs
+import numpy as np
+
+from numesh import kernels as K
+from numesh.threads import over_rows, threads
+
+QUERY_TILE = 128  # query rows per stripe (benchmarks/bench_attention.py --tiles measures others)
+KEY_TILE = 2048  # keys per online-softmax step: bounds a stripe's buffer whatever T is
+GROUP_SCORES = 1 << 18  # scores per group's buffer: (batch row, head) pairs are batched up to it
+_DROP_BITS = 24
+
+
+@attrs.frozen
+class AttnDropout:
+    """Where one call's attention-dropout pattern comes from: the stream `key` (a hash of
+    seed, step and layer), and the global coordinates of this call's local rows, heads and
+    positions (`seq` is the whole sequence's length, the range positions are counted in)."""
+
+    p: float
+    key: int
+    row0: int
+    n_head: int
+    head0: int
+    seq: int
+
+    @property
+    def threshold(self) -> np.uint64:
+        return np.uint64(math.ceil(self.p * (1 << _DROP_BITS)))
+
+    def row_base(self, b: int, h: int, qpos: np.ndarray) -> np.ndarray:
+        """((b·H + h)·S + q)·S for local batch row b, local head h and query positions qpos."""
+        bh = np.uint64((self.row0 + b) * self.n_head + self.head0 + h)
+        return (bh * np.uint64(self.seq) + qpos.astype(np.uint64)) * np.uint64(self.seq)
+
+
+def keep_mask(drop: AttnDropout, b: int, h: int, qpos: np.ndarray, kpos: np.ndarray) -> np.ndarray:
+    """The keep (True) / drop pattern [len(qpos), len(kpos)] of one (row, head), vectorised:
+    the same hash as the kernels' `drop_keep`."""
+    z = drop.row_base(b, h, qpos)[:, None] + kpos.astype(np.uint64)[None, :]
+    z = np.uint64(drop.key) ^ (z * np.uint64(0x9E3779B97F4A7C15))
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(40)) >= drop.threshold
+
+
+@attrs.frozen
+class _Stripe:
+    """What a stripe's passes need besides the scores: the dropout stream (threshold 0:
+    none), each group's queries' counter bases [G, queries] and the key tile's positions."""
+
+    key: np.uint64
+    threshold: np.uint64
+    inv_keep: float
+    row_base: np.ndarray
+    kpos: np.ndarray
+
+
+@attrs.frozen
+class _Group:
+    """A rectangle of (batch row, head) pairs processed together: rows `b`, heads `h`."""
+
+    b: slice
+    h: slice
+
+    @property
+    def size(self) -> int:
+        return (self.b.stop - self.b.start) * (self.h.stop - self.h.start)
+
+
+def _groups(u0: int, u1: int, H: int, cap: int) -> list[_Group]:
+    """Rectangles covering the pairs u0..u1-1 of the flattened (batch row, head) index
+    u = b·H + h, in order, each of at most `cap` pairs."""
+    out, u = [], u0
+    while u < u1:
+        b, h = divmod(u, H)
+        if h == 0 and cap >= H and u1 - u >= H:
+            nb = min((u1 - u) // H, cap // H)
+            out.append(_Group(slice(b, b + nb), slice(0, H)))
+            u += nb * H
+        else:
+            n = min(H - h, u1 - u, cap)
+            out.append(_Group(slice(b, b + 1), slice(h, h + n)))
+            u += n
+    return out
+
+
+def _stripe(drop: AttnDropout | None, grp: _Group, qpos: np.ndarray, kpos: np.ndarray, dtype) -> _Stripe:
+    f = np.dtype(dtype).type
+    if drop is None or drop.p == 0.0:
+        return _Stripe(np.uint64(0), np.uint64(0), f(1.0), np.zeros((grp.size, len(qpos)), np.uint64),
+                       np.zeros(len(kpos), np.uint64))
+    base = np.concatenate([drop.row_base(b, h, qpos)[None] for b in range(grp.b.start, grp.b.stop)
+                           for h in range(grp.h.start, grp.h.stop)])
+    return _Stripe(np.uint64(drop.key), drop.threshold, f(1.0 / (1.0 - drop.p)), base, kpos.astype(np.uint64))
+
+
+def _keep(st: _Stripe, shape: tuple[int, int, int]) -> np.ndarray | None:
+    """The NumPy passes' dropout factors (0 or 1/(1-p)) [G, keys, queries], or None without dropout."""
+    if st.threshold == 0:
+        return None
+    z = st.kpos[None, :, None] + st.row_base[:, None, :]
+    z = st.key ^ (z * np.uint64(0x9E3779B97F4A7C15))
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return np.where((z >> np.uint64(40)) >= st.threshold, st.inv_keep, 0.0).astype(type(st.inv_keep))
+
+
+# ---------------------------------------------------------------------------------------
+# the stripe passes: numba kernels, or the same steps in NumPy without them
+
+
+def _hidden(vis0: int, shape: tuple[int, ...]) -> np.ndarray:
+    """[keys, queries] True where query r does not see key j (j >= vis0 + r)."""
+    return np.arange(shape[-2])[:, None] >= (vis0 + np.arange(shape[-1]))[None, :]
+
+
+def _shift(s: np.ndarray, vis0: int, m: np.ndarray, alpha: np.ndarray) -> None:
+    if K.enabled():
+        return K.stripe_shift(s, vis0, m, alpha)
+    s[:, _hidden(vis0, s.shape)] = -np.inf
+    m_new = np.maximum(m, s.max(axis=1))
+    with np.errstate(invalid="ignore"):  # -inf - -inf before a row's first key: alpha 0
+        alpha[:] = np.where(m > -np.inf, np.exp(m - m_new), 0.0)
+    m[:] = m_new
+    s -= m_new[:, None, :]
+
+
+def _sums(s: np.ndarray, l: np.ndarray, alpha: np.ndarray, st: _Stripe) -> None:
+    if K.enabled():
+        return K.stripe_sums(s, l, alpha, st.key, st.threshold, st.inv_keep, st.row_base, st.kpos)
+    l *= alpha
+    l += s.sum(axis=1)
+    keep = _keep(st, s.shape)
+    if keep is not None:
+        s *= keep
+
+
+def _logits(s: np.ndarray, vis0: int, lse: np.ndarray) -> None:
+    if K.enabled():
+        return K.stripe_logits(s, vis0, lse)
+    s -= lse[:, None, :]
+    s[:, _hidden(vis0, s.shape)] = -np.inf
+
+
+def _dropped(p: np.ndarray, out: np.ndarray, st: _Stripe) -> np.ndarray:
+    """p after dropout (into `out`), or p itself without dropout."""
+    if st.threshold == 0:
+        return p
+    if K.enabled():
+        K.stripe_dropped(p, out, st.key, st.threshold, st.inv_keep, st.row_base, st.kpos)
+    else:
+        np.multiply(p, _keep(st, p.shape), out=out)
+    return out
+
+
+def _grad(p: np.ndarray, dp: np.ndarray, dd: np.ndarray, st: _Stripe) -> None:
+    if K.enabled():
+        return K.stripe_grad(p, dp, dd, st.key, st.threshold, st.inv_keep, st.row_base, st.kpos)
+    keep = _keep(st, p.shape)
+    if keep is not None:
+        dp *= keep
+    dp -= dd[:, None, :]
+    dp *= p
+
+
+# ---------------------------------------------------------------------------------------
+# forward and backward
+
+
+def _key_tiles(q0: int, q1: int, n_keys: int, diag: int) -> list[tuple[int, int, int]]:
+    """(first key, end key, vis0) of each key tile query rows [q0, q1) need: the keys up to
+    the last row's diagonal, KEY_TILE at a time; row q0 + r sees vis0 + r keys of the tile."""
+    end = min(n_keys, q1 + diag)
+    return [(j0, min(end, j0 + KEY_TILE), q0 + diag + 1 - j0) for j0 in range(0, end, KEY_TILE)]
+
+
+def _positions(pos: np.ndarray | None, n: int) -> np.ndarray:
+    return np.arange(n) if pos is None else np.asarray(pos)
+
+
+def _cap(Tq: int, Tk: int) -> int:
+    """Pairs per group: a group's stripe buffer holds at most GROUP_SCORES scores."""
+    return max(1, GROUP_SCORES // (min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)))
+
+
+def _stripe_pairs(Tq: int) -> list[tuple[int, ...]]:
+    """The query stripes (their first rows) in pairs, first with last, second with second
+    last...: causal stripes pair up to equal work, so contiguous runs of pairs balance."""
+    starts = list(range(0, Tq, QUERY_TILE))
+    return [tuple(sorted({starts[i], starts[-1 - i]})) for i in range((len(starts) + 1) // 2)]
+
+
+def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, scale: float, diag: int = 0,
+               drop: AttnDropout | None = None, qpos: np.ndarray | None = None,
+               kpos: np.ndarray | None = None) -> np.ndarray:
+    """Softmax attention of q [B, H, Tq, hs] over k, v [B, H, Tk, hs] (views with a unit
+    last stride are fine), query i seeing key j iff j <= i + diag (diag >= 0), written into
+    y [B, H, Tq, hs] (any view); returns each row's log-sum-exp [B, H, Tq] of the scaled
+    scores. `qpos`/`kpos`: the global positions of the queries and keys (default 0..T-1),
+    which only dropout uses. Threads take runs of (batch row, head) pairs, or with fewer
+    pairs than threads runs of stripe pairs: each stripe of each pair is computed alike."""
+    B, H, Tq, _ = q.shape
+    Tk = k.shape[2]
+    if diag < 0:
+        raise ValueError(f"diag must be >= 0 (every query sees the first key), got {diag}")
+    qpos, kpos = _positions(qpos, Tq), _positions(kpos, Tk)
+    lse = np.empty((B, H, Tq), q.dtype)
+    cap, pairs = _cap(Tq, Tk), _stripe_pairs(Tq)
+    call = functools.partial(_stripe_fwd, q, k, v, y, lse, scale, diag, drop, qpos, kpos)
+
+    def by_heads(r: slice) -> None:
+        buf = np.empty(min(cap, r.stop - r.start) * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq), q.dtype)
+        for grp in _groups(r.start, r.stop, H, cap):
+            for q0 in range(0, Tq, QUERY_TILE):
+                call(grp, q0, buf)
+
+    def by_stripes(r: slice) -> None:
+        buf = np.empty(min(cap, B * H) * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq), q.dtype)
+        for grp in _groups(0, B * H, H, cap):
+            for pair in pairs[r]:
+                for q0 in pair:
+                    call(grp, q0, buf)
+
+    if B * H >= threads():
+        over_rows(by_heads, B * H)
+    else:
+        over_rows(by_stripes, len(pairs))
+    return lse
+
+
+def _stripe_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, grp: _Group, q0: int, buf: np.ndarray) -> None:
+    """Query rows [q0, q0 + QUERY_TILE) of one group of (batch row, head) pairs: their y
+    rows and log-sum-exps written."""
+    nb, nh = grp.b.stop - grp.b.start, grp.h.stop - grp.h.start
+    q1 = min(q.shape[2], q0 + QUERY_TILE)
+    rows = q1 - q0
+    qs = q[grp.b, grp.h, q0:q1] * q.dtype.type(scale)  # [nb, nh, rows, hs]
+    m = np.full((nb * nh, rows), -np.inf, q.dtype)
+    l, alpha = np.zeros((nb * nh, rows), q.dtype), np.empty((nb * nh, rows), q.dtype)
+    acc = None
+    for j0, j1, vis0 in _key_tiles(q0, q1, k.shape[2], diag):
+        s4 = buf[: nb * nh * (j1 - j0) * rows].reshape(nb, nh, j1 - j0, rows)
+        np.matmul(k[grp.b, grp.h, j0:j1], qs.swapaxes(-1, -2), out=s4)  # [nb, nh, keys, rows]
+        s = s4.reshape(nb * nh, j1 - j0, rows)
+        _shift(s, vis0, m, alpha)
+        np.exp(s, out=s)
+        _sums(s, l, alpha, _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], q.dtype))
+        pv = np.matmul(s4.swapaxes(-1, -2), v[grp.b, grp.h, j0:j1])  # [nb, nh, rows, hs]
+        if acc is None:
+            acc = pv
+        else:
+            acc *= alpha.reshape(nb, nh, rows, 1)
+            acc += pv
+    np.divide(acc, l.reshape(nb, nh, rows, 1), out=y[grp.b, grp.h, q0:q1])
+    lse[grp.b, grp.h, q0:q1] = (m + np.log(l)).reshape(nb, nh, rows)
+
+
+def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse: np.ndarray, dd: np.ndarray,
+               dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, *, scale: float, diag: int = 0,
+               drop: AttnDropout | None = None, qpos: np.ndarray | None = None,
+               kpos: np.ndarray | None = None) -> None:
+    """Backward of `attend_fwd`, ADDED into dq, dk, dv (so a ring can accumulate): `dy` the
+    output's gradient, `lse` the forward's log-sum-exp and `dd` = rowsum(dy·y) [B, H, Tq]
+    (`row_dots`), which the softmax backward needs and a ring computes once. Threads take
+    runs of (batch row, head) pairs; each pair's dk and dv add its stripes in order."""
+    B, H, Tq, _ = q.shape
+    Tk = k.shape[2]
+    qpos, kpos = _positions(qpos, Tq), _positions(kpos, Tk)
+    cap = _cap(Tq, Tk)
+
+    def by_heads(r: slice) -> None:
+        size = min(cap, r.stop - r.start) * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)
+        bufs = np.empty(size, q.dtype), np.empty(size, q.dtype), np.empty(size, q.dtype)
+        for grp in _groups(r.start, r.stop, H, cap):
+            for q0 in range(0, Tq, QUERY_TILE):
+                _stripe_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, grp, q0, bufs)
+
+    over_rows(by_heads, B * H)
+
+
+def _stripe_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, grp: _Group, q0: int,
+                bufs: tuple[np.ndarray, ...]) -> None:
+    """One stripe of a group: its dq rows, and its share of every visible key's dk, dv."""
+    f = q.dtype.type
+    b, h = grp.b, grp.h
+    nb, nh = b.stop - b.start, h.stop - h.start
+    q1 = min(q.shape[2], q0 + QUERY_TILE)
+    rows = q1 - q0
+    qs = q[b, h, q0:q1] * f(scale)  # [nb, nh, rows, hs]
+    dqs = np.zeros(qs.shape, q.dtype)
+    lse_g = np.ascontiguousarray(lse[b, h, q0:q1]).reshape(nb * nh, rows)
+    dd_g = np.ascontiguousarray(dd[b, h, q0:q1]).reshape(nb * nh, rows)
+    dy_s = dy[b, h, q0:q1]
+    for j0, j1, vis0 in _key_tiles(q0, q1, k.shape[2], diag):
+        st = _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], q.dtype)
+        p4, dp4, pd4 = (x[: nb * nh * (j1 - j0) * rows].reshape(nb, nh, j1 - j0, rows) for x in bufs)
+        flat = (nb * nh, j1 - j0, rows)
+        np.matmul(k[b, h, j0:j1], qs.swapaxes(-1, -2), out=p4)
+        _logits(p4.reshape(flat), vis0, lse_g)
+        np.exp(p4, out=p4)  # the attention probabilities [nb, nh, keys, rows]
+        dropped = _dropped(p4.reshape(flat), pd4.reshape(flat), st).reshape(p4.shape)
+        dv[b, h, j0:j1] += np.matmul(dropped, dy_s)
+        np.matmul(v[b, h, j0:j1], dy_s.swapaxes(-1, -2), out=dp4)  # d(probabilities after dropout)
+        _grad(p4.reshape(flat), dp4.reshape(flat), dd_g, st)  # d(scores)
+        dqs += np.matmul(dp4.swapaxes(-1, -2), k[b, h, j0:j1])
+        dk[b, h, j0:j1] += np.matmul(dp4, qs)
+    dqs *= f(scale)
+    dq[b, h, q0:q1] += dqs
+
+
+def row_dots(dy: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """rowsum(dy·y) [B, H, T]: equal to rowsum(dA·A) over the probabilities A, what the
+    softmax backward subtracts."""
+    return np.einsum("bhtd,bhtd->bht", dy, y)
+
+
+def stripe_passes(keys: int, rows: int, dtype) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The element-wise work of one key tile × query stripe, forward (shift, exp, sums) and
+    backward (logits, exp, gradient), as the kernels run it: what `numesh plan --calibrate`
+    times per score (the GEMMs between them are timed as GEMMs)."""
+    rng = np.random.default_rng(0)
+    s, dp = (rng.standard_normal((1, keys, rows)).astype(dtype) for _ in range(2))
+    m, l, alpha = np.full((1, rows), -np.inf, dtype), np.zeros((1, rows), dtype), np.empty((1, rows), dtype)
+    st = _stripe(None, _Group(slice(0, 1), slice(0, 1)), np.arange(rows), np.arange(keys), dtype)
+
+    def fwd() -> None:  # rerun on its own output: the values stay finite (exp of shifted scores)
+        _shift(s, keys, m, alpha)
+        np.exp(s, out=s)
+        _sums(s, l, alpha, st)
+
+    def bwd() -> None:
+        _logits(s, keys, m)
+        np.exp(s, out=s)
+        _grad(s, dp, l, st)
+
+    fwd()
+    return fwd, bwd
+
+
+# ---------------------------------------------------------------------------------------
+# the causal attention layer of one rank (cp's ring: numesh/nn/ring_attention.py)
+
+
+@attrs.frozen
+class AttnCtx:
+    """What attention's backward needs: q, k, v [B, H, T, hs] (views of the QKV matmul's
+    output, kept anyway), the output y (a view of the block's attention output), each row's
+    log-sum-exp [B, H, T], the dropout stream and the queries' global positions."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    y: np.ndarray
+    lse: np.ndarray
+    drop: AttnDropout | None
+    qpos: np.ndarray | None = None
+
+
+def causal_attention_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray,
+                         drop: AttnDropout | None = None, qpos: np.ndarray | None = None) -> AttnCtx:
+    """Causal attention of q, k, v [B, H, T, hs] into y [B, H, T, hs] (any view); `qpos`
+    the tokens' global positions (dropout only; default 0..T-1)."""
+    lse = attend_fwd(q, k, v, y, scale=1.0 / math.sqrt(q.shape[-1]), drop=drop, qpos=qpos, kpos=qpos)
+    return AttnCtx(q, k, v, y, lse, drop, qpos)
+
+
+def causal_attention_bwd(ctx: AttnCtx, dy: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray) -> None:
+    """The gradients of q, k, v for the output gradient dy [B, H, T, hs], added into dq, dk,
+    dv (zeros, or views of the QKV matmul's gradient)."""
+    attend_bwd(ctx.q, ctx.k, ctx.v, dy, ctx.lse, row_dots(dy, ctx.y), dq, dk, dv,
+               scale=1.0 / math.sqrt(ctx.q.shape[-1]), drop=ctx.drop, qpos=ctx.qpos, kpos=ctx.qpos)
+
+
+# ---------------------------------------------------------------------------------------
+# the definition
+
+
+def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, diag: int = 0,
+                        drop: AttnDropout | None = None, qpos: np.ndarray | None = None,
+                        kpos: np.ndarray | None = None) -> np.ndarray:
+    """What `attend_fwd` computes, written plainly with the whole [B, H, Tq, Tk] matrix:
+    softmax(q·kᵀ/√hs, keys j > i + diag hidden), dropout, times v."""
+    B, H, Tq, hs = q.shape
+    Tk = k.shape[2]
+    scores = q @ k.swapaxes(-1, -2) / math.sqrt(hs)  # [B, H, Tq, Tk]
+    hidden = np.arange(Tk)[None, :] > np.arange(Tq)[:, None] + diag
+    scores = np.where(hidden, -np.inf, scores)
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if drop is not None and drop.p > 0:
+        qpos, kpos = _positions(qpos, Tq), _positions(kpos, Tk)
+        for b in range(B):
+            for h in range(H):
+                probs[b, h] *= keep_mask(drop, b, h, qpos, kpos) / (1.0 - drop.p)
+    return probs @ v
+
+
+def attention_reference_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, *, diag: int = 0,
+                            drop: AttnDropout | None = None, qpos: np.ndarray | None = None,
+                            kpos: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dq, dk, dv) of `attention_reference` for the output gradient dy, written plainly."""
+    B, H, Tq, hs = q.shape
+    Tk = k.shape[2]
+    scale = 1.0 / math.sqrt(hs)
+    scores = q @ k.swapaxes(-1, -2) * scale
+    scores = np.where(np.arange(Tk)[None, :] > np.arange(Tq)[:, None] + diag, -np.inf, scores)
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    keep = np.ones_like(probs)
+    if drop is not None and drop.p > 0:
+        qpos, kpos = _positions(qpos, Tq), _positions(kpos, Tk)
+        for b in range(B):
+            for h in range(H):
+                keep[b, h] = keep_mask(drop, b, h, qpos, kpos) / (1.0 - drop.p)
+    dv = (probs * keep).swapaxes(-1, -2) @ dy
+    dprobs = (dy @ v.swapaxes(-1, -2)) * keep
+    dscores = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))
+    return dscores @ k * scale, dscores.swapaxes(-1, -2) @ q * scale, dv

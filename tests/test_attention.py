@@ -1,0 +1,230 @@
+"""The fused tiled attention (numesh/nn/attention.py) against its plain definition.
+
+`attend_fwd`/`attend_bwd` with the numba stripe kernels and with their NumPy passes, against
+`attention_reference` (the whole T×T matrix) in float64 to 1e-12, and against finite
+differences: causal, shifted diagonals (decoding), every key seen (ring blocks), several key
+tiles (the online softmax), ragged query stripes, dropout. Plus what the design promises:
+the dropout pattern is a function of global coordinates only (any split of rows, heads or
+positions sees the same one), results do not depend on the thread count, and nothing of
+size T×T is allocated.
+"""
+
+from __future__ import annotations
+
+import math
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from numesh import kernels as K
+from numesh.nn import attention as A
+from numesh.nn.attention import (
+    AttnDropout,
+    attend_bwd,
+    attend_fwd,
+    attention_reference,
+    attention_reference_bwd,
+    causal_attention_bwd,
+    causal_attention_fwd,
+    keep_mask,
+    row_dots,
+)
+
+KERNELS = [pytest.param(True, id="numba"), pytest.param(False, id="numpy")]
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles small enough that test shapes have several query stripes and key tiles."""
+    def set_tiles(query: int, key: int) -> None:
+        monkeypatch.setattr(A, "QUERY_TILE", query)
+        monkeypatch.setattr(A, "KEY_TILE", key)
+    return set_tiles
+
+
+def _inputs(B, H, Tq, Tk, hs, dtype=np.float64, seed=0):
+    rng = np.random.default_rng(seed)
+    q, dy = (rng.standard_normal((B, H, Tq, hs)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((B, H, Tk, hs)).astype(dtype) for _ in range(2))
+    return q, k, v, dy
+
+
+def _run(q, k, v, dy, diag=0, drop=None, qpos=None, kpos=None):
+    """(y, dq, dk, dv) of the tiled kernel."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    y = np.empty(q.shape, q.dtype)
+    lse = attend_fwd(q, k, v, y, scale=scale, diag=diag, drop=drop, qpos=qpos, kpos=kpos)
+    grads = [np.zeros_like(x) for x in (q, k, v)]
+    attend_bwd(q, k, v, dy, lse, row_dots(dy, y), *grads, scale=scale, diag=diag, drop=drop, qpos=qpos, kpos=kpos)
+    return [y, *grads]
+
+
+CASES = [  # B, H, Tq, Tk, hs, diag, query tile, key tile
+    pytest.param(2, 3, 37, 37, 8, 0, 8, 16, id="causal-ragged"),
+    pytest.param(1, 2, 64, 64, 16, 0, 16, 16, id="causal-aligned"),
+    pytest.param(1, 1, 1, 1, 4, 0, 8, 16, id="one-token"),
+    pytest.param(1, 2, 5, 40, 16, 35, 2, 16, id="decode-after-35"),
+    pytest.param(2, 2, 12, 20, 8, 20, 4, 8, id="all-keys-seen"),
+]
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("B,H,Tq,Tk,hs,diag,qt,kt", CASES)
+def test_tiled_attention_matches_the_definition(small_tiles, kernels, dropout, B, H, Tq, Tk, hs, diag, qt, kt):
+    if kernels and not K.HAVE_NUMBA:
+        pytest.skip("numba is not installed")
+    small_tiles(qt, kt)
+    q, k, v, dy = _inputs(B, H, Tq, Tk, hs)
+    drop = AttnDropout(dropout, key=99, row0=1, n_head=H + 1, head0=1, seq=Tk) if dropout else None
+    want = [attention_reference(q, k, v, diag=diag, drop=drop), *attention_reference_bwd(q, k, v, dy, diag=diag,
+                                                                                         drop=drop)]
+    with K.switched(kernels):
+        got = _run(q, k, v, dy, diag, drop)
+    for g, w, name in zip(got, want, ("y", "dq", "dk", "dv")):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_kernels_and_numpy_passes_agree(small_tiles, dtype):
+    if not K.HAVE_NUMBA:
+        pytest.skip("numba is not installed")
+    small_tiles(16, 32)
+    q, k, v, dy = _inputs(2, 2, 70, 70, 8, dtype)
+    drop = AttnDropout(0.2, key=5, row0=0, n_head=2, head0=0, seq=70)
+    with K.switched(True):
+        fast = _run(q, k, v, dy, drop=drop)
+    with K.switched(False):
+        ref = _run(q, k, v, dy, drop=drop)
+    tol = 1e-12 if dtype == np.float64 else 2e-5
+    for a, b in zip(fast, ref):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_backward_matches_finite_differences(small_tiles, dropout):
+    small_tiles(4, 4)  # 3 query stripes, up to 3 key tiles
+    B, H, T, hs = 1, 2, 10, 3
+    q, k, v, w = _inputs(B, H, T, T, hs, seed=4)
+    drop = AttnDropout(dropout, key=3, row0=0, n_head=H, head0=0, seq=T) if dropout else None
+    _, dq, dk, dv = _run(q, k, v, w, drop=drop)
+
+    def loss(qq, kk, vv) -> float:
+        y = np.empty(qq.shape)
+        attend_fwd(qq, kk, vv, y, scale=1 / math.sqrt(hs), drop=drop)
+        return float((y * w).sum())
+
+    rng, eps = np.random.default_rng(1), 1e-6
+    for which, grad in enumerate((dq, dk, dv)):
+        for _ in range(8):
+            i = tuple(int(rng.integers(0, n)) for n in q.shape)
+            args = [q.copy(), k.copy(), v.copy()]
+            args[which][i] += eps
+            up = loss(*args)
+            args[which][i] -= 2 * eps
+            assert (up - loss(*args)) / (2 * eps) == pytest.approx(grad[i], rel=1e-6, abs=1e-9)
+
+
+def test_strided_views_in_and_out():
+    """The block passes q, k, v as views of the QKV output [B, T, 3, H, hs] and y as a view
+    of [B, T, H, hs]: the same results as contiguous arrays."""
+    B, T, H, hs = 2, 33, 3, 8
+    qkv = np.random.default_rng(2).standard_normal((B, T, 3, H, hs))
+    q, k, v = qkv.transpose(2, 0, 3, 1, 4)
+    out = np.empty((B, T, H, hs))
+    lse = attend_fwd(q, k, v, out.transpose(0, 2, 1, 3), scale=0.3)
+    y = np.empty((B, H, T, hs))
+    lse2 = attend_fwd(*(np.ascontiguousarray(a) for a in (q, k, v)), y, scale=0.3)
+    np.testing.assert_array_equal(out.transpose(0, 2, 1, 3), y)
+    np.testing.assert_array_equal(lse, lse2)
+
+
+def test_causal_attention_is_causal():
+    B, H, T, hs = 2, 2, 6, 4
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((B, H, T, hs)) for _ in range(3))
+    y = np.empty_like(q)
+    causal_attention_fwd(q, k, v, y)
+    for t in range(T - 1):
+        q2, k2, v2 = q.copy(), k.copy(), v.copy()
+        for a in (q2, k2, v2):
+            a[..., t + 1:, :] = rng.standard_normal(a[..., t + 1:, :].shape) * 10
+        y2 = np.empty_like(q)
+        causal_attention_fwd(q2, k2, v2, y2)
+        np.testing.assert_array_equal(y2[..., : t + 1, :], y[..., : t + 1, :])
+        assert not np.allclose(y2[..., t + 1:, :], y[..., t + 1:, :])
+    np.testing.assert_allclose(y[..., 0, :], v[..., 0, :], rtol=1e-14)  # position 0 sees only itself
+
+
+def test_dropout_pattern_depends_on_global_coordinates_only():
+    """A rank holding rows 1.., heads 2..3 and positions 4..11 of a whole sequence of 16
+    sees exactly that part of the one-rank pattern; the drop rate is p."""
+    whole = AttnDropout(0.25, key=7, row0=0, n_head=4, head0=0, seq=16)
+    pos = np.arange(16)
+    part = AttnDropout(0.25, key=7, row0=1, n_head=4, head0=2, seq=16)
+    for b in range(2):
+        for h in range(2):
+            got = keep_mask(part, b, h, pos[4:12], pos)
+            np.testing.assert_array_equal(got, keep_mask(whole, b + 1, h + 2, pos, pos)[4:12])
+    big = AttnDropout(0.25, key=11, row0=0, n_head=1, head0=0, seq=512)
+    rate = 1 - keep_mask(big, 0, 0, np.arange(512), np.arange(512)).mean()
+    assert abs(rate - 0.25) < 0.01  # 262,144 draws: the standard error is ~0.001
+    other = AttnDropout(0.25, key=12, row0=0, n_head=1, head0=0, seq=512)
+    assert (keep_mask(other, 0, 0, pos, pos) != keep_mask(big, 0, 0, pos, pos)).any()
+
+
+@pytest.mark.bits
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("B,H", [(3, 2), (1, 1)])  # threads split the heads, or (1 pair) the stripes
+def test_results_do_not_depend_on_the_thread_count(with_threads, small_tiles, dtype, B, H):
+    small_tiles(8, 16)
+    q, k, v, dy = _inputs(B, H, 40, 40, 8, dtype)
+    drop = AttnDropout(0.2, key=1, row0=0, n_head=H, head0=0, seq=40)
+    results = []
+    for n in (1, 2, 3):
+        with_threads(n)
+        results.append(_run(q, k, v, dy, drop=drop))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_nothing_of_size_t_by_t_is_allocated(kernels):
+    """At T = 2048 a [T, T] float32 array is 16 MiB; forward and backward together must
+    peak far below that (a stripe is 128 × 2048 × 4 B = 1 MiB, three in backward)."""
+    if kernels and not K.HAVE_NUMBA:
+        pytest.skip("numba is not installed")
+    q, k, v, dy = _inputs(1, 1, 2048, 2048, 16, np.float32)
+    y = np.empty_like(q)
+    dq, dk, dv = (np.zeros_like(x) for x in (q, k, v))
+    with K.switched(kernels):
+        _run(q[:, :, :8], k[:, :, :8], v[:, :, :8], dy[:, :, :8])  # compile outside the measurement
+        tracemalloc.start()
+        ctx = causal_attention_fwd(q, k, v, y)
+        causal_attention_bwd(ctx, dy, dq, dk, dv)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < 2048 * 2048 * 4 // 4, f"peak {peak / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("u0,u1,H,cap", [(0, 12, 4, 8), (3, 11, 4, 8), (0, 12, 4, 3), (5, 6, 4, 1), (0, 7, 1, 4)])
+def test_groups_cover_the_pairs_in_order(u0, u1, H, cap):
+    """The (row, head) rectangles a run of pairs is batched as: each pair once, in order,
+    at most `cap` pairs each."""
+    seen = []
+    for g in A._groups(u0, u1, H, cap):
+        assert 0 < g.size <= cap
+        seen += [b * H + h for b in range(g.b.start, g.b.stop) for h in range(g.h.start, g.h.stop)]
+    assert seen == list(range(u0, u1))
+
+
+def test_stripe_pairs_balance_causal_work():
+    """Stripes paired first-with-last: with whole stripes every pair (but a lone middle
+    one) sees the same keys."""
+    for T in (128, 1024, 2048):
+        pairs = A._stripe_pairs(T)
+        assert sorted(q for p in pairs for q in p) == list(range(0, T, A.QUERY_TILE))
+        work = {sum(min(T, q + A.QUERY_TILE) for q in p) for p in pairs if len(p) == 2}
+        assert len(work) <= 1
