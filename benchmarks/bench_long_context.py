@@ -15,13 +15,18 @@ Sections:
              rounds; median step ms over --iters steps after --warmup, the ratio of tokens/s
              (numesh / torch) and each process's peak RSS.
   attention  one layer's attention core alone, forward + backward, float32, T = 2048,
-             B·H = 4, head size 32, in this process: numesh's `attend_fwd`/`attend_bwd` and
-             torch's `scaled_dot_product_attention(is_causal=True)` with its backward,
-             alternating, median of --attn-runs; the causal half's FLOPs (7 GEMMs over each
+             B·H = 4, head size 32: numesh's `attend_fwd`/`attend_bwd` and torch's
+             `scaled_dot_product_attention(is_causal=True)` with its backward, each a fresh
+             process (median of --attn-runs), alternating for --rounds; the causal half's FLOPs (7 GEMMs over each
              query's visible keys: numesh.formulas.attention_flops) and the time they take
              at the machine's GEMM rate (numesh.runtime.gemm_flops of a 1024³ float32 GEMM on
              the same threads): the kernel's time over that is its distance from the GEMM
-             bound.
+             bound; and the kernel's GEMMs alone (its passes made no-ops), which shows how
+             much of that distance is BLAS at these skinny (head-size) shapes.
+
+  tiles      (on request) the kernel at the attention section's shape for query tiles of
+             64, 128, 256 and key tiles of 512, 1024, 2048, interleaved, medians: what
+             numesh.nn.attention's QUERY_TILE and KEY_TILE were chosen from.
 
 Ratios above 1 mean numesh is faster. This is a benchmark: it asserts nothing. The README's
 "Long context" table and docs/benchmarks.md hold its output.
@@ -33,6 +38,7 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -101,70 +107,160 @@ def print_model(rows: list[dict], threads: int) -> None:
               f"{_span(r['torch'], 'rss_mb', '.0f')} |")
 
 
-def attention_section(args: argparse.Namespace) -> dict[str, Any]:
+ATTN = dict(T=2048, B=1, H=4, hs=32)
+
+
+def attention_worker(kind: str, threads: int, runs: int) -> None:
+    """One side of the attention section in this (fresh) process: prints {"ms": median}."""
     import numpy as np
-    import torch
 
-    from numesh import formulas, threads
-    from numesh.nn import attention as A
-    from numesh.runtime import configure_process, gemm_flops
+    from numesh.runtime import configure_process
 
-    n = configure_process(args.threads, None)
-    torch.set_num_threads(n)
-    T, B, H, hs = 2048, 1, 4, 32
+    n = configure_process(threads, None)
+    T, B, H, hs = ATTN["T"], ATTN["B"], ATTN["H"], ATTN["hs"]
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((B, T, 3, H, hs)).astype(np.float32)
     q, k, v = qkv.transpose(2, 0, 3, 1, 4)  # views, as a block passes them
     dy = rng.standard_normal((B, H, T, hs)).astype(np.float32)
-    y = np.empty((B, T, H, hs), np.float32).transpose(0, 2, 1, 3)
-    scale = 1 / math.sqrt(hs)
+    if kind in ("numesh", "gemms"):
+        from numesh.nn import attention as A
 
-    def numesh_step() -> None:
-        lse = A.attend_fwd(q, k, v, y, scale=scale)
-        grads = [np.zeros((B, H, T, hs), np.float32) for _ in range(3)]
-        A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=scale)
+        if kind == "gemms":  # the same calls with the passes between the GEMMs made no-ops
+            import types
 
-    tq, tk, tv = (torch.tensor(np.ascontiguousarray(a), requires_grad=True) for a in (q, k, v))
-    tdy = torch.tensor(dy)
+            for name in ("_shift", "_sums", "_logits", "_grad"):
+                setattr(A, name, lambda *a, **kw: None)
+            A.np = types.SimpleNamespace(**{**vars(np), "exp": lambda x, out=None: out})
+            np.seterr(all="ignore")  # y and lse come out as garbage; the GEMMs' inputs stay finite
 
-    def torch_step() -> None:
-        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
-        out.backward(tdy)
-        for t in (tq, tk, tv):
-            t.grad = None
+        y = np.empty((B, T, H, hs), np.float32).transpose(0, 2, 1, 3)
 
-    times: dict[str, list[float]] = {"numesh": [], "torch": []}
-    for i in range(2 * (args.attn_runs + 2)):
-        name, fn = ("numesh", numesh_step) if i % 2 == 0 else ("torch", torch_step)
+        def step() -> None:
+            lse = A.attend_fwd(q, k, v, y, scale=1 / math.sqrt(hs))
+            grads = [np.zeros((B, H, T, hs), np.float32) for _ in range(3)]
+            A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=1 / math.sqrt(hs))
+    else:
+        import torch
+
+        torch.set_num_threads(n)
+        tq, tk, tv = (torch.tensor(np.ascontiguousarray(a), requires_grad=True) for a in (q, k, v))
+        tdy = torch.tensor(dy)
+
+        def step() -> None:
+            out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+            out.backward(tdy)
+            for t in (tq, tk, tv):
+                t.grad = None
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(runs):
         t0 = time.perf_counter()
-        fn()
-        if i >= 4:
-            times[name].append(time.perf_counter() - t0)
+        step()
+        times.append(time.perf_counter() - t0)
+    print(json.dumps({"ms": statistics.median(times) * 1e3}), flush=True)
+
+
+def attention_section(args: argparse.Namespace) -> dict[str, Any]:
+    """numesh and torch in fresh processes, alternating (torch's OpenMP threads spin after
+    each op and would slow whatever ran next in the same process); the GEMM rate here."""
+    from numesh import formulas, threads
+    from numesh.nn.attention import QUERY_TILE
+    from numesh.runtime import configure_process, gemm_flops
+
+    n = configure_process(args.threads, None)
+    times: dict[str, list[float]] = {"numesh": [], "torch": [], "gemms": []}
+    for _ in range(args.rounds):
+        for kind in ("numesh", "torch", "gemms"):
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--attn-worker", kind, "--threads",
+                   str(args.threads), "--attn-runs", str(args.attn_runs)]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
+            if out.returncode or not lines:
+                raise SystemExit(f"attention worker {kind} failed: {out.stderr.strip()[-500:]}")
+            times[kind].append(json.loads(lines[-1])["ms"])
+            log(f"  attention {kind}: {times[kind][-1]:.1f} ms")
+    T, B, H, hs = ATTN["T"], ATTN["B"], ATTN["H"], ATTN["hs"]
     rate = gemm_flops(1024, 1024, 1024, split=threads.threads() > 1)
-    causal = 7 * 2.0 * H * hs * T * (T + 1) / 2
-    executed = B * formulas.attention_flops(T, H * hs, A.QUERY_TILE)
+    causal = B * 7 * 2.0 * H * hs * T * (T + 1) / 2
+    executed = B * formulas.attention_flops(T, H * hs, QUERY_TILE)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"T": T, "B": B, "H": H, "head_size": hs, "threads": n, "numesh_ms": med["numesh"] * 1e3,
-            "torch_ms": med["torch"] * 1e3, "gemm_gflops": rate / 1e9, "causal_gflop": causal / 1e9,
+    return {"T": T, "B": B, "H": H, "head_size": hs, "threads": n, "numesh_ms": times["numesh"],
+            "torch_ms": times["torch"], "gemms_ms": times["gemms"], "gemm_gflops": rate / 1e9,
+            "causal_gflop": causal / 1e9,
             "executed_gflop": executed / 1e9, "bound_ms": causal / rate * 1e3,
-            "numesh_over_bound": med["numesh"] / (causal / rate), "query_tile": A.QUERY_TILE,
-            "key_tile": A.KEY_TILE, "torch": torch.__version__}
+            "numesh_over_bound": med["numesh"] * 1e-3 / (causal / rate), "query_tile": QUERY_TILE}
+
+
+TILES = [(qt, kt) for qt in (64, 128, 256) for kt in (512, 1024, 2048)]
+
+
+def tiles_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The kernel's forward + backward at the attention section's shape for each (query
+    tile, key tile), in this process, the configurations interleaved round by round so a
+    drift in the machine hits them alike; medians over --rounds × 3 rounds."""
+    import numpy as np
+
+    from numesh.nn import attention as A
+    from numesh.runtime import configure_process
+
+    configure_process(args.threads, None)
+    T, B, H, hs = ATTN["T"], ATTN["B"], ATTN["H"], ATTN["hs"]
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((B, T, 3, H, hs)).astype(np.float32).transpose(2, 0, 3, 1, 4)
+    dy = rng.standard_normal((B, H, T, hs)).astype(np.float32)
+    y = np.empty((B, T, H, hs), np.float32).transpose(0, 2, 1, 3)
+
+    def step() -> None:
+        lse = A.attend_fwd(q, k, v, y, scale=1 / math.sqrt(hs))
+        grads = [np.zeros((B, H, T, hs), np.float32) for _ in range(3)]
+        A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=1 / math.sqrt(hs))
+
+    saved = A.QUERY_TILE, A.KEY_TILE
+    times: dict[tuple[int, int], list[float]] = {c: [] for c in TILES}
+    try:
+        for _ in range(3 * args.rounds):
+            for c in TILES:
+                A.QUERY_TILE, A.KEY_TILE = c
+                step()
+                t0 = time.perf_counter()
+                step()
+                times[c].append(time.perf_counter() - t0)
+    finally:
+        A.QUERY_TILE, A.KEY_TILE = saved
+    return {f"{qt}x{kt}": statistics.median(ts) * 1e3 for (qt, kt), ts in times.items()}
+
+
+def print_tiles(t: dict[str, float], threads: int) -> None:
+    print(f"\ntiles: the kernel's forward + backward (T = {ATTN['T']}, B·H = {ATTN['B'] * ATTN['H']}, "
+          f"{threads} threads), median ms per query tile x key tile")
+    for name, ms in t.items():
+        print(f"  {name:>9}  {ms:6.1f}")
 
 
 def print_attention(a: dict) -> None:
+    def span(xs: list[float]) -> str:
+        return f"{min(xs):.1f}–{max(xs):.1f}" if len(xs) > 1 else f"{xs[0]:.1f}"
+
+    ratios = [t / m for m, t in zip(a["numesh_ms"], a["torch_ms"])]
     print(f"\nattention: forward + backward, T = {a['T']}, B·H = {a['B'] * a['H']}, head size {a['head_size']}, "
-          f"float32, {a['threads']} threads")
-    print(f"  numesh {a['numesh_ms']:.1f} ms, torch SDPA {a['torch_ms']:.1f} ms "
-          f"(numesh / torch speed {a['torch_ms'] / a['numesh_ms']:.2f}×)")
+          f"float32, {a['threads']} threads, fresh processes alternating")
+    print(f"  numesh {span(a['numesh_ms'])} ms, torch SDPA {span(a['torch_ms'])} ms "
+          f"(numesh / torch speed {min(ratios):.2f}–{max(ratios):.2f}×)")
     print(f"  causal half {a['causal_gflop']:.2f} GFLOP (executed with {a['query_tile']}-query stripes: "
           f"{a['executed_gflop']:.2f}) at the GEMM rate {a['gemm_gflops']:.1f} GFLOP/s = {a['bound_ms']:.1f} ms: "
-          f"numesh takes {a['numesh_over_bound']:.2f}× that")
+          f"numesh's median takes {a['numesh_over_bound']:.2f}× that")
+    print(f"  the kernel's GEMMs alone, at its tile shapes (the passes and exp between them no-ops): "
+          f"{span(a['gemms_ms'])} ms, "
+          f"{statistics.median(a['gemms_ms']) / a['bound_ms']:.2f}× the bound")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default="model,attention", help="comma-separated: model, attention")
+    ap.add_argument("--sections", default="model,attention",
+                    help="comma-separated: model, attention, tiles (default model,attention)")
     ap.add_argument("--threads", type=int, default=2, help="threads per process (default 2)")
     ap.add_argument("--rows", default=ROWS, help=f"model:TxB,... (default {ROWS})")
     ap.add_argument("--rounds", type=int, default=2, help="numesh/torch rounds per row (default 2)")
@@ -175,7 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default=None, help="dataset dir from `numesh data` (default: a temporary one)")
     ap.add_argument("--src", default=DEFAULT_SRC, help="text for the temporary dataset")
     ap.add_argument("--json", action="store_true", help="also print the report as one JSON line")
+    ap.add_argument("--attn-worker", choices=("numesh", "torch", "gemms"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.attn_worker:
+        attention_worker(args.attn_worker, args.threads, args.attn_runs)
+        return 0
     sections = set(args.sections.split(","))
     report: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d")}
     print(f"machine: {json.dumps(report['machine'])}, {report['date']}")
@@ -186,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     if "attention" in sections:
         report["attention"] = attention_section(args)
         print_attention(report["attention"])
+    if "tiles" in sections:
+        report["tiles"] = tiles_section(args)
+        print_tiles(report["tiles"], args.threads)
     if args.json:
         print(json.dumps(report))
     return 0

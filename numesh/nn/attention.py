@@ -36,7 +36,7 @@ import numpy as np
 from numesh import kernels as K
 from numesh.threads import over_rows, threads
 
-QUERY_TILE = 128  # query rows per stripe (benchmarks/bench_attention.py --tiles measures others)
+QUERY_TILE = 128  # query rows per stripe (benchmarks/bench_long_context.py --sections tiles measures others)
 KEY_TILE = 2048  # keys per online-softmax step: bounds a stripe's buffer whatever T is
 GROUP_SCORES = 1 << 18  # scores per group's buffer: (batch row, head) pairs are batched up to it
 _DROP_BITS = 24
@@ -362,8 +362,10 @@ def stripe_passes(keys: int, rows: int, dtype) -> tuple[Callable[[], None], Call
         np.exp(s, out=s)
         _sums(s, l, alpha, st)
 
-    def bwd() -> None:
-        _logits(s, keys, m)
+    ones = np.ones((1, rows), dtype)
+
+    def bwd() -> None:  # likewise: probabilities of 1 or less, minus a log-sum-exp of 1, stay in (0, 1]
+        _logits(s, keys, ones)
         np.exp(s, out=s)
         _grad(s, dp, l, st)
 
