@@ -89,6 +89,65 @@ def data_char(
     _run(go)
 
 
+_SRC_HELP = "corpus files (.txt, .jsonl, .parquet), directories or globs; repeat for more"
+_SPLIT_HELP = "cut .txt files into documents at this separator, e.g. $'\\n\\n' (default: a file is one document)"
+
+
+def _tokenized(summary: dict, out: Path, what: str) -> None:
+    docs = summary["documents"]
+    print(f"{what} {summary['out_dir']}: vocab {summary['vocab_size']:,}, {docs['train']:,} train / {docs['val']:,} "
+          f"val documents, {summary['train_tokens']:,} / {summary['val_tokens']:,} tokens; "
+          f"train on it with `numesh train --data {out}`", file=sys.stderr)
+
+
+@data_app.command("bpe")
+def data_bpe(
+    src: list[str] = typer.Option(..., help=_SRC_HELP, metavar="PATH"),
+    vocab_size: int = typer.Option(..., help="entries of the byte-level BPE, its end-of-text token included"),
+    out: Path = typer.Option(..., help="output directory: tokenizer.json, the token shards, meta.json"),
+    split_on: Optional[str] = typer.Option(None, help=_SPLIT_HELP),
+    text_field: str = typer.Option("text", help="the field holding the text in .jsonl and .parquet files"),
+    val_fraction: float = typer.Option(0.1, help="share of the documents that go to the val split"),
+) -> None:
+    """Train a byte-level BPE on a corpus (deterministic for the same inputs and size), then
+    tokenise the corpus with it into token shards: documents end with <|endoftext|>."""
+    from numesh.corpus import Reading
+    from numesh.text_dataset import prepare_bpe
+    from numesh_cli.dataset import download_bar
+
+    def go() -> None:
+        with download_bar("tokenising") as progress:
+            summary = prepare_bpe(src, vocab_size, out, Reading(split_on, text_field), val_fraction, progress)
+        _tokenized(summary, out, "wrote")
+
+    _run(go)
+
+
+@data_app.command("tokenize")
+def data_tokenize(
+    tokenizer: Path = typer.Option(..., help="a Hugging Face tokenizer.json (GPT-2's, or one `numesh data bpe` wrote)"),
+    src: list[str] = typer.Option(..., help=_SRC_HELP, metavar="PATH"),
+    out: Path = typer.Option(..., help="output directory: a copy of the tokenizer, the token shards, meta.json"),
+    eot: str = typer.Option("<|endoftext|>", help="the tokenizer's end-of-text token, put after each document"),
+    split_on: Optional[str] = typer.Option(None, help=_SPLIT_HELP),
+    text_field: str = typer.Option("text", help="the field holding the text in .jsonl and .parquet files"),
+    val_fraction: float = typer.Option(0.1, help="share of the documents that go to the val split"),
+) -> None:
+    """Tokenise a corpus with an existing Hugging Face tokenizer into token shards."""
+    from numesh.corpus import Reading
+    from numesh.text_dataset import prepare_tokenized
+    from numesh.tokenizer import HFTokenizer
+    from numesh_cli.dataset import download_bar
+
+    def go() -> None:
+        tok = HFTokenizer.from_file(tokenizer, eot)
+        with download_bar("tokenising") as progress:
+            summary = prepare_tokenized(src, tok, out, Reading(split_on, text_field), val_fraction, progress)
+        _tokenized(summary, out, "wrote")
+
+    _run(go)
+
+
 def _shown(default: Any) -> str:
     """A default as the help shows it: '' as (none), booleans as the flag that is on."""
     if isinstance(default, bool):

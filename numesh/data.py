@@ -20,14 +20,17 @@ import sysconfig
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-import attrs
 import numpy as np
 
 from numesh.errors import DataError
 from numesh.files import write_atomic
 from numesh.mesh.zigzag import take_local
+from numesh.shards import TokenStream, open_split
+from numesh.tokenizer import TOKEN_DTYPE, CharTokenizer, HFTokenizer, tokenizer_from_meta
+
+__all__ = ["CharTokenizer", "HFTokenizer", "TOKEN_DTYPE", "TokenStream"]  # re-exported: where callers found them
 
 SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -57,112 +60,7 @@ _MIN_FALLBACK_CHARS = 10_000
 TRAIN_FRACTION = 0.9
 SPLITS = ("train", "val")
 META_FILE = "meta.json"
-TOKEN_DTYPE = np.dtype("<u2")  # uint16, as nanoGPT's .bin files
-
-_MAX_VOCAB = int(np.iinfo(TOKEN_DTYPE).max) + 1
 _CHUNK = 1 << 16
-
-
-# --------------------------------------------------------------------------------------
-# tokenizer
-
-
-def _check_chars(instance: Any, attribute: Any, chars: tuple[str, ...]) -> None:
-    """attrs validator: distinct single characters, few enough for uint16 ids."""
-    if not isinstance(chars, tuple):
-        raise DataError(
-            f"tokenizer chars must be a tuple of 1-character strings, got {type(chars).__name__}"
-        )
-    for c in chars:
-        if not isinstance(c, str) or len(c) != 1:
-            raise DataError(
-                f"tokenizer chars must be 1-character strings, got {c!r}: regenerate the dataset"
-            )
-    if len(set(chars)) != len(chars):
-        raise DataError("tokenizer chars contain duplicates: regenerate the dataset")
-    if len(chars) > _MAX_VOCAB:
-        raise DataError(
-            f"{len(chars)} distinct characters do not fit uint16 ids: "
-            f"use a text with at most {_MAX_VOCAB}"
-        )
-
-
-@attrs.frozen
-class CharTokenizer:
-    """Maps each character to its index in `chars` (nanoGPT shakespeare_char style)."""
-
-    chars: tuple[str, ...] = attrs.field(converter=tuple, validator=_check_chars)
-    # Code points in id order and the permutation that sorts them: lets encode/decode run
-    # as NumPy array operations instead of a Python loop per character.
-    _codes: np.ndarray = attrs.field(init=False, eq=False, repr=False)
-    _order: np.ndarray = attrs.field(init=False, eq=False, repr=False)
-
-    def __attrs_post_init__(self) -> None:
-        # runs after the validator, so every entry of chars is one character here
-        codes = np.array([ord(c) for c in self.chars], dtype=np.uint32)
-        object.__setattr__(self, "_codes", codes)
-        object.__setattr__(self, "_order", np.argsort(codes, kind="stable"))
-
-    @classmethod
-    def from_text(cls, text: str) -> CharTokenizer:
-        """The sorted set of characters of `text` as the vocabulary."""
-        if not text:
-            raise DataError("cannot build a vocabulary from an empty text: pass a non-empty --src file")
-        return cls(tuple(sorted(set(text))))
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.chars)
-
-    def encode(self, s: str) -> np.ndarray:
-        """uint16 ids of the characters of `s`; an unknown character raises DataError."""
-        if not s:
-            return np.zeros(0, dtype=TOKEN_DTYPE)
-        points = np.frombuffer(s.encode("utf-32-le", errors="surrogatepass"), dtype="<u4")
-        sorted_codes = self._codes[self._order]
-        pos = np.searchsorted(sorted_codes, points)
-        pos_clipped = np.minimum(pos, len(sorted_codes) - 1)
-        known = sorted_codes[pos_clipped] == points
-        if not known.all():
-            bad = chr(int(points[np.argmin(known)]))
-            raise DataError(
-                f"character {bad!r} is not in the {self.vocab_size}-character vocabulary: "
-                "use only characters from the training text"
-            )
-        return self._order[pos_clipped].astype(TOKEN_DTYPE)
-
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """The string for a sequence of ids; an id outside the vocabulary raises DataError."""
-        arr = np.asarray(ids)
-        if arr.size == 0:
-            return ""
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise DataError(f"token ids must be integers, got dtype {arr.dtype}")
-        arr = arr.reshape(-1).astype(np.int64)
-        bad = arr[(arr < 0) | (arr >= self.vocab_size)]
-        if bad.size:
-            raise DataError(
-                f"token id {int(bad[0])} is outside the vocabulary of size {self.vocab_size}: "
-                "decode ids produced with this tokenizer"
-            )
-        return self._codes[arr].astype("<u4").tobytes().decode("utf-32-le", errors="surrogatepass")
-
-    def to_meta(self) -> dict[str, Any]:
-        """JSON-ready description: {"vocab_size": V, "chars": [...]}."""
-        return {"vocab_size": self.vocab_size, "chars": list(self.chars)}
-
-    @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> CharTokenizer:
-        """Inverse of `to_meta`; checks vocab_size agrees with chars."""
-        if not isinstance(meta, dict) or not isinstance(meta.get("chars"), list):
-            raise DataError("dataset metadata has no 'chars' list: regenerate the dataset with `numesh data`")
-        tok = cls(tuple(meta["chars"]))
-        if "vocab_size" in meta and meta["vocab_size"] != tok.vocab_size:
-            raise DataError(
-                f"dataset metadata says vocab_size {meta['vocab_size']} but lists {tok.vocab_size} "
-                "characters: regenerate the dataset with `numesh data`"
-            )
-        return tok
 
 
 # --------------------------------------------------------------------------------------
@@ -386,8 +284,8 @@ def _missing(data_dir: Path) -> DataError:
     )
 
 
-def load_tokenizer(data_dir: str | Path) -> CharTokenizer:
-    """The tokenizer stored in `data_dir/meta.json`."""
+def read_meta(data_dir: str | Path) -> dict[str, Any]:
+    """`data_dir/meta.json`; a missing or unreadable one is a DataError saying what to run."""
     d = Path(data_dir)
     meta_path = d / META_FILE
     if not meta_path.is_file():
@@ -398,14 +296,30 @@ def load_tokenizer(data_dir: str | Path) -> CharTokenizer:
         raise DataError(
             f"cannot read {meta_path} ({e}): run `numesh data shakespeare-char --out {d}` again"
         ) from None
-    return CharTokenizer.from_meta(meta)
+    if not isinstance(meta, dict):
+        raise DataError(f"{meta_path} is not a JSON object: prepare the dataset again with `numesh data`")
+    return meta
 
 
-def load_split(data_dir: str | Path, split: str) -> np.ndarray:
-    """Read-only uint16 memmap of `data_dir/{split}.bin` (split is "train" or "val")."""
+def load_tokenizer(data_dir: str | Path) -> CharTokenizer | HFTokenizer:
+    """The tokenizer stored in `data_dir/meta.json`: a character vocabulary (its top level,
+    as `numesh data char` writes it) or the "tokenizer" entry of a sharded dataset."""
+    meta = read_meta(data_dir)
+    return tokenizer_from_meta(meta["tokenizer"] if "shards" in meta else meta)
+
+
+def load_split(data_dir: str | Path, split: str) -> np.ndarray | TokenStream:
+    """The token ids of `split` ("train" or "val"), read-only and memory-mapped: the uint16
+    `{split}.bin` of a character dataset, or all of a sharded dataset's shards as one
+    stream (`numesh.shards.TokenStream`)."""
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
     d = Path(data_dir)
+    meta_path = d / META_FILE
+    if meta_path.is_file():
+        meta = read_meta(d)
+        if "shards" in meta:
+            return open_split(d, meta, split)
     path = d / f"{split}.bin"
     if not path.is_file():
         raise _missing(d)

@@ -14,12 +14,12 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh.checkpoint import import_nanogpt, pad_vocab, read_global_params, read_meta
-from numesh.data import CharTokenizer
 from numesh.errors import CheckpointError, ConfigError
 from numesh.mesh import Mesh, shard
 from numesh.mesh.mesh import parse_axis_sizes
 from numesh.nn.decode import logits_cached, logits_last, new_kv_cache
 from numesh.nn.gpt import GPT, GPTConfig, gpt_specs
+from numesh.tokenizer import CharTokenizer, HFTokenizer
 from numesh.tree import tree_map
 
 __all__ = ["Checkpoint", "CheckpointError", "SampleConfig", "generate", "load_checkpoint", "sample"]
@@ -28,7 +28,7 @@ __all__ = ["Checkpoint", "CheckpointError", "SampleConfig", "generate", "load_ch
 @attrs.frozen
 class Checkpoint:
     model: GPTConfig
-    tokenizer: CharTokenizer
+    tokenizer: CharTokenizer | HFTokenizer
     params: GPT  # global arrays, vocabulary unpadded
     dtype: str
     step: int

@@ -620,9 +620,9 @@ def test_checkpoint_without_tokenizer_still_resumes(broken: Path, data: Path, tm
 
 def test_tokenizer_of_another_size_than_the_model(broken: Path, fresh: Trainer) -> None:
     edit_meta(broken, lambda m: m["tokenizer"].update(vocab_size=3, chars=["a", "b", "c"]))
-    with pytest.raises(CheckpointError, match="its tokenizer has 3 characters but its model vocab_size is 11"):
+    with pytest.raises(CheckpointError, match="its tokenizer has 3 entries but its model vocab_size is 11"):
         restore(fresh, broken)
-    with pytest.raises(CheckpointError, match="its tokenizer has 3 characters"):
+    with pytest.raises(CheckpointError, match="its tokenizer has 3 entries"):
         read_global_params(broken)
 
 
@@ -678,7 +678,7 @@ def rewrite_metadata(src: Path, dst: Path, **changes: str | None) -> None:
         ({"tokenizer": "null"}, r"holds no tokenizer, so its token ids cannot be turned into text: export it again"),
         ({"tokenizer": None}, r"holds no tokenizer"),
         ({"tokenizer": json.dumps({"vocab_size": 3, "chars": ["a", "b", "c"]})},
-         r"its tokenizer has 3 characters but its model vocab_size is 11"),
+         r"its tokenizer has 3 entries but its model vocab_size is 11"),
         ({"tokenizer": "{not json"}, r"bad metadata"),
         ({"tokenizer": json.dumps({"chars": ["a", "a"]})}, r"bad metadata"),
     ],

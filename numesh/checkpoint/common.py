@@ -25,7 +25,7 @@ def read_meta(path: str | Path) -> Meta:
     tok = meta.tokenizer()
     if tok is not None and tok.vocab_size != meta.model.vocab_size:
         raise CheckpointError(
-            f"{meta.path}: its tokenizer has {tok.vocab_size} characters but its model vocab_size is "
+            f"{meta.path}: its tokenizer has {tok.vocab_size} entries but its model vocab_size is "
             f"{meta.model.vocab_size}: the checkpoint is inconsistent; use another one"
         )
     return meta

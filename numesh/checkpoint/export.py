@@ -17,10 +17,10 @@ import numpy as np
 
 from numesh.checkpoint.common import read_group, read_meta
 from numesh.checkpoint.format import DTYPES, write_file_atomic
-from numesh.data import CharTokenizer
 from numesh.errors import CheckpointError, DataError
 from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
 from numesh.nn.layers import LayerNorm, Linear
+from numesh.tokenizer import tokenizer_from_meta
 
 EXPORT_FORMAT = "numesh-nanogpt"
 
@@ -170,13 +170,13 @@ def import_nanogpt(file: str | Path) -> tuple[GPTConfig, Any, GPT, str, int]:
         model = GPTConfig(**json.loads(metadata["model"]))
         model.validate(1)
         tok_meta = json.loads(metadata.get("tokenizer", "null"))
-        tok = None if tok_meta is None else CharTokenizer.from_meta(tok_meta)
+        tok = None if tok_meta is None else tokenizer_from_meta(tok_meta)
         step = int(metadata.get("step", 0))
     except (TypeError, ValueError, DataError) as e:
         raise CheckpointError(f"{where}: bad metadata: {e}") from None
     if tok is not None and tok.vocab_size != model.vocab_size:
         raise CheckpointError(
-            f"{where}: its tokenizer has {tok.vocab_size} characters but its model vocab_size is "
+            f"{where}: its tokenizer has {tok.vocab_size} entries but its model vocab_size is "
             f"{model.vocab_size}: the file is inconsistent; export it again with `numesh export`"
         )
     params = from_nanogpt(sd, model, where)

@@ -22,11 +22,11 @@ from typing import Any, Callable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from numesh.data import CharTokenizer
 from numesh.errors import CheckpointError, DataError
 from numesh.mesh import AXES, P
 from numesh.mesh.mesh import axis_names
 from numesh.padding import round_up
+from numesh.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
 
 FORMAT = "numesh-ckpt"
 VERSION = 1
@@ -306,20 +306,27 @@ class Meta:
     def path(self) -> Path:
         return self.root / META_FILE
 
-    def tokenizer(self) -> CharTokenizer | None:
+    def tokenizer(self) -> CharTokenizer | HFTokenizer | None:
         tok = self.raw.get("tokenizer")
         if tok is None:
             return None
         try:
-            return CharTokenizer.from_meta(tok)
+            return tokenizer_from_meta(tok)
         except DataError as e:
             raise CheckpointError(f"{self.path}: bad tokenizer: {e}") from None
 
 
-def vocab_difference(have: CharTokenizer, want: CharTokenizer) -> str | None:
-    """None if the two vocabularies are the same, else where they first differ, in words
-    ("id 3 is 'd' in the checkpoint, 'x' in the dataset; vocab 11 vs 11"): `have` is the
+def vocab_difference(have: CharTokenizer | HFTokenizer, want: CharTokenizer | HFTokenizer) -> str | None:
+    """None if the two tokenizers are the same, else how they differ, in words ("id 3 is
+    'd' in the checkpoint, 'x' in the dataset; vocab 11 vs 11"): `have` is the
     checkpoint's, `want` the dataset's."""
+    if have.kind != want.kind:
+        return f"a {have.kind} tokenizer in the checkpoint, a {want.kind} one in the dataset"
+    if isinstance(have, HFTokenizer) and isinstance(want, HFTokenizer):
+        if have.sha256 == want.sha256:
+            return None
+        return (f"tokenizer.json sha256 {have.sha256[:12]}... in the checkpoint, {want.sha256[:12]}... in the "
+                f"dataset; vocab {have.vocab_size} vs {want.vocab_size}")
     if have.chars == want.chars:
         return None
     i = next((i for i, (a, b) in enumerate(zip(have.chars, want.chars)) if a != b),

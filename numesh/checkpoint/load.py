@@ -11,11 +11,11 @@ from numesh.checkpoint.common import read_group, read_meta
 from numesh.checkpoint.format import GROUPS, BlockReader, Meta, vocab_difference
 from numesh.checkpoint.model import check_model, gpt_leaves, local_paths
 from numesh.checkpoint.state import LocalState
-from numesh.data import CharTokenizer
 from numesh.errors import CheckpointError
 from numesh.mesh import Mesh
 from numesh.nn.gpt import GPT, GPTConfig
 from numesh.pipeline.stages import StageLayout
+from numesh.tokenizer import CharTokenizer, HFTokenizer
 from numesh.tree import tree_leaves_with_path, tree_map
 
 
@@ -42,7 +42,7 @@ def agree(comm: Any, error: tuple[str, str] | None) -> None:
             raise RuntimeError(f"rank {i} failed reading the checkpoint: {e[1]}")
 
 
-def check_tokenizer(meta: Meta, tokenizer: CharTokenizer, dataset: str = "this run's dataset") -> None:
+def check_tokenizer(meta: Meta, tokenizer: CharTokenizer | HFTokenizer, dataset: str = "this run's dataset") -> None:
     """Raise unless the checkpoint was trained on `tokenizer`'s vocabulary: with another one
     (even of the same size) every token id would silently change meaning. A checkpoint
     that stores no tokenizer (written by an older numesh) cannot be checked and passes."""
@@ -58,7 +58,8 @@ def check_tokenizer(meta: Meta, tokenizer: CharTokenizer, dataset: str = "this r
 
 
 def read_local_state(path: str | Path, mesh: Mesh, model: GPTConfig, layout: StageLayout, dtype: Any,
-                     tokenizer: CharTokenizer | None = None, dataset: str = "this run's dataset") -> LocalState:
+                     tokenizer: CharTokenizer | HFTokenizer | None = None,
+                     dataset: str = "this run's dataset") -> LocalState:
     """This rank's part of a checkpoint written on any mesh: trees shaped like
     `TrainState.trees` for `mesh` and `layout`, in `dtype`, and the steps to continue from.
     With `tokenizer` (that of the run's data, described as `dataset` in errors), the

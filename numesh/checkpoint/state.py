@@ -39,7 +39,7 @@ class TrainState:
     dtype: str = "float32"  # "float32" or "float64"
     seed: int | None = None
     run_config: dict[str, Any] | None = None  # meta.json "train": the run's whole config
-    tokenizer: dict[str, Any] | None = None  # meta.json "tokenizer" (CharTokenizer.to_meta())
+    tokenizer: dict[str, Any] | None = None  # meta.json "tokenizer" (the dataset tokenizer's to_meta())
 
 
 @attrs.frozen(eq=False)

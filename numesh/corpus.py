@@ -1,0 +1,142 @@
+"""Corpora: the documents of text files, streamed, never held whole.
+
+Inputs are files, directories (every .txt, .jsonl and .parquet file under them, sorted)
+and globs (sorted). A `.txt` file is one document, or with `split_on` many (split as it
+streams); a `.jsonl` file holds one document per line in its `text_field`; a `.parquet`
+file the same field (with the `parquet` extra, pyarrow). Every unreadable file, bad line
+or missing field is a one-line DataError naming where.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import attrs
+
+from numesh.errors import DataError
+
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+_READ = 1 << 20  # bytes per read when streaming or hashing
+
+
+@attrs.frozen
+class Reading:
+    """How documents are cut from files: `split_on` a separator in .txt files (None: a file
+    is one document) and `text_field` the field holding a .jsonl/.parquet document's text."""
+
+    split_on: str | None = None
+    text_field: str = "text"
+
+
+def expand(sources: Sequence[str | Path]) -> list[Path]:
+    """The corpus files `sources` name, in order, each once."""
+    out: list[Path] = []
+    for src in sources:
+        s = str(src)
+        if any(c in s for c in "*?["):
+            found = [Path(p) for p in sorted(glob.glob(s, recursive=True)) if Path(p).is_file()]
+            if not found:
+                raise DataError(f"no file matches {s}: check the pattern")
+        elif Path(s).is_dir():
+            found = sorted(p for p in Path(s).rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+            if not found:
+                raise DataError(f"directory {s} holds no {', '.join(SUFFIXES)} file: point --src at the corpus")
+        elif Path(s).is_file():
+            found = [Path(s)]
+        else:
+            raise DataError(f"source {s} does not exist: pass existing files, directories or globs as --src")
+        for p in found:
+            if p.suffix not in SUFFIXES:
+                raise DataError(f"{p} is not a {', '.join(SUFFIXES)} file: convert it or leave it out")
+            if p not in out:
+                out.append(p)
+    return out
+
+
+def describe(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    """{path, bytes, sha256} of each file (read in 1 MiB pieces), for meta.json."""
+    out = []
+    for p in paths:
+        h = hashlib.sha256()
+        try:
+            with open(p, "rb") as f:
+                while piece := f.read(_READ):
+                    h.update(piece)
+        except OSError as e:
+            raise DataError(f"cannot read {p} ({e.strerror or e}): check the path and permissions") from None
+        out.append({"path": str(p), "bytes": p.stat().st_size, "sha256": h.hexdigest()})
+    return out
+
+
+def documents(path: Path, how: Reading) -> Iterator[str]:
+    """The documents of one corpus file, streamed."""
+    if path.suffix == ".jsonl":
+        return _jsonl(path, how.text_field)
+    if path.suffix == ".parquet":
+        return _parquet(path, how.text_field)
+    return _txt(path, how.split_on)
+
+
+def _open_text(path: Path):
+    try:
+        return open(path, encoding="utf-8", newline="")
+    except OSError as e:
+        raise DataError(f"cannot read {path} ({e.strerror or e}): check the path and permissions") from None
+
+
+def _txt(path: Path, split_on: str | None) -> Iterator[str]:
+    with _open_text(path) as f:
+        try:
+            if split_on is None:
+                yield f.read()
+                return
+            rest = ""
+            while piece := f.read(_READ):
+                parts = (rest + piece).split(split_on)
+                rest = parts.pop()
+                yield from parts
+            yield rest
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path} is not valid UTF-8 ({e.reason}): convert it to UTF-8") from None
+
+
+def _jsonl(path: Path, field: str) -> Iterator[str]:
+    with _open_text(path) as f:
+        try:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{n} is not valid JSON ({e.msg}): fix or remove the line") from None
+                text = row.get(field) if isinstance(row, dict) else None
+                if not isinstance(text, str):
+                    raise DataError(f"{path}:{n} has no text field {field!r}: pass --text-field with the field "
+                                    "that holds the text")
+                yield text
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path} is not valid UTF-8 ({e.reason}): convert it to UTF-8") from None
+
+
+def _parquet(path: Path, field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"reading {path} needs pyarrow: pip install 'numesh[parquet]'") from None
+    try:
+        f = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's own error types
+        raise DataError(f"cannot read {path} as Parquet ({str(e).splitlines()[0][:120]})") from None
+    if field not in f.schema_arrow.names:
+        raise DataError(f"{path} has no column {field!r} (it has {', '.join(f.schema_arrow.names)}): "
+                        "pass --text-field with the column that holds the text")
+    for batch in f.iter_batches(columns=[field], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if not isinstance(text, str):
+                raise DataError(f"{path} has a non-text value in column {field!r}: clean the column")
+            yield text

@@ -1,0 +1,251 @@
+"""Tokenizers: one interface over numesh's character vocabulary and Hugging Face tokenizers.
+
+`CharTokenizer` maps each character of a text to its index (nanoGPT's shakespeare_char).
+`HFTokenizer` runs a Hugging Face `tokenizers` file (`tokenizer.json`): a byte-level BPE
+that `numesh data bpe` trains, or any existing one (GPT-2's, say) that `numesh data
+tokenize` uses; documents are separated by its end-of-text token. Both give `encode`
+(uint32-safe int arrays), `decode`, `vocab_size` and `to_meta`, the JSON a dataset's
+`meta.json` and a checkpoint keep, from which `tokenizer_from_meta` rebuilds either kind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterable, Protocol, Sequence
+
+import attrs
+import numpy as np
+
+from numesh.errors import DataError
+
+TOKEN_DTYPE = np.dtype("<u2")  # a character dataset's ids: uint16, as nanoGPT's .bin files
+_MAX_VOCAB = int(np.iinfo(TOKEN_DTYPE).max) + 1
+EOT = "<|endoftext|>"  # the end-of-text token `numesh data bpe` adds (GPT-2's)
+
+
+class Tokenizer(Protocol):
+    """What every command that reads a dataset needs from its tokenizer."""
+
+    kind: str
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, s: str) -> np.ndarray: ...
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str: ...
+
+    def to_meta(self) -> dict[str, Any]: ...
+
+
+def _check_chars(instance: Any, attribute: Any, chars: tuple[str, ...]) -> None:
+    """attrs validator: distinct single characters, few enough for uint16 ids."""
+    if not isinstance(chars, tuple):
+        raise DataError(
+            f"tokenizer chars must be a tuple of 1-character strings, got {type(chars).__name__}"
+        )
+    for c in chars:
+        if not isinstance(c, str) or len(c) != 1:
+            raise DataError(
+                f"tokenizer chars must be 1-character strings, got {c!r}: regenerate the dataset"
+            )
+    if len(set(chars)) != len(chars):
+        raise DataError("tokenizer chars contain duplicates: regenerate the dataset")
+    if len(chars) > _MAX_VOCAB:
+        raise DataError(
+            f"{len(chars)} distinct characters do not fit uint16 ids: "
+            f"use a text with at most {_MAX_VOCAB}"
+        )
+
+
+@attrs.frozen
+class CharTokenizer:
+    """Maps each character to its index in `chars` (nanoGPT shakespeare_char style)."""
+
+    kind = "char"
+    chars: tuple[str, ...] = attrs.field(converter=tuple, validator=_check_chars)
+    # Code points in id order and the permutation that sorts them: lets encode/decode run
+    # as NumPy array operations instead of a Python loop per character.
+    _codes: np.ndarray = attrs.field(init=False, eq=False, repr=False)
+    _order: np.ndarray = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        # runs after the validator, so every entry of chars is one character here
+        codes = np.array([ord(c) for c in self.chars], dtype=np.uint32)
+        object.__setattr__(self, "_codes", codes)
+        object.__setattr__(self, "_order", np.argsort(codes, kind="stable"))
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        """The sorted set of characters of `text` as the vocabulary."""
+        if not text:
+            raise DataError("cannot build a vocabulary from an empty text: pass a non-empty --src file")
+        return cls(tuple(sorted(set(text))))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, s: str) -> np.ndarray:
+        """uint16 ids of the characters of `s`; an unknown character raises DataError."""
+        if not s:
+            return np.zeros(0, dtype=TOKEN_DTYPE)
+        points = np.frombuffer(s.encode("utf-32-le", errors="surrogatepass"), dtype="<u4")
+        sorted_codes = self._codes[self._order]
+        pos = np.searchsorted(sorted_codes, points)
+        pos_clipped = np.minimum(pos, len(sorted_codes) - 1)
+        known = sorted_codes[pos_clipped] == points
+        if not known.all():
+            bad = chr(int(points[np.argmin(known)]))
+            raise DataError(
+                f"character {bad!r} is not in the {self.vocab_size}-character vocabulary: "
+                "use only characters from the training text"
+            )
+        return self._order[pos_clipped].astype(TOKEN_DTYPE)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """The string for a sequence of ids; an id outside the vocabulary raises DataError."""
+        arr = np.asarray(ids)
+        if arr.size == 0:
+            return ""
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise DataError(f"token ids must be integers, got dtype {arr.dtype}")
+        arr = arr.reshape(-1).astype(np.int64)
+        bad = arr[(arr < 0) | (arr >= self.vocab_size)]
+        if bad.size:
+            raise DataError(
+                f"token id {int(bad[0])} is outside the vocabulary of size {self.vocab_size}: "
+                "decode ids produced with this tokenizer"
+            )
+        return self._codes[arr].astype("<u4").tobytes().decode("utf-32-le", errors="surrogatepass")
+
+    def to_meta(self) -> dict[str, Any]:
+        """JSON-ready description: {"vocab_size": V, "chars": [...]} (no "kind": what
+        datasets and checkpoints written before other kinds existed hold)."""
+        return {"vocab_size": self.vocab_size, "chars": list(self.chars)}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> CharTokenizer:
+        """Inverse of `to_meta`; checks vocab_size agrees with chars."""
+        if not isinstance(meta, dict) or not isinstance(meta.get("chars"), list):
+            raise DataError("dataset metadata has no 'chars' list: regenerate the dataset with `numesh data`")
+        tok = cls(tuple(meta["chars"]))
+        if "vocab_size" in meta and meta["vocab_size"] != tok.vocab_size:
+            raise DataError(
+                f"dataset metadata says vocab_size {meta['vocab_size']} but lists {tok.vocab_size} "
+                "characters: regenerate the dataset with `numesh data`"
+            )
+        return tok
+
+
+@attrs.frozen
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer, kept as its `tokenizer.json` text (so a
+    dataset or checkpoint that holds it is self-contained), with its end-of-text token."""
+
+    kind = "hf"
+    json_text: str = attrs.field(repr=False)
+    eot: str = EOT
+    _tok: Any = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        from tokenizers import Tokenizer as Raw
+
+        try:
+            tok = Raw.from_str(self.json_text)
+        except Exception as e:  # tokenizers raises its own exception types
+            raise DataError(f"not a Hugging Face tokenizer file ({str(e).splitlines()[0][:120]}): "
+                            "pass a tokenizer.json written by `tokenizers` or `transformers`") from None
+        if tok.token_to_id(self.eot) is None:
+            raise DataError(f"the tokenizer has no end-of-text token {self.eot!r}: add it as a special token "
+                            "or pass the one it has")
+        if tok.get_vocab_size(with_added_tokens=True) > np.iinfo(np.uint32).max:
+            raise DataError("the tokenizer's vocabulary does not fit uint32 token ids")
+        object.__setattr__(self, "_tok", tok)
+
+    @classmethod
+    def from_file(cls, path: str | Path, eot: str = EOT) -> HFTokenizer:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"cannot read tokenizer {path} ({getattr(e, 'strerror', None) or e}): "
+                            "pass a readable tokenizer.json") from None
+        return cls(text, eot)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def eot_id(self) -> int:
+        return int(self._tok.token_to_id(self.eot))
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.json_text.encode("utf-8")).hexdigest()
+
+    def encode(self, s: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(s, add_special_tokens=False).ids, dtype=np.uint32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Each text's ids, tokenised in parallel on all cores (`tokenizers`' batch encoding)."""
+        return [np.asarray(e.ids, dtype=np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        arr = np.asarray(ids).reshape(-1)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            bad = int(arr[(arr < 0) | (arr >= self.vocab_size)][0])
+            raise DataError(f"token id {bad} is outside the vocabulary of size {self.vocab_size}: "
+                            "decode ids produced with this tokenizer")
+        return self._tok.decode([int(i) for i in arr], skip_special_tokens=False)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "eot": self.eot, "eot_id": self.eot_id,
+                "sha256": self.sha256, "json": self.json_text}
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
+    """A byte-level BPE (GPT-2's pre-tokenisation and byte alphabet, `EOT` as its one
+    special token) trained on `texts` to `vocab_size` entries. The same texts in the same
+    order give the same tokenizer."""
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    base = len(pre_tokenizers.ByteLevel.alphabet()) + 1
+    if vocab_size < base:
+        raise DataError(f"--vocab-size {vocab_size} is below the {base} entries a byte-level BPE starts with "
+                        f"(256 bytes and {EOT}): use at least {base}")
+    if vocab_size > np.iinfo(np.uint32).max:
+        raise DataError(f"--vocab-size {vocab_size} does not fit uint32 token ids")
+    tok = Raw(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return HFTokenizer(tok.to_str(), EOT)
+
+
+def tokenizer_from_meta(meta: dict[str, Any]) -> CharTokenizer | HFTokenizer:
+    """The tokenizer a `to_meta` dict describes (no "kind": a character vocabulary)."""
+    if not isinstance(meta, dict):
+        raise DataError("tokenizer metadata is not a JSON object: regenerate the dataset with `numesh data`")
+    kind = meta.get("kind", "char")
+    if kind == "char":
+        return CharTokenizer.from_meta(meta)
+    if kind == "hf":
+        if not isinstance(meta.get("json"), str):
+            raise DataError("tokenizer metadata of kind hf has no tokenizer json: regenerate the dataset")
+        tok = HFTokenizer(meta["json"], meta.get("eot", EOT))
+        if meta.get("sha256") not in (None, tok.sha256):
+            raise DataError("tokenizer metadata's sha256 does not match its tokenizer json: the file was edited; "
+                            "regenerate the dataset")
+        return tok
+    raise DataError(f"unknown tokenizer kind {kind!r} in metadata: this numesh knows char and hf")
+
+
+def tokenizer_json_equal(a: str, b: str) -> bool:
+    """Whether two tokenizer JSON texts describe the same tokenizer (formatting aside)."""
+    return json.loads(a) == json.loads(b)

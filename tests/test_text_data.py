@@ -1,0 +1,191 @@
+"""Real text in: byte-level BPE and Hugging Face tokenizers, streamed corpora, token shards.
+
+`numesh data bpe` is deterministic and its tokenizer round-trips every document; the shards
+hold exactly each document's ids and an end-of-text token, split by documents, and read
+back as one stream across shard boundaries; .txt (whole or split), .jsonl and .parquet
+corpora, files, directories and globs; every bad input is a one-line error; a BPE dataset
+trains, checkpoints and refuses to resume on another tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import cli, one_error_line
+from numesh import data as D
+from numesh import shards as S
+from numesh import text_dataset as TD
+from numesh.corpus import Reading, expand
+from numesh.errors import DataError
+from numesh.tokenizer import EOT, HFTokenizer, tokenizer_from_meta, train_bpe
+
+pytest.importorskip("tokenizers")
+
+DOCS = ["First Citizen:\nBefore we proceed any further, hear me speak.", "All:\nSpeak, speak.",
+        "Ünïcödé — and emoji 🙂 survive bytes.", "  leading and trailing spaces  ", "tabs\tand\r\nCRLF",
+        "short", "x" * 300, "The quick brown fox jumps over the lazy dog. " * 5]
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    """The documents as a .txt file split on a blank-line separator."""
+    p = tmp_path / "corpus.txt"
+    p.write_text("\n\n".join(DOCS), encoding="utf-8")
+    return p
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_bpe_twice_is_byte_identical_and_round_trips(tmp_path: Path) -> None:
+    """On ~1 MB of real text: this Python's standard-library sources (the offline corpus)."""
+    src = tmp_path / "stdlib.txt"
+    src.write_text(D.fallback_corpus()[0], encoding="utf-8")
+    how = Reading(split_on="\n\n")
+    a = TD.prepare_bpe([src], 400, tmp_path / "a", how)
+    TD.prepare_bpe([src], 400, tmp_path / "b", how)
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")
+    tok = D.load_tokenizer(tmp_path / "a")
+    assert tok.kind == "hf" and tok.vocab_size == 400 == a["vocab_size"]
+    docs = list(TD.corpus_documents(expand([src]), how))
+    assert len(docs) > 3000
+    for doc in docs:
+        assert tok.decode(tok.encode(doc)) == doc
+
+
+def test_shards_hold_each_document_then_eot_split_by_documents(corpus: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(S, "SHARD_TOKENS", 17)  # many shards, documents across their ends
+    tok = train_bpe(DOCS, 300)
+    summary = TD.prepare_tokenized([corpus], tok, tmp_path / "d", Reading(split_on="\n\n"), val_fraction=0.3)
+    want: dict[str, list] = {"train": [], "val": []}
+    for i, doc in enumerate(DOCS):
+        want["val" if TD._is_val(i, 0.3) else "train"] += [*tok.encode(doc).tolist(), tok.eot_id]
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    for split in ("train", "val"):
+        stream = D.load_split(tmp_path / "d", split)
+        assert len(stream) == len(want[split]) == summary[f"{split}_tokens"]
+        np.testing.assert_array_equal(stream[np.arange(len(stream))], want[split])
+        assert len(meta["shards"][split]) == -(-len(want[split]) // 17)
+        x, y = D.read_rows(stream, np.array([0, len(stream) - 9, 5]), 8)  # rows across shard ends
+        np.testing.assert_array_equal(x[1], want[split][-9:-1])
+        np.testing.assert_array_equal(y[2], want[split][6:14])
+    assert meta["dtype"] == "uint16"
+    assert meta["corpus"]["files"][0]["sha256"] and meta["corpus"]["files"][0]["bytes"] == corpus.stat().st_size
+    assert sum(meta["splits"][s]["documents"] for s in ("train", "val")) == len(DOCS)
+    assert tokenizer_from_meta(meta["tokenizer"]).sha256 == tok.sha256
+    assert json.loads((tmp_path / "d" / "tokenizer.json").read_text()) == json.loads(tok.json_text)
+
+
+def test_a_vocabulary_past_uint16_writes_uint32(tmp_path: Path) -> None:
+    assert S.token_dtype(65536) == np.dtype("<u2")
+    assert S.token_dtype(65537) == np.dtype("<u4")
+    with pytest.raises(DataError, match="does not fit uint32"):
+        S.token_dtype((1 << 32) + 1)
+
+
+def test_jsonl_parquet_directories_and_globs(tmp_path: Path) -> None:
+    d = tmp_path / "corpus"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.jsonl").write_text("\n".join(json.dumps({"body": t, "id": i}) for i, t in enumerate(DOCS[:4])) + "\n\n")
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": DOCS[4:]}), d / "sub" / "b.parquet")
+    (d / "sub" / "notes.md").write_text("not a corpus file")
+    how = Reading(text_field="body")
+    assert list(TD.corpus_documents(expand([d]), how)) == DOCS
+    assert expand([str(d / "**" / "*.parquet")]) == [d / "sub" / "b.parquet"]
+    assert expand([d / "a.jsonl", str(d / "*.jsonl")]) == [d / "a.jsonl"]  # each file once
+
+
+@pytest.mark.parametrize("content, how, match", [
+    ('{"text": "ok"}\n{"body": "no text"}\n', Reading(), r"b.jsonl:2 has no text field 'text'"),
+    ('{"text": "ok"}\nnot json\n', Reading(), r"b.jsonl:2 is not valid JSON"),
+])
+def test_bad_jsonl_is_one_line_naming_the_line(tmp_path: Path, content: str, how: Reading, match: str) -> None:
+    (tmp_path / "b.jsonl").write_text(content)
+    with pytest.raises(DataError, match=match):
+        list(TD.corpus_documents(expand([tmp_path / "b.jsonl"]), how))
+
+
+def test_bad_sources_are_one_line_errors(tmp_path: Path) -> None:
+    (tmp_path / "x.csv").write_text("a,b")
+    (tmp_path / "empty").mkdir()
+    for src, match in [(tmp_path / "nope.txt", "does not exist"), (tmp_path / "x.csv", "is not a"),
+                       (tmp_path / "empty", "holds no"), (str(tmp_path / "*.none"), "no file matches")]:
+        with pytest.raises(DataError, match=match):
+            expand([src])
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": ["a"]}), tmp_path / "c.parquet")
+    with pytest.raises(DataError, match="has no column 'text'"):
+        list(TD.corpus_documents([tmp_path / "c.parquet"], Reading()))
+
+
+def test_a_corpus_without_tokens_or_without_a_val_document_is_refused(tmp_path: Path) -> None:
+    tok = train_bpe(DOCS, 300)
+    (tmp_path / "blank.txt").write_text("\n\n\n\n")
+    with pytest.raises(DataError, match="yields no tokens"):
+        TD.prepare_tokenized([tmp_path / "blank.txt"], tok, tmp_path / "o1", Reading(split_on="\n\n"))
+    (tmp_path / "one.txt").write_text("a single document")
+    with pytest.raises(DataError, match="leave the val split empty"):
+        TD.prepare_tokenized([tmp_path / "one.txt"], tok, tmp_path / "o2")
+    assert not (tmp_path / "o2" / "meta.json").exists()  # nothing a run could mistake for a dataset
+
+
+def test_tokenizer_files_and_vocab_sizes_are_checked(tmp_path: Path) -> None:
+    (tmp_path / "t.json").write_text("{not json")
+    with pytest.raises(DataError, match="not a Hugging Face tokenizer file"):
+        HFTokenizer.from_file(tmp_path / "t.json")
+    tok = train_bpe(DOCS, 300)
+    with pytest.raises(DataError, match="no end-of-text token '<eos>'"):
+        HFTokenizer(tok.json_text, "<eos>")
+    with pytest.raises(DataError, match="below the 257 entries"):
+        train_bpe(DOCS, 100)
+    assert HFTokenizer(tok.json_text).eot_id == tok.eot_id and EOT == tok.eot
+
+
+def test_cli_bpe_then_tokenize_with_its_tokenizer(corpus: Path, tmp_path: Path) -> None:
+    res = cli("data", "bpe", "--src", str(corpus), "--vocab-size", "300", "--out", str(tmp_path / "a"),
+              "--split-on", "\n\n", "--val-fraction", "0.3")
+    assert res.exit_code == 0, res.stderr
+    res = cli("data", "tokenize", "--tokenizer", str(tmp_path / "a" / "tokenizer.json"), "--src", str(corpus),
+              "--out", str(tmp_path / "b"), "--split-on", "\n\n", "--val-fraction", "0.3")
+    assert res.exit_code == 0, res.stderr
+    for split in ("train", "val"):  # the same tokenizer and corpus give the same shards
+        name = f"{split}-00000.bin"
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--src", "missing.txt", "--vocab-size", "300"], "does not exist"),
+    (["--vocab-size", "50"], "below the 257 entries"),
+    (["--vocab-size", "300", "--val-fraction", "1.5"], "between 0 and 1"),
+])
+def test_cli_bad_bpe_inputs_are_one_line(corpus: Path, tmp_path: Path, args: list[str], match: str) -> None:
+    src = [] if "--src" in args else ["--src", str(corpus)]
+    line = one_error_line(cli("data", "bpe", *src, *args, "--out", str(tmp_path / "o")))
+    assert match in line
+
+
+def test_a_bpe_dataset_trains_and_a_char_checkpoint_refuses_it(corpus: Path, char_dataset: Path,
+                                                               tmp_path: Path) -> None:
+    """Train, checkpoint and resume checks go through the one tokenizer interface."""
+    TD.prepare_bpe([corpus], 300, tmp_path / "bpe", Reading(split_on="\n\n"), val_fraction=0.3)
+    res = cli("train", "--data", str(tmp_path / "bpe"), "--out", str(tmp_path / "run"), "--max-iters", "2",
+              "--block-size", "8", "--batch-size", "2", "--eval-iters", "1", "--n-layer", "1", "--n-embd", "16",
+              "--n-head", "2")
+    assert res.exit_code == 0, res.stderr
+    meta = json.loads((tmp_path / "run" / "ckpt" / "latest" / "meta.json").read_text())
+    assert meta["tokenizer"]["kind"] == "hf" and meta["tokenizer"]["vocab_size"] == 300
+    ckpt = str(tmp_path / "run" / "ckpt" / "latest")
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--resume", ckpt, "--out", str(tmp_path / "run2"),
+                              "--max-iters", "3"))
+    assert "another vocabulary" in line and "hf tokenizer in the checkpoint" in line
