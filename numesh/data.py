@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import math
 import os
 import platform
 import sysconfig
@@ -330,6 +331,29 @@ def load_split(data_dir: str | Path, split: str) -> np.ndarray | TokenStream:
             f"run `numesh data shakespeare-char --out {d}` again"
         )
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+
+
+def bytes_per_token(data_dir: str | Path) -> dict[str, float]:
+    """UTF-8 bytes of text per token in each split, which turns a loss in nats per token
+    into bits per byte (`bits_per_byte`), the measure that compares tokenizers: a sharded
+    dataset records each split's bytes and tokens; a character one's are counted from its
+    ids (each character's UTF-8 length times how often it occurs)."""
+    meta = read_meta(data_dir)
+    if "shards" in meta:
+        return {s: meta["splits"][s]["bytes"] / meta["splits"][s]["tokens"] for s in SPLITS}
+    tok = tokenizer_from_meta(meta)
+    lengths = np.array([len(c.encode("utf-8", errors="surrogatepass")) for c in tok.chars], dtype=np.float64)
+    out = {}
+    for split in SPLITS:
+        ids = load_split(data_dir, split)
+        counts = np.bincount(np.asarray(ids), minlength=tok.vocab_size)[: tok.vocab_size]
+        out[split] = float(counts @ lengths) / len(ids)
+    return out
+
+
+def bits_per_byte(loss_nats: float, bytes_per_tok: float) -> float:
+    """A loss in nats per token as bits per byte of text."""
+    return loss_nats / (math.log(2.0) * bytes_per_tok)
 
 
 def read_corpus(data_dir: str | Path) -> dict[str, Any] | None:

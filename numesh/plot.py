@@ -34,6 +34,7 @@ class RunMetrics:
     eval_step: np.ndarray  # steps that logged train_loss / val_loss
     train_loss: np.ndarray
     val_loss: np.ndarray
+    val_bpb: np.ndarray  # val loss as bits per byte of text (NaN for runs that predate it)
 
 
 def _number(value: Any) -> float:
@@ -94,6 +95,7 @@ def read_metrics(run: str | Path, label: str | None = None) -> RunMetrics:
         eval_step=col(evals, "step"),
         train_loss=col(evals, "train_loss"),
         val_loss=col(evals, "val_loss"),
+        val_bpb=col(evals, "val_bpb"),
     )
 
 
@@ -120,13 +122,17 @@ def require_matplotlib() -> None:
 
 def build_figure(runs: Sequence[RunMetrics]) -> Any:
     """A matplotlib Figure: losses against steps on top (per run a solid train line and a
-    dashed val line with markers, one colour per run), tokens/s below (one line per run)."""
+    dashed val line with markers, one colour per run), then the val loss in bits per byte
+    (which compares runs with different tokenizers; when any run logged it), tokens/s below
+    (one line per run)."""
     require_matplotlib()
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(9, 7), layout="constrained")
-    ax_loss, ax_speed = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
+    bpb = any(r.val_bpb.size and not np.isnan(r.val_bpb).all() for r in runs)
+    fig = Figure(figsize=(9, 9 if bpb else 7), layout="constrained")
+    axes = fig.subplots(3 if bpb else 2, 1, sharex=True, height_ratios=(2, 1, 1) if bpb else (2, 1))
+    ax_loss, ax_speed = axes[0], axes[-1]
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
         dot = "." if run.step.size == 1 else None  # a one-step run is a point, not an invisible line
@@ -135,10 +141,16 @@ def build_figure(runs: Sequence[RunMetrics]) -> Any:
             ax_loss.plot(run.eval_step, run.val_loss, color=color, lw=1.5, ls="--", marker="o", ms=3,
                          label=f"{run.label} val")
         ax_speed.plot(run.step, run.tokens_per_s, color=color, lw=1.0, marker=dot, label=run.label)
+        if bpb and not np.isnan(run.val_bpb).all():
+            axes[1].plot(run.eval_step, run.val_bpb, color=color, lw=1.5, ls="--", marker="o", ms=3, label=run.label)
     ax_loss.set_ylabel("loss")
     ax_loss.set_title("train loss (every logged step) and val loss (eval steps)")
     ax_loss.legend(fontsize="small")
     ax_loss.grid(alpha=0.3)
+    if bpb:
+        axes[1].set_ylabel("val bits/byte")
+        axes[1].legend(fontsize="small")
+        axes[1].grid(alpha=0.3)
     ax_speed.set_ylabel("tokens/s")
     ax_speed.set_xlabel("step")
     ax_speed.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -86,6 +86,7 @@ class Trainer:
         self.last_stats: StepStats | None = None
         self.train_data = D.load_split(cfg.data, "train")
         self.val_data = D.load_split(cfg.data, "val")
+        self.bytes_per_token = D.bytes_per_token(cfg.data)  # for bits per byte at evaluations
         self.step = 0
         self.skipped = 0  # steps not applied because their loss or gradient was not finite
         self.n_params = sum(math.prod(s) for s in tree_leaves(gpt_global_shapes(self.model)))
@@ -152,6 +153,7 @@ class Trainer:
             total = self.pipeline.forward_losses(batches)
             total = psum_scalar(total, mesh, formulas.loss_axes(mesh.shape))
             out[f"{split}_loss"] = total / (c.eval_iters * self.tokens_per_step)
+            out[f"{split}_bpb"] = D.bits_per_byte(out[f"{split}_loss"], self.bytes_per_token[split])
         if self.trace is not None:
             self.trace.span("evaluate", "eval", t0, None, {"step": self.step})
         return out

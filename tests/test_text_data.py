@@ -189,3 +189,38 @@ def test_a_bpe_dataset_trains_and_a_char_checkpoint_refuses_it(corpus: Path, cha
     line = one_error_line(cli("train", "--data", str(char_dataset), "--resume", ckpt, "--out", str(tmp_path / "run2"),
                               "--max-iters", "3"))
     assert "another vocabulary" in line and "hf tokenizer in the checkpoint" in line
+
+
+def test_bytes_per_token_and_bits_per_byte(tmp_path: Path, corpus: Path) -> None:
+    """Char datasets count each character's UTF-8 bytes; sharded ones record them."""
+    text = "aé🙂\n" * 50 + "b" * 40
+    D.prepare_char_dataset(text, tmp_path / "c")
+    got = D.bytes_per_token(tmp_path / "c")
+    for split in ("train", "val"):
+        ids = np.asarray(D.load_split(tmp_path / "c", split))
+        chars = D.load_tokenizer(tmp_path / "c").decode(ids)
+        assert got[split] == pytest.approx(len(chars.encode("utf-8")) / len(ids), rel=1e-12)
+    TD.prepare_bpe([corpus], 300, tmp_path / "b", Reading(split_on="\n\n"), val_fraction=0.3)
+    meta = json.loads((tmp_path / "b" / "meta.json").read_text())
+    bpt = D.bytes_per_token(tmp_path / "b")
+    assert bpt["val"] == meta["splits"]["val"]["bytes"] / meta["splits"]["val"]["tokens"]
+    assert meta["splits"]["train"]["bytes"] + meta["splits"]["val"]["bytes"] == sum(len(d.encode()) for d in DOCS)
+    assert D.bits_per_byte(np.log(2) * 3.0, 1.5) == pytest.approx(2.0)
+
+
+def test_metrics_and_plot_carry_bits_per_byte(char_dataset: Path, tmp_path: Path) -> None:
+    from numesh.plot import build_figure, read_metrics
+
+    res = cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "run"), "--max-iters", "2",
+              "--eval-interval", "1", "--eval-iters", "1", "--block-size", "8", "--batch-size", "2", "--n-layer", "1",
+              "--n-embd", "16", "--n-head", "2")
+    assert res.exit_code == 0, res.stderr
+    bpt = D.bytes_per_token(char_dataset)
+    evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "val_loss" in x]
+    assert evals
+    for r in evals:
+        for split in ("train", "val"):
+            assert r[f"{split}_bpb"] == pytest.approx(r[f"{split}_loss"] / (np.log(2) * bpt[split]), rel=1e-12)
+    pytest.importorskip("matplotlib")
+    fig = build_figure([read_metrics(tmp_path / "run")])
+    assert [ax.get_ylabel() for ax in fig.axes] == ["loss", "val bits/byte", "tokens/s"]
