@@ -372,17 +372,23 @@ def reshard_cmd(
 def export_cmd(
     ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT",
                                 show_default=False),
-    out: Path = typer.Option(..., help="output .safetensors file"),
+    out: Path = typer.Option(..., help="output: a .safetensors file (nanogpt) or a directory (hf)"),
+    format: str = typer.Option("nanogpt", "--format", help="nanogpt: one safetensors file with nanoGPT's names; "
+                               "hf: a Hugging Face transformers directory (GPT-2 architecture)"),
     dtype: Optional[str] = typer.Option(None, help="float32 or float64", show_default="the checkpoint's"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT if it exists"),
 ) -> None:
-    """Export the parameters as one safetensors file with nanoGPT's state-dict names (numesh
-    sample --ckpt FILE reads it too)."""
+    """Export the parameters: as one safetensors file with nanoGPT's state-dict names (numesh
+    sample --ckpt FILE reads it too), or as a directory transformers loads with
+    AutoModelForCausalLM / AutoTokenizer.from_pretrained, offline and without custom code."""
 
     def go() -> None:
-        from numesh.checkpoint import export_nanogpt
+        from numesh.checkpoint import export_hf, export_nanogpt
+        from numesh.errors import ConfigError
 
-        print(export_nanogpt(ckpt, out, dtype, force))
+        if format not in ("nanogpt", "hf"):
+            raise ConfigError(f"--format must be nanogpt or hf, got {format!r}")
+        print((export_hf if format == "hf" else export_nanogpt)(ckpt, out, dtype, force))
 
     _run(go)
 

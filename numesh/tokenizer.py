@@ -121,6 +121,17 @@ class CharTokenizer:
             )
         return self._codes[arr].astype("<u4").tobytes().decode("utf-32-le", errors="surrogatepass")
 
+    def to_hf_json(self) -> str:
+        """The same vocabulary as a Hugging Face `tokenizers` file: a BPE over these
+        characters with no merges (each character one token, one id) and a decoder that
+        joins them, which transformers' `PreTrainedTokenizerFast` loads."""
+        from tokenizers import Tokenizer as Raw
+        from tokenizers import decoders, models
+
+        tok = Raw(models.BPE(vocab={c: i for i, c in enumerate(self.chars)}, merges=[]))
+        tok.decoder = decoders.Fuse()
+        return tok.to_str()
+
     def to_meta(self) -> dict[str, Any]:
         """JSON-ready description: {"vocab_size": V, "chars": [...]} (no "kind": what
         datasets and checkpoints written before other kinds existed hold)."""

@@ -1,0 +1,105 @@
+"""Export to a Hugging Face transformers directory: GPT-2's architecture, no custom code.
+
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(
+DIR)` load what this writes, offline: `config.json` (a `GPT2LMHeadModel`: numesh's GELU is
+GPT-2's tanh form, `gelu_new`; LayerNorm epsilon 1e-5; `n_positions` = the block size;
+tied embeddings), `model.safetensors` in transformers' names and layouts (GPT-2's `Conv1D`
+weights are [in, out], as numesh's; biases written as zeros where numesh has none), the
+tokenizer (a BPE dataset's `tokenizer.json`; for a character dataset an equivalent one,
+`CharTokenizer.to_hf_json`) with its `tokenizer_config.json`, and `generation_config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from numesh.checkpoint.common import read_group, read_meta
+from numesh.checkpoint.export import to_nanogpt
+from numesh.checkpoint.format import DTYPES
+from numesh.errors import CheckpointError
+from numesh.files import write_atomic
+from numesh.nn.gpt import GPTConfig
+from numesh.nn.layers import LN_EPS
+from numesh.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
+
+_LINEARS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+_BIASES = {".ln_1.bias": 1, ".attn.c_attn.bias": 3, ".attn.c_proj.bias": 1, ".ln_2.bias": 1, ".mlp.c_fc.bias": 4,
+           ".mlp.c_proj.bias": 1}  # per block: name -> width in units of n_embd
+
+
+def to_hf(params: Any, model: GPTConfig) -> dict[str, np.ndarray]:
+    """transformers' GPT2LMHeadModel tensors: nanoGPT's names with the Linear weights back
+    in [in, out] (Conv1D), zero biases where numesh has none, the tied head left out."""
+    sd = to_nanogpt(params, model)
+    del sd["lm_head.weight"]  # tie_word_embeddings: transformers ties it to wte
+    out = {k: np.ascontiguousarray(v.T) if k.endswith(_LINEARS) else v for k, v in sd.items()}
+    dtype = params.wte.dtype
+    for i in range(model.n_layer):
+        for name, width in _BIASES.items():
+            out.setdefault(f"transformer.h.{i}{name}", np.zeros(width * model.n_embd, dtype))
+    out.setdefault("transformer.ln_f.bias", np.zeros(model.n_embd, dtype))
+    return out
+
+
+def hf_config(model: GPTConfig, eot_id: int | None, dtype: str) -> dict[str, Any]:
+    """config.json of a GPT-2 with numesh's shapes."""
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": model.vocab_size,
+        "n_positions": model.block_size, "n_ctx": model.block_size, "n_embd": model.n_embd,
+        "n_layer": model.n_layer, "n_head": model.n_head, "n_inner": 4 * model.n_embd,
+        "activation_function": "gelu_new", "layer_norm_epsilon": LN_EPS, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0, "tie_word_embeddings": True, "scale_attn_weights": True, "use_cache": True,
+        "bos_token_id": eot_id, "eos_token_id": eot_id, "torch_dtype": dtype,
+    }
+
+
+def _tokenizer_files(tok: CharTokenizer | HFTokenizer, model: GPTConfig) -> dict[str, str]:
+    if isinstance(tok, HFTokenizer):
+        special = {"bos_token": tok.eot, "eos_token": tok.eot, "unk_token": tok.eot}
+        text = tok.json_text
+    else:
+        special = {}
+        text = tok.to_hf_json()
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.block_size,
+              "clean_up_tokenization_spaces": False, **special}
+    return {"tokenizer.json": text, "tokenizer_config.json": json.dumps(config, indent=1)}
+
+
+def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, force: bool = False) -> Path:
+    """Write the checkpoint at `path` as a transformers directory `out_dir` (see the module
+    docstring). An existing non-empty `out_dir` is replaced only with `force`."""
+    from safetensors.numpy import save
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file: --format hf writes a directory, pass a directory as --out")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise CheckpointError(f"{out} is not empty: pass --force to overwrite")
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    meta = read_meta(path)
+    tok_meta = meta.raw.get("tokenizer")
+    if tok_meta is None:
+        raise CheckpointError(f"{meta.root} holds no tokenizer, which a transformers directory needs: resume it "
+                              "once with --data set to its dataset, then export")
+    tok = tokenizer_from_meta(tok_meta)
+    sd = to_hf(read_group(meta, "params"), meta.model)
+    if dtype is not None:
+        sd = {k: v.astype(dtype) for k, v in sd.items()}
+    eot = tok.eot_id if isinstance(tok, HFTokenizer) else None
+    name = np.dtype(next(iter(sd.values())).dtype).name
+    files = {"config.json": json.dumps(hf_config(meta.model, eot, name), indent=1),
+             "generation_config.json": json.dumps({"bos_token_id": eot, "eos_token_id": eot}, indent=1),
+             **_tokenizer_files(tok, meta.model)}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "model.safetensors", save(sd, metadata={"format": "pt"}))
+        for fname, text in files.items():
+            write_atomic(out / fname, text)
+    except OSError as e:
+        raise CheckpointError(f"cannot write {out}: {e.strerror or e}") from None
+    return out

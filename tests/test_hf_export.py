@@ -1,0 +1,105 @@
+"""`numesh export --format hf`: a directory Hugging Face transformers loads offline, with no
+custom code, that computes what numesh computes.
+
+For a character run and a BPE run: `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained`
+load the export; transformers' logits on a validation batch equal numesh's forward to 1e-4
+(float32); its greedy `generate` gives the text `numesh sample --temperature 0` gives; the
+tokenizers agree on every validation document's ids. Runs when transformers (and torch)
+are installed: `.ci/run` installs them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import cli, self_mesh
+from numesh import data as D
+from numesh.corpus import Reading
+from numesh.text_dataset import prepare_bpe
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TRAIN = ["--max-iters", "30", "--eval-iters", "1", "--eval-interval", "30", "--block-size", "32", "--batch-size", "4",
+         "--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--learning-rate", "3e-3", "--bias"]
+
+
+def _numesh_logits(ckpt: Path, idx: np.ndarray) -> np.ndarray:
+    """numesh's forward on one rank: logits [B, T, V] of token ids idx [B, T]."""
+    from numesh.checkpoint import read_global_params
+    from numesh.nn.layers import layernorm_fwd
+    from numesh.nn.transformer import block_fwd, embed_fwd
+
+    model, _, params = read_global_params(ckpt)
+    mesh = self_mesh()
+    x, _ = embed_fwd(params, idx, model, mesh)
+    for layer, bp in enumerate(params.blocks):
+        x, _ = block_fwd(bp, x, model, mesh, layer)
+    xf, _ = layernorm_fwd(params.ln_f, x)
+    return xf @ params.wte.T
+
+
+def _trained(data: Path, out: Path) -> Path:
+    res = cli("train", "--data", str(data), "--out", str(out), *TRAIN)
+    assert res.exit_code == 0, res.stderr
+    return out / "ckpt" / "latest"
+
+
+@pytest.fixture(params=["char", "bpe"])
+def run(request, char_dataset: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """(checkpoint, dataset) of a short run on a character or a BPE dataset."""
+    data = char_dataset
+    if request.param == "bpe":
+        text = (char_dataset.parent / "corpus.txt")
+        tok = D.load_tokenizer(char_dataset)
+        ids = np.concatenate([np.asarray(D.load_split(char_dataset, s)) for s in ("train", "val")])
+        text.write_text(tok.decode(ids), encoding="utf-8")
+        data = tmp_path / "bpe"
+        prepare_bpe([text], 300, data, Reading(split_on="\n"), val_fraction=0.2)
+    return _trained(data, tmp_path / "run"), data
+
+
+def test_transformers_loads_the_export_and_computes_the_same(run: tuple[Path, Path], tmp_path: Path) -> None:
+    ckpt, data = run
+    res = cli("export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert res.exit_code == 0, res.stderr
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "gpt2" and config["activation_function"] == "gelu_new"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    ours = D.load_tokenizer(data)
+
+    val = np.asarray(D.load_split(data, "val"))
+    idx = np.stack([val[i * 32:(i + 1) * 32] for i in range(3)]).astype(np.int64)  # a validation batch
+    with torch.no_grad():
+        theirs = model(torch.tensor(idx)).logits.numpy()
+    np.testing.assert_allclose(theirs, _numesh_logits(ckpt, idx), rtol=1e-4, atol=1e-4)
+
+    text = ours.decode(val[:200])
+    assert hf_tok(text)["input_ids"] == ours.encode(text).tolist()
+    assert hf_tok.decode(ours.encode(text)) == text
+
+    prompt = ours.decode(val[:5])
+    res = cli("sample", "--ckpt", str(ckpt), "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0")
+    assert res.exit_code == 0, res.stderr
+    ids = torch.tensor([ours.encode(prompt).tolist()])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert hf_tok.decode(out[0]) == res.stdout.rstrip("\n")
+
+
+def test_hf_export_refuses_a_file_or_a_full_directory(run: tuple[Path, Path], tmp_path: Path) -> None:
+    ckpt, _ = run
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep").write_text("x")
+    for out, match in [(tmp_path / "f", "is a file"), (tmp_path / "full", "is not empty")]:
+        res = cli("export", str(ckpt), "--format", "hf", "--out", str(out))
+        assert res.exit_code == 2 and match in res.stderr
+    assert cli("export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "full"), "--force").exit_code == 0
+    res = cli("export", str(ckpt), "--format", "onnx", "--out", str(tmp_path / "o"))
+    assert res.exit_code == 2 and "--format must be nanogpt or hf" in res.stderr
