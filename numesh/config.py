@@ -87,6 +87,9 @@ class TrainConfig:
     ckpt_interval: int = _field(0, "save a checkpoint every N steps; 0 = only at the end")
     keep: int = _field(0, "keep the N newest checkpoints; 0 = all")
     resume: str = _field("", "checkpoint to continue from (written on any mesh), e.g. OUT/ckpt/latest")
+    init_from: str = _field(
+        "", "start from these weights, fine-tuning: a Hugging Face GPT-2-architecture directory or a `numesh "
+        "export` file, with the run's model shape and --data's tokenizer")
     overwrite: bool = _field(False, "replace a run already in --out (its config, metrics and checkpoints)")
     # divergence
     on_nan: str = _field("stop", "a non-finite loss or gradient norm: stop, or skip the step (no update)")
@@ -192,6 +195,8 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if cfg.peak_flops < 0:
         raise ConfigError(f"--peak-flops must be >= 0 (0 = measure it), got {cfg.peak_flops}")
+    if cfg.init_from and cfg.resume:
+        raise ConfigError("--init-from and --resume both say where the weights come from: pass one")
     if not cfg.learning_rate > 0:
         raise ConfigError(f"learning_rate must be > 0, got {cfg.learning_rate}")
     for name in ("beta1", "beta2"):

@@ -13,12 +13,13 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
-from numesh.checkpoint import import_nanogpt, pad_vocab, read_global_params, read_meta
+from numesh.checkpoint import import_nanogpt, read_global_params, read_meta
+from numesh.checkpoint.model import shard_params
 from numesh.errors import CheckpointError, ConfigError
-from numesh.mesh import Mesh, shard
+from numesh.mesh import Mesh
 from numesh.mesh.mesh import parse_axis_sizes
 from numesh.nn.decode import logits_cached, logits_last, new_kv_cache
-from numesh.nn.gpt import GPT, GPTConfig, gpt_specs
+from numesh.nn.gpt import GPT, GPTConfig
 from numesh.tokenizer import CharTokenizer, HFTokenizer
 from numesh.tree import tree_map
 
@@ -50,13 +51,6 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     if tok is None:
         raise CheckpointError(f"{p} holds no tokenizer, so its token ids cannot be turned into text: {fix}")
     return Checkpoint(model, tok, params, dtype, step)
-
-
-def shard_params(params: GPT, model: GPTConfig, mesh: Mesh) -> GPT:
-    """This rank's shards of global (unpadded) parameters on `mesh`."""
-    model.validate(mesh.size("tp"))
-    padded = pad_vocab(params, model, mesh.size("tp"))
-    return tree_map(lambda x, spec: shard(x, spec, mesh), padded, gpt_specs(model))
 
 
 def pick(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:

@@ -22,6 +22,8 @@ from numesh import data as D
 from numesh import formulas, kernels
 from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
 from numesh.checkpoint.format import step_dir_name
+from numesh.checkpoint.init_from import load_init
+from numesh.checkpoint.model import shard_params
 from numesh.config import DTYPES, TrainConfig, check_layout, check_options, config_from, validate  # noqa: F401  (re-exported: numesh.train's old names)
 from numesh.errors import ConfigError, Interrupted
 from numesh.interrupt import InterruptWatch
@@ -72,7 +74,7 @@ class Trainer:
         self.schedule = make_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
         self.specs = stage_tree(gpt_specs(self.model), self.layout, pp_rank)
         adamw = AdamWConfig(cfg.beta1, cfg.beta2, 1e-8, cfg.weight_decay)
-        params = stage_tree(init_gpt(self.model, self.mesh, cfg.seed, self.dtype), self.layout, pp_rank)
+        params = stage_tree(self._initial_params(), self.layout, pp_rank)
         tied_copy = self.layout.holds_tied(pp_rank) and self.layout.is_last(pp_rank)  # counted on the first rank
         units = split_units(params)
         self.opt = ZeroOptimizer(
@@ -91,6 +93,14 @@ class Trainer:
         self.skipped = 0  # steps not applied because their loss or gradient was not finite
         self.n_params = sum(math.prod(s) for s in tree_leaves(gpt_global_shapes(self.model)))
         self.trace: Tracer | None = None  # set by `start_trace`
+
+    def _initial_params(self) -> GPT:
+        """This rank's shards of the starting weights: initialised from the seed, or those of
+        `--init-from` (the same on every rank, sharded like a checkpoint's)."""
+        if not self.cfg.init_from:
+            return init_gpt(self.model, self.mesh, self.cfg.seed, self.dtype)
+        whole = load_init(self.cfg.init_from, self.model, D.load_tokenizer(self.cfg.data), self.dtype)
+        return shard_params(whole, self.model, self.mesh)
 
     @property
     def params(self) -> GPT:

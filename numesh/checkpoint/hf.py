@@ -103,3 +103,58 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
     except OSError as e:
         raise CheckpointError(f"cannot write {out}: {e.strerror or e}") from None
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# import: `numesh train --init-from`
+
+
+def _hf_model(cfg: dict[str, Any], where: Path, bias: bool) -> GPTConfig:
+    """numesh's GPTConfig for a transformers config.json, or a CheckpointError naming what
+    numesh cannot hold."""
+    def need(key: str, ok: Any, want: str) -> None:
+        if not ok:
+            raise CheckpointError(f"{where}: {key} is {cfg.get(key)!r}, numesh's GPT needs {want}")
+
+    need("model_type", cfg.get("model_type") == "gpt2", "gpt2 (the GPT-2 architecture)")
+    need("activation_function", cfg.get("activation_function", "gelu_new") == "gelu_new", "gelu_new (tanh GELU)")
+    need("layer_norm_epsilon", abs(cfg.get("layer_norm_epsilon", 1e-5) - LN_EPS) < 1e-12, str(LN_EPS))
+    need("n_inner", cfg.get("n_inner") in (None, 4 * cfg.get("n_embd", 0)), "4 × n_embd")
+    need("tie_word_embeddings", cfg.get("tie_word_embeddings", True), "true (numesh ties them)")
+    try:
+        model = GPTConfig(vocab_size=int(cfg["vocab_size"]), block_size=int(cfg["n_positions"]),
+                          n_layer=int(cfg["n_layer"]), n_head=int(cfg["n_head"]), n_embd=int(cfg["n_embd"]),
+                          bias=bias)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: config.json lacks or mistypes {e}") from None
+    model.validate(1)
+    return model
+
+
+def import_hf(directory: str | Path) -> tuple[GPTConfig, str, Any]:
+    """(model config, tokenizer.json text, whole params) of a transformers GPT-2 directory
+    (one written by `export_hf`, or any GPT-2-architecture model saved as safetensors).
+    Biases that are all zero are dropped (a model numesh trained without them)."""
+    from safetensors import SafetensorError, safe_open
+
+    from numesh.checkpoint.export import from_nanogpt
+
+    d = Path(directory)
+    try:
+        cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
+        tok_text = (d / "tokenizer.json").read_text(encoding="utf-8")
+        with safe_open(str(d / "model.safetensors"), framework="numpy") as f:
+            sd = {k: f.get_tensor(k) for k in f.keys()}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, SafetensorError) as e:
+        raise CheckpointError(f"{d} is not a transformers directory numesh reads ({e}): it needs config.json, "
+                              "tokenizer.json and model.safetensors") from None
+    sd = {k.removeprefix("model."): v for k, v in sd.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    bias = any(k.endswith(".bias") and np.any(v) for k, v in sd.items())
+    model = _hf_model(cfg, d, bias)
+    if not bias:
+        sd = {k: v for k, v in sd.items() if not k.endswith(".bias")}
+    sd = {k: np.ascontiguousarray(v.T) if k.endswith(_LINEARS) else v for k, v in sd.items()}
+    sd.setdefault("lm_head.weight", sd.get("transformer.wte.weight"))
+    if sd["lm_head.weight"] is None:
+        raise CheckpointError(f"{d} has no tensor 'transformer.wte.weight'")
+    return model, tok_text, from_nanogpt(sd, model, d)

@@ -118,3 +118,13 @@ def unpad_vocab(params: GPT, model: GPTConfig) -> GPT:
     leaves = gpt_leaves(model)
     return tree_map_with_path(lambda path, x: _unpad_leaf(x, leaves[path]), params)
 
+
+
+def shard_params(params: GPT, model: GPTConfig, mesh: Any) -> GPT:
+    """This rank's shards of whole unpadded parameters on `mesh` (vocabulary padded for tp)."""
+    from numesh.mesh import shard
+    from numesh.tree import tree_map
+
+    model.validate(mesh.size("tp"))
+    padded = pad_vocab(params, model, mesh.size("tp"))
+    return tree_map(lambda x, spec: shard(x, spec, mesh), padded, gpt_specs(model))

@@ -1,0 +1,91 @@
+"""`numesh train --init-from`: fine-tuning from a Hugging Face directory or a numesh export.
+
+Export -> --init-from: the run starts from exactly the exported parameters, from either
+format, and its first step's loss is the same from both; on tp=2 and pp=2 meshes the run
+equals the one-rank run (float64, 1e-10). Another model shape, another tokenizer, a path
+that does not exist or --resume beside it: one-line errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from conftest import WORLD, assert_same_run, cli, one_error_line, serial_reference, small_run_config, train_records
+from numesh.checkpoint import export_hf, export_nanogpt, read_global_params
+from numesh.errors import ConfigError
+from numesh.train import Trainer, train
+from numesh.tree import tree_leaves_with_path
+
+
+def _source(data: Path, out: Path) -> tuple[Path, Path, Path]:
+    """A short float64 run with biases and its two exports: (checkpoint, hf dir, nanoGPT file)."""
+    ckpt = train(small_run_config(data, out / "src", "", max_iters=2), MPI.COMM_SELF).checkpoint
+    return Path(ckpt), export_hf(ckpt, out / "hf"), export_nanogpt(ckpt, out / "model.safetensors")
+
+
+def _whole(trainer: Trainer) -> dict[str, np.ndarray]:
+    from numesh.mesh import unshard
+    from numesh.tree import tree_map
+
+    return dict(tree_leaves_with_path(tree_map(lambda x, s: unshard(x, s, trainer.mesh), trainer.params,
+                                               trainer.specs)))
+
+
+def test_init_from_either_export_starts_from_its_exact_parameters(shared_dataset: Path, tmp_path: Path) -> None:
+    ckpt, hf, file = _source(shared_dataset, tmp_path)
+    _, _, want = read_global_params(ckpt)
+    want = dict(tree_leaves_with_path(want))
+    losses = []
+    for src in (hf, file):
+        trainer = Trainer(small_run_config(shared_dataset, tmp_path / "ft", "", init_from=str(src)), MPI.COMM_SELF)
+        got = _whole(trainer)
+        assert got.keys() == want.keys()
+        for k in want:
+            np.testing.assert_array_equal(got[k][: want[k].shape[0]], want[k], err_msg=k)
+        losses.append(trainer.train_step()[0])
+    assert losses[0] == losses[1]
+
+
+def test_init_from_refuses_what_does_not_fit(shared_dataset: Path, tmp_path: Path) -> None:
+    from numesh import data as D
+
+    _, hf, _ = _source(shared_dataset, tmp_path)
+    chars = D.load_tokenizer(shared_dataset).chars
+    other = "".join(chars).replace(chars[-1], "\u00e9")  # as many characters, one of them another
+    D.prepare_char_dataset(other * 50, tmp_path / "other")
+    cases = [
+        (dict(n_layer=3), "has n_layer 2, this run 3: set --n-layer to match"),
+        (dict(bias=False), "has bias True, this run False"),
+        (dict(data=str(tmp_path / "other")), "another tokenizer than --data's"),
+        (dict(init_from=str(tmp_path / "nowhere")), "does not exist"),
+        (dict(resume=str(tmp_path)), "--init-from and --resume both"),
+    ]
+    for kw, match in cases:
+        kw = {"init_from": str(hf), **kw}
+        cfg = small_run_config(kw.pop("data", shared_dataset), tmp_path / "ft", "", **kw)
+        with pytest.raises(ConfigError, match=match):
+            Trainer(cfg, MPI.COMM_SELF)
+    line = one_error_line(cli("train", "--data", str(shared_dataset), "--init-from", str(hf), "--n-layer", "5",
+                              "--block-size", "8", "--n-embd", "16", "--n-head", "4", "--bias",
+                              "--out", str(tmp_path / "cli"), "--max-iters", "1"))
+    assert "set --n-layer to match" in line
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mesh", ["tp=2", "pp=2"])
+def test_init_from_on_a_mesh_equals_one_rank(shared_dataset: Path, shared_tmp: Path, mesh: str) -> None:
+    if WORLD.Get_size() != 2:
+        pytest.skip("the tp=2 and pp=2 meshes run on 2 ranks")
+    hf = shared_tmp / f"init-{mesh}" / "hf"
+    if WORLD.Get_rank() == 0:
+        _source(shared_dataset, shared_tmp / f"init-{mesh}")
+    WORLD.Barrier()
+    kw = dict(micro_batches=2) if mesh == "pp=2" else {}
+    cfg = small_run_config(shared_dataset, shared_tmp / f"init-{mesh}" / "ft", mesh, init_from=str(hf), **kw)
+    got = train_records(cfg, WORLD)
+    assert_same_run(got, serial_reference(attrs.evolve(cfg, micro_batches=1)))
