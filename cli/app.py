@@ -166,7 +166,14 @@ def _train_signature() -> inspect.Signature:
             default=typer.Option(None, "--config",
                                  help="TOML file of these options (command-line options override it)"),
             annotation=Optional[Path],
-        )
+        ),
+        inspect.Parameter(
+            "model_preset",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=typer.Option(None, "--model", help="a model preset's shape, e.g. gpt2 (12 layers x 768, 12 "
+                                 "heads, block 1024, biases); the vocabulary is --data's, options given override it"),
+            annotation=Optional[str],
+        ),
     ]
     for f in attrs.fields(TrainConfig):
         typ = field_type(f)
@@ -184,6 +191,18 @@ def _train_signature() -> inspect.Signature:
     return inspect.Signature(params)
 
 
+def _with_preset(options: dict[str, Any], name: str | None) -> dict[str, Any]:
+    """The options with a preset's model shape filled in where not given (its vocabulary and
+    batch are the planner's: a run takes --data's vocabulary and its own batch)."""
+    if not name:
+        return options
+    from numesh.plan.presets import preset
+
+    p = preset(name)
+    shape = dict(n_layer=p.n_layer, n_head=p.n_head, n_embd=p.n_embd, block_size=p.block_size, bias=True)
+    return {**options, **{k: v for k, v in shape.items() if options.get(k) is None}}
+
+
 def train_cmd(**options: Any) -> None:
     """Train a GPT on a prepared dataset (run under mpirun for a multi-rank --mesh)."""
 
@@ -194,7 +213,8 @@ def train_cmd(**options: Any) -> None:
         from numesh_cli.dataset import ensure_run_dataset
 
         configure_process()
-        cfg = config_from({k: v for k, v in options.items() if k != "config"}, options.get("config"))
+        given = {k: v for k, v in options.items() if k not in ("config", "model_preset")}
+        cfg = config_from(_with_preset(given, options.get("model_preset")), options.get("config"))
         # the default dataset is prepared on rank 0 if missing (download or offline fallback)
         ensure_run_dataset(cfg.data)
         with _Progress(cfg.max_iters) as progress:
@@ -266,7 +286,8 @@ def plan_cmd(**options: Any) -> None:
 def _plan_signature() -> inspect.Signature:
     extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=typ)
              for name, typ, opt in _PLAN_OPTIONS]
-    return inspect.Signature(extra + list(_train_signature().parameters.values()))
+    train = [p for p in _train_signature().parameters.values() if p.name != "model_preset"]  # plan has its own
+    return inspect.Signature(extra + train)
 
 
 plan_cmd.__signature__ = _plan_signature()  # type: ignore[attr-defined]

@@ -61,3 +61,18 @@ def test_train_bad_values_are_one_line(char_dataset, tmp_path, args: list[str], 
     (tmp_path / "afile").write_text("x")
     args = [a.replace("{file}", str(tmp_path / "afile")) for a in args]
     assert message in one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), *args))
+
+
+def test_train_model_preset_fills_the_shape_options_not_given() -> None:
+    from numesh_cli.app import _with_preset
+
+    assert _with_preset({"n_layer": None, "batch_size": 4}, None) == {"n_layer": None, "batch_size": 4}
+    got = _with_preset({"n_layer": 2, "n_head": None, "batch_size": 4}, "gpt2")
+    assert got == {"n_layer": 2, "n_head": 12, "n_embd": 768, "block_size": 1024, "bias": True, "batch_size": 4}
+
+
+def test_train_unknown_model_preset_is_one_line(tmp_path) -> None:
+    from conftest import cli, one_error_line
+
+    line = one_error_line(cli("train", "--model", "gpt5", "--out", str(tmp_path / "o"), "--max-iters", "1"))
+    assert "unknown model preset 'gpt5'" in line
