@@ -22,7 +22,7 @@ prints the same report at the end. What it measures, per rank and optimiser step
   beside `numesh.formulas.step_bytes` for this rank's units.
 * **MFU**: achieved FLOP/s (FLOPs per token × tokens per step / mean step time) over the
   job's peak (`--peak-flops`, or the cores the job uses times one core's matmul peak,
-  measured once per machine: `numesh.runtime.job_peak_flops`), not clamped
+  the best reading kept per machine: `numesh.runtime.job_peak_flops`), not clamped
   (`numesh.formulas.mfu`).
 * **Slowest rank**: the one the others wait for. A rank's waiting is the time it was
   blocked in communication while a collective's last member had not begun it yet

@@ -279,7 +279,7 @@ class TrainResult:
 
 def job_peak_flops(trainer: Trainer) -> tuple[float, str]:
     """MFU's denominator for the whole job and where it came from: --peak-flops, or the cores
-    the job uses times one core's matmul peak, measured once per machine
+    the job uses times one core's matmul peak, the best reading kept per machine
     (numesh.runtime.job_peak_flops). Collective."""
     if trainer.cfg.peak_flops > 0:
         return trainer.cfg.peak_flops, "--peak-flops"
