@@ -85,13 +85,13 @@ def main(argv: list[str] | None = None) -> int:
                    "--eval-interval", str(every), "--overwrite")
         print(f"same training FLOPs: char {args.steps} steps, BPE-{args.vocab_size} {plan['bpe'][1]} steps "
               f"(its FLOPs per token are {1 / ratio:.3f}x the char model's)")
-        print("| run | step | training PFLOP | val loss (nats/token) | val bits per byte |")
+        print("| run | step | training TFLOP | val loss (nats/token) | val bits per byte |")
         print("|---|---|---|---|---|")
         for name, (data, _, _) in plan.items():
             tokens = 12 * PRESETS["default"]["block_size"]
             for r in evals(root / f"run-{name}"):
-                pflop = r["step"] * tokens * flops_per_token(data) / 1e15
-                print(f"| {name} | {r['step']} | {pflop:.3f} | {r['val_loss']:.4f} | {r['val_bpb']:.4f} |")
+                tflop = r["step"] * tokens * flops_per_token(data) / 1e12
+                print(f"| {name} | {r['step']} | {tflop:.2f} | {r['val_loss']:.4f} | {r['val_bpb']:.4f} |")
         if args.plot:
             numesh("plot", str(root / "run-char"), str(root / "run-bpe"), "--out", args.plot)
             print(f"curves: {args.plot}")
