@@ -170,8 +170,9 @@ def _train_signature() -> inspect.Signature:
         inspect.Parameter(
             "model_preset",
             inspect.Parameter.KEYWORD_ONLY,
-            default=typer.Option(None, "--model", help="a model preset's shape, e.g. gpt2 (12 layers x 768, 12 "
-                                 "heads, block 1024, biases); the vocabulary is --data's, options given override it"),
+            default=typer.Option(None, "--model", "--preset",
+                                 help="a model preset's shape, e.g. gpt2 (12 layers x 768, 12 heads, block 1024, "
+                                 "biases); the vocabulary is --data's, options given override it"),
             annotation=Optional[str],
         ),
     ]
@@ -239,7 +240,8 @@ app.command("train", cls=_Command)(train_cmd)
 _PLAN_OPTIONS = [
     ("ranks", Optional[int], typer.Option(None, "--ranks",
                                           help="ranks to plan for (every dp x cp x tp x pp layout of them)")),
-    ("model_preset", Optional[str], typer.Option(None, "--model", help="a model preset (gpt2, gpt2-medium, gpt2-large, "
+    ("model_preset", Optional[str], typer.Option(None, "--model", "--preset", help="a model preset (gpt2, gpt2-medium, "
+     "gpt2-large, "
      "gpt2-xl, gpt3-125m, gpt3-1.3b, gpt3-13b, gpt3-175b, megatron-18b, megatron-146b, megatron-1t); "
      "options given override it")),
     ("vocab_size", Optional[int], typer.Option(None, "--vocab-size",

@@ -76,3 +76,12 @@ def test_train_unknown_model_preset_is_one_line(tmp_path) -> None:
 
     line = one_error_line(cli("train", "--model", "gpt5", "--out", str(tmp_path / "o"), "--max-iters", "1"))
     assert "unknown model preset 'gpt5'" in line
+
+
+def test_preset_is_another_name_for_model(tmp_path) -> None:
+    from conftest import cli, one_error_line
+
+    line = one_error_line(cli("train", "--preset", "gpt5", "--out", str(tmp_path / "o"), "--max-iters", "1"))
+    assert "unknown model preset 'gpt5'" in line
+    line = one_error_line(cli("plan", "--preset", "gpt5", "--ranks", "4", "--hardware", "a100-80gb"))
+    assert "unknown model preset 'gpt5'" in line
