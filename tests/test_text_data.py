@@ -177,7 +177,7 @@ def test_cli_bad_bpe_inputs_are_one_line(corpus: Path, tmp_path: Path, args: lis
 
 def test_a_bpe_dataset_trains_and_a_char_checkpoint_refuses_it(corpus: Path, char_dataset: Path,
                                                                tmp_path: Path) -> None:
-    """Train, checkpoint and resume checks go through the one tokenizer interface."""
+    """Train, checkpoint, export, sample and resume checks go through the one tokenizer interface."""
     TD.prepare_bpe([corpus], 300, tmp_path / "bpe", Reading(split_on="\n\n"), val_fraction=0.3)
     res = cli("train", "--data", str(tmp_path / "bpe"), "--out", str(tmp_path / "run"), "--max-iters", "2",
               "--block-size", "8", "--batch-size", "2", "--eval-iters", "1", "--n-layer", "1", "--n-embd", "16",
@@ -185,6 +185,13 @@ def test_a_bpe_dataset_trains_and_a_char_checkpoint_refuses_it(corpus: Path, cha
     assert res.exit_code == 0, res.stderr
     meta = json.loads((tmp_path / "run" / "ckpt" / "latest" / "meta.json").read_text())
     assert meta["tokenizer"]["kind"] == "hf" and meta["tokenizer"]["vocab_size"] == 300
+    exported = tmp_path / "m.safetensors"  # the nanoGPT file carries the BPE tokenizer too
+    assert cli("export", str(tmp_path / "run" / "ckpt" / "latest"), "--out", str(exported)).exit_code == 0
+    args = ["--prompt", "All:\nSpeak", "--max-new-tokens", "8", "--temperature", "0"]
+    from_file = cli("sample", "--ckpt", str(exported), *args)
+    assert from_file.exit_code == 0, from_file.stderr
+    assert from_file.stdout == cli("sample", "--ckpt", str(tmp_path / "run" / "ckpt" / "latest"), *args).stdout
+    assert from_file.stdout.startswith("All:\nSpeak")
     ckpt = str(tmp_path / "run" / "ckpt" / "latest")
     line = one_error_line(cli("train", "--data", str(char_dataset), "--resume", ckpt, "--out", str(tmp_path / "run2"),
                               "--max-iters", "3"))
