@@ -330,6 +330,11 @@ def load_split(data_dir: str | Path, split: str) -> np.ndarray | TokenStream:
             f"{path} has {size} bytes, not a non-empty uint16 array: "
             f"run `numesh data shakespeare-char --out {d}` again"
         )
+    want = read_meta(d).get(f"{split}_tokens") if meta_path.is_file() else None
+    if isinstance(want, int) and want != size // TOKEN_DTYPE.itemsize:
+        # a rewrite killed midway leaves new token files beside the old meta.json (written last)
+        raise DataError(f"{path} holds {size // TOKEN_DTYPE.itemsize:,} tokens but {meta_path} says {want:,}: the "
+                        f"dataset was partly rewritten; prepare it again with `numesh data` (--out {d})")
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
 
 

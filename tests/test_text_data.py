@@ -231,3 +231,16 @@ def test_metrics_and_plot_carry_bits_per_byte(char_dataset: Path, tmp_path: Path
     pytest.importorskip("matplotlib")
     fig = build_figure([read_metrics(tmp_path / "run")])
     assert [ax.get_ylabel() for ax in fig.axes] == ["loss", "val bits/byte", "tokens/s"]
+
+
+def test_token_files_that_disagree_with_meta_json_are_refused(char_dataset: Path, tmp_path: Path) -> None:
+    """A char dataset rewrite killed midway leaves new token files beside the old
+    meta.json: the count check refuses it in one line instead of training on it."""
+    from numesh.errors import DataError
+
+    train = char_dataset / "train.bin"
+    train.write_bytes(train.read_bytes() * 2)
+    with pytest.raises(DataError, match="partly rewritten"):
+        D.load_split(char_dataset, "train")
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--max-iters", "1"))
+    assert "holds" in line and "but" in line and "partly rewritten" in line
