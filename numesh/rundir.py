@@ -21,6 +21,7 @@ from typing import Any
 from mpi4py import MPI
 
 from numesh.errors import ConfigError, abort_job
+from numesh.files import write_atomic
 
 LOCK_FILE = ".lock"
 RUN_FILES = ("config.json", "metrics.jsonl")  # what makes a directory a run's
@@ -32,8 +33,8 @@ class RunDir:
     for space for a checkpoint; `write` appends a metrics line."""
 
     def __init__(self, out: Path, comm: MPI.Comm, resume: bool, overwrite: bool, ckpt_bytes: int,
-                 config: dict[str, Any]):
-        self.out, self.comm = out, comm
+                 config: dict[str, Any], resume_step: int = 0):
+        self.out, self.comm, self.resume_step = out, comm, resume_step
         self._lock = self.metrics = None
         error = None
         if comm.Get_rank() == 0:
@@ -65,7 +66,25 @@ class RunDir:
                 f"~{ckpt_bytes / 2**20:.1f} MiB: free some space or choose another --out"
             )
         (self.out / "config.json").write_text(json.dumps(config, indent=2))
+        if resume:
+            self._drop_steps_from(self.resume_step)
         self.metrics = open(self.out / "metrics.jsonl", "a" if resume else "w")
+
+    def _drop_steps_from(self, step: int) -> None:
+        """Keep only the metrics lines before `step` (the checkpoint resumed from): a run that
+        died after it logged steps the resumed run logs again, and each step appears once."""
+        path = self.out / "metrics.jsonl"
+        if not path.is_file():
+            return
+        kept = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut off by the crash
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] < step:
+                kept.append(line + "\n")
+        write_atomic(path, "".join(kept))
 
     def _take_lock(self) -> None:
         path = self.out / LOCK_FILE

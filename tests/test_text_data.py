@@ -244,3 +244,19 @@ def test_token_files_that_disagree_with_meta_json_are_refused(char_dataset: Path
         D.load_split(char_dataset, "train")
     line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--max-iters", "1"))
     assert "holds" in line and "but" in line and "partly rewritten" in line
+
+
+def test_resume_keeps_each_step_once_in_the_metrics(char_dataset: Path, tmp_path: Path) -> None:
+    """A run that died after its checkpoint logged steps the resumed run logs again: resume
+    drops the lines from the checkpoint's step on (and a line cut off by the crash)."""
+    base = ["--data", str(char_dataset), "--out", str(tmp_path / "run"), "--block-size", "8", "--batch-size", "2",
+            "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--eval-interval", "100", "--eval-iters", "1"]
+    assert cli("train", *base, "--max-iters", "4", "--ckpt-interval", "2").exit_code == 0
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with open(metrics, "a") as f:  # what a crash after step 4's save would have left: steps past it, a cut line
+        f.write('{"step": 5, "loss": 1.0}\n{"step": 6, "lo')
+    res = cli("train", *base, "--max-iters", "7", "--resume", str(tmp_path / "run" / "ckpt" / "step_000002"))
+    assert res.exit_code == 0, res.stderr
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    train_steps = [s for s in steps if s < 7]
+    assert train_steps == sorted(set(train_steps)) and train_steps[0] == 0 and max(steps) == 7
