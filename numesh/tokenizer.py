@@ -11,7 +11,6 @@ tokenize` uses; documents are separated by its end-of-text token. Both give `enc
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence
 
@@ -255,8 +254,3 @@ def tokenizer_from_meta(meta: dict[str, Any]) -> CharTokenizer | HFTokenizer:
                             "regenerate the dataset")
         return tok
     raise DataError(f"unknown tokenizer kind {kind!r} in metadata: this numesh knows char and hf")
-
-
-def tokenizer_json_equal(a: str, b: str) -> bool:
-    """Whether two tokenizer JSON texts describe the same tokenizer (formatting aside)."""
-    return json.loads(a) == json.loads(b)

@@ -65,15 +65,20 @@ class AttnDropout:
         return (bh * np.uint64(self.seq) + qpos.astype(np.uint64)) * np.uint64(self.seq)
 
 
-def keep_mask(drop: AttnDropout, b: int, h: int, qpos: np.ndarray, kpos: np.ndarray) -> np.ndarray:
-    """The keep (True) / drop pattern [len(qpos), len(kpos)] of one (row, head), vectorised:
-    the same hash as the kernels' `drop_keep`."""
-    z = drop.row_base(b, h, qpos)[:, None] + kpos.astype(np.uint64)[None, :]
-    z = np.uint64(drop.key) ^ (z * np.uint64(0x9E3779B97F4A7C15))
+def _kept(key: np.uint64, counters: np.ndarray, threshold: np.uint64) -> np.ndarray:
+    """Vectorised `numesh.kernels.drop_keep`: whether each counter's pair survives dropout."""
+    z = np.uint64(key) ^ (counters * np.uint64(0x9E3779B97F4A7C15))
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(40)) >= drop.threshold
+    return (z >> np.uint64(40)) >= threshold
+
+
+def keep_mask(drop: AttnDropout, b: int, h: int, qpos: np.ndarray, kpos: np.ndarray) -> np.ndarray:
+    """The keep (True) / drop pattern [len(qpos), len(kpos)] of one (row, head), vectorised:
+    the same hash as the kernels' `drop_keep`."""
+    counters = drop.row_base(b, h, qpos)[:, None] + kpos.astype(np.uint64)[None, :]
+    return _kept(np.uint64(drop.key), counters, drop.threshold)
 
 
 @attrs.frozen
@@ -131,12 +136,8 @@ def _keep(st: _Stripe, shape: tuple[int, int, int]) -> np.ndarray | None:
     """The NumPy passes' dropout factors (0 or 1/(1-p)) [G, keys, queries], or None without dropout."""
     if st.threshold == 0:
         return None
-    z = st.kpos[None, :, None] + st.row_base[:, None, :]
-    z = st.key ^ (z * np.uint64(0x9E3779B97F4A7C15))
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
-    return np.where((z >> np.uint64(40)) >= st.threshold, st.inv_keep, 0.0).astype(type(st.inv_keep))
+    kept = _kept(st.key, st.kpos[None, :, None] + st.row_base[:, None, :], st.threshold)
+    return np.where(kept, st.inv_keep, 0.0).astype(type(st.inv_keep))
 
 
 # ---------------------------------------------------------------------------------------
