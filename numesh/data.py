@@ -1,10 +1,12 @@
 """Character-level datasets and mesh-independent batches.
 
 A dataset directory holds `train.bin` and `val.bin` (raw little-endian uint16 token ids) and
-`meta.json` (the tokenizer's characters plus token counts; JSON, no pickle). Batches follow
-the *mesh-independent data* rule of docs/design.md: the global batch of a step depends only on
-its key (derived from seed and step), data-parallel rank r takes rows r*B/dp ... (r+1)*B/dp
-and micro-batches split those rows in order, so every mesh sees the same global batch.
+`meta.json` (the tokenizer's characters plus token counts; JSON, no pickle), read as it was
+opened (`open_dataset`: its files checked against meta.json, numesh/dataset_check.py).
+Batches follow the *mesh-independent data* rule of docs/design.md: the global batch of a
+step depends only on its key (derived from seed and step), data-parallel rank r takes rows
+r*B/dp ... (r+1)*B/dp and micro-batches split those rows in order, so every mesh sees the
+same global batch.
 
 Pure NumPy and stdlib: no MPI here.
 """
@@ -17,14 +19,17 @@ import json
 import math
 import os
 import platform
+import shlex
 import sysconfig
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
+import attrs
 import numpy as np
 
+from numesh import dataset_check as dc
 from numesh.errors import DataError
 from numesh.files import write_atomic
 from numesh.mesh.zigzag import take_local
@@ -279,79 +284,161 @@ def prepare_char_dataset(text: str, out_dir: str | Path, corpus: dict[str, Any] 
     }
 
 
+def rebuild_hint(meta: Any, data_dir: Path) -> str:
+    """How to write `data_dir` again, from what its meta.json says it was made of: the
+    command a sharded dataset recorded, or one for the corpus a character dataset names."""
+    d = shlex.quote(str(data_dir))
+    meta = meta if isinstance(meta, dict) else {}
+    if isinstance(meta.get("rebuild"), str):  # a sharded dataset's command, but for its --out
+        return f"rebuild it with `{meta['rebuild']} --out {d}`"
+    if "shards" in meta:
+        return f"rebuild it with `numesh data bpe` or `numesh data tokenize` (--out {d})"
+    corpus = meta.get("corpus") if isinstance(meta.get("corpus"), dict) else {}
+    source = corpus.get("source")
+    local = isinstance(source, str) and "://" not in source
+    src = f" --src {shlex.quote(source)}" if local else ""
+    if corpus.get("name") in ("tinyshakespeare", FALLBACK_NAME):
+        return f"rebuild it with `numesh data shakespeare-char{src} --out {d}`"
+    if corpus.get("name") == "file" and local:
+        return f"rebuild it with `numesh data char{src} --out {d}`"
+    return f"rebuild it with `numesh data char --src FILE --out {d}` from the text it was made of"
+
+
 def _missing(data_dir: Path) -> DataError:
     return DataError(
         f"no dataset at {data_dir}: run `numesh data shakespeare-char --out {data_dir}` first"
     )
 
 
-def read_meta(data_dir: str | Path) -> dict[str, Any]:
-    """`data_dir/meta.json`; a missing or unreadable one is a DataError saying what to run."""
-    d = Path(data_dir)
-    meta_path = d / META_FILE
-    if not meta_path.is_file():
-        raise _missing(d)
+def _parse_meta(raw: bytes, d: Path) -> dict[str, Any]:
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(
-            f"cannot read {meta_path} ({e}): run `numesh data shakespeare-char --out {d}` again"
-        ) from None
+        meta = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"cannot read {d / META_FILE} ({e}): {rebuild_hint(None, d)}") from None
     if not isinstance(meta, dict):
-        raise DataError(f"{meta_path} is not a JSON object: prepare the dataset again with `numesh data`")
+        raise DataError(f"{d / META_FILE} is not a JSON object: {rebuild_hint(None, d)}")
     return meta
 
 
-def load_tokenizer(data_dir: str | Path) -> CharTokenizer | HFTokenizer:
-    """The tokenizer stored in `data_dir/meta.json`: a character vocabulary (its top level,
-    as `numesh data char` writes it) or the "tokenizer" entry of a sharded dataset."""
-    meta = read_meta(data_dir)
+def read_meta(data_dir: str | Path) -> dict[str, Any]:
+    """`data_dir/meta.json`; a missing or unreadable one is a DataError saying what to run."""
+    d = Path(data_dir)
+    try:
+        raw = (d / META_FILE).read_bytes()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise _missing(d) from None
+    except OSError as e:
+        raise DataError(f"cannot read {d / META_FILE} ({e.strerror or e}): check its permissions") from None
+    return _parse_meta(raw, d)
+
+
+def _tokenizer(meta: dict[str, Any]) -> CharTokenizer | HFTokenizer:
+    """The tokenizer a dataset's meta.json holds: its top level (a character vocabulary, as
+    `numesh data char` writes it) or a sharded dataset's "tokenizer" entry."""
     return tokenizer_from_meta(meta["tokenizer"] if "shards" in meta else meta)
 
 
-def load_split(data_dir: str | Path, split: str) -> np.ndarray | TokenStream:
-    """The token ids of `split` ("train" or "val"), read-only and memory-mapped: the uint16
-    `{split}.bin` of a character dataset, or all of a sharded dataset's shards as one
-    stream (`numesh.shards.TokenStream`)."""
+def load_tokenizer(data_dir: str | Path) -> CharTokenizer | HFTokenizer:
+    """The tokenizer stored in `data_dir/meta.json`."""
+    return _tokenizer(read_meta(data_dir))
+
+
+@attrs.frozen(eq=False)
+class Dataset:
+    """A dataset as it was when opened (`open_dataset`): its meta.json (and that file's
+    sha256, which ranks compare), tokenizer and both splits' open token files. Everything
+    is read through one handle on the directory, so a rewrite that renames a new dataset
+    into place meanwhile is never half seen: a run keeps reading the files it opened."""
+
+    path: Path
+    meta: dict[str, Any]
+    meta_sha256: str
+    tokenizer: CharTokenizer | HFTokenizer
+    splits: dict[str, TokenStream]
+
+    @property
+    def hint(self) -> str:
+        return rebuild_hint(self.meta, self.path)
+
+    def split(self, name: str) -> TokenStream:
+        if name not in SPLITS:
+            raise DataError(f"unknown split {name!r}: use one of {', '.join(SPLITS)}")
+        return self.splits[name]
+
+
+def _read_at(dir_fd: int, name: str) -> bytes:
+    fd = os.open(name, os.O_RDONLY, dir_fd=dir_fd)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _open_split(d: Path, meta: dict[str, Any], split: str, hint: str, dir_fd: int) -> TokenStream:
+    if "shards" in meta:
+        return open_split(d, meta, split, hint, dir_fd)
+    name = f"{split}.bin"
+    records = meta.get("files") if isinstance(meta.get("files"), dict) else {}
+    tokens = (records.get(name) or {}).get("tokens")
+    if not isinstance(tokens, int):  # written before the records: check() held the size to {split}_tokens
+        tokens = os.stat(name, dir_fd=dir_fd).st_size // TOKEN_DTYPE.itemsize
+    return TokenStream([(d / name, tokens)], TOKEN_DTYPE, hint, dir_fd)
+
+
+def open_dataset(data_dir: str | Path) -> Dataset:
+    """The dataset in `data_dir`, its files checked against meta.json's records (sizes,
+    recorded ids; `verify_dataset` reads every byte). A missing, partly rewritten or
+    edited dataset is a one-line DataError naming the file and how to rebuild it."""
+    d = Path(data_dir)
+    try:
+        dir_fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        raise _missing(d) from None
+    except OSError as e:
+        raise DataError(f"cannot read dataset {d} ({e.strerror or e}): check its permissions") from None
+    try:
+        try:
+            raw = _read_at(dir_fd, META_FILE)
+        except FileNotFoundError:
+            raise _missing(d) from None
+        meta = _parse_meta(raw, d)
+        hint, tok = rebuild_hint(meta, d), _tokenizer(meta)
+        dc.check(d, meta, tok.vocab_size, hint, dir_fd)
+        splits = {s: _open_split(d, meta, s, hint, dir_fd) for s in SPLITS}
+    finally:
+        os.close(dir_fd)
+    return Dataset(d, meta, _sha256(raw), tok, splits)
+
+
+def load_split(data_dir: str | Path, split: str) -> TokenStream:
+    """The token ids of `split` ("train" or "val") as a read-only `TokenStream`: the uint16
+    `{split}.bin` of a character dataset, or all of a sharded dataset's shards as one."""
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r}: use one of {', '.join(SPLITS)}")
-    d = Path(data_dir)
-    meta_path = d / META_FILE
-    if meta_path.is_file():
-        meta = read_meta(d)
-        if "shards" in meta:
-            return open_split(d, meta, split)
-    path = d / f"{split}.bin"
-    if not path.is_file():
-        raise _missing(d)
-    size = path.stat().st_size
-    if size == 0 or size % TOKEN_DTYPE.itemsize:
-        raise DataError(
-            f"{path} has {size} bytes, not a non-empty uint16 array: "
-            f"run `numesh data shakespeare-char --out {d}` again"
-        )
-    want = read_meta(d).get(f"{split}_tokens") if meta_path.is_file() else None
-    if isinstance(want, int) and want != size // TOKEN_DTYPE.itemsize:
-        # a rewrite killed midway leaves new token files beside the old meta.json (written last)
-        raise DataError(f"{path} holds {size // TOKEN_DTYPE.itemsize:,} tokens but {meta_path} says {want:,}: the "
-                        f"dataset was partly rewritten; prepare it again with `numesh data` (--out {d})")
-    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+    return open_dataset(data_dir).split(split)
 
 
-def bytes_per_token(data_dir: str | Path) -> dict[str, float]:
+def verify_dataset(data: Dataset | str | Path) -> None:
+    """Every byte of the dataset's files against meta.json (`numesh.dataset_check.verify`:
+    sha256 and ids below the vocabulary), through the handles an open `Dataset` reads."""
+    ds = data if isinstance(data, Dataset) else open_dataset(data)
+    fds = {name: fd for s in ds.splits.values() for name, fd in s.handles.items()}
+    dc.verify(ds.path, ds.meta, ds.tokenizer.vocab_size, ds.hint, fds)
+
+
+def bytes_per_token(data: Dataset | str | Path) -> dict[str, float]:
     """UTF-8 bytes of text per token in each split, which turns a loss in nats per token
     into bits per byte (`bits_per_byte`), the measure that compares tokenizers: a sharded
     dataset records each split's bytes and tokens; a character one's are counted from its
     ids (each character's UTF-8 length times how often it occurs)."""
-    meta = read_meta(data_dir)
+    ds = data if isinstance(data, Dataset) else open_dataset(data)
+    meta = ds.meta
     if "shards" in meta:
         return {s: meta["splits"][s]["bytes"] / meta["splits"][s]["tokens"] for s in SPLITS}
-    tok = tokenizer_from_meta(meta)
-    lengths = np.array([len(c.encode("utf-8", errors="surrogatepass")) for c in tok.chars], dtype=np.float64)
+    chars = ds.tokenizer.chars  # type: ignore[union-attr]
+    lengths = np.array([len(c.encode("utf-8", errors="surrogatepass")) for c in chars], dtype=np.float64)
     out = {}
     for split in SPLITS:
-        ids = load_split(data_dir, split)
-        counts = np.bincount(np.asarray(ids), minlength=tok.vocab_size)[: tok.vocab_size]
+        ids = np.asarray(ds.split(split))
+        counts = np.bincount(ids, minlength=len(chars))[: len(chars)]
         out[split] = float(counts @ lengths) / len(ids)
     return out
 
@@ -460,10 +547,11 @@ def batch_offsets(key: tuple[int, ...], n_tokens: int, batch_size: int, block_si
     return rng.integers(0, n_tokens - block_size, size=batch_size, dtype=np.int64)
 
 
-def read_rows(data: np.ndarray, offsets: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+def read_rows(data: np.ndarray | TokenStream, offsets: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Inputs x = data[o:o+T] and targets y = data[o+1:o+1+T] for each offset, as int64.
 
-    One fancy index, so a memmap only reads the pages holding these rows.
+    From a `TokenStream` (a dataset's split) one read per row, of only these rows; from an
+    array one fancy index.
     """
     offs = np.asarray(offsets, dtype=np.int64).reshape(-1)
     if offs.size and (offs.min() < 0 or offs.max() + block_size + 1 > len(data)):
@@ -471,12 +559,15 @@ def read_rows(data: np.ndarray, offsets: np.ndarray, block_size: int) -> tuple[n
             f"row offsets reach outside the {len(data)}-token split for block_size {block_size}: "
             "compute them with batch_offsets on this split"
         )
-    rows = np.asarray(data[offs[:, None] + np.arange(block_size + 1)], dtype=np.int64)
+    if isinstance(data, TokenStream):
+        rows = data.rows(offs, block_size + 1).astype(np.int64)
+    else:
+        rows = np.asarray(data[offs[:, None] + np.arange(block_size + 1)], dtype=np.int64)
     return np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
 
 
 def local_batch(
-    data: np.ndarray,
+    data: np.ndarray | TokenStream,
     key: tuple[int, ...],
     batch_size: int,
     block_size: int,

@@ -10,6 +10,7 @@ the logged numbers are the same on every mesh.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -25,7 +26,7 @@ from numesh.checkpoint.format import step_dir_name
 from numesh.checkpoint.init_from import load_init
 from numesh.checkpoint.model import shard_params
 from numesh.config import DTYPES, TrainConfig, check_layout, check_options, config_from, validate  # noqa: F401  (re-exported: numesh.train's old names)
-from numesh.errors import ConfigError, Interrupted
+from numesh.errors import ConfigError, DataError, Interrupted, abort_job
 from numesh.interrupt import InterruptWatch
 from numesh.mesh import Mesh, psum_scalar, unshard
 from numesh.nn.dropout import DropoutKey
@@ -60,6 +61,29 @@ def flops_per_token(model: GPTConfig, n_params: int) -> float:
     return formulas.flops_per_token(model.n_layer, model.n_embd, model.block_size, n_params)
 
 
+def open_run_dataset(path: str, comm: MPI.Comm) -> D.Dataset:
+    """The run's dataset (`numesh.data.open_dataset`), opened on every rank and checked once:
+    rank 0 reads every byte (`numesh.data.verify_dataset`: each file's sha256 against
+    meta.json, every id below the vocabulary; 1.7 GB/s, docs/data.md) and all ranks must
+    have opened the same meta.json (a rewrite as the job starts could give ranks different
+    data). Otherwise the same one-line DataError on every rank. Collective."""
+    ds, error = None, None
+    try:
+        ds = D.open_dataset(path)
+        if comm.Get_rank() == 0:
+            D.verify_dataset(ds)
+    except DataError as e:
+        error = str(e)
+    mine = (error, ds.meta_sha256 if ds is not None else None)
+    seen = comm.allgather(mine) if comm.Get_size() > 1 else [mine]
+    error = next((e for e, _ in seen if e), None)
+    if error is None and len({sha for _, sha in seen}) > 1:
+        error = f"the ranks opened different versions of {path} (it was rewritten as the job started): start again"
+    if error is not None:
+        raise DataError(error)
+    return ds
+
+
 class Trainer:
     """The state of one training run on one rank: mesh, model, ZeRO optimiser, data."""
 
@@ -67,6 +91,7 @@ class Trainer:
         comm = MPI.COMM_WORLD if comm is None else comm
         shape, self.model = validate(cfg, comm.Get_size())
         self.cfg = cfg
+        self.dataset = open_run_dataset(cfg.data, comm)  # what the run reads, whatever happens to cfg.data later
         self.mesh = Mesh(shape, comm, cfg.sequence_parallel)
         self.dtype = DTYPES[cfg.dtype]
         pp_rank = self.mesh.index("pp")
@@ -86,9 +111,9 @@ class Trainer:
         self.opt.check_replicas()
         self.pipeline = PipelineExecutor(self.model, self.mesh, self.layout, self.opt, self.dtype, cfg.recompute)
         self.last_stats: StepStats | None = None
-        self.train_data = D.load_split(cfg.data, "train")
-        self.val_data = D.load_split(cfg.data, "val")
-        self.bytes_per_token = D.bytes_per_token(cfg.data)  # for bits per byte at evaluations
+        self.train_data = self.dataset.split("train")
+        self.val_data = self.dataset.split("val")
+        self.bytes_per_token = D.bytes_per_token(self.dataset)  # for bits per byte at evaluations
         self.step = 0
         self.skipped = 0  # steps not applied because their loss or gradient was not finite
         self.n_params = sum(math.prod(s) for s in tree_leaves(gpt_global_shapes(self.model)))
@@ -99,7 +124,7 @@ class Trainer:
         `--init-from` (the same on every rank, sharded like a checkpoint's)."""
         if not self.cfg.init_from:
             return init_gpt(self.model, self.mesh, self.cfg.seed, self.dtype)
-        whole = load_init(self.cfg.init_from, self.model, D.load_tokenizer(self.cfg.data), self.dtype)
+        whole = load_init(self.cfg.init_from, self.model, self.dataset.tokenizer, self.dtype)
         return shard_params(whole, self.model, self.mesh)
 
     @property
@@ -115,10 +140,16 @@ class Trainer:
         c = self.cfg
         return cosine_lr(step, c.learning_rate, c.min_lr, c.warmup_iters, c.lr_decay_iters)
 
-    def _micro_batches(self, data: np.ndarray, key: tuple[int, ...], count: int) -> list:
+    def _micro_batches(self, data: D.TokenStream, key: tuple[int, ...], count: int) -> list:
         c, mesh = self.cfg, self.mesh
-        return D.local_batch(data, key, c.batch_size, c.block_size, mesh.index("dp"), mesh.size("dp"), count,
-                             mesh.index("cp"), mesh.size("cp"))
+        try:
+            return D.local_batch(data, key, c.batch_size, c.block_size, mesh.index("dp"), mesh.size("dp"), count,
+                                 mesh.index("cp"), mesh.size("cp"))
+        except DataError as e:  # a file truncated or rewritten under the run, seen by this rank
+            if mesh.world.Get_size() > 1:  # alone: the others would wait for it forever
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                abort_job(mesh.world, 2)
+            raise
 
     def train_step(self) -> tuple[float, float, float]:
         """One optimiser step on the global batch of `self.step`: (loss, grad norm, lr)."""
@@ -211,10 +242,7 @@ def train_state(trainer: Trainer) -> TrainState:
     """What a checkpoint of the trainer's current step holds (collective over dp: the
     optimiser's state_trees gathers ZeRO shards)."""
     c = trainer.cfg
-    try:
-        tokenizer = D.load_tokenizer(c.data).to_meta()
-    except (D.DataError, OSError):
-        tokenizer = None
+    tokenizer = trainer.dataset.tokenizer.to_meta()  # the run's, even if --data was rewritten since
     return TrainState(
         mesh=trainer.mesh, model=trainer.model, layout=trainer.layout,
         trees={g: join_units(t) for g, t in trainer.opt.state_trees().items()},
@@ -227,12 +255,8 @@ def restore(trainer: Trainer, path: str | Path) -> None:
     """Set the trainer's parameters, AdamW moments and steps from a checkpoint written on
     any mesh (collective; on error every rank raises and the trainer is unchanged). A
     checkpoint trained on another vocabulary than the run's dataset is refused."""
-    try:
-        tokenizer = D.load_tokenizer(trainer.cfg.data)  # read by validate() a moment ago
-    except (D.DataError, OSError):
-        tokenizer = None  # as in train_state; a rank that cannot check still joins the collective read
     got = read_local_state(path, trainer.mesh, trainer.model, trainer.layout, trainer.dtype,
-                           tokenizer, f"dataset {trainer.cfg.data}")
+                           trainer.dataset.tokenizer, f"dataset {trainer.cfg.data}")
     trainer.opt.load_state_trees({g: split_units(t) for g, t in got.trees.items()}, got.opt_step)
     trainer.step = got.step
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
+import time
 import urllib.error
 from pathlib import Path
 
@@ -109,7 +113,7 @@ def test_prepare_synthetic(tmp_path: Path) -> None:
     summary = prepare_char_dataset(SYNTH, out)
     _check_prepared(SYNTH, out, summary)
     train = load_split(out, "train")
-    assert isinstance(train, np.memmap) and train.dtype == np.uint16 and not train.flags.writeable
+    assert isinstance(train, D.TokenStream) and train.dtype == np.uint16  # read at offsets, never memory-mapped
     assert len(train) == summary["train_tokens"]
     assert len(load_split(out, "val")) == summary["val_tokens"]
 
@@ -552,3 +556,90 @@ def test_mpi_ensure_run_dataset_same_outcome_on_every_rank(shared_tmp: Path, mon
         ensure_run_dataset(work / "user-named")
     messages = comm.allgather(str(info.value))
     assert len(set(messages)) == 1
+
+
+# ---------------------------------------------------------------- datasets checked when read
+
+
+@pytest.mark.parametrize("records", [True, False], ids=["recorded", "before-records"])
+def test_an_id_outside_the_vocabulary_is_one_line_before_training(dataset: Path, tmp_path: Path,
+                                                                  records: bool) -> None:
+    """It was an IndexError on tp=1 and 'training diverged at step 0' on tp=2; a dataset
+    written before the file records is scanned for it too."""
+    meta = json.loads((dataset / "meta.json").read_text())
+    if not records:
+        meta.pop("files", None)
+        (dataset / "meta.json").write_text(json.dumps(meta))
+    ids = np.fromfile(dataset / "train.bin", np.uint16)
+    ids[7] = meta["vocab_size"] + 3
+    ids.tofile(dataset / "train.bin")
+    line = one_error_line(cli("train", "--data", str(dataset), "--out", str(tmp_path / "o"), "--max-iters", "1"))
+    assert f"holds id {meta['vocab_size'] + 3} at token 7, outside the vocabulary of {meta['vocab_size']}" in line
+
+
+def test_a_file_truncated_or_rewritten_under_a_reader_is_a_data_error(dataset: Path) -> None:
+    """A memory map that shrinks under its reader is SIGBUS ('Bus error', exit 135): the
+    stream reads at offsets and checks, and names the file."""
+    ds = D.open_dataset(dataset)
+    train, val = ds.split("train"), ds.split("val")
+    offs = np.array([0, len(train) - 20])
+    read_rows(train, offs, 16)
+    path = dataset / "train.bin"
+    os.truncate(path, 64)
+    with pytest.raises(DataError, match=f"{path} shrank from .* to 64 bytes while this run read it.*numesh data"):
+        read_rows(train, offs, 16)
+    with pytest.raises(DataError, match="shrank"):
+        read_rows(train, np.array([0]), 16)  # rows still there: the size check says so
+    raw = (dataset / "val.bin").read_bytes()
+    with open(dataset / "val.bin", "r+b") as f:  # the same size, written in place
+        f.write(raw[::-1])
+    os.utime(dataset / "val.bin", ns=(0, 1))
+    with pytest.raises(DataError, match="val.bin changed while this run read it"):
+        val.rows(np.array([0]), 4)
+
+
+def test_a_token_stream_reads_like_an_array(dataset: Path) -> None:
+    train = load_split(dataset, "train")
+    whole = np.fromfile(dataset / "train.bin", np.uint16)
+    assert len(train) == whole.size and train.dtype == np.uint16
+    np.testing.assert_array_equal(np.asarray(train), whole)
+    np.testing.assert_array_equal(train[5:40:3], whole[5:40:3])
+    assert train[-1] == whole[-1] and train[3] == whole[3]
+    idx = np.array([[4, 9], [len(whole) - 1, 0]])
+    np.testing.assert_array_equal(train[idx], whole[idx])
+    np.testing.assert_array_equal(train.rows(np.array([3, 50]), 7), np.stack([whole[3:10], whole[50:57]]))
+    with pytest.raises(IndexError):
+        train.rows(np.array([len(whole) - 3]), 7)
+
+
+def _numesh(*args: str, **kw) -> subprocess.Popen:
+    """`numesh ARGS` as a real process (stdin closed, stderr piped)."""
+    return subprocess.Popen([sys.executable, "-m", "numesh_cli.app", *args], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_truncating_train_bin_under_a_running_train_is_one_line(tmp_path: Path) -> None:
+    """It was "Bus error", exit 135, from the memory map shrinking under the reader."""
+    dataset = tmp_path / "big"
+    prepare_char_dataset(SYNTH * 100, dataset)
+    run = tmp_path / "run"
+    proc = _numesh("train", "--data", str(dataset), "--out", str(run), "--max-iters", "1000000", "--n-layer", "1",
+                   "--n-head", "1", "--n-embd", "8", "--block-size", "16", "--batch-size", "4", "--eval-iters", "1",
+                   "--eval-interval", "1000000", "--log-interval", "1", "--ckpt-interval", "0",
+                   "--peak-flops", "1e12")
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").stat().st_size:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, proc.communicate()[1]
+        os.truncate(dataset / "train.bin", 64)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert proc.returncode == 2, err
+    errors = [x for x in lines if x.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert f"{dataset / 'train.bin'} shrank from" in errors[0] and "then resume" in errors[0]

@@ -260,3 +260,38 @@ def test_resume_keeps_each_step_once_in_the_metrics(char_dataset: Path, tmp_path
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     train_steps = [s for s in steps if s < 7]
     assert train_steps == sorted(set(train_steps)) and train_steps[0] == 0 and max(steps) == 7
+
+
+# ---------------------------------------------------------------- datasets checked when read
+
+
+def test_a_meta_json_naming_files_outside_its_directory_is_refused(corpus: Path, tmp_path: Path) -> None:
+    TD.prepare_bpe([corpus], 300, tmp_path / "d", Reading(split_on="\n\n"), val_fraction=0.3)
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    meta.pop("files", None)  # as written before the records
+    meta["shards"]["train"][0]["file"] = "../secret.bin"
+    (tmp_path / "d" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match="names a file '../secret.bin' outside the dataset directory"):
+        D.open_dataset(tmp_path / "d")
+
+
+def test_ranks_that_opened_different_datasets_refuse_to_train(char_dataset: Path, tmp_path: Path) -> None:
+    """A rewrite as a job starts could give its ranks different data: every rank compares
+    the meta.json it opened with rank 0's."""
+    from numesh.train import open_run_dataset
+
+    class TwoRanks:  # rank 1 of 2, whose peer opened another meta.json
+        def Get_rank(self) -> int:
+            return 1
+
+        def Get_size(self) -> int:
+            return 2
+
+        def allgather(self, mine: tuple) -> list:
+            return [(None, "0" * 64), mine]
+
+    with pytest.raises(DataError, match="the ranks opened different versions"):
+        open_run_dataset(str(char_dataset), TwoRanks())
+    from mpi4py import MPI
+
+    assert open_run_dataset(str(char_dataset), MPI.COMM_SELF).tokenizer.vocab_size > 0
