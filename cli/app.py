@@ -49,18 +49,24 @@ def _wrote(summary: dict, out: Path) -> None:
     )
 
 
+_OVERWRITE_HELP = "replace a dataset already at OUT with different content (runs trained on it will not match it)"
+
+
 @data_app.command("shakespeare-char")
 def data_shakespeare_char(
     src: Optional[Path] = typer.Option(None, help="tiny Shakespeare input.txt; downloaded (sha256-checked) if omitted"),
     out: Path = typer.Option(Path("data/shakespeare_char"), help="output directory"),
+    overwrite: bool = typer.Option(False, "--overwrite", help=_OVERWRITE_HELP),
 ) -> None:
     """Character-level tiny Shakespeare: train.bin / val.bin (uint16, 90/10) and meta.json.
 
     Without --src the download is cached as OUT/input.txt, so running this again is offline."""
     from numesh import data as D
+    from numesh import dataset_write as dw
     from numesh_cli.dataset import download_bar
 
     def go() -> None:
+        dw.target(out)  # a bad --out before the download
         if src is not None:
             text = D.read_source(src)
             corpus = D.file_corpus(src, text)
@@ -68,7 +74,7 @@ def data_shakespeare_char(
             with download_bar("tiny Shakespeare") as progress:
                 text, _ = D.shakespeare_text(out, progress)
             corpus = D.shakespeare_corpus(text)
-        _wrote(D.prepare_char_dataset(text, out, corpus), out)
+        _wrote(D.prepare_char_dataset(text, out, corpus, overwrite), out)
 
     _run(go)
 
@@ -77,6 +83,7 @@ def data_shakespeare_char(
 def data_char(
     src: Path = typer.Option(..., help="any UTF-8 text file"),
     out: Optional[Path] = typer.Option(None, help="output directory (default: data/<name of SRC without suffix>)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help=_OVERWRITE_HELP),
 ) -> None:
     """Character-level dataset from any text file: train.bin / val.bin (uint16, 90/10) and meta.json."""
     from numesh import data as D
@@ -84,7 +91,7 @@ def data_char(
     def go() -> None:
         text = D.read_source(src)
         dest = out if out is not None else Path("data") / src.stem
-        _wrote(D.prepare_char_dataset(text, dest, D.file_corpus(src, text)), dest)
+        _wrote(D.prepare_char_dataset(text, dest, D.file_corpus(src, text), overwrite), dest)
 
     _run(go)
 

@@ -1,12 +1,12 @@
 """Character-level datasets and mesh-independent batches.
 
 A dataset directory holds `train.bin` and `val.bin` (raw little-endian uint16 token ids) and
-`meta.json` (the tokenizer's characters plus token counts; JSON, no pickle), read as it was
-opened (`open_dataset`: its files checked against meta.json, numesh/dataset_check.py).
-Batches follow the *mesh-independent data* rule of docs/design.md: the global batch of a
-step depends only on its key (derived from seed and step), data-parallel rank r takes rows
-r*B/dp ... (r+1)*B/dp and micro-batches split those rows in order, so every mesh sees the
-same global batch.
+`meta.json` (the tokenizer's characters, token counts and a record of every file; JSON, no
+pickle). It is written whole (numesh/dataset_write.py) and read as it was opened
+(`open_dataset`: its files checked against meta.json, numesh/dataset_check.py). Batches follow
+the *mesh-independent data* rule of docs/design.md: the global batch of a step depends only on
+its key (derived from seed and step), data-parallel rank r takes rows r*B/dp ... (r+1)*B/dp
+and micro-batches split those rows in order, so every mesh sees the same global batch.
 
 Pure NumPy and stdlib: no MPI here.
 """
@@ -30,6 +30,7 @@ import attrs
 import numpy as np
 
 from numesh import dataset_check as dc
+from numesh import dataset_write as dw
 from numesh.errors import DataError
 from numesh.files import write_atomic
 from numesh.mesh.zigzag import take_local
@@ -249,11 +250,14 @@ def fallback_corpus() -> tuple[str, dict[str, Any]]:
     return text, corpus
 
 
-def prepare_char_dataset(text: str, out_dir: str | Path, corpus: dict[str, Any] | None = None) -> dict[str, Any]:
+def prepare_char_dataset(text: str, out_dir: str | Path, corpus: dict[str, Any] | None = None,
+                         overwrite: bool = False) -> dict[str, Any]:
     """Tokenize `text` and write train.bin / val.bin (90% / 10%) and meta.json to `out_dir`.
 
-    meta.json is written last, so its presence means the dataset is complete; `corpus`
-    (what the text is: name, source, checksum) is stored in it under "corpus".
+    Written as `numesh.dataset_write` says: staged beside `out_dir`, every file recorded in
+    meta.json and checked, then renamed into place whole. A complete dataset with other
+    content is replaced only with `overwrite`. `corpus` (what the text is: name, source,
+    checksum) is stored in meta.json under "corpus".
     Returns {"vocab_size", "train_tokens", "val_tokens", "out_dir"}.
     """
     tok = CharTokenizer.from_text(text)
@@ -262,25 +266,24 @@ def prepare_char_dataset(text: str, out_dir: str | Path, corpus: dict[str, Any] 
     train, val = ids[:n_train], ids[n_train:]
     if len(train) == 0 or len(val) == 0:
         raise DataError(f"text of {len(ids)} characters is too short to split 90/10: use a longer text")
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DataError(
-            f"cannot create dataset directory {out} ({e.strerror or e}): choose another --out"
-        ) from None
+    out = dw.target(Path(out_dir))
     meta = tok.to_meta() | {"train_tokens": int(len(train)), "val_tokens": int(len(val))}
     if corpus is not None:
         meta["corpus"] = corpus
-    write_atomic(out / "train.bin", lambda p: train.astype(TOKEN_DTYPE).tofile(p))
-    write_atomic(out / "val.bin", lambda p: val.astype(TOKEN_DTYPE).tofile(p))
-    meta_text = json.dumps(meta, ensure_ascii=False, indent=1)
-    write_atomic(out / META_FILE, meta_text)
+    with dw.staging(out) as stage:
+        try:
+            train.astype(TOKEN_DTYPE).tofile(stage / "train.bin")
+            val.astype(TOKEN_DTYPE).tofile(stage / "val.bin")
+        except OSError as e:
+            raise DataError(f"cannot write the dataset beside {out} ({e.strerror or e}): free some space or "
+                            "choose another --out") from None
+        meta = dw.seal(stage, meta, {"train.bin": len(train), "val.bin": len(val)}, TOKEN_DTYPE, tok.vocab_size)
+        dw.publish(stage, out, meta, overwrite)
     return {
         "vocab_size": tok.vocab_size,
         "train_tokens": int(len(train)),
         "val_tokens": int(len(val)),
-        "out_dir": str(out),
+        "out_dir": str(Path(out_dir)),
     }
 
 
@@ -488,7 +491,7 @@ def ensure_dataset(
         if corpus.get("name") == FALLBACK_NAME:
             return d, (
                 f"{d} holds the offline fallback corpus ({_describe_fallback(corpus)}), not tiny "
-                f"Shakespeare: run `numesh data shakespeare-char --out {d}` online to replace it"
+                f"Shakespeare: run `numesh data shakespeare-char --out {d} --overwrite` online to replace it"
             )
         return d, None
     if not is_default_dir(d):
@@ -501,7 +504,7 @@ def ensure_dataset(
         return d, (
             f"offline: could not download tiny Shakespeare ({e.reason}); training on a fallback "
             f"corpus instead, {_describe_fallback(corpus)} (vocab {summary['vocab_size']}, written to {d}, "
-            f"meta.json says so): run `numesh data shakespeare-char --out {d}` online to replace it"
+            f"meta.json says so): run `numesh data shakespeare-char --out {d} --overwrite` online to replace it"
         )
     summary = prepare_char_dataset(text, d, shakespeare_corpus(text))
     how = f"downloaded tiny Shakespeare to {d / SHAKESPEARE_FILE}" if downloaded else f"used {d / SHAKESPEARE_FILE}"

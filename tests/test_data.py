@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -481,6 +483,7 @@ def test_ensure_dataset_offline_falls_back_and_says_so(fake_net) -> None:
     tok = load_tokenizer(path)
     assert tok.vocab_size > 20
     assert tok.decode(np.concatenate([load_split(path, "train"), load_split(path, "val")])) == text
+    D.verify_dataset(path)  # written whole, with its records, like every dataset
     # later runs do not try the network again, but keep saying what the data is
     path2, note2 = D.ensure_dataset(D.DEFAULT_DATA_DIR)
     assert fake_net.calls == 1 and path2 == path
@@ -558,7 +561,45 @@ def test_mpi_ensure_run_dataset_same_outcome_on_every_rank(shared_tmp: Path, mon
     assert len(set(messages)) == 1
 
 
-# ---------------------------------------------------------------- datasets checked when read
+# ---------------------------------------------------------------- datasets written whole, checked when read
+
+OTHER = SYNTH.replace("e", "E")  # another text, another dataset
+
+
+def _snapshot(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_a_dataset_records_each_file_and_leaves_nothing_beside_it(dataset: Path) -> None:
+    """meta.json records each file's size, ids, largest id and sha256; the staging
+    directory is gone once the dataset is in place."""
+    meta = json.loads((dataset / "meta.json").read_text())
+    for name in ("train.bin", "val.bin"):
+        raw = (dataset / name).read_bytes()
+        ids = np.frombuffer(raw, np.uint16)
+        assert meta["files"][name] == {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest(),
+                                       "tokens": ids.size, "max_id": int(ids.max())}
+    assert [p.name for p in dataset.parent.iterdir()] == [dataset.name]
+    D.verify_dataset(dataset)
+
+
+def test_a_file_edited_after_writing_fails_the_check_at_train_start(dataset: Path, tmp_path: Path) -> None:
+    """Same size, ids in range, one byte changed: the sizes pass when opened, the sha256 at
+    a run's start does not, and the error names the file and the command that rebuilds it."""
+    src = tmp_path / "my.txt"
+    src.write_text(SYNTH, encoding="utf-8")
+    assert cli("data", "char", "--src", str(src), "--out", str(tmp_path / "my")).exit_code == 0
+    train = tmp_path / "my" / "train.bin"
+    ids = np.fromfile(train, np.uint16)
+    ids[10] = (ids[10] + 1) % (ids.max() + 1)
+    ids.tofile(train)
+    D.open_dataset(tmp_path / "my")  # sizes agree
+    with pytest.raises(DataError, match="does not match its sha256"):
+        D.verify_dataset(tmp_path / "my")
+    line = one_error_line(cli("train", "--data", str(tmp_path / "my"), "--out", str(tmp_path / "o"),
+                              "--max-iters", "1"))
+    assert str(train) in line and f"`numesh data char --src {src} --out {tmp_path / 'my'}`" in line
+    assert not (tmp_path / "o").exists()  # refused before the run took its --out
 
 
 @pytest.mark.parametrize("records", [True, False], ids=["recorded", "before-records"])
@@ -575,6 +616,116 @@ def test_an_id_outside_the_vocabulary_is_one_line_before_training(dataset: Path,
     ids.tofile(dataset / "train.bin")
     line = one_error_line(cli("train", "--data", str(dataset), "--out", str(tmp_path / "o"), "--max-iters", "1"))
     assert f"holds id {meta['vocab_size'] + 3} at token 7, outside the vocabulary of {meta['vocab_size']}" in line
+
+
+def test_a_recorded_largest_id_outside_the_vocabulary_is_refused_when_opened(dataset: Path) -> None:
+    meta = json.loads((dataset / "meta.json").read_text())
+    meta["files"]["val.bin"]["max_id"] = meta["vocab_size"]
+    (dataset / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=f"says val.bin holds id {meta['vocab_size']}, outside the vocabulary"):
+        D.open_dataset(dataset)
+
+
+def test_other_content_over_a_dataset_needs_overwrite(dataset: Path, tmp_path: Path) -> None:
+    before = _snapshot(dataset)
+    with pytest.raises(DataError, match="already holds a dataset with another tokenizer: pass --overwrite"):
+        prepare_char_dataset(OTHER, dataset)
+    assert _snapshot(dataset) == before and [p.name for p in dataset.parent.iterdir()] == [dataset.name]
+    prepare_char_dataset(SYNTH, dataset, corpus={"name": "file", "source": "again.txt"})  # the same ids: fine
+    assert json.loads((dataset / "meta.json").read_text())["corpus"]["source"] == "again.txt"
+    prepare_char_dataset(OTHER, dataset, overwrite=True)
+    assert load_tokenizer(dataset) == CharTokenizer.from_text(OTHER)
+    # the same through the command line, one line each
+    src = tmp_path / "other.txt"
+    src.write_text(SYNTH, encoding="utf-8")
+    for cmd in (["data", "char"], ["data", "shakespeare-char"]):
+        line = one_error_line(cli(*cmd, "--src", str(src), "--out", str(dataset)))
+        assert "pass --overwrite to replace it" in line and str(dataset) in line
+    assert cli("data", "char", "--src", str(src), "--out", str(dataset), "--overwrite").exit_code == 0
+    assert load_tokenizer(dataset) == CharTokenizer.from_text(SYNTH)
+
+
+def test_a_broken_or_older_dataset_is_replaced_without_overwrite(dataset: Path) -> None:
+    """--overwrite guards a dataset runs could train on: one that fails its own check (a
+    rewrite killed midway) is not one; one written before the records is compared by its ids."""
+    meta = json.loads((dataset / "meta.json").read_text())
+    del meta["files"]
+    (dataset / "meta.json").write_text(json.dumps(meta))
+    prepare_char_dataset(SYNTH, dataset)  # an older dataset, the same ids: fine
+    with pytest.raises(DataError, match="another tokenizer"):
+        prepare_char_dataset(OTHER, dataset)
+    (dataset / "train.bin").write_bytes((dataset / "train.bin").read_bytes()[:-2])  # half a rewrite
+    prepare_char_dataset(OTHER, dataset)
+    D.verify_dataset(dataset)
+
+
+def test_leftovers_of_a_dead_writer_are_cleaned_and_a_live_ones_kept(dataset: Path) -> None:
+    from numesh import dataset_write as dw
+
+    host = socket.gethostname()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = dataset.parent / f".{dataset.name}.writing-{host}-{dead.pid}"
+    live = dataset.parent / f".{dataset.name}.writing-{host}-1"  # pid 1 is alive
+    other_host = dataset.parent / f".{dataset.name}.writing-elsewhere-{dead.pid}"
+    for d in (stale, live, other_host):
+        d.mkdir()
+        (d / "train.bin").write_bytes(b"\0\0")
+    D.open_dataset(dataset)  # readers ignore them
+    prepare_char_dataset(OTHER, dataset, overwrite=True)
+    assert not stale.exists() and live.exists() and other_host.exists()
+    # killed between the two renames of the fallback: the dataset is put back first
+    old = dataset.parent / f".{dataset.name}.old-{host}-{dead.pid}"
+    dataset.rename(old)
+    assert dw.clean_leftovers(dataset) == [] and not old.exists()
+    assert load_tokenizer(dataset) == CharTokenizer.from_text(OTHER)
+
+
+def test_the_rename_fallback_replaces_whole_and_other_files_are_kept(dataset: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where renameat2's exchange is missing, two renames; either way the files of the old
+    directory that are not the dataset's (the cached input.txt, a note) come along."""
+    from numesh import dataset_write as dw
+
+    (dataset / "input.txt").write_text("cached corpus")
+    (dataset / "notes").mkdir()
+    (dataset / "notes" / "why.md").write_text("a note")
+    for exchange in (True, False):
+        if not exchange:
+            monkeypatch.setattr(dw, "_exchange", lambda a, b: False)
+        prepare_char_dataset(OTHER if exchange else SYNTH, dataset, overwrite=True)
+        assert (dataset / "input.txt").read_text() == "cached corpus"
+        assert (dataset / "notes" / "why.md").read_text() == "a note"
+        assert sorted(p.name for p in dataset.parent.iterdir()) == [dataset.name]
+        D.verify_dataset(dataset)
+
+
+@pytest.mark.parametrize("out", ["", ".", ".."])
+def test_an_out_that_is_the_current_directory_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          out: str) -> None:
+    """The dataset directory is renamed as a whole: never the one the shell stands in
+    (`--out ""` is it too)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    (work / "in.txt").write_text(SYNTH, encoding="utf-8")
+    for cmd in (["data", "char", "--src", "in.txt"], ["data", "shakespeare-char", "--src", "in.txt"]):
+        line = one_error_line(cli(*cmd, "--out", out))
+        assert "is the current directory or holds it" in line
+    assert sorted(p.name for p in work.iterdir()) == ["in.txt"]
+    (work / "afile").write_text("x")
+    assert "is a file" in one_error_line(cli("data", "char", "--src", "in.txt", "--out", "afile"))
+
+
+def test_a_dataset_replaced_while_open_is_read_as_it_was_opened(dataset: Path) -> None:
+    """A run reads the files it opened: a rewrite renamed into place meanwhile changes
+    nothing under it (and its checkpoints keep the tokenizer it trained with)."""
+    ds = D.open_dataset(dataset)
+    before = np.asarray(ds.split("train")).copy()
+    prepare_char_dataset(OTHER, dataset, overwrite=True)
+    np.testing.assert_array_equal(np.asarray(ds.split("train")), before)
+    D.verify_dataset(ds)  # the files it holds still match the meta.json it read
+    assert ds.tokenizer == CharTokenizer.from_text(SYNTH) != load_tokenizer(dataset)
 
 
 def test_a_file_truncated_or_rewritten_under_a_reader_is_a_data_error(dataset: Path) -> None:
@@ -616,6 +767,32 @@ def _numesh(*args: str, **kw) -> subprocess.Popen:
     """`numesh ARGS` as a real process (stdin closed, stderr piped)."""
     return subprocess.Popen([sys.executable, "-m", "numesh_cli.app", *args], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_kill_9_of_a_writer_midway_leaves_the_old_dataset_whole(dataset: Path, tmp_path: Path) -> None:
+    """A real `numesh data char --overwrite` over an existing dataset, killed once its
+    staging directory is there (~0.1 s of files being written and checked on 40 MB): the
+    old dataset is byte for byte as it was and verifies; the next write removes the leftover.
+    (Before, the new train.bin sat beside the old meta.json and a run trained on it.)"""
+    big = tmp_path / "big.txt"
+    line = "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak!\n"
+    big.write_text(line * (40_000_000 // len(line)), encoding="utf-8")
+    before = _snapshot(dataset)
+    for _ in range(5):  # a kill that comes too late (the writer done) is tried again
+        proc = _numesh("data", "char", "--src", str(big), "--out", str(dataset), "--overwrite")
+        while proc.poll() is None and not list(tmp_path.glob(f".{dataset.name}.writing-*")):
+            time.sleep(0.001)
+        proc.kill()
+        proc.communicate(timeout=60)
+        if proc.returncode == -signal.SIGKILL and list(tmp_path.glob(f".{dataset.name}.writing-*")):
+            break
+        prepare_char_dataset(SYNTH, dataset, overwrite=True)
+    else:
+        pytest.fail("the writer never got killed while writing")
+    assert _snapshot(dataset) == before
+    D.verify_dataset(dataset)
+    prepare_char_dataset(OTHER, dataset, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt", dataset.name]
 
 
 def test_truncating_train_bin_under_a_running_train_is_one_line(tmp_path: Path) -> None:
