@@ -115,6 +115,7 @@ def data_bpe(
     split_on: Optional[str] = typer.Option(None, help=_SPLIT_HELP),
     text_field: str = typer.Option("text", help="the field holding the text in .jsonl and .parquet files"),
     val_fraction: float = typer.Option(0.1, help="share of the documents that go to the val split"),
+    overwrite: bool = typer.Option(False, "--overwrite", help=_OVERWRITE_HELP),
 ) -> None:
     """Train a byte-level BPE on a corpus (deterministic for the same inputs and size), then
     tokenise the corpus with it into token shards: documents end with <|endoftext|>."""
@@ -124,7 +125,8 @@ def data_bpe(
 
     def go() -> None:
         with download_bar("tokenising") as progress:
-            summary = prepare_bpe(src, vocab_size, out, Reading(split_on, text_field), val_fraction, progress)
+            summary = prepare_bpe(src, vocab_size, out, Reading(split_on, text_field), val_fraction, progress,
+                                  overwrite)
         _tokenized(summary, out, "wrote")
 
     _run(go)
@@ -139,17 +141,20 @@ def data_tokenize(
     split_on: Optional[str] = typer.Option(None, help=_SPLIT_HELP),
     text_field: str = typer.Option("text", help="the field holding the text in .jsonl and .parquet files"),
     val_fraction: float = typer.Option(0.1, help="share of the documents that go to the val split"),
+    overwrite: bool = typer.Option(False, "--overwrite", help=_OVERWRITE_HELP),
 ) -> None:
     """Tokenise a corpus with an existing Hugging Face tokenizer into token shards."""
     from numesh.corpus import Reading
-    from numesh.text_dataset import prepare_tokenized
+    from numesh.text_dataset import prepare_tokenized, rebuild_command
     from numesh.tokenizer import HFTokenizer
     from numesh_cli.dataset import download_bar
 
     def go() -> None:
         tok = HFTokenizer.from_file(tokenizer, eot)
+        how = Reading(split_on, text_field)
+        again = rebuild_command(src, how, val_fraction, tokenizer=tokenizer, eot=eot)
         with download_bar("tokenising") as progress:
-            summary = prepare_tokenized(src, tok, out, Reading(split_on, text_field), val_fraction, progress)
+            summary = prepare_tokenized(src, tok, out, how, val_fraction, progress, overwrite, again)
         _tokenized(summary, out, "wrote")
 
     _run(go)

@@ -4,26 +4,28 @@ tokenize` write.
 The corpus streams by in batches of documents, each tokenised on all cores (`tokenizers`'
 batch encoding) and followed by the end-of-text token, into the train or val shards: a
 document goes to val when a hash of its index falls under `val_fraction`, so the split is
-by documents and the same for the same corpus. meta.json (written last) records the
-tokenizer (its JSON and hash), every corpus file with its size and sha256, and the
-documents, UTF-8 bytes and tokens of each split (bytes per token give bits per byte).
+by documents and the same for the same corpus. meta.json records the tokenizer (its JSON
+and hash), every corpus file with its size and sha256, the documents, UTF-8 bytes and
+tokens of each split (bytes per token give bits per byte), every file written (its record)
+and the command that writes it again. The dataset is written whole (numesh/dataset_write.py).
 """
 
 from __future__ import annotations
 
-import json
+import shlex
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from numesh import dataset_write as dw
 from numesh.corpus import Reading, describe, documents, expand
 from numesh.errors import DataError
 from numesh.files import write_atomic
 from numesh.shards import ShardWriter, token_dtype
-from numesh.tokenizer import HFTokenizer, train_bpe
+from numesh.tokenizer import EOT, HFTokenizer, train_bpe
 
-META_FILE = "meta.json"
+TOKENIZER_FILE = "tokenizer.json"
 BATCH_DOCS = 512  # documents per batch encoding: enough to keep every core busy
 Progress = Callable[[int, int], None]  # (corpus bytes done, total)
 
@@ -45,32 +47,115 @@ def corpus_documents(paths: Sequence[Path], how: Reading) -> Iterator[str]:
                 yield doc
 
 
+def _quote(arg: str) -> str:
+    """`arg` for a POSIX shell on one line: shlex's quoting, or bash's $'...' when it holds
+    a control character (--split-on $'\\n\\n'), so the command fits in a one-line error."""
+    if arg.isprintable():
+        return shlex.quote(arg)
+    escaped = arg.encode("unicode_escape").decode("ascii").replace("'", "\\'")
+    return f"$'{escaped}'"
+
+
+def rebuild_command(sources: Sequence[str | Path], how: Reading, val_fraction: float,
+                    vocab_size: int | None = None, tokenizer: str | Path | None = None, eot: str = EOT) -> str:
+    """The `numesh data bpe` (with `vocab_size`) or `numesh data tokenize` (with
+    `tokenizer`) command that writes this dataset again, but for its --out (so the same
+    inputs give the same meta.json wherever it goes); meta.json keeps it."""
+    if tokenizer is not None:
+        args = ["numesh", "data", "tokenize", "--tokenizer", str(tokenizer)]
+        args += ["--eot", eot] if eot != EOT else []
+    else:
+        args = ["numesh", "data", "bpe", "--vocab-size", str(vocab_size)]
+    for src in sources:
+        args += ["--src", str(src)]
+    args += ["--split-on", how.split_on] if how.split_on is not None else []
+    args += ["--text-field", how.text_field] if how.text_field != "text" else []
+    args += ["--val-fraction", repr(val_fraction)] if val_fraction != 0.1 else []
+    return " ".join(_quote(a) for a in args)
+
+
+def _same_inputs(old: dict[str, Any], files: list[dict[str, Any]], how: Reading, val_fraction: float,
+                 tokenizer: dict[str, Any] | int) -> bool:
+    """Whether an old sharded dataset's meta.json names the same corpus contents, reading,
+    split and tokenizer (its sha256, or for a BPE still to train its size)."""
+    corpus = old.get("corpus") if isinstance(old.get("corpus"), dict) else {}
+    same_files = [(f.get("bytes"), f.get("sha256")) for f in corpus.get("files", []) if isinstance(f, dict)] == [
+        (f["bytes"], f["sha256"]) for f in files]
+    tok = old.get("tokenizer") if isinstance(old.get("tokenizer"), dict) else {}
+    same_tok = (old.get("vocab_size") == tokenizer if isinstance(tokenizer, int)
+                else (tok.get("sha256"), tok.get("eot")) == (tokenizer.get("sha256"), tokenizer.get("eot")))
+    return same_files and same_tok and (corpus.get("split_on"), corpus.get("text_field"), corpus.get(
+        "val_fraction")) == (how.split_on, how.text_field, val_fraction)
+
+
+def refuse_early(out: Path, files: list[dict[str, Any]], how: Reading, val_fraction: float,
+                 tokenizer: dict[str, Any] | int, overwrite: bool) -> None:
+    """Before the corpus is read: a complete sharded dataset in `out` made of other inputs
+    (`files`: the corpus as `describe` found it) is replaced only with `overwrite`
+    (`numesh.dataset_write.publish` compares the ids themselves at the end; this spares
+    tokenising a corpus only to be refused)."""
+    old = None if overwrite else dw.existing(out)
+    if old is not None and "shards" in old and not _same_inputs(old, files, how, val_fraction, tokenizer):
+        raise dw.refused(out, "other inputs (corpus, --split-on, --text-field, --val-fraction or tokenizer)")
+
+
 def prepare_bpe(sources: Sequence[str | Path], vocab_size: int, out: str | Path, how: Reading = Reading(),
-                val_fraction: float = 0.1, progress: Progress | None = None) -> dict[str, Any]:
+                val_fraction: float = 0.1, progress: Progress | None = None,
+                overwrite: bool = False) -> dict[str, Any]:
     """Train a byte-level BPE of `vocab_size` on the corpus (a first pass), then tokenise it
     (a second): OUT/tokenizer.json and the sharded dataset."""
-    paths = expand(sources)
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
+    paths, target = expand(sources), dw.target(Path(out))
+    files = describe(paths)
+    refuse_early(target, files, how, val_fraction, vocab_size, overwrite)
     tok = train_bpe(corpus_documents(paths, how), vocab_size)
-    return prepare_tokenized(paths, tok, out, how, val_fraction, progress)
+    again = rebuild_command(sources, how, val_fraction, vocab_size=vocab_size)
+    return _write_shards(paths, files, tok, target, Path(out), how, val_fraction, progress, overwrite, again)
 
 
 def prepare_tokenized(sources: Sequence[str | Path], tok: HFTokenizer, out: str | Path, how: Reading = Reading(),
-                      val_fraction: float = 0.1, progress: Progress | None = None) -> dict[str, Any]:
-    """Tokenise the corpus with `tok` into OUT: shards, tokenizer.json, meta.json."""
+                      val_fraction: float = 0.1, progress: Progress | None = None, overwrite: bool = False,
+                      rebuild: str | None = None) -> dict[str, Any]:
+    """Tokenise the corpus with `tok` into OUT: shards, tokenizer.json, meta.json, written
+    whole (numesh/dataset_write.py); a complete dataset there with other content is
+    replaced only with `overwrite`. `rebuild` is the command meta.json keeps to write it
+    again, but for --out (default: `numesh data tokenize` with OUT/tokenizer.json)."""
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
-    paths = expand(sources)
+    paths, target = expand(sources), dw.target(Path(out))
     files = describe(paths)
-    out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"cannot create dataset directory {out} ({e.strerror or e}): choose another --out") from None
-    (out / META_FILE).unlink(missing_ok=True)  # the old dataset, if any, is no longer complete
+    refuse_early(target, files, how, val_fraction, tok.to_meta(), overwrite)
+    rebuild = rebuild or rebuild_command(sources, how, val_fraction, tokenizer=Path(out) / TOKENIZER_FILE,
+                                         eot=tok.eot)
+    return _write_shards(paths, files, tok, target, Path(out), how, val_fraction, progress, overwrite, rebuild)
+
+
+def _write_shards(paths: Sequence[Path], files: list[dict[str, Any]], tok: HFTokenizer, target: Path, out: Path,
+                  how: Reading, val_fraction: float, progress: Progress | None, overwrite: bool,
+                  rebuild: str) -> dict[str, Any]:
+    """Tokenise the corpus `files` describes into a staging directory, check and record it,
+    and put it in place at `target` (`out` as the user named it)."""
     dtype = token_dtype(tok.vocab_size)
-    writers = {s: ShardWriter(out, s, dtype) for s in ("train", "val")}
+    with dw.staging(target) as stage:
+        writers = {s: ShardWriter(stage, s, dtype) for s in ("train", "val")}
+        stats = _tokenize(paths, how, tok, writers, val_fraction, progress)
+        shards = {s: w.close() for s, w in writers.items()}
+        _check_splits(stats, writers, val_fraction)
+        meta = _meta(tok, dtype, shards, stats, writers, files, how, val_fraction) | {"rebuild": rebuild}
+        write_atomic(stage / TOKENIZER_FILE, tok.json_text)
+        tokens = {s["file"]: s["tokens"] for split in shards.values() for s in split}
+        meta = dw.seal(stage, meta, tokens, dtype, tok.vocab_size, others=(TOKENIZER_FILE,))
+        dw.publish(stage, target, meta, overwrite)
+    return {"vocab_size": tok.vocab_size, "train_tokens": meta["train_tokens"], "val_tokens": meta["val_tokens"],
+            "out_dir": str(out), "documents": {s: stats[s]["documents"] for s in stats}}
+
+
+def _tokenize(paths: Sequence[Path], how: Reading, tok: HFTokenizer, writers: dict[str, ShardWriter],
+              val_fraction: float, progress: Progress | None) -> dict[str, dict[str, int]]:
+    """Stream the corpus's documents through `tok` into the writers; each split's documents and bytes."""
     stats = {s: {"documents": 0, "bytes": 0} for s in writers}
-    total, done, index, batch = sum(f["bytes"] for f in files), 0, 0, []
+    total, done, index, batch = sum(p.stat().st_size for p in paths), 0, 0, []
 
     def flush() -> None:
         nonlocal done, index
@@ -90,9 +175,7 @@ def prepare_tokenized(sources: Sequence[str | Path], tok: HFTokenizer, out: str 
         if len(batch) == BATCH_DOCS:
             flush()
     flush()
-    shards = {s: w.close() for s, w in writers.items()}
-    _check_splits(stats, writers, val_fraction)
-    return _write_meta(out, tok, dtype, shards, stats, writers, files, how, val_fraction)
+    return stats
 
 
 def _check_splits(stats: dict, writers: dict[str, ShardWriter], val_fraction: float) -> None:
@@ -106,10 +189,9 @@ def _check_splits(stats: dict, writers: dict[str, ShardWriter], val_fraction: fl
                             f"{val_fraction}: add documents, split them (--split-on) or change --val-fraction")
 
 
-def _write_meta(out: Path, tok: HFTokenizer, dtype: np.dtype, shards: dict, stats: dict,
-                writers: dict[str, ShardWriter], files: list, how: Reading, val_fraction: float) -> dict[str, Any]:
-    write_atomic(out / "tokenizer.json", tok.json_text)
-    meta = {
+def _meta(tok: HFTokenizer, dtype: np.dtype, shards: dict, stats: dict, writers: dict[str, ShardWriter],
+          files: list, how: Reading, val_fraction: float) -> dict[str, Any]:
+    return {
         "format": "shards-1", "vocab_size": tok.vocab_size, "tokenizer": tok.to_meta(),
         "dtype": "uint16" if dtype.itemsize == 2 else "uint32", "shards": shards,
         "train_tokens": writers["train"].tokens, "val_tokens": writers["val"].tokens,
@@ -117,6 +199,3 @@ def _write_meta(out: Path, tok: HFTokenizer, dtype: np.dtype, shards: dict, stat
         "corpus": {"name": "files", "files": files, "split_on": how.split_on, "text_field": how.text_field,
                    "val_fraction": val_fraction},
     }
-    write_atomic(out / META_FILE, json.dumps(meta, ensure_ascii=False, indent=1))
-    return {"vocab_size": tok.vocab_size, "train_tokens": meta["train_tokens"], "val_tokens": meta["val_tokens"],
-            "out_dir": str(out), "documents": {s: stats[s]["documents"] for s in stats}}

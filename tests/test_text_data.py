@@ -295,3 +295,55 @@ def test_ranks_that_opened_different_datasets_refuse_to_train(char_dataset: Path
     from mpi4py import MPI
 
     assert open_run_dataset(str(char_dataset), MPI.COMM_SELF).tokenizer.vocab_size > 0
+
+
+# ---------------------------------------------------------------- sharded datasets written whole, checked when read
+
+
+def test_shards_and_tokenizer_json_are_recorded_and_a_changed_shard_is_caught(corpus: Path, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
+    monkeypatch.setattr(S, "SHARD_TOKENS", 17)
+    out = tmp_path / "d"
+    assert cli("data", "bpe", "--src", str(corpus), "--vocab-size", "300", "--out", str(out), "--split-on", "\n\n",
+               "--val-fraction", "0.3").exit_code == 0
+    meta = json.loads((out / "meta.json").read_text())
+    shards = [s["file"] for split in ("train", "val") for s in meta["shards"][split]]
+    assert sorted(meta["files"]) == sorted([*shards, "tokenizer.json"]) and len(shards) > 4
+    for name, rec in meta["files"].items():
+        raw = (out / name).read_bytes()
+        assert rec["bytes"] == len(raw) and rec["sha256"] == hashlib.sha256(raw).hexdigest()
+    assert meta["rebuild"] == f"numesh data bpe --vocab-size 300 --src {corpus} --split-on $'\\n\\n' --val-fraction 0.3"
+    D.verify_dataset(out)
+    ids = np.fromfile(out / shards[1], np.uint16)
+    ids[0] = (ids[0] + 1) % 300
+    ids.tofile(out / shards[1])
+    line = one_error_line(cli("train", "--data", str(out), "--out", str(tmp_path / "run"), "--max-iters", "1",
+                              "--block-size", "8"))
+    assert f"{out / shards[1]} does not match its sha256" in line and f"{meta['rebuild']} --out {out}" in line
+    (out / shards[2]).unlink()
+    with pytest.raises(DataError, match=f"{shards[2]} is missing"):
+        D.open_dataset(out)
+
+
+def test_a_bpe_dataset_of_other_inputs_needs_overwrite_before_the_corpus_is_read(corpus: Path, tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch
+                                                                                ) -> None:
+    out = tmp_path / "d"
+    args = ["--vocab-size", "300", "--out", str(out), "--split-on", "\n\n", "--val-fraction", "0.3"]
+    assert cli("data", "bpe", "--src", str(corpus), *args).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert cli("data", "bpe", "--src", str(corpus), *args).exit_code == 0  # the same again: fine
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(DOCS[::-1]), encoding="utf-8")
+    monkeypatch.setattr(TD, "train_bpe", lambda *a: pytest.fail("the corpus was read before refusing"))
+    line = one_error_line(cli("data", "bpe", "--src", str(other), *args))
+    assert "already holds a dataset with other inputs" in line and "--overwrite" in line
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    tok = HFTokenizer.from_file(out / "tokenizer.json")
+    line = one_error_line(cli("data", "tokenize", "--tokenizer", str(out / "tokenizer.json"), "--src", str(other),
+                              "--out", str(out), "--split-on", "\n\n", "--val-fraction", "0.3"))
+    assert "--overwrite" in line
+    TD.prepare_tokenized([other], tok, out, Reading(split_on="\n\n"), val_fraction=0.3, overwrite=True)
+    assert json.loads((out / "meta.json").read_text())["corpus"]["files"][0]["path"] == str(other)
