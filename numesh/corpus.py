@@ -61,15 +61,25 @@ def describe(paths: Sequence[Path]) -> list[dict[str, Any]]:
     """{path, bytes, sha256} of each file (read in 1 MiB pieces), for meta.json."""
     out = []
     for p in paths:
-        h = hashlib.sha256()
+        h, size = hashlib.sha256(), 0
         try:
             with open(p, "rb") as f:
                 while piece := f.read(_READ):
                     h.update(piece)
+                    size += len(piece)
         except OSError as e:
             raise DataError(f"cannot read {p} ({e.strerror or e}): check the path and permissions") from None
-        out.append({"path": str(p), "bytes": p.stat().st_size, "sha256": h.hexdigest()})
+        out.append({"path": str(p), "bytes": size, "sha256": h.hexdigest()})  # the bytes hashed, not a later stat
     return out
+
+
+def check_unchanged(paths: Sequence[Path], files: list[dict[str, Any]]) -> None:
+    """The corpus files still hold what `describe` found (`files`): a file another process
+    wrote to while it was read would leave a dataset that its meta.json misdescribes."""
+    for before, now in zip(files, describe(paths)):
+        if before != now:
+            raise DataError(f"{now['path']} changed while it was read (another process wrote to it): run the "
+                            "command again once it is complete")
 
 
 def documents(path: Path, how: Reading) -> Iterator[str]:

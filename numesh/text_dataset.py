@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from numesh import dataset_write as dw
-from numesh.corpus import Reading, describe, documents, expand
+from numesh.corpus import Reading, check_unchanged, describe, documents, expand
 from numesh.errors import DataError
 from numesh.files import write_atomic
 from numesh.shards import ShardWriter, token_dtype
@@ -45,6 +45,15 @@ def corpus_documents(paths: Sequence[Path], how: Reading) -> Iterator[str]:
         for doc in documents(p, how):
             if doc:
                 yield doc
+
+
+def _check_reading(how: Reading, val_fraction: float) -> None:
+    if not 0.0 < val_fraction < 1.0:  # NaN fails this too
+        raise DataError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
+    if how.split_on == "":
+        raise DataError("--split-on is empty: pass the separator that ends a document, e.g. $'\\n\\n'")
+    if not how.text_field:
+        raise DataError("--text-field is empty: pass the field that holds the text (default: text)")
 
 
 def _quote(arg: str) -> str:
@@ -104,10 +113,9 @@ def prepare_bpe(sources: Sequence[str | Path], vocab_size: int, out: str | Path,
                 overwrite: bool = False) -> dict[str, Any]:
     """Train a byte-level BPE of `vocab_size` on the corpus (a first pass), then tokenise it
     (a second): OUT/tokenizer.json and the sharded dataset."""
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
+    _check_reading(how, val_fraction)
     paths, target = expand(sources), dw.target(Path(out))
-    files = describe(paths)
+    files = describe(paths)  # before the first pass: a corpus changed between the two is caught
     refuse_early(target, files, how, val_fraction, vocab_size, overwrite)
     tok = train_bpe(corpus_documents(paths, how), vocab_size)
     again = rebuild_command(sources, how, val_fraction, vocab_size=vocab_size)
@@ -121,8 +129,7 @@ def prepare_tokenized(sources: Sequence[str | Path], tok: HFTokenizer, out: str 
     whole (numesh/dataset_write.py); a complete dataset there with other content is
     replaced only with `overwrite`. `rebuild` is the command meta.json keeps to write it
     again, but for --out (default: `numesh data tokenize` with OUT/tokenizer.json)."""
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
+    _check_reading(how, val_fraction)
     paths, target = expand(sources), dw.target(Path(out))
     files = describe(paths)
     refuse_early(target, files, how, val_fraction, tok.to_meta(), overwrite)
@@ -142,6 +149,7 @@ def _write_shards(paths: Sequence[Path], files: list[dict[str, Any]], tok: HFTok
         stats = _tokenize(paths, how, tok, writers, val_fraction, progress)
         shards = {s: w.close() for s, w in writers.items()}
         _check_splits(stats, writers, val_fraction)
+        check_unchanged(paths, files)
         meta = _meta(tok, dtype, shards, stats, writers, files, how, val_fraction) | {"rebuild": rebuild}
         write_atomic(stage / TOKENIZER_FILE, tok.json_text)
         tokens = {s["file"]: s["tokens"] for split in shards.values() for s in split}

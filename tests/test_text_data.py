@@ -347,3 +347,38 @@ def test_a_bpe_dataset_of_other_inputs_needs_overwrite_before_the_corpus_is_read
     assert "--overwrite" in line
     TD.prepare_tokenized([other], tok, out, Reading(split_on="\n\n"), val_fraction=0.3, overwrite=True)
     assert json.loads((out / "meta.json").read_text())["corpus"]["files"][0]["path"] == str(other)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--split-on", ""], "--split-on is empty"),
+    (["--text-field", ""], "--text-field is empty"),
+    (["--val-fraction", "nan"], "between 0 and 1, got nan"),
+])
+def test_empty_or_nan_reading_options_are_one_line(corpus: Path, tmp_path: Path, args: list[str], match: str) -> None:
+    """--split-on "" was a ValueError traceback (an empty separator) after training the BPE."""
+    for cmd in (["bpe", "--vocab-size", "300"], ["tokenize", "--tokenizer", str(tmp_path / "t.json")]):
+        if cmd[0] == "tokenize":
+            (tmp_path / "t.json").write_text(train_bpe(DOCS, 300).json_text)
+        line = one_error_line(cli("data", *cmd, "--src", str(corpus), "--out", str(tmp_path / "o"), *args))
+        assert match in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_corpus_file_written_to_while_it_is_tokenised_is_refused(corpus: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """meta.json records each corpus file's sha256: a file appended to mid-read would make
+    it describe another text than the one tokenised."""
+    read = TD.corpus_documents
+
+    def appending(paths, how):
+        for i, doc in enumerate(read(paths, how)):
+            if i == 1:
+                with open(corpus, "a", encoding="utf-8") as f:
+                    f.write("\n\nmore text from another process")
+            yield doc
+
+    monkeypatch.setattr(TD, "corpus_documents", appending)
+    with pytest.raises(DataError, match=f"{corpus} changed while it was read"):
+        TD.prepare_tokenized([corpus], train_bpe(DOCS, 300), tmp_path / "d", Reading(split_on="\n\n"),
+                             val_fraction=0.3)
+    assert not (tmp_path / "d").exists()
