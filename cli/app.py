@@ -195,7 +195,7 @@ def _train_signature() -> inspect.Signature:
 def _with_preset(options: dict[str, Any], name: str | None) -> dict[str, Any]:
     """The options with a preset's model shape filled in where not given (its vocabulary and
     batch are the planner's: a run takes --data's vocabulary and its own batch)."""
-    if not name:
+    if name is None:  # --model '' is an unknown preset, not none
         return options
     from numesh.plan.presets import preset
 
@@ -208,7 +208,9 @@ def train_cmd(**options: Any) -> None:
     """Train a GPT on a prepared dataset (run under mpirun for a multi-rank --mesh)."""
 
     def go() -> None:
-        from numesh.config import config_from
+        from mpi4py import MPI
+
+        from numesh.config import check_options, config_from
         from numesh.runtime import configure_process, is_root, log
         from numesh.train import train
         from numesh_cli.dataset import ensure_run_dataset
@@ -216,6 +218,7 @@ def train_cmd(**options: Any) -> None:
         configure_process()
         given = {k: v for k, v in options.items() if k not in ("config", "model_preset")}
         cfg = config_from(_with_preset(given, options.get("model_preset")), options.get("config"))
+        check_options(cfg, MPI.COMM_WORLD.Get_size())  # before a download: bad options are one line at once
         # the default dataset is prepared on rank 0 if missing (download or offline fallback)
         ensure_run_dataset(cfg.data)
         with _Progress(cfg.max_iters) as progress:

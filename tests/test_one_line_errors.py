@@ -104,3 +104,47 @@ def test_a_train_error_is_the_first_line_not_after_a_blank_one(char_dataset: Pat
     res = cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--mesh", "tp=3")
     one_error_line(res)
     assert res.stderr.startswith("error: mesh pp=1,dp=1,cp=1,tp=3 needs 3 ranks"), repr(res.stderr)
+
+
+def _float_options() -> list[str]:
+    import attrs
+
+    from numesh.config import TrainConfig, field_type
+
+    return [f.name for f in attrs.fields(TrainConfig) if field_type(f) is float]
+
+
+@pytest.mark.parametrize("name", _float_options())
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_no_float_option_of_train_or_plan_takes_nan_or_inf(name: str, value: float) -> None:
+    """Range checks compare, and NaN compares False: --weight-decay nan, --grad-clip nan,
+    --min-lr inf, --peak-flops inf, --collective-timeout nan used to be accepted (and
+    --bucket-mb nan was a traceback in `numesh plan`)."""
+    from numesh.config import check_options, config_from
+    from numesh.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} must be a finite number, got {value}"):
+        check_options(config_from({name: value}), 1)
+
+
+def test_a_nan_in_the_toml_config_is_one_line_too(char_dataset: Path, tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text("weight_decay = nan\n")
+    line = one_error_line(cli("train", "--config", str(toml), "--data", str(char_dataset), "--out",
+                              str(tmp_path / "o")))
+    assert line == "error: --weight-decay must be a finite number, got nan"
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("option, value", [("--data", ""), ("--data", " "), ("--resume", " "), ("--init-from", "\t")])
+def test_a_blank_path_option_is_one_line(char_dataset: Path, tmp_path: Path, option: str, value: str) -> None:
+    """A blank --data or --resume once read as the directory '' ("no checkpoint at  :")."""
+    args = ["--data", str(char_dataset), "--out", str(tmp_path / "o"), "--max-iters", "1", option, value]
+    line = one_error_line(cli("train", *args))
+    assert line == f"error: {option} must name a path, got {value!r}"
+
+
+def test_an_empty_model_preset_is_unknown_not_none(char_dataset: Path, tmp_path: Path) -> None:
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--model", ""))
+    assert "unknown model preset ''" in line
+
