@@ -281,7 +281,7 @@ def plan_cmd(**options: Any) -> None:
             return
         out = run_plan(overrides, options.get("config"), options["ranks"], options["model_preset"],
                        options["vocab_size"], options["memory_per_rank"], options["hardware"], options["json_"],
-                       options["top"])
+                       options["top"], log)
         if is_root():
             print(out)
 

@@ -140,11 +140,45 @@ class Profile:
         op = "send" if op == "exchange" else op
         if payload <= 0 or (n <= 1 and op != "send"):
             return 0.0
-        meas, _ = self.for_ranks(ranks_on_node)
-        if meas is not None:
+        if self.measured:
+            meas = self.comm_measurement(ranks_on_node)
             return self._measured_comm(meas, op, payload, n) + (meas.call_probe_s if blocking else 0.0)
         link = self.intra if intra else self.inter
         return costs.collective_time(op, payload, n, link.latency_s, link.bandwidth)
+
+    def comm_measurement(self, ranks_on_node: int) -> Measured:
+        """The measurement that times communication for `ranks_on_node` ranks: `for_ranks`'
+        if it timed any, else the nearest that did (a calibration on one rank times none).
+        None did: a ConfigError saying how to calibrate with more ranks."""
+        meas, _ = self.for_ranks(ranks_on_node)
+        if meas is not None and meas.collectives:
+            return meas
+        timed = [n for n, m in self.measured.items() if m.collectives]
+        if not timed:
+            n = min(max(ranks_on_node, 2), max(self.cores, 8))
+            raise ConfigError(
+                f"hardware profile {self.name} was calibrated on one rank, which times no communication: to plan for "
+                f"{ranks_on_node} ranks, calibrate with several too (`mpirun -n {n} numesh plan --calibrate ...`, "
+                f"each run adds its rank count) or plan on a spec-sheet profile "
+                f"(--hardware {' or '.join(builtin_profiles())})")
+        return self.measured[min(timed, key=lambda k: (abs(k - ranks_on_node), k))]
+
+    def extrapolation(self, ranks: int) -> str | None:
+        """What a plan for `ranks` ranks takes from other rank counts' measurements, as a
+        note for the user; None on a spec-sheet profile or one calibrated with `ranks`."""
+        if not self.measured or ranks in self.measured:
+            return None
+        meas, _ = self.for_ranks(ranks)
+        said = [f"compute is scaled from the {meas.ranks}-rank measurement"]
+        if ranks > 1:
+            comm = self.comm_measurement(ranks)
+            groups = sorted(int(k.split(":")[1]) for k in comm.collectives if k.startswith("all_reduce:"))
+            said.append(f"communication is extrapolated from the {comm.ranks}-rank one (all-reduce timed on "
+                        f"groups of {', '.join(map(str, groups)) or 'none'})")
+        *others, last = sorted(self.measured)
+        counts = f"{', '.join(map(str, others))} and {last}" if others else str(last)
+        return (f"note: profile {self.name} was calibrated with {counts} ranks, not {ranks}: {'; '.join(said)}; "
+                f"`mpirun -n {ranks} numesh plan --calibrate ...` measures them")
 
     def _measured_comm(self, meas: Measured, op: str, payload: float, n: int) -> float:
         if op == "send":
