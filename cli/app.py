@@ -211,6 +211,7 @@ def train_cmd(**options: Any) -> None:
         from mpi4py import MPI
 
         from numesh.config import check_options, config_from
+        from numesh.plan.fits import check_run_fits
         from numesh.runtime import configure_process, is_root, log
         from numesh.train import train
         from numesh_cli.dataset import ensure_run_dataset
@@ -221,6 +222,7 @@ def train_cmd(**options: Any) -> None:
         check_options(cfg, MPI.COMM_WORLD.Get_size())  # before a download: bad options are one line at once
         # the default dataset is prepared on rank 0 if missing (download or offline fallback)
         ensure_run_dataset(cfg.data)
+        check_run_fits(cfg)  # the planner's bytes per rank against free memory, before anything is allocated
         with _Progress(cfg.max_iters) as progress:
             result = train(cfg, on_step=progress.update)
         val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"

@@ -148,3 +148,35 @@ def test_an_empty_model_preset_is_unknown_not_none(char_dataset: Path, tmp_path:
     line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--model", ""))
     assert "unknown model preset ''" in line
 
+
+def test_a_run_that_cannot_fit_in_memory_is_refused_at_once(char_dataset: Path, tmp_path: Path) -> None:
+    """`--block-size 100000` once allocated for 99 s and died in a 59-line _ArrayMemoryError:
+    the planner's bytes per rank are now checked against free memory before anything is
+    allocated (here a batch of 10^8 sequences, terabytes on any machine)."""
+    import time
+
+    t0 = time.perf_counter()
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"),
+                              "--batch-size", str(10**8)))
+    assert time.perf_counter() - t0 < 10
+    assert line.startswith("error: this run needs ~") and " TiB per rank (" in line and " is free here" in line
+    assert "--block-size" in line and "numesh plan --ranks N" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_memory_check_names_both_numbers_and_leaves_the_readmes_runs_alone() -> None:
+    from numesh.config import config_from
+    from numesh.errors import ConfigError
+    from numesh.plan.fits import check_fits, run_memory
+    from numesh.plan.memory import RankMemory
+
+    need = RankMemory(params=2**30, grads=2**30, optimizer=2**31, workspace=0, activations=4 * 2**30, comm_buffers=0)
+    with pytest.raises(ConfigError, match=r"needs ~8.0 GiB per rank \(4.0 GiB of it activations\) but 4.0 GiB of "
+                                          r"memory is free here, 1.0 GiB for each of 4 ranks: "):
+        check_fits(need, 2**30, 4)
+    check_fits(need, 8 * 2**30, 1)
+    one = {"pp": 1, "dp": 1, "cp": 1, "tp": 1}
+    assert run_memory(config_from({}), one, 65, 16).total < 100 * 2**20  # the quick start: tens of MiB
+    gpt2 = config_from({"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "bias": True,
+                        "batch_size": 4})
+    assert run_memory(gpt2, one, 8192, 2).total < 6 * 2**30  # the README's GPT-2 step: 5.4 GiB peak RSS measured
