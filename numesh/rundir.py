@@ -52,10 +52,7 @@ class RunDir:
         self._take_lock()
         existing = [n for n in (*RUN_FILES, "ckpt") if (self.out / n).exists()]
         if existing and not (resume or overwrite):
-            raise ConfigError(
-                f"--out {self.out} already holds a run ({', '.join(existing)}): pass --resume "
-                f"{self.out / 'ckpt' / 'latest'} to continue it, --overwrite to replace it, or another --out"
-            )
+            raise ConfigError(f"--out {self.out} already holds a run ({', '.join(existing)}): {_reuse_hint(self.out)}")
         if overwrite and not resume:
             for name in existing:
                 shutil.rmtree(self.out / name) if (self.out / name).is_dir() else (self.out / name).unlink()
@@ -121,6 +118,16 @@ class RunDir:
         if self._lock is not None:
             os.close(self._lock)  # releases the flock
             self._lock = None
+
+
+def _reuse_hint(out: Path) -> str:
+    """What to do about a run already in `out`: --resume only where its `latest` checkpoint
+    exists (a run that crashed before its first save has none, and suggesting it led to a
+    second error)."""
+    latest = out / "ckpt" / "latest"
+    if latest.exists():
+        return f"pass --resume {latest} to continue it, --overwrite to replace it, or another --out"
+    return "it has no checkpoint to resume from: pass --overwrite to replace it, or another --out"
 
 
 class MetricsWriteError(ConfigError):

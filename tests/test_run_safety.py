@@ -70,11 +70,26 @@ def test_a_fresh_run_never_reuses_a_run_directory(char_dataset: Path, tmp_path: 
     first = (out / "metrics.jsonl").read_text()
     res, errors = run(char_dataset, out, "--max-iters", "4")
     assert res.exit_code == 2 and len(errors) == 1 and "already holds a run" in errors[0]
+    assert f"pass --resume {out / 'ckpt' / 'latest'} to continue it" in errors[0]
     assert (out / "metrics.jsonl").read_text() == first  # nothing truncated or mixed
     res, _ = run(char_dataset, out, "--max-iters", "4", "--overwrite")
     assert res.exit_code == 0, res.output
     assert [p.name for p in (out / "ckpt").iterdir() if p.name.startswith("step_")] == ["step_000004"]
     assert strict_lines(out / "metrics.jsonl")[-1]["step"] == 4
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_is_not_told_to_resume(char_dataset: Path,
+                                                                               tmp_path: Path) -> None:
+    """A run that died before any save leaves config.json and metrics.jsonl but no
+    ckpt/latest: the next run was told to pass --resume OUT/ckpt/latest, which does not exist."""
+    out = tmp_path / "run"
+    res, _ = run(char_dataset, out, "--learning-rate", "1e4", "--max-iters", "300")  # diverges, saves nothing
+    assert res.exit_code == 2 and not (out / "ckpt" / "latest").exists() and (out / "metrics.jsonl").exists()
+    res, errors = run(char_dataset, out, "--max-iters", "4")
+    assert res.exit_code == 2 and len(errors) == 1, res.output
+    assert errors[0].endswith("it has no checkpoint to resume from: pass --overwrite to replace it, or another --out")
+    assert "--resume" not in errors[0]
+    assert run(char_dataset, out, "--max-iters", "4", "--overwrite")[0].exit_code == 0  # what it says works
 
 
 def test_a_locked_directory_names_its_holder(char_dataset: Path, tmp_path: Path) -> None:
