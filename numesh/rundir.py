@@ -21,7 +21,7 @@ from typing import Any
 from mpi4py import MPI
 
 from numesh.errors import ConfigError, abort_job
-from numesh.files import write_atomic
+from numesh.files import os_reason, write_atomic
 
 LOCK_FILE = ".lock"
 RUN_FILES = ("config.json", "metrics.jsonl")  # what makes a directory a run's
@@ -41,7 +41,7 @@ class RunDir:
             try:
                 self._open(resume, overwrite, ckpt_bytes, config)
             except (ConfigError, OSError) as e:
-                error = str(e) if isinstance(e, ConfigError) else f"cannot use --out {out}: {e}"
+                error = str(e) if isinstance(e, ConfigError) else f"cannot use --out {out}: {os_reason(e)}"
                 self.close()
         error = comm.bcast(error, root=0)
         if error:

@@ -180,3 +180,73 @@ def test_the_memory_check_names_both_numbers_and_leaves_the_readmes_runs_alone()
     gpt2 = config_from({"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "bias": True,
                         "batch_size": 4})
     assert run_memory(gpt2, one, 8192, 2).total < 6 * 2**30  # the README's GPT-2 step: 5.4 GiB peak RSS measured
+
+
+# ---------------------------------------------------------------------------------------
+# files a command cannot write or read: one line, whatever the filesystem says
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from conftest import make_dataset
+
+    root = tmp_path_factory.mktemp("run")
+    data = make_dataset(root / "data")
+    res = cli("train", "--data", str(data), "--out", str(root / "run"), "--n-layer", "1", "--n-head", "2",
+              "--n-embd", "16", "--block-size", "8", "--batch-size", "4", "--max-iters", "2", "--eval-iters", "1",
+              "--peak-flops", "1e12")
+    assert res.exit_code == 0, res.output
+    return root / "run"
+
+
+def _in_the_way(tmp_path: Path) -> Path:
+    """A file where a directory must be: writing under it fails for root too (a read-only
+    directory does not stop root, who runs these tests in some containers)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    return blocker
+
+
+@pytest.mark.parametrize("command", [
+    ["reshard", "{ckpt}", "--to", "tp=2", "--out", "{bad}/x"],  # was a 12-line OSError
+    ["export", "{ckpt}", "--out", "{bad}/m.safetensors"],  # was "exists: pass --force to overwrite"
+    ["export", "{ckpt}", "--out", "{bad}/hf", "--format", "hf"],
+    ["plot", "{run}", "--out", "{bad}/loss.png"],  # was "(File exists)"
+    ["train", "--data", "{data}", "--out", "{bad}/run", "--max-iters", "1"],  # said after measuring the MFU peak
+    # a traceback, after calibrating
+    ["plan", "--calibrate", "--data", "{data}", "--profile-out", "{bad}/local.json"],
+])
+def test_an_output_under_a_file_is_one_line_naming_the_file(tiny_run: Path, tmp_path: Path,
+                                                            command: list[str]) -> None:
+    bad = _in_the_way(tmp_path)
+    names = {"ckpt": str(tiny_run / "ckpt" / "latest"), "run": str(tiny_run), "bad": str(bad),
+             "data": str(tiny_run.parent / "data")}
+    line = one_error_line(cli(*[part.format(**names) for part in command]))
+    assert f"{bad} is a file, not a directory" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_reshard_into_a_read_only_directory_is_one_line(tiny_run: Path, tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        line = one_error_line(cli("reshard", str(tiny_run / "ckpt" / "latest"), "--to", "tp=2", "--out",
+                                  str(ro / "x")))
+    finally:
+        ro.chmod(0o755)
+    assert line == f"error: cannot write --out {ro / 'x'}: Permission denied: choose another --out"
+
+
+@pytest.mark.parametrize("what", ["a directory", "a run directory", "a text file", "a cut-off export"])
+def test_sample_from_something_that_is_not_a_checkpoint_is_one_line(tiny_run: Path, tmp_path: Path,
+                                                                    what: str) -> None:
+    ckpt = {"a directory": tmp_path, "a run directory": tiny_run, "a text file": tiny_run / "config.json"}.get(what)
+    if what == "a cut-off export":
+        whole = tmp_path / "m.safetensors"
+        assert cli("export", str(tiny_run / "ckpt" / "latest"), "--out", str(whole)).exit_code == 0
+        ckpt = tmp_path / "cut.safetensors"
+        ckpt.write_bytes(whole.read_bytes()[:100])
+    line = one_error_line(cli("sample", "--ckpt", str(ckpt), "--max-new-tokens", "2"))
+    assert str(ckpt) in line

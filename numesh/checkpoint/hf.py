@@ -21,7 +21,7 @@ from numesh.checkpoint.common import read_group, read_meta
 from numesh.checkpoint.export import to_nanogpt
 from numesh.checkpoint.format import DTYPES
 from numesh.errors import CheckpointError
-from numesh.files import write_atomic
+from numesh.files import os_reason, write_atomic
 from numesh.nn.gpt import GPTConfig
 from numesh.nn.layers import LN_EPS
 from numesh.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
@@ -101,7 +101,7 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
         for fname, text in files.items():
             write_atomic(out / fname, text)
     except OSError as e:
-        raise CheckpointError(f"cannot write {out}: {e.strerror or e}") from None
+        raise CheckpointError(f"cannot write {out}: {os_reason(e)}") from None
     return out
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from numesh.errors import ConfigError
-from numesh.files import write_atomic
+from numesh.files import os_reason, write_atomic
 from numesh.plan import costs
 
 Points = tuple[tuple[float, float], ...]  # (size, seconds), sorted by size
@@ -276,8 +276,24 @@ def load_profile(name: str) -> Profile:
         raise ConfigError(f"hardware profile {path} is not valid JSON: {e}") from None
 
 
+def check_profile_out(path: Path) -> None:
+    """Before a calibration (a minute or more): a ConfigError if `path` cannot take the
+    profile, or holds one that cannot be read to merge with, rather than after it."""
+    if path.is_dir():
+        raise ConfigError(f"--profile-out {path} is a directory: name a .json file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot write the profile to {path}: {os_reason(e)}: choose another --profile-out") from None
+    if path.is_file():
+        load_profile(str(path))  # this calibration's rank count is merged into it
+
+
 def save_profile(profile: Profile, path: Path) -> Path:
     """Write `profile` as JSON (atomically: a temp file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(profile.to_json(), indent=1))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(profile.to_json(), indent=1))
+    except OSError as e:
+        raise ConfigError(f"cannot write the profile to {path}: {os_reason(e)}: choose another --profile-out") from None
     return path
