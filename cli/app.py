@@ -229,7 +229,7 @@ def train_cmd(**options: Any) -> None:
         if cfg.trace and is_root():  # the trace was written on rank 0 at the end of train()
             from numesh import report
 
-            print(report.render(report.build(report.load(cfg.out))), file=sys.stderr)
+            print(report.render(report.report_of(cfg.out)), file=sys.stderr)
         log(
             f"done: {result.steps} steps in {result.seconds:.1f} s, final loss {result.final_loss:.4f}, "
             f"val {val}\nmetrics: {result.metrics}\ncheckpoint: {result.checkpoint}"
@@ -445,9 +445,11 @@ def report_cmd(
         if not path.is_file():
             if diagnosis:
                 return
+            if out.suffix == ".json":
+                raise ConfigError(f"{path} not found: pass a run directory of `numesh train --trace` or its trace.json")
             raise ConfigError(f"{path} not found and no flight record there: "
                               f"run `numesh train --trace --out {out}` first")
-        rep = report.build(report.load(path))
+        rep = report.report_of(path)
         print(json.dumps(rep, indent=1) if json_ else report.render(rep))
 
     _run(go)

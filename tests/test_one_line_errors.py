@@ -239,6 +239,30 @@ def test_reshard_into_a_read_only_directory_is_one_line(tiny_run: Path, tmp_path
     assert line == f"error: cannot write --out {ro / 'x'}: Permission denied: choose another --out"
 
 
+@pytest.mark.parametrize("text, says", [
+    ('{"traceEvents": [{"ph": "X", "pid"', "cannot be read as a trace (Expecting"),  # cut off mid-write
+    ("", "cannot be read as a trace (Expecting value"),
+    ("{}", "is not a numesh trace (no traceEvents or no otherData.numesh)"),
+    ("[]", "is not a numesh trace"),
+    ('{"traceEvents": [], "otherData": {"numesh": {"mesh": {}}}}', "is not a complete numesh trace (ValueError"),
+])
+def test_report_on_a_broken_trace_is_one_line(tmp_path: Path, text: str, says: str) -> None:
+    """A truncated or `{}` trace.json was a 17–20-line traceback."""
+    path = tmp_path / "trace.json"
+    path.write_text(text)
+    for target in (path, tmp_path):  # the file, or the run directory holding it
+        line = one_error_line(cli("report", str(target)))
+        assert line.startswith(f"error: {path} ") and says in line
+        assert line.endswith("write a new one with `numesh train --trace --out OUT`")
+
+
+def test_report_on_a_flight_directory_it_cannot_read_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "flight").mkdir()
+    (tmp_path / "flight" / "meta-0.json").write_text("{}")
+    line = one_error_line(cli("report", str(tmp_path)))
+    assert "not found and no flight record there" in line
+
+
 @pytest.mark.parametrize("what", ["a directory", "a run directory", "a text file", "a cut-off export"])
 def test_sample_from_something_that_is_not_a_checkpoint_is_one_line(tiny_run: Path, tmp_path: Path,
                                                                     what: str) -> None:
