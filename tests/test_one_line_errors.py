@@ -274,3 +274,17 @@ def test_sample_from_something_that_is_not_a_checkpoint_is_one_line(tiny_run: Pa
         ckpt.write_bytes(whole.read_bytes()[:100])
     line = one_error_line(cli("sample", "--ckpt", str(ckpt), "--max-new-tokens", "2"))
     assert str(ckpt) in line
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 1e-300, 1e-30])
+def test_a_tiny_temperature_samples_the_most_likely_token_not_token_0(temperature: float) -> None:
+    """Dividing by 1e-320 before subtracting the largest logit made inf - inf = NaN and every
+    draw token 0: a newline, like the NaN temperature the issue found."""
+    import numpy as np
+
+    from numesh.sample import pick
+
+    logits = np.array([[1.0, 3.0, 2.0], [5.0, -1.0, 4.5]], dtype=np.float32)
+    for top_k in (None, 2):
+        got = pick(logits, temperature, top_k, np.random.default_rng(0))
+        np.testing.assert_array_equal(got, [1, 0])
