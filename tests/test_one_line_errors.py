@@ -55,11 +55,14 @@ def test_max_iters_0_is_refused(char_dataset: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("var, value", [("OMP_NUM_THREADS", "abc"), ("OPENBLAS_NUM_THREADS", "0"),
-                                        ("OMP_NUM_THREADS", "-2")])
+                                        ("OMP_NUM_THREADS", "-2"), ("MKL_NUM_THREADS", "abc")])
 def test_a_bad_thread_variable_is_one_line_naming_it(char_dataset: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
+    """Also when an earlier one is good: MKL_NUM_THREADS=abc beside OMP_NUM_THREADS=1 was ignored."""
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
+    if var != "OMP_NUM_THREADS":
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv(var, value)
     line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--max-iters", "1"))
     assert f"{var}='{value}' must be a whole number >= 1" in line
