@@ -32,7 +32,7 @@ class RunDir:
     lock), refused if it already holds a run unless resuming or told to overwrite, checked
     for space for a checkpoint; `write` appends a metrics line."""
 
-    def __init__(self, out: Path, comm: MPI.Comm, resume: bool, overwrite: bool, ckpt_bytes: int,
+    def __init__(self, out: Path, comm: MPI.Comm, resume: str | Path | None, overwrite: bool, ckpt_bytes: int,
                  config: dict[str, Any], resume_step: int = 0):
         self.out, self.comm, self.resume_step = out, comm, resume_step
         self._lock = self.metrics = None
@@ -47,13 +47,19 @@ class RunDir:
         if error:
             raise ConfigError(error)
 
-    def _open(self, resume: bool, overwrite: bool, ckpt_bytes: int, config: dict[str, Any]) -> None:
+    def _open(self, resume: str | Path | None, overwrite: bool, ckpt_bytes: int, config: dict[str, Any]) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         self._take_lock()
         existing = [n for n in (*RUN_FILES, "ckpt") if (self.out / n).exists()]
+        own = bool(resume) and _is_within(Path(resume), self.out / "ckpt")  # continuing this run
+        if existing and resume and not own and not overwrite:
+            raise ConfigError(
+                f"--out {self.out} already holds another run ({', '.join(existing)}) and --resume {resume} is not "
+                "one of its checkpoints: its metrics would mix with this run's; pass --overwrite to replace it, "
+                "or another --out")
         if existing and not (resume or overwrite):
             raise ConfigError(f"--out {self.out} already holds a run ({', '.join(existing)}): {_reuse_hint(self.out)}")
-        if overwrite and not resume:
+        if overwrite and not own:  # never the checkpoint being resumed from
             for name in existing:
                 shutil.rmtree(self.out / name) if (self.out / name).is_dir() else (self.out / name).unlink()
         free = shutil.disk_usage(self.out).free
@@ -118,6 +124,14 @@ class RunDir:
         if self._lock is not None:
             os.close(self._lock)  # releases the flock
             self._lock = None
+
+
+def _is_within(path: Path, folder: Path) -> bool:
+    """Whether `path` (links such as `latest` followed) lies inside `folder`."""
+    try:
+        return path.resolve().is_relative_to(folder.resolve())
+    except OSError:
+        return False
 
 
 def _reuse_hint(out: Path) -> str:

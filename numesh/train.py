@@ -330,7 +330,7 @@ def _resume(trainer: Trainer, cfg: TrainConfig) -> None:
 def _open_run(trainer: Trainer, cfg: TrainConfig) -> RunDir:
     """Lock OUT, refuse to reuse a run unless resuming or overwriting, check room for a checkpoint."""
     ckpt_bytes = 3 * trainer.n_params * np.dtype(trainer.dtype).itemsize  # params and both moments
-    return RunDir(Path(cfg.out), trainer.mesh.world, bool(cfg.resume), cfg.overwrite, ckpt_bytes, attrs.asdict(cfg),
+    return RunDir(Path(cfg.out), trainer.mesh.world, cfg.resume or None, cfg.overwrite, ckpt_bytes, attrs.asdict(cfg),
                   resume_step=trainer.step)
 
 

@@ -159,3 +159,26 @@ def test_a_failing_metrics_write_is_one_line(char_dataset: Path, tmp_path: Path,
     res, errors = run(char_dataset, tmp_path / "run", "--max-iters", "5")
     assert res.exit_code == 2, res.output
     assert len(errors) == 1 and "cannot write" in errors[0] and "No space left on device" in errors[0]
+
+
+def test_resuming_another_runs_checkpoint_into_a_run_directory_needs_overwrite(char_dataset: Path,
+                                                                               tmp_path: Path) -> None:
+    """--resume A/ckpt/latest --out B, with B holding a run of its own, kept B's metrics lines
+    before the step and appended A's continuation: two runs mixed in one metrics.jsonl, silently.
+    Now it needs --overwrite, which replaces B (and never touches A)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert run(char_dataset, a, "--max-iters", "2")[0].exit_code == 0
+    assert run(char_dataset, b, "--max-iters", "6", "--seed", "7")[0].exit_code == 0
+    before = (b / "metrics.jsonl").read_text()
+    res, errors = run(char_dataset, b, "--max-iters", "4", "--resume", str(a / "ckpt" / "latest"))
+    assert res.exit_code == 2 and len(errors) == 1, res.output
+    assert "already holds another run" in errors[0] and "pass --overwrite to replace it" in errors[0]
+    assert (b / "metrics.jsonl").read_text() == before
+    res, _ = run(char_dataset, b, "--max-iters", "4", "--resume", str(a / "ckpt" / "latest"), "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert [r["step"] for r in strict_lines(b / "metrics.jsonl") if "loss" in r] == [2, 3]
+    assert (a / "ckpt" / "latest").exists()
+    # continuing B from its own checkpoint needs nothing more, and --overwrite there deletes nothing
+    res, _ = run(char_dataset, b, "--max-iters", "5", "--resume", str(b / "ckpt" / "latest"), "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert [r["step"] for r in strict_lines(b / "metrics.jsonl") if "loss" in r] == [2, 3, 4]
