@@ -268,9 +268,10 @@ def plan_cmd(**options: Any) -> None:
     """Predict memory per rank and step time of every layout of a model on --ranks ranks, fastest first."""
 
     def go() -> None:
-        from numesh.plan.command import run_calibrate, run_plan
+        from numesh.plan.command import check_mode, run_calibrate, run_plan
         from numesh.runtime import configure_process, is_root, log
 
+        check_mode(options["calibrate"], options["ranks"], options["memory_per_rank"], options["profile_out"])
         plan_keys = {name for name, _, _ in _PLAN_OPTIONS} | {"config"}
         overrides = {k: v for k, v in options.items() if k not in plan_keys}
         if options["calibrate"]:

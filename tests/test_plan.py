@@ -483,6 +483,10 @@ def test_cli_preset_at_scale() -> None:
     (["--ranks", "2", "--bucket-mb", "nan"], "--bucket-mb must be a finite number, got nan"),  # once a traceback
     # a model no layout runs is said as such, not as "no layout uses 2 ranks: 2 works"
     (["--ranks", "2", "--block-size", "0"], "block_size must be >= 1, got 0"),
+    # options of the other mode, once ignored without a word
+    (["--ranks", "2", "--profile-out", "p.json"], "--profile-out is where --calibrate saves"),
+    (["--calibrate", "--ranks", "4"], "--calibrate measures the ranks of its own job"),
+    (["--calibrate", "--memory-per-rank", "1GiB"], "--memory-per-rank is a limit for planning"),
     (["--ranks", "2", "--model", "gpt5"], "unknown model preset 'gpt5'"),
     ([], "give --ranks N"),
 ])

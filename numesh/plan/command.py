@@ -39,6 +39,19 @@ def parse_bytes(text: str) -> float:
     return size
 
 
+def check_mode(calibrate: bool, ranks: int | None, memory: str | None, profile_out: Path | None) -> None:
+    """Options that belong to the other mode of `numesh plan` were silently ignored:
+    --profile-out without --calibrate, --ranks or --memory-per-rank with it."""
+    if calibrate and ranks is not None:
+        raise ConfigError("--calibrate measures the ranks of its own job (`mpirun -n N numesh plan --calibrate`): "
+                          "drop --ranks, then plan with `numesh plan --ranks N`")
+    if calibrate and memory is not None:
+        raise ConfigError("--memory-per-rank is a limit for planning, not for --calibrate: drop one of them")
+    if not calibrate and profile_out is not None:
+        raise ConfigError("--profile-out is where --calibrate saves: pass --calibrate, or plan from a saved "
+                          "profile with --hardware PATH")
+
+
 def base_config(overrides: dict[str, Any], toml: Path | None, model_preset: str | None) -> TrainConfig:
     """TrainConfig defaults, then the preset's model and batch, then the options given."""
     values = {}
