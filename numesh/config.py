@@ -162,6 +162,8 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
     shape = check_options(cfg, n_ranks)
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ConfigError(f"--out {cfg.out} is a file, not a directory: name a directory for the run")
+    if Path(cfg.out).resolve() == Path(cfg.data).resolve():
+        raise ConfigError(f"--out {cfg.out} is the dataset directory --data: name another directory for the run")
     tok = D.load_tokenizer(cfg.data)
     for split in D.SPLITS:
         n = len(D.load_split(cfg.data, split))

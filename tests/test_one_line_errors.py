@@ -291,3 +291,12 @@ def test_a_tiny_temperature_samples_the_most_likely_token_not_token_0(temperatur
     for top_k in (None, 2):
         got = pick(logits, temperature, top_k, np.random.default_rng(0))
         np.testing.assert_array_equal(got, [1, 0])
+
+
+def test_the_run_never_lands_in_its_dataset_directory(char_dataset: Path) -> None:
+    """--out equal to --data wrote config.json, metrics.jsonl and ckpt/ among the token files."""
+    before = sorted(p.name for p in char_dataset.iterdir())
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(char_dataset / "." / ""),
+                              "--max-iters", "1"))
+    assert line == f"error: --out {char_dataset} is the dataset directory --data: name another directory for the run"
+    assert sorted(p.name for p in char_dataset.iterdir()) == before
