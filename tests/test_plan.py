@@ -667,3 +667,19 @@ def test_plan_says_when_it_extrapolates_other_rank_counts(char_dataset: Path, tm
         assert (f"note: profile local was calibrated with 1 and 2 ranks, not {ranks}: compute is scaled from the "
                 "2-rank measurement; communication is extrapolated from the 2-rank one") in res.stderr
     assert _calibrated((1, 4)).comm_measurement(2).ranks == 4
+
+
+@pytest.mark.parametrize("entry, says", [
+    ('"peak_flops": "abc"', "peak_flops must be a finite number >= 0, got 'abc'"),  # was a TypeError in the plan
+    ('"peak_flops": NaN', "peak_flops must be a finite number >= 0, got nan"),
+    ('"gemm_efficiency": 0', "gemm_efficiency must be a finite number > 0, got 0"),
+    ('"intra": {"latency_s": 1e-6, "bandwidth": 0}', "intra.bandwidth must be a finite number > 0, got 0"),
+])
+def test_a_hand_written_profile_with_a_bad_number_is_one_line(char_dataset: Path, tmp_path: Path, entry: str,
+                                                              says: str) -> None:
+    base = {"name": "x", "source": "by hand", "peak_flops": 1e12, "mem_bandwidth": 1e12}
+    text = json.dumps(base)[:-1] + ", " + entry + "}"  # a later key wins
+    (tmp_path / "hw.json").write_text(text)
+    res = invoke(["--ranks", "2", "--data", str(char_dataset), "--hardware", str(tmp_path / "hw.json")])
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2 and lines == [f"error: hardware profile {tmp_path / 'hw.json'}: {says}"], res.output

@@ -14,6 +14,7 @@ Two kinds, one class:
 from __future__ import annotations
 
 import json
+import math
 import os
 from importlib import resources
 from pathlib import Path
@@ -234,9 +235,29 @@ def profile_from_json(d: dict[str, Any], where: str) -> Profile:
     except (TypeError, KeyError, ValueError) as e:
         raise ConfigError(f"hardware profile {where} is malformed ({e}): "
                           "write it as `numesh plan --calibrate` does") from None
+    _check_numbers(prof, where)
     if not prof.measured and not (prof.peak_flops > 0 and prof.mem_bandwidth > 0):
         raise ConfigError(f"hardware profile {where} has neither measurements nor peak_flops and mem_bandwidth")
     return prof
+
+
+# what each number of a profile must be (hand-written spec-sheet profiles are documented)
+_WHOLE, _POSITIVE, _NONNEGATIVE = ">= 1", "> 0", ">= 0"
+_NUMBERS = {"itemsize": _WHOLE, "devices_per_node": _WHOLE, "gemm_efficiency": _POSITIVE, "memory_bytes": _NONNEGATIVE,
+            "peak_flops": _NONNEGATIVE, "mem_bandwidth": _NONNEGATIVE, "cores": _NONNEGATIVE}
+_LINK_NUMBERS = {"latency_s": _NONNEGATIVE, "bandwidth": _POSITIVE}
+
+
+def _check_numbers(prof: Profile, where: str) -> None:
+    """A ConfigError for a number of the profile that is not one (peak_flops "abc" was a
+    TypeError deep in the plan), is NaN or infinite, or breaks its bound (`_NUMBERS`)."""
+    checks = [(name, getattr(prof, name), bound) for name, bound in _NUMBERS.items()]
+    checks += [(f"{link}.{name}", getattr(getattr(prof, link), name), bound)
+               for link in ("intra", "inter") for name, bound in _LINK_NUMBERS.items()]
+    for name, v, bound in checks:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not ok or not {_WHOLE: v >= 1, _POSITIVE: v > 0, _NONNEGATIVE: v >= 0}[bound]:
+            raise ConfigError(f"hardware profile {where}: {name} must be a finite number {bound}, got {v!r}")
 
 
 def builtin_profiles() -> list[str]:
