@@ -143,11 +143,15 @@ def import_hf(directory: str | Path) -> tuple[GPTConfig, str, Any]:
     try:
         cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
         tok_text = (d / "tokenizer.json").read_text(encoding="utf-8")
+        objects = {"config.json": cfg, "tokenizer.json": json.loads(tok_text)}  # both JSON objects, checked here
         with safe_open(str(d / "model.safetensors"), framework="numpy") as f:
             sd = {k: f.get_tensor(k) for k in f.keys()}
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, SafetensorError) as e:
         raise CheckpointError(f"{d} is not a transformers directory numesh reads ({e}): it needs config.json, "
                               "tokenizer.json and model.safetensors") from None
+    for name, obj in objects.items():
+        if not isinstance(obj, dict):
+            raise CheckpointError(f"{d / name} is not a JSON object: export the directory again")
     sd = {k.removeprefix("model."): v for k, v in sd.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
     bias = any(k.endswith(".bias") and np.any(v) for k, v in sd.items())
     model = _hf_model(cfg, d, bias)
