@@ -401,7 +401,7 @@ def reshard_cmd(
 def export_cmd(
     ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT",
                                 show_default=False),
-    out: Path = typer.Option(..., help="output: a .safetensors file (nanogpt) or a directory (hf)"),
+    out: str = typer.Option(..., help="output: a .safetensors file (nanogpt) or a directory (hf)", metavar="<path>"),
     format: str = typer.Option("nanogpt", "--format", help="nanogpt: one safetensors file with nanoGPT's names; "
                                "hf: a Hugging Face transformers directory (GPT-2 architecture)"),
     dtype: Optional[str] = typer.Option(None, help="float32 or float64", show_default="the checkpoint's"),
@@ -417,7 +417,9 @@ def export_cmd(
 
         if format not in ("nanogpt", "hf"):
             raise ConfigError(f"--format must be nanogpt or hf, got {format!r}")
-        print((export_hf if format == "hf" else export_nanogpt)(ckpt, out, dtype, force))
+        if not out.strip():  # Path("") is "."; with --force, hf would write into the current directory
+            raise ConfigError(f"--out must name a file or directory to write, got {out!r}")
+        print((export_hf if format == "hf" else export_nanogpt)(ckpt, Path(out), dtype, force))
 
     _run(go)
 

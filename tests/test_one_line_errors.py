@@ -300,3 +300,14 @@ def test_the_run_never_lands_in_its_dataset_directory(char_dataset: Path) -> Non
                               "--max-iters", "1"))
     assert line == f"error: --out {char_dataset} is the dataset directory --data: name another directory for the run"
     assert sorted(p.name for p in char_dataset.iterdir()) == before
+
+
+def test_export_to_an_empty_out_is_refused_not_the_current_directory(tiny_run: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--out ""` (an unset shell variable) is Path("."): with --format hf --force the export
+    landed among the current directory's files."""
+    monkeypatch.chdir(tmp_path)
+    for fmt in ("hf", "nanogpt"):
+        line = one_error_line(cli("export", str(tiny_run / "ckpt" / "latest"), "--out", "", "--format", fmt, "--force"))
+        assert line == "error: --out must name a file or directory to write, got ''"
+    assert list(tmp_path.iterdir()) == []
