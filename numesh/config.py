@@ -132,11 +132,13 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
     if toml_path is not None:
         path = Path(toml_path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} not found")
+            raise ConfigError(f"config file {path} not found" + (" (it is a directory)" if path.is_dir() else ""))
         try:
-            loaded = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
+            loaded = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
         for key, value in loaded.items():
             name = key.replace("-", "_")
             if name not in fields:

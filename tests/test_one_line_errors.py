@@ -311,3 +311,12 @@ def test_export_to_an_empty_out_is_refused_not_the_current_directory(tiny_run: P
         line = one_error_line(cli("export", str(tiny_run / "ckpt" / "latest"), "--out", "", "--format", fmt, "--force"))
         assert line == "error: --out must name a file or directory to write, got ''"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_config_file_that_is_not_utf8_toml_is_one_line(char_dataset: Path, tmp_path: Path) -> None:
+    """A binary or Latin-1 --config file was a UnicodeDecodeError traceback."""
+    toml = tmp_path / "run.toml"
+    toml.write_bytes(b"seed = 1 # \xe9t\xe9\n")
+    line = one_error_line(cli("train", "--config", str(toml), "--data", str(char_dataset), "--out",
+                              str(tmp_path / "o")))
+    assert line.startswith(f"error: config file {toml} is not valid TOML: 'utf-8' codec can't decode")
