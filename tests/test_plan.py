@@ -669,6 +669,15 @@ def test_plan_says_when_it_extrapolates_other_rank_counts(char_dataset: Path, tm
     assert _calibrated((1, 4)).comm_measurement(2).ranks == 4
 
 
+def test_a_profile_that_is_not_a_json_object_is_one_line(char_dataset: Path, tmp_path: Path) -> None:
+    """A binary file was a UnicodeDecodeError traceback; [] read as 'missing name and source'."""
+    for content, says in ((b"\xff\xfe", "is not valid JSON: 'utf-8' codec"), (b"[]", "is not a JSON object")):
+        (tmp_path / "hw.json").write_bytes(content)
+        res = invoke(["--ranks", "2", "--data", str(char_dataset), "--hardware", str(tmp_path / "hw.json")])
+        lines = [line for line in res.stderr.splitlines() if line.strip()]
+        assert res.exit_code == 2 and len(lines) == 1 and says in lines[0], res.output
+
+
 @pytest.mark.parametrize("entry, says", [
     ('"peak_flops": "abc"', "peak_flops must be a finite number >= 0, got 'abc'"),  # was a TypeError in the plan
     ('"peak_flops": NaN', "peak_flops must be a finite number >= 0, got nan"),

@@ -292,9 +292,14 @@ def load_profile(name: str) -> Profile:
         raise ConfigError(f"hardware profile {path} not found: give a profile's .json path or a builtin name "
                           f"({', '.join(builtin_profiles())})")
     try:
-        return profile_from_json(json.loads(path.read_text()), str(path))
-    except json.JSONDecodeError as e:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"hardware profile {path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"hardware profile {path} cannot be read: {e.strerror or e}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"hardware profile {path} is not a JSON object: write it as `numesh plan --calibrate` does")
+    return profile_from_json(d, str(path))
 
 
 def check_profile_out(path: Path) -> None:
