@@ -207,7 +207,7 @@ def _train_signature() -> inspect.Signature:
 def _with_preset(options: dict[str, Any], name: str | None) -> dict[str, Any]:
     """The options with a preset's model shape filled in where not given (its vocabulary and
     batch are the planner's: a run takes --data's vocabulary and its own batch)."""
-    if not name:
+    if name is None:  # --model '' is an unknown preset, not none
         return options
     from numesh.plan.presets import preset
 
@@ -220,7 +220,10 @@ def train_cmd(**options: Any) -> None:
     """Train a GPT on a prepared dataset (run under mpirun for a multi-rank --mesh)."""
 
     def go() -> None:
-        from numesh.config import config_from
+        from mpi4py import MPI
+
+        from numesh.config import check_options, config_from
+        from numesh.plan.fits import check_run_fits
         from numesh.runtime import configure_process, is_root, log
         from numesh.train import train
         from numesh_cli.dataset import ensure_run_dataset
@@ -228,15 +231,17 @@ def train_cmd(**options: Any) -> None:
         configure_process()
         given = {k: v for k, v in options.items() if k not in ("config", "model_preset")}
         cfg = config_from(_with_preset(given, options.get("model_preset")), options.get("config"))
+        check_options(cfg, MPI.COMM_WORLD.Get_size())  # before a download: bad options are one line at once
         # the default dataset is prepared on rank 0 if missing (download or offline fallback)
         ensure_run_dataset(cfg.data)
+        check_run_fits(cfg)  # the planner's bytes per rank against free memory, before anything is allocated
         with _Progress(cfg.max_iters) as progress:
             result = train(cfg, on_step=progress.update)
         val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
         if cfg.trace and is_root():  # the trace was written on rank 0 at the end of train()
             from numesh import report
 
-            print(report.render(report.build(report.load(cfg.out))), file=sys.stderr)
+            print(report.render(report.report_of(cfg.out)), file=sys.stderr)
         log(
             f"done: {result.steps} steps in {result.seconds:.1f} s, final loss {result.final_loss:.4f}, "
             f"val {val}\nmetrics: {result.metrics}\ncheckpoint: {result.checkpoint}"
@@ -275,9 +280,10 @@ def plan_cmd(**options: Any) -> None:
     """Predict memory per rank and step time of every layout of a model on --ranks ranks, fastest first."""
 
     def go() -> None:
-        from numesh.plan.command import run_calibrate, run_plan
+        from numesh.plan.command import check_mode, run_calibrate, run_plan
         from numesh.runtime import configure_process, is_root, log
 
+        check_mode(options["calibrate"], options["ranks"], options["memory_per_rank"], options["profile_out"])
         plan_keys = {name for name, _, _ in _PLAN_OPTIONS} | {"config"}
         overrides = {k: v for k, v in options.items() if k not in plan_keys}
         if options["calibrate"]:
@@ -290,7 +296,7 @@ def plan_cmd(**options: Any) -> None:
             return
         out = run_plan(overrides, options.get("config"), options["ranks"], options["model_preset"],
                        options["vocab_size"], options["memory_per_rank"], options["hardware"], options["json_"],
-                       options["top"])
+                       options["top"], log)
         if is_root():
             print(out)
 
@@ -407,7 +413,7 @@ def reshard_cmd(
 def export_cmd(
     ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT",
                                 show_default=False),
-    out: Path = typer.Option(..., help="output: a .safetensors file (nanogpt) or a directory (hf)"),
+    out: str = typer.Option(..., help="output: a .safetensors file (nanogpt) or a directory (hf)", metavar="<path>"),
     format: str = typer.Option("nanogpt", "--format", help="nanogpt: one safetensors file with nanoGPT's names; "
                                "hf: a Hugging Face transformers directory (GPT-2 architecture)"),
     dtype: Optional[str] = typer.Option(None, help="float32 or float64", show_default="the checkpoint's"),
@@ -423,7 +429,9 @@ def export_cmd(
 
         if format not in ("nanogpt", "hf"):
             raise ConfigError(f"--format must be nanogpt or hf, got {format!r}")
-        print((export_hf if format == "hf" else export_nanogpt)(ckpt, out, dtype, force))
+        if not out.strip():  # Path("") is "."; with --force, hf would write into the current directory
+            raise ConfigError(f"--out must name a file or directory to write, got {out!r}")
+        print((export_hf if format == "hf" else export_nanogpt)(ckpt, Path(out), dtype, force))
 
     _run(go)
 
@@ -452,9 +460,11 @@ def report_cmd(
         if not path.is_file():
             if diagnosis:
                 return
+            if out.suffix == ".json":
+                raise ConfigError(f"{path} not found: pass a run directory of `numesh train --trace` or its trace.json")
             raise ConfigError(f"{path} not found and no flight record there: "
                               f"run `numesh train --trace --out {out}` first")
-        rep = report.build(report.load(path))
+        rep = report.report_of(path)
         print(json.dumps(rep, indent=1) if json_ else report.render(rep))
 
     _run(go)

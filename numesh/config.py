@@ -9,6 +9,7 @@ The CLI's options are the fields, `_` spelled `-`; each field's help is the opti
 from __future__ import annotations
 
 import functools
+import math
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -131,11 +132,13 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
     if toml_path is not None:
         path = Path(toml_path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} not found")
+            raise ConfigError(f"config file {path} not found" + (" (it is a directory)" if path.is_dir() else ""))
         try:
-            loaded = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
+            loaded = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
         for key, value in loaded.items():
             name = key.replace("-", "_")
             if name not in fields:
@@ -159,10 +162,10 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
     """Every check that can fail, run identically on every rank before any collective: the
     options, the dataset, the layout (each once)."""
     shape = check_options(cfg, n_ranks)
-    if not cfg.out.strip():  # Path("") is ".": the run would land in the current directory
-        raise ConfigError(f"--out must name a directory for the run, got {cfg.out!r}")
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ConfigError(f"--out {cfg.out} is a file, not a directory: name a directory for the run")
+    if Path(cfg.out).resolve() == Path(cfg.data).resolve():
+        raise ConfigError(f"--out {cfg.out} is the dataset directory --data: name another directory for the run")
     tok = D.load_tokenizer(cfg.data)
     for split in D.SPLITS:
         n = len(D.load_split(cfg.data, split))
@@ -176,6 +179,7 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
 
 def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
     """The checks of single options (no dataset, no layout); returns the mesh's axis sizes."""
+    _check_values(cfg)
     shape = parse_mesh(cfg.mesh, n_ranks)
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
@@ -203,6 +207,31 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
         if not 0.0 <= getattr(cfg, name) < 1.0:
             raise ConfigError(f"{name} must be in [0, 1), got {getattr(cfg, name)}")
     return shape
+
+
+# paths that must name something; "" means "none" for the others
+_PATHS_NEEDED = ("data", "out")
+_PATHS_OPTIONAL = ("resume", "init_from")
+
+
+def _check_values(cfg: TrainConfig) -> None:
+    """What no option may be: a float that is NaN or infinite (every comparison with NaN is
+    False, so range checks alone let it through and it trains silently wrong), or a path
+    that is only blanks (Path("") is the current directory: an empty --out would put the
+    run there)."""
+    for f in attrs.fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        if field_type(f) is float and not math.isfinite(value):
+            raise ConfigError(f"--{_flag(f.name)} must be a finite number, got {value}")
+    for name in _PATHS_NEEDED + _PATHS_OPTIONAL:
+        value = getattr(cfg, name)
+        if not value.strip() and (value or name in _PATHS_NEEDED):
+            what = "a directory for the run" if name == "out" else "a path"
+            raise ConfigError(f"--{_flag(name)} must name {what}, got {value!r}")
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
 
 
 def check_layout(cfg: TrainConfig, n_ranks: int, vocab_size: int) -> tuple[dict[str, int], GPTConfig]:

@@ -38,6 +38,10 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be written or read, naming the file."""
 
 
+class TraceError(UserError):
+    """A trace file that cannot be read, is cut off or is not a numesh trace, naming it."""
+
+
 class PlotError(UserError):
     """Runs that cannot be plotted (no metrics), a bad output file, or no matplotlib."""
 

@@ -24,3 +24,15 @@ def write_atomic(path: Path, content: str | bytes | Callable[[Path], None]) -> N
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def os_reason(e: OSError) -> str:
+    """Why a file could not be written, in words for a one-line error. A file standing where
+    a directory must be is named: mkdir says only "File exists" and open "Not a directory",
+    about a path further down."""
+    if isinstance(e, (FileExistsError, NotADirectoryError)) and e.filename:
+        path = Path(os.fsdecode(e.filename))
+        for p in [*reversed(path.parents), path]:
+            if p.exists() and not p.is_dir():
+                return f"{p} is a file, not a directory"
+    return e.strerror or str(e)

@@ -16,6 +16,7 @@ import attrs
 import numpy as np
 
 from numesh.errors import PlotError
+from numesh.files import os_reason
 
 METRICS_FILE = "metrics.jsonl"
 FORMATS = (".png", ".svg")
@@ -165,7 +166,7 @@ def save_figure(fig: Any, out: str | Path) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, format=out.suffix.lower()[1:], dpi=120)
     except OSError as e:
-        raise PlotError(f"cannot write {out} ({e.strerror or e}): choose another --out") from None
+        raise PlotError(f"cannot write {out} ({os_reason(e)}): choose another --out") from None
     return out
 
 

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from numesh import formulas
+from numesh.errors import TraceError
 from numesh.pipeline.schedules import make_schedule
 
 CATEGORIES = ("compute", "comm", "bubble", "optimizer", "other")
@@ -52,12 +53,34 @@ _CAT_OF = {"other": "other", "optimizer": "optimizer", "async_comm": "comm", "id
            "compute": "compute", "p2p": "bubble", "comm": "comm"}
 
 
+_REWRITE = "write a new one with `numesh train --trace --out OUT`"
+
+
 def load(path: str | Path) -> dict:
-    """A trace from OUT (a run directory) or the trace file itself."""
+    """A trace from OUT (a run directory) or the trace file itself; one that cannot be read,
+    is cut off or is not numesh's (no events, no numesh metadata) is a TraceError naming it."""
     path = Path(path)
     if path.is_dir():
         path = path / "trace.json"
-    return json.loads(path.read_text())
+    try:
+        trace = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        why = getattr(e, "strerror", None) or e
+        raise TraceError(f"{path} cannot be read as a trace ({why}): {_REWRITE}") from None
+    if not (isinstance(trace, dict) and isinstance(trace.get("traceEvents"), list)
+            and isinstance(trace.get("otherData"), dict) and isinstance(meta(trace), dict) and meta(trace)):
+        raise TraceError(f"{path} is not a numesh trace (no traceEvents or no otherData.numesh): {_REWRITE}")
+    return trace
+
+
+def report_of(path: str | Path) -> dict[str, Any]:
+    """`build(load(path))`; a trace whose events or metadata lack what the report needs (a
+    hand-edited or foreign file) is a TraceError naming the file and what was missing."""
+    trace = load(path)
+    try:
+        return build(trace)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, StopIteration, ZeroDivisionError) as e:
+        raise TraceError(f"{path} is not a complete numesh trace ({type(e).__name__}: {e}): {_REWRITE}") from None
 
 
 def meta(trace: dict) -> dict:

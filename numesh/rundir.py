@@ -21,7 +21,7 @@ from typing import Any
 from mpi4py import MPI
 
 from numesh.errors import ConfigError, abort_job
-from numesh.files import write_atomic
+from numesh.files import os_reason, write_atomic
 
 LOCK_FILE = ".lock"
 RUN_FILES = ("config.json", "metrics.jsonl")  # what makes a directory a run's
@@ -32,7 +32,7 @@ class RunDir:
     lock), refused if it already holds a run unless resuming or told to overwrite, checked
     for space for a checkpoint; `write` appends a metrics line."""
 
-    def __init__(self, out: Path, comm: MPI.Comm, resume: bool, overwrite: bool, ckpt_bytes: int,
+    def __init__(self, out: Path, comm: MPI.Comm, resume: str | Path | None, overwrite: bool, ckpt_bytes: int,
                  config: dict[str, Any], resume_step: int = 0):
         self.out, self.comm, self.resume_step = out, comm, resume_step
         self._lock = self.metrics = None
@@ -41,22 +41,25 @@ class RunDir:
             try:
                 self._open(resume, overwrite, ckpt_bytes, config)
             except (ConfigError, OSError) as e:
-                error = str(e) if isinstance(e, ConfigError) else f"cannot use --out {out}: {e}"
+                error = str(e) if isinstance(e, ConfigError) else f"cannot use --out {out}: {os_reason(e)}"
                 self.close()
         error = comm.bcast(error, root=0)
         if error:
             raise ConfigError(error)
 
-    def _open(self, resume: bool, overwrite: bool, ckpt_bytes: int, config: dict[str, Any]) -> None:
+    def _open(self, resume: str | Path | None, overwrite: bool, ckpt_bytes: int, config: dict[str, Any]) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         self._take_lock()
         existing = [n for n in (*RUN_FILES, "ckpt") if (self.out / n).exists()]
-        if existing and not (resume or overwrite):
+        own = bool(resume) and _is_within(Path(resume), self.out / "ckpt")  # continuing this run
+        if existing and resume and not own and not overwrite:
             raise ConfigError(
-                f"--out {self.out} already holds a run ({', '.join(existing)}): pass --resume "
-                f"{self.out / 'ckpt' / 'latest'} to continue it, --overwrite to replace it, or another --out"
-            )
-        if overwrite and not resume:
+                f"--out {self.out} already holds another run ({', '.join(existing)}) and --resume {resume} is not "
+                "one of its checkpoints: its metrics would mix with this run's; pass --overwrite to replace it, "
+                "or another --out")
+        if existing and not (resume or overwrite):
+            raise ConfigError(f"--out {self.out} already holds a run ({', '.join(existing)}): {_reuse_hint(self.out)}")
+        if overwrite and not own:  # never the checkpoint being resumed from
             for name in existing:
                 shutil.rmtree(self.out / name) if (self.out / name).is_dir() else (self.out / name).unlink()
         free = shutil.disk_usage(self.out).free
@@ -121,6 +124,24 @@ class RunDir:
         if self._lock is not None:
             os.close(self._lock)  # releases the flock
             self._lock = None
+
+
+def _is_within(path: Path, folder: Path) -> bool:
+    """Whether `path` (links such as `latest` followed) lies inside `folder`."""
+    try:
+        return path.resolve().is_relative_to(folder.resolve())
+    except OSError:
+        return False
+
+
+def _reuse_hint(out: Path) -> str:
+    """What to do about a run already in `out`: --resume only where its `latest` checkpoint
+    exists (a run that crashed before its first save has none, and suggesting it led to a
+    second error)."""
+    latest = out / "ckpt" / "latest"
+    if latest.exists():
+        return f"pass --resume {latest} to continue it, --overwrite to replace it, or another --out"
+    return "it has no checkpoint to resume from: pass --overwrite to replace it, or another --out"
 
 
 class MetricsWriteError(ConfigError):

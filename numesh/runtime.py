@@ -21,7 +21,7 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from numesh.errors import ConfigError, Interrupted, abort_job
-from numesh.files import write_atomic
+from numesh.files import os_reason, write_atomic
 from numesh.threads import over_batch, set_cores, set_threads
 
 T = TypeVar("T")
@@ -58,7 +58,9 @@ def set_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None) -
 def env_threads() -> int | None:
     """The thread count the environment asks for: the first of OMP_NUM_THREADS,
     OPENBLAS_NUM_THREADS, MKL_NUM_THREADS that is set and not empty, else None. A value that is
-    not a whole number >= 1 is a ConfigError naming the variable (it was once silently ignored)."""
+    not a whole number >= 1 is a ConfigError naming the variable (it was once silently ignored),
+    in any of them: the BLAS libraries read the later ones too."""
+    counts = []
     for var in _THREAD_ENV:
         value = os.environ.get(var, "").strip()
         if not value:
@@ -66,8 +68,8 @@ def env_threads() -> int | None:
         if not (value.isascii() and value.isdigit()) or int(value) < 1:
             raise ConfigError(f"{var}={os.environ[var]!r} must be a whole number >= 1 (threads per rank): "
                               f"set it to one or unset it")
-        return int(value)
-    return None
+        counts.append(int(value))
+    return counts[0] if counts else None
 
 
 # One process stops scaling early (issue #14, a 16-core Xeon, default model: 83/51/47/70/102
@@ -211,7 +213,7 @@ def core_peak_flops(dtype=np.float32) -> tuple[float, str]:
         write_atomic(path, json.dumps(cache, indent=1))
         return now, f"{what}, cached in {path}"
     except OSError as e:
-        return now, f"{what}; not cached ({e.strerror or e})"
+        return now, f"{what}; not cached ({os_reason(e)})"
 
 
 def host_cores_used(cores: int, rank_threads: list[int]) -> int:

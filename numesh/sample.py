@@ -57,11 +57,16 @@ def pick(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.rand
     """Next token per row: argmax when temperature is 0, else a draw from the tempered top-k softmax."""
     if temperature == 0.0:
         return logits.argmax(axis=-1)
-    z = logits.astype(np.float64) / temperature
+    # the largest logit subtracted before dividing: a tiny temperature (1e-320) then sends the
+    # others to -inf and keeps the best at 0, where dividing first made inf - inf = NaN and a
+    # draw of token 0 (a newline, for a character model), whatever the logits
+    z = logits.astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)
+    with np.errstate(over="ignore"):
+        z /= temperature
     if top_k is not None and top_k < z.shape[-1]:
         kth = np.partition(z, -top_k, axis=-1)[:, -top_k][:, None]
         z = np.where(z < kth, -np.inf, z)
-    z -= z.max(axis=-1, keepdims=True)
     p = np.exp(z)
     p /= p.sum(axis=-1, keepdims=True)
     u = rng.random((z.shape[0], 1))

@@ -354,7 +354,7 @@ def _resume(trainer: Trainer, cfg: TrainConfig) -> None:
 def _open_run(trainer: Trainer, cfg: TrainConfig) -> RunDir:
     """Lock OUT, refuse to reuse a run unless resuming or overwriting, check room for a checkpoint."""
     ckpt_bytes = 3 * trainer.n_params * np.dtype(trainer.dtype).itemsize  # params and both moments
-    return RunDir(Path(cfg.out), trainer.mesh.world, bool(cfg.resume), cfg.overwrite, ckpt_bytes, attrs.asdict(cfg),
+    return RunDir(Path(cfg.out), trainer.mesh.world, cfg.resume or None, cfg.overwrite, ckpt_bytes, attrs.asdict(cfg),
                   resume_step=trainer.step)
 
 
@@ -388,11 +388,12 @@ def train(
     if cfg.resume:
         _resume(trainer, cfg)
     start, out = trainer.step, Path(cfg.out)
-    if hint := dp_hint(trainer.mesh.world.Get_size(), threads(), cfg.batch_size, cfg.micro_batches):
-        log(hint)
-    peak, source = job_peak_flops(trainer)  # MFU's denominator (docs/observability.md)
-    log(f"MFU peak: {peak / 1e9:.1f} GFLOP/s ({source})")
-    run = _open_run(trainer, cfg)
+    run = _open_run(trainer, cfg)  # before the peak is measured: a refused --out is said at once, and first
+    try:
+        peak = _announce(trainer)
+    except BaseException:
+        run.close()
+        raise
     observed_before = trainer.mesh.observer
     observer = _attach_observers(trainer, out)
     if cfg.trace:  # after the flight recorder: its wait, first in the chain, polls with a deadline
@@ -419,6 +420,16 @@ def train(
         checkpoint=str(out / "ckpt" / "latest"),
         metrics=str(out / "metrics.jsonl"),
     )
+
+
+def _announce(trainer: Trainer) -> float:
+    """Log the dp hint (when it applies) and MFU's peak, measured here (collective); return the peak."""
+    cfg = trainer.cfg
+    if hint := dp_hint(trainer.mesh.world.Get_size(), threads(), cfg.batch_size, cfg.micro_batches):
+        log(hint)
+    peak, source = job_peak_flops(trainer)  # MFU's denominator (docs/observability.md)
+    log(f"MFU peak: {peak / 1e9:.1f} GFLOP/s ({source})")
+    return peak
 
 
 def _run_steps(trainer: Trainer, start: int, run: RunDir, watch: InterruptWatch,

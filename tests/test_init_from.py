@@ -8,6 +8,7 @@ that does not exist or --resume beside it: one-line errors.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import attrs
@@ -17,7 +18,7 @@ from mpi4py import MPI
 
 from conftest import WORLD, assert_same_run, cli, one_error_line, serial_reference, small_run_config, train_records
 from numesh.checkpoint import export_hf, export_nanogpt, read_global_params
-from numesh.errors import ConfigError
+from numesh.errors import ConfigError, UserError
 from numesh.train import Trainer, train
 from numesh.tree import tree_leaves_with_path
 
@@ -74,6 +75,19 @@ def test_init_from_refuses_what_does_not_fit(shared_dataset: Path, tmp_path: Pat
                               "--block-size", "8", "--n-embd", "16", "--n-head", "4", "--bias",
                               "--out", str(tmp_path / "cli"), "--max-iters", "1"))
     assert "set --n-layer to match" in line
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("tokenizer.json", "{", "is not a transformers directory numesh reads (Expecting"),  # was a JSONDecodeError
+    ("tokenizer.json", '{"model": 3}', "another tokenizer than --data's"),  # was an AttributeError
+    ("config.json", "[]", "config.json is not a JSON object"),  # was an AttributeError
+])
+def test_a_broken_transformers_directory_is_one_line(shared_dataset: Path, tmp_path: Path, name: str, text: str,
+                                                    says: str) -> None:
+    _, hf, _ = _source(shared_dataset, tmp_path)
+    (hf / name).write_text(text)
+    with pytest.raises(UserError, match=re.escape(says)):
+        Trainer(small_run_config(shared_dataset, tmp_path / "ft", "", init_from=str(hf)), MPI.COMM_SELF)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -55,11 +55,14 @@ def test_max_iters_0_is_refused(char_dataset: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("var, value", [("OMP_NUM_THREADS", "abc"), ("OPENBLAS_NUM_THREADS", "0"),
-                                        ("OMP_NUM_THREADS", "-2")])
+                                        ("OMP_NUM_THREADS", "-2"), ("MKL_NUM_THREADS", "abc")])
 def test_a_bad_thread_variable_is_one_line_naming_it(char_dataset: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> None:
+    """Also when an earlier one is good: MKL_NUM_THREADS=abc beside OMP_NUM_THREADS=1 was ignored."""
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
+    if var != "OMP_NUM_THREADS":
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv(var, value)
     line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--max-iters", "1"))
     assert f"{var}='{value}' must be a whole number >= 1" in line
@@ -104,3 +107,216 @@ def test_a_train_error_is_the_first_line_not_after_a_blank_one(char_dataset: Pat
     res = cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--mesh", "tp=3")
     one_error_line(res)
     assert res.stderr.startswith("error: mesh pp=1,dp=1,cp=1,tp=3 needs 3 ranks"), repr(res.stderr)
+
+
+def _float_options() -> list[str]:
+    import attrs
+
+    from numesh.config import TrainConfig, field_type
+
+    return [f.name for f in attrs.fields(TrainConfig) if field_type(f) is float]
+
+
+@pytest.mark.parametrize("name", _float_options())
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_no_float_option_of_train_or_plan_takes_nan_or_inf(name: str, value: float) -> None:
+    """Range checks compare, and NaN compares False: --weight-decay nan, --grad-clip nan,
+    --min-lr inf, --peak-flops inf, --collective-timeout nan used to be accepted (and
+    --bucket-mb nan was a traceback in `numesh plan`)."""
+    from numesh.config import check_options, config_from
+    from numesh.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} must be a finite number, got {value}"):
+        check_options(config_from({name: value}), 1)
+
+
+def test_a_nan_in_the_toml_config_is_one_line_too(char_dataset: Path, tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text("weight_decay = nan\n")
+    line = one_error_line(cli("train", "--config", str(toml), "--data", str(char_dataset), "--out",
+                              str(tmp_path / "o")))
+    assert line == "error: --weight-decay must be a finite number, got nan"
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("option, value", [("--data", ""), ("--data", " "), ("--resume", " "), ("--init-from", "\t")])
+def test_a_blank_path_option_is_one_line(char_dataset: Path, tmp_path: Path, option: str, value: str) -> None:
+    """A blank --data or --resume once read as the directory '' ("no checkpoint at  :")."""
+    args = ["--data", str(char_dataset), "--out", str(tmp_path / "o"), "--max-iters", "1", option, value]
+    line = one_error_line(cli("train", *args))
+    assert line == f"error: {option} must name a path, got {value!r}"
+
+
+def test_an_empty_model_preset_is_unknown_not_none(char_dataset: Path, tmp_path: Path) -> None:
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--model", ""))
+    assert "unknown model preset ''" in line
+
+
+def test_a_run_that_cannot_fit_in_memory_is_refused_at_once(char_dataset: Path, tmp_path: Path) -> None:
+    """`--block-size 100000` once allocated for 99 s and died in a 59-line _ArrayMemoryError:
+    the planner's bytes per rank are now checked against free memory before anything is
+    allocated (here a batch of 10^8 sequences, terabytes on any machine)."""
+    import time
+
+    t0 = time.perf_counter()
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"),
+                              "--batch-size", str(10**8)))
+    assert time.perf_counter() - t0 < 10
+    assert line.startswith("error: this run needs ~") and " TiB per rank (" in line and " is free here" in line
+    assert "--block-size" in line and "numesh plan --ranks N" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_memory_check_names_both_numbers_and_leaves_the_readmes_runs_alone() -> None:
+    from numesh.config import config_from
+    from numesh.errors import ConfigError
+    from numesh.plan.fits import check_fits, run_memory
+    from numesh.plan.memory import RankMemory
+
+    need = RankMemory(params=2**30, grads=2**30, optimizer=2**31, workspace=0, activations=4 * 2**30, comm_buffers=0)
+    with pytest.raises(ConfigError, match=r"needs ~8.0 GiB per rank \(4.0 GiB of it activations\) but 4.0 GiB of "
+                                          r"memory is free here, 1.0 GiB for each of 4 ranks: "):
+        check_fits(need, 2**30, 4)
+    check_fits(need, 8 * 2**30, 1)
+    one = {"pp": 1, "dp": 1, "cp": 1, "tp": 1}
+    assert run_memory(config_from({}), one, 65, 16).total < 100 * 2**20  # the quick start: tens of MiB
+    gpt2 = config_from({"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "bias": True,
+                        "batch_size": 4})
+    assert run_memory(gpt2, one, 8192, 2).total < 6 * 2**30  # the README's GPT-2 step: 5.4 GiB peak RSS measured
+
+
+# ---------------------------------------------------------------------------------------
+# files a command cannot write or read: one line, whatever the filesystem says
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from conftest import make_dataset
+
+    root = tmp_path_factory.mktemp("run")
+    data = make_dataset(root / "data")
+    res = cli("train", "--data", str(data), "--out", str(root / "run"), "--n-layer", "1", "--n-head", "2",
+              "--n-embd", "16", "--block-size", "8", "--batch-size", "4", "--max-iters", "2", "--eval-iters", "1",
+              "--peak-flops", "1e12")
+    assert res.exit_code == 0, res.output
+    return root / "run"
+
+
+def _in_the_way(tmp_path: Path) -> Path:
+    """A file where a directory must be: writing under it fails for root too (a read-only
+    directory does not stop root, who runs these tests in some containers)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    return blocker
+
+
+@pytest.mark.parametrize("command", [
+    ["reshard", "{ckpt}", "--to", "tp=2", "--out", "{bad}/x"],  # was a 12-line OSError
+    ["export", "{ckpt}", "--out", "{bad}/m.safetensors"],  # was "exists: pass --force to overwrite"
+    ["export", "{ckpt}", "--out", "{bad}/hf", "--format", "hf"],
+    ["plot", "{run}", "--out", "{bad}/loss.png"],  # was "(File exists)"
+    ["train", "--data", "{data}", "--out", "{bad}/run", "--max-iters", "1"],  # said after measuring the MFU peak
+    # a traceback, after calibrating
+    ["plan", "--calibrate", "--data", "{data}", "--profile-out", "{bad}/local.json"],
+])
+def test_an_output_under_a_file_is_one_line_naming_the_file(tiny_run: Path, tmp_path: Path,
+                                                            command: list[str]) -> None:
+    bad = _in_the_way(tmp_path)
+    names = {"ckpt": str(tiny_run / "ckpt" / "latest"), "run": str(tiny_run), "bad": str(bad),
+             "data": str(tiny_run.parent / "data")}
+    line = one_error_line(cli(*[part.format(**names) for part in command]))
+    assert f"{bad} is a file, not a directory" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_reshard_into_a_read_only_directory_is_one_line(tiny_run: Path, tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        line = one_error_line(cli("reshard", str(tiny_run / "ckpt" / "latest"), "--to", "tp=2", "--out",
+                                  str(ro / "x")))
+    finally:
+        ro.chmod(0o755)
+    assert line == f"error: cannot write --out {ro / 'x'}: Permission denied: choose another --out"
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"traceEvents": [{"ph": "X", "pid"', "cannot be read as a trace (Expecting"),  # cut off mid-write
+    ("", "cannot be read as a trace (Expecting value"),
+    ("{}", "is not a numesh trace (no traceEvents or no otherData.numesh)"),
+    ("[]", "is not a numesh trace"),
+    ('{"traceEvents": [], "otherData": {"numesh": {"mesh": {}}}}', "is not a complete numesh trace (ValueError"),
+])
+def test_report_on_a_broken_trace_is_one_line(tmp_path: Path, text: str, says: str) -> None:
+    """A truncated or `{}` trace.json was a 17–20-line traceback."""
+    path = tmp_path / "trace.json"
+    path.write_text(text)
+    for target in (path, tmp_path):  # the file, or the run directory holding it
+        line = one_error_line(cli("report", str(target)))
+        assert line.startswith(f"error: {path} ") and says in line
+        assert line.endswith("write a new one with `numesh train --trace --out OUT`")
+
+
+def test_report_on_a_flight_directory_it_cannot_read_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "flight").mkdir()
+    (tmp_path / "flight" / "meta-0.json").write_text("{}")
+    line = one_error_line(cli("report", str(tmp_path)))
+    assert "not found and no flight record there" in line
+
+
+@pytest.mark.parametrize("what", ["a directory", "a run directory", "a text file", "a cut-off export"])
+def test_sample_from_something_that_is_not_a_checkpoint_is_one_line(tiny_run: Path, tmp_path: Path,
+                                                                    what: str) -> None:
+    ckpt = {"a directory": tmp_path, "a run directory": tiny_run, "a text file": tiny_run / "config.json"}.get(what)
+    if what == "a cut-off export":
+        whole = tmp_path / "m.safetensors"
+        assert cli("export", str(tiny_run / "ckpt" / "latest"), "--out", str(whole)).exit_code == 0
+        ckpt = tmp_path / "cut.safetensors"
+        ckpt.write_bytes(whole.read_bytes()[:100])
+    line = one_error_line(cli("sample", "--ckpt", str(ckpt), "--max-new-tokens", "2"))
+    assert str(ckpt) in line
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 1e-300, 1e-30])
+def test_a_tiny_temperature_samples_the_most_likely_token_not_token_0(temperature: float) -> None:
+    """Dividing by 1e-320 before subtracting the largest logit made inf - inf = NaN and every
+    draw token 0: a newline, like the NaN temperature the issue found."""
+    import numpy as np
+
+    from numesh.sample import pick
+
+    logits = np.array([[1.0, 3.0, 2.0], [5.0, -1.0, 4.5]], dtype=np.float32)
+    for top_k in (None, 2):
+        got = pick(logits, temperature, top_k, np.random.default_rng(0))
+        np.testing.assert_array_equal(got, [1, 0])
+
+
+def test_the_run_never_lands_in_its_dataset_directory(char_dataset: Path) -> None:
+    """--out equal to --data wrote config.json, metrics.jsonl and ckpt/ among the token files."""
+    before = sorted(p.name for p in char_dataset.iterdir())
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(char_dataset / "." / ""),
+                              "--max-iters", "1"))
+    assert line == f"error: --out {char_dataset} is the dataset directory --data: name another directory for the run"
+    assert sorted(p.name for p in char_dataset.iterdir()) == before
+
+
+def test_export_to_an_empty_out_is_refused_not_the_current_directory(tiny_run: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--out ""` (an unset shell variable) is Path("."): with --format hf --force the export
+    landed among the current directory's files."""
+    monkeypatch.chdir(tmp_path)
+    for fmt in ("hf", "nanogpt"):
+        line = one_error_line(cli("export", str(tiny_run / "ckpt" / "latest"), "--out", "", "--format", fmt, "--force"))
+        assert line == "error: --out must name a file or directory to write, got ''"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_config_file_that_is_not_utf8_toml_is_one_line(char_dataset: Path, tmp_path: Path) -> None:
+    """A binary or Latin-1 --config file was a UnicodeDecodeError traceback."""
+    toml = tmp_path / "run.toml"
+    toml.write_bytes(b"seed = 1 # \xe9t\xe9\n")
+    line = one_error_line(cli("train", "--config", str(toml), "--data", str(char_dataset), "--out",
+                              str(tmp_path / "o")))
+    assert line.startswith(f"error: config file {toml} is not valid TOML: 'utf-8' codec can't decode")

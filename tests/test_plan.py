@@ -474,7 +474,19 @@ def test_cli_preset_at_scale() -> None:
     (["--ranks", "7"], "no layout of this model uses 7 ranks"),
     (["--ranks", "2", "--memory-per-rank", "1KiB"], "no layout of this model fits in 1.0 KiB per rank"),
     (["--ranks", "2", "--hardware", "tpu-v9"], "unknown hardware profile 'tpu-v9'"),
-    (["--ranks", "2", "--memory-per-rank", "lots"], "is not a size"),
+    (["--ranks", "2", "--memory-per-rank", "lots"], "is not a finite size > 0"),
+    (["--ranks", "2", "--memory-per-rank", "0"], "is not a finite size > 0"),  # once "no limit", silently
+    (["--ranks", "2", "--memory-per-rank", "1e999"], "is not a finite size > 0"),
+    (["--ranks", "2", "--memory-per-rank", ""], "is not a finite size > 0"),  # once the default, silently
+    (["--ranks", "2", "--top", "0"], "--top must be >= 1"),
+    (["--ranks", "2", "--model", ""], "unknown model preset ''"),  # once no preset, silently
+    (["--ranks", "2", "--bucket-mb", "nan"], "--bucket-mb must be a finite number, got nan"),  # once a traceback
+    # a model no layout runs is said as such, not as "no layout uses 2 ranks: 2 works"
+    (["--ranks", "2", "--block-size", "0"], "block_size must be >= 1, got 0"),
+    # options of the other mode, once ignored without a word
+    (["--ranks", "2", "--profile-out", "p.json"], "--profile-out is where --calibrate saves"),
+    (["--calibrate", "--ranks", "4"], "--calibrate measures the ranks of its own job"),
+    (["--calibrate", "--memory-per-rank", "1GiB"], "--memory-per-rank is a limit for planning"),
     (["--ranks", "2", "--model", "gpt5"], "unknown model preset 'gpt5'"),
     ([], "give --ranks N"),
 ])
@@ -618,3 +630,65 @@ def test_the_wait_fit_takes_the_machine_speed_out() -> None:
     assert q == pytest.approx(0.002 / calls) and r == pytest.approx(0.002 / compute)
     assert sync_from_step(0.030, pred, compute, calls) == (0.0, 0.0)  # faster than predicted: no negative wait
     assert sync_from_step(0.050, pred, compute, 0) == (0.0, 0.0)  # nothing to spread it over
+
+
+def _calibrated(counts: tuple[int, ...]) -> Profile:
+    """A measured profile as `--calibrate` runs on each of `counts` ranks leave it (one rank times no collectives)."""
+    profiles = [_measured_profile(n) for n in counts]
+    measured = {n: attrs.evolve(p.measured[n], collectives={} if n == 1 else p.measured[n].collectives)
+                for n, p in zip(counts, profiles)}
+    return attrs.evolve(profiles[0], name="local", measured=measured)
+
+
+def test_a_one_rank_calibration_plans_more_ranks_in_one_line(char_dataset: Path, tmp_path: Path) -> None:
+    """`numesh plan --calibrate` on one process times no communication: planning 2 ranks on
+    it said `ValueError: min() arg is an empty sequence`; now one line saying how to calibrate."""
+    path = save_profile(_calibrated((1,)), tmp_path / "local.json")
+    for ranks in ("2", "8"):
+        res = invoke(["--ranks", ranks, "--data", str(char_dataset), "--hardware", str(path)])
+        lines = [line for line in res.stderr.splitlines() if line.strip()]
+        assert res.exit_code == 2 and len(lines) == 1, res.output
+        assert lines[0].startswith("error: hardware profile local was calibrated on one rank, which times no "
+                                   f"communication: to plan for {ranks} ranks") and "mpirun -n " in lines[0]
+    assert invoke(["--ranks", "1", "--data", str(char_dataset), "--hardware", str(path)]).exit_code == 0
+
+
+def test_plan_says_when_it_extrapolates_other_rank_counts(char_dataset: Path, tmp_path: Path) -> None:
+    """Calibrated on 1 and 2 ranks: 2 ranks are measured (no note), 4 and 16 take compute and
+    communication from the 2-rank measurement, and say so; a 1-rank measurement beside a
+    4-rank one times 2 ranks' communication with the 4-rank collectives."""
+    path = save_profile(_calibrated((1, 2)), tmp_path / "local.json")
+    args = ["--data", str(char_dataset), "--hardware", str(path), "--top", "1"]
+    res = invoke(["--ranks", "2", *args])
+    assert res.exit_code == 0 and "note:" not in res.stderr, res.output
+    for ranks in ("4", "16"):
+        res = invoke(["--ranks", ranks, *args])
+        assert res.exit_code == 0, res.output
+        assert (f"note: profile local was calibrated with 1 and 2 ranks, not {ranks}: compute is scaled from the "
+                "2-rank measurement; communication is extrapolated from the 2-rank one") in res.stderr
+    assert _calibrated((1, 4)).comm_measurement(2).ranks == 4
+
+
+def test_a_profile_that_is_not_a_json_object_is_one_line(char_dataset: Path, tmp_path: Path) -> None:
+    """A binary file was a UnicodeDecodeError traceback; [] read as 'missing name and source'."""
+    for content, says in ((b"\xff\xfe", "is not valid JSON: 'utf-8' codec"), (b"[]", "is not a JSON object")):
+        (tmp_path / "hw.json").write_bytes(content)
+        res = invoke(["--ranks", "2", "--data", str(char_dataset), "--hardware", str(tmp_path / "hw.json")])
+        lines = [line for line in res.stderr.splitlines() if line.strip()]
+        assert res.exit_code == 2 and len(lines) == 1 and says in lines[0], res.output
+
+
+@pytest.mark.parametrize("entry, says", [
+    ('"peak_flops": "abc"', "peak_flops must be a finite number >= 0, got 'abc'"),  # was a TypeError in the plan
+    ('"peak_flops": NaN', "peak_flops must be a finite number >= 0, got nan"),
+    ('"gemm_efficiency": 0', "gemm_efficiency must be a finite number > 0, got 0"),
+    ('"intra": {"latency_s": 1e-6, "bandwidth": 0}', "intra.bandwidth must be a finite number > 0, got 0"),
+])
+def test_a_hand_written_profile_with_a_bad_number_is_one_line(char_dataset: Path, tmp_path: Path, entry: str,
+                                                              says: str) -> None:
+    base = {"name": "x", "source": "by hand", "peak_flops": 1e12, "mem_bandwidth": 1e12}
+    text = json.dumps(base)[:-1] + ", " + entry + "}"  # a later key wins
+    (tmp_path / "hw.json").write_text(text)
+    res = invoke(["--ranks", "2", "--data", str(char_dataset), "--hardware", str(tmp_path / "hw.json")])
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == 2 and lines == [f"error: hardware profile {tmp_path / 'hw.json'}: {says}"], res.output

@@ -70,11 +70,26 @@ def test_a_fresh_run_never_reuses_a_run_directory(char_dataset: Path, tmp_path: 
     first = (out / "metrics.jsonl").read_text()
     res, errors = run(char_dataset, out, "--max-iters", "4")
     assert res.exit_code == 2 and len(errors) == 1 and "already holds a run" in errors[0]
+    assert f"pass --resume {out / 'ckpt' / 'latest'} to continue it" in errors[0]
     assert (out / "metrics.jsonl").read_text() == first  # nothing truncated or mixed
     res, _ = run(char_dataset, out, "--max-iters", "4", "--overwrite")
     assert res.exit_code == 0, res.output
     assert [p.name for p in (out / "ckpt").iterdir() if p.name.startswith("step_")] == ["step_000004"]
     assert strict_lines(out / "metrics.jsonl")[-1]["step"] == 4
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_is_not_told_to_resume(char_dataset: Path,
+                                                                               tmp_path: Path) -> None:
+    """A run that died before any save leaves config.json and metrics.jsonl but no
+    ckpt/latest: the next run was told to pass --resume OUT/ckpt/latest, which does not exist."""
+    out = tmp_path / "run"
+    res, _ = run(char_dataset, out, "--learning-rate", "1e4", "--max-iters", "300")  # diverges, saves nothing
+    assert res.exit_code == 2 and not (out / "ckpt" / "latest").exists() and (out / "metrics.jsonl").exists()
+    res, errors = run(char_dataset, out, "--max-iters", "4")
+    assert res.exit_code == 2 and len(errors) == 1, res.output
+    assert errors[0].endswith("it has no checkpoint to resume from: pass --overwrite to replace it, or another --out")
+    assert "--resume" not in errors[0]
+    assert run(char_dataset, out, "--max-iters", "4", "--overwrite")[0].exit_code == 0  # what it says works
 
 
 def test_a_locked_directory_names_its_holder(char_dataset: Path, tmp_path: Path) -> None:
@@ -144,3 +159,26 @@ def test_a_failing_metrics_write_is_one_line(char_dataset: Path, tmp_path: Path,
     res, errors = run(char_dataset, tmp_path / "run", "--max-iters", "5")
     assert res.exit_code == 2, res.output
     assert len(errors) == 1 and "cannot write" in errors[0] and "No space left on device" in errors[0]
+
+
+def test_resuming_another_runs_checkpoint_into_a_run_directory_needs_overwrite(char_dataset: Path,
+                                                                               tmp_path: Path) -> None:
+    """--resume A/ckpt/latest --out B, with B holding a run of its own, kept B's metrics lines
+    before the step and appended A's continuation: two runs mixed in one metrics.jsonl, silently.
+    Now it needs --overwrite, which replaces B (and never touches A)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert run(char_dataset, a, "--max-iters", "2")[0].exit_code == 0
+    assert run(char_dataset, b, "--max-iters", "6", "--seed", "7")[0].exit_code == 0
+    before = (b / "metrics.jsonl").read_text()
+    res, errors = run(char_dataset, b, "--max-iters", "4", "--resume", str(a / "ckpt" / "latest"))
+    assert res.exit_code == 2 and len(errors) == 1, res.output
+    assert "already holds another run" in errors[0] and "pass --overwrite to replace it" in errors[0]
+    assert (b / "metrics.jsonl").read_text() == before
+    res, _ = run(char_dataset, b, "--max-iters", "4", "--resume", str(a / "ckpt" / "latest"), "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert [r["step"] for r in strict_lines(b / "metrics.jsonl") if "loss" in r] == [2, 3]
+    assert (a / "ckpt" / "latest").exists()
+    # continuing B from its own checkpoint needs nothing more, and --overwrite there deletes nothing
+    res, _ = run(char_dataset, b, "--max-iters", "5", "--resume", str(b / "ckpt" / "latest"), "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert [r["step"] for r in strict_lines(b / "metrics.jsonl") if "loss" in r] == [2, 3, 4]

@@ -18,6 +18,7 @@ import numpy as np
 from numesh.checkpoint.common import read_group, read_meta
 from numesh.checkpoint.format import DTYPES, write_file_atomic
 from numesh.errors import CheckpointError, DataError
+from numesh.files import os_reason
 from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
 from numesh.nn.layers import LayerNorm, Linear
 from numesh.tokenizer import tokenizer_from_meta
@@ -142,12 +143,15 @@ def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = N
     # write them with open(), which gives the mode the user's umask says
     data = save(sd, metadata=metadata)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)  # FileExistsError here: a file where a directory should be
+    except OSError as e:
+        raise CheckpointError(f"cannot write {out}: {os_reason(e)}") from None
+    try:
         write_file_atomic(out, data, overwrite=force)
     except FileExistsError:
         raise CheckpointError(f"{out} exists: pass --force to overwrite") from None
     except OSError as e:
-        raise CheckpointError(f"cannot write {out}: {e.strerror or e}") from None
+        raise CheckpointError(f"cannot write {out}: {os_reason(e)}") from None
     return out
 
 

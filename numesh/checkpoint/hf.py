@@ -21,7 +21,7 @@ from numesh.checkpoint.common import read_group, read_meta
 from numesh.checkpoint.export import to_nanogpt
 from numesh.checkpoint.format import DTYPES
 from numesh.errors import CheckpointError
-from numesh.files import write_atomic
+from numesh.files import os_reason, write_atomic
 from numesh.nn.gpt import GPTConfig
 from numesh.nn.layers import LN_EPS
 from numesh.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
@@ -101,7 +101,7 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
         for fname, text in files.items():
             write_atomic(out / fname, text)
     except OSError as e:
-        raise CheckpointError(f"cannot write {out}: {e.strerror or e}") from None
+        raise CheckpointError(f"cannot write {out}: {os_reason(e)}") from None
     return out
 
 
@@ -143,11 +143,15 @@ def import_hf(directory: str | Path) -> tuple[GPTConfig, str, Any]:
     try:
         cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
         tok_text = (d / "tokenizer.json").read_text(encoding="utf-8")
+        objects = {"config.json": cfg, "tokenizer.json": json.loads(tok_text)}  # both JSON objects, checked here
         with safe_open(str(d / "model.safetensors"), framework="numpy") as f:
             sd = {k: f.get_tensor(k) for k in f.keys()}
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, SafetensorError) as e:
         raise CheckpointError(f"{d} is not a transformers directory numesh reads ({e}): it needs config.json, "
                               "tokenizer.json and model.safetensors") from None
+    for name, obj in objects.items():
+        if not isinstance(obj, dict):
+            raise CheckpointError(f"{d / name} is not a JSON object: export the directory again")
     sd = {k.removeprefix("model."): v for k, v in sd.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
     bias = any(k.endswith(".bias") and np.any(v) for k, v in sd.items())
     model = _hf_model(cfg, d, bias)

@@ -34,7 +34,8 @@ def _same_tokenizer(tok_text: str, dataset: CharTokenizer | HFTokenizer) -> bool
     theirs = json.loads(tok_text)
     if isinstance(dataset, HFTokenizer):
         return theirs == json.loads(dataset.json_text)
-    return theirs.get("model", {}).get("vocab") == {c: i for i, c in enumerate(dataset.chars)}
+    model = theirs.get("model")
+    return isinstance(model, dict) and model.get("vocab") == {c: i for i, c in enumerate(dataset.chars)}
 
 
 def load_init(path: str | Path, model: GPTConfig, dataset: CharTokenizer | HFTokenizer, dtype: Any) -> GPT:

@@ -20,6 +20,7 @@ from numesh.checkpoint.format import (
     write_text_synced,
 )
 from numesh.errors import CheckpointError, ConfigError
+from numesh.files import os_reason
 from numesh.mesh import AXES, MeshError, parse_mesh
 from numesh.mesh.mesh import parse_axis_sizes
 from numesh.pipeline.stages import StageLayout
@@ -59,10 +60,10 @@ def reshard(path: str | Path, to: str, out: str | Path | None = None) -> Path:
     if out.exists() or out.is_symlink():
         raise CheckpointError(f"{out} already exists: choose another --out or remove it")
     tmp = out.parent / f"{TMP_PREFIX}{out.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
         doc = dict(meta.raw)
         doc["mesh"] = dict(sizes)
         doc["resharded_from"] = {"dir": meta.root.name, "mesh": src_mesh}
@@ -70,8 +71,10 @@ def reshard(path: str | Path, to: str, out: str | Path | None = None) -> Path:
         write_text_synced(tmp / META_FILE, json.dumps(doc, indent=1))
         fsync_dir(tmp)
         install_dir(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # a read-only or full filesystem, a file where a directory should be
+            raise CheckpointError(f"cannot write --out {out}: {os_reason(e)}: choose another --out") from None
         raise
     return out
 

@@ -125,9 +125,11 @@ def postmortem(flight_dir: str | Path) -> str | None:
     metas = []
     for path in flight_dir.glob("meta-*.json"):
         try:
-            metas.append(json.loads(path.read_text()))
+            m = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        if isinstance(m, dict) and isinstance(m.get("run"), int) and isinstance(m.get("shape"), dict):
+            metas.append(m)  # anything else is not a flight recorder's (a hand-edited or foreign file)
     if not metas:
         return None
     diag = flight_dir / "diagnosis.txt"
@@ -142,6 +144,8 @@ def postmortem(flight_dir: str | Path) -> str | None:
         if s is not None:
             s.alive = None  # every process is gone now; which died first is what we infer
     known = [s for s in states.values() if s is not None]
+    if not known:  # the metadata without a ring: nothing recorded to diagnose
+        return None
     end = max(max(s.last_activity(), s.wait_since) for s in known)
     title = (f"numesh flight recorder (post-mortem): the job ended at {time.strftime('%H:%M:%S', time.localtime(end))} "
              f"without a diagnosis (a rank that dies makes mpiexec kill the others at once; its exit code is in "

@@ -3,7 +3,8 @@
 Pieces, one job each: `layout` (the model's sizes and one layout), `search` (every layout
 `numesh train` accepts), `memory` and `timing` (the predictions, from `numesh.formulas`
 and the schedules' `simulate`), `hardware` and `costs` (profiles and cost models),
-`calibrate` (measure this machine), `presets` (GPT-2/GPT-3 sizes), `render` (table, JSON).
+`calibrate` (measure this machine), `presets` (GPT-2/GPT-3 sizes), `render` (table, JSON),
+`fits` (whether `numesh train`'s run fits this machine's free memory, asked before it starts).
 """
 
 from __future__ import annotations

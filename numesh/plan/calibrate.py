@@ -33,10 +33,11 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh.config import TrainConfig
+from numesh.errors import ConfigError
 from numesh.nn.attention import QUERY_TILE, stripe_passes
 from numesh.nn.layers import LayerNorm, gelu_bwd, gelu_fwd, layernorm_bwd, layernorm_fwd
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
-from numesh.plan.hardware import Measured, Profile, load_profile, save_profile
+from numesh.plan.hardware import Measured, Profile, check_profile_out, load_profile, save_profile
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.search import train_config, valid_layouts
 from numesh.plan.timing import Placement, block_cost, blocking_calls, outer_cost, placement, predict_time
@@ -384,8 +385,17 @@ def merged_profile(path: Path, measured: Measured, dtype: str) -> Profile:
 
 
 def run_calibration(base: TrainConfig, model: ModelSpec, path: Path, log: Callable[[str], None]) -> Path | None:
-    """Calibrate on COMM_WORLD and (rank 0) save the merged profile at `path`."""
+    """Calibrate on COMM_WORLD and (rank 0) save the merged profile at `path`; a `path` that
+    cannot take it is one error on every rank before anything is measured."""
     comm = MPI.COMM_WORLD
+    problem = None
+    if comm.Get_rank() == 0:
+        try:
+            check_profile_out(path)
+        except ConfigError as e:
+            problem = str(e)
+    if problem := comm.bcast(problem, root=0):
+        raise ConfigError(problem)
     measured = calibrate(base, model, comm, log)
     if comm.Get_rank() == 0:
         return save_profile(merged_profile(path, measured, base.dtype), path)

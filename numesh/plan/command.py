@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -24,20 +25,37 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def parse_bytes(text: str) -> float:
-    """'8GiB', '512 MB', '1e9' -> bytes."""
+    """'8GiB', '512 MB', '1e9' -> bytes: a finite size > 0 (0 would read as "no limit")."""
+    bad = ConfigError(f"--memory-per-rank {text!r} is not a finite size > 0: write e.g. 8GiB, 512MiB or 16GB")
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"--memory-per-rank {text!r} is not a size: write e.g. 8GiB, 512MiB or 16GB")
+        raise bad
     try:
-        return float(m.group(1)) * _UNITS[m.group(2).lower()]
+        size = float(m.group(1)) * _UNITS[m.group(2).lower()]
     except ValueError:
-        raise ConfigError(f"--memory-per-rank {text!r} is not a size: write e.g. 8GiB, 512MiB or 16GB") from None
+        raise bad from None
+    if not (math.isfinite(size) and size > 0):
+        raise bad
+    return size
+
+
+def check_mode(calibrate: bool, ranks: int | None, memory: str | None, profile_out: Path | None) -> None:
+    """Options that belong to the other mode of `numesh plan` were silently ignored:
+    --profile-out without --calibrate, --ranks or --memory-per-rank with it."""
+    if calibrate and ranks is not None:
+        raise ConfigError("--calibrate measures the ranks of its own job (`mpirun -n N numesh plan --calibrate`): "
+                          "drop --ranks, then plan with `numesh plan --ranks N`")
+    if calibrate and memory is not None:
+        raise ConfigError("--memory-per-rank is a limit for planning, not for --calibrate: drop one of them")
+    if not calibrate and profile_out is not None:
+        raise ConfigError("--profile-out is where --calibrate saves: pass --calibrate, or plan from a saved "
+                          "profile with --hardware PATH")
 
 
 def base_config(overrides: dict[str, Any], toml: Path | None, model_preset: str | None) -> TrainConfig:
     """TrainConfig defaults, then the preset's model and batch, then the options given."""
     values = {}
-    if model_preset:
+    if model_preset is not None:  # '' is an unknown preset, not none
         p = preset(model_preset)
         values = {"n_layer": p.n_layer, "n_head": p.n_head, "n_embd": p.n_embd, "block_size": p.block_size,
                   "batch_size": p.batch_size}
@@ -57,6 +75,7 @@ def model_spec(cfg: TrainConfig, vocab_size: int | None, model_preset: str | Non
                               "--model PRESET or the --data of a prepared dataset") from None
     if vocab_size < 1:
         raise ConfigError(f"--vocab-size must be >= 1, got {vocab_size}")
+    cfg.model(vocab_size).validate()  # a model no layout can run is said as such, not as "no layout uses N ranks"
     return ModelSpec(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, vocab_size, cfg.batch_size, cfg.bias,
                      cfg.dropout > 0)
 
@@ -74,7 +93,7 @@ def _itemsize(cfg: TrainConfig, profile: Profile) -> int:
 
 def memory_limit(profile: Profile, ranks: int, given: str | None) -> float:
     """Bytes per rank: --memory-per-rank, else a device's memory, or a measured machine's RAM shared by its ranks."""
-    if given:
+    if given is not None:
         return parse_bytes(given)
     if profile.measured:
         return profile.memory_bytes / max(1, ranks)
@@ -82,14 +101,20 @@ def memory_limit(profile: Profile, ranks: int, given: str | None) -> float:
 
 
 def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, model_preset: str | None,
-             vocab_size: int | None, memory: str | None, hardware: str, as_json_out: bool, top: int) -> str:
-    """`numesh plan`'s output (the table or the JSON list)."""
+             vocab_size: int | None, memory: str | None, hardware: str, as_json_out: bool, top: int,
+             log: Callable[[str], None]) -> str:
+    """`numesh plan`'s output (the table or the JSON list); `log` gets a note when a measured
+    profile's numbers for `ranks` come from another rank count's measurements."""
     if ranks is None or ranks < 1:
         raise ConfigError("give --ranks N (the ranks to plan for, >= 1), or --calibrate to measure this machine")
+    if top < 1:
+        raise ConfigError(f"--top must be >= 1 (layouts in the table), got {top}")
     cfg = base_config(overrides, toml, model_preset)
     check_options(attrs.evolve(cfg, mesh=""), 1)
     model = model_spec(cfg, vocab_size, model_preset)
     profile = load_profile(hardware)
+    if note := profile.extrapolation(ranks):
+        log(note)
     itemsize = _itemsize(cfg, profile)
     limit = memory_limit(profile, ranks, memory)
     threads = max(1, (profile.cores or 1) // ranks) if profile.measured else 1

@@ -14,6 +14,7 @@ Two kinds, one class:
 from __future__ import annotations
 
 import json
+import math
 import os
 from importlib import resources
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 import attrs
 
 from numesh.errors import ConfigError
-from numesh.files import write_atomic
+from numesh.files import os_reason, write_atomic
 from numesh.plan import costs
 
 Points = tuple[tuple[float, float], ...]  # (size, seconds), sorted by size
@@ -140,11 +141,45 @@ class Profile:
         op = "send" if op == "exchange" else op
         if payload <= 0 or (n <= 1 and op != "send"):
             return 0.0
-        meas, _ = self.for_ranks(ranks_on_node)
-        if meas is not None:
+        if self.measured:
+            meas = self.comm_measurement(ranks_on_node)
             return self._measured_comm(meas, op, payload, n) + (meas.call_probe_s if blocking else 0.0)
         link = self.intra if intra else self.inter
         return costs.collective_time(op, payload, n, link.latency_s, link.bandwidth)
+
+    def comm_measurement(self, ranks_on_node: int) -> Measured:
+        """The measurement that times communication for `ranks_on_node` ranks: `for_ranks`'
+        if it timed any, else the nearest that did (a calibration on one rank times none).
+        None did: a ConfigError saying how to calibrate with more ranks."""
+        meas, _ = self.for_ranks(ranks_on_node)
+        if meas is not None and meas.collectives:
+            return meas
+        timed = [n for n, m in self.measured.items() if m.collectives]
+        if not timed:
+            n = min(max(ranks_on_node, 2), max(self.cores, 8))
+            raise ConfigError(
+                f"hardware profile {self.name} was calibrated on one rank, which times no communication: to plan for "
+                f"{ranks_on_node} ranks, calibrate with several too (`mpirun -n {n} numesh plan --calibrate ...`, "
+                f"each run adds its rank count) or plan on a spec-sheet profile "
+                f"(--hardware {' or '.join(builtin_profiles())})")
+        return self.measured[min(timed, key=lambda k: (abs(k - ranks_on_node), k))]
+
+    def extrapolation(self, ranks: int) -> str | None:
+        """What a plan for `ranks` ranks takes from other rank counts' measurements, as a
+        note for the user; None on a spec-sheet profile or one calibrated with `ranks`."""
+        if not self.measured or ranks in self.measured:
+            return None
+        meas, _ = self.for_ranks(ranks)
+        said = [f"compute is scaled from the {meas.ranks}-rank measurement"]
+        if ranks > 1:
+            comm = self.comm_measurement(ranks)
+            groups = sorted(int(k.split(":")[1]) for k in comm.collectives if k.startswith("all_reduce:"))
+            said.append(f"communication is extrapolated from the {comm.ranks}-rank one (all-reduce timed on "
+                        f"groups of {', '.join(map(str, groups)) or 'none'})")
+        *others, last = sorted(self.measured)
+        counts = f"{', '.join(map(str, others))} and {last}" if others else str(last)
+        return (f"note: profile {self.name} was calibrated with {counts} ranks, not {ranks}: {'; '.join(said)}; "
+                f"`mpirun -n {ranks} numesh plan --calibrate ...` measures them")
 
     def _measured_comm(self, meas: Measured, op: str, payload: float, n: int) -> float:
         if op == "send":
@@ -200,9 +235,29 @@ def profile_from_json(d: dict[str, Any], where: str) -> Profile:
     except (TypeError, KeyError, ValueError) as e:
         raise ConfigError(f"hardware profile {where} is malformed ({e}): "
                           "write it as `numesh plan --calibrate` does") from None
+    _check_numbers(prof, where)
     if not prof.measured and not (prof.peak_flops > 0 and prof.mem_bandwidth > 0):
         raise ConfigError(f"hardware profile {where} has neither measurements nor peak_flops and mem_bandwidth")
     return prof
+
+
+# what each number of a profile must be (hand-written spec-sheet profiles are documented)
+_WHOLE, _POSITIVE, _NONNEGATIVE = ">= 1", "> 0", ">= 0"
+_NUMBERS = {"itemsize": _WHOLE, "devices_per_node": _WHOLE, "gemm_efficiency": _POSITIVE, "memory_bytes": _NONNEGATIVE,
+            "peak_flops": _NONNEGATIVE, "mem_bandwidth": _NONNEGATIVE, "cores": _NONNEGATIVE}
+_LINK_NUMBERS = {"latency_s": _NONNEGATIVE, "bandwidth": _POSITIVE}
+
+
+def _check_numbers(prof: Profile, where: str) -> None:
+    """A ConfigError for a number of the profile that is not one (peak_flops "abc" was a
+    TypeError deep in the plan), is NaN or infinite, or breaks its bound (`_NUMBERS`)."""
+    checks = [(name, getattr(prof, name), bound) for name, bound in _NUMBERS.items()]
+    checks += [(f"{link}.{name}", getattr(getattr(prof, link), name), bound)
+               for link in ("intra", "inter") for name, bound in _LINK_NUMBERS.items()]
+    for name, v, bound in checks:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not ok or not {_WHOLE: v >= 1, _POSITIVE: v > 0, _NONNEGATIVE: v >= 0}[bound]:
+            raise ConfigError(f"hardware profile {where}: {name} must be a finite number {bound}, got {v!r}")
 
 
 def builtin_profiles() -> list[str]:
@@ -237,13 +292,34 @@ def load_profile(name: str) -> Profile:
         raise ConfigError(f"hardware profile {path} not found: give a profile's .json path or a builtin name "
                           f"({', '.join(builtin_profiles())})")
     try:
-        return profile_from_json(json.loads(path.read_text()), str(path))
-    except json.JSONDecodeError as e:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"hardware profile {path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"hardware profile {path} cannot be read: {e.strerror or e}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"hardware profile {path} is not a JSON object: write it as `numesh plan --calibrate` does")
+    return profile_from_json(d, str(path))
+
+
+def check_profile_out(path: Path) -> None:
+    """Before a calibration (a minute or more): a ConfigError if `path` cannot take the
+    profile, or holds one that cannot be read to merge with, rather than after it."""
+    if path.is_dir():
+        raise ConfigError(f"--profile-out {path} is a directory: name a .json file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot write the profile to {path}: {os_reason(e)}: choose another --profile-out") from None
+    if path.is_file():
+        load_profile(str(path))  # this calibration's rank count is merged into it
 
 
 def save_profile(profile: Profile, path: Path) -> Path:
     """Write `profile` as JSON (atomically: a temp file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(profile.to_json(), indent=1))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(profile.to_json(), indent=1))
+    except OSError as e:
+        raise ConfigError(f"cannot write the profile to {path}: {os_reason(e)}: choose another --profile-out") from None
     return path
