@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from numesh.checkpoint.common import read_group, read_meta
+from numesh.checkpoint.common import read_params
 from numesh.checkpoint.export import to_nanogpt
 from numesh.checkpoint.format import DTYPES
+from numesh.checkpoint.pinned import read_pinned
 from numesh.errors import CheckpointError
 from numesh.files import write_atomic
 from numesh.nn.gpt import GPTConfig
@@ -81,13 +82,13 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
         raise CheckpointError(f"{out} is not empty: pass --force to overwrite")
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-    meta = read_meta(path)
+    meta, params = read_pinned(path, read_params)  # one step directory, even while a job moves `latest` on
     tok_meta = meta.raw.get("tokenizer")
     if tok_meta is None:
         raise CheckpointError(f"{meta.root} holds no tokenizer, which a transformers directory needs: resume it "
                               "once with --data set to its dataset, then export")
     tok = tokenizer_from_meta(tok_meta)
-    sd = to_hf(read_group(meta, "params"), meta.model)
+    sd = to_hf(params, meta.model)
     if dtype is not None:
         sd = {k: v.astype(dtype) for k, v in sd.items()}
     eot = tok.eot_id if isinstance(tok, HFTokenizer) else None
