@@ -435,6 +435,8 @@ def report_cmd(
 
         path = out / "trace.json" if out.is_dir() else out
         diagnosis = postmortem(out / "flight") if out.is_dir() else None
+        if out.is_dir():
+            report.recover(out)  # a --trace job that died left its events in OUT/trace.parts
         if diagnosis and not json_:
             print(diagnosis, end="\n" if path.is_file() else "")
         if not path.is_file():

@@ -1,7 +1,9 @@
 """`numesh report OUT`: theory beside measurement, from a traced run's OUT/trace.json.
 
 Pure functions over the trace (a dict as `json.load` gives it); `numesh train --trace`
-prints the same report at the end. What it measures, per rank and optimiser step (the
+prints the same report at the end. For a job that died before writing trace.json,
+`recover` first rebuilds it from the events its ranks had flushed (a partial trace: the
+report covers the whole steps it holds and says so). What it measures, per rank and optimiser step (the
 "step" spans; the first step is left out as warm-up when there are more):
 
 * **Time per category**, a partition of each step's span, so the categories sum to the
@@ -42,6 +44,9 @@ from typing import Any
 import numpy as np
 
 from numesh import formulas
+from numesh.files import write_atomic
+from numesh.observe.spool import PARTS_DIR
+from numesh.observe.trace import recover as recover_trace
 from numesh.pipeline.schedules import make_schedule
 
 CATEGORIES = ("compute", "comm", "bubble", "optimizer", "other")
@@ -50,6 +55,20 @@ P2P = ("send", "recv", "sendrecv")
 _PRIO = {"other": 0, "optimizer": 1, "async_comm": 2, "idle_in_pipeline": 3, "compute": 4, "p2p": 5, "comm": 6}
 _CAT_OF = {"other": "other", "optimizer": "optimizer", "async_comm": "comm", "idle_in_pipeline": "bubble",
            "compute": "compute", "p2p": "bubble", "comm": "comm"}
+
+
+def recover(out: Path) -> Path | None:
+    """OUT/trace.json rebuilt from the spool parts of a `--trace` job that died before
+    writing it (numesh/observe/spool.py), marked partial; None when there is nothing to
+    rebuild (a trace.json already there, or no parts)."""
+    path = out / "trace.json"
+    if path.exists():
+        return None
+    trace = recover_trace(out / PARTS_DIR)
+    if trace is None:
+        return None
+    write_atomic(path, json.dumps(trace, allow_nan=False))
+    return path
 
 
 def load(path: str | Path) -> dict:
@@ -161,7 +180,7 @@ def pipeline_bubble(trace: dict) -> dict[str, Any]:
     per_stage: dict[tuple[str, int], list[float]] = {}  # (kind, global stage) -> durations
     bubbles = _Bubbles(p)
     for members in _pipelines(_ranks(trace)).values():
-        bubbles.add(sched, {s: _step_spans(evs[r], durations, per_stage) for s, r in members.items()})
+        bubbles.add(sched, {s: _step_spans(evs.get(r, []), durations, per_stage) for s, r in members.items()})
     mean = {k: (statistics.fmean(v) / 1e3 if v else 0.0) for k, v in durations.items()}
     if sched.split_backward:
         measured_costs = (mean["F"], mean["B"], mean["W"])
@@ -314,11 +333,12 @@ def build(trace: dict) -> dict[str, Any]:
     step_ms = max(t["step_ms"] for t in times.values())
     achieved = m["flops_per_token"] * m["tokens_per_step"] / (step_ms / 1e3) if step_ms > 0 else 0.0
     by = bytes_per_step(trace)
+    evs = rank_events(trace)
     return {
         "run": {k: m[k] for k in ("mesh", "schedule", "micro_batches", "virtual_stages", "zero", "dtype", "batch_size",
                                   "block_size", "n_params")},
         "clock": m["clock"],
-        "steps": len(step_windows(rank_events(trace)[0])),
+        "steps": len(step_windows(evs[min(evs)])),  # rank 0's, unless a partial trace has none of it
         "step_ms": step_ms,
         "time_ms": {str(r): t for r, t in sorted(times.items())},
         "bubble": pipeline_bubble(trace),
@@ -327,7 +347,21 @@ def build(trace: dict) -> dict[str, Any]:
         "flops": {"achieved_per_s": achieved, "peak_per_s": m["peak_flops"],
                   "mfu": formulas.mfu(achieved, m["peak_flops"])},
         "slowest": slowest_rank(trace),
+        **({"partial": m["partial"]} if "partial" in m else {}),
     }
+
+
+def _partial_lines(partial: dict | None) -> list[str]:
+    """What a trace rebuilt from a dead job's spool parts holds (`recover`), for `render`."""
+    if not partial:
+        return []
+    steps = "; ".join(f"rank {r}: " + ("no whole step" if s is None else f"up to step {s}")
+                      for r, s in sorted(partial["last_step"].items(), key=lambda kv: int(kv[0])))
+    missing = partial["ranks_missing"]
+    return [f"partial trace: the job ended before writing it; rebuilt from what each rank had flushed to "
+            f"{partial['parts']} ({steps}"
+            + (f"; {'rank' if len(missing) == 1 else 'ranks'} {','.join(map(str, missing))} left nothing" if missing
+               else "") + "); the numbers below are over those steps"]
 
 
 def _mb(x: float) -> str:
@@ -344,6 +378,7 @@ def render(rep: dict[str, Any]) -> str:
         f"ZeRO {run['zero']}, {run['dtype']}; {rep['steps']} steps measured (the first left out)",
         f"clocks aligned to rank 0 within {rep['clock']['max_uncertainty_us']:.1f} us "
         f"(residual after alignment {rep['clock']['max_residual_us']:.1f} us)",
+        *_partial_lines(rep.get("partial")),
         "",
         "time per step (ms)      " + "".join(f"{c:>10}" for c in (*CATEGORIES, "sum", "step")),
     ]
