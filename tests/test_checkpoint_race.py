@@ -27,13 +27,15 @@ from numesh.checkpoint import (
     read_local_state,
     read_state,
     reshard,
+    save_checkpoint,
 )
 from numesh.checkpoint import format as fmt
+from numesh.checkpoint.hf import write_all
 from numesh.checkpoint.save import point_latest
 from numesh.config import config_from
 from numesh.mesh import Mesh
 from numesh.sample import load_checkpoint
-from numesh.train import Trainer, train
+from numesh.train import Trainer, train, train_state
 from numesh.tree import tree_leaves
 from test_mpi_suites import clean_env
 
@@ -156,3 +158,32 @@ def test_readers_of_a_running_jobs_latest_with_keep_1(tmp_path: Path) -> None:
         job.kill()
         job.wait()
     assert reads >= 50 and len(steps) >= 3, (reads, steps)
+
+
+def test_a_save_spares_a_reshard_writing_beside_it(tmp_path: Path) -> None:
+    """`numesh reshard RUN/ckpt/latest --to tp=2` writes RUN/ckpt/.tmp-step_N-tp2 while the
+    job goes on; the job's next save removed every `.tmp-` directory, that one included.
+    Now only a killed save's own leftovers go."""
+    ck = tmp_path / "run" / "ckpt"
+    reshard_tmp, killed_save = ck / ".tmp-step_000002-tp2", ck / ".tmp-step_000007"
+    (reshard_tmp / "params").mkdir(parents=True)
+    (reshard_tmp / "params" / "wte.tp0.npy").write_bytes(b"being written")
+    killed_save.mkdir()
+    cfg = config_from(dict(TINY, data=str(make_dataset(tmp_path / "data")), out=str(tmp_path / "run"), max_iters=2))
+    save_checkpoint(train_state(Trainer(cfg, MPI.COMM_SELF)), tmp_path / "run")
+    assert (reshard_tmp / "params" / "wte.tp0.npy").read_bytes() == b"being written"
+    assert not killed_save.exists() and (ck / "latest").is_dir()
+
+
+def test_an_hf_export_that_fails_half_way_leaves_the_old_export_whole(tmp_path: Path) -> None:
+    """`numesh export --format hf --force` wrote its files one by one into the directory: a
+    failure (or a reader) between two found new weights beside an old config. Now every
+    file is written aside first and only then renamed into place."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    write_all(out, {"model.safetensors": b"old weights", "config.json": "old config"})
+
+    with pytest.raises(TypeError):  # the second file cannot be written, after the weights were
+        write_all(out, {"model.safetensors": b"new weights", "config.json": object()})  # type: ignore[dict-item]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # no temporary left
+    assert (out / "model.safetensors").read_bytes() == b"old weights"

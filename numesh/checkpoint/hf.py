@@ -12,6 +12,7 @@ tokenizer (a BPE dataset's `tokenizer.json`; for a character dataset an equivale
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,6 @@ from numesh.checkpoint.export import to_nanogpt
 from numesh.checkpoint.format import DTYPES
 from numesh.checkpoint.pinned import read_pinned
 from numesh.errors import CheckpointError
-from numesh.files import write_atomic
 from numesh.nn.gpt import GPTConfig
 from numesh.nn.layers import LN_EPS
 from numesh.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
@@ -98,12 +98,31 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
              **_tokenizer_files(tok, meta.model)}
     try:
         out.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / "model.safetensors", save(sd, metadata={"format": "pt"}))
-        for fname, text in files.items():
-            write_atomic(out / fname, text)
+        write_all(out, {"model.safetensors": save(sd, metadata={"format": "pt"}), **files})
     except OSError as e:
         raise CheckpointError(f"cannot write {out}: {e.strerror or e}") from None
     return out
+
+
+def write_all(out: Path, files: dict[str, str | bytes]) -> None:
+    """Write every file into `out` under a temporary name first (the slow part: the weights),
+    then rename them all into place in a moment: a reader (or a kill) never finds the new
+    weights beside the old config, nor half a file. The directory itself is not swapped,
+    since `--force` into a directory that holds other files must not delete them."""
+    staged = []
+    try:
+        for name, content in files.items():
+            tmp = out / f".{name}.tmp-{os.getpid()}"
+            if isinstance(content, str):
+                tmp.write_text(content, encoding="utf-8")
+            else:
+                tmp.write_bytes(content)
+            staged.append((tmp, out / name))
+        for tmp, final in staged:
+            os.replace(tmp, final)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------
