@@ -435,16 +435,16 @@ def report_cmd(
 
         path = out / "trace.json" if out.is_dir() else out
         diagnosis = postmortem(out / "flight") if out.is_dir() else None
-        if out.is_dir():
-            report.recover(out)  # a --trace job that died left its events in OUT/trace.parts
+        # a --trace job that died, or is still going, has its events in OUT/trace.parts
+        rebuilt = report.recover(out) if out.is_dir() else None
         if diagnosis and not json_:
-            print(diagnosis, end="\n" if path.is_file() else "")
-        if not path.is_file():
+            print(diagnosis, end="\n" if path.is_file() or rebuilt else "")
+        if rebuilt is None and not path.is_file():
             if diagnosis:
                 return
             raise ConfigError(f"{path} not found and no flight record there: "
                               f"run `numesh train --trace --out {out}` first")
-        rep = report.build(report.load(path))
+        rep = report.build(rebuilt if rebuilt is not None else report.load(path))
         print(json.dumps(rep, indent=1) if json_ else report.render(rep))
 
     _run(go)

@@ -57,18 +57,26 @@ _CAT_OF = {"other": "other", "optimizer": "optimizer", "async_comm": "comm", "id
            "compute": "compute", "p2p": "bubble", "comm": "comm"}
 
 
-def recover(out: Path) -> Path | None:
-    """OUT/trace.json rebuilt from the spool parts of a `--trace` job that died before
-    writing it (numesh/observe/spool.py), marked partial; None when there is nothing to
-    rebuild (a trace.json already there, or no parts)."""
-    path = out / "trace.json"
-    if path.exists():
-        return None
+def recover(out: Path) -> dict | None:
+    """The trace of a `--trace` job in OUT that has no whole OUT/trace.json of its own,
+    rebuilt from the events its ranks flushed to OUT/trace.parts (numesh/observe/spool.py),
+    marked partial; written to OUT/trace.json (for Perfetto) once none of its ranks runs.
+    None when trace.json is that run's whole trace, or there are no parts."""
     trace = recover_trace(out / PARTS_DIR)
-    if trace is None:
+    if trace is None or _whole_trace_of(out / "trace.json", meta(trace)["run"]):
         return None
-    write_atomic(path, json.dumps(trace, allow_nan=False))
-    return path
+    if not meta(trace)["partial"]["running"]:  # a job still going writes its own at the end
+        write_atomic(out / "trace.json", json.dumps(trace, allow_nan=False))
+    return trace
+
+
+def _whole_trace_of(path: Path, run: int) -> bool:
+    """Whether `path` is the whole trace (not a rebuilt partial one) of run `run`."""
+    try:
+        m = meta(json.loads(path.read_text()))
+    except (OSError, ValueError, AttributeError):
+        return False
+    return "partial" not in m and m.get("run") == run
 
 
 def load(path: str | Path) -> dict:
@@ -357,9 +365,10 @@ def _partial_lines(partial: dict | None) -> list[str]:
         return []
     steps = "; ".join(f"rank {r}: " + ("no whole step" if s is None else f"up to step {s}")
                       for r, s in sorted(partial["last_step"].items(), key=lambda kv: int(kv[0])))
-    missing = partial["ranks_missing"]
-    return [f"partial trace: the job ended before writing it; rebuilt from what each rank had flushed to "
-            f"{partial['parts']} ({steps}"
+    missing, running = partial["ranks_missing"], partial.get("running")
+    why = ("the run is still going; rebuilt from what each rank has flushed so far" if running
+           else "the job ended before writing it; rebuilt from what each rank had flushed")
+    return [f"partial trace: {why} to {partial['parts']} ({steps}"
             + (f"; {'rank' if len(missing) == 1 else 'ranks'} {','.join(map(str, missing))} left nothing" if missing
                else "") + "); the numbers below are over those steps"]
 

@@ -64,3 +64,29 @@ def test_kill_9_of_a_rank_keeps_the_trace_and_names_the_rank(tmp_path: Path) -> 
     for r in (0, 1):
         mine = [e for e in trace["traceEvents"] if e["pid"] == r and e["ph"] == "X"]
         assert {"step", "compute", "comm"} <= {e["cat"] for e in mine}
+
+
+@pytest.mark.timeout(300)
+def test_report_while_a_traced_run_goes_on_then_after_it_is_killed(tmp_path: Path) -> None:
+    """The parts are there while the run goes on too: the report says the run is still
+    going and leaves trace.json to the run; once the run is killed, it writes trace.json."""
+    j = Job(tmp_path, 0, "--trace", "--peak-flops", "1e12")
+    try:
+        j.wait_for_steps()
+        wait_for_flushes(j, 0, FLUSHES_BEFORE)
+        live = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(j.out)], capture_output=True,
+                              text=True, env=clean_env(), timeout=120)
+        assert live.returncode == 0, live.stderr
+        assert "partial trace: the run is still going" in live.stdout
+        assert not (j.out / "trace.json").exists()
+        os.kill(j.proc.pid, signal.SIGKILL)
+        j.finish()
+    finally:
+        if j.proc.poll() is None:
+            j.kill()
+    dead = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(j.out), "--json"],
+                          capture_output=True, text=True, env=clean_env(), timeout=120)
+    assert dead.returncode == 0, dead.stderr
+    rep = json.loads(dead.stdout)
+    assert rep["partial"]["running"] == [] and rep["steps"] >= 1
+    assert json.loads((j.out / "trace.json").read_text())["otherData"]["numesh"]["partial"]["ranks_recorded"] == [0]

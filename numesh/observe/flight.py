@@ -112,7 +112,7 @@ def read_state(flight_dir: Path, rank: int, run: int) -> RankState | None:
     failed = {0: None, 1: "timeout", 2: "MPI error"}.get(int(head["failed"]), "?")
     alive = None
     if meta.get("host") == socket.gethostname():
-        alive = _alive(int(meta["pid"]))
+        alive = witness.alive(int(meta["pid"]))
     return RankState(rank, meta["coords"], meta["shape"], calls, counts, float(head["beat"]), int(head["step"]),
                      waiting, float(head["wait_since"]), failed, alive, head["note"].decode(errors="replace"),
                      int(meta["pid"]), meta.get("host", ""), float(head["exited"]))
@@ -174,19 +174,6 @@ def witness_line(first: dict[str, Any] | None, states: dict[int, RankState | Non
            else "never exited on its own: killed (kill -9, the OOM killer), crashed, or aborted the job")
     ahead = "" if first["ms_before"] is None else f", {first['ms_before']:.1f} ms before the next"
     return f"witness: {who} ended first{ahead}, while {len(first['alive'])} other rank(s) still ran; it {how}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by mpiexec's proxy) is dead too
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 # ---------------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -44,6 +46,7 @@ from mpi4py import MPI
 from numesh.files import write_atomic
 from numesh.mesh.hook import Observer
 from numesh.mesh.mesh import AXES, Group, Mesh
+from numesh.observe import witness
 from numesh.observe.spool import SpoolWriter, clear, part_path, read_parts
 
 P2P_OPS = ("send", "recv", "sendrecv")
@@ -168,7 +171,8 @@ class Tracer(Observer):
         if self.rank == 0:
             clear(parts_dir)
         self.mesh.world.Barrier()
-        header = {"run": self.run, "origin": self.origin, "rank": self.rank_info(), "meta": meta}
+        header = {"run": self.run, "origin": self.origin, "pid": os.getpid(), "host": socket.gethostname(),
+                  "rank": self.rank_info(), "meta": meta}
         self.spool = SpoolWriter(part_path(parts_dir, self.rank), header)
         self._flushed_at = -math.inf  # the first step is flushed as soon as it ends
 
@@ -236,7 +240,7 @@ class Tracer(Observer):
                 parts.append(json.loads(recv[at:at + n].tobytes()))
                 at += n
             out = Path(path)
-            write_atomic(out, json.dumps(merge(parts, meta or {}), allow_nan=False))
+            write_atomic(out, json.dumps(merge(parts, {**(meta or {}), "run": self.run}), allow_nan=False))
         self._drop_spool()
         return out
 
@@ -273,9 +277,9 @@ def chrome_events(pid: int, label: str, shift: float, events: list[tuple]) -> li
 
 def recover(parts_dir: Path) -> dict | None:
     """The trace a run's spool parts hold (numesh/observe/spool.py), merged as `Tracer.write`
-    merges the gathered events, for a job that died before writing trace.json; None when
-    there are no parts. `otherData.numesh.partial` says which ranks left a part and the last
-    step each recorded whole."""
+    merges the gathered events, for a job that died before writing trace.json (or one still
+    going); None when no part holds an event. `otherData.numesh.partial` says which ranks
+    left a part, the last step each recorded whole, and which still run (on this host)."""
     parts = read_parts(parts_dir)
     if not any(p.events for p in parts):
         return None  # the job died before any rank ended a step: nothing to show
@@ -290,9 +294,12 @@ def recover(parts_dir: Path) -> dict | None:
     meta = parts[0].header.get("meta") or {}
     size = int(np.prod(list(meta.get("mesh", {}).values()) or [len(parts)]))
     recorded = [p.header["rank"]["rank"] for p in parts]
-    partial = {"parts": str(parts_dir), "ranks_recorded": recorded,
+    here = socket.gethostname()
+    running = [p.header["rank"]["rank"] for p in parts
+               if p.header.get("host") == here and p.header.get("pid", 0) > 0 and witness.alive(p.header["pid"])]
+    partial = {"parts": str(parts_dir), "ranks_recorded": recorded, "running": running,
                "ranks_missing": [r for r in range(size) if r not in recorded], "last_step": last}
-    return merge(merged, {**meta, "partial": partial})
+    return merge(merged, {**meta, "run": parts[0].header["run"], "partial": partial})
 
 
 def merge(parts: list[dict], meta: dict) -> dict:
