@@ -65,7 +65,7 @@ class RunDir:
                 f"--out {self.out} has {free / 2**20:.1f} MiB free but a checkpoint of this model needs "
                 f"~{ckpt_bytes / 2**20:.1f} MiB: free some space or choose another --out"
             )
-        (self.out / "config.json").write_text(json.dumps(config, indent=2))
+        write_atomic(self.out / "config.json", json.dumps(config, indent=2))  # never half a config to a reader
         if resume:
             self._drop_steps_from(self.resume_step)
         self.metrics = open(self.out / "metrics.jsonl", "a" if resume else "w")
