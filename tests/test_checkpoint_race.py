@@ -7,6 +7,7 @@ last one reads a real job's `latest` over and over while it saves at every step.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -107,6 +108,29 @@ def test_a_step_directory_pruned_mid_read_is_one_line(ckpt: Path) -> None:
     """A reader given step_000002 itself cannot go on to another step: it says what happened."""
     with pytest.raises(CheckpointError, match=r"step_000002 was removed while it was being read .*--keep"):
         read_global(ckpt / "step_000002")
+
+
+def test_a_step_saved_again_under_its_name_mid_read(two_steps: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run resumed from an older step saves the later steps again over their old copies
+    (renamed away, the new one renamed in): a reader of the old step_000004 then found the
+    new files under the same path and called them corrupted. It reads the new copy now."""
+    ck = tmp_path / "ckpt"
+    shutil.copytree(two_steps, ck, symlinks=True)
+    hash_file = fmt.sha256_file
+    swapped = []
+
+    def save_again(path: Path, chunk: int = 1 << 20) -> str:
+        if not swapped:  # the new step 4 stands in as a copy of step 2 (other values, same files)
+            swapped.append(path)
+            os.replace(ck / "step_000004", ck / ".tmp-old-step_000004")
+            shutil.copytree(ck / "step_000002", ck / "step_000004")
+            shutil.rmtree(ck / ".tmp-old-step_000004")
+        return hash_file(path, chunk)
+
+    monkeypatch.setattr(fmt, "sha256_file", save_again)
+    meta, _ = read_global(ck / "latest")
+    assert swapped and meta.step == 2  # what step_000004 holds now
 
 
 def test_meta_and_params_come_from_one_step(two_steps: Path, tmp_path: Path,

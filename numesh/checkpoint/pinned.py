@@ -24,6 +24,7 @@ directory nobody moved away from is reported as it always was.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -43,10 +44,27 @@ def resolve(path: str | Path) -> Path:
     return given.resolve() if given.exists() else given
 
 
-def moved(path: str | Path, root: Path) -> bool:
-    """Whether `path` now leads to another existing directory than `root`, the one read."""
-    now = resolve(path)
-    return now != root and now.is_dir()
+# the directory a read follows: (its resolved path, device, inode). The inode tells a step
+# saved again under the same name (a run resumed from an older step re-saves the later
+# ones over their old copies) from the directory that was read.
+Pin = tuple[Path, int, int]
+
+
+def pin(path: str | Path) -> Pin:
+    """The directory `path` leads to now (see `Pin`); device and inode 0 where there is none."""
+    root = resolve(path)
+    try:
+        st = os.stat(root)
+    except OSError:
+        return root, 0, 0
+    return root, st.st_dev, st.st_ino
+
+
+def moved(path: str | Path, was: Pin) -> bool:
+    """Whether `path` now leads to another existing directory than the one read (`was`):
+    another step, or the same step's name holding a new copy."""
+    now = pin(path)
+    return now != was and now[0].is_dir()
 
 
 def _gone(path: str | Path, root: Path, error: CheckpointError) -> CheckpointError:
@@ -70,12 +88,12 @@ def read_pinned(path: str | Path, read: Callable[[Path], T], tries: int = TRIES)
     read again from the new one when a save moved `path` on and pruned the old one meanwhile
     (see the module docstring). One process."""
     for _ in range(tries):
-        root = resolve(path)
+        was = pin(path)
         try:
-            return read(root)
+            return read(was[0])
         except CheckpointError as e:
-            if not moved(path, root):
-                raise _gone(path, root, e) from None
+            if not moved(path, was):
+                raise _gone(path, was[0], e) from None
     raise _too_often(path, tries)
 
 
@@ -100,13 +118,13 @@ def agreed_error(errors: list[tuple[str, str] | None]) -> Exception:
     return RuntimeError(f"rank {rank} failed reading the checkpoint: {msg}")
 
 
-def _verdict(path: str | Path, root: Path, errors: list[tuple[str, str] | None]) -> Exception | None:
-    """On rank 0, after a failed collective read of `root`: None to read again (`path` moved
-    on), else the error every rank raises."""
-    if moved(path, root):
+def _verdict(path: str | Path, was: Pin, errors: list[tuple[str, str] | None]) -> Exception | None:
+    """On rank 0, after a failed collective read of the directory `was`: None to read again
+    (`path` moved on), else the error every rank raises."""
+    if moved(path, was):
         return None
     error = agreed_error(errors)
-    return _gone(path, root, error) if isinstance(error, CheckpointError) else error
+    return _gone(path, was[0], error) if isinstance(error, CheckpointError) else error
 
 
 def read_pinned_on(comm: Any, path: str | Path, read: Callable[[Path], T], tries: int = TRIES) -> T:
@@ -115,12 +133,13 @@ def read_pinned_on(comm: Any, path: str | Path, read: Callable[[Path], T], tries
     error (rank 0's view of the directory, not each rank's at a slightly different moment)."""
     rank0 = comm.Get_rank() == 0
     for _ in range(tries):
-        root = comm.bcast(resolve(path) if rank0 else None, root=0)
+        was = pin(path) if rank0 else None
+        root = comm.bcast(was[0] if rank0 else None, root=0)
         error, result = _attempt(read, root)
         errors = comm.allgather(error)
         if not any(errors):
             return result  # type: ignore[return-value]
-        verdict = comm.bcast(_verdict(path, root, errors) if rank0 else None, root=0)
+        verdict = comm.bcast(_verdict(path, was, errors) if rank0 else None, root=0)
         if verdict is not None:
             raise verdict
     raise _too_often(path, tries)
