@@ -114,10 +114,15 @@ class RunDir:
                 abort_job(self.comm, 2)
             raise MetricsWriteError(msg) from None
 
-    def close(self) -> None:
+    def close_metrics(self) -> None:
+        """No more metrics lines (the directory stays locked until `close`)."""
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+    def close(self) -> None:
+        """The run is over: metrics closed, the lock released (another run may take OUT)."""
+        self.close_metrics()
         if self._lock is not None:
             os.close(self._lock)  # releases the flock
             self._lock = None

@@ -379,12 +379,24 @@ def train(
     kernels.warm_up(trainer.dtype)  # compiled before any collective has a deadline
     if cfg.resume:
         _resume(trainer, cfg)
-    start, out = trainer.step, Path(cfg.out)
+    start = trainer.step
     if hint := dp_hint(trainer.mesh.world.Get_size(), threads(), cfg.batch_size, cfg.micro_batches):
         log(hint)
     peak, source = job_peak_flops(trainer)  # MFU's denominator (docs/observability.md)
     log(f"MFU peak: {peak / 1e9:.1f} GFLOP/s ({source})")
     run = _open_run(trainer, cfg)
+    try:
+        return _locked_run(trainer, run, start, peak, on_step)
+    finally:
+        # the lock goes last: until the final checkpoint and trace are written, another run
+        # taking OUT (a resume, an --overwrite) would write or remove files under this one
+        run.close()
+
+
+def _locked_run(trainer: Trainer, run: RunDir, start: int, peak: float,
+                on_step: Callable[[int, dict], None] | None) -> TrainResult:
+    """`train` from its first step on, in the run directory `run` it holds."""
+    cfg, out = trainer.cfg, Path(trainer.cfg.out)
     observed_before = trainer.mesh.observer
     observer = _attach_observers(trainer, out)
     if cfg.trace:  # after the flight recorder: its wait, first in the chain, polls with a deadline
@@ -398,7 +410,7 @@ def train(
             _finish_observing(trainer, out, observer, observed_before)
         raise
     finally:
-        run.close()
+        run.close_metrics()
         watch.stop()  # the caller's signal handlers again
     if saved_at != trainer.step:
         save_step(trainer, out, cfg.keep)
