@@ -201,6 +201,9 @@ class FlightRecorder(Observer):
         for name in (f"rank-{self.rank}.json", "diagnosis.txt" if self.rank == 0 else ""):
             if name:
                 (self.dir / name).unlink(missing_ok=True)
+        if self.rank == 0:  # an earlier job's witness record would keep the folder after a clean end
+            for old in self.dir.glob("witness-*.json"):
+                old.unlink(missing_ok=True)
         self._ring_path = self.dir / f"ring-{self.rank}.bin"
         self._mm = np.memmap(self._ring_path, dtype=np.uint8, mode="w+", shape=(HEAD.itemsize + RING * ENTRY.itemsize,))
         self._head = self._mm[:HEAD.itemsize].view(HEAD)
