@@ -66,7 +66,10 @@ def recover(out: Path) -> dict | None:
     if trace is None or _whole_trace_of(out / "trace.json", meta(trace)["run"]):
         return None
     if not meta(trace)["partial"]["running"]:  # a job still going writes its own at the end
-        write_atomic(out / "trace.json", json.dumps(trace, allow_nan=False))
+        try:
+            write_atomic(out / "trace.json", json.dumps(trace, allow_nan=False))
+        except OSError:  # a read-only OUT: the report is still made, from the parts
+            pass
     return trace
 
 

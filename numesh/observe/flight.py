@@ -158,7 +158,10 @@ def postmortem(flight_dir: str | Path) -> str | None:
              f"mpiexec's message); every rank's last calls are in {flight_dir}")
     text, _ = diagnose(states, end, 0.0, str(flight_dir), title=title, ended=True)
     text += "\n" + witness_line(first, states)
-    write_atomic(diag, text + "\n")
+    try:
+        write_atomic(diag, text + "\n")
+    except OSError:  # a read-only OUT (another user's run): the diagnosis is still printed
+        pass
     return text + "\n"
 
 
