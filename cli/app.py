@@ -455,16 +455,18 @@ def report_cmd(
 
         path = out / "trace.json" if out.is_dir() else out
         diagnosis = postmortem(out / "flight") if out.is_dir() else None
+        # a --trace job that died, or is still going, has its events in OUT/trace.parts
+        rebuilt = report.recover(out) if out.is_dir() else None
         if diagnosis and not json_:
-            print(diagnosis, end="\n" if path.is_file() else "")
-        if not path.is_file():
+            print(diagnosis, end="\n" if path.is_file() or rebuilt else "")
+        if rebuilt is None and not path.is_file():
             if diagnosis:
                 return
             if out.suffix == ".json":
                 raise ConfigError(f"{path} not found: pass a run directory of `numesh train --trace` or its trace.json")
             raise ConfigError(f"{path} not found and no flight record there: "
                               f"run `numesh train --trace --out {out}` first")
-        rep = report.report_of(path)
+        rep = report.report_of(path, rebuilt)
         print(json.dumps(rep, indent=1) if json_ else report.render(rep))
 
     _run(go)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 from typing import Callable
 
@@ -12,7 +13,10 @@ def write_atomic(path: Path, content: str | bytes | Callable[[Path], None]) -> N
     to a temporary sibling, then rename it to `path`: a reader sees the old file or the whole
     new one. The temporary file is removed if writing fails. No fsync: checkpoints, which
     must survive a crash, use numesh.checkpoint.format.write_file_atomic."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # the random part: two hosts' processes of the same pid writing one file on a shared
+    # file system (each host's first rank caches the peak in one home directory) must not
+    # write into the same temporary file
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         if isinstance(content, str):
             tmp.write_text(content, encoding="utf-8")

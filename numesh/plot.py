@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 
 from numesh.errors import PlotError
-from numesh.files import os_reason
+from numesh.files import os_reason, write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 FORMATS = (".png", ".svg")
@@ -164,7 +164,8 @@ def save_figure(fig: Any, out: str | Path) -> Path:
     out = check_output(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format=out.suffix.lower()[1:], dpi=120)
+        # through a temporary file: a viewer reloading it, or a plot killed mid-write, never finds half an image
+        write_atomic(out, lambda tmp: fig.savefig(tmp, format=out.suffix.lower()[1:], dpi=120))
     except OSError as e:
         raise PlotError(f"cannot write {out} ({os_reason(e)}): choose another --out") from None
     return out

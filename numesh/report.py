@@ -1,7 +1,9 @@
 """`numesh report OUT`: theory beside measurement, from a traced run's OUT/trace.json.
 
 Pure functions over the trace (a dict as `json.load` gives it); `numesh train --trace`
-prints the same report at the end. What it measures, per rank and optimiser step (the
+prints the same report at the end. For a job that died before writing trace.json,
+`recover` first rebuilds it from the events its ranks had flushed (a partial trace: the
+report covers the whole steps it holds and says so). What it measures, per rank and optimiser step (the
 "step" spans; the first step is left out as warm-up when there are more):
 
 * **Time per category**, a partition of each step's span, so the categories sum to the
@@ -43,6 +45,9 @@ import numpy as np
 
 from numesh import formulas
 from numesh.errors import TraceError
+from numesh.files import write_atomic
+from numesh.observe.spool import PARTS_DIR
+from numesh.observe.trace import recover as recover_trace
 from numesh.pipeline.schedules import make_schedule
 
 CATEGORIES = ("compute", "comm", "bubble", "optimizer", "other")
@@ -54,6 +59,31 @@ _CAT_OF = {"other": "other", "optimizer": "optimizer", "async_comm": "comm", "id
 
 
 _REWRITE = "write a new one with `numesh train --trace --out OUT`"
+
+
+def recover(out: Path) -> dict | None:
+    """The trace of a `--trace` job in OUT that has no whole OUT/trace.json of its own,
+    rebuilt from the events its ranks flushed to OUT/trace.parts (numesh/observe/spool.py),
+    marked partial; written to OUT/trace.json (for Perfetto) once none of its ranks runs.
+    None when trace.json is that run's whole trace, or there are no parts."""
+    trace = recover_trace(out / PARTS_DIR)
+    if trace is None or _whole_trace_of(out / "trace.json", meta(trace)["run"]):
+        return None
+    if not meta(trace)["partial"]["running"]:  # a job still going writes its own at the end
+        try:
+            write_atomic(out / "trace.json", json.dumps(trace, allow_nan=False))
+        except OSError:  # a read-only OUT: the report is still made, from the parts
+            pass
+    return trace
+
+
+def _whole_trace_of(path: Path, run: int) -> bool:
+    """Whether `path` is the whole trace (not a rebuilt partial one) of run `run`."""
+    try:
+        m = meta(json.loads(path.read_text()))
+    except (OSError, ValueError, AttributeError):
+        return False
+    return "partial" not in m and m.get("run") == run
 
 
 def load(path: str | Path) -> dict:
@@ -73,10 +103,11 @@ def load(path: str | Path) -> dict:
     return trace
 
 
-def report_of(path: str | Path) -> dict[str, Any]:
-    """`build(load(path))`; a trace whose events or metadata lack what the report needs (a
-    hand-edited or foreign file) is a TraceError naming the file and what was missing."""
-    trace = load(path)
+def report_of(path: str | Path, trace: dict | None = None) -> dict[str, Any]:
+    """`build(load(path))`, or `build(trace)` for a trace already in hand (one `recover`
+    rebuilt); a trace whose events or metadata lack what the report needs (a hand-edited or
+    foreign file) is a TraceError naming the file and what was missing."""
+    trace = load(path) if trace is None else trace
     try:
         return build(trace)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, StopIteration, ZeroDivisionError) as e:
@@ -184,7 +215,7 @@ def pipeline_bubble(trace: dict) -> dict[str, Any]:
     per_stage: dict[tuple[str, int], list[float]] = {}  # (kind, global stage) -> durations
     bubbles = _Bubbles(p)
     for members in _pipelines(_ranks(trace)).values():
-        bubbles.add(sched, {s: _step_spans(evs[r], durations, per_stage) for s, r in members.items()})
+        bubbles.add(sched, {s: _step_spans(evs.get(r, []), durations, per_stage) for s, r in members.items()})
     mean = {k: (statistics.fmean(v) / 1e3 if v else 0.0) for k, v in durations.items()}
     if sched.split_backward:
         measured_costs = (mean["F"], mean["B"], mean["W"])
@@ -337,11 +368,12 @@ def build(trace: dict) -> dict[str, Any]:
     step_ms = max(t["step_ms"] for t in times.values())
     achieved = m["flops_per_token"] * m["tokens_per_step"] / (step_ms / 1e3) if step_ms > 0 else 0.0
     by = bytes_per_step(trace)
+    evs = rank_events(trace)
     return {
         "run": {k: m[k] for k in ("mesh", "schedule", "micro_batches", "virtual_stages", "zero", "dtype", "batch_size",
                                   "block_size", "n_params")},
         "clock": m["clock"],
-        "steps": len(step_windows(rank_events(trace)[0])),
+        "steps": len(step_windows(evs[min(evs)])),  # rank 0's, unless a partial trace has none of it
         "step_ms": step_ms,
         "time_ms": {str(r): t for r, t in sorted(times.items())},
         "bubble": pipeline_bubble(trace),
@@ -350,7 +382,22 @@ def build(trace: dict) -> dict[str, Any]:
         "flops": {"achieved_per_s": achieved, "peak_per_s": m["peak_flops"],
                   "mfu": formulas.mfu(achieved, m["peak_flops"])},
         "slowest": slowest_rank(trace),
+        **({"partial": m["partial"]} if "partial" in m else {}),
     }
+
+
+def _partial_lines(partial: dict | None) -> list[str]:
+    """What a trace rebuilt from a dead job's spool parts holds (`recover`), for `render`."""
+    if not partial:
+        return []
+    steps = "; ".join(f"rank {r}: " + ("no whole step" if s is None else f"up to step {s}")
+                      for r, s in sorted(partial["last_step"].items(), key=lambda kv: int(kv[0])))
+    missing, running = partial["ranks_missing"], partial.get("running")
+    why = ("the run is still going; rebuilt from what each rank has flushed so far" if running
+           else "the job ended before writing it; rebuilt from what each rank had flushed")
+    return [f"partial trace: {why} to {partial['parts']} ({steps}"
+            + (f"; {'rank' if len(missing) == 1 else 'ranks'} {','.join(map(str, missing))} left nothing" if missing
+               else "") + "); the numbers below are over those steps"]
 
 
 def _mb(x: float) -> str:
@@ -367,6 +414,7 @@ def render(rep: dict[str, Any]) -> str:
         f"ZeRO {run['zero']}, {run['dtype']}; {rep['steps']} steps measured (the first left out)",
         f"clocks aligned to rank 0 within {rep['clock']['max_uncertainty_us']:.1f} us "
         f"(residual after alignment {rep['clock']['max_residual_us']:.1f} us)",
+        *_partial_lines(rep.get("partial")),
         "",
         "time per step (ms)      " + "".join(f"{c:>10}" for c in (*CATEGORIES, "sum", "step")),
     ]

@@ -68,7 +68,7 @@ class RunDir:
                 f"--out {self.out} has {free / 2**20:.1f} MiB free but a checkpoint of this model needs "
                 f"~{ckpt_bytes / 2**20:.1f} MiB: free some space or choose another --out"
             )
-        (self.out / "config.json").write_text(json.dumps(config, indent=2))
+        write_atomic(self.out / "config.json", json.dumps(config, indent=2))  # never half a config to a reader
         if resume:
             self._drop_steps_from(self.resume_step)
         self.metrics = open(self.out / "metrics.jsonl", "a" if resume else "w")
@@ -117,10 +117,15 @@ class RunDir:
                 abort_job(self.comm, 2)
             raise MetricsWriteError(msg) from None
 
-    def close(self) -> None:
+    def close_metrics(self) -> None:
+        """No more metrics lines (the directory stays locked until `close`)."""
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+
+    def close(self) -> None:
+        """The run is over: metrics closed, the lock released (another run may take OUT)."""
+        self.close_metrics()
         if self._lock is not None:
             os.close(self._lock)  # releases the flock
             self._lock = None

@@ -13,7 +13,7 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
-from numesh.checkpoint import import_nanogpt, read_global_params, read_meta
+from numesh.checkpoint import import_nanogpt, read_global
 from numesh.checkpoint.model import shard_params
 from numesh.errors import CheckpointError, ConfigError
 from numesh.mesh import Mesh
@@ -35,17 +35,17 @@ class Checkpoint:
     step: int
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
+def load_checkpoint(path: str | Path, comm: MPI.Comm | None = None) -> Checkpoint:
     """Whole parameters of a checkpoint directory (e.g. RUN/ckpt/latest) or of a
-    `numesh export`ed nanoGPT .safetensors file (no pickle either way)."""
+    `numesh export`ed nanoGPT .safetensors file (no pickle either way). With `comm`, every
+    rank of it gets the same step of a directory (a collective)."""
     p = Path(path)
     if p.is_file() or p.suffix == ".safetensors":
         model, tok, params, dtype, step = import_nanogpt(p)
         fix = "export it again from a checkpoint that records its dataset's tokenizer"
     else:
-        meta = read_meta(p)
-        model, tok, params = read_global_params(p)
-        dtype, step = meta.dtype, meta.step
+        meta, params = read_global(p, comm)  # one step directory, even while a job moves `latest` on
+        model, tok, dtype, step = meta.model, meta.tokenizer(), meta.dtype, meta.step
         fix = (f"save it again with its dataset's tokenizer: `numesh train --resume {p} --data DATASET "
                f"--max-iters {step} --out NEW_RUN`")
     if tok is None:
@@ -143,7 +143,7 @@ class SampleConfig:
 def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
     """Generate `num_samples` texts (prompt included) from a checkpoint."""
     cfg.validate()
-    ck = load_checkpoint(cfg.ckpt)
+    ck = load_checkpoint(cfg.ckpt, MPI.COMM_WORLD if comm is None else comm)  # every rank the same step
     mesh = Mesh.parse(cfg.mesh, comm)
     if mesh.size(("pp", "dp")) > 1:
         raise ConfigError("sampling runs on a tensor-parallel mesh only: use --mesh tp=N")

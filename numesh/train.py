@@ -35,6 +35,7 @@ from numesh.nn.units import OUTER, join_units, sequence_partial_leaves, split_un
 from numesh.observe import attach
 from numesh.observe.flight import FlightRecorder
 from numesh.observe.inject import FaultInjector, faults_from_env
+from numesh.observe.spool import PARTS_DIR
 from numesh.observe.trace import Tracer
 from numesh.optim import AdamWConfig, clip_scale, cosine_lr
 from numesh.optim.zero import ZeroOptimizer
@@ -199,9 +200,11 @@ class Trainer:
             self.trace.span("evaluate", "eval", t0, None, {"step": self.step})
         return out
 
-    def start_trace(self, peak_flops: float) -> Tracer:
+    def start_trace(self, peak_flops: float, spool: Path | None = None) -> Tracer:
         """Trace this rank from now on (collective: aligns the clocks of every rank); what
-        the report needs to compute the formulas goes in the trace's metadata."""
+        the report needs to compute the formulas goes in the trace's metadata. With `spool`
+        (OUT/trace.parts), the events also go to disk as the run goes, so that a job that
+        dies leaves them (numesh/observe/spool.py)."""
         tr = Tracer(self.mesh)
         attach(self.mesh, tr)  # chained after any observer already there (the flight recorder)
         self.trace = self.pipeline.trace = tr
@@ -227,6 +230,8 @@ class Trainer:
             "tokens_per_step": self.tokens_per_step, "flops_per_token": flops_per_token(self.model, self.n_params),
             "peak_flops": peak_flops,
         }
+        if spool is not None:
+            tr.start_spool(spool, self.trace_meta)
         return tr
 
     def gathered_params(self) -> GPT:
@@ -375,6 +380,17 @@ def _attach_observers(trainer: Trainer, out: Path) -> FlightRecorder | FaultInje
     return observer
 
 
+def _finish_observing(trainer: Trainer, out: Path, observer: FlightRecorder | FaultInjector | None,
+                      observed_before: Any) -> None:
+    """A run that ended in order (collective): the trace written (every rank's events to
+    rank 0, one file), the observers detached, the flight files removed."""
+    if trainer.trace is not None:
+        trainer.trace.write(out / "trace.json", trainer.trace_meta)
+    trainer.mesh.observer = observed_before
+    if observer is not None:
+        observer.close()
+
+
 def train(
     cfg: TrainConfig,
     comm: MPI.Comm | None = None,
@@ -387,31 +403,39 @@ def train(
     kernels.warm_up(trainer.dtype)  # compiled before any collective has a deadline
     if cfg.resume:
         _resume(trainer, cfg)
-    start, out = trainer.step, Path(cfg.out)
+    start = trainer.step
     run = _open_run(trainer, cfg)  # before the peak is measured: a refused --out is said at once, and first
     try:
         peak = _announce(trainer)
-    except BaseException:
+        return _locked_run(trainer, run, start, peak, on_step)
+    finally:
+        # the lock goes last: until the final checkpoint and trace are written, another run
+        # taking OUT (a resume, an --overwrite) would write or remove files under this one
         run.close()
-        raise
+
+
+def _locked_run(trainer: Trainer, run: RunDir, start: int, peak: float,
+                on_step: Callable[[int, dict], None] | None) -> TrainResult:
+    """`train` from its first step on, in the run directory `run` it holds."""
+    cfg, out = trainer.cfg, Path(trainer.cfg.out)
     observed_before = trainer.mesh.observer
     observer = _attach_observers(trainer, out)
     if cfg.trace:  # after the flight recorder: its wait, first in the chain, polls with a deadline
-        trainer.start_trace(peak)
+        trainer.start_trace(peak, out / PARTS_DIR)
     t_start = time.perf_counter()
     watch = InterruptWatch(trainer.mesh.world).start()  # Ctrl-C: every rank stops at one step (numesh/interrupt.py)
     try:
         last, saved_at = _run_steps(trainer, start, run, watch, observer, peak, on_step)
+    except Interrupted:
+        with watch.saving():  # every rank stopped at the same step: an orderly end, its files as after a clean one
+            _finish_observing(trainer, out, observer, observed_before)
+        raise
     finally:
-        run.close()
+        run.close_metrics()
         watch.stop()  # the caller's signal handlers again
     if saved_at != trainer.step:
         save_step(trainer, out, cfg.keep)
-    if trainer.trace is not None:  # every rank's events to rank 0, one file (collective)
-        trainer.trace.write(out / "trace.json", trainer.trace_meta)
-    trainer.mesh.observer = observed_before
-    if observer is not None:
-        observer.close()  # a clean end: the flight files go
+    _finish_observing(trainer, out, observer, observed_before)
     return TrainResult(
         steps=cfg.max_iters - start,
         final_loss=float(last.get("loss", math.nan)),

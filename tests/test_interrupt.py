@@ -91,6 +91,22 @@ def test_signal_in_the_loop_stops_at_the_next_step_and_saves(char_dataset: Path,
     assert signal.set_wakeup_fd(-1) == -1
 
 
+def test_an_interrupted_traced_run_writes_its_trace(char_dataset: Path, tmp_path: Path) -> None:
+    """Every rank stops at one step, so the trace is gathered as at a clean end (before, an
+    interrupted --trace run left none) and the spool parts go."""
+    def on_step(step: int, record: dict) -> None:
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    out = tmp_path / "run"
+    with pytest.raises(Interrupted):
+        train(_config(char_dataset, out, trace=True, peak_flops=1e12), MPI.COMM_SELF, on_step=on_step)
+    trace = json.loads((out / "trace.json").read_text())
+    assert "partial" not in trace["otherData"]["numesh"]
+    assert sorted(e["args"]["step"] for e in trace["traceEvents"] if e.get("cat") == "step") == [0, 1, 2]
+    assert not (out / "trace.parts").exists()
+
+
 def test_without_ckpt_interval_nothing_is_saved(char_dataset: Path, tmp_path: Path) -> None:
     def on_step(step: int, record: dict) -> None:
         if step == 1:

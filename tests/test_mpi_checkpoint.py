@@ -10,6 +10,7 @@ one needing more is skipped.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +29,7 @@ from numesh.checkpoint import (
 )
 from numesh.checkpoint import format as fmt
 from numesh.checkpoint.format import leaf_blocks
+from numesh.checkpoint.save import point_latest
 from numesh.config import TrainConfig, config_from
 from numesh.data import prepare_char_dataset
 from numesh.mesh import parse_mesh
@@ -230,6 +232,40 @@ def test_bad_file_seen_by_one_rank_fails_on_every_rank(data: Path, shared_tmp: P
         assert files and not any(other in name for name in files), (tp_rank, files)
     assert messages[0] is not None and len(set(messages)) == 1, messages
     assert "v/blocks.1.mlp.fc.w.tp1.npy is corrupted" in messages[0]
+
+
+def test_ranks_resuming_from_a_pruned_latest_read_one_step_together(data: Path, shared_tmp: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 follows `latest` for every rank; when a job prunes the step being read (the
+    first file any rank hashes moves `latest` on and removes the old step), every rank
+    reads the next step together (issue 31)."""
+    out = shared_tmp / "pruned-latest"
+    cfg = config(data, out, "tp=2", max_iters=4, ckpt_interval=2)
+    real = fmt.sha256_file
+    first: list[Path] = []
+
+    def go(comm: MPI.Comm) -> list[int]:
+        train(cfg, comm)
+        if comm.Get_rank() == 0:
+            point_latest(out / "ckpt", "step_000002")
+        comm.Barrier()
+
+        def prune_once(path: Path, chunk: int = 1 << 20) -> str:
+            if not first:  # every rank hashes a file before it reads one
+                first.append(path)
+                comm.Barrier()
+                if comm.Get_rank() == 0:
+                    point_latest(out / "ckpt", "step_000004")
+                    shutil.rmtree(out / "ckpt" / "step_000002")
+                comm.Barrier()
+            return real(path, chunk)
+
+        monkeypatch.setattr(fmt, "sha256_file", prune_once)
+        t = Trainer(cfg, comm)
+        restore(t, out / "ckpt" / "latest")
+        return comm.allgather(t.step)
+
+    assert on_first(2, go) == [4, 4]
 
 
 def _stage_state(model: Any, layout: Any, mesh: Any, state: dict) -> dict:

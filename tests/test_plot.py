@@ -82,6 +82,25 @@ def test_plot_runs_writes_file(tmp_path: Path, ext: str, magic: bytes) -> None:
     assert len(fig.axes[1].get_lines()) == 2
 
 
+def test_a_plot_that_fails_half_way_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The figure goes through a temporary file: a savefig that dies half-way (or a viewer
+    reloading the file meanwhile) never leaves half an image where the last plot was."""
+    from matplotlib.figure import Figure
+
+    a, out = write_run(tmp_path / "a"), tmp_path / "loss.png"
+    PL.plot_runs([a], out)
+    before = out.read_bytes()
+
+    def half(self: Figure, fname: object, **kw: object) -> None:
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", half)
+    with pytest.raises(PlotError, match="No space left"):
+        PL.plot_runs([a], out)
+    assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
 def test_labels_disambiguate_equal_names(tmp_path: Path) -> None:
     a, b = write_run(tmp_path / "x" / "run"), write_run(tmp_path / "y" / "run")
     assert PL.run_labels([a, b]) == [str(a), str(b)]

@@ -109,6 +109,33 @@ def test_a_locked_directory_names_its_holder(char_dataset: Path, tmp_path: Path)
     assert res.exit_code == 0, res.output
 
 
+def test_the_run_holds_its_directory_until_its_last_file_is_written(char_dataset: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lock was released when the loop ended, before the final checkpoint and the trace
+    were written: a resume or an --overwrite taking OUT then wrote or removed files under
+    the run still finishing. Checked from inside the final save."""
+    from numesh import train as T
+
+    out, held = tmp_path / "run", []
+    save_step = T.save_step
+
+    def probe(trainer: object, out_dir: Path, keep: int = 0) -> Path:
+        fd = os.open(out / ".lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        finally:
+            os.close(fd)
+        return save_step(trainer, out_dir, keep)
+
+    monkeypatch.setattr(T, "save_step", probe)
+    res, _ = run(char_dataset, out, "--max-iters", "2", "--trace", "--peak-flops", "1e12")
+    assert res.exit_code == 0, res.output
+    assert held == [True] and (out / "trace.json").is_file()
+
+
 def test_resume_at_max_iters_is_an_error_not_a_rewrite(char_dataset: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     assert run(char_dataset, out, "--max-iters", "2")[0].exit_code == 0

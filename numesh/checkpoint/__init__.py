@@ -19,7 +19,14 @@ from numesh.checkpoint.common import read_meta
 from numesh.checkpoint.export import export_nanogpt, from_nanogpt, import_nanogpt, to_nanogpt
 from numesh.checkpoint.format import FORMAT, VERSION, LeafDef, Meta
 from numesh.checkpoint.hf import export_hf, to_hf
-from numesh.checkpoint.load import check_tokenizer, read_global_params, read_local_state, read_params_dict, read_state
+from numesh.checkpoint.load import (
+    check_tokenizer,
+    read_global,
+    read_global_params,
+    read_local_state,
+    read_params_dict,
+    read_state,
+)
 from numesh.checkpoint.model import global_path, gpt_leaves, pad_vocab, unpad_vocab
 from numesh.checkpoint.reshard import reshard
 from numesh.checkpoint.save import save_checkpoint
@@ -29,7 +36,7 @@ from numesh.errors import CheckpointError
 __all__ = [
     "FORMAT", "VERSION", "CheckpointError", "LeafDef", "LocalState", "Meta", "TrainState", "check_tokenizer",
     "export_hf", "export_nanogpt", "from_nanogpt", "global_path", "gpt_leaves", "import_nanogpt", "pad_vocab",
-    "read_global_params",
+    "read_global", "read_global_params",
     "read_local_state", "read_meta", "read_params_dict", "read_state", "reshard", "save_checkpoint",
     "to_hf", "to_nanogpt", "unpad_vocab",
 ]

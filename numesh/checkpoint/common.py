@@ -39,6 +39,12 @@ def read_group(meta: Meta, group: str) -> GPT:
     )
 
 
+def read_params(root: Path) -> tuple[Meta, GPT]:
+    """The metadata and the whole unpadded parameters of the checkpoint directory `root`."""
+    meta = read_meta(root)
+    return meta, read_group(meta, "params")
+
+
 def install_dir(tmp: Path, final: Path) -> None:
     """Rename a finished temp dir into place (replacing an older copy of the same name)."""
     old = None

@@ -15,8 +15,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from numesh.checkpoint.common import read_group, read_meta
+from numesh.checkpoint.common import read_params
 from numesh.checkpoint.format import DTYPES, write_file_atomic
+from numesh.checkpoint.pinned import read_pinned
 from numesh.errors import CheckpointError, DataError
 from numesh.files import os_reason
 from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
@@ -123,10 +124,9 @@ def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = N
         raise CheckpointError(f"{out} is a directory: pass --out a .safetensors file name")
     if not force and (out.exists() or out.is_symlink()):
         raise CheckpointError(f"{out} exists: pass --force to overwrite")
-    meta = read_meta(path)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-    params = read_group(meta, "params")
+    meta, params = read_pinned(path, read_params)  # one step directory, even while a job moves `latest` on
     sd = to_nanogpt(params, meta.model)
     if dtype is not None:
         sd = {k: v.astype(dtype) for k, v in sd.items()}

@@ -12,16 +12,18 @@ tokenizer (a BPE dataset's `tokenizer.json`; for a character dataset an equivale
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from numesh.checkpoint.common import read_group, read_meta
+from numesh.checkpoint.common import read_params
 from numesh.checkpoint.export import to_nanogpt
 from numesh.checkpoint.format import DTYPES
+from numesh.checkpoint.pinned import read_pinned
 from numesh.errors import CheckpointError
-from numesh.files import os_reason, write_atomic
+from numesh.files import os_reason
 from numesh.nn.gpt import GPTConfig
 from numesh.nn.layers import LN_EPS
 from numesh.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
@@ -81,13 +83,13 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
         raise CheckpointError(f"{out} is not empty: pass --force to overwrite")
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-    meta = read_meta(path)
+    meta, params = read_pinned(path, read_params)  # one step directory, even while a job moves `latest` on
     tok_meta = meta.raw.get("tokenizer")
     if tok_meta is None:
         raise CheckpointError(f"{meta.root} holds no tokenizer, which a transformers directory needs: resume it "
                               "once with --data set to its dataset, then export")
     tok = tokenizer_from_meta(tok_meta)
-    sd = to_hf(read_group(meta, "params"), meta.model)
+    sd = to_hf(params, meta.model)
     if dtype is not None:
         sd = {k: v.astype(dtype) for k, v in sd.items()}
     eot = tok.eot_id if isinstance(tok, HFTokenizer) else None
@@ -97,12 +99,31 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
              **_tokenizer_files(tok, meta.model)}
     try:
         out.mkdir(parents=True, exist_ok=True)
-        write_atomic(out / "model.safetensors", save(sd, metadata={"format": "pt"}))
-        for fname, text in files.items():
-            write_atomic(out / fname, text)
+        write_all(out, {"model.safetensors": save(sd, metadata={"format": "pt"}), **files})
     except OSError as e:
         raise CheckpointError(f"cannot write {out}: {os_reason(e)}") from None
     return out
+
+
+def write_all(out: Path, files: dict[str, str | bytes]) -> None:
+    """Write every file into `out` under a temporary name first (the slow part: the weights),
+    then rename them all into place in a moment: a reader (or a kill) never finds the new
+    weights beside the old config, nor half a file. The directory itself is not swapped,
+    since `--force` into a directory that holds other files must not delete them."""
+    staged = []
+    try:
+        for name, content in files.items():
+            tmp = out / f".{name}.tmp-{os.getpid()}"
+            if isinstance(content, str):
+                tmp.write_text(content, encoding="utf-8")
+            else:
+                tmp.write_bytes(content)
+            staged.append((tmp, out / name))
+        for tmp, final in staged:
+            os.replace(tmp, final)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------

@@ -7,9 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from numesh.checkpoint.common import read_group, read_meta
+from numesh.checkpoint.common import read_group, read_meta, read_params
 from numesh.checkpoint.format import GROUPS, BlockReader, Meta, vocab_difference
 from numesh.checkpoint.model import check_model, gpt_leaves, local_paths
+from numesh.checkpoint.pinned import read_pinned, read_pinned_on
 from numesh.checkpoint.state import LocalState
 from numesh.errors import CheckpointError
 from numesh.mesh import Mesh
@@ -29,17 +30,6 @@ def _read_local_trees(meta: Meta, mesh: Mesh, model: GPTConfig, layout: StageLay
         return reader.read(f"{group}/{path}", leaves[path].region(mesh.shape, mesh.coords), np.dtype(dtype))
 
     return {g: tree_map(lambda path, g=g: read(g, path), template) for g in GROUPS}
-
-
-def agree(comm: Any, error: tuple[str, str] | None) -> None:
-    """Raise the same error on every rank if any rank had one (a collective every rank reaches)."""
-    errors = comm.allgather(error)
-    for kind, msg in (e for e in errors if e):
-        if kind == "checkpoint":
-            raise CheckpointError(msg)
-    for i, e in enumerate(errors):
-        if e:
-            raise RuntimeError(f"rank {i} failed reading the checkpoint: {e[1]}")
 
 
 def check_tokenizer(meta: Meta, tokenizer: CharTokenizer | HFTokenizer, dataset: str = "this run's dataset") -> None:
@@ -65,37 +55,47 @@ def read_local_state(path: str | Path, mesh: Mesh, model: GPTConfig, layout: Sta
     With `tokenizer` (that of the run's data, described as `dataset` in errors), the
     checkpoint must have been trained on the same vocabulary (see `check_tokenizer`).
 
-    Collective over `mesh`: every rank reads only the blocks it needs, and every rank
-    raises the same CheckpointError if any rank finds a problem."""
-    error = None
-    trees = meta = None
-    try:
-        meta = read_meta(path)
+    Collective over `mesh`: every rank reads only the blocks it needs, all of one step
+    directory even while a job moves `latest` on (numesh/checkpoint/pinned.py), and every
+    rank raises the same CheckpointError if any rank finds a problem."""
+
+    def read(root: Path) -> LocalState:
+        meta = read_meta(root)
         if tokenizer is not None:
             check_tokenizer(meta, tokenizer, dataset)
         check_model(meta, model)
-        trees = _read_local_trees(meta, mesh, model, layout, dtype)
-    except CheckpointError as e:
-        error = ("checkpoint", str(e))
-    except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others would hang
-        error = ("other", f"{type(e).__name__}: {e}")
-    agree(mesh.world, error)
-    return LocalState(trees, meta.step, meta.opt_step)
+        return LocalState(_read_local_trees(meta, mesh, model, layout, dtype), meta.step, meta.opt_step)
+
+    return read_pinned_on(mesh.world, path, read)
+
+
+def read_global(path: str | Path, comm: Any = None) -> tuple[Meta, GPT]:
+    """The metadata and whole unpadded parameters of a checkpoint, both of one step directory
+    even while a job moves `latest` on (numesh/checkpoint/pinned.py). With `comm` of several
+    ranks, a collective: every rank reads the whole of the same step."""
+
+    if comm is not None and comm.Get_size() > 1:
+        return read_pinned_on(comm, path, read_params)
+    return read_pinned(path, read_params)
 
 
 def read_global_params(path: str | Path) -> tuple[GPTConfig, Any, GPT]:
     """(model config, tokenizer or None, whole unpadded parameters) of a checkpoint, in one process."""
-    meta = read_meta(path)
-    return meta.model, meta.tokenizer(), read_group(meta, "params")
+    meta, params = read_global(path)
+    return meta.model, meta.tokenizer(), params
 
 
 def read_state(path: str | Path) -> tuple[Meta, dict[str, GPT]]:
     """The metadata and the whole unpadded params, m and v trees of a checkpoint (one process)."""
-    meta = read_meta(path)
-    return meta, {g: read_group(meta, g) for g in GROUPS}
+
+    def read(root: Path) -> tuple[Meta, dict[str, GPT]]:
+        meta = read_meta(root)
+        return meta, {g: read_group(meta, g) for g in GROUPS}
+
+    return read_pinned(path, read)
 
 
 def read_params_dict(path: str | Path) -> dict[str, np.ndarray]:
     """The whole unpadded parameters keyed by leaf path ("wte", "blocks.0.attn.qkv.w", ...)."""
-    _, _, params = read_global_params(path)
+    _, params = read_global(path)
     return dict(tree_leaves_with_path(params))

@@ -19,6 +19,7 @@ from numesh.checkpoint.format import (
     write_npy,
     write_text_synced,
 )
+from numesh.checkpoint.pinned import read_pinned
 from numesh.errors import CheckpointError, ConfigError
 from numesh.files import os_reason
 from numesh.mesh import AXES, MeshError, parse_mesh
@@ -44,8 +45,15 @@ def target_mesh(source: dict[str, int], to: str) -> tuple[dict[str, int], list[s
 def reshard(path: str | Path, to: str, out: str | Path | None = None) -> Path:
     """Write checkpoint `path` as the ranks of mesh `to` would have written it (same values,
     other blocks) to `out` (default: a sibling named like `step_000100-tp4`). Reads and
-    writes one block at a time; the output appears atomically. Returns the output dir."""
-    meta = read_meta(path)
+    writes one block at a time; the output appears atomically. Returns the output dir.
+    `path` may be a running job's `latest`: one step directory is read, again from the
+    next one if the job prunes it meanwhile (numesh/checkpoint/pinned.py)."""
+    return read_pinned(path, lambda root: _reshard(root, to, out))
+
+
+def _reshard(root: Path, to: str, out: str | Path | None) -> Path:
+    """`reshard` of the step directory `root`."""
+    meta = read_meta(root)
     src_mesh = meta.raw.get("mesh") if isinstance(meta.raw.get("mesh"), dict) else {}
     sizes, named = target_mesh(src_mesh, to)
     meta.model.validate(sizes["tp"])

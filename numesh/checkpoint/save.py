@@ -131,10 +131,21 @@ def prune(ckdir: Path, keep: int, current: Path) -> list[Path]:
     return doomed
 
 
+def save_leftover(name: str) -> bool:
+    """Whether `name` in OUT/ckpt is what a killed save left: `.tmp-step_NNNNNN` (a save in
+    progress) or `.tmp-old-step_NNNNNN` (a step being replaced). Only those: another
+    process may be writing there meanwhile, e.g. `numesh reshard latest` into its sibling
+    `.tmp-step_NNNNNN-tp4`, which a save used to delete under it."""
+    for prefix in (TMP_PREFIX, f"{TMP_PREFIX}old-"):
+        if name.startswith(prefix) and STEP_DIR.fullmatch(name[len(prefix):]):
+            return True
+    return False
+
+
 def _prepare(ckdir: Path, tmp: Path) -> None:
     ckdir.mkdir(parents=True, exist_ok=True)
     for p in ckdir.iterdir():  # leftovers of killed saves
-        if p.name.startswith(TMP_PREFIX) and p.is_dir() and not p.is_symlink():
+        if save_leftover(p.name) and p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
     for group in GROUPS:
         (tmp / group).mkdir(parents=True)

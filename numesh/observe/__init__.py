@@ -2,9 +2,12 @@
 numesh/mesh/hook.py) and the training loop's spans.
 
 * `trace`: `Tracer`, a Chrome trace-event timeline of a run (`numesh train --trace`);
+  `recover` rebuilds it from the parts a job that died left;
+* `spool`: those parts, each rank's events on disk as the run goes;
 * `flight`: `FlightRecorder`, every rank's recent calls in a memory-mapped ring, and a
   diagnosis and MPI_Abort when a collective never ends; `postmortem` reads the rings a
   killed job left behind;
+* `witness`: a process outside the job that sees which rank ended first;
 * `diagnosis`: `diagnose`, that diagnosis, a pure function of the ranks' states;
 * `inject`: `FaultInjector`, the faults of `NUMESH_INJECT` (hang, skip, crash, mismatch, slow);
 * `observers`: `Recorder` (every call, in order), `Chain` (several observers at once) and

@@ -62,6 +62,7 @@ class RankState:
     note: str = ""  # an injected fault that fired
     pid: int = 0
     host: str = ""
+    exited: float = 0.0  # when it exited through Python's exit, not killed (0: it did not)
 
     def where(self) -> str:
         """'dp=1,tp=1': its coordinates on the axes of size > 1."""

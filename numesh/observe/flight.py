@@ -25,11 +25,15 @@ rank give up on MPI, which cannot be trusted any more:
 The diagnosis itself (`diagnose`, numesh/observe/diagnosis.py) is a pure function of the
 ranks' states, which `read_state` decodes from their ring files. A clean end of training
 removes the ring files (`close`). A job that the launcher killed (a rank died) leaves them
-behind: `postmortem` (`numesh report OUT`) diagnoses them afterwards.
+behind: `postmortem` (`numesh report OUT`) diagnoses them afterwards, with what the
+witness (numesh/observe/witness.py, one process per host outside the job) saw end first,
+and each ring's `exited` time, set when its process left through Python's own exit (which
+a SIGKILL never runs).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -45,6 +49,7 @@ from numesh.errors import abort_job
 from numesh.files import write_atomic
 from numesh.mesh.hook import Observer, SkipCall
 from numesh.mesh.mesh import AxisNames, Group, axis_names
+from numesh.observe import witness
 from numesh.observe.diagnosis import FAILED, SKIPPED, CallRec, RankState, diagnose
 
 EXIT_CODE = 3
@@ -55,11 +60,12 @@ RING = 256  # calls kept per rank (a step of the default model issues ~100 on a 
 MAX_COMMS = 32
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv", "sendrecv")  # a ring entry's op codes
 _OP_CODE = {op: i for i, op in enumerate(OPS)}
-MAGIC = 0x6E756D6573680001
+MAGIC = 0x6E756D6573680002  # 2: the header has `exited`
 
 HEAD = np.dtype([
     ("magic", "<i8"), ("pid", "<i8"), ("ncalls", "<i8"), ("step", "<i8"), ("beat", "<f8"),
     ("waiting", "<i8"), ("wait_since", "<f8"), ("failed", "<i8"), ("counts", "<i8", (MAX_COMMS,)), ("note", "S160"),
+    ("exited", "<f8"),  # when the process exited through Python's own exit (0: it did not, or not yet)
 ])
 ENTRY = np.dtype([
     ("seq", "<i8"), ("comm", "<i8"), ("op", "<i8"), ("nbytes", "<i8"), ("step", "<i8"),
@@ -106,10 +112,10 @@ def read_state(flight_dir: Path, rank: int, run: int) -> RankState | None:
     failed = {0: None, 1: "timeout", 2: "MPI error"}.get(int(head["failed"]), "?")
     alive = None
     if meta.get("host") == socket.gethostname():
-        alive = _alive(int(meta["pid"]))
+        alive = witness.alive(int(meta["pid"]))
     return RankState(rank, meta["coords"], meta["shape"], calls, counts, float(head["beat"]), int(head["step"]),
                      waiting, float(head["wait_since"]), failed, alive, head["note"].decode(errors="replace"),
-                     int(meta["pid"]), meta.get("host", ""))
+                     int(meta["pid"]), meta.get("host", ""), float(head["exited"]))
 
 
 def postmortem(flight_dir: str | Path) -> str | None:
@@ -143,6 +149,10 @@ def postmortem(flight_dir: str | Path) -> str | None:
     for s in states.values():
         if s is not None:
             s.alive = None  # every process is gone now; which died first is what we infer
+    first = witness.first_to_end(witness.read(flight_dir, run))
+    for r in first["gone"] if first else ():
+        if states.get(r) is not None:
+            states[r].alive = False  # the witness saw it end while the others still ran
     known = [s for s in states.values() if s is not None]
     if not known:  # the metadata without a ring: nothing recorded to diagnose
         return None
@@ -151,21 +161,26 @@ def postmortem(flight_dir: str | Path) -> str | None:
              f"without a diagnosis (a rank that dies makes mpiexec kill the others at once; its exit code is in "
              f"mpiexec's message); every rank's last calls are in {flight_dir}")
     text, _ = diagnose(states, end, 0.0, str(flight_dir), title=title, ended=True)
-    write_atomic(diag, text + "\n")
+    text += "\n" + witness_line(first, states)
+    try:
+        write_atomic(diag, text + "\n")
+    except OSError:  # a read-only OUT (another user's run): the diagnosis is still printed
+        pass
     return text + "\n"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by mpiexec's proxy) is dead too
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+def witness_line(first: dict[str, Any] | None, states: dict[int, RankState | None]) -> str:
+    """What the witness (numesh/observe/witness.py) saw end first, in words."""
+    if first is None:
+        return ("witness: none saw one rank end before the others (no pidfds here, the ranks ended together, "
+                "or --collective-timeout 0)")
+    gone = first["gone"]
+    who = ", ".join(f"rank {r}" + (f" (pid {states[r].pid})" if states.get(r) else "") for r in gone)
+    how = ("exited on its own (an error it printed ends the job too)"
+           if all(states.get(r) is not None and states[r].exited for r in gone)
+           else "never exited on its own: killed (kill -9, the OOM killer), crashed, or aborted the job")
+    ahead = "" if first["ms_before"] is None else f", {first['ms_before']:.1f} ms before the next"
+    return f"witness: {who} ended first{ahead}, while {len(first['alive'])} other rank(s) still ran; it {how}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -193,6 +208,9 @@ class FlightRecorder(Observer):
         for name in (f"rank-{self.rank}.json", "diagnosis.txt" if self.rank == 0 else ""):
             if name:
                 (self.dir / name).unlink(missing_ok=True)
+        if self.rank == 0:  # an earlier job's witness record would keep the folder after a clean end
+            for old in self.dir.glob("witness-*.json"):
+                old.unlink(missing_ok=True)
         self._ring_path = self.dir / f"ring-{self.rank}.bin"
         self._mm = np.memmap(self._ring_path, dtype=np.uint8, mode="w+", shape=(HEAD.itemsize + RING * ENTRY.itemsize,))
         self._head = self._mm[:HEAD.itemsize].view(HEAD)
@@ -210,6 +228,23 @@ class FlightRecorder(Observer):
         if inject is not None:
             inject.on_fire = self._note
         self._failing = False
+        atexit.register(self._mark_exit)  # an exit of its own, unlike SIGKILL, which runs nothing
+        self._witness = self._start_witness(world)
+
+    def _start_witness(self, world: Any) -> Any:
+        """The witness of this host's ranks (numesh/observe/witness.py), started by the
+        host's first rank (collective); None on the others."""
+        node = world.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            pids = node.gather((self.rank, os.getpid()), root=0)
+            leader = node.Get_rank() == 0
+        finally:
+            node.Free()
+        return witness.spawn(self.dir, self.run, dict(pids)) if leader else None
+
+    def _mark_exit(self) -> None:
+        if hasattr(self, "_head"):
+            self._head["exited"] = time.time()
 
     def _write_meta(self) -> None:
         meta = {"run": self.run, "rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
@@ -296,6 +331,8 @@ class FlightRecorder(Observer):
 
     def close(self) -> None:
         """The run ended cleanly: remove this rank's files (and the folder once empty)."""
+        atexit.unregister(self._mark_exit)
+        witness.stop(self._witness)
         del self._head, self.ring, self._end, self._waiting, self._wait_since, self._beat, self._counts, self._ncalls
         self._mm._mmap.close()  # type: ignore[attr-defined]
         del self._mm
