@@ -1,0 +1,169 @@
+"""The MoE layer (numesh/nn/moe.py) in float64: its forward against a per-token NumPy
+reference, its backward against finite differences (through the aux and z losses), ties,
+an expert without tokens, and the aux loss on a hand-built routing."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from numesh import threads
+from numesh.nn.layers import Linear, gelu_fwd_reference
+from numesh.nn.moe import MoE, MoEConfig, moe_bwd, moe_fwd, route, routing_stats
+from test_layers import assert_fd, fd_grad
+
+
+def make_moe(rng: np.random.Generator, c: int, e: int, bias: bool, scale: float = 0.5) -> MoE:
+    h = 4 * c
+
+    def b(*shape: int) -> np.ndarray | None:
+        return scale * rng.standard_normal(shape) if bias else None
+
+    return MoE(router=Linear(rng.standard_normal((c, e))),
+               fc=Linear(scale * rng.standard_normal((e, c, h)), b(e, h)),
+               proj=Linear(scale * rng.standard_normal((e, h, c)), b(e, c)))
+
+
+def reference(p: MoE, x: np.ndarray, cfg: MoEConfig) -> tuple[np.ndarray, float, float, np.ndarray]:
+    """Token by token: (output [N, C], aux loss, z loss, tokens per expert)."""
+    n, e, k = x.shape[0], cfg.experts, cfg.top_k
+    out = np.zeros_like(x)
+    probs = np.zeros((n, e))
+    counts = np.zeros(e, np.int64)
+    lse2 = 0.0
+    for t in range(n):
+        logits = x[t] @ p.router.w
+        mx = max(logits)
+        lse = mx + math.log(sum(math.exp(v - mx) for v in logits))
+        lse2 += lse * lse
+        pr = np.array([math.exp(v - lse) for v in logits])
+        probs[t] = pr
+        top = sorted(range(e), key=lambda i: (-pr[i], i))[:k]
+        total = sum(pr[i] for i in top)
+        for i in top:
+            counts[i] += 1
+            hid = x[t] @ p.fc.w[i] + (0 if p.fc.b is None else p.fc.b[i])
+            y = gelu_fwd_reference(hid[None])[0][0] @ p.proj.w[i] + (0 if p.proj.b is None else p.proj.b[i])
+            out[t] += pr[i] / total * y
+    f = counts / (n * k)
+    aux = cfg.aux_coef * e * sum(f[i] * probs[:, i].mean() for i in range(e))
+    return out, aux, cfg.z_coef * lse2 / n, counts
+
+
+CASES = [(1, True), (2, True), (2, False)]
+IDS = ["top1", "top2", "top2-no-bias"]
+
+
+@pytest.mark.parametrize("top_k, bias", CASES, ids=IDS)
+def test_forward_matches_per_token_reference(top_k: int, bias: bool) -> None:
+    rng = np.random.default_rng(3)
+    cfg = MoEConfig(experts=4, top_k=top_k, aux_coef=0.1, z_coef=0.01)
+    p = make_moe(rng, 6, 4, bias)
+    x = rng.standard_normal((3, 5, 6))
+    y, ctx = moe_fwd(p, x, cfg)
+    want, aux, z, counts = reference(p, x.reshape(-1, 6), cfg)
+    assert y.shape == x.shape
+    np.testing.assert_allclose(y.reshape(-1, 6), want, rtol=0, atol=1e-12)
+    assert abs(ctx.stats.aux_loss - aux) < 1e-12 and abs(ctx.stats.z_loss - z) < 1e-12
+    np.testing.assert_array_equal(ctx.stats.tokens, counts)
+
+
+def _check_backward(p: MoE, x: np.ndarray, cfg: MoEConfig) -> None:
+    """Every parameter's and the input's gradient of Σ y·R + aux + z against finite differences."""
+    rng = np.random.default_rng(11)
+    r = rng.standard_normal(x.shape)
+
+    def objective() -> float:
+        y, ctx = moe_fwd(p, x, cfg)
+        return float((y * r).sum()) + ctx.stats.aux_loss + ctx.stats.z_loss
+
+    y, ctx = moe_fwd(p, x, cfg)
+    dx, dp = moe_bwd(p, ctx, r, cfg)
+    assert_fd(dx, fd_grad(objective, x), "dx")
+    for name in ("router", "fc", "proj"):
+        for leaf in ("w", "b"):
+            got = getattr(getattr(dp, name), leaf)
+            param = getattr(getattr(p, name), leaf)
+            assert (got is None) == (param is None), f"{name}.{leaf}"
+            if param is not None:
+                assert_fd(got, fd_grad(objective, param), f"{name}.{leaf}")
+
+
+@pytest.mark.parametrize("top_k, bias", CASES, ids=IDS)
+def test_backward_matches_finite_differences(top_k: int, bias: bool) -> None:
+    rng = np.random.default_rng(5)
+    cfg = MoEConfig(experts=4, top_k=top_k, aux_coef=0.3, z_coef=0.05)
+    _check_backward(make_moe(rng, 4, 4, bias), rng.standard_normal((2, 5, 4)), cfg)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_an_expert_without_tokens(top_k: int) -> None:
+    """Feature 0 is 1 on every token and pushes expert 3's logit far down: it gets no rows,
+    its weights no gradient, and its router column still one (through softmax and aux)."""
+    rng = np.random.default_rng(7)
+    p = make_moe(rng, 4, 4, True)
+    p.router.w[0, 3] = -30.0
+    x = rng.standard_normal((10, 4))
+    x[:, 0] = 1.0
+    cfg = MoEConfig(experts=4, top_k=top_k, aux_coef=0.5, z_coef=0.1)
+    y, ctx = moe_fwd(p, x, cfg)
+    assert ctx.stats.tokens[3] == 0 and ctx.stats.tokens.sum() == 10 * top_k
+    np.testing.assert_allclose(y, reference(p, x, cfg)[0], rtol=0, atol=1e-12)
+    _, dp = moe_bwd(p, ctx, np.ones_like(y), cfg)
+    assert not dp.fc.w[3].any() and not dp.proj.w[3].any() and not dp.fc.b[3].any() and not dp.proj.b[3].any()
+    assert dp.router.w[:, 3].any()
+    _check_backward(p, x, cfg)
+
+
+def test_ties_go_to_the_lowest_index() -> None:
+    logits = np.array([[1.0, 2.0, 2.0, 0.0], [3.0, 3.0, 3.0, 3.0], [0.0, 5.0, 5.0, 5.0], [2.0, 1.0, 2.0, 2.0]])
+    np.testing.assert_array_equal(route(logits, 2).top, [[1, 2], [0, 1], [1, 2], [0, 2]])
+    np.testing.assert_array_equal(route(logits, 1).top[:, 0], [1, 0, 1, 0])
+    np.testing.assert_array_equal(route(logits, 2).weights, np.full((4, 2), 0.5))
+    # a zero router ties every expert on every token: all go to experts 0 .. k-1
+    rng = np.random.default_rng(0)
+    p = make_moe(rng, 4, 4, False)
+    p.router.w[:] = 0.0
+    _, ctx = moe_fwd(p, rng.standard_normal((6, 4)), MoEConfig(experts=4, top_k=2))
+    np.testing.assert_array_equal(ctx.stats.tokens, [6, 6, 0, 0])
+
+
+def test_aux_loss_equals_its_formula_on_a_hand_built_routing() -> None:
+    """4 tokens, 2 experts, top-1: probabilities (0.8, 0.2), (0.6, 0.4), (0.3, 0.7), (0.9, 0.1).
+    Expert 0 takes 3 tokens (f = 3/4), expert 1 one (f = 1/4); P = (0.65, 0.35);
+    aux = α·2·(3/4·0.65 + 1/4·0.35) = α·1.15. Top-2 counts each token for both: f = (1/2, 1/2),
+    aux = α·2·(0.5·0.65 + 0.5·0.35) = α (the balanced value)."""
+    probs = np.array([[0.8, 0.2], [0.6, 0.4], [0.3, 0.7], [0.9, 0.1]])
+    logits = np.log(probs) + 1.5  # any shift: softmax gives the probabilities back
+    alpha = 0.01
+    s1 = routing_stats(route(logits, 1), MoEConfig(experts=2, top_k=1, aux_coef=alpha))
+    np.testing.assert_array_equal(s1.tokens, [3, 1])
+    assert abs(s1.aux_loss - alpha * 1.15) < 1e-15
+    s2 = routing_stats(route(logits, 2), MoEConfig(experts=2, top_k=2, aux_coef=alpha))
+    assert abs(s2.aux_loss - alpha) < 1e-15
+    beta = 0.1
+    lse = np.log(np.exp(logits).sum(axis=1))
+    sz = routing_stats(route(logits, 1), MoEConfig(experts=2, top_k=1, z_coef=beta))
+    assert abs(sz.z_loss - beta * float(np.mean(lse**2))) < 1e-14 and abs(lse - 1.5).max() < 1e-14
+
+
+def test_same_bits_on_any_thread_count() -> None:
+    rng = np.random.default_rng(9)
+    p = make_moe(rng, 32, 8, True, scale=0.1)
+    x = rng.standard_normal((600, 32))
+    cfg = MoEConfig(experts=8, top_k=2, aux_coef=0.01, z_coef=0.001)
+    runs = []
+    saved = threads.threads()
+    try:
+        for n in (1, 2, 3):
+            threads.set_threads(n)
+            y, ctx = moe_fwd(p, x, cfg)
+            dx, dp = moe_bwd(p, ctx, y, cfg)
+            runs.append((y, dx, dp.router.w, dp.fc.w, dp.fc.b, dp.proj.w))
+    finally:
+        threads.set_threads(saved)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert np.array_equal(a, b)
