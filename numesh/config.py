@@ -45,6 +45,12 @@ class TrainConfig:
     block_size: int = _field(64, "context length in tokens")
     dropout: float = _field(0.0, "dropout probability")
     bias: bool = _field(False, "biases in Linear and LayerNorm layers")
+    moe_experts: int = _field(
+        0, "mixture of experts: E expert MLPs and a router in the MoE blocks; 0 = dense (one rank only, for now)")
+    moe_every: int = _field(1, "every N-th block is an MoE block (blocks 0, N, 2N, ...)")
+    moe_top_k: int = _field(2, "experts per token, their router probabilities renormalised to sum to 1")
+    moe_aux_coef: float = _field(1e-2, "coefficient of the Switch/GShard load-balancing loss, added per MoE block")
+    moe_z_coef: float = _field(0.0, "coefficient of the router z-loss (mean squared logsumexp of the router logits)")
     # optimisation
     batch_size: int = _field(12, "global batch in sequences per optimiser step, whatever the mesh")
     micro_batches: int = _field(1, "gradient-accumulation micro-batches per dp rank and step")
@@ -115,6 +121,11 @@ class TrainConfig:
             n_embd=self.n_embd,
             dropout=self.dropout,
             bias=self.bias,
+            moe_experts=self.moe_experts,
+            moe_every=self.moe_every,
+            moe_top_k=self.moe_top_k,
+            moe_aux_coef=self.moe_aux_coef,
+            moe_z_coef=self.moe_z_coef,
         )
 
 
@@ -264,10 +275,25 @@ def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> G
         raise ConfigError(f"--sequence-parallel splits the block_size={cfg.block_size} tokens over tp={shape['tp']}: "
                           f"use a --block-size divisible by {shape['tp']}")
     model = cfg.model(vocab_size)
+    model.validate(1)  # a tp or experts error below says which mesh axis
+    _check_moe(cfg, shape)
     model.validate(shape["tp"])
     StageLayout(model.n_layer, shape["pp"], cfg.virtual_stages)
     _check_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
     return model
+
+
+def _check_moe(cfg: TrainConfig, shape: dict[str, int]) -> None:
+    """What experts do not combine with yet (numesh/nn/moe.py is the one-rank foundation)."""
+    if not cfg.moe_experts:
+        return
+    if big := [f"{axis}={n}" for axis, n in shape.items() if n > 1]:
+        raise ConfigError(f"experts on a mesh with {','.join(big)} are not supported yet: run on one rank")
+    if cfg.micro_batches > 1:
+        raise ConfigError("experts with --micro-batches > 1 are not supported yet: their load-balancing loss counts "
+                          "the whole batch's routing in one forward")
+    if cfg.init_from:
+        raise ConfigError("--init-from with experts is not supported yet: its weights are a dense model's")
 
 
 @functools.lru_cache(maxsize=4096)

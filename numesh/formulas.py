@@ -285,6 +285,32 @@ def block_params(n_embd: int, tp: int = 1, bias: bool = False) -> int:
     return n
 
 
+def expert_params(n_embd: int, bias: bool = False) -> int:
+    """Values of one expert: the dense MLP's C·4C and 4C·C (and its 4C + C biases)."""
+    return 8 * n_embd * n_embd + (5 * n_embd if bias else 0)
+
+
+def moe_block_params(n_embd: int, experts: int, bias: bool = False) -> int:
+    """Values of one MoE block (one rank): the dense block's attention and LayerNorms, the
+    router C·E (no bias) and E experts in place of the MLP."""
+    return block_params(n_embd, 1, bias) - expert_params(n_embd, bias) + n_embd * experts + experts * expert_params(
+        n_embd, bias)
+
+
+def active_params(n_params: int, n_embd: int, moe_blocks: int, experts: int, top_k: int, bias: bool = False) -> int:
+    """The parameters one token uses, of a model of `n_params` with `moe_blocks` MoE blocks:
+    all but the E - k experts each MoE block does not route it to."""
+    return n_params - moe_blocks * (experts - top_k) * expert_params(n_embd, bias)
+
+
+def moe_mlp_flops_per_token(n_embd: int, experts: int, top_k: int) -> float:
+    """Training FLOPs per token of one MoE MLP's matmuls: forward 2 per weight used (the
+    router's C·E, and 8C² for each of its k experts), backward twice that (input and
+    weight gradients). Bias adds, GELU and the softmax are not counted, as for the dense
+    model (`flops_per_token` with `active_params` counts the same)."""
+    return 6.0 * (n_embd * experts + top_k * 8 * n_embd * n_embd)
+
+
 def outer_params(n_embd: int, vocab: int, block_size: int, tp: int = 1, first: bool = True, last: bool = True,
                  bias: bool = False) -> int:
     """Values of the outer unit on one rank: the vocab-parallel wte (first and last stage,

@@ -31,6 +31,7 @@ from numesh.interrupt import InterruptWatch
 from numesh.mesh import Mesh, psum_scalar, unshard
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
+from numesh.nn.moe import moe_metrics
 from numesh.nn.units import OUTER, join_units, sequence_partial_leaves, split_units
 from numesh.observe import attach
 from numesh.observe.flight import FlightRecorder
@@ -58,8 +59,11 @@ class Diverged(ConfigError):
 
 
 def flops_per_token(model: GPTConfig, n_params: int) -> float:
-    """Training FLOPs per token: 6 per parameter plus attention (PaLM's appendix B)."""
-    return formulas.flops_per_token(model.n_layer, model.n_embd, model.block_size, n_params)
+    """Training FLOPs per token: 6 per parameter a token uses (with experts, only its k of
+    each MoE block's E) plus attention (PaLM's appendix B)."""
+    active = formulas.active_params(n_params, model.n_embd, model.moe_blocks, model.moe_experts, model.moe_top_k,
+                                    model.bias)
+    return formulas.flops_per_token(model.n_layer, model.n_embd, model.block_size, active)
 
 
 def open_run_dataset(path: str, comm: MPI.Comm) -> D.Dataset:
@@ -330,7 +334,7 @@ def _step_record(trainer: Trainer, step: int, peak_flops: float) -> dict[str, An
         if step % c.log_interval == 0 or step == c.max_iters - 1:
             achieved = tps * flops_per_token(trainer.model, trainer.n_params)
             record.update(loss=loss, lr=lr, grad_norm=norm, dt_ms=dt * 1e3, tokens_per_s=tps, flops_per_s=achieved,
-                          mfu=formulas.mfu(achieved, peak_flops))
+                          mfu=formulas.mfu(achieved, peak_flops), **moe_metrics(trainer.last_stats.moe))
     return {"step": step, **record} if record else record
 
 

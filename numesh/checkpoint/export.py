@@ -28,7 +28,10 @@ EXPORT_FORMAT = "numesh-nanogpt"
 
 
 def to_nanogpt(params: GPT, model: GPTConfig) -> dict[str, np.ndarray]:
-    """nanoGPT state-dict tensors of whole unpadded parameters."""
+    """nanoGPT state-dict tensors of whole unpadded parameters (a dense model's only)."""
+    if model.moe_experts:
+        raise CheckpointError(f"this checkpoint is a mixture of experts ({model.moe_experts} experts): exporting one "
+                              "is not supported yet (GPT-2/nanoGPT's format has no experts)")
     C = model.n_embd
     sd: dict[str, np.ndarray] = {}
 

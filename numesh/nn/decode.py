@@ -12,9 +12,9 @@ from numesh.errors import ConfigError
 from numesh.mesh import Mesh, all_gather
 from numesh.nn.attention import attend_fwd
 from numesh.nn.gpt import GPT, GPTConfig
-from numesh.nn.layers import Linear, gelu_fwd, layernorm_fwd, linear_fwd
+from numesh.nn.layers import Linear, layernorm_fwd, linear_fwd
 from numesh.nn.parallel import reduce_from_tp
-from numesh.nn.transformer import bias_add, block_fwd, embed_fwd, local_heads
+from numesh.nn.transformer import bias_add, block_fwd, embed_fwd, local_heads, mlp_fwd
 
 
 @attrs.define
@@ -60,9 +60,7 @@ def logits_cached(params: GPT, idx: np.ndarray, cache: KVCache, cfg: GPTConfig, 
         y, _ = linear_fwd(Linear(p.attn.proj.w), a)
         x = x + bias_add(reduce_from_tp(y, mesh), p.attn.proj.b)
         h2, _ = layernorm_fwd(p.ln2, x)
-        g, _ = gelu_fwd(linear_fwd(p.mlp.fc, h2)[0])
-        z, _ = linear_fwd(Linear(p.mlp.proj.w), g)
-        x = x + bias_add(reduce_from_tp(z, mesh), p.mlp.proj.b)
+        x = x + mlp_fwd(p.mlp, h2, cfg, mesh, layer)[0]
     cache.length = pos0 + T
     xf, _ = layernorm_fwd(params.ln_f, x[:, -1])
     local = xf @ params.wte.T  # [B, V/tp]

@@ -19,6 +19,7 @@ import numpy as np
 from numesh.errors import ConfigError
 from numesh.mesh import Mesh, P, shard
 from numesh.nn.layers import LayerNorm, Linear
+from numesh.nn.moe import MoE, MoEConfig
 from numesh.padding import padded_vocab
 from numesh.tree import tree_map, tree_map_with_path
 
@@ -32,6 +33,23 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = False
+    # mixture of experts (numesh/nn/moe.py): 0 experts = every block's MLP dense
+    moe_experts: int = 0
+    moe_every: int = 1  # block i has experts when i % moe_every == 0 (Megatron's layer frequency)
+    moe_top_k: int = 2
+    moe_aux_coef: float = 1e-2
+    moe_z_coef: float = 0.0
+
+    def moe(self, layer: int) -> MoEConfig | None:
+        """Block `layer`'s MoE settings, or None where its MLP is dense."""
+        if self.moe_experts == 0 or layer % self.moe_every:
+            return None
+        return MoEConfig(self.moe_experts, self.moe_top_k, self.moe_aux_coef, self.moe_z_coef)
+
+    @property
+    def moe_blocks(self) -> int:
+        """How many blocks have experts."""
+        return sum(self.moe(i) is not None for i in range(self.n_layer))
 
     def padded_vocab(self, tp: int) -> int:
         """The vocabulary rounded up to a multiple of tp (padding rows never get probability)."""
@@ -50,6 +68,21 @@ class GPTConfig:
             raise ConfigError(f"n_head={self.n_head} is not divisible by tp={tp}: use a tp that divides the heads")
         if (4 * self.n_embd) % tp:
             raise ConfigError(f"4*n_embd={4 * self.n_embd} is not divisible by tp={tp}: use a tp that divides it")
+        self._validate_moe(tp)
+
+    def _validate_moe(self, tp: int) -> None:
+        """The mixture-of-experts settings (one rank only, for now)."""
+        if self.moe_experts < 0:
+            raise ConfigError(f"moe_experts must be >= 0 (0 = dense), got {self.moe_experts}")
+        if self.moe_every < 1:
+            raise ConfigError(f"moe_every must be >= 1, got {self.moe_every}")
+        for name in ("moe_aux_coef", "moe_z_coef"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ConfigError(f"moe_top_k must be between 1 and moe_experts={self.moe_experts}, got {self.moe_top_k}")
+        if self.moe_experts and tp > 1:
+            raise ConfigError(f"experts with tp={tp} are not supported yet: run on one rank")
 
 
 @attrs.frozen
@@ -69,7 +102,7 @@ class Block:
     ln1: LayerNorm
     attn: Attention
     ln2: LayerNorm
-    mlp: MLP
+    mlp: MLP | MoE  # MoE in the blocks `GPTConfig.moe` names
 
 
 @attrs.frozen
@@ -99,7 +132,14 @@ def _layout(cfg: GPTConfig, tp: int) -> GPT:
     def ln() -> LayerNorm:
         return LayerNorm(_Leaf("ones", (C,), P()), _Leaf("zeros", (C,), P()) if cfg.bias else None)
 
-    def block() -> Block:
+    def mlp(layer: int) -> MLP | MoE:
+        if (moe := cfg.moe(layer)) is None:
+            return MLP(fc=lin("normal", (C, H), col, (H,), P("tp")), proj=lin("residual", (H, C), row, (C,), P()))
+        E = moe.experts  # every expert whole on the one rank; checkpoints hold [E, ...] arrays
+        return MoE(router=Linear(_Leaf("normal", (C, E), P())), fc=lin("normal", (E, C, H), P(), (E, H), P()),
+                   proj=lin("residual", (E, H, C), P(), (E, C), P()))
+
+    def block(layer: int) -> Block:
         return Block(
             ln1=ln(),
             attn=Attention(
@@ -107,13 +147,13 @@ def _layout(cfg: GPTConfig, tp: int) -> GPT:
                 proj=lin("residual", (C, C), row, (C,), P()),
             ),
             ln2=ln(),
-            mlp=MLP(fc=lin("normal", (C, H), col, (H,), P("tp")), proj=lin("residual", (H, C), row, (C,), P())),
+            mlp=mlp(layer),
         )
 
     return GPT(
         wte=_Leaf("embedding", (cfg.padded_vocab(tp), C), P("tp", None)),
         wpe=_Leaf("normal", (cfg.block_size, C), P()),
-        blocks=tuple(block() for _ in range(cfg.n_layer)),
+        blocks=tuple(block(i) for i in range(cfg.n_layer)),
         ln_f=ln(),
     )
 

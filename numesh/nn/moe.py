@@ -32,7 +32,7 @@ per-token Python, and the same bits for any thread count.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import attrs
 import numpy as np
@@ -120,6 +120,11 @@ def _jobs(bounds: np.ndarray) -> list[tuple[int, slice]]:
     return out
 
 
+def _gemm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out = a @ b, one BLAS call (every expert GEMM goes through here: the FLOP test counts them)."""
+    np.matmul(a, b, out=out)
+
+
 def _run(fn: Callable[[int], Any], count: int, flops: float) -> list:
     """`fn(i)` for i < count on numesh's threads, each given at least MIN_CHUNK_FLOPS."""
     return over_tiles(fn, count, int(flops // MIN_CHUNK_FLOPS))
@@ -134,7 +139,7 @@ def _expert_matmul(a: np.ndarray, w: np.ndarray, b: np.ndarray | None, jobs: lis
 
     def job(i: int) -> None:
         e, r = jobs[i]
-        np.matmul(a[r], w[e].T if transpose else w[e], out=out[r])
+        _gemm(a[r], w[e].T if transpose else w[e], out[r])
         if b is not None:
             out[r] += b[e]
 
@@ -210,8 +215,8 @@ def _expert_weight_grads(p: MoE, ctx: MoECtx, du: np.ndarray, dys: np.ndarray) -
         r = slice(int(b[e]), int(b[e + 1]))
         if r.start == r.stop:
             return
-        np.matmul(ctx.xs[r].T, du[r], out=d_fc[e])
-        np.matmul(ctx.g[r].T, dys[r], out=d_proj[e])
+        _gemm(ctx.xs[r].T, du[r], d_fc[e])
+        _gemm(ctx.g[r].T, dys[r], d_proj[e])
         if db_fc is not None:
             du[r].sum(axis=0, out=db_fc[e])
         if db_proj is not None:
@@ -243,3 +248,14 @@ def moe_bwd(p: MoE, ctx: MoECtx, dy: np.ndarray, cfg: MoEConfig) -> tuple[np.nda
         dx += dxa[:, j]
     d_router = Linear(matmul(ctx.x.T, dlogits))
     return dx.reshape(ctx.shape), MoE(d_router, d_fc, d_proj)
+
+
+def moe_metrics(stats: Sequence[RoutingStats]) -> dict[str, float | int]:
+    """A step's metrics from its MoE layers' stats ({} without any): the aux and z losses
+    summed over the layers (what the step added to the loss), and the fewest and most
+    token-assignments any expert of any layer received."""
+    if not stats:
+        return {}
+    tokens = np.concatenate([s.tokens for s in stats])
+    return {"moe_aux_loss": sum(s.aux_loss for s in stats), "moe_z_loss": sum(s.z_loss for s in stats),
+            "moe_tokens_min": int(tokens.min()), "moe_tokens_max": int(tokens.max())}

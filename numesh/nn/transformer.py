@@ -48,6 +48,7 @@ from numesh.nn.layers import (
     linear_bwd_weight,
     linear_fwd,
 )
+from numesh.nn.moe import MoE, MoECtx, RoutingStats, moe_bwd, moe_fwd
 from numesh.nn.parallel import (
     copy_to_tp_bwd,
     gather_from_sequence_parallel_region,
@@ -150,10 +151,15 @@ class BlockCtx:
     a: np.ndarray  # attention output = the out-projection's input [B, T, C/tp]
     ln2: Any
     h2: np.ndarray | None  # LayerNorm 2's output = the MLP-up matmul's input [B, T, C]; None with sp
-    gelu: Any
-    g: np.ndarray  # GELU output = the MLP-down matmul's input [B, T, 4C/tp]
+    gelu: Any  # None in an MoE block
+    g: np.ndarray | None  # GELU output = the MLP-down matmul's input [B, T, 4C/tp]; None in an MoE block
     drop: DropoutKey | None
     layer: int
+    moe: MoECtx | None = None  # the MoE MLP's context in an MoE block
+
+    @property
+    def moe_stats(self) -> RoutingStats | None:
+        return None if self.moe is None else self.moe.stats
 
 
 @attrs.frozen
@@ -172,8 +178,9 @@ class BlockWeightCtx:
     d_ln2: LayerNorm
     qkv: LinearIO
     attn_proj: LinearIO
-    fc: LinearIO
-    mlp_proj: LinearIO
+    fc: LinearIO | None  # None in an MoE block
+    mlp_proj: LinearIO | None
+    d_moe: MoE | None = None  # an MoE block's MLP grads, all computed in B
 
 
 def token_positions(mesh: Mesh, t_local: int, pos0: int = 0, gathered: bool = False) -> slice | np.ndarray:
@@ -224,15 +231,26 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
         y *= _residual_mask(drop, Site("attn_out", layer), y, mesh)
     x = x + y
     h2, ln2 = norm_gather_fwd(p.ln2, x, mesh)
-    u, _ = linear_fwd(p.mlp.fc, h2)
-    g, gelu = gelu_fwd(u)
-    z, _ = linear_fwd(Linear(p.mlp.proj.w), g)
-    z = bias_add(reduce_seq(z, mesh), p.mlp.proj.b)
+    z, gelu, g, moe = mlp_fwd(p.mlp, h2, cfg, mesh, layer)
     if drop:
         z *= _residual_mask(drop, Site("mlp_out", layer), z, mesh)
     x += z
     keep = transient or not mesh.sequence_parallel  # with sp backward gathers them again (norm_regather)
-    return x, BlockCtx(ln1, h1 if keep else None, attn, a, ln2, h2 if keep else None, gelu, g, drop, layer)
+    return x, BlockCtx(ln1, h1 if keep else None, attn, a, ln2, h2 if keep else None, gelu, g, drop, layer, moe)
+
+
+def mlp_fwd(p: MLP | MoE, h2: np.ndarray, cfg: GPTConfig, mesh: Mesh,
+            layer: int) -> tuple[np.ndarray, Any, np.ndarray | None, MoECtx | None]:
+    """A block's MLP on its LayerNorm output h2 [B, T, C]: (output, GELU context, GELU
+    output, MoE context): the dense MLP (column- then row-parallel) or, in the blocks
+    `cfg.moe` names, the MoE MLP (one rank: no tp reduction)."""
+    if (moe_cfg := cfg.moe(layer)) is not None:
+        z, moe = moe_fwd(p, h2, moe_cfg)
+        return z, None, None, moe
+    u, _ = linear_fwd(p.fc, h2)
+    g, gelu = gelu_fwd(u)
+    z, _ = linear_fwd(Linear(p.proj.w), g)
+    return bias_add(reduce_seq(z, mesh), p.proj.b), gelu, g, None
 
 
 def attention_dropout(drop: DropoutKey | None, layer: int, T: int, cfg: GPTConfig, mesh: Mesh) -> AttnDropout | None:
@@ -253,8 +271,13 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig,
     nh, hs, _ = local_heads(cfg, mesh)
     # MLP half
     dz = reduce_seq_bwd(_drop_residual(dx, ctx.drop, Site("mlp_out", ctx.layer), mesh), mesh)  # [B, T, C]
-    du = gelu_bwd(ctx.gelu, linear_bwd_input(p.mlp.proj, dz))
-    dx2, d_ln2 = norm_gather_bwd(p.ln2, ctx.ln2, linear_bwd_input(p.mlp.fc, du), mesh)  # like dx
+    du = d_moe = None
+    if ctx.moe is None:
+        du = gelu_bwd(ctx.gelu, linear_bwd_input(p.mlp.proj, dz))
+        dh2 = linear_bwd_input(p.mlp.fc, du)
+    else:  # the experts' and router's weight grads are done here too
+        dh2, d_moe = moe_bwd(p.mlp, ctx.moe, dz, cfg.moe(ctx.layer))
+    dx2, d_ln2 = norm_gather_bwd(p.ln2, ctx.ln2, dh2, mesh)  # like dx
     dx = dx + dx2
     # attention half
     dy = reduce_seq_bwd(_drop_residual(dx, ctx.drop, Site("attn_out", ctx.layer), mesh), mesh)  # [B, T, C]
@@ -266,7 +289,8 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig,
     dx1 += dx  # not in place on dx: it may be `dy`, which the weight half still needs
     h1 = norm_regather(p.ln1, ctx.ln1, mesh) if ctx.h1 is None else ctx.h1  # [B, T, C]
     h2 = norm_regather(p.ln2, ctx.ln2, mesh) if ctx.h2 is None else ctx.h2
-    io = BlockWeightCtx(d_ln1, d_ln2, LinearIO(h1, dqkv), LinearIO(ctx.a, dy), LinearIO(h2, du), LinearIO(ctx.g, dz))
+    mlp_io = (None, None) if d_moe is not None else (LinearIO(h2, du), LinearIO(ctx.g, dz))
+    io = BlockWeightCtx(d_ln1, d_ln2, LinearIO(h1, dqkv), LinearIO(ctx.a, dy), *mlp_io, d_moe)
     return dx1, io
 
 
@@ -288,7 +312,8 @@ def block_bwd_weight(p: Block, w: BlockWeightCtx) -> Block:
         attn=Attention(qkv=linear_bwd_weight(p.attn.qkv, w.qkv.x, w.qkv.dy),
                        proj=_row_parallel_grad(p.attn.proj, w.attn_proj)),
         ln2=w.d_ln2,
-        mlp=MLP(fc=linear_bwd_weight(p.mlp.fc, w.fc.x, w.fc.dy), proj=_row_parallel_grad(p.mlp.proj, w.mlp_proj)),
+        mlp=w.d_moe if w.d_moe is not None else
+        MLP(fc=linear_bwd_weight(p.mlp.fc, w.fc.x, w.fc.dy), proj=_row_parallel_grad(p.mlp.proj, w.mlp_proj)),
     )
 
 

@@ -130,6 +130,7 @@ class StageCtx:
     embed: EmbedCtx | None
     blocks: list  # BlockCtx, or RowChunks of them when run as pieces
     head: HeadCtx | None
+    moe: tuple = ()  # the MoE blocks' RoutingStats, in forward order
 
 
 # ---------------------------------------------------------------------------------------
@@ -161,12 +162,13 @@ class BlockInput:
     x: np.ndarray
     drop: DropoutKey | None
     layer: int
+    moe_stats: Any = None  # an MoE block's RoutingStats (its forward's, for metrics)
 
 
 def _saved(mode: Recompute, ctx: BlockCtx, x: np.ndarray, drop: DropoutKey | None, layer: int) -> BlockCtx | BlockInput:
     """What a block keeps for backward under recomputation `mode`."""
     if mode == "full":
-        return BlockInput(x, drop, layer)
+        return BlockInput(x, drop, layer, ctx.moe_stats)
     return ctx
 
 
@@ -226,7 +228,8 @@ def run_block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: in
             y, ctx = block_fwd(p, xr, cfg, mesh, layer, dr)
         return y, _saved(recompute, ctx, xr, dr, layer)
 
-    pieces = _pieces(mesh, x)
+    # an MoE block runs whole: its load-balancing loss counts the routing of all its tokens
+    pieces = (slice(0, x.shape[0]),) if cfg.moe(layer) else _pieces(mesh, x)
     if len(pieces) == 1:
         y, ctx = block_fwd(p, x, cfg, mesh, layer, drop)
         return y, _saved(recompute, ctx, x, drop, layer)
@@ -302,7 +305,8 @@ def stage_forward(units: ParamUnits, stage: Stage, inp: np.ndarray, targets: np.
     if stage.last:
         x, head = head_fwd(units.get(OUTER), x, targets, cfg, mesh)
         units.release(OUTER)
-    return x, (StageCtx(emb, ctxs, head) if keep else None)
+    moe = tuple(c.moe_stats for c in ctxs if keep and getattr(c, "moe_stats", None) is not None)
+    return x, (StageCtx(emb, ctxs, head, moe) if keep else None)
 
 
 def stage_backward(units: ParamUnits, stage: Stage, ctx: StageCtx, dy: np.ndarray | float, cfg: GPTConfig, mesh: Mesh,

@@ -52,6 +52,7 @@ class StepStats:
     peak_live: int  # most micro-batch chunks whose activations were held at once
     peak_bytes: int  # the most bytes of saved activations held at once, between actions (`held_bytes`)
     timeline: tuple[tuple[str, int, int, float, float], ...]  # (kind, mb, chunk, start, end) from step start
+    moe: tuple = ()  # RoutingStats of every MoE block's forward on this rank (numesh/nn/moe.py)
 
     @property
     def idle_fraction(self) -> float:
@@ -71,6 +72,7 @@ class _Step:
     outer: GPT | None = None  # this rank's outer-unit grads, summed over micro-batches
     loss: float = 0.0
     busy: float = 0.0
+    moe: list = attrs.Factory(list)  # RoutingStats of the MoE blocks run forward
 
     def finish_sends(self) -> None:
         for h in self.sends:
@@ -132,6 +134,7 @@ class PipelineExecutor:
             self._send(out, "F", a.mb, k + 1, st)
         if keep:
             st.acts[(a.mb, a.chunk)] = ctx
+            st.moe.extend(ctx.moe)
         if self.trace is not None:
             self.trace.span(str(a), "compute", t, None, {"kind": "F", "mb": a.mb, "chunk": a.chunk, "stage": k})
 
@@ -201,7 +204,7 @@ class PipelineExecutor:
         if self.trace is not None:
             self.trace.span("pipeline", "pipeline", start, start + span, {"schedule": schedule.name})
         self._finish_outer(st)
-        return StepStats(st.loss, st.busy, span, peak_live, peak_bytes, tuple(timeline))
+        return StepStats(st.loss, st.busy, span, peak_live, peak_bytes, tuple(timeline), tuple(st.moe))
 
     def _finish_outer(self, st: _Step) -> None:
         """Sum the tied embedding's two gradients (first and last rank), then hand the outer

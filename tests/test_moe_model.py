@@ -1,0 +1,168 @@
+"""The GPT with MoE blocks on one rank: its gradient against finite differences (through
+the router losses), full recomputation, the KV cache, its parameter tree and the formulas
+for its parameters and FLOPs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import random_global_params, self_mesh, tiny_config
+from numesh import formulas
+from numesh.errors import CheckpointError, ConfigError
+from numesh.nn import moe as M
+from numesh.nn.gpt import MLP, gpt_global_shapes
+from numesh.nn.moe import MoE, MoEConfig
+from numesh.nn.walk import ResidentParams, loss_and_grads, stage_forward, whole_model
+from numesh.train import flops_per_token
+from numesh.tree import tree_leaves, tree_leaves_with_path
+from test_layers import _batch, _entries, assert_fd, fd_grad
+from test_moe import make_moe
+
+MOE = dict(moe_experts=3, moe_top_k=2, moe_every=2, moe_aux_coef=0.2, moe_z_coef=0.05)
+
+
+def _objective(params, idx, tgt, cfg, scale: float, recompute: str = "none") -> tuple[float, tuple]:
+    """The training objective (mean token loss plus every MoE block's aux and z loss) and the stats."""
+    loss, ctx = stage_forward(ResidentParams(params), whole_model(cfg.n_layer), idx, tgt, cfg, self_mesh(),
+                              recompute=recompute)
+    return float(loss.sum()) * scale + sum(s.aux_loss + s.z_loss for s in ctx.moe), ctx.moe
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_gpt_with_experts_grads_match_finite_differences(top_k: int) -> None:
+    rng = np.random.default_rng(8)
+    cfg = tiny_config(n_layer=3, **{**MOE, "moe_top_k": top_k})
+    params = random_global_params(cfg, seed=2)
+    assert [type(b.mlp) for b in params.blocks] == [MoE, MLP, MoE]  # blocks 0 and 2 (every 2nd)
+    idx, tgt = _batch(cfg, rng)
+    scale = 1.0 / idx.size
+    _, grads = loss_and_grads(params, idx, tgt, cfg, self_mesh(), scale)
+
+    def f() -> float:
+        return _objective(params, idx, tgt, cfg, scale)[0]
+
+    for (path, p), g in zip(tree_leaves_with_path(params), tree_leaves(grads)):
+        assert g.shape == p.shape, path
+        entries = _entries(p.shape, rng, 4)
+        assert_fd(g, fd_grad(f, p, entries), path, entries)
+
+
+def test_full_recomputation_gives_the_same_bits() -> None:
+    cfg = tiny_config(n_layer=2, **MOE)
+    params = random_global_params(cfg, seed=3)
+    idx, tgt = _batch(cfg, np.random.default_rng(1))
+    a = loss_and_grads(params, idx, tgt, cfg, self_mesh(), 0.1)
+    b = loss_and_grads(params, idx, tgt, cfg, self_mesh(), 0.1, recompute="full")
+    assert a[0] == b[0]
+    for x, y in zip(tree_leaves(a[1]), tree_leaves(b[1])):
+        assert np.array_equal(x, y)
+    stats = _objective(params, idx, tgt, cfg, 0.1, "full")[1]
+    assert len(stats) == 1 and stats[0].tokens.sum() == idx.size * 2
+
+
+def test_kv_cache_logits_match_the_training_forward_with_experts() -> None:
+    from numesh.nn.decode import logits_cached, new_kv_cache
+    from test_layers import _full_logits
+
+    cfg = tiny_config(**MOE)
+    mesh = self_mesh()
+    params = random_global_params(cfg, seed=4)
+    idx = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, cfg.block_size))
+    want = _full_logits(params, idx, cfg, mesh)
+    cache = new_kv_cache(cfg, mesh, 2, np.float64)
+    np.testing.assert_allclose(logits_cached(params, idx[:, :3], cache, cfg, mesh), want[:, 2], rtol=1e-12, atol=1e-13)
+    for t in range(3, cfg.block_size):
+        got = logits_cached(params, idx[:, t : t + 1], cache, cfg, mesh)
+        np.testing.assert_allclose(got, want[:, t], rtol=1e-12, atol=1e-13)
+
+
+def test_parameter_tree_dense_and_with_experts() -> None:
+    dense = tiny_config()
+    assert tiny_config(moe_experts=0, moe_top_k=7, moe_every=3).moe_blocks == 0
+    assert [p for p, _ in tree_leaves_with_path(gpt_global_shapes(dense))] == \
+        [p for p, _ in tree_leaves_with_path(gpt_global_shapes(tiny_config(moe_experts=0)))]
+    shapes = dict(tree_leaves_with_path(gpt_global_shapes(tiny_config(moe_experts=4, n_embd=8))))
+    assert shapes["blocks.0.mlp.router.w"] == (8, 4)
+    assert shapes["blocks.0.mlp.fc.w"] == (4, 8, 32) and shapes["blocks.0.mlp.fc.b"] == (4, 32)
+    assert shapes["blocks.1.mlp.proj.w"] == (4, 32, 8) and shapes["blocks.1.mlp.proj.b"] == (4, 8)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(moe_experts=-1), "moe_experts must be >= 0"),
+    (dict(moe_experts=4, moe_top_k=5), "moe_top_k must be between 1 and moe_experts=4"),
+    (dict(moe_experts=4, moe_top_k=0), "moe_top_k must be between 1"),
+    (dict(moe_experts=4, moe_every=0), "moe_every must be >= 1"),
+    (dict(moe_experts=4, moe_aux_coef=-1.0), "moe_aux_coef must be >= 0"),
+])
+def test_bad_moe_settings_are_one_line_errors(overrides: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        tiny_config(**overrides).validate(1)
+
+
+def test_experts_with_tp_are_refused() -> None:
+    with pytest.raises(ConfigError, match="experts with tp=2 are not supported yet: run on one rank"):
+        tiny_config(moe_experts=2).validate(2)
+
+
+def test_export_refuses_experts() -> None:
+    from numesh.checkpoint.export import to_nanogpt
+
+    cfg = tiny_config(moe_experts=2)
+    with pytest.raises(CheckpointError, match="mixture of experts .* not supported yet"):
+        to_nanogpt(random_global_params(cfg, seed=1), cfg)
+
+
+# ---------------------------------------------------------------------------------------
+# formulas
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_parameter_formulas_equal_the_tree(bias: bool) -> None:
+    cfg = tiny_config(n_layer=3, bias=bias, **MOE)
+    shapes = gpt_global_shapes(cfg)
+    sizes = [sum(math.prod(s) for s in tree_leaves(b)) for b in shapes.blocks]
+    C, E = cfg.n_embd, cfg.moe_experts
+    assert sizes == [formulas.moe_block_params(C, E, bias), formulas.block_params(C, 1, bias),
+                     formulas.moe_block_params(C, E, bias)]
+    expert = sum(math.prod(s[1:]) for s in tree_leaves(attrs_mlp_experts(shapes.blocks[0].mlp)))
+    assert expert == formulas.expert_params(C, bias)
+    total = sum(math.prod(s) for s in tree_leaves(shapes))
+    active = formulas.active_params(total, C, cfg.moe_blocks, E, cfg.moe_top_k, bias)
+    assert total - active == 2 * (E - cfg.moe_top_k) * expert
+    assert flops_per_token(cfg, total) == formulas.flops_per_token(cfg.n_layer, C, cfg.block_size, active)
+    dense = tiny_config(bias=bias)
+    n_dense = sum(math.prod(s) for s in tree_leaves(gpt_global_shapes(dense)))
+    assert flops_per_token(dense, n_dense) == formulas.flops_per_token(dense.n_layer, C, dense.block_size, n_dense)
+
+
+def attrs_mlp_experts(mlp: MoE) -> list:
+    """The experts' leaves of an MoE's shapes (router left out)."""
+    return [x for x in (mlp.fc.w, mlp.fc.b, mlp.proj.w, mlp.proj.b) if x is not None]
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_flops_formula_equals_the_matmuls_run(monkeypatch: pytest.MonkeyPatch, top_k: int) -> None:
+    """Every matmul of the layer's forward and backward counted (2·m·k·n each)."""
+    counted = [0.0]
+    real_gemm, real_matmul = M._gemm, M.matmul
+
+    def gemm(a, b, out):
+        counted[0] += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+        real_gemm(a, b, out)
+
+    def matmul(a, b):
+        counted[0] += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+        return real_matmul(a, b)
+
+    monkeypatch.setattr(M, "_gemm", gemm)
+    monkeypatch.setattr(M, "matmul", matmul)
+    rng = np.random.default_rng(0)
+    C, E, N = 8, 4, 50
+    p = make_moe(rng, C, E, True)
+    cfg = MoEConfig(E, top_k, 0.1, 0.1)
+    y, ctx = M.moe_fwd(p, rng.standard_normal((N, C)), cfg)
+    M.moe_bwd(p, ctx, y, cfg)
+    assert counted[0] == N * formulas.moe_mlp_flops_per_token(C, E, top_k)
