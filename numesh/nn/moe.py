@@ -206,14 +206,16 @@ def _expert_weight_grads(p: MoE, ctx: MoECtx, du: np.ndarray, dys: np.ndarray) -
     """Each expert's weight and bias gradients, one GEMM per expert and matrix, the
     experts dealt to the threads (zeros for an expert without tokens)."""
     b = ctx.routing.bounds
-    d_fc = np.zeros_like(p.fc.w)
-    d_proj = np.zeros_like(p.proj.w)
-    db_fc = None if p.fc.b is None else np.zeros_like(p.fc.b)
-    db_proj = None if p.proj.b is None else np.zeros_like(p.proj.b)
+    d_fc, d_proj = np.empty_like(p.fc.w), np.empty_like(p.proj.w)
+    db_fc = None if p.fc.b is None else np.empty_like(p.fc.b)
+    db_proj = None if p.proj.b is None else np.empty_like(p.proj.b)
 
     def expert(e: int) -> None:
         r = slice(int(b[e]), int(b[e + 1]))
-        if r.start == r.stop:
+        if r.start == r.stop:  # no tokens: no gradient
+            for d in (d_fc, d_proj, db_fc, db_proj):
+                if d is not None:
+                    d[e] = 0
             return
         _gemm(ctx.xs[r].T, du[r], d_fc[e])
         _gemm(ctx.g[r].T, dys[r], d_proj[e])
