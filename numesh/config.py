@@ -27,6 +27,7 @@ from numesh.pipeline.schedules import make_schedule
 from numesh.pipeline.stages import StageLayout
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
+RESUME_AUTO = "auto"  # --resume auto: OUT/ckpt/latest if there is one (numesh.rundir.latest_checkpoint)
 _PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
@@ -93,7 +94,9 @@ class TrainConfig:
     # checkpoints
     ckpt_interval: int = _field(0, "save a checkpoint every N steps; 0 = only at the end")
     keep: int = _field(0, "keep the N newest checkpoints; 0 = all")
-    resume: str = _field("", "checkpoint to continue from (written on any mesh), e.g. OUT/ckpt/latest")
+    resume: str = _field(
+        "", "checkpoint to continue from (written on any mesh), e.g. OUT/ckpt/latest; auto: OUT/ckpt/latest if it "
+        "exists, else start fresh, so one command line serves the first attempt and every requeue")
     init_from: str = _field(
         "", "start from these weights, fine-tuning: a Hugging Face GPT-2-architecture directory or a `numesh "
         "export` file, with the run's model shape and --data's tokenizer")
@@ -210,7 +213,7 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if cfg.peak_flops < 0:
         raise ConfigError(f"--peak-flops must be >= 0 (0 = measure it), got {cfg.peak_flops}")
-    if cfg.init_from and cfg.resume:
+    if cfg.init_from and cfg.resume and cfg.resume != RESUME_AUTO:  # auto: --init-from starts the first attempt
         raise ConfigError("--init-from and --resume both say where the weights come from: pass one")
     if not cfg.learning_rate > 0:
         raise ConfigError(f"learning_rate must be > 0, got {cfg.learning_rate}")

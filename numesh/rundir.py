@@ -20,11 +20,21 @@ from typing import Any
 
 from mpi4py import MPI
 
+from numesh.checkpoint.save import LATEST
 from numesh.errors import ConfigError, abort_job
 from numesh.files import os_reason, write_atomic
 
 LOCK_FILE = ".lock"
 RUN_FILES = ("config.json", "metrics.jsonl")  # what makes a directory a run's
+
+
+def latest_checkpoint(out: Path, comm: MPI.Comm) -> Path | None:
+    """OUT/ckpt/latest if rank 0 sees it (a dangling link too: resuming from it then fails
+    with one line instead of silently starting over), else None; the same answer on every
+    rank. What `--resume auto` continues from."""
+    latest = out / "ckpt" / LATEST
+    found = (latest.is_symlink() or latest.exists()) if comm.Get_rank() == 0 else None
+    return latest if comm.bcast(found, root=0) else None
 
 
 class RunDir:

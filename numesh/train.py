@@ -25,7 +25,7 @@ from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unp
 from numesh.checkpoint.format import step_dir_name
 from numesh.checkpoint.init_from import load_init
 from numesh.checkpoint.model import shard_params
-from numesh.config import DTYPES, TrainConfig, check_layout, check_options, config_from, validate  # noqa: F401  (re-exported: numesh.train's old names)
+from numesh.config import DTYPES, RESUME_AUTO, TrainConfig, check_layout, check_options, config_from, validate  # noqa: F401  (re-exported: numesh.train's old names)
 from numesh.errors import ConfigError, DataError, Interrupted, abort_job
 from numesh.interrupt import InterruptWatch
 from numesh.mesh import Mesh, psum_scalar, unshard
@@ -43,7 +43,7 @@ from numesh.optim.zero import ZeroOptimizer
 from numesh.pipeline.executor import PipelineExecutor, StepStats
 from numesh.pipeline.schedules import make_schedule
 from numesh.pipeline.stages import StageLayout, gather_stages, stage_tree
-from numesh.rundir import RunDir
+from numesh.rundir import RunDir, latest_checkpoint
 from numesh.runtime import dp_hint, log
 from numesh.runtime import job_peak_flops as measured_peak_flops
 from numesh.threads import threads
@@ -351,19 +351,35 @@ def _diverged(d: Diverged, cfg: TrainConfig, out: Path) -> ConfigError:
     )
 
 
-def _resume(trainer: Trainer, cfg: TrainConfig) -> None:
-    """Continue from `cfg.resume`, which must be before `max_iters` (a checkpoint is never rewritten in place)."""
-    restore(trainer, cfg.resume)
+def _resume_from(cfg: TrainConfig, comm: MPI.Comm) -> str:
+    """The checkpoint to continue from: `--resume`, or with `--resume auto` OUT/ckpt/latest
+    when there is one ("": start at step 0). The same on every rank."""
+    if cfg.resume != RESUME_AUTO:
+        return cfg.resume
+    latest = latest_checkpoint(Path(cfg.out), comm)
+    if latest is None:
+        log(f"--resume auto: no checkpoint in {Path(cfg.out) / 'ckpt'}, starting at step 0")
+        return ""
+    return str(latest)
+
+
+def _resume(trainer: Trainer, cfg: TrainConfig, path: str) -> None:
+    """Continue from `path`, which must be before `max_iters` (a checkpoint is never rewritten in place)."""
+    restore(trainer, path)
     if trainer.step >= cfg.max_iters:
         where = "past" if trainer.step > cfg.max_iters else "already at"
-        raise ConfigError(f"checkpoint {cfg.resume} is at step {trainer.step}, {where} max_iters={cfg.max_iters}: "
+        raise ConfigError(f"checkpoint {path} is at step {trainer.step}, {where} max_iters={cfg.max_iters}: "
                           "raise --max-iters to train further")
+    log(f"continuing from step {trainer.step} ({Path(path).resolve()})")
 
 
-def _open_run(trainer: Trainer, cfg: TrainConfig) -> RunDir:
-    """Lock OUT, refuse to reuse a run unless resuming or overwriting, check room for a checkpoint."""
+def _open_run(trainer: Trainer, cfg: TrainConfig, resume: str) -> RunDir:
+    """Lock OUT, refuse to reuse a run unless resuming (from `resume`) or overwriting, check
+    room for a checkpoint. `--resume auto` without a checkpoint starts over: what a first
+    attempt that died before its first checkpoint left in OUT goes."""
     ckpt_bytes = 3 * trainer.n_params * np.dtype(trainer.dtype).itemsize  # params and both moments
-    return RunDir(Path(cfg.out), trainer.mesh.world, cfg.resume or None, cfg.overwrite, ckpt_bytes, attrs.asdict(cfg),
+    over = cfg.overwrite or (cfg.resume == RESUME_AUTO and not resume)
+    return RunDir(Path(cfg.out), trainer.mesh.world, resume or None, over, ckpt_bytes, attrs.asdict(cfg),
                   resume_step=trainer.step)
 
 
@@ -400,15 +416,16 @@ def train(
     comm: MPI.Comm | None = None,
     on_step: Callable[[int, dict], None] | None = None,
 ) -> TrainResult:
-    """Train as `cfg` says, from scratch or from `cfg.resume` (a checkpoint of any mesh);
+    """Train as `cfg` says, from scratch or from `cfg.resume` (a checkpoint of any mesh, or
+    `auto`: OUT/ckpt/latest if there is one);
     writes OUT/config.json, OUT/metrics.jsonl and checkpoints OUT/ckpt/step_NNNNNN (every
     `ckpt_interval` steps and at the end) with OUT/ckpt/latest pointing at the newest."""
     trainer = Trainer(cfg, comm)
     kernels.warm_up(trainer.dtype)  # compiled before any collective has a deadline
-    if cfg.resume:
-        _resume(trainer, cfg)
+    if resume := _resume_from(cfg, trainer.mesh.world):
+        _resume(trainer, cfg, resume)
     start = trainer.step
-    run = _open_run(trainer, cfg)  # before the peak is measured: a refused --out is said at once, and first
+    run = _open_run(trainer, cfg, resume)  # before the peak is measured: a refused --out is said at once, and first
     try:
         peak = _announce(trainer)
         return _locked_run(trainer, run, start, peak, on_step)
