@@ -19,6 +19,7 @@ import numpy as np
 
 from numesh import data as D
 from numesh.errors import ConfigError
+from numesh.interrupt import parse_signals
 from numesh.mesh import parse_mesh
 from numesh.nn.gpt import GPTConfig
 from numesh.nn.walk import check_recompute
@@ -100,6 +101,10 @@ class TrainConfig:
     init_from: str = _field(
         "", "start from these weights, fine-tuning: a Hugging Face GPT-2-architecture directory or a `numesh "
         "export` file, with the run's model shape and --data's tokenizer")
+    save_on_signal: str = _field(
+        "TERM,USR1", "on these signals every rank saves a checkpoint at the next step boundary, whatever "
+        "--ckpt-interval, and exits 75 (preempted: rerun with --resume auto); comma-separated names "
+        "(HUP, INT, QUIT, TERM, USR1, USR2, XCPU), none = off")
     overwrite: bool = _field(False, "replace a run already in --out (its config, metrics and checkpoints)")
     # divergence
     on_nan: str = _field("stop", "a non-finite loss or gradient norm: stop, or skip the step (no update)")
@@ -213,6 +218,7 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
             raise ConfigError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if cfg.peak_flops < 0:
         raise ConfigError(f"--peak-flops must be >= 0 (0 = measure it), got {cfg.peak_flops}")
+    parse_signals(cfg.save_on_signal)
     if cfg.init_from and cfg.resume and cfg.resume != RESUME_AUTO:  # auto: --init-from starts the first attempt
         raise ConfigError("--init-from and --resume both say where the weights come from: pass one")
     if not cfg.learning_rate > 0:

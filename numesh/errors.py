@@ -70,6 +70,24 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(f"interrupted at step {step} by {name}: {saved}")
 
 
+class Preempted(Interrupted):
+    """Training stopped on a --save-on-signal signal (by default SIGTERM or SIGUSR1: a
+    scheduler's warning ahead of preemption or a time limit) after every rank saved the
+    same step's checkpoint. The CLI exits with EXIT_CODE, which a batch script can take as
+    "requeue me": the same command with --resume auto continues from `checkpoint`."""
+
+    EXIT_CODE = 75  # EX_TEMPFAIL of sysexits.h: a temporary failure, try again
+
+    def __init__(self, step: int, signum: int, checkpoint: str):
+        self.step, self.signum, self.checkpoint = step, signum, checkpoint
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        KeyboardInterrupt.__init__(self, f"preempted by {name}: checkpoint at step {step} ({checkpoint}); "
+                                         f"rerun with --resume auto to continue")
+
+
 def abort_job(comm: Any, code: int) -> NoReturn:
     """End every rank of an MPI job with `code`, after what this rank printed reached the user.
 

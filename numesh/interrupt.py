@@ -8,7 +8,8 @@ that never comes, and the job hangs (6 of 6 tries with pp=2, issue #18).
 
 `InterruptWatch` replaces that for the span of a training loop:
 
-- SIGINT and SIGTERM only record the signal; nothing is raised mid-step.
+- SIGINT and SIGTERM (and the signals `numesh train --save-on-signal` names) only record
+  the signal; nothing is raised mid-step.
 - `requested()`, called by the loop once per step at the step boundary, is a one-value
   MAX all-reduce over the run's communicator: every rank learns that *some* rank was
   signalled at the same step, so every rank stops there together (and can save a
@@ -43,9 +44,12 @@ from typing import Iterator
 import numpy as np
 from mpi4py import MPI
 
-from numesh.errors import Interrupted, abort_job
+from numesh.errors import ConfigError, Interrupted, abort_job
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# what --save-on-signal may name: the signals schedulers send ahead of a kill (Slurm's
+# --signal, PBS/LSF's warnings), and Ctrl-C's
+SAVE_SIGNALS = ("HUP", "INT", "QUIT", "TERM", "USR1", "USR2", "XCPU")
 GRACE_S = 5.0  # to finish the step in progress and agree (at least: twice the longest step if that is longer)
 SAVE_GRACE_S = 120.0  # to write the interrupted step's checkpoint
 REPEAT_S = 0.5  # signals this close to the first one are the same Ctrl-C
@@ -58,8 +62,24 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+def parse_signals(text: str) -> tuple[int, ...]:
+    """Signal numbers of a comma-separated list of names ("TERM,USR1", "SIGUSR1"; any case);
+    "" and "none" are none. A name outside SAVE_SIGNALS is a ConfigError."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    out = []
+    for part in text.split(","):
+        name = part.strip().upper().removeprefix("SIG")
+        if name not in SAVE_SIGNALS:
+            raise ConfigError(f"--save-on-signal: {part.strip()!r} is not one of {', '.join(SAVE_SIGNALS)} "
+                              "(comma-separated), or none")
+        out.append(int(getattr(signal, f"SIG{name}")))
+    return tuple(dict.fromkeys(out))
+
+
 class InterruptWatch:
-    """SIGINT/SIGTERM handling for one training loop on `comm` (every rank makes one).
+    """SIGINT/SIGTERM handling for one training loop on `comm` (every rank makes one), and
+    that of any other `signals` given (those --save-on-signal names).
 
     `start()` installs the handlers and the watchdog (in the main thread only; elsewhere it
     installs nothing but `requested()` still takes part in the all-reduce), `stop()`
@@ -71,8 +91,10 @@ class InterruptWatch:
         grace_s: float = GRACE_S,
         save_grace_s: float = SAVE_GRACE_S,
         repeat_s: float = REPEAT_S,
+        signals: tuple[int, ...] = SIGNALS,
     ):
         self.comm, self.grace_s, self.save_grace_s, self.repeat_s = comm, grace_s, save_grace_s, repeat_s
+        self.signals = tuple(dict.fromkeys((*SIGNALS, *signals)))
         self.signum = 0  # the first signal this rank received (0: none)
         self.agreed = 0  # the signal every rank stopped for (0: none yet)
         self._lock = threading.Lock()
@@ -97,7 +119,7 @@ class InterruptWatch:
         os.set_blocking(w, False)
         self._pipe = (r, w)
         self._old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        for s in SIGNALS:
+        for s in self.signals:
             self._old[s] = signal.signal(s, self._handler)
         self._thread = threading.Thread(target=self._watch, name="numesh-interrupt-watch", daemon=True)
         self._thread.start()
@@ -204,7 +226,7 @@ class InterruptWatch:
                 except BlockingIOError:
                     continue
                 for signum in data:
-                    if signum in SIGNALS:
+                    if signum in self.signals:
                         self._got(signum)
             elif deadline is not None:
                 with self._lock:

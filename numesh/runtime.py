@@ -252,7 +252,7 @@ def guarded(fn: Callable[[], T], user_errors: tuple[type[BaseException], ...] = 
     """Run `fn`; a user error exits with status 2 and one line, anything else aborts every rank.
 
     An `Interrupted` run (every rank stopped at the same step, see numesh/interrupt.py)
-    exits 130 on every rank with its one line on rank 0. A bare KeyboardInterrupt (a Ctrl-C
+    exits 130 on every rank with its one line on rank 0, a `Preempted` one 75. A bare KeyboardInterrupt (a Ctrl-C
     outside the training loop, where no rank agreed to stop) exits 130 too, aborting the job
     when it has several ranks, since a peer may be blocked waiting for this one."""
     comm = MPI.COMM_WORLD
@@ -265,7 +265,7 @@ def guarded(fn: Callable[[], T], user_errors: tuple[type[BaseException], ...] = 
     except Interrupted as e:
         if comm.Get_rank() == 0:
             print(e, file=sys.stderr, flush=True)
-        raise SystemExit(Interrupted.EXIT_CODE) from None
+        raise SystemExit(e.EXIT_CODE) from None  # 75 when preempted (errors.Preempted)
     except KeyboardInterrupt:
         if comm.Get_size() > 1:
             print(f"[rank {comm.Get_rank()}] interrupted", file=sys.stderr, flush=True)

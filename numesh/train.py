@@ -26,8 +26,8 @@ from numesh.checkpoint.format import step_dir_name
 from numesh.checkpoint.init_from import load_init
 from numesh.checkpoint.model import shard_params
 from numesh.config import DTYPES, RESUME_AUTO, TrainConfig, check_layout, check_options, config_from, validate  # noqa: F401  (re-exported: numesh.train's old names)
-from numesh.errors import ConfigError, DataError, Interrupted, abort_job
-from numesh.interrupt import InterruptWatch
+from numesh.errors import ConfigError, DataError, Interrupted, Preempted, abort_job
+from numesh.interrupt import InterruptWatch, parse_signals
 from numesh.mesh import Mesh, psum_scalar, unshard
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
@@ -287,16 +287,19 @@ def save_step(trainer: Trainer, out_dir: Path, keep: int = 0) -> Path:
 
 
 def stop_interrupted(trainer: Trainer, watch: InterruptWatch, signum: int, out: Path, saved_at: int | None) -> None:
-    """Some rank got SIGINT/SIGTERM and every rank is here at the same step boundary: save
-    this step's checkpoint if the run saves them (unless it was just saved), then raise
-    `Interrupted` (collective)."""
+    """Some rank got a signal and every rank is here at the same step boundary: on a
+    --save-on-signal one, save this step's checkpoint and raise `Preempted`; otherwise save
+    it if the run saves them and raise `Interrupted` (unless just saved; collective)."""
     c, path, why_not = trainer.cfg, None, " (--ckpt-interval is 0)"
-    if c.ckpt_interval:
+    preempted = signum in parse_signals(c.save_on_signal)
+    if c.ckpt_interval or preempted:
         if saved_at == trainer.step:
             path = out / "ckpt" / step_dir_name(trainer.step)
         else:
             with watch.saving():  # the watchdog allows the save more time than a step
                 path = save_step(trainer, out, c.keep)
+    if preempted:
+        raise Preempted(trainer.step, signum, str(path))
     raise Interrupted(trainer.step, signum, None if path is None else str(path), why_not)
 
 
@@ -444,7 +447,8 @@ def _locked_run(trainer: Trainer, run: RunDir, start: int, peak: float,
     if cfg.trace:  # after the flight recorder: its wait, first in the chain, polls with a deadline
         trainer.start_trace(peak, out / PARTS_DIR)
     t_start = time.perf_counter()
-    watch = InterruptWatch(trainer.mesh.world).start()  # Ctrl-C: every rank stops at one step (numesh/interrupt.py)
+    # Ctrl-C or a --save-on-signal signal: every rank stops at one step (numesh/interrupt.py)
+    watch = InterruptWatch(trainer.mesh.world, signals=parse_signals(cfg.save_on_signal)).start()
     try:
         last, saved_at = _run_steps(trainer, start, run, watch, observer, peak, on_step)
     except Interrupted:
@@ -487,7 +491,7 @@ def _run_steps(trainer: Trainer, start: int, run: RunDir, watch: InterruptWatch,
     last: dict[str, Any] = {}
     saved_at = None
     for step in range(start, cfg.max_iters + 1):
-        if signum := watch.requested():  # one-value all-reduce: did any rank get SIGINT/SIGTERM?
+        if signum := watch.requested():  # one-value all-reduce: did any rank get a signal?
             stop_interrupted(trainer, watch, signum, out, saved_at)
         if observer is not None:
             observer.on_step(step)  # the step the flight records and NUMESH_INJECT's faults wait for

@@ -114,7 +114,7 @@ def test_without_ckpt_interval_nothing_is_saved(char_dataset: Path, tmp_path: Pa
 
     with pytest.raises(Interrupted,
                        match=r"^interrupted at step 2 by SIGTERM: no checkpoint saved \(--ckpt-interval is 0\)$"):
-        train(_config(char_dataset, tmp_path / "run"), MPI.COMM_SELF, on_step=on_step)
+        train(_config(char_dataset, tmp_path / "run", save_on_signal="none"), MPI.COMM_SELF, on_step=on_step)
     assert not (tmp_path / "run" / "ckpt").exists()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
@@ -163,7 +163,7 @@ def _alive(pid: int) -> bool:
 class Job:
     """`numesh train` on `ranks` ranks (0: without mpiexec), with stderr in a file."""
 
-    def __init__(self, tmp: Path, ranks: int, *args: str):
+    def __init__(self, tmp: Path, ranks: int, *args: str, env: dict[str, str] | None = None):
         if not sys.platform.startswith("linux"):
             pytest.skip("finds rank processes through /proc")
         self.dir, self.out = tmp, tmp / "run"
@@ -174,7 +174,7 @@ class Job:
             if found is None:
                 pytest.skip("no mpiexec beside this Python or on PATH")
             cmd = [found[0], "-n", str(ranks), *cmd]
-        env = {**clean_env(), "RC_DIR": str(tmp), "OMP_NUM_THREADS": "1"}
+        env = {**clean_env(), "RC_DIR": str(tmp), "OMP_NUM_THREADS": "1", **(env or {})}
         self.err_file = open(tmp / "stderr.txt", "w+")
         # its own session: our signals reach only whom we send them to
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self.err_file,
@@ -290,7 +290,7 @@ def test_ctrl_c_to_mpiexec_stops_a_pipeline_and_saves(job) -> None:
 @pytest.mark.timeout(300)
 def test_sigterm_to_one_rank_stops_every_rank(job) -> None:
     """Only rank 1 is signalled (as a scheduler might): rank 0 learns it at the next step."""
-    j = job(2, "--mesh", "dp=2", "--ckpt-interval", "1000")
+    j = job(2, "--mesh", "dp=2", "--ckpt-interval", "1000", "--save-on-signal", "none")  # SIGTERM as Ctrl-C
     j.wait_for_steps()
     os.kill(j.rank_pid(1), signal.SIGTERM)
     rc, _ = j.finish()

@@ -3,12 +3,15 @@
 `--resume auto` continues from OUT/ckpt/latest when there is one and starts fresh when there
 is none, so the identical command serves the first attempt and every requeue; the continued
 run equals the uninterrupted one (bit for bit on the same mesh) and logs each step once.
+`--save-on-signal` (SIGTERM and SIGUSR1 by default) saves the step every rank stops at and
+exits 75; the real-job tests reuse tests/test_interrupt.py's `Job` (mpiexec, rank exit codes).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -16,11 +19,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import cli, one_error_line
-from numesh.checkpoint import read_params_dict
+from conftest import assert_close, cli, one_error_line
+from numesh.checkpoint import read_meta, read_params_dict
 from numesh.config import config_from
-from numesh.errors import Interrupted
+from numesh.errors import Interrupted, Preempted
+from numesh.interrupt import parse_signals
+from numesh.runtime import guarded
 from numesh.train import train
+from test_interrupt import START_WITHIN_S, Job, _alive
 
 
 def _config(data: Path, out: Path, **kw: object):
@@ -48,7 +54,7 @@ def test_resume_auto_starts_fresh_then_continues_bit_for_bit(char_dataset: Path,
                                                              capsys: pytest.CaptureFixture) -> None:
     cfg = _config(char_dataset, tmp_path / "run", ckpt_interval=100)
     with pytest.raises(Interrupted) as info:  # the first attempt is stopped after step 2, saving step 3
-        train(cfg, MPI.COMM_SELF, on_step=_signal_at(2, signal.SIGTERM))
+        train(cfg, MPI.COMM_SELF, on_step=_signal_at(2, signal.SIGINT))
     assert info.value.step == 3
     assert "--resume auto: no checkpoint in" in capsys.readouterr().err
     train(cfg, MPI.COMM_SELF)  # the identical config again
@@ -66,7 +72,7 @@ def test_resume_auto_starts_fresh_then_continues_bit_for_bit(char_dataset: Path,
 def test_resume_auto_redoes_an_attempt_that_saved_nothing(char_dataset: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     with pytest.raises(Interrupted, match="no checkpoint saved"):  # --ckpt-interval 0: nothing saved
-        train(_config(char_dataset, out), MPI.COMM_SELF, on_step=_signal_at(1, signal.SIGTERM))
+        train(_config(char_dataset, out), MPI.COMM_SELF, on_step=_signal_at(1, signal.SIGINT))
     assert _steps(out) == [0, 1]
     train(_config(char_dataset, out), MPI.COMM_SELF)  # not refused as a reused directory: started over
     assert _steps(out) == [0, 1, 2, 3, 4, 5, 6]
@@ -80,3 +86,99 @@ def test_resume_auto_never_starts_over_a_dangling_latest(char_dataset: Path, tmp
               "--n-embd", "16", "--n-head", "2", "--block-size", "8", "--max-iters", "2")
     assert f"no checkpoint at {out / 'ckpt' / 'latest'}" in one_error_line(res)
     assert not (out / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------------------
+# --save-on-signal: a scheduler's warning saves the step and exits 75
+
+
+def test_a_save_signal_saves_whatever_the_interval_and_exits_75(char_dataset: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "run"
+    with pytest.raises(Preempted) as info:  # --ckpt-interval 0: nothing would be saved on Ctrl-C
+        train(_config(char_dataset, out, resume=""), MPI.COMM_SELF, on_step=_signal_at(1, signal.SIGUSR1))
+    e = info.value
+    assert isinstance(e, Interrupted) and (e.step, e.signum) == (2, signal.SIGUSR1)
+    step_dir = out / "ckpt" / "step_000002"
+    assert str(e) == (f"preempted by SIGUSR1: checkpoint at step 2 ({step_dir}); "
+                      "rerun with --resume auto to continue")
+    assert (out / "ckpt" / "latest").resolve() == step_dir and read_meta(step_dir).step == 2
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the caller's handler again
+    with pytest.raises(SystemExit) as code:
+        guarded(lambda: (_ for _ in ()).throw(e))
+    assert code.value.code == Preempted.EXIT_CODE == 75
+    assert capsys.readouterr().err.splitlines()[-1] == str(e)
+
+
+def test_save_on_signal_names_are_checked(char_dataset: Path, tmp_path: Path) -> None:
+    assert parse_signals("TERM, sigusr1,USR1") == (signal.SIGTERM, signal.SIGUSR1)
+    assert parse_signals("none") == parse_signals("") == ()
+    res = cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--save-on-signal", "KILL")
+    assert "--save-on-signal: 'KILL' is not one of HUP, INT" in one_error_line(res)
+
+
+@pytest.fixture
+def launch(tmp_path: Path):
+    """Job(tmp_path, ranks, *args, env=...), every process of each killed at the end."""
+    jobs: list[Job] = []
+
+    def make(ranks: int, *args: str, env: dict[str, str] | None = None) -> Job:
+        jobs.append(Job(tmp_path, ranks, *args, env=env))
+        return jobs[-1]
+
+    yield make
+    for j in jobs:
+        if j.proc.poll() is None or any(_alive(p) for p in j.rank_pids):
+            j.kill()
+
+
+TINY_F64 = ["--max-iters", "40", "--dtype", "float64", "--dropout", "0.1", "--peak-flops", "1e12"]
+SLOW = {"NUMESH_INJECT": "slow:rank=0:ms=60"}  # steps long enough to signal mid-run
+
+
+def _reference(j: Job, max_iters: int = 40) -> dict[str, np.ndarray]:
+    """The final parameters of the same run, uninterrupted, in this process on one rank."""
+    cfg = config_from(dict(n_layer=2, n_head=2, n_embd=16, block_size=16, batch_size=4, max_iters=max_iters,
+                           eval_interval=1000000, eval_iters=1, dtype="float64", dropout=0.1, peak_flops=1e12,
+                           data=str(j.dir / "data"), out=str(j.dir / "reference")))
+    return read_params_dict(train(cfg, MPI.COMM_SELF).checkpoint)
+
+
+def _assert_params_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert_close(got[k], want[k], 1e-10, what=k)
+
+
+def _preempted(j: Job) -> int:
+    """Every rank exited 75 after one 'preempted ... checkpoint at step N' line; returns N."""
+    err = j.stderr()
+    lines = [m for m in map(PREEMPTED.search, err.splitlines()) if m]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert j.rank_codes() == [75] * j.ranks_expected, err
+    step = int(lines[0][2])
+    assert lines[0][1] == "SIGUSR1" and lines[0][3] == str(j.out / "ckpt" / f"step_{step:06d}"), err
+    assert (j.out / "ckpt" / "latest").resolve().name == f"step_{step:06d}"
+    return step
+
+
+PREEMPTED = re.compile(r"preempted by (SIG\w+): checkpoint at step (\d+) \((.*)\); rerun with --resume auto")
+
+
+@pytest.mark.timeout(300)
+def test_sigusr1_to_mpiexec_then_the_same_command_finishes_the_run(launch) -> None:
+    """A Slurm-style requeue: SIGUSR1 mid-run, then the identical command line again."""
+    args = ("--mesh", "dp=2", "--resume", "auto", *TINY_F64)
+    j = launch(2, *args, env=SLOW)
+    j.wait_for_steps()
+    os.kill(j.proc.pid, signal.SIGUSR1)  # mpiexec forwards it to every rank
+    rc, _ = j.finish()
+    assert rc == 75, j.stderr()
+    step = _preempted(j)
+    assert 0 < step < 40
+    again = launch(2, *args, env=SLOW)
+    rc, _ = again.finish(within=START_WITHIN_S)
+    assert rc == 0 and again.rank_codes() == [0, 0], again.stderr()
+    assert f"continuing from step {step} (" in again.stderr()
+    assert [json.loads(x)["step"] for x in (j.out / "metrics.jsonl").read_text().splitlines()] == list(range(41))
+    _assert_params_close(read_params_dict(j.out / "ckpt" / "latest"), _reference(j))
