@@ -223,6 +223,7 @@ def train_cmd(**options: Any) -> None:
         from mpi4py import MPI
 
         from numesh.config import check_options, config_from
+        from numesh.plan.auto import auto_layout
         from numesh.plan.fits import check_run_fits
         from numesh.runtime import configure_process, is_root, log
         from numesh.train import train
@@ -234,6 +235,7 @@ def train_cmd(**options: Any) -> None:
         check_options(cfg, MPI.COMM_WORLD.Get_size())  # before a download: bad options are one line at once
         # the default dataset is prepared on rank 0 if missing (download or offline fallback)
         ensure_run_dataset(cfg.data)
+        cfg = auto_layout(cfg, log=log)  # --mesh auto: the planner's layout for these ranks
         check_run_fits(cfg)  # the planner's bytes per rank against free memory, before anything is allocated
         with _Progress(cfg.max_iters) as progress:
             result = train(cfg, on_step=progress.update)

@@ -29,6 +29,7 @@ from numesh.pipeline.stages import StageLayout
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
 RESUME_AUTO = "auto"  # --resume auto: OUT/ckpt/latest if there is one (numesh.rundir.latest_checkpoint)
+MESH_AUTO = "auto"  # --mesh auto: the planner's layout for the job's ranks (numesh.plan.auto, from the CLI)
 _PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
@@ -89,7 +90,9 @@ class TrainConfig:
     data: str = _field("data/shakespeare_char", "dataset directory written by `numesh data`")
     out: str = _field("runs/shakespeare_char", "output directory: config.json, metrics.jsonl, ckpt/")
     mesh: str = _field(
-        "", "process mesh over pp, dp, cp, tp, e.g. dp=2,tp=2 or cp=2 (omitted axes = 1, one axis may be -1)")
+        "", "process mesh over pp, dp, cp, tp, e.g. dp=2,tp=2 or cp=2 (omitted axes = 1, one axis may be -1); auto: "
+        "the layout whose memory fits and whose step `numesh plan` predicts fastest on the job's ranks (options "
+        "of the layout set to other than their defaults are kept)")
     seed: int = _field(1337, "seed of the initial parameters, data order and dropout")
     dtype: str = _field("float32", "float32 or float64")
     # checkpoints
@@ -180,6 +183,9 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
 def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]:
     """Every check that can fail, run identically on every rank before any collective: the
     options, the dataset, the layout (each once)."""
+    if cfg.mesh.strip() == MESH_AUTO:
+        raise ConfigError("--mesh auto is chosen before training, by `numesh train` "
+                          "(numesh.plan.auto.auto_layout): call that first, or name a mesh")
     shape = check_options(cfg, n_ranks)
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ConfigError(f"--out {cfg.out} is a file, not a directory: name a directory for the run")
@@ -199,7 +205,8 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
 def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
     """The checks of single options (no dataset, no layout); returns the mesh's axis sizes."""
     _check_values(cfg)
-    shape = parse_mesh(cfg.mesh, n_ranks)
+    # --mesh auto: the layout is chosen once the dataset is there (numesh.plan.auto); until then dp over every rank
+    shape = parse_mesh("dp=-1" if cfg.mesh.strip() == MESH_AUTO else cfg.mesh, n_ranks)
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
     for name in ("max_iters", "batch_size", "micro_batches", "eval_interval", "eval_iters", "log_interval"):

@@ -182,3 +182,21 @@ def test_sigusr1_to_mpiexec_then_the_same_command_finishes_the_run(launch) -> No
     assert f"continuing from step {step} (" in again.stderr()
     assert [json.loads(x)["step"] for x in (j.out / "metrics.jsonl").read_text().splitlines()] == list(range(41))
     _assert_params_close(read_params_dict(j.out / "ckpt" / "latest"), _reference(j))
+
+
+@pytest.mark.timeout(300)
+def test_requeued_on_fewer_ranks_with_mesh_auto(launch) -> None:
+    """Preempted on 2 ranks; the same command on 1 rank (the nodes that came back) finishes the run."""
+    args = ("--mesh", "auto", "--resume", "auto", *TINY_F64)
+    j = launch(2, *args, env=SLOW)
+    j.wait_for_steps()
+    os.kill(j.proc.pid, signal.SIGUSR1)
+    rc, _ = j.finish()
+    assert rc == 75, j.stderr()
+    step = _preempted(j)
+    assert "--mesh auto on 2 ranks" in j.stderr()
+    alone = launch(0, *args)
+    rc, _ = alone.finish(within=START_WITHIN_S)
+    assert rc == 0, alone.stderr()
+    assert "--mesh auto on 1 rank" in alone.stderr() and f"continuing from step {step} (" in alone.stderr()
+    _assert_params_close(read_params_dict(j.out / "ckpt" / "latest"), _reference(j))

@@ -1,0 +1,94 @@
+"""`--mesh auto` (issue 33): the planner's fastest layout that fits, for the ranks the job has.
+
+The MPI half (4 ranks preempted, continued on 2 and on 1) is tests/test_mpi_preempt.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import pytest
+from mpi4py import MPI
+
+from conftest import cli
+from numesh.config import config_from
+from numesh.errors import ConfigError
+from numesh.plan import auto
+from numesh.threads import threads
+from numesh.train import train
+
+
+@pytest.fixture(autouse=True)
+def uncalibrated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No calibrated profile of this machine: the CPU profile, whatever the user's cache holds."""
+    monkeypatch.setenv("NUMESH_PROFILE_DIR", str(tmp_path / "profiles"))
+
+
+def _config(data: Path, **kw: object):
+    base: dict = dict(n_layer=2, n_head=4, n_embd=16, block_size=8, batch_size=8, max_iters=2, eval_iters=1,
+                      data=str(data), out="unused", mesh="auto", peak_flops=1e12)
+    base.update(kw)
+    return config_from(base)
+
+
+def test_the_pick_is_the_fastest_that_fits_and_names_a_runner_up_on_another_mesh(char_dataset: Path) -> None:
+    cfg, line = auto.pick(_config(char_dataset), world=4, ranks_on_node=4)
+    flags = f"--mesh {cfg.mesh} --zero {cfg.zero} --schedule {cfg.schedule} --micro-batches {cfg.micro_batches}"
+    assert line.startswith(f"--mesh auto on 4 ranks, profile this-cpu-uncalibrated: {flags}")
+    runner_up = line.split("runner-up: ")[1]
+    assert runner_up.startswith("--mesh ") and not runner_up.startswith(f"--mesh {cfg.mesh} ")
+    assert "\n" not in line
+    first, second = (float(part.split(" us a step")[0].rsplit("(", 1)[1]) for part in line.split("runner-up"))
+    assert first <= second
+
+
+def test_options_set_are_kept(char_dataset: Path) -> None:
+    cfg, _ = auto.pick(_config(char_dataset, zero=2, micro_batches=2), world=4, ranks_on_node=4)
+    assert (cfg.zero, cfg.micro_batches) == (2, 2) and cfg.mesh != "dp=1,tp=1,pp=4"  # ZeRO needs dp > 1
+    assert auto.kept_options(_config(char_dataset, zero=2, micro_batches=2)) == {"zero": 2, "micro_batches": 2}
+    with pytest.raises(ConfigError, match="no layout of this model on these ranks fits in memory with --zero 2"):
+        auto.pick(_config(char_dataset, zero=2), world=1, ranks_on_node=1)
+
+
+def _predictions(data: Path, memory_per_rank: float) -> list:
+    base = attrs.evolve(_config(data), mesh="")
+    prof = auto.cpu_profile("float32", 1e12 / (4 * threads()), threads(), 4, 4 * memory_per_rank)
+    return auto.plan(base, auto.model_spec(base, None, None), 4, prof, memory_per_rank, 4, threads())
+
+
+def _layout_of(cfg) -> tuple:
+    return (cfg.mesh, cfg.zero, cfg.schedule, cfg.micro_batches, cfg.virtual_stages, cfg.recompute,
+            cfg.sequence_parallel)
+
+
+def test_memory_must_fit(char_dataset: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fastest = _predictions(char_dataset, 0)[0]  # 0: no limit
+    limit = fastest.memory.total - 1
+    monkeypatch.setattr(auto, "node_memory", lambda: 4 * limit)
+    cfg, _ = auto.pick(_config(char_dataset), world=4, ranks_on_node=4)
+    base = _config(char_dataset)
+    assert _layout_of(cfg) != _layout_of(auto.train_config(base, fastest.layout))
+    fitting = [p for p in _predictions(char_dataset, limit) if p.fits]
+    assert _layout_of(cfg) == _layout_of(auto.train_config(base, fitting[0].layout))
+    monkeypatch.setattr(auto, "node_memory", lambda: 4 * 1e3)
+    with pytest.raises(ConfigError, match="no layout of this model on these ranks fits in memory"):
+        auto.pick(_config(char_dataset), world=4, ranks_on_node=4)
+
+
+def test_a_named_mesh_is_left_alone_and_the_library_asks_for_the_pick(char_dataset: Path, tmp_path: Path) -> None:
+    named = _config(char_dataset, mesh="dp=1")
+    assert auto.auto_layout(named, MPI.COMM_SELF) is named
+    with pytest.raises(ConfigError, match="--mesh auto is chosen before training, by `numesh train`"):
+        train(_config(char_dataset, out=str(tmp_path / "o")), MPI.COMM_SELF)
+
+
+def test_numesh_train_mesh_auto_says_what_it_chose(char_dataset: Path, tmp_path: Path) -> None:
+    res = cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--mesh", "auto", "--n-layer", "2",
+              "--n-head", "4", "--n-embd", "16", "--block-size", "8", "--batch-size", "8", "--max-iters", "2",
+              "--eval-iters", "1", "--peak-flops", "1e12")
+    assert res.exit_code == 0, res.output
+    lines = [x for x in res.stderr.splitlines() if x.startswith("--mesh auto")]
+    assert lines == ["--mesh auto on 1 rank, profile this-cpu-uncalibrated: --mesh dp=1,tp=1,pp=1 --zero 0 "
+                     "--schedule 1f1b --micro-batches 1 (" + lines[0].split("micro-batches 1 (")[1]]
+    assert lines[0].endswith("runner-up: none")
