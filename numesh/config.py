@@ -98,6 +98,10 @@ class TrainConfig:
     # checkpoints
     ckpt_interval: int = _field(0, "save a checkpoint every N steps; 0 = only at the end")
     keep: int = _field(0, "keep the N newest checkpoints; 0 = all")
+    ckpt_async: bool = _field(
+        False, "write checkpoints on a background thread while training goes on (each rank copies its blocks "
+        "at the step boundary); the next save and the end of the run wait for it, and latest moves only once "
+        "every rank's files are written")
     resume: str = _field(
         "", "checkpoint to continue from (written on any mesh), e.g. OUT/ckpt/latest; auto: OUT/ckpt/latest if it "
         "exists, else start fresh, so one command line serves the first attempt and every requeue")

@@ -22,6 +22,7 @@ from mpi4py import MPI
 from numesh import data as D
 from numesh import formulas, kernels
 from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
+from numesh.checkpoint.background import AsyncCheckpoints
 from numesh.checkpoint.format import step_dir_name
 from numesh.checkpoint.init_from import load_init
 from numesh.checkpoint.model import shard_params
@@ -270,28 +271,36 @@ def restore(trainer: Trainer, path: str | Path) -> None:
     trainer.step = got.step
 
 
-def save_step(trainer: Trainer, out_dir: Path, keep: int = 0) -> Path:
+def save_step(trainer: Trainer, out_dir: Path, keep: int = 0, saves: AsyncCheckpoints | None = None) -> Path:
     """Write a sharded checkpoint of the trainer's current step to OUT/ckpt/step_NNNNNN and
     point OUT/ckpt/latest at it (collective; see numesh.checkpoint): the periodic saves, the
-    one at the end and the one on Ctrl-C. A state with a
+    one at the end and the one on Ctrl-C; with `saves`, only start it (--ckpt-async). A state with a
     non-finite value is refused on every rank: it never becomes `latest` or prunes a good one."""
     t0 = time.perf_counter()
-    state = train_state(trainer)
-    bad = sum(int(not np.isfinite(x).all()) for t in state.trees.values() for x in tree_leaves(t))
-    if psum_scalar(bad, trainer.mesh, ("pp", "dp", "cp", "tp")):
-        raise ConfigError(f"not saving step {trainer.step}: its parameters or optimiser state are not finite")
-    path = save_checkpoint(state, out_dir, keep=keep or None)
+    state = train_state(trainer)  # copies: training may go on while `saves` writes them
+    if saves is not None:  # its writers check the values are finite, off this thread
+        path = saves.start(state, out_dir, keep=keep or None)
+    else:
+        bad = sum(int(not np.isfinite(x).all()) for t in state.trees.values() for x in tree_leaves(t))
+        if psum_scalar(bad, trainer.mesh, ("pp", "dp", "cp", "tp")):
+            raise ConfigError(f"not saving step {trainer.step}: its parameters or optimiser state are not finite")
+        path = save_checkpoint(state, out_dir, keep=keep or None)
     if trainer.trace is not None:
         trainer.trace.span("checkpoint", "checkpoint", t0, None, {"step": trainer.step})
     return path
 
 
-def stop_interrupted(trainer: Trainer, watch: InterruptWatch, signum: int, out: Path, saved_at: int | None) -> None:
+def stop_interrupted(trainer: Trainer, watch: InterruptWatch, signum: int, out: Path, saved_at: int | None,
+                     saves: AsyncCheckpoints | None = None) -> None:
     """Some rank got a signal and every rank is here at the same step boundary: on a
     --save-on-signal one, save this step's checkpoint and raise `Preempted`; otherwise save
-    it if the run saves them and raise `Interrupted` (unless just saved; collective)."""
+    it if the run saves them and raise `Interrupted` (unless just saved; collective). A
+    checkpoint still being written (--ckpt-async) is finished first."""
     c, path, why_not = trainer.cfg, None, " (--ckpt-interval is 0)"
     preempted = signum in parse_signals(c.save_on_signal)
+    if saves is not None:
+        with watch.saving():
+            saves.wait()
     if c.ckpt_interval or preempted:
         if saved_at == trainer.step:
             path = out / "ckpt" / step_dir_name(trainer.step)
@@ -449,15 +458,22 @@ def _locked_run(trainer: Trainer, run: RunDir, start: int, peak: float,
     t_start = time.perf_counter()
     # Ctrl-C or a --save-on-signal signal: every rank stops at one step (numesh/interrupt.py)
     watch = InterruptWatch(trainer.mesh.world, signals=parse_signals(cfg.save_on_signal)).start()
+    saves = AsyncCheckpoints(trainer.mesh.world) if cfg.ckpt_async else None
     try:
-        last, saved_at = _run_steps(trainer, start, run, watch, observer, peak, on_step)
-    except Interrupted:
+        last, saved_at = _run_steps(trainer, start, run, watch, observer, peak, on_step, saves)
+    except Interrupted:  # any save in flight was finished first (stop_interrupted)
         with watch.saving():  # every rank stopped at the same step: an orderly end, its files as after a clean one
             _finish_observing(trainer, out, observer, observed_before)
+        raise
+    except BaseException:
+        if saves is not None:
+            saves.abandon()  # no collective while an error unwinds: latest stays where it was
         raise
     finally:
         run.close_metrics()
         watch.stop()  # the caller's signal handlers again
+    if saves is not None:
+        saves.wait()  # the end of the run waits for the save in flight
     if saved_at != trainer.step:
         save_step(trainer, out, cfg.keep)
     _finish_observing(trainer, out, observer, observed_before)
@@ -483,16 +499,20 @@ def _announce(trainer: Trainer) -> float:
 
 def _run_steps(trainer: Trainer, start: int, run: RunDir, watch: InterruptWatch,
                observer: FlightRecorder | FaultInjector | None, peak: float,
-               on_step: Callable[[int, dict], None] | None) -> tuple[dict[str, Any], int | None]:
+               on_step: Callable[[int, dict], None] | None,
+               saves: AsyncCheckpoints | None = None) -> tuple[dict[str, Any], int | None]:
     """Steps `start` .. max_iters (the last one only evaluates), each written to `run`'s
-    metrics, with the periodic checkpoints: (the latest value of every metric, the step last
-    saved or None)."""
+    metrics, with the periodic checkpoints (with `saves`, written in the background and
+    finished at the first step boundary every rank's writer is done): (the latest value of
+    every metric, the step last saved or None)."""
     cfg, out = trainer.cfg, Path(trainer.cfg.out)
     last: dict[str, Any] = {}
     saved_at = None
     for step in range(start, cfg.max_iters + 1):
         if signum := watch.requested():  # one-value all-reduce: did any rank get a signal?
-            stop_interrupted(trainer, watch, signum, out, saved_at)
+            stop_interrupted(trainer, watch, signum, out, saved_at, saves)
+        if saves is not None:
+            saves.poll()  # latest moves once every rank's files of the save in flight are written
         if observer is not None:
             observer.on_step(step)  # the step the flight records and NUMESH_INJECT's faults wait for
         try:
@@ -507,6 +527,6 @@ def _run_steps(trainer: Trainer, start: int, run: RunDir, watch: InterruptWatch,
             if on_step is not None:
                 on_step(step, record)
         if cfg.ckpt_interval and step < cfg.max_iters and trainer.step % cfg.ckpt_interval == 0:
-            save_step(trainer, out, cfg.keep)
+            save_step(trainer, out, cfg.keep, saves)
             saved_at = trainer.step
     return last, saved_at

@@ -163,12 +163,13 @@ def _alive(pid: int) -> bool:
 class Job:
     """`numesh train` on `ranks` ranks (0: without mpiexec), with stderr in a file."""
 
-    def __init__(self, tmp: Path, ranks: int, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, tmp: Path, ranks: int, *args: str, env: dict[str, str] | None = None, prelude: str = ""):
         if not sys.platform.startswith("linux"):
             pytest.skip("finds rank processes through /proc")
         self.dir, self.out = tmp, tmp / "run"
         data = make_dataset(tmp / "data")
-        cmd = [sys.executable, "-c", WRAPPER, "train", "--data", str(data), "--out", str(self.out), *TINY, *args]
+        cmd = [sys.executable, "-c", prelude + WRAPPER, "train", "--data", str(data), "--out", str(self.out),
+               *TINY, *args]
         if ranks:
             found = launcher()
             if found is None:

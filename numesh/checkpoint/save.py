@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 
 from numesh.checkpoint.common import TMP_PREFIX, install_dir
 from numesh.checkpoint.format import (
@@ -47,8 +48,19 @@ LATEST = "latest"
 Written = tuple[str, dict[str, Any], str]
 
 
-def _write_rank_shards(state: TrainState, leaves: dict[str, LeafDef], tmp: Path) -> list[Written]:
-    """Write the blocks this rank is the first holder of; return what it wrote."""
+@attrs.frozen(eq=False)
+class Block:
+    """One block of a leaf that this rank writes: the leaf ("group/path"), its file
+    (relative to the checkpoint directory), its offset in the global array, its values."""
+
+    key: str
+    file: str
+    offset: tuple[int, ...]
+    data: np.ndarray
+
+
+def rank_blocks(state: TrainState, leaves: dict[str, LeafDef]) -> list[Block]:
+    """The blocks of `state` this rank is the first holder of (views of its arrays)."""
     mesh = state.mesh
     out = []
     for group in GROUPS:
@@ -64,9 +76,16 @@ def _write_rank_shards(state: TrainState, leaves: dict[str, LeafDef], tmp: Path)
             if region is None:
                 continue  # wholly vocabulary padding
             rel = leaf_file(group, path, shard_suffix(leaf.spec, mesh.coords))
-            digest = write_npy(tmp / rel, x[relative(region, held)])
-            rec = FileRecord(rel, tuple(r.start for r in region), tuple(r.stop - r.start for r in region), digest)
-            out.append((f"{group}/{path}", rec.to_json(), x.dtype.name))
+            out.append(Block(f"{group}/{path}", rel, tuple(r.start for r in region), x[relative(region, held)]))
+    return out
+
+
+def write_blocks(blocks: list[Block], tmp: Path) -> list[Written]:
+    """Write `blocks` under `tmp`; return what was written (with each file's sha256)."""
+    out = []
+    for b in blocks:
+        digest = write_npy(tmp / b.file, b.data)
+        out.append((b.key, FileRecord(b.file, b.offset, b.data.shape, digest).to_json(), b.data.dtype.name))
     return out
 
 
@@ -157,15 +176,25 @@ def save_checkpoint(state: TrainState, out_dir: str | Path, keep: int | None = N
 
     Collective over the state's mesh: every rank writes its own blocks, nobody gathers
     arrays. Returns the step directory."""
+    tmp, final = prepare_save(state, out_dir)
+    written: list[Written] = []
+    err = None
+    try:
+        written = write_blocks(rank_blocks(state, gpt_leaves(state.model)), tmp)
+    except (OSError, ValueError) as e:
+        err = f"rank {state.mesh.rank}: cannot write checkpoint {tmp}: {e}"
+    return finish_save(state, written, err, tmp, final, keep)
+
+
+def prepare_save(state: TrainState, out_dir: str | Path) -> tuple[Path, Path]:
+    """(temporary, final) directory of `state`'s checkpoint, the temporary one made empty
+    on rank 0 (leftovers of killed saves removed). Collective: the same error on every rank."""
     comm = state.mesh.world
-    rank = comm.Get_rank()
     ckdir = Path(out_dir) / "ckpt"
     name = step_dir_name(state.step)
     tmp, final = ckdir / f"{TMP_PREFIX}{name}", ckdir / name
-    leaves = gpt_leaves(state.model)
-
     err = None
-    if rank == 0:
+    if comm.Get_rank() == 0:
         try:
             _prepare(ckdir, tmp)
         except OSError as e:
@@ -173,22 +202,25 @@ def save_checkpoint(state: TrainState, out_dir: str | Path, keep: int | None = N
     err = comm.bcast(err, root=0)
     if err:
         raise CheckpointError(err)
+    return tmp, final
 
-    written: list[Written] = []
-    try:
-        written = _write_rank_shards(state, leaves, tmp)
-    except (OSError, ValueError) as e:
-        err = f"rank {rank}: cannot write checkpoint {tmp}: {e}"
+
+def finish_save(state: TrainState, written: list[Written], err: str | None, tmp: Path, final: Path,
+                keep: int | None) -> Path:
+    """Once every rank wrote its blocks to `tmp` (or failed with `err`): rank 0 writes
+    meta.json, installs `final` and moves `latest`. Collective: the same error on every rank."""
+    comm = state.mesh.world
     gathered = comm.gather((written, err), root=0)
-    result = _finish(state, leaves, gathered, tmp, final, keep) if rank == 0 else None
+    result = finish_on_root(state, gpt_leaves(state.model), gathered, tmp, final, keep) if comm.Get_rank() == 0 \
+        else None
     status, msg = comm.bcast(result, root=0)
     if status != "ok":
         raise CheckpointError(msg)
     return final
 
 
-def _finish(state: TrainState, leaves: dict[str, LeafDef], gathered: list[tuple[list[Written], str | None]],
-            tmp: Path, final: Path, keep: int | None) -> tuple[str, str]:
+def finish_on_root(state: TrainState, leaves: dict[str, LeafDef], gathered: list[tuple[list[Written], str | None]],
+                   tmp: Path, final: Path, keep: int | None) -> tuple[str, str]:
     """On rank 0: write meta.json, install the step dir, move `latest`, prune;
     ("ok", dir) or ("error", message)."""
     errors = [e for _, e in gathered if e]
