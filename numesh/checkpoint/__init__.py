@@ -12,7 +12,8 @@ Layout of OUT/ckpt/ (format "numesh-ckpt", version 1)::
 
 Modules: `format` (the model-independent format: geometry, files, meta.json schema),
 `model` (the GPT's leaf table, pipeline paths, vocabulary padding), `state` (what is saved
-and loaded), `common` (helpers the others share), `save`, `load`, `reshard`, `export`.
+and loaded), `common` (helpers the others share), `save`, `background` (saving while
+training goes on), `load`, `reshard`, `export`.
 """
 
 from numesh.checkpoint.common import read_meta
