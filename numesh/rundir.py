@@ -11,9 +11,11 @@ import fcntl
 import json
 import math
 import os
+import secrets
 import shutil
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from mpi4py import MPI
 from numesh.checkpoint.save import LATEST
 from numesh.errors import ConfigError, abort_job
 from numesh.files import os_reason, write_atomic
+from numesh.runtime import rank_ranges
 
 LOCK_FILE = ".lock"
 RUN_FILES = ("config.json", "metrics.jsonl")  # what makes a directory a run's
@@ -35,6 +38,58 @@ def latest_checkpoint(out: Path, comm: MPI.Comm) -> Path | None:
     latest = out / "ckpt" / LATEST
     found = (latest.is_symlink() or latest.exists()) if comm.Get_rank() == 0 else None
     return latest if comm.bcast(found, root=0) else None
+
+
+PROBE_PREFIX = ".probe-"  # the file the start-up check writes under --out, gone once read
+
+
+def check_shared(out: Path, comm: MPI.Comm, private: bool = False) -> None:
+    """Every rank must see the files rank 0 writes under `out` (checkpoints are written by
+    every rank and read back by any): rank 0 writes a file there, every rank reads it. With
+    `private` this rank looks in a directory of its own instead (a test's node-local disk,
+    NUMESH_INJECT's `unshared`). A ConfigError naming the ranks and hosts that cannot see
+    it, on every rank, before any training. Collective; nothing to check on one rank."""
+    if comm.Get_size() == 1:
+        return
+    name, error = None, None
+    if comm.Get_rank() == 0:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            name = f"{PROBE_PREFIX}{secrets.token_hex(8)}"
+            write_atomic(out / name, name)
+        except OSError as e:
+            error = f"cannot use --out {out}: {os_reason(e)}"
+    name, error = comm.bcast((name, error), root=0)
+    if error:
+        raise ConfigError(error)
+    seen = _sees(out, name, private)
+    views = comm.allgather((seen, socket.gethostname()))
+    if comm.Get_rank() == 0:
+        (out / name).unlink(missing_ok=True)
+    blind = [r for r, (ok, _) in enumerate(views) if not ok]
+    if blind:
+        hosts = sorted({views[r][1] for r in blind})
+        raise ConfigError(
+            f"--out {out} is not one directory for every rank: rank{'s' if len(blind) > 1 else ''} "
+            f"{rank_ranges(blind)} (on {', '.join(hosts)}) cannot see the file rank 0 (on {views[0][1]}) wrote there, "
+            "as with a disk local to each node: put --out on a file system every host mounts")
+
+
+def _sees(out: Path, name: str, private: bool, tries: int = 5, pause_s: float = 0.2) -> bool:
+    """Whether this rank reads `name` under `out` (under a fresh directory of its own if
+    `private`), trying a few times: a network file system may show a new file a moment late."""
+    if private:
+        with tempfile.TemporaryDirectory(prefix="numesh-unshared-") as own:
+            return _sees(Path(own), name, False, tries, pause_s)
+    for i in range(tries):
+        try:
+            if (out / name).read_text() == name:
+                return True
+        except (OSError, UnicodeDecodeError):
+            pass
+        if i + 1 < tries:
+            time.sleep(pause_s)
+    return False
 
 
 class RunDir:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import sys
 import time
 import traceback
@@ -236,6 +237,32 @@ def job_peak_flops(comm: MPI.Comm, n_threads: int, dtype=np.float32) -> tuple[fl
     cores, hosts = comm.allreduce(used if leader else 0), comm.allreduce(int(leader))
     return total, (f"{cores} core(s) on {hosts} host(s) x one core's {np.dtype(dtype).name} matmul peak "
                    f"{per_core / 1e9:.1f} GFLOP/s, {source}")
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """"0-3,8,10-11": sorted rank numbers, consecutive ones as ranges."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def describe_hosts(hostnames: list[str]) -> str:
+    """One line: each host (in the order of its first rank) with its ranks, from each rank's hostname."""
+    hosts: dict[str, list[int]] = {}
+    for rank, name in enumerate(hostnames):
+        hosts.setdefault(name, []).append(rank)
+    n, h = len(hostnames), len(hosts)
+    listed = ", ".join(f"{name} ({rank_ranges(ranks)})" for name, ranks in hosts.items())
+    return f"{n} rank{'s' if n > 1 else ''} on {h} host{'s' if h > 1 else ''}: {listed}"
+
+
+def host_map(comm: MPI.Comm) -> str:
+    """`describe_hosts` of the job's ranks (collective)."""
+    return describe_hosts(comm.allgather(socket.gethostname()))
 
 
 def is_root() -> bool:

@@ -36,7 +36,7 @@ from numesh.nn.moe import moe_metrics
 from numesh.nn.units import OUTER, join_units, sequence_partial_leaves, split_units
 from numesh.observe import attach
 from numesh.observe.flight import FlightRecorder
-from numesh.observe.inject import FaultInjector, faults_from_env
+from numesh.observe.inject import FaultInjector, faults_from_env, unshared_out
 from numesh.observe.spool import PARTS_DIR
 from numesh.observe.trace import Tracer
 from numesh.optim import AdamWConfig, clip_scale, cosine_lr
@@ -44,8 +44,8 @@ from numesh.optim.zero import ZeroOptimizer
 from numesh.pipeline.executor import PipelineExecutor, StepStats
 from numesh.pipeline.schedules import make_schedule
 from numesh.pipeline.stages import StageLayout, gather_stages, stage_tree
-from numesh.rundir import RunDir, latest_checkpoint
-from numesh.runtime import dp_hint, log
+from numesh.rundir import RunDir, check_shared, latest_checkpoint
+from numesh.runtime import dp_hint, host_map, log
 from numesh.runtime import job_peak_flops as measured_peak_flops
 from numesh.threads import threads
 from numesh.tree import tree_leaves, tree_map
@@ -363,6 +363,15 @@ def _diverged(d: Diverged, cfg: TrainConfig, out: Path) -> ConfigError:
     )
 
 
+def _check_hosts(comm: MPI.Comm, out: Path) -> None:
+    """On several ranks, say which run on which host (one line), and check that every rank
+    sees the files rank 0 writes under `out` (numesh.rundir.check_shared; NUMESH_INJECT's
+    `unshared` makes a rank look elsewhere). Collective."""
+    if comm.Get_size() > 1:
+        log(host_map(comm))
+    check_shared(out, comm, unshared_out(comm.Get_rank(), comm.Get_size()))
+
+
 def _resume_from(cfg: TrainConfig, comm: MPI.Comm) -> str:
     """The checkpoint to continue from: `--resume`, or with `--resume auto` OUT/ckpt/latest
     when there is one ("": start at step 0). The same on every rank."""
@@ -434,6 +443,7 @@ def train(
     `ckpt_interval` steps and at the end) with OUT/ckpt/latest pointing at the newest."""
     trainer = Trainer(cfg, comm)
     kernels.warm_up(trainer.dtype)  # compiled before any collective has a deadline
+    _check_hosts(trainer.mesh.world, Path(cfg.out))
     if resume := _resume_from(cfg, trainer.mesh.world):
         _resume(trainer, cfg, resume)
     start = trainer.step

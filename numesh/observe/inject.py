@@ -7,6 +7,8 @@
     mismatch:rank=R:step=S   rank R issues its next collective from step S with another size
                              (an all-reduce of a different length over the same axes)
     slow:rank=R:ms=M         rank R sleeps M ms at the start of every step (from step=S, default 0)
+    unshared:rank=R          rank R's start-up check of --out looks in a directory of its own, as
+                             if --out were on a disk local to its node (numesh.rundir.check_shared)
 
 `hang` and `crash` act before any call through the mesh (p2p sends and receives too);
 `skip` and `mismatch` wait for the next true collective (all-reduce, all-gather,
@@ -42,10 +44,11 @@ KINDS = {  # kind -> (required keys, optional keys with defaults)
     "crash": (("rank", "step"), {}),
     "mismatch": (("rank", "step"), {}),
     "slow": (("rank", "ms"), {"step": 0}),
+    "unshared": (("rank",), {}),
 }
 COLLECTIVE_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast"})
-SYNTAX = ("the syntax is KIND:rank=R:step=S with KIND hang, skip, crash or mismatch, or slow:rank=R:ms=M; "
-          "several separated by ';'")
+SYNTAX = ("the syntax is KIND:rank=R:step=S with KIND hang, skip, crash or mismatch, slow:rank=R:ms=M, or "
+          "unshared:rank=R; several separated by ';'")
 
 
 @attrs.frozen
@@ -58,6 +61,8 @@ class Fault:
     def __str__(self) -> str:
         if self.kind == "slow":
             return f"slow:rank={self.rank}:ms={self.ms}" + (f":step={self.step}" if self.step else "")
+        if self.kind == "unshared":
+            return f"unshared:rank={self.rank}"
         return f"{self.kind}:rank={self.rank}:step={self.step}"
 
 
@@ -113,6 +118,11 @@ def faults_from_env(world_size: int) -> tuple[Fault, ...]:
     return parse_faults(os.environ.get(ENV), world_size)
 
 
+def unshared_out(rank: int, world_size: int) -> bool:
+    """Whether NUMESH_INJECT makes `rank`'s check of --out look in a directory of its own."""
+    return any(f.kind == "unshared" and f.rank == rank for f in faults_from_env(world_size))
+
+
 def _where(op: str, axes: AxisNames) -> str:
     if isinstance(axes, Group):
         return f"{op} over {axes.axis}{list(axes.members)}"
@@ -128,7 +138,7 @@ class FaultInjector(Observer):
 
     def __init__(self, faults: tuple[Fault, ...], rank: int, mesh: Any = None):
         self.rank, self.mesh = rank, mesh
-        self.pending = [f for f in faults if f.rank == rank and f.kind != "slow"]
+        self.pending = [f for f in faults if f.rank == rank and f.kind not in ("slow", "unshared")]
         self.slow = [f for f in faults if f.rank == rank and f.kind == "slow"]
         self.step = 0
         self.fired: list[tuple[Fault, str]] = []  # (fault, the call it hit)
