@@ -9,6 +9,8 @@ the logged numbers are the same on every mesh.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import sys
 import time
@@ -384,14 +386,36 @@ def _resume_from(cfg: TrainConfig, comm: MPI.Comm) -> str:
     return str(latest)
 
 
-def _resume(trainer: Trainer, cfg: TrainConfig, path: str) -> None:
-    """Continue from `path`, which must be before `max_iters` (a checkpoint is never rewritten in place)."""
+def _resume(trainer: Trainer, cfg: TrainConfig, path: str) -> bool:
+    """Continue from `path`, which must be before `max_iters` (a checkpoint is never rewritten
+    in place); True when `--resume auto` finds the run already finished (its checkpoint at
+    `max_iters`): a requeue of a job that completed is then a success with nothing to do,
+    not an error that a scheduler would retry."""
     restore(trainer, path)
+    if cfg.resume == RESUME_AUTO and trainer.step == cfg.max_iters:
+        log(f"--resume auto: {Path(path).resolve()} is at step {trainer.step} = --max-iters: "
+            "the run is already finished, nothing to do")
+        return True
     if trainer.step >= cfg.max_iters:
         where = "past" if trainer.step > cfg.max_iters else "already at"
         raise ConfigError(f"checkpoint {path} is at step {trainer.step}, {where} max_iters={cfg.max_iters}: "
                           "raise --max-iters to train further")
     log(f"continuing from step {trainer.step} ({Path(path).resolve()})")
+    return False
+
+
+def _finished(cfg: TrainConfig, checkpoint: str) -> TrainResult:
+    """The result of a run found already finished: no steps, its last logged losses."""
+    last: dict[str, Any] = {}
+    metrics = Path(cfg.out) / "metrics.jsonl"
+    try:
+        for line in metrics.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                last.update({k: v for k, v in json.loads(line).items() if k in ("loss", "val_loss")})
+    except OSError:  # metrics are a report only: the checkpoint says the run is done
+        pass
+    return TrainResult(steps=0, final_loss=float(last.get("loss", math.nan)), final_val_loss=last.get("val_loss"),
+                       seconds=0.0, checkpoint=checkpoint, metrics=str(metrics))
 
 
 def _open_run(trainer: Trainer, cfg: TrainConfig, resume: str) -> RunDir:
@@ -445,7 +469,8 @@ def train(
     kernels.warm_up(trainer.dtype)  # compiled before any collective has a deadline
     _check_hosts(trainer.mesh.world, Path(cfg.out))
     if resume := _resume_from(cfg, trainer.mesh.world):
-        _resume(trainer, cfg, resume)
+        if _resume(trainer, cfg, resume):
+            return _finished(cfg, resume)
     start = trainer.step
     run = _open_run(trainer, cfg, resume)  # before the peak is measured: a refused --out is said at once, and first
     try:

@@ -22,7 +22,7 @@ from mpi4py import MPI
 from conftest import assert_close, cli, one_error_line
 from numesh.checkpoint import read_meta, read_params_dict
 from numesh.config import config_from
-from numesh.errors import Interrupted, Preempted
+from numesh.errors import ConfigError, Interrupted, Preempted
 from numesh.interrupt import parse_signals
 from numesh.runtime import guarded
 from numesh.train import train
@@ -67,6 +67,22 @@ def test_resume_auto_starts_fresh_then_continues_bit_for_bit(char_dataset: Path,
     assert got.keys() == want.keys()
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_resume_auto_of_a_finished_run_is_a_success_that_changes_nothing(char_dataset: Path, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    """A requeue of a job that had completed reruns the command: it must not fail (a scheduler
+    would retry it) nor train or write anything."""
+    out = tmp_path / "run"
+    first = train(_config(char_dataset, out), MPI.COMM_SELF)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and not p.is_symlink()}
+    capsys.readouterr()
+    again = train(_config(char_dataset, out), MPI.COMM_SELF)
+    assert "the run is already finished, nothing to do" in capsys.readouterr().err
+    assert again.steps == 0 and again.final_loss == first.final_loss and again.final_val_loss == first.final_val_loss
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and not p.is_symlink()} == before
+    with pytest.raises(ConfigError, match="past max_iters=5"):  # a shorter run than the checkpoint is still refused
+        train(_config(char_dataset, out, max_iters=5), MPI.COMM_SELF)
 
 
 def test_resume_auto_redoes_an_attempt_that_saved_nothing(char_dataset: Path, tmp_path: Path) -> None:
