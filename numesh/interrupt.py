@@ -168,7 +168,13 @@ class InterruptWatch:
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
-        """Give the watchdog's deadline `save_grace_s` while the block writes a checkpoint."""
+        """Give the watchdog's deadline `save_grace_s` while the block writes a checkpoint
+        (collective: every rank enters it at the same step boundary).
+
+        A barrier first, under the step's grace: a rank frozen inside the agreement
+        all-reduce after sending its flag lets its peers agree without it, and they would
+        otherwise wait for it with the save's long deadline instead of the step's."""
+        self.comm.Barrier()
         self._set_deadline(self.save_grace_s)
         try:
             yield
