@@ -34,6 +34,7 @@ import numpy as np
 from numesh import dataset_check as dc
 from numesh.errors import DataError
 from numesh.files import write_atomic
+from numesh.observe.witness import alive
 
 _OWNED = re.compile(r"^(meta\.json|tokenizer\.json|(train|val)(-\d+)?\.bin)$")  # a dataset's files, never carried
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>writing|old)-(?P<host>.+)-(?P<pid>\d+)$")
@@ -59,16 +60,6 @@ def target(out: Path) -> Path:
     return real if out.is_symlink() else out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_leftovers(out: Path) -> list[Path]:
     """Remove what writers of `out` killed on this host left beside it (a staging directory,
     or the old dataset between the two renames of a fallback `publish`, put back if `out`
@@ -76,7 +67,7 @@ def clean_leftovers(out: Path) -> list[Path]:
     removed = []
     for p in out.parent.glob(f".{glob.escape(out.name)}.*-*"):
         m = _LEFTOVER.match(p.name)
-        if not m or m["name"] != out.name or m["host"] != socket.gethostname() or _alive(int(m["pid"])):
+        if not m or m["name"] != out.name or m["host"] != socket.gethostname() or alive(int(m["pid"])):
             continue
         if m["kind"] == "old" and not out.exists():
             os.rename(p, out)  # killed between the renames: the old dataset goes back

@@ -45,6 +45,19 @@ def _in_writer() -> bool:
     return threading.current_thread() is not threading.main_thread()
 
 
+def _hold_writers(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make the checkpoint writer threads wait, before each file, until the returned event is set."""
+    gate, real = threading.Event(), save_mod.write_npy
+
+    def gated(path: Path, array: np.ndarray) -> str:
+        if _in_writer():
+            assert gate.wait(60)
+        return real(path, array)
+
+    monkeypatch.setattr(save_mod, "write_npy", gated)
+    return gate
+
+
 def test_async_checkpoints_are_the_sync_ones(char_dataset: Path, tmp_path: Path) -> None:
     records = {}
     for mode in ("sync", "async"):
@@ -62,14 +75,7 @@ def test_async_checkpoints_are_the_sync_ones(char_dataset: Path, tmp_path: Path)
 
 def test_training_goes_on_while_a_checkpoint_is_written(char_dataset: Path, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    gate, real = threading.Event(), save_mod.write_npy
-
-    def gated(path: Path, array: np.ndarray) -> str:
-        if _in_writer():
-            assert gate.wait(60)
-        return real(path, array)
-
-    monkeypatch.setattr(save_mod, "write_npy", gated)
+    gate = _hold_writers(monkeypatch)
     latest = tmp_path / "run" / "ckpt" / "latest"
     seen: dict[int, str | None] = {}
 
@@ -105,19 +111,12 @@ def test_a_failed_background_write_fails_the_run_and_keeps_latest(char_dataset: 
 
 def test_a_preemption_finishes_the_save_in_flight_first(char_dataset: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    gate, real = threading.Event(), save_mod.write_npy
-
-    def gated(path: Path, array: np.ndarray) -> str:
-        if _in_writer():
-            assert gate.wait(60)
-        return real(path, array)
-
+    gate = _hold_writers(monkeypatch)
     def on_step(step: int, record: dict) -> None:
         if step == 2:  # step 2's save is in flight, its writer held for a moment longer
             os.kill(os.getpid(), signal.SIGUSR1)
             threading.Timer(0.3, gate.set).start()
 
-    monkeypatch.setattr(save_mod, "write_npy", gated)
     with pytest.raises(Preempted) as info:
         train(_config(char_dataset, tmp_path / "run", ckpt_async=True), MPI.COMM_SELF, on_step=on_step)
     ck = tmp_path / "run" / "ckpt"
