@@ -31,10 +31,10 @@ from numesh.checkpoint.model import shard_params
 from numesh.config import DTYPES, RESUME_AUTO, TrainConfig, check_layout, check_options, config_from, validate  # noqa: F401  (re-exported: numesh.train's old names)
 from numesh.errors import ConfigError, DataError, Interrupted, Preempted, abort_job
 from numesh.interrupt import InterruptWatch, parse_signals
-from numesh.mesh import Mesh, psum_scalar, unshard
+from numesh.mesh import AXES, Mesh, psum, psum_scalar, unshard
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
-from numesh.nn.moe import moe_metrics
+from numesh.nn.moe import moe_metrics, stats_vector
 from numesh.nn.units import OUTER, join_units, sequence_partial_leaves, split_units
 from numesh.observe import attach
 from numesh.observe.flight import FlightRecorder
@@ -333,6 +333,17 @@ def job_peak_flops(trainer: Trainer) -> tuple[float, str]:
     return measured_peak_flops(trainer.mesh.world, threads(), trainer.dtype)
 
 
+def moe_step_metrics(trainer: Trainer) -> dict[str, float | int]:
+    """The last step's routing metrics ({} for a dense model): every rank's stats summed
+    over the whole mesh (the MoE layers sit on different pipeline stages). Collective."""
+    m = trainer.model
+    if not m.moe_experts:
+        return {}
+    layers = [i for i in range(m.n_layer) if m.moe(i) is not None]
+    v = stats_vector(trainer.last_stats.moe, layers, m.moe_experts)
+    return moe_metrics(psum(v, trainer.mesh, AXES))
+
+
 def _step_record(trainer: Trainer, step: int, peak_flops: float) -> dict[str, Any]:
     """Run step `step` (an evaluation on eval steps, then the optimiser step unless it is the
     last) and return its metrics line ({} when nothing is logged)."""
@@ -348,7 +359,7 @@ def _step_record(trainer: Trainer, step: int, peak_flops: float) -> dict[str, An
         if step % c.log_interval == 0 or step == c.max_iters - 1:
             achieved = tps * flops_per_token(trainer.model, trainer.n_params)
             record.update(loss=loss, lr=lr, grad_norm=norm, dt_ms=dt * 1e3, tokens_per_s=tps, flops_per_s=achieved,
-                          mfu=formulas.mfu(achieved, peak_flops), **moe_metrics(trainer.last_stats.moe))
+                          mfu=formulas.mfu(achieved, peak_flops), **moe_step_metrics(trainer))
     return {"step": step, **record} if record else record
 
 

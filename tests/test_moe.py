@@ -1,6 +1,6 @@
-"""The MoE layer (numesh/nn/moe.py) in float64: its forward against a per-token NumPy
-reference, its backward against finite differences (through the aux and z losses), ties,
-an expert without tokens, and the aux loss on a hand-built routing."""
+"""The MoE layer (numesh/nn/moe.py) on one rank in float64: its forward against a per-token
+NumPy reference, its backward against finite differences (through the per-sequence aux and
+the z losses), ties, an expert without tokens, and the aux loss on a hand-built routing."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import math
 import numpy as np
 import pytest
 
+from conftest import self_mesh
 from numesh import threads
 from numesh.nn.layers import Linear, gelu_fwd_reference
-from numesh.nn.moe import MoE, MoEConfig, moe_bwd, moe_fwd, route, routing_stats
+from numesh.nn.moe import MoE, MoEConfig, moe_bwd, moe_fwd, route, routing_stats, seq_balance
 from test_layers import assert_fd, fd_grad
 
 
@@ -26,9 +27,13 @@ def make_moe(rng: np.random.Generator, c: int, e: int, bias: bool, scale: float 
                proj=Linear(scale * rng.standard_normal((e, h, c)), b(e, c)))
 
 
-def reference(p: MoE, x: np.ndarray, cfg: MoEConfig) -> tuple[np.ndarray, float, float, np.ndarray]:
-    """Token by token: (output [N, C], aux loss, z loss, tokens per expert)."""
+def reference(p: MoE, x3: np.ndarray, cfg: MoEConfig) -> tuple[np.ndarray, float, float, np.ndarray]:
+    """Token by token on x [B, T, C]: (output [B·T, C], aux loss: the mean over the B
+    sequences of each one's α·E·Σ f·P, z loss, tokens per expert)."""
+    x = x3.reshape(-1, x3.shape[-1])
     n, e, k = x.shape[0], cfg.experts, cfg.top_k
+    b, T = x3.shape[0], x3.shape[1]
+    seq_counts = np.zeros((b, e))
     out = np.zeros_like(x)
     probs = np.zeros((n, e))
     counts = np.zeros(e, np.int64)
@@ -44,12 +49,34 @@ def reference(p: MoE, x: np.ndarray, cfg: MoEConfig) -> tuple[np.ndarray, float,
         total = sum(pr[i] for i in top)
         for i in top:
             counts[i] += 1
+            seq_counts[t // T, i] += 1
             hid = x[t] @ p.fc.w[i] + (0 if p.fc.b is None else p.fc.b[i])
             y = gelu_fwd_reference(hid[None])[0][0] @ p.proj.w[i] + (0 if p.proj.b is None else p.proj.b[i])
             out[t] += pr[i] / total * y
-    f = counts / (n * k)
-    aux = cfg.aux_coef * e * sum(f[i] * probs[:, i].mean() for i in range(e))
+    aux = 0.0
+    for s in range(b):
+        f = seq_counts[s] / (T * k)
+        aux += cfg.aux_coef * e * sum(f[i] * probs[s * T : (s + 1) * T, i].mean() for i in range(e)) / b
     return out, aux, cfg.z_coef * lse2 / n, counts
+
+
+MESH = self_mesh()  # one: a mesh per finite-difference evaluation would run out of communicators
+
+
+def run_fwd(p: MoE, x: np.ndarray, cfg: MoEConfig):
+    """`moe_fwd` on the one-rank mesh."""
+    return moe_fwd(p, x, cfg, MESH)
+
+
+def run_bwd(p: MoE, ctx, dy: np.ndarray, cfg: MoEConfig):
+    """`moe_bwd` on the one-rank mesh, the losses weighted as one batch: 1 / its tokens."""
+    return moe_bwd(p, ctx, dy, cfg, MESH, 1.0 / int(np.prod(ctx.shape[:-1])))
+
+
+def losses(ctx) -> tuple[float, float]:
+    """(aux, z) as the layer's stats give them: sums over the rank's sequences and tokens."""
+    s = ctx.stats
+    return s.aux_sum / s.sequences, s.z_sum / s.positions
 
 
 CASES = [(1, True), (2, True), (2, False)]
@@ -62,25 +89,28 @@ def test_forward_matches_per_token_reference(top_k: int, bias: bool) -> None:
     cfg = MoEConfig(experts=4, top_k=top_k, aux_coef=0.1, z_coef=0.01)
     p = make_moe(rng, 6, 4, bias)
     x = rng.standard_normal((3, 5, 6))
-    y, ctx = moe_fwd(p, x, cfg)
-    want, aux, z, counts = reference(p, x.reshape(-1, 6), cfg)
+    y, ctx = run_fwd(p, x, cfg)
+    want, aux, z, counts = reference(p, x, cfg)
     assert y.shape == x.shape
     np.testing.assert_allclose(y.reshape(-1, 6), want, rtol=0, atol=1e-12)
-    assert abs(ctx.stats.aux_loss - aux) < 1e-12 and abs(ctx.stats.z_loss - z) < 1e-12
+    got_aux, got_z = losses(ctx)
+    assert abs(got_aux - aux) < 1e-12 and abs(got_z - z) < 1e-12
     np.testing.assert_array_equal(ctx.stats.tokens, counts)
 
 
 def _check_backward(p: MoE, x: np.ndarray, cfg: MoEConfig) -> None:
-    """Every parameter's and the input's gradient of Σ y·R + aux + z against finite differences."""
+    """Every parameter's and the input's gradient of Σ y·R / N + aux + z (N tokens: the LM
+    loss's weight) against finite differences."""
     rng = np.random.default_rng(11)
     r = rng.standard_normal(x.shape)
 
     def objective() -> float:
-        y, ctx = moe_fwd(p, x, cfg)
-        return float((y * r).sum()) + ctx.stats.aux_loss + ctx.stats.z_loss
+        y, ctx = run_fwd(p, x, cfg)
+        return float((y * r).sum()) / n + sum(losses(ctx))
 
-    y, ctx = moe_fwd(p, x, cfg)
-    dx, dp = moe_bwd(p, ctx, r, cfg)
+    n = int(np.prod(x.shape[:-1]))
+    y, ctx = run_fwd(p, x, cfg)
+    dx, dp = run_bwd(p, ctx, r / n, cfg)
     assert_fd(dx, fd_grad(objective, x), "dx")
     for name in ("router", "fc", "proj"):
         for leaf in ("w", "b"):
@@ -105,13 +135,13 @@ def test_an_expert_without_tokens(top_k: int) -> None:
     rng = np.random.default_rng(7)
     p = make_moe(rng, 4, 4, True)
     p.router.w[0, 3] = -30.0
-    x = rng.standard_normal((10, 4))
-    x[:, 0] = 1.0
+    x = rng.standard_normal((2, 5, 4))
+    x[..., 0] = 1.0
     cfg = MoEConfig(experts=4, top_k=top_k, aux_coef=0.5, z_coef=0.1)
-    y, ctx = moe_fwd(p, x, cfg)
+    y, ctx = run_fwd(p, x, cfg)
     assert ctx.stats.tokens[3] == 0 and ctx.stats.tokens.sum() == 10 * top_k
-    np.testing.assert_allclose(y, reference(p, x, cfg)[0], rtol=0, atol=1e-12)
-    _, dp = moe_bwd(p, ctx, np.ones_like(y), cfg)
+    np.testing.assert_allclose(y.reshape(10, 4), reference(p, x, cfg)[0], rtol=0, atol=1e-12)
+    _, dp = run_bwd(p, ctx, np.ones_like(y), cfg)
     assert not dp.fc.w[3].any() and not dp.proj.w[3].any() and not dp.fc.b[3].any() and not dp.proj.b[3].any()
     assert dp.router.w[:, 3].any()
     _check_backward(p, x, cfg)
@@ -126,7 +156,7 @@ def test_ties_go_to_the_lowest_index() -> None:
     rng = np.random.default_rng(0)
     p = make_moe(rng, 4, 4, False)
     p.router.w[:] = 0.0
-    _, ctx = moe_fwd(p, rng.standard_normal((6, 4)), MoEConfig(experts=4, top_k=2))
+    _, ctx = run_fwd(p, rng.standard_normal((2, 3, 4)), MoEConfig(experts=4, top_k=2))
     np.testing.assert_array_equal(ctx.stats.tokens, [6, 6, 0, 0])
 
 
@@ -137,30 +167,38 @@ def test_aux_loss_equals_its_formula_on_a_hand_built_routing() -> None:
     aux = α·2·(0.5·0.65 + 0.5·0.35) = α (the balanced value)."""
     probs = np.array([[0.8, 0.2], [0.6, 0.4], [0.3, 0.7], [0.9, 0.1]])
     logits = np.log(probs) + 1.5  # any shift: softmax gives the probabilities back
-    alpha = 0.01
-    s1 = routing_stats(route(logits, 1), MoEConfig(experts=2, top_k=1, aux_coef=alpha))
+    alpha, mesh = 0.01, MESH
+
+    def stats(top_k: int, batch: int = 1, **coefs: float):
+        r = route(logits, top_k)
+        return routing_stats(r, seq_balance(r, batch, mesh), MoEConfig(experts=2, top_k=top_k, **coefs), 0, mesh)
+
+    s1 = stats(1, aux_coef=alpha)
     np.testing.assert_array_equal(s1.tokens, [3, 1])
-    assert abs(s1.aux_loss - alpha * 1.15) < 1e-15
-    s2 = routing_stats(route(logits, 2), MoEConfig(experts=2, top_k=2, aux_coef=alpha))
-    assert abs(s2.aux_loss - alpha) < 1e-15
+    assert abs(s1.aux_sum - alpha * 1.15) < 1e-15 and s1.sequences == 1
+    assert abs(stats(2, aux_coef=alpha).aux_sum - alpha) < 1e-15
+    # as two sequences of two tokens: (0.8, 0.2), (0.6, 0.4) both to expert 0: f = (1, 0),
+    # P = (0.7, 0.3), α·2·0.7; then expert 1 and 0: f = (1/2, 1/2), P = (0.6, 0.4), α·2·0.5
+    s = stats(1, batch=2, aux_coef=alpha)
+    assert s.sequences == 2 and abs(s.aux_sum - alpha * (1.4 + 1.0)) < 1e-15
     beta = 0.1
     lse = np.log(np.exp(logits).sum(axis=1))
-    sz = routing_stats(route(logits, 1), MoEConfig(experts=2, top_k=1, z_coef=beta))
-    assert abs(sz.z_loss - beta * float(np.mean(lse**2))) < 1e-14 and abs(lse - 1.5).max() < 1e-14
+    sz = stats(1, z_coef=beta)
+    assert abs(sz.z_sum / sz.positions - beta * float(np.mean(lse**2))) < 1e-14 and abs(lse - 1.5).max() < 1e-14
 
 
 def test_same_bits_on_any_thread_count() -> None:
     rng = np.random.default_rng(9)
     p = make_moe(rng, 32, 8, True, scale=0.1)
-    x = rng.standard_normal((600, 32))
+    x = rng.standard_normal((6, 100, 32))
     cfg = MoEConfig(experts=8, top_k=2, aux_coef=0.01, z_coef=0.001)
     runs = []
     saved = threads.threads()
     try:
         for n in (1, 2, 3):
             threads.set_threads(n)
-            y, ctx = moe_fwd(p, x, cfg)
-            dx, dp = moe_bwd(p, ctx, y, cfg)
+            y, ctx = run_fwd(p, x, cfg)
+            dx, dp = run_bwd(p, ctx, y, cfg)
             runs.append((y, dx, dp.router.w, dp.fc.w, dp.fc.b, dp.proj.w))
     finally:
         threads.set_threads(saved)

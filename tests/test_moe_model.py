@@ -28,7 +28,7 @@ def _objective(params, idx, tgt, cfg, scale: float, recompute: str = "none") -> 
     """The training objective (mean token loss plus every MoE block's aux and z loss) and the stats."""
     loss, ctx = stage_forward(ResidentParams(params), whole_model(cfg.n_layer), idx, tgt, cfg, self_mesh(),
                               recompute=recompute)
-    return float(loss.sum()) * scale + sum(s.aux_loss + s.z_loss for s in ctx.moe), ctx.moe
+    return float(loss.sum()) * scale + sum(s.aux_sum / s.sequences + s.z_sum / s.positions for s in ctx.moe), ctx.moe
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
@@ -163,6 +163,7 @@ def test_flops_formula_equals_the_matmuls_run(monkeypatch: pytest.MonkeyPatch, t
     C, E, N = 8, 4, 50
     p = make_moe(rng, C, E, True)
     cfg = MoEConfig(E, top_k, 0.1, 0.1)
-    y, ctx = M.moe_fwd(p, rng.standard_normal((N, C)), cfg)
-    M.moe_bwd(p, ctx, y, cfg)
+    mesh = self_mesh()
+    y, ctx = M.moe_fwd(p, rng.standard_normal((5, N // 5, C)), cfg, mesh)
+    M.moe_bwd(p, ctx, y, cfg, mesh, 1.0 / N)
     assert counted[0] == N * formulas.moe_mlp_flops_per_token(C, E, top_k)

@@ -202,6 +202,49 @@ def ipsum_scatter(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> H
     return handle
 
 
+def all_to_all(x: np.ndarray, mesh: Mesh, axes: AxisNames) -> np.ndarray:
+    """Block i of `x` [n, ...] to rank i of the axis; block j of the result from rank j.
+    Bytes counted: the blocks that leave this rank (its own stays)."""
+    n = mesh.size(axes)
+    if n == 1:
+        return x
+    if x.shape[0] != n:
+        raise ValueError(f"all_to_all needs one block per rank on dim 0: {x.shape[0]} blocks, {n} ranks")
+    src, out = _contig(x), np.empty(x.shape, x.dtype)
+    nbytes = x.nbytes - x[0].nbytes
+    _count(mesh, axes, "all_to_all", nbytes)
+    comm = mesh.comm(axes)
+    _run(mesh, axes, "all_to_all", nbytes, lambda: comm.Alltoall(src, out), lambda: comm.Ialltoall(src, out))
+    return out
+
+
+def all_to_all_v(x: np.ndarray, send_rows: np.ndarray, recv_rows: np.ndarray, mesh: Mesh,
+                 axes: AxisNames) -> np.ndarray:
+    """Rows of `x` [sum(send_rows), ...], grouped by destination, to the ranks of the axis:
+    `send_rows[i]` rows to rank i. Returns the rows received, grouped by source
+    (`recv_rows[j]` from rank j, which the caller learnt by `all_to_all` of the counts).
+    Bytes counted: the rows that leave this rank (its own stay)."""
+    n = mesh.size(axes)
+    if n == 1:
+        return x
+    row = int(np.prod(x.shape[1:], dtype=np.int64))
+    scount = np.asarray(send_rows, np.int64) * row
+    rcount = np.asarray(recv_rows, np.int64) * row
+    sdispl = np.concatenate(([0], np.cumsum(scount)[:-1]))
+    rdispl = np.concatenate(([0], np.cumsum(rcount)[:-1]))
+    src = _contig(x)
+    out = np.empty((int(np.sum(recv_rows)), *x.shape[1:]), x.dtype)
+    me = mesh.index(axes)
+    nbytes = int(scount.sum() - scount[me]) * x.itemsize
+    _count(mesh, axes, "all_to_all", nbytes)
+    comm, mpi_type = mesh.comm(axes), MPI._typedict[x.dtype.char]
+    send_spec = [src, (scount, sdispl), mpi_type]
+    recv_spec = [out, (rcount, rdispl), mpi_type]
+    _run(mesh, axes, "all_to_all", nbytes, lambda: comm.Alltoallv(send_spec, recv_spec),
+         lambda: comm.Ialltoallv(send_spec, recv_spec))
+    return out
+
+
 def broadcast(x: np.ndarray, mesh: Mesh, axes: AxisNames, root: int = 0) -> np.ndarray:
     """Every rank gets the root's `x` (in place; `x` must be contiguous)."""
     if mesh.size(axes) == 1:

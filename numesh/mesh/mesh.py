@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from numesh.errors import MeshError
 
-AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+AXES: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")
 
 
 @attrs.frozen

@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 import attrs
 import numpy as np
 
+from numesh.mesh import Mesh, all_to_all, all_to_all_v, psum
 from numesh.nn.layers import Linear, gelu_bwd, gelu_fwd
 from numesh.threads import MIN_CHUNK_FLOPS, TILE_ROWS, cores, matmul, over_tiles, tiles
 
@@ -62,11 +63,17 @@ class MoE:
 
 @attrs.frozen
 class RoutingStats:
-    """What one MoE layer's routing did, for metrics."""
+    """What one MoE layer's routing did on this rank's tokens, as sums: adding them over
+    every rank of the mesh and every micro-batch gives the step's totals (a rank whose
+    tokens another rank also routes, a tp rank > 0, reports zeros; so does a cp rank > 0
+    for the per-sequence terms, which every cp rank of a sequence computes whole)."""
 
-    tokens: np.ndarray  # [E] token-assignments per expert (sums to N·k)
-    aux_loss: float  # α·E·Σ f·P, as added to the loss
-    z_loss: float  # β·mean(logsumexp²), as added to the loss
+    layer: int
+    tokens: np.ndarray  # [E] token-assignments per expert from this rank's tokens
+    aux_sum: float  # Σ over this rank's sequences of α·E·Σᵢ fᵢ·Pᵢ
+    z_sum: float  # Σ over this rank's tokens of β·logsumexp²
+    sequences: int  # sequences counted in aux_sum
+    positions: int  # tokens counted in z_sum
 
 
 @attrs.frozen
@@ -100,18 +107,85 @@ def route(logits: np.ndarray, top_k: int) -> Routing:
     return Routing(probs, lse, top, weights, order, bounds)
 
 
-def routing_stats(r: Routing, cfg: MoEConfig) -> RoutingStats:
-    """Tokens per expert and the two losses' values (with their coefficients)."""
-    n, k = r.top.shape
-    tokens = np.diff(r.bounds)
-    f = tokens / (n * k)
-    aux = cfg.aux_coef * cfg.experts * float(np.dot(f, r.probs.mean(axis=0)))
-    z = cfg.z_coef * float(np.mean(r.lse * r.lse))
-    return RoutingStats(tokens, aux, z)
+@attrs.frozen
+class SeqBalance:
+    """Each sequence's routing, summed over all its tokens (its cp chunks too): what the
+    load-balancing loss of a sequence needs."""
+
+    f: np.ndarray  # [B, E] fᵢ of each sequence: its token-assignments to expert i / (T·k)
+    P: np.ndarray  # [B, E] Pᵢ of each sequence: its mean router probability of expert i
+
+
+def seq_balance(r: Routing, batch: int, mesh: Mesh) -> SeqBalance:
+    """f and P of each of the `batch` sequences whose tokens (this rank's positions of
+    them: [B, t] flattened) `r` routed; summed over cp, where a sequence is split."""
+    n, e = r.probs.shape
+    k, t = r.top.shape[1], n // batch
+    seq = np.repeat(np.arange(batch), t * k)  # [N·k]: the sequence of assignment t·k + j
+    both = np.empty((2, batch, e))
+    both[0] = np.bincount(seq * e + r.top.reshape(-1), minlength=batch * e).reshape(batch, e)
+    both[1] = r.probs.reshape(batch, t, e).sum(axis=1)  # [B, E]
+    both = psum(both, mesh, "cp")
+    T = t * mesh.size("cp")
+    return SeqBalance(both[0] / (T * k), both[1] / T)
+
+
+def routing_stats(r: Routing, bal: SeqBalance, cfg: MoEConfig, layer: int, mesh: Mesh) -> RoutingStats:
+    """This rank's share of the layer's tokens per expert and loss sums (see RoutingStats)."""
+    e = cfg.experts
+    if mesh.index("tp"):  # the tp ranks route the same tokens: the first reports them
+        return RoutingStats(layer, np.zeros(e, np.int64), 0.0, 0.0, 0, 0)
+    first_cp = mesh.index("cp") == 0
+    aux = cfg.aux_coef * e * float(np.sum(bal.f * bal.P)) if first_cp else 0.0
+    z = cfg.z_coef * float(np.dot(r.lse, r.lse))
+    return RoutingStats(layer, np.diff(r.bounds), aux, z, bal.f.shape[0] if first_cp else 0, r.probs.shape[0])
+
+
+@attrs.frozen
+class Dispatch:
+    """How the expert-sorted assignment rows of this rank travel over ep and back: ep rank
+    r holds experts r·E/ep ... (r+1)·E/ep - 1, so the sorted rows are already grouped by
+    destination; the rows received are grouped by source, and `perm` regroups them by
+    expert (by source within an expert) for one GEMM per expert."""
+
+    send: np.ndarray  # [ep] rows to each ep rank
+    recv: np.ndarray  # [ep] rows from each ep rank
+    perm: np.ndarray | None  # [R] received row of each expert-grouped row (None: ep = 1)
+    bounds: np.ndarray  # [E/ep + 1] local expert e's rows of the expert-grouped block
+
+
+def plan_dispatch(bounds: np.ndarray, mesh: Mesh) -> Dispatch:
+    """Exchange per-expert counts over ep (one small all-to-all) and plan the row moves."""
+    ep = mesh.size("ep")
+    counts = np.diff(bounds)
+    if ep == 1:
+        return Dispatch(counts[None].sum(1), counts[None].sum(1), None, bounds)
+    got = all_to_all(np.ascontiguousarray(counts.reshape(ep, -1)), mesh, "ep")  # [ep, E/ep] rows for my experts
+    local = got.shape[1]
+    expert = np.repeat(np.tile(np.arange(local), ep), got.reshape(-1))  # [R] local expert of each received row
+    lb = np.zeros(local + 1, np.int64)
+    np.cumsum(got.sum(axis=0), out=lb[1:])
+    return Dispatch(counts.reshape(ep, -1).sum(1), got.sum(1), np.argsort(expert, kind="stable"), lb)
+
+
+def to_experts(rows: np.ndarray, d: Dispatch, mesh: Mesh) -> np.ndarray:
+    """Expert-sorted rows [N·k, ...] to the ranks of their experts, grouped by local expert."""
+    if d.perm is None:
+        return rows
+    return all_to_all_v(rows, d.send, d.recv, mesh, "ep")[d.perm]
+
+
+def from_experts(rows: np.ndarray, d: Dispatch, mesh: Mesh) -> np.ndarray:
+    """The inverse of `to_experts`: the experts' rows back to the ranks of their tokens."""
+    if d.perm is None:
+        return rows
+    back = np.empty_like(rows)
+    back[d.perm] = rows
+    return all_to_all_v(back, d.recv, d.send, mesh, "ep")
 
 
 def _jobs(bounds: np.ndarray) -> list[tuple[int, slice]]:
-    """(expert, rows of the sorted block) of every row tile of every expert with tokens:
+    """(expert, rows of the grouped block) of every row tile of every expert with tokens:
     `tiles` of its rows, from its count and the rank's cores only."""
     out = []
     for e in range(len(bounds) - 1):
@@ -133,9 +207,9 @@ def _run(fn: Callable[[int], Any], count: int, flops: float) -> list:
 def _expert_matmul(a: np.ndarray, w: np.ndarray, b: np.ndarray | None, jobs: list,
                    transpose: bool = False) -> np.ndarray:
     """Row block of each job times its expert's matrix (w[e] [K, N], or w[e].T), plus its
-    bias: [M, N] in the expert-sorted row order."""
+    bias: [M, N] in the expert-grouped row order."""
     n_out = w.shape[1] if transpose else w.shape[2]
-    out = np.empty((a.shape[0], n_out), a.dtype)  # dropless: every row is in some job
+    out = np.zeros((a.shape[0], n_out), a.dtype) if not jobs else np.empty((a.shape[0], n_out), a.dtype)
 
     def job(i: int) -> None:
         e, r = jobs[i]
@@ -153,59 +227,69 @@ class MoECtx:
 
     x: np.ndarray  # [N, C] the layer's input
     routing: Routing
-    xs: np.ndarray  # [N·k, C] input rows sorted by expert
-    gelu: Any  # GELU context of the sorted hidden rows [N·k, 4C]
-    g: np.ndarray  # [N·k, 4C] GELU output, sorted by expert
-    ya: np.ndarray  # [N, k, C] each assignment's expert output, in token order
-    jobs: list  # (expert, sorted rows) tiles
+    balance: SeqBalance
+    dispatch: Dispatch
+    xe: np.ndarray  # [R, C] the rows this rank's experts got, grouped by expert
+    gelu: Any  # GELU context of the experts' hidden rows [R, 4C/tp]
+    g: np.ndarray  # [R, 4C/tp] GELU output
+    ya: np.ndarray  # [N, k, C] each assignment's expert output, in token order (partial over tp)
+    jobs: list  # (local expert, grouped rows) tiles
     stats: RoutingStats
-    shape: tuple[int, ...]  # the input's shape [..., C]
+    shape: tuple[int, ...]  # the input's shape [B, t, C]
 
 
-def moe_fwd(p: MoE, x: np.ndarray, cfg: MoEConfig) -> tuple[np.ndarray, MoECtx]:
-    """The MoE MLP on x [..., C]: (output like x, context). The aux and z losses are in
-    the context's `stats` and in `moe_bwd`'s gradient."""
+def moe_fwd(p: MoE, x: np.ndarray, cfg: MoEConfig, mesh: Mesh, layer: int = 0) -> tuple[np.ndarray, MoECtx]:
+    """The MoE MLP on this rank's tokens x [B, t, C] (whole over tp: gathered under sp):
+    (output like x, context). With tp the output is partial over tp, like a row-parallel
+    matmul's, and the caller reduces it; the expert biases are added on tp rank 0 only."""
     shape = x.shape
     x2 = np.ascontiguousarray(x.reshape(-1, shape[-1]))  # [N, C]
     n, c = x2.shape
     k = cfg.top_k
     r = route(matmul(x2, p.router.w), k)
-    jobs = _jobs(r.bounds)
-    xs = x2[r.order // k]  # [N·k, C]: the tokens of each assignment, grouped by expert
-    u = _expert_matmul(xs, p.fc.w, p.fc.b, jobs)  # [N·k, 4C]
+    bal = seq_balance(r, shape[0], mesh)
+    d = plan_dispatch(r.bounds, mesh)
+    jobs = _jobs(d.bounds)
+    xe = to_experts(x2[r.order // k], d, mesh)  # [R, C]: the rows of this rank's experts, by expert
+    bias = mesh.index("tp") == 0
+    u = _expert_matmul(xe, p.fc.w, p.fc.b, jobs)  # [R, 4C/tp]
     g, gelu = gelu_fwd(u)
-    ys = _expert_matmul(g, p.proj.w, p.proj.b, jobs)  # [N·k, C]
+    ye = _expert_matmul(g, p.proj.w, p.proj.b if bias else None, jobs)  # [R, C]
+    ys = from_experts(ye, d, mesh)  # [N·k, C] in this rank's expert-sorted order
     ya = np.empty_like(ys)
     ya[r.order] = ys  # back to assignment order t·k + j
     ya = ya.reshape(n, k, c)  # [N, k, C]
     y = ya[:, 0] * r.weights[:, :1]
     for j in range(1, k):  # a fixed order of the k terms
         y += ya[:, j] * r.weights[:, j : j + 1]
-    return y.reshape(shape), MoECtx(x2, r, xs, gelu, g, ya, jobs, routing_stats(r, cfg), shape)
+    stats = routing_stats(r, bal, cfg, layer, mesh)
+    return y.reshape(shape), MoECtx(x2, r, bal, d, xe, gelu, g, ya, jobs, stats, shape)
 
 
-def _router_logits_grad(r: Routing, dw: np.ndarray, cfg: MoEConfig) -> np.ndarray:
+def _router_logits_grad(r: Routing, bal: SeqBalance, dw: np.ndarray, cfg: MoEConfig,
+                        loss_scale: float) -> np.ndarray:
     """d(loss)/d(logits) [N, E] from the combine weights' gradient dw [N, k], plus the aux
-    and z losses' gradients."""
+    and z losses' gradients with the step's `loss_scale` (1 / tokens in the global batch)."""
     n, e = r.probs.shape
-    k = r.top.shape[1]
+    b = bal.f.shape[0]
     chosen = np.take_along_axis(r.probs, r.top, axis=1)  # [N, k]
     # w = chosen / S: d chosen_j = (dw_j - Σ_l dw_l w_l) / S
     dchosen = (dw - (dw * r.weights).sum(axis=1, keepdims=True)) / chosen.sum(axis=1, keepdims=True)
     dprobs = np.zeros_like(r.probs)
     np.put_along_axis(dprobs, r.top, dchosen, axis=1)  # a row's k experts are distinct
-    f = np.diff(r.bounds) / (n * k)  # [E], a count: no gradient of its own
-    dprobs += (cfg.aux_coef * e / n) * f  # d(α·E·Σ f_i·mean_t p_ti) / d p_ti
+    # the aux loss is (1/B)·Σ_s α·E·Σ_i f_si·P_si with P_si = (1/T)·Σ_{t in s} p_ti and
+    # 1/(B·T) = loss_scale; f is a count (no gradient of its own)
+    dprobs.reshape(b, n // b, e)[...] += (cfg.aux_coef * e * loss_scale) * bal.f[:, None, :]
     dlogits = r.probs * (dprobs - (dprobs * r.probs).sum(axis=1, keepdims=True))  # softmax backward
     if cfg.z_coef:
-        dlogits += r.probs * ((2.0 * cfg.z_coef / n) * r.lse)[:, None]  # d(β·mean lse²) / d logits
+        dlogits += r.probs * ((2.0 * cfg.z_coef * loss_scale) * r.lse)[:, None]  # d(β·mean lse²) / d logits
     return dlogits
 
 
-def _expert_weight_grads(p: MoE, ctx: MoECtx, du: np.ndarray, dys: np.ndarray) -> tuple[Linear, Linear]:
-    """Each expert's weight and bias gradients, one GEMM per expert and matrix, the
+def _expert_weight_grads(p: MoE, ctx: MoECtx, du: np.ndarray, dye: np.ndarray) -> tuple[Linear, Linear]:
+    """Each local expert's weight and bias gradients, one GEMM per expert and matrix, the
     experts dealt to the threads (zeros for an expert without tokens)."""
-    b = ctx.routing.bounds
+    b = ctx.dispatch.bounds
     d_fc, d_proj = np.empty_like(p.fc.w), np.empty_like(p.proj.w)
     db_fc = None if p.fc.b is None else np.empty_like(p.fc.b)
     db_proj = None if p.proj.b is None else np.empty_like(p.proj.b)
@@ -217,47 +301,71 @@ def _expert_weight_grads(p: MoE, ctx: MoECtx, du: np.ndarray, dys: np.ndarray) -
                 if d is not None:
                     d[e] = 0
             return
-        _gemm(ctx.xs[r].T, du[r], d_fc[e])
-        _gemm(ctx.g[r].T, dys[r], d_proj[e])
+        _gemm(ctx.xe[r].T, du[r], d_fc[e])
+        _gemm(ctx.g[r].T, dye[r], d_proj[e])
         if db_fc is not None:
             du[r].sum(axis=0, out=db_fc[e])
         if db_proj is not None:
-            dys[r].sum(axis=0, out=db_proj[e])
+            dye[r].sum(axis=0, out=db_proj[e])
 
-    _run(expert, len(b) - 1, 4.0 * du.shape[0] * du.shape[1] * ctx.xs.shape[1])
+    _run(expert, len(b) - 1, 4.0 * max(du.shape[0], 1) * du.shape[1] * ctx.xe.shape[1])
     return Linear(d_fc, db_fc), Linear(d_proj, db_proj)
 
 
-def moe_bwd(p: MoE, ctx: MoECtx, dy: np.ndarray, cfg: MoEConfig) -> tuple[np.ndarray, MoE]:
-    """(grad of the input, grads of the parameters) from the output's grad dy [..., C]; the
-    aux and z losses' gradients are included (each with weight 1 in the loss)."""
-    r = ctx.routing
+def moe_bwd(p: MoE, ctx: MoECtx, dy: np.ndarray, cfg: MoEConfig, mesh: Mesh,
+            loss_scale: float | None) -> tuple[np.ndarray, MoE]:
+    """(grad of the input, grads of the parameters) from the output's grad dy [B, t, C]
+    (whole: reduced over tp). The aux and z losses' gradients are included, weighted by
+    the step's `loss_scale` as the LM loss is. With tp the input grad is partial over tp
+    (the caller reduces it, as after a column-parallel matmul)."""
+    if loss_scale is None and (cfg.aux_coef or cfg.z_coef):
+        raise ValueError("an MoE block's backward needs the step's loss scale (1 / tokens in the global batch)")
+    r, d = ctx.routing, ctx.dispatch
     n, k, c = ctx.ya.shape
     dy2 = dy.reshape(n, c)  # [N, C]
-    dw = np.einsum("nc,nkc->nk", dy2, ctx.ya)  # [N, k]
+    dw = psum(np.einsum("nc,nkc->nk", dy2, ctx.ya), mesh, "tp")  # [N, k]: ya is partial over tp
     dya = r.weights[:, :, None] * dy2[:, None, :]  # [N, k, C]
-    dys = dya.reshape(n * k, c)[r.order]  # [N·k, C] sorted by expert
-    dg = _expert_matmul(dys, p.proj.w, None, ctx.jobs, transpose=True)  # [N·k, 4C]
+    dye = to_experts(dya.reshape(n * k, c)[r.order], d, mesh)  # [R, C] grouped by local expert
+    dg = _expert_matmul(dye, p.proj.w, None, ctx.jobs, transpose=True)  # [R, 4C/tp]
     du = gelu_bwd(ctx.gelu, dg)
-    dxs = _expert_matmul(du, p.fc.w, None, ctx.jobs, transpose=True)  # [N·k, C]
-    d_fc, d_proj = _expert_weight_grads(p, ctx, du, dys)
+    dxe = _expert_matmul(du, p.fc.w, None, ctx.jobs, transpose=True)  # [R, C]
+    d_fc, d_proj = _expert_weight_grads(p, ctx, du, dye)
+    dxs = from_experts(dxe, d, mesh)  # [N·k, C] this rank's expert-sorted order
     dxa = np.empty_like(dxs)
     dxa[r.order] = dxs
     dxa = dxa.reshape(n, k, c)  # [N, k, C] in token order
-    dlogits = _router_logits_grad(r, dw, cfg)  # [N, E]
-    dx = matmul(dlogits, p.router.w.T)  # [N, C]
-    for j in range(k):  # a fixed order of the k terms
+    dlogits = _router_logits_grad(r, ctx.balance, dw, cfg, loss_scale or 0.0)  # [N, E]
+    dx = dxa[:, 0].copy()
+    for j in range(1, k):  # a fixed order of the k terms
         dx += dxa[:, j]
+    if mesh.index("tp") == 0:  # the router's input grad is whole on every tp rank: add it once
+        dx += matmul(dlogits, p.router.w.T)
     d_router = Linear(matmul(ctx.x.T, dlogits))
     return dx.reshape(ctx.shape), MoE(d_router, d_fc, d_proj)
 
 
-def moe_metrics(stats: Sequence[RoutingStats]) -> dict[str, float | int]:
-    """A step's metrics from its MoE layers' stats ({} without any): the aux and z losses
-    summed over the layers (what the step added to the loss), and the fewest and most
-    token-assignments any expert of any layer received."""
-    if not stats:
+def moe_metrics(totals: np.ndarray) -> dict[str, float | int]:
+    """A step's metrics from its MoE layers' summed stats (`stats_vector` over every rank
+    and micro-batch; {} without MoE layers): the aux and z losses summed over the layers
+    (what the step added to the loss), and the fewest and most token-assignments any
+    expert of any layer received."""
+    if totals.size == 0:
         return {}
-    tokens = np.concatenate([s.tokens for s in stats])
-    return {"moe_aux_loss": sum(s.aux_loss for s in stats), "moe_z_loss": sum(s.z_loss for s in stats),
+    layers = totals.reshape(-1, totals.shape[-1])
+    tokens = layers[:, 4:]
+    return {"moe_aux_loss": float(np.sum(layers[:, 0] / np.maximum(layers[:, 2], 1))),
+            "moe_z_loss": float(np.sum(layers[:, 1] / np.maximum(layers[:, 3], 1))),
             "moe_tokens_min": int(tokens.min()), "moe_tokens_max": int(tokens.max())}
+
+
+def stats_vector(stats: Sequence[RoutingStats], layers: Sequence[int], experts: int) -> np.ndarray:
+    """[L, 4 + E] float64: for each MoE layer of the model (`layers`, in order) the sums of
+    this rank's stats of it (aux, z, sequences, positions, tokens per expert); zeros for
+    layers on other pipeline stages. Summed over the mesh, it is what `moe_metrics` reads."""
+    out = np.zeros((len(layers), 4 + experts))
+    row = {layer: i for i, layer in enumerate(layers)}
+    for s in stats:
+        v = out[row[s.layer]]
+        v[:4] += (s.aux_sum, s.z_sum, s.sequences, s.positions)
+        v[4:] += s.tokens
+    return out

@@ -243,10 +243,10 @@ def mlp_fwd(p: MLP | MoE, h2: np.ndarray, cfg: GPTConfig, mesh: Mesh,
             layer: int) -> tuple[np.ndarray, Any, np.ndarray | None, MoECtx | None]:
     """A block's MLP on its LayerNorm output h2 [B, T, C]: (output, GELU context, GELU
     output, MoE context): the dense MLP (column- then row-parallel) or, in the blocks
-    `cfg.moe` names, the MoE MLP (one rank: no tp reduction)."""
+    `cfg.moe` names, the MoE MLP (its output partial over tp as the row-parallel one's)."""
     if (moe_cfg := cfg.moe(layer)) is not None:
-        z, moe = moe_fwd(p, h2, moe_cfg)
-        return z, None, None, moe
+        z, moe = moe_fwd(p, h2, moe_cfg, mesh, layer)
+        return reduce_seq(z, mesh), None, None, moe
     u, _ = linear_fwd(p.fc, h2)
     g, gelu = gelu_fwd(u)
     z, _ = linear_fwd(Linear(p.proj.w), g)
@@ -262,11 +262,12 @@ def attention_dropout(drop: DropoutKey | None, layer: int, T: int, cfg: GPTConfi
     return drop.attention(layer, cfg.n_head, heads, T * mesh.size("cp"))
 
 
-def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig,
-                    mesh: Mesh) -> tuple[np.ndarray, BlockWeightCtx]:
+def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh,
+                    loss_scale: float | None = None) -> tuple[np.ndarray, BlockWeightCtx]:
     """Input-gradient half of the block's backward (a zero-bubble "B"): (grad of the input,
     what `block_bwd_weight` needs). LayerNorm and bias grads are cheap and done here.
-    `dx` is shaped like the block's input (this rank's sequence slice with sp)."""
+    `dx` is shaped like the block's input (this rank's sequence slice with sp).
+    `loss_scale` (1 / tokens in the global batch) weights an MoE block's router losses."""
     B, T = dx.shape[0], global_seq(mesh, dx.shape[1])
     nh, hs, _ = local_heads(cfg, mesh)
     # MLP half
@@ -276,7 +277,7 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig,
         du = gelu_bwd(ctx.gelu, linear_bwd_input(p.mlp.proj, dz))
         dh2 = linear_bwd_input(p.mlp.fc, du)
     else:  # the experts' and router's weight grads are done here too
-        dh2, d_moe = moe_bwd(p.mlp, ctx.moe, dz, cfg.moe(ctx.layer))
+        dh2, d_moe = moe_bwd(p.mlp, ctx.moe, dz, cfg.moe(ctx.layer), mesh, loss_scale)
     dx2, d_ln2 = norm_gather_bwd(p.ln2, ctx.ln2, dh2, mesh)  # like dx
     dx = dx + dx2
     # attention half

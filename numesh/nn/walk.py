@@ -228,7 +228,7 @@ def run_block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: in
             y, ctx = block_fwd(p, xr, cfg, mesh, layer, dr)
         return y, _saved(recompute, ctx, xr, dr, layer)
 
-    # an MoE block runs whole: its load-balancing loss counts the routing of all its tokens
+    # an MoE block runs whole: one all-to-all per direction over ep, and one GEMM per expert
     pieces = (slice(0, x.shape[0]),) if cfg.moe(layer) else _pieces(mesh, x)
     if len(pieces) == 1:
         y, ctx = block_fwd(p, x, cfg, mesh, layer, drop)
@@ -236,10 +236,11 @@ def run_block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: in
     return chunked_fwd(run, pieces)
 
 
-def run_block_bwd_input(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh):
+def run_block_bwd_input(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh,
+                        loss_scale: float | None = None):
     """`block_bwd_input` of a `run_block_fwd` context (recomputing what it did not keep)."""
     if not isinstance(ctx, RowChunks):
-        return block_bwd_input(p, _restored(p, ctx, cfg, mesh), dx, cfg, mesh)
+        return block_bwd_input(p, _restored(p, ctx, cfg, mesh), dx, cfg, mesh, loss_scale)
 
     def run(c: BlockCtx | BlockInput, rows: slice, pieces: tuple[slice, ...]) -> tuple[np.ndarray, Any]:
         with token_pieces(_tokens(pieces, dx.shape[1])):
@@ -262,11 +263,12 @@ def run_block_bwd_weight(p: Block, w: Any) -> Block:
 
 
 def run_block_bwd(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np.ndarray, cfg: GPTConfig,
-                  mesh: Mesh) -> tuple[np.ndarray, Block]:
+                  mesh: Mesh, loss_scale: float | None = None) -> tuple[np.ndarray, Block]:
     """B and W at once (each thread does both halves for its run)."""
 
     def both(c: BlockCtx | BlockInput, rows: slice | None = None) -> tuple[np.ndarray, Block]:
-        d, w = block_bwd_input(p, _restored(p, c, cfg, mesh), dx if rows is None else dx[rows], cfg, mesh)
+        d, w = block_bwd_input(p, _restored(p, c, cfg, mesh), dx if rows is None else dx[rows], cfg, mesh,
+                               loss_scale)
         return d, block_bwd_weight(p, w)
 
     if not isinstance(ctx, RowChunks):
@@ -310,15 +312,18 @@ def stage_forward(units: ParamUnits, stage: Stage, inp: np.ndarray, targets: np.
 
 
 def stage_backward(units: ParamUnits, stage: Stage, ctx: StageCtx, dy: np.ndarray | float, cfg: GPTConfig, mesh: Mesh,
-                   split: bool = False) -> tuple[np.ndarray | None, GPT, list]:
+                   split: bool = False, loss_scale: float | None = None) -> tuple[np.ndarray | None, GPT, list]:
     """Backward of `stage_forward`. `dy` is the loss scale on the last stage, else the grad of
-    the stage's output. Block grads go to `units.grads_ready` as they become final, unless
-    `split` (zero-bubble), when only input grads are computed and the weight halves are
-    returned for `stage_weight`. Returns (grad of the stage's input, or None on the first
-    stage; this stage's share of the outer unit's grads, a GPT with None where it has none;
-    the deferred weight contexts)."""
+    the stage's output; `loss_scale` (default: `dy` on the last stage) weights the MoE
+    blocks' router losses, so a pipeline passes it to every stage. Block grads go to
+    `units.grads_ready` as they become final, unless `split` (zero-bubble), when only input
+    grads are computed and the weight halves are returned for `stage_weight`. Returns (grad
+    of the stage's input, or None on the first stage; this stage's share of the outer
+    unit's grads, a GPT with None where it has none; the deferred weight contexts)."""
     outer = GPT(wte=None, wpe=None, blocks=(), ln_f=None)
     dx = dy
+    if loss_scale is None and stage.last:
+        loss_scale = float(dy)
     if stage.last:
         dx, dwte, d_lnf = head_bwd(units.get(OUTER), ctx.head, dy, mesh)
         if not stage.first:  # the first stage keeps it for the embedding: ZeRO-3 gathers it once
@@ -328,11 +333,11 @@ def stage_backward(units: ParamUnits, stage: Stage, ctx: StageCtx, dy: np.ndarra
     for (layer, unit), c in reversed(list(zip(stage.blocks, ctx.blocks))):
         params = units.get(unit)
         if split:
-            dx, w = run_block_bwd_input(params, c, dx, cfg, mesh)
+            dx, w = run_block_bwd_input(params, c, dx, cfg, mesh, loss_scale)
             deferred.append((unit, w))
             units.release(unit)
         else:
-            dx, grads = run_block_bwd(params, c, dx, cfg, mesh)
+            dx, grads = run_block_bwd(params, c, dx, cfg, mesh, loss_scale)
             units.release(unit)
             units.grads_ready(unit, grads)
     if stage.first:

@@ -143,7 +143,7 @@ class PipelineExecutor:
         dy = st.loss_scale if stage.last else self._recv("B", a.mb, k, k + 1, st)
         t = time.perf_counter()
         dx, outer, deferred = stage_backward(self.units, stage, st.acts.pop((a.mb, a.chunk)), dy, self.cfg, self.mesh,
-                                             split)
+                                             split, st.loss_scale)
         if stage.first or stage.last:
             st.outer = add_outer(st.outer, outer)
         if split:
