@@ -9,7 +9,7 @@ bytes. `bus_bytes` turns them into NCCL-tests bus bytes.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import attrs
 
@@ -309,6 +309,19 @@ def moe_mlp_flops_per_token(n_embd: int, experts: int, top_k: int) -> float:
     weight gradients). Bias adds, GELU and the softmax are not counted, as for the dense
     model (`flops_per_token` with `active_params` counts the same)."""
     return 6.0 * (n_embd * experts + top_k * 8 * n_embd * n_embd)
+
+
+def moe_all_to_all_bytes(rows: Sequence[Sequence[int]], rank: int, n_embd: int, experts: int, itemsize: int) -> int:
+    """Bytes ep rank `rank` sends over ep in one MoE layer's forward and backward of one
+    micro-batch, given the routing: `rows[s, d]` token-assignments that ep rank s routes
+    to the experts of ep rank d. The counts first (E/ep int64 to each other rank), then
+    the rows: forward sends its tokens' rows to the other ranks' experts and their
+    outputs back to them (the rows it received), and backward does both again with the
+    gradients. A rank's own rows stay. Every tp rank moves the same bytes (tokens are
+    whole on each)."""
+    ep = len(rows)
+    moved = sum(int(rows[rank][d]) + int(rows[d][rank]) for d in range(ep) if d != rank)
+    return 2 * moved * n_embd * itemsize + (ep - 1) * (experts // ep) * 8
 
 
 def outer_params(n_embd: int, vocab: int, block_size: int, tp: int = 1, first: bool = True, last: bool = True,
