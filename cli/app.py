@@ -347,7 +347,8 @@ class _Progress:
             self.bar.start()
             self.task = self.bar.add_task("train", total=self.total, info="")
         self.info.update({k: v for k, v in record.items()
-                          if k in ("loss", "val_loss", "tokens_per_s", "flops_per_s", "mfu")})
+                          if k in ("loss", "val_loss", "tokens_per_s", "flops_per_s", "mfu", "moe_aux_loss",
+                                   "moe_tokens_min", "moe_tokens_max", "moe_dropped")})
         parts = []
         if "loss" in self.info:
             parts.append(f"loss {self.info['loss']:.4f}")
@@ -357,9 +358,20 @@ class _Progress:
             parts.append(f"{self.info['tokens_per_s']:,.0f} tok/s")
         if "flops_per_s" in self.info:
             parts.append(f"{self.info['flops_per_s'] / 1e9:.2f} GFLOP/s, MFU {100 * self.info['mfu']:.1f} %")
+        if "moe_aux_loss" in self.info:
+            parts.append(moe_progress(self.info))
         if "val_loss" in record:
             self.bar.console.print(f"step {step}: train {record['train_loss']:.4f}, val {record['val_loss']:.4f}")
         self.bar.update(self.task, completed=min(step + 1, self.total), info=", ".join(parts))
+
+
+def moe_progress(info: dict) -> str:
+    """The routing part of the progress line: aux loss, the load spread (most / fewest
+    token-assignments of any expert) and, with a capacity, the assignments dropped."""
+    lo, hi = info["moe_tokens_min"], info["moe_tokens_max"]
+    spread = f"{hi / lo:.2f}" if lo else "inf"
+    text = f"aux {info['moe_aux_loss']:.4f}, experts {lo}-{hi} tok ({spread}x)"
+    return text + (f", {info['moe_dropped']} dropped" if info.get("moe_dropped") else "")
 
 
 @app.command("sample", cls=_Command)

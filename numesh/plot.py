@@ -36,6 +36,8 @@ class RunMetrics:
     train_loss: np.ndarray
     val_loss: np.ndarray
     val_bpb: np.ndarray  # val loss as bits per byte of text (NaN for runs that predate it)
+    moe_spread: np.ndarray  # most / fewest token-assignments of any expert per logged step (NaN: dense)
+    moe_aux_loss: np.ndarray  # the load-balancing loss per logged step (NaN: dense)
 
 
 def _number(value: Any) -> float:
@@ -97,7 +99,15 @@ def read_metrics(run: str | Path, label: str | None = None) -> RunMetrics:
         train_loss=col(evals, "train_loss"),
         val_loss=col(evals, "val_loss"),
         val_bpb=col(evals, "val_bpb"),
+        moe_spread=_spread(col(logged, "moe_tokens_max"), col(logged, "moe_tokens_min")),
+        moe_aux_loss=col(logged, "moe_aux_loss"),
     )
+
+
+def _spread(most: np.ndarray, fewest: np.ndarray) -> np.ndarray:
+    """most / fewest, inf where an expert got no token, NaN where not logged."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(fewest == 0, np.inf, most / fewest) * np.where(np.isnan(most), np.nan, 1.0)
 
 
 def run_labels(runs: Sequence[str | Path]) -> list[str]:
@@ -124,16 +134,19 @@ def require_matplotlib() -> None:
 def build_figure(runs: Sequence[RunMetrics]) -> Any:
     """A matplotlib Figure: losses against steps on top (per run a solid train line and a
     dashed val line with markers, one colour per run), then the val loss in bits per byte
-    (which compares runs with different tokenizers; when any run logged it), tokens/s below
-    (one line per run)."""
+    (which compares runs with different tokenizers; when any run logged it), the experts'
+    load spread (when any run has experts), tokens/s below (one line per run)."""
     require_matplotlib()
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     bpb = any(r.val_bpb.size and not np.isnan(r.val_bpb).all() for r in runs)
-    fig = Figure(figsize=(9, 9 if bpb else 7), layout="constrained")
-    axes = fig.subplots(3 if bpb else 2, 1, sharex=True, height_ratios=(2, 1, 1) if bpb else (2, 1))
+    moe = any(r.moe_spread.size and not np.isnan(r.moe_spread).all() for r in runs)
+    n = 2 + bpb + moe
+    fig = Figure(figsize=(9, 5 + 2 * n), layout="constrained")
+    axes = fig.subplots(n, 1, sharex=True, height_ratios=(2,) + (1,) * (n - 1))
     ax_loss, ax_speed = axes[0], axes[-1]
+    ax_moe = axes[-2] if moe else None
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
         dot = "." if run.step.size == 1 else None  # a one-step run is a point, not an invisible line
@@ -142,6 +155,8 @@ def build_figure(runs: Sequence[RunMetrics]) -> Any:
             ax_loss.plot(run.eval_step, run.val_loss, color=color, lw=1.5, ls="--", marker="o", ms=3,
                          label=f"{run.label} val")
         ax_speed.plot(run.step, run.tokens_per_s, color=color, lw=1.0, marker=dot, label=run.label)
+        if ax_moe is not None and not np.isnan(run.moe_spread).all():
+            ax_moe.plot(run.step, run.moe_spread, color=color, lw=1.0, marker=dot, label=run.label)
         if bpb and not np.isnan(run.val_bpb).all():
             axes[1].plot(run.eval_step, run.val_bpb, color=color, lw=1.5, ls="--", marker="o", ms=3, label=run.label)
     ax_loss.set_ylabel("loss")
@@ -152,6 +167,11 @@ def build_figure(runs: Sequence[RunMetrics]) -> Any:
         axes[1].set_ylabel("val bits/byte")
         axes[1].legend(fontsize="small")
         axes[1].grid(alpha=0.3)
+    if ax_moe is not None:
+        ax_moe.set_ylabel("expert load max/min")
+        ax_moe.set_title("mixture of experts: most / fewest token-assignments of any expert (1 = balanced)")
+        ax_moe.legend(fontsize="small")
+        ax_moe.grid(alpha=0.3)
     ax_speed.set_ylabel("tokens/s")
     ax_speed.set_xlabel("step")
     ax_speed.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -109,3 +109,12 @@ def test_dense_runs_ignore_the_expert_settings(shakespeare: Path, tmp_path: Path
     assert "moe_aux_loss" not in a[0]
     pa, pb = read_params_dict(tmp_path / "a" / "ckpt" / "latest"), read_params_dict(tmp_path / "b" / "ckpt" / "latest")
     assert all(np.array_equal(pa[k], pb[k]) for k in pa) and not any(".router." in k for k in pa)
+
+
+def test_the_progress_line_shows_the_routing() -> None:
+    from cli.app import moe_progress
+
+    assert moe_progress({"moe_aux_loss": 0.0102, "moe_tokens_min": 40, "moe_tokens_max": 90}) == (
+        "aux 0.0102, experts 40-90 tok (2.25x)")
+    assert moe_progress({"moe_aux_loss": 0.02, "moe_tokens_min": 0, "moe_tokens_max": 9, "moe_dropped": 3}) == (
+        "aux 0.0200, experts 0-9 tok (infx), 3 dropped")

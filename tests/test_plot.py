@@ -142,3 +142,21 @@ def test_missing_matplotlib_is_one_line(tmp_path: Path, monkeypatch: pytest.Monk
     line = one_error_line(cli("plot", str(run), "--out", str(tmp_path / "p.png")))
     assert line == "error: numesh plot needs matplotlib: pip install 'numesh[plot]'"
     assert not (tmp_path / "p.png").exists()
+
+
+def test_a_run_with_experts_gets_a_load_spread_panel(tmp_path: Path) -> None:
+    """The experts' max/min token-assignments per logged step, inf where an expert got none;
+    a dense run beside it has no line there."""
+    moe = write_run(tmp_path / "moe", steps=3)
+    recs = [json.loads(line) for line in (moe / "metrics.jsonl").read_text().splitlines()]
+    for rec, (lo, hi) in zip(recs, [(0, 40), (10, 30), (20, 20)]):
+        rec |= {"moe_aux_loss": 0.01, "moe_tokens_min": lo, "moe_tokens_max": hi}
+    (moe / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    dense = write_run(tmp_path / "dense", steps=3)
+    m = PL.read_metrics(moe)
+    np.testing.assert_array_equal(m.moe_spread, [np.inf, 3.0, 1.0])
+    assert np.isnan(PL.read_metrics(dense).moe_spread).all()
+    fig = PL.build_figure([m, PL.read_metrics(dense)])
+    ax_moe = fig.axes[1]
+    assert "max/min" in ax_moe.get_ylabel() and [line.get_label() for line in ax_moe.get_lines()] == ["moe"]
+    assert len(PL.build_figure([PL.read_metrics(dense)]).axes) == 2
