@@ -112,7 +112,7 @@ def test_dense_runs_ignore_the_expert_settings(shakespeare: Path, tmp_path: Path
 
 
 def test_the_progress_line_shows_the_routing() -> None:
-    from cli.app import moe_progress
+    from numesh_cli.app import moe_progress
 
     assert moe_progress({"moe_aux_loss": 0.0102, "moe_tokens_min": 40, "moe_tokens_max": 90}) == (
         "aux 0.0102, experts 40-90 tok (2.25x)")
