@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Mixture of experts on one rank: a dense model and an MoE of the same width, then the MoE
-step against a dense step of the same active FLOPs per token (issue 32).
+"""Mixture of experts: a dense model and an MoE of the same width, then the MoE step against
+a dense step of the same active FLOPs per token, on one rank and on two (issue 32).
 
-    python benchmarks/bench_moe.py                    # 500 steps each, 2 rounds (~4 min on 2 cores)
+    python benchmarks/bench_moe.py                    # 500 steps each, 2 rounds (~8 min on 2 cores)
     python benchmarks/bench_moe.py --steps 100 --rounds 3
+    python benchmarks/bench_moe.py --no-ep            # the one-rank runs only
 
 Every configuration trains through `numesh train` in a fresh process, on tiny Shakespeare
 (character level), the default preset's batch (12 x 64) and float32, with `--peak-flops`
@@ -20,6 +21,9 @@ dense, dense, MoE, ...), and every run trains the same `--steps` steps, so:
 The matched dense model keeps the preset's depth and widens it (n_embd a multiple of
 n_head) or keeps the width and deepens it, whichever comes closest to the MoE's active
 FLOPs per token; both counts are printed. The issue's target: MoE step <= 1.5x that step.
+On two ranks (`mpiexec -n 2`, one thread each) the MoE runs on `--mesh ep=2` (four experts
+a rank, tokens to their experts by all-to-all) and the matched dense model on `dp=2`, the
+same global batch; the same ratio is printed for them.
 This is a benchmark script, not a test: it reports numbers and asserts nothing.
 """
 
@@ -83,11 +87,23 @@ def train_args(m: dict[str, Any], data: str, out: str, args: argparse.Namespace)
     return a
 
 
+def mpiexec() -> str:
+    """The mpiexec beside this Python (the mpich wheel's), else on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.is_file() else (shutil.which("mpiexec") or "mpiexec")
+
+
 def run_one(m: dict[str, Any], data: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Train `m` in a fresh `numesh train` process; its step times, last val loss, loads."""
+    """Train `m` in a fresh `numesh train` process (or `mpiexec -n 2` ones when `m` names a
+    mesh); its step times, last val loss, loads."""
     with tempfile.TemporaryDirectory(prefix="numesh-bench-moe-") as out:
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        p = subprocess.run(train_args(m, data, out, args), env=env, capture_output=True, text=True)
+        cmd = train_args(m, data, out, args)
+        threads = args.threads
+        if "mesh" in m:  # two ranks share the cores
+            cmd = [mpiexec(), "-n", "2", *cmd, "--mesh", m["mesh"]]
+            threads = max(1, args.threads // 2)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if p.returncode != 0:
             raise SystemExit(f"numesh train failed ({p.returncode}):\n{p.stderr[-3000:]}")
         rows = [json.loads(s) for s in Path(out, "metrics.jsonl").read_text().splitlines() if s.strip()]
@@ -104,7 +120,8 @@ def run_one(m: dict[str, Any], data: str, args: argparse.Namespace) -> dict[str,
 
 def describe(m: dict[str, Any]) -> str:
     s = f"{m['n_layer']}x{m['n_embd']}"
-    return s + (f", {m['moe_experts']} experts top-{m['moe_top_k']}" if m.get("moe_experts") else "")
+    s += f", {m['moe_experts']} experts top-{m['moe_top_k']}" if m.get("moe_experts") else ""
+    return s + (f", {m['mesh']}" if "mesh" in m else "")
 
 
 def print_report(models: dict[str, dict[str, Any]], res: dict[str, list[dict[str, Any]]],
@@ -112,20 +129,22 @@ def print_report(models: dict[str, dict[str, Any]], res: dict[str, list[dict[str
     med = {k: statistics.median(statistics.median(r["dt_ms"]) for r in v) for k, v in res.items()}
     print(f"tiny Shakespeare (char), batch {args.batch_size} x {args.block_size}, float32, 1 rank, "
           f"{args.threads} threads, {args.steps} steps, {args.rounds} alternating rounds of fresh processes")
-    head = f"{'model':<12} {'shape':<26} {'val loss':>8} {'FLOPs/token':>12} {'step ms':>8} {'load max/min':>22}"
+    head = f"{'model':<16} {'shape':<32} {'val loss':>8} {'FLOPs/token':>12} {'step ms':>8} {'load max/min':>22}"
     print(head)
     print("-" * len(head))
     for k, m in models.items():
         r0 = res[k][0]
         load = "-" if r0["spread"] is None else f"{r0['tok_max']:.0f}/{r0['tok_min']:.0f} = {r0['spread']:.2f}"
-        print(f"{k:<12} {describe(m):<26} {r0['val_loss']:>8.4f} {flops[k] / 1e6:>11.2f}M {med[k]:>8.1f} "
+        print(f"{k:<16} {describe(m):<32} {r0['val_loss']:>8.4f} {flops[k] / 1e6:>11.2f}M {med[k]:>8.1f} "
               f"{load:>22}")
     print("step ms per round: " + "; ".join(
         f"{k} " + " ".join(f"{statistics.median(r['dt_ms']):.1f}" for r in v) for k, v in res.items()))
-    ratio = med["moe"] / med["dense-flops"]
-    print(f"MoE step / dense step of the same active FLOPs ({flops['moe']:,.0f} vs "
-          f"{flops['dense-flops']:,.0f} per token): {ratio:.2f}x "
-          f"(target <= {TARGET}x: {'met' if ratio <= TARGET else 'not met'})")
+    pairs = (("moe", "dense-flops", "1 rank"), ("moe-ep2", "dense-flops-dp2", "2 ranks, ep=2 vs dp=2"))
+    for moe, dense, where in pairs:
+        if moe in med:
+            ratio = med[moe] / med[dense]
+            print(f"MoE step / dense step of the same active FLOPs ({flops[moe]:,.0f} vs {flops[dense]:,.0f} per "
+                  f"token), {where}: {ratio:.2f}x (target <= {TARGET}x: {'met' if ratio <= TARGET else 'not met'})")
     print(f"load max/min: median over steps >= {args.warmup} of round 1 of the most / fewest "
           f"token-assignments of any expert in any block (ideal 1.00)")
 
@@ -146,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default=None, help="dataset dir from `numesh data` (default: prepare a temporary one)")
     ap.add_argument("--src", default=DEFAULT_SRC, help=f"text for the temporary dataset (default {DEFAULT_SRC})")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--no-ep", dest="ep", action="store_false", help="skip the two-rank runs (ep=2 against dp=2)")
     args = ap.parse_args(argv)
     if args.steps <= max(args.warmup, args.skip) or args.rounds < 1:
         ap.error("--steps must exceed --warmup and --skip, --rounds must be >= 1")
@@ -156,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         vocab = json.loads(Path(data, "meta.json").read_text())["vocab_size"]
         models = {"dense": base, "moe": moe}
         models["dense-flops"] = matched_dense(base, model_flops(moe, vocab), vocab)
+        if args.ep:
+            models["moe-ep2"] = {**moe, "mesh": "ep=2"}
+            models["dense-flops-dp2"] = {**models["dense-flops"], "mesh": "dp=2"}
         flops = {k: model_flops(m, vocab) for k, m in models.items()}
         res: dict[str, list[dict[str, Any]]] = {k: [] for k in models}
         for i in range(args.rounds):
