@@ -107,12 +107,16 @@ def test_experts_with_tp_are_refused() -> None:
         tiny_config(moe_experts=2).validate(2)
 
 
-def test_export_refuses_experts() -> None:
+def test_export_refuses_experts_in_either_format() -> None:
     from numesh.checkpoint.export import to_nanogpt
+    from numesh.checkpoint.hf import to_hf
 
     cfg = tiny_config(moe_experts=2)
-    with pytest.raises(CheckpointError, match="mixture of experts .* not supported yet"):
-        to_nanogpt(random_global_params(cfg, seed=1), cfg)
+    params = random_global_params(cfg, seed=1)
+    with pytest.raises(CheckpointError, match="mixture of experts .* nanoGPT's format cannot hold"):
+        to_nanogpt(params, cfg)
+    with pytest.raises(CheckpointError, match="transformers has no model class for it: .* gated SiLU experts"):
+        to_hf(params, cfg)
 
 
 # ---------------------------------------------------------------------------------------

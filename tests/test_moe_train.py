@@ -48,7 +48,9 @@ def test_numesh_train_with_experts_learns_and_logs_routing(shakespeare: Path, tm
                  "--num-samples", "1", flag) for flag in ("--kv-cache", "--no-kv-cache")]
     assert all(t.exit_code == 0 for t in texts) and texts[0].stdout == texts[1].stdout  # KV cache through the experts
     line = one_error_line(cli("export", str(out / "ckpt" / "latest"), "--out", str(tmp_path / "x.safetensors")))
-    assert "mixture of experts (4 experts): exporting one is not supported yet" in line
+    assert "mixture of experts (4 experts), which nanoGPT's format cannot hold" in line
+    line = one_error_line(cli("export", str(out / "ckpt" / "latest"), "--format", "hf", "--out", str(tmp_path / "hf")))
+    assert "transformers has no model class for it" in line
     line = one_error_line(cli("train", "--data", str(shakespeare), "--out", str(tmp_path / "r2"), "--moe-experts", "4",
                               "--moe-top-k", "5"))
     assert "moe_top_k must be between 1 and moe_experts=4" in line

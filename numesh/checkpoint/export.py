@@ -30,8 +30,8 @@ EXPORT_FORMAT = "numesh-nanogpt"
 def to_nanogpt(params: GPT, model: GPTConfig) -> dict[str, np.ndarray]:
     """nanoGPT state-dict tensors of whole unpadded parameters (a dense model's only)."""
     if model.moe_experts:
-        raise CheckpointError(f"this checkpoint is a mixture of experts ({model.moe_experts} experts): exporting one "
-                              "is not supported yet (GPT-2/nanoGPT's format has no experts)")
+        raise CheckpointError(f"this checkpoint is a mixture of experts ({model.moe_experts} experts), which "
+                              "nanoGPT's format cannot hold: sample or resume it with numesh instead")
     C = model.n_embd
     sd: dict[str, np.ndarray] = {}
 

@@ -33,9 +33,20 @@ _BIASES = {".ln_1.bias": 1, ".attn.c_attn.bias": 3, ".attn.c_proj.bias": 1, ".ln
            ".mlp.c_proj.bias": 1}  # per block: name -> width in units of n_embd
 
 
+# transformers' MoE decoders (Mixtral, Qwen2-MoE, OLMoE, ...) are Llama-shaped: RMSNorm,
+# rotary positions and gated SiLU experts (w1, w3, w2). numesh's GPT has LayerNorm, learned
+# positions and GELU experts, and GPT2LMHeadModel has no experts: no class transformers
+# ships computes this model, and a directory needing custom code is what the export avoids.
+MOE_REFUSAL = ("this checkpoint is a mixture of experts ({} experts) and transformers has no model class for it: "
+               "its MoE models (Mixtral and kin) use RMSNorm, rotary positions and gated SiLU experts where numesh "
+               "has LayerNorm, learned positions and GELU experts; sample or resume it with numesh instead")
+
+
 def to_hf(params: Any, model: GPTConfig) -> dict[str, np.ndarray]:
     """transformers' GPT2LMHeadModel tensors: nanoGPT's names with the Linear weights back
     in [in, out] (Conv1D), zero biases where numesh has none, the tied head left out."""
+    if model.moe_experts:
+        raise CheckpointError(MOE_REFUSAL.format(model.moe_experts))
     sd = to_nanogpt(params, model)
     del sd["lm_head.weight"]  # tie_word_embeddings: transformers ties it to wte
     out = {k: np.ascontiguousarray(v.T) if k.endswith(_LINEARS) else v for k, v in sd.items()}
