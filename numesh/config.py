@@ -54,6 +54,9 @@ class TrainConfig:
     moe_top_k: int = _field(2, "experts per token, their router probabilities renormalised to sum to 1")
     moe_aux_coef: float = _field(1e-2, "coefficient of the Switch/GShard load-balancing loss, added per MoE block")
     moe_z_coef: float = _field(0.0, "coefficient of the router z-loss (mean squared logsumexp of the router logits)")
+    moe_capacity_factor: float = _field(
+        0.0, "each expert takes at most ceil(c*T*k/E) token-assignments of each sequence, those of highest router "
+        "probability, and drops the rest; 0 = dropless")
     # optimisation
     batch_size: int = _field(12, "global batch in sequences per optimiser step, whatever the mesh")
     micro_batches: int = _field(1, "gradient-accumulation micro-batches per dp rank and step")
@@ -141,6 +144,7 @@ class TrainConfig:
             moe_top_k=self.moe_top_k,
             moe_aux_coef=self.moe_aux_coef,
             moe_z_coef=self.moe_z_coef,
+            moe_capacity_factor=self.moe_capacity_factor,
         )
 
 

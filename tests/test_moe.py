@@ -12,7 +12,7 @@ import pytest
 from conftest import self_mesh
 from numesh import threads
 from numesh.nn.layers import Linear, gelu_fwd_reference
-from numesh.nn.moe import MoE, MoEConfig, moe_bwd, moe_fwd, route, routing_stats, seq_balance
+from numesh.nn.moe import MoE, MoEConfig, capacity, keep_by_rank, moe_bwd, moe_fwd, route, routing_stats, seq_balance
 from test_layers import assert_fd, fd_grad
 
 
@@ -27,9 +27,23 @@ def make_moe(rng: np.random.Generator, c: int, e: int, bias: bool, scale: float 
                proj=Linear(scale * rng.standard_normal((e, h, c)), b(e, c)))
 
 
-def reference(p: MoE, x3: np.ndarray, cfg: MoEConfig) -> tuple[np.ndarray, float, float, np.ndarray]:
+def kept_reference(probs: np.ndarray, tops: list, b: int, cfg: MoEConfig) -> set:
+    """The (token, expert) assignments the capacity keeps, sequence by sequence and expert
+    by expert: the ceil(c·T·k/E) of highest probability, ties to the earlier token."""
+    T = len(tops) // b
+    cap = math.ceil(cfg.capacity_factor * T * cfg.top_k / cfg.experts) if cfg.capacity_factor else len(tops)
+    kept = set()
+    for s in range(b):
+        for i in range(cfg.experts):
+            chose = [t for t in range(s * T, (s + 1) * T) if i in tops[t]]
+            kept.update((t, i) for t in sorted(chose, key=lambda t: (-probs[t, i], t))[:cap])
+    return kept
+
+
+def reference(p: MoE, x3: np.ndarray, cfg: MoEConfig) -> tuple[np.ndarray, float, float, np.ndarray, int]:
     """Token by token on x [B, T, C]: (output [B·T, C], aux loss: the mean over the B
-    sequences of each one's α·E·Σ f·P, z loss, tokens per expert)."""
+    sequences of each one's α·E·Σ f·P, z loss, tokens routed per expert, assignments
+    dropped by the capacity)."""
     x = x3.reshape(-1, x3.shape[-1])
     n, e, k = x.shape[0], cfg.experts, cfg.top_k
     b, T = x3.shape[0], x3.shape[1]
@@ -38,6 +52,7 @@ def reference(p: MoE, x3: np.ndarray, cfg: MoEConfig) -> tuple[np.ndarray, float
     probs = np.zeros((n, e))
     counts = np.zeros(e, np.int64)
     lse2 = 0.0
+    tops = []
     for t in range(n):
         logits = x[t] @ p.router.w
         mx = max(logits)
@@ -45,19 +60,23 @@ def reference(p: MoE, x3: np.ndarray, cfg: MoEConfig) -> tuple[np.ndarray, float
         lse2 += lse * lse
         pr = np.array([math.exp(v - lse) for v in logits])
         probs[t] = pr
-        top = sorted(range(e), key=lambda i: (-pr[i], i))[:k]
-        total = sum(pr[i] for i in top)
-        for i in top:
-            counts[i] += 1
+        tops.append(sorted(range(e), key=lambda i: (-pr[i], i))[:k])
+    kept = kept_reference(probs, tops, b, cfg)
+    for t in range(n):
+        total = sum(probs[t, i] for i in tops[t])
+        for i in tops[t]:
+            counts[i] += 1  # routed, dropped or not
             seq_counts[t // T, i] += 1
+            if (t, i) not in kept:
+                continue
             hid = x[t] @ p.fc.w[i] + (0 if p.fc.b is None else p.fc.b[i])
             y = gelu_fwd_reference(hid[None])[0][0] @ p.proj.w[i] + (0 if p.proj.b is None else p.proj.b[i])
-            out[t] += pr[i] / total * y
+            out[t] += probs[t, i] / total * y  # not renormalised over the kept ones
     aux = 0.0
     for s in range(b):
         f = seq_counts[s] / (T * k)
         aux += cfg.aux_coef * e * sum(f[i] * probs[s * T : (s + 1) * T, i].mean() for i in range(e)) / b
-    return out, aux, cfg.z_coef * lse2 / n, counts
+    return out, aux, cfg.z_coef * lse2 / n, counts, n * k - len(kept)
 
 
 MESH = self_mesh()  # one: a mesh per finite-difference evaluation would run out of communicators
@@ -81,21 +100,25 @@ def losses(ctx) -> tuple[float, float]:
 
 CASES = [(1, True), (2, True), (2, False)]
 IDS = ["top1", "top2", "top2-no-bias"]
+# (top_k, bias, capacity factor): small factors, so that drops happen (each case asserts some)
+CAPACITY = [(1, True, 0.5), (2, True, 0.5), (2, False, 0.75), (1, True, 1.0), (2, True, 1.0)]
+CAPACITY_IDS = ["top1-c0.5", "top2-c0.5", "top2-no-bias-c0.75", "top1-c1", "top2-c1"]
 
 
-@pytest.mark.parametrize("top_k, bias", CASES, ids=IDS)
-def test_forward_matches_per_token_reference(top_k: int, bias: bool) -> None:
+@pytest.mark.parametrize("top_k, bias, factor", [(*c, 0.0) for c in CASES] + CAPACITY, ids=IDS + CAPACITY_IDS)
+def test_forward_matches_per_token_reference(top_k: int, bias: bool, factor: float) -> None:
     rng = np.random.default_rng(3)
-    cfg = MoEConfig(experts=4, top_k=top_k, aux_coef=0.1, z_coef=0.01)
+    cfg = MoEConfig(experts=4, top_k=top_k, aux_coef=0.1, z_coef=0.01, capacity_factor=factor)
     p = make_moe(rng, 6, 4, bias)
     x = rng.standard_normal((3, 5, 6))
     y, ctx = run_fwd(p, x, cfg)
-    want, aux, z, counts = reference(p, x, cfg)
+    want, aux, z, counts, dropped = reference(p, x, cfg)
     assert y.shape == x.shape
     np.testing.assert_allclose(y.reshape(-1, 6), want, rtol=0, atol=1e-12)
     got_aux, got_z = losses(ctx)
     assert abs(got_aux - aux) < 1e-12 and abs(got_z - z) < 1e-12
     np.testing.assert_array_equal(ctx.stats.tokens, counts)
+    assert ctx.stats.dropped == dropped and (dropped > 0) == (factor > 0)
 
 
 def _check_backward(p: MoE, x: np.ndarray, cfg: MoEConfig) -> None:
@@ -126,6 +149,48 @@ def test_backward_matches_finite_differences(top_k: int, bias: bool) -> None:
     rng = np.random.default_rng(5)
     cfg = MoEConfig(experts=4, top_k=top_k, aux_coef=0.3, z_coef=0.05)
     _check_backward(make_moe(rng, 4, 4, bias), rng.standard_normal((2, 5, 4)), cfg)
+
+
+@pytest.mark.parametrize("top_k, bias, factor", CAPACITY[:3], ids=CAPACITY_IDS[:3])
+def test_backward_through_drops_matches_finite_differences(top_k: int, bias: bool, factor: float) -> None:
+    """Dropped assignments: no output, no gradient to their expert; the kept ones' weights
+    still depend on every chosen probability (no renormalisation), and the router learns
+    through them. The finite differences are small enough that no drop decision flips."""
+    rng = np.random.default_rng(5)
+    cfg = MoEConfig(experts=4, top_k=top_k, aux_coef=0.3, z_coef=0.05, capacity_factor=factor)
+    p, x = make_moe(rng, 4, 4, bias), rng.standard_normal((2, 5, 4))
+    _, ctx = run_fwd(p, x, cfg)
+    assert ctx.stats.dropped > 0
+    _check_backward(p, x, cfg)
+
+
+def test_a_token_whose_every_choice_was_dropped_passes_nothing() -> None:
+    """All tokens prefer expert 0, top-1, capacity 1 per sequence: only the most probable
+    token of each sequence reaches it; the others' outputs are exactly 0 and send no grad."""
+    rng = np.random.default_rng(2)
+    p = make_moe(rng, 4, 4, True)
+    p.router.w[0, 0] = 30.0
+    x = rng.standard_normal((2, 4, 4))
+    x[..., 0] = 1.0
+    cfg = MoEConfig(experts=4, top_k=1, capacity_factor=1.0)  # ceil(1·4·1/4) = 1
+    y, ctx = run_fwd(p, x, cfg)
+    assert ctx.stats.dropped == 6 and ctx.dispatch.bounds[-1] == 2
+    best = np.take_along_axis(ctx.routing.probs, ctx.routing.top, 1).reshape(2, 4).argmax(axis=1)
+    for s in range(2):
+        for t in range(4):
+            assert (np.abs(y[s, t]).max() > 0) == (t == best[s])
+    dx, _ = run_bwd(p, ctx, np.ones_like(y), cfg)
+    moved = np.abs(dx - run_bwd(p, ctx, np.zeros_like(y), cfg)[0]).reshape(2, 4, 4).max(axis=2)
+    assert all((moved[s, t] > 0) == (t == best[s]) for s in range(2) for t in range(4))
+
+
+def test_keep_by_rank_ties_go_to_the_earlier_position() -> None:
+    expert = np.array([[[0], [0], [0], [1]]])
+    prob = np.array([[[0.5], [0.7], [0.5], [0.2]]])
+    pos = np.array([[[2], [0], [1], [3]]])  # any order along the sequence: the positions decide
+    keep = keep_by_rank(expert, prob, pos, 2)
+    np.testing.assert_array_equal(keep[0, :, 0], [False, True, True, True])
+    assert capacity(MoEConfig(experts=8, top_k=2, capacity_factor=1.25), 12) == 4  # ceil(1.25·12·2/8) = ceil(3.75)
 
 
 @pytest.mark.parametrize("top_k", [1, 2])

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import random_global_params, self_mesh, tiny_config
 from numesh import formulas
+from numesh.config import check_layout, config_from
 from numesh.errors import CheckpointError, ConfigError
 from numesh.nn import moe as M
 from numesh.nn.gpt import MLP, gpt_global_shapes
@@ -96,10 +97,18 @@ def test_parameter_tree_dense_and_with_experts() -> None:
     (dict(moe_experts=4, moe_top_k=0), "moe_top_k must be between 1"),
     (dict(moe_experts=4, moe_every=0), "moe_every must be >= 1"),
     (dict(moe_experts=4, moe_aux_coef=-1.0), "moe_aux_coef must be >= 0"),
+    (dict(moe_experts=4, moe_capacity_factor=-1.0), "moe_capacity_factor must be finite and >= 0 \\(0 = dropless\\)"),
+    (dict(moe_experts=4, moe_capacity_factor=math.inf), "moe_capacity_factor must be finite and >= 0"),
+    (dict(moe_experts=4, moe_capacity_factor=math.nan), "moe_capacity_factor must be finite and >= 0"),
 ])
 def test_bad_moe_settings_are_one_line_errors(overrides: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         tiny_config(**overrides).validate(1)
+    if "moe_capacity_factor" in overrides:  # one line through the CLI's config too (which refuses inf and nan itself)
+        with pytest.raises(ConfigError, match="moe.capacity.factor must be") as e:
+            check_layout(config_from({"moe_experts": 4, "moe_capacity_factor": overrides["moe_capacity_factor"]}),
+                         1, 65)
+        assert "\n" not in str(e.value)
 
 
 def test_experts_with_tp_are_refused() -> None:

@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import cli, one_error_line
-from numesh.checkpoint import read_params_dict
+from numesh.checkpoint import read_meta, read_params_dict
 from numesh.config import check_layout, config_from
 from numesh.errors import ConfigError
 from numesh.train import train
@@ -41,6 +41,7 @@ def test_numesh_train_with_experts_learns_and_logs_routing(shakespeare: Path, tm
     for r in steps:
         assert 0 < r["moe_aux_loss"] and r["moe_z_loss"] == 0.0
         assert 0 <= r["moe_tokens_min"] <= r["moe_tokens_max"] <= 12 * 64  # one block's tokens at most
+        assert r["moe_dropped"] == 0  # dropless by default, reported all the same
     params = read_params_dict(out / "ckpt" / "latest")
     assert params["blocks.0.mlp.fc.w"].shape == (4, 128, 512)  # experts saved whole, [E, ...]
     assert params["blocks.3.mlp.router.w"].shape == (128, 4)
@@ -75,7 +76,8 @@ def test_a_stopped_run_resumes_exactly(shakespeare: Path, tmp_path: Path) -> Non
     _run(_config(shakespeare, tmp_path / "part", max_iters=4))
     resumed = _run(_config(shakespeare, tmp_path / "resumed", resume=str(tmp_path / "part" / "ckpt" / "step_000004")))
     for step in range(4, 8):
-        for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_tokens_min", "moe_tokens_max"):
+        for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_tokens_min", "moe_tokens_max",
+                    "moe_dropped"):
             assert resumed[step][key] == whole[step][key], (step, key)
     a = read_params_dict(tmp_path / "whole" / "ckpt" / "latest")
     b = read_params_dict(tmp_path / "resumed" / "ckpt" / "latest")
@@ -93,12 +95,28 @@ def test_a_stopped_run_resumes_exactly(shakespeare: Path, tmp_path: Path) -> Non
     (dict(moe_top_k=5), 1, "moe_top_k must be between 1 and moe_experts=4"),
     (dict(moe_experts=-2), 1, "moe_experts must be >= 0"),
     (dict(moe_every=0), 1, "moe_every must be >= 1"),
+    (dict(moe_capacity_factor=-0.5), 1, "moe_capacity_factor must be finite and >= 0"),
 ])
 def test_what_experts_do_not_combine_with_is_one_line(overrides: dict, n_ranks: int, match: str,
                                                       tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=match) as e:
         check_layout(_config(tmp_path, tmp_path / "out", **overrides), n_ranks, 65)
     assert "\n" not in str(e.value)
+
+
+def test_a_capacity_drops_and_is_saved_with_the_model(shakespeare: Path, tmp_path: Path) -> None:
+    """--moe-capacity-factor 0.5 drops assignments every step (moe_dropped, of at most
+    2 blocks x 4 sequences x 32 tokens x 2 choices); the factor is in the checkpoint's model
+    config, and a checkpoint written before it existed reads as dropless."""
+    out = tmp_path / "cap"
+    steps = _run(_config(shakespeare, out, max_iters=3, moe_capacity_factor=0.5))
+    assert all(0 < steps[s]["moe_dropped"] < 2 * 4 * 32 * 2 for s in range(3))
+    assert read_meta(out / "ckpt" / "latest").model.moe_capacity_factor == 0.5
+    meta_path = out / "ckpt" / "latest" / "meta.json"
+    raw = json.loads(meta_path.read_text())
+    del raw["model"]["moe_capacity_factor"]
+    meta_path.write_text(json.dumps(raw))
+    assert read_meta(out / "ckpt" / "latest").model.moe_capacity_factor == 0.0
 
 
 def test_dense_runs_ignore_the_expert_settings(shakespeare: Path, tmp_path: Path) -> None:

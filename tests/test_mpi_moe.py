@@ -6,9 +6,11 @@
   output and input gradient rows equal the 1-rank layer's; the router's gradient summed
   over dp×ep×cp and each expert's summed over dp×cp equal the 1-rank gradients, and the
   routing stats summed over the mesh equal the 1-rank stats. One case steers every token
-  away from an expert, so its rank receives no rows for it; top-1 and top-2.
+  away from an expert, so its rank receives no rows for it; top-1 and top-2; and both with
+  a capacity factor that drops assignments (decided per whole sequence: under cp from the
+  gathered sequence), the drops counted alike.
 * The all-to-all bytes the counter books equal `formulas.moe_all_to_all_bytes` of the
-  routing counts.
+  routing counts; with a capacity, the dropped rows are not sent.
 """
 
 from __future__ import annotations
@@ -67,8 +69,10 @@ def local_rows(x: np.ndarray, mesh: Mesh) -> np.ndarray:
     return take_local(rows, mesh.size("cp"), mesh.index("cp"))
 
 
-@pytest.mark.parametrize("top_k, starve", [(1, False), (2, False), (2, True)], ids=["top1", "top2", "top2-starved"])
-def test_layer_matches_one_rank(mesh: Mesh, top_k: int, starve: bool) -> None:
+@pytest.mark.parametrize("top_k, starve, factor", [(1, False, 0.0), (2, False, 0.0), (2, True, 0.0), (1, False, 0.5),
+                                                   (2, False, 0.5), (2, True, 1.0)],
+                         ids=["top1", "top2", "top2-starved", "top1-cap0.5", "top2-cap0.5", "top2-starved-cap1"])
+def test_layer_matches_one_rank(mesh: Mesh, top_k: int, starve: bool, factor: float) -> None:
     rng = np.random.default_rng(4)  # the same global arrays on every rank
     p = make_moe(rng, C, E, bias=True)
     x = rng.standard_normal((B, T, C))
@@ -76,7 +80,7 @@ def test_layer_matches_one_rank(mesh: Mesh, top_k: int, starve: bool) -> None:
     if starve:  # feature 0 is 1 everywhere and expert 5's logit far down: no token reaches it
         x[..., 0] = 1.0
         p.router.w[0, 5] = -40.0
-    cfg = MoEConfig(experts=E, top_k=top_k, aux_coef=0.3, z_coef=0.05)
+    cfg = MoEConfig(experts=E, top_k=top_k, aux_coef=0.3, z_coef=0.05, capacity_factor=factor)
     scale = 1.0 / (B * T)
     one = self_mesh()
     y1, ctx1 = moe_fwd(p, x, cfg, one)
@@ -100,16 +104,19 @@ def test_layer_matches_one_rank(mesh: Mesh, top_k: int, starve: bool) -> None:
         if mesh.index("ep") == owner:
             assert not g.fc.w[5 % (E // mesh.size("ep"))].any()
     total = psum(stats_vector([ctx.stats], [0], E), mesh, AXES)
-    assert_close(total, stats_vector([ctx1.stats], [0], E), 1e-12, "stats")
+    assert_close(total, stats_vector([ctx1.stats], [0], E), 1e-12, "stats")  # dropped among them
+    assert (ctx1.stats.dropped > 0) == (factor > 0)  # the capacity cases do drop
 
 
-def test_all_to_all_bytes_equal_the_formula(mesh: Mesh) -> None:
-    """Forward and backward each move every assignment row whose expert lives on another ep
-    rank there and back: the counter's all-to-all bytes equal the formula of the counts."""
+@pytest.mark.parametrize("factor", [0.0, 0.5], ids=["dropless", "cap0.5"])
+def test_all_to_all_bytes_equal_the_formula(mesh: Mesh, factor: float) -> None:
+    """Forward and backward each move every kept assignment row whose expert lives on
+    another ep rank there and back: the counter's all-to-all bytes equal the formula of
+    the counts, and with a capacity the dropped rows are not among them."""
     rng = np.random.default_rng(6)
     p = make_moe(rng, C, E, bias=True)
     x, dy = rng.standard_normal((B, T, C)), rng.standard_normal((B, T, C))
-    cfg = MoEConfig(experts=E, top_k=2)
+    cfg = MoEConfig(experts=E, top_k=2, capacity_factor=factor)
     lp, xl = local_moe(p, mesh), local_rows(x, mesh)
     mesh.counter.reset()
     _, ctx = moe_fwd(lp, xl, cfg, mesh)
@@ -118,3 +125,7 @@ def test_all_to_all_bytes_equal_the_formula(mesh: Mesh) -> None:
     rows = all_gather(ctx.dispatch.send[None], mesh, "ep")  # [ep, ep]: rows[s, d] from ep rank s to d
     want = formulas.moe_all_to_all_bytes(rows, mesh.index("ep"), C, E, 8)
     assert measured == want and (mesh.size("ep") == 1 or want > 0)
+    sent, dropped = psum(np.array([ctx.dispatch.send.sum(), ctx.stats.dropped]), mesh, AXES)
+    sent //= mesh.size("tp")  # every tp rank sends the same rows; only tp rank 0 counts the drops
+    assert sent == B * T * 2 - dropped
+    assert (sent < B * T * 2) == (factor > 0)

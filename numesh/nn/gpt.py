@@ -39,12 +39,14 @@ class GPTConfig:
     moe_top_k: int = 2
     moe_aux_coef: float = 1e-2
     moe_z_coef: float = 0.0
+    moe_capacity_factor: float = 0.0  # 0 = dropless (numesh/nn/moe.py: capacity per sequence)
 
     def moe(self, layer: int) -> MoEConfig | None:
         """Block `layer`'s MoE settings, or None where its MLP is dense."""
         if self.moe_experts == 0 or layer % self.moe_every:
             return None
-        return MoEConfig(self.moe_experts, self.moe_top_k, self.moe_aux_coef, self.moe_z_coef)
+        return MoEConfig(self.moe_experts, self.moe_top_k, self.moe_aux_coef, self.moe_z_coef,
+                         self.moe_capacity_factor)
 
     @property
     def moe_blocks(self) -> int:
@@ -79,6 +81,9 @@ class GPTConfig:
         for name in ("moe_aux_coef", "moe_z_coef"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.moe_capacity_factor < math.inf:
+            raise ConfigError(
+                f"moe_capacity_factor must be finite and >= 0 (0 = dropless), got {self.moe_capacity_factor}")
         if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
             raise ConfigError(f"moe_top_k must be between 1 and moe_experts={self.moe_experts}, got {self.moe_top_k}")
         if self.moe_experts and tp > 1:

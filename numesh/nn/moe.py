@@ -12,7 +12,15 @@ the router learns only from the auxiliary and z losses (Switch Transformer keeps
 unnormalised p for that reason; numesh follows Mixtral's k = 2 default).
 
 Output: y[t] = Σ_j w[t, j] · MLP_{e(t, j)}(x[t]), each expert the dense block's MLP
-(Linear C -> 4C, GELU, Linear 4C -> C). Dropless: every token reaches its k experts.
+(Linear C -> 4C, GELU, Linear 4C -> C). Dropless by default: every token reaches its k experts.
+
+Capacity (`capacity_factor` c > 0): each expert takes at most ceil(c·T·k/E) of each
+sequence's token-assignments (T the whole sequence's length), those of highest router
+probability (ties: the earlier position); the others are dropped: they contribute nothing
+to the token's output (the kept ones' weights are not renormalised) and are not sent to
+the expert. The rule is per sequence, the one unit whole on every mesh; under cp the
+ranks of a sequence all-gather its (expert, probability, position) triples and decide the
+same. fᵢ of the load-balancing loss counts assignments as routed, before dropping (Switch).
 
 Losses (added to the training loss, reported apart from it):
 - load balancing (Switch/GShard): aux = α·E·Σᵢ fᵢ·Pᵢ, fᵢ = (token-assignments routed to
@@ -32,24 +40,28 @@ per-token Python, and the same bits for any thread count.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import attrs
 import numpy as np
 
-from numesh.mesh import Mesh, all_to_all, all_to_all_v, psum
+from numesh.mesh import Mesh, all_gather, all_to_all, all_to_all_v, psum
+from numesh.mesh.zigzag import positions
 from numesh.nn.layers import Linear, gelu_bwd, gelu_fwd
 from numesh.threads import MIN_CHUNK_FLOPS, TILE_ROWS, cores, matmul, over_tiles, tiles
 
 
 @attrs.frozen
 class MoEConfig:
-    """One MoE layer's settings: E experts, top-k routing, the two loss coefficients."""
+    """One MoE layer's settings: E experts, top-k routing, the two loss coefficients, and
+    the capacity factor (0: dropless)."""
 
     experts: int
     top_k: int = 2
     aux_coef: float = 1e-2
     z_coef: float = 0.0
+    capacity_factor: float = 0.0
 
 
 @attrs.frozen
@@ -69,11 +81,12 @@ class RoutingStats:
     for the per-sequence terms, which every cp rank of a sequence computes whole)."""
 
     layer: int
-    tokens: np.ndarray  # [E] token-assignments per expert from this rank's tokens
+    tokens: np.ndarray  # [E] token-assignments routed to each expert from this rank's tokens (before dropping)
     aux_sum: float  # Σ over this rank's sequences of α·E·Σᵢ fᵢ·Pᵢ
     z_sum: float  # Σ over this rank's tokens of β·logsumexp²
     sequences: int  # sequences counted in aux_sum
     positions: int  # tokens counted in z_sum
+    dropped: int = 0  # this rank's token-assignments dropped by the capacity
 
 
 @attrs.frozen
@@ -84,8 +97,9 @@ class Routing:
     lse: np.ndarray  # [N] logsumexp of the logits
     top: np.ndarray  # [N, k] chosen experts, most probable first (ties: lowest index)
     weights: np.ndarray  # [N, k] combine weights: chosen probabilities over their sum
-    order: np.ndarray  # [N·k] assignment (t·k + j) of each expert-sorted row
+    order: np.ndarray  # [M] assignment (t·k + j) of each expert-sorted row (M = N·k less the dropped)
     bounds: np.ndarray  # [E + 1] expert e's rows are bounds[e]:bounds[e+1] of the sorted block
+    kept: np.ndarray | None = None  # [N, k] which assignments the capacity kept (None: dropless)
 
 
 def route(logits: np.ndarray, top_k: int) -> Routing:
@@ -105,6 +119,50 @@ def route(logits: np.ndarray, top_k: int) -> Routing:
     bounds = np.zeros(e + 1, np.int64)
     np.cumsum(np.bincount(flat, minlength=e), out=bounds[1:])
     return Routing(probs, lse, top, weights, order, bounds)
+
+
+def capacity(cfg: MoEConfig, seq_len: int) -> int:
+    """The most token-assignments of one sequence of `seq_len` tokens an expert takes."""
+    return math.ceil(cfg.capacity_factor * seq_len * cfg.top_k / cfg.experts)
+
+
+def keep_by_rank(expert: np.ndarray, prob: np.ndarray, pos: np.ndarray, cap: int) -> np.ndarray:
+    """[B, T', k] bool: of each sequence's assignments (expert, probability, position: any
+    order along T'), each expert keeps the `cap` of highest probability (ties: the earlier
+    position; a token's k experts are distinct, so no two of an expert's tie on both)."""
+    b = expert.shape[0]
+    seq = np.broadcast_to(np.arange(b)[:, None, None], expert.shape).reshape(-1)
+    e, p, t = expert.reshape(-1), prob.reshape(-1), pos.reshape(-1)
+    order = np.lexsort((t, -p, e, seq))  # by sequence, expert, probability down, position up
+    group = seq[order] * (int(e.max(initial=0)) + 1) + e[order]
+    start = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])  # first row of each (sequence, expert)
+    rank = np.arange(order.size) - np.repeat(start, np.diff(np.r_[start, order.size]))
+    keep = np.empty(order.size, bool)
+    keep[order] = rank < cap
+    return keep.reshape(expert.shape)
+
+
+def apply_capacity(r: Routing, cfg: MoEConfig, batch: int, mesh: Mesh) -> Routing:
+    """`r` with the assignments over capacity dropped from its rows (see the module's
+    docstring). Under cp every rank of a sequence gathers the sequence's (expert,
+    probability, global position) of each assignment and decides for all of it alike."""
+    if not cfg.capacity_factor:
+        return r
+    n, k = r.top.shape
+    t, cp, i = n // batch, mesh.size("cp"), mesh.index("cp")
+    pos = positions(t * cp, cp, i)  # [t] global positions of this rank's tokens
+    mine = np.empty((batch, t, k, 3))  # (expert, probability, position), exact in float64
+    mine[..., 0] = r.top.reshape(batch, t, k)
+    mine[..., 1] = np.take_along_axis(r.probs, r.top, axis=1).reshape(batch, t, k)
+    mine[..., 2] = pos[None, :, None]
+    whole = all_gather(mine, mesh, "cp", dim=1)  # [B, T, k, 3], cp rank j's tokens at j·t
+    keep = keep_by_rank(whole[..., 0], whole[..., 1], whole[..., 2], capacity(cfg, t * cp))
+    kept = np.ascontiguousarray(keep[:, i * t : (i + 1) * t].reshape(n, k))
+    flat = kept.reshape(-1)
+    order = r.order[flat[r.order]]  # the kept rows, still sorted by expert (then token)
+    bounds = np.zeros_like(r.bounds)
+    np.cumsum(np.bincount(r.top.reshape(-1)[order], minlength=len(r.bounds) - 1), out=bounds[1:])
+    return attrs.evolve(r, order=order, bounds=bounds, kept=kept)
 
 
 @attrs.frozen
@@ -134,11 +192,13 @@ def routing_stats(r: Routing, bal: SeqBalance, cfg: MoEConfig, layer: int, mesh:
     """This rank's share of the layer's tokens per expert and loss sums (see RoutingStats)."""
     e = cfg.experts
     if mesh.index("tp"):  # the tp ranks route the same tokens: the first reports them
-        return RoutingStats(layer, np.zeros(e, np.int64), 0.0, 0.0, 0, 0)
+        return RoutingStats(layer, np.zeros(e, np.int64), 0.0, 0.0, 0, 0, 0)
     first_cp = mesh.index("cp") == 0
     aux = cfg.aux_coef * e * float(np.sum(bal.f * bal.P)) if first_cp else 0.0
     z = cfg.z_coef * float(np.dot(r.lse, r.lse))
-    return RoutingStats(layer, np.diff(r.bounds), aux, z, bal.f.shape[0] if first_cp else 0, r.probs.shape[0])
+    routed = np.bincount(r.top.reshape(-1), minlength=e)  # before dropping
+    dropped = 0 if r.kept is None else int(r.kept.size - np.count_nonzero(r.kept))
+    return RoutingStats(layer, routed, aux, z, bal.f.shape[0] if first_cp else 0, r.probs.shape[0], dropped)
 
 
 @attrs.frozen
@@ -169,7 +229,7 @@ def plan_dispatch(bounds: np.ndarray, mesh: Mesh) -> Dispatch:
 
 
 def to_experts(rows: np.ndarray, d: Dispatch, mesh: Mesh) -> np.ndarray:
-    """Expert-sorted rows [N·k, ...] to the ranks of their experts, grouped by local expert."""
+    """Expert-sorted rows [M, ...] to the ranks of their experts, grouped by local expert."""
     if d.perm is None:
         return rows
     return all_to_all_v(rows, d.send, d.recv, mesh, "ep")[d.perm]
@@ -247,7 +307,8 @@ def moe_fwd(p: MoE, x: np.ndarray, cfg: MoEConfig, mesh: Mesh, layer: int = 0) -
     n, c = x2.shape
     k = cfg.top_k
     r = route(matmul(x2, p.router.w), k)
-    bal = seq_balance(r, shape[0], mesh)
+    bal = seq_balance(r, shape[0], mesh)  # f counts the assignments as routed, before any drop
+    r = apply_capacity(r, cfg, shape[0], mesh)
     d = plan_dispatch(r.bounds, mesh)
     jobs = _jobs(d.bounds)
     xe = to_experts(x2[r.order // k], d, mesh)  # [R, C]: the rows of this rank's experts, by expert
@@ -255,9 +316,9 @@ def moe_fwd(p: MoE, x: np.ndarray, cfg: MoEConfig, mesh: Mesh, layer: int = 0) -
     u = _expert_matmul(xe, p.fc.w, p.fc.b, jobs)  # [R, 4C/tp]
     g, gelu = gelu_fwd(u)
     ye = _expert_matmul(g, p.proj.w, p.proj.b if bias else None, jobs)  # [R, C]
-    ys = from_experts(ye, d, mesh)  # [N·k, C] in this rank's expert-sorted order
-    ya = np.empty_like(ys)
-    ya[r.order] = ys  # back to assignment order t·k + j
+    ys = from_experts(ye, d, mesh)  # [M, C] in this rank's expert-sorted order
+    ya = np.empty((n * k, c), ys.dtype) if r.kept is None else np.zeros((n * k, c), ys.dtype)
+    ya[r.order] = ys  # back to assignment order t·k + j; a dropped assignment's row stays 0
     ya = ya.reshape(n, k, c)  # [N, k, C]
     y = ya[:, 0] * r.weights[:, :1]
     for j in range(1, k):  # a fixed order of the k terms
@@ -330,9 +391,9 @@ def moe_bwd(p: MoE, ctx: MoECtx, dy: np.ndarray, cfg: MoEConfig, mesh: Mesh,
     du = gelu_bwd(ctx.gelu, dg)
     dxe = _expert_matmul(du, p.fc.w, None, ctx.jobs, transpose=True)  # [R, C]
     d_fc, d_proj = _expert_weight_grads(p, ctx, du, dye)
-    dxs = from_experts(dxe, d, mesh)  # [N·k, C] this rank's expert-sorted order
-    dxa = np.empty_like(dxs)
-    dxa[r.order] = dxs
+    dxs = from_experts(dxe, d, mesh)  # [M, C] this rank's expert-sorted order
+    dxa = np.empty((n * k, c), dxs.dtype) if r.kept is None else np.zeros((n * k, c), dxs.dtype)
+    dxa[r.order] = dxs  # a dropped assignment sends its token no gradient
     dxa = dxa.reshape(n, k, c)  # [N, k, C] in token order
     dlogits = _router_logits_grad(r, ctx.balance, dw, cfg, loss_scale or 0.0)  # [N, E]
     dx = dxa[:, 0].copy()
@@ -347,25 +408,28 @@ def moe_bwd(p: MoE, ctx: MoECtx, dy: np.ndarray, cfg: MoEConfig, mesh: Mesh,
 def moe_metrics(totals: np.ndarray) -> dict[str, float | int]:
     """A step's metrics from its MoE layers' summed stats (`stats_vector` over every rank
     and micro-batch; {} without MoE layers): the aux and z losses summed over the layers
-    (what the step added to the loss), and the fewest and most token-assignments any
-    expert of any layer received."""
+    (what the step added to the loss), the fewest and most token-assignments routed to any
+    expert of any layer, and the assignments the capacity dropped, summed over the layers
+    (0 when dropless)."""
     if totals.size == 0:
         return {}
     layers = totals.reshape(-1, totals.shape[-1])
-    tokens = layers[:, 4:]
+    tokens = layers[:, 5:]
     return {"moe_aux_loss": float(np.sum(layers[:, 0] / np.maximum(layers[:, 2], 1))),
             "moe_z_loss": float(np.sum(layers[:, 1] / np.maximum(layers[:, 3], 1))),
-            "moe_tokens_min": int(tokens.min()), "moe_tokens_max": int(tokens.max())}
+            "moe_tokens_min": int(tokens.min()), "moe_tokens_max": int(tokens.max()),
+            "moe_dropped": int(layers[:, 4].sum())}
 
 
 def stats_vector(stats: Sequence[RoutingStats], layers: Sequence[int], experts: int) -> np.ndarray:
-    """[L, 4 + E] float64: for each MoE layer of the model (`layers`, in order) the sums of
-    this rank's stats of it (aux, z, sequences, positions, tokens per expert); zeros for
-    layers on other pipeline stages. Summed over the mesh, it is what `moe_metrics` reads."""
-    out = np.zeros((len(layers), 4 + experts))
+    """[L, 5 + E] float64: for each MoE layer of the model (`layers`, in order) the sums of
+    this rank's stats of it (aux, z, sequences, positions, dropped, tokens per expert);
+    zeros for layers on other pipeline stages. Summed over the mesh, it is what
+    `moe_metrics` reads."""
+    out = np.zeros((len(layers), 5 + experts))
     row = {layer: i for i, layer in enumerate(layers)}
     for s in stats:
         v = out[row[s.layer]]
-        v[:4] += (s.aux_sum, s.z_sum, s.sequences, s.positions)
-        v[4:] += s.tokens
+        v[:5] += (s.aux_sum, s.z_sum, s.sequences, s.positions, s.dropped)
+        v[5:] += s.tokens
     return out
