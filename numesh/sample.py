@@ -96,6 +96,9 @@ def generate(
         raise ConfigError("the prompt is empty: pass at least one character with --prompt")
     rng = np.random.default_rng(seed)
     idx = prompt.astype(np.int64)
+    # generation runs dropless: a capacity ranks a whole sequence's tokens, later ones
+    # included, which a token generated one at a time cannot see (docs/moe.md)
+    model = attrs.evolve(model, moe_capacity_factor=0.0)
     bs = model.block_size
     cache = new_kv_cache(model, mesh, idx.shape[0], params.wpe.dtype) if kv_cache else None
     for _ in range(max_new_tokens):

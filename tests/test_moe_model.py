@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import numpy as np
 import pytest
 
@@ -78,6 +79,21 @@ def test_kv_cache_logits_match_the_training_forward_with_experts() -> None:
     for t in range(3, cfg.block_size):
         got = logits_cached(params, idx[:, t : t + 1], cache, cfg, mesh)
         np.testing.assert_allclose(got, want[:, t], rtol=1e-12, atol=1e-13)
+
+
+def test_sampling_a_model_with_a_capacity_runs_it_dropless() -> None:
+    """A generated token cannot see its successors, which a capacity ranks: `generate`
+    samples the dropless model, with and without the KV cache, token for token."""
+    from numesh.sample import generate
+
+    cfg = tiny_config(**MOE, moe_capacity_factor=0.25)
+    mesh = self_mesh()
+    params = random_global_params(cfg, seed=4, scale=1.0)
+    prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 5))
+    runs = [generate(params, m, mesh, prompt, 12, temperature=0.0, top_k=None, kv_cache=kv)
+            for m, kv in ((cfg, True), (cfg, False), (attrs.evolve(cfg, moe_capacity_factor=0.0), False))]
+    np.testing.assert_array_equal(runs[0], runs[1])
+    np.testing.assert_array_equal(runs[1], runs[2])
 
 
 def test_parameter_tree_dense_and_with_experts() -> None:

@@ -112,6 +112,10 @@ def test_a_capacity_drops_and_is_saved_with_the_model(shakespeare: Path, tmp_pat
     steps = _run(_config(shakespeare, out, max_iters=3, moe_capacity_factor=0.5))
     assert all(0 < steps[s]["moe_dropped"] < 2 * 4 * 32 * 2 for s in range(3))
     assert read_meta(out / "ckpt" / "latest").model.moe_capacity_factor == 0.5
+    # sampling runs dropless: the KV cache (one token at a time) and the full forward agree
+    texts = [cli("sample", "--ckpt", str(out / "ckpt" / "latest"), "--max-new-tokens", "40", "--temperature", "0",
+                 "--prompt", "ROMEO:\nWhat say you, my lord? I ", flag) for flag in ("--kv-cache", "--no-kv-cache")]
+    assert all(t.exit_code == 0 for t in texts) and texts[0].stdout == texts[1].stdout
     meta_path = out / "ckpt" / "latest" / "meta.json"
     raw = json.loads(meta_path.read_text())
     del raw["model"]["moe_capacity_factor"]
