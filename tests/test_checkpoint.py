@@ -134,12 +134,15 @@ class FakeMesh:
         return i
 
 
-@pytest.mark.parametrize("sizes", [dict(pp=1, dp=1, cp=1, tp=1), dict(pp=2, dp=2, cp=1, tp=2),
-                                   dict(pp=1, dp=3, cp=1, tp=4), dict(pp=1, dp=2, cp=2, tp=2)])
+@pytest.mark.parametrize("sizes", [dict(pp=1, dp=1, ep=1, cp=1, tp=1), dict(pp=2, dp=2, ep=1, cp=1, tp=2),
+                                   dict(pp=1, dp=3, ep=1, cp=1, tp=4), dict(pp=1, dp=2, ep=1, cp=2, tp=2),
+                                   dict(pp=1, dp=2, ep=2, cp=1, tp=1), dict(pp=1, dp=1, ep=4, cp=2, tp=1)])
 def test_block_region_is_local_slices_and_blocks_tile(sizes: dict[str, int]) -> None:
+    """On every mesh, a dense block's and an MoE block's leaves (experts split over ep)."""
     from numesh.nn.gpt import GPTConfig
 
-    model = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=True)
+    model = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=True, moe_experts=4,
+                      moe_every=2)
     for path, leaf in gpt_leaves(model).items():
         shape, spec, padded = leaf.shape, leaf.spec, leaf.padded_shape(sizes)
         for coords in np.ndindex(*[sizes[a] for a in AXES]):
@@ -221,7 +224,7 @@ def test_round_trip_is_bit_exact(data: Path, tmp_path: Path) -> None:
     # the files: no pickle, padding never stored, meta.json complete
     meta = json.loads((step_dir / "meta.json").read_text())
     assert (meta["format"], meta["version"], meta["step"], meta["seed"]) == ("numesh-ckpt", 1, 3, 5)
-    assert meta["mesh"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 1} and meta["train"] == attrs.asdict(t.cfg)
+    assert meta["mesh"] == {"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": 1} and meta["train"] == attrs.asdict(t.cfg)
     assert meta["model"]["vocab_size"] == 11 and len(meta["tokenizer"]["chars"]) == 11
     assert meta["leaves"]["m/wte"]["shape"] == [11, 16]
     assert meta["leaves"]["params/blocks.1.attn.qkv.w"]["spec"] == [None, None, "tp"]
@@ -413,7 +416,7 @@ def test_reshard_tp1_to_tp4_keeps_every_value(saved: Path, data: Path, tmp_path:
     out = reshard(tmp_path / "ckpt" / "latest", "tp=4")
     assert out == tmp_path / "ckpt" / "step_000003-tp4"
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["mesh"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 4}
+    assert meta["mesh"] == {"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": 4}
     wte = meta["leaves"]["params/wte"]["files"]  # vocabulary 11 over tp=4: rows 3, 3, 3, 2 (+1 padding)
     assert [(r["offset"][0], r["shape"][0]) for r in wte] == [(0, 3), (3, 3), (6, 3), (9, 2)]
     assert len(meta["leaves"]["v/blocks.0.mlp.proj.w"]["files"]) == 4
@@ -439,7 +442,7 @@ def test_reshard_to_a_cp_mesh_writes_the_same_blocks(saved: Path, data: Path, tm
     out = reshard(saved, "cp=2,tp=2", tmp_path / "cp2tp2")
     ref = reshard(saved, "tp=2", tmp_path / "tp2")
     meta, want = (json.loads((d / "meta.json").read_text()) for d in (out, ref))
-    assert meta["mesh"] == {"pp": 1, "dp": 1, "cp": 2, "tp": 2}
+    assert meta["mesh"] == {"pp": 1, "dp": 1, "ep": 1, "cp": 2, "tp": 2}
     assert meta["leaves"] == want["leaves"]
     assert_states_equal(read_state(out)[1], read_state(saved)[1])
     b = Trainer(config(data, tmp_path / "b"), MPI.COMM_SELF)

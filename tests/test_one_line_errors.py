@@ -106,7 +106,7 @@ def test_a_train_error_is_the_first_line_not_after_a_blank_one(char_dataset: Pat
     on a non-terminal), before the error line."""
     res = cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--mesh", "tp=3")
     one_error_line(res)
-    assert res.stderr.startswith("error: mesh pp=1,dp=1,cp=1,tp=3 needs 3 ranks"), repr(res.stderr)
+    assert res.stderr.startswith("error: mesh pp=1,dp=1,ep=1,cp=1,tp=3 needs 3 ranks"), repr(res.stderr)
 
 
 def _float_options() -> list[str]:
@@ -178,7 +178,7 @@ def test_the_memory_check_names_both_numbers_and_leaves_the_readmes_runs_alone()
                                           r"memory is free here, 1.0 GiB for each of 4 ranks: "):
         check_fits(need, 2**30, 4)
     check_fits(need, 8 * 2**30, 1)
-    one = {"pp": 1, "dp": 1, "cp": 1, "tp": 1}
+    one = {"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": 1}
     assert run_memory(config_from({}), one, 65, 16).total < 100 * 2**20  # the quick start: tens of MiB
     gpt2 = config_from({"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "bias": True,
                         "batch_size": 4})

@@ -212,7 +212,7 @@ def test_trace_has_every_rank_action_op_and_flow(traced_run: tuple[Path, str]) -
 
 def test_report_of_the_run(traced_run: tuple[Path, str]) -> None:
     out, log = traced_run
-    assert "numesh report: mesh pp=2,dp=2,cp=1,tp=2" in log  # printed at the end of the traced run
+    assert "numesh report: mesh pp=2,dp=2,ep=1,cp=1,tp=2" in log  # printed at the end of the traced run
     rep = report.build(report.load(out))
     assert rep["steps"] == 3  # 4 steps, the first left out
     for r, t in rep["time_ms"].items():
