@@ -24,8 +24,8 @@ from numesh.mesh.mesh import AXES, BATCH_AXES, ByteCounter, Group, Mesh, MeshErr
 from numesh.mesh.spec import P, local_shape, local_slices, replicated_axes, shard, unshard
 
 __all__ = [
-    "AXES", "BATCH_AXES", "ByteCounter", "Group", "Handle", "Mesh", "MeshError", "Observer", "P", "SkipCall", "all_gather",
-    "all_gather_inplace", "broadcast", "ipsum", "ipsum_scatter", "irecv", "isend", "local_shape", "local_slices",
-    "parse_mesh", "pmax", "psum", "psum_scalar", "psum_tree", "psum_scatter", "recv", "replicated_axes", "send",
-    "sendrecv", "shard", "unshard",
+    "AXES", "BATCH_AXES", "ByteCounter", "Group", "Handle", "Mesh", "MeshError", "Observer", "P", "SkipCall",
+    "all_gather", "all_gather_inplace", "broadcast", "ipsum", "ipsum_scatter", "irecv", "isend", "local_shape",
+    "local_slices", "parse_mesh", "pmax", "psum", "psum_scalar", "psum_tree", "psum_scatter", "recv",
+    "replicated_axes", "send", "sendrecv", "shard", "unshard",
 ]

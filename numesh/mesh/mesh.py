@@ -47,7 +47,8 @@ def parse_axis_sizes(spec: str) -> dict[str, int]:
             continue
         name, eq, value = part.partition("=")
         if not eq or not name:
-            raise MeshError(f"malformed mesh '{spec}': expected comma-separated axis=size, e.g. dp=2,ep=2,cp=2,tp=2,pp=2")
+            raise MeshError(f"malformed mesh '{spec}': expected comma-separated axis=size, "
+                            f"e.g. dp=2,ep=2,cp=2,tp=2,pp=2")
         if name in sizes:
             raise MeshError(f"axis '{name}' given twice in mesh '{spec}'")
         if name not in AXES:
