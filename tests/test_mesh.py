@@ -381,3 +381,24 @@ def test_sequence_parallel_formulas_move_plain_tp_bus_bytes_plus_the_regathers()
     assert sp[("tp", "all_reduce")] == 96 * 4  # the LayerNorm grads, once per step
     assert plain[("tp", "all_reduce")] == 3 * (4 * 2 + 1) * act
     assert sp[("pp", "send")] * 2 == plain[("pp", "send")]
+
+
+def test_ep_formulas_add_the_replicated_leaves_all_reduce_and_ep_to_the_loss_and_norm() -> None:
+    """ep is data parallelism for the batch: the loss is summed over it and the norm too (its
+    ranks hold other experts); the leaves replicated over ep add one all-reduce over ep of the
+    values this rank holds; the dp gradient traffic is that of the same mesh without ep."""
+    from numesh.formulas import SCALAR, Chunk, ep_grad_bytes, loss_axes, norm_axes, step_bytes
+
+    assert loss_axes({"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": 1}) == ("pp", "dp")
+    assert loss_axes({"pp": 1, "dp": 2, "ep": 2, "cp": 2, "tp": 1}) == ("pp", "dp", "ep", "cp")
+    assert norm_axes({"pp": 2, "dp": 2, "ep": 2, "cp": 1, "tp": 2}, 1) == ("pp", "dp", "ep", "tp")
+    assert norm_axes({"pp": 1, "dp": 2, "tp": 1}, 0) == ()  # a trace from before ep
+    kw = dict(zero=1, micro_batches=2, rows=2, block_size=8, n_embd=16, itemsize=8, chunks=[Chunk(2, True, True)],
+              padded_blocks=100, padded_outer=50, tied_bytes=0)
+    dense = step_bytes({"pp": 1, "dp": 2, "ep": 1, "cp": 1, "tp": 1}, **kw, ep_replicated_values=70)
+    ep = step_bytes({"pp": 1, "dp": 2, "ep": 2, "cp": 1, "tp": 1}, **kw, ep_replicated_values=70)
+    assert ep_grad_bytes(70, 8) == 560
+    assert ep.pop(("ep", "all_reduce")) == 560
+    assert ep.pop(("pp+dp+ep", "all_reduce")) == SCALAR and dense.pop(("pp+dp", "all_reduce")) == SCALAR
+    assert ep.pop(("dp+ep", "all_reduce")) == SCALAR and dense.pop(("dp", "all_reduce")) == SCALAR  # the norm
+    assert ep == dense and ("dp", "reduce_scatter") in ep
