@@ -28,9 +28,9 @@ from numesh.optim.clip import clip_scale
 from numesh.optim.zero import ZeroOptimizer
 from numesh.tree import tree_map
 
-pytestmark = pytest.mark.mpi(min_size=4)
-
 WORLD = MPI.COMM_WORLD
+pytestmark = [pytest.mark.mpi(min_size=4),
+              pytest.mark.skipif(WORLD.Get_size() != 4, reason="dp=2 x ep=2 runs on 4 ranks")]
 E = 4  # experts; each of the 2 ep ranks holds 2
 SPECS = {
     "blocks": {"ln": {"w": P(), "b": P()}, "attn": {"w": P()}, "router": {"w": P()},
@@ -46,8 +46,6 @@ REPLICATED_VALUES = 3 + 3 + 12 + 3 * E + 15  # every leaf but fc
 
 
 def ep_mesh() -> Mesh:
-    if WORLD.Get_size() != 4:
-        pytest.skip("dp=2 x ep=2 runs on 4 ranks")
     return Mesh.create(WORLD, dp=2, ep=2)
 
 

@@ -22,9 +22,9 @@ from numesh.data import prepare_char_dataset
 from numesh.train import Trainer, restore, train_state
 from numesh.tree import tree_leaves_with_path
 
-pytestmark = pytest.mark.mpi(min_size=4)
-
 WORLD = MPI.COMM_WORLD
+pytestmark = [pytest.mark.mpi(min_size=4),
+              pytest.mark.skipif(WORLD.Get_size() != 4, reason="dp=2 x ep=2 runs on 4 ranks")]
 TEXT = "".join("abcdefghij"[i % 10 :] + "abcdefghij"[: i % 10] + "\n" for i in range(60))
 
 
@@ -60,13 +60,7 @@ def one_rank_ckpt(data: Path, shared_tmp: Path) -> Path:
     return out / "ckpt" / "step_000002"
 
 
-def four_ranks() -> None:
-    if WORLD.Get_size() != 4:
-        pytest.skip("dp=2 x ep=2 runs on 4 ranks")
-
-
 def test_each_rank_reads_its_row_block_of_dp_x_ep(data: Path, shared_tmp: Path) -> None:
-    four_ranks()
     t = Trainer(config(data, shared_tmp / "rows", "dp=2,ep=2", micro_batches=2), WORLD)
     key = D.train_key(5, 3)
     mine = t._micro_batches(t.train_data, key, 2)
@@ -80,7 +74,6 @@ def test_each_rank_reads_its_row_block_of_dp_x_ep(data: Path, shared_tmp: Path) 
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_a_one_rank_moe_checkpoint_restores_and_saves_on_dp2_ep2(data: Path, shared_tmp: Path,
                                                                    one_rank_ckpt: Path, zero: int) -> None:
-    four_ranks()
     t = Trainer(config(data, shared_tmp / f"ep-restore-{zero}", "dp=2,ep=2", zero=zero), WORLD)
     restore(t, one_rank_ckpt)
     assert t.step == 2
