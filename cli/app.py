@@ -27,7 +27,7 @@ app = typer.Typer(
     context_settings={"max_content_width": 100},
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    help="Train GPT models with dp x cp x tp x pp parallelism and ZeRO in NumPy and MPI.",
+    help="Train GPT models with dp x ep x cp x tp x pp parallelism and ZeRO in NumPy and MPI.",
 )
 data_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Prepare datasets.")
 app.add_typer(data_app, name="data")
@@ -409,7 +409,7 @@ def reshard_cmd(
     ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT",
                                 show_default=False),
     to: str = typer.Option(..., "--to",
-                           help="target mesh, e.g. tp=4 or cp=2,tp=2 (axes not named keep the checkpoint's size)"),
+                           help="target mesh, e.g. tp=4, cp=2,tp=2 or ep=2 (axes not named keep their size)"),
     out: Optional[Path] = typer.Option(None, help="output directory", show_default="a sibling such as step_000100-tp4"),
 ) -> None:
     """Rewrite a checkpoint as another mesh's ranks would have written it (one process; any

@@ -93,9 +93,9 @@ class TrainConfig:
     data: str = _field("data/shakespeare_char", "dataset directory written by `numesh data`")
     out: str = _field("runs/shakespeare_char", "output directory: config.json, metrics.jsonl, ckpt/")
     mesh: str = _field(
-        "", "process mesh over pp, dp, cp, tp, e.g. dp=2,tp=2 or cp=2 (omitted axes = 1, one axis may be -1); auto: "
-        "the layout whose memory fits and whose step `numesh plan` predicts fastest on the job's ranks (options "
-        "of the layout set to other than their defaults are kept)")
+        "", "process mesh over pp, dp, ep, cp, tp, e.g. dp=2,tp=2, cp=2 or ep=2 (omitted axes = 1, one axis may "
+        "be -1); auto: the layout whose memory fits and whose step `numesh plan` predicts fastest on the job's "
+        "ranks (options of the layout set to other than their defaults are kept)")
     seed: int = _field(1337, "seed of the initial parameters, data order and dropout")
     dtype: str = _field("float32", "float32 or float64")
     # checkpoints
@@ -287,11 +287,7 @@ def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> G
     if shape["cp"] > 1 and cfg.sequence_parallel and cfg.block_size % (shape["cp"] * shape["tp"]):
         raise ConfigError(f"--sequence-parallel with cp splits a cp rank's block_size/cp tokens over tp: use a "
                           f"--block-size that is a multiple of cp*tp={shape['cp'] * shape['tp']}")
-    if cfg.batch_size % (shape["dp"] * cfg.micro_batches):
-        raise ConfigError(
-            f"batch_size {cfg.batch_size} is not divisible by dp={shape['dp']} x micro_batches={cfg.micro_batches}: "
-            f"use a multiple of {shape['dp'] * cfg.micro_batches}"
-        )
+    _check_batch(cfg, shape)
     if cfg.sequence_parallel and shape["tp"] == 1:
         raise ConfigError("--sequence-parallel splits the sequence over tp, which is 1 in this mesh: "
                           "add tp=N (N > 1) to --mesh or drop --sequence-parallel")
@@ -307,15 +303,31 @@ def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> G
     return model
 
 
+def _check_batch(cfg: TrainConfig, shape: dict[str, int]) -> None:
+    """The global batch's rows split over dp×ep (ep is data parallelism for all but the
+    experts), then into micro-batches."""
+    dp, ep, m = shape["dp"], shape.get("ep", 1), cfg.micro_batches
+    if cfg.batch_size % (dp * ep * m):
+        by = f"dp={dp} x ep={ep}" if ep > 1 else f"dp={dp}"
+        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by {by} x micro_batches={m}: "
+                          f"use a multiple of {dp * ep * m}")
+
+
 def _check_moe(cfg: TrainConfig, shape: dict[str, int]) -> None:
-    """What experts do not combine with yet (numesh/nn/moe.py is the one-rank foundation)."""
+    """The expert-parallel axis against the experts, and what experts do not combine with
+    yet: dp, ep, cp and micro-batches do (numesh/nn/moe.py); tp and pp not yet."""
+    ep = shape.get("ep", 1)
+    if ep > 1 and not cfg.moe_experts:
+        raise ConfigError(f"ep={ep} splits the experts over ranks, but the model has none: "
+                          f"set --moe-experts or drop ep from --mesh")
     if not cfg.moe_experts:
         return
-    if big := [f"{axis}={n}" for axis, n in shape.items() if n > 1]:
-        raise ConfigError(f"experts on a mesh with {','.join(big)} are not supported yet: run on one rank")
-    if cfg.micro_batches > 1:
-        raise ConfigError("experts with --micro-batches > 1 are not supported yet: their load-balancing loss counts "
-                          "the whole batch's routing in one forward")
+    if cfg.moe_experts % ep:
+        raise ConfigError(f"--moe-experts {cfg.moe_experts} do not split over ep={ep}: "
+                          f"use a multiple of {ep} experts or another ep")
+    if big := [f"{axis}={shape[axis]}" for axis in ("pp", "tp") if shape.get(axis, 1) > 1]:
+        raise ConfigError(f"experts on a mesh with {','.join(big)} are not supported yet: "
+                          f"use dp, ep and cp only (or no experts)")
     if cfg.init_from:
         raise ConfigError("--init-from with experts is not supported yet: its weights are a dense model's")
 

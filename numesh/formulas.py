@@ -152,8 +152,8 @@ def pp_send_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, itemsiz
 
 def loss_axes(shape: dict[str, int]) -> tuple[str, ...]:
     """Axes a step's loss (a sum of per-token losses) is all-reduced over: the last pipeline
-    stage holds it, each dp rank for its rows and, with cp, each cp rank for its tokens."""
-    return ("pp", "dp", "cp") if shape.get("cp", 1) > 1 else ("pp", "dp")
+    stage holds it, each dp (and ep) rank for its rows and, with cp, each cp rank for its tokens."""
+    return ("pp", "dp") + tuple(a for a in ("ep", "cp") if shape.get(a, 1) > 1)
 
 
 def cp_ring_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, tp: int, cp: int, itemsize: int) -> int:
@@ -178,12 +178,21 @@ def cp_grad_bytes(zero: int, micro_batches: int, padded_blocks: int, padded_oute
     return (micro_batches * padded_blocks + padded_outer) * itemsize
 
 
+def ep_grad_bytes(ep_replicated_values: int, itemsize: int) -> int:
+    """Payload bytes of gradients all-reduced over ep alone in one step: every value of the
+    leaves replicated over ep (all but the experts) that this rank holds after the dp
+    reduction (its dp shard of them under ZeRO >= 1), once per step, as the tp-partial
+    LayerNorm gradients under sequence parallelism."""
+    return ep_replicated_values * itemsize
+
+
 def norm_axes(shape: dict[str, int], zero: int) -> tuple[str, ...]:
-    """Axes the gradient norm's partial sums are all-reduced over."""
-    axes = [a for a in ("pp", "tp") if shape[a] > 1]
+    """Axes the gradient norm's partial sums are all-reduced over: ep too, whose ranks hold
+    other experts (the leaves replicated over ep are counted on ep rank 0 only)."""
+    axes = [a for a in ("pp", "ep", "tp") if shape.get(a, 1) > 1]
     if zero >= 1 and shape["dp"] > 1:
         axes.append("dp")
-    return tuple(a for a in ("pp", "dp", "tp") if a in axes)
+    return tuple(a for a in ("pp", "dp", "ep", "tp") if a in axes)
 
 
 def step_bytes(
@@ -202,6 +211,7 @@ def step_bytes(
     sequence_parallel: bool = False,
     tp_partial_values: int = 0,
     recompute: str = "none",
+    ep_replicated_values: int = 0,
 ) -> dict[tuple[str, str], int]:
     """Payload bytes per (axes, op) one rank moves in one training step (axes as "dp",
     "pp+dp", or "pp[0,3]" for the tied-embedding group), sends but not receives.
@@ -214,7 +224,9 @@ def step_bytes(
     rank holds (its dp shard of them under ZeRO >= 1), all-reduced over tp once per step.
     With cp, add the ring's K/V traffic and the gradients' sum over cp (`cp_ring_bytes`,
     `cp_grad_bytes`); `recompute` the activation recomputation ("full" reruns each block's
-    forward, its tp communication included, in backward)."""
+    forward, its tp communication included, in backward). With ep, `ep_replicated_values`
+    is the gradient values of leaves replicated over ep this rank holds (`ep_grad_bytes`);
+    the experts' token all-to-all is not counted here."""
     out: dict[tuple[str, str], int] = {}
     cp = shape.get("cp", 1)
 
@@ -245,7 +257,9 @@ def step_bytes(
         add("pp", "send", m * sum(pp_send_bytes(c, rows, t, n_embd, itemsize, split) for c in chunks))
         if tied_bytes:
             add(f"pp[0,{shape['pp'] - 1}]", "all_reduce", tied_bytes)
-    if shape["pp"] * shape["dp"] * cp > 1:  # the step's loss
+    if shape.get("ep", 1) > 1:
+        add("ep", "all_reduce", ep_grad_bytes(ep_replicated_values, itemsize))
+    if shape["pp"] * shape["dp"] * shape.get("ep", 1) * cp > 1:  # the step's loss
         add("+".join(loss_axes(shape)), "all_reduce", SCALAR)
     if axes := norm_axes(shape, zero):  # the gradient norm
         add("+".join(axes), "all_reduce", SCALAR)

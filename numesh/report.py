@@ -243,11 +243,11 @@ def pipeline_bubble(trace: dict) -> dict[str, Any]:
 
 
 def _pipelines(ranks: dict[int, dict]) -> dict[tuple, dict[int, int]]:
-    """Every pipeline of the mesh: (dp, cp, tp) -> pp index -> rank."""
+    """Every pipeline of the mesh: (dp, ep, cp, tp) -> pp index -> rank."""
     pipes: dict[tuple, dict[int, int]] = {}
     for r, info in ranks.items():
         c = info["coords"]
-        pipes.setdefault((c["dp"], c.get("cp", 0), c["tp"]), {})[c["pp"]] = r
+        pipes.setdefault((c["dp"], c.get("ep", 0), c.get("cp", 0), c["tp"]), {})[c["pp"]] = r
     return pipes
 
 
@@ -327,6 +327,7 @@ def bytes_per_step(trace: dict) -> dict[int, dict[str, dict[str, float]]]:
             make_schedule(m["schedule"], m["mesh"]["pp"], m["micro_batches"], m["virtual_stages"]).split_backward,
             m.get("sequence_parallel", False), info.get("tp_partial_values", 0),  # absent in traces before sp
             recompute=m.get("recompute", "none"),  # traces written before --recompute ran without it
+            ep_replicated_values=info.get("ep_replicated_values", 0),  # absent in traces before ep
         )
         out[r] = {"measured": {k: v / n for k, v in sorted(got.items())},
                   "formula": {_bytes_key(*k): v for k, v in sorted(want.items())}}

@@ -148,7 +148,7 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
     cfg.validate()
     ck = load_checkpoint(cfg.ckpt, MPI.COMM_WORLD if comm is None else comm)  # every rank the same step
     mesh = Mesh.parse(cfg.mesh, comm)
-    if mesh.size(("pp", "dp")) > 1:
+    if mesh.size(("pp", "dp", "ep")) > 1:
         raise ConfigError("sampling runs on a tensor-parallel mesh only: use --mesh tp=N")
     dtype = np.float64 if ck.dtype == "float64" else np.float32
     params = shard_params(tree_map(lambda x: x.astype(dtype), ck.params), ck.model, mesh)

@@ -31,7 +31,7 @@ from numesh.checkpoint.model import shard_params
 from numesh.config import DTYPES, RESUME_AUTO, TrainConfig, check_layout, check_options, config_from, validate  # noqa: F401  (re-exported: numesh.train's old names)
 from numesh.errors import ConfigError, DataError, Interrupted, Preempted, abort_job
 from numesh.interrupt import InterruptWatch, parse_signals
-from numesh.mesh import AXES, Mesh, psum, psum_scalar, unshard
+from numesh.mesh import AXES, BATCH_AXES, Mesh, psum, psum_scalar, unshard
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
 from numesh.nn.moe import moe_metrics, stats_vector
@@ -151,8 +151,8 @@ class Trainer:
     def _micro_batches(self, data: D.TokenStream, key: tuple[int, ...], count: int) -> list:
         c, mesh = self.cfg, self.mesh
         try:
-            return D.local_batch(data, key, c.batch_size, c.block_size, mesh.index("dp"), mesh.size("dp"), count,
-                                 mesh.index("cp"), mesh.size("cp"))
+            return D.local_batch(data, key, c.batch_size, c.block_size, mesh.index(BATCH_AXES), mesh.size(BATCH_AXES),
+                                 count, mesh.index("cp"), mesh.size("cp"))
         except DataError as e:  # a file truncated or rewritten under the run, seen by this rank
             if mesh.world.Get_size() > 1:  # alone: the others would wait for it forever
                 print(f"error: {e}", file=sys.stderr, flush=True)
@@ -169,7 +169,7 @@ class Trainer:
             tr.span("data", "data", t_step)
         rows = micro[0][0].shape[0]
         drops = [
-            DropoutKey(c.dropout, c.seed, self.step, (mesh.index("dp") * len(micro) + m) * rows, c.batch_size)
+            DropoutKey(c.dropout, c.seed, self.step, (mesh.index(BATCH_AXES) * len(micro) + m) * rows, c.batch_size)
             if c.dropout > 0.0 else None
             for m in range(len(micro))
         ]
@@ -226,6 +226,7 @@ class Trainer:
             "tied_bytes": (self.model.padded_vocab(shape["tp"]) // shape["tp"] * self.model.n_embd * itemsize
                            if holds_tied else 0),
             "tp_partial_values": self.opt.tp_partial_values,
+            "ep_replicated_values": self.opt.ep_replicated_values,
         }
         self.trace_meta = {
             "mesh": dict(shape), "schedule": c.schedule, "micro_batches": c.micro_batches,
@@ -233,7 +234,7 @@ class Trainer:
             "recompute": c.recompute, "dtype": c.dtype, "itemsize": itemsize, "batch_size": c.batch_size,
             "block_size": c.block_size,
             "n_layer": self.model.n_layer, "n_embd": self.model.n_embd, "n_params": self.n_params,
-            "rows_per_micro_batch": c.batch_size // (shape["dp"] * c.micro_batches),
+            "rows_per_micro_batch": c.batch_size // (shape["dp"] * shape["ep"] * c.micro_batches),
             "tokens_per_step": self.tokens_per_step, "flops_per_token": flops_per_token(self.model, self.n_params),
             "peak_flops": peak_flops,
         }
@@ -284,7 +285,7 @@ def save_step(trainer: Trainer, out_dir: Path, keep: int = 0, saves: AsyncCheckp
         path = saves.start(state, out_dir, keep=keep or None)
     else:
         bad = sum(int(not np.isfinite(x).all()) for t in state.trees.values() for x in tree_leaves(t))
-        if psum_scalar(bad, trainer.mesh, ("pp", "dp", "cp", "tp")):
+        if psum_scalar(bad, trainer.mesh, AXES):
             raise ConfigError(f"not saving step {trainer.step}: its parameters or optimiser state are not finite")
         path = save_checkpoint(state, out_dir, keep=keep or None)
     if trainer.trace is not None:

@@ -28,7 +28,7 @@ from numesh.checkpoint import (
     save_checkpoint,
 )
 from numesh.checkpoint import save as save_mod
-from numesh.checkpoint.format import block_region, leaf_blocks
+from numesh.checkpoint.format import block_region, leaf_blocks, shard_suffix, writes_leaf
 from numesh.config import TrainConfig, config_from
 from numesh.data import prepare_char_dataset
 from numesh.errors import ConfigError
@@ -134,12 +134,15 @@ class FakeMesh:
         return i
 
 
-@pytest.mark.parametrize("sizes", [dict(pp=1, dp=1, cp=1, tp=1), dict(pp=2, dp=2, cp=1, tp=2),
-                                   dict(pp=1, dp=3, cp=1, tp=4), dict(pp=1, dp=2, cp=2, tp=2)])
+@pytest.mark.parametrize("sizes", [dict(pp=1, dp=1, ep=1, cp=1, tp=1), dict(pp=2, dp=2, ep=1, cp=1, tp=2),
+                                   dict(pp=1, dp=3, ep=1, cp=1, tp=4), dict(pp=1, dp=2, ep=1, cp=2, tp=2),
+                                   dict(pp=1, dp=2, ep=2, cp=1, tp=1), dict(pp=1, dp=1, ep=4, cp=2, tp=1)])
 def test_block_region_is_local_slices_and_blocks_tile(sizes: dict[str, int]) -> None:
+    """On every mesh, a dense block's and an MoE block's leaves (experts split over ep)."""
     from numesh.nn.gpt import GPTConfig
 
-    model = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=True)
+    model = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=True, moe_experts=4,
+                      moe_every=2)
     for path, leaf in gpt_leaves(model).items():
         shape, spec, padded = leaf.shape, leaf.spec, leaf.padded_shape(sizes)
         for coords in np.ndindex(*[sizes[a] for a in AXES]):
@@ -221,7 +224,7 @@ def test_round_trip_is_bit_exact(data: Path, tmp_path: Path) -> None:
     # the files: no pickle, padding never stored, meta.json complete
     meta = json.loads((step_dir / "meta.json").read_text())
     assert (meta["format"], meta["version"], meta["step"], meta["seed"]) == ("numesh-ckpt", 1, 3, 5)
-    assert meta["mesh"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 1} and meta["train"] == attrs.asdict(t.cfg)
+    assert meta["mesh"] == {"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": 1} and meta["train"] == attrs.asdict(t.cfg)
     assert meta["model"]["vocab_size"] == 11 and len(meta["tokenizer"]["chars"]) == 11
     assert meta["leaves"]["m/wte"]["shape"] == [11, 16]
     assert meta["leaves"]["params/blocks.1.attn.qkv.w"]["spec"] == [None, None, "tp"]
@@ -406,6 +409,59 @@ def test_keep_prunes_old_checkpoints(data: Path, tmp_path: Path) -> None:
 # resharding
 
 
+def test_each_expert_block_is_written_once_per_ep_index() -> None:
+    """On dp=2, ep=2, tp=2: an expert leaf (split over ep) is written by the dp=0, tp=0
+    rank of each ep index, its block of experts; a leaf replicated over ep by rank 0 only."""
+    sizes = dict(pp=1, dp=2, ep=2, cp=1, tp=2)
+    ranks = [dict(zip(AXES, c)) for c in np.ndindex(*[sizes[a] for a in AXES])]
+    expert, router, wte = P("ep", None, None), P(), P("tp", None)
+    assert [(c["ep"], shard_suffix(expert, c)) for c in ranks if writes_leaf(expert, c)] == [(0, "ep0"), (1, "ep1")]
+    assert [c for c in ranks if writes_leaf(router, c)] == [dict(pp=0, dp=0, ep=0, cp=0, tp=0)]
+    assert [(c["ep"], c["tp"]) for c in ranks if writes_leaf(wte, c)] == [(0, 0), (0, 1)]
+    assert writes_leaf(router, dict(pp=0, dp=0, cp=0, tp=0))  # coordinates of a mesh before ep: ep 0
+    assert [r for _, r in leaf_blocks((4, 3, 5), (4, 3, 5), expert, sizes)] == [
+        (slice(0, 2), slice(0, 3), slice(0, 5)), (slice(2, 4), slice(0, 3), slice(0, 5))]
+
+
+@pytest.fixture(scope="module")
+def saved_moe(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-rank checkpoint of a model with 4 experts in block 0, after 2 steps."""
+    out = tmp_path_factory.mktemp("saved_moe")
+    cfg = config(data, out, moe_experts=4, moe_every=2, moe_top_k=2, dropout=0.0)
+    save_checkpoint(train_state(trainer_after(cfg, 2)), out)
+    return out / "ckpt" / "step_000002"
+
+
+def test_reshard_an_moe_checkpoint_across_ep_sizes(saved_moe: Path, data: Path, tmp_path: Path) -> None:
+    """Experts split over ep in whole blocks (ep rank r: experts r*E/ep ...); the router and
+    the dense leaves stay one block; every value survives ep=1 -> 2 -> 4 -> 1, and the
+    result restores on one rank."""
+    ep2 = reshard(saved_moe, "ep=2", tmp_path / "ep2")
+    meta = json.loads((ep2 / "meta.json").read_text())
+    assert meta["mesh"] == {"pp": 1, "dp": 1, "ep": 2, "cp": 1, "tp": 1}
+    for leaf in ("params/blocks.0.mlp.fc.w", "m/blocks.0.mlp.proj.w", "v/blocks.0.mlp.fc.b",
+                 "params/blocks.0.mlp.proj.b"):
+        files = meta["leaves"][leaf]["files"]
+        assert [(r["offset"][0], r["shape"][0]) for r in files] == [(0, 2), (2, 2)], leaf
+        assert [r["file"].rsplit(".", 2)[-2] for r in files] == ["ep0", "ep1"], leaf
+    for leaf in ("params/blocks.0.mlp.router.w", "params/blocks.1.mlp.fc.w", "params/wte"):
+        assert len(meta["leaves"][leaf]["files"]) == 1, leaf
+    ep4 = reshard(ep2, "dp=2,ep=4", tmp_path / "dp2ep4")
+    assert len(json.loads((ep4 / "meta.json").read_text())["leaves"]["params/blocks.0.mlp.fc.w"]["files"]) == 4
+    back = reshard(ep4, "dp=1,ep=1", tmp_path / "back")
+    for d in (ep2, ep4, back):
+        assert_states_equal(read_state(d)[1], read_state(saved_moe)[1])
+    leaves = [json.loads((d / "meta.json").read_text())["leaves"] for d in (back, saved_moe)]
+    assert leaves[0] == leaves[1]
+    t = Trainer(config(data, tmp_path / "t", moe_experts=4, moe_every=2, moe_top_k=2, dropout=0.0), MPI.COMM_SELF)
+    restore(t, ep2)
+    assert t.step == 2
+    assert_states_equal(state_trees(t), read_state(saved_moe)[1])
+    with pytest.raises(ConfigError, match="^--to ep=3: the model's 4 experts do not split over ep=3: use an ep that "
+                                          "divides 4$"):
+        reshard(saved_moe, "ep=3", tmp_path / "x")
+
+
 def test_reshard_tp1_to_tp4_keeps_every_value(saved: Path, data: Path, tmp_path: Path) -> None:
     src = tmp_path / "ckpt" / saved.name
     shutil.copytree(saved, src)
@@ -413,7 +469,7 @@ def test_reshard_tp1_to_tp4_keeps_every_value(saved: Path, data: Path, tmp_path:
     out = reshard(tmp_path / "ckpt" / "latest", "tp=4")
     assert out == tmp_path / "ckpt" / "step_000003-tp4"
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["mesh"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 4}
+    assert meta["mesh"] == {"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": 4}
     wte = meta["leaves"]["params/wte"]["files"]  # vocabulary 11 over tp=4: rows 3, 3, 3, 2 (+1 padding)
     assert [(r["offset"][0], r["shape"][0]) for r in wte] == [(0, 3), (3, 3), (6, 3), (9, 2)]
     assert len(meta["leaves"]["v/blocks.0.mlp.proj.w"]["files"]) == 4
@@ -439,7 +495,7 @@ def test_reshard_to_a_cp_mesh_writes_the_same_blocks(saved: Path, data: Path, tm
     out = reshard(saved, "cp=2,tp=2", tmp_path / "cp2tp2")
     ref = reshard(saved, "tp=2", tmp_path / "tp2")
     meta, want = (json.loads((d / "meta.json").read_text()) for d in (out, ref))
-    assert meta["mesh"] == {"pp": 1, "dp": 1, "cp": 2, "tp": 2}
+    assert meta["mesh"] == {"pp": 1, "dp": 1, "ep": 1, "cp": 2, "tp": 2}
     assert meta["leaves"] == want["leaves"]
     assert_states_equal(read_state(out)[1], read_state(saved)[1])
     b = Trainer(config(data, tmp_path / "b"), MPI.COMM_SELF)
@@ -456,6 +512,9 @@ def test_reshard_validates_the_target(saved: Path, tmp_path: Path) -> None:
         reshard(saved, "pp=3", tmp_path / "x")
     with pytest.raises(MeshError, match="unknown mesh axis 'xp'"):
         reshard(saved, "xp=2", tmp_path / "x")
+    with pytest.raises(ConfigError, match="^--to ep=2 splits the experts over ranks, but this checkpoint's model has "
+                                          "none: drop ep from --to$"):
+        reshard(saved, "ep=2", tmp_path / "x")
     with pytest.raises(MeshError, match="malformed"):
         reshard(saved, "tp", tmp_path / "x")
     (tmp_path / "exists").mkdir()

@@ -40,18 +40,21 @@ from numesh.mesh import (
 @pytest.mark.parametrize(
     "spec, n, want",
     [
-        ("", 1, dict(pp=1, dp=1, cp=1, tp=1)),
-        (None, 1, dict(pp=1, dp=1, cp=1, tp=1)),
-        ("dp=2,tp=2,pp=2", 8, dict(pp=2, dp=2, cp=1, tp=2)),
-        ("tp=4", 4, dict(pp=1, dp=1, cp=1, tp=4)),
-        (" dp = 2 , tp = 2 ", 4, dict(pp=1, dp=2, cp=1, tp=2)),
-        ("dp=-1,tp=2", 8, dict(pp=1, dp=4, cp=1, tp=2)),
-        ("tp=-1", 8, dict(pp=1, dp=1, cp=1, tp=8)),
-        ("pp=2,dp=-1,tp=2", 8, dict(pp=2, dp=2, cp=1, tp=2)),
-        ("dp=-1", 1, dict(pp=1, dp=1, cp=1, tp=1)),
-        ({"dp": -1, "tp": 2}, 8, dict(pp=1, dp=4, cp=1, tp=2)),
-        ("dp=2,cp=2,tp=2", 8, dict(pp=1, dp=2, cp=2, tp=2)),
-        ("cp=-1,tp=2", 8, dict(pp=1, dp=1, cp=4, tp=2)),
+        ("", 1, dict(pp=1, dp=1, ep=1, cp=1, tp=1)),
+        (None, 1, dict(pp=1, dp=1, ep=1, cp=1, tp=1)),
+        ("dp=2,tp=2,pp=2", 8, dict(pp=2, dp=2, ep=1, cp=1, tp=2)),
+        ("tp=4", 4, dict(pp=1, dp=1, ep=1, cp=1, tp=4)),
+        (" dp = 2 , tp = 2 ", 4, dict(pp=1, dp=2, ep=1, cp=1, tp=2)),
+        ("dp=-1,tp=2", 8, dict(pp=1, dp=4, ep=1, cp=1, tp=2)),
+        ("tp=-1", 8, dict(pp=1, dp=1, ep=1, cp=1, tp=8)),
+        ("pp=2,dp=-1,tp=2", 8, dict(pp=2, dp=2, ep=1, cp=1, tp=2)),
+        ("dp=-1", 1, dict(pp=1, dp=1, ep=1, cp=1, tp=1)),
+        ({"dp": -1, "tp": 2}, 8, dict(pp=1, dp=4, ep=1, cp=1, tp=2)),
+        ("dp=2,cp=2,tp=2", 8, dict(pp=1, dp=2, ep=1, cp=2, tp=2)),
+        ("cp=-1,tp=2", 8, dict(pp=1, dp=1, ep=1, cp=4, tp=2)),
+        ("ep=2", 2, dict(pp=1, dp=1, ep=2, cp=1, tp=1)),
+        ("dp=2,ep=2", 4, dict(pp=1, dp=2, ep=2, cp=1, tp=1)),
+        ("ep=-1,dp=2", 8, dict(pp=1, dp=2, ep=4, cp=1, tp=1)),
     ],
 )
 def test_parse_mesh(spec: object, n: int, want: dict) -> None:
@@ -63,7 +66,8 @@ def test_parse_mesh(spec: object, n: int, want: dict) -> None:
     [
         ("dp=2,tp=2", 8, "needs 4 ranks"),  # product != ranks
         ("dp=2", 1, "needs 2 ranks"),
-        ("ep=2", 2, "unknown mesh axis 'ep'"),
+        ("xp=2", 2, "unknown mesh axis 'xp': the axes are pp, dp, ep, cp, tp"),
+        ("dp=2,ep=2", 2, "needs 4 ranks"),
         ("dp=0", 1, ">= 1"),
         ("tp=-2", 2, ">= 1"),
         ("dp2", 2, "malformed"),
@@ -91,25 +95,25 @@ def test_mesh_error_is_value_error() -> None:
 
 def test_mesh_on_comm_self() -> None:
     mesh = self_mesh()
-    assert mesh.shape == {"pp": 1, "dp": 1, "cp": 1, "tp": 1}
+    assert mesh.shape == {"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": 1}
     for axes in (*AXES, ("dp", "tp"), ("pp", "dp", "tp"), ("tp", "pp")):
         assert mesh.size(axes) == 1
         assert mesh.index(axes) == 0
         assert mesh.comm(axes).Get_size() == 1
     assert mesh.rank == 0
-    assert mesh.coords == {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
+    assert mesh.coords == {"pp": 0, "dp": 0, "ep": 0, "cp": 0, "tp": 0}
     assert mesh.neighbors("pp") == (MPI.PROC_NULL, MPI.PROC_NULL)
     assert mesh.axes_of_size_gt1() == ()
     assert mesh.comm(("tp", "dp")) is mesh.comm(("dp", "tp"))  # one cached sub-communicator per axis set
-    assert repr(mesh) == "Mesh(pp=1, dp=1, cp=1, tp=1)"
+    assert repr(mesh) == "Mesh(pp=1, dp=1, ep=1, cp=1, tp=1)"
     with pytest.raises(MeshError):
-        mesh.size("ep")
+        mesh.size("xp")
     with pytest.raises(MeshError):
-        mesh.comm("ep")
+        mesh.comm("xp")
 
 
 def test_mesh_parse_and_create_check_the_rank_count() -> None:
-    assert Mesh.parse("dp=-1", MPI.COMM_SELF).shape == {"pp": 1, "dp": 1, "cp": 1, "tp": 1}
+    assert Mesh.parse("dp=-1", MPI.COMM_SELF).shape == {"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": 1}
     with pytest.raises(MeshError):
         Mesh.parse("tp=2", MPI.COMM_SELF)
     with pytest.raises(MeshError):
@@ -140,6 +144,27 @@ def test_merged_axis_size_and_index_are_row_major_in_axis_order() -> None:
     assert m3.index(("dp", "cp", "tp")) == (1 * 2 + 1) * 2 + 0
     assert m3.index(("cp", "dp")) == 1 * 2 + 1
     assert _fake_mesh(pp=3).neighbors("pp") == (MPI.PROC_NULL, 1)
+
+
+def test_ep_sits_between_dp_and_cp() -> None:
+    """Axis order pp, dp, ep, cp, tp: the batch's rows split over dp×ep with dp outer."""
+    assert AXES == ("pp", "dp", "ep", "cp", "tp")
+    m = _fake_mesh(dp=2, ep=3, cp=2, dp_i=1, ep_i=2, cp_i=1)
+    assert m.size(("dp", "ep")) == 6
+    assert m.index(("dp", "ep")) == 1 * 3 + 2
+    assert m.index(("ep", "dp")) == 1 * 3 + 2  # canonical order whatever the order given
+    assert m.index(("dp", "ep", "cp")) == (1 * 3 + 2) * 2 + 1
+    assert m.index(("ep", "cp")) == 2 * 2 + 1
+
+
+def test_ep_coords_follow_cart_create_with_tp_fastest() -> None:
+    """World rank -> coordinates on pp=1,dp=2,ep=2,cp=1,tp=2 (what Cart_create gives with
+    reorder=False): tp fastest, then ep, then dp."""
+    from numesh.observe.diagnosis import grid_coords
+
+    got = grid_coords({"dp": 2, "ep": 2, "tp": 2})
+    assert [(c["dp"], c["ep"], c["tp"]) for _, c in sorted(got.items())] == [
+        (d, e, t) for d in range(2) for e in range(2) for t in range(2)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -215,7 +240,7 @@ def test_byte_counter_formulas() -> None:
     assert c.total(kind="payload") == 1000 + 800 + 400 + 64
     assert c.total(kind="calls") == 4
     with pytest.raises(MeshError):
-        c.total("ep")
+        c.total("xp")
     c.reset()
     assert c.total() == 0 and c.total(kind="calls") == 0
 
@@ -229,14 +254,17 @@ def test_partition_spec_validation() -> None:
     assert P(None, "tp").axes() == ("tp",)
     assert P(("tp", "dp"), None).axes() == ("dp", "tp")
     assert P().axes() == ()
-    for bad in (("ep",), (None, "TP"), (("dp", "xx"),)):
+    assert P("ep", None).axes() == ("ep",)
+    assert P(("ep", "dp"), None).axes() == ("dp", "ep")
+    for bad in (("EP",), (None, "TP"), (("dp", "xx"),)):
         with pytest.raises(MeshError):
             P(*bad)
 
 
 def test_replicated_axes() -> None:
-    assert replicated_axes(P(None, "tp")) == ("pp", "dp", "cp")
-    assert replicated_axes(P(("dp", "tp"))) == ("pp", "cp")
+    assert replicated_axes(P(None, "tp")) == ("pp", "dp", "ep", "cp")
+    assert replicated_axes(P("ep", None), _fake_mesh(dp=2, ep=2)) == ("dp",)
+    assert replicated_axes(P(("dp", "tp"))) == ("pp", "ep", "cp")
     assert replicated_axes(P()) == AXES
     assert replicated_axes(P(None, "tp"), self_mesh()) == ()  # with a mesh: only axes of size > 1
     assert replicated_axes(P(None, "tp"), _fake_mesh(dp=2, tp=2)) == ("dp",)
@@ -353,3 +381,24 @@ def test_sequence_parallel_formulas_move_plain_tp_bus_bytes_plus_the_regathers()
     assert sp[("tp", "all_reduce")] == 96 * 4  # the LayerNorm grads, once per step
     assert plain[("tp", "all_reduce")] == 3 * (4 * 2 + 1) * act
     assert sp[("pp", "send")] * 2 == plain[("pp", "send")]
+
+
+def test_ep_formulas_add_the_replicated_leaves_all_reduce_and_ep_to_the_loss_and_norm() -> None:
+    """ep is data parallelism for the batch: the loss is summed over it and the norm too (its
+    ranks hold other experts); the leaves replicated over ep add one all-reduce over ep of the
+    values this rank holds; the dp gradient traffic is that of the same mesh without ep."""
+    from numesh.formulas import SCALAR, Chunk, ep_grad_bytes, loss_axes, norm_axes, step_bytes
+
+    assert loss_axes({"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": 1}) == ("pp", "dp")
+    assert loss_axes({"pp": 1, "dp": 2, "ep": 2, "cp": 2, "tp": 1}) == ("pp", "dp", "ep", "cp")
+    assert norm_axes({"pp": 2, "dp": 2, "ep": 2, "cp": 1, "tp": 2}, 1) == ("pp", "dp", "ep", "tp")
+    assert norm_axes({"pp": 1, "dp": 2, "tp": 1}, 0) == ()  # a trace from before ep
+    kw = dict(zero=1, micro_batches=2, rows=2, block_size=8, n_embd=16, itemsize=8, chunks=[Chunk(2, True, True)],
+              padded_blocks=100, padded_outer=50, tied_bytes=0)
+    dense = step_bytes({"pp": 1, "dp": 2, "ep": 1, "cp": 1, "tp": 1}, **kw, ep_replicated_values=70)
+    ep = step_bytes({"pp": 1, "dp": 2, "ep": 2, "cp": 1, "tp": 1}, **kw, ep_replicated_values=70)
+    assert ep_grad_bytes(70, 8) == 560
+    assert ep.pop(("ep", "all_reduce")) == 560
+    assert ep.pop(("pp+dp+ep", "all_reduce")) == SCALAR and dense.pop(("pp+dp", "all_reduce")) == SCALAR
+    assert ep.pop(("dp+ep", "all_reduce")) == SCALAR and dense.pop(("dp", "all_reduce")) == SCALAR  # the norm
+    assert ep == dense and ("dp", "reduce_scatter") in ep

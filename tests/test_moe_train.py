@@ -87,10 +87,15 @@ def test_a_stopped_run_resumes_exactly(shakespeare: Path, tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("overrides, n_ranks, match", [
-    (dict(mesh="dp=2"), 2, "experts on a mesh with dp=2 are not supported yet: run on one rank"),
-    (dict(mesh="tp=2"), 2, "experts on a mesh with tp=2 are not supported yet: run on one rank"),
-    (dict(mesh="pp=2,cp=2"), 4, "experts on a mesh with pp=2,cp=2 are not supported yet"),
-    (dict(micro_batches=2), 1, "micro-batches > 1 are not supported yet"),
+    (dict(mesh="tp=2"), 2, "experts on a mesh with tp=2 are not supported yet: use dp, ep and cp only"),
+    (dict(mesh="pp=2,cp=2"), 4, "experts on a mesh with pp=2 are not supported yet"),
+    (dict(mesh="ep=2,tp=2"), 4, "experts on a mesh with tp=2 are not supported yet"),
+    (dict(mesh="ep=2", moe_experts=0), 2, "ep=2 splits the experts over ranks, but the model has none: "
+                                          "set --moe-experts or drop ep from --mesh"),
+    (dict(mesh="ep=4", moe_experts=6), 4, "--moe-experts 6 do not split over ep=4"),
+    (dict(mesh="dp=2,ep=2", batch_size=6), 4, "batch_size 6 is not divisible by dp=2 x ep=2 x micro_batches=1: "
+                                              "use a multiple of 4"),
+    (dict(mesh="ep=2", micro_batches=2, batch_size=6), 2, "not divisible by dp=1 x ep=2 x micro_batches=2"),
     (dict(init_from="gpt2"), 1, "--init-from with experts is not supported yet"),
     (dict(moe_top_k=5), 1, "moe_top_k must be between 1 and moe_experts=4"),
     (dict(moe_experts=-2), 1, "moe_experts must be >= 0"),
@@ -121,6 +126,18 @@ def test_a_capacity_drops_and_is_saved_with_the_model(shakespeare: Path, tmp_pat
     del raw["model"]["moe_capacity_factor"]
     meta_path.write_text(json.dumps(raw))
     assert read_meta(out / "ckpt" / "latest").model.moe_capacity_factor == 0.0
+
+
+@pytest.mark.parametrize("overrides, n_ranks", [
+    (dict(mesh="dp=2"), 2), (dict(mesh="ep=2"), 2), (dict(mesh="dp=2,ep=2"), 4), (dict(mesh="ep=4"), 4),
+    (dict(mesh="cp=2"), 2), (dict(mesh="ep=2,cp=2"), 4), (dict(micro_batches=2), 1),
+    (dict(mesh="ep=2", micro_batches=2), 2),
+])
+def test_experts_combine_with_dp_ep_cp_and_micro_batches(overrides: dict, n_ranks: int, tmp_path: Path) -> None:
+    """ep is data parallelism for all but the experts; the per-sequence load-balancing loss
+    makes micro-batches exact: these layouts pass the checks."""
+    shape, model = check_layout(_config(tmp_path, tmp_path / "out", **overrides), n_ranks, 65)
+    assert model.moe_experts == 4 and shape["ep"] * shape["dp"] * shape["cp"] == n_ranks
 
 
 def test_dense_runs_ignore_the_expert_settings(shakespeare: Path, tmp_path: Path) -> None:

@@ -106,7 +106,7 @@ def test_a_train_error_is_the_first_line_not_after_a_blank_one(char_dataset: Pat
     on a non-terminal), before the error line."""
     res = cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--mesh", "tp=3")
     one_error_line(res)
-    assert res.stderr.startswith("error: mesh pp=1,dp=1,cp=1,tp=3 needs 3 ranks"), repr(res.stderr)
+    assert res.stderr.startswith("error: mesh pp=1,dp=1,ep=1,cp=1,tp=3 needs 3 ranks"), repr(res.stderr)
 
 
 def _float_options() -> list[str]:
@@ -178,7 +178,7 @@ def test_the_memory_check_names_both_numbers_and_leaves_the_readmes_runs_alone()
                                           r"memory is free here, 1.0 GiB for each of 4 ranks: "):
         check_fits(need, 2**30, 4)
     check_fits(need, 8 * 2**30, 1)
-    one = {"pp": 1, "dp": 1, "cp": 1, "tp": 1}
+    one = {"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": 1}
     assert run_memory(config_from({}), one, 65, 16).total < 100 * 2**20  # the quick start: tens of MiB
     gpt2 = config_from({"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "bias": True,
                         "batch_size": 4})
@@ -320,3 +320,37 @@ def test_a_config_file_that_is_not_utf8_toml_is_one_line(char_dataset: Path, tmp
     line = one_error_line(cli("train", "--config", str(toml), "--data", str(char_dataset), "--out",
                               str(tmp_path / "o")))
     assert line.startswith(f"error: config file {toml} is not valid TOML: 'utf-8' codec can't decode")
+
+
+# ---------------------------------------------------------------------------------------
+# the expert-parallel axis: refused in one line on the ranks it names, before anything is written
+
+EP_ERRORS = [
+    (["--mesh", "ep=2"], "error: ep=2 splits the experts over ranks, but the model has none: set --moe-experts or "
+                         "drop ep from --mesh"),
+    (["--mesh", "ep=2", "--moe-experts", "3"], "error: --moe-experts 3 do not split over ep=2: use a multiple of 2 "
+                                               "experts or another ep"),
+    (["--mesh", "ep=2", "--moe-experts", "4", "--batch-size", "5"],
+     "error: batch_size 5 is not divisible by dp=1 x ep=2 x micro_batches=1: use a multiple of 2"),
+    (["--mesh", "ep=2", "--moe-experts", "2", "--moe-top-k", "1", "--init-from", "gpt2"],
+     "error: --init-from with experts is not supported yet: its weights are a dense model's"),
+]
+
+
+@pytest.mark.parametrize("args, want", EP_ERRORS, ids=["no-experts", "experts-not-divisible", "batch", "init-from"])
+def test_an_ep_mesh_error_is_one_line_and_exit_2(char_dataset: Path, tmp_path: Path, args: list[str],
+                                                 want: str) -> None:
+    """`mpiexec -n 2 numesh train --mesh ep=2 ...`: the job exits 2 with one error line (the
+    checks need the ranks the mesh names, so this runs a real two-rank job)."""
+    from test_mpi_suites import clean_env, launcher
+
+    found = launcher()
+    if found is None:
+        pytest.skip("no mpiexec")
+    code = "import sys; from numesh_cli.app import main; sys.argv = ['numesh', *sys.argv[1:]]; main()"
+    res = subprocess.run([found[0], "-n", "2", sys.executable, "-c", code, "train", "--data", str(char_dataset),
+                          "--out", str(tmp_path / "o"), "--max-iters", "1", *args],
+                         env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert [line for line in res.stderr.splitlines() if line.strip()] == [want], res.stderr
+    assert not (tmp_path / "o").exists()

@@ -188,8 +188,8 @@ def test_trace_has_every_rank_action_op_and_flow(traced_run: tuple[Path, str]) -
     evs = trace["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "process_name"}
     assert sorted(names) == list(range(8))
-    for r, label in names.items():  # tp varies fastest, then (cp,) dp, then pp
-        assert label == f"rank {r} (pp={r // 4},dp={r // 2 % 2},cp=0,tp={r % 2})"
+    for r, label in names.items():  # tp varies fastest, then (cp, ep,) dp, then pp
+        assert label == f"rank {r} (pp={r // 4},dp={r // 2 % 2},ep=0,cp=0,tp={r % 2})"
     for r in range(8):
         mine = [e for e in evs if e["pid"] == r and e["ph"] == "X"]
         assert {e["args"]["kind"] for e in mine if e["cat"] == "compute"} == {"F", "B", "W"}
@@ -212,7 +212,7 @@ def test_trace_has_every_rank_action_op_and_flow(traced_run: tuple[Path, str]) -
 
 def test_report_of_the_run(traced_run: tuple[Path, str]) -> None:
     out, log = traced_run
-    assert "numesh report: mesh pp=2,dp=2,cp=1,tp=2" in log  # printed at the end of the traced run
+    assert "numesh report: mesh pp=2,dp=2,ep=1,cp=1,tp=2" in log  # printed at the end of the traced run
     rep = report.build(report.load(out))
     assert rep["steps"] == 3  # 4 steps, the first left out
     for r, t in rep["time_ms"].items():

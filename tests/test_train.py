@@ -245,7 +245,7 @@ def test_validate_missing_dataset(tmp_path: Path) -> None:
 def test_validate_ok_returns_mesh_and_model(char_dataset: Path, tmp_path: Path) -> None:
     cfg = run_config(char_dataset, tmp_path / "out", mesh="dp=-1,tp=2", n_head=2)
     shape, model = validate(cfg, 4)
-    assert shape == {"pp": 1, "dp": 2, "cp": 1, "tp": 2}
+    assert shape == {"pp": 1, "dp": 2, "ep": 1, "cp": 1, "tp": 2}
     assert model.n_embd == 16 and model.vocab_size == len(set(SYNTH_TEXT))
 
 

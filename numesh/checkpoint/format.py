@@ -112,7 +112,7 @@ def writes_leaf(spec: Sequence, coords: dict[str, int]) -> bool:
     """Whether the rank at `coords` writes its block of a leaf: among the ranks holding the
     same block (those differing only on axes the leaf is replicated over), the first."""
     split = set(P(*spec).axes())
-    return all(coords[a] == 0 for a in ("dp", "cp", "tp") if a not in split)
+    return all(coords.get(a, 0) == 0 for a in AXES if a != "pp" and a not in split)  # pp: stages hold other leaves
 
 
 def leaf_blocks(global_shape: Sequence[int], padded_shape: Sequence[int], spec: Sequence,

@@ -109,7 +109,7 @@ def _unpad_leaf(x: np.ndarray, leaf: LeafDef) -> np.ndarray:
 def pad_vocab(params: GPT, model: GPTConfig, tp: int) -> GPT:
     """Whole unpadded parameters padded for tensor-parallel size `tp` (zero rows)."""
     leaves = gpt_leaves(model)
-    sizes = {"pp": 1, "dp": 1, "cp": 1, "tp": tp}
+    sizes = {"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": tp}
     return tree_map_with_path(lambda path, x: _pad_leaf(x, leaves[path], sizes), params)
 
 

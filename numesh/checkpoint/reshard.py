@@ -57,6 +57,7 @@ def _reshard(root: Path, to: str, out: str | Path | None) -> Path:
     src_mesh = meta.raw.get("mesh") if isinstance(meta.raw.get("mesh"), dict) else {}
     sizes, named = target_mesh(src_mesh, to)
     meta.model.validate(sizes["tp"])
+    _check_ep(meta.model.moe_experts, sizes["ep"])
     if sizes["cp"] > 1 and meta.model.block_size % (2 * sizes["cp"]):
         raise ConfigError(f"block_size={meta.model.block_size} does not split into 2*cp={2 * sizes['cp']} "
                           f"equal chunks: use a cp with 2*cp dividing {meta.model.block_size}")
@@ -85,6 +86,16 @@ def _reshard(root: Path, to: str, out: str | Path | None) -> Path:
             raise CheckpointError(f"cannot write --out {out}: {os_reason(e)}: choose another --out") from None
         raise
     return out
+
+
+def _check_ep(experts: int, ep: int) -> None:
+    """ep splits the experts (whole ones: E/ep per ep rank); a dense model has none to split."""
+    if ep > 1 and not experts:
+        raise ConfigError(f"--to ep={ep} splits the experts over ranks, but this checkpoint's model has none: "
+                          f"drop ep from --to")
+    if experts % ep:
+        raise ConfigError(f"--to ep={ep}: the model's {experts} experts do not split over ep={ep}: "
+                          f"use an ep that divides {experts}")
 
 
 def _write_blocks(meta: Meta, sizes: dict[str, int], tmp: Path) -> dict[str, dict]:

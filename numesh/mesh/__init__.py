@@ -22,13 +22,12 @@ from numesh.mesh.collectives import (
     sendrecv,
 )
 from numesh.mesh.hook import Observer, SkipCall
-from numesh.mesh.mesh import AXES, ByteCounter, Group, Mesh, MeshError, parse_mesh
+from numesh.mesh.mesh import AXES, BATCH_AXES, ByteCounter, Group, Mesh, MeshError, parse_mesh
 from numesh.mesh.spec import P, local_shape, local_slices, replicated_axes, shard, unshard
 
 __all__ = [
-    "AXES", "ByteCounter", "Group", "Handle", "Mesh", "MeshError", "Observer", "P", "SkipCall", "all_gather",
-    "all_gather_inplace", "all_to_all", "all_to_all_v",
-    "broadcast", "ipsum", "ipsum_scatter", "irecv", "isend", "local_shape", "local_slices",
-    "parse_mesh", "pmax", "psum", "psum_scalar", "psum_tree", "psum_scatter", "recv", "replicated_axes", "send",
-    "sendrecv", "shard", "unshard",
+    "AXES", "BATCH_AXES", "ByteCounter", "Group", "Handle", "Mesh", "MeshError", "Observer", "P", "SkipCall",
+    "all_gather", "all_gather_inplace", "all_to_all", "all_to_all_v", "broadcast", "ipsum", "ipsum_scatter", "irecv",
+    "isend", "local_shape", "local_slices", "parse_mesh", "pmax", "psum", "psum_scalar", "psum_tree", "psum_scatter",
+    "recv", "replicated_axes", "send", "sendrecv", "shard", "unshard",
 ]

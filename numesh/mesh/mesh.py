@@ -1,10 +1,12 @@
-"""The process mesh: named axes pp × dp × cp × tp over an MPI communicator.
+"""The process mesh: named axes pp × dp × ep × cp × tp over an MPI communicator.
 
 Ranks are laid out by `Cart_create` with tp varying fastest, then cp (context parallel:
-each rank holds a slice of every sequence), as Megatron orders them: a tensor-parallel
-group is a run of neighbouring ranks (on one node, when ranks are placed in order), and
-the cp ring, which moves K/V blocks every layer, is the next nearest. Every axis and every
-combination of axes has its own sub-communicator from `Cart_sub`.
+each rank holds a slice of every sequence), then ep (expert parallel: data parallel for
+everything but the MoE experts, which it splits), as Megatron orders them: a
+tensor-parallel group is a run of neighbouring ranks (on one node, when ranks are placed
+in order), the cp ring, which moves K/V blocks every layer, is the next nearest, and the
+ep group's all-to-all of tokens the next. Every axis and every combination of axes has
+its own sub-communicator from `Cart_sub`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from mpi4py import MPI
 from numesh.errors import MeshError
 
 AXES: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")
+# the axes the global batch's rows split over, dp outer (`Mesh.index` merges them row-major):
+# ep is data parallelism for every leaf but the experts
+BATCH_AXES: tuple[str, ...] = ("dp", "ep")
 
 
 @attrs.frozen
@@ -42,7 +47,8 @@ def parse_axis_sizes(spec: str) -> dict[str, int]:
             continue
         name, eq, value = part.partition("=")
         if not eq or not name:
-            raise MeshError(f"malformed mesh '{spec}': expected comma-separated axis=size, e.g. dp=2,cp=2,tp=2,pp=2")
+            raise MeshError(f"malformed mesh '{spec}': expected comma-separated axis=size, "
+                            f"e.g. dp=2,ep=2,cp=2,tp=2,pp=2")
         if name in sizes:
             raise MeshError(f"axis '{name}' given twice in mesh '{spec}'")
         if name not in AXES:
@@ -228,7 +234,7 @@ class Mesh:
 
 
 def axis_names(axes: Iterable[str] | str) -> tuple[str, ...]:
-    """Canonical (pp, dp, cp, tp) ordering of a set of axis names (a group's: its axis)."""
+    """Canonical (pp, dp, ep, cp, tp) ordering of a set of axis names (a group's: its axis)."""
     if isinstance(axes, Group):
         return (axes.axis,)
     return _axes_key(tuple(axes) if not isinstance(axes, str) else axes)

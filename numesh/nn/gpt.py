@@ -140,9 +140,11 @@ def _layout(cfg: GPTConfig, tp: int) -> GPT:
     def mlp(layer: int) -> MLP | MoE:
         if (moe := cfg.moe(layer)) is None:
             return MLP(fc=lin("normal", (C, H), col, (H,), P("tp")), proj=lin("residual", (H, C), row, (C,), P()))
-        E = moe.experts  # every expert whole on the one rank; checkpoints hold [E, ...] arrays
-        return MoE(router=Linear(_Leaf("normal", (C, E), P())), fc=lin("normal", (E, C, H), P(), (E, H), P()),
-                   proj=lin("residual", (E, H, C), P(), (E, C), P()))
+        # ep rank r holds experts r*E/ep ... (r+1)*E/ep - 1, whole; the router is replicated.
+        # Checkpoints hold whole [E, ...] arrays, whatever the ep
+        E, ep3, ep2 = moe.experts, P("ep", None, None), P("ep", None)
+        return MoE(router=Linear(_Leaf("normal", (C, E), P())), fc=lin("normal", (E, C, H), ep3, (E, H), ep2),
+                   proj=lin("residual", (E, H, C), ep3, (E, C), ep2))
 
     def block(layer: int) -> Block:
         return Block(

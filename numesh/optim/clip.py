@@ -1,8 +1,9 @@
 """Global-norm gradient clipping that counts every parameter exactly once across the mesh.
 
 The norm itself is `ZeroOptimizer.global_norm`, on the flat gradient buffers. Ranks along
-pp and tp hold different parameters (or different slices of them), so their partial sums
-are added; a leaf replicated over tp is counted on tp rank 0 only (`counted_once`). Over
+pp, ep and tp hold different parameters (or different slices of them: ep the experts), so
+their partial sums are added; a leaf replicated over tp or ep is counted on rank 0 of that
+axis only (`counted_once`). Over
 dp the synchronised gradients are identical copies, so dp enters only when the gradient
 is sharded (ZeRO >= 1). The one pp duplicate (the tied embedding on the first and last
 stage) is left out by the caller.
@@ -14,9 +15,10 @@ from numesh.mesh import Mesh, P, replicated_axes
 
 
 def counted_once(spec: P, mesh: Mesh) -> bool:
-    """Whether this rank's copy of a leaf enters the norm: one copy over tp when the leaf
-    is replicated there (its spec does not split it over tp)."""
-    return "tp" not in replicated_axes(spec, mesh) or mesh.index("tp") == 0
+    """Whether this rank's copy of a leaf enters the norm: one copy over tp, and over ep,
+    when the leaf is replicated there (its spec does not split it over that axis)."""
+    replicated = replicated_axes(spec, mesh)
+    return all(mesh.index(a) == 0 for a in ("ep", "tp") if a in replicated)
 
 
 def clip_scale(norm: float, max_norm: float) -> float:

@@ -22,6 +22,11 @@ optimiser state is sharded over dp only, so cp ranks stay exact replicas of each
 and first all-reduce the gradient over cp, then reduce-scatter it over dp: one extra
 all-reduce on the (small, usually intra-node) cp group, but no second layout sharded
 over dp·cp to keep in step with checkpoints and ZeRO-3's parameter gathers.
+
+Expert parallelism: the sync is over dp (and cp) only, for every leaf. The ep ranks of one
+dp index hold other experts, so their buffers are not replicas and no collective here can
+span ep; the leaves replicated over ep (all but the experts) are summed over ep afterwards
+by `ZeroOptimizer.wait`, on the values each rank holds after this reduction.
 """
 
 from __future__ import annotations

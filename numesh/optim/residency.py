@@ -3,6 +3,10 @@
 A residency serves each unit's parameter tree to the model loop (`get`/`release`), gives
 the optimiser the flat values this rank updates (`update_view`), and makes every rank's
 copy whole again after the step where the update was sharded (`after_step`).
+
+Shards and gathers are over dp only, whatever cp and ep are: cp and ep ranks of one dp
+index hold one layout (under ep, E/ep experts each, so the same sizes) and update their
+replicated values identically, so they stay exact copies without a gather of their own.
 """
 
 from __future__ import annotations

@@ -12,6 +12,17 @@ residency once; nothing below asks for it again.
 | 1 | full | full | 1/dp | reduce-scatter, then all-gather of updated params |
 | 2 | full | 1/dp | 1/dp | reduce-scatter, then all-gather of updated params |
 | 3 | 1/dp | 1/dp | 1/dp | reduce-scatter; params all-gathered per unit for forward and again for backward |
+
+Expert parallelism (ep): ep is data parallelism for every leaf but the MoE experts, which
+it splits (their specs name "ep"). A leaf replicated over ep gets each ep rank's tokens'
+share of its gradient, so it must be summed over dp×ep×cp; an expert leaf only over dp×cp
+(the token all-to-all already brought every token of the ep group to its expert). The dp
+(and cp) reduction and the ZeRO shards stay over dp alone for every leaf, as with cp: the
+ep ranks of one dp index then hold one layout (each holds E/ep experts, so equal sizes)
+and the replicated leaves stay exact copies over ep; `wait` adds one all-reduce over ep of
+the replicated leaves' values this rank holds (its dp shard of them under ZeRO >= 1), once
+per step, as it does over tp for the tp-partial LayerNorm gradients under sp. No second
+layout sharded over dp·ep has to be kept in step with checkpoints and ZeRO-3's gathers.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from numesh.optim.clip import counted_once
 from numesh.optim.flat import FlatLayout, Span
 from numesh.optim.grad_sync import make_grad_sync
 from numesh.optim.residency import gather_full, make_residency
-from numesh.tree import Tree, tree_leaves, tree_map_with_path
+from numesh.tree import Tree, tree_leaves, tree_map, tree_map_with_path
 
 K = TypeVar("K", bound=Hashable)
 
@@ -55,7 +66,8 @@ class ZeroOptimizer(Generic[K]):
         copy is counted on the first). `tp_partial`: (unit, leaf path) pairs whose
         gradients are partial sums over tp (the LayerNorms under sequence parallelism):
         `wait` sums them over tp once per step, after the dp reduction, so the norm and the
-        update see whole, tp-replicated gradients."""
+        update see whole, tp-replicated gradients. With ep > 1, the leaves whose spec does not
+        name "ep" (all but the experts) are summed over ep the same way (module docstring)."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         self.mesh, self.stage, self.adamw = mesh, stage, adamw
@@ -64,8 +76,11 @@ class ZeroOptimizer(Generic[K]):
         self.dtype = next(x for t in units.values() for x in tree_leaves(t)).dtype
         full = self.layout.flatten(units, self.dtype)
         decay, counted = self._masks(units, frozenset(uncounted))
-        partial = self.layout.leaf_mask(
-            {k: tree_map_with_path(lambda path, _x, k=k: (k, path) in tp_partial, t) for k, t in units.items()})
+        partial = {"tp": self.layout.leaf_mask(
+            {k: tree_map_with_path(lambda path, _x, k=k: (k, path) in tp_partial, t) for k, t in units.items()})}
+        if mesh.shape["ep"] > 1:  # the leaves replicated over ep: their gradients are each ep rank's tokens' share
+            partial["ep"] = self.layout.leaf_mask(
+                {k: tree_map(lambda _x, s: "ep" not in s.axes(), t, self.specs[k]) for k, t in units.items()})
         self.residency = make_residency(stage, self.layout, mesh, full)
         self.sync = make_grad_sync(stage, self.layout, mesh, self.dtype, overlap, bucket_bytes)
         # the optimiser state follows the gradient: whole units, or this rank's shards
@@ -73,9 +88,11 @@ class ZeroOptimizer(Generic[K]):
         self.state_slices = {k: (u.shard if sharded else u.full) for k, u in self.layout.units.items()}
         part = self.layout.take_shard if sharded else (lambda x: x)
         self.decay, self.counted = part(decay), part(counted)
-        # runs of tp-partial values per unit, in the gradient buffer the sync keeps
-        self._tp_partial_runs = {k: r for k, s in self.state_slices.items() if (r := _true_runs(part(partial)[s]))}
-        self._tp_partial_pending = False
+        # per axis, runs of values to sum over it per unit, in the gradient buffer the sync keeps
+        self._partial_runs: dict[str, dict[K, list[tuple[int, int]]]] = {
+            axis: {k: r for k, s in self.state_slices.items() if (r := _true_runs(part(mask)[s]))}
+            for axis, mask in partial.items()}
+        self._partial_pending = False
         n = self.layout.shard_total if sharded else self.layout.total
         self.adam = AdamWState(np.zeros(n, self.dtype), np.zeros(n, self.dtype))
         self.scratch = np.empty_like(self.adam.m)
@@ -101,7 +118,15 @@ class ZeroOptimizer(Generic[K]):
     @property
     def tp_partial_values(self) -> int:
         """How many gradient values `wait` all-reduces over tp each step (0 without sp)."""
-        return sum(b - a for runs in self._tp_partial_runs.values() for a, b in runs)
+        return self._partial_values("tp")
+
+    @property
+    def ep_replicated_values(self) -> int:
+        """How many gradient values `wait` all-reduces over ep each step (0 when ep is 1)."""
+        return self._partial_values("ep")
+
+    def _partial_values(self, axis: str) -> int:
+        return sum(b - a for runs in self._partial_runs.get(axis, {}).values() for a, b in runs)
 
     @property
     def adam_step(self) -> int:
@@ -122,7 +147,7 @@ class ZeroOptimizer(Generic[K]):
         """The gradient of unit `key` summed over `count` micro-batches; its reduction
         starts once the step's micro-batches are in (stages 0/1) or at once (2/3)."""
         self.sync.grads_ready(key, grads, count)
-        self._tp_partial_pending = bool(self._tp_partial_runs)
+        self._partial_pending = any(self._partial_runs.values())
 
     def begin_step(self, n_micro: int) -> None:
         """Start a step whose every unit will receive `n_micro` micro-batch gradients."""
@@ -130,17 +155,21 @@ class ZeroOptimizer(Generic[K]):
 
     def wait(self) -> None:
         """Complete every gradient collective in flight; then, once the step's gradients
-        are all in, sum the tp-partial ones over tp (once: later calls find nothing to do)."""
+        are all in, sum the tp-partial ones over tp and the ep-replicated ones over ep (once:
+        later calls find nothing to do)."""
         self.sync.wait()
-        if self._tp_partial_pending:
-            self._tp_partial_pending = False
-            self._sum_tp_partial()
+        if self._partial_pending:
+            self._partial_pending = False
+            for axis, runs in self._partial_runs.items():
+                if runs:
+                    self._sum_partial(axis, runs)
 
-    def _sum_tp_partial(self) -> None:
-        """One all-reduce over tp of every tp-partial gradient value this rank holds (its dp
-        shard of them under ZeRO >= 1: the tp ranks of one dp index hold the same layout)."""
-        pieces = [(self.sync.grad(k), a, b) for k, runs in self._tp_partial_runs.items() for a, b in runs]
-        buf = psum(np.concatenate([g[a:b] for g, a, b in pieces]), self.mesh, "tp", inplace=True)
+    def _sum_partial(self, axis: str, runs: Mapping[K, list[tuple[int, int]]]) -> None:
+        """One all-reduce over `axis` of the gradient values in `runs` this rank holds (its
+        dp shard of them under ZeRO >= 1: the tp, or ep, ranks of one dp index hold the same
+        layout)."""
+        pieces = [(self.sync.grad(k), a, b) for k, rs in runs.items() for a, b in rs]
+        buf = psum(np.concatenate([g[a:b] for g, a, b in pieces]), self.mesh, axis, inplace=True)
         i = 0
         for g, a, b in pieces:
             g[a:b] = buf[i : i + b - a]
@@ -158,7 +187,7 @@ class ZeroOptimizer(Generic[K]):
             g = self.sync.grad(key)
             for a, b in runs:  # a few contiguous runs per unit: no masked copy of g
                 total += float(np.dot(g[a:b], g[a:b]))
-        axes = [a for a in ("pp", "tp") if self.mesh.shape[a] > 1]
+        axes = [a for a in ("pp", "ep", "tp") if self.mesh.shape[a] > 1]  # other leaves, or one copy of each
         if self.sync.sharded and self.layout.dp > 1:
             axes.append("dp")  # each dp rank holds a different shard of the gradient
         if axes:
@@ -224,25 +253,26 @@ class ZeroOptimizer(Generic[K]):
 
     def check_replicas(self) -> None:
         """Raise ReplicaError if copies that must be identical differ (over dp, and over tp
-        for tp-replicated leaves). Cheap: two checksums per unit, one all-reduce."""
+        and ep for the leaves replicated there). Cheap: two checksums per unit, one all-reduce."""
         local = np.concatenate([_checksums(self.residency.held(k)) for k in self.layout.units])
         self._compare(local, ["cp"] if self.residency.sharded else ["dp", "cp"], [str(k) for k in self.layout.units])
-        if self.mesh.shape["tp"] > 1:
-            self._check_tp_replicated()
+        for axis in ("ep", "tp"):
+            if self.mesh.shape[axis] > 1:
+                self._check_replicated(axis)
 
-    def _check_tp_replicated(self) -> None:
-        """Leaves a spec does not split over tp must also agree across tp."""
+    def _check_replicated(self, axis: str) -> None:
+        """Leaves a spec does not split over `axis` must also agree across it."""
         leaves = []
         for key in self.layout.units:
             tree = self.get(key)
             leaves += [
                 _checksums(x.reshape(-1))
                 for x, s in zip(tree_leaves(tree), tree_leaves(self.specs[key]))
-                if "tp" not in s.axes()
+                if axis not in s.axes()
             ]
             self.release(key)
         if leaves:
-            self._compare(np.concatenate(leaves), ["tp"], ["tp-replicated leaves"])
+            self._compare(np.concatenate(leaves), [axis], [f"{axis}-replicated leaves"])
 
     def _compare(self, local: np.ndarray, axes: list[str], names: list[str]) -> None:
         if not axes or self.mesh.size(tuple(axes)) == 1:

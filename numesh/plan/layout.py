@@ -69,8 +69,9 @@ class Layout:
 
     @property
     def shape(self) -> dict[str, int]:
-        """Axis sizes as `numesh.mesh.parse_mesh` gives them (what `formulas.step_bytes` takes)."""
-        return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+        """Axis sizes as `numesh.mesh.parse_mesh` gives them (what `formulas.step_bytes` takes);
+        the planner's layouts are dense, ep=1."""
+        return {"pp": self.pp, "dp": self.dp, "ep": 1, "cp": self.cp, "tp": self.tp}
 
     def rows(self, model: ModelSpec) -> int:
         """Sequences in one micro-batch on one rank."""

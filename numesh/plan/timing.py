@@ -78,7 +78,8 @@ class StepTime:
 
 @attrs.frozen
 class Placement:
-    """Which axes stay inside a node (ranks are numbered tp fastest, then cp, dp, pp: AXES)."""
+    """Which axes stay inside a node (ranks are numbered tp fastest, then cp, ep, dp, pp:
+    AXES; the planner's layouts have ep=1)."""
 
     ranks_on_node: int
     tp_intra: bool
