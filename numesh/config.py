@@ -314,8 +314,7 @@ def _check_batch(cfg: TrainConfig, shape: dict[str, int]) -> None:
 
 
 def _check_moe(cfg: TrainConfig, shape: dict[str, int]) -> None:
-    """The expert-parallel axis against the experts, and what experts do not combine with
-    yet: dp, ep, cp and micro-batches do (numesh/nn/moe.py); tp and pp not yet."""
+    """The expert-parallel axis against the experts, and what experts do not combine with."""
     ep = shape.get("ep", 1)
     if ep > 1 and not cfg.moe_experts:
         raise ConfigError(f"ep={ep} splits the experts over ranks, but the model has none: "
@@ -325,9 +324,6 @@ def _check_moe(cfg: TrainConfig, shape: dict[str, int]) -> None:
     if cfg.moe_experts % ep:
         raise ConfigError(f"--moe-experts {cfg.moe_experts} do not split over ep={ep}: "
                           f"use a multiple of {ep} experts or another ep")
-    if big := [f"{axis}={shape[axis]}" for axis in ("pp", "tp") if shape.get(axis, 1) > 1]:
-        raise ConfigError(f"experts on a mesh with {','.join(big)} are not supported yet: "
-                          f"use dp, ep and cp only (or no experts)")
     if cfg.init_from:
         raise ConfigError("--init-from with experts is not supported yet: its weights are a dense model's")
 

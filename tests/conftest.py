@@ -157,7 +157,8 @@ def shared_dataset(shared_tmp: Path) -> Path:
 # ---------------------------------------------------------------------------------------
 # training runs for the parity tests
 
-PARITY_KEYS = ("loss", "grad_norm", "lr", "train_loss", "val_loss")
+PARITY_KEYS = ("loss", "grad_norm", "lr", "train_loss", "val_loss", "moe_aux_loss", "moe_z_loss", "moe_tokens_min",
+               "moe_tokens_max", "moe_dropped")
 
 
 def train_records(cfg: Any, comm: MPI.Comm) -> tuple[list[dict], dict[str, np.ndarray]]:

@@ -127,11 +127,6 @@ def test_bad_moe_settings_are_one_line_errors(overrides: dict, match: str) -> No
         assert "\n" not in str(e.value)
 
 
-def test_experts_with_tp_are_refused() -> None:
-    with pytest.raises(ConfigError, match="experts with tp=2 are not supported yet: run on one rank"):
-        tiny_config(moe_experts=2).validate(2)
-
-
 def test_export_refuses_experts_in_either_format() -> None:
     from numesh.checkpoint.export import to_nanogpt
     from numesh.checkpoint.hf import to_hf

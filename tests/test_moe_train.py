@@ -5,6 +5,7 @@ experts do not combine with yet is a one-line error."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -87,9 +88,6 @@ def test_a_stopped_run_resumes_exactly(shakespeare: Path, tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("overrides, n_ranks, match", [
-    (dict(mesh="tp=2"), 2, "experts on a mesh with tp=2 are not supported yet: use dp, ep and cp only"),
-    (dict(mesh="pp=2,cp=2"), 4, "experts on a mesh with pp=2 are not supported yet"),
-    (dict(mesh="ep=2,tp=2"), 4, "experts on a mesh with tp=2 are not supported yet"),
     (dict(mesh="ep=2", moe_experts=0), 2, "ep=2 splits the experts over ranks, but the model has none: "
                                           "set --moe-experts or drop ep from --mesh"),
     (dict(mesh="ep=4", moe_experts=6), 4, "--moe-experts 6 do not split over ep=4"),
@@ -131,13 +129,15 @@ def test_a_capacity_drops_and_is_saved_with_the_model(shakespeare: Path, tmp_pat
 @pytest.mark.parametrize("overrides, n_ranks", [
     (dict(mesh="dp=2"), 2), (dict(mesh="ep=2"), 2), (dict(mesh="dp=2,ep=2"), 4), (dict(mesh="ep=4"), 4),
     (dict(mesh="cp=2"), 2), (dict(mesh="ep=2,cp=2"), 4), (dict(micro_batches=2), 1),
-    (dict(mesh="ep=2", micro_batches=2), 2),
+    (dict(mesh="ep=2", micro_batches=2), 2), (dict(mesh="tp=2"), 2), (dict(mesh="ep=2,tp=2"), 4),
+    (dict(mesh="ep=2,pp=2", n_layer=2), 4), (dict(mesh="pp=2,cp=2", n_layer=2), 4),
 ])
 def test_experts_combine_with_dp_ep_cp_and_micro_batches(overrides: dict, n_ranks: int, tmp_path: Path) -> None:
-    """ep is data parallelism for all but the experts; the per-sequence load-balancing loss
-    makes micro-batches exact: these layouts pass the checks."""
+    """ep is data parallelism for all but the experts, tp splits each expert, pipelines hold
+    MoE blocks; the per-sequence load-balancing loss makes micro-batches exact: these
+    layouts pass the checks."""
     shape, model = check_layout(_config(tmp_path, tmp_path / "out", **overrides), n_ranks, 65)
-    assert model.moe_experts == 4 and shape["ep"] * shape["dp"] * shape["cp"] == n_ranks
+    assert model.moe_experts == 4 and math.prod(shape.values()) == n_ranks
 
 
 def test_dense_runs_ignore_the_expert_settings(shakespeare: Path, tmp_path: Path) -> None:

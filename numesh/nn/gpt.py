@@ -86,8 +86,6 @@ class GPTConfig:
                 f"moe_capacity_factor must be finite and >= 0 (0 = dropless), got {self.moe_capacity_factor}")
         if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
             raise ConfigError(f"moe_top_k must be between 1 and moe_experts={self.moe_experts}, got {self.moe_top_k}")
-        if self.moe_experts and tp > 1:
-            raise ConfigError(f"experts with tp={tp} are not supported yet: run on one rank")
 
 
 @attrs.frozen
@@ -140,11 +138,13 @@ def _layout(cfg: GPTConfig, tp: int) -> GPT:
     def mlp(layer: int) -> MLP | MoE:
         if (moe := cfg.moe(layer)) is None:
             return MLP(fc=lin("normal", (C, H), col, (H,), P("tp")), proj=lin("residual", (H, C), row, (C,), P()))
-        # ep rank r holds experts r*E/ep ... (r+1)*E/ep - 1, whole; the router is replicated.
-        # Checkpoints hold whole [E, ...] arrays, whatever the ep
-        E, ep3, ep2 = moe.experts, P("ep", None, None), P("ep", None)
-        return MoE(router=Linear(_Leaf("normal", (C, E), P())), fc=lin("normal", (E, C, H), ep3, (E, H), ep2),
-                   proj=lin("residual", (E, H, C), ep3, (E, C), ep2))
+        # ep rank r holds experts r*E/ep ... (r+1)*E/ep - 1, each tp-split like the dense MLP
+        # (column- then row-parallel); the router is replicated. Checkpoints hold whole
+        # [E, ...] arrays, whatever the mesh
+        E = moe.experts
+        return MoE(router=Linear(_Leaf("normal", (C, E), P())),
+                   fc=lin("normal", (E, C, H), P("ep", None, "tp"), (E, H), P("ep", "tp")),
+                   proj=lin("residual", (E, H, C), P("ep", "tp", None), (E, C), P("ep", None)))
 
     def block(layer: int) -> Block:
         return Block(

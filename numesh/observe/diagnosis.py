@@ -22,7 +22,7 @@ import numpy as np
 
 from numesh.mesh.mesh import AXES
 
-COLLECTIVES = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast"})  # the others are p2p
+COLLECTIVES = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"})  # the others are p2p
 SKIPPED, FAILED = 1, 2  # a call record's flags: skipped by an injected fault; the call the rank gave up in
 
 

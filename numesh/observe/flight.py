@@ -58,7 +58,8 @@ GRACE_S = 2.0  # for the other ranks' time-outs and dumps before the leader diag
 LEADER_WAIT_S = 5.0  # a non-leader takes over if the job is still alive this long after the grace
 RING = 256  # calls kept per rank (a step of the default model issues ~100 on a 2x2x2 mesh)
 MAX_COMMS = 32
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv", "sendrecv")  # a ring entry's op codes
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv", "sendrecv",
+       "all_to_all")  # a ring entry's op codes (append only: recorded rings keep their meaning)
 _OP_CODE = {op: i for i, op in enumerate(OPS)}
 MAGIC = 0x6E756D6573680002  # 2: the header has `exited`
 

@@ -46,7 +46,7 @@ KINDS = {  # kind -> (required keys, optional keys with defaults)
     "slow": (("rank", "ms"), {"step": 0}),
     "unshared": (("rank",), {}),
 }
-COLLECTIVE_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast"})
+COLLECTIVE_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"})
 SYNTAX = ("the syntax is KIND:rank=R:step=S with KIND hang, skip, crash or mismatch, slow:rank=R:ms=M, or "
           "unshared:rank=R; several separated by ';'")
 
