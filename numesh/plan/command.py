@@ -76,8 +76,7 @@ def model_spec(cfg: TrainConfig, vocab_size: int | None, model_preset: str | Non
     if vocab_size < 1:
         raise ConfigError(f"--vocab-size must be >= 1, got {vocab_size}")
     cfg.model(vocab_size).validate()  # a model no layout can run is said as such, not as "no layout uses N ranks"
-    return ModelSpec(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, vocab_size, cfg.batch_size, cfg.bias,
-                     cfg.dropout > 0)
+    return ModelSpec.of(cfg, vocab_size)
 
 
 def _itemsize(cfg: TrainConfig, profile: Profile) -> int:

@@ -12,7 +12,8 @@ from typing import Sequence
 def ring_time(op: str, payload: float, n: int, alpha: float, beta: float) -> float:
     """A ring collective on n ranks, α seconds per message and β bytes/s per link: an
     all-reduce is a reduce-scatter then an all-gather, 2(n-1) steps of S/n bytes each; an
-    all-gather or reduce-scatter half of that; a send one message of S bytes."""
+    all-gather or reduce-scatter half of that, and so an all-to-all (pairwise: n-1 steps,
+    each sending S/n of the buffer to one rank and receiving as much); a send one message of S bytes."""
     if n <= 1 and op != "send":
         return 0.0
     if op == "send":

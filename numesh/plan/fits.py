@@ -49,13 +49,12 @@ def run_layout(cfg: TrainConfig, shape: dict[str, int]) -> Layout:
     """The planner's `Layout` of a run's options on the mesh `shape`."""
     return Layout(dp=shape["dp"], tp=shape["tp"], pp=shape["pp"], zero=cfg.zero, schedule=cfg.schedule,
                   micro_batches=cfg.micro_batches, virtual_stages=cfg.virtual_stages, recompute=cfg.recompute,
-                  cp=shape["cp"], sp=cfg.sequence_parallel)
+                  cp=shape["cp"], sp=cfg.sequence_parallel, ep=shape.get("ep", 1))
 
 
 def run_memory(cfg: TrainConfig, shape: dict[str, int], vocab_size: int, n_threads: int) -> RankMemory:
     """Predicted bytes of the run's heaviest rank (checked options: `validate` passed)."""
-    model = ModelSpec(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, vocab_size, cfg.batch_size, cfg.bias,
-                      cfg.dropout > 0)
+    model = ModelSpec.of(cfg, vocab_size)  # its experts too: E/ep of them on each ep rank
     itemsize = np.dtype(cfg.dtype).itemsize
     return max(layout_memory(model, run_layout(cfg, shape), itemsize, n_threads), key=lambda m: m.total)
 

@@ -192,7 +192,8 @@ class Profile:
             g = min(sizes, key=lambda s: abs(s - n))
             alpha, beta = costs.fit_alpha_beta(meas.collectives[f"all_reduce:{g}"], 2 * (g - 1), 2 * (g - 1) / g)
             t = costs.ring_time("all_reduce", payload, n, alpha, beta)
-        # a ring all-gather or reduce-scatter is half an all-reduce's steps and bytes
+        # a ring all-gather or reduce-scatter is half an all-reduce's steps and bytes, and so a
+        # (balanced) all-to-all: n-1 steps of 1/n of the buffer
         return t if op == "all_reduce" else t / 2
 
     # ------------------------------------------------------------------ files

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import attrs
 
@@ -22,13 +23,40 @@ class ModelSpec:
     batch_size: int  # global batch in sequences per optimiser step
     bias: bool = False
     dropout: bool = False
+    moe_experts: int = 0  # E experts in place of the MLP of every moe_every-th block; 0: dense
+    moe_top_k: int = 2
+    moe_every: int = 1
+
+    @classmethod
+    def of(cls, cfg: Any, vocab_size: int) -> "ModelSpec":
+        """The sizes of a `TrainConfig`'s model (its experts included) with `vocab_size` tokens."""
+        return cls(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, vocab_size, cfg.batch_size, cfg.bias,
+                   cfg.dropout > 0, cfg.moe_experts, cfg.moe_top_k, cfg.moe_every)
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block `layer` has experts (layer % moe_every == 0, as `GPTConfig.moe` says)."""
+        return self.moe_experts > 0 and layer % self.moe_every == 0
+
+    def moe_blocks(self, start: int = 0, stop: int | None = None) -> int:
+        """MoE blocks among blocks start .. stop - 1 (the whole model by default)."""
+        return sum(self.is_moe(i) for i in range(start, self.n_layer if stop is None else stop))
 
     @property
     def n_params(self) -> int:
         """Parameters of the whole model (vocabulary unpadded), as `Trainer.n_params` counts them."""
         C = self.n_embd
         outer = self.vocab_size * C + self.block_size * C + (2 * C if self.bias else C)
-        return self.n_layer * formulas.block_params(C, 1, self.bias) + outer
+        moe = self.moe_blocks()
+        dense = (self.n_layer - moe) * formulas.block_params(C, 1, self.bias)
+        return dense + moe * (formulas.moe_block_params(C, self.moe_experts, self.bias) if moe else 0) + outer
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses (all of a dense model's; k of E experts per MoE block)."""
+        moe = self.moe_blocks()
+        if not moe:
+            return self.n_params
+        return formulas.active_params(self.n_params, self.n_embd, moe, self.moe_experts, self.moe_top_k, self.bias)
 
     @property
     def tokens_per_step(self) -> int:
@@ -36,7 +64,8 @@ class ModelSpec:
 
     @property
     def flops_per_token(self) -> float:
-        return formulas.flops_per_token(self.n_layer, self.n_embd, self.block_size, self.n_params)
+        """Training FLOPs per token as MFU counts them: active parameters only."""
+        return formulas.flops_per_token(self.n_layer, self.n_embd, self.block_size, self.active_params)
 
 
 @attrs.frozen
@@ -55,27 +84,28 @@ class Layout:
     recompute: str = "none"
     cp: int = 1
     sp: bool = False
+    ep: int = 1  # expert parallelism (MoE models only): E/ep experts per rank, the batch split over dp x ep
 
     @property
     def ranks(self) -> int:
-        return self.dp * self.cp * self.tp * self.pp
+        return self.dp * self.ep * self.cp * self.tp * self.pp
 
     @property
     def mesh(self) -> str:
         """The mesh as `--mesh` takes it (dp, tp and pp always written, so nothing is
-        inferred; cp when it is > 1, as older meshes never name it)."""
+        inferred; ep and cp when > 1, as older meshes never name them)."""
+        ep = f"ep={self.ep}," if self.ep > 1 else ""
         cp = f"cp={self.cp}," if self.cp > 1 else ""
-        return f"dp={self.dp},{cp}tp={self.tp},pp={self.pp}"
+        return f"dp={self.dp},{ep}{cp}tp={self.tp},pp={self.pp}"
 
     @property
     def shape(self) -> dict[str, int]:
-        """Axis sizes as `numesh.mesh.parse_mesh` gives them (what `formulas.step_bytes` takes);
-        the planner's layouts are dense, ep=1."""
-        return {"pp": self.pp, "dp": self.dp, "ep": 1, "cp": self.cp, "tp": self.tp}
+        """Axis sizes as `numesh.mesh.parse_mesh` gives them (what `formulas.step_bytes` takes)."""
+        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "cp": self.cp, "tp": self.tp}
 
     def rows(self, model: ModelSpec) -> int:
-        """Sequences in one micro-batch on one rank."""
-        return model.batch_size // (self.dp * self.micro_batches)
+        """Sequences in one micro-batch on one rank (the batch is split over dp x ep)."""
+        return model.batch_size // (self.dp * self.ep * self.micro_batches)
 
     @property
     def sched(self) -> Schedule:

@@ -44,12 +44,96 @@ class RankMemory:
         return self.total - self.comm_buffers
 
 
+# Written here, not in numesh.formulas (which counts an MoE block on one rank only,
+# `moe_block_params`): the per-rank sizes and saved bytes of an MoE block on an ep x tp mesh.
+
+
+def expert_rank_params(n_embd: int, tp: int, bias: bool) -> int:
+    """Values of one expert on one tp rank: its C x 4C (column-parallel) and 4C x C
+    (row-parallel) split over tp, its 4C bias split, its C bias replicated, as the dense MLP's
+    (numesh.nn.gpt: fc P("ep", None, "tp"), proj P("ep", "tp", None))."""
+    C = n_embd
+    return 8 * C * C // tp + ((4 * C // tp + C) if bias else 0)
+
+
+def moe_block_rank_params(n_embd: int, experts: int, ep: int, tp: int, bias: bool) -> int:
+    """Values of one MoE block on one (ep, tp) rank: the dense block's attention and
+    LayerNorms (tp-split as ever), the router C x E (replicated over ep and tp) and E/ep
+    experts, each tp-split like the dense MLP. ep = tp = 1 gives `formulas.moe_block_params`."""
+    mlp = expert_rank_params(n_embd, tp, bias)
+    return formulas.block_params(n_embd, tp, bias) - mlp + n_embd * experts + experts // ep * mlp
+
+
+def block_sizes(model: ModelSpec, layout: Layout, layers: range | list[int]) -> list[int]:
+    """Values of each block unit among `layers` on one rank of the layout."""
+    dense = formulas.block_params(model.n_embd, layout.tp, model.bias)
+    moe = (moe_block_rank_params(model.n_embd, model.moe_experts, layout.ep, layout.tp, model.bias)
+           if model.moe_experts else dense)
+    return [moe if model.is_moe(i) else dense for i in layers]
+
+
+def rank_layers(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
+    """The global blocks pipeline rank `pp_rank` holds (stage chunk·pp + rank of each chunk)."""
+    per = model.n_layer // (layout.pp * layout.virtual_stages)
+    return [i for c in range(layout.virtual_stages)
+            for i in range((c * layout.pp + pp_rank) * per, (c * layout.pp + pp_rank + 1) * per)]
+
+
 def unit_sizes(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
     """Values of each parameter unit on pipeline rank `pp_rank` (its blocks, then the outer unit)."""
-    blocks = model.n_layer // layout.pp
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     outer = formulas.outer_params(model.n_embd, model.vocab_size, model.block_size, layout.tp, first, last, model.bias)
-    return [formulas.block_params(model.n_embd, layout.tp, model.bias)] * blocks + [outer]
+    if not model.moe_experts:  # the dense model's blocks all alike
+        return [formulas.block_params(model.n_embd, layout.tp, model.bias)] * (model.n_layer // layout.pp) + [outer]
+    return block_sizes(model, layout, rank_layers(model, layout, pp_rank)) + [outer]
+
+
+def moe_saved_bytes(model: ModelSpec, layout: Layout, itemsize: int) -> int:
+    """What an MoE block saves for backward beyond a dense block without its MLP's
+    context (numesh.nn.moe.MoECtx, each buffer once as `held_bytes` counts it), on one
+    micro-batch of b sequences of s = T/cp tokens, N = b·s, assuming balanced routing:
+    every expert gets N·ep·k/E of its ep group's assignments, so each rank's E/ep experts
+    receive R = N·k rows, what it sends (exact on ep = 1, dropless). Router: probabilities
+    [N, E] and the argsort [N, E] int64 that the top-k is a view of, the log-sum-exp [N], the
+    combine weights [N, k], the expert order [N·k] int64 and bounds [E+1] int64; the
+    per-sequence f and P [b, E] float64; the rows gathered to the experts [R, C], their
+    MLP-up output and GELU tanh and output [R, 4C/tp] each, their outputs back [N, k, C]; the
+    dispatch (ep > 1: the regrouping [R] int64, the local bounds, the counts) and the
+    routed counts [E] int64. Under sp the gathered input [N, C] too (the dense block keeps
+    none). Not counted: what a capacity factor drops (fewer rows)."""
+    E, k, C, tp, ep = model.moe_experts, model.moe_top_k, model.n_embd, layout.tp, layout.ep
+    b, s, ki = layout.rows(model), model.block_size // layout.cp, itemsize
+    n = b * s
+    r = n * k
+    router = n * E * ki + n * E * 8 + n * ki + n * k * ki + n * k * 8 + (E + 1) * 8
+    dispatch = 2 * ep * 8 + ((r + E // ep + 1) * 8 if ep > 1 else 0)
+    rows = r * C * ki + 3 * r * (4 * C // tp) * ki + n * k * C * ki
+    return router + 2 * b * E * 8 + dispatch + rows + E * 8 + (n * C * ki if layout.sp else 0)
+
+
+def moe_activation_delta(model: ModelSpec, layout: Layout, itemsize: int) -> int:
+    """An MoE block's saved bytes less a dense block's (`formulas.activation_parts`): the MoE
+    context in place of the MLP's MLP-up output, GELU tanh and GELU output (12·sbh/tp); under
+    full recomputation the kept input alone, plus the routed counts [E] int64 (the stats
+    the block's input context carries)."""
+    if layout.recompute == "full":
+        return model.moe_experts * 8
+    n = layout.rows(model) * (model.block_size // layout.cp)
+    mlp = itemsize * 16 * n * model.n_embd // layout.tp - itemsize * 4 * n * model.n_embd // layout.tp
+    return moe_saved_bytes(model, layout, itemsize) - mlp
+
+
+def moe_weight_delta(model: ModelSpec, layout: Layout, itemsize: int, chunks: int) -> int:
+    """A zero-bubble W context of an MoE block less a dense one's (`formulas.weight_ctx_bytes`):
+    no MLP Linear inputs and output gradients (h2, dz [b,s,C]; MLP-up's 4C/tp output
+    gradient, GELU output), the MoE MLP's weight gradients instead (all made in B: the router
+    and this rank's experts), its LayerNorm gradients once (an MoE block runs whole)."""
+    n = layout.rows(model) * (model.block_size // layout.cp)
+    C, tp = model.n_embd, layout.tp
+    mlp_io = itemsize * (2 * n * C + 8 * n * C // tp)
+    grads = (C * model.moe_experts + model.moe_experts // layout.ep * expert_rank_params(C, tp, model.bias)) * itemsize
+    ln = (chunks - 1) * 2 * C * (2 if model.bias else 1) * itemsize
+    return grads - mlp_io - ln
 
 
 def row_chunks(model: ModelSpec, layout: Layout, threads: int) -> int:
@@ -73,6 +157,10 @@ def _chunk_bytes(model: ModelSpec, layout: Layout, sched: Schedule, pp_rank: int
     w = formulas.weight_grad_bytes(micro_batch=rows, seq=model.block_size // layout.cp, n_embd=model.n_embd,
                                    n_layer=per_chunk, tp=layout.tp, bias=model.bias,
                                    chunks=row_chunks(model, layout, threads), itemsize=itemsize)
+    if model.moe_experts:
+        moe = model.moe_blocks(k * per_chunk, (k + 1) * per_chunk)
+        f += moe * moe_activation_delta(model, layout, itemsize)
+        w += moe * moe_weight_delta(model, layout, itemsize, row_chunks(model, layout, threads))
     return f, w
 
 
@@ -119,7 +207,8 @@ def rank_memory(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 
                 sched: Schedule | None = None) -> RankMemory:
     """Predicted bytes of pipeline rank `pp_rank` (every dp, cp and tp rank of it holds the
     same). Parameters are replicated over cp and ZeRO shards over dp alone
-    (`ZeroOptimizer`'s flat layout: cp ranks sum their gradients, then dp shards them)."""
+    (`ZeroOptimizer`'s flat layout: cp ranks sum their gradients, then dp shards them); an
+    MoE block holds E/ep experts on each ep rank, ZeRO still sharding over dp only."""
     sizes = unit_sizes(model, layout, pp_rank)
     buffers = formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize)
     return RankMemory(

@@ -28,7 +28,7 @@ def as_json(p: Prediction, ranks: int) -> dict[str, Any]:
     """One layout as `--json` prints it."""
     lay, t = p.layout, p.time
     return {
-        "mesh": lay.mesh, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "pp": lay.pp, "sequence_parallel": lay.sp,
+        "mesh": lay.mesh, "dp": lay.dp, "ep": lay.ep, "cp": lay.cp, "tp": lay.tp, "pp": lay.pp, "sequence_parallel": lay.sp,
         "zero": lay.zero, "schedule": lay.schedule,
         "micro_batches": lay.micro_batches, "virtual_stages": lay.virtual_stages, "recompute": lay.recompute,
         "fits": p.fits, "memory_bytes_per_rank": p.memory.total, "memory": attrs.asdict(p.memory),
@@ -48,15 +48,19 @@ def table(preds: list[Prediction], ranks: int, top: int, limit: float, profile: 
     """The `top` best layouts as a table, a count of the rest, and the best one's command."""
     # "wait": blocking calls waiting for their groups' last members, on a calibrated profile only
     waits = any(p.time.comm.get("wait", 0.0) > 0 for p in preds[:top])
+    # "ep": the MoE blocks' all-to-alls and the ep gradient sum, where a layout shown has ep > 1
+    ep = any(p.layout.ep > 1 for p in preds[:top])
     head = ["#", "mesh", "sp", "zero", "schedule", "m", "v", "recompute", "memory/rank", "fits", "step", "compute",
-            "tp", "cp", "pp", "dp", *(["wait"] if waits else []), "bubble", "optim", "tokens/s"]
+            "tp", "cp", *(["ep"] if ep else []), "pp", "dp", *(["wait"] if waits else []), "bubble", "optim",
+            "tokens/s"]
     rows = []
     for i, p in enumerate(preds[:top], 1):
         t, lay = p.time, p.layout
         rows.append([str(i), lay.mesh, "yes" if lay.sp else "no", str(lay.zero), lay.schedule, str(lay.micro_batches),
                      str(lay.virtual_stages), lay.recompute, human_bytes(p.memory.total), "yes" if p.fits else "NO",
                      human_seconds(t.total), human_seconds(t.compute), human_seconds(t.comm["tp"]),
-                     human_seconds(t.comm["cp"]), human_seconds(t.comm["pp"]), human_seconds(t.comm["dp"]),
+                     human_seconds(t.comm["cp"]), *([human_seconds(t.comm.get("ep", 0.0))] if ep else []),
+                     human_seconds(t.comm["pp"]), human_seconds(t.comm["dp"]),
                      *([human_seconds(t.comm["wait"])] if waits else []), human_seconds(t.bubble),
                      human_seconds(t.optimizer), f"{p.tokens_per_s:,.0f}"])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]

@@ -1,6 +1,7 @@
 """Every layout of a model on N ranks that `numesh train` accepts.
 
-Candidates are all pp x dp x cp x tp = N, ZeRO stages (0 only when dp = 1: the others are
+Candidates are all pp x dp x ep x cp x tp = N (ep > 1 only for a model with experts, and
+only where it divides them: the batch splits over dp x ep), ZeRO stages (0 only when dp = 1: the others are
 the same then), micro-batch counts dividing the per-rank batch, and schedules (pp = 1 runs
 one stage, where every schedule is gradient accumulation: 1F1B, which holds one
 micro-batch's activations, is the one listed), with virtual stages for the interleaved one;
@@ -66,24 +67,36 @@ def candidates(model: ModelSpec, ranks: int) -> Iterator[Layout]:
                 yield attrs.evolve(layout, recompute=r, sp=sp)
 
 
-def _meshes_and_schedules(model: ModelSpec, ranks: int) -> Iterator[Layout]:
+def _ep_sizes(model: ModelSpec, rest: int) -> list[int]:
+    """ep sizes to try on the `rest` ranks a cp group leaves: 1, and for a model with experts
+    the divisors of `rest` that divide the experts (each ep rank holds E/ep of them)."""
+    return [e for e in divisors(rest) if e == 1 or (model.moe_experts and model.moe_experts % e == 0)]
+
+
+def _meshes(model: ModelSpec, ranks: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """(pp, cp, ep, tp, dp) of `ranks` whose dp x ep splits the batch."""
     for pp in divisors(ranks):
         for cp in _cp_sizes(model, ranks // pp, ranks):
-            for tp in divisors(ranks // (pp * cp)):
-                dp = ranks // (pp * cp * tp)
-                if model.batch_size % dp:
+            for ep in _ep_sizes(model, ranks // (pp * cp)):
+                for tp in divisors(ranks // (pp * cp * ep)):
+                    dp = ranks // (pp * cp * ep * tp)
+                    if model.batch_size % (dp * ep) == 0:
+                        yield pp, cp, ep, tp, dp
+
+
+def _meshes_and_schedules(model: ModelSpec, ranks: int) -> Iterator[Layout]:
+    for pp, cp, ep, tp, dp in _meshes(model, ranks):
+        for m in _micro_batch_counts(model.batch_size // (dp * ep), ranks):
+            for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
+                if pp == 1:
+                    yield Layout(dp, tp, pp, zero, "1f1b", m, cp=cp, ep=ep)
                     continue
-                for m in _micro_batch_counts(model.batch_size // dp, ranks):
-                    for zero in ((0,) if dp == 1 else (0, 1, 2, 3)):
-                        if pp == 1:
-                            yield Layout(dp, tp, pp, zero, "1f1b", m, cp=cp)
-                            continue
-                        for sched in PIPELINE_SCHEDULES:
-                            if sched != "interleaved":
-                                yield Layout(dp, tp, pp, zero, sched, m, cp=cp)
-                                continue
-                            for v in _virtual_stages(model.n_layer // pp, ranks) if model.n_layer % pp == 0 else ():
-                                yield Layout(dp, tp, pp, zero, sched, m, v, cp=cp)
+                for sched in PIPELINE_SCHEDULES:
+                    if sched != "interleaved":
+                        yield Layout(dp, tp, pp, zero, sched, m, cp=cp, ep=ep)
+                        continue
+                    for v in _virtual_stages(model.n_layer // pp, ranks) if model.n_layer % pp == 0 else ():
+                        yield Layout(dp, tp, pp, zero, sched, m, v, cp=cp, ep=ep)
 
 
 def train_config(base: TrainConfig, layout: Layout) -> TrainConfig:

@@ -41,7 +41,7 @@ from numesh.nn.attention import QUERY_TILE
 from numesh.padding import ceil_div, padded_vocab, round_up
 from numesh.plan.hardware import Measured, Profile
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
-from numesh.plan.memory import unit_sizes
+from numesh.plan.memory import block_sizes, expert_rank_params, rank_layers, unit_sizes
 from numesh.plan.pipesim import makespan_and_busy
 
 
@@ -55,13 +55,14 @@ class ActionCost:
     tp: float  # of f + b: the exposed tensor-parallel communication
     zero3: float  # of f + b + w: ZeRO-3's parameter gathers
     cp: float = 0.0  # of f + b: ring attention's exposed K/V hops
+    ep: float = 0.0  # of f + b: the MoE blocks' all-to-alls over ep (blocking)
 
     def __add__(self, o: "ActionCost") -> "ActionCost":
         return ActionCost(self.f + o.f, self.b + o.b, self.w + o.w, self.tp + o.tp, self.zero3 + o.zero3,
-                          self.cp + o.cp)
+                          self.cp + o.cp, self.ep + o.ep)
 
     def times(self, n: int) -> "ActionCost":
-        return ActionCost(self.f * n, self.b * n, self.w * n, self.tp * n, self.zero3 * n, self.cp * n)
+        return ActionCost(self.f * n, self.b * n, self.w * n, self.tp * n, self.zero3 * n, self.cp * n, self.ep * n)
 
 
 @attrs.frozen
@@ -69,7 +70,7 @@ class StepTime:
     """A predicted training step on the slowest rank (seconds)."""
 
     compute: float  # busy time of the slowest pipeline rank, less its tp communication
-    comm: dict[str, float]  # exposed communication by axis: tp, cp, pp, dp (with ZeRO-3's gathers), other, and
+    comm: dict[str, float]  # exposed communication by axis: tp, cp, ep, pp, dp (with ZeRO-3's gathers), other, and
     # "wait": blocking calls waiting for their groups' last members (measured profiles)
     bubble: float  # idle time of the pipeline schedule
     optimizer: float  # gradient norm and AdamW on this rank's state
@@ -79,19 +80,21 @@ class StepTime:
 @attrs.frozen
 class Placement:
     """Which axes stay inside a node (ranks are numbered tp fastest, then cp, ep, dp, pp:
-    AXES; the planner's layouts have ep=1)."""
+    AXES; an ep group spans ranks strided by cp·tp, a dp group by ep·cp·tp)."""
 
     ranks_on_node: int
     tp_intra: bool
     dp_intra: bool
     pp_intra: bool
     cp_intra: bool = True
+    ep_intra: bool = True
 
 
 def placement(layout: Layout, profile: Profile) -> Placement:
     node = profile.devices_per_node if not profile.measured else max(layout.ranks, 1)
-    t, c, d, p = layout.tp, layout.cp, layout.dp, layout.pp
-    return Placement(min(layout.ranks, node), t <= node, t * c * d <= node, t * c * d * p <= node, t * c <= node)
+    t, c, e, d, p = layout.tp, layout.cp, layout.ep, layout.dp, layout.pp
+    return Placement(min(layout.ranks, node), t <= node, t * c * e * d <= node, t * c * e * d * p <= node,
+                     t * c <= node, t * c * e <= node)
 
 
 def _gemms(profile: Profile, shapes: list[tuple[int, int, int, int]], ron: int) -> float:
@@ -201,28 +204,85 @@ def tp_block_comm(model: ModelSpec, layout: Layout, profile: Profile, place: Pla
 SP_COPIES = {"block": (6, 8), "first": (1, 1), "last": (2, 3)}
 
 
-def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, split: bool) -> ActionCost:
+def all_to_all_time(model: ModelSpec, layout: Layout, profile: Profile, place: Placement) -> tuple[float, float]:
+    """Seconds of one MoE block's all-to-alls over ep for one micro-batch, (forward,
+    backward), as numesh.nn.moe runs them: forward exchanges the per-expert counts (E int64)
+    and then sends the rows to their experts and the outputs back; backward sends the
+    gradients both ways again. Balanced routing assumed: each rank's buffer is its N·k rows
+    (C values each, N = b·T/cp tokens) and it sends (ep-1)/ep of them, receiving as many (the
+    bytes `formulas.moe_all_to_all_bytes` counts for a uniform routing). Each call is priced as
+    the profile prices an all-to-all (`costs.ring_time`: ep-1 steps of 1/ep of the buffer), on
+    the ep group's link (ranks strided by cp·tp) or its calibrated curves."""
+    if layout.ep == 1:
+        return 0.0, 0.0
+    n = layout.rows(model) * (model.block_size // layout.cp)
+    rows = n * model.moe_top_k * model.n_embd * profile.itemsize
+    call = lambda nbytes: profile.comm_time("all_to_all", nbytes, layout.ep, place.ep_intra,  # noqa: E731
+                                            place.ranks_on_node)
+    return call(model.moe_experts * 8) + 2 * call(rows), 2 * call(rows)
+
+
+@attrs.frozen
+class Mlp:
+    """One block's MLP (dense or MoE), one micro-batch: its kernels' seconds in F, B and W,
+    and the exposed ep all-to-alls of F and B."""
+
+    f: float
+    b: float
+    w: float
+    ep_f: float = 0.0
+    ep_b: float = 0.0
+
+
+def dense_mlp_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement) -> Mlp:
+    """The dense MLP: C -> 4C/tp (column-parallel), GELU, 4C/tp -> C (row-parallel)."""
+    C, tp, ron = model.n_embd, layout.tp, place.ranks_on_node
+    bt, ew = layout.rows(model) * (model.block_size // layout.cp), profile.elementwise_time
+    f = _gemms(profile, [(1, bt, C, 4 * C // tp), (1, bt, 4 * C // tp, C)], ron) + ew("gelu_fwd", 4 * bt * C // tp, ron)
+    b = _gemms(profile, [(1, bt, C, 4 * C // tp), (1, bt, 4 * C // tp, C)], ron) + ew("gelu_bwd", 4 * bt * C // tp, ron)
+    w = _gemms(profile, [(1, C, bt, 4 * C // tp), (1, 4 * C // tp, bt, C)], ron)
+    return Mlp(f, b, w)
+
+
+def moe_mlp_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement) -> Mlp:
+    """An MoE MLP (numesh.nn.moe): the router GEMM and softmax over the E experts, then this
+    rank's E/ep experts on R = N·k rows (balanced routing: N·k·ep/E each), the same GEMMs as
+    the dense MLP's per expert; the rows gathered, sent, returned and combined (copies); the
+    weight gradients all in B (the block's W has no MLP part); the all-to-alls
+    (`all_to_all_time`)."""
+    C, tp, ron, E = model.n_embd, layout.tp, place.ranks_on_node, model.moe_experts
+    bt, ew = layout.rows(model) * (model.block_size // layout.cp), profile.elementwise_time
+    local = E // layout.ep
+    r = bt * model.moe_top_k
+    re = max(1, r // local)  # rows of each local expert
+    h = 4 * C // tp
+    f = _gemms(profile, [(1, bt, C, E), (local, re, C, h), (local, re, h, C)], ron)
+    f += ew("softmax_fwd", bt * E, ron) + ew("gelu_fwd", r * h, ron) + ew("copy", 3 * r * C, ron)
+    b = _gemms(profile, [(local, re, C, h), (local, re, h, C), (local, C, re, h), (local, h, re, C),
+                         (1, bt, E, C), (1, C, bt, E)], ron)
+    b += ew("softmax_bwd", bt * E, ron) + ew("gelu_bwd", r * h, ron) + ew("copy", 3 * r * C, ron)
+    a2a_f, a2a_b = all_to_all_time(model, layout, profile, place)
+    return Mlp(f + a2a_f, b + a2a_b, 0.0, a2a_f, a2a_b)
+
+
+def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, split: bool,
+               moe: bool = False) -> ActionCost:
     """One transformer block, one micro-batch (shapes as numesh/nn/transformer.py runs them),
     with the layout's recomputation: full adds F's kernels and communication to B (not its
-    action's overhead)."""
+    action's overhead). `moe`: the block's MLP is the model's experts (`moe_mlp_cost`)."""
     b, C, tp = layout.rows(model), model.n_embd, layout.tp
     bt, ron = b * (model.block_size // layout.cp), place.ranks_on_node
     ln = bt * C // tp if layout.sp else bt * C  # sp: LayerNorms and residual adds on this rank's tokens only
     ew = profile.elementwise_time
     att = attention_cost(model, layout, profile, place)
-    f = _gemms(profile,
-               [(1, bt, C, 3 * C // tp), (1, bt, C // tp, C), (1, bt, C, 4 * C // tp), (1, bt, 4 * C // tp, C)],
-               ron) + att.f
-    f += 2 * ew("layernorm_fwd", ln, ron) + ew("gelu_fwd", 4 * bt * C // tp, ron)
+    mlp = (moe_mlp_cost if moe else dense_mlp_cost)(model, layout, profile, place)
+    f = _gemms(profile, [(1, bt, C, 3 * C // tp), (1, bt, C // tp, C)], ron) + att.f + mlp.f
+    f += 2 * ew("layernorm_fwd", ln, ron)
     f += ew("copy", 2 * ln + 2 * bt * C // tp, ron)  # q scaled, heads merged, two residual adds
-    bw = _gemms(profile,
-                [(1, bt, C, 4 * C // tp), (1, bt, 4 * C // tp, C), (1, bt, C, C // tp), (1, bt, 3 * C // tp, C)],
-                ron) + att.b
-    bw += 2 * ew("layernorm_bwd", ln, ron) + ew("gelu_bwd", 4 * bt * C // tp, ron)
+    bw = _gemms(profile, [(1, bt, C, C // tp), (1, bt, 3 * C // tp, C)], ron) + att.b + mlp.b
+    bw += 2 * ew("layernorm_bwd", ln, ron)
     bw += ew("copy", 2 * ln + 5 * bt * C // tp, ron)  # dq, dk, dv packed, heads split, dq scaled, two adds
-    w = _gemms(profile,
-               [(1, C, bt, 3 * C // tp), (1, C // tp, bt, C), (1, C, bt, 4 * C // tp), (1, 4 * C // tp, bt, C)],
-               ron)
+    w = _gemms(profile, [(1, C, bt, 3 * C // tp), (1, C // tp, bt, C)], ron) + mlp.w
     if layout.sp:
         sp_f, sp_b = SP_COPIES["block"]
         sp_b -= 4 if layout.recompute == "full" else 0  # the rerun forward keeps its gathered outputs: no regathers
@@ -233,7 +293,8 @@ def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
     tp_half = tp_block_comm(model, layout, profile, place, formulas.Chunk(1, False, False)) / 2  # half F, half B
     gather = 0.0
     if layout.zero == 3 and layout.dp > 1:
-        unit = round_up(formulas.block_params(C, tp, model.bias), layout.dp) * profile.itemsize
+        values = block_sizes(model, layout, [0])[0] if moe else formulas.block_params(C, tp, model.bias)
+        unit = round_up(values, layout.dp) * profile.itemsize
         gather = profile.comm_time("all_gather", unit, layout.dp, place.dp_intra, ron)
     w_gather = gather if split else 0.0  # the deferred W gathers the block again
     f_all = f + tp_half + gather
@@ -243,9 +304,9 @@ def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
         # +27 % at tp=2, m=4 and m=16; a share of F fitted on a one-rank step with it was 0.95)
         rerun = f - call + tp_half + gather
         return ActionCost(f_all, bw + tp_half + gather + rerun, w + w_gather, 3 * tp_half, 3 * gather + w_gather,
-                          2 * att.cp_f + att.cp_b)
+                          2 * att.cp_f + att.cp_b, 2 * mlp.ep_f + mlp.ep_b)
     return ActionCost(f_all, bw + tp_half + gather, w + w_gather, 2 * tp_half, 2 * gather + w_gather,
-                      att.cp_f + att.cp_b)
+                      att.cp_f + att.cp_b, mlp.ep_f + mlp.ep_b)
 
 
 def outer_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, first: bool,
@@ -287,8 +348,14 @@ def chunk_costs(model: ModelSpec, layout: Layout, profile: Profile, place: Place
     """Per model stage (pp·v of them), one micro-batch's costs through it."""
     stages = layout.pp * layout.virtual_stages
     per = model.n_layer // stages
-    blocks = block_cost(model, layout, profile, place, split).times(per)
-    return [blocks + outer_cost(model, layout, profile, place, k == 0, k == stages - 1) for k in range(stages)]
+    dense = block_cost(model, layout, profile, place, split)
+    moe = block_cost(model, layout, profile, place, split, moe=True) if model.moe_experts else dense
+    out = []
+    for k in range(stages):
+        n_moe = model.moe_blocks(k * per, (k + 1) * per)
+        blocks = dense.times(per - n_moe) + moe.times(n_moe)
+        out.append(blocks + outer_cost(model, layout, profile, place, k == 0, k == stages - 1))
+    return out
 
 
 def _dp_calls(model: ModelSpec, layout: Layout, sizes: list[int], itemsize: int, bucket_bytes: int) -> dict[str, int]:
@@ -372,7 +439,7 @@ def _predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byt
     makespan, busy = _simulated(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages,
                                 worst.f, worst.b, worst.w, hop)
     per_mb = layout.micro_batches * layout.virtual_stages
-    tp_time, z3_time, cp_time = worst.tp * per_mb, worst.zero3 * per_mb, worst.cp * per_mb
+    tp_time, z3_time, cp_time, ep_time = worst.tp * per_mb, worst.zero3 * per_mb, worst.cp * per_mb, worst.ep * per_mb
     sizes = unit_sizes(model, layout, 0)
     padded = [round_up(n, layout.dp) for n in sizes]
     calls = _dp_calls(model, layout, sizes, k, bucket_bytes)
@@ -385,6 +452,7 @@ def _predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byt
     if dp_group > 1:
         dp_exposed = _dp_exposed(layout, profile, place, padded, calls, worst, dp_group)
     other = _scalar_and_tied_time(model, layout, profile, place)
+    ep_grads = _ep_grad_sum_time(model, layout, profile, place, sizes)
     if layout.sp:  # the LayerNorm gradients, partial sums over tp, all-reduced once per step (this dp shard's)
         ln = (2 * (model.n_layer // layout.pp) + int(layout.pp == 1)) * model.n_embd * (2 if model.bias else 1)
         tp_time += profile.comm_time("all_reduce", ceil_div(ln, layout.dp) * k if layout.zero else ln * k, layout.tp,
@@ -396,13 +464,14 @@ def _predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byt
     bubble_ideal = _simulated(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages,
                               worst.f, worst.b, worst.w, 0.0)[0] - busy
     pp_comm = max(0.0, pp_exposed - bubble_ideal)
-    compute = busy - (worst.tp + worst.zero3 + worst.cp) * per_mb
+    compute = busy - (worst.tp + worst.zero3 + worst.cp + worst.ep) * per_mb
     ln_tp = tp_time - worst.tp * per_mb  # sp's once-per-step LayerNorm all-reduce, after the pipeline
     cp_grads = cp_time - worst.cp * per_mb  # ZeRO 1-3's cp gradient sums, after the backward
-    total = makespan + dp_exposed + other + optimizer + ln_tp + cp_grads
+    total = makespan + dp_exposed + other + optimizer + ln_tp + cp_grads + ep_grads
     return StepTime(
         compute=compute,
-        comm={"tp": tp_time, "cp": cp_time, "pp": pp_comm, "dp": dp_exposed + z3_time, "other": other, "wait": 0.0},
+        comm={"tp": tp_time, "cp": cp_time, "ep": ep_time + ep_grads, "pp": pp_comm, "dp": dp_exposed + z3_time,
+              "other": other, "wait": 0.0},
         bubble=max(0.0, bubble_ideal),
         optimizer=optimizer,
         total=total,
@@ -416,6 +485,25 @@ def _cp_grad_sum_time(layout: Layout, profile: Profile, place: Placement, padded
     cp_bytes = formulas.cp_grad_bytes(layout.zero, layout.micro_batches, sum(padded[:-1]), padded[-1], k)
     n = calls["reduce_scatter"]  # one per unit reduced: the cp sum comes just before each
     return n * profile.comm_time("all_reduce", cp_bytes / n, layout.cp, place.cp_intra, ron)
+
+
+def ep_replicated_values(model: ModelSpec, layout: Layout, sizes: list[int]) -> int:
+    """Values of the leaves replicated over ep (all but the experts) among units `sizes` of
+    pipeline rank 0, as `ZeroOptimizer.ep_replicated_values` counts what it all-reduces over
+    ep: all of them under ZeRO 0, its dp shard of them (about 1/dp) under ZeRO >= 1."""
+    experts = sum(model.is_moe(i) for i in rank_layers(model, layout, 0))
+    values = sum(sizes) - experts * (model.moe_experts // layout.ep) * expert_rank_params(model.n_embd, layout.tp,
+                                                                                          model.bias)
+    return ceil_div(values, layout.dp) if layout.zero >= 1 else values
+
+
+def _ep_grad_sum_time(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, sizes: list[int]) -> float:
+    """The once-per-step all-reduce over ep of the ep-replicated leaves' gradients, after the
+    dp reduction (blocking: `formulas.ep_grad_bytes`)."""
+    if layout.ep == 1:
+        return 0.0
+    nbytes = formulas.ep_grad_bytes(ep_replicated_values(model, layout, sizes), profile.itemsize)
+    return profile.comm_time("all_reduce", nbytes, layout.ep, place.ep_intra, place.ranks_on_node)
 
 
 def _dp_exposed(layout: Layout, profile: Profile, place: Placement, padded: list[int], calls: dict[str, int],
