@@ -42,8 +42,7 @@ from numesh_cli.app import app
 
 
 def spec_of(cfg: TrainConfig, vocab: int) -> ModelSpec:
-    return ModelSpec(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, vocab, cfg.batch_size, cfg.bias,
-                     cfg.dropout > 0)
+    return ModelSpec.of(cfg, vocab)
 
 
 # ---------------------------------------------------------------------------------------
@@ -85,6 +84,9 @@ def test_zero_buffer_bytes_hand_worked() -> None:
 @pytest.mark.parametrize("overrides", [
     dict(micro_batches=1), dict(micro_batches=2, bias=True), dict(micro_batches=4, dropout=0.1),
     dict(micro_batches=2, dtype="float64"), dict(micro_batches=3, batch_size=6, schedule="zb-h1"),
+    # experts (dropless, one rank: the balanced-routing assumption is exact with ep = 1)
+    dict(moe_experts=4), dict(moe_experts=4, moe_every=2, micro_batches=2, bias=True),
+    dict(moe_experts=4, moe_top_k=1, recompute="full"), dict(moe_experts=4, micro_batches=2, schedule="zb-h1"),
 ])
 def test_memory_model_equals_measured_single_process(char_dataset: Path, tmp_path: Path, overrides: dict) -> None:
     cfg = TrainConfig(**{**dict(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=2, n_embd=32, n_head=4,
@@ -92,7 +94,7 @@ def test_memory_model_equals_measured_single_process(char_dataset: Path, tmp_pat
     t = Trainer(cfg)
     t.train_step()
     itemsize = np.dtype(cfg.dtype).itemsize
-    layout = Layout(1, 1, 1, 0, cfg.schedule, cfg.micro_batches)
+    layout = Layout(1, 1, 1, 0, cfg.schedule, cfg.micro_batches, recompute=cfg.recompute)
     pred = rank_memory(spec_of(cfg, t.model.vocab_size), layout, 0, itemsize, threads())
     assert {**t.opt.memory(), "activations": t.last_stats.peak_bytes} == {
         k: getattr(pred, k) for k in ("params", "grads", "optimizer", "workspace", "activations")}
@@ -229,7 +231,8 @@ def test_time_model_single_rank_is_micro_batches_times_a_pass() -> None:
     two = predict_time(model, Layout(1, 1, 1, 0, "1f1b", 2), prof)
     # GEMMs and element-wise work are linear in tokens on a spec profile: same compute
     assert two.compute == pytest.approx(one.compute, rel=1e-9)
-    assert one.comm == {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0, "other": 0.0, "wait": 0.0} and one.bubble == 0.0
+    assert one.comm == {"tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.0, "dp": 0.0, "other": 0.0, "wait": 0.0}
+    assert one.bubble == 0.0
     assert one.total == pytest.approx(one.compute + one.optimizer)
     # the model's FLOPs over the achieved rate bound the compute from below
     flops = 6 * model.n_params * model.tokens_per_step
@@ -692,3 +695,106 @@ def test_a_hand_written_profile_with_a_bad_number_is_one_line(char_dataset: Path
     res = invoke(["--ranks", "2", "--data", str(char_dataset), "--hardware", str(tmp_path / "hw.json")])
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.exit_code == 2 and lines == [f"error: hardware profile {tmp_path / 'hw.json'}: {says}"], res.output
+
+
+# ---------------------------------------------------------------------------------------
+# experts: ep layouts, their memory and the all-to-all's price
+
+
+def moe_model(**kw: int) -> ModelSpec:
+    return ModelSpec(**{**dict(n_layer=4, n_head=4, n_embd=64, block_size=64, vocab_size=65, batch_size=16,
+                               moe_experts=8, moe_top_k=2), **kw})
+
+
+def test_moe_parameters_per_rank_follow_ep_and_tp() -> None:
+    """An MoE block holds the router and E/ep experts, each tp-split; ep = tp = 1 is
+    `formulas.moe_block_params`, and the model's parameters the sum over its blocks."""
+    from numesh.plan.memory import expert_rank_params, moe_block_rank_params
+
+    C, E = 64, 8
+    for bias in (False, True):
+        assert moe_block_rank_params(C, E, 1, 1, bias) == formulas.moe_block_params(C, E, bias)
+        assert expert_rank_params(C, 1, bias) == formulas.expert_params(C, bias)
+        for ep, tp in ((2, 1), (4, 2), (8, 4)):
+            dense = formulas.block_params(C, tp, bias)
+            # a dense block with its MLP swapped for the router and E/ep of the MLPs
+            assert moe_block_rank_params(C, E, ep, tp, bias) == dense + C * E + (E // ep - 1) * expert_rank_params(
+                C, tp, bias)
+    model = moe_model(moe_every=2)
+    one = rank_memory(model, Layout(2, 1, 1, 1, "1f1b", 1), 0)
+    two = rank_memory(model, Layout(1, 1, 1, 1, "1f1b", 1, ep=2), 0)
+    expert = formulas.expert_params(64)
+    assert one.params - two.params == 2 * 4 * expert * 4  # 2 MoE blocks lose 4 of their 8 experts (float32)
+    assert two.optimizer == 2 * two.params  # ZeRO shards over dp (1 here), never over ep
+    outer = 65 * 64 + 64 * 64 + 64
+    assert model.n_params == 2 * formulas.block_params(64) + 2 * formulas.moe_block_params(64, 8) + outer
+    assert model.flops_per_token == formulas.flops_per_token(4, 64, 64, formulas.active_params(
+        model.n_params, 64, 2, 8, 2))
+
+
+def test_all_to_all_price_is_the_hand_computation() -> None:
+    """Per MoE layer and micro-batch, forward: the counts (E int64) and the N·k rows there and
+    back; backward: the rows both ways again; each call (ep-1) latencies and (ep-1)/ep of its
+    buffer over the link (a spec-sheet profile, the ep group inside a node)."""
+    from numesh.plan.timing import all_to_all_time
+
+    prof = synthetic_profile()
+    model = moe_model()
+    lay = Layout(1, 1, 1, 0, "1f1b", 2, ep=4)
+    place = placement(lay, prof)
+    assert place.ep_intra
+    n = 16 // 4 // 2 * 64  # rows of a micro-batch on this rank x tokens
+    rows = n * 2 * 64 * 4  # N·k rows of C float32 values
+    a, beta = prof.intra.latency_s, prof.intra.bandwidth
+    call = lambda s: 3 * a + 3 / 4 * s / beta  # noqa: E731
+    fwd, bwd = all_to_all_time(model, lay, prof, place)
+    assert fwd == pytest.approx(call(8 * 8) + 2 * call(rows), rel=1e-12)
+    assert bwd == pytest.approx(2 * call(rows), rel=1e-12)
+    # the bytes it sends are those formulas counts for a uniform routing (each rank N·k/ep to each)
+    uniform = [[n * 2 // 4] * 4 for _ in range(4)]
+    sent = 4 * 3 / 4 * rows + 3 * 2 * 8  # 4 row calls, each (ep-1)/ep of the buffer; counts to 3 ranks
+    assert formulas.moe_all_to_all_bytes(uniform, 0, 64, 8, 4) == sent
+    # in the step: every MoE block's F and B, once more with full recomputation, on the ep axis
+    blocks = 4 * 2  # blocks x micro-batches
+    t = predict_time(model, lay, prof)
+    ep_sum = t.comm["ep"] - blocks * (fwd + bwd)
+    assert ep_sum > 0  # the ep all-reduce of the non-expert gradients, once a step
+    full = predict_time(model, attrs.evolve(lay, recompute="full"), prof)
+    assert full.comm["ep"] - ep_sum == pytest.approx(blocks * (2 * fwd + bwd), rel=1e-9)
+    assert predict_time(model, Layout(4, 1, 1, 1, "1f1b", 2), prof).comm["ep"] == 0.0
+
+
+def test_search_enumerates_ep_only_for_experts_that_it_divides() -> None:
+    moe = {lay.ep for lay in candidates(moe_model(), 8)}
+    assert moe == {1, 2, 4, 8}
+    assert {lay.ep for lay in candidates(moe_model(moe_experts=6), 8)} == {1, 2}
+    assert {lay.ep for lay in candidates(moe_model(moe_experts=0), 8)} == {1}  # a dense model: never ep > 1
+    assert all(lay.ranks == 8 and 16 % (lay.dp * lay.ep * lay.micro_batches) == 0 for lay in candidates(moe_model(), 8))
+
+
+def test_cli_plans_ep_layouts_with_their_all_to_all(char_dataset: Path) -> None:
+    args = ["plan", "--data", str(char_dataset), "--ranks", "4", "--n-layer", "2", "--n-head", "4", "--n-embd", "32",
+            "--block-size", "32", "--batch-size", "8", "--hardware", "a100-80gb"]
+    rows = json.loads(CliRunner().invoke(app, args + ["--moe-experts", "4", "--json"]).stdout)
+    ep = [r for r in rows if r["ep"] > 1]
+    assert ep and all("ep=" in r["mesh"] and r["time"]["comm_ep"] > 0 for r in ep)
+    assert {r["ep"] for r in rows} == {1, 2, 4}
+    dense = json.loads(CliRunner().invoke(app, args + ["--json"]).stdout)
+    assert {r["ep"] for r in dense} == {1} and all(r["time"]["comm_ep"] == 0 for r in dense)
+    table = CliRunner().invoke(app, args + ["--moe-experts", "4", "--top", "400"]).stdout
+    assert "  ep  " in table and "ep=2" in table
+    bad = CliRunner().invoke(app, args + ["--moe-experts", "4", "--moe-top-k", "5"])
+    assert bad.exit_code != 0 and len(bad.output.strip().splitlines()) == 1
+
+
+def test_the_fit_check_counts_e_over_ep_experts(char_dataset: Path) -> None:
+    """`numesh train --mesh ep=N`'s memory check holds E/ep experts per rank (it held all E)."""
+    from numesh.plan.fits import run_memory
+
+    cfg = TrainConfig(data=str(char_dataset), n_layer=2, n_head=4, n_embd=64, block_size=32, batch_size=8,
+                      moe_experts=8)
+    shape = {"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": 1}
+    one = run_memory(cfg, shape, 65, 1)
+    four = run_memory(cfg, {**shape, "ep": 4}, 65, 1)
+    assert one.params - four.params == 2 * 6 * formulas.expert_params(64) * 4
+    assert four.activations < one.activations  # a quarter of the batch's rows on each rank

@@ -28,8 +28,8 @@ def as_json(p: Prediction, ranks: int) -> dict[str, Any]:
     """One layout as `--json` prints it."""
     lay, t = p.layout, p.time
     return {
-        "mesh": lay.mesh, "dp": lay.dp, "ep": lay.ep, "cp": lay.cp, "tp": lay.tp, "pp": lay.pp, "sequence_parallel": lay.sp,
-        "zero": lay.zero, "schedule": lay.schedule,
+        "mesh": lay.mesh, "dp": lay.dp, "ep": lay.ep, "cp": lay.cp, "tp": lay.tp, "pp": lay.pp,
+        "sequence_parallel": lay.sp, "zero": lay.zero, "schedule": lay.schedule,
         "micro_batches": lay.micro_batches, "virtual_stages": lay.virtual_stages, "recompute": lay.recompute,
         "fits": p.fits, "memory_bytes_per_rank": p.memory.total, "memory": attrs.asdict(p.memory),
         "step_time_s": t.total, "time": {"compute": t.compute, **{f"comm_{k}": v for k, v in t.comm.items()},

@@ -489,12 +489,17 @@ def _cp_grad_sum_time(layout: Layout, profile: Profile, place: Placement, padded
 
 def ep_replicated_values(model: ModelSpec, layout: Layout, sizes: list[int]) -> int:
     """Values of the leaves replicated over ep (all but the experts) among units `sizes` of
-    pipeline rank 0, as `ZeroOptimizer.ep_replicated_values` counts what it all-reduces over
-    ep: all of them under ZeRO 0, its dp shard of them (about 1/dp) under ZeRO >= 1."""
-    experts = sum(model.is_moe(i) for i in rank_layers(model, layout, 0))
-    values = sum(sizes) - experts * (model.moe_experts // layout.ep) * expert_rank_params(model.n_embd, layout.tp,
-                                                                                          model.bias)
-    return ceil_div(values, layout.dp) if layout.zero >= 1 else values
+    pipeline rank 0 (its blocks, then the outer unit), as `ZeroOptimizer.ep_replicated_values`
+    counts what it all-reduces over ep: all of them under ZeRO 0; under ZeRO >= 1 those in
+    this rank's dp shard of each unit, which depend on where the experts lie in the unit's
+    flat buffer: here the most any dp rank can hold, min(replicated, shard) per unit (the
+    all-reduce of the slowest dp index is the one the step waits for)."""
+    experts = (model.moe_experts // layout.ep) * expert_rank_params(model.n_embd, layout.tp, model.bias)
+    moe = [model.is_moe(i) for i in rank_layers(model, layout, 0)] + [False]
+    replicated = [n - experts * is_moe for n, is_moe in zip(sizes, moe)]
+    if layout.zero == 0:
+        return sum(replicated)
+    return sum(min(r, round_up(n, layout.dp) // layout.dp) for r, n in zip(replicated, sizes))
 
 
 def _ep_grad_sum_time(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, sizes: list[int]) -> float:
