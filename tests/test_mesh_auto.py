@@ -92,3 +92,13 @@ def test_numesh_train_mesh_auto_says_what_it_chose(char_dataset: Path, tmp_path:
     assert lines == ["--mesh auto on 1 rank, profile this-cpu-uncalibrated: --mesh dp=1,tp=1,pp=1 --zero 0 "
                      "--schedule 1f1b --micro-batches 1 (" + lines[0].split("micro-batches 1 (")[1]]
     assert lines[0].endswith("runner-up: none")
+
+
+def test_an_moe_model_may_get_ep_and_a_dense_one_never(char_dataset: Path) -> None:
+    """ep is one more axis of the choice for a model with experts: on 4 ranks, 16 experts of a
+    2-block model, ep = 4 holds a quarter of them and runs each expert's GEMMs on 4x the rows
+    of dp = 4 (the uncalibrated CPU profile at --peak-flops 1e12 predicts it fastest)."""
+    moe, _ = auto.pick(_config(char_dataset, n_embd=32, moe_experts=16), world=4, ranks_on_node=4)
+    assert "ep=" in moe.mesh
+    preds = _predictions(char_dataset, 0)
+    assert {p.layout.ep for p in preds} == {1}

@@ -39,7 +39,10 @@ class ModelSpec:
 
     def moe_blocks(self, start: int = 0, stop: int | None = None) -> int:
         """MoE blocks among blocks start .. stop - 1 (the whole model by default)."""
-        return sum(self.is_moe(i) for i in range(start, self.n_layer if stop is None else stop))
+        if not self.moe_experts:
+            return 0
+        stop = self.n_layer if stop is None else stop
+        return max(0, (stop - 1) // self.moe_every - (start - 1) // self.moe_every) if stop > start else 0
 
     @property
     def n_params(self) -> int:

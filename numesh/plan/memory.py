@@ -85,7 +85,14 @@ def unit_sizes(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
     outer = formulas.outer_params(model.n_embd, model.vocab_size, model.block_size, layout.tp, first, last, model.bias)
     if not model.moe_experts:  # the dense model's blocks all alike
         return [formulas.block_params(model.n_embd, layout.tp, model.bias)] * (model.n_layer // layout.pp) + [outer]
-    return block_sizes(model, layout, rank_layers(model, layout, pp_rank)) + [outer]
+    return list(_moe_block_units(model, layout.tp, layout.ep, layout.pp, layout.virtual_stages, pp_rank)) + [outer]
+
+
+@functools.lru_cache(maxsize=4096)
+def _moe_block_units(model: ModelSpec, tp: int, ep: int, pp: int, v: int, pp_rank: int) -> tuple[int, ...]:
+    """`unit_sizes`' blocks of a model with experts, once per mesh (a plan asks for each many times)."""
+    lay = Layout(1, tp, pp, 0, "1f1b", 1, v, ep=ep)
+    return tuple(block_sizes(model, lay, rank_layers(model, lay, pp_rank)))
 
 
 def moe_saved_bytes(model: ModelSpec, layout: Layout, itemsize: int) -> int:
