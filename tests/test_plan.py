@@ -762,6 +762,13 @@ def test_all_to_all_price_is_the_hand_computation() -> None:
     full = predict_time(model, attrs.evolve(lay, recompute="full"), prof)
     assert full.comm["ep"] - ep_sum == pytest.approx(blocks * (2 * fwd + bwd), rel=1e-9)
     assert predict_time(model, Layout(4, 1, 1, 1, "1f1b", 2), prof).comm["ep"] == 0.0
+    # a calibrated profile prices each call from the measured all-reduce curve of the ep group
+    # size, halved (ep-1 steps of 1/ep of the buffer, as an all-gather), plus the probe
+    meas = _measured_profile(4)
+    m_fwd, m_bwd = all_to_all_time(model, lay, meas, placement(lay, meas))
+    curve = meas.measured[4].collectives["all_reduce:4"]
+    assert m_bwd == pytest.approx(2 * costs.interp_time(curve, rows) / 2, rel=1e-12)
+    assert m_fwd == pytest.approx(m_bwd + costs.interp_time(curve, 64) / 2, rel=1e-12)
 
 
 def test_search_enumerates_ep_only_for_experts_that_it_divides() -> None:

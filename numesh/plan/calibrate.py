@@ -78,6 +78,8 @@ def model_gemm_shapes(base: TrainConfig, model: ModelSpec, ranks: int, itemsize:
     for lay in valid_layouts(base, model, ranks):
         place = placement(lay, rec)  # type: ignore[arg-type]
         block_cost(model, lay, rec, place, False)  # type: ignore[arg-type]
+        if model.moe_experts:  # the router's and the experts' GEMMs too
+            block_cost(model, lay, rec, place, False, moe=True)  # type: ignore[arg-type]
         outer_cost(model, lay, rec, place, True, True)  # type: ignore[arg-type]
     return rec.shapes
 
