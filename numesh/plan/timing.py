@@ -21,7 +21,9 @@ parallelism (sp) moves tp's traffic as `formulas.tp_sequence_parallel_bytes` cou
 (all-gathers and reduce-scatters of whole activations), runs LayerNorms and residual adds
 on 1/tp of the tokens, and all-reduces the LayerNorm gradients over tp once per step.
 Full recomputation reruns the whole block forward, its communication included, before its
-backward.
+backward. An MoE block (a model with experts) runs the router and its rank's E/ep experts on
+the N·k rows balanced routing brings them, with blocking all-to-alls over ep
+(`all_to_all_time`), and the ep-replicated gradients are all-reduced over ep once a step.
 
 Not modelled: a single rank with several threads runs each block as runs of pieces, one per
 thread (numesh.nn.walk); the model times its GEMMs with multi-threaded BLAS instead. The
