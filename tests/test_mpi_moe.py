@@ -270,3 +270,19 @@ def _on_first(n: int, fn: Any) -> Any:
 def _on_root(fn: Any) -> Any:
     """`fn()` on rank 0, its result (or its error) on every rank."""
     return _on_first(1, lambda _comm: fn())
+
+
+@pytest.mark.skipif(WORLD.Get_size() != 2, reason="the 2-rank suite trains on ep=2 and samples on tp=2")
+def test_a_checkpoint_trained_on_ep_samples_alike_on_one_rank_and_tp2(shared_dataset: Path, shared_tmp: Path) -> None:
+    """Experts saved whole by an ep=2 run, then sampled with the KV cache on one rank and on
+    tp=2 (each expert split over tp): the same text, and the same without the cache."""
+    from numesh.sample import SampleConfig, sample
+
+    out = shared_tmp / "moe-sample"
+    train_records(run_config(shared_dataset, out, "ep=2", max_iters=4, moe_top_k=2), WORLD)
+    ckpt = str(out / "ckpt" / "latest")
+    texts = [sample(SampleConfig(ckpt, prompt="ab", max_new_tokens=24, temperature=0.0, mesh="tp=2", kv_cache=kv),
+                    WORLD)[0] for kv in (True, False)]
+    one = _on_root(lambda: sample(SampleConfig(ckpt, prompt="ab", max_new_tokens=24, temperature=0.0),
+                                  MPI.COMM_SELF)[0])
+    assert texts[0] == texts[1] == one and len(one) > 2
