@@ -212,6 +212,7 @@ def step_bytes(
     tp_partial_values: int = 0,
     recompute: str = "none",
     ep_replicated_values: int = 0,
+    all_to_all_bytes: int = 0,
 ) -> dict[tuple[str, str], int]:
     """Payload bytes per (axes, op) one rank moves in one training step (axes as "dp",
     "pp+dp", or "pp[0,3]" for the tied-embedding group), sends but not receives.
@@ -225,8 +226,9 @@ def step_bytes(
     With cp, add the ring's K/V traffic and the gradients' sum over cp (`cp_ring_bytes`,
     `cp_grad_bytes`); `recompute` the activation recomputation ("full" reruns each block's
     forward, its tp communication included, in backward). With ep, `ep_replicated_values`
-    is the gradient values of leaves replicated over ep this rank holds (`ep_grad_bytes`);
-    the experts' token all-to-all is not counted here."""
+    is the gradient values of leaves replicated over ep this rank holds (`ep_grad_bytes`),
+    and `all_to_all_bytes` the experts' token all-to-alls of the step, which depend on the
+    routing (`moe_step_all_to_all_bytes` of the step's recorded counts; 0 for dense meshes)."""
     out: dict[tuple[str, str], int] = {}
     cp = shape.get("cp", 1)
 
@@ -259,6 +261,7 @@ def step_bytes(
             add(f"pp[0,{shape['pp'] - 1}]", "all_reduce", tied_bytes)
     if shape.get("ep", 1) > 1:
         add("ep", "all_reduce", ep_grad_bytes(ep_replicated_values, itemsize))
+        add("ep", "all_to_all", all_to_all_bytes)
     if shape["pp"] * shape["dp"] * shape.get("ep", 1) * cp > 1:  # the step's loss
         add("+".join(loss_axes(shape)), "all_reduce", SCALAR)
     if axes := norm_axes(shape, zero):  # the gradient norm
@@ -325,17 +328,30 @@ def moe_mlp_flops_per_token(n_embd: int, experts: int, top_k: int) -> float:
     return 6.0 * (n_embd * experts + top_k * 8 * n_embd * n_embd)
 
 
-def moe_all_to_all_bytes(rows: Sequence[Sequence[int]], rank: int, n_embd: int, experts: int, itemsize: int) -> int:
+def moe_all_to_all_bytes(send: Sequence[int], recv: Sequence[int], rank: int, n_embd: int, experts: int,
+                         itemsize: int, recompute: str = "none") -> int:
     """Bytes ep rank `rank` sends over ep in one MoE layer's forward and backward of one
-    micro-batch, given the routing: `rows[s, d]` token-assignments that ep rank s routes
-    to the experts of ep rank d. The counts first (E/ep int64 to each other rank), then
-    the rows: forward sends its tokens' rows to the other ranks' experts and their
-    outputs back to them (the rows it received), and backward does both again with the
-    gradients. A rank's own rows stay. Every tp rank moves the same bytes (tokens are
+    micro-batch, given its routing: `send[d]` token-assignment rows it routes to the experts
+    of ep rank d, `recv[s]` rows it receives from ep rank s (row `rank` and column `rank`
+    of the ep group's rows[s][d] matrix, `Dispatch.send`/`recv`: this rank's counts alone
+    suffice). The counts first (E/ep int64 to each other rank), then the rows: forward
+    sends its tokens' rows to the other ranks' experts and their outputs back to them (the
+    rows it received), and backward does both again with the gradients. A rank's own rows
+    stay (send[rank] = recv[rank]). Full recomputation reruns the forward, counts and
+    rows there and back, in backward. Every tp rank moves the same bytes (tokens are
     whole on each)."""
-    ep = len(rows)
-    moved = sum(int(rows[rank][d]) + int(rows[d][rank]) for d in range(ep) if d != rank)
-    return 2 * moved * n_embd * itemsize + (ep - 1) * (experts // ep) * 8
+    ep = len(send)
+    moved = int(sum(int(n) for n in send)) + int(sum(int(n) for n in recv)) - 2 * int(send[rank])
+    forwards = 2 if recompute == "full" else 1
+    return (forwards + 1) * moved * n_embd * itemsize + forwards * (ep - 1) * (experts // ep) * 8
+
+
+def moe_step_all_to_all_bytes(routing: Iterable[tuple[Sequence[int], Sequence[int]]], rank: int, n_embd: int,
+                              experts: int, itemsize: int, recompute: str = "none") -> int:
+    """Bytes a rank sends over ep in one training step: `moe_all_to_all_bytes` summed over
+    the (send, recv) row counts of each MoE layer on its stage and each micro-batch (what
+    `RoutingStats.send`/`recv` record, `StepStats.moe`); the `all_to_all_bytes` of `step_bytes`."""
+    return sum(moe_all_to_all_bytes(s, r, rank, n_embd, experts, itemsize, recompute) for s, r in routing)
 
 
 def outer_params(n_embd: int, vocab: int, block_size: int, tp: int = 1, first: bool = True, last: bool = True,

@@ -32,6 +32,8 @@ from numesh.mesh import AXES, Mesh, all_gather, psum
 from numesh.mesh.zigzag import take_local
 from numesh.nn.layers import Linear
 from numesh.nn.moe import MoE, MoEConfig, moe_bwd, moe_fwd, stats_vector
+from numesh.nn.units import OUTER
+from numesh.train import Trainer
 from numesh.tree import tree_leaves
 from test_moe import make_moe
 
@@ -129,7 +131,10 @@ def test_all_to_all_bytes_equal_the_formula(mesh: Mesh, factor: float) -> None:
     moe_bwd(lp, ctx, local_rows(dy, mesh), cfg, mesh, 1.0 / (B * T))
     measured = mesh.counter.total(("ep",), "all_to_all", kind="payload")
     rows = all_gather(ctx.dispatch.send[None], mesh, "ep")  # [ep, ep]: rows[s, d] from ep rank s to d
-    want = formulas.moe_all_to_all_bytes(rows, mesh.index("ep"), C, E, 8)
+    me = mesh.index("ep")
+    assert (rows[me] == ctx.dispatch.send).all() and (rows[:, me] == ctx.dispatch.recv).all()  # row and column me
+    assert (ctx.stats.send == ctx.dispatch.send).all() and (ctx.stats.recv == ctx.dispatch.recv).all()
+    want = formulas.moe_all_to_all_bytes(ctx.dispatch.send, ctx.dispatch.recv, me, C, E, 8)
     assert measured == want and (mesh.size("ep") == 1 or want > 0)
     sent, dropped = psum(np.array([ctx.dispatch.send.sum(), ctx.stats.dropped]), mesh, AXES)
     sent //= mesh.size("tp")  # every tp rank sends the same rows; only tp rank 0 counts the drops
@@ -220,6 +225,50 @@ def test_training_matches_one_rank(shared_dataset: Path, shared_tmp: Path, mesh:
     if kw["moe_capacity_factor"]:
         assert sum(r.get("moe_dropped", 0) for r in got[0]) > 0  # the capacity really dropped some
     assert_same_run(got, want)
+
+
+# (mesh, ZeRO stage, recompute, micro-batches) of the step-bytes check, per world size
+BYTES_CASES = {2: [("ep=2", 2, "full", 2)],
+               4: [("dp=2,ep=2", 1, "none", 2), ("ep=2,pp=2", 0, "none", 2), ("ep=4", 3, "full", 1)]}
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_bytes_per_step_follow_the_formula(shared_dataset: Path, shared_tmp: Path, case: int) -> None:
+    """After a warm-up step, the byte counter of one train step equals `formulas.step_bytes`
+    on every axis, ep's all-to-all included: `moe_step_all_to_all_bytes` of the row counts
+    the step's MoE layers recorded (`StepStats.moe`), with the rerun forward under
+    --recompute full, and ep's all-reduce of the replicated leaves' gradients."""
+    cases = BYTES_CASES.get(WORLD.Get_size(), [])
+    if case >= len(cases):
+        pytest.skip("no such case on this world size")
+    mesh, zero, recompute, m = cases[case]
+    cfg = run_config(shared_dataset, shared_tmp / f"moe-bytes-{case}", mesh, zero=zero, recompute=recompute,
+                     micro_batches=m, moe_capacity_factor=1.0 if case == 1 else 0.0)
+    trainer = Trainer(cfg, WORLD)
+    trainer.train_step()
+    counter = trainer.mesh.counter
+    counter.reset()
+    trainer.train_step()
+    shape, units, pp_rank = trainer.mesh.shape, trainer.opt.units, trainer.mesh.index("pp")
+    holds_tied = shape["pp"] > 1 and pp_rank in (0, shape["pp"] - 1)
+    a2a = formulas.moe_step_all_to_all_bytes([(s.send, s.recv) for s in trainer.last_stats.moe],
+                                             trainer.mesh.index("ep"), cfg.n_embd, E, 8, recompute)
+    assert a2a == trainer.all_to_all_bytes() and a2a > 0
+    assert len(trainer.last_stats.moe) == m * len([b for s in trainer.pipeline.stages for b, _ in s.blocks
+                                                   if trainer.model.moe(b)])
+    want = formulas.step_bytes(
+        shape, zero, m, cfg.batch_size // (shape["dp"] * shape["ep"] * m), cfg.block_size, cfg.n_embd, 8,
+        [formulas.Chunk(len(s.blocks), s.first, s.last) for s in trainer.pipeline.stages],
+        sum(u.padded for k, u in units.items() if not k.is_outer), units[OUTER].padded,
+        trainer.model.padded_vocab(shape["tp"]) // shape["tp"] * cfg.n_embd * 8 if holds_tied else 0,
+        trainer.schedule.split_backward, recompute=recompute,
+        ep_replicated_values=trainer.opt.ep_replicated_values, all_to_all_bytes=a2a)
+    got = {("+".join(axes), op): v for (axes, op), v in counter.payload.items() if v}
+    if holds_tied:  # the counter books the tied-embedding group under its axis, with the norm's scalar
+        tied = want.pop((f"pp[0,{shape['pp'] - 1}]", "all_reduce"))
+        want[("pp", "all_reduce")] = want.get(("pp", "all_reduce"), 0) + tied
+    assert got == want
+    assert want[("ep", "all_to_all")] == a2a
 
 
 @pytest.mark.skipif(WORLD.Get_size() != 4, reason="the 4-rank suite moves one run over ep=2, ep=4 and one rank")

@@ -87,6 +87,10 @@ class RoutingStats:
     sequences: int  # sequences counted in aux_sum
     positions: int  # tokens counted in z_sum
     dropped: int = 0  # this rank's token-assignments dropped by the capacity
+    # the dispatch's rows over ep (`Dispatch.send`/`recv`, on every tp rank: each moves its
+    # own copy): what `formulas.moe_all_to_all_bytes` needs; None where nothing was dispatched
+    send: np.ndarray | None = None  # [ep] rows this rank sent to each ep rank
+    recv: np.ndarray | None = None  # [ep] rows this rank received from each ep rank
 
 
 @attrs.frozen
@@ -323,7 +327,7 @@ def moe_fwd(p: MoE, x: np.ndarray, cfg: MoEConfig, mesh: Mesh, layer: int = 0) -
     y = ya[:, 0] * r.weights[:, :1]
     for j in range(1, k):  # a fixed order of the k terms
         y += ya[:, j] * r.weights[:, j : j + 1]
-    stats = routing_stats(r, bal, cfg, layer, mesh)
+    stats = attrs.evolve(routing_stats(r, bal, cfg, layer, mesh), send=d.send, recv=d.recv)
     return y.reshape(shape), MoECtx(x2, r, bal, d, xe, gelu, g, ya, jobs, stats, shape)
 
 
