@@ -354,6 +354,63 @@ def moe_step_all_to_all_bytes(routing: Iterable[tuple[Sequence[int], Sequence[in
     return sum(moe_all_to_all_bytes(s, r, rank, n_embd, experts, itemsize, recompute) for s, r in routing)
 
 
+def moe_expert_values(n_embd: int, experts: int, ep: int = 1, tp: int = 1, bias: bool = False) -> int:
+    """Values of one MoE block's experts on one rank: its E/ep experts, each tp-split as the
+    dense MLP: fc.w [E/ep, C, 4C/tp], fc.b [E/ep, 4C/tp], proj.w [E/ep, 4C/tp, C], proj.b
+    [E/ep, C] (the leaves whose spec names "ep")."""
+    C = n_embd
+    return experts // ep * (8 * C * C // tp + ((4 * C // tp + C) if bias else 0))
+
+
+def moe_block_other_values(n_embd: int, experts: int, tp: int = 1, bias: bool = False) -> int:
+    """Values of one MoE block on one rank that are not experts (replicated over ep): the
+    dense block's attention and LayerNorms (`block_params` less its MLP) and the router C·E."""
+    C = n_embd
+    return block_params(C, tp, bias) - 8 * C * C // tp - ((4 * C // tp + C) if bias else 0) + C * experts
+
+
+def moe_rank_units(*, n_embd: int, vocab: int, block_size: int, experts: int, moe_layers: Sequence[bool], ep: int = 1,
+                   tp: int = 1, bias: bool = False, first: bool = True, last: bool = True) -> list[tuple[int, int]]:
+    """(non-expert, expert) values of each parameter unit of a rank: one per block of its
+    stage (`moe_layers`: whether each is an MoE block) and the outer unit. In the flat
+    layout (numesh.optim.flat) a unit's expert values come after its others: an MoE
+    block's experts (mlp.fc, mlp.proj) are its last leaves."""
+    units = [(moe_block_other_values(n_embd, experts, tp, bias), moe_expert_values(n_embd, experts, ep, tp, bias))
+             if moe else (block_params(n_embd, tp, bias), 0) for moe in moe_layers]
+    units.append((outer_params(n_embd, vocab, block_size, tp, first, last, bias), 0))
+    return units
+
+
+def shard_values(units: Iterable[tuple[int, int]], dp: int, rank: int | None) -> dict[str, int]:
+    """Values of a flat buffer over `units` ((non-expert, expert) values each, in that order,
+    each unit padded to a multiple of dp) by kind: "expert", "other" and "padding". With
+    `rank` None the whole buffer; else dp rank `rank`'s shard, the rank-th 1/dp of every
+    padded unit (so a rank's expert share depends on where the cut falls in each unit)."""
+    out = {"expert": 0, "other": 0, "padding": 0}
+    for o, x in units:
+        padded = round_up(o + x, dp)
+        a, b = (0, padded) if rank is None else (rank * padded // dp, (rank + 1) * padded // dp)
+        out["other"] += max(0, min(b, o) - a)
+        out["expert"] += max(0, min(b, o + x) - max(a, o))
+        out["padding"] += max(0, b - max(a, o + x))
+    return out
+
+
+def moe_state_bytes(units: Iterable[tuple[int, int]], dp: int, rank: int, stage: int,
+                    itemsize: int = 4) -> dict[str, dict[str, int]]:
+    """`ZeroOptimizer.memory()`'s params, grads and optimizer (AdamW's m and v) of dp rank
+    `rank`, each split into expert, non-expert and padding bytes (`shard_values` of the
+    rank's `moe_rank_units`): whole buffers, or this rank's shard where the ZeRO stage
+    shards them (as `memory_formula`: params from 3, grads from 2, moments from 1)."""
+    units = list(units)
+    whole, shard = shard_values(units, dp, None), shard_values(units, dp, rank)
+
+    def part(sharded: bool, copies: int = 1) -> dict[str, int]:
+        return {k: copies * v * itemsize for k, v in (shard if sharded else whole).items()}
+
+    return {"params": part(stage >= 3), "grads": part(stage >= 2), "optimizer": part(stage >= 1, 2)}
+
+
 def outer_params(n_embd: int, vocab: int, block_size: int, tp: int = 1, first: bool = True, last: bool = True,
                  bias: bool = False) -> int:
     """Values of the outer unit on one rank: the vocab-parallel wte (first and last stage,

@@ -200,7 +200,7 @@ class Trainer:
         `formulas.moe_step_all_to_all_bytes` of the row counts its MoE layers recorded."""
         stats = self.last_stats.moe if self.last_stats is not None else ()
         return formulas.moe_step_all_to_all_bytes(
-            [(s.send, s.recv) for s in stats if s.send is not None], self.mesh.index("ep"), self.model.n_embd,
+            [(s.send, s.recv) for s in stats], self.mesh.index("ep"), self.model.n_embd,
             self.model.moe_experts, np.dtype(self.dtype).itemsize, self.cfg.recompute)
 
     def evaluate(self) -> dict[str, float]:

@@ -34,7 +34,7 @@ from numesh.nn.layers import Linear
 from numesh.nn.moe import MoE, MoEConfig, moe_bwd, moe_fwd, stats_vector
 from numesh.nn.units import OUTER
 from numesh.train import Trainer
-from numesh.tree import tree_leaves
+from numesh.tree import tree_leaves, tree_map
 from test_moe import make_moe
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -133,7 +133,7 @@ def test_all_to_all_bytes_equal_the_formula(mesh: Mesh, factor: float) -> None:
     rows = all_gather(ctx.dispatch.send[None], mesh, "ep")  # [ep, ep]: rows[s, d] from ep rank s to d
     me = mesh.index("ep")
     assert (rows[me] == ctx.dispatch.send).all() and (rows[:, me] == ctx.dispatch.recv).all()  # row and column me
-    assert (ctx.stats.send == ctx.dispatch.send).all() and (ctx.stats.recv == ctx.dispatch.recv).all()
+    assert ctx.stats.send == tuple(ctx.dispatch.send) and ctx.stats.recv == tuple(ctx.dispatch.recv)
     want = formulas.moe_all_to_all_bytes(ctx.dispatch.send, ctx.dispatch.recv, me, C, E, 8)
     assert measured == want and (mesh.size("ep") == 1 or want > 0)
     sent, dropped = psum(np.array([ctx.dispatch.send.sum(), ctx.stats.dropped]), mesh, AXES)
@@ -269,6 +269,57 @@ def test_bytes_per_step_follow_the_formula(shared_dataset: Path, shared_tmp: Pat
         want[("pp", "all_reduce")] = want.get(("pp", "all_reduce"), 0) + tied
     assert got == want
     assert want[("ep", "all_to_all")] == a2a
+
+
+STATE_CASES = {2: [("ep=2", 3)],
+               4: [("dp=2,ep=2", 0), ("dp=2,ep=2", 1), ("dp=2,ep=2", 2), ("dp=2,ep=2", 3), ("ep=2,tp=2", 2),
+                   ("ep=2,pp=2", 1)]}
+
+
+def held_by_kind(opt: Any, buffer: np.ndarray) -> dict[str, int]:
+    """Bytes of one of the optimiser's flat buffers (whole, or this rank's shard of every
+    unit: its size says which) that hold expert values, other values and padding, from its
+    layout and the leaves' specs."""
+    lay = opt.layout
+    templates = {k: u.template for k, u in lay.units.items()}
+    expert = lay.leaf_mask({k: tree_map(lambda _x, s: "ep" in s.axes(), t, opt.specs[k]) for k, t in templates.items()})
+    real = lay.leaf_mask({k: tree_map(lambda _x: True, t) for k, t in templates.items()})
+    if buffer.size != lay.total:
+        expert, real = lay.take_shard(expert), lay.take_shard(real)
+    assert expert.size == buffer.size
+    k = buffer.itemsize
+    return {"expert": int(expert.sum()) * k, "other": int((real & ~expert).sum()) * k,
+            "padding": int((~real).sum()) * k}
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_state_bytes_per_rank_follow_the_formula(shared_dataset: Path, shared_tmp: Path, case: int) -> None:
+    """Each rank's parameters, gradients and AdamW moments, split into its experts' values,
+    the rest and the padding, measured in the optimiser's own buffers (this rank's shard
+    where the ZeRO stage shards them), equal `formulas.moe_state_bytes` of the rank's
+    `moe_rank_units` exactly; their sums are `ZeroOptimizer.memory()`."""
+    cases = STATE_CASES.get(WORLD.Get_size(), [])
+    if case >= len(cases):
+        pytest.skip("no such case on this world size")
+    mesh, zero = cases[case]
+    cfg = run_config(shared_dataset, shared_tmp / f"moe-state-{case}", mesh, zero=zero)
+    trainer = Trainer(cfg, WORLD)
+    opt, m, shape = trainer.opt, trainer.model, trainer.mesh.shape
+    layers = [layer for st in trainer.pipeline.stages for layer, _ in st.blocks]
+    units = formulas.moe_rank_units(
+        n_embd=m.n_embd, vocab=m.vocab_size, block_size=m.block_size, experts=E,
+        moe_layers=[m.moe(i) is not None for i in layers], ep=shape["ep"], tp=shape["tp"], bias=m.bias,
+        first=any(st.first for st in trainer.pipeline.stages), last=any(st.last for st in trainer.pipeline.stages))
+    want = formulas.moe_state_bytes(units, shape["dp"], trainer.mesh.index("dp"), zero, 8)
+    got = {"params": held_by_kind(opt, opt.residency.buffer), "grads": held_by_kind(opt, opt.sync.buffer),
+           "optimizer": {k: a + b for (k, a), b in zip(held_by_kind(opt, opt.adam.m).items(),
+                                                       held_by_kind(opt, opt.adam.v).values())}}
+    assert got == want
+    assert want["params"]["expert"] > 0 and want["params"]["other"] > 0
+    mem = opt.memory()
+    assert {k: sum(v.values()) for k, v in want.items()} == {k: mem[k] for k in want}
+    whole = formulas.moe_state_bytes(units, shape["dp"], trainer.mesh.index("dp"), 0, 8)
+    assert [want[k] != whole[k] for k in want] == [shape["dp"] > 1 and zero >= s for s in (3, 2, 1)]  # sharded
 
 
 @pytest.mark.skipif(WORLD.Get_size() != 4, reason="the 4-rank suite moves one run over ep=2, ep=4 and one rank")
