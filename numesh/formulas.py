@@ -522,6 +522,53 @@ def activation_bytes(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_
                                 itemsize=itemsize, sp=sp, cp=cp).values())
 
 
+INDEX_BYTES = 8  # routing indices and counts are int64; the router's f and P float64 (numesh/nn/moe.py)
+
+
+def moe_activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, experts: int, top_k: int,
+                         rows_sent: int, rows_received: int, tp: int = 1, ep: int = 1, capacity: bool = False,
+                         recompute: str = "none", itemsize: int = 4, sp: bool = False) -> dict[str, int]:
+    """What one MoE block's forward saves for backward on one rank (its `BlockCtx` with
+    `MoECtx`, each buffer counted once as `numesh.tree.held_bytes` does), in bytes, for b =
+    `micro_batch` sequences of s = `seq` tokens of this rank (s = seq/cp under cp), N = s·b
+    tokens, k = `top_k`, h = `n_embd`, t = `tp`, q = `itemsize`, M = `rows_sent`
+    (Σ Dispatch.send: the assignments this rank's tokens kept, N·k less the dropped) and R
+    = `rows_received` (Σ Dispatch.recv: the rows its E/ep experts got; routing decides
+    both, so they differ by rank):
+      "block_replicated"  q·(4·sbh + 2·sb) as the dense block's (the MoE input is LayerNorm
+                          2's output, kept once); under sp q·2·(sbh + sb)/t + q·sbh, the
+                          gathered MoE input.
+      "block_attention"   q·4·sbh/t: the QKV output and the attention output.
+      "block_lse"         q·a·sb/t, as the dense block's.
+      "router"            the probabilities and logsumexp q·(N·E + N), the top-k order
+                          8·N·E (a view of the whole argsort), the combine weights q·N·k,
+                          the sorted rows 8·M and expert bounds 8·(E + 1), each sequence's
+                          f and P 2·8·b·E, and with a capacity which assignments it kept N·k.
+      "dispatch"          send and recv 2·8·ep; with ep > 1 the regrouping 8·R and local
+                          bounds 8·(E/ep + 1).
+      "experts"           q·R·h the rows the experts got, q·12·R·h/t their hidden layer, GELU
+                          tanh and output, q·N·k·h each assignment's expert output.
+      "stats"             the routing stats' tokens per expert, 8·E.
+    Under full recomputation the block keeps its input, q·sbh (q·sbh/t under sp), and its
+    stats, 8·E (`RoutingStats.send`/`recv` are int tuples: nothing more)."""
+    check_recompute_mode(recompute)
+    b, s, h, a, t, q, E, k = micro_batch, seq, n_embd, n_head, tp, itemsize, experts, top_k
+    sb, sbh, N, R, M = s * b, s * b * h, s * b, rows_received, rows_sent
+    stats = INDEX_BYTES * E
+    if recompute == "full":
+        return {"block_input": q * (sbh // t if sp else sbh), "stats": stats}
+    return {
+        "block_replicated": q * (2 * (sbh + sb) // t + sbh) if sp else q * (4 * sbh + 2 * sb),
+        "block_attention": q * 4 * sbh // t,
+        "block_lse": q * a * sb // t,
+        "router": (q * (N * E + N + N * k) + INDEX_BYTES * (N * E + M + E + 1 + 2 * b * E)
+                   + (N * k if capacity else 0)),
+        "dispatch": INDEX_BYTES * (2 * ep + ((R + E // ep + 1) if ep > 1 else 0)),
+        "experts": q * (R * h + 12 * R * h // t + N * k * h),
+        "stats": stats,
+    }
+
+
 def weight_ctx_bytes(*, micro_batch: int, seq: int, n_embd: int, n_layer: int, tp: int = 1, bias: bool = False,
                      itemsize: int = 4, chunks: int = 1) -> int:
     """Bytes a zero-bubble B leaves for its W (numesh.nn.transformer.BlockWeightCtx) over

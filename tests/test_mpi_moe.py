@@ -322,6 +322,40 @@ def test_state_bytes_per_rank_follow_the_formula(shared_dataset: Path, shared_tm
     assert [want[k] != whole[k] for k in want] == [shape["dp"] > 1 and zero >= s for s in (3, 2, 1)]  # sharded
 
 
+ACTIVATION_CASES = {2: [("ep=2", False)], 4: [("ep=4", False), ("ep=2,tp=2", False), ("ep=2,tp=2", True)]}
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("case", range(3))
+def test_moe_block_activation_bytes_follow_the_formula(shared_dataset: Path, shared_tmp: Path, case: int,
+                                                       recompute: str) -> None:
+    """On an ep mesh each rank's experts receive their own number of rows R: what each
+    rank's MoE block keeps (`held_bytes` of its context, one micro-batch's forward) equals
+    `formulas.moe_activation_parts` of its rows sent and received, with tp and sp."""
+    from numesh import data as D
+    from numesh.nn.walk import stage_forward
+    from numesh.tree import held_bytes
+
+    cases = ACTIVATION_CASES.get(WORLD.Get_size(), [])
+    if case >= len(cases):
+        pytest.skip("no such case on this world size")
+    mesh, sp = cases[case]
+    cfg = run_config(shared_dataset, shared_tmp / f"moe-act-{case}", mesh, sequence_parallel=sp, dtype="float32",
+                     dropout=0.0, moe_capacity_factor=1.0)
+    trainer = Trainer(cfg, WORLD)
+    (idx, tgt), = trainer._micro_batches(trainer.train_data, D.train_key(cfg.seed, 0), 1)
+    m, shape = trainer.model, trainer.mesh.shape
+    _, ctx = stage_forward(trainer.opt, trainer.pipeline.stages[0], idx, tgt, m, trainer.mesh, recompute=recompute)
+    (stats, *_), rows = ctx.moe, idx.shape[0]
+    want = formulas.moe_activation_parts(
+        micro_batch=rows, seq=idx.shape[1], n_embd=m.n_embd, n_head=m.n_head, experts=E, top_k=m.moe_top_k,
+        rows_sent=sum(stats.send), rows_received=sum(stats.recv), tp=shape["tp"], ep=shape["ep"], capacity=True,
+        recompute=recompute, itemsize=4, sp=sp)
+    assert held_bytes(ctx.blocks[0]) == sum(want.values()), want
+    counts = WORLD.allgather(sum(stats.recv))
+    assert len(set(counts)) > 1 or recompute == "full"  # the ranks' experts got different numbers of rows
+
+
 @pytest.mark.skipif(WORLD.Get_size() != 4, reason="the 4-rank suite moves one run over ep=2, ep=4 and one rank")
 def test_reshard_across_ep_and_resume_equals_the_uninterrupted_run(shared_dataset: Path, shared_tmp: Path) -> None:
     base = shared_tmp / "moe-reshard"
