@@ -333,7 +333,7 @@ def moe_all_to_all_bytes(send: Sequence[int], recv: Sequence[int], rank: int, n_
     """Bytes ep rank `rank` sends over ep in one MoE layer's forward and backward of one
     micro-batch, given its routing: `send[d]` token-assignment rows it routes to the experts
     of ep rank d, `recv[s]` rows it receives from ep rank s (row `rank` and column `rank`
-    of the ep group's rows[s][d] matrix, `Dispatch.send`/`recv`: this rank's counts alone
+    of the ep group's rows[s, d] matrix, `Dispatch.send`/`recv`: this rank's counts alone
     suffice). The counts first (E/ep int64 to each other rank), then the rows: forward
     sends its tokens' rows to the other ranks' experts and their outputs back to them (the
     rows it received), and backward does both again with the gradients. A rank's own rows
