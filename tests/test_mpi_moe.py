@@ -9,8 +9,13 @@
   away from an expert, so its rank receives no rows for it; top-1 and top-2; and both with
   a capacity factor that drops assignments (decided per whole sequence: under cp from the
   gathered sequence), the drops counted alike.
-* The all-to-all bytes the counter books equal `formulas.moe_all_to_all_bytes` of the
-  routing counts; with a capacity, the dropped rows are not sent.
+* The all-to-all bytes the counter books equal `formulas.moe_all_to_all_bytes` of this
+  rank's send and recv row counts; with a capacity, the dropped rows are not sent. In
+  training, one step's bytes on every axis equal `formulas.step_bytes` with the step's
+  all-to-all term from the counts its MoE layers recorded (full recomputation included).
+* Each rank's expert and non-expert state bytes (parameters, gradients, AdamW moments,
+  padding), measured in the optimiser's buffers, equal `formulas.moe_state_bytes` under
+  ZeRO 0-3; an MoE block's saved context equals `formulas.moe_activation_parts`.
 """
 
 from __future__ import annotations
