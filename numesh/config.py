@@ -49,10 +49,10 @@ class TrainConfig:
     dropout: float = _field(0.0, "dropout probability")
     bias: bool = _field(False, "biases in Linear and LayerNorm layers")
     moe_experts: int = _field(
-        0, "mixture of experts: E expert MLPs and a router in the MoE blocks; 0 = dense (one rank only, for now)")
+        0, "mixture of experts: E expert MLPs and a router in the MoE blocks, split over the mesh axis ep; 0 = dense")
     moe_every: int = _field(1, "every N-th block is an MoE block (blocks 0, N, 2N, ...)")
     moe_top_k: int = _field(2, "experts per token, their router probabilities renormalised to sum to 1")
-    moe_aux_coef: float = _field(1e-2, "coefficient of the Switch/GShard load-balancing loss, added per MoE block")
+    moe_aux_coef: float = _field(1e-2, "coefficient of the Switch/GShard load-balancing loss (per sequence and block)")
     moe_z_coef: float = _field(0.0, "coefficient of the router z-loss (mean squared logsumexp of the router logits)")
     moe_capacity_factor: float = _field(
         0.0, "each expert takes at most ceil(c*T*k/E) token-assignments of each sequence, those of highest router "

@@ -212,6 +212,7 @@ def step_bytes(
     tp_partial_values: int = 0,
     recompute: str = "none",
     ep_replicated_values: int = 0,
+    all_to_all_bytes: int = 0,
 ) -> dict[tuple[str, str], int]:
     """Payload bytes per (axes, op) one rank moves in one training step (axes as "dp",
     "pp+dp", or "pp[0,3]" for the tied-embedding group), sends but not receives.
@@ -225,8 +226,9 @@ def step_bytes(
     With cp, add the ring's K/V traffic and the gradients' sum over cp (`cp_ring_bytes`,
     `cp_grad_bytes`); `recompute` the activation recomputation ("full" reruns each block's
     forward, its tp communication included, in backward). With ep, `ep_replicated_values`
-    is the gradient values of leaves replicated over ep this rank holds (`ep_grad_bytes`);
-    the experts' token all-to-all is not counted here."""
+    is the gradient values of leaves replicated over ep this rank holds (`ep_grad_bytes`),
+    and `all_to_all_bytes` the experts' token all-to-alls of the step, which depend on the
+    routing (`moe_step_all_to_all_bytes` of the step's recorded counts; 0 for dense meshes)."""
     out: dict[tuple[str, str], int] = {}
     cp = shape.get("cp", 1)
 
@@ -259,6 +261,7 @@ def step_bytes(
             add(f"pp[0,{shape['pp'] - 1}]", "all_reduce", tied_bytes)
     if shape.get("ep", 1) > 1:
         add("ep", "all_reduce", ep_grad_bytes(ep_replicated_values, itemsize))
+        add("ep", "all_to_all", all_to_all_bytes)
     if shape["pp"] * shape["dp"] * shape.get("ep", 1) * cp > 1:  # the step's loss
         add("+".join(loss_axes(shape)), "all_reduce", SCALAR)
     if axes := norm_axes(shape, zero):  # the gradient norm
@@ -325,17 +328,87 @@ def moe_mlp_flops_per_token(n_embd: int, experts: int, top_k: int) -> float:
     return 6.0 * (n_embd * experts + top_k * 8 * n_embd * n_embd)
 
 
-def moe_all_to_all_bytes(rows: Sequence[Sequence[int]], rank: int, n_embd: int, experts: int, itemsize: int) -> int:
+def moe_all_to_all_bytes(send: Sequence[int], recv: Sequence[int], rank: int, n_embd: int, experts: int,
+                         itemsize: int, recompute: str = "none") -> int:
     """Bytes ep rank `rank` sends over ep in one MoE layer's forward and backward of one
-    micro-batch, given the routing: `rows[s, d]` token-assignments that ep rank s routes
-    to the experts of ep rank d. The counts first (E/ep int64 to each other rank), then
-    the rows: forward sends its tokens' rows to the other ranks' experts and their
-    outputs back to them (the rows it received), and backward does both again with the
-    gradients. A rank's own rows stay. Every tp rank moves the same bytes (tokens are
+    micro-batch, given its routing: `send[d]` token-assignment rows it routes to the experts
+    of ep rank d, `recv[s]` rows it receives from ep rank s (row `rank` and column `rank`
+    of the ep group's rows[s, d] matrix, `Dispatch.send`/`recv`: this rank's counts alone
+    suffice). The counts first (E/ep int64 to each other rank), then the rows: forward
+    sends its tokens' rows to the other ranks' experts and their outputs back to them (the
+    rows it received), and backward does both again with the gradients. A rank's own rows
+    stay (send[rank] = recv[rank]). Full recomputation reruns the forward, counts and
+    rows there and back, in backward. Every tp rank moves the same bytes (tokens are
     whole on each)."""
-    ep = len(rows)
-    moved = sum(int(rows[rank][d]) + int(rows[d][rank]) for d in range(ep) if d != rank)
-    return 2 * moved * n_embd * itemsize + (ep - 1) * (experts // ep) * 8
+    ep = len(send)
+    moved = int(sum(int(n) for n in send)) + int(sum(int(n) for n in recv)) - 2 * int(send[rank])
+    forwards = 2 if recompute == "full" else 1
+    return (forwards + 1) * moved * n_embd * itemsize + forwards * (ep - 1) * (experts // ep) * 8
+
+
+def moe_step_all_to_all_bytes(routing: Iterable[tuple[Sequence[int], Sequence[int]]], rank: int, n_embd: int,
+                              experts: int, itemsize: int, recompute: str = "none") -> int:
+    """Bytes a rank sends over ep in one training step: `moe_all_to_all_bytes` summed over
+    the (send, recv) row counts of each MoE layer on its stage and each micro-batch (what
+    `RoutingStats.send`/`recv` record, `StepStats.moe`); the `all_to_all_bytes` of `step_bytes`."""
+    return sum(moe_all_to_all_bytes(s, r, rank, n_embd, experts, itemsize, recompute) for s, r in routing)
+
+
+def moe_expert_values(n_embd: int, experts: int, ep: int = 1, tp: int = 1, bias: bool = False) -> int:
+    """Values of one MoE block's experts on one rank: its E/ep experts, each tp-split as the
+    dense MLP: fc.w [E/ep, C, 4C/tp], fc.b [E/ep, 4C/tp], proj.w [E/ep, 4C/tp, C], proj.b
+    [E/ep, C] (the leaves whose spec names "ep")."""
+    C = n_embd
+    return experts // ep * (8 * C * C // tp + ((4 * C // tp + C) if bias else 0))
+
+
+def moe_block_other_values(n_embd: int, experts: int, tp: int = 1, bias: bool = False) -> int:
+    """Values of one MoE block on one rank that are not experts (replicated over ep): the
+    dense block's attention and LayerNorms (`block_params` less its MLP) and the router C·E."""
+    C = n_embd
+    return block_params(C, tp, bias) - 8 * C * C // tp - ((4 * C // tp + C) if bias else 0) + C * experts
+
+
+def moe_rank_units(*, n_embd: int, vocab: int, block_size: int, experts: int, moe_layers: Sequence[bool], ep: int = 1,
+                   tp: int = 1, bias: bool = False, first: bool = True, last: bool = True) -> list[tuple[int, int]]:
+    """(non-expert, expert) values of each parameter unit of a rank: one per block of its
+    stage (`moe_layers`: whether each is an MoE block) and the outer unit. In the flat
+    layout (numesh.optim.flat) a unit's expert values come after its others: an MoE
+    block's experts (mlp.fc, mlp.proj) are its last leaves."""
+    units = [(moe_block_other_values(n_embd, experts, tp, bias), moe_expert_values(n_embd, experts, ep, tp, bias))
+             if moe else (block_params(n_embd, tp, bias), 0) for moe in moe_layers]
+    units.append((outer_params(n_embd, vocab, block_size, tp, first, last, bias), 0))
+    return units
+
+
+def shard_values(units: Iterable[tuple[int, int]], dp: int, rank: int | None) -> dict[str, int]:
+    """Values of a flat buffer over `units` ((non-expert, expert) values each, in that order,
+    each unit padded to a multiple of dp) by kind: "expert", "other" and "padding". With
+    `rank` None the whole buffer; else dp rank `rank`'s shard, the rank-th 1/dp of every
+    padded unit (so a rank's expert share depends on where the cut falls in each unit)."""
+    out = {"expert": 0, "other": 0, "padding": 0}
+    for o, x in units:
+        padded = round_up(o + x, dp)
+        a, b = (0, padded) if rank is None else (rank * padded // dp, (rank + 1) * padded // dp)
+        out["other"] += max(0, min(b, o) - a)
+        out["expert"] += max(0, min(b, o + x) - max(a, o))
+        out["padding"] += max(0, b - max(a, o + x))
+    return out
+
+
+def moe_state_bytes(units: Iterable[tuple[int, int]], dp: int, rank: int, stage: int,
+                    itemsize: int = 4) -> dict[str, dict[str, int]]:
+    """`ZeroOptimizer.memory()`'s params, grads and optimizer (AdamW's m and v) of dp rank
+    `rank`, each split into expert, non-expert and padding bytes (`shard_values` of the
+    rank's `moe_rank_units`): whole buffers, or this rank's shard where the ZeRO stage
+    shards them (as `memory_formula`: params from 3, grads from 2, moments from 1)."""
+    units = list(units)
+    whole, shard = shard_values(units, dp, None), shard_values(units, dp, rank)
+
+    def part(sharded: bool, copies: int = 1) -> dict[str, int]:
+        return {k: copies * v * itemsize for k, v in (shard if sharded else whole).items()}
+
+    return {"params": part(stage >= 3), "grads": part(stage >= 2), "optimizer": part(stage >= 1, 2)}
 
 
 def outer_params(n_embd: int, vocab: int, block_size: int, tp: int = 1, first: bool = True, last: bool = True,
@@ -447,6 +520,53 @@ def activation_bytes(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_
     return sum(activation_parts(micro_batch=micro_batch, seq=seq, n_embd=n_embd, n_head=n_head, n_layer=n_layer,
                                 vocab=vocab, tp=tp, first=first, last=last, recompute=recompute, dropout=dropout,
                                 itemsize=itemsize, sp=sp, cp=cp).values())
+
+
+INDEX_BYTES = 8  # routing indices and counts are int64; the router's f and P float64 (numesh/nn/moe.py)
+
+
+def moe_activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, experts: int, top_k: int,
+                         rows_sent: int, rows_received: int, tp: int = 1, ep: int = 1, capacity: bool = False,
+                         recompute: str = "none", itemsize: int = 4, sp: bool = False) -> dict[str, int]:
+    """What one MoE block's forward saves for backward on one rank (its `BlockCtx` with
+    `MoECtx`, each buffer counted once as `numesh.tree.held_bytes` does), in bytes, for b =
+    `micro_batch` sequences of s = `seq` tokens of this rank (s = seq/cp under cp), N = s·b
+    tokens, k = `top_k`, h = `n_embd`, t = `tp`, q = `itemsize`, M = `rows_sent`
+    (Σ Dispatch.send: the assignments this rank's tokens kept, N·k less the dropped) and R
+    = `rows_received` (Σ Dispatch.recv: the rows its E/ep experts got; routing decides
+    both, so they differ by rank):
+      "block_replicated"  q·(4·sbh + 2·sb) as the dense block's (the MoE input is LayerNorm
+                          2's output, kept once); under sp q·2·(sbh + sb)/t + q·sbh, the
+                          gathered MoE input.
+      "block_attention"   q·4·sbh/t: the QKV output and the attention output.
+      "block_lse"         q·a·sb/t, as the dense block's.
+      "router"            the probabilities and logsumexp q·(N·E + N), the top-k order
+                          8·N·E (a view of the whole argsort), the combine weights q·N·k,
+                          the sorted rows 8·M and expert bounds 8·(E + 1), each sequence's
+                          f and P 2·8·b·E, and with a capacity which assignments it kept N·k.
+      "dispatch"          send and recv 2·8·ep; with ep > 1 the regrouping 8·R and local
+                          bounds 8·(E/ep + 1).
+      "experts"           q·R·h the rows the experts got, q·12·R·h/t their hidden layer, GELU
+                          tanh and output, q·N·k·h each assignment's expert output.
+      "stats"             the routing stats' tokens per expert, 8·E.
+    Under full recomputation the block keeps its input, q·sbh (q·sbh/t under sp), and its
+    stats, 8·E (`RoutingStats.send`/`recv` are int tuples: nothing more)."""
+    check_recompute_mode(recompute)
+    b, s, h, a, t, q, E, k = micro_batch, seq, n_embd, n_head, tp, itemsize, experts, top_k
+    sb, sbh, N, R, M = s * b, s * b * h, s * b, rows_received, rows_sent
+    stats = INDEX_BYTES * E
+    if recompute == "full":
+        return {"block_input": q * (sbh // t if sp else sbh), "stats": stats}
+    return {
+        "block_replicated": q * (2 * (sbh + sb) // t + sbh) if sp else q * (4 * sbh + 2 * sb),
+        "block_attention": q * 4 * sbh // t,
+        "block_lse": q * a * sb // t,
+        "router": (q * (N * E + N + N * k) + INDEX_BYTES * (N * E + M + E + 1 + 2 * b * E)
+                   + (N * k if capacity else 0)),
+        "dispatch": INDEX_BYTES * (2 * ep + ((R + E // ep + 1) if ep > 1 else 0)),
+        "experts": q * (R * h + 12 * R * h // t + N * k * h),
+        "stats": stats,
+    }
 
 
 def weight_ctx_bytes(*, micro_batch: int, seq: int, n_embd: int, n_layer: int, tp: int = 1, bias: bool = False,

@@ -21,7 +21,8 @@ report covers the whole steps it holds and says so). What it measures, per rank 
   measured action times (the schedule's bubble for exactly the work that ran: what the
   measurement has beyond it is overhead, pipeline messages and code between actions).
 * **Bytes per axis per step**: every call's payload (sends, not receives) by axes and op,
-  beside `numesh.formulas.step_bytes` for this rank's units.
+  beside `numesh.formulas.step_bytes` for this rank's units (with ep, the experts' token
+  all-to-alls from the routing counts each step span records).
 * **MFU**: achieved FLOP/s (FLOPs per token × tokens per step / mean step time) over the
   job's peak (`--peak-flops`, or the cores the job uses times one core's matmul peak,
   the best reading kept per machine: `numesh.runtime.job_peak_flops`), not clamped
@@ -320,6 +321,8 @@ def bytes_per_step(trace: dict) -> dict[int, dict[str, dict[str, float]]]:
                     got[key] = got.get(key, 0) + e["args"]["bytes"]
         n = max(len(wins), 1)
         info = ranks[r]
+        # the experts' all-to-all depends on the routing: each step span carries its own bytes
+        a2a = {e["args"]["step"]: e["args"].get("all_to_all_bytes", 0) for e in evs if e.get("cat") == "step"}
         want = formulas.step_bytes(
             m["mesh"], m["zero"], m["micro_batches"], m["rows_per_micro_batch"], m["block_size"], m["n_embd"],
             m["itemsize"], [formulas.Chunk(**c) for c in info["chunks"]], info["padded_blocks"], info["padded_outer"],
@@ -328,6 +331,7 @@ def bytes_per_step(trace: dict) -> dict[int, dict[str, dict[str, float]]]:
             m.get("sequence_parallel", False), info.get("tp_partial_values", 0),  # absent in traces before sp
             recompute=m.get("recompute", "none"),  # traces written before --recompute ran without it
             ep_replicated_values=info.get("ep_replicated_values", 0),  # absent in traces before ep
+            all_to_all_bytes=sum(a2a.get(step, 0) for step, _, _ in wins) / n,
         )
         out[r] = {"measured": {k: v / n for k, v in sorted(got.items())},
                   "formula": {_bytes_key(*k): v for k, v in sorted(want.items())}}

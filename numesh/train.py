@@ -188,9 +188,20 @@ class Trainer:
             self.opt.step(lr, clip_scale(norm, c.grad_clip))
         if tr is not None:
             tr.span("optimizer", "optimizer", t_opt)
-            tr.span(f"step {self.step}", "step", t_step, None, {"step": self.step})
+            args = {"step": self.step}
+            if self.mesh.shape["ep"] > 1:  # routing-dependent: the report's formula reads it per step
+                args["all_to_all_bytes"] = self.all_to_all_bytes()
+            tr.span(f"step {self.step}", "step", t_step, None, args)
         self.step += 1
         return loss, norm, lr
+
+    def all_to_all_bytes(self) -> int:
+        """Bytes this rank sent over ep in the experts' token all-to-alls of the last step:
+        `formulas.moe_step_all_to_all_bytes` of the row counts its MoE layers recorded."""
+        stats = self.last_stats.moe if self.last_stats is not None else ()
+        return formulas.moe_step_all_to_all_bytes(
+            [(s.send, s.recv) for s in stats], self.mesh.index("ep"), self.model.n_embd,
+            self.model.moe_experts, np.dtype(self.dtype).itemsize, self.cfg.recompute)
 
     def evaluate(self) -> dict[str, float]:
         """Mean loss over `eval_iters` fixed batches of each split (the same on every mesh)."""

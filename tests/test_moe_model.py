@@ -191,3 +191,35 @@ def test_flops_formula_equals_the_matmuls_run(monkeypatch: pytest.MonkeyPatch, t
     y, ctx = M.moe_fwd(p, rng.standard_normal((5, N // 5, C)), cfg, mesh)
     M.moe_bwd(p, ctx, y, cfg, mesh, 1.0 / N)
     assert counted[0] == N * formulas.moe_mlp_flops_per_token(C, E, top_k)
+
+
+@pytest.mark.parametrize("capacity", [0.0, 1.0], ids=["dropless", "cap1"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_moe_block_activation_bytes_equal_the_formula(recompute: str, dtype, capacity: float) -> None:
+    """What an MoE block's forward keeps (`held_bytes` of its context) equals
+    `formulas.moe_activation_parts` given the rows it sent and received; under full
+    recomputation its input and stats; the dense blocks beside it keep what they did."""
+    from numesh.nn.gpt import init_gpt
+    from numesh.tree import held_bytes
+
+    cfg = tiny_config(n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=11,
+                      **{**MOE, "moe_capacity_factor": capacity})
+    mesh = self_mesh()
+    params = init_gpt(cfg, mesh, seed=0, dtype=dtype)
+    rows = 4
+    rng = np.random.default_rng(2)
+    idx = rng.integers(0, cfg.vocab_size, (rows, cfg.block_size))
+    _, ctx = stage_forward(ResidentParams(params), whole_model(cfg.n_layer), idx, idx, cfg, mesh, recompute=recompute)
+    q = np.dtype(dtype).itemsize
+    (stats,) = ctx.moe
+    assert (sum(stats.send) < rows * cfg.block_size * 2) == (capacity > 0)  # the capacity drops some
+    want = formulas.moe_activation_parts(
+        micro_batch=rows, seq=cfg.block_size, n_embd=cfg.n_embd, n_head=cfg.n_head, experts=cfg.moe_experts,
+        top_k=cfg.moe_top_k, rows_sent=sum(stats.send), rows_received=sum(stats.recv), capacity=capacity > 0,
+        recompute=recompute, itemsize=q)
+    assert held_bytes(ctx.blocks[0]) == sum(want.values()), want
+    dense = formulas.activation_bytes(micro_batch=rows, seq=cfg.block_size, n_embd=cfg.n_embd, n_head=cfg.n_head,
+                                      n_layer=1, vocab=cfg.vocab_size, first=False, last=False, recompute=recompute,
+                                      itemsize=q)
+    assert held_bytes(ctx.blocks[1]) == dense

@@ -9,8 +9,13 @@
   away from an expert, so its rank receives no rows for it; top-1 and top-2; and both with
   a capacity factor that drops assignments (decided per whole sequence: under cp from the
   gathered sequence), the drops counted alike.
-* The all-to-all bytes the counter books equal `formulas.moe_all_to_all_bytes` of the
-  routing counts; with a capacity, the dropped rows are not sent.
+* The all-to-all bytes the counter books equal `formulas.moe_all_to_all_bytes` of this
+  rank's send and recv row counts; with a capacity, the dropped rows are not sent. In
+  training, one step's bytes on every axis equal `formulas.step_bytes` with the step's
+  all-to-all term from the counts its MoE layers recorded (full recomputation included).
+* Each rank's expert and non-expert state bytes (parameters, gradients, AdamW moments,
+  padding), measured in the optimiser's buffers, equal `formulas.moe_state_bytes` under
+  ZeRO 0-3; an MoE block's saved context equals `formulas.moe_activation_parts`.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from numesh.mesh import AXES, Mesh, all_gather, psum
 from numesh.mesh.zigzag import take_local
 from numesh.nn.layers import Linear
 from numesh.nn.moe import MoE, MoEConfig, moe_bwd, moe_fwd, stats_vector
-from numesh.tree import tree_leaves
+from numesh.nn.units import OUTER
+from numesh.train import Trainer
+from numesh.tree import tree_leaves, tree_map
 from test_moe import make_moe
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -129,7 +136,10 @@ def test_all_to_all_bytes_equal_the_formula(mesh: Mesh, factor: float) -> None:
     moe_bwd(lp, ctx, local_rows(dy, mesh), cfg, mesh, 1.0 / (B * T))
     measured = mesh.counter.total(("ep",), "all_to_all", kind="payload")
     rows = all_gather(ctx.dispatch.send[None], mesh, "ep")  # [ep, ep]: rows[s, d] from ep rank s to d
-    want = formulas.moe_all_to_all_bytes(rows, mesh.index("ep"), C, E, 8)
+    me = mesh.index("ep")
+    assert (rows[me] == ctx.dispatch.send).all() and (rows[:, me] == ctx.dispatch.recv).all()  # row and column me
+    assert ctx.stats.send == tuple(ctx.dispatch.send) and ctx.stats.recv == tuple(ctx.dispatch.recv)
+    want = formulas.moe_all_to_all_bytes(ctx.dispatch.send, ctx.dispatch.recv, me, C, E, 8)
     assert measured == want and (mesh.size("ep") == 1 or want > 0)
     sent, dropped = psum(np.array([ctx.dispatch.send.sum(), ctx.stats.dropped]), mesh, AXES)
     sent //= mesh.size("tp")  # every tp rank sends the same rows; only tp rank 0 counts the drops
@@ -222,6 +232,135 @@ def test_training_matches_one_rank(shared_dataset: Path, shared_tmp: Path, mesh:
     assert_same_run(got, want)
 
 
+# (mesh, ZeRO stage, recompute, micro-batches) of the step-bytes check, per world size
+BYTES_CASES = {2: [("ep=2", 2, "full", 2)],
+               4: [("dp=2,ep=2", 1, "none", 2), ("ep=2,pp=2", 0, "none", 2), ("ep=4", 3, "full", 1)]}
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_bytes_per_step_follow_the_formula(shared_dataset: Path, shared_tmp: Path, case: int) -> None:
+    """After a warm-up step, the byte counter of one train step equals `formulas.step_bytes`
+    on every axis, ep's all-to-all included: `moe_step_all_to_all_bytes` of the row counts
+    the step's MoE layers recorded (`StepStats.moe`), with the rerun forward under
+    --recompute full, and ep's all-reduce of the replicated leaves' gradients."""
+    cases = BYTES_CASES.get(WORLD.Get_size(), [])
+    if case >= len(cases):
+        pytest.skip("no such case on this world size")
+    mesh, zero, recompute, m = cases[case]
+    cfg = run_config(shared_dataset, shared_tmp / f"moe-bytes-{case}", mesh, zero=zero, recompute=recompute,
+                     micro_batches=m, moe_capacity_factor=1.0 if case == 1 else 0.0)
+    trainer = Trainer(cfg, WORLD)
+    trainer.train_step()
+    counter = trainer.mesh.counter
+    counter.reset()
+    trainer.train_step()
+    shape, units, pp_rank = trainer.mesh.shape, trainer.opt.units, trainer.mesh.index("pp")
+    holds_tied = shape["pp"] > 1 and pp_rank in (0, shape["pp"] - 1)
+    a2a = formulas.moe_step_all_to_all_bytes([(s.send, s.recv) for s in trainer.last_stats.moe],
+                                             trainer.mesh.index("ep"), cfg.n_embd, E, 8, recompute)
+    assert a2a == trainer.all_to_all_bytes() and a2a > 0
+    assert len(trainer.last_stats.moe) == m * len([b for s in trainer.pipeline.stages for b, _ in s.blocks
+                                                   if trainer.model.moe(b)])
+    want = formulas.step_bytes(
+        shape, zero, m, cfg.batch_size // (shape["dp"] * shape["ep"] * m), cfg.block_size, cfg.n_embd, 8,
+        [formulas.Chunk(len(s.blocks), s.first, s.last) for s in trainer.pipeline.stages],
+        sum(u.padded for k, u in units.items() if not k.is_outer), units[OUTER].padded,
+        trainer.model.padded_vocab(shape["tp"]) // shape["tp"] * cfg.n_embd * 8 if holds_tied else 0,
+        trainer.schedule.split_backward, recompute=recompute,
+        ep_replicated_values=trainer.opt.ep_replicated_values, all_to_all_bytes=a2a)
+    got = {("+".join(axes), op): v for (axes, op), v in counter.payload.items() if v}
+    if holds_tied:  # the counter books the tied-embedding group under its axis, with the norm's scalar
+        tied = want.pop((f"pp[0,{shape['pp'] - 1}]", "all_reduce"))
+        want[("pp", "all_reduce")] = want.get(("pp", "all_reduce"), 0) + tied
+    assert got == want
+    assert want[("ep", "all_to_all")] == a2a
+
+
+STATE_CASES = {2: [("ep=2", 3)],
+               4: [("dp=2,ep=2", 0), ("dp=2,ep=2", 1), ("dp=2,ep=2", 2), ("dp=2,ep=2", 3), ("ep=2,tp=2", 2),
+                   ("ep=2,pp=2", 1)]}
+
+
+def held_by_kind(opt: Any, buffer: np.ndarray) -> dict[str, int]:
+    """Bytes of one of the optimiser's flat buffers (whole, or this rank's shard of every
+    unit: its size says which) that hold expert values, other values and padding, from its
+    layout and the leaves' specs."""
+    lay = opt.layout
+    templates = {k: u.template for k, u in lay.units.items()}
+    expert = lay.leaf_mask({k: tree_map(lambda _x, s: "ep" in s.axes(), t, opt.specs[k]) for k, t in templates.items()})
+    real = lay.leaf_mask({k: tree_map(lambda _x: True, t) for k, t in templates.items()})
+    if buffer.size != lay.total:
+        expert, real = lay.take_shard(expert), lay.take_shard(real)
+    assert expert.size == buffer.size
+    k = buffer.itemsize
+    return {"expert": int(expert.sum()) * k, "other": int((real & ~expert).sum()) * k,
+            "padding": int((~real).sum()) * k}
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_state_bytes_per_rank_follow_the_formula(shared_dataset: Path, shared_tmp: Path, case: int) -> None:
+    """Each rank's parameters, gradients and AdamW moments, split into its experts' values,
+    the rest and the padding, measured in the optimiser's own buffers (this rank's shard
+    where the ZeRO stage shards them), equal `formulas.moe_state_bytes` of the rank's
+    `moe_rank_units` exactly; their sums are `ZeroOptimizer.memory()`."""
+    cases = STATE_CASES.get(WORLD.Get_size(), [])
+    if case >= len(cases):
+        pytest.skip("no such case on this world size")
+    mesh, zero = cases[case]
+    cfg = run_config(shared_dataset, shared_tmp / f"moe-state-{case}", mesh, zero=zero)
+    trainer = Trainer(cfg, WORLD)
+    opt, m, shape = trainer.opt, trainer.model, trainer.mesh.shape
+    layers = [layer for st in trainer.pipeline.stages for layer, _ in st.blocks]
+    units = formulas.moe_rank_units(
+        n_embd=m.n_embd, vocab=m.vocab_size, block_size=m.block_size, experts=E,
+        moe_layers=[m.moe(i) is not None for i in layers], ep=shape["ep"], tp=shape["tp"], bias=m.bias,
+        first=any(st.first for st in trainer.pipeline.stages), last=any(st.last for st in trainer.pipeline.stages))
+    want = formulas.moe_state_bytes(units, shape["dp"], trainer.mesh.index("dp"), zero, 8)
+    got = {"params": held_by_kind(opt, opt.residency.buffer), "grads": held_by_kind(opt, opt.sync.buffer),
+           "optimizer": {k: a + b for (k, a), b in zip(held_by_kind(opt, opt.adam.m).items(),
+                                                       held_by_kind(opt, opt.adam.v).values())}}
+    assert got == want
+    assert want["params"]["expert"] > 0 and want["params"]["other"] > 0
+    mem = opt.memory()
+    assert {k: sum(v.values()) for k, v in want.items()} == {k: mem[k] for k in want}
+    whole = formulas.moe_state_bytes(units, shape["dp"], trainer.mesh.index("dp"), 0, 8)
+    assert [want[k] != whole[k] for k in want] == [shape["dp"] > 1 and zero >= s for s in (3, 2, 1)]  # sharded
+
+
+ACTIVATION_CASES = {2: [("ep=2", False)], 4: [("ep=4", False), ("ep=2,tp=2", False), ("ep=2,tp=2", True)]}
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("case", range(3))
+def test_moe_block_activation_bytes_follow_the_formula(shared_dataset: Path, shared_tmp: Path, case: int,
+                                                       recompute: str) -> None:
+    """On an ep mesh each rank's experts receive their own number of rows R: what each
+    rank's MoE block keeps (`held_bytes` of its context, one micro-batch's forward) equals
+    `formulas.moe_activation_parts` of its rows sent and received, with tp and sp."""
+    from numesh import data as D
+    from numesh.nn.walk import stage_forward
+    from numesh.tree import held_bytes
+
+    cases = ACTIVATION_CASES.get(WORLD.Get_size(), [])
+    if case >= len(cases):
+        pytest.skip("no such case on this world size")
+    mesh, sp = cases[case]
+    cfg = run_config(shared_dataset, shared_tmp / f"moe-act-{case}", mesh, sequence_parallel=sp, dtype="float32",
+                     dropout=0.0, moe_capacity_factor=1.0)
+    trainer = Trainer(cfg, WORLD)
+    (idx, tgt), = trainer._micro_batches(trainer.train_data, D.train_key(cfg.seed, 0), 1)
+    m, shape = trainer.model, trainer.mesh.shape
+    _, ctx = stage_forward(trainer.opt, trainer.pipeline.stages[0], idx, tgt, m, trainer.mesh, recompute=recompute)
+    (stats, *_), rows = ctx.moe, idx.shape[0]
+    want = formulas.moe_activation_parts(
+        micro_batch=rows, seq=idx.shape[1], n_embd=m.n_embd, n_head=m.n_head, experts=E, top_k=m.moe_top_k,
+        rows_sent=sum(stats.send), rows_received=sum(stats.recv), tp=shape["tp"], ep=shape["ep"], capacity=True,
+        recompute=recompute, itemsize=4, sp=sp)
+    assert held_bytes(ctx.blocks[0]) == sum(want.values()), want
+    counts = WORLD.allgather(sum(stats.recv))
+    assert len(set(counts)) > 1 or recompute == "full"  # the ranks' experts got different numbers of rows
+
+
 @pytest.mark.skipif(WORLD.Get_size() != 4, reason="the 4-rank suite moves one run over ep=2, ep=4 and one rank")
 def test_reshard_across_ep_and_resume_equals_the_uninterrupted_run(shared_dataset: Path, shared_tmp: Path) -> None:
     base = shared_tmp / "moe-reshard"
@@ -270,3 +409,19 @@ def _on_first(n: int, fn: Any) -> Any:
 def _on_root(fn: Any) -> Any:
     """`fn()` on rank 0, its result (or its error) on every rank."""
     return _on_first(1, lambda _comm: fn())
+
+
+@pytest.mark.skipif(WORLD.Get_size() != 2, reason="the 2-rank suite trains on ep=2 and samples on tp=2")
+def test_a_checkpoint_trained_on_ep_samples_alike_on_one_rank_and_tp2(shared_dataset: Path, shared_tmp: Path) -> None:
+    """Experts saved whole by an ep=2 run, then sampled with the KV cache on one rank and on
+    tp=2 (each expert split over tp): the same text, and the same without the cache."""
+    from numesh.sample import SampleConfig, sample
+
+    out = shared_tmp / "moe-sample"
+    train_records(run_config(shared_dataset, out, "ep=2", max_iters=4, moe_top_k=2), WORLD)
+    ckpt = str(out / "ckpt" / "latest")
+    texts = [sample(SampleConfig(ckpt, prompt="ab", max_new_tokens=24, temperature=0.0, mesh="tp=2", kv_cache=kv),
+                    WORLD)[0] for kv in (True, False)]
+    one = _on_root(lambda: sample(SampleConfig(ckpt, prompt="ab", max_new_tokens=24, temperature=0.0),
+                                  MPI.COMM_SELF)[0])
+    assert texts[0] == texts[1] == one and len(one) > 2

@@ -255,6 +255,20 @@ def test_report_of_a_sequence_parallel_run_matches_the_formulas(tmp_path: Path) 
         assert {"tp/all_gather", "tp/reduce_scatter", "tp/all_reduce"} <= set(b["measured"])
 
 
+def test_report_of_an_expert_parallel_run_matches_the_formulas(tmp_path: Path) -> None:
+    """With experts over ep the report sees the token all-to-alls, and its formula (from the
+    routing counts each step span records, the rerun forward of --recompute full counted)
+    equals what every rank sent."""
+    data = make_dataset(tmp_path / "data")
+    out = tmp_path / "run"
+    launch(2, out, data, "--mesh", "ep=2", "--moe-experts", "4", "--moe-every", "2", "--recompute", "full")
+    rep = report.build(report.load(out))
+    assert rep["bytes_match"]
+    for b in rep["bytes"].values():
+        assert b["measured"] == b["formula"]
+        assert b["formula"]["ep/all_to_all"] > 0
+
+
 def test_report_of_a_run_without_trace_is_one_error_line(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(tmp_path)], capture_output=True,
                          text=True, env=clean_env(), timeout=120)

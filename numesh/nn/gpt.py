@@ -73,7 +73,7 @@ class GPTConfig:
         self._validate_moe(tp)
 
     def _validate_moe(self, tp: int) -> None:
-        """The mixture-of-experts settings (one rank only, for now)."""
+        """The mixture-of-experts settings."""
         if self.moe_experts < 0:
             raise ConfigError(f"moe_experts must be >= 0 (0 = dense), got {self.moe_experts}")
         if self.moe_every < 1:

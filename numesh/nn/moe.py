@@ -87,6 +87,11 @@ class RoutingStats:
     sequences: int  # sequences counted in aux_sum
     positions: int  # tokens counted in z_sum
     dropped: int = 0  # this rank's token-assignments dropped by the capacity
+    # the dispatch's rows over ep (`Dispatch.send`/`recv`, on every tp rank: each moves its
+    # own copy): what `formulas.moe_all_to_all_bytes` needs. Tuples of ints, not arrays: what
+    # a block keeps under full recomputation (its stats) stays the same bytes
+    send: tuple[int, ...] = ()  # rows this rank sent to each ep rank
+    recv: tuple[int, ...] = ()  # rows this rank received from each ep rank
 
 
 @attrs.frozen
@@ -323,7 +328,8 @@ def moe_fwd(p: MoE, x: np.ndarray, cfg: MoEConfig, mesh: Mesh, layer: int = 0) -
     y = ya[:, 0] * r.weights[:, :1]
     for j in range(1, k):  # a fixed order of the k terms
         y += ya[:, j] * r.weights[:, j : j + 1]
-    stats = routing_stats(r, bal, cfg, layer, mesh)
+    stats = attrs.evolve(routing_stats(r, bal, cfg, layer, mesh), send=tuple(d.send.tolist()),
+                          recv=tuple(d.recv.tolist()))
     return y.reshape(shape), MoECtx(x2, r, bal, d, xe, gelu, g, ya, jobs, stats, shape)
 
 
