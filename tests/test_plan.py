@@ -709,17 +709,16 @@ def moe_model(**kw: int) -> ModelSpec:
 def test_moe_parameters_per_rank_follow_ep_and_tp() -> None:
     """An MoE block holds the router and E/ep experts, each tp-split; ep = tp = 1 is
     `formulas.moe_block_params`, and the model's parameters the sum over its blocks."""
-    from numesh.plan.memory import expert_rank_params, moe_block_rank_params
+    from numesh.plan.memory import moe_block_rank_params
 
     C, E = 64, 8
     for bias in (False, True):
         assert moe_block_rank_params(C, E, 1, 1, bias) == formulas.moe_block_params(C, E, bias)
-        assert expert_rank_params(C, 1, bias) == formulas.expert_params(C, bias)
         for ep, tp in ((2, 1), (4, 2), (8, 4)):
             dense = formulas.block_params(C, tp, bias)
+            expert = 8 * C * C // tp + ((4 * C // tp + C) if bias else 0)  # one expert, tp-split as the dense MLP
             # a dense block with its MLP swapped for the router and E/ep of the MLPs
-            assert moe_block_rank_params(C, E, ep, tp, bias) == dense + C * E + (E // ep - 1) * expert_rank_params(
-                C, tp, bias)
+            assert moe_block_rank_params(C, E, ep, tp, bias) == dense + C * E + (E // ep - 1) * expert
     model = moe_model(moe_every=2)
     one = rank_memory(model, Layout(2, 1, 1, 1, "1f1b", 1), 0)
     two = rank_memory(model, Layout(1, 1, 1, 1, "1f1b", 1, ep=2), 0)
@@ -751,9 +750,11 @@ def test_all_to_all_price_is_the_hand_computation() -> None:
     assert fwd == pytest.approx(call(8 * 8) + 2 * call(rows), rel=1e-12)
     assert bwd == pytest.approx(2 * call(rows), rel=1e-12)
     # the bytes it sends are those formulas counts for a uniform routing (each rank N·k/ep to each)
-    uniform = [[n * 2 // 4] * 4 for _ in range(4)]
+    uniform = [n * 2 // 4] * 4
     sent = 4 * 3 / 4 * rows + 3 * 2 * 8  # 4 row calls, each (ep-1)/ep of the buffer; counts to 3 ranks
-    assert formulas.moe_all_to_all_bytes(uniform, 0, 64, 8, 4) == sent
+    assert formulas.moe_all_to_all_bytes(uniform, uniform, 0, 64, 8, 4) == sent
+    rerun = 6 * 3 / 4 * rows + 2 * 3 * 2 * 8  # full recomputation: the forward's calls once more
+    assert formulas.moe_all_to_all_bytes(uniform, uniform, 0, 64, 8, 4, "full") == rerun
     # in the step: every MoE block's F and B, once more with full recomputation, on the ep axis
     blocks = 4 * 2  # blocks x micro-batches
     t = predict_time(model, lay, prof)

@@ -44,24 +44,12 @@ class RankMemory:
         return self.total - self.comm_buffers
 
 
-# Written here, not in numesh.formulas (which counts an MoE block on one rank only,
-# `moe_block_params`): the per-rank sizes and saved bytes of an MoE block on an ep x tp mesh.
-
-
-def expert_rank_params(n_embd: int, tp: int, bias: bool) -> int:
-    """Values of one expert on one tp rank: its C x 4C (column-parallel) and 4C x C
-    (row-parallel) split over tp, its 4C bias split, its C bias replicated, as the dense MLP's
-    (numesh.nn.gpt: fc P("ep", None, "tp"), proj P("ep", "tp", None))."""
-    C = n_embd
-    return 8 * C * C // tp + ((4 * C // tp + C) if bias else 0)
-
-
 def moe_block_rank_params(n_embd: int, experts: int, ep: int, tp: int, bias: bool) -> int:
-    """Values of one MoE block on one (ep, tp) rank: the dense block's attention and
-    LayerNorms (tp-split as ever), the router C x E (replicated over ep and tp) and E/ep
-    experts, each tp-split like the dense MLP. ep = tp = 1 gives `formulas.moe_block_params`."""
-    mlp = expert_rank_params(n_embd, tp, bias)
-    return formulas.block_params(n_embd, tp, bias) - mlp + n_embd * experts + experts // ep * mlp
+    """Values of one MoE block on one (ep, tp) rank: the router and the dense block's attention
+    and LayerNorms (replicated over ep) and E/ep experts, each tp-split like the dense MLP.
+    ep = tp = 1 gives `formulas.moe_block_params`."""
+    return (formulas.moe_block_other_values(n_embd, experts, tp, bias)
+            + formulas.moe_expert_values(n_embd, experts, ep, tp, bias))
 
 
 def block_sizes(model: ModelSpec, layout: Layout, layers: range | list[int]) -> list[int]:
@@ -95,39 +83,22 @@ def _moe_block_units(model: ModelSpec, tp: int, ep: int, pp: int, v: int, pp_ran
     return tuple(block_sizes(model, lay, rank_layers(model, lay, pp_rank)))
 
 
-def moe_saved_bytes(model: ModelSpec, layout: Layout, itemsize: int) -> int:
-    """What an MoE block saves for backward beyond a dense block without its MLP's
-    context (numesh.nn.moe.MoECtx, each buffer once as `held_bytes` counts it), on one
-    micro-batch of b sequences of s = T/cp tokens, N = b·s, assuming balanced routing:
-    every expert gets N·ep·k/E of its ep group's assignments, so each rank's E/ep experts
-    receive R = N·k rows, what it sends (exact on ep = 1, dropless). Router: probabilities
-    [N, E] and the argsort [N, E] int64 that the top-k is a view of, the log-sum-exp [N], the
-    combine weights [N, k], the expert order [N·k] int64 and bounds [E+1] int64; the
-    per-sequence f and P [b, E] float64; the rows gathered to the experts [R, C], their
-    MLP-up output and GELU tanh and output [R, 4C/tp] each, their outputs back [N, k, C]; the
-    dispatch (ep > 1: the regrouping [R] int64, the local bounds, the counts) and the
-    routed counts [E] int64. Under sp the gathered input [N, C] too (the dense block keeps
-    none). Not counted: what a capacity factor drops (fewer rows)."""
-    E, k, C, tp, ep = model.moe_experts, model.moe_top_k, model.n_embd, layout.tp, layout.ep
-    b, s, ki = layout.rows(model), model.block_size // layout.cp, itemsize
-    n = b * s
-    r = n * k
-    router = n * E * ki + n * E * 8 + n * ki + n * k * ki + n * k * 8 + (E + 1) * 8
-    dispatch = 2 * ep * 8 + ((r + E // ep + 1) * 8 if ep > 1 else 0)
-    rows = r * C * ki + 3 * r * (4 * C // tp) * ki + n * k * C * ki
-    return router + 2 * b * E * 8 + dispatch + rows + E * 8 + (n * C * ki if layout.sp else 0)
-
-
 def moe_activation_delta(model: ModelSpec, layout: Layout, itemsize: int) -> int:
-    """An MoE block's saved bytes less a dense block's (`formulas.activation_parts`): the MoE
-    context in place of the MLP's MLP-up output, GELU tanh and GELU output (12·sbh/tp); under
-    full recomputation the kept input alone, plus the routed counts [E] int64 (the stats
-    the block's input context carries)."""
-    if layout.recompute == "full":
-        return model.moe_experts * 8
-    n = layout.rows(model) * (model.block_size // layout.cp)
-    mlp = itemsize * 16 * n * model.n_embd // layout.tp - itemsize * 4 * n * model.n_embd // layout.tp
-    return moe_saved_bytes(model, layout, itemsize) - mlp
+    """An MoE block's saved bytes (`formulas.moe_activation_parts`) less a dense block's
+    (`formulas.activation_bytes`), on one micro-batch of N = b·T/cp tokens. Routing is
+    assumed balanced: every expert gets N·ep·k/E of its ep group's assignments, so this
+    rank's E/ep experts receive the N·k rows it sends (exact on ep = 1, dropless); a capacity
+    factor's drops are not counted (fewer rows)."""
+    b, s = layout.rows(model), model.block_size // layout.cp
+    rows = b * s * model.moe_top_k
+    moe = formulas.moe_activation_parts(
+        micro_batch=b, seq=s, n_embd=model.n_embd, n_head=model.n_head, experts=model.moe_experts,
+        top_k=model.moe_top_k, rows_sent=rows, rows_received=rows, tp=layout.tp, ep=layout.ep,
+        recompute=layout.recompute, itemsize=itemsize, sp=layout.sp)
+    dense = formulas.activation_bytes(micro_batch=b, seq=s, n_embd=model.n_embd, n_head=model.n_head, n_layer=1,
+                                      vocab=model.vocab_size, tp=layout.tp, first=False, last=False,
+                                      recompute=layout.recompute, itemsize=itemsize, sp=layout.sp)
+    return sum(moe.values()) - dense
 
 
 def moe_weight_delta(model: ModelSpec, layout: Layout, itemsize: int, chunks: int) -> int:
@@ -138,7 +109,8 @@ def moe_weight_delta(model: ModelSpec, layout: Layout, itemsize: int, chunks: in
     n = layout.rows(model) * (model.block_size // layout.cp)
     C, tp = model.n_embd, layout.tp
     mlp_io = itemsize * (2 * n * C + 8 * n * C // tp)
-    grads = (C * model.moe_experts + model.moe_experts // layout.ep * expert_rank_params(C, tp, model.bias)) * itemsize
+    experts = formulas.moe_expert_values(C, model.moe_experts, layout.ep, tp, model.bias)
+    grads = (C * model.moe_experts + experts) * itemsize
     ln = (chunks - 1) * 2 * C * (2 if model.bias else 1) * itemsize
     return grads - mlp_io - ln
 

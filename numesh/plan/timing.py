@@ -43,7 +43,7 @@ from numesh.nn.attention import QUERY_TILE
 from numesh.padding import ceil_div, padded_vocab, round_up
 from numesh.plan.hardware import Measured, Profile
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
-from numesh.plan.memory import block_sizes, expert_rank_params, rank_layers, unit_sizes
+from numesh.plan.memory import block_sizes, rank_layers, unit_sizes
 from numesh.plan.pipesim import makespan_and_busy
 
 
@@ -454,7 +454,7 @@ def _predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byt
     if dp_group > 1:
         dp_exposed = _dp_exposed(layout, profile, place, padded, calls, worst, dp_group)
     other = _scalar_and_tied_time(model, layout, profile, place)
-    ep_grads = _ep_grad_sum_time(model, layout, profile, place, sizes)
+    ep_grads = _ep_grad_sum_time(model, layout, profile, place)
     if layout.sp:  # the LayerNorm gradients, partial sums over tp, all-reduced once per step (this dp shard's)
         ln = (2 * (model.n_layer // layout.pp) + int(layout.pp == 1)) * model.n_embd * (2 if model.bias else 1)
         tp_time += profile.comm_time("all_reduce", ceil_div(ln, layout.dp) * k if layout.zero else ln * k, layout.tp,
@@ -489,27 +489,32 @@ def _cp_grad_sum_time(layout: Layout, profile: Profile, place: Placement, padded
     return n * profile.comm_time("all_reduce", cp_bytes / n, layout.cp, place.cp_intra, ron)
 
 
-def ep_replicated_values(model: ModelSpec, layout: Layout, sizes: list[int]) -> int:
-    """Values of the leaves replicated over ep (all but the experts) among units `sizes` of
-    pipeline rank 0 (its blocks, then the outer unit), as `ZeroOptimizer.ep_replicated_values`
-    counts what it all-reduces over ep: all of them under ZeRO 0; under ZeRO >= 1 those in
-    this rank's dp shard of each unit, which depend on where the experts lie in the unit's
-    flat buffer: here the most any dp rank can hold, min(replicated, shard) per unit (the
-    all-reduce of the slowest dp index is the one the step waits for)."""
-    experts = (model.moe_experts // layout.ep) * expert_rank_params(model.n_embd, layout.tp, model.bias)
-    moe = [model.is_moe(i) for i in rank_layers(model, layout, 0)] + [False]
-    replicated = [n - experts * is_moe for n, is_moe in zip(sizes, moe)]
-    if layout.zero == 0:
-        return sum(replicated)
-    return sum(min(r, round_up(n, layout.dp) // layout.dp) for r, n in zip(replicated, sizes))
+def ep_replicated_values(model: ModelSpec, layout: Layout) -> int:
+    """Values of the leaves replicated over ep (all but the experts) that pipeline rank 0
+    all-reduces over ep each step, as `ZeroOptimizer.ep_replicated_values` counts them: all
+    of its units' under ZeRO 0; under ZeRO >= 1 those in its dp shard, which depend on where
+    the shard's cut falls in each unit (`formulas.shard_values`): the most any dp rank holds
+    (the all-reduce of the slowest dp index is the one the step waits for)."""
+    return _ep_replicated(model, layout.tp, layout.ep, layout.pp, layout.virtual_stages,
+                          layout.dp if layout.zero >= 1 else 1)
 
 
-def _ep_grad_sum_time(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, sizes: list[int]) -> float:
+@functools.lru_cache(maxsize=4096)
+def _ep_replicated(model: ModelSpec, tp: int, ep: int, pp: int, v: int, shards: int) -> int:
+    lay = Layout(1, tp, pp, 0, "1f1b", 1, v, ep=ep)
+    units = formulas.moe_rank_units(
+        n_embd=model.n_embd, vocab=model.vocab_size, block_size=model.block_size, experts=model.moe_experts,
+        moe_layers=[model.is_moe(i) for i in rank_layers(model, lay, 0)], ep=ep, tp=tp, bias=model.bias,
+        first=True, last=pp == 1)
+    return max(formulas.shard_values(units, shards, r)["other"] for r in range(shards))
+
+
+def _ep_grad_sum_time(model: ModelSpec, layout: Layout, profile: Profile, place: Placement) -> float:
     """The once-per-step all-reduce over ep of the ep-replicated leaves' gradients, after the
     dp reduction (blocking: `formulas.ep_grad_bytes`)."""
     if layout.ep == 1:
         return 0.0
-    nbytes = formulas.ep_grad_bytes(ep_replicated_values(model, layout, sizes), profile.itemsize)
+    nbytes = formulas.ep_grad_bytes(ep_replicated_values(model, layout), profile.itemsize)
     return profile.comm_time("all_reduce", nbytes, layout.ep, place.ep_intra, place.ranks_on_node)
 
 
