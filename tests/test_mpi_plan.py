@@ -67,7 +67,7 @@ def moe_layouts() -> list[tuple[str, int, str, int]]:
     """(mesh, zero, schedule, micro-batches) of an MoE model with ep = 2 on N ranks."""
     out = [(f"ep=2,dp={N // 2}", z, "1f1b", 2) for z in (0, 1, 3)]
     if N >= 4:
-        out += [("ep=2,tp=2", 0, "1f1b", 1), ("pp=2,ep=2", 0, "1f1b", 2)]
+        out += [(f"ep=2,tp=2,dp={N // 4}", 0, "1f1b", 1), (f"pp=2,ep=2,dp={N // 4}", 0, "1f1b", 2)]
     return out
 
 
