@@ -229,7 +229,7 @@ def test_three_axis_mesh_pipeline_neighbors() -> None:
         pytest.skip("the pp x dp x tp mesh needs 8 ranks")
     mesh = Mesh.create(WORLD, pp=2, dp=2, tp=2)
     try:
-        assert mesh.coords == {"pp": r // 4, "dp": (r // 2) % 2, "cp": 0, "tp": r % 2}
+        assert mesh.coords == {"pp": r // 4, "dp": (r // 2) % 2, "ep": 0, "cp": 0, "tp": r % 2}
         prev, nxt = mesh.neighbors("pp")
         got = sendrecv(np.array([float(r)]), np.array([-1.0]), mesh, "pp", dest=nxt, source=prev)
         assert got[0] == (r - 4 if r >= 4 else -1.0)
@@ -247,7 +247,7 @@ def test_cp_sits_between_dp_and_tp() -> None:
         pytest.skip("the dp x cp x tp mesh needs 8 ranks")
     mesh = Mesh.parse("dp=2,cp=2,tp=2", WORLD)
     try:
-        assert mesh.coords == {"pp": 0, "dp": r // 4, "cp": (r // 2) % 2, "tp": r % 2}
+        assert mesh.coords == {"pp": 0, "dp": r // 4, "ep": 0, "cp": (r // 2) % 2, "tp": r % 2}
         x = np.array([float(r)])
         assert psum(x, mesh, "cp")[0] == sum(i for i in range(8) if i // 4 == r // 4 and i % 2 == r % 2)
         assert psum(x, mesh, ("dp", "cp"))[0] == sum(i for i in range(8) if i % 2 == r % 2)

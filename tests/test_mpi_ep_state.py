@@ -94,7 +94,7 @@ def test_a_one_rank_moe_checkpoint_restores_and_saves_on_dp2_ep2(data: Path, sha
     meta = read_meta(path)
     assert meta.raw["mesh"]["ep"] == 2
     files = meta.raw["leaves"]["m/blocks.0.mlp.proj.w"]["files"]
-    assert [(f["file"].rsplit(".", 2)[-2], f["offset"][0]) for f in files] == [("ep0", 0), ("ep1", 2)]
+    assert [(f["file"].rsplit(".", 2)[-2], f["offset"][0]) for f in files] == [("ep0-tp0", 0), ("ep1-tp0", 2)]
     _, again = read_state(path)
     for group in ("params", "m", "v"):
         for (p, x), (_, y) in zip(tree_leaves_with_path(again[group]), tree_leaves_with_path(want[group])):
