@@ -1,9 +1,7 @@
 """A trainer's state on an expert-parallel mesh (dp=2, ep=2 on 4 ranks), no forward needed:
 each rank reads its row block of dp×ep; a one-rank MoE checkpoint restores with each ep rank
 holding its block of experts, and saving it again writes the same whole [E, ...] arrays.
-
-(Training steps on ep > 1 need the experts' all-to-all in numesh/nn/moe.py: their parity
-tests against one rank belong with it.)
+Training on ep meshes against one rank is tests/test_mpi_moe.py's.
 """
 
 from __future__ import annotations

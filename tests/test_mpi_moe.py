@@ -41,6 +41,7 @@ from numesh.nn.units import OUTER
 from numesh.train import Trainer
 from numesh.tree import tree_leaves, tree_map
 from test_moe import make_moe
+from test_mpi_checkpoint import on_first
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -367,13 +368,13 @@ def test_reshard_across_ep_and_resume_equals_the_uninterrupted_run(shared_datase
     kw = dict(ckpt_interval=2, max_iters=6, eval_interval=2, zero=1)
     whole = run_config(shared_dataset, base / "a", "ep=2", **kw)
     # A: 6 steps on ep=2 (on the first 2 ranks), checkpointing every 2
-    a = _on_first(2, lambda comm: train_records(whole, comm))
+    a = on_first(2, lambda comm: train_records(whole, comm))
     # B: A's step 2 resharded to ep=4, resumed on 4 ranks up to step 4
     step2 = _on_root(lambda: str(reshard(base / "a" / "ckpt" / "step_000002", "ep=4", base / "step2-ep4")))
     b = train_records(run_config(shared_dataset, base / "b", "ep=4", **{**kw, "resume": step2}), WORLD)
     # C: B's step 4 resharded to one rank, resumed there up to step 6
     step4 = _on_root(lambda: str(reshard(base / "b" / "ckpt" / "step_000004", "ep=1", base / "step4-one")))
-    c = _on_first(1, lambda comm: train_records(run_config(shared_dataset, base / "c", "", **{**kw, "resume": step4}),
+    c = on_first(1, lambda comm: train_records(run_config(shared_dataset, base / "c", "", **{**kw, "resume": step4}),
                                                 comm))
     recs = [r for r in a[0] if r["step"] >= 2]
     resumed = [r for r in b[0] if r["step"] < 4] + [r for r in c[0]]
@@ -387,28 +388,9 @@ def test_reshard_across_ep_and_resume_equals_the_uninterrupted_run(shared_datase
                 assert_close(x, y, 1e-10, group)
 
 
-def _on_first(n: int, fn: Any) -> Any:
-    """`fn(comm)` on the first n ranks of WORLD; every rank gets rank 0's result, or fails
-    with its error (so a failure never leaves the other ranks waiting)."""
-    comm = WORLD.Split(0 if WORLD.Get_rank() < n else MPI.UNDEFINED, WORLD.Get_rank())
-    result = None
-    if comm != MPI.COMM_NULL:
-        try:
-            result = ("ok", fn(comm))
-        except Exception as e:  # noqa: BLE001
-            result = ("error", f"{type(e).__name__}: {e}")
-        finally:
-            comm.Free()
-    status, value = WORLD.bcast(result, root=0)
-    WORLD.Barrier()
-    if status != "ok":
-        raise AssertionError(f"rank 0 failed: {value}")
-    return value
-
-
 def _on_root(fn: Any) -> Any:
     """`fn()` on rank 0, its result (or its error) on every rank."""
-    return _on_first(1, lambda _comm: fn())
+    return on_first(1, lambda _comm: fn())
 
 
 @pytest.mark.skipif(WORLD.Get_size() != 2, reason="the 2-rank suite trains on ep=2 and samples on tp=2")
