@@ -38,6 +38,7 @@ class RunMetrics:
     val_bpb: np.ndarray  # val loss as bits per byte of text (NaN for runs that predate it)
     moe_spread: np.ndarray  # most / fewest token-assignments of any expert per logged step (NaN: dense)
     moe_aux_loss: np.ndarray  # the load-balancing loss per logged step (NaN: dense)
+    moe_dropped: np.ndarray  # token-assignments a capacity dropped per logged step (NaN: dense)
 
 
 def _number(value: Any) -> float:
@@ -101,6 +102,7 @@ def read_metrics(run: str | Path, label: str | None = None) -> RunMetrics:
         val_bpb=col(evals, "val_bpb"),
         moe_spread=_spread(col(logged, "moe_tokens_max"), col(logged, "moe_tokens_min")),
         moe_aux_loss=col(logged, "moe_aux_loss"),
+        moe_dropped=col(logged, "moe_dropped"),
     )
 
 
@@ -135,18 +137,20 @@ def build_figure(runs: Sequence[RunMetrics]) -> Any:
     """A matplotlib Figure: losses against steps on top (per run a solid train line and a
     dashed val line with markers, one colour per run), then the val loss in bits per byte
     (which compares runs with different tokenizers; when any run logged it), the experts'
-    load spread (when any run has experts), tokens/s below (one line per run)."""
+    load spread and load-balancing loss (when any run has experts, with the assignments a
+    capacity dropped dotted on a second scale), tokens/s below (one line per run)."""
     require_matplotlib()
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     bpb = any(r.val_bpb.size and not np.isnan(r.val_bpb).all() for r in runs)
     moe = any(r.moe_spread.size and not np.isnan(r.moe_spread).all() for r in runs)
-    n = 2 + bpb + moe
+    n = 2 + bpb + 2 * moe
     fig = Figure(figsize=(9, 5 + 2 * n), layout="constrained")
     axes = fig.subplots(n, 1, sharex=True, height_ratios=(2,) + (1,) * (n - 1))
     ax_loss, ax_speed = axes[0], axes[-1]
-    ax_moe = axes[-2] if moe else None
+    ax_moe, ax_aux = (axes[-3], axes[-2]) if moe else (None, None)
+    ax_drop = ax_aux.twinx() if moe and any(np.nansum(r.moe_dropped) > 0 for r in runs) else None
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
         dot = "." if run.step.size == 1 else None  # a one-step run is a point, not an invisible line
@@ -157,6 +161,9 @@ def build_figure(runs: Sequence[RunMetrics]) -> Any:
         ax_speed.plot(run.step, run.tokens_per_s, color=color, lw=1.0, marker=dot, label=run.label)
         if ax_moe is not None and not np.isnan(run.moe_spread).all():
             ax_moe.plot(run.step, run.moe_spread, color=color, lw=1.0, marker=dot, label=run.label)
+            ax_aux.plot(run.step, run.moe_aux_loss, color=color, lw=1.0, marker=dot, label=run.label)
+            if ax_drop is not None:
+                ax_drop.plot(run.step, run.moe_dropped, color=color, lw=1.0, ls=":", label=f"{run.label} dropped")
         if bpb and not np.isnan(run.val_bpb).all():
             axes[1].plot(run.eval_step, run.val_bpb, color=color, lw=1.5, ls="--", marker="o", ms=3, label=run.label)
     ax_loss.set_ylabel("loss")
@@ -172,6 +179,10 @@ def build_figure(runs: Sequence[RunMetrics]) -> Any:
         ax_moe.set_title("mixture of experts: most / fewest token-assignments of any expert (1 = balanced)")
         ax_moe.legend(fontsize="small")
         ax_moe.grid(alpha=0.3)
+        ax_aux.set_ylabel("load-balancing loss")
+        ax_aux.grid(alpha=0.3)
+        if ax_drop is not None:
+            ax_drop.set_ylabel("dropped (dotted)")
     ax_speed.set_ylabel("tokens/s")
     ax_speed.set_xlabel("step")
     ax_speed.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -144,19 +144,23 @@ def test_missing_matplotlib_is_one_line(tmp_path: Path, monkeypatch: pytest.Monk
     assert not (tmp_path / "p.png").exists()
 
 
-def test_a_run_with_experts_gets_a_load_spread_panel(tmp_path: Path) -> None:
-    """The experts' max/min token-assignments per logged step, inf where an expert got none;
-    a dense run beside it has no line there."""
+def test_a_run_with_experts_gets_routing_panels(tmp_path: Path) -> None:
+    """The experts' max/min token-assignments per logged step (inf where an expert got
+    none), the load-balancing loss, and the dropped assignments on a second scale; a dense
+    run beside it has no line there, and alone gets no routing panels."""
     moe = write_run(tmp_path / "moe", steps=3)
     recs = [json.loads(line) for line in (moe / "metrics.jsonl").read_text().splitlines()]
     for rec, (lo, hi) in zip(recs, [(0, 40), (10, 30), (20, 20)]):
-        rec |= {"moe_aux_loss": 0.01, "moe_tokens_min": lo, "moe_tokens_max": hi}
+        rec |= {"moe_aux_loss": 0.01 + hi / 1e4, "moe_tokens_min": lo, "moe_tokens_max": hi, "moe_dropped": lo}
     (moe / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     dense = write_run(tmp_path / "dense", steps=3)
     m = PL.read_metrics(moe)
     np.testing.assert_array_equal(m.moe_spread, [np.inf, 3.0, 1.0])
     assert np.isnan(PL.read_metrics(dense).moe_spread).all()
     fig = PL.build_figure([m, PL.read_metrics(dense)])
-    ax_moe = fig.axes[1]
+    ax_moe, ax_aux = fig.axes[1], fig.axes[2]
     assert "max/min" in ax_moe.get_ylabel() and [line.get_label() for line in ax_moe.get_lines()] == ["moe"]
+    np.testing.assert_allclose(ax_aux.get_lines()[0].get_ydata(), [0.014, 0.013, 0.012])
+    drop = next(a for a in fig.axes if a.get_ylabel().startswith("dropped"))
+    np.testing.assert_array_equal(drop.get_lines()[0].get_ydata(), [0, 10, 20])
     assert len(PL.build_figure([PL.read_metrics(dense)]).axes) == 2
