@@ -351,8 +351,7 @@ def moe_step_metrics(trainer: Trainer) -> dict[str, float | int]:
     m = trainer.model
     if not m.moe_experts:
         return {}
-    layers = [i for i in range(m.n_layer) if m.moe(i) is not None]
-    v = stats_vector(trainer.last_stats.moe, layers, m.moe_experts)
+    v = stats_vector(trainer.last_stats.moe, m.moe_layers, m.moe_experts)
     return moe_metrics(psum(v, trainer.mesh, AXES))
 
 

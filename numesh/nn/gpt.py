@@ -49,9 +49,14 @@ class GPTConfig:
                          self.moe_capacity_factor)
 
     @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The blocks with experts, in order."""
+        return tuple(i for i in range(self.n_layer) if self.moe(i) is not None)
+
+    @property
     def moe_blocks(self) -> int:
         """How many blocks have experts."""
-        return sum(self.moe(i) is not None for i in range(self.n_layer))
+        return len(self.moe_layers)
 
     def padded_vocab(self, tp: int) -> int:
         """The vocabulary rounded up to a multiple of tp (padding rows never get probability)."""

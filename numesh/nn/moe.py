@@ -286,6 +286,15 @@ def _expert_matmul(a: np.ndarray, w: np.ndarray, b: np.ndarray | None, jobs: lis
     return out
 
 
+def by_assignment(rows: np.ndarray, r: Routing) -> np.ndarray:
+    """Rows in this rank's expert-sorted order [M, C] back in token order [N, k, C]
+    (assignment t·k + j); a dropped assignment's row is 0."""
+    n, k = r.top.shape
+    out = (np.empty if r.kept is None else np.zeros)((n * k, rows.shape[1]), rows.dtype)
+    out[r.order] = rows
+    return out.reshape(n, k, rows.shape[1])
+
+
 @attrs.frozen
 class MoECtx:
     """What `moe_bwd` needs from `moe_fwd`."""
@@ -309,7 +318,6 @@ def moe_fwd(p: MoE, x: np.ndarray, cfg: MoEConfig, mesh: Mesh, layer: int = 0) -
     matmul's, and the caller reduces it; the expert biases are added on tp rank 0 only."""
     shape = x.shape
     x2 = np.ascontiguousarray(x.reshape(-1, shape[-1]))  # [N, C]
-    n, c = x2.shape
     k = cfg.top_k
     r = route(matmul(x2, p.router.w), k)
     bal = seq_balance(r, shape[0], mesh)  # f counts the assignments as routed, before any drop
@@ -321,10 +329,7 @@ def moe_fwd(p: MoE, x: np.ndarray, cfg: MoEConfig, mesh: Mesh, layer: int = 0) -
     u = _expert_matmul(xe, p.fc.w, p.fc.b, jobs)  # [R, 4C/tp]
     g, gelu = gelu_fwd(u)
     ye = _expert_matmul(g, p.proj.w, p.proj.b if bias else None, jobs)  # [R, C]
-    ys = from_experts(ye, d, mesh)  # [M, C] in this rank's expert-sorted order
-    ya = np.empty((n * k, c), ys.dtype) if r.kept is None else np.zeros((n * k, c), ys.dtype)
-    ya[r.order] = ys  # back to assignment order t·k + j; a dropped assignment's row stays 0
-    ya = ya.reshape(n, k, c)  # [N, k, C]
+    ya = by_assignment(from_experts(ye, d, mesh), r)  # [N, k, C]
     y = ya[:, 0] * r.weights[:, :1]
     for j in range(1, k):  # a fixed order of the k terms
         y += ya[:, j] * r.weights[:, j : j + 1]
@@ -397,10 +402,7 @@ def moe_bwd(p: MoE, ctx: MoECtx, dy: np.ndarray, cfg: MoEConfig, mesh: Mesh,
     du = gelu_bwd(ctx.gelu, dg)
     dxe = _expert_matmul(du, p.fc.w, None, ctx.jobs, transpose=True)  # [R, C]
     d_fc, d_proj = _expert_weight_grads(p, ctx, du, dye)
-    dxs = from_experts(dxe, d, mesh)  # [M, C] this rank's expert-sorted order
-    dxa = np.empty((n * k, c), dxs.dtype) if r.kept is None else np.zeros((n * k, c), dxs.dtype)
-    dxa[r.order] = dxs  # a dropped assignment sends its token no gradient
-    dxa = dxa.reshape(n, k, c)  # [N, k, C] in token order
+    dxa = by_assignment(from_experts(dxe, d, mesh), r)  # [N, k, C]: a dropped assignment sends no gradient
     dlogits = _router_logits_grad(r, ctx.balance, dw, cfg, loss_scale or 0.0)  # [N, E]
     dx = dxa[:, 0].copy()
     for j in range(1, k):  # a fixed order of the k terms
