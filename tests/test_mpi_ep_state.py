@@ -16,23 +16,12 @@ from mpi4py import MPI
 from numesh import data as D
 from numesh.checkpoint import read_meta, read_state, save_checkpoint
 from numesh.config import TrainConfig, config_from
-from numesh.data import prepare_char_dataset
 from numesh.train import Trainer, restore, train_state
 from numesh.tree import tree_leaves_with_path
 
 WORLD = MPI.COMM_WORLD
 pytestmark = [pytest.mark.mpi(min_size=4),
               pytest.mark.skipif(WORLD.Get_size() != 4, reason="dp=2 x ep=2 runs on 4 ranks")]
-TEXT = "".join("abcdefghij"[i % 10 :] + "abcdefghij"[: i % 10] + "\n" for i in range(60))
-
-
-@pytest.fixture(scope="module")
-def data(shared_tmp: Path) -> Path:
-    out = shared_tmp / "ep-data"
-    if WORLD.Get_rank() == 0:
-        prepare_char_dataset(TEXT, out)
-    WORLD.Barrier()
-    return out
 
 
 def config(data: Path, out: Path, mesh: str, **kw: Any) -> TrainConfig:
@@ -46,11 +35,11 @@ def config(data: Path, out: Path, mesh: str, **kw: Any) -> TrainConfig:
 
 
 @pytest.fixture(scope="module")
-def one_rank_ckpt(data: Path, shared_tmp: Path) -> Path:
+def one_rank_ckpt(shared_dataset: Path, shared_tmp: Path) -> Path:
     """A checkpoint of 2 steps on one rank (rank 0 trains; the others wait)."""
     out = shared_tmp / "ep-one-rank"
     if WORLD.Get_rank() == 0:
-        t = Trainer(config(data, out, ""), MPI.COMM_SELF)
+        t = Trainer(config(shared_dataset, out, ""), MPI.COMM_SELF)
         for _ in range(2):
             t.train_step()
         save_checkpoint(train_state(t), out)
@@ -58,8 +47,8 @@ def one_rank_ckpt(data: Path, shared_tmp: Path) -> Path:
     return out / "ckpt" / "step_000002"
 
 
-def test_each_rank_reads_its_row_block_of_dp_x_ep(data: Path, shared_tmp: Path) -> None:
-    t = Trainer(config(data, shared_tmp / "rows", "dp=2,ep=2", micro_batches=2), WORLD)
+def test_each_rank_reads_its_row_block_of_dp_x_ep(shared_dataset: Path, shared_tmp: Path) -> None:
+    t = Trainer(config(shared_dataset, shared_tmp / "rows", "dp=2,ep=2", micro_batches=2), WORLD)
     key = D.train_key(5, 3)
     mine = t._micro_batches(t.train_data, key, 2)
     whole = D.local_batch(t.train_data, key, 8, 8, 0, 1, 1)[0]
@@ -70,9 +59,9 @@ def test_each_rank_reads_its_row_block_of_dp_x_ep(data: Path, shared_tmp: Path) 
 
 
 @pytest.mark.parametrize("zero", [0, 1, 3])
-def test_a_one_rank_moe_checkpoint_restores_and_saves_on_dp2_ep2(data: Path, shared_tmp: Path,
+def test_a_one_rank_moe_checkpoint_restores_and_saves_on_dp2_ep2(shared_dataset: Path, shared_tmp: Path,
                                                                    one_rank_ckpt: Path, zero: int) -> None:
-    t = Trainer(config(data, shared_tmp / f"ep-restore-{zero}", "dp=2,ep=2", zero=zero), WORLD)
+    t = Trainer(config(shared_dataset, shared_tmp / f"ep-restore-{zero}", "dp=2,ep=2", zero=zero), WORLD)
     restore(t, one_rank_ckpt)
     assert t.step == 2
     _, want = read_state(one_rank_ckpt)
