@@ -302,9 +302,12 @@ def block_params(n_embd: int, tp: int = 1, bias: bool = False) -> int:
     return n
 
 
-def expert_params(n_embd: int, bias: bool = False) -> int:
-    """Values of one expert: the dense MLP's C·4C and 4C·C (and its 4C + C biases)."""
-    return 8 * n_embd * n_embd + (5 * n_embd if bias else 0)
+def expert_params(n_embd: int, bias: bool = False, tp: int = 1) -> int:
+    """Values of one expert on a tp rank: the dense MLP's C·4C and 4C·C (and its 4C + C
+    biases), tp-split as the dense MLP (fc's 4C columns and bias, proj's 4C rows; proj's
+    bias whole)."""
+    C = n_embd
+    return 8 * C * C // tp + ((4 * C // tp + C) if bias else 0)
 
 
 def moe_block_params(n_embd: int, experts: int, bias: bool = False) -> int:
@@ -358,15 +361,13 @@ def moe_expert_values(n_embd: int, experts: int, ep: int = 1, tp: int = 1, bias:
     """Values of one MoE block's experts on one rank: its E/ep experts, each tp-split as the
     dense MLP: fc.w [E/ep, C, 4C/tp], fc.b [E/ep, 4C/tp], proj.w [E/ep, 4C/tp, C], proj.b
     [E/ep, C] (the leaves whose spec names "ep")."""
-    C = n_embd
-    return experts // ep * (8 * C * C // tp + ((4 * C // tp + C) if bias else 0))
+    return experts // ep * expert_params(n_embd, bias, tp)
 
 
 def moe_block_other_values(n_embd: int, experts: int, tp: int = 1, bias: bool = False) -> int:
     """Values of one MoE block on one rank that are not experts (replicated over ep): the
     dense block's attention and LayerNorms (`block_params` less its MLP) and the router C·E."""
-    C = n_embd
-    return block_params(C, tp, bias) - 8 * C * C // tp - ((4 * C // tp + C) if bias else 0) + C * experts
+    return block_params(n_embd, tp, bias) - expert_params(n_embd, bias, tp) + n_embd * experts
 
 
 def moe_rank_units(*, n_embd: int, vocab: int, block_size: int, experts: int, moe_layers: Sequence[bool], ep: int = 1,

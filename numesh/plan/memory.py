@@ -18,6 +18,7 @@ from numesh import formulas
 from numesh.nn.walk import row_chunks as stage_row_chunks
 from numesh.padding import round_up
 from numesh.pipeline.schedules import Schedule
+from numesh.pipeline.stages import StageLayout
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
 
 PARTS = ("params", "grads", "optimizer", "workspace", "activations", "comm_buffers")
@@ -62,9 +63,7 @@ def block_sizes(model: ModelSpec, layout: Layout, layers: range | list[int]) -> 
 
 def rank_layers(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
     """The global blocks pipeline rank `pp_rank` holds (stage chunk·pp + rank of each chunk)."""
-    per = model.n_layer // (layout.pp * layout.virtual_stages)
-    return [i for c in range(layout.virtual_stages)
-            for i in range((c * layout.pp + pp_rank) * per, (c * layout.pp + pp_rank + 1) * per)]
+    return StageLayout(model.n_layer, layout.pp, layout.virtual_stages).owned(pp_rank)
 
 
 def unit_sizes(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
