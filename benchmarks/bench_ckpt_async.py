@@ -70,9 +70,9 @@ class Stalls:
 def timed_run(model: str, mode: str, iters: int, data: str, out: str, mesh: str) -> tuple[float, float]:
     """(seconds from the end of step 0 to the end of step iters-1, seconds of them the main
     thread spent in checkpoint code) of one run."""
-    import numesh.train as T
+    import numesh.run.train as T
     from numesh.checkpoint.background import AsyncCheckpoints
-    from numesh.config import config_from
+    from numesh.run.config import config_from
 
     cfg = config_from({**PRESETS[model], **MODES[mode], "max_iters": iters, "eval_interval": 10**9,
                        "eval_iters": 1, "data": data, "out": out, "mesh": mesh, "peak_flops": 1e12,
@@ -115,8 +115,8 @@ def bench_model(model: str, iters: int, repeats: int, data: str, root: str, mesh
 
 def ckpt_mib(model: str, vocab: int) -> float:
     """MiB of one checkpoint: parameters and both AdamW moments, in float32."""
+    from numesh.base.tree import tree_leaves
     from numesh.nn.gpt import GPTConfig, gpt_global_shapes
-    from numesh.tree import tree_leaves
 
     p = PRESETS[model]
     shapes = gpt_global_shapes(GPTConfig(vocab_size=vocab, block_size=p["block_size"], n_layer=p["n_layer"],
@@ -147,8 +147,8 @@ def main() -> None:
     ap.add_argument("--src", default=DEFAULT_SRC, help="text to make the dataset from")
     ap.add_argument("--root", default=None, help="where the checkpoints go (a temporary directory inside)")
     args = ap.parse_args()
-    from numesh.data import load_tokenizer
-    from numesh.runtime import configure_process
+    from numesh.data.dataset import load_tokenizer
+    from numesh.host.runtime import configure_process
 
     configure_process()
     comm = MPI.COMM_WORLD

@@ -10,7 +10,7 @@ ring's transfers buys.
 `memory`: one forward of the whole model on a cp=world mesh (default: 2048 tokens, 2
 layers, width 128, 4 heads, batch 1, float32, no dropout), then the bytes of the unique
 arrays its saved contexts hold (arrays that are views are counted once, by the array that
-owns the memory), per rank and by kind, beside `numesh.formulas.activation_bytes`, as one
+owns the memory), per rank and by kind, beside `numesh.perf.formulas.activation_bytes`, as one
 JSON line.
 `speed`: median ms and tokens/s of training steps on cp=world (one BLAS thread per rank).
 `overlap`: one layer's ring attention forward+backward on cp=world, with the next K/V
@@ -33,15 +33,15 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
-from numesh import formulas
-from numesh.config import config_from
+from numesh.host.runtime import configure_process
 from numesh.mesh import Mesh
 from numesh.nn.context_parallel import MeshRing, take_local
 from numesh.nn.gpt import GPTConfig, init_gpt
 from numesh.nn.ring_attention import ring_attention_bwd, ring_attention_fwd
 from numesh.nn.walk import ResidentParams, stage_forward, whole_model
-from numesh.runtime import configure_process
-from numesh.train import Trainer
+from numesh.perf import formulas
+from numesh.run.config import config_from
+from numesh.run.train import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_SRC, dataset_dir  # noqa: E402
@@ -100,7 +100,7 @@ def memory(args: argparse.Namespace) -> None:
 
 
 def _leaves(tree: Any) -> list[np.ndarray]:
-    from numesh.tree import tree_leaves
+    from numesh.base.tree import tree_leaves
 
     return [x for x in tree_leaves(tree) if isinstance(x, np.ndarray)]
 

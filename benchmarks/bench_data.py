@@ -6,10 +6,10 @@
 
 Prepares a character dataset of tiny Shakespeare (--src) and one whose train split is
 --mib MiB of random ids (written by hand, as a dataset of before the file records, so that
-the same script runs on older numesh), then times `numesh.data.local_batch` (the rows of
+the same script runs on older numesh), then times `numesh.data.batches.local_batch` (the rows of
 one training batch, what every step reads) at a few batch shapes on a warm page cache.
 Where numesh has them, it then times the writer's records and checks
-(`numesh.dataset_write.seal`) and a run's check at its start (`numesh.data.verify_dataset`:
+(`numesh.data.write.seal`) and a run's check at its start (`numesh.data.dataset.verify_dataset`:
 the sha256 and the ids of every file) on the big split. A benchmark: it asserts nothing.
 """
 
@@ -27,7 +27,9 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import DEFAULT_SRC  # noqa: E402
-from numesh import data as D  # noqa: E402
+from numesh.data.batches import local_batch, train_key
+from numesh.data.char import prepare_char_dataset
+from numesh.data.dataset import load_split, verify_dataset
 
 SHAPES = ((12, 64), (64, 256), (8, 1024))  # (batch, block): the default run, a wider one, GPT-2's block
 CHARS = [chr(c) for c in range(32, 97)]  # 65 symbols, as tiny Shakespeare has
@@ -47,19 +49,19 @@ def big_dataset(root: Path, mib: int) -> tuple[Path, np.ndarray]:
 
 def batches_per_s(data, batch: int, block: int, repeats: int, rounds: int = 5) -> float:
     """The best of `rounds` rates over `repeats` batches each (other work on the cores only slows a round)."""
-    D.local_batch(data, D.train_key(0, 0), batch, block, 0, 1, 1)  # warm
+    local_batch(data, train_key(0, 0), batch, block, 0, 1, 1)  # warm
     best = 0.0
     for r in range(rounds):
         t0 = time.perf_counter()
         for step in range(repeats):
-            D.local_batch(data, D.train_key(r, step), batch, block, 0, 1, 1)
+            local_batch(data, train_key(r, step), batch, block, 0, 1, 1)
         best = max(best, repeats / (time.perf_counter() - t0))
     return best
 
 
 def time_checks(root: Path, ids: np.ndarray) -> None:
     """The writer's records (`seal`) and a run's check at its start (`verify_dataset`)."""
-    from numesh import dataset_write as dw
+    from numesh.data import write as dw
 
     out = root / "sealed"
     meta = {"vocab_size": len(CHARS), "chars": CHARS, "train_tokens": int(ids.size), "val_tokens": 100_000}
@@ -72,7 +74,7 @@ def time_checks(root: Path, ids: np.ndarray) -> None:
         dw.publish(stage, out, meta, overwrite=False)
     size = ids.nbytes + 200_000
     t0 = time.perf_counter()
-    D.verify_dataset(out)
+    verify_dataset(out)
     verified = time.perf_counter() - t0
     for what, dt in (("seal (writer: records and checks)", sealed), ("verify_dataset (a run's start)", verified)):
         print(f"{what:>34}: {size / 2**20:,.0f} MiB in {dt:.2f} s ({size / dt / 1e9:.2f} GB/s)")
@@ -86,16 +88,15 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         small = Path(tmp) / "small"
-        D.prepare_char_dataset(args.src.read_text(encoding="utf-8"), small)
+        prepare_char_dataset(args.src.read_text(encoding="utf-8"), small)
         big, ids = big_dataset(Path(tmp), args.mib)
         for name, d in (("tiny Shakespeare", small), (f"{args.mib} MiB", big)):
-            data = D.load_split(d, "train")
+            data = load_split(d, "train")
             for b, t in SHAPES:
                 rate = batches_per_s(data, b, t, args.repeats)
                 print(f"{name:>16}  batch {b:>2} x block {t:>4}: {rate:>9,.0f} batches/s "
                       f"({rate * b * t / 1e6:,.1f} M tokens/s)")
-        if hasattr(D, "verify_dataset"):
-            time_checks(Path(tmp), ids)
+        time_checks(Path(tmp), ids)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ Sections:
              B·H = 4, head size 32: numesh's `attend_fwd`/`attend_bwd` and torch's
              `scaled_dot_product_attention(is_causal=True)` with its backward, each a fresh
              process (median of --attn-runs), alternating for --rounds; the causal half's FLOPs (7 GEMMs over each
-             query's visible keys: numesh.formulas.attention_flops) and the time they take
-             at the machine's GEMM rate (numesh.runtime.gemm_flops of a 1024³ float32 GEMM on
+             query's visible keys: numesh.perf.formulas.attention_flops) and the time they take
+             at the machine's GEMM rate (numesh.host.runtime.gemm_flops of a 1024³ float32 GEMM on
              the same threads): the kernel's time over that is its distance from the GEMM
              bound; and the kernel's GEMMs alone (its passes made no-ops), which shows how
              much of that distance is BLAS at these skinny (head-size) shapes.
@@ -114,7 +114,7 @@ def attention_worker(kind: str, threads: int, runs: int) -> None:
     """One side of the attention section in this (fresh) process: prints {"ms": median}."""
     import numpy as np
 
-    from numesh.runtime import configure_process
+    from numesh.host.runtime import configure_process
 
     n = configure_process(threads, None)
     T, B, H, hs = ATTN["T"], ATTN["B"], ATTN["H"], ATTN["hs"]
@@ -165,9 +165,10 @@ def attention_worker(kind: str, threads: int, runs: int) -> None:
 def attention_section(args: argparse.Namespace) -> dict[str, Any]:
     """numesh and torch in fresh processes, alternating (torch's OpenMP threads spin after
     each op and would slow whatever ran next in the same process); the GEMM rate here."""
-    from numesh import formulas, threads
+    from numesh.host import threads
+    from numesh.host.runtime import configure_process, gemm_flops
     from numesh.nn.attention import QUERY_TILE
-    from numesh.runtime import configure_process, gemm_flops
+    from numesh.perf import formulas
 
     n = configure_process(args.threads, None)
     times: dict[str, list[float]] = {"numesh": [], "torch": [], "gemms": []}
@@ -202,8 +203,8 @@ def tiles_section(args: argparse.Namespace) -> dict[str, Any]:
     drift in the machine hits them alike; medians over --rounds × 3 rounds."""
     import numpy as np
 
+    from numesh.host.runtime import configure_process
     from numesh.nn import attention as A
-    from numesh.runtime import configure_process
 
     configure_process(args.threads, None)
     T, B, H, hs = ATTN["T"], ATTN["B"], ATTN["H"], ATTN["hs"]

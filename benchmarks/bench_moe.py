@@ -12,7 +12,7 @@ given so no peak is measured. The rounds alternate the configurations (dense, Mo
 dense, dense, MoE, ...), and every run trains the same `--steps` steps, so:
 
   val loss      the last evaluation of round 1 (`--eval-iters` batches, at the last step)
-  FLOPs/token   active training FLOPs per token (numesh.formulas: 6 per parameter a token
+  FLOPs/token   active training FLOPs per token (numesh.perf.formulas: 6 per parameter a token
                 uses, only its k of E experts, plus attention), as MFU counts them
   step ms       median `dt_ms` of metrics.jsonl over the steps after `--skip` of every round
   load max/min  the MoE's most / fewest token-assignments of any expert in any block,
@@ -51,8 +51,8 @@ def log(msg: str) -> None:
 
 
 def model_flops(m: dict[str, Any], vocab: int) -> float:
-    """Active training FLOPs per token of model `m` (numesh.formulas, as MFU counts them)."""
-    from numesh import formulas as F
+    """Active training FLOPs per token of model `m` (numesh.perf.formulas, as MFU counts them)."""
+    from numesh.perf import formulas as F
 
     C, L, E = m["n_embd"], m["n_layer"], m.get("moe_experts", 0)
     moe_blocks = len(range(0, L, m.get("moe_every", 1))) if E else 0

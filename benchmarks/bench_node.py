@@ -62,9 +62,9 @@ def worker_numesh(args: argparse.Namespace) -> None:
     import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
     from mpi4py import MPI
 
-    from numesh.config import config_from
-    from numesh.runtime import configure_process
-    from numesh.train import Trainer
+    from numesh.host.runtime import configure_process
+    from numesh.run.config import config_from
+    from numesh.run.train import Trainer
 
     comm = MPI.COMM_WORLD
     threads = configure_process(args.threads, comm)
@@ -93,13 +93,13 @@ def worker_torch(args: argparse.Namespace) -> None:
     import torch
 
     from bench_train import torch_trainer
-    from numesh import data as D
-    from numesh.config import config_from
+    from numesh.data.dataset import load_split
+    from numesh.run.config import config_from
 
     torch.set_num_threads(args.threads)
     model = json.loads(args.model)
     tc = config_from({**model, "data": args.data, "dtype": "float32", "seed": 1337, "dropout": 0.0, "bias": False})
-    train_data = D.load_split(args.data, "train")
+    train_data = load_split(args.data, "train")
     vocab = json.loads((Path(args.data) / "meta.json").read_text())["vocab_size"]
     _m, _p, step, _losses = torch_trainer(torch, tc, vocab, train_data, "sdpa", "default")
     for i in range(args.warmup):

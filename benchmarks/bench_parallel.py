@@ -8,7 +8,7 @@ batch is weak-scaled (batch × dp), so efficiency = tokens/s(mesh) / (ranks × t
 For tp meshes the batch is the same (strong scaling): speed-up = tokens/s(mesh) / tokens/s(1).
 It also prints the saved activations each rank held at the peak of a step (MiB, the most
 over the ranks: `StepStats.peak_bytes`, measured from the buffers, see
-`numesh.formulas.activation_bytes`), bytes moved per step per axis (bus bytes, as
+`numesh.perf.formulas.activation_bytes`), bytes moved per step per axis (bus bytes, as
 NCCL-tests count them) and the bytes each rank holds for parameters, gradients, optimiser
 state and workspace (`ZeroOptimizer.memory()`, measured from its buffers).
 
@@ -45,10 +45,10 @@ from pathlib import Path
 import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 from mpi4py import MPI
 
-from numesh.config import config_from
+from numesh.host.runtime import configure_process
 from numesh.mesh import parse_mesh
-from numesh.runtime import configure_process
-from numesh.train import Trainer
+from numesh.run.config import config_from
+from numesh.run.train import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402

@@ -46,11 +46,11 @@ from pathlib import Path
 import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 from mpi4py import MPI
 
-from numesh.config import config_from, validate
+from numesh.host.runtime import configure_process, guarded
 from numesh.mesh import parse_mesh
 from numesh.pipeline.schedules import bubble_fraction, peak_activations, simulate
-from numesh.runtime import configure_process, guarded
-from numesh.train import Trainer
+from numesh.run.config import config_from, validate
+from numesh.run.train import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_SRC, dataset_dir  # noqa: E402

@@ -49,9 +49,9 @@ def worker(layouts_file: str, data: str, warmup: int, steps: int) -> None:
     """Run every layout of the file on COMM_WORLD; rank 0 prints one JSON line per layout."""
     from mpi4py import MPI
 
-    from numesh.config import TrainConfig
-    from numesh.runtime import configure_process
-    from numesh.train import Trainer
+    from numesh.host.runtime import configure_process
+    from numesh.run.config import TrainConfig
+    from numesh.run.train import Trainer
 
     configure_process()
     comm = MPI.COMM_WORLD
@@ -141,12 +141,13 @@ def main() -> None:
         worker(args.worker, args.data, args.warmup, args.steps)
         return
 
-    from numesh import data as D
-    from numesh.config import TrainConfig
+    from numesh.data.char import prepare_char_dataset, read_source
+    from numesh.data.dataset import load_tokenizer
     from numesh.plan import predict
     from numesh.plan.hardware import load_profile
     from numesh.plan.layout import ModelSpec
     from numesh.plan.search import valid_layouts
+    from numesh.run.config import TrainConfig
 
     bindir = Path(sys.executable).parent
     mpirun = str(bindir / "mpirun") if (bindir / "mpirun").exists() else "mpirun"
@@ -154,10 +155,10 @@ def main() -> None:
     data = args.data
     if data is None:
         data = str(tmp / "data")
-        D.prepare_char_dataset(D.read_source(args.src), data)
+        prepare_char_dataset(read_source(args.src), data)
     profile_path = Path(args.profile) if args.profile else tmp / "profile.json"
     base = TrainConfig(**MODEL, data=data)
-    vocab = D.load_tokenizer(data).vocab_size
+    vocab = load_tokenizer(data).vocab_size
     model = ModelSpec(base.n_layer, base.n_head, base.n_embd, base.block_size, vocab, base.batch_size)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
     results = []

@@ -8,7 +8,7 @@ same process; after warm-up their steps alternate (none, full, none, ...), so th
 from other processes falls on every mode alike, and the median step time of each is
 reported with tokens/s, the cost against none, and the activation bytes each rank held at
 the peak of a step (`StepStats.peak_bytes`, measured from the buffers) beside
-`numesh.formulas.activation_bytes`'s prediction. Last, one more step of
+`numesh.perf.formulas.activation_bytes`'s prediction. Last, one more step of
 each mode runs under `tracemalloc` (untimed): the most bytes NumPy had allocated at once
 during it, above what was allocated when it began ("step peak"): the saved activations
 plus everything transient (the block being computed, a rerun block's whole context,
@@ -29,10 +29,10 @@ from pathlib import Path
 import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 from mpi4py import MPI
 
-from numesh import formulas
-from numesh.config import config_from
-from numesh.runtime import configure_process
-from numesh.train import Trainer
+from numesh.host.runtime import configure_process
+from numesh.perf import formulas
+from numesh.run.config import config_from
+from numesh.run.train import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402

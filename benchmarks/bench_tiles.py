@@ -1,4 +1,4 @@
-"""What the fixed tiles of numesh.threads cost on one thread (numesh/threads.py "Fixed tiles").
+"""What the fixed tiles of numesh.host.threads cost on one thread (numesh/threads.py "Fixed tiles").
 
 Two tables, each measured in turns (rounds of every variant, medians) in this one process,
 BLAS on one thread:
@@ -22,11 +22,11 @@ from typing import Callable
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from numesh import threads
+from numesh.host import threads
+from numesh.host.runtime import keep_freed_memory
 from numesh.mesh import Mesh
 from numesh.nn.gpt import GPTConfig, init_gpt
 from numesh.nn.walk import run_block_bwd, run_block_fwd
-from numesh.runtime import keep_freed_memory
 
 
 def timed(fns: dict[str, Callable[[], None]], rounds: int, reps: int) -> dict[str, float]:

@@ -45,7 +45,7 @@ def write_corpus(src: Path, out: Path, size: int, seed: int = 0) -> int:
 
 _MEASURED = ("import resource, runpy, sys\n"
              "sys.argv = ['numesh', *sys.argv[1:]]\n"
-             "try:\n    runpy.run_module('numesh_cli.app', run_name='__main__')\n"
+             "try:\n    runpy.run_module('numesh.cli.app', run_name='__main__')\n"
              "finally:\n    print(f'PEAK_RSS_KB={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}', "
              "file=sys.stderr)\n")
 

@@ -9,7 +9,7 @@ Prepares tiny Shakespeare (--src) twice, as a character dataset (`numesh data ch
 a byte-level BPE of --vocab-size entries (`numesh data bpe --split-on` a blank line), and
 trains the default model (4 layers x 128, block 64, batch 12, `numesh train` defaults) on
 each: the character run for --steps steps, the BPE run for as many steps as give the same
-training FLOPs (`numesh.formulas.flops_per_token` of each model: the BPE's larger
+training FLOPs (`numesh.perf.formulas.flops_per_token` of each model: the BPE's larger
 embedding costs more per token). Each run is a fresh `numesh train` process. Prints the
 val loss in bits per byte at every evaluation beside the FLOPs spent, and the final
 values; `--plot` draws both runs with `numesh plot` (loss, val bits per byte, tokens/s).
@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import DEFAULT_SRC, PRESETS  # noqa: E402
 
-NUMESH = [sys.executable, "-m", "numesh_cli.app"]
+NUMESH = [sys.executable, "-m", "numesh.cli.app"]
 
 
 def numesh(*args: str) -> None:
@@ -43,10 +43,10 @@ def flops_per_token(data: Path) -> float:
     `numesh train` counts them for MFU."""
     import math
 
-    from numesh import formulas
-    from numesh.data import load_tokenizer
+    from numesh.base.tree import tree_leaves
+    from numesh.data.dataset import load_tokenizer
     from numesh.nn.gpt import GPTConfig, gpt_global_shapes
-    from numesh.tree import tree_leaves
+    from numesh.perf import formulas
 
     m = PRESETS["default"]
     model = GPTConfig(vocab_size=load_tokenizer(data).vocab_size, block_size=m["block_size"], n_layer=m["n_layer"],

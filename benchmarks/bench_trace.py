@@ -16,7 +16,7 @@ the recorder; the time spent inside the tracer's recording calls is also summed 
 trace (time reported apart: it happens once, at the end).
 
 bubble: for each schedule (gpipe, 1f1b, interleaved with v=2, zb-h1) a traced run of
-`--iters` steps; `numesh.report.pipeline_bubble` of its trace: measured 1 - Σbusy/(p·makespan)
+`--iters` steps; `numesh.perf.report.pipeline_bubble` of its trace: measured 1 - Σbusy/(p·makespan)
 over each step's aligned pipeline spans, beside `simulate` with unit costs (F=B=W) and with
 the measured mean F, B, W times, with each stage's own measured F, B, W times (the
 first stage also embeds, the last runs the head and loss), and with each step's own
@@ -37,12 +37,12 @@ from pathlib import Path
 import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS)
 from mpi4py import MPI
 
-from numesh import report
-from numesh.config import config_from
+from numesh.host.runtime import configure_process, guarded
 from numesh.observe import attach
 from numesh.observe.flight import FlightRecorder
-from numesh.runtime import configure_process, guarded
-from numesh.train import Trainer
+from numesh.perf import report
+from numesh.run.config import config_from
+from numesh.run.train import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_SRC, dataset_dir  # noqa: E402

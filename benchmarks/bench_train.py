@@ -17,8 +17,8 @@ What is timed, per iteration:
 The batch draw (the same numpy code on both sides) is timed separately too and reported.
 
 The process is set up as `numesh train` sets up a rank: `--threads` BLAS threads
-(numesh.runtime.set_blas_threads; torch.set_num_threads on the torch side) and freed memory
-kept for reuse (numesh.runtime.keep_freed_memory; `--malloc glibc` to leave glibc's
+(numesh.host.runtime.set_blas_threads; torch.set_num_threads on the torch side) and freed memory
+kept for reuse (numesh.host.runtime.keep_freed_memory; `--malloc glibc` to leave glibc's
 defaults and see the page faults they cost). Both run in one process, numesh first.
 Beside the times, each row shows the CPU this process and *other* processes used while it
 was timed, the kernel share of our CPU time and the page faults per iteration: on a small
@@ -48,7 +48,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
-from numesh.runtime import keep_freed_memory  # noqa: E402
+from numesh.host.runtime import keep_freed_memory  # noqa: E402
 
 TORCH_PIN = "torch==2.13.0"
 TORCH_WHEEL_DIR = "/opt/wheels"
@@ -73,8 +73,8 @@ def preset_config(preset: str, batch_size: int | None = None, block_size: int | 
 
 def make_trainer(model_cfg: dict[str, Any], data: str, dtype: str = "float32", seed: int = 1337):
     """A single-process numesh Trainer for this model on this dataset."""
-    from numesh.config import config_from
-    from numesh.train import Trainer
+    from numesh.run.config import config_from
+    from numesh.run.train import Trainer
 
     cfg = config_from({**model_cfg, "data": data, "dtype": dtype, "seed": seed, "dropout": 0.0, "bias": False,
                        "mesh": ""})
@@ -157,7 +157,7 @@ def summarize(times_s: list[float], tokens_per_iter: int) -> dict[str, float]:
 
 
 def run_numesh(trainer, warmup: int, iters: int) -> dict[str, Any]:
-    from numesh import data as D
+    from numesh.data.batches import local_batch, train_key
 
     c = trainer.cfg
     times, losses = [], []
@@ -173,7 +173,7 @@ def run_numesh(trainer, warmup: int, iters: int) -> dict[str, Any]:
     draw = []
     for i in range(iters):
         t0 = time.perf_counter()
-        D.local_batch(trainer.train_data, D.train_key(c.seed, i), c.batch_size, c.block_size, 0, 1, 1)
+        local_batch(trainer.train_data, train_key(c.seed, i), c.batch_size, c.block_size, 0, 1, 1)
         draw.append(time.perf_counter() - t0)
     out = summarize(times, trainer.tokens_per_step)
     out.update(losses=losses, batch_draw_ms=statistics.median(draw) * 1e3, n_params=trainer.n_params,
@@ -225,7 +225,7 @@ def copy_numesh_params(torch, model, params) -> None:
 def torch_trainer(torch, tc, vocab_size: int, train_data, attention: str, optim_impl: str, init_params=None):
     """(model, params, step function, losses list): the torch model and a step(i) that trains
     it on numesh's batch i with TrainConfig `tc`'s hyper-parameters, as nanoGPT does."""
-    from numesh import data as D
+    from numesh.data.batches import local_batch, train_key
     from numesh.optim import cosine_lr
     from numesh.testing.torch_nanogpt import nanogpt
 
@@ -244,7 +244,7 @@ def torch_trainer(torch, tc, vocab_size: int, train_data, attention: str, optim_
     losses: list[float] = []
 
     def step(i: int) -> None:
-        (x, y), = D.local_batch(train_data, D.train_key(tc.seed, i), tc.batch_size, tc.block_size, 0, 1, 1)
+        (x, y), = local_batch(train_data, train_key(tc.seed, i), tc.batch_size, tc.block_size, 0, 1, 1)
         xb, yb = torch.from_numpy(x), torch.from_numpy(y)
         lr = cosine_lr(i, tc.learning_rate, tc.min_lr, tc.warmup_iters, tc.lr_decay_iters)
         for g in opt.param_groups:
@@ -309,7 +309,8 @@ def print_table(report: dict[str, Any]) -> None:
           f"block={c['block_size']} batch={c['batch_size']} dtype={c['dtype']} "
           f"tokens/iter={c['tokens_per_iter']} warmup={c['warmup']} iters={c['iters']}")
     kept = report.get("keep_freed_memory")
-    print(f"malloc: {'freed memory kept for reuse (numesh.runtime.keep_freed_memory)' if kept else 'glibc defaults'}")
+    reuse = "freed memory kept for reuse (numesh.host.runtime.keep_freed_memory)"
+    print(f"malloc: {reuse if kept else 'glibc defaults'}")
     print(f"env: torch {report.get('torch_version') or '(not installed)'}, numpy {e['numpy']}, "
           f"OPENBLAS_CORETYPE={e['OPENBLAS_CORETYPE'] if e['OPENBLAS_CORETYPE'] is not None else '(unset)'}, "
           f"OPENBLAS_THREAD_TIMEOUT={e['OPENBLAS_THREAD_TIMEOUT']}, "
@@ -373,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.iters < 1 or args.warmup < 0 or args.threads < 1:
         ap.error("--iters and --threads must be >= 1, --warmup >= 0")
 
-    from numesh.runtime import set_blas_threads
+    from numesh.host.runtime import set_blas_threads
 
     threads = set_blas_threads(args.threads)  # numpy's BLAS; torch.set_num_threads(threads) below
     kept = keep_freed_memory() if args.malloc == "keep" else False
@@ -387,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = make_trainer(model_cfg, data, args.dtype, args.seed)
         init_params = None
         if args.same_init:
-            from numesh.tree import tree_map
+            from numesh.base.tree import tree_map
 
             init_params = tree_map(np.copy, trainer.params)
         c = trainer.cfg

@@ -36,7 +36,7 @@ def dataset_dir(data: str | None, src: str, comm: Any = None,
     With an MPI communicator `comm`, rank 0 prepares it and every rank gets its path; it is
     removed after a barrier when the block ends normally, and left behind when it raises
     (another rank may be inside a collective then, and a barrier would hang: the script's
-    `numesh.runtime.guarded` aborts the job instead). `log` gets one line about what was done
+    `numesh.host.runtime.guarded` aborts the job instead). `log` gets one line about what was done
     (on rank 0)."""
     if data is not None and (Path(data) / "meta.json").is_file():
         yield str(data)
@@ -44,7 +44,7 @@ def dataset_dir(data: str | None, src: str, comm: Any = None,
     root = comm is None or comm.Get_rank() == 0
     tmp = None
     if root:
-        from numesh.data import prepare_char_dataset, read_source
+        from numesh.data.char import prepare_char_dataset, read_source
 
         if data is not None and log is not None:
             log(f"note: no dataset at {data}; preparing a temporary one from {src}")

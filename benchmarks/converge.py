@@ -26,9 +26,9 @@ from common import DEFAULT_SRC, dataset_dir  # noqa: E402
 
 
 def eval_batches(data: np.ndarray, seed: int, split: str, n: int, batch: int, block: int) -> list:
-    from numesh import data as D
+    from numesh.data.batches import eval_key, local_batch
 
-    return [D.local_batch(data, D.eval_key(seed, split, i), batch, block, 0, 1, 1)[0] for i in range(n)]
+    return [local_batch(data, eval_key(seed, split, i), batch, block, 0, 1, 1)[0] for i in range(n)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,10 +43,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from mpi4py import MPI
 
-    from numesh.config import config_from
-    from numesh.runtime import keep_freed_memory, set_blas_threads
-    from numesh.train import Trainer
-    from numesh.tree import tree_map
+    from numesh.base.tree import tree_map
+    from numesh.host.runtime import keep_freed_memory, set_blas_threads
+    from numesh.run.config import config_from
+    from numesh.run.train import Trainer
 
     threads = set_blas_threads(args.threads)
     keep_freed_memory()

@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import CpuMonitor, log, make_trainer, preset_config  # noqa: E402
 from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
-from numesh.runtime import keep_freed_memory  # noqa: E402
+from numesh.host.runtime import keep_freed_memory  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # timers around numesh's own functions, while Trainer.train_step() runs unchanged
@@ -80,7 +80,7 @@ class Instrument:
         self.label_phase: dict[str, str] = {}
         self._local = threading.local()  # per thread: a stack of [label, phase, child time]
         self._lock = threading.Lock()
-        self.worker_time = 0.0  # outermost wrapped calls on other threads (numesh.threads.over_batch)
+        self.worker_time = 0.0  # outermost wrapped calls on other threads (numesh.host.threads.over_batch)
         self._undo: list[tuple[object, str, object]] = []
 
     def _wrap(self, fn, name: str, phase: str | None):
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--src", default=DEFAULT_SRC)
     args = ap.parse_args(argv)
 
-    from numesh.runtime import set_blas_threads
+    from numesh.host.runtime import set_blas_threads
 
     threads = set_blas_threads(args.threads)
     kept = keep_freed_memory() if args.malloc == "keep" else False

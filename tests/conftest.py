@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from numesh import threads
+from numesh.base.tree import tree_map
+from numesh.host import threads
 from numesh.mesh import Mesh, unshard
 from numesh.nn.gpt import GPT, GPTConfig, gpt_specs, init_gpt
-from numesh.tree import tree_map
 
 WORLD = MPI.COMM_WORLD
 
-# MFU's per-core peak is cached per machine (numesh.runtime.peak_cache_path): the suite and
+# MFU's per-core peak is cached per machine (numesh.host.runtime.peak_cache_path): the suite and
 # the jobs it launches keep theirs in a temporary directory, never the user's cache.
 if "NUMESH_CACHE_DIR" not in os.environ:
     os.environ["NUMESH_CACHE_DIR"] = tempfile.mkdtemp(prefix="numesh-test-cache-")
@@ -37,7 +37,7 @@ if "NUMESH_CACHE_DIR" not in os.environ:
 
 if WORLD.Get_size() > 1:
     # ranks x BLAS threads = cores, so oversubscribed MPI runs do not thrash
-    from numesh.runtime import set_blas_threads
+    from numesh.host.runtime import set_blas_threads
 
     set_blas_threads()
 
@@ -122,7 +122,7 @@ SYNTH_TEXT = "".join(
 
 
 def make_dataset(out_dir: Path) -> Path:
-    from numesh.data import prepare_char_dataset
+    from numesh.data.char import prepare_char_dataset
 
     prepare_char_dataset(SYNTH_TEXT, out_dir)
     return out_dir
@@ -162,10 +162,10 @@ PARITY_KEYS = ("loss", "grad_norm", "lr", "train_loss", "val_loss", "moe_aux_los
 
 
 def train_records(cfg: Any, comm: MPI.Comm) -> tuple[list[dict], dict[str, np.ndarray]]:
-    """Run `numesh.train.train` on `comm`: (the deterministic part of every metrics record,
+    """Run `numesh.run.train.train` on `comm`: (the deterministic part of every metrics record,
     the final global parameters read back from the checkpoint)."""
     from numesh.checkpoint import read_params_dict
-    from numesh.train import train
+    from numesh.run.train import train
 
     records: list[dict] = []
 
@@ -221,7 +221,7 @@ SMALL_BATCH = 8
 
 def small_run_config(data: Path, out: Path, mesh: str, **kw: object) -> Any:
     """A tiny float64 training run with dropout and biases (every code path), for parity tests."""
-    from numesh.config import config_from
+    from numesh.run.config import config_from
 
     base: dict = dict(
         n_layer=2, n_head=4, n_embd=16, block_size=8, batch_size=SMALL_BATCH, max_iters=4, dropout=0.1, bias=True,
@@ -237,7 +237,7 @@ def cli(*args: str) -> Any:
     """Run the `numesh` command line in-process (typer's CliRunner); stderr kept apart."""
     from typer.testing import CliRunner
 
-    from numesh_cli.app import app
+    from numesh.cli.app import app
 
     return CliRunner().invoke(app, list(args))
 

@@ -17,7 +17,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from numesh import kernels as K
+from numesh.host import kernels as K
 from numesh.nn import attention as A
 from numesh.nn.attention import (
     AttnDropout,

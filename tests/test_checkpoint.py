@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from numesh.base.errors import ConfigError
+from numesh.base.tree import tree_leaves, tree_leaves_with_path, tree_map_with_path
 from numesh.checkpoint import (
     CheckpointError,
     export_nanogpt,
@@ -29,15 +31,13 @@ from numesh.checkpoint import (
 )
 from numesh.checkpoint import save as save_mod
 from numesh.checkpoint.format import block_region, leaf_blocks, shard_suffix, writes_leaf
-from numesh.config import TrainConfig, config_from
-from numesh.data import prepare_char_dataset
-from numesh.errors import ConfigError
+from numesh.data.char import prepare_char_dataset
 from numesh.mesh import AXES, MeshError, P, local_slices
 from numesh.nn.gpt import gpt_specs
 from numesh.nn.units import join_units
 from numesh.pipeline.stages import StageLayout, stage_tree
-from numesh.train import Trainer, restore, train, train_state
-from numesh.tree import tree_leaves, tree_leaves_with_path, tree_map_with_path
+from numesh.run.config import TrainConfig, config_from
+from numesh.run.train import Trainer, restore, train, train_state
 
 # 11 distinct characters, so tp=4 pads the vocabulary to 12
 TEXT = "".join("abcdefghij"[i % 10 :] + "abcdefghij"[: i % 10] + "\n" for i in range(60))
@@ -163,10 +163,10 @@ def test_leaf_table_pads_only_the_vocabulary() -> None:
     unpad_vocab are inverses; the format module itself imports no model."""
     import ast
 
+    from numesh.base.tree import tree_map
     from numesh.checkpoint import format as fmt
     from numesh.checkpoint import pad_vocab, unpad_vocab
     from numesh.nn.gpt import GPTConfig, gpt_global_shapes
-    from numesh.tree import tree_map
 
     model = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=16, bias=True)
     leaves = gpt_leaves(model)
@@ -534,7 +534,7 @@ def numesh_logits(params: Any, model: Any, idx: np.ndarray) -> np.ndarray:
     from numesh.mesh import Mesh
     from numesh.nn.layers import layernorm_fwd
     from numesh.nn.transformer import block_fwd, embed_fwd
-    from numesh.sample import shard_params
+    from numesh.run.sample import shard_params
 
     mesh = Mesh.create(comm=MPI.COMM_SELF)
     p = shard_params(params, model, mesh)
@@ -570,7 +570,7 @@ def test_export_loads_into_pytorch_nanogpt(data: Path, tmp_path: Path, bias: boo
 def test_sample_from_export_equals_sample_from_checkpoint(saved: Path, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from numesh_cli.app import app
+    from numesh.cli.app import app
 
     runner = CliRunner()
     res = runner.invoke(app, ["export", str(saved), "--out", str(tmp_path / "m.safetensors")])
@@ -592,7 +592,7 @@ def test_sample_from_export_equals_sample_from_checkpoint(saved: Path, tmp_path:
 def test_export_rejects_foreign_safetensors(tmp_path: Path) -> None:
     from safetensors.numpy import save_file
 
-    from numesh.sample import load_checkpoint
+    from numesh.run.sample import load_checkpoint
 
     save_file({"x": np.zeros(3, np.float32)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(CheckpointError, match="not written by `numesh export`"):
@@ -631,7 +631,7 @@ def test_resume_on_another_vocabulary_is_one_line_and_writes_nothing(
 ) -> None:
     from typer.testing import CliRunner
 
-    from numesh_cli.app import app
+    from numesh.cli.app import app
 
     other = tmp_path / "other-data"
     prepare_char_dataset(other_text, other)
@@ -668,7 +668,7 @@ def test_resume_on_the_same_vocabulary_in_another_directory(data: Path, saved: P
 def test_checkpoint_without_tokenizer_still_resumes(broken: Path, data: Path, tmp_path: Path) -> None:
     """Checkpoints written before meta.json recorded the tokenizer load, unchecked; sampling
     from one says what to do."""
-    from numesh.sample import load_checkpoint
+    from numesh.run.sample import load_checkpoint
 
     edit_meta(broken, lambda m: m.pop("tokenizer"))
     records = run(config(data, tmp_path / "resumed", max_iters=5, resume=str(broken)))
@@ -694,7 +694,7 @@ def test_tokenizer_of_another_size_than_the_model(broken: Path, fresh: Trainer) 
 def test_export_twice_needs_force(saved: Path, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from numesh_cli.app import app
+    from numesh.cli.app import app
 
     runner = CliRunner()
     f = tmp_path / "m.safetensors"
@@ -747,8 +747,8 @@ def rewrite_metadata(src: Path, dst: Path, **changes: str | None) -> None:
 def test_sample_from_export_with_a_bad_tokenizer(saved: Path, tmp_path: Path, changes: dict, match: str) -> None:
     from typer.testing import CliRunner
 
-    from numesh.sample import load_checkpoint
-    from numesh_cli.app import app
+    from numesh.cli.app import app
+    from numesh.run.sample import load_checkpoint
 
     good = export_nanogpt(saved, tmp_path / "good.safetensors")
     assert load_checkpoint(good).tokenizer.vocab_size == 11

@@ -19,6 +19,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import make_dataset
+from numesh.base.tree import tree_leaves
 from numesh.checkpoint import (
     CheckpointError,
     common,
@@ -33,11 +34,10 @@ from numesh.checkpoint import (
 from numesh.checkpoint import format as fmt
 from numesh.checkpoint.hf import write_all
 from numesh.checkpoint.save import point_latest
-from numesh.config import config_from
 from numesh.mesh import Mesh
-from numesh.sample import load_checkpoint
-from numesh.train import Trainer, train, train_state
-from numesh.tree import tree_leaves
+from numesh.run.config import config_from
+from numesh.run.sample import load_checkpoint
+from numesh.run.train import Trainer, train, train_state
 from test_mpi_suites import clean_env
 
 TINY = dict(n_layer=1, n_head=2, n_embd=8, block_size=8, batch_size=4, eval_interval=100, eval_iters=1,
@@ -161,7 +161,7 @@ def test_readers_of_a_running_jobs_latest_with_keep_1(tmp_path: Path) -> None:
     """A real job saving every step with --keep 1, read back-to-back for a few seconds:
     before the fix about 1 read in 40 failed (a hundred reads here)."""
     data, out = make_dataset(tmp_path / "data"), tmp_path / "run"
-    cmd = [sys.executable, "-m", "numesh_cli.app", "train", "--data", str(data), "--out", str(out),
+    cmd = [sys.executable, "-m", "numesh.cli.app", "train", "--data", str(data), "--out", str(out),
            "--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
            "--max-iters", "1000000", "--eval-interval", "1000000", "--eval-iters", "1", "--peak-flops", "1e12",
            "--ckpt-interval", "1", "--keep", "1"]

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from numesh.base.errors import Preempted
+from numesh.base.tree import tree_leaves
 from numesh.checkpoint import CheckpointError, read_meta, read_params_dict
 from numesh.checkpoint import save as save_mod
 from numesh.checkpoint.background import AsyncCheckpoints
-from numesh.config import config_from
-from numesh.errors import Preempted
-from numesh.train import Trainer, train, train_state
-from numesh.tree import tree_leaves
+from numesh.run.config import config_from
+from numesh.run.train import Trainer, train, train_state
 from test_interrupt import START_WITHIN_S, Job, _alive
 
 

@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import cli, one_error_line
-from numesh_cli.app import app
+from numesh.cli.app import app
 
 COMMANDS = (["train"], ["sample"], ["reshard"], ["export"], ["data", "shakespeare-char"])
 
@@ -64,7 +64,7 @@ def test_train_bad_values_are_one_line(char_dataset, tmp_path, args: list[str], 
 
 
 def test_train_model_preset_fills_the_shape_options_not_given() -> None:
-    from numesh_cli.app import _with_preset
+    from numesh.cli.app import _with_preset
 
     assert _with_preset({"n_layer": None, "batch_size": 4}, None) == {"n_layer": None, "batch_size": 4}
     got = _with_preset({"n_layer": 2, "n_head": None, "batch_size": 4}, "gpt2")

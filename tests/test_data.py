@@ -17,20 +17,14 @@ import numpy as np
 import pytest
 
 from conftest import cli, one_error_line
-from numesh import data as D
-from numesh.data import (
-    CharTokenizer,
-    DataError,
-    batch_offsets,
-    eval_key,
-    load_split,
-    load_tokenizer,
-    local_batch,
-    prepare_char_dataset,
-    read_rows,
-    read_source,
-    train_key,
-)
+from numesh.base.errors import DataError
+from numesh.data import char as char_data
+from numesh.data import dataset as opened
+from numesh.data import shards as shards
+from numesh.data.batches import batch_offsets, eval_key, local_batch, read_rows, train_key
+from numesh.data.char import prepare_char_dataset, read_source
+from numesh.data.dataset import load_split, load_tokenizer
+from numesh.data.tokenizer import CharTokenizer
 
 SHARED_CORPUS = Path("/work/shared/data/tinyshakespeare.txt")
 
@@ -115,7 +109,7 @@ def test_prepare_synthetic(tmp_path: Path) -> None:
     summary = prepare_char_dataset(SYNTH, out)
     _check_prepared(SYNTH, out, summary)
     train = load_split(out, "train")
-    assert isinstance(train, D.TokenStream) and train.dtype == np.uint16  # read at offsets, never memory-mapped
+    assert isinstance(train, shards.TokenStream) and train.dtype == np.uint16  # read at offsets, never memory-mapped
     assert len(train) == summary["train_tokens"]
     assert len(load_split(out, "val")) == summary["val_tokens"]
 
@@ -167,7 +161,7 @@ def test_read_source_download_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args, **kwargs):
         raise urllib.error.URLError("no network")
 
-    monkeypatch.setattr(D.urllib.request, "urlopen", fail)
+    monkeypatch.setattr(char_data.urllib.request, "urlopen", fail)
     with pytest.raises(DataError, match="--src") as info:
         read_source(None)
     assert "failed" in str(info.value)
@@ -177,7 +171,7 @@ def test_read_source_download_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     def slow(*args, **kwargs):
         raise TimeoutError("timed out")
 
-    monkeypatch.setattr(D.urllib.request, "urlopen", slow)
+    monkeypatch.setattr(char_data.urllib.request, "urlopen", slow)
     with pytest.raises(DataError, match="--src"):
         read_source(None)
 
@@ -201,7 +195,7 @@ class _FakeResponse:
 
 
 def test_read_source_checksum_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(D.urllib.request, "urlopen", lambda *a, **k: _FakeResponse(b"not shakespeare"))
+    monkeypatch.setattr(char_data.urllib.request, "urlopen", lambda *a, **k: _FakeResponse(b"not shakespeare"))
     with pytest.raises(DataError, match="checksum") as info:
         read_source(None)
     assert "--src" in str(info.value)
@@ -209,8 +203,8 @@ def test_read_source_checksum_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_read_source_download_ok(monkeypatch: pytest.MonkeyPatch) -> None:
     body = SYNTH.encode("utf-8") * 100
-    monkeypatch.setattr(D.urllib.request, "urlopen", lambda *a, **k: _FakeResponse(body))
-    monkeypatch.setattr(D, "SHAKESPEARE_SHA256", hashlib.sha256(body).hexdigest())
+    monkeypatch.setattr(char_data.urllib.request, "urlopen", lambda *a, **k: _FakeResponse(body))
+    monkeypatch.setattr(char_data, "SHAKESPEARE_SHA256", hashlib.sha256(body).hexdigest())
     seen: list[tuple[int, int]] = []
     assert read_source(None, progress=lambda done, total: seen.append((done, total))) == body.decode()
     assert seen and seen[-1] == (len(body), len(body))
@@ -355,15 +349,15 @@ def test_read_text_file_errors(tmp_path: Path) -> None:
     (tmp_path / "nul.bin").write_bytes(b"abc\x00\x01\x02def")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     with pytest.raises(DataError, match="empty.txt is empty"):
-        D.read_text_file(tmp_path / "empty.txt")
+        char_data.read_text_file(tmp_path / "empty.txt")
     with pytest.raises(DataError, match="looks binary"):
-        D.read_text_file(tmp_path / "nul.bin")
+        char_data.read_text_file(tmp_path / "nul.bin")
     with pytest.raises(DataError, match="not valid UTF-8"):
-        D.read_text_file(tmp_path / "latin1.txt")
+        char_data.read_text_file(tmp_path / "latin1.txt")
     with pytest.raises(DataError, match="does not exist"):
-        D.read_text_file(tmp_path / "missing.txt")
+        char_data.read_text_file(tmp_path / "missing.txt")
     with pytest.raises(DataError, match="is a directory"):
-        D.read_text_file(tmp_path)
+        char_data.read_text_file(tmp_path)
 
 
 def test_cli_data_char_any_text_file(tmp_path: Path) -> None:
@@ -373,7 +367,7 @@ def test_cli_data_char_any_text_file(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     _check_prepared(SYNTH, tmp_path / "my", {**json.loads((tmp_path / "my" / "meta.json").read_text()),
                                              "out_dir": str(tmp_path / "my")})
-    corpus = D.read_corpus(tmp_path / "my")
+    corpus = opened.read_corpus(tmp_path / "my")
     assert corpus["name"] == "file" and corpus["source"] == str(src)
     assert corpus["sha256"] == hashlib.sha256(SYNTH.encode()).hexdigest()
     assert "numesh train --data" in res.stderr
@@ -416,76 +410,76 @@ def fake_net(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 
     def urlopen(url, *a, **k):
         Net.calls += 1
-        assert url == D.SHAKESPEARE_URL
+        assert url == char_data.SHAKESPEARE_URL
         if Net.body is None:
             raise urllib.error.URLError("Name or service not known")
         return _FakeResponse(Net.body)
 
-    monkeypatch.setattr(D.urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(char_data.urllib.request, "urlopen", urlopen)
     return Net
 
 
 def test_ensure_dataset_downloads_once_and_caches(fake_net, monkeypatch: pytest.MonkeyPatch) -> None:
     body = SYNTH.encode("utf-8") * 50
     fake_net.body = body
-    monkeypatch.setattr(D, "SHAKESPEARE_SHA256", hashlib.sha256(body).hexdigest())
+    monkeypatch.setattr(char_data, "SHAKESPEARE_SHA256", hashlib.sha256(body).hexdigest())
     seen: list[tuple[int, int]] = []
-    path, note = D.ensure_dataset(D.DEFAULT_DATA_DIR, progress=lambda d, t: seen.append((d, t)))
-    assert path == Path(D.DEFAULT_DATA_DIR) and fake_net.calls == 1
+    path, note = char_data.ensure_dataset(char_data.DEFAULT_DATA_DIR, progress=lambda d, t: seen.append((d, t)))
+    assert path == Path(char_data.DEFAULT_DATA_DIR) and fake_net.calls == 1
     assert "downloaded tiny Shakespeare" in note and "\n" not in note
     assert seen[-1] == (len(body), len(body))
-    assert (path / D.SHAKESPEARE_FILE).read_bytes() == body  # cached beside the dataset
-    assert D.read_corpus(path)["name"] == "tinyshakespeare"
+    assert (path / char_data.SHAKESPEARE_FILE).read_bytes() == body  # cached beside the dataset
+    assert opened.read_corpus(path)["name"] == "tinyshakespeare"
     assert load_tokenizer(path).decode(
         np.concatenate([load_split(path, "train"), load_split(path, "val")])) == body.decode()
 
     # the next run finds the dataset: no download, nothing to say
-    assert D.ensure_dataset(D.DEFAULT_DATA_DIR) == (path, None)
+    assert char_data.ensure_dataset(char_data.DEFAULT_DATA_DIR) == (path, None)
     # a lost dataset is rebuilt from the cached download, still without the network
     (path / "meta.json").unlink()
     fake_net.body = None
-    path2, note2 = D.ensure_dataset(D.DEFAULT_DATA_DIR)
-    assert fake_net.calls == 1 and note2.startswith("used ") and D.read_corpus(path2)["name"] == "tinyshakespeare"
+    path2, note2 = char_data.ensure_dataset(char_data.DEFAULT_DATA_DIR)
+    assert fake_net.calls == 1 and note2.startswith("used ") and opened.read_corpus(path2)["name"] == "tinyshakespeare"
 
 
 def test_ensure_dataset_rejects_wrong_checksum(fake_net) -> None:
     fake_net.body = b"<html>captive portal</html>" * 100  # not tiny Shakespeare
-    path, note = D.ensure_dataset("./data/shakespeare_char/")  # the default location, however written
+    path, note = char_data.ensure_dataset("./data/shakespeare_char/")  # the default location, however written
     assert fake_net.calls == 1
-    assert not (path / D.SHAKESPEARE_FILE).exists()  # the bad bytes are neither cached nor used
+    assert not (path / char_data.SHAKESPEARE_FILE).exists()  # the bad bytes are neither cached nor used
     assert "checksum" in note and note.startswith("offline")
-    assert D.read_corpus(path)["name"] == D.FALLBACK_NAME
-    text, _ = D.fallback_corpus()
+    assert opened.read_corpus(path)["name"] == opened.FALLBACK_NAME
+    text, _ = char_data.fallback_corpus()
     assert load_tokenizer(path).decode(load_split(path, "train")) == text[: len(load_split(path, "train"))]
 
 
 def test_fallback_corpus_is_deterministic_and_trains_a_tokenizer() -> None:
-    a, meta_a = D.fallback_corpus()
-    b, meta_b = D.fallback_corpus()
+    a, meta_a = char_data.fallback_corpus()
+    b, meta_b = char_data.fallback_corpus()
     assert a.encode("utf-8") == b.encode("utf-8") and meta_a == meta_b
-    assert 100_000 < len(a) <= D.FALLBACK_CHARS and a.endswith("\n")
-    assert meta_a["name"] == D.FALLBACK_NAME and meta_a["characters"] == len(a)
+    assert 100_000 < len(a) <= char_data.FALLBACK_CHARS and a.endswith("\n")
+    assert meta_a["name"] == opened.FALLBACK_NAME and meta_a["characters"] == len(a)
     assert meta_a["sha256"] == hashlib.sha256(a.encode("utf-8")).hexdigest()
-    listed = [f for f in meta_a["files"] if f.split("/")[0].removesuffix(".py") in D.FALLBACK_MODULES]
+    listed = [f for f in meta_a["files"] if f.split("/")[0].removesuffix(".py") in char_data.FALLBACK_MODULES]
     assert listed and listed == sorted(listed) and meta_a["files"][: len(listed)] == listed
     tok = CharTokenizer.from_text(a)
     assert tok.vocab_size > 20 and tok.decode(tok.encode(a[:5000])) == a[:5000]
 
 
 def test_ensure_dataset_offline_falls_back_and_says_so(fake_net) -> None:
-    path, note = D.ensure_dataset(D.DEFAULT_DATA_DIR)
+    path, note = char_data.ensure_dataset(char_data.DEFAULT_DATA_DIR)
     assert fake_net.calls == 1
     assert note.startswith("offline:") and "\n" not in note
     assert "Name or service not known" in note and "standard-library" in note
-    corpus = D.read_corpus(path)
-    text, want = D.fallback_corpus()
+    corpus = opened.read_corpus(path)
+    text, want = char_data.fallback_corpus()
     assert corpus == want
     tok = load_tokenizer(path)
     assert tok.vocab_size > 20
     assert tok.decode(np.concatenate([load_split(path, "train"), load_split(path, "val")])) == text
-    D.verify_dataset(path)  # written whole, with its records, like every dataset
+    opened.verify_dataset(path)  # written whole, with its records, like every dataset
     # later runs do not try the network again, but keep saying what the data is
-    path2, note2 = D.ensure_dataset(D.DEFAULT_DATA_DIR)
+    path2, note2 = char_data.ensure_dataset(char_data.DEFAULT_DATA_DIR)
     assert fake_net.calls == 1 and path2 == path
     assert "offline fallback corpus" in note2 and "numesh data shakespeare-char" in note2
 
@@ -493,12 +487,12 @@ def test_ensure_dataset_offline_falls_back_and_says_so(fake_net) -> None:
 def test_ensure_dataset_user_named_missing_dir_errors(fake_net, tmp_path: Path) -> None:
     mine = tmp_path / "mine"
     with pytest.raises(DataError, match=r"no dataset at .*mine: run `numesh data shakespeare-char --out"):
-        D.ensure_dataset(mine)
+        char_data.ensure_dataset(mine)
     assert fake_net.calls == 0 and not mine.exists()
 
 
 def test_ensure_dataset_existing_user_dir_untouched(fake_net, dataset: Path) -> None:
-    assert D.ensure_dataset(dataset) == (dataset, None)
+    assert char_data.ensure_dataset(dataset) == (dataset, None)
     assert fake_net.calls == 0
 
 
@@ -509,7 +503,7 @@ def test_cli_train_first_run_offline(fake_net, tmp_path: Path) -> None:
     offline = [line for line in res.stderr.splitlines() if line.startswith("offline:")]
     assert len(offline) == 1 and "fallback corpus" in offline[0]
     assert (tmp_path / "runs" / "shakespeare_char" / "metrics.jsonl").is_file()
-    assert D.read_corpus(tmp_path / D.DEFAULT_DATA_DIR)["name"] == D.FALLBACK_NAME
+    assert opened.read_corpus(tmp_path / char_data.DEFAULT_DATA_DIR)["name"] == opened.FALLBACK_NAME
 
 
 def test_cli_train_user_named_missing_data_is_one_line(fake_net, tmp_path: Path) -> None:
@@ -520,12 +514,12 @@ def test_cli_train_user_named_missing_data_is_one_line(fake_net, tmp_path: Path)
 def test_cli_data_shakespeare_char_download_is_cached(fake_net, monkeypatch: pytest.MonkeyPatch) -> None:
     body = SYNTH.encode("utf-8") * 50
     fake_net.body = body
-    monkeypatch.setattr(D, "SHAKESPEARE_SHA256", hashlib.sha256(body).hexdigest())
+    monkeypatch.setattr(char_data, "SHAKESPEARE_SHA256", hashlib.sha256(body).hexdigest())
     for _ in range(2):
         res = cli("data", "shakespeare-char", "--out", "ds")
         assert res.exit_code == 0, res.output
     assert fake_net.calls == 1 and Path("ds/input.txt").read_bytes() == body
-    assert D.read_corpus("ds")["name"] == "tinyshakespeare"
+    assert opened.read_corpus("ds")["name"] == "tinyshakespeare"
     fake_net.body = None  # offline, a dir without the cached download: the explicit command errors
     line = one_error_line(cli("data", "shakespeare-char", "--out", "elsewhere"))
     assert "failed" in line and "--src" in line
@@ -537,7 +531,7 @@ def test_mpi_ensure_run_dataset_same_outcome_on_every_rank(shared_tmp: Path, mon
     and rank 0's error is the same error on every rank (not a hang)."""
     from mpi4py import MPI
 
-    from numesh_cli.dataset import ensure_run_dataset
+    from numesh.cli.dataset import ensure_run_dataset
 
     comm = MPI.COMM_WORLD
     work = shared_tmp / "ensure"
@@ -551,8 +545,8 @@ def test_mpi_ensure_run_dataset_same_outcome_on_every_rank(shared_tmp: Path, mon
         calls.append(url)
         raise urllib.error.URLError("no network")
 
-    monkeypatch.setattr(D.urllib.request, "urlopen", offline)
-    path = ensure_run_dataset(D.DEFAULT_DATA_DIR)
+    monkeypatch.setattr(char_data.urllib.request, "urlopen", offline)
+    path = ensure_run_dataset(char_data.DEFAULT_DATA_DIR)
     assert load_tokenizer(path).vocab_size > 20
     assert len(calls) == (1 if comm.Get_rank() == 0 else 0)
     with pytest.raises(DataError, match="no dataset at") as info:
@@ -580,7 +574,7 @@ def test_a_dataset_records_each_file_and_leaves_nothing_beside_it(dataset: Path)
         assert meta["files"][name] == {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest(),
                                        "tokens": ids.size, "max_id": int(ids.max())}
     assert [p.name for p in dataset.parent.iterdir()] == [dataset.name]
-    D.verify_dataset(dataset)
+    opened.verify_dataset(dataset)
 
 
 def test_a_file_edited_after_writing_fails_the_check_at_train_start(dataset: Path, tmp_path: Path) -> None:
@@ -593,9 +587,9 @@ def test_a_file_edited_after_writing_fails_the_check_at_train_start(dataset: Pat
     ids = np.fromfile(train, np.uint16)
     ids[10] = (ids[10] + 1) % (ids.max() + 1)
     ids.tofile(train)
-    D.open_dataset(tmp_path / "my")  # sizes agree
+    opened.open_dataset(tmp_path / "my")  # sizes agree
     with pytest.raises(DataError, match="does not match its sha256"):
-        D.verify_dataset(tmp_path / "my")
+        opened.verify_dataset(tmp_path / "my")
     line = one_error_line(cli("train", "--data", str(tmp_path / "my"), "--out", str(tmp_path / "o"),
                               "--max-iters", "1"))
     assert str(train) in line and f"`numesh data char --src {src} --out {tmp_path / 'my'}`" in line
@@ -623,7 +617,7 @@ def test_a_recorded_largest_id_outside_the_vocabulary_is_refused_when_opened(dat
     meta["files"]["val.bin"]["max_id"] = meta["vocab_size"]
     (dataset / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataError, match=f"says val.bin holds id {meta['vocab_size']}, outside the vocabulary"):
-        D.open_dataset(dataset)
+        opened.open_dataset(dataset)
 
 
 def test_other_content_over_a_dataset_needs_overwrite(dataset: Path, tmp_path: Path) -> None:
@@ -656,11 +650,11 @@ def test_a_broken_or_older_dataset_is_replaced_without_overwrite(dataset: Path) 
         prepare_char_dataset(OTHER, dataset)
     (dataset / "train.bin").write_bytes((dataset / "train.bin").read_bytes()[:-2])  # half a rewrite
     prepare_char_dataset(OTHER, dataset)
-    D.verify_dataset(dataset)
+    opened.verify_dataset(dataset)
 
 
 def test_leftovers_of_a_dead_writer_are_cleaned_and_a_live_ones_kept(dataset: Path) -> None:
-    from numesh import dataset_write as dw
+    from numesh.data import write as dw
 
     host = socket.gethostname()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -671,7 +665,7 @@ def test_leftovers_of_a_dead_writer_are_cleaned_and_a_live_ones_kept(dataset: Pa
     for d in (stale, live, other_host):
         d.mkdir()
         (d / "train.bin").write_bytes(b"\0\0")
-    D.open_dataset(dataset)  # readers ignore them
+    opened.open_dataset(dataset)  # readers ignore them
     prepare_char_dataset(OTHER, dataset, overwrite=True)
     assert not stale.exists() and live.exists() and other_host.exists()
     # killed between the two renames of the fallback: the dataset is put back first
@@ -685,7 +679,7 @@ def test_the_rename_fallback_replaces_whole_and_other_files_are_kept(dataset: Pa
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Where renameat2's exchange is missing, two renames; either way the files of the old
     directory that are not the dataset's (the cached input.txt, a note) come along."""
-    from numesh import dataset_write as dw
+    from numesh.data import write as dw
 
     (dataset / "input.txt").write_text("cached corpus")
     (dataset / "notes").mkdir()
@@ -697,7 +691,7 @@ def test_the_rename_fallback_replaces_whole_and_other_files_are_kept(dataset: Pa
         assert (dataset / "input.txt").read_text() == "cached corpus"
         assert (dataset / "notes" / "why.md").read_text() == "a note"
         assert sorted(p.name for p in dataset.parent.iterdir()) == [dataset.name]
-        D.verify_dataset(dataset)
+        opened.verify_dataset(dataset)
 
 
 @pytest.mark.parametrize("out", ["", ".", ".."])
@@ -720,18 +714,18 @@ def test_an_out_that_is_the_current_directory_is_one_line(tmp_path: Path, monkey
 def test_a_dataset_replaced_while_open_is_read_as_it_was_opened(dataset: Path) -> None:
     """A run reads the files it opened: a rewrite renamed into place meanwhile changes
     nothing under it (and its checkpoints keep the tokenizer it trained with)."""
-    ds = D.open_dataset(dataset)
+    ds = opened.open_dataset(dataset)
     before = np.asarray(ds.split("train")).copy()
     prepare_char_dataset(OTHER, dataset, overwrite=True)
     np.testing.assert_array_equal(np.asarray(ds.split("train")), before)
-    D.verify_dataset(ds)  # the files it holds still match the meta.json it read
+    opened.verify_dataset(ds)  # the files it holds still match the meta.json it read
     assert ds.tokenizer == CharTokenizer.from_text(SYNTH) != load_tokenizer(dataset)
 
 
 def test_a_file_truncated_or_rewritten_under_a_reader_is_a_data_error(dataset: Path) -> None:
     """A memory map that shrinks under its reader is SIGBUS ('Bus error', exit 135): the
     stream reads at offsets and checks, and names the file."""
-    ds = D.open_dataset(dataset)
+    ds = opened.open_dataset(dataset)
     train, val = ds.split("train"), ds.split("val")
     offs = np.array([0, len(train) - 20])
     read_rows(train, offs, 16)
@@ -765,7 +759,7 @@ def test_a_token_stream_reads_like_an_array(dataset: Path) -> None:
 
 def _numesh(*args: str, **kw) -> subprocess.Popen:
     """`numesh ARGS` as a real process (stdin closed, stderr piped)."""
-    return subprocess.Popen([sys.executable, "-m", "numesh_cli.app", *args], stdin=subprocess.DEVNULL,
+    return subprocess.Popen([sys.executable, "-m", "numesh.cli.app", *args], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kw)
 
 
@@ -790,7 +784,7 @@ def test_kill_9_of_a_writer_midway_leaves_the_old_dataset_whole(dataset: Path, t
     else:
         pytest.fail("the writer never got killed while writing")
     assert _snapshot(dataset) == before
-    D.verify_dataset(dataset)
+    opened.verify_dataset(dataset)
     prepare_char_dataset(OTHER, dataset, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt", dataset.name]
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from numesh.config import config_from
-from numesh.errors import ConfigError
+from numesh.base.errors import ConfigError
 from numesh.observe.diagnosis import SKIPPED, CallRec, RankState, diagnose
 from numesh.observe.flight import postmortem
 from numesh.observe.inject import Fault, parse_faults
-from numesh.train import Trainer, _attach_observers
+from numesh.run.config import config_from
+from numesh.run.train import Trainer, _attach_observers
 from test_interrupt import START_WITHIN_S, Job, _alive, _children
 
 TIMEOUT_S = 3.0
@@ -251,7 +251,7 @@ def test_a_crashed_rank_ends_the_job_and_the_post_mortem_names_it(tmp_path: Path
     text = postmortem(j.out / "flight")
     assert text is not None and (j.out / "flight" / "diagnosis.txt").read_text() == text
     assert re.match(rf"cause: rank {dead} \(", text.splitlines()[1]), text
-    report = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(j.out)],
+    report = subprocess.run([sys.executable, "-m", "numesh.cli.app", "report", str(j.out)],
                             capture_output=True, text=True)
     assert report.returncode == 0 and text.strip() in report.stdout, report.stderr
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from conftest import cli, self_mesh
-from numesh import data as D
-from numesh.corpus import Reading
-from numesh.text_dataset import prepare_bpe
+from numesh.data.corpus import Reading
+from numesh.data.dataset import load_split, load_tokenizer
+from numesh.data.sharded import prepare_bpe
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -55,8 +55,8 @@ def run(request, char_dataset: Path, tmp_path: Path) -> tuple[Path, Path]:
     data = char_dataset
     if request.param == "bpe":
         text = (char_dataset.parent / "corpus.txt")
-        tok = D.load_tokenizer(char_dataset)
-        ids = np.concatenate([np.asarray(D.load_split(char_dataset, s)) for s in ("train", "val")])
+        tok = load_tokenizer(char_dataset)
+        ids = np.concatenate([np.asarray(load_split(char_dataset, s)) for s in ("train", "val")])
         text.write_text(tok.decode(ids), encoding="utf-8")
         data = tmp_path / "bpe"
         prepare_bpe([text], 300, data, Reading(split_on="\n"), val_fraction=0.2)
@@ -71,9 +71,9 @@ def test_transformers_loads_the_export_and_computes_the_same(run: tuple[Path, Pa
     assert config["model_type"] == "gpt2" and config["activation_function"] == "gelu_new"
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
-    ours = D.load_tokenizer(data)
+    ours = load_tokenizer(data)
 
-    val = np.asarray(D.load_split(data, "val"))
+    val = np.asarray(load_split(data, "val"))
     idx = np.stack([val[i * 32:(i + 1) * 32] for i in range(3)]).astype(np.int64)  # a validation batch
     with torch.no_grad():
         theirs = model(torch.tensor(idx)).logits.numpy()

@@ -40,11 +40,42 @@ def test_import_contract(contract: str) -> None:
     if exe is None:
         pytest.fail("lint-imports not found: "
                     "install the dev extra (`pip install -e '.[dev]'`, which brings import-linter)")
-    # import-linter finds numesh and numesh_cli where Python imports them from: this source tree
-    # with `pip install -e` (numesh_cli is the directory cli/, pyproject's package-dir)
+    # import-linter finds numesh and numesh.cli where Python imports them from: this source tree
+    # with `pip install -e` (numesh.cli is the directory cli/, pyproject's package-dir)
     cmd = [exe, "--no-cache", "--no-logo", "--contract", contract]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     report = (res.stdout + res.stderr).strip()
     if res.returncode != 0:
         pytest.fail(f"import contract {contract!r} is broken ({' '.join(cmd)}: exit {res.returncode}):\n{report}",
                     pytrace=False)
+
+
+def _copy_tree(dst: Path) -> None:
+    shutil.copytree(ROOT / "numesh", dst / "numesh", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy(ROOT / "pyproject.toml", dst / "pyproject.toml")
+
+
+def _lint_copy(tree: Path, contract: str) -> subprocess.CompletedProcess:
+    exe = lint_imports()
+    if exe is None:
+        pytest.fail("lint-imports not found: install the dev extra (`pip install -e '.[dev]'`)")
+    # lint-imports puts its working directory first on sys.path, so it reads the copy
+    return subprocess.run([exe, "--no-cache", "--no-logo", "--contract", contract], cwd=tree,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("stray, contract", [
+    ("numesh/stray.py", "layers"),           # a loose module beside the packages
+    ("numesh/data/stray.py", "data-layers"),  # a module a package's own layers do not place
+    ("numesh/extra/__init__.py", "layers"),   # a new package nobody placed
+])
+def test_contracts_notice_an_unplaced_module(tmp_path: Path, stray: str, contract: str) -> None:
+    _copy_tree(tmp_path)
+    assert _lint_copy(tmp_path, contract).returncode == 0, "the unchanged copy must keep the contract"
+    (tmp_path / stray).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / stray).write_text('"""A module nobody placed in a layer."""\n')
+    res = _lint_copy(tmp_path, contract)
+    report = res.stdout + res.stderr
+    assert res.returncode != 0, f"contract {contract!r} kept with {stray} unplaced:\n{report}"
+    name = stray.removesuffix("/__init__.py").removesuffix(".py").replace("/", ".")
+    assert name in report, report

@@ -17,10 +17,10 @@ import pytest
 from mpi4py import MPI
 
 from conftest import WORLD, assert_same_run, cli, one_error_line, serial_reference, small_run_config, train_records
+from numesh.base.errors import ConfigError, UserError
+from numesh.base.tree import tree_leaves_with_path
 from numesh.checkpoint import export_hf, export_nanogpt, read_global_params
-from numesh.errors import ConfigError, UserError
-from numesh.train import Trainer, train
-from numesh.tree import tree_leaves_with_path
+from numesh.run.train import Trainer, train
 
 
 def _source(data: Path, out: Path) -> tuple[Path, Path, Path]:
@@ -30,8 +30,8 @@ def _source(data: Path, out: Path) -> tuple[Path, Path, Path]:
 
 
 def _whole(trainer: Trainer) -> dict[str, np.ndarray]:
+    from numesh.base.tree import tree_map
     from numesh.mesh import unshard
-    from numesh.tree import tree_map
 
     return dict(tree_leaves_with_path(tree_map(lambda x, s: unshard(x, s, trainer.mesh), trainer.params,
                                                trainer.specs)))
@@ -53,12 +53,13 @@ def test_init_from_either_export_starts_from_its_exact_parameters(shared_dataset
 
 
 def test_init_from_refuses_what_does_not_fit(shared_dataset: Path, tmp_path: Path) -> None:
-    from numesh import data as D
+    from numesh.data.char import prepare_char_dataset
+    from numesh.data.dataset import load_tokenizer
 
     _, hf, _ = _source(shared_dataset, tmp_path)
-    chars = D.load_tokenizer(shared_dataset).chars
+    chars = load_tokenizer(shared_dataset).chars
     other = "".join(chars).replace(chars[-1], "\u00e9")  # as many characters, one of them another
-    D.prepare_char_dataset(other * 50, tmp_path / "other")
+    prepare_char_dataset(other * 50, tmp_path / "other")
     cases = [
         (dict(n_layer=3), "has n_layer 2, this run 3: set --n-layer to match"),
         (dict(bias=False), "has bias True, this run False"),

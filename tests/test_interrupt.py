@@ -28,11 +28,11 @@ import pytest
 from mpi4py import MPI
 
 from conftest import make_dataset
+from numesh.base.errors import Interrupted
 from numesh.checkpoint import read_meta, read_params_dict
-from numesh.config import config_from
-from numesh.errors import Interrupted
-from numesh.runtime import guarded
-from numesh.train import train
+from numesh.host.runtime import guarded
+from numesh.run.config import config_from
+from numesh.run.train import train
 from test_mpi_suites import clean_env, launcher
 
 START_WITHIN_S = 180  # to start and log STEPS_BEFORE steps (imports and set-up on a loaded 2-core machine)
@@ -45,7 +45,7 @@ TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16
 WRAPPER = """
 import os, sys
 sys.argv = ["numesh", *sys.argv[1:]]
-from numesh_cli.app import main
+from numesh.cli.app import main
 try:
     main()
     code = 0

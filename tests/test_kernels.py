@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from conftest import self_mesh
-from numesh import kernels as K
+from numesh.base.tree import tree_leaves
+from numesh.host import kernels as K
 from numesh.nn.layers import (
     LayerNorm,
     gelu_bwd,
@@ -27,7 +28,6 @@ from numesh.nn.layers import (
 )
 from numesh.nn.parallel import vocab_parallel_cross_entropy_bwd, vocab_parallel_cross_entropy_fwd
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
-from numesh.tree import tree_leaves
 
 pytestmark = pytest.mark.skipif(not K.HAVE_NUMBA, reason="numba is not installed: the layers use the NumPy references")
 
@@ -138,7 +138,7 @@ def test_cache_dir_falls_back_when_package_is_read_only(tmp_path):
     """With the package directory read-only and no NUMBA_CACHE_DIR, the cache goes to
     $XDG_CACHE_HOME/numesh/numba (checked in a fresh interpreter, as at start-up)."""
     code = (
-        "import os, pathlib, numesh.kernels as K\n"
+        "import os, pathlib, numesh.host.kernels as K\n"
         "ro = pathlib.Path(K.__file__).resolve().parent\n"
         "orig = os.access\n"
         "os.access = lambda p, m: False if pathlib.Path(p).resolve() == ro else orig(p, m)\n"
@@ -155,7 +155,7 @@ def test_cache_dir_falls_back_when_package_is_read_only(tmp_path):
 
 def test_numpy_switch_turns_kernels_off():
     """NUMESH_KERNELS=numpy runs the references (the A/B switch of the benchmarks)."""
-    code = "import numesh.kernels as K; print(K.enabled())"
+    code = "import numesh.host.kernels as K; print(K.enabled())"
     env = {**os.environ, "NUMESH_KERNELS": "numpy"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -47,7 +47,7 @@ def test_kill_9_of_a_rank_keeps_the_trace_and_names_the_rank(tmp_path: Path) -> 
             j.kill()
     assert rc != 0
     assert not (j.out / "trace.json").exists()  # the job itself never got to write it
-    res = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(j.out)], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "numesh.cli.app", "report", str(j.out)], capture_output=True,
                          text=True, env=clean_env(), timeout=120)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
@@ -74,7 +74,7 @@ def test_report_while_a_traced_run_goes_on_then_after_it_is_killed(tmp_path: Pat
     try:
         j.wait_for_steps()
         wait_for_flushes(j, 0, FLUSHES_BEFORE)
-        live = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(j.out)], capture_output=True,
+        live = subprocess.run([sys.executable, "-m", "numesh.cli.app", "report", str(j.out)], capture_output=True,
                               text=True, env=clean_env(), timeout=120)
         assert live.returncode == 0, live.stderr
         assert "partial trace: the run is still going" in live.stdout
@@ -84,7 +84,7 @@ def test_report_while_a_traced_run_goes_on_then_after_it_is_killed(tmp_path: Pat
     finally:
         if j.proc.poll() is None:
             j.kill()
-    dead = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(j.out), "--json"],
+    dead = subprocess.run([sys.executable, "-m", "numesh.cli.app", "report", str(j.out), "--json"],
                           capture_output=True, text=True, env=clean_env(), timeout=120)
     assert dead.returncode == 0, dead.stderr
     rep = json.loads(dead.stdout)

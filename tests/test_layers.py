@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import random_global_params, self_mesh, tiny_config
+from numesh.base.tree import tree_leaves, tree_leaves_with_path
 from numesh.nn.dropout import EMBED, DropoutKey, Site
 from numesh.nn.layers import (
     LayerNorm,
@@ -30,7 +31,6 @@ from numesh.nn.parallel import (
     vocab_parallel_embedding_fwd,
 )
 from numesh.nn.walk import forward_loss, loss_and_grads
-from numesh.tree import tree_leaves, tree_leaves_with_path
 
 EPS = 1e-6
 
@@ -338,7 +338,7 @@ def test_kv_cache_logits_match_the_training_forward(bias: bool) -> None:
         got = logits_cached(params, idx[:, t : t + 1], cache, cfg, mesh)
         np.testing.assert_allclose(got, want[:, t], rtol=1e-12, atol=1e-13)
     assert cache.length == cfg.block_size
-    from numesh.errors import ConfigError
+    from numesh.base.errors import ConfigError
 
     with pytest.raises(ConfigError, match="block_size"):
         logits_cached(params, idx[:, :1], cache, cfg, mesh)

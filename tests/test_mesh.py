@@ -353,7 +353,7 @@ def test_sequence_parallel_formulas_move_plain_tp_bus_bytes_plus_the_regathers()
     gathered again in backward add one all-gather of S each (2 per block, 1 for the head),
     and full recomputation's rerun forward adds its pairs, as it adds plain tp's all-reduces
     (the LayerNorm grads' once-per-step all-reduce aside). Pipeline sends are 1/tp."""
-    from numesh.formulas import (
+    from numesh.perf.formulas import (
         Chunk,
         bus_bytes,
         pp_send_bytes,
@@ -387,7 +387,7 @@ def test_ep_formulas_add_the_replicated_leaves_all_reduce_and_ep_to_the_loss_and
     """ep is data parallelism for the batch: the loss is summed over it and the norm too (its
     ranks hold other experts); the leaves replicated over ep add one all-reduce over ep of the
     values this rank holds; the dp gradient traffic is that of the same mesh without ep."""
-    from numesh.formulas import SCALAR, Chunk, ep_grad_bytes, loss_axes, norm_axes, step_bytes
+    from numesh.perf.formulas import SCALAR, Chunk, ep_grad_bytes, loss_axes, norm_axes, step_bytes
 
     assert loss_axes({"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": 1}) == ("pp", "dp")
     assert loss_axes({"pp": 1, "dp": 2, "ep": 2, "cp": 2, "tp": 1}) == ("pp", "dp", "ep", "cp")

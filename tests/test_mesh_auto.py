@@ -12,11 +12,11 @@ import pytest
 from mpi4py import MPI
 
 from conftest import cli
-from numesh.config import config_from
-from numesh.errors import ConfigError
+from numesh.base.errors import ConfigError
+from numesh.host.threads import threads
 from numesh.plan import auto
-from numesh.threads import threads
-from numesh.train import train
+from numesh.run.config import config_from
+from numesh.run.train import train
 
 
 @pytest.fixture(autouse=True)

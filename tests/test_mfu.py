@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from numesh import formulas, runtime
-from numesh.train import train
+from numesh.host import runtime
+from numesh.perf import formulas
+from numesh.run.train import train
 from test_train import run_config
 
 
@@ -104,7 +105,7 @@ def test_peak_flops_option_is_the_denominator(char_dataset: Path, tmp_path: Path
     (1, 4, 7, 1, None),     # no dp <= 4 divides the batch
 ])
 def test_dp_hint(world: int, n_threads: int, batch: int, micro: int, want: tuple[int, int] | None) -> None:
-    from numesh.runtime import dp_hint
+    from numesh.host.runtime import dp_hint
 
     got = dp_hint(world, n_threads, batch, micro)
     if want is None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import self_mesh
-from numesh import threads
+from numesh.host import threads
 from numesh.nn.layers import Linear, gelu_fwd_reference
 from numesh.nn.moe import MoE, MoEConfig, capacity, keep_by_rank, moe_bwd, moe_fwd, route, routing_stats, seq_balance
 from test_layers import assert_fd, fd_grad

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 from conftest import random_global_params, self_mesh, tiny_config
-from numesh import formulas
-from numesh.config import check_layout, config_from
-from numesh.errors import CheckpointError, ConfigError
+from numesh.base.errors import CheckpointError, ConfigError
+from numesh.base.tree import tree_leaves, tree_leaves_with_path
 from numesh.nn import moe as M
 from numesh.nn.gpt import MLP, gpt_global_shapes
 from numesh.nn.moe import MoE, MoEConfig
 from numesh.nn.walk import ResidentParams, loss_and_grads, stage_forward, whole_model
-from numesh.train import flops_per_token
-from numesh.tree import tree_leaves, tree_leaves_with_path
+from numesh.perf import formulas
+from numesh.run.config import check_layout, config_from
+from numesh.run.train import flops_per_token
 from test_layers import _batch, _entries, assert_fd, fd_grad
 from test_moe import make_moe
 
@@ -84,7 +84,7 @@ def test_kv_cache_logits_match_the_training_forward_with_experts() -> None:
 def test_sampling_a_model_with_a_capacity_runs_it_dropless() -> None:
     """A generated token cannot see its successors, which a capacity ranks: `generate`
     samples the dropless model, with and without the KV cache, token for token."""
-    from numesh.sample import generate
+    from numesh.run.sample import generate
 
     cfg = tiny_config(**MOE, moe_capacity_factor=0.25)
     mesh = self_mesh()
@@ -200,8 +200,8 @@ def test_moe_block_activation_bytes_equal_the_formula(recompute: str, dtype, cap
     """What an MoE block's forward keeps (`held_bytes` of its context) equals
     `formulas.moe_activation_parts` given the rows it sent and received; under full
     recomputation its input and stats; the dense blocks beside it keep what they did."""
+    from numesh.base.tree import held_bytes
     from numesh.nn.gpt import init_gpt
-    from numesh.tree import held_bytes
 
     cfg = tiny_config(n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=11,
                       **{**MOE, "moe_capacity_factor": capacity})

@@ -13,10 +13,10 @@ import pytest
 from mpi4py import MPI
 
 from conftest import cli, one_error_line
+from numesh.base.errors import ConfigError
 from numesh.checkpoint import read_meta, read_params_dict
-from numesh.config import check_layout, config_from
-from numesh.errors import ConfigError
-from numesh.train import train
+from numesh.run.config import check_layout, config_from
+from numesh.run.train import train
 
 SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
 pytestmark = pytest.mark.skipif(not SHAKESPEARE.is_file(), reason=f"{SHAKESPEARE} is not here")
@@ -153,7 +153,7 @@ def test_dense_runs_ignore_the_expert_settings(shakespeare: Path, tmp_path: Path
 
 
 def test_the_progress_line_shows_the_routing() -> None:
-    from numesh_cli.app import moe_progress
+    from numesh.cli.app import moe_progress
 
     assert moe_progress({"moe_aux_loss": 0.0102, "moe_tokens_min": 40, "moe_tokens_max": 90}) == (
         "aux 0.0102, experts 40-90 tok (2.25x)")

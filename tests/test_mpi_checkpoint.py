@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from numesh.base.tree import tree_leaves_with_path
 from numesh.checkpoint import (
     CheckpointError,
     TrainState,
@@ -30,12 +31,11 @@ from numesh.checkpoint import (
 from numesh.checkpoint import format as fmt
 from numesh.checkpoint.format import leaf_blocks
 from numesh.checkpoint.save import point_latest
-from numesh.config import TrainConfig, config_from
-from numesh.data import prepare_char_dataset
+from numesh.data.char import prepare_char_dataset
 from numesh.mesh import parse_mesh
 from numesh.nn.units import join_units, split_units
-from numesh.train import Trainer, restore, train, train_state
-from numesh.tree import tree_leaves_with_path
+from numesh.run.config import TrainConfig, config_from
+from numesh.run.train import Trainer, restore, train, train_state
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -270,10 +270,10 @@ def test_ranks_resuming_from_a_pruned_latest_read_one_step_together(data: Path, 
 
 def _stage_state(model: Any, layout: Any, mesh: Any, state: dict) -> dict:
     """This rank's pipeline-stage, tp-local trees of global (unpadded) state."""
+    from numesh.base.tree import tree_map
     from numesh.mesh import shard
     from numesh.nn.gpt import gpt_specs
     from numesh.pipeline.stages import stage_tree
-    from numesh.tree import tree_map
 
     out = {}
     for group, tree in state.items():
@@ -289,12 +289,12 @@ def _stage_trainer(cfg: TrainConfig, comm: MPI.Comm, mesh_spec: str, v: int, sta
     """A stand-in for a pipeline Trainer: a ZeroOptimizer over this stage's trees."""
     from types import SimpleNamespace
 
+    from numesh.base.tree import tree_map
     from numesh.mesh import Mesh
     from numesh.nn.gpt import gpt_specs
     from numesh.nn.units import split_units
     from numesh.optim.zero import ZeroOptimizer
     from numesh.pipeline.stages import StageLayout, stage_tree
-    from numesh.tree import tree_map
 
     model = cfg.model(11)
     mesh = Mesh(parse_mesh(mesh_spec, comm.Get_size()), comm)
@@ -309,8 +309,8 @@ def _stage_trainer(cfg: TrainConfig, comm: MPI.Comm, mesh_spec: str, v: int, sta
 
 
 def _zero_state(model: Any) -> Any:
+    from numesh.base.tree import tree_map
     from numesh.nn.gpt import gpt_global_shapes
-    from numesh.tree import tree_map
 
     return tree_map(lambda s: np.zeros(s), gpt_global_shapes(model, 1))
 
@@ -319,7 +319,7 @@ def test_pipeline_stage_trees_save_and_load(data: Path, shared_tmp: Path) -> Non
     """Pipeline ranks write their own layers under global names (interleaved, v=2: rank 0
     owns layers 0 and 2), wte only from the first stage; any other layout reads them back,
     the last stage's tied wte included."""
-    from numesh.tree import tree_map
+    from numesh.base.tree import tree_map
 
     n = 4 if WORLD.Get_size() >= 4 else 2
     mesh_a = "pp=2,tp=2" if n == 4 else "pp=2"

@@ -3,7 +3,7 @@
 float64, 1e-10 relative against dp=1,tp=1,pp=1:
 * the loss and every leaf's gradient of one forward/backward (`loss_and_grads`, dropout
   on and off: attention, residual and embedding dropout masks are the whole sequence's);
-* the parity matrix of issue #15 (`parity_matrix`): whole `numesh.train.train` runs
+* the parity matrix of issue #15 (`parity_matrix`): whole `numesh.run.train.train` runs
   (losses, gradient norms, evaluation losses, final parameters; dropout 0.1, biases)
   against the plain 1-rank run without recomputation, on every mesh of the world size
   with cp=2 or cp=4 (`cp_meshes`: every pp x dp x cp x tp factorisation; 2 ranks: cp=2;
@@ -48,17 +48,17 @@ from conftest import (
     tiny_config,
     train_records,
 )
-from numesh import formulas
-from numesh.config import TrainConfig, check_layout, config_from
-from numesh.errors import ConfigError
+from numesh.base.errors import ConfigError
+from numesh.base.tree import tree_leaves, tree_leaves_with_path, tree_map
 from numesh.mesh import Mesh, psum, psum_scalar
 from numesh.nn.context_parallel import take_local
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, gpt_specs
 from numesh.nn.units import OUTER
 from numesh.nn.walk import forward_loss, loss_and_grads
-from numesh.train import Trainer
-from numesh.tree import tree_leaves, tree_leaves_with_path, tree_map
+from numesh.perf import formulas
+from numesh.run.config import TrainConfig, check_layout, config_from
+from numesh.run.train import Trainer
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -373,8 +373,8 @@ def test_bad_combinations_fail_at_start_up(shared_dataset: Path, shared_tmp: Pat
 def test_sampling_a_cp_checkpoint(shared_dataset: Path, shared_tmp: Path) -> None:
     """`numesh sample` refuses a cp mesh with one line, and a checkpoint trained on a cp mesh
     samples on a mesh without cp the text the 1-rank run's checkpoint samples."""
-    from numesh.sample import SampleConfig, sample
-    from numesh.train import train
+    from numesh.run.sample import SampleConfig, sample
+    from numesh.run.train import train
 
     n = WORLD.Get_size()
     cfg = run_config(shared_dataset, shared_tmp / "cp-sample", f"cp={n}", "1f1b", 1, 0)

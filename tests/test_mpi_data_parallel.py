@@ -1,6 +1,6 @@
 """Data parallelism (alone and with tensor parallelism) reproduces the 1-rank training run.
 
-Whole `numesh.train.train` runs in float64: losses, gradient norms, evaluation losses and
+Whole `numesh.run.train.train` runs in float64: losses, gradient norms, evaluation losses and
 final parameters equal to 1e-10 relative. Adapts to the world size N: dp=N always,
 dp=2 x tp=N/2 when N is 4 or 8, and dp=N/2 with two micro-batches when that divides.
 """
@@ -14,9 +14,9 @@ import pytest
 from mpi4py import MPI
 
 from conftest import SMALL_BATCH, assert_same_run, serial_reference, small_run_config, train_records
-from numesh.errors import ConfigError
+from numesh.base.errors import ConfigError
 from numesh.mesh import MeshError
-from numesh.train import train
+from numesh.run.train import train
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -77,9 +77,9 @@ def test_every_rank_raises_the_same_config_error(shared_dataset: Path, shared_tm
 def test_replicas_stay_identical(shared_dataset: Path, shared_tmp: Path) -> None:
     """After optimiser steps every dp replica holds the same parameters, and leaves
     replicated over tp (layer norms, row-parallel biases) agree across tp."""
+    from numesh.base.tree import tree_leaves, tree_leaves_with_path
     from numesh.mesh import P
-    from numesh.train import Trainer
-    from numesh.tree import tree_leaves, tree_leaves_with_path
+    from numesh.run.train import Trainer
 
     n = WORLD.Get_size()
     mesh_spec = f"dp=2,tp={n // 2}" if n in (4, 8) else f"dp={n}"

@@ -6,7 +6,7 @@ dp×ep. An expert leaf (P("ep", ...)) holds this ep rank's block of experts, who
 already counts every token of the ep group: summed over dp only. With known per-rank
 gradients, the reduced gradient, the global norm and an AdamW step (clipped) must equal
 those of one rank holding every expert and the summed gradient; the bytes of the ep
-all-reduce and the norm's axes follow `numesh.formulas`; `check_replicas` catches an ep
+all-reduce and the norm's axes follow `numesh.perf.formulas`; `check_replicas` catches an ep
 replica that diverged, and lets the experts differ.
 """
 
@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from numesh import formulas
-from numesh.errors import ReplicaError
+from numesh.base.errors import ReplicaError
+from numesh.base.tree import tree_map
 from numesh.mesh import Mesh, P
 from numesh.nn.gpt import Shape
 from numesh.observe.diagnosis import grid_coords
 from numesh.optim.adamw import AdamWConfig
 from numesh.optim.clip import clip_scale
 from numesh.optim.zero import ZeroOptimizer
-from numesh.tree import tree_map
+from numesh.perf import formulas
 
 WORLD = MPI.COMM_WORLD
 pytestmark = [pytest.mark.mpi(min_size=4),

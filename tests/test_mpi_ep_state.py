@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from numesh import data as D
+from numesh.base.tree import tree_leaves_with_path
 from numesh.checkpoint import read_meta, read_state, save_checkpoint
-from numesh.config import TrainConfig, config_from
-from numesh.train import Trainer, restore, train_state
-from numesh.tree import tree_leaves_with_path
+from numesh.data.batches import local_batch, train_key
+from numesh.run.config import TrainConfig, config_from
+from numesh.run.train import Trainer, restore, train_state
 
 WORLD = MPI.COMM_WORLD
 pytestmark = [pytest.mark.mpi(min_size=4),
@@ -49,9 +49,9 @@ def one_rank_ckpt(shared_dataset: Path, shared_tmp: Path) -> Path:
 
 def test_each_rank_reads_its_row_block_of_dp_x_ep(shared_dataset: Path, shared_tmp: Path) -> None:
     t = Trainer(config(shared_dataset, shared_tmp / "rows", "dp=2,ep=2", micro_batches=2), WORLD)
-    key = D.train_key(5, 3)
+    key = train_key(5, 3)
     mine = t._micro_batches(t.train_data, key, 2)
-    whole = D.local_batch(t.train_data, key, 8, 8, 0, 1, 1)[0]
+    whole = local_batch(t.train_data, key, 8, 8, 0, 1, 1)[0]
     i = t.mesh.index("dp") * 2 + t.mesh.index("ep")
     x = np.concatenate([m[0] for m in mine])
     np.testing.assert_array_equal(x, whole[0][2 * i : 2 * i + 2])

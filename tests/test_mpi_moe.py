@@ -29,17 +29,17 @@ import pytest
 from mpi4py import MPI
 
 from conftest import assert_close, assert_same_run, self_mesh, serial_reference, train_records
-from numesh import formulas
+from numesh.base.tree import tree_leaves, tree_map
 from numesh.checkpoint import read_state
 from numesh.checkpoint.reshard import reshard
-from numesh.config import TrainConfig, check_layout, config_from
 from numesh.mesh import AXES, Mesh, all_gather, psum
 from numesh.mesh.zigzag import take_local
 from numesh.nn.layers import Linear
 from numesh.nn.moe import MoE, MoEConfig, moe_bwd, moe_fwd, stats_vector
 from numesh.nn.units import OUTER
-from numesh.train import Trainer
-from numesh.tree import tree_leaves, tree_map
+from numesh.perf import formulas
+from numesh.run.config import TrainConfig, check_layout, config_from
+from numesh.run.train import Trainer
 from test_moe import make_moe
 from test_mpi_checkpoint import on_first
 
@@ -338,9 +338,9 @@ def test_moe_block_activation_bytes_follow_the_formula(shared_dataset: Path, sha
     """On an ep mesh each rank's experts receive their own number of rows R: what each
     rank's MoE block keeps (`held_bytes` of its context, one micro-batch's forward) equals
     `formulas.moe_activation_parts` of its rows sent and received, with tp and sp."""
-    from numesh import data as D
+    from numesh.base.tree import held_bytes
+    from numesh.data.batches import train_key
     from numesh.nn.walk import stage_forward
-    from numesh.tree import held_bytes
 
     cases = ACTIVATION_CASES.get(WORLD.Get_size(), [])
     if case >= len(cases):
@@ -349,7 +349,7 @@ def test_moe_block_activation_bytes_follow_the_formula(shared_dataset: Path, sha
     cfg = run_config(shared_dataset, shared_tmp / f"moe-act-{case}", mesh, sequence_parallel=sp, dtype="float32",
                      dropout=0.0, moe_capacity_factor=1.0)
     trainer = Trainer(cfg, WORLD)
-    (idx, tgt), = trainer._micro_batches(trainer.train_data, D.train_key(cfg.seed, 0), 1)
+    (idx, tgt), = trainer._micro_batches(trainer.train_data, train_key(cfg.seed, 0), 1)
     m, shape = trainer.model, trainer.mesh.shape
     _, ctx = stage_forward(trainer.opt, trainer.pipeline.stages[0], idx, tgt, m, trainer.mesh, recompute=recompute)
     (stats, *_), rows = ctx.moe, idx.shape[0]
@@ -397,7 +397,7 @@ def _on_root(fn: Any) -> Any:
 def test_a_checkpoint_trained_on_ep_samples_alike_on_one_rank_and_tp2(shared_dataset: Path, shared_tmp: Path) -> None:
     """Experts saved whole by an ep=2 run, then sampled with the KV cache on one rank and on
     tp=2 (each expert split over tp): the same text, and the same without the cache."""
-    from numesh.sample import SampleConfig, sample
+    from numesh.run.sample import SampleConfig, sample
 
     out = shared_tmp / "moe-sample"
     train_records(run_config(shared_dataset, out, "ep=2", max_iters=4, moe_top_k=2), WORLD)

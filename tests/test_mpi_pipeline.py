@@ -1,7 +1,7 @@
 """Pipeline parallelism reproduces the 1-rank training run, and the executor does what the
 schedules say.
 
-Whole `numesh.train.train` runs in float64 (dropout 0.1, biases on): losses, gradient norms,
+Whole `numesh.run.train.train` runs in float64 (dropout 0.1, biases on): losses, gradient norms,
 evaluation losses and final parameters equal to 1e-10 relative to the plain
 dp=1,tp=1,pp=1 run (one micro-batch, no ZeRO). Adapts to the world size N:
 
@@ -29,10 +29,10 @@ import pytest
 from mpi4py import MPI
 
 from conftest import assert_same_run, serial_reference, train_records
-from numesh.config import TrainConfig, config_from
-from numesh.errors import ConfigError
+from numesh.base.errors import ConfigError
 from numesh.pipeline.schedules import ScheduleError, bubble_fraction, peak_activations, simulate
-from numesh.train import Trainer, train
+from numesh.run.config import TrainConfig, config_from
+from numesh.run.train import Trainer, train
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -278,7 +278,7 @@ def test_bad_pipeline_config_fails_on_every_rank(
 ) -> None:
     """`train` raises the same one-line error on every rank before any collective (a
     collective on some ranks only would hang), naming the bad value and what to use."""
-    import numesh.train
+    import numesh.run.train
 
     n = WORLD.Get_size()
     kw = make(n)
@@ -290,7 +290,7 @@ def test_bad_pipeline_config_fails_on_every_rank(
     def no_mesh(*args: object, **kwargs: object) -> None:  # the mesh is the trainer's first collective
         raise AssertionError("the mesh was built before the configuration was rejected")
 
-    monkeypatch.setattr(numesh.train, "Mesh", no_mesh)
+    monkeypatch.setattr(numesh.run.train, "Mesh", no_mesh)
     with pytest.raises(error) as info:
         train(cfg, WORLD)
     msg = str(info.value)

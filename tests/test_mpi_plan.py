@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from numesh.config import TrainConfig
+from numesh.host.threads import threads
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.memory import rank_memory
-from numesh.threads import threads
-from numesh.train import Trainer
+from numesh.run.config import TrainConfig
+from numesh.run.train import Trainer
 
 pytestmark = pytest.mark.mpi(min_size=2)
 WORLD = MPI.COMM_WORLD

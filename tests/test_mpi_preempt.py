@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
+from numesh.base.errors import Preempted
+from numesh.base.tree import tree_leaves_with_path
 from numesh.checkpoint import read_meta, read_state
-from numesh.config import TrainConfig, config_from
-from numesh.errors import Preempted
 from numesh.plan.auto import auto_layout
-from numesh.train import train
-from numesh.tree import tree_leaves_with_path
+from numesh.run.config import TrainConfig, config_from
+from numesh.run.train import train
 from test_mpi_checkpoint import close, on_first, on_root
 
 pytestmark = pytest.mark.mpi(min_size=4)

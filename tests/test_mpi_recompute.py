@@ -2,7 +2,7 @@
 
 Adapts to the world size N (2, 4 or 8):
 
-* parity: whole `numesh.train.train` runs in float64 (dropout 0.1, biases) with each
+* parity: whole `numesh.run.train.train` runs in float64 (dropout 0.1, biases) with each
   `--recompute` mode equal to 1e-10 relative to the plain dp=1,tp=1,pp=1 run without
   recomputation, on tp, pp (1F1B, zb-h1, interleaved), dp with ZeRO-3 and mixed meshes;
 * activation memory: every rank's measured peak over a step (`StepStats.peak_bytes`,
@@ -24,11 +24,12 @@ import pytest
 from mpi4py import MPI
 
 from conftest import assert_same_run, serial_reference, train_records
-from numesh import formulas, threads
-from numesh.config import TrainConfig, config_from
+from numesh.host import threads
 from numesh.nn.units import OUTER
 from numesh.nn.walk import block_pieces
-from numesh.train import Trainer
+from numesh.perf import formulas
+from numesh.run.config import TrainConfig, config_from
+from numesh.run.train import Trainer
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

@@ -29,17 +29,17 @@ from conftest import (
     tiny_config,
     train_records,
 )
-from numesh import formulas
-from numesh.errors import ConfigError, MeshError
+from numesh.base.errors import ConfigError, MeshError
+from numesh.base.tree import held_bytes as nbytes  # each buffer once, as the activation accounting counts
+from numesh.base.tree import tree_leaves, tree_leaves_with_path
 from numesh.mesh import Mesh, P
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, gpt_specs
 from numesh.nn.units import OUTER
 from numesh.nn.walk import ResidentParams, forward_loss, loss_and_grads, stage_forward, whole_model
 from numesh.optim.zero import ZeroOptimizer
-from numesh.train import Trainer
-from numesh.tree import held_bytes as nbytes  # each buffer once, as the activation accounting counts
-from numesh.tree import tree_leaves, tree_leaves_with_path
+from numesh.perf import formulas
+from numesh.run.train import Trainer
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -123,7 +123,7 @@ def test_layernorm_grads_are_partial_before_the_tp_sum() -> None:
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_bytes_are_plain_tp_plus_the_regathers(tp_mesh: Mesh, recompute: str) -> None:
-    """Payload per op follows numesh.formulas: plain tp's all-reduces become all-gather +
+    """Payload per op follows numesh.perf.formulas: plain tp's all-reduces become all-gather +
     reduce-scatter pairs, each LayerNorm's slice is gathered again in backward (not under
     full recomputation, whose rerun keeps its gathered outputs but gathers and scatters
     twice per block more), plus the one all-reduce of the LayerNorm grads (4C per block +

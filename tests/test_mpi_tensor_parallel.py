@@ -24,14 +24,14 @@ from conftest import (
     tiny_config,
     train_records,
 )
-from numesh.config import config_from
-from numesh.data import load_tokenizer
-from numesh.formulas import Chunk, tp_all_reduce_bytes
+from numesh.base.tree import tree_leaves, tree_leaves_with_path
+from numesh.data.dataset import load_tokenizer
 from numesh.mesh import Mesh
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, gpt_specs, init_gpt
 from numesh.nn.walk import forward_loss, loss_and_grads
-from numesh.tree import tree_leaves, tree_leaves_with_path
+from numesh.perf.formulas import Chunk, tp_all_reduce_bytes
+from numesh.run.config import config_from
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -122,7 +122,7 @@ def test_tp_all_reduce_bytes_follow_megatron(tp_mesh: Mesh) -> None:
     head = act  # the LM head's input gradient, backward
     cross_entropy = B * T * item + 2 * B * T * item  # pmax of the row maxima, psum of [sum-exp, target logit]
     expected = L * per_block + embedding + head + cross_entropy
-    assert expected == tp_all_reduce_bytes(Chunk(L, first=True, last=True), B, T, C, item)  # numesh.formulas agrees
+    assert expected == tp_all_reduce_bytes(Chunk(L, first=True, last=True), B, T, C, item)  # the formula agrees
     c = tp_mesh.counter
     assert c.total("tp", "all_reduce", kind="payload") == expected
     assert c.total("tp", "all_reduce", kind="calls") == 4 * L + 2 + 2
@@ -176,7 +176,7 @@ def test_kv_cache_logits_match_one_rank(tp_mesh: Mesh) -> None:
 @pytest.mark.parametrize("temperature, top_k", [(0.8, 5), (0.0, None)])
 def test_sampling_gives_the_same_tokens_as_one_rank(tp_mesh: Mesh, temperature: float, top_k: int | None) -> None:
     """`numesh sample --mesh tp=N` draws the tokens tp=1 draws for the same seed."""
-    from numesh.sample import generate
+    from numesh.run.sample import generate
 
     cfg = model_config(dropout=0.0)
     gp = random_global_params(cfg, seed=9)

@@ -27,14 +27,14 @@ import pytest
 from mpi4py import MPI
 
 from conftest import SMALL_BATCH, assert_same_run, serial_reference, small_run_config, train_records
-from numesh.formulas import dp_bytes, memory_formula
+from numesh.base.tree import tree_leaves
 from numesh.mesh import Mesh, MeshError
 from numesh.mesh.mesh import ByteCounter
 from numesh.nn.gpt import ConfigError, gpt_specs, init_gpt
 from numesh.nn.units import OUTER, split_units
 from numesh.optim.zero import ZeroOptimizer
-from numesh.train import Trainer, train
-from numesh.tree import tree_leaves
+from numesh.perf.formulas import dp_bytes, memory_formula
+from numesh.run.train import Trainer, train
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -211,7 +211,7 @@ def test_bytes_per_step_follow_the_zero_paper(
         3: {"all_reduce": 8, "reduce_scatter": (m * P_blocks + P_outer) * k, "all_gather": 2 * m * P * k},
     }[stage]
     assert payload == want
-    # numesh.formulas (what `numesh report` compares a traced run with) says the same, less the norm's scalar
+    # numesh.perf.formulas (what `numesh report` compares a traced run with) says the same, less the norm's scalar
     formula = dp_bytes(stage, m, P_blocks, P_outer, k)
     assert ({op: want[op] - 8 * (op == "all_reduce" and stage >= 1) for op in want}
             == {op: formula.get(op, 0) for op in want})

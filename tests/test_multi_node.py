@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from numesh.host.runtime import describe_hosts, rank_ranges
 from numesh.observe.inject import unshared_out
-from numesh.runtime import describe_hosts, rank_ranges
 from test_interrupt import START_WITHIN_S, Job
 
 

@@ -22,8 +22,8 @@ def test_sample_refuses_a_temperature_that_is_not_a_finite_number_ge_0(value: st
 
 
 def test_generate_refuses_a_nan_temperature_too() -> None:
-    from numesh.errors import ConfigError
-    from numesh.sample import SampleConfig
+    from numesh.base.errors import ConfigError
+    from numesh.run.sample import SampleConfig
 
     with pytest.raises(ConfigError, match="temperature must be >= 0 and finite"):
         SampleConfig("nowhere", temperature=float("nan")).validate()
@@ -69,7 +69,7 @@ def test_a_bad_thread_variable_is_one_line_naming_it(char_dataset: Path, tmp_pat
 
 
 def test_thread_variables_that_are_numbers_or_empty_still_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    from numesh.runtime import env_threads
+    from numesh.host.runtime import env_threads
 
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
@@ -80,10 +80,10 @@ def test_thread_variables_that_are_numbers_or_empty_still_count(monkeypatch: pyt
 
 
 def test_an_unknown_numesh_kernels_is_one_line_at_start_up(char_dataset: Path, tmp_path: Path) -> None:
-    """Read when numesh.kernels is imported, so the CLI runs in a fresh process: importing
+    """Read when numesh.host.kernels is imported, so the CLI runs in a fresh process: importing
     still works, and `numesh train` stops with one line naming the values it accepts."""
     env = {**os.environ, "NUMESH_KERNELS": "cuda"}
-    code = ("import sys; import numesh.kernels; from numesh_cli.app import main; "
+    code = ("import sys; import numesh.host.kernels; from numesh.cli.app import main; "
             "sys.argv = ['numesh', *sys.argv[1:]]; main()")
     res = subprocess.run([sys.executable, "-c", code, "train", "--data", str(char_dataset), "--out",
                           str(tmp_path / "o"), "--max-iters", "1"], env=env, capture_output=True, text=True)
@@ -95,7 +95,7 @@ def test_an_unknown_numesh_kernels_is_one_line_at_start_up(char_dataset: Path, t
 
 @pytest.mark.parametrize("mode", ["numba", "numpy", "", " NumPy "])
 def test_the_numesh_kernels_values_it_accepts_pass(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    import numesh.kernels as K
+    import numesh.host.kernels as K
 
     monkeypatch.setattr(K, "_MODE", mode.strip().lower())
     K.check_mode()
@@ -112,7 +112,7 @@ def test_a_train_error_is_the_first_line_not_after_a_blank_one(char_dataset: Pat
 def _float_options() -> list[str]:
     import attrs
 
-    from numesh.config import TrainConfig, field_type
+    from numesh.run.config import TrainConfig, field_type
 
     return [f.name for f in attrs.fields(TrainConfig) if field_type(f) is float]
 
@@ -123,8 +123,8 @@ def test_no_float_option_of_train_or_plan_takes_nan_or_inf(name: str, value: flo
     """Range checks compare, and NaN compares False: --weight-decay nan, --grad-clip nan,
     --min-lr inf, --peak-flops inf, --collective-timeout nan used to be accepted (and
     --bucket-mb nan was a traceback in `numesh plan`)."""
-    from numesh.config import check_options, config_from
-    from numesh.errors import ConfigError
+    from numesh.base.errors import ConfigError
+    from numesh.run.config import check_options, config_from
 
     with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} must be a finite number, got {value}"):
         check_options(config_from({name: value}), 1)
@@ -168,10 +168,10 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_at_once(char_dataset: Path, 
 
 
 def test_the_memory_check_names_both_numbers_and_leaves_the_readmes_runs_alone() -> None:
-    from numesh.config import config_from
-    from numesh.errors import ConfigError
+    from numesh.base.errors import ConfigError
     from numesh.plan.fits import check_fits, run_memory
     from numesh.plan.memory import RankMemory
+    from numesh.run.config import config_from
 
     need = RankMemory(params=2**30, grads=2**30, optimizer=2**31, workspace=0, activations=4 * 2**30, comm_buffers=0)
     with pytest.raises(ConfigError, match=r"needs ~8.0 GiB per rank \(4.0 GiB of it activations\) but 4.0 GiB of "
@@ -285,7 +285,7 @@ def test_a_tiny_temperature_samples_the_most_likely_token_not_token_0(temperatur
     draw token 0: a newline, like the NaN temperature the issue found."""
     import numpy as np
 
-    from numesh.sample import pick
+    from numesh.run.sample import pick
 
     logits = np.array([[1.0, 3.0, 2.0], [5.0, -1.0, 4.5]], dtype=np.float32)
     for top_k in (None, 2):
@@ -347,7 +347,7 @@ def test_an_ep_mesh_error_is_one_line_and_exit_2(char_dataset: Path, tmp_path: P
     found = launcher()
     if found is None:
         pytest.skip("no mpiexec")
-    code = "import sys; from numesh_cli.app import main; sys.argv = ['numesh', *sys.argv[1:]]; main()"
+    code = "import sys; from numesh.cli.app import main; sys.argv = ['numesh', *sys.argv[1:]]; main()"
     res = subprocess.run([found[0], "-n", "2", sys.executable, "-c", code, "train", "--data", str(char_dataset),
                           "--out", str(tmp_path / "o"), "--max-iters", "1", *args],
                          env=clean_env(), capture_output=True, text=True, timeout=120)

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from conftest import random_global_params, self_mesh, tiny_config
+from numesh.base.tree import flatten, tree_leaves, tree_leaves_with_path, unflatten
 from numesh.mesh import P
 from numesh.nn.gpt import gpt_specs, init_gpt
 from numesh.optim import AdamWConfig, adamw_init, adamw_step, clip_scale, cosine_lr, decay_mask
 from numesh.optim.zero import ZeroOptimizer
-from numesh.tree import flatten, tree_leaves, tree_leaves_with_path, unflatten
 
 
 def torch_adamw_reference(p, grads_per_step, lrs, cfg: AdamWConfig, decay):

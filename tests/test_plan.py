@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from numesh import formulas
-from numesh.config import TrainConfig, validate
-from numesh.errors import ConfigError, UserError
+from numesh.base.errors import ConfigError, UserError
+from numesh.cli.app import app
+from numesh.host.threads import threads
+from numesh.perf import formulas
 from numesh.pipeline.schedules import make_schedule, simulate
 from numesh.plan import costs, plan, predict
 from numesh.plan.calibrate import KERNELS, fit_scale_and_overhead
@@ -36,9 +37,8 @@ from numesh.plan.memory import layout_memory, rank_memory
 from numesh.plan.pipesim import makespan_and_busy
 from numesh.plan.search import _cp_sizes, candidates, least_recompute, train_config, valid_layouts
 from numesh.plan.timing import Placement, attention_cost, block_cost, placement, predict_time, ring_hop_bytes
-from numesh.threads import threads
-from numesh.train import Trainer
-from numesh_cli.app import app
+from numesh.run.config import TrainConfig, validate
+from numesh.run.train import Trainer
 
 
 def spec_of(cfg: TrainConfig, vocab: int) -> ModelSpec:

@@ -1,4 +1,4 @@
-"""Tests for numesh.plot and `numesh plot`: curves of several runs on one figure."""
+"""Tests for numesh.run.plot and `numesh plot`: curves of several runs on one figure."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import cli, one_error_line
-from numesh import plot as PL
-from numesh.errors import PlotError
+from numesh.base.errors import PlotError
+from numesh.run import plot as PL
 
 pytest.importorskip("matplotlib")
 

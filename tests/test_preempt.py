@@ -20,12 +20,12 @@ import pytest
 from mpi4py import MPI
 
 from conftest import assert_close, cli, one_error_line
+from numesh.base.errors import ConfigError, Interrupted, Preempted
 from numesh.checkpoint import read_meta, read_params_dict
-from numesh.config import config_from
-from numesh.errors import ConfigError, Interrupted, Preempted
-from numesh.interrupt import parse_signals
-from numesh.runtime import guarded
-from numesh.train import train
+from numesh.host.interrupt import parse_signals
+from numesh.host.runtime import guarded
+from numesh.run.config import config_from
+from numesh.run.train import train
 from test_interrupt import START_WITHIN_S, Job, _alive
 
 

@@ -4,8 +4,8 @@
   bit, with dropout, on one thread and split over threads, whole backward or zero-bubble B
   then W: the recomputed context is the forward's (a block rerun from its input, dropout
   redrawn from the dropout key).
-* What a stage's forward saves, measured from the buffers (`numesh.tree.held_bytes`),
-  equals `numesh.formulas.activation_bytes` exactly, for every mode, with and without
+* What a stage's forward saves, measured from the buffers (`numesh.base.tree.held_bytes`),
+  equals `numesh.perf.formulas.activation_bytes` exactly, for every mode, with and without
   dropout, float32 and float64, first, middle and last stages, one or two threads; what a
   zero-bubble B leaves for W equals `weight_ctx_bytes`; the executor's measured peak over
   a step equals `peak_activation_bytes` replayed over the schedule (pp=1 here; pp and tp
@@ -26,17 +26,18 @@ import pytest
 from mpi4py import MPI
 
 from conftest import self_mesh, tiny_config
-from numesh import formulas, threads
-from numesh.config import config_from
-from numesh.errors import ConfigError
+from numesh.base.errors import ConfigError
+from numesh.base.tree import held_bytes, tree_leaves
+from numesh.host import threads
 from numesh.nn import walk as S
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPTConfig, init_gpt
 from numesh.nn.transformer import block_fwd
 from numesh.nn.units import Unit
+from numesh.perf import formulas
 from numesh.pipeline.schedules import make_schedule
-from numesh.train import Trainer, train
-from numesh.tree import held_bytes, tree_leaves
+from numesh.run.config import config_from
+from numesh.run.train import Trainer, train
 
 MODES = ("none", "full")
 
@@ -59,7 +60,7 @@ def thread_count(monkeypatch):
 
 
 def batch(cfg: GPTConfig, rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and targets [rows, T], each its own array (as `numesh.data.local_batch` gives)."""
+    """Token ids and targets [rows, T], each its own array (as `numesh.data.batches.local_batch` gives)."""
     rng = np.random.default_rng(seed)
     return tuple(rng.integers(0, cfg.vocab_size, (rows, cfg.block_size)) for _ in range(2))
 

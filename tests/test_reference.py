@@ -15,7 +15,7 @@ from numesh.nn.transformer import block_fwd
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("fused", [True, False])
 def test_reference_block_equals_the_block(bias: bool, fused: bool) -> None:
-    from numesh import kernels
+    from numesh.host import kernels
 
     cfg = tiny_config(bias=bias, n_embd=32, n_head=4, block_size=16)
     mesh = self_mesh()
@@ -31,6 +31,6 @@ def test_reference_block_equals_the_block(bias: bool, fused: bool) -> None:
 
 
 def _jitter(tree, rng):
-    from numesh.tree import tree_map
+    from numesh.base.tree import tree_map
 
     return tree_map(lambda a: a + 0.1 * rng.standard_normal(a.shape), tree)

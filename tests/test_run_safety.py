@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from numesh_cli.app import app
+from numesh.cli.app import app
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8", "--batch-size", "4",
         "--eval-interval", "100", "--eval-iters", "2"]
@@ -50,7 +50,7 @@ def test_divergence_stops_with_one_line_and_keeps_the_good_checkpoint(char_datas
     from numesh.checkpoint import read_state
 
     _, trees = read_state(latest)
-    from numesh.tree import tree_leaves
+    from numesh.base.tree import tree_leaves
 
     assert all(np.isfinite(x).all() for t in trees.values() for x in tree_leaves(t))
 
@@ -114,7 +114,7 @@ def test_the_run_holds_its_directory_until_its_last_file_is_written(char_dataset
     """The lock was released when the loop ended, before the final checkpoint and the trace
     were written: a resume or an --overwrite taking OUT then wrote or removed files under
     the run still finishing. Checked from inside the final save."""
-    from numesh import train as T
+    from numesh.run import train as T
 
     out, held = tmp_path / "run", []
     save_step = T.save_step
@@ -165,7 +165,7 @@ def test_no_room_for_a_checkpoint_is_found_before_training(char_dataset: Path, t
 
 def test_a_failing_metrics_write_is_one_line(char_dataset: Path, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    from numesh import rundir
+    from numesh.run import rundir
 
     class Full:
         def write(self, _s: str) -> int:

@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 
 from conftest import cli, one_error_line
-from numesh import data as D
-from numesh import shards as S
-from numesh import text_dataset as TD
-from numesh.corpus import Reading, expand
-from numesh.errors import DataError
-from numesh.tokenizer import EOT, HFTokenizer, tokenizer_from_meta, train_bpe
+from numesh.base.errors import DataError
+from numesh.data import sharded as TD
+from numesh.data import shards as S
+from numesh.data.batches import read_rows
+from numesh.data.char import fallback_corpus, prepare_char_dataset
+from numesh.data.corpus import Reading, expand
+from numesh.data.dataset import bits_per_byte, bytes_per_token, load_split, load_tokenizer, open_dataset, verify_dataset
+from numesh.data.tokenizer import EOT, HFTokenizer, tokenizer_from_meta, train_bpe
 
 pytest.importorskip("tokenizers")
 
@@ -45,12 +47,12 @@ def _files(d: Path) -> dict[str, bytes]:
 def test_bpe_twice_is_byte_identical_and_round_trips(tmp_path: Path) -> None:
     """On ~1 MB of real text: this Python's standard-library sources (the offline corpus)."""
     src = tmp_path / "stdlib.txt"
-    src.write_text(D.fallback_corpus()[0], encoding="utf-8")
+    src.write_text(fallback_corpus()[0], encoding="utf-8")
     how = Reading(split_on="\n\n")
     a = TD.prepare_bpe([src], 400, tmp_path / "a", how)
     TD.prepare_bpe([src], 400, tmp_path / "b", how)
     assert _files(tmp_path / "a") == _files(tmp_path / "b")
-    tok = D.load_tokenizer(tmp_path / "a")
+    tok = load_tokenizer(tmp_path / "a")
     assert tok.kind == "hf" and tok.vocab_size == 400 == a["vocab_size"]
     docs = list(TD.corpus_documents(expand([src]), how))
     assert len(docs) > 3000
@@ -68,11 +70,11 @@ def test_shards_hold_each_document_then_eot_split_by_documents(corpus: Path, tmp
         want["val" if TD._is_val(i, 0.3) else "train"] += [*tok.encode(doc).tolist(), tok.eot_id]
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
     for split in ("train", "val"):
-        stream = D.load_split(tmp_path / "d", split)
+        stream = load_split(tmp_path / "d", split)
         assert len(stream) == len(want[split]) == summary[f"{split}_tokens"]
         np.testing.assert_array_equal(stream[np.arange(len(stream))], want[split])
         assert len(meta["shards"][split]) == -(-len(want[split]) // 17)
-        x, y = D.read_rows(stream, np.array([0, len(stream) - 9, 5]), 8)  # rows across shard ends
+        x, y = read_rows(stream, np.array([0, len(stream) - 9, 5]), 8)  # rows across shard ends
         np.testing.assert_array_equal(x[1], want[split][-9:-1])
         np.testing.assert_array_equal(y[2], want[split][6:14])
     assert meta["dtype"] == "uint16"
@@ -201,28 +203,28 @@ def test_a_bpe_dataset_trains_and_a_char_checkpoint_refuses_it(corpus: Path, cha
 def test_bytes_per_token_and_bits_per_byte(tmp_path: Path, corpus: Path) -> None:
     """Char datasets count each character's UTF-8 bytes; sharded ones record them."""
     text = "aé🙂\n" * 50 + "b" * 40
-    D.prepare_char_dataset(text, tmp_path / "c")
-    got = D.bytes_per_token(tmp_path / "c")
+    prepare_char_dataset(text, tmp_path / "c")
+    got = bytes_per_token(tmp_path / "c")
     for split in ("train", "val"):
-        ids = np.asarray(D.load_split(tmp_path / "c", split))
-        chars = D.load_tokenizer(tmp_path / "c").decode(ids)
+        ids = np.asarray(load_split(tmp_path / "c", split))
+        chars = load_tokenizer(tmp_path / "c").decode(ids)
         assert got[split] == pytest.approx(len(chars.encode("utf-8")) / len(ids), rel=1e-12)
     TD.prepare_bpe([corpus], 300, tmp_path / "b", Reading(split_on="\n\n"), val_fraction=0.3)
     meta = json.loads((tmp_path / "b" / "meta.json").read_text())
-    bpt = D.bytes_per_token(tmp_path / "b")
+    bpt = bytes_per_token(tmp_path / "b")
     assert bpt["val"] == meta["splits"]["val"]["bytes"] / meta["splits"]["val"]["tokens"]
     assert meta["splits"]["train"]["bytes"] + meta["splits"]["val"]["bytes"] == sum(len(d.encode()) for d in DOCS)
-    assert D.bits_per_byte(np.log(2) * 3.0, 1.5) == pytest.approx(2.0)
+    assert bits_per_byte(np.log(2) * 3.0, 1.5) == pytest.approx(2.0)
 
 
 def test_metrics_and_plot_carry_bits_per_byte(char_dataset: Path, tmp_path: Path) -> None:
-    from numesh.plot import build_figure, read_metrics
+    from numesh.run.plot import build_figure, read_metrics
 
     res = cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "run"), "--max-iters", "2",
               "--eval-interval", "1", "--eval-iters", "1", "--block-size", "8", "--batch-size", "2", "--n-layer", "1",
               "--n-embd", "16", "--n-head", "2")
     assert res.exit_code == 0, res.stderr
-    bpt = D.bytes_per_token(char_dataset)
+    bpt = bytes_per_token(char_dataset)
     evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "val_loss" in x]
     assert evals
     for r in evals:
@@ -236,12 +238,12 @@ def test_metrics_and_plot_carry_bits_per_byte(char_dataset: Path, tmp_path: Path
 def test_token_files_that_disagree_with_meta_json_are_refused(char_dataset: Path, tmp_path: Path) -> None:
     """A char dataset rewrite killed midway leaves new token files beside the old
     meta.json: the count check refuses it in one line instead of training on it."""
-    from numesh.errors import DataError
+    from numesh.base.errors import DataError
 
     train = char_dataset / "train.bin"
     train.write_bytes(train.read_bytes() * 2)
     with pytest.raises(DataError, match="partly rewritten"):
-        D.load_split(char_dataset, "train")
+        load_split(char_dataset, "train")
     line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--max-iters", "1"))
     assert "holds" in line and "but" in line and "partly rewritten" in line
 
@@ -272,13 +274,13 @@ def test_a_meta_json_naming_files_outside_its_directory_is_refused(corpus: Path,
     meta["shards"]["train"][0]["file"] = "../secret.bin"
     (tmp_path / "d" / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataError, match="names a file '../secret.bin' outside the dataset directory"):
-        D.open_dataset(tmp_path / "d")
+        open_dataset(tmp_path / "d")
 
 
 def test_ranks_that_opened_different_datasets_refuse_to_train(char_dataset: Path, tmp_path: Path) -> None:
     """A rewrite as a job starts could give its ranks different data: every rank compares
     the meta.json it opened with rank 0's."""
-    from numesh.train import open_run_dataset
+    from numesh.run.train import open_run_dataset
 
     class TwoRanks:  # rank 1 of 2, whose peer opened another meta.json
         def Get_rank(self) -> int:
@@ -315,7 +317,7 @@ def test_shards_and_tokenizer_json_are_recorded_and_a_changed_shard_is_caught(co
         raw = (out / name).read_bytes()
         assert rec["bytes"] == len(raw) and rec["sha256"] == hashlib.sha256(raw).hexdigest()
     assert meta["rebuild"] == f"numesh data bpe --vocab-size 300 --src {corpus} --split-on $'\\n\\n' --val-fraction 0.3"
-    D.verify_dataset(out)
+    verify_dataset(out)
     ids = np.fromfile(out / shards[1], np.uint16)
     ids[0] = (ids[0] + 1) % 300
     ids.tofile(out / shards[1])
@@ -324,7 +326,7 @@ def test_shards_and_tokenizer_json_are_recorded_and_a_changed_shard_is_caught(co
     assert f"{out / shards[1]} does not match its sha256" in line and f"{meta['rebuild']} --out {out}" in line
     (out / shards[2]).unlink()
     with pytest.raises(DataError, match=f"{shards[2]} is missing"):
-        D.open_dataset(out)
+        open_dataset(out)
 
 
 def test_a_bpe_dataset_of_other_inputs_needs_overwrite_before_the_corpus_is_read(corpus: Path, tmp_path: Path,

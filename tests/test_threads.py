@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from numesh import threads
+from numesh.base.tree import tree_leaves
+from numesh.host import threads
 from numesh.mesh import Mesh
 from numesh.nn import walk
 from numesh.nn.attention import AttnDropout, causal_attention_bwd, causal_attention_fwd
@@ -16,7 +17,6 @@ from numesh.nn.gpt import GPTConfig, init_gpt
 from numesh.nn.layers import gelu_bwd, gelu_fwd
 from numesh.nn.walk import loss_and_grads
 from numesh.optim.adamw import AdamWConfig, adamw_init, adamw_step
-from numesh.tree import tree_leaves
 
 
 @pytest.mark.parametrize("n, k, min_rows", [(10, 3, 1), (7, 2, 1), (5, 4, 3), (1, 2, 1), (0, 2, 1)])
@@ -198,7 +198,7 @@ def test_tree_sum_adds_in_one_tree_whichever_thread_adds(with_threads, n: int) -
 def test_matmul_split_over_rows_is_bit_identical(with_threads, monkeypatch, tile_rows: int, m: int, k: int,
                                                  n: int) -> None:
     """Each row comes from one single-threaded BLAS call on a fixed tile of rows: splitting
-    over threads changes no bit (BLAS on one thread, as numesh.runtime.set_blas_threads sets
+    over threads changes no bit (BLAS on one thread, as numesh.host.runtime.set_blas_threads sets
     it), and small products are not handed to other threads."""
     monkeypatch.setattr(threads, "TILE_ROWS", tile_rows)
     rng = np.random.default_rng(0)
@@ -237,8 +237,8 @@ def test_a_training_step_is_the_same_bits_on_1_and_2_threads(char_dataset, tmp_p
     """Two optimiser steps: once with blocks whole (their matmuls in row tiles) and once as 4
     pieces (one run of 4 on one thread, two runs of 2 on two); losses, gradient norms and
     every parameter bit for bit."""
-    from numesh.config import TrainConfig
-    from numesh.train import Trainer
+    from numesh.run.config import TrainConfig
+    from numesh.run.train import Trainer
 
     for piece_tokens, pieces in ((1 << 20, 1), (128, 4)):
         monkeypatch.setattr(walk, "PIECE_TOKENS", piece_tokens)

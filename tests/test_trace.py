@@ -5,7 +5,7 @@ from `simulate` must give back its own bubble); then one real 8-rank dp=2 × tp=
 zero-bubble job is launched as a subprocess (like tests/test_interrupt.py) and its trace
 and report are checked: every rank a process labelled with its coordinates, every action
 kind and op, every flow closed, categories summing to the step time, bytes per axis equal
-to numesh.formulas.
+to numesh.perf.formulas.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from conftest import make_dataset
-from numesh import formulas, report
 from numesh.observe.trace import add_peer_waits, axes_label, comm_key
+from numesh.perf import formulas, report
 from numesh.pipeline.schedules import make_schedule, simulate
 from test_mpi_suites import clean_env, launcher
 
@@ -165,7 +165,7 @@ def launch(n: int, out: Path, data: Path, *args: str, env: dict | None = None, t
     found = launcher()
     if found is None:
         pytest.skip("no mpiexec")
-    cmd = [found[0], "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "numesh_cli.app", "train", "--data", str(data),
+    cmd = [found[0], "-n", str(n), sys.executable, "-m", "mpi4py", "-m", "numesh.cli.app", "train", "--data", str(data),
            "--out", str(out), *TINY, "--trace", *args]
     res = subprocess.run(cmd, env={**clean_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout,
                          stdin=subprocess.DEVNULL)
@@ -231,13 +231,13 @@ def test_report_of_the_run(traced_run: tuple[Path, str]) -> None:
     assert 0 < rep["flops"]["mfu"] < 1
     assert rep["slowest"]["rank"] in range(8)
 
-    res = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(out), "--json"], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "numesh.cli.app", "report", str(out), "--json"], capture_output=True,
                          text=True, env=clean_env(), timeout=120)
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout)
     assert set(got) == {"run", "clock", "steps", "step_ms", "time_ms", "bubble", "bytes", "bytes_match", "flops",
                         "slowest"}
-    text = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(out)], capture_output=True, text=True,
+    text = subprocess.run([sys.executable, "-m", "numesh.cli.app", "report", str(out)], capture_output=True, text=True,
                           env=clean_env(), timeout=120).stdout
     assert "pipeline bubble (zb-h1" in text and "every rank matches the formulas" in text
 
@@ -270,7 +270,7 @@ def test_report_of_an_expert_parallel_run_matches_the_formulas(tmp_path: Path) -
 
 
 def test_report_of_a_run_without_trace_is_one_error_line(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "numesh_cli.app", "report", str(tmp_path)], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "numesh.cli.app", "report", str(tmp_path)], capture_output=True,
                          text=True, env=clean_env(), timeout=120)
     assert res.returncode != 0 and "numesh train --trace" in res.stderr
 

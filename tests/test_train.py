@@ -12,13 +12,12 @@ import pytest
 from mpi4py import MPI
 
 from conftest import SYNTH_TEXT
+from numesh.base.errors import ConfigError, DataError
+from numesh.base.tree import tree_leaves_with_path
 from numesh.checkpoint import read_meta, read_params_dict
-from numesh.config import TrainConfig, config_from, validate
-from numesh.data import DataError
-from numesh.errors import ConfigError
 from numesh.mesh import MeshError
-from numesh.train import Trainer, train
-from numesh.tree import tree_leaves_with_path
+from numesh.run.config import TrainConfig, config_from, validate
+from numesh.run.train import Trainer, train
 
 TRAIN_KEYS = {"step", "loss", "lr", "dt_ms", "tokens_per_s", "flops_per_s", "mfu"}
 
@@ -275,7 +274,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(char_dataset: Path, tmp_path: Path
                                               match: str) -> None:
     from typer.testing import CliRunner
 
-    from numesh_cli.app import app
+    from numesh.cli.app import app
 
     (tmp_path / "bad.toml").write_text("n_layers = 2\n")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]

@@ -7,10 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import self_mesh, tiny_config
-from numesh.mesh import P
-from numesh.nn.gpt import gpt_specs, init_gpt
-from numesh.nn.layers import LayerNorm, Linear
-from numesh.tree import (
+from numesh.base.tree import (
     flatten,
     tree_leaves,
     tree_leaves_with_path,
@@ -20,6 +17,9 @@ from numesh.tree import (
     tree_unflatten_leaves,
     unflatten,
 )
+from numesh.mesh import P
+from numesh.nn.gpt import gpt_specs, init_gpt
+from numesh.nn.layers import LayerNorm, Linear
 
 
 @attrs.frozen

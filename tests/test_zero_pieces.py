@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import self_mesh
+from numesh.base.tree import tree_leaves
 from numesh.mesh import P
 from numesh.mesh.collectives import Handle
 from numesh.nn.units import OUTER, Unit
@@ -18,7 +19,6 @@ from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
 from numesh.optim.flat import FlatLayout
 from numesh.optim.residency import AllResident, ShardResident
 from numesh.optim.zero import ZeroOptimizer
-from numesh.tree import tree_leaves
 
 
 def three_units() -> dict[Any, Any]:

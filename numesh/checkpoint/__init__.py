@@ -16,6 +16,7 @@ and loaded), `common` (helpers the others share), `save`, `background` (saving w
 training goes on), `load`, `reshard`, `export`.
 """
 
+from numesh.base.errors import CheckpointError
 from numesh.checkpoint.common import read_meta
 from numesh.checkpoint.export import export_nanogpt, from_nanogpt, import_nanogpt, to_nanogpt
 from numesh.checkpoint.format import FORMAT, VERSION, LeafDef, Meta
@@ -32,7 +33,6 @@ from numesh.checkpoint.model import global_path, gpt_leaves, pad_vocab, unpad_vo
 from numesh.checkpoint.reshard import reshard
 from numesh.checkpoint.save import save_checkpoint
 from numesh.checkpoint.state import LocalState, TrainState
-from numesh.errors import CheckpointError
 
 __all__ = [
     "FORMAT", "VERSION", "CheckpointError", "LeafDef", "LocalState", "Meta", "TrainState", "check_tokenizer",

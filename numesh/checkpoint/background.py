@@ -30,10 +30,10 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
+from numesh.base.errors import CheckpointError
 from numesh.checkpoint.model import gpt_leaves
 from numesh.checkpoint.save import Block, Written, finish_on_root, prepare_save, rank_blocks, write_blocks
 from numesh.checkpoint.state import TrainState
-from numesh.errors import CheckpointError
 
 
 def _thread(target: Callable[[], None]) -> threading.Thread:

@@ -7,12 +7,12 @@ import os
 import shutil
 from pathlib import Path
 
+from numesh.base.errors import CheckpointError
+from numesh.base.tree import tree_map
 from numesh.checkpoint.format import BlockReader, Meta, fsync_dir, full_region
 from numesh.checkpoint.format import read_meta as read_any_meta
 from numesh.checkpoint.model import describe_gpt, global_paths
-from numesh.errors import CheckpointError
 from numesh.nn.gpt import GPT
-from numesh.tree import tree_map
 
 # name prefix of directories still being written (a save or reshard in progress or killed)
 TMP_PREFIX = ".tmp-"

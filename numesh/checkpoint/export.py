@@ -15,14 +15,14 @@ from typing import Any
 import attrs
 import numpy as np
 
+from numesh.base.errors import CheckpointError, DataError
+from numesh.base.files import os_reason
 from numesh.checkpoint.common import read_params
 from numesh.checkpoint.format import DTYPES, write_file_atomic
 from numesh.checkpoint.pinned import read_pinned
-from numesh.errors import CheckpointError, DataError
-from numesh.files import os_reason
+from numesh.data.tokenizer import tokenizer_from_meta
 from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
 from numesh.nn.layers import LayerNorm, Linear
-from numesh.tokenizer import tokenizer_from_meta
 
 EXPORT_FORMAT = "numesh-nanogpt"
 

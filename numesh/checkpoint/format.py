@@ -22,11 +22,11 @@ from typing import Any, Callable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from numesh.errors import CheckpointError, DataError
+from numesh.base.errors import CheckpointError, DataError
+from numesh.base.padding import round_up
+from numesh.data.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
 from numesh.mesh import AXES, P
 from numesh.mesh.mesh import axis_names
-from numesh.padding import round_up
-from numesh.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
 
 FORMAT = "numesh-ckpt"
 VERSION = 1

@@ -18,15 +18,15 @@ from typing import Any
 
 import numpy as np
 
+from numesh.base.errors import CheckpointError
+from numesh.base.files import os_reason
 from numesh.checkpoint.common import read_params
 from numesh.checkpoint.export import to_nanogpt
 from numesh.checkpoint.format import DTYPES
 from numesh.checkpoint.pinned import read_pinned
-from numesh.errors import CheckpointError
-from numesh.files import os_reason
+from numesh.data.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
 from numesh.nn.gpt import GPTConfig
 from numesh.nn.layers import LN_EPS
-from numesh.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
 
 _LINEARS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 _BIASES = {".ln_1.bias": 1, ".attn.c_attn.bias": 3, ".attn.c_proj.bias": 1, ".ln_2.bias": 1, ".mlp.c_fc.bias": 4,

@@ -15,14 +15,14 @@ from typing import Any
 
 import numpy as np
 
+from numesh.base.errors import ConfigError
+from numesh.base.tree import tree_map
 from numesh.checkpoint.export import import_nanogpt
 from numesh.checkpoint.format import vocab_difference
 from numesh.checkpoint.hf import import_hf
 from numesh.checkpoint.model import SHAPE_KEYS
-from numesh.errors import ConfigError
+from numesh.data.tokenizer import CharTokenizer, HFTokenizer
 from numesh.nn.gpt import GPT, GPTConfig
-from numesh.tokenizer import CharTokenizer, HFTokenizer
-from numesh.tree import tree_map
 
 OPTION = {"vocab_size": "the dataset's vocabulary (--data)", "block_size": "--block-size", "n_layer": "--n-layer",
           "n_head": "--n-head", "n_embd": "--n-embd", "bias": "--bias / --no-bias"}

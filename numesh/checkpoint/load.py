@@ -7,17 +7,17 @@ from typing import Any
 
 import numpy as np
 
+from numesh.base.errors import CheckpointError
+from numesh.base.tree import tree_leaves_with_path, tree_map
 from numesh.checkpoint.common import read_group, read_meta, read_params
 from numesh.checkpoint.format import GROUPS, BlockReader, Meta, vocab_difference
 from numesh.checkpoint.model import check_model, gpt_leaves, local_paths
 from numesh.checkpoint.pinned import read_pinned, read_pinned_on
 from numesh.checkpoint.state import LocalState
-from numesh.errors import CheckpointError
+from numesh.data.tokenizer import CharTokenizer, HFTokenizer
 from numesh.mesh import Mesh
 from numesh.nn.gpt import GPT, GPTConfig
 from numesh.pipeline.stages import StageLayout
-from numesh.tokenizer import CharTokenizer, HFTokenizer
-from numesh.tree import tree_leaves_with_path, tree_map
 
 
 def _read_local_trees(meta: Meta, mesh: Mesh, model: GPTConfig, layout: StageLayout, dtype: Any) -> dict[str, GPT]:

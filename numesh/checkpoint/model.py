@@ -11,11 +11,11 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from numesh.base.errors import CheckpointError
+from numesh.base.tree import tree_leaves_with_path, tree_map_with_path
 from numesh.checkpoint.format import LeafDef, Meta, full_region
-from numesh.errors import CheckpointError
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs
 from numesh.pipeline.stages import StageLayout, stage_tree
-from numesh.tree import tree_leaves_with_path, tree_map_with_path
 
 # model-config keys that change the shape of some parameter (dropout does not)
 SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "moe_experts", "moe_every")
@@ -122,8 +122,8 @@ def unpad_vocab(params: GPT, model: GPTConfig) -> GPT:
 
 def shard_params(params: GPT, model: GPTConfig, mesh: Any) -> GPT:
     """This rank's shards of whole unpadded parameters on `mesh` (vocabulary padded for tp)."""
+    from numesh.base.tree import tree_map
     from numesh.mesh import shard
-    from numesh.tree import tree_map
 
     model.validate(mesh.size("tp"))
     padded = pad_vocab(params, model, mesh.size("tp"))

@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from numesh.errors import CheckpointError
+from numesh.base.errors import CheckpointError
 
 T = TypeVar("T")
 

@@ -7,6 +7,8 @@ import math
 import shutil
 from pathlib import Path
 
+from numesh.base.errors import CheckpointError, ConfigError
+from numesh.base.files import os_reason
 from numesh.checkpoint.common import TMP_PREFIX, install_dir, read_meta
 from numesh.checkpoint.format import (
     META_FILE,
@@ -20,8 +22,6 @@ from numesh.checkpoint.format import (
     write_text_synced,
 )
 from numesh.checkpoint.pinned import read_pinned
-from numesh.errors import CheckpointError, ConfigError
-from numesh.files import os_reason
 from numesh.mesh import AXES, MeshError, parse_mesh
 from numesh.mesh.mesh import parse_axis_sizes
 from numesh.pipeline.stages import StageLayout

@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from numesh.base.errors import CheckpointError
 from numesh.checkpoint.common import TMP_PREFIX, install_dir
 from numesh.checkpoint.format import (
     FORMAT,
@@ -40,7 +41,6 @@ from numesh.checkpoint.format import (
 )
 from numesh.checkpoint.model import gpt_leaves, written_leaves
 from numesh.checkpoint.state import TrainState
-from numesh.errors import CheckpointError
 from numesh.mesh import AXES
 
 LATEST = "latest"

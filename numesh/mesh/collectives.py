@@ -18,9 +18,9 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
+from numesh.base.tree import tree_map
 from numesh.mesh.hook import SkipCall
 from numesh.mesh.mesh import AxisNames, Mesh, axis_names
-from numesh.tree import tree_map
 
 
 class Handle:

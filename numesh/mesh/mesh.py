@@ -17,7 +17,7 @@ from typing import Iterable
 import attrs
 from mpi4py import MPI
 
-from numesh.errors import MeshError
+from numesh.base.errors import MeshError
 
 AXES: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")
 # the axes the global batch's rows split over, dp outer (`Mesh.index` merges them row-major):

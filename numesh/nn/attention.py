@@ -33,8 +33,8 @@ from typing import Callable
 import attrs
 import numpy as np
 
-from numesh import kernels as K
-from numesh.threads import over_rows, threads
+from numesh.host import kernels as K
+from numesh.host.threads import over_rows, threads
 
 QUERY_TILE = 128  # query rows per stripe (benchmarks/bench_long_context.py --sections tiles measures others)
 KEY_TILE = 2048  # keys per online-softmax step: bounds a stripe's buffer whatever T is
@@ -66,7 +66,7 @@ class AttnDropout:
 
 
 def _kept(key: np.uint64, counters: np.ndarray, threshold: np.uint64) -> np.ndarray:
-    """Vectorised `numesh.kernels.drop_keep`: whether each counter's pair survives dropout."""
+    """Vectorised `numesh.host.kernels.drop_keep`: whether each counter's pair survives dropout."""
     z = np.uint64(key) ^ (counters * np.uint64(0x9E3779B97F4A7C15))
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)

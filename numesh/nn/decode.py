@@ -8,7 +8,7 @@ import math
 import attrs
 import numpy as np
 
-from numesh.errors import ConfigError
+from numesh.base.errors import ConfigError
 from numesh.mesh import Mesh, all_gather
 from numesh.nn.attention import attend_fwd
 from numesh.nn.gpt import GPT, GPTConfig

@@ -16,12 +16,12 @@ import zlib
 import attrs
 import numpy as np
 
-from numesh.errors import ConfigError
+from numesh.base.errors import ConfigError
+from numesh.base.padding import padded_vocab
+from numesh.base.tree import tree_map, tree_map_with_path
 from numesh.mesh import Mesh, P, shard
 from numesh.nn.layers import LayerNorm, Linear
 from numesh.nn.moe import MoE, MoEConfig
-from numesh.padding import padded_vocab
-from numesh.tree import tree_map, tree_map_with_path
 
 
 @attrs.frozen

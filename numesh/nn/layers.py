@@ -17,8 +17,8 @@ import math
 import attrs
 import numpy as np
 
-from numesh import kernels as K
-from numesh.threads import matmul, over_rows, token_sum
+from numesh.host import kernels as K
+from numesh.host.threads import matmul, over_rows, token_sum
 
 LN_EPS = 1e-5
 _GELU_K = math.sqrt(2.0 / math.pi)

@@ -33,7 +33,7 @@ global batch, as the definition wants.
 
 Compute. The N·k (token, choice) assignments are sorted by expert (stably: by token within
 an expert), the rows gathered into one contiguous block per expert, and each expert's block
-multiplied by its weights in BLAS calls over fixed row tiles (`numesh.threads.tiles`, from
+multiplied by its weights in BLAS calls over fixed row tiles (`numesh.host.threads.tiles`, from
 the shape and the rank's cores), the (expert, tile) jobs dealt to numesh's threads: no
 per-token Python, and the same bits for any thread count.
 """
@@ -46,10 +46,10 @@ from typing import Any, Callable, Sequence
 import attrs
 import numpy as np
 
+from numesh.host.threads import MIN_CHUNK_FLOPS, TILE_ROWS, cores, matmul, over_tiles, tiles
 from numesh.mesh import Mesh, all_gather, all_to_all, all_to_all_v, psum
 from numesh.mesh.zigzag import positions
 from numesh.nn.layers import Linear, gelu_bwd, gelu_fwd
-from numesh.threads import MIN_CHUNK_FLOPS, TILE_ROWS, cores, matmul, over_tiles, tiles
 
 
 @attrs.frozen

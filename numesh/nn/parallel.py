@@ -13,7 +13,7 @@ replaces f before a column-parallel matmul, `reduce_scatter_to_sequence_parallel
 (reduce-scatter forward, all-gather backward) replaces g after a row-parallel one. A ring
 all-reduce is a reduce-scatter plus an all-gather, so the bus bytes are those of f/g.
 
-The cross-entropy's backward is one fused pass (numesh.kernels.ce_bwd) when numba is
+The cross-entropy's backward is one fused pass (numesh.host.kernels.ce_bwd) when numba is
 installed; `vocab_parallel_cross_entropy_bwd_reference` is its NumPy definition.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from numesh import kernels as K
+from numesh.host import kernels as K
 from numesh.mesh import Mesh, all_gather, pmax, psum, psum_scatter
 
 SEQ = 1  # the sequence dimension of an activation [B, T, C]

@@ -17,7 +17,7 @@ dropped, and backward gathers the x̂ slices again for the matmul's weight gradi
 (`norm_regather`): one more all-gather of an activation per LayerNorm, the price of
 holding every activation of the block 1/tp (keeping the gathered x̂ instead moves exactly
 plain tp's bytes but holds 2·B·T·C values per block replicated, which at tp=2 leaves most
-of plain tp's activations: compare the block terms of `numesh.formulas.activation_parts`;
+of plain tp's activations: compare the block terms of `numesh.perf.formulas.activation_parts`;
 `mpirun -n 2 python benchmarks/bench_parallel.py --meshes tp=2 --sequence-parallel` measures
 what each rank holds with and without sp). LayerNorm weight and bias gradients are sums
 over this rank's tokens only: partial over tp, summed by `reduce_sequence_partial` or by
@@ -31,7 +31,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from numesh.errors import ConfigError
+from numesh.base.errors import ConfigError
+from numesh.base.tree import tree_leaves_with_path
+from numesh.host.threads import matmul, token_sum
 from numesh.mesh import Mesh, psum
 from numesh.nn.attention import AttnDropout
 from numesh.nn.context_parallel import CpSlice
@@ -63,8 +65,6 @@ from numesh.nn.parallel import (
     vocab_parallel_embedding_fwd,
 )
 from numesh.nn.ring_attention import attention_bwd, attention_fwd
-from numesh.threads import matmul, token_sum
-from numesh.tree import tree_leaves_with_path
 
 
 def local_heads(cfg: GPTConfig, mesh: Mesh) -> tuple[int, int, slice]:

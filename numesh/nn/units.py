@@ -12,9 +12,9 @@ from typing import Any, Mapping
 
 import attrs
 
+from numesh.base.tree import tree_leaves_with_path
 from numesh.nn.gpt import GPT
 from numesh.nn.transformer import sequence_partial
-from numesh.tree import tree_leaves_with_path
 
 
 @attrs.frozen

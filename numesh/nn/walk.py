@@ -12,13 +12,13 @@ Thread splitting wraps the block functions here and is not written into them. Wi
 or cp a block does not communicate, and a block on enough tokens is cut into fixed pieces
 of its sequences (`block_pieces`, from the shape alone): inside a block call every matmul
 over tokens makes its BLAS calls piece by piece and every sum over tokens adds the pieces
-in one fixed tree (`numesh.threads.token_pieces`). One thread runs the block once on all
-pieces; several threads each run it on a run of pieces (`numesh.threads.chunked_*`), so
+in one fixed tree (`numesh.host.threads.token_pieces`). One thread runs the block once on all
+pieces; several threads each run it on a run of pieces (`numesh.host.threads.chunked_*`), so
 the cores meet once per block instead of once per matmul, and the runs' weight gradients
 are added by the same tree. Either way the same calls and the same additions: every thread
 count gives the same bits (numesh/threads.py says why that needs fixed tiles). Other
 blocks run whole on the main thread, their ops split over fixed row tiles
-(`numesh.threads.matmul`, `over_rows`).
+(`numesh.host.threads.matmul`, `over_rows`).
 
 Activation recomputation wraps the block functions here too (`Recompute`): "full" keeps
 only the block's input (`BlockInput`, with its dropout key) and reruns the block's forward, tp
@@ -37,7 +37,19 @@ from typing import Any, Literal, Protocol
 import attrs
 import numpy as np
 
-from numesh.errors import ConfigError
+from numesh.base.errors import ConfigError
+from numesh.base.padding import ceil_div
+from numesh.host.threads import (
+    RowChunks,
+    chunked_bwd,
+    chunked_bwd_sum,
+    chunked_fwd,
+    chunked_sum,
+    cores,
+    runs_for,
+    tiles,
+    token_pieces,
+)
 from numesh.mesh import Mesh
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, Block, GPTConfig
@@ -55,18 +67,6 @@ from numesh.nn.transformer import (
     reduce_sequence_partial,
 )
 from numesh.nn.units import OUTER, Unit, join_units
-from numesh.padding import ceil_div
-from numesh.threads import (
-    RowChunks,
-    chunked_bwd,
-    chunked_bwd_sum,
-    chunked_fwd,
-    chunked_sum,
-    cores,
-    runs_for,
-    tiles,
-    token_pieces,
-)
 
 
 class ParamUnits(Protocol):
@@ -190,7 +190,7 @@ PIECE_TOKENS = 256
 
 def block_pieces(tp: int, cp: int, rows: int, seq: int, cores: int) -> tuple[slice, ...]:
     """The fixed pieces of its `rows` sequences (of `seq` tokens) a block runs as: one (the
-    whole) with tp or cp inside, else `numesh.threads.tiles` of at least PIECE_TOKENS
+    whole) with tp or cp inside, else `numesh.host.threads.tiles` of at least PIECE_TOKENS
     tokens, at most `cores` (the cores the rank may use). A function of the shape, mesh and
     machine, never of the thread count. Not with cp: every thread's run would go around its
     own ring over the one cp communicator, with the same tags, so their K/V blocks could be

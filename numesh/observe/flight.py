@@ -45,8 +45,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from numesh.errors import abort_job
-from numesh.files import write_atomic
+from numesh.base.errors import abort_job
+from numesh.base.files import write_atomic
+from numesh.base.process import alive
 from numesh.mesh.hook import Observer, SkipCall
 from numesh.mesh.mesh import AxisNames, Group, axis_names
 from numesh.observe import witness
@@ -111,11 +112,11 @@ def read_state(flight_dir: Path, rank: int, run: int) -> RankState | None:
             waiting = rec
     counts = {names[i]: int(head["counts"][i]) for i in range(len(names))}
     failed = {0: None, 1: "timeout", 2: "MPI error"}.get(int(head["failed"]), "?")
-    alive = None
+    running = None
     if meta.get("host") == socket.gethostname():
-        alive = witness.alive(int(meta["pid"]))
+        running = alive(int(meta["pid"]))
     return RankState(rank, meta["coords"], meta["shape"], calls, counts, float(head["beat"]), int(head["step"]),
-                     waiting, float(head["wait_since"]), failed, alive, head["note"].decode(errors="replace"),
+                     waiting, float(head["wait_since"]), failed, running, head["note"].decode(errors="replace"),
                      int(meta["pid"]), meta.get("host", ""), float(head["exited"]))
 
 

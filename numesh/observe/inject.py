@@ -8,7 +8,7 @@
                              (an all-reduce of a different length over the same axes)
     slow:rank=R:ms=M         rank R sleeps M ms at the start of every step (from step=S, default 0)
     unshared:rank=R          rank R's start-up check of --out looks in a directory of its own, as
-                             if --out were on a disk local to its node (numesh.rundir.check_shared)
+                             if --out were on a disk local to its node (numesh.run.rundir.check_shared)
 
 `hang` and `crash` act before any call through the mesh (p2p sends and receives too);
 `skip` and `mismatch` wait for the next true collective (all-reduce, all-gather,
@@ -32,7 +32,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from numesh.errors import ConfigError
+from numesh.base.errors import ConfigError
 from numesh.mesh.collectives import psum
 from numesh.mesh.hook import Observer, SkipCall
 from numesh.mesh.mesh import AxisNames, Group, axis_names

@@ -43,10 +43,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from numesh.files import write_atomic
+from numesh.base.files import write_atomic
+from numesh.base.process import alive
 from numesh.mesh.hook import Observer
 from numesh.mesh.mesh import AXES, Group, Mesh
-from numesh.observe import witness
 from numesh.observe.spool import SpoolWriter, clear, part_path, read_parts
 
 P2P_OPS = ("send", "recv", "sendrecv")
@@ -296,7 +296,7 @@ def recover(parts_dir: Path) -> dict | None:
     recorded = [p.header["rank"]["rank"] for p in parts]
     here = socket.gethostname()
     running = [p.header["rank"]["rank"] for p in parts
-               if p.header.get("host") == here and p.header.get("pid", 0) > 0 and witness.alive(p.header["pid"])]
+               if p.header.get("host") == here and p.header.get("pid", 0) > 0 and alive(p.header["pid"])]
     partial = {"parts": str(parts_dir), "ranks_recorded": recorded, "running": running,
                "ranks_missing": [r for r in range(size) if r not in recorded], "last_step": last}
     return merge(merged, {**meta, "run": parts[0].header["run"], "partial": partial})

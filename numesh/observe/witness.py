@@ -85,21 +85,6 @@ def stop(proc: subprocess.Popen | None) -> None:
         proc.kill()
 
 
-def alive(pid: int) -> bool:
-    """Whether process `pid` (of this host) still runs; a zombie (exited, not yet reaped by
-    mpiexec's proxy) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def read(flight_dir: Path, run: int) -> list[dict[str, Any]]:
     """What the witnesses of run `run` saw (one document per host, see `watch`)."""
     out = []

@@ -5,7 +5,7 @@ of views into its buffer), so an optimiser step is a handful of vectorised opera
 whatever the number of leaves, and ZeRO can shard the same buffers by plain slicing.
 The step updates its buffers in place: they are donated, as with JAX's `donate_argnums`.
 
-With numba installed the update is one fused pass (numesh.kernels.adamw) instead of the
+With numba installed the update is one fused pass (numesh.host.kernels.adamw) instead of the
 reference's fourteen NumPy passes; `adamw_step_reference` is the readable definition it is
 tested against (bit-identical in float64: same operations in the same order).
 """
@@ -15,9 +15,9 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from numesh import kernels as K
-from numesh.threads import over_rows
-from numesh.tree import Tree, flatten, tree_map_with_path
+from numesh.base.tree import Tree, flatten, tree_map_with_path
+from numesh.host import kernels as K
+from numesh.host.threads import over_rows
 
 
 @attrs.frozen

@@ -14,8 +14,8 @@ from typing import Any, Generic, Hashable, Mapping, TypeVar
 import attrs
 import numpy as np
 
-from numesh.padding import round_up
-from numesh.tree import Tree, flatten, tree_leaves, tree_map, unflatten
+from numesh.base.padding import round_up
+from numesh.base.tree import Tree, flatten, tree_leaves, tree_map, unflatten
 
 K = TypeVar("K", bound=Hashable)
 

@@ -35,9 +35,9 @@ from typing import Any, Hashable, Protocol
 
 import numpy as np
 
+from numesh.base.tree import Tree, flatten
 from numesh.mesh import Handle, Mesh, ipsum, ipsum_scatter, psum
 from numesh.optim.flat import FlatLayout
-from numesh.tree import Tree, flatten
 
 
 class GradSync(Protocol):

@@ -15,9 +15,9 @@ from typing import Any, Hashable, Protocol
 
 import numpy as np
 
+from numesh.base.tree import Tree, tree_map, unflatten
 from numesh.mesh import Mesh, all_gather_inplace
 from numesh.optim.flat import FlatLayout
-from numesh.tree import Tree, tree_map, unflatten
 
 
 class Residency(Protocol):

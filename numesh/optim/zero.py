@@ -32,14 +32,14 @@ from typing import Collection, Generic, Hashable, Mapping, TypeVar
 
 import numpy as np
 
-from numesh.errors import ReplicaError
+from numesh.base.errors import ReplicaError
+from numesh.base.tree import Tree, tree_leaves, tree_map, tree_map_with_path
 from numesh.mesh import Mesh, pmax, psum, psum_scalar
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step, decays
 from numesh.optim.clip import counted_once
 from numesh.optim.flat import FlatLayout, Span
 from numesh.optim.grad_sync import make_grad_sync
 from numesh.optim.residency import gather_full, make_residency
-from numesh.tree import Tree, tree_leaves, tree_map, tree_map_with_path
 
 K = TypeVar("K", bound=Hashable)
 

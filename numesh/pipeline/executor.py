@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from numesh.base.tree import held_buffers
 from numesh.mesh import Handle, Mesh, irecv, isend, psum
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig
@@ -37,7 +38,6 @@ from numesh.nn.walk import (
 )
 from numesh.pipeline.schedules import Action, Schedule
 from numesh.pipeline.stages import StageLayout
-from numesh.tree import held_buffers
 
 Micro = tuple[np.ndarray, np.ndarray]  # (token ids [B, T], targets [B, T]) of one micro-batch
 
@@ -193,7 +193,7 @@ class PipelineExecutor:
                 self._weight(a, st)
                 live.pop(key, None)
             # every buffer once, however many contexts hold it (measured, not assumed: the
-            # formula numesh.formulas.activation_bytes is tested against it)
+            # formula numesh.perf.formulas.activation_bytes is tested against it)
             held: dict[int, int] = {}
             for buffers in live.values():
                 held.update(buffers)

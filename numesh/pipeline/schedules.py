@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import attrs
 
-from numesh.errors import ScheduleError
+from numesh.base.errors import ScheduleError
 
 __all__ = [
     "Action",

@@ -15,12 +15,12 @@ from typing import Any
 import attrs
 import numpy as np
 
-from numesh.errors import ConfigError
+from numesh.base.errors import ConfigError
+from numesh.base.tree import tree_map
 from numesh.mesh import Mesh, broadcast
 from numesh.nn.gpt import GPT
 from numesh.nn.units import Unit
 from numesh.nn.walk import Stage
-from numesh.tree import tree_map
 
 
 @attrs.frozen

@@ -22,16 +22,16 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
-from numesh.config import MESH_AUTO, TrainConfig
-from numesh.errors import ConfigError, UserError
-from numesh.plan import Prediction, plan
+from numesh.base.errors import ConfigError, UserError
+from numesh.host.runtime import core_peak_flops, ranks_per_node
+from numesh.host.threads import threads
 from numesh.plan.command import model_spec
 from numesh.plan.fits import available_memory
 from numesh.plan.hardware import Link, Profile, load_profile, local_profile_path
+from numesh.plan.predict import Prediction, plan
 from numesh.plan.render import human_bytes, human_seconds
 from numesh.plan.search import train_config
-from numesh.runtime import core_peak_flops, ranks_per_node
-from numesh.threads import threads
+from numesh.run.config import MESH_AUTO, TrainConfig
 
 # the options a layout sets besides --mesh; those a run gives other values than the defaults are kept
 KEPT = ("zero", "schedule", "micro_batches", "virtual_stages", "recompute", "sequence_parallel")

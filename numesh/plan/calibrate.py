@@ -32,8 +32,8 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
-from numesh.config import TrainConfig
-from numesh.errors import ConfigError
+from numesh.base.errors import ConfigError
+from numesh.host.threads import threads as numesh_threads
 from numesh.nn.attention import QUERY_TILE, stripe_passes
 from numesh.nn.layers import LayerNorm, gelu_bwd, gelu_fwd, layernorm_bwd, layernorm_fwd
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
@@ -41,10 +41,10 @@ from numesh.plan.hardware import Measured, Profile, check_profile_out, load_prof
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.search import train_config, valid_layouts
 from numesh.plan.timing import Placement, block_cost, blocking_calls, outer_cost, placement, predict_time
-from numesh.threads import threads as numesh_threads
+from numesh.run.config import TrainConfig
 
 if TYPE_CHECKING:
-    from numesh.train import Trainer
+    from numesh.run.train import Trainer
 
 ELEMENT_SIZES = [4**i for i in range(5, 12)]  # 1 Ki .. 4 Mi values
 COMM_SIZES = [8] + [4**i for i in range(3, 13)]  # 8 B .. 16 MiB
@@ -251,7 +251,7 @@ def _step_times(comm: MPI.Comm, cfgs: list[TrainConfig], rounds: int = 3) -> lis
     Taking turns keeps the machine's drift out of their differences: measured one after
     the other, the two steps `fit_steps` solves for moved the fitted overhead per block
     action from 0.9 to 2.8 ms between two calibrations of 8 ranks on the 2-core VM."""
-    from numesh.train import Trainer  # noqa: PLC0415  (a training run only here)
+    from numesh.run.train import Trainer  # noqa: PLC0415  (a training run only here)
 
     with tempfile.TemporaryDirectory() as out:
         trainers = [Trainer(attrs.evolve(cfg, out=f"{out}/{i}"), MPI.COMM_SELF) for i, cfg in enumerate(cfgs)]
@@ -337,7 +337,7 @@ def fit_sync(comm: MPI.Comm, base: TrainConfig, model: ModelSpec, measured: Meas
     and the prediction is scaled by how that one now compares with its fit: the machine's
     speed drifts between the two measurements by as much as the waits (on the 2-core VM the
     fitted wait moved from 0 to 540 us per call between calibrations a minute apart)."""
-    from numesh.train import Trainer  # noqa: PLC0415  (a training run only here)
+    from numesh.run.train import Trainer  # noqa: PLC0415  (a training run only here)
 
     n = comm.Get_size()
     lay = sync_layout(model, n)

@@ -11,14 +11,14 @@ from typing import Any, Callable
 import attrs
 import numpy as np
 
-from numesh import data as D
-from numesh.config import TrainConfig, check_options, config_from
-from numesh.errors import ConfigError, UserError
-from numesh.plan import Prediction, plan
+from numesh.base.errors import ConfigError, UserError
+from numesh.data.dataset import load_tokenizer
 from numesh.plan.hardware import Profile, load_profile, local_profile_path
 from numesh.plan.layout import ModelSpec
+from numesh.plan.predict import Prediction, plan
 from numesh.plan.presets import preset
 from numesh.plan.render import as_json, human_bytes, table
+from numesh.run.config import TrainConfig, check_options, config_from
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -69,7 +69,7 @@ def model_spec(cfg: TrainConfig, vocab_size: int | None, model_preset: str | Non
         vocab_size = preset(model_preset).vocab_size
     if vocab_size is None:
         try:
-            vocab_size = D.load_tokenizer(cfg.data).vocab_size
+            vocab_size = load_tokenizer(cfg.data).vocab_size
         except (UserError, OSError):
             raise ConfigError(f"no dataset at --data {cfg.data} to take the vocabulary from: pass --vocab-size, "
                               "--model PRESET or the --data of a prepared dataset") from None

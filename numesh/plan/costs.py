@@ -1,5 +1,5 @@
 """Cost models as pure functions: α-β collectives (ring and tree), and interpolation in
-measured tables. Times in seconds, sizes in payload bytes as `numesh.formulas` counts them
+measured tables. Times in seconds, sizes in payload bytes as `numesh.perf.formulas` counts them
 (the local buffer a call is given)."""
 
 from __future__ import annotations

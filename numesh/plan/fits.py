@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from numesh.config import TrainConfig, validate
-from numesh.errors import ConfigError
+from numesh.base.errors import ConfigError
+from numesh.host.runtime import ranks_per_node
+from numesh.host.threads import threads
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.memory import RankMemory, layout_memory
 from numesh.plan.render import human_bytes
-from numesh.runtime import ranks_per_node
-from numesh.threads import threads
+from numesh.run.config import TrainConfig, validate
 
 _CGROUP_LIMITS = (  # (limit, usage): cgroup v2, then v1; "max" or a huge number is no limit
     ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),

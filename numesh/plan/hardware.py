@@ -22,8 +22,8 @@ from typing import Any
 
 import attrs
 
-from numesh.errors import ConfigError
-from numesh.files import os_reason, write_atomic
+from numesh.base.errors import ConfigError
+from numesh.base.files import os_reason, write_atomic
 from numesh.plan import costs
 
 Points = tuple[tuple[float, float], ...]  # (size, seconds), sorted by size

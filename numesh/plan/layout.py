@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from numesh import formulas
+from numesh.perf import formulas
 from numesh.pipeline.schedules import Schedule, make_schedule
 
 

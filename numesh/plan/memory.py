@@ -1,4 +1,4 @@
-"""Predicted memory of every rank of a layout, from `numesh.formulas`.
+"""Predicted memory of every rank of a layout, from `numesh.perf.formulas`.
 
 Parameters, gradients, optimiser state and workspace are what `ZeroOptimizer.memory()`
 measures (exact: the same units, padding and sharding); activations are the peak of the
@@ -14,9 +14,9 @@ import functools
 
 import attrs
 
-from numesh import formulas
+from numesh.base.padding import round_up
 from numesh.nn.walk import row_chunks as stage_row_chunks
-from numesh.padding import round_up
+from numesh.perf import formulas
 from numesh.pipeline.schedules import Schedule
 from numesh.pipeline.stages import StageLayout
 from numesh.plan.layout import Layout, ModelSpec, schedule_of

@@ -6,7 +6,7 @@ twice per layout, for thousands of layouts of the same few schedules.
 schedule shape here (`_plan`: each action of that order as its rank, kind and the positions
 of what it waits for); a call is then one pass of additions and maxima. Same numbers as
 `simulate` (tests/test_plan.py compares them on every schedule). Calling `simulate` itself
-was most of a large plan's time; `python -m cProfile -s cumtime -m numesh_cli.app plan
+was most of a large plan's time; `python -m cProfile -s cumtime -m numesh.cli.app plan
 --model gpt2-xl --ranks 16 --hardware a100-80gb` shows where a plan's time goes.
 """
 

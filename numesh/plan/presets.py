@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from numesh.errors import ConfigError
+from numesh.base.errors import ConfigError
 
 
 @attrs.frozen

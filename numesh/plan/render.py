@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from numesh.plan import Prediction
+from numesh.plan.predict import Prediction
 
 
 def human_bytes(n: float) -> str:

@@ -7,7 +7,7 @@ one stage, where every schedule is gradient accumulation: 1F1B, which holds one
 micro-batch's activations, is the one listed), with virtual stages for the interleaved one;
 each with sequence parallelism off and (when tp > 1) on, and activation recomputation none
 and full. cp runs over the divisors of N that split block_size into 2·cp chunks.
-Each is kept only if `numesh.config.check_layout` accepts it: the planner never lists a
+Each is kept only if `numesh.run.config.check_layout` accepts it: the planner never lists a
 layout that training would refuse.
 
 Beyond `SCALE_RANKS` ranks the search keeps to seconds by trying micro-batch counts that
@@ -29,9 +29,9 @@ from typing import Callable, Iterator
 
 import attrs
 
-from numesh.config import TrainConfig, check_layout
-from numesh.errors import UserError
+from numesh.base.errors import UserError
 from numesh.plan.layout import Layout, ModelSpec, divisors
+from numesh.run.config import TrainConfig, check_layout
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE = ("none", "full")

@@ -1,5 +1,5 @@
 """Predicted step time of a layout: compute, exposed communication per axis, pipeline
-bubble and optimiser, from a hardware profile and `numesh.formulas`.
+bubble and optimiser, from a hardware profile and `numesh.perf.formulas`.
 
 Compute is the sum of a stage's GEMMs (each timed by the profile at its exact shape) and
 numesh's element-wise kernels, per micro-batch and action kind (F, B = input grads, W =
@@ -38,9 +38,9 @@ import math
 
 import attrs
 
-from numesh import formulas
+from numesh.base.padding import ceil_div, padded_vocab, round_up
 from numesh.nn.attention import QUERY_TILE
-from numesh.padding import ceil_div, padded_vocab, round_up
+from numesh.perf import formulas
 from numesh.plan.hardware import Measured, Profile
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
 from numesh.plan.memory import block_sizes, rank_layers, unit_sizes

@@ -18,12 +18,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from numesh import dataset_write as dw
-from numesh.corpus import Reading, check_unchanged, describe, documents, expand
-from numesh.errors import DataError
-from numesh.files import write_atomic
-from numesh.shards import ShardWriter, token_dtype
-from numesh.tokenizer import EOT, HFTokenizer, train_bpe
+from numesh.base.errors import DataError
+from numesh.base.files import write_atomic
+from numesh.data import write as dw
+from numesh.data.corpus import Reading, check_unchanged, describe, documents, expand
+from numesh.data.shards import ShardWriter, token_dtype
+from numesh.data.tokenizer import EOT, HFTokenizer, train_bpe
 
 TOKENIZER_FILE = "tokenizer.json"
 BATCH_DOCS = 512  # documents per batch encoding: enough to keep every core busy
@@ -101,7 +101,7 @@ def refuse_early(out: Path, files: list[dict[str, Any]], how: Reading, val_fract
                  tokenizer: dict[str, Any] | int, overwrite: bool) -> None:
     """Before the corpus is read: a complete sharded dataset in `out` made of other inputs
     (`files`: the corpus as `describe` found it) is replaced only with `overwrite`
-    (`numesh.dataset_write.publish` compares the ids themselves at the end; this spares
+    (`numesh.data.write.publish` compares the ids themselves at the end; this spares
     tokenising a corpus only to be refused)."""
     old = None if overwrite else dw.existing(out)
     if old is not None and "shards" in old and not _same_inputs(old, files, how, val_fraction, tokenizer):

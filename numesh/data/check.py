@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import attrs
 import numpy as np
 
-from numesh.errors import DataError
+from numesh.base.errors import DataError
 
 META_FILE = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"

@@ -82,7 +82,7 @@ def check_mode() -> None:
     """A NUMESH_KERNELS this module does not know is a one-line error (a ConfigError), raised
     at a command's start-up rather than here at import: `cuda` once ran numba silently."""
     if _MODE not in MODES and _MODE != "":
-        from numesh.errors import ConfigError
+        from numesh.base.errors import ConfigError
 
         raise ConfigError(f"NUMESH_KERNELS={os.environ.get('NUMESH_KERNELS', '')!r} is not one of "
                           f"{', '.join(MODES)} (or unset/empty for numba when installed)")

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
-from numesh.errors import DataError
+from numesh.base.errors import DataError
 
 SHARD_TOKENS = 1 << 26  # ids per shard file: 128 MiB of uint16, 256 MiB of uint32
 
@@ -94,7 +94,7 @@ class TokenStream:
     modification time changes under the stream is one too (checked with one fstat per file
     a read touches). `hint` ends those messages: how to rebuild the dataset.
 
-    `rows(offsets, length)` is what `numesh.data.read_rows` uses; `read`, `len`, indexing
+    `rows(offsets, length)` is what `numesh.data.batches.read_rows` uses; `read`, `len`, indexing
     and `np.asarray` (the whole stream) serve everything else."""
 
     def __init__(self, files: Sequence[tuple[Path, int]], dtype: np.dtype, hint: str = "",
@@ -126,7 +126,7 @@ class TokenStream:
 
     @property
     def handles(self) -> dict[str, int]:
-        """File name -> the open handle this stream reads (for `numesh.dataset_check.verify`)."""
+        """File name -> the open handle this stream reads (for `numesh.data.check.verify`)."""
         return {f.path.name: f.fd for f in self._files}
 
     def close(self) -> None:
@@ -230,7 +230,7 @@ class TokenStream:
 
 def open_split(data_dir: Path, meta: dict[str, Any], split: str, hint: str, dir_fd: int | None = None) -> TokenStream:
     """`split`'s shards as a sharded dataset's meta.json lists them (their sizes checked by
-    `numesh.dataset_check.check`), opened in `data_dir` or the directory `dir_fd` holds open."""
+    `numesh.data.check.check`), opened in `data_dir` or the directory `dir_fd` holds open."""
     d = Path(data_dir)
     try:
         dtype = np.dtype({"uint16": "<u2", "uint32": "<u4"}[meta["dtype"]])

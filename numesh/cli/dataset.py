@@ -43,21 +43,22 @@ def download_bar(what: str = "download") -> Iterator[Callable[[int, int], None]]
 
 
 def ensure_run_dataset(data_dir: str | Path) -> Path:
-    """`numesh.data.ensure_dataset` on rank 0 of COMM_WORLD, its result shared with every rank.
+    """`numesh.data.char.ensure_dataset` on rank 0 of COMM_WORLD, its result shared with every rank.
 
     Prints rank 0's note (a download, the offline fallback) as one line on stderr. Raises
     the same DataError on every rank when rank 0 failed or a rank cannot see the dataset."""
     from mpi4py import MPI
 
-    from numesh import data as D
-    from numesh.errors import DataError
+    from numesh.base.errors import DataError
+    from numesh.data.char import ensure_dataset
+    from numesh.data.dataset import META_FILE
 
     comm = MPI.COMM_WORLD
     status: tuple[str, str | None] | None = None
     if comm.Get_rank() == 0:
         try:
             with download_bar("tiny Shakespeare") as progress:
-                _, note = D.ensure_dataset(data_dir, progress=progress)
+                _, note = ensure_dataset(data_dir, progress=progress)
             status = ("ok", note)
         except DataError as e:  # the others wait in bcast: tell them instead of raising alone
             status = ("error", str(e))
@@ -69,7 +70,7 @@ def ensure_run_dataset(data_dir: str | Path) -> Path:
         print(text, file=sys.stderr, flush=True)
     path = Path(data_dir)
     if comm.Get_size() > 1:
-        seen = comm.allreduce(int((path / D.META_FILE).is_file()), op=MPI.MIN)
+        seen = comm.allreduce(int((path / META_FILE).is_file()), op=MPI.MIN)
         if not seen:
             raise DataError(
                 f"rank 0 prepared {path} but some ranks cannot see it: put it on a filesystem "

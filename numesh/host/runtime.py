@@ -21,9 +21,9 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from numesh.errors import ConfigError, Interrupted, abort_job
-from numesh.files import os_reason, write_atomic
-from numesh.threads import over_batch, set_cores, set_threads
+from numesh.base.errors import ConfigError, Interrupted, abort_job
+from numesh.base.files import os_reason, write_atomic
+from numesh.host.threads import over_batch, set_cores, set_threads
 
 T = TypeVar("T")
 
@@ -122,7 +122,7 @@ def keep_freed_memory() -> bool:
 def configure_process(threads: int | None = None, comm: MPI.Comm | None = None) -> int:
     """Per-rank set-up before heavy work: BLAS threads and allocator reuse. Returns the threads.
     A bad NUMESH_KERNELS or thread variable in the environment is a ConfigError here."""
-    from numesh.kernels import check_mode  # here, not at the top: numba loads with it
+    from numesh.host.kernels import check_mode  # here, not at the top: numba loads with it
 
     check_mode()
     keep_freed_memory()

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Protocol, Sequence
 import attrs
 import numpy as np
 
-from numesh.errors import DataError
+from numesh.base.errors import DataError
 
 TOKEN_DTYPE = np.dtype("<u2")  # a character dataset's ids: uint16, as nanoGPT's .bin files
 _MAX_VOCAB = int(np.iinfo(TOKEN_DTYPE).max) + 1

@@ -17,9 +17,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from numesh import data as D
-from numesh.errors import ConfigError
-from numesh.interrupt import parse_signals
+from numesh.base.errors import ConfigError
+from numesh.data.dataset import SPLITS, load_split, load_tokenizer
+from numesh.host.interrupt import parse_signals
 from numesh.mesh import parse_mesh
 from numesh.nn.gpt import GPTConfig
 from numesh.nn.walk import check_recompute
@@ -28,7 +28,7 @@ from numesh.pipeline.schedules import make_schedule
 from numesh.pipeline.stages import StageLayout
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
-RESUME_AUTO = "auto"  # --resume auto: OUT/ckpt/latest if there is one (numesh.rundir.latest_checkpoint)
+RESUME_AUTO = "auto"  # --resume auto: OUT/ckpt/latest if there is one (numesh.run.rundir.latest_checkpoint)
 MESH_AUTO = "auto"  # --mesh auto: the planner's layout for the job's ranks (numesh.plan.auto, from the CLI)
 _PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
@@ -199,9 +199,9 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
         raise ConfigError(f"--out {cfg.out} is a file, not a directory: name a directory for the run")
     if Path(cfg.out).resolve() == Path(cfg.data).resolve():
         raise ConfigError(f"--out {cfg.out} is the dataset directory --data: name another directory for the run")
-    tok = D.load_tokenizer(cfg.data)
-    for split in D.SPLITS:
-        n = len(D.load_split(cfg.data, split))
+    tok = load_tokenizer(cfg.data)
+    for split in SPLITS:
+        n = len(load_split(cfg.data, split))
         if n <= cfg.block_size:
             raise ConfigError(f"block_size={cfg.block_size} is larger than the {n}-token {split} split: "
                               "use a smaller --block-size")
@@ -333,7 +333,7 @@ def _check_schedule(name: str, pp: int, micro_batches: int, virtual_stages: int)
     """`make_schedule` builds and validates it or raises; remembered when it passes (only that:
     no schedule is kept). `numesh plan` asks about the same shape for every ZeRO stage, cp, sp
     and recompute setting, and rebuilding it each time was a large share of a big plan
-    (`python -m cProfile -s cumtime -m numesh_cli.app plan --model gpt3-175b --ranks 1024
+    (`python -m cProfile -s cumtime -m numesh.cli.app plan --model gpt3-175b --ranks 1024
     --hardware a100-80gb` shows where a plan's time goes)."""
     make_schedule(name, pp, micro_batches, virtual_stages)
 

@@ -31,10 +31,10 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from numesh import dataset_check as dc
-from numesh.errors import DataError
-from numesh.files import write_atomic
-from numesh.observe.witness import alive
+from numesh.base.errors import DataError
+from numesh.base.files import write_atomic
+from numesh.base.process import alive
+from numesh.data import check as dc
 
 _OWNED = re.compile(r"^(meta\.json|tokenizer\.json|(train|val)(-\d+)?\.bin)$")  # a dataset's files, never carried
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>writing|old)-(?P<host>.+)-(?P<pid>\d+)$")

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 import attrs
 
-from numesh.errors import DataError
+from numesh.base.errors import DataError
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 _READ = 1 << 20  # bytes per read when streaming or hashing

@@ -22,10 +22,10 @@ from typing import Any
 
 from mpi4py import MPI
 
+from numesh.base.errors import ConfigError, abort_job
+from numesh.base.files import os_reason, write_atomic
 from numesh.checkpoint.save import LATEST
-from numesh.errors import ConfigError, abort_job
-from numesh.files import os_reason, write_atomic
-from numesh.runtime import rank_ranges
+from numesh.host.runtime import rank_ranges
 
 LOCK_FILE = ".lock"
 RUN_FILES = ("config.json", "metrics.jsonl")  # what makes a directory a run's

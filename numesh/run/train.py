@@ -21,16 +21,21 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
-from numesh import data as D
-from numesh import formulas, kernels
+from numesh.base.errors import ConfigError, DataError, Interrupted, Preempted, abort_job
+from numesh.base.tree import tree_leaves, tree_map
 from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
 from numesh.checkpoint.background import AsyncCheckpoints
 from numesh.checkpoint.format import step_dir_name
 from numesh.checkpoint.init_from import load_init
 from numesh.checkpoint.model import shard_params
-from numesh.config import DTYPES, RESUME_AUTO, TrainConfig, check_layout, check_options, config_from, validate  # noqa: F401  (re-exported: numesh.train's old names)
-from numesh.errors import ConfigError, DataError, Interrupted, Preempted, abort_job
-from numesh.interrupt import InterruptWatch, parse_signals
+from numesh.data.batches import eval_key, local_batch, train_key
+from numesh.data.dataset import Dataset, bits_per_byte, bytes_per_token, open_dataset, verify_dataset
+from numesh.data.shards import TokenStream
+from numesh.host import kernels
+from numesh.host.interrupt import InterruptWatch, parse_signals
+from numesh.host.runtime import dp_hint, host_map, log
+from numesh.host.runtime import job_peak_flops as measured_peak_flops
+from numesh.host.threads import threads
 from numesh.mesh import AXES, BATCH_AXES, Mesh, psum, psum_scalar, unshard
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
@@ -43,14 +48,12 @@ from numesh.observe.spool import PARTS_DIR
 from numesh.observe.trace import Tracer
 from numesh.optim import AdamWConfig, clip_scale, cosine_lr
 from numesh.optim.zero import ZeroOptimizer
+from numesh.perf import formulas
 from numesh.pipeline.executor import PipelineExecutor, StepStats
 from numesh.pipeline.schedules import make_schedule
 from numesh.pipeline.stages import StageLayout, gather_stages, stage_tree
-from numesh.rundir import RunDir, check_shared, latest_checkpoint
-from numesh.runtime import dp_hint, host_map, log
-from numesh.runtime import job_peak_flops as measured_peak_flops
-from numesh.threads import threads
-from numesh.tree import tree_leaves, tree_map
+from numesh.run.config import DTYPES, RESUME_AUTO, TrainConfig, check_layout, check_options, config_from, validate  # noqa: F401  (re-exported: numesh.run.train's old names)
+from numesh.run.rundir import RunDir, check_shared, latest_checkpoint
 
 
 class Diverged(ConfigError):
@@ -69,17 +72,17 @@ def flops_per_token(model: GPTConfig, n_params: int) -> float:
     return formulas.flops_per_token(model.n_layer, model.n_embd, model.block_size, active)
 
 
-def open_run_dataset(path: str, comm: MPI.Comm) -> D.Dataset:
-    """The run's dataset (`numesh.data.open_dataset`), opened on every rank and checked once:
-    rank 0 reads every byte (`numesh.data.verify_dataset`: each file's sha256 against
+def open_run_dataset(path: str, comm: MPI.Comm) -> Dataset:
+    """The run's dataset (`numesh.data.dataset.open_dataset`), opened on every rank and checked once:
+    rank 0 reads every byte (`numesh.data.dataset.verify_dataset`: each file's sha256 against
     meta.json, every id below the vocabulary; 1.7 GB/s, docs/data.md) and all ranks must
     have opened the same meta.json (a rewrite as the job starts could give ranks different
     data). Otherwise the same one-line DataError on every rank. Collective."""
     ds, error = None, None
     try:
-        ds = D.open_dataset(path)
+        ds = open_dataset(path)
         if comm.Get_rank() == 0:
-            D.verify_dataset(ds)
+            verify_dataset(ds)
     except DataError as e:
         error = str(e)
     mine = (error, ds.meta_sha256 if ds is not None else None)
@@ -121,7 +124,7 @@ class Trainer:
         self.last_stats: StepStats | None = None
         self.train_data = self.dataset.split("train")
         self.val_data = self.dataset.split("val")
-        self.bytes_per_token = D.bytes_per_token(self.dataset)  # for bits per byte at evaluations
+        self.bytes_per_token = bytes_per_token(self.dataset)  # for bits per byte at evaluations
         self.step = 0
         self.skipped = 0  # steps not applied because their loss or gradient was not finite
         self.n_params = sum(math.prod(s) for s in tree_leaves(gpt_global_shapes(self.model)))
@@ -148,10 +151,10 @@ class Trainer:
         c = self.cfg
         return cosine_lr(step, c.learning_rate, c.min_lr, c.warmup_iters, c.lr_decay_iters)
 
-    def _micro_batches(self, data: D.TokenStream, key: tuple[int, ...], count: int) -> list:
+    def _micro_batches(self, data: TokenStream, key: tuple[int, ...], count: int) -> list:
         c, mesh = self.cfg, self.mesh
         try:
-            return D.local_batch(data, key, c.batch_size, c.block_size, mesh.index(BATCH_AXES), mesh.size(BATCH_AXES),
+            return local_batch(data, key, c.batch_size, c.block_size, mesh.index(BATCH_AXES), mesh.size(BATCH_AXES),
                                  count, mesh.index("cp"), mesh.size("cp"))
         except DataError as e:  # a file truncated or rewritten under the run, seen by this rank
             if mesh.world.Get_size() > 1:  # alone: the others would wait for it forever
@@ -163,7 +166,7 @@ class Trainer:
         """One optimiser step on the global batch of `self.step`: (loss, grad norm, lr)."""
         c, mesh, tr = self.cfg, self.mesh, self.trace
         t_step = time.perf_counter()
-        micro = self._micro_batches(self.train_data, D.train_key(c.seed, self.step), c.micro_batches)
+        micro = self._micro_batches(self.train_data, train_key(c.seed, self.step), c.micro_batches)
         if tr is not None:
             tr.step = self.step
             tr.span("data", "data", t_step)
@@ -209,11 +212,11 @@ class Trainer:
         out = {}
         t0 = time.perf_counter()
         for split, data in (("train", self.train_data), ("val", self.val_data)):
-            batches = [self._micro_batches(data, D.eval_key(c.seed, split, i), 1)[0] for i in range(c.eval_iters)]
+            batches = [self._micro_batches(data, eval_key(c.seed, split, i), 1)[0] for i in range(c.eval_iters)]
             total = self.pipeline.forward_losses(batches)
             total = psum_scalar(total, mesh, formulas.loss_axes(mesh.shape))
             out[f"{split}_loss"] = total / (c.eval_iters * self.tokens_per_step)
-            out[f"{split}_bpb"] = D.bits_per_byte(out[f"{split}_loss"], self.bytes_per_token[split])
+            out[f"{split}_bpb"] = bits_per_byte(out[f"{split}_loss"], self.bytes_per_token[split])
         if self.trace is not None:
             self.trace.span("evaluate", "eval", t0, None, {"step": self.step})
         return out
@@ -339,7 +342,7 @@ class TrainResult:
 def job_peak_flops(trainer: Trainer) -> tuple[float, str]:
     """MFU's denominator for the whole job and where it came from: --peak-flops, or the cores
     the job uses times one core's matmul peak, the best reading kept per machine
-    (numesh.runtime.job_peak_flops). Collective."""
+    (numesh.host.runtime.job_peak_flops). Collective."""
     if trainer.cfg.peak_flops > 0:
         return trainer.cfg.peak_flops, "--peak-flops"
     return measured_peak_flops(trainer.mesh.world, threads(), trainer.dtype)
@@ -389,7 +392,7 @@ def _diverged(d: Diverged, cfg: TrainConfig, out: Path) -> ConfigError:
 
 def _check_hosts(comm: MPI.Comm, out: Path) -> None:
     """On several ranks, say which run on which host (one line), and check that every rank
-    sees the files rank 0 writes under `out` (numesh.rundir.check_shared; NUMESH_INJECT's
+    sees the files rank 0 writes under `out` (numesh.run.rundir.check_shared; NUMESH_INJECT's
     `unshared` makes a rank look elsewhere). Collective."""
     if comm.Get_size() > 1:
         log(host_map(comm))

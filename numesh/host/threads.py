@@ -17,14 +17,14 @@ BLAS or pool thread that has gone idle takes ~0.1 ms to wake, paid by each of th
 matmuls of a step.
 
 One thread model: numesh owns a rank's threads and BLAS runs on one thread
-(`numesh.runtime.set_blas_threads`). Two pools (OpenBLAS's and numesh's) on the same
+(`numesh.host.runtime.set_blas_threads`). Two pools (OpenBLAS's and numesh's) on the same
 cores fought: each BLAS call on several threads must wake the others, and when the cores
 are busy (other ranks, or numesh's own workers) a wake-up waits for a scheduler slice
 (benchmarks/bench_node.py measures the thread sweep).
 
 Nothing is handed to another thread when the hand-off (~20 µs) would outweigh the work:
 `over_rows` takes a minimum rows per chunk and `matmul` one of `MIN_CHUNK_FLOPS` per thread.
-The thread count follows `numesh.runtime.set_blas_threads` (ranks × threads = cores);
+The thread count follows `numesh.host.runtime.set_blas_threads` (ranks × threads = cores);
 with one thread, as in an oversubscribed MPI job, the same tiles run one after another.
 """
 
@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 
 import numpy as np
 
-from numesh.tree import tree_map
+from numesh.base.tree import tree_map
 
 T = TypeVar("T")
 
@@ -183,7 +183,7 @@ _cores = max(1, os.cpu_count() or 1)
 
 
 def set_cores(n: int) -> int:
-    """The cores this rank may use (numesh.runtime.set_blas_threads: the machine's cores over
+    """The cores this rank may use (numesh.host.runtime.set_blas_threads: the machine's cores over
     the ranks on it), which bound how finely work is tiled; returns n."""
     global _cores
     _cores = max(1, int(n))
@@ -208,7 +208,7 @@ def tiles(n: int, min_rows: int, most: int) -> tuple[slice, ...]:
 def over_tiles(fn: Callable[[int], T], count: int, k: int | None = None) -> list[T]:
     """`fn(i)` for each of `count` tiles, dealt to at most `k` threads (default: all) in
     contiguous runs; the results in tile order. BLAS stays as it is (single-threaded under
-    numesh.runtime)."""
+    numesh.host.runtime)."""
     k = min(_threads, count) if k is None else max(1, min(k, _threads, count))
     out: list = [None] * count
 

@@ -21,12 +21,12 @@ report covers the whole steps it holds and says so). What it measures, per rank 
   measured action times (the schedule's bubble for exactly the work that ran: what the
   measurement has beyond it is overhead, pipeline messages and code between actions).
 * **Bytes per axis per step**: every call's payload (sends, not receives) by axes and op,
-  beside `numesh.formulas.step_bytes` for this rank's units (with ep, the experts' token
+  beside `numesh.perf.formulas.step_bytes` for this rank's units (with ep, the experts' token
   all-to-alls from the routing counts each step span records).
 * **MFU**: achieved FLOP/s (FLOPs per token × tokens per step / mean step time) over the
   job's peak (`--peak-flops`, or the cores the job uses times one core's matmul peak,
-  the best reading kept per machine: `numesh.runtime.job_peak_flops`), not clamped
-  (`numesh.formulas.mfu`).
+  the best reading kept per machine: `numesh.host.runtime.job_peak_flops`), not clamped
+  (`numesh.perf.formulas.mfu`).
 * **Slowest rank**: the one the others wait for. A rank's waiting is the time it was
   blocked in communication while a collective's last member had not begun it yet
   (`wait_ms`, from aligned begin times; several nonblocking calls waiting at once count
@@ -44,11 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from numesh import formulas
-from numesh.errors import TraceError
-from numesh.files import write_atomic
+from numesh.base.errors import TraceError
+from numesh.base.files import write_atomic
 from numesh.observe.spool import PARTS_DIR
 from numesh.observe.trace import recover as recover_trace
+from numesh.perf import formulas
 from numesh.pipeline.schedules import make_schedule
 
 CATEGORIES = ("compute", "comm", "bubble", "optimizer", "other")
@@ -452,7 +452,7 @@ def render(rep: dict[str, Any]) -> str:
             got, want = by["measured"].get(k, 0), by["formula"].get(k, 0)
             parts.append(f"{k} {_mb(got)}" + ("" if got == want else f" (formula {_mb(want)})"))
         lines.append(f"  rank {r}: " + ("; ".join(parts) if parts else "nothing"))
-    lines.append("  every rank matches the formulas" if rep["bytes_match"] else "  MISMATCH with numesh.formulas")
+    lines.append("  every rank matches the formulas" if rep["bytes_match"] else "  MISMATCH with numesh.perf.formulas")
     f, s = rep["flops"], rep["slowest"]
     lines += [
         "",

@@ -34,8 +34,8 @@ app.add_typer(data_app, name="data")
 
 
 def _run(fn):
-    from numesh.errors import USER_ERRORS
-    from numesh.runtime import guarded
+    from numesh.base.errors import USER_ERRORS
+    from numesh.host.runtime import guarded
 
     return guarded(fn, USER_ERRORS)
 
@@ -61,20 +61,20 @@ def data_shakespeare_char(
     """Character-level tiny Shakespeare: train.bin / val.bin (uint16, 90/10) and meta.json.
 
     Without --src the download is cached as OUT/input.txt, so running this again is offline."""
-    from numesh import data as D
-    from numesh import dataset_write as dw
-    from numesh_cli.dataset import download_bar
+    from numesh.cli.dataset import download_bar
+    from numesh.data import write as dw
+    from numesh.data.char import file_corpus, prepare_char_dataset, read_source, shakespeare_corpus, shakespeare_text
 
     def go() -> None:
         dw.target(out)  # a bad --out before the download
         if src is not None:
-            text = D.read_source(src)
-            corpus = D.file_corpus(src, text)
+            text = read_source(src)
+            corpus = file_corpus(src, text)
         else:
             with download_bar("tiny Shakespeare") as progress:
-                text, _ = D.shakespeare_text(out, progress)
-            corpus = D.shakespeare_corpus(text)
-        _wrote(D.prepare_char_dataset(text, out, corpus, overwrite), out)
+                text, _ = shakespeare_text(out, progress)
+            corpus = shakespeare_corpus(text)
+        _wrote(prepare_char_dataset(text, out, corpus, overwrite), out)
 
     _run(go)
 
@@ -86,12 +86,12 @@ def data_char(
     overwrite: bool = typer.Option(False, "--overwrite", help=_OVERWRITE_HELP),
 ) -> None:
     """Character-level dataset from any text file: train.bin / val.bin (uint16, 90/10) and meta.json."""
-    from numesh import data as D
+    from numesh.data.char import file_corpus, prepare_char_dataset, read_source
 
     def go() -> None:
-        text = D.read_source(src)
+        text = read_source(src)
         dest = out if out is not None else Path("data") / src.stem
-        _wrote(D.prepare_char_dataset(text, dest, D.file_corpus(src, text), overwrite), dest)
+        _wrote(prepare_char_dataset(text, dest, file_corpus(src, text), overwrite), dest)
 
     _run(go)
 
@@ -119,9 +119,9 @@ def data_bpe(
 ) -> None:
     """Train a byte-level BPE on a corpus (deterministic for the same inputs and size), then
     tokenise the corpus with it into token shards: documents end with <|endoftext|>."""
-    from numesh.corpus import Reading
-    from numesh.text_dataset import prepare_bpe
-    from numesh_cli.dataset import download_bar
+    from numesh.cli.dataset import download_bar
+    from numesh.data.corpus import Reading
+    from numesh.data.sharded import prepare_bpe
 
     def go() -> None:
         with download_bar("tokenising") as progress:
@@ -144,10 +144,10 @@ def data_tokenize(
     overwrite: bool = typer.Option(False, "--overwrite", help=_OVERWRITE_HELP),
 ) -> None:
     """Tokenise a corpus with an existing Hugging Face tokenizer into token shards."""
-    from numesh.corpus import Reading
-    from numesh.text_dataset import prepare_tokenized, rebuild_command
-    from numesh.tokenizer import HFTokenizer
-    from numesh_cli.dataset import download_bar
+    from numesh.cli.dataset import download_bar
+    from numesh.data.corpus import Reading
+    from numesh.data.sharded import prepare_tokenized, rebuild_command
+    from numesh.data.tokenizer import HFTokenizer
 
     def go() -> None:
         tok = HFTokenizer.from_file(tokenizer, eot)
@@ -169,7 +169,7 @@ def _shown(default: Any) -> str:
 
 def _train_signature() -> inspect.Signature:
     """One option per TrainConfig field (None = not given, so --config values survive)."""
-    from numesh.config import TrainConfig, field_type
+    from numesh.run.config import TrainConfig, field_type
 
     params = [
         inspect.Parameter(
@@ -222,12 +222,12 @@ def train_cmd(**options: Any) -> None:
     def go() -> None:
         from mpi4py import MPI
 
-        from numesh.config import check_options, config_from
+        from numesh.cli.dataset import ensure_run_dataset
+        from numesh.host.runtime import configure_process, is_root, log
         from numesh.plan.auto import auto_layout
         from numesh.plan.fits import check_run_fits
-        from numesh.runtime import configure_process, is_root, log
-        from numesh.train import train
-        from numesh_cli.dataset import ensure_run_dataset
+        from numesh.run.config import check_options, config_from
+        from numesh.run.train import train
 
         configure_process()
         given = {k: v for k, v in options.items() if k not in ("config", "model_preset")}
@@ -241,7 +241,7 @@ def train_cmd(**options: Any) -> None:
             result = train(cfg, on_step=progress.update)
         val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
         if cfg.trace and is_root():  # the trace was written on rank 0 at the end of train()
-            from numesh import report
+            from numesh.perf import report
 
             print(report.render(report.report_of(cfg.out)), file=sys.stderr)
         log(
@@ -282,8 +282,8 @@ def plan_cmd(**options: Any) -> None:
     """Predict memory per rank and step time of every layout of a model on --ranks ranks, fastest first."""
 
     def go() -> None:
+        from numesh.host.runtime import configure_process, is_root, log
         from numesh.plan.command import check_mode, run_calibrate, run_plan
-        from numesh.runtime import configure_process, is_root, log
 
         check_mode(options["calibrate"], options["ranks"], options["memory_per_rank"], options["profile_out"])
         plan_keys = {name for name, _, _ in _PLAN_OPTIONS} | {"config"}
@@ -320,7 +320,7 @@ class _Progress:
     """A rich progress bar on rank 0 (stderr), showing loss, val loss and speed."""
 
     def __init__(self, total: int):
-        from numesh.runtime import is_root
+        from numesh.host.runtime import is_root
 
         self.total, self.bar, self.task = total, None, None
         if is_root():
@@ -391,8 +391,8 @@ def sample_cmd(
     """Generate text from a checkpoint: prints the prompt and its continuation on stdout."""
 
     def go() -> None:
-        from numesh.runtime import configure_process, is_root
-        from numesh.sample import SampleConfig, sample
+        from numesh.host.runtime import configure_process, is_root
+        from numesh.run.sample import SampleConfig, sample
 
         configure_process()
         cfg = SampleConfig(str(ckpt), prompt, max_new_tokens, temperature, top_k or None, seed, num_samples, mesh,
@@ -438,8 +438,8 @@ def export_cmd(
     AutoModelForCausalLM / AutoTokenizer.from_pretrained, offline and without custom code."""
 
     def go() -> None:
+        from numesh.base.errors import ConfigError
         from numesh.checkpoint import export_hf, export_nanogpt
-        from numesh.errors import ConfigError
 
         if format not in ("nanogpt", "hf"):
             raise ConfigError(f"--format must be nanogpt or hf, got {format!r}")
@@ -463,9 +463,9 @@ def report_cmd(
     def go() -> None:
         import json
 
-        from numesh import report
-        from numesh.errors import ConfigError
+        from numesh.base.errors import ConfigError
         from numesh.observe.flight import postmortem
+        from numesh.perf import report
 
         path = out / "trace.json" if out.is_dir() else out
         diagnosis = postmortem(out / "flight") if out.is_dir() else None
@@ -494,7 +494,7 @@ def plot_cmd(
     """Plot train/val loss and tokens/s against steps for one or more runs, on one figure."""
 
     def go() -> None:
-        from numesh.plot import plot_runs
+        from numesh.run.plot import plot_runs
 
         path, _ = plot_runs(runs, out)
         print(path)

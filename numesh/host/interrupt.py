@@ -23,7 +23,7 @@ that never comes, and the job hangs (6 of 6 tries with pp=2, issue #18).
   `repeat_s` after the first, so that one Ctrl-C delivered twice counts once) aborts at once.
 
 It knows nothing of models: the caller decides what to save and what to raise
-(`numesh.errors.Interrupted`, which `numesh.runtime.guarded` turns into exit code 130).
+(`numesh.base.errors.Interrupted`, which `numesh.host.runtime.guarded` turns into exit code 130).
 The flag all-reduce goes straight to the communicator, not through the mesh's byte
 counter, so the per-step traffic that tests and formulas count is unchanged. The watchdog
 calls MPI_Abort from its own thread, which MPI allows under MPI_THREAD_MULTIPLE, the level
@@ -44,7 +44,7 @@ from typing import Iterator
 import numpy as np
 from mpi4py import MPI
 
-from numesh.errors import ConfigError, Interrupted, abort_job
+from numesh.base.errors import ConfigError, Interrupted, abort_job
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # what --save-on-signal may name: the signals schedulers send ahead of a kill (Slurm's

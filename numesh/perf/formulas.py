@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Sequence
 
 import attrs
 
-from numesh.padding import padded_vocab, round_up
+from numesh.base.padding import padded_vocab, round_up
 from numesh.pipeline.schedules import Schedule, simulate
 
 SCALAR = 8  # one float64 all-reduced (loss, gradient norm)
@@ -288,7 +288,7 @@ def bubble(schedule: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 
 # between steps, `StepStats.peak_bytes` (the `nbytes` of the contexts the executor holds)
 # for activations. The planner (numesh.plan) builds its predictions from these.
 
-TOKEN_ID_BYTES = 8  # token ids and targets are int64 (numesh.data.read_rows)
+TOKEN_ID_BYTES = 8  # token ids and targets are int64 (numesh.data.batches.read_rows)
 
 
 def block_params(n_embd: int, tp: int = 1, bias: bool = False) -> int:
@@ -530,7 +530,7 @@ def moe_activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int
                          rows_sent: int, rows_received: int, tp: int = 1, ep: int = 1, capacity: bool = False,
                          recompute: str = "none", itemsize: int = 4, sp: bool = False) -> dict[str, int]:
     """What one MoE block's forward saves for backward on one rank (its `BlockCtx` with
-    `MoECtx`, each buffer counted once as `numesh.tree.held_bytes` does), in bytes, for b =
+    `MoECtx`, each buffer counted once as `numesh.base.tree.held_bytes` does), in bytes, for b =
     `micro_batch` sequences of s = `seq` tokens of this rank (s = seq/cp under cp), N = s·b
     tokens, k = `top_k`, h = `n_embd`, t = `tp`, q = `itemsize`, M = `rows_sent`
     (Σ Dispatch.send: the assignments this rank's tokens kept, N·k less the dropped) and R

@@ -13,15 +13,15 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
+from numesh.base.errors import CheckpointError, ConfigError
+from numesh.base.tree import tree_map
 from numesh.checkpoint import import_nanogpt, read_global
 from numesh.checkpoint.model import shard_params
-from numesh.errors import CheckpointError, ConfigError
+from numesh.data.tokenizer import CharTokenizer, HFTokenizer
 from numesh.mesh import Mesh
 from numesh.mesh.mesh import parse_axis_sizes
 from numesh.nn.decode import logits_cached, logits_last, new_kv_cache
 from numesh.nn.gpt import GPT, GPTConfig
-from numesh.tokenizer import CharTokenizer, HFTokenizer
-from numesh.tree import tree_map
 
 __all__ = ["Checkpoint", "CheckpointError", "SampleConfig", "generate", "load_checkpoint", "sample"]
 

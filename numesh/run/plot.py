@@ -15,8 +15,8 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
-from numesh.errors import PlotError
-from numesh.files import os_reason, write_atomic
+from numesh.base.errors import PlotError
+from numesh.base.files import os_reason, write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 FORMATS = (".png", ".svg")

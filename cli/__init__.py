@@ -1,1 +1,0 @@
-"""The numesh command line (installed as the package `numesh_cli`)."""

@@ -1,0 +1,1 @@
+"""The numesh command line (installed as the package `numesh.cli`)."""
