@@ -38,6 +38,13 @@ class LayerNorm:
     b: np.ndarray | None = None
 
 
+@attrs.frozen
+class RMSNorm:
+    """x / rms(x) * w: LayerNorm without the mean and the bias (Llama's norm)."""
+
+    w: np.ndarray
+
+
 def _rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1])
 
@@ -124,6 +131,42 @@ def layernorm_bwd_reference(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray],
     dxhat -= xhat * mean_dx
     dxhat *= rstd
     return dxhat, LayerNorm(dw, db)
+
+
+def rmsnorm_fwd(p: RMSNorm, x: np.ndarray, eps: float) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """RMSNorm over the last dim, y = x * rstd * w with rstd = 1/sqrt(mean(x^2) + eps); the
+    context is (xhat = x * rstd, rstd [..., 1])."""
+    ms = np.einsum("...i,...i->...", x, x)[..., None] / x.shape[-1]
+    rstd = 1.0 / np.sqrt(ms + eps)
+    xhat = x * rstd
+    return xhat * p.w, (xhat, rstd)
+
+
+def rmsnorm_bwd(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, RMSNorm]:
+    """dx = rstd * (dxhat - xhat * mean(dxhat * xhat)) with dxhat = dy * w; dw sums dy * xhat
+    over tokens (`token_sum`, as LayerNorm's)."""
+    xhat, rstd = ctx
+    dy2, xh2 = _rows(dy), _rows(xhat)
+    dw = token_sum(lambda r: np.einsum("ni,ni->i", dy2[r], xh2[r]), dy2.shape[0])
+    dxhat = dy * p.w
+    dxhat -= xhat * (np.einsum("...i,...i->...", dxhat, xhat)[..., None] / xhat.shape[-1])
+    dxhat *= rstd
+    return dxhat, RMSNorm(dw)
+
+
+def swiglu_fwd(gate: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """SwiGLU's gating: silu(gate) * up, with silu(g) = g * sigmoid(g); the context is
+    (gate, up, sigmoid(gate))."""
+    sig = 1.0 / (1.0 + np.exp(-gate))
+    return gate * sig * up, (gate, up, sig)
+
+
+def swiglu_bwd(ctx: tuple[np.ndarray, np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(d gate, d up): silu'(g) = sig * (1 + g * (1 - sig))."""
+    gate, up, sig = ctx
+    silu = gate * sig
+    dgate = dy * up * sig * (1.0 + gate * (1.0 - sig))
+    return dgate, dy * silu
 
 
 def _chunk_rows(row_len: int, elements: int = 1 << 15) -> int:
