@@ -12,6 +12,11 @@ the softmax passes between them are numba kernels (numesh/kernels.py, `stripe_*`
 NumPy equivalents here. `attention_reference` is the plain definition (the whole T×T
 matrix at once) that both are tested against.
 
+Grouped-query attention (GQA: fewer key/value heads than query heads) is the same kernel:
+q and y are viewed as [B, Hkv, g, T, hs], each kv head's g query heads together, and k, v
+as [B, Hkv, 1, T, hs], so every tile GEMM reads one kv head for its whole group by
+broadcasting, and the backward sums the group's dk, dv in order. Nothing repeats K or V.
+
 Which keys a query sees is one rule, `diag`: query i sees key j iff j <= i + diag. Training
 is diag = 0 (causal), ring attention's off-diagonal blocks see every key (diag >= keys),
 and decoding T new tokens after `pos0` cached ones is diag = pos0.
@@ -122,13 +127,16 @@ def _groups(u0: int, u1: int, H: int, cap: int) -> list[_Group]:
     return out
 
 
-def _stripe(drop: AttnDropout | None, grp: _Group, qpos: np.ndarray, kpos: np.ndarray, dtype) -> _Stripe:
+def _stripe(drop: AttnDropout | None, grp: _Group, qpos: np.ndarray, kpos: np.ndarray, dtype,
+            g: int = 1) -> _Stripe:
+    """The dropout stream of a group's stripe; the group's heads are kv heads, each standing
+    for its `g` query heads (query head h·g + i), in that order."""
     f = np.dtype(dtype).type
     if drop is None or drop.p == 0.0:
-        return _Stripe(np.uint64(0), np.uint64(0), f(1.0), np.zeros((grp.size, len(qpos)), np.uint64),
+        return _Stripe(np.uint64(0), np.uint64(0), f(1.0), np.zeros((grp.size * g, len(qpos)), np.uint64),
                        np.zeros(len(kpos), np.uint64))
     base = np.concatenate([drop.row_base(b, h, qpos)[None] for b in range(grp.b.start, grp.b.stop)
-                           for h in range(grp.h.start, grp.h.stop)])
+                           for h in range(grp.h.start * g, grp.h.stop * g)])
     return _Stripe(np.uint64(drop.key), drop.threshold, f(1.0 / (1.0 - drop.p)), base, kpos.astype(np.uint64))
 
 
@@ -209,6 +217,27 @@ def _key_tiles(q0: int, q1: int, n_keys: int, diag: int) -> list[tuple[int, int,
     return [(j0, min(end, j0 + KEY_TILE), q0 + diag + 1 - j0) for j0 in range(0, end, KEY_TILE)]
 
 
+def kv_group(n_head: int, n_kv_head: int) -> int:
+    """Query heads per key/value head (1 without GQA)."""
+    if n_kv_head < 1 or n_head % n_kv_head:
+        raise ValueError(f"{n_head} query heads do not split into groups over {n_kv_head} key/value heads")
+    return n_head // n_kv_head
+
+
+def _grouped(x: np.ndarray, g: int) -> np.ndarray:
+    """x [B, H, ...] as [B, H/g, g, ...]: query heads h·g ... h·g + g - 1 beside kv head h.
+    A view whatever x's strides (splitting one axis never copies), so writes reach x."""
+    s = x.strides
+    return np.lib.stride_tricks.as_strided(x, (x.shape[0], x.shape[1] // g, g, *x.shape[2:]),
+                                           (s[0], g * s[1], s[1], *s[2:]))
+
+
+def _group_sum(x: np.ndarray, g: int) -> np.ndarray:
+    """A group's contributions to its kv head [.., g, ...] summed in order (axis 2), kept as
+    a size-1 axis; with g = 1 x itself, so the sum adds no rounding."""
+    return x if g == 1 else x.sum(axis=2, keepdims=True)
+
+
 def _positions(pos: np.ndarray | None, n: int) -> np.ndarray:
     return np.arange(n) if pos is None else np.asarray(pos)
 
@@ -228,66 +257,71 @@ def _stripe_pairs(Tq: int) -> list[tuple[int, ...]]:
 def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, scale: float, diag: int = 0,
                drop: AttnDropout | None = None, qpos: np.ndarray | None = None,
                kpos: np.ndarray | None = None) -> np.ndarray:
-    """Softmax attention of q [B, H, Tq, hs] over k, v [B, H, Tk, hs] (views with a unit
-    last stride are fine), query i seeing key j iff j <= i + diag (diag >= 0), written into
-    y [B, H, Tq, hs] (any view); returns each row's log-sum-exp [B, H, Tq] of the scaled
-    scores. `qpos`/`kpos`: the global positions of the queries and keys (default 0..T-1),
-    which only dropout uses. Threads take runs of (batch row, head) pairs, or with fewer
-    pairs than threads runs of stripe pairs: each stripe of each pair is computed alike."""
+    """Softmax attention of q [B, H, Tq, hs] over k, v [B, Hkv, Tk, hs] (views with a unit
+    last stride are fine; H a multiple of Hkv, query head h reading kv head h // (H/Hkv)),
+    query i seeing key j iff j <= i + diag (diag >= 0), written into y [B, H, Tq, hs] (any
+    view); returns each row's log-sum-exp [B, H, Tq] of the scaled scores. `qpos`/`kpos`:
+    the global positions of the queries and keys (default 0..T-1), which only dropout uses.
+    Threads take runs of (batch row, kv head) pairs, or with fewer pairs than threads runs
+    of stripe pairs: each stripe of each pair is computed alike."""
     B, H, Tq, _ = q.shape
-    Tk = k.shape[2]
+    Hk, Tk = k.shape[1], k.shape[2]
     if diag < 0:
         raise ValueError(f"diag must be >= 0 (every query sees the first key), got {diag}")
+    g = kv_group(H, Hk)
     qpos, kpos = _positions(qpos, Tq), _positions(kpos, Tk)
     lse = np.empty((B, H, Tq), q.dtype)
-    cap, pairs = _cap(Tq, Tk), _stripe_pairs(Tq)
-    call = functools.partial(_stripe_fwd, q, k, v, y, lse, scale, diag, drop, qpos, kpos)
+    cap, pairs = max(1, _cap(Tq, Tk) // g), _stripe_pairs(Tq)
+    call = functools.partial(_stripe_fwd, _grouped(q, g), k[:, :, None], v[:, :, None], _grouped(y, g),
+                             lse.reshape(B, Hk, g, Tq), scale, diag, drop, qpos, kpos)
+    size = g * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)  # one pair's scores of a stripe
 
     def by_heads(r: slice) -> None:
-        buf = np.empty(min(cap, r.stop - r.start) * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq), q.dtype)
-        for grp in _groups(r.start, r.stop, H, cap):
+        buf = np.empty(min(cap, r.stop - r.start) * size, q.dtype)
+        for grp in _groups(r.start, r.stop, Hk, cap):
             for q0 in range(0, Tq, QUERY_TILE):
                 call(grp, q0, buf)
 
     def by_stripes(r: slice) -> None:
-        buf = np.empty(min(cap, B * H) * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq), q.dtype)
-        for grp in _groups(0, B * H, H, cap):
+        buf = np.empty(min(cap, B * Hk) * size, q.dtype)
+        for grp in _groups(0, B * Hk, Hk, cap):
             for pair in pairs[r]:
                 for q0 in pair:
                     call(grp, q0, buf)
 
-    if B * H >= threads():
-        over_rows(by_heads, B * H)
+    if B * Hk >= threads():
+        over_rows(by_heads, B * Hk)
     else:
         over_rows(by_stripes, len(pairs))
     return lse
 
 
 def _stripe_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, grp: _Group, q0: int, buf: np.ndarray) -> None:
-    """Query rows [q0, q0 + QUERY_TILE) of one group of (batch row, head) pairs: their y
-    rows and log-sum-exps written."""
-    nb, nh = grp.b.stop - grp.b.start, grp.h.stop - grp.h.start
-    q1 = min(q.shape[2], q0 + QUERY_TILE)
-    rows = q1 - q0
-    qs = q[grp.b, grp.h, q0:q1] * q.dtype.type(scale)  # [nb, nh, rows, hs]
-    m = np.full((nb * nh, rows), -np.inf, q.dtype)
-    l, alpha = np.zeros((nb * nh, rows), q.dtype), np.empty((nb * nh, rows), q.dtype)
+    """Query rows [q0, q0 + QUERY_TILE) of one group of (batch row, kv head) pairs, each with
+    its g query heads (q, y [B, Hkv, g, T, hs], lse [B, Hkv, g, T]; k, v [B, Hkv, 1, T, hs]):
+    their y rows and log-sum-exps written."""
+    nb, nh, g = grp.b.stop - grp.b.start, grp.h.stop - grp.h.start, q.shape[2]
+    q1 = min(q.shape[3], q0 + QUERY_TILE)
+    rows, G = q1 - q0, nb * nh * g
+    qs = q[grp.b, grp.h, :, q0:q1] * q.dtype.type(scale)  # [nb, nh, g, rows, hs]
+    m = np.full((G, rows), -np.inf, q.dtype)
+    l, alpha = np.zeros((G, rows), q.dtype), np.empty((G, rows), q.dtype)
     acc = None
-    for j0, j1, vis0 in _key_tiles(q0, q1, k.shape[2], diag):
-        s4 = buf[: nb * nh * (j1 - j0) * rows].reshape(nb, nh, j1 - j0, rows)
-        np.matmul(k[grp.b, grp.h, j0:j1], qs.swapaxes(-1, -2), out=s4)  # [nb, nh, keys, rows]
-        s = s4.reshape(nb * nh, j1 - j0, rows)
+    for j0, j1, vis0 in _key_tiles(q0, q1, k.shape[3], diag):
+        s4 = buf[: G * (j1 - j0) * rows].reshape(nb, nh, g, j1 - j0, rows)
+        np.matmul(k[grp.b, grp.h, :, j0:j1], qs.swapaxes(-1, -2), out=s4)  # [nb, nh, g, keys, rows]
+        s = s4.reshape(G, j1 - j0, rows)
         _shift(s, vis0, m, alpha)
         np.exp(s, out=s)
-        _sums(s, l, alpha, _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], q.dtype))
-        pv = np.matmul(s4.swapaxes(-1, -2), v[grp.b, grp.h, j0:j1])  # [nb, nh, rows, hs]
+        _sums(s, l, alpha, _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], q.dtype, g))
+        pv = np.matmul(s4.swapaxes(-1, -2), v[grp.b, grp.h, :, j0:j1])  # [nb, nh, g, rows, hs]
         if acc is None:
             acc = pv
         else:
-            acc *= alpha.reshape(nb, nh, rows, 1)
+            acc *= alpha.reshape(nb, nh, g, rows, 1)
             acc += pv
-    np.divide(acc, l.reshape(nb, nh, rows, 1), out=y[grp.b, grp.h, q0:q1])
-    lse[grp.b, grp.h, q0:q1] = (m + np.log(l)).reshape(nb, nh, rows)
+    np.divide(acc, l.reshape(nb, nh, g, rows, 1), out=y[grp.b, grp.h, :, q0:q1])
+    lse[grp.b, grp.h, :, q0:q1] = (m + np.log(l)).reshape(nb, nh, g, rows)
 
 
 def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse: np.ndarray, dd: np.ndarray,
@@ -296,51 +330,58 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
                kpos: np.ndarray | None = None) -> None:
     """Backward of `attend_fwd`, ADDED into dq, dk, dv (so a ring can accumulate): `dy` the
     output's gradient, `lse` the forward's log-sum-exp and `dd` = rowsum(dy·y) [B, H, Tq]
-    (`row_dots`), which the softmax backward needs and a ring computes once. Threads take
-    runs of (batch row, head) pairs; each pair's dk and dv add its stripes in order."""
+    (`row_dots`), which the softmax backward needs and a ring computes once. k, v, dk, dv
+    may have fewer heads than q (GQA, as in `attend_fwd`). Threads take runs of (batch row,
+    kv head) pairs; each pair's dk and dv add its stripes in order."""
     B, H, Tq, _ = q.shape
-    Tk = k.shape[2]
+    Hk, Tk = k.shape[1], k.shape[2]
+    g = kv_group(H, Hk)
     qpos, kpos = _positions(qpos, Tq), _positions(kpos, Tk)
-    cap = _cap(Tq, Tk)
+    cap = max(1, _cap(Tq, Tk) // g)
+    q5, dy5, dq5 = _grouped(q, g), _grouped(dy, g), _grouped(dq, g)  # [B, Hkv, g, T, hs]
+    k5, v5, dk5, dv5 = k[:, :, None], v[:, :, None], dk[:, :, None], dv[:, :, None]  # [B, Hkv, 1, T, hs]
+    lse5, dd5 = _grouped(lse, g), _grouped(dd, g)
 
     def by_heads(r: slice) -> None:
-        size = min(cap, r.stop - r.start) * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)
+        size = min(cap, r.stop - r.start) * g * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)
         bufs = np.empty(size, q.dtype), np.empty(size, q.dtype), np.empty(size, q.dtype)
-        for grp in _groups(r.start, r.stop, H, cap):
+        for grp in _groups(r.start, r.stop, Hk, cap):
             for q0 in range(0, Tq, QUERY_TILE):
-                _stripe_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, grp, q0, bufs)
+                _stripe_bwd(q5, k5, v5, dy5, lse5, dd5, dq5, dk5, dv5, scale, diag, drop, qpos, kpos, grp, q0, bufs)
 
-    over_rows(by_heads, B * H)
+    over_rows(by_heads, B * Hk)
 
 
 def _stripe_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, grp: _Group, q0: int,
                 bufs: tuple[np.ndarray, ...]) -> None:
-    """One stripe of a group: its dq rows, and its share of every visible key's dk, dv."""
+    """One stripe of a group of (batch row, kv head) pairs with their g query heads (shapes
+    as in `_stripe_fwd`): its dq rows, and its share of every visible key's dk, dv, the
+    group's query heads summed in order."""
     f = q.dtype.type
-    b, h = grp.b, grp.h
+    b, h, g = grp.b, grp.h, q.shape[2]
     nb, nh = b.stop - b.start, h.stop - h.start
-    q1 = min(q.shape[2], q0 + QUERY_TILE)
-    rows = q1 - q0
-    qs = q[b, h, q0:q1] * f(scale)  # [nb, nh, rows, hs]
+    q1 = min(q.shape[3], q0 + QUERY_TILE)
+    rows, G = q1 - q0, nb * nh * g
+    qs = q[b, h, :, q0:q1] * f(scale)  # [nb, nh, g, rows, hs]
     dqs = np.zeros(qs.shape, q.dtype)
-    lse_g = np.ascontiguousarray(lse[b, h, q0:q1]).reshape(nb * nh, rows)
-    dd_g = np.ascontiguousarray(dd[b, h, q0:q1]).reshape(nb * nh, rows)
-    dy_s = dy[b, h, q0:q1]
-    for j0, j1, vis0 in _key_tiles(q0, q1, k.shape[2], diag):
-        st = _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], q.dtype)
-        p4, dp4, pd4 = (x[: nb * nh * (j1 - j0) * rows].reshape(nb, nh, j1 - j0, rows) for x in bufs)
-        flat = (nb * nh, j1 - j0, rows)
-        np.matmul(k[b, h, j0:j1], qs.swapaxes(-1, -2), out=p4)
+    lse_g = np.ascontiguousarray(lse[b, h, :, q0:q1]).reshape(G, rows)
+    dd_g = np.ascontiguousarray(dd[b, h, :, q0:q1]).reshape(G, rows)
+    dy_s = dy[b, h, :, q0:q1]
+    for j0, j1, vis0 in _key_tiles(q0, q1, k.shape[3], diag):
+        st = _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], q.dtype, g)
+        p4, dp4, pd4 = (x[: G * (j1 - j0) * rows].reshape(nb, nh, g, j1 - j0, rows) for x in bufs)
+        flat = (G, j1 - j0, rows)
+        np.matmul(k[b, h, :, j0:j1], qs.swapaxes(-1, -2), out=p4)
         _logits(p4.reshape(flat), vis0, lse_g)
-        np.exp(p4, out=p4)  # the attention probabilities [nb, nh, keys, rows]
+        np.exp(p4, out=p4)  # the attention probabilities [nb, nh, g, keys, rows]
         dropped = _dropped(p4.reshape(flat), pd4.reshape(flat), st).reshape(p4.shape)
-        dv[b, h, j0:j1] += np.matmul(dropped, dy_s)
-        np.matmul(v[b, h, j0:j1], dy_s.swapaxes(-1, -2), out=dp4)  # d(probabilities after dropout)
+        dv[b, h, :, j0:j1] += _group_sum(np.matmul(dropped, dy_s), g)
+        np.matmul(v[b, h, :, j0:j1], dy_s.swapaxes(-1, -2), out=dp4)  # d(probabilities after dropout)
         _grad(p4.reshape(flat), dp4.reshape(flat), dd_g, st)  # d(scores)
-        dqs += np.matmul(dp4.swapaxes(-1, -2), k[b, h, j0:j1])
-        dk[b, h, j0:j1] += np.matmul(dp4, qs)
+        dqs += np.matmul(dp4.swapaxes(-1, -2), k[b, h, :, j0:j1])
+        dk[b, h, :, j0:j1] += _group_sum(np.matmul(dp4, qs), g)
     dqs *= f(scale)
-    dq[b, h, q0:q1] += dqs
+    dq[b, h, :, q0:q1] += dqs
 
 
 def row_dots(dy: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -416,8 +457,11 @@ def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, diag: in
                         drop: AttnDropout | None = None, qpos: np.ndarray | None = None,
                         kpos: np.ndarray | None = None) -> np.ndarray:
     """What `attend_fwd` computes, written plainly with the whole [B, H, Tq, Tk] matrix:
-    softmax(q·kᵀ/√hs, keys j > i + diag hidden), dropout, times v."""
+    softmax(q·kᵀ/√hs, keys j > i + diag hidden), dropout, times v; with fewer kv heads,
+    each repeated for its group of query heads."""
     B, H, Tq, hs = q.shape
+    g = kv_group(H, k.shape[1])
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
     Tk = k.shape[2]
     scores = q @ k.swapaxes(-1, -2) / math.sqrt(hs)  # [B, H, Tq, Tk]
     hidden = np.arange(Tk)[None, :] > np.arange(Tq)[:, None] + diag
@@ -435,8 +479,11 @@ def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, diag: in
 def attention_reference_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, *, diag: int = 0,
                             drop: AttnDropout | None = None, qpos: np.ndarray | None = None,
                             kpos: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dq, dk, dv) of `attention_reference` for the output gradient dy, written plainly."""
+    """(dq, dk, dv) of `attention_reference` for the output gradient dy, written plainly
+    (with fewer kv heads, dk and dv summed over each group's query heads)."""
     B, H, Tq, hs = q.shape
+    g = kv_group(H, k.shape[1])
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
     Tk = k.shape[2]
     scale = 1.0 / math.sqrt(hs)
     scores = q @ k.swapaxes(-1, -2) * scale
@@ -452,4 +499,6 @@ def attention_reference_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.
     dv = (probs * keep).swapaxes(-1, -2) @ dy
     dprobs = (dy @ v.swapaxes(-1, -2)) * keep
     dscores = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))
-    return dscores @ k * scale, dscores.swapaxes(-1, -2) @ q * scale, dv
+    dk = dscores.swapaxes(-1, -2) @ q * scale
+    Hk = H // g
+    return dscores @ k * scale, dk.reshape(B, Hk, g, *dk.shape[2:]).sum(2), dv.reshape(B, Hk, g, *dv.shape[2:]).sum(2)
