@@ -5,13 +5,16 @@ from __future__ import annotations
 import inspect
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import attrs
 import typer
 from typer.core import TyperCommand
 
 import numesh  # noqa: F401  (first: it sets up OpenBLAS before numpy loads it)
+
+if TYPE_CHECKING:
+    from numesh.run.config import TrainConfig
 
 
 class _Command(TyperCommand):
@@ -216,6 +219,16 @@ def _with_preset(options: dict[str, Any], name: str | None) -> dict[str, Any]:
     return {**options, **{k: v for k, v in shape.items() if options.get(k) is None}}
 
 
+def train_config(options: dict[str, Any]) -> TrainConfig:
+    """The `TrainConfig` of `numesh train`'s parsed options: defaults, then the --config TOML
+    file, then --model's preset shape where not given, then the options given (the recipes'
+    test reads configs/*.toml through this, as the command does)."""
+    from numesh.run.config import config_from
+
+    given = {k: v for k, v in options.items() if k not in ("config", "model_preset")}
+    return config_from(_with_preset(given, options.get("model_preset")), options.get("config"))
+
+
 def train_cmd(**options: Any) -> None:
     """Train a GPT on a prepared dataset (run under mpirun for a multi-rank --mesh)."""
 
@@ -226,12 +239,11 @@ def train_cmd(**options: Any) -> None:
         from numesh.host.runtime import configure_process, is_root, log
         from numesh.plan.auto import auto_layout
         from numesh.plan.fits import check_run_fits
-        from numesh.run.config import check_options, config_from
+        from numesh.run.config import check_options
         from numesh.run.train import train
 
         configure_process()
-        given = {k: v for k, v in options.items() if k not in ("config", "model_preset")}
-        cfg = config_from(_with_preset(given, options.get("model_preset")), options.get("config"))
+        cfg = train_config(options)
         check_options(cfg, MPI.COMM_WORLD.Get_size())  # before a download: bad options are one line at once
         # the default dataset is prepared on rank 0 if missing (download or offline fallback)
         ensure_run_dataset(cfg.data)
