@@ -15,7 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
+
+from numesh.run import options
+from numesh.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -26,6 +30,7 @@ README_MAX_LINES = 250
 # parts so that this file does not cite it)
 OUTSIDE_DESIGN = "DESIGN" + ".md"
 OWN_DESIGN = "docs/design.md"
+OPTIONS_PAGE = DOCS / "options.md"
 
 
 def _missing_doc_tools() -> list[str]:
@@ -118,3 +123,22 @@ def test_code_cites_the_design_in_the_repository() -> None:
     citing = [str(f.relative_to(ROOT)) for f in files if OUTSIDE_DESIGN in f.read_text(encoding="utf-8")]
     assert not citing, (f"{citing} cite {OUTSIDE_DESIGN}, which is not in the repository: "
                         f"cite {OWN_DESIGN} (and keep that page true)")
+
+
+# ---------------------------------------------------------------------------------------
+# the options page, written from TrainConfig
+
+
+def test_options_page_is_current() -> None:
+    committed = OPTIONS_PAGE.read_text(encoding="utf-8") if OPTIONS_PAGE.is_file() else ""
+    assert committed == options.options_page(), (
+        f"docs/options.md is stale (TrainConfig's fields changed): run `{options.REGENERATE}` to regenerate it")
+
+
+def test_options_page_has_a_line_for_every_field() -> None:
+    lines = OPTIONS_PAGE.read_text(encoding="utf-8").splitlines()
+    for f in attrs.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        rows = [line for line in lines if line.startswith(f"| `{flag}`")]
+        assert len(rows) == 1, f"docs/options.md has {len(rows)} lines for {flag}: run `{options.REGENERATE}`"
+        assert f"| `{f.name}` |" in rows[0], f"docs/options.md's line for {flag} lacks its TOML key {f.name}"
