@@ -264,6 +264,15 @@ def safe_relpath(rel: Any, meta_path: Path) -> str:
 
 @attrs.frozen
 class FileRecord:
+    """One file of a leaf, as meta.json lists it: a rectangular block of the global array.
+
+    Attributes:
+        file: its path, relative to the checkpoint directory.
+        offset: where the block starts in the global array, per dim.
+        shape: the block's shape.
+        sha256: the file's checksum, verified on reading.
+    """
+
     file: str
     offset: tuple[int, ...]
     shape: tuple[int, ...]
@@ -279,7 +288,17 @@ class FileRecord:
 
 @attrs.frozen
 class LeafInfo:
-    key: str  # "params/blocks.0.attn.qkv.w"
+    """What meta.json records of one leaf: enough to read any region of it on any mesh.
+
+    Attributes:
+        key: the group and the leaf's path, e.g. "params/blocks.0.attn.qkv.w".
+        shape: its unpadded global shape.
+        dtype: its dtype name.
+        spec: its partition spec when saved (one entry per dim: None, an axis or axes).
+        files: the blocks that together hold the whole array.
+    """
+
+    key: str
     shape: tuple[int, ...]
     dtype: str
     spec: tuple
@@ -293,14 +312,28 @@ class LeafInfo:
 
 @attrs.frozen
 class Meta:
-    root: Path  # the checkpoint directory (symlinks resolved)
+    """A checkpoint's meta.json, read and checked (`read_meta`): what loading, resharding and
+    exporting ask of a checkpoint before they read any array.
+
+    Attributes:
+        root: the checkpoint directory (symlinks resolved).
+        raw: the meta.json document as parsed.
+        model: the model config, as the `Describe` function given to `read_meta` built it.
+        step: the training step it was saved at.
+        opt_step: the optimiser's own step count (AdamW's bias correction).
+        dtype: the arrays' dtype name.
+        leaves: "params/wte" -> what meta.json records of that leaf.
+        defs: "wte" -> what the model says that leaf is.
+    """
+
+    root: Path
     raw: dict[str, Any]
-    model: Any  # the model config, as the `Describe` function given to `read_meta` built it
+    model: Any
     step: int
     opt_step: int
     dtype: str
-    leaves: dict[str, LeafInfo]  # "params/wte" -> what meta.json records of that leaf
-    defs: dict[str, LeafDef]  # "wte" -> what the model says that leaf is
+    leaves: dict[str, LeafInfo]
+    defs: dict[str, LeafDef]
 
     @property
     def path(self) -> Path:

@@ -26,6 +26,27 @@ from numesh.nn.moe import MoE, MoEConfig
 
 @attrs.frozen
 class GPTConfig:
+    """The model's shape, nanoGPT's fields plus the mixture of experts: all that the
+    parameter tree, its specs and the math need, and nothing of the mesh (so one config
+    serves every layout; `validate(tp)` says whether a tp fits it).
+
+    Attributes:
+        vocab_size: tokens in the vocabulary (the embedding is padded to a multiple of tp).
+        block_size: the longest sequence, in tokens (rows of `wpe`).
+        n_layer: transformer blocks.
+        n_head: attention heads (tp splits them, so tp must divide them).
+        n_embd: the residual stream's width C (a multiple of `n_head`).
+        dropout: dropout probability on the embedding, the attention probabilities and each
+            block's attention and MLP outputs (`numesh.nn.dropout.Site`).
+        bias: biases in every Linear and LayerNorm (GPT-2 has them; nanoGPT's default not).
+        moe_experts: E expert MLPs in each MoE block (`numesh.nn.moe`); 0 = every block dense.
+        moe_every: block i has experts when i % moe_every == 0 (Megatron's layer frequency).
+        moe_top_k: experts per token.
+        moe_aux_coef: the load-balancing loss's coefficient.
+        moe_z_coef: the router z-loss's coefficient.
+        moe_capacity_factor: each expert's capacity per sequence; 0 = dropless.
+    """
+
     vocab_size: int = 65
     block_size: int = 64
     n_layer: int = 4
@@ -33,13 +54,12 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = False
-    # mixture of experts (numesh/nn/moe.py): 0 experts = every block's MLP dense
     moe_experts: int = 0
-    moe_every: int = 1  # block i has experts when i % moe_every == 0 (Megatron's layer frequency)
+    moe_every: int = 1
     moe_top_k: int = 2
     moe_aux_coef: float = 1e-2
     moe_z_coef: float = 0.0
-    moe_capacity_factor: float = 0.0  # 0 = dropless (numesh/nn/moe.py: capacity per sequence)
+    moe_capacity_factor: float = 0.0
 
     def moe(self, layer: int) -> MoEConfig | None:
         """Block `layer`'s MoE settings, or None where its MLP is dense."""
@@ -95,28 +115,64 @@ class GPTConfig:
 
 @attrs.frozen
 class Attention:
-    qkv: Linear  # w [C, 3, C]: column-parallel, so each tp rank owns whole heads of q, k and v
-    proj: Linear  # w [C, C]: row-parallel
+    """Causal self-attention's parameters, laid out as Megatron splits them over tp (the
+    specs are `gpt_specs`'s): q, k and v in one Linear so that one GEMM computes them.
+
+    Attributes:
+        qkv: w [C, 3, C], column-parallel: each tp rank owns whole heads of q, k and v.
+        proj: w [C, C], row-parallel: each tp rank's output is a partial sum over tp.
+    """
+
+    qkv: Linear
+    proj: Linear
 
 
 @attrs.frozen
 class MLP:
-    fc: Linear  # w [C, 4C]: column-parallel
-    proj: Linear  # w [4C, C]: row-parallel
+    """The dense MLP's parameters (GELU between two Linears), split over tp as Megatron does.
+
+    Attributes:
+        fc: w [C, 4C], column-parallel.
+        proj: w [4C, C], row-parallel.
+    """
+
+    fc: Linear
+    proj: Linear
 
 
 @attrs.frozen
 class Block:
+    """One pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)).
+
+    Attributes:
+        ln1: the LayerNorm before attention.
+        attn: the attention's Linears.
+        ln2: the LayerNorm before the MLP.
+        mlp: a dense `MLP`, or an `MoE` in the blocks `GPTConfig.moe` names.
+    """
+
     ln1: LayerNorm
     attn: Attention
     ln2: LayerNorm
-    mlp: MLP | MoE  # MoE in the blocks `GPTConfig.moe` names
+    mlp: MLP | MoE
 
 
 @attrs.frozen
 class GPT:
-    wte: np.ndarray  # [V_padded, C], vocab-parallel; tied to the LM head
-    wpe: np.ndarray  # [block_size, C]
+    """The whole model's parameter tree (or its gradients, specs or shapes: every tree of
+    the model has this structure). On a mesh its leaves are this rank's shards; a pipeline
+    rank's tree keeps its own blocks and None for the parts it does not hold
+    (`numesh.pipeline.stages.stage_tree`).
+
+    Attributes:
+        wte: [V_padded, C] token embedding, vocab-parallel over tp; tied to the LM head.
+        wpe: [block_size, C] position embedding.
+        blocks: the transformer blocks, in order.
+        ln_f: the final LayerNorm before the LM head.
+    """
+
+    wte: np.ndarray
+    wpe: np.ndarray
     blocks: tuple[Block, ...]
     ln_f: LayerNorm
 

@@ -34,6 +34,9 @@ class Linear:
 
 @attrs.frozen
 class LayerNorm:
+    """LayerNorm's scale `w` [C] and shift `b` [C] (None without biases); normalises over the
+    last dim with eps `LN_EPS`, as nanoGPT's LayerNorm does."""
+
     w: np.ndarray
     b: np.ndarray | None = None
 

@@ -55,7 +55,16 @@ from numesh.nn.layers import Linear, gelu_bwd, gelu_fwd
 @attrs.frozen
 class MoEConfig:
     """One MoE layer's settings: E experts, top-k routing, the two loss coefficients, and
-    the capacity factor (0: dropless)."""
+    the capacity factor (0: dropless). `GPTConfig.moe` makes one for each MoE block.
+
+    Attributes:
+        experts: E, the expert MLPs (split over the mesh axis ep).
+        top_k: experts per token; their router probabilities are renormalised to sum to 1.
+        aux_coef: the Switch/GShard load-balancing loss's coefficient (per sequence and block).
+        z_coef: the router z-loss's coefficient (mean squared logsumexp of the logits).
+        capacity_factor: c > 0: each expert takes at most ceil(c·T·k/E) assignments of a
+            sequence and drops the rest; 0 = dropless.
+    """
 
     experts: int
     top_k: int = 2
@@ -66,11 +75,18 @@ class MoEConfig:
 
 @attrs.frozen
 class MoE:
-    """An MoE MLP's parameters: the router and the E experts' two Linears, stacked on dim 0."""
+    """An MoE MLP's parameters, in place of a block's dense `MLP`: the router and the E
+    experts' two Linears, stacked on dim 0 so that ep splits the experts by slicing it.
 
-    router: Linear  # w [C, E], no bias
-    fc: Linear  # w [E, C, 4C], b [E, 4C] or None
-    proj: Linear  # w [E, 4C, C], b [E, C] or None
+    Attributes:
+        router: w [C, E], no bias; replicated on every rank.
+        fc: w [E, C, 4C], b [E, 4C] or None: the experts over ep, each column-parallel over tp.
+        proj: w [E, 4C, C], b [E, C] or None: the experts over ep, each row-parallel over tp.
+    """
+
+    router: Linear
+    fc: Linear
+    proj: Linear
 
 
 @attrs.frozen

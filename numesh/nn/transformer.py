@@ -324,9 +324,17 @@ def block_bwd_weight(p: Block, w: BlockWeightCtx) -> Block:
 
 @attrs.frozen
 class EmbedCtx:
-    tok: Any  # the vocab-parallel lookup's context
+    """What `embed_bwd` needs from `embed_fwd`.
+
+    Attributes:
+        tok: the vocab-parallel lookup's context.
+        drop: the embedding dropout's key, or None without dropout.
+        pos: the positions of the (sp-gathered) tokens in wpe.
+    """
+
+    tok: Any
     drop: DropoutKey | None
-    pos: slice | np.ndarray  # the positions of the (sp-gathered) tokens in wpe
+    pos: slice | np.ndarray
 
 
 def embed_fwd(params: GPT, idx: np.ndarray, cfg: GPTConfig, mesh: Mesh, drop: DropoutKey | None = None,
@@ -356,10 +364,19 @@ def embed_bwd(params: GPT, ctx: EmbedCtx, dx: np.ndarray, mesh: Mesh) -> tuple[n
 
 @attrs.frozen
 class HeadCtx:
-    ln_f: Any  # the final LayerNorm's context (this rank's sequence slice with sp)
-    xf: np.ndarray | None  # final LayerNorm output [B*T, C]; None with sp (regathered)
-    ce: Any  # the vocab-parallel cross-entropy's context
-    shape: tuple[int, ...]  # the head input's shape [B, T, C]
+    """What `head_bwd` needs from `head_fwd`.
+
+    Attributes:
+        ln_f: the final LayerNorm's context (this rank's sequence slice with sp).
+        xf: the final LayerNorm's output [B*T, C]; None with sp (regathered in backward).
+        ce: the vocab-parallel cross-entropy's context.
+        shape: the head input's shape [B, T, C].
+    """
+
+    ln_f: Any
+    xf: np.ndarray | None
+    ce: Any
+    shape: tuple[int, ...]
 
 
 def head_fwd(params: GPT, x: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, HeadCtx]:

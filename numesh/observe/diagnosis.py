@@ -28,13 +28,27 @@ SKIPPED, FAILED = 1, 2  # a call record's flags: skipped by an injected fault; t
 
 @attrs.define
 class CallRec:
+    """One call through the mesh as a rank's flight-recorder ring holds it: what the
+    diagnosis compares between ranks to find the one that went astray.
+
+    Attributes:
+        seq: the call's number among this rank's calls on its communicator.
+        comm: the communicator's axes, e.g. "dp" or "dp,tp".
+        op: the operation, e.g. all_reduce or send.
+        nbytes: the local buffer's bytes.
+        step: the training step it was called in.
+        start: when it began (wall-clock seconds).
+        end: when it finished, or None if it had not.
+        flags: SKIPPED (skipped by an injected fault) and FAILED (the call the rank gave up in).
+    """
+
     seq: int
     comm: str
     op: str
     nbytes: int
     step: int
     start: float
-    end: float | None  # None: not finished
+    end: float | None
     flags: int = 0
 
     def label(self) -> str:

@@ -53,6 +53,16 @@ SYNTAX = ("the syntax is KIND:rank=R:step=S with KIND hang, skip, crash or misma
 
 @attrs.frozen
 class Fault:
+    """One injected fault of `NUMESH_INJECT`, as `parse_faults` reads it (the module's
+    docstring lists the kinds); `str` writes it back in the same syntax.
+
+    Attributes:
+        kind: hang, skip, crash, mismatch, slow or unshared.
+        rank: the world rank it acts on.
+        step: the step it acts from.
+        ms: for slow, the sleep at the start of every step, in milliseconds.
+    """
+
     kind: str
     rank: int
     step: int = 0

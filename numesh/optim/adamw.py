@@ -22,6 +22,16 @@ from numesh.host.threads import over_rows
 
 @attrs.frozen
 class AdamWConfig:
+    """AdamW's constants, fixed for a run (the learning rate changes every step, so each
+    step is given it).
+
+    Attributes:
+        beta1: decay of the first moment (the gradient's running mean).
+        beta2: decay of the second moment (the squared gradient's running mean).
+        eps: added to the second moment's bias-corrected root, keeping the division finite.
+        weight_decay: decoupled decay, applied only where `decay_mask` is 1.
+    """
+
     beta1: float = 0.9
     beta2: float = 0.99
     eps: float = 1e-8
@@ -30,7 +40,14 @@ class AdamWConfig:
 
 @attrs.define
 class AdamWState:
-    """First and second moments (flat, like the parameters they follow) and the step count."""
+    """First and second moments (flat, like the parameters they follow) and the step count.
+    Mutable, unlike the trees: a step updates the moments in place and counts itself.
+
+    Attributes:
+        m: the first moment, the shape of the flat parameters it follows.
+        v: the second moment, likewise.
+        step: steps taken, the t of the bias corrections 1 - β^t.
+    """
 
     m: np.ndarray
     v: np.ndarray

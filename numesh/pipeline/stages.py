@@ -25,6 +25,16 @@ from numesh.nn.walk import Stage
 
 @attrs.frozen
 class StageLayout:
+    """Which layers each of `pp` pipeline ranks owns with `v` chunks (virtual stages) per
+    rank: model stage k = chunk·pp + rank holds n_layer/(pp·v) contiguous layers. Building
+    one checks that the layers split evenly (a one-line `ConfigError` if not).
+
+    Attributes:
+        n_layer: the model's transformer blocks.
+        pp: pipeline ranks.
+        v: model chunks per rank (more than 1 only for the interleaved schedule).
+    """
+
     n_layer: int
     pp: int = 1
     v: int = 1

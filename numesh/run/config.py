@@ -39,7 +39,12 @@ def _field(default: Any, help: str) -> Any:
 
 @attrs.frozen
 class TrainConfig:
-    """Every knob of a training run; defaults are nanoGPT's Shakespeare-char CPU quick start."""
+    """Every knob of a training run; defaults are nanoGPT's Shakespeare-char CPU quick start.
+
+    Each field is a `numesh train` option (`_` spelled `-`) and a key of its `--config` TOML
+    file; its default and help text are the field's, and docs/options.md lists them all
+    (written from these fields by `numesh.run.options`).
+    """
 
     # model
     n_layer: int = _field(4, "transformer blocks")

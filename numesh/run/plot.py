@@ -25,14 +25,25 @@ MATPLOTLIB_HINT = "numesh plot needs matplotlib: pip install 'numesh[plot]'"
 
 @attrs.frozen
 class RunMetrics:
-    """One run's curves: every logged step, and the eval steps with their losses."""
+    """One run's curves: every logged step, and the eval steps with their losses.
+
+    Attributes:
+        label: the run's name in the plot's legend.
+        path: its metrics.jsonl.
+        step: the steps that logged a training loss.
+        loss: their training losses.
+        tokens_per_s: their throughput.
+        eval_step: the steps that logged train_loss and val_loss.
+        train_loss: the evaluated training loss at each eval step.
+        val_loss: the validation loss at each eval step.
+    """
 
     label: str
     path: Path
-    step: np.ndarray  # steps that logged a training loss
+    step: np.ndarray
     loss: np.ndarray
     tokens_per_s: np.ndarray
-    eval_step: np.ndarray  # steps that logged train_loss / val_loss
+    eval_step: np.ndarray
     train_loss: np.ndarray
     val_loss: np.ndarray
     val_bpb: np.ndarray  # val loss as bits per byte of text (NaN for runs that predate it)

@@ -28,9 +28,20 @@ __all__ = ["Checkpoint", "CheckpointError", "SampleConfig", "generate", "load_ch
 
 @attrs.frozen
 class Checkpoint:
+    """A checkpoint loaded whole for generation (`load_checkpoint`): whatever mesh wrote it,
+    its parameters are the global arrays, ready to shard onto any mesh.
+
+    Attributes:
+        model: the model's shape.
+        tokenizer: the tokenizer of the dataset it was trained on.
+        params: global arrays, vocabulary unpadded.
+        dtype: the parameters' dtype name (float32 or float64).
+        step: the training step it was saved at.
+    """
+
     model: GPTConfig
     tokenizer: CharTokenizer | HFTokenizer
-    params: GPT  # global arrays, vocabulary unpadded
+    params: GPT
     dtype: str
     step: int
 
@@ -116,7 +127,20 @@ def generate(
 
 @attrs.frozen
 class SampleConfig:
-    """What `numesh sample` asks for; `validate` checks it before any file is read."""
+    """What `numesh sample` asks for; `validate` checks it before any file is read.
+
+    Attributes:
+        ckpt: a checkpoint directory (e.g. runs/x/ckpt/latest) or a `numesh export`ed
+            .safetensors file.
+        prompt: the text to continue.
+        max_new_tokens: tokens to generate.
+        temperature: the softmax temperature; 0 = greedy.
+        top_k: sample among the k most likely tokens; None = all.
+        seed: the random seed of the draws (sample i uses seed + i).
+        num_samples: independent samples.
+        mesh: a tensor-parallel mesh, e.g. tp=2 (under mpirun); "" = one rank.
+        kv_cache: reuse the keys and values of earlier positions instead of recomputing them.
+    """
 
     ckpt: str
     prompt: str = "\n"

@@ -331,6 +331,18 @@ def stop_interrupted(trainer: Trainer, watch: InterruptWatch, signum: int, out: 
 
 @attrs.frozen
 class TrainResult:
+    """What `train` returns when a run ends, so a script can go on from it without reading
+    the run directory.
+
+    Attributes:
+        steps: optimiser steps this call took (0 when the run was already complete).
+        final_loss: the last logged training loss (NaN if none was logged).
+        final_val_loss: the last evaluated validation loss, or None.
+        seconds: wall-clock time of the call.
+        checkpoint: the path of the run's latest checkpoint (OUT/ckpt/latest).
+        metrics: the path of the run's metrics (OUT/metrics.jsonl).
+    """
+
     steps: int
     final_loss: float
     final_val_loss: float | None
