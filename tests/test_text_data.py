@@ -384,3 +384,27 @@ def test_a_corpus_file_written_to_while_it_is_tokenised_is_refused(corpus: Path,
         TD.prepare_tokenized([corpus], train_bpe(DOCS, 300), tmp_path / "d", Reading(split_on="\n\n"),
                              val_fraction=0.3)
     assert not (tmp_path / "d").exists()
+
+
+def test_a_crlf_file_splits_on_a_blank_line_and_keeps_its_bytes(tmp_path: Path) -> None:
+    """A Windows-edited corpus: `--split-on $'\\n\\n'` splits it on its CRLF blank lines too,
+    across read chunks, and each document keeps its own CRLFs (issue 44)."""
+    docs = ["line one\r\nline two", "second", "third\r\nwith\r\nlines"] * 300
+    src = tmp_path / "crlf.txt"
+    src.write_bytes("\r\n\r\n".join(docs).encode("utf-8"))
+    got = list(TD.corpus_documents(expand([src]), Reading(split_on="\n\n")))
+    assert got == docs
+
+
+def test_a_document_quoting_the_end_of_text_string_stays_one_document(tmp_path: Path) -> None:
+    """Text that contains `<|endoftext|>` is encoded as text: the shards hold exactly one
+    end-of-text id per document, and the document decodes back whole (issue 44)."""
+    docs = [f"doc {i} says {EOT} in the middle and ends with {EOT}" for i in range(12)]
+    src = tmp_path / "quoted.txt"
+    src.write_text("\n\n".join(docs), encoding="utf-8")
+    tok = train_bpe(docs, 300)
+    summary = TD.prepare_tokenized([src], tok, tmp_path / "d", Reading(split_on="\n\n"), val_fraction=0.25)
+    ids = np.concatenate([np.asarray(load_split(tmp_path / "d", s)[np.arange(summary[f"{s}_tokens"])])
+                          for s in ("train", "val")])
+    assert int((ids == tok.eot_id).sum()) == len(docs)
+    assert tok.decode(tok.encode_batch([docs[0]])[0]) == docs[0]

@@ -158,6 +158,15 @@ def test_config_from_rejects_unknown_toml_keys(tmp_path: Path, text: str) -> Non
         config_from({}, toml)
 
 
+def test_config_from_refuses_a_key_set_twice_in_two_spellings(tmp_path: Path) -> None:
+    """`n_layer` and `n-layer` are one option: a file that sets both is refused, not read
+    as whichever came last (issue 44)."""
+    toml = tmp_path / "twice.toml"
+    toml.write_text("n_layer = 2\nn-layer = 3\n")
+    with pytest.raises(ConfigError, match=r"'n_layer' is set twice .*\(as 'n_layer' and 'n-layer'\)"):
+        config_from({}, toml)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [{"n_layer": "2"}, {"n_layer": 2.0}, {"n_layer": True}, {"bias": 1}, {"learning_rate": "1e-3"},

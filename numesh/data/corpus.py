@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -98,15 +99,22 @@ def _open_text(path: Path):
         raise DataError(f"cannot read {path} ({e.strerror or e}): check the path and permissions") from None
 
 
+def separator(split_on: str) -> re.Pattern[str]:
+    """`split_on` as a pattern in which each newline also matches a CRLF: a blank-line
+    separator splits a Windows-edited file too, while the documents keep their own bytes
+    (text is read without newline translation, so a document's CRLFs stay CRLFs)."""
+    return re.compile("\r?\n".join(re.escape(part) for part in split_on.split("\n")))
+
+
 def _txt(path: Path, split_on: str | None) -> Iterator[str]:
     with _open_text(path) as f:
         try:
             if split_on is None:
                 yield f.read()
                 return
-            rest = ""
+            sep, rest = separator(split_on), ""
             while piece := f.read(_READ):
-                parts = (rest + piece).split(split_on)
+                parts = sep.split(rest + piece)
                 rest = parts.pop()
                 yield from parts
             yield rest

@@ -200,8 +200,16 @@ class HFTokenizer:
         return np.asarray(self._tok.encode(s, add_special_tokens=False).ids, dtype=np.uint32)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """Each text's ids, tokenised in parallel on all cores (`tokenizers`' batch encoding)."""
-        return [np.asarray(e.ids, dtype=np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        """Each document's ids, tokenised in parallel on all cores (`tokenizers`' batch
+        encoding), with special tokens read as plain text: a document that quotes
+        `<|endoftext|>` keeps it as text, and only the writer's own end-of-text ids separate
+        documents."""
+        self._tok.encode_special_tokens = True
+        try:
+            out = self._tok.encode_batch(texts, add_special_tokens=False)
+        finally:
+            self._tok.encode_special_tokens = False
+        return [np.asarray(e.ids, dtype=np.uint32) for e in out]
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         arr = np.asarray(ids).reshape(-1)

@@ -174,10 +174,15 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         except OSError as e:
             raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
+        spelled: dict[str, str] = {}
         for key, value in loaded.items():
             name = key.replace("-", "_")
             if name not in fields:
                 raise ConfigError(f"unknown config key '{key}' in {path}: the keys are {', '.join(fields)}")
+            if name in spelled:
+                raise ConfigError(f"config key '{name}' is set twice in {path} (as '{spelled[name]}' and "
+                                  f"'{key}'): keep one")
+            spelled[name] = key
             values[name] = value
     for key, value in overrides.items():
         if key not in fields:
