@@ -1,5 +1,6 @@
 """Inference with a KV cache: the logits of new tokens given the keys and values of the
-positions already seen (the same block math as training, without dropout or backward)."""
+positions already seen. The blocks are training's own (`block_fwd`) with a cached
+attention core; no dropout, no backward."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from numesh.base.errors import ConfigError
 from numesh.mesh import Mesh, all_gather
 from numesh.nn.attention import attend_fwd
 from numesh.nn.gpt import GPT, GPTConfig
-from numesh.nn.layers import Linear, layernorm_fwd, linear_fwd
-from numesh.nn.parallel import reduce_from_tp
-from numesh.nn.transformer import bias_add, block_fwd, embed_fwd, local_heads, mlp_fwd
+from numesh.nn.layers import layernorm_fwd
+from numesh.nn.transformer import block_fwd, embed_fwd, local_heads
 
 
 @attrs.define
@@ -35,37 +35,40 @@ def new_kv_cache(cfg: GPTConfig, mesh: Mesh, batch: int, dtype) -> KVCache:
                    [np.zeros(shape, dtype) for _ in range(cfg.n_layer)])
 
 
-def _attend_cached(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int) -> np.ndarray:
-    """Attention of new queries at positions pos0.. over every cached key up to them: the
-    training kernel with the diagonal moved by pos0 (one query row per generated token)."""
-    y = np.empty(q.shape, q.dtype)
-    attend_fwd(q, k, v, y, scale=1.0 / math.sqrt(q.shape[-1]), diag=pos0)
-    return y
+@attrs.frozen
+class CachedAttention:
+    """`block_fwd`'s attention core for decoding: the new tokens' keys and values (at
+    positions pos0..) appended to the cache, and their queries attending over every cached
+    key up to them: the training kernel with the diagonal moved by pos0."""
+
+    cache: KVCache
+    pos0: int
+
+    def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray) -> None:
+        end = self.pos0 + q.shape[2]
+        self.cache.k[layer][:, :, self.pos0 : end] = k
+        self.cache.v[layer][:, :, self.pos0 : end] = v
+        attend_fwd(q, self.cache.k[layer][:, :, :end], self.cache.v[layer][:, :, :end], y,
+                   scale=1.0 / math.sqrt(q.shape[-1]), diag=self.pos0)
+
+
+def _logits(params: GPT, x: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> np.ndarray:
+    """Full-vocabulary logits [B, V] of the last position of x [B, T, C]: the final norm, the
+    tied vocab-parallel head, its shards gathered over tp."""
+    xf, _ = layernorm_fwd(params.ln_f, x[:, -1])
+    return all_gather(xf @ params.wte.T, mesh, "tp", dim=1)[:, : cfg.vocab_size]  # [B, V]
 
 
 def logits_cached(params: GPT, idx: np.ndarray, cache: KVCache, cfg: GPTConfig, mesh: Mesh) -> np.ndarray:
-    """Full-vocabulary logits [B, V] of the last of `idx` (new tokens), appending them to the cache."""
+    """Full-vocabulary logits [B, V] of the last of `idx` (new tokens), appending them to the
+    cache: the training blocks (`block_fwd`), their attention over the cache."""
     pos0 = cache.length
     x, _ = embed_fwd(params, idx, cfg, mesh, pos0=pos0)
-    B, T, C = x.shape
-    nh, hs, _ = local_heads(cfg, mesh)
+    attend = CachedAttention(cache, pos0)
     for layer, p in enumerate(params.blocks):
-        h1, _ = layernorm_fwd(p.ln1, x)
-        qkv, _ = linear_fwd(p.attn.qkv, h1)
-        qkv = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # [3, B, nh, T, hs]
-        cache.k[layer][:, :, pos0 : pos0 + T] = qkv[1]
-        cache.v[layer][:, :, pos0 : pos0 + T] = qkv[2]
-        a = _attend_cached(qkv[0], cache.k[layer][:, :, : pos0 + T], cache.v[layer][:, :, : pos0 + T], pos0)
-        a = a.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
-        y, _ = linear_fwd(Linear(p.attn.proj.w), a)
-        x = x + bias_add(reduce_from_tp(y, mesh), p.attn.proj.b)
-        h2, _ = layernorm_fwd(p.ln2, x)
-        x = x + mlp_fwd(p.mlp, h2, cfg, mesh, layer)[0]
-    cache.length = pos0 + T
-    xf, _ = layernorm_fwd(params.ln_f, x[:, -1])
-    local = xf @ params.wte.T  # [B, V/tp]
-    full = all_gather(local, mesh, "tp", dim=1)
-    return full[:, : cfg.vocab_size]
+        x, _ = block_fwd(p, x, cfg, mesh, layer, attend=attend)
+    cache.length = pos0 + idx.shape[1]
+    return _logits(params, x, cfg, mesh)
 
 
 def logits_last(params: GPT, idx: np.ndarray, model: GPTConfig, mesh: Mesh) -> np.ndarray:
@@ -73,5 +76,4 @@ def logits_last(params: GPT, idx: np.ndarray, model: GPTConfig, mesh: Mesh) -> n
     x, _ = embed_fwd(params, idx, model, mesh)
     for layer, bp in enumerate(params.blocks):
         x, _ = block_fwd(bp, x, model, mesh, layer)
-    xf, _ = layernorm_fwd(params.ln_f, x[:, -1])
-    return all_gather(xf @ params.wte.T, mesh, "tp", dim=1)[:, : model.vocab_size]
+    return _logits(params, x, model, mesh)

@@ -26,7 +26,7 @@ the optimiser (`sequence_partial_leaves`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import numpy as np
@@ -210,20 +210,32 @@ def _drop_residual(y: np.ndarray, drop: DropoutKey | None, site: Site, mesh: Mes
     return y * _residual_mask(drop, site, y, mesh).astype(y.dtype)
 
 
+class Attend(Protocol):
+    """An attention core for `block_fwd` in place of training's (cached decoding's, in
+    numesh/nn/decode.py): block `layer`'s q, k, v [B, nh, T, hs] into y [B, nh, T, hs]."""
+
+    def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray) -> Any: ...
+
+
 def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
-              drop: DropoutKey | None = None, transient: bool = False) -> tuple[np.ndarray, BlockCtx]:
+              drop: DropoutKey | None = None, transient: bool = False,
+              attend: Attend | None = None) -> tuple[np.ndarray, BlockCtx]:
     """One transformer block on x [B, T, C], replicated over tp, or with sequence
     parallelism this rank's sequence slice [B, T/tp, C] (with cp, T is this rank's two
     chunks of each sequence and attention runs around the cp ring). A `transient` context
     (full recomputation's rerun, used at once by backward) keeps the gathered LayerNorm
-    outputs under sp instead of gathering them again."""
+    outputs under sp instead of gathering them again. `attend` replaces the attention core
+    (decoding over a KV cache: the same block, its context then unused)."""
     B, T = x.shape[0], global_seq(mesh, x.shape[1])
     nh, hs, _ = local_heads(cfg, mesh)
     h1, ln1 = norm_gather_fwd(p.ln1, x, mesh)  # f: [B, T, C]
     qkv, _ = linear_fwd(p.attn.qkv, h1)
     q, k, v = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # views [B, nh, T, hs]
     a = np.empty((B, T, nh, hs), x.dtype)
-    attn = attention_fwd(q, k, v, a.transpose(0, 2, 1, 3), attention_dropout(drop, layer, T, cfg, mesh), mesh)
+    if attend is None:
+        attn = attention_fwd(q, k, v, a.transpose(0, 2, 1, 3), attention_dropout(drop, layer, T, cfg, mesh), mesh)
+    else:
+        attn = attend(layer, q, k, v, a.transpose(0, 2, 1, 3))
     a = a.reshape(B, T, nh * hs)  # [B, T, C/tp], the same memory as attn.y
     y, _ = linear_fwd(Linear(p.attn.proj.w), a)
     y = bias_add(reduce_seq(y, mesh), p.attn.proj.b)  # g: [B, T, C] or [B, T/tp, C]
