@@ -177,6 +177,30 @@ class GPT:
     ln_f: LayerNorm
 
 
+# The outer unit: every part of the model but its blocks, and which pipeline stage holds
+# each ("first": beside the embedding, "last": beside the loss; the tied wte is on both, its
+# two gradients summed over pp). A new outer part (an untied LM head, say) is one entry
+# here: stage trees, their gathering and the sum of stage gradients follow it.
+OUTER_STAGES: dict[str, tuple[str, ...]] = {"wte": ("first", "last"), "wpe": ("first",), "ln_f": ("last",)}
+
+
+def outer_parts() -> tuple[str, ...]:
+    """The names of the outer unit's parts, in the tree's order."""
+    return tuple(f.name for f in attrs.fields(GPT) if f.name != "blocks")
+
+
+def empty_outer() -> GPT:
+    """A GPT tree with no blocks and None for every outer part: a stage's share of the outer
+    unit's gradients before it has any."""
+    return GPT(blocks=(), **{name: None for name in outer_parts()})
+
+
+def outer_held(name: str, first: bool, last: bool) -> bool:
+    """Whether a pipeline stage (the first, the last, or both) holds outer part `name`."""
+    stages = OUTER_STAGES[name]
+    return (first and "first" in stages) or (last and "last" in stages)
+
+
 class _Leaf:
     """How one parameter is laid out and initialised (a tree leaf, not a node)."""
 

@@ -52,7 +52,7 @@ from numesh.host.threads import (
 )
 from numesh.mesh import Mesh
 from numesh.nn.dropout import DropoutKey
-from numesh.nn.gpt import GPT, Block, GPTConfig
+from numesh.nn.gpt import GPT, Block, GPTConfig, empty_outer, outer_parts
 from numesh.nn.transformer import (
     BlockCtx,
     EmbedCtx,
@@ -320,7 +320,7 @@ def stage_backward(units: ParamUnits, stage: Stage, ctx: StageCtx, dy: np.ndarra
     grads are computed and the weight halves are returned for `stage_weight`. Returns (grad
     of the stage's input, or None on the first stage; this stage's share of the outer
     unit's grads, a GPT with None where it has none; the deferred weight contexts)."""
-    outer = GPT(wte=None, wpe=None, blocks=(), ln_f=None)
+    outer = empty_outer()
     dx = dy
     if loss_scale is None and stage.last:
         loss_scale = float(dy)
@@ -369,7 +369,7 @@ def add_outer(total: GPT | None, part: GPT) -> GPT:
             return a
         return type(a)(*(add(x, y) for x, y in zip(attrs.astuple(a, recurse=False), attrs.astuple(b, recurse=False))))
 
-    return GPT(wte=add(total.wte, part.wte), wpe=add(total.wpe, part.wpe), blocks=(), ln_f=add(total.ln_f, part.ln_f))
+    return GPT(blocks=(), **{name: add(getattr(total, name), getattr(part, name)) for name in outer_parts()})
 
 
 # ---------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import numpy as np
 from numesh.base.tree import held_buffers
 from numesh.mesh import Handle, Mesh, irecv, isend, psum
 from numesh.nn.dropout import DropoutKey
-from numesh.nn.gpt import GPT, GPTConfig
+from numesh.nn.gpt import GPT, GPTConfig, empty_outer
 from numesh.nn.units import OUTER
 from numesh.nn.walk import (
     ParamUnits,
@@ -211,7 +211,7 @@ class PipelineExecutor:
         unit's gradient, the sum over all micro-batches, to the optimiser (an empty one on
         middle stages: the optimiser waits for every unit)."""
         if st.outer is None:
-            st.outer = GPT(wte=None, wpe=None, blocks=(), ln_f=None)
+            st.outer = empty_outer()
         if self.holds_tied:
             psum(st.outer.wte, self.mesh, self.tied, inplace=True)
         self.units.grads_ready(OUTER, st.outer, count=len(st.micro))

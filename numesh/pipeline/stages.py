@@ -18,7 +18,7 @@ import numpy as np
 from numesh.base.errors import ConfigError
 from numesh.base.tree import tree_map
 from numesh.mesh import Mesh, broadcast
-from numesh.nn.gpt import GPT
+from numesh.nn.gpt import GPT, outer_held, outer_parts
 from numesh.nn.units import Unit
 from numesh.nn.walk import Stage
 
@@ -84,12 +84,8 @@ class StageLayout:
 def stage_tree(full: GPT, layout: StageLayout, rank: int) -> GPT:
     """The part of a whole-model tree (params, grads or specs) that pipeline rank `rank` holds."""
     first, last = layout.is_first(rank), layout.is_last(rank)
-    return GPT(
-        wte=full.wte if (first or last) else None,
-        wpe=full.wpe if first else None,
-        blocks=tuple(full.blocks[i] for i in layout.owned(rank)),
-        ln_f=full.ln_f if last else None,
-    )
+    return GPT(blocks=tuple(full.blocks[i] for i in layout.owned(rank)),
+               **{name: getattr(full, name) if outer_held(name, first, last) else None for name in outer_parts()})
 
 
 def gather_stages(mine: GPT, shapes: GPT, layout: StageLayout, mesh: Mesh, dtype: Any) -> GPT:
@@ -105,10 +101,9 @@ def gather_stages(mine: GPT, shapes: GPT, layout: StageLayout, mesh: Mesh, dtype
             tree = tree_map(lambda s: np.empty(s, dtype=dtype), shape_tree)
         return tree_map(lambda x: broadcast(np.ascontiguousarray(x), mesh, "pp", root=src), tree)
 
-    last = layout.pp - 1
-    return GPT(
-        wte=from_rank(0, mine.wte, shapes.wte),
-        wpe=from_rank(0, mine.wpe, shapes.wpe),
-        blocks=tuple(from_rank(owner[i], held.get(i), shapes.blocks[i]) for i in range(layout.n_layer)),
-        ln_f=from_rank(last, mine.ln_f, shapes.ln_f),
-    )
+    def outer_owner(name: str) -> int:  # the first stage where it is held there, else the last
+        return 0 if outer_held(name, True, False) else layout.pp - 1
+
+    return GPT(blocks=tuple(from_rank(owner[i], held.get(i), shapes.blocks[i]) for i in range(layout.n_layer)),
+               **{name: from_rank(outer_owner(name), getattr(mine, name), getattr(shapes, name))
+                  for name in outer_parts()})
