@@ -16,6 +16,7 @@ from numesh.base.errors import ConfigError, DataError
 from numesh.base.tree import tree_leaves_with_path
 from numesh.checkpoint import read_meta, read_params_dict
 from numesh.mesh import MeshError
+from numesh.nn.gpt import GPTConfig
 from numesh.run.config import TrainConfig, config_from, validate
 from numesh.run.train import Trainer, train
 
@@ -292,3 +293,13 @@ def test_cli_bad_input_is_one_line_and_exit_2(char_dataset: Path, tmp_path: Path
     assert res.exit_code == 2, res.output
     assert len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0], res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_every_model_field_is_a_run_option_of_the_same_name() -> None:
+    """TrainConfig.model copies GPTConfig's fields by name: a model field without its run
+    option would fail there, so it fails here first, naming it."""
+    run = {f.name for f in attrs.fields(TrainConfig)}
+    missing = [f.name for f in attrs.fields(GPTConfig) if f.name != "vocab_size" and f.name not in run]
+    assert not missing, f"GPTConfig fields with no TrainConfig option: {missing}"
+    cfg = TrainConfig(n_layer=3, moe_experts=4, moe_top_k=1, dropout=0.1)
+    assert cfg.model(99) == GPTConfig(vocab_size=99, n_layer=3, moe_experts=4, moe_top_k=1, dropout=0.1)

@@ -136,21 +136,11 @@ class TrainConfig:
         "(the model's own GEMM shapes and a large GEMM, on every rank at once)")
 
     def model(self, vocab_size: int) -> GPTConfig:
-        return GPTConfig(
-            vocab_size=vocab_size,
-            block_size=self.block_size,
-            n_layer=self.n_layer,
-            n_head=self.n_head,
-            n_embd=self.n_embd,
-            dropout=self.dropout,
-            bias=self.bias,
-            moe_experts=self.moe_experts,
-            moe_every=self.moe_every,
-            moe_top_k=self.moe_top_k,
-            moe_aux_coef=self.moe_aux_coef,
-            moe_z_coef=self.moe_z_coef,
-            moe_capacity_factor=self.moe_capacity_factor,
-        )
+        """The model these options describe: every `GPTConfig` field is a `TrainConfig` field of
+        the same name (but the vocabulary, which the dataset gives), so a new model option is
+        one field in each and nothing here."""
+        return GPTConfig(vocab_size=vocab_size, **{f.name: getattr(self, f.name)
+                                                   for f in attrs.fields(GPTConfig) if f.name != "vocab_size"})
 
 
 def field_type(field: attrs.Attribute) -> type:
