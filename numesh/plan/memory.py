@@ -150,21 +150,11 @@ def peak_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, itemsi
 
 @functools.lru_cache(maxsize=4096)
 def _walk(name: str, pp: int, m: int, v: int, pp_rank: int, cost: tuple[tuple[int, int], ...]) -> int:
-    """`peak_activation_bytes`' walk, cached: layouts that differ only in their ZeRO stage
-    hold the same activations (a walk of a 98k-action schedule is milliseconds)."""
-    sched = schedule_of(name, pp, m, v)
-    live: dict[tuple[int, int], int] = {}
-    peak = 0
-    for a in sched.actions[pp_rank]:
-        key = (a.mb, a.chunk)
-        if a.kind == "F":
-            live[key] = cost[a.chunk][0]
-        elif a.kind == "B" and sched.split_backward:
-            live[key] = cost[a.chunk][1]
-        else:
-            live.pop(key, None)
-        peak = max(peak, sum(live.values()))
-    return peak
+    """`peak_activation_bytes`' walk (`formulas.peak_activation_bytes`, as the executor
+    holds them), cached: layouts that differ only in their ZeRO stage hold the same
+    activations (a walk of a 98k-action schedule is milliseconds)."""
+    return formulas.peak_activation_bytes(schedule_of(name, pp, m, v), pp_rank, lambda c: cost[c][0],
+                                          lambda c: cost[c][1])
 
 
 def comm_buffer_bytes(model: ModelSpec, layout: Layout, sizes: list[int], itemsize: int) -> int:
