@@ -9,6 +9,7 @@ test_mpi_plan.py.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import attrs
@@ -416,6 +417,15 @@ def test_bad_profiles(tmp_path: Path, text: str, match: str) -> None:
     (tmp_path / "p.json").write_text(text)
     with pytest.raises(ConfigError, match=match):
         load_profile(str(tmp_path / "p.json"))
+
+
+def test_a_profile_path_that_is_missing_or_a_directory_is_one_line(tmp_path: Path) -> None:
+    """The hardware profile reader is the config file's (`read_user_file`): a missing file
+    and a directory are told apart, each with what to pass instead."""
+    (tmp_path / "d.json").mkdir()
+    for name, says in (("gone.json", "not found: give"), ("d.json", "not found (it is a directory): give")):
+        with pytest.raises(ConfigError, match=re.escape(f"hardware profile {tmp_path / name} {says}")):
+            load_profile(str(tmp_path / name))
 
 
 # ---------------------------------------------------------------------------------------
