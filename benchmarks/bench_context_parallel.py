@@ -88,9 +88,10 @@ def memory(args: argparse.Namespace) -> None:
             kinds[where] = kinds.get(where, 0) + x.nbytes
     total = sum(kinds.values())
     per_rank = WORLD.gather(total, root=0)
-    formula = formulas.activation_bytes(micro_batch=args.batch, seq=args.block_size, n_embd=args.n_embd,
-                                        n_head=args.n_head, n_layer=args.n_layer, vocab=65, cp=cp,
-                                        itemsize=np.dtype(dtype).itemsize)
+    formula = formulas.activation_bytes(
+        formulas.ActivationShape(args.batch, args.block_size, args.n_embd, args.n_head, cp=cp,
+                                 itemsize=np.dtype(dtype).itemsize),
+        formulas.Chunk(args.n_layer, first=True, last=True), vocab=65)
     if WORLD.Get_rank() == 0:
         print(json.dumps({"cp": cp, "block_size": args.block_size, "n_layer": args.n_layer, "n_embd": args.n_embd,
                           "n_head": args.n_head, "batch": args.batch, "dtype": args.dtype,

@@ -46,18 +46,15 @@ def predicted_peak(trainer: Trainer) -> int:
     rows = c.batch_size // (mesh.size("dp") * c.micro_batches)
     itemsize = trainer.pipeline.dtype.itemsize
     stages = trainer.pipeline.stages
+    shape = formulas.ActivationShape(rows, c.block_size, model.n_embd, model.n_head, tp=mesh.size("tp"),
+                                     recompute=c.recompute, itemsize=itemsize)
 
     def saved(chunk: int) -> int:
         s = stages[chunk]
-        return formulas.activation_bytes(micro_batch=rows, seq=c.block_size, n_embd=model.n_embd, n_head=model.n_head,
-                                         n_layer=len(s.blocks), vocab=model.vocab_size, tp=mesh.size("tp"),
-                                         first=s.first, last=s.last, recompute=c.recompute, dropout=c.dropout > 0,
-                                         itemsize=itemsize)
+        return formulas.activation_bytes(shape, formulas.Chunk(len(s.blocks), s.first, s.last), model.vocab_size)
 
     def deferred(chunk: int) -> int:
-        return formulas.weight_ctx_bytes(micro_batch=rows, seq=c.block_size, n_embd=model.n_embd,
-                                         n_layer=len(stages[chunk].blocks), tp=mesh.size("tp"), bias=c.bias,
-                                         itemsize=itemsize)
+        return formulas.weight_ctx_bytes(shape, len(stages[chunk].blocks), bias=c.bias)
 
     return formulas.peak_activation_bytes(trainer.schedule, mesh.index("pp"), saved, deferred)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -355,6 +356,8 @@ def test_sequence_parallel_formulas_move_plain_tp_bus_bytes_plus_the_regathers()
     (the LayerNorm grads' once-per-step all-reduce aside). Pipeline sends are 1/tp."""
     from numesh.perf.formulas import (
         Chunk,
+        RankUnits,
+        StepShape,
         bus_bytes,
         pp_send_bytes,
         step_bytes,
@@ -371,10 +374,10 @@ def test_sequence_parallel_formulas_move_plain_tp_bus_bytes_plus_the_regathers()
                 regathers = (0 if mode == "full" else 2 * chunk.blocks) + int(chunk.last)
                 assert sp == pytest.approx(plain + regathers * bus_bytes("all_gather", act, n), rel=1e-14)
             assert pp_send_bytes(chunk, 4, 16, 32, 8, seq_split=n) * n == pp_send_bytes(chunk, 4, 16, 32, 8)
-    shape = {"pp": 2, "dp": 1, "tp": 2}
-    kw = dict(shape=shape, zero=0, micro_batches=3, rows=2, block_size=8, n_embd=16, itemsize=4,
-              chunks=[Chunk(2, True, False)], padded_blocks=100, padded_outer=50, tied_bytes=64)
-    plain, sp = step_bytes(**kw), step_bytes(**kw, sequence_parallel=True, tp_partial_values=96)
+    step = StepShape({"pp": 2, "dp": 1, "tp": 2}, zero=0, micro_batches=3, rows=2, block_size=8, n_embd=16, itemsize=4)
+    units = RankUnits([Chunk(2, True, False)], padded_blocks=100, padded_outer=50, tied_bytes=64)
+    plain = step_bytes(step, units)
+    sp = step_bytes(attrs.evolve(step, sequence_parallel=True), attrs.evolve(units, tp_partial_values=96))
     act = 2 * 8 * 16 * 4
     assert sp[("tp", "reduce_scatter")] == 3 * (4 * 2 + 1) * act
     assert sp[("tp", "all_gather")] == 3 * (4 * 2 + 1 + 2 * 2) * act
@@ -387,16 +390,25 @@ def test_ep_formulas_add_the_replicated_leaves_all_reduce_and_ep_to_the_loss_and
     """ep is data parallelism for the batch: the loss is summed over it and the norm too (its
     ranks hold other experts); the leaves replicated over ep add one all-reduce over ep of the
     values this rank holds; the dp gradient traffic is that of the same mesh without ep."""
-    from numesh.perf.formulas import SCALAR, Chunk, ep_grad_bytes, loss_axes, norm_axes, step_bytes
+    from numesh.perf.formulas import (
+        SCALAR,
+        Chunk,
+        RankUnits,
+        StepShape,
+        ep_grad_bytes,
+        loss_axes,
+        norm_axes,
+        step_bytes,
+    )
 
     assert loss_axes({"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": 1}) == ("pp", "dp")
     assert loss_axes({"pp": 1, "dp": 2, "ep": 2, "cp": 2, "tp": 1}) == ("pp", "dp", "ep", "cp")
     assert norm_axes({"pp": 2, "dp": 2, "ep": 2, "cp": 1, "tp": 2}, 1) == ("pp", "dp", "ep", "tp")
     assert norm_axes({"pp": 1, "dp": 2, "tp": 1}, 0) == ()  # a trace from before ep
-    kw = dict(zero=1, micro_batches=2, rows=2, block_size=8, n_embd=16, itemsize=8, chunks=[Chunk(2, True, True)],
-              padded_blocks=100, padded_outer=50, tied_bytes=0)
-    dense = step_bytes({"pp": 1, "dp": 2, "ep": 1, "cp": 1, "tp": 1}, **kw, ep_replicated_values=70)
-    ep = step_bytes({"pp": 1, "dp": 2, "ep": 2, "cp": 1, "tp": 1}, **kw, ep_replicated_values=70)
+    kw = dict(zero=1, micro_batches=2, rows=2, block_size=8, n_embd=16, itemsize=8)
+    units = RankUnits([Chunk(2, True, True)], padded_blocks=100, padded_outer=50, ep_replicated_values=70)
+    dense = step_bytes(StepShape({"pp": 1, "dp": 2, "ep": 1, "cp": 1, "tp": 1}, **kw), units)
+    ep = step_bytes(StepShape({"pp": 1, "dp": 2, "ep": 2, "cp": 1, "tp": 1}, **kw), units)
     assert ep_grad_bytes(70, 8) == 560
     assert ep.pop(("ep", "all_reduce")) == 560
     assert ep.pop(("pp+dp+ep", "all_reduce")) == SCALAR and dense.pop(("pp+dp", "all_reduce")) == SCALAR

@@ -214,12 +214,10 @@ def test_moe_block_activation_bytes_equal_the_formula(recompute: str, dtype, cap
     q = np.dtype(dtype).itemsize
     (stats,) = ctx.moe
     assert (sum(stats.send) < rows * cfg.block_size * 2) == (capacity > 0)  # the capacity drops some
+    shape = formulas.ActivationShape(rows, cfg.block_size, cfg.n_embd, cfg.n_head, recompute=recompute, itemsize=q)
     want = formulas.moe_activation_parts(
-        micro_batch=rows, seq=cfg.block_size, n_embd=cfg.n_embd, n_head=cfg.n_head, experts=cfg.moe_experts,
-        top_k=cfg.moe_top_k, rows_sent=sum(stats.send), rows_received=sum(stats.recv), capacity=capacity > 0,
-        recompute=recompute, itemsize=q)
+        shape, formulas.ExpertShape(cfg.moe_experts, cfg.moe_top_k, capacity=capacity > 0),
+        rows_sent=sum(stats.send), rows_received=sum(stats.recv))
     assert held_bytes(ctx.blocks[0]) == sum(want.values()), want
-    dense = formulas.activation_bytes(micro_batch=rows, seq=cfg.block_size, n_embd=cfg.n_embd, n_head=cfg.n_head,
-                                      n_layer=1, vocab=cfg.vocab_size, first=False, last=False, recompute=recompute,
-                                      itemsize=q)
+    dense = formulas.activation_bytes(shape, formulas.Chunk(1, first=False, last=False), cfg.vocab_size)
     assert held_bytes(ctx.blocks[1]) == dense

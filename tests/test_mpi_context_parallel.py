@@ -323,11 +323,12 @@ def test_bytes_per_step_follow_the_formula(shared_dataset: Path, shared_tmp: Pat
     pp_rank = trainer.mesh.index("pp")
     holds_tied = shape["pp"] > 1 and pp_rank in (0, shape["pp"] - 1)
     want = formulas.step_bytes(
-        shape, zero, cfg.micro_batches, cfg.batch_size // (shape["dp"] * cfg.micro_batches), cfg.block_size,
-        cfg.n_embd, 4, [formulas.Chunk(len(s.blocks), s.first, s.last) for s in trainer.pipeline.stages],
-        sum(u.padded for k, u in units.items() if not k.is_outer), units[OUTER].padded,
-        trainer.model.padded_vocab(shape["tp"]) // shape["tp"] * cfg.n_embd * 4 if holds_tied else 0,
-        trainer.schedule.split_backward,
+        formulas.StepShape(shape, zero, cfg.micro_batches, cfg.batch_size // (shape["dp"] * cfg.micro_batches),
+                           cfg.block_size, cfg.n_embd, 4, trainer.schedule.split_backward),
+        formulas.RankUnits(
+            [formulas.Chunk(len(s.blocks), s.first, s.last) for s in trainer.pipeline.stages],
+            sum(u.padded for k, u in units.items() if not k.is_outer), units[OUTER].padded,
+            trainer.model.padded_vocab(shape["tp"]) // shape["tp"] * cfg.n_embd * 4 if holds_tied else 0),
     )
     got = {("+".join(axes), op): v for (axes, op), v in counter.payload.items() if v}
     if holds_tied:  # the counter books the tied-embedding group under its axis, with the norm's scalar

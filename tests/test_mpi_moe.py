@@ -263,12 +263,14 @@ def test_bytes_per_step_follow_the_formula(shared_dataset: Path, shared_tmp: Pat
     assert len(trainer.last_stats.moe) == m * len([b for s in trainer.pipeline.stages for b, _ in s.blocks
                                                    if trainer.model.moe(b)])
     want = formulas.step_bytes(
-        shape, zero, m, cfg.batch_size // (shape["dp"] * shape["ep"] * m), cfg.block_size, cfg.n_embd, 8,
-        [formulas.Chunk(len(s.blocks), s.first, s.last) for s in trainer.pipeline.stages],
-        sum(u.padded for k, u in units.items() if not k.is_outer), units[OUTER].padded,
-        trainer.model.padded_vocab(shape["tp"]) // shape["tp"] * cfg.n_embd * 8 if holds_tied else 0,
-        trainer.schedule.split_backward, recompute=recompute,
-        ep_replicated_values=trainer.opt.ep_replicated_values, all_to_all_bytes=a2a)
+        formulas.StepShape(shape, zero, m, cfg.batch_size // (shape["dp"] * shape["ep"] * m), cfg.block_size,
+                           cfg.n_embd, 8, trainer.schedule.split_backward, recompute=recompute),
+        formulas.RankUnits(
+            [formulas.Chunk(len(s.blocks), s.first, s.last) for s in trainer.pipeline.stages],
+            sum(u.padded for k, u in units.items() if not k.is_outer), units[OUTER].padded,
+            trainer.model.padded_vocab(shape["tp"]) // shape["tp"] * cfg.n_embd * 8 if holds_tied else 0,
+            ep_replicated_values=trainer.opt.ep_replicated_values),
+        all_to_all_bytes=a2a)
     got = {("+".join(axes), op): v for (axes, op), v in counter.payload.items() if v}
     if holds_tied:  # the counter books the tied-embedding group under its axis, with the norm's scalar
         tied = want.pop((f"pp[0,{shape['pp'] - 1}]", "all_reduce"))
@@ -354,9 +356,10 @@ def test_moe_block_activation_bytes_follow_the_formula(shared_dataset: Path, sha
     _, ctx = stage_forward(trainer.opt, trainer.pipeline.stages[0], idx, tgt, m, trainer.mesh, recompute=recompute)
     (stats, *_), rows = ctx.moe, idx.shape[0]
     want = formulas.moe_activation_parts(
-        micro_batch=rows, seq=idx.shape[1], n_embd=m.n_embd, n_head=m.n_head, experts=E, top_k=m.moe_top_k,
-        rows_sent=sum(stats.send), rows_received=sum(stats.recv), tp=shape["tp"], ep=shape["ep"], capacity=True,
-        recompute=recompute, itemsize=4, sp=sp)
+        formulas.ActivationShape(rows, idx.shape[1], m.n_embd, m.n_head, tp=shape["tp"], sp=sp, recompute=recompute,
+                                 itemsize=4),
+        formulas.ExpertShape(E, m.moe_top_k, ep=shape["ep"], capacity=True),
+        rows_sent=sum(stats.send), rows_received=sum(stats.recv))
     assert held_bytes(ctx.blocks[0]) == sum(want.values()), want
     counts = WORLD.allgather(sum(stats.recv))
     assert len(set(counts)) > 1 or recompute == "full"  # the ranks' experts got different numbers of rows

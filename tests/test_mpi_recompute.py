@@ -132,16 +132,15 @@ def test_measured_peak_activation_bytes_equal_the_formula(shared_dataset: Path, 
     k = np.dtype(dtype).itemsize
     stages = trainer.pipeline.stages
 
+    shape = formulas.ActivationShape(rows, cfg.block_size, model.n_embd, model.n_head, tp=tp, cp=cp, sp=bool(sp),
+                                     recompute=mode, itemsize=k)
+
     def saved(chunk: int) -> int:
         s = stages[chunk]
-        return formulas.activation_bytes(micro_batch=rows, seq=cfg.block_size, n_embd=model.n_embd,
-                                         n_head=model.n_head, n_layer=len(s.blocks), vocab=model.vocab_size, tp=tp,
-                                         first=s.first, last=s.last, recompute=mode, dropout=dropout, itemsize=k,
-                                         sp=bool(sp), cp=cp)
+        return formulas.activation_bytes(shape, formulas.Chunk(len(s.blocks), s.first, s.last), model.vocab_size)
 
     def deferred(chunk: int) -> int:
-        return formulas.weight_ctx_bytes(micro_batch=rows, seq=cfg.block_size // cp, n_embd=model.n_embd,
-                                         n_layer=len(stages[chunk].blocks), tp=tp, bias=True, itemsize=k,
+        return formulas.weight_ctx_bytes(shape, len(stages[chunk].blocks), bias=True,
                                          chunks=chunks_per_block(trainer, rows))
 
     want = formulas.peak_activation_bytes(trainer.schedule, trainer.mesh.index("pp"), saved, deferred)
@@ -167,10 +166,10 @@ def test_tp_bytes_follow_the_formula(shared_dataset: Path, shared_tmp: Path, mes
     trainer.train_step()
     shape, units, itemsize = trainer.mesh.shape, trainer.opt.units, np.dtype(cfg.dtype).itemsize
     want = formulas.step_bytes(
-        shape, cfg.zero, cfg.micro_batches, cfg.batch_size // (shape["dp"] * cfg.micro_batches), cfg.block_size,
-        cfg.n_embd, itemsize, [formulas.Chunk(len(s.blocks), s.first, s.last) for s in trainer.pipeline.stages],
-        sum(u.padded for key, u in units.items() if not key.is_outer), units[OUTER].padded, 0,
-        trainer.schedule.split_backward, recompute=mode)
+        formulas.StepShape(shape, cfg.zero, cfg.micro_batches, cfg.batch_size // (shape["dp"] * cfg.micro_batches),
+                           cfg.block_size, cfg.n_embd, itemsize, trainer.schedule.split_backward, recompute=mode),
+        formulas.RankUnits([formulas.Chunk(len(s.blocks), s.first, s.last) for s in trainer.pipeline.stages],
+                           sum(u.padded for key, u in units.items() if not key.is_outer), units[OUTER].padded))
     got = trainer.mesh.counter.total("tp", "all_reduce", kind="payload")
     assert got == want[("tp", "all_reduce")]
     blocks = sum(len(s.blocks) for s in trainer.pipeline.stages)

@@ -289,11 +289,13 @@ def step_bytes(trainer: Trainer) -> dict[tuple[str, str], int]:
     pp_rank, k = trainer.mesh.index("pp"), 8
     holds_tied = shape["pp"] > 1 and pp_rank in (0, shape["pp"] - 1)
     return formulas.step_bytes(
-        shape, c.zero, c.micro_batches, c.batch_size // (shape["dp"] * c.micro_batches), c.block_size, c.n_embd, k,
-        [formulas.Chunk(len(s.blocks), s.first, s.last) for s in trainer.pipeline.stages],
-        sum(u.padded for key, u in units.items() if not key.is_outer), units[OUTER].padded,
-        trainer.model.padded_vocab(shape["tp"]) // shape["tp"] * c.n_embd * k if holds_tied else 0,
-        trainer.schedule.split_backward, c.sequence_parallel, trainer.opt.tp_partial_values,
+        formulas.StepShape(shape, c.zero, c.micro_batches, c.batch_size // (shape["dp"] * c.micro_batches),
+                           c.block_size, c.n_embd, k, trainer.schedule.split_backward, c.sequence_parallel),
+        formulas.RankUnits(
+            [formulas.Chunk(len(s.blocks), s.first, s.last) for s in trainer.pipeline.stages],
+            sum(u.padded for key, u in units.items() if not key.is_outer), units[OUTER].padded,
+            trainer.model.padded_vocab(shape["tp"]) // shape["tp"] * c.n_embd * k if holds_tied else 0,
+            trainer.opt.tp_partial_values),
     )
 
 

@@ -9,6 +9,7 @@ test_mpi_plan.py.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import attrs
@@ -55,22 +56,17 @@ def test_activation_bytes_hand_worked() -> None:
     # (16bTC: the QKV buffer q, k and v are views of, the attention output, the MLP-up
     # output, GELU's tanh and output; b·H·T: each query row's log-sum-exp, all the fused
     # attention keeps of its softmax: nothing T×T)
-    got = formulas.activation_bytes(micro_batch=2, seq=4, n_embd=8, n_head=2, n_layer=1, vocab=10, first=False,
-                                    last=False)
-    assert got == 5248
-    # dropout keeps nothing more: its pattern is a hash, redrawn in backward
-    assert formulas.activation_bytes(micro_batch=2, seq=4, n_embd=8, n_head=2, n_layer=1, vocab=10, first=False,
-                                     last=False, dropout=True) == 5248
+    shape = formulas.ActivationShape(micro_batch=2, seq=4, n_embd=8, n_head=2)
+    assert formulas.activation_bytes(shape, formulas.Chunk(1, first=False, last=False), vocab=10) == 5248
     # the first stage adds the int64 token ids (8 bT = 64 bytes); with tp=2 a byte mask too
-    assert formulas.activation_bytes(micro_batch=2, seq=4, n_embd=8, n_head=2, n_layer=1, vocab=10,
-                                     last=False) == 5248 + 64
+    assert formulas.activation_bytes(shape, formulas.Chunk(1, first=True, last=False), vocab=10) == 5248 + 64
     # the last stage: x̂, output (2bTC), 1/σ, sum-exp and target logit (3bT), logits bT·V (vocab 10),
     # int64 targets, a byte mask
     head = (2 * 64 + 3 * 8 + 8 * 10) * 4 + 8 * 8 + 8
-    assert formulas.activation_bytes(micro_batch=2, seq=4, n_embd=8, n_head=2, n_layer=1, vocab=10,
-                                     first=False) == 5248 + head
+    assert formulas.activation_bytes(shape, formulas.Chunk(1, first=False, last=True), vocab=10) == 5248 + head
     with pytest.raises(ValueError):
-        formulas.activation_bytes(micro_batch=1, seq=1, n_embd=8, n_head=2, n_layer=1, vocab=10, recompute="some")
+        formulas.activation_bytes(formulas.ActivationShape(1, 1, 8, 2, recompute="some"), formulas.Chunk(1, True, True),
+                                  vocab=10)
 
 
 def test_zero_buffer_bytes_hand_worked() -> None:
@@ -108,8 +104,8 @@ def n_params_match(cfg: TrainConfig, t: Trainer) -> bool:
 def test_pipeline_peak_walks_the_schedule() -> None:
     """GPipe holds all m micro-batches, 1F1B at most p on rank 0 (the middle of a 4-stage pipe)."""
     model = ModelSpec(8, 4, 32, 16, 50, 16)
-    one = formulas.activation_bytes(micro_batch=2, seq=16, n_embd=32, n_head=4, n_layer=2, vocab=50, first=False,
-                                    last=False)
+    one = formulas.activation_bytes(formulas.ActivationShape(micro_batch=2, seq=16, n_embd=32, n_head=4),
+                                    formulas.Chunk(2, first=False, last=False), vocab=50)
     gp = [rank_memory(model, Layout(1, 1, 4, 0, "gpipe", 8), r) for r in range(4)]
     fb = [rank_memory(model, Layout(1, 1, 4, 0, "1f1b", 8), r) for r in range(4)]
     assert gp[1].activations == gp[2].activations == 8 * one
@@ -421,6 +417,15 @@ def test_bad_profiles(tmp_path: Path, text: str, match: str) -> None:
     (tmp_path / "p.json").write_text(text)
     with pytest.raises(ConfigError, match=match):
         load_profile(str(tmp_path / "p.json"))
+
+
+def test_a_profile_path_that_is_missing_or_a_directory_is_one_line(tmp_path: Path) -> None:
+    """The hardware profile reader is the config file's (`read_user_file`): a missing file
+    and a directory are told apart, each with what to pass instead."""
+    (tmp_path / "d.json").mkdir()
+    for name, says in (("gone.json", "not found: give"), ("d.json", "not found (it is a directory): give")):
+        with pytest.raises(ConfigError, match=re.escape(f"hardware profile {tmp_path / name} {says}")):
+            load_profile(str(tmp_path / name))
 
 
 # ---------------------------------------------------------------------------------------

@@ -158,14 +158,11 @@ def test_measured_activation_bytes_equal_the_formula(thread_count, mode: str, dr
     for name, stage in stage_kinds(cfg.n_layer).items():
         _, ctx = S.stage_forward(S.ResidentParams(params), stage, idx if stage.first else x, tgt, cfg, mesh, drop,
                                  recompute=mode)
-        want = formulas.activation_bytes(
-            micro_batch=rows, seq=cfg.block_size, n_embd=cfg.n_embd, n_head=cfg.n_head, n_layer=cfg.n_layer,
-            vocab=cfg.vocab_size, first=stage.first, last=stage.last, recompute=mode, dropout=dropout,
-            itemsize=np.dtype(dtype).itemsize)
-        assert held_bytes(ctx) == want, (name, formulas.activation_parts(
-            micro_batch=rows, seq=cfg.block_size, n_embd=cfg.n_embd, n_head=cfg.n_head, n_layer=cfg.n_layer,
-            vocab=cfg.vocab_size, first=stage.first, last=stage.last, recompute=mode, dropout=dropout,
-            itemsize=np.dtype(dtype).itemsize))
+        shape = formulas.ActivationShape(rows, cfg.block_size, cfg.n_embd, cfg.n_head, recompute=mode,
+                                         itemsize=np.dtype(dtype).itemsize)
+        chunk = formulas.Chunk(cfg.n_layer, stage.first, stage.last)
+        want = formulas.activation_bytes(shape, chunk, cfg.vocab_size)
+        assert held_bytes(ctx) == want, (name, formulas.activation_parts(shape, chunk, cfg.vocab_size))
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
@@ -182,25 +179,24 @@ def test_what_b_leaves_for_w_equals_the_formula(thread_count, mode: str, bias: b
     stage = S.whole_model(cfg.n_layer)
     _, ctx = S.stage_forward(units, stage, idx, tgt, cfg, mesh, key(cfg, rows, True), recompute=mode)
     _, _, deferred = S.stage_backward(units, stage, ctx, 1.0, cfg, mesh, split=True)
-    want = formulas.weight_ctx_bytes(micro_batch=rows, seq=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-                                     bias=bias, itemsize=8,
+    want = formulas.weight_ctx_bytes(formulas.ActivationShape(rows, cfg.block_size, cfg.n_embd, cfg.n_head, itemsize=8),
+                                     cfg.n_layer, bias=bias,
                                      chunks=len(threads.runs_for(n_threads,
                                                                  S.block_pieces(1, 1, rows, cfg.block_size, 16))))
     assert held_bytes(deferred) == want
 
 
 def test_no_mode_keeps_an_s2_term() -> None:
-    """The fused attention keeps nothing s×s, so none and full both grow linearly in s,
-    with or without dropout (which changes nothing kept); "selective" is no mode."""
-    kw = dict(micro_batch=3, n_embd=64, n_head=8, n_layer=5, vocab=65, tp=2, itemsize=4, first=False, last=False)
-    for dropout in (False, True):
-        lin = [formulas.activation_bytes(seq=s, recompute=m, dropout=dropout, **kw)
-               for m in MODES for s in (64, 128)]
-        assert lin[1] == 2 * lin[0] and lin[3] == 2 * lin[2]
-        assert lin[0] == formulas.activation_bytes(seq=64, recompute="none", dropout=not dropout, **kw)
+    """The fused attention keeps nothing s×s, so none and full both grow linearly in s;
+    "selective" is no mode."""
+    kw = dict(micro_batch=3, n_embd=64, n_head=8, tp=2, itemsize=4)
+    middle = formulas.Chunk(5, first=False, last=False)
+    lin = [formulas.activation_bytes(formulas.ActivationShape(seq=s, recompute=m, **kw), middle, vocab=65)
+           for m in MODES for s in (64, 128)]
+    assert lin[1] == 2 * lin[0] and lin[3] == 2 * lin[2]
     for bad in ("most", "selective"):
         with pytest.raises(ValueError, match="recompute must be none or full"):
-            formulas.activation_bytes(seq=8, recompute=bad, **kw)
+            formulas.activation_bytes(formulas.ActivationShape(seq=8, recompute=bad, **kw), middle, vocab=65)
 
 
 # ---------------------------------------------------------------------------------------
@@ -226,10 +222,9 @@ def test_step_peak_bytes_equal_the_formula(thread_count, char_dataset: Path, tmp
     trainer = Trainer(cfg, MPI.COMM_SELF)
     trainer.train_step()
     model, rows = trainer.model, cfg.batch_size // m
-    saved = formulas.activation_bytes(micro_batch=rows, seq=cfg.block_size, n_embd=model.n_embd, n_head=model.n_head,
-                                      n_layer=model.n_layer, vocab=model.vocab_size, recompute=mode, dropout=True)
-    deferred = formulas.weight_ctx_bytes(micro_batch=rows, seq=cfg.block_size, n_embd=model.n_embd,
-                                         n_layer=model.n_layer, bias=True)
+    shape = formulas.ActivationShape(rows, cfg.block_size, model.n_embd, model.n_head, recompute=mode)
+    saved = formulas.activation_bytes(shape, formulas.Chunk(model.n_layer, True, True), model.vocab_size)
+    deferred = formulas.weight_ctx_bytes(shape, model.n_layer, bias=True)
     s = make_schedule(schedule, 1, m)
     assert trainer.last_stats.peak_bytes == formulas.peak_activation_bytes(s, 0, lambda c: saved, lambda c: deferred)
     if schedule == "gpipe":

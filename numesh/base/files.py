@@ -1,11 +1,16 @@
-"""Writing a file so that readers never see half of it."""
+"""Writing a file so that readers never see half of it, and reading a file the user names."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import tomllib
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+# what `read_user_file` parses: every parser's errors (and a file that is not UTF-8) are ValueErrors
+PARSERS: dict[str, Callable[[str], Any]] = {"TOML": tomllib.loads, "JSON": json.loads}
 
 
 def write_atomic(path: Path, content: str | bytes | Callable[[Path], None]) -> None:
@@ -40,3 +45,19 @@ def os_reason(e: OSError) -> str:
             if p.exists() and not p.is_dir():
                 return f"{p} is a file, not a directory"
     return e.strerror or str(e)
+
+
+def read_user_file(path: Path, what: str, fmt: str, error: Callable[[str], Exception], hint: str = "") -> Any:
+    """The parsed content of a `fmt` ("TOML" or "JSON") file the user named, or `error` (a
+    UserError class: this module imports none) with one line that names the file as `what`:
+    not found (or a directory; `hint` says what to pass instead), not valid `fmt`, or not
+    readable. A config file and a hardware profile fail alike."""
+    if not path.is_file():
+        raise error(f"{what} {path} not found" + (" (it is a directory)" if path.is_dir() else "")
+                    + (f": {hint}" if hint else ""))
+    try:
+        return PARSERS[fmt](path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise error(f"{what} {path} is not valid {fmt}: {e}") from None
+    except OSError as e:
+        raise error(f"{what} {path} cannot be read: {e.strerror or e}") from None

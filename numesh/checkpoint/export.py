@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import numpy as np
@@ -18,7 +18,7 @@ import numpy as np
 from numesh.base.errors import CheckpointError, DataError
 from numesh.base.files import os_reason
 from numesh.checkpoint.common import read_params
-from numesh.checkpoint.format import DTYPES, write_file_atomic
+from numesh.checkpoint.format import DTYPES, Meta, write_file_atomic
 from numesh.checkpoint.pinned import read_pinned
 from numesh.data.tokenizer import tokenizer_from_meta
 from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
@@ -116,6 +116,22 @@ def from_nanogpt(sd: dict[str, np.ndarray], model: GPTConfig, where: Path) -> GP
     return params
 
 
+def exported_tensors(path: str | Path, dtype: str | None,
+                     convert: Callable[[GPT, GPTConfig], dict[str, np.ndarray]]) -> tuple[Meta, dict[str, np.ndarray]]:
+    """What every export writes: the checkpoint at `path`'s metadata and its whole
+    parameters as `convert` names and lays them out (`to_nanogpt`, `to_hf`), in `dtype`
+    ("float32"/"float64"; default: the checkpoint's). `dtype` is checked before anything is
+    read, and the checkpoint is read from one step directory, even while a job moves
+    `latest` on."""
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    meta, params = read_pinned(path, read_params)
+    sd = convert(params, meta.model)
+    if dtype is not None:
+        sd = {k: v.astype(dtype) for k, v in sd.items()}
+    return meta, sd
+
+
 def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = None, force: bool = False) -> Path:
     """Write the checkpoint at `path` as one nanoGPT-named safetensors file (atomically,
     readable like any file the user creates). `dtype` ("float32"/"float64") converts the
@@ -127,12 +143,7 @@ def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = N
         raise CheckpointError(f"{out} is a directory: pass --out a .safetensors file name")
     if not force and (out.exists() or out.is_symlink()):
         raise CheckpointError(f"{out} exists: pass --force to overwrite")
-    if dtype is not None and dtype not in DTYPES:
-        raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-    meta, params = read_pinned(path, read_params)  # one step directory, even while a job moves `latest` on
-    sd = to_nanogpt(params, meta.model)
-    if dtype is not None:
-        sd = {k: v.astype(dtype) for k, v in sd.items()}
+    meta, sd = exported_tensors(path, dtype, to_nanogpt)
     tok = meta.raw.get("tokenizer")
     metadata = {
         "format": EXPORT_FORMAT,

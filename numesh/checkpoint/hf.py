@@ -20,10 +20,7 @@ import numpy as np
 
 from numesh.base.errors import CheckpointError
 from numesh.base.files import os_reason
-from numesh.checkpoint.common import read_params
-from numesh.checkpoint.export import to_nanogpt
-from numesh.checkpoint.format import DTYPES
-from numesh.checkpoint.pinned import read_pinned
+from numesh.checkpoint.export import exported_tensors, to_nanogpt
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
 from numesh.nn.gpt import GPTConfig
 from numesh.nn.layers import LN_EPS
@@ -92,17 +89,12 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
         raise CheckpointError(f"{out} is a file: --format hf writes a directory, pass a directory as --out")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise CheckpointError(f"{out} is not empty: pass --force to overwrite")
-    if dtype is not None and dtype not in DTYPES:
-        raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-    meta, params = read_pinned(path, read_params)  # one step directory, even while a job moves `latest` on
+    meta, sd = exported_tensors(path, dtype, to_hf)
     tok_meta = meta.raw.get("tokenizer")
     if tok_meta is None:
         raise CheckpointError(f"{meta.root} holds no tokenizer, which a transformers directory needs: resume it "
                               "once with --data set to its dataset, then export")
     tok = tokenizer_from_meta(tok_meta)
-    sd = to_hf(params, meta.model)
-    if dtype is not None:
-        sd = {k: v.astype(dtype) for k, v in sd.items()}
     eot = tok.eot_id if isinstance(tok, HFTokenizer) else None
     name = np.dtype(next(iter(sd.values())).dtype).name
     files = {"config.json": json.dumps(hf_config(meta.model, eot, name), indent=1),

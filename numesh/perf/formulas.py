@@ -195,40 +195,59 @@ def norm_axes(shape: dict[str, int], zero: int) -> tuple[str, ...]:
     return tuple(a for a in ("pp", "dp", "ep", "tp") if a in axes)
 
 
-def step_bytes(
-    shape: dict[str, int],
-    zero: int,
-    micro_batches: int,
-    rows: int,
-    block_size: int,
-    n_embd: int,
-    itemsize: int,
-    chunks: Iterable[Chunk],
-    padded_blocks: int,
-    padded_outer: int,
-    tied_bytes: int,
-    split_backward: bool = False,
-    sequence_parallel: bool = False,
-    tp_partial_values: int = 0,
-    recompute: str = "none",
-    ep_replicated_values: int = 0,
-    all_to_all_bytes: int = 0,
-) -> dict[tuple[str, str], int]:
-    """Payload bytes per (axes, op) one rank moves in one training step (axes as "dp",
-    "pp+dp", or "pp[0,3]" for the tied-embedding group), sends but not receives.
+@attrs.frozen
+class StepShape:
+    """The layout and sizes that fix one training step's traffic, the same on every rank:
+    the mesh's axis sizes (`mesh`, as `Mesh.shape` and the planner's `Layout.shape` give
+    them), the ZeRO stage, `micro_batches` of `rows` sequences each on a rank (the batch is
+    split over dp × ep), `block_size` tokens of width `n_embd` in `itemsize`-byte values;
+    whether the schedule runs W apart from B (`split_backward`, zb-h1), whether tp also
+    splits the sequence (`sequence_parallel`) and the activation recomputation ("full"
+    reruns each block's forward, its tp communication included, in backward)."""
 
-    `rows` is a micro-batch's sequences on this rank; `chunks` this rank's model chunks;
-    `padded_*` its units' sizes padded to dp; `tied_bytes` its wte gradient's bytes, summed
-    between the first and last pp rank when pp > 1 (0 on other ranks); `split_backward`
-    whether the schedule runs W apart from B (zb-h1); `sequence_parallel` whether tp also
-    splits the sequence, and then `tp_partial_values` the LayerNorm gradient values this
-    rank holds (its dp shard of them under ZeRO >= 1), all-reduced over tp once per step.
-    With cp, add the ring's K/V traffic and the gradients' sum over cp (`cp_ring_bytes`,
-    `cp_grad_bytes`); `recompute` the activation recomputation ("full" reruns each block's
-    forward, its tp communication included, in backward). With ep, `ep_replicated_values`
-    is the gradient values of leaves replicated over ep this rank holds (`ep_grad_bytes`),
-    and `all_to_all_bytes` the experts' token all-to-alls of the step, which depend on the
-    routing (`moe_step_all_to_all_bytes` of the step's recorded counts; 0 for dense meshes)."""
+    mesh: dict[str, int]
+    zero: int
+    micro_batches: int
+    rows: int
+    block_size: int
+    n_embd: int
+    itemsize: int
+    split_backward: bool = False
+    sequence_parallel: bool = False
+    recompute: str = "none"
+
+
+@attrs.frozen
+class RankUnits:
+    """What one rank holds that its step's traffic depends on: its model `chunks`; its
+    units' values padded to a multiple of dp (`padded_blocks` over its blocks,
+    `padded_outer` the embedding/head unit); its wte gradient's bytes (`tied_bytes`), summed
+    between the first and last pp rank when pp > 1 (0 on other ranks); and the gradient
+    values it holds (its dp shard of them under ZeRO >= 1) of the leaves reduced apart from
+    the dp sum, once per step: the LayerNorms' over tp under sequence parallelism
+    (`tp_partial_values`), those replicated over ep (`ep_replicated_values`). A traced run
+    records these fields as its ranks' metadata, from which `numesh report` computes them."""
+
+    chunks: tuple[Chunk, ...] = attrs.field(converter=tuple)
+    padded_blocks: int
+    padded_outer: int
+    tied_bytes: int = 0
+    tp_partial_values: int = 0
+    ep_replicated_values: int = 0
+
+
+def step_bytes(step: StepShape, rank: RankUnits, all_to_all_bytes: int = 0) -> dict[tuple[str, str], int]:
+    """Payload bytes per (axes, op) one rank moves in one training step (axes as "dp",
+    "pp+dp", or "pp[0,3]" for the tied-embedding group), sends but not receives, for the
+    step's layout and what the rank holds. With cp, add the ring's K/V traffic and the
+    gradients' sum over cp (`cp_ring_bytes`, `cp_grad_bytes`); with sequence parallelism the
+    LayerNorm gradients' all-reduce over tp; with ep the replicated leaves' all-reduce over
+    ep (`ep_grad_bytes`) and `all_to_all_bytes`, the experts' token all-to-alls of the step,
+    which depend on the routing (`moe_step_all_to_all_bytes` of the step's recorded counts;
+    0 for dense meshes)."""
+    shape, zero, m, itemsize = step.mesh, step.zero, step.micro_batches, step.itemsize
+    rows, n_embd, recompute, chunks = step.rows, step.n_embd, step.recompute, rank.chunks
+    padded_blocks, padded_outer = rank.padded_blocks, rank.padded_outer
     out: dict[tuple[str, str], int] = {}
     cp = shape.get("cp", 1)
 
@@ -236,31 +255,29 @@ def step_bytes(
         if n:
             out[(axes, op)] = out.get((axes, op), 0) + n
 
-    chunks = list(chunks)
-    m = micro_batches
     if shape["dp"] > 1 or (cp > 1 and zero == 0):
-        for op, n in dp_bytes(zero, m, padded_blocks, padded_outer, itemsize, split_backward).items():
+        for op, n in dp_bytes(zero, m, padded_blocks, padded_outer, itemsize, step.split_backward).items():
             if shape["dp"] > 1 or op == "all_reduce":
                 add("dp+cp" if cp > 1 and zero == 0 else "dp", op, n)
     if cp > 1:
         add("cp", "send",
-            m * sum(cp_ring_bytes(c, rows, block_size, n_embd, shape["tp"], cp, itemsize) for c in chunks))
+            m * sum(cp_ring_bytes(c, rows, step.block_size, n_embd, shape["tp"], cp, itemsize) for c in chunks))
         add("cp", "all_reduce", cp_grad_bytes(zero, m, padded_blocks, padded_outer, itemsize))
-    t = block_size // cp  # tokens of each sequence on this rank
-    if shape["tp"] > 1 and sequence_parallel:
+    t = step.block_size // cp  # tokens of each sequence on this rank
+    if shape["tp"] > 1 and step.sequence_parallel:
         for c in chunks:
             for op, n in tp_sequence_parallel_bytes(c, rows, t, n_embd, itemsize, recompute).items():
                 add("tp", op, m * n)
-        add("tp", "all_reduce", tp_partial_values * itemsize)
+        add("tp", "all_reduce", rank.tp_partial_values * itemsize)
     elif shape["tp"] > 1:
         add("tp", "all_reduce", m * sum(tp_all_reduce_bytes(c, rows, t, n_embd, itemsize, recompute) for c in chunks))
     if shape["pp"] > 1:
-        split = shape["tp"] if sequence_parallel else 1
+        split = shape["tp"] if step.sequence_parallel else 1
         add("pp", "send", m * sum(pp_send_bytes(c, rows, t, n_embd, itemsize, split) for c in chunks))
-        if tied_bytes:
-            add(f"pp[0,{shape['pp'] - 1}]", "all_reduce", tied_bytes)
+        if rank.tied_bytes:
+            add(f"pp[0,{shape['pp'] - 1}]", "all_reduce", rank.tied_bytes)
     if shape.get("ep", 1) > 1:
-        add("ep", "all_reduce", ep_grad_bytes(ep_replicated_values, itemsize))
+        add("ep", "all_reduce", ep_grad_bytes(rank.ep_replicated_values, itemsize))
         add("ep", "all_to_all", all_to_all_bytes)
     if shape["pp"] * shape["dp"] * shape.get("ep", 1) * cp > 1:  # the step's loss
         add("+".join(loss_axes(shape)), "all_reduce", SCALAR)
@@ -441,6 +458,42 @@ def zero_buffer_bytes(unit_sizes: Iterable[int], dp: int, stage: int, itemsize: 
 
 
 
+@attrs.frozen
+class ActivationShape:
+    """The sizes that fix what one micro-batch's forward keeps on a rank, which every
+    activation formula takes: `micro_batch` sequences of `seq` tokens (the whole sequence:
+    under context parallelism each rank holds `tokens` = seq/cp of them), width `n_embd` in
+    `n_head` heads split over `tp` (and the sequence too under sequence parallelism, `sp`),
+    the recomputation mode and the activation dtype's `itemsize`."""
+
+    micro_batch: int
+    seq: int
+    n_embd: int
+    n_head: int
+    tp: int = 1
+    cp: int = 1
+    sp: bool = False
+    recompute: str = "none"
+    itemsize: int = 4
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of each sequence on this rank (seq/cp)."""
+        return self.seq // self.cp
+
+
+@attrs.frozen
+class ExpertShape:
+    """A mixture of experts' sizes as one MoE block's saved context sees them: E =
+    `experts` split over `ep`, `top_k` of them per token, and whether a capacity factor
+    caps what each takes (`capacity`: the block keeps which assignments it kept)."""
+
+    experts: int
+    top_k: int
+    ep: int = 1
+    capacity: bool = False
+
+
 def check_recompute_mode(recompute: str) -> None:
     """ValueError unless `recompute` is none or full ("selective" was retired with the fused
     attention kernel: numesh.nn.walk.RETIRED)."""
@@ -448,12 +501,12 @@ def check_recompute_mode(recompute: str) -> None:
         raise ValueError(f"recompute must be none or full, got {recompute!r}")
 
 
-def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_layer: int, vocab: int, tp: int = 1,
-                     first: bool = True, last: bool = True, recompute: str = "none", dropout: bool = False,
-                     itemsize: int = 4, sp: bool = False, cp: int = 1) -> dict[str, int]:
+def activation_parts(shape: ActivationShape, chunk: Chunk, vocab: int) -> dict[str, int]:
     """`activation_bytes` part by part: what numesh's forward saves for backward, in bytes,
-    for one micro-batch of b = `micro_batch` sequences of s = `seq` tokens, width h =
-    `n_embd`, a = `n_head` heads, t = `tp`, k = `itemsize` (the activation dtype's).
+    for one micro-batch through `chunk` (its `blocks`, the embedding if `first`, the head
+    and loss if `last`, over `vocab` tokens) of b = `micro_batch` sequences of s = `seq`
+    tokens, width h = `n_embd`, a = `n_head` heads, t = `tp`, k = `itemsize` (the
+    activation dtype's), all of them `shape`'s.
 
     Per block (numesh.nn.transformer.BlockCtx, each array counted once):
       "block_replicated"  k·(4·sbh + 2·sb): LayerNorm 1 and 2 each keep x̂ [b,s,h] and 1/σ
@@ -490,13 +543,13 @@ def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_
     Context parallelism (`cp`) gives each rank s = seq/cp tokens of every sequence, so
     every term above is taken with that s (ring attention keeps the same output and
     log-sum-exp as one rank's). The first stage also keeps the s positions of its tokens
-    (int64) for the position embedding's gradient. `dropout` changes nothing here (kept for
-    the callers that pass it)."""
-    check_recompute_mode(recompute)
-    b, s, h, a, t, k = micro_batch, seq // cp, n_embd, n_head, tp, itemsize
+    (int64) for the position embedding's gradient. Dropout changes nothing here."""
+    check_recompute_mode(shape.recompute)
+    b, s, h, a, t, k = shape.micro_batch, shape.tokens, shape.n_embd, shape.n_head, shape.tp, shape.itemsize
+    sp, cp, n_layer, first, last = shape.sp, shape.cp, chunk.blocks, chunk.first, chunk.last
     sb, sbh = s * b, s * b * h
     parts: dict[str, int] = {}
-    if recompute == "full":
+    if shape.recompute == "full":
         parts["block_input"] = n_layer * k * (sbh // t if sp else sbh)
     else:
         parts["block_replicated"] = n_layer * k * (2 * (sbh + sb) // t if sp else (4 * sbh + 2 * sb))
@@ -512,30 +565,25 @@ def activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_
     return parts
 
 
-def activation_bytes(*, micro_batch: int, seq: int, n_embd: int, n_head: int, n_layer: int, vocab: int, tp: int = 1,
-                     first: bool = True, last: bool = True, recompute: str = "none", dropout: bool = False,
-                     itemsize: int = 4, sp: bool = False, cp: int = 1) -> int:
+def activation_bytes(shape: ActivationShape, chunk: Chunk, vocab: int) -> int:
     """Bytes of saved activations one micro-batch leaves on a pipeline stage holding
-    `n_layer` blocks (plus the embedding if `first`, the final LayerNorm, head and loss if
-    `last`) between its forward and its backward: the sum of `activation_parts`."""
-    return sum(activation_parts(micro_batch=micro_batch, seq=seq, n_embd=n_embd, n_head=n_head, n_layer=n_layer,
-                                vocab=vocab, tp=tp, first=first, last=last, recompute=recompute, dropout=dropout,
-                                itemsize=itemsize, sp=sp, cp=cp).values())
+    `chunk` (its blocks, plus the embedding if first, the final LayerNorm, head and loss if
+    last) between its forward and its backward: the sum of `activation_parts`."""
+    return sum(activation_parts(shape, chunk, vocab).values())
 
 
 INDEX_BYTES = 8  # routing indices and counts are int64; the router's f and P float64 (numesh/nn/moe.py)
 
 
-def moe_activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int, experts: int, top_k: int,
-                         rows_sent: int, rows_received: int, tp: int = 1, ep: int = 1, capacity: bool = False,
-                         recompute: str = "none", itemsize: int = 4, sp: bool = False) -> dict[str, int]:
+def moe_activation_parts(shape: ActivationShape, moe: ExpertShape, rows_sent: int,
+                         rows_received: int) -> dict[str, int]:
     """What one MoE block's forward saves for backward on one rank (its `BlockCtx` with
     `MoECtx`, each buffer counted once as `numesh.base.tree.held_bytes` does), in bytes, for b =
-    `micro_batch` sequences of s = `seq` tokens of this rank (s = seq/cp under cp), N = s·b
-    tokens, k = `top_k`, h = `n_embd`, t = `tp`, q = `itemsize`, M = `rows_sent`
-    (Σ Dispatch.send: the assignments this rank's tokens kept, N·k less the dropped) and R
-    = `rows_received` (Σ Dispatch.recv: the rows its E/ep experts got; routing decides
-    both, so they differ by rank):
+    `micro_batch` sequences of s = `shape.tokens` tokens of this rank (seq/cp under cp), N =
+    s·b tokens, h = `n_embd`, t = `tp`, q = `itemsize` (`shape`'s), E experts over ep, k =
+    `top_k` (`moe`'s), M = `rows_sent` (Σ Dispatch.send: the assignments this rank's tokens
+    kept, N·k less the dropped) and R = `rows_received` (Σ Dispatch.recv: the rows its E/ep
+    experts got; routing decides both, so they differ by rank):
       "block_replicated"  q·(4·sbh + 2·sb) as the dense block's (the MoE input is LayerNorm
                           2's output, kept once); under sp q·2·(sbh + sb)/t + q·sbh, the
                           gathered MoE input.
@@ -552,34 +600,35 @@ def moe_activation_parts(*, micro_batch: int, seq: int, n_embd: int, n_head: int
       "stats"             the routing stats' tokens per expert, 8·E.
     Under full recomputation the block keeps its input, q·sbh (q·sbh/t under sp), and its
     stats, 8·E (`RoutingStats.send`/`recv` are int tuples: nothing more)."""
-    check_recompute_mode(recompute)
-    b, s, h, a, t, q, E, k = micro_batch, seq, n_embd, n_head, tp, itemsize, experts, top_k
+    check_recompute_mode(shape.recompute)
+    b, s, h, a, t, q = shape.micro_batch, shape.tokens, shape.n_embd, shape.n_head, shape.tp, shape.itemsize
+    E, k, ep, sp = moe.experts, moe.top_k, moe.ep, shape.sp
     sb, sbh, N, R, M = s * b, s * b * h, s * b, rows_received, rows_sent
     stats = INDEX_BYTES * E
-    if recompute == "full":
+    if shape.recompute == "full":
         return {"block_input": q * (sbh // t if sp else sbh), "stats": stats}
     return {
         "block_replicated": q * (2 * (sbh + sb) // t + sbh) if sp else q * (4 * sbh + 2 * sb),
         "block_attention": q * 4 * sbh // t,
         "block_lse": q * a * sb // t,
         "router": (q * (N * E + N + N * k) + INDEX_BYTES * (N * E + M + E + 1 + 2 * b * E)
-                   + (N * k if capacity else 0)),
+                   + (N * k if moe.capacity else 0)),
         "dispatch": INDEX_BYTES * (2 * ep + ((R + E // ep + 1) if ep > 1 else 0)),
         "experts": q * (R * h + 12 * R * h // t + N * k * h),
         "stats": stats,
     }
 
 
-def weight_ctx_bytes(*, micro_batch: int, seq: int, n_embd: int, n_layer: int, tp: int = 1, bias: bool = False,
-                     itemsize: int = 4, chunks: int = 1) -> int:
+def weight_ctx_bytes(shape: ActivationShape, n_layer: int, bias: bool = False, chunks: int = 1) -> int:
     """Bytes a zero-bubble B leaves for its W (numesh.nn.transformer.BlockWeightCtx) over
-    `n_layer` blocks, for any recomputation: per block the four Linears' inputs (h1, h2
-    [b,s,h]; attention output sbh/t, GELU output 4·sbh/t) and output gradients (QKV's
-    3·sbh/t, MLP-up's 4·sbh/t, the two row-parallel ones sbh each), so k·(4·sbh + 12·sbh/t),
-    plus both LayerNorms' weight (and bias) gradients, once per thread chunk."""
-    sbh, k = seq * micro_batch * n_embd, itemsize
-    ln_grads = chunks * 2 * n_embd * (2 if bias else 1) * k
-    return n_layer * (k * (4 * sbh + 12 * sbh // tp) + ln_grads)
+    `n_layer` blocks, for any recomputation, of s = `shape.tokens` tokens of this rank: per
+    block the four Linears' inputs (h1, h2 [b,s,h]; attention output sbh/t, GELU output
+    4·sbh/t) and output gradients (QKV's 3·sbh/t, MLP-up's 4·sbh/t, the two row-parallel
+    ones sbh each), so k·(4·sbh + 12·sbh/t), plus both LayerNorms' weight (and `bias`)
+    gradients, once per thread chunk (`chunks`)."""
+    sbh, k = shape.tokens * shape.micro_batch * shape.n_embd, shape.itemsize
+    ln_grads = chunks * 2 * shape.n_embd * (2 if bias else 1) * k
+    return n_layer * (k * (4 * sbh + 12 * sbh // shape.tp) + ln_grads)
 
 
 def peak_activation_bytes(schedule: Schedule, rank: int, saved: Callable[[int], int],

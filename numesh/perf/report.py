@@ -306,10 +306,31 @@ def _bytes_key(axes: str, op: str) -> str:
     return f"{axes}/{op}"
 
 
+def step_shape(m: dict) -> formulas.StepShape:
+    """The step's layout, from a trace's metadata (`Trainer.trace_meta`)."""
+    sched = make_schedule(m["schedule"], m["mesh"]["pp"], m["micro_batches"], m["virtual_stages"])
+    return formulas.StepShape(
+        m["mesh"], m["zero"], m["micro_batches"], m["rows_per_micro_batch"], m["block_size"], m["n_embd"],
+        m["itemsize"], sched.split_backward,
+        m.get("sequence_parallel", False),  # absent in traces before sp
+        m.get("recompute", "none"),  # traces written before --recompute ran without it
+    )
+
+
+def rank_units(info: dict) -> formulas.RankUnits:
+    """What a rank holds, from its entry in a trace's metadata (`Trainer.rank_units`)."""
+    return formulas.RankUnits(
+        [formulas.Chunk(**c) for c in info["chunks"]], info["padded_blocks"], info["padded_outer"], info["tied_bytes"],
+        info.get("tp_partial_values", 0),  # absent in traces before sp
+        info.get("ep_replicated_values", 0),  # absent in traces before ep
+    )
+
+
 def bytes_per_step(trace: dict) -> dict[int, dict[str, dict[str, float]]]:
     """Per rank, {"measured": {axes/op: payload bytes per step}, "formula": {...}}."""
     m = meta(trace)
     ranks = _ranks(trace)
+    step = step_shape(m)
     out = {}
     for r, evs in rank_events(trace).items():
         wins = step_windows(evs)
@@ -323,16 +344,7 @@ def bytes_per_step(trace: dict) -> dict[int, dict[str, dict[str, float]]]:
         info = ranks[r]
         # the experts' all-to-all depends on the routing: each step span carries its own bytes
         a2a = {e["args"]["step"]: e["args"].get("all_to_all_bytes", 0) for e in evs if e.get("cat") == "step"}
-        want = formulas.step_bytes(
-            m["mesh"], m["zero"], m["micro_batches"], m["rows_per_micro_batch"], m["block_size"], m["n_embd"],
-            m["itemsize"], [formulas.Chunk(**c) for c in info["chunks"]], info["padded_blocks"], info["padded_outer"],
-            info["tied_bytes"],
-            make_schedule(m["schedule"], m["mesh"]["pp"], m["micro_batches"], m["virtual_stages"]).split_backward,
-            m.get("sequence_parallel", False), info.get("tp_partial_values", 0),  # absent in traces before sp
-            recompute=m.get("recompute", "none"),  # traces written before --recompute ran without it
-            ep_replicated_values=info.get("ep_replicated_values", 0),  # absent in traces before ep
-            all_to_all_bytes=sum(a2a.get(step, 0) for step, _, _ in wins) / n,
-        )
+        want = formulas.step_bytes(step, rank_units(info), all_to_all_bytes=sum(a2a.get(s, 0) for s, _, _ in wins) / n)
         out[r] = {"measured": {k: v / n for k, v in sorted(got.items())},
                   "formula": {_bytes_key(*k): v for k, v in sorted(want.items())}}
     return out

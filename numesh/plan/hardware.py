@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 
 from numesh.base.errors import ConfigError
-from numesh.base.files import os_reason, write_atomic
+from numesh.base.files import os_reason, read_user_file, write_atomic
 from numesh.plan import costs
 
 Points = tuple[tuple[float, float], ...]  # (size, seconds), sorted by size
@@ -289,15 +289,8 @@ def load_profile(name: str) -> Profile:
                               "(after `numesh plan --calibrate`) or a profile's .json path")
         text = (resources.files("numesh.plan") / "profiles" / f"{name}.json").read_text()
         return profile_from_json(json.loads(text), name)
-    if not path.is_file():
-        raise ConfigError(f"hardware profile {path} not found: give a profile's .json path or a builtin name "
-                          f"({', '.join(builtin_profiles())})")
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"hardware profile {path} is not valid JSON: {e}") from None
-    except OSError as e:
-        raise ConfigError(f"hardware profile {path} cannot be read: {e.strerror or e}") from None
+    d = read_user_file(path, "hardware profile", "JSON", ConfigError,
+                       hint=f"give a profile's .json path or a builtin name ({', '.join(builtin_profiles())})")
     if not isinstance(d, dict):
         raise ConfigError(f"hardware profile {path} is not a JSON object: write it as `numesh plan --calibrate` does")
     return profile_from_json(d, str(path))

@@ -103,7 +103,7 @@ class Layout:
 
     @property
     def shape(self) -> dict[str, int]:
-        """Axis sizes as `numesh.mesh.parse_mesh` gives them (what `formulas.step_bytes` takes)."""
+        """Axis sizes as `numesh.mesh.parse_mesh` gives them (what `formulas.StepShape.mesh` holds)."""
         return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "cp": self.cp, "tp": self.tp}
 
     def rows(self, model: ModelSpec) -> int:

@@ -82,21 +82,23 @@ def _moe_block_units(model: ModelSpec, tp: int, ep: int, pp: int, v: int, pp_ran
     return tuple(block_sizes(model, lay, rank_layers(model, lay, pp_rank)))
 
 
+def activation_shape(model: ModelSpec, layout: Layout, itemsize: int) -> formulas.ActivationShape:
+    """The sizes of one micro-batch's activations on a rank of the layout (the formulas' `ActivationShape`)."""
+    return formulas.ActivationShape(layout.rows(model), model.block_size, model.n_embd, model.n_head, layout.tp,
+                                    layout.cp, layout.sp, layout.recompute, itemsize)
+
+
 def moe_activation_delta(model: ModelSpec, layout: Layout, itemsize: int) -> int:
     """An MoE block's saved bytes (`formulas.moe_activation_parts`) less a dense block's
     (`formulas.activation_bytes`), on one micro-batch of N = b·T/cp tokens. Routing is
     assumed balanced: every expert gets N·ep·k/E of its ep group's assignments, so this
     rank's E/ep experts receive the N·k rows it sends (exact on ep = 1, dropless); a capacity
     factor's drops are not counted (fewer rows)."""
-    b, s = layout.rows(model), model.block_size // layout.cp
-    rows = b * s * model.moe_top_k
-    moe = formulas.moe_activation_parts(
-        micro_batch=b, seq=s, n_embd=model.n_embd, n_head=model.n_head, experts=model.moe_experts,
-        top_k=model.moe_top_k, rows_sent=rows, rows_received=rows, tp=layout.tp, ep=layout.ep,
-        recompute=layout.recompute, itemsize=itemsize, sp=layout.sp)
-    dense = formulas.activation_bytes(micro_batch=b, seq=s, n_embd=model.n_embd, n_head=model.n_head, n_layer=1,
-                                      vocab=model.vocab_size, tp=layout.tp, first=False, last=False,
-                                      recompute=layout.recompute, itemsize=itemsize, sp=layout.sp)
+    shape = activation_shape(model, layout, itemsize)
+    rows = shape.micro_batch * shape.tokens * model.moe_top_k
+    moe = formulas.moe_activation_parts(shape, formulas.ExpertShape(model.moe_experts, model.moe_top_k, layout.ep),
+                                        rows_sent=rows, rows_received=rows)
+    dense = formulas.activation_bytes(shape, formulas.Chunk(1, first=False, last=False), model.vocab_size)
     return sum(moe.values()) - dense
 
 
@@ -124,17 +126,10 @@ def _chunk_bytes(model: ModelSpec, layout: Layout, sched: Schedule, pp_rank: int
     """(bytes after F, bytes kept after a split B) of one micro-batch through one chunk."""
     k = sched.stage(pp_rank, chunk)
     per_chunk = model.n_layer // (layout.pp * layout.virtual_stages)
-    rows = layout.rows(model)
-    # activation_bytes takes the whole sequence and cp (each rank keeps seq/cp tokens);
-    # the W contexts are Linear inputs and output grads, so this rank's tokens
-    f = formulas.activation_bytes(
-        micro_batch=rows, seq=model.block_size, n_embd=model.n_embd, n_head=model.n_head, n_layer=per_chunk,
-        vocab=model.vocab_size, tp=layout.tp, first=k == 0, last=k == sched.num_stages - 1,
-        recompute=layout.recompute, dropout=model.dropout, itemsize=itemsize, sp=layout.sp, cp=layout.cp,
-    )
-    w = formulas.weight_grad_bytes(micro_batch=rows, seq=model.block_size // layout.cp, n_embd=model.n_embd,
-                                   n_layer=per_chunk, tp=layout.tp, bias=model.bias,
-                                   chunks=row_chunks(model, layout, threads), itemsize=itemsize)
+    shape = activation_shape(model, layout, itemsize)
+    f = formulas.activation_bytes(shape, formulas.Chunk(per_chunk, k == 0, k == sched.num_stages - 1),
+                                  model.vocab_size)
+    w = formulas.weight_grad_bytes(shape, per_chunk, model.bias, row_chunks(model, layout, threads))
     if model.moe_experts:
         moe = model.moe_blocks(k * per_chunk, (k + 1) * per_chunk)
         f += moe * moe_activation_delta(model, layout, itemsize)
@@ -155,21 +150,11 @@ def peak_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, itemsi
 
 @functools.lru_cache(maxsize=4096)
 def _walk(name: str, pp: int, m: int, v: int, pp_rank: int, cost: tuple[tuple[int, int], ...]) -> int:
-    """`peak_activation_bytes`' walk, cached: layouts that differ only in their ZeRO stage
-    hold the same activations (a walk of a 98k-action schedule is milliseconds)."""
-    sched = schedule_of(name, pp, m, v)
-    live: dict[tuple[int, int], int] = {}
-    peak = 0
-    for a in sched.actions[pp_rank]:
-        key = (a.mb, a.chunk)
-        if a.kind == "F":
-            live[key] = cost[a.chunk][0]
-        elif a.kind == "B" and sched.split_backward:
-            live[key] = cost[a.chunk][1]
-        else:
-            live.pop(key, None)
-        peak = max(peak, sum(live.values()))
-    return peak
+    """`peak_activation_bytes`' walk (`formulas.peak_activation_bytes`, as the executor
+    holds them), cached: layouts that differ only in their ZeRO stage hold the same
+    activations (a walk of a 98k-action schedule is milliseconds)."""
+    return formulas.peak_activation_bytes(schedule_of(name, pp, m, v), pp_rank, lambda c: cost[c][0],
+                                          lambda c: cost[c][1])
 
 
 def comm_buffer_bytes(model: ModelSpec, layout: Layout, sizes: list[int], itemsize: int) -> int:

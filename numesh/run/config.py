@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import attrs
 import numpy as np
 
 from numesh.base.errors import ConfigError
+from numesh.base.files import read_user_file
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
 from numesh.host.interrupt import parse_signals
 from numesh.mesh import parse_mesh
@@ -156,16 +156,8 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
     values: dict[str, Any] = {}
     if toml_path is not None:
         path = Path(toml_path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} not found" + (" (it is a directory)" if path.is_dir() else ""))
-        try:
-            loaded = tomllib.loads(path.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-        except OSError as e:
-            raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
         spelled: dict[str, str] = {}
-        for key, value in loaded.items():
+        for key, value in read_user_file(path, "config file", "TOML", ConfigError).items():
             name = key.replace("-", "_")
             if name not in fields:
                 raise ConfigError(f"unknown config key '{key}' in {path}: the keys are {', '.join(fields)}")

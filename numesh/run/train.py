@@ -229,19 +229,9 @@ class Trainer:
         tr = Tracer(self.mesh)
         attach(self.mesh, tr)  # chained after any observer already there (the flight recorder)
         self.trace = self.pipeline.trace = tr
-        c, shape, pp_rank = self.cfg, self.mesh.shape, self.mesh.index("pp")
-        units = self.opt.units
+        c, shape = self.cfg, self.mesh.shape
         itemsize = np.dtype(self.dtype).itemsize
-        holds_tied = self.layout.holds_tied(pp_rank)
-        tr.meta = {
-            "chunks": [attrs.asdict(formulas.Chunk(len(s.blocks), s.first, s.last)) for s in self.pipeline.stages],
-            "padded_blocks": sum(u.padded for k, u in units.items() if not k.is_outer),
-            "padded_outer": units[OUTER].padded,
-            "tied_bytes": (self.model.padded_vocab(shape["tp"]) // shape["tp"] * self.model.n_embd * itemsize
-                           if holds_tied else 0),
-            "tp_partial_values": self.opt.tp_partial_values,
-            "ep_replicated_values": self.opt.ep_replicated_values,
-        }
+        tr.meta = attrs.asdict(self.rank_units())
         self.trace_meta = {
             "mesh": dict(shape), "schedule": c.schedule, "micro_batches": c.micro_batches,
             "virtual_stages": c.virtual_stages, "zero": c.zero, "sequence_parallel": c.sequence_parallel,
@@ -255,6 +245,18 @@ class Trainer:
         if spool is not None:
             tr.start_spool(spool, self.trace_meta)
         return tr
+
+    def rank_units(self) -> formulas.RankUnits:
+        """What this rank holds that its step's traffic depends on (`formulas.step_bytes`);
+        a trace records it as the rank's metadata for `numesh report`."""
+        shape, units = self.mesh.shape, self.opt.units
+        tied = self.model.padded_vocab(shape["tp"]) // shape["tp"] * self.model.n_embd * np.dtype(self.dtype).itemsize
+        return formulas.RankUnits(
+            [formulas.Chunk(len(s.blocks), s.first, s.last) for s in self.pipeline.stages],
+            sum(u.padded for k, u in units.items() if not k.is_outer), units[OUTER].padded,
+            tied if self.layout.holds_tied(self.mesh.index("pp")) else 0,
+            self.opt.tp_partial_values, self.opt.ep_replicated_values,
+        )
 
     def gathered_params(self) -> GPT:
         """The global parameters (vocabulary unpadded), gathered on every rank (tests, export)."""
