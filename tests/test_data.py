@@ -694,6 +694,40 @@ def test_the_rename_fallback_replaces_whole_and_other_files_are_kept(dataset: Pa
         opened.verify_dataset(dataset)
 
 
+def test_files_numesh_did_not_write_are_never_replaced(tmp_path: Path) -> None:
+    """A transformers export (its tokenizer.json), nanoGPT's data directory (train.bin,
+    val.bin, meta.pkl) or another tool's meta.json: every writer, --overwrite or not,
+    refuses in one line before it reads anything and leaves the files as they were; a
+    directory holding other files only (a note) still gets its dataset beside them."""
+    src = tmp_path / "in.txt"
+    src.write_text(SYNTH, encoding="utf-8")
+    dirs = {"export": {"config.json": b"{}", "tokenizer.json": b'{"model": {}}', "model.safetensors": b"w"},
+            "nanogpt": {"train.bin": b"\1\0", "val.bin": b"\2\0", "meta.pkl": b"p"},
+            "other": {"meta.json": b'{"name": "not a dataset"}'}}
+    for name, files in dirs.items():
+        d = tmp_path / name
+        d.mkdir()
+        for f, raw in files.items():
+            (d / f).write_bytes(raw)
+        for cmd in (["data", "char"], ["data", "shakespeare-char"], ["data", "bpe", "--vocab-size", "300"]):
+            for extra in ([], ["--overwrite"]):
+                line = one_error_line(cli(*cmd, "--src", str(src), "--out", str(d), *extra))
+                assert "no dataset numesh wrote" in line and "choose a new or empty --out" in line, line
+        with pytest.raises(DataError, match="would delete them"):
+            prepare_char_dataset(SYNTH, d, overwrite=True)
+        assert _snapshot(d) == files and not list(tmp_path.glob(".*"))  # nor a staging directory left
+    # the hint of a run pointed at the export: tokenise with its tokenizer into a new directory
+    line = one_error_line(cli("train", "--data", str(tmp_path / "export"), "--max-iters", "1"))
+    assert f"numesh data tokenize --tokenizer {tmp_path / 'export' / 'tokenizer.json'}" in line
+    assert "shakespeare-char" not in line and "holds config.json" in line
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "README.md").write_text("mine")
+    assert "numesh data char --src FILE --out DIR" in str(opened.missing_dataset(notes))
+    prepare_char_dataset(SYNTH, notes)
+    assert (notes / "README.md").read_text() == "mine" and load_tokenizer(notes) == CharTokenizer.from_text(SYNTH)
+
+
 @pytest.mark.parametrize("out", ["", ".", ".."])
 def test_an_out_that_is_the_current_directory_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           out: str) -> None:
