@@ -104,10 +104,11 @@ _SPLIT_HELP = "cut .txt files into documents at this separator, e.g. $'\\n\\n' (
 
 
 def _tokenized(summary: dict, out: Path, what: str) -> None:
-    docs = summary["documents"]
-    print(f"{what} {summary['out_dir']}: vocab {summary['vocab_size']:,}, {docs['train']:,} train / {docs['val']:,} "
-          f"val documents, {summary['train_tokens']:,} / {summary['val_tokens']:,} tokens; "
-          f"train on it with `numesh train --data {out}`", file=sys.stderr)
+    docs, vf = summary["documents"], summary["val_fraction"]
+    split = (f"one document split {100 * (1 - vf):g}/{100 * vf:g} by position" if summary["split"] == "position"
+             else f"{docs['train']:,} train / {docs['val']:,} val documents")
+    print(f"{what} {summary['out_dir']}: vocab {summary['vocab_size']:,}, {split}, {summary['train_tokens']:,} / "
+          f"{summary['val_tokens']:,} tokens; train on it with `numesh train --data {out}`", file=sys.stderr)
 
 
 @data_app.command("bpe")
@@ -129,7 +130,8 @@ def data_bpe(
     def go() -> None:
         with download_bar("tokenising") as progress:
             summary = prepare_bpe(src, vocab_size, out, Reading(split_on, text_field), val_fraction, progress,
-                                  overwrite)
+                                  overwrite, say=lambda line: print(line, file=sys.stderr, flush=True),
+                                  show_progress=True)
         _tokenized(summary, out, "wrote")
 
     _run(go)

@@ -224,23 +224,30 @@ class HFTokenizer:
                 "sha256": self.sha256, "json": self.json_text}
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
-    """A byte-level BPE (GPT-2's pre-tokenisation and byte alphabet, `EOT` as its one
-    special token) trained on `texts` to `vocab_size` entries. The same texts in the same
-    order give the same tokenizer."""
-    from tokenizers import Tokenizer as Raw
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    base = len(pre_tokenizers.ByteLevel.alphabet()) + 1
+def check_bpe_size(vocab_size: int) -> None:
+    """A DataError when a byte-level BPE cannot have `vocab_size` entries: fewer than its
+    256 bytes and end-of-text token, or more than uint32 ids hold."""
+    base = 256 + 1
     if vocab_size < base:
         raise DataError(f"--vocab-size {vocab_size} is below the {base} entries a byte-level BPE starts with "
                         f"(256 bytes and {EOT}): use at least {base}")
     if vocab_size > np.iinfo(np.uint32).max:
         raise DataError(f"--vocab-size {vocab_size} does not fit uint32 token ids")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False) -> HFTokenizer:
+    """A byte-level BPE (GPT-2's pre-tokenisation and byte alphabet, `EOT` as its one
+    special token) trained on `texts` to `vocab_size` entries, or fewer where the texts
+    hold fewer merges. The same texts in the same order give the same tokenizer.
+    `show_progress`: `tokenizers`' own bars on stderr (drawn on a terminal only)."""
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    check_bpe_size(vocab_size)
     tok = Raw(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=show_progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     return HFTokenizer(tok.to_str(), EOT)
