@@ -848,3 +848,30 @@ def test_truncating_train_bin_under_a_running_train_is_one_line(tmp_path: Path) 
     errors = [x for x in lines if x.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err, err
     assert f"{dataset / 'train.bin'} shrank from" in errors[0] and "then resume" in errors[0]
+
+
+def test_a_character_models_export_fine_tunes_through_data_char(tmp_path: Path) -> None:
+    """`numesh data tokenize --tokenizer` wanted an end-of-text token a character export
+    lacks; it now names the route that works, `numesh data char --tokenizer`, whose dataset
+    keeps the export's ids (what --init-from compares), whatever characters the new text has."""
+    from numesh.checkpoint.init_from import _same_tokenizer
+
+    exported = tmp_path / "tokenizer.json"  # what `numesh export --format hf` writes for a character run
+    exported.write_text(CharTokenizer.from_text(SYNTH).to_hf_json(), encoding="utf-8")
+    src = tmp_path / "new.txt"
+    src.write_text("Speak, speak.\n" * 50, encoding="utf-8")  # fewer characters than the export knows
+    line = one_error_line(cli("data", "tokenize", "--tokenizer", str(exported), "--src", str(src),
+                              "--out", str(tmp_path / "t")))
+    assert f"`numesh data char --tokenizer {exported} --src FILE --out DIR`" in line
+    res = cli("data", "char", "--tokenizer", str(exported), "--src", str(src), "--out", str(tmp_path / "d"))
+    assert res.exit_code == 0, res.stderr
+    tok = load_tokenizer(tmp_path / "d")
+    assert tok == CharTokenizer.from_text(SYNTH) != CharTokenizer.from_text(src.read_text(encoding="utf-8"))
+    assert _same_tokenizer(exported.read_text(encoding="utf-8"), tok)
+    assert f"--tokenizer {exported}" in opened.rebuild_hint(opened.read_meta(tmp_path / "d"), tmp_path / "d")
+    src.write_text(SYNTH + "§", encoding="utf-8")
+    assert "'§' is not in the" in one_error_line(cli("data", "char", "--tokenizer", str(exported), "--src", str(src),
+                                                     "--out", str(tmp_path / "e")))
+    (tmp_path / "bpe.json").write_text('{"model": {"type": "BPE", "vocab": {"ab": 0}, "merges": [["a", "b"]]}}')
+    assert "is not a character vocabulary" in one_error_line(cli(
+        "data", "char", "--tokenizer", str(tmp_path / "bpe.json"), "--src", str(src), "--out", str(tmp_path / "f")))

@@ -87,14 +87,26 @@ def data_char(
     src: Path = typer.Option(..., help="any UTF-8 text file"),
     out: Optional[Path] = typer.Option(None, help="output directory (default: data/<name of SRC without suffix>)"),
     overwrite: bool = typer.Option(False, "--overwrite", help=_OVERWRITE_HELP),
+    tokenizer: Optional[Path] = typer.Option(
+        None, help="a character model's tokenizer.json (its `numesh export --format hf` directory's): use its "
+                   "vocabulary instead of SRC's characters, to fine-tune it with --init-from"),
 ) -> None:
     """Character-level dataset from any text file: train.bin / val.bin (uint16, 90/10) and meta.json."""
+    from numesh.base.errors import DataError
     from numesh.data.char import file_corpus, prepare_char_dataset, read_source
+    from numesh.data.tokenizer import CharTokenizer, read_tokenizer_file
 
     def go() -> None:
+        vocab = None
+        if tokenizer is not None:
+            vocab = CharTokenizer.from_hf_json(read_tokenizer_file(tokenizer))
+            if vocab is None:
+                raise DataError(f"{tokenizer} is not a character vocabulary: tokenise with it into shards, "
+                                f"`numesh data tokenize --tokenizer {tokenizer} --src FILE --out DIR`")
         text = read_source(src)
         dest = out if out is not None else Path("data") / src.stem
-        _wrote(prepare_char_dataset(text, dest, file_corpus(src, text), overwrite), dest)
+        corpus = file_corpus(src, text) | ({"tokenizer": str(tokenizer)} if tokenizer is not None else {})
+        _wrote(prepare_char_dataset(text, dest, corpus, overwrite, vocab), dest)
 
     _run(go)
 

@@ -231,8 +231,11 @@ def fallback_corpus() -> tuple[str, dict[str, Any]]:
 
 
 def prepare_char_dataset(text: str, out_dir: str | Path, corpus: dict[str, Any] | None = None,
-                         overwrite: bool = False) -> dict[str, Any]:
+                         overwrite: bool = False, tokenizer: CharTokenizer | None = None) -> dict[str, Any]:
     """Tokenize `text` and write train.bin / val.bin (90% / 10%) and meta.json to `out_dir`.
+
+    The vocabulary is `text`'s characters, or `tokenizer`'s (a character model's, to
+    fine-tune it: every character of `text` must be in it).
 
     Written as `numesh.data.write` says: staged beside `out_dir`, every file recorded in
     meta.json and checked, then renamed into place whole. A complete dataset with other
@@ -240,7 +243,7 @@ def prepare_char_dataset(text: str, out_dir: str | Path, corpus: dict[str, Any] 
     checksum) is stored in meta.json under "corpus".
     Returns {"vocab_size", "train_tokens", "val_tokens", "out_dir"}.
     """
-    tok = CharTokenizer.from_text(text)
+    tok = tokenizer if tokenizer is not None else CharTokenizer.from_text(text)
     ids = tok.encode(text)
     n_train = int(TRAIN_FRACTION * len(ids))
     train, val = ids[:n_train], ids[n_train:]

@@ -49,6 +49,8 @@ def rebuild_hint(meta: Any, data_dir: Path) -> str:
     if corpus.get("name") in ("tinyshakespeare", FALLBACK_NAME):
         return f"rebuild it with `numesh data shakespeare-char{src} --out {d}`"
     if corpus.get("name") == "file" and local:
+        vocab = corpus.get("tokenizer")
+        src += f" --tokenizer {shlex.quote(vocab)}" if isinstance(vocab, str) else ""
         return f"rebuild it with `numesh data char{src} --out {d}`"
     return f"rebuild it with `numesh data char --src FILE --out {d}` from the text it was made of"
 

@@ -131,6 +131,24 @@ class CharTokenizer:
         tok.decoder = decoders.Fuse()
         return tok.to_str()
 
+    @classmethod
+    def from_hf_json(cls, json_text: str) -> CharTokenizer | None:
+        """The character vocabulary a `to_hf_json` file holds (a character model's
+        `numesh export --format hf` tokenizer: a BPE with no merges over single characters,
+        ids 0..V-1), or None when `json_text` is another tokenizer."""
+        import json
+
+        try:
+            model = json.loads(json_text).get("model")
+        except (ValueError, AttributeError):
+            return None
+        vocab = model.get("vocab") if isinstance(model, dict) else None
+        if (not isinstance(model, dict) or model.get("type") != "BPE" or model.get("merges") or not vocab
+                or not isinstance(vocab, dict) or sorted(vocab.values()) != list(range(len(vocab)))
+                or not all(isinstance(c, str) and len(c) == 1 for c in vocab)):
+            return None
+        return cls(tuple(sorted(vocab, key=vocab.__getitem__)))
+
     def to_meta(self) -> dict[str, Any]:
         """JSON-ready description: {"vocab_size": V, "chars": [...]} (no "kind": what
         datasets and checkpoints written before other kinds existed hold)."""
@@ -148,6 +166,22 @@ class CharTokenizer:
                 "characters: regenerate the dataset with `numesh data`"
             )
         return tok
+
+
+def read_tokenizer_file(path: str | Path) -> str:
+    """The text of a tokenizer.json; an unreadable one is a DataError."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read tokenizer {path} ({getattr(e, 'strerror', None) or e}): "
+                        "pass a readable tokenizer.json") from None
+
+
+def char_route(what: str, path: str) -> str:
+    """Why a character vocabulary cannot tokenise a corpus into shards, and what does."""
+    return (f"{what} is a character vocabulary (a character model's export), with no end-of-text token to "
+            f"separate documents: prepare the corpus as a character dataset with its vocabulary, "
+            f"`numesh data char --tokenizer {path} --src FILE --out DIR`")
 
 
 @attrs.frozen
@@ -169,6 +203,8 @@ class HFTokenizer:
             raise DataError(f"not a Hugging Face tokenizer file ({str(e).splitlines()[0][:120]}): "
                             "pass a tokenizer.json written by `tokenizers` or `transformers`") from None
         if tok.token_to_id(self.eot) is None:
+            if CharTokenizer.from_hf_json(self.json_text) is not None:
+                raise DataError(char_route("the tokenizer", "TOKENIZER.json"))
             raise DataError(f"the tokenizer has no end-of-text token {self.eot!r}: add it as a special token "
                             "or pass the one it has")
         if tok.get_vocab_size(with_added_tokens=True) > np.iinfo(np.uint32).max:
@@ -177,11 +213,9 @@ class HFTokenizer:
 
     @classmethod
     def from_file(cls, path: str | Path, eot: str = EOT) -> HFTokenizer:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise DataError(f"cannot read tokenizer {path} ({getattr(e, 'strerror', None) or e}): "
-                            "pass a readable tokenizer.json") from None
+        text = read_tokenizer_file(path)
+        if CharTokenizer.from_hf_json(text) is not None:
+            raise DataError(char_route(str(path), str(path)))
         return cls(text, eot)
 
     @property
