@@ -435,9 +435,15 @@ def test_ensure_dataset_downloads_once_and_caches(fake_net, monkeypatch: pytest.
 
     # the next run finds the dataset: no download, nothing to say
     assert char_data.ensure_dataset(char_data.DEFAULT_DATA_DIR) == (path, None)
-    # a lost dataset is rebuilt from the cached download, still without the network
+    # a lost meta.json leaves files numesh cannot tell from another tool's (nanoGPT's
+    # train.bin): refused, naming them; once they are moved away, the dataset is rebuilt
+    # from the cached download, still without the network
     (path / "meta.json").unlink()
     fake_net.body = None
+    with pytest.raises(DataError, match="holds train.bin, val.bin but no meta.json numesh wrote"):
+        char_data.ensure_dataset(char_data.DEFAULT_DATA_DIR)
+    for name in ("train.bin", "val.bin"):
+        (path / name).unlink()
     path2, note2 = char_data.ensure_dataset(char_data.DEFAULT_DATA_DIR)
     assert fake_net.calls == 1 and note2.startswith("used ") and opened.read_corpus(path2)["name"] == "tinyshakespeare"
 

@@ -290,7 +290,8 @@ def ensure_dataset(
     """Make sure `data_dir` holds a dataset; returns (its path, a one-line note or None).
 
     A complete dataset (meta.json present) is used as it is. A missing one is prepared only
-    at the default location (DEFAULT_DATA_DIR): tiny Shakespeare from `input.txt` cached
+    at the default location (DEFAULT_DATA_DIR), and only where that holds no dataset files
+    numesh did not write (`numesh.data.write.foreign`): tiny Shakespeare from `input.txt` cached
     there, else downloaded (sha256-checked, `progress(done, total)` called) and cached; when
     that fails (offline, or a wrong checksum), from `fallback_corpus()`, which meta.json
     then names. A missing directory the user chose raises the usual DataError: numesh
@@ -307,6 +308,11 @@ def ensure_dataset(
         return d, None
     if not is_default_dir(d):
         raise missing_dataset(d)
+    foreign = dw.foreign(d)
+    if foreign:  # a lost meta.json, or another tool's files (nanoGPT's prepare writes train.bin here too)
+        raise DataError(f"{d} holds {', '.join(foreign)} but no meta.json numesh wrote, and numesh never deletes "
+                        f"files it did not write: move them away to have tiny Shakespeare prepared there, or pass "
+                        "--data with a dataset")
     try:
         text, downloaded = shakespeare_text(d, progress)
     except DownloadFailed as e:
