@@ -435,9 +435,15 @@ def test_ensure_dataset_downloads_once_and_caches(fake_net, monkeypatch: pytest.
 
     # the next run finds the dataset: no download, nothing to say
     assert char_data.ensure_dataset(char_data.DEFAULT_DATA_DIR) == (path, None)
-    # a lost dataset is rebuilt from the cached download, still without the network
+    # a lost meta.json leaves files numesh cannot tell from another tool's (nanoGPT's
+    # train.bin): refused, naming them; once they are moved away, the dataset is rebuilt
+    # from the cached download, still without the network
     (path / "meta.json").unlink()
     fake_net.body = None
+    with pytest.raises(DataError, match="holds train.bin, val.bin but no meta.json numesh wrote"):
+        char_data.ensure_dataset(char_data.DEFAULT_DATA_DIR)
+    for name in ("train.bin", "val.bin"):
+        (path / name).unlink()
     path2, note2 = char_data.ensure_dataset(char_data.DEFAULT_DATA_DIR)
     assert fake_net.calls == 1 and note2.startswith("used ") and opened.read_corpus(path2)["name"] == "tinyshakespeare"
 
@@ -694,6 +700,40 @@ def test_the_rename_fallback_replaces_whole_and_other_files_are_kept(dataset: Pa
         opened.verify_dataset(dataset)
 
 
+def test_files_numesh_did_not_write_are_never_replaced(tmp_path: Path) -> None:
+    """A transformers export (its tokenizer.json), nanoGPT's data directory (train.bin,
+    val.bin, meta.pkl) or another tool's meta.json: every writer, --overwrite or not,
+    refuses in one line before it reads anything and leaves the files as they were; a
+    directory holding other files only (a note) still gets its dataset beside them."""
+    src = tmp_path / "in.txt"
+    src.write_text(SYNTH, encoding="utf-8")
+    dirs = {"export": {"config.json": b"{}", "tokenizer.json": b'{"model": {}}', "model.safetensors": b"w"},
+            "nanogpt": {"train.bin": b"\1\0", "val.bin": b"\2\0", "meta.pkl": b"p"},
+            "other": {"meta.json": b'{"name": "not a dataset"}'}}
+    for name, files in dirs.items():
+        d = tmp_path / name
+        d.mkdir()
+        for f, raw in files.items():
+            (d / f).write_bytes(raw)
+        for cmd in (["data", "char"], ["data", "shakespeare-char"], ["data", "bpe", "--vocab-size", "300"]):
+            for extra in ([], ["--overwrite"]):
+                line = one_error_line(cli(*cmd, "--src", str(src), "--out", str(d), *extra))
+                assert "no dataset numesh wrote" in line and "choose a new or empty --out" in line, line
+        with pytest.raises(DataError, match="would delete them"):
+            prepare_char_dataset(SYNTH, d, overwrite=True)
+        assert _snapshot(d) == files and not list(tmp_path.glob(".*"))  # nor a staging directory left
+    # the hint of a run pointed at the export: tokenise with its tokenizer into a new directory
+    line = one_error_line(cli("train", "--data", str(tmp_path / "export"), "--max-iters", "1"))
+    assert f"numesh data tokenize --tokenizer {tmp_path / 'export' / 'tokenizer.json'}" in line
+    assert "shakespeare-char" not in line and "holds config.json" in line
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "README.md").write_text("mine")
+    assert "numesh data char --src FILE --out DIR" in str(opened.missing_dataset(notes))
+    prepare_char_dataset(SYNTH, notes)
+    assert (notes / "README.md").read_text() == "mine" and load_tokenizer(notes) == CharTokenizer.from_text(SYNTH)
+
+
 @pytest.mark.parametrize("out", ["", ".", ".."])
 def test_an_out_that_is_the_current_directory_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           out: str) -> None:
@@ -814,3 +854,30 @@ def test_truncating_train_bin_under_a_running_train_is_one_line(tmp_path: Path) 
     errors = [x for x in lines if x.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err, err
     assert f"{dataset / 'train.bin'} shrank from" in errors[0] and "then resume" in errors[0]
+
+
+def test_a_character_models_export_fine_tunes_through_data_char(tmp_path: Path) -> None:
+    """`numesh data tokenize --tokenizer` wanted an end-of-text token a character export
+    lacks; it now names the route that works, `numesh data char --tokenizer`, whose dataset
+    keeps the export's ids (what --init-from compares), whatever characters the new text has."""
+    from numesh.checkpoint.init_from import _same_tokenizer
+
+    exported = tmp_path / "tokenizer.json"  # what `numesh export --format hf` writes for a character run
+    exported.write_text(CharTokenizer.from_text(SYNTH).to_hf_json(), encoding="utf-8")
+    src = tmp_path / "new.txt"
+    src.write_text("Speak, speak.\n" * 50, encoding="utf-8")  # fewer characters than the export knows
+    line = one_error_line(cli("data", "tokenize", "--tokenizer", str(exported), "--src", str(src),
+                              "--out", str(tmp_path / "t")))
+    assert f"`numesh data char --tokenizer {exported} --src FILE --out DIR`" in line
+    res = cli("data", "char", "--tokenizer", str(exported), "--src", str(src), "--out", str(tmp_path / "d"))
+    assert res.exit_code == 0, res.stderr
+    tok = load_tokenizer(tmp_path / "d")
+    assert tok == CharTokenizer.from_text(SYNTH) != CharTokenizer.from_text(src.read_text(encoding="utf-8"))
+    assert _same_tokenizer(exported.read_text(encoding="utf-8"), tok)
+    assert f"--tokenizer {exported}" in opened.rebuild_hint(opened.read_meta(tmp_path / "d"), tmp_path / "d")
+    src.write_text(SYNTH + "§", encoding="utf-8")
+    assert "'§' is not in the" in one_error_line(cli("data", "char", "--tokenizer", str(exported), "--src", str(src),
+                                                     "--out", str(tmp_path / "e")))
+    (tmp_path / "bpe.json").write_text('{"model": {"type": "BPE", "vocab": {"ab": 0}, "merges": [["a", "b"]]}}')
+    assert "is not a character vocabulary" in one_error_line(cli(
+        "data", "char", "--tokenizer", str(tmp_path / "bpe.json"), "--src", str(src), "--out", str(tmp_path / "f")))

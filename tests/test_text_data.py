@@ -136,10 +136,14 @@ def test_a_corpus_without_tokens_or_without_a_val_document_is_refused(tmp_path: 
     (tmp_path / "blank.txt").write_text("\n\n\n\n")
     with pytest.raises(DataError, match="yields no tokens"):
         TD.prepare_tokenized([tmp_path / "blank.txt"], tok, tmp_path / "o1", Reading(split_on="\n\n"))
-    (tmp_path / "one.txt").write_text("a single document")
-    with pytest.raises(DataError, match="leave the val split empty"):
-        TD.prepare_tokenized([tmp_path / "one.txt"], tok, tmp_path / "o2")
+    (tmp_path / "two.txt").write_text("a first document\n\na second one")  # both hash to train at 0.1
+    assert not TD._is_val(0, 0.1) and not TD._is_val(1, 0.1)
+    with pytest.raises(DataError, match="the 2 documents leave the val split empty"):
+        TD.prepare_tokenized([tmp_path / "two.txt"], tok, tmp_path / "o2", Reading(split_on="\n\n"))
     assert not (tmp_path / "o2" / "meta.json").exists()  # nothing a run could mistake for a dataset
+    (tmp_path / "one.txt").write_text("a single document")
+    with pytest.raises(DataError, match="one document of 17 characters, too short to split 1/99 by position"):
+        TD.prepare_tokenized([tmp_path / "one.txt"], tok, tmp_path / "o3", val_fraction=0.99)
 
 
 def test_tokenizer_files_and_vocab_sizes_are_checked(tmp_path: Path) -> None:
@@ -408,3 +412,64 @@ def test_a_document_quoting_the_end_of_text_string_stays_one_document(tmp_path: 
                           for s in ("train", "val")])
     assert int((ids == tok.eot_id).sum()) == len(docs)
     assert tok.decode(tok.encode_batch([docs[0]])[0]) == docs[0]
+
+
+def test_a_vocab_size_past_what_the_corpus_holds_warns_records_and_reruns(corpus: Path, tmp_path: Path) -> None:
+    """Asked 100,000 of a small corpus: one warning line with both sizes, meta.json keeps
+    what was asked, and the identical command (the one meta.json records) runs again."""
+    args = ["data", "bpe", "--src", str(corpus), "--vocab-size", "100000", "--out", str(tmp_path / "d"),
+            "--split-on", "\n\n", "--val-fraction", "0.3"]
+    res = cli(*args)
+    assert res.exit_code == 0, res.stderr
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert meta["vocab_size"] < 1000 and meta["vocab_size_asked"] == 100000
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and f"{meta['vocab_size']:,}" in warnings[0] and "100,000" in warnings[0]
+    before = _files(tmp_path / "d")
+    res = cli(*args)
+    assert res.exit_code == 0, res.stderr
+    assert _files(tmp_path / "d") == before
+    assert "--vocab-size 100000" in meta["rebuild"]
+    res = cli(*[a if a != "100000" else "99999" for a in args])  # another size asked is other inputs
+    assert res.exit_code == 2 and "pass --overwrite" in res.stderr
+
+
+def test_a_single_text_file_splits_90_10_by_position(tmp_path: Path) -> None:
+    """nanoGPT's prepare on its one input.txt: the first 90% of the characters train, the
+    rest validate, and the summary line and meta.json say so."""
+    text = "\n\n".join(DOCS) * 3
+    src = tmp_path / "input.txt"
+    src.write_text(text, encoding="utf-8")
+    res = cli("data", "bpe", "--src", str(src), "--vocab-size", "300", "--out", str(tmp_path / "d"))
+    assert res.exit_code == 0, res.stderr
+    assert "one document split 90/10 by position" in res.stderr.splitlines()[-1]
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert meta["corpus"]["split"] == "position" and meta["splits"]["val"]["documents"] == 1
+    tok, cut = load_tokenizer(tmp_path / "d"), int(len(text) * 0.9)
+    for split, want in (("train", text[:cut]), ("val", text[cut:])):
+        ids = np.asarray(load_split(tmp_path / "d", split))
+        assert ids[-1] == tok.eot_id and tok.decode(ids[:-1]) == want
+    summary = TD.prepare_bpe([src], 300, tmp_path / "d", Reading(split_on="\n\n"), val_fraction=0.3,
+                             overwrite=True)
+    assert summary["split"] == "documents"
+    assert json.loads((tmp_path / "d" / "meta.json").read_text())["corpus"]["split"] == "documents"
+
+
+def test_an_empty_split_is_refused_before_the_tokenizer_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 33 MB corpus used to train for minutes before this was found: now no training starts;
+    and the training pass is announced with the size of the text it reads."""
+    (tmp_path / "two.txt").write_text("a first document\n\na second one")
+
+    def no_training(*a, **k):
+        raise AssertionError("the tokenizer trained before the split was checked")
+
+    monkeypatch.setattr(TD, "train_bpe", no_training)
+    line = one_error_line(cli("data", "bpe", "--src", str(tmp_path / "two.txt"), "--split-on", "\n\n",
+                              "--vocab-size", "300", "--out", str(tmp_path / "o")))
+    assert "the 2 documents leave the val split empty" in line
+    monkeypatch.undo()
+    (tmp_path / "two.txt").write_text("a first document\n\na second one\n\n" * 10)
+    res = cli("data", "bpe", "--src", str(tmp_path / "two.txt"), "--split-on", "\n\n", "--vocab-size", "300",
+              "--out", str(tmp_path / "o"))
+    assert res.exit_code == 0, res.stderr
+    assert "training a byte-level BPE of 300 entries on 0.3 kB of text (1 file;" in res.stderr

@@ -56,5 +56,6 @@ def load_init(path: str | Path, model: GPTConfig, dataset: CharTokenizer | HFTok
                               f"set {OPTION[key]} to match")
     if not same:
         raise ConfigError(f"--init-from {p} was trained with another tokenizer than --data's: its token ids would "
-                          "mean other text; tokenise the corpus with its tokenizer.json (`numesh data tokenize`)")
+                          "mean other text; tokenise the corpus with its tokenizer.json (`numesh data tokenize "
+                          "--tokenizer`, or `numesh data char --tokenizer` for a character model)")
     return tree_map(lambda x: np.asarray(x, dtype=dtype), params)

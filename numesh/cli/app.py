@@ -87,14 +87,26 @@ def data_char(
     src: Path = typer.Option(..., help="any UTF-8 text file"),
     out: Optional[Path] = typer.Option(None, help="output directory (default: data/<name of SRC without suffix>)"),
     overwrite: bool = typer.Option(False, "--overwrite", help=_OVERWRITE_HELP),
+    tokenizer: Optional[Path] = typer.Option(
+        None, help="a character model's tokenizer.json (its `numesh export --format hf` directory's): use its "
+                   "vocabulary instead of SRC's characters, to fine-tune it with --init-from"),
 ) -> None:
     """Character-level dataset from any text file: train.bin / val.bin (uint16, 90/10) and meta.json."""
+    from numesh.base.errors import DataError
     from numesh.data.char import file_corpus, prepare_char_dataset, read_source
+    from numesh.data.tokenizer import CharTokenizer, read_tokenizer_file
 
     def go() -> None:
+        vocab = None
+        if tokenizer is not None:
+            vocab = CharTokenizer.from_hf_json(read_tokenizer_file(tokenizer))
+            if vocab is None:
+                raise DataError(f"{tokenizer} is not a character vocabulary: tokenise with it into shards, "
+                                f"`numesh data tokenize --tokenizer {tokenizer} --src FILE --out DIR`")
         text = read_source(src)
         dest = out if out is not None else Path("data") / src.stem
-        _wrote(prepare_char_dataset(text, dest, file_corpus(src, text), overwrite), dest)
+        corpus = file_corpus(src, text) | ({"tokenizer": str(tokenizer)} if tokenizer is not None else {})
+        _wrote(prepare_char_dataset(text, dest, corpus, overwrite, vocab), dest)
 
     _run(go)
 
@@ -104,10 +116,11 @@ _SPLIT_HELP = "cut .txt files into documents at this separator, e.g. $'\\n\\n' (
 
 
 def _tokenized(summary: dict, out: Path, what: str) -> None:
-    docs = summary["documents"]
-    print(f"{what} {summary['out_dir']}: vocab {summary['vocab_size']:,}, {docs['train']:,} train / {docs['val']:,} "
-          f"val documents, {summary['train_tokens']:,} / {summary['val_tokens']:,} tokens; "
-          f"train on it with `numesh train --data {out}`", file=sys.stderr)
+    docs, vf = summary["documents"], summary["val_fraction"]
+    split = (f"one document split {100 * (1 - vf):g}/{100 * vf:g} by position" if summary["split"] == "position"
+             else f"{docs['train']:,} train / {docs['val']:,} val documents")
+    print(f"{what} {summary['out_dir']}: vocab {summary['vocab_size']:,}, {split}, {summary['train_tokens']:,} / "
+          f"{summary['val_tokens']:,} tokens; train on it with `numesh train --data {out}`", file=sys.stderr)
 
 
 @data_app.command("bpe")
@@ -129,7 +142,8 @@ def data_bpe(
     def go() -> None:
         with download_bar("tokenising") as progress:
             summary = prepare_bpe(src, vocab_size, out, Reading(split_on, text_field), val_fraction, progress,
-                                  overwrite)
+                                  overwrite, say=lambda line: print(line, file=sys.stderr, flush=True),
+                                  show_progress=True)
         _tokenized(summary, out, "wrote")
 
     _run(go)

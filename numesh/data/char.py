@@ -231,8 +231,11 @@ def fallback_corpus() -> tuple[str, dict[str, Any]]:
 
 
 def prepare_char_dataset(text: str, out_dir: str | Path, corpus: dict[str, Any] | None = None,
-                         overwrite: bool = False) -> dict[str, Any]:
+                         overwrite: bool = False, tokenizer: CharTokenizer | None = None) -> dict[str, Any]:
     """Tokenize `text` and write train.bin / val.bin (90% / 10%) and meta.json to `out_dir`.
+
+    The vocabulary is `text`'s characters, or `tokenizer`'s (a character model's, to
+    fine-tune it: every character of `text` must be in it).
 
     Written as `numesh.data.write` says: staged beside `out_dir`, every file recorded in
     meta.json and checked, then renamed into place whole. A complete dataset with other
@@ -240,7 +243,7 @@ def prepare_char_dataset(text: str, out_dir: str | Path, corpus: dict[str, Any] 
     checksum) is stored in meta.json under "corpus".
     Returns {"vocab_size", "train_tokens", "val_tokens", "out_dir"}.
     """
-    tok = CharTokenizer.from_text(text)
+    tok = tokenizer if tokenizer is not None else CharTokenizer.from_text(text)
     ids = tok.encode(text)
     n_train = int(TRAIN_FRACTION * len(ids))
     train, val = ids[:n_train], ids[n_train:]
@@ -287,7 +290,8 @@ def ensure_dataset(
     """Make sure `data_dir` holds a dataset; returns (its path, a one-line note or None).
 
     A complete dataset (meta.json present) is used as it is. A missing one is prepared only
-    at the default location (DEFAULT_DATA_DIR): tiny Shakespeare from `input.txt` cached
+    at the default location (DEFAULT_DATA_DIR), and only where that holds no dataset files
+    numesh did not write (`numesh.data.write.foreign`): tiny Shakespeare from `input.txt` cached
     there, else downloaded (sha256-checked, `progress(done, total)` called) and cached; when
     that fails (offline, or a wrong checksum), from `fallback_corpus()`, which meta.json
     then names. A missing directory the user chose raises the usual DataError: numesh
@@ -304,6 +308,11 @@ def ensure_dataset(
         return d, None
     if not is_default_dir(d):
         raise missing_dataset(d)
+    foreign = dw.foreign(d)
+    if foreign:  # a lost meta.json, or another tool's files (nanoGPT's prepare writes train.bin here too)
+        raise DataError(f"{d} holds {', '.join(foreign)} but no meta.json numesh wrote, and numesh never deletes "
+                        f"files it did not write: move them away to have tiny Shakespeare prepared there, or pass "
+                        "--data with a dataset")
     try:
         text, downloaded = shakespeare_text(d, progress)
     except DownloadFailed as e:

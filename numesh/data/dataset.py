@@ -49,15 +49,29 @@ def rebuild_hint(meta: Any, data_dir: Path) -> str:
     if corpus.get("name") in ("tinyshakespeare", FALLBACK_NAME):
         return f"rebuild it with `numesh data shakespeare-char{src} --out {d}`"
     if corpus.get("name") == "file" and local:
+        vocab = corpus.get("tokenizer")
+        src += f" --tokenizer {shlex.quote(vocab)}" if isinstance(vocab, str) else ""
         return f"rebuild it with `numesh data char{src} --out {d}`"
     return f"rebuild it with `numesh data char --src FILE --out {d}` from the text it was made of"
 
 
 def missing_dataset(data_dir: Path) -> DataError:
-    """The error for a directory without a dataset, with the command that writes one."""
-    return DataError(
-        f"no dataset at {data_dir}: run `numesh data shakespeare-char --out {data_dir}` first"
-    )
+    """The error for a directory without a dataset, with the command that writes one: into
+    it when it is missing or empty, else into a new directory (a writer never replaces
+    files it did not write; a transformers export's tokenizer.json is the one to tokenise with)."""
+    try:
+        held = sorted(p.name for p in data_dir.iterdir())
+    except OSError:
+        held = []
+    if not held:
+        return DataError(f"no dataset at {data_dir}: run `numesh data shakespeare-char --out {data_dir}` first")
+    shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+    if "tokenizer.json" in held:
+        how = f"`numesh data tokenize --tokenizer {shlex.quote(str(data_dir / 'tokenizer.json'))} --src FILE --out DIR`"
+    else:
+        how = "`numesh data char --src FILE --out DIR` (or `numesh data bpe`)"
+    return DataError(f"no dataset at {data_dir} (no {META_FILE}; it holds {shown}): prepare one in a new "
+                     f"directory with {how} and pass --data DIR")
 
 
 def _parse_meta(raw: bytes, d: Path) -> dict[str, Any]:

@@ -4,10 +4,12 @@ tokenize` write.
 The corpus streams by in batches of documents, each tokenised on all cores (`tokenizers`'
 batch encoding) and followed by the end-of-text token, into the train or val shards: a
 document goes to val when a hash of its index falls under `val_fraction`, so the split is
-by documents and the same for the same corpus. meta.json records the tokenizer (its JSON
+by documents and the same for the same corpus; a corpus of one document (a single text
+file) is split by position instead, its last `val_fraction` of characters to val
+(`split_plan`, decided before the tokenizer is trained). meta.json records the tokenizer (its JSON
 and hash), every corpus file with its size and sha256, the documents, UTF-8 bytes and
 tokens of each split (bytes per token give bits per byte), every file written (its record)
-and the command that writes it again. The dataset is written whole (numesh/dataset_write.py).
+and the command that writes it again. The dataset is written whole (numesh/data/write.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from numesh.base.files import write_atomic
 from numesh.data import write as dw
 from numesh.data.corpus import Reading, check_unchanged, describe, documents, expand
 from numesh.data.shards import ShardWriter, token_dtype
-from numesh.data.tokenizer import EOT, HFTokenizer, train_bpe
+from numesh.data.tokenizer import EOT, HFTokenizer, check_bpe_size, train_bpe
 
 TOKENIZER_FILE = "tokenizer.json"
 BATCH_DOCS = 512  # documents per batch encoding: enough to keep every core busy
@@ -45,6 +47,62 @@ def corpus_documents(paths: Sequence[Path], how: Reading) -> Iterator[str]:
         for doc in documents(p, how):
             if doc:
                 yield doc
+
+
+def _no_tokens() -> DataError:
+    return DataError("the corpus yields no tokens (every document is empty): check --src, --split-on and "
+                     "--text-field")
+
+
+def split_plan(paths: Sequence[Path], how: Reading, val_fraction: float) -> str:
+    """How the corpus splits into train and val, decided before anything is trained:
+    "documents" (each whole, to the split a hash of its index picks) once both splits have
+    one, or "position" for a corpus of one document (a single text file), whose first
+    1 - `val_fraction` of the characters go to train and the rest to val, as nanoGPT's
+    prepare splits its one file. Reads documents only until both splits have one (a few,
+    on a real corpus). A corpus of several documents that leaves a split empty, or one too
+    short to cut, is a DataError here, before minutes of training."""
+    docs = corpus_documents(paths, how)
+    count, splits, first = 0, set(), ""
+    try:
+        for doc in docs:
+            splits.add(_is_val(count, val_fraction))
+            first, count = (doc if count == 0 else ""), count + 1
+            if len(splits) == 2:
+                return "documents"
+    finally:
+        docs.close()
+    if count == 0:
+        raise _no_tokens()
+    if count > 1:
+        empty = "train" if True in splits else "val"
+        raise DataError(f"the {count:,} documents leave the {empty} split empty at --val-fraction {val_fraction}: "
+                        "add documents, split them (--split-on) or change --val-fraction")
+    cut = _cut(first, val_fraction)
+    if cut == 0 or cut == len(first):
+        raise DataError(f"the corpus is one document of {len(first):,} characters, too short to split "
+                        f"{_percent(1 - val_fraction)}/{_percent(val_fraction)} by position: use a longer text")
+    return "position"
+
+
+def _cut(doc: str, val_fraction: float) -> int:
+    return int(len(doc) * (1.0 - val_fraction))
+
+
+def _percent(x: float) -> str:
+    return f"{100 * x:g}"
+
+
+def split_documents(paths: Sequence[Path], how: Reading, val_fraction: float,
+                    plan: str) -> Iterator[tuple[str, str]]:
+    """(split, text) of every document of the corpus, as `split_plan`'s `plan` splits it."""
+    for index, doc in enumerate(corpus_documents(paths, how)):
+        if plan == "position":
+            cut = _cut(doc, val_fraction)
+            yield "train", doc[:cut]
+            yield "val", doc[cut:]
+        else:
+            yield ("val" if _is_val(index, val_fraction) else "train"), doc
 
 
 def _check_reading(how: Reading, val_fraction: float) -> None:
@@ -91,7 +149,8 @@ def _same_inputs(old: dict[str, Any], files: list[dict[str, Any]], how: Reading,
     same_files = [(f.get("bytes"), f.get("sha256")) for f in corpus.get("files", []) if isinstance(f, dict)] == [
         (f["bytes"], f["sha256"]) for f in files]
     tok = old.get("tokenizer") if isinstance(old.get("tokenizer"), dict) else {}
-    same_tok = (old.get("vocab_size") == tokenizer if isinstance(tokenizer, int)
+    asked = old.get("vocab_size_asked", old.get("vocab_size"))  # a corpus may support fewer entries than asked
+    same_tok = (asked == tokenizer if isinstance(tokenizer, int)
                 else (tok.get("sha256"), tok.get("eot")) == (tokenizer.get("sha256"), tokenizer.get("eot")))
     return same_files and same_tok and (corpus.get("split_on"), corpus.get("text_field"), corpus.get(
         "val_fraction")) == (how.split_on, how.text_field, val_fraction)
@@ -110,76 +169,98 @@ def refuse_early(out: Path, files: list[dict[str, Any]], how: Reading, val_fract
 
 def prepare_bpe(sources: Sequence[str | Path], vocab_size: int, out: str | Path, how: Reading = Reading(),
                 val_fraction: float = 0.1, progress: Progress | None = None,
-                overwrite: bool = False) -> dict[str, Any]:
+                overwrite: bool = False, say: Callable[[str], None] | None = None,
+                show_progress: bool = False) -> dict[str, Any]:
     """Train a byte-level BPE of `vocab_size` on the corpus (a first pass), then tokenise it
-    (a second): OUT/tokenizer.json and the sharded dataset."""
+    (a second): OUT/tokenizer.json and the sharded dataset. A corpus with fewer merges than
+    `vocab_size` asks gives a smaller vocabulary: `say` (one line) warns of it, and meta.json
+    records the size asked ("vocab_size_asked"), which a rerun of the same command compares.
+    `say` also announces the training pass, and `show_progress` draws `tokenizers`' bars
+    during it (on a terminal)."""
     _check_reading(how, val_fraction)
+    check_bpe_size(vocab_size)
     paths, target = expand(sources), dw.target(Path(out))
     files = describe(paths)  # before the first pass: a corpus changed between the two is caught
     refuse_early(target, files, how, val_fraction, vocab_size, overwrite)
-    tok = train_bpe(corpus_documents(paths, how), vocab_size)
+    plan = split_plan(paths, how, val_fraction)
+    if say is not None:
+        size = sum(f["bytes"] for f in files)
+        shown = f"{size / 1e6:,.1f} MB" if size >= 100_000 else f"{size / 1e3:,.1f} kB"
+        say(f"training a byte-level BPE of {vocab_size:,} entries on {shown} of text ({len(files)} "
+            f"file{'s' if len(files) != 1 else ''}; the first of two passes)")
+    tok = train_bpe((doc for _, doc in split_documents(paths, how, val_fraction, plan)), vocab_size,
+                    show_progress=show_progress)
+    if tok.vocab_size < vocab_size and say is not None:
+        say(f"warning: the corpus holds merges for {tok.vocab_size:,} entries, not the {vocab_size:,} --vocab-size "
+            f"asks: the BPE has {tok.vocab_size:,} (a larger corpus gives more)")
     again = rebuild_command(sources, how, val_fraction, vocab_size=vocab_size)
-    return _write_shards(paths, files, tok, target, Path(out), how, val_fraction, progress, overwrite, again)
+    return _write_shards(paths, files, tok, target, Path(out), how, val_fraction, progress, overwrite, again,
+                         plan, {"vocab_size_asked": vocab_size})
 
 
 def prepare_tokenized(sources: Sequence[str | Path], tok: HFTokenizer, out: str | Path, how: Reading = Reading(),
                       val_fraction: float = 0.1, progress: Progress | None = None, overwrite: bool = False,
                       rebuild: str | None = None) -> dict[str, Any]:
     """Tokenise the corpus with `tok` into OUT: shards, tokenizer.json, meta.json, written
-    whole (numesh/dataset_write.py); a complete dataset there with other content is
+    whole (numesh/data/write.py); a complete dataset there with other content is
     replaced only with `overwrite`. `rebuild` is the command meta.json keeps to write it
     again, but for --out (default: `numesh data tokenize` with OUT/tokenizer.json)."""
     _check_reading(how, val_fraction)
     paths, target = expand(sources), dw.target(Path(out))
     files = describe(paths)
     refuse_early(target, files, how, val_fraction, tok.to_meta(), overwrite)
+    plan = split_plan(paths, how, val_fraction)
     rebuild = rebuild or rebuild_command(sources, how, val_fraction, tokenizer=Path(out) / TOKENIZER_FILE,
                                          eot=tok.eot)
-    return _write_shards(paths, files, tok, target, Path(out), how, val_fraction, progress, overwrite, rebuild)
+    return _write_shards(paths, files, tok, target, Path(out), how, val_fraction, progress, overwrite, rebuild,
+                         plan)
 
 
 def _write_shards(paths: Sequence[Path], files: list[dict[str, Any]], tok: HFTokenizer, target: Path, out: Path,
                   how: Reading, val_fraction: float, progress: Progress | None, overwrite: bool,
-                  rebuild: str) -> dict[str, Any]:
-    """Tokenise the corpus `files` describes into a staging directory, check and record it,
-    and put it in place at `target` (`out` as the user named it)."""
+                  rebuild: str, plan: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Tokenise the corpus `files` describes into a staging directory, split as `plan`
+    says (`split_plan`), check and record it (with `extra` entries in meta.json), and put
+    it in place at `target` (`out` as the user named it)."""
     dtype = token_dtype(tok.vocab_size)
     with dw.staging(target) as stage:
         writers = {s: ShardWriter(stage, s, dtype) for s in ("train", "val")}
-        stats = _tokenize(paths, how, tok, writers, val_fraction, progress)
+        stats = _tokenize(split_documents(paths, how, val_fraction, plan), paths, tok, writers, progress)
         shards = {s: w.close() for s, w in writers.items()}
         _check_splits(stats, writers, val_fraction)
         check_unchanged(paths, files)
-        meta = _meta(tok, dtype, shards, stats, writers, files, how, val_fraction) | {"rebuild": rebuild}
+        meta = _meta(tok, dtype, shards, stats, writers, files, how, val_fraction, plan) | (extra or {}) | {
+            "rebuild": rebuild}
         write_atomic(stage / TOKENIZER_FILE, tok.json_text)
         tokens = {s["file"]: s["tokens"] for split in shards.values() for s in split}
         meta = dw.seal(stage, meta, tokens, dtype, tok.vocab_size, others=(TOKENIZER_FILE,))
         dw.publish(stage, target, meta, overwrite)
     return {"vocab_size": tok.vocab_size, "train_tokens": meta["train_tokens"], "val_tokens": meta["val_tokens"],
-            "out_dir": str(out), "documents": {s: stats[s]["documents"] for s in stats}}
+            "out_dir": str(out), "documents": {s: stats[s]["documents"] for s in stats}, "split": plan,
+            "val_fraction": val_fraction}
 
 
-def _tokenize(paths: Sequence[Path], how: Reading, tok: HFTokenizer, writers: dict[str, ShardWriter],
-              val_fraction: float, progress: Progress | None) -> dict[str, dict[str, int]]:
-    """Stream the corpus's documents through `tok` into the writers; each split's documents and bytes."""
+def _tokenize(docs: Iterator[tuple[str, str]], paths: Sequence[Path], tok: HFTokenizer,
+              writers: dict[str, ShardWriter], progress: Progress | None) -> dict[str, dict[str, int]]:
+    """Stream the (split, document) pairs of the corpus `paths` through `tok` into the
+    writers; each split's documents and bytes."""
     stats = {s: {"documents": 0, "bytes": 0} for s in writers}
-    total, done, index, batch = sum(p.stat().st_size for p in paths), 0, 0, []
+    total, done, batch = sum(p.stat().st_size for p in paths), 0, []
 
     def flush() -> None:
-        nonlocal done, index
-        for doc, ids in zip(batch, tok.encode_batch(batch)):
-            split = "val" if _is_val(index, val_fraction) else "train"
+        nonlocal done
+        for (split, doc), ids in zip(batch, tok.encode_batch([doc for _, doc in batch])):
             writers[split].add(np.append(ids, np.uint32(tok.eot_id)))
             n = len(doc.encode("utf-8"))
             stats[split]["documents"] += 1
             stats[split]["bytes"] += n
-            done, index = done + n, index + 1
+            done += n
         batch.clear()
         if progress is not None:
             progress(min(done, total), total)
 
-    for doc in corpus_documents(paths, how):
-        batch.append(doc)
+    for pair in docs:
+        batch.append(pair)
         if len(batch) == BATCH_DOCS:
             flush()
     flush()
@@ -189,8 +270,7 @@ def _tokenize(paths: Sequence[Path], how: Reading, tok: HFTokenizer, writers: di
 def _check_splits(stats: dict, writers: dict[str, ShardWriter], val_fraction: float) -> None:
     docs = sum(s["documents"] for s in stats.values())
     if docs == 0:
-        raise DataError("the corpus yields no tokens (every document is empty): check --src, --split-on and "
-                        "--text-field")
+        raise _no_tokens()
     for split in ("train", "val"):
         if writers[split].tokens == 0:
             raise DataError(f"the {docs:,} documents leave the {split} split empty at --val-fraction "
@@ -198,12 +278,12 @@ def _check_splits(stats: dict, writers: dict[str, ShardWriter], val_fraction: fl
 
 
 def _meta(tok: HFTokenizer, dtype: np.dtype, shards: dict, stats: dict, writers: dict[str, ShardWriter],
-          files: list, how: Reading, val_fraction: float) -> dict[str, Any]:
+          files: list, how: Reading, val_fraction: float, plan: str) -> dict[str, Any]:
     return {
         "format": "shards-1", "vocab_size": tok.vocab_size, "tokenizer": tok.to_meta(),
         "dtype": "uint16" if dtype.itemsize == 2 else "uint32", "shards": shards,
         "train_tokens": writers["train"].tokens, "val_tokens": writers["val"].tokens,
         "splits": {s: stats[s] | {"tokens": writers[s].tokens} for s in stats},
         "corpus": {"name": "files", "files": files, "split_on": how.split_on, "text_field": how.text_field,
-                   "val_fraction": val_fraction},
+                   "val_fraction": val_fraction, "split": plan},
     }

@@ -131,6 +131,24 @@ class CharTokenizer:
         tok.decoder = decoders.Fuse()
         return tok.to_str()
 
+    @classmethod
+    def from_hf_json(cls, json_text: str) -> CharTokenizer | None:
+        """The character vocabulary a `to_hf_json` file holds (a character model's
+        `numesh export --format hf` tokenizer: a BPE with no merges over single characters,
+        ids 0..V-1), or None when `json_text` is another tokenizer."""
+        import json
+
+        try:
+            model = json.loads(json_text).get("model")
+        except (ValueError, AttributeError):
+            return None
+        vocab = model.get("vocab") if isinstance(model, dict) else None
+        if (not isinstance(model, dict) or model.get("type") != "BPE" or model.get("merges") or not vocab
+                or not isinstance(vocab, dict) or sorted(vocab.values()) != list(range(len(vocab)))
+                or not all(isinstance(c, str) and len(c) == 1 for c in vocab)):
+            return None
+        return cls(tuple(sorted(vocab, key=vocab.__getitem__)))
+
     def to_meta(self) -> dict[str, Any]:
         """JSON-ready description: {"vocab_size": V, "chars": [...]} (no "kind": what
         datasets and checkpoints written before other kinds existed hold)."""
@@ -148,6 +166,22 @@ class CharTokenizer:
                 "characters: regenerate the dataset with `numesh data`"
             )
         return tok
+
+
+def read_tokenizer_file(path: str | Path) -> str:
+    """The text of a tokenizer.json; an unreadable one is a DataError."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read tokenizer {path} ({getattr(e, 'strerror', None) or e}): "
+                        "pass a readable tokenizer.json") from None
+
+
+def char_route(what: str, path: str) -> str:
+    """Why a character vocabulary cannot tokenise a corpus into shards, and what does."""
+    return (f"{what} is a character vocabulary (a character model's export), with no end-of-text token to "
+            f"separate documents: prepare the corpus as a character dataset with its vocabulary, "
+            f"`numesh data char --tokenizer {path} --src FILE --out DIR`")
 
 
 @attrs.frozen
@@ -169,6 +203,8 @@ class HFTokenizer:
             raise DataError(f"not a Hugging Face tokenizer file ({str(e).splitlines()[0][:120]}): "
                             "pass a tokenizer.json written by `tokenizers` or `transformers`") from None
         if tok.token_to_id(self.eot) is None:
+            if CharTokenizer.from_hf_json(self.json_text) is not None:
+                raise DataError(char_route("the tokenizer", "TOKENIZER.json"))
             raise DataError(f"the tokenizer has no end-of-text token {self.eot!r}: add it as a special token "
                             "or pass the one it has")
         if tok.get_vocab_size(with_added_tokens=True) > np.iinfo(np.uint32).max:
@@ -177,11 +213,9 @@ class HFTokenizer:
 
     @classmethod
     def from_file(cls, path: str | Path, eot: str = EOT) -> HFTokenizer:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise DataError(f"cannot read tokenizer {path} ({getattr(e, 'strerror', None) or e}): "
-                            "pass a readable tokenizer.json") from None
+        text = read_tokenizer_file(path)
+        if CharTokenizer.from_hf_json(text) is not None:
+            raise DataError(char_route(str(path), str(path)))
         return cls(text, eot)
 
     @property
@@ -224,23 +258,30 @@ class HFTokenizer:
                 "sha256": self.sha256, "json": self.json_text}
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
-    """A byte-level BPE (GPT-2's pre-tokenisation and byte alphabet, `EOT` as its one
-    special token) trained on `texts` to `vocab_size` entries. The same texts in the same
-    order give the same tokenizer."""
-    from tokenizers import Tokenizer as Raw
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    base = len(pre_tokenizers.ByteLevel.alphabet()) + 1
+def check_bpe_size(vocab_size: int) -> None:
+    """A DataError when a byte-level BPE cannot have `vocab_size` entries: fewer than its
+    256 bytes and end-of-text token, or more than uint32 ids hold."""
+    base = 256 + 1
     if vocab_size < base:
         raise DataError(f"--vocab-size {vocab_size} is below the {base} entries a byte-level BPE starts with "
                         f"(256 bytes and {EOT}): use at least {base}")
     if vocab_size > np.iinfo(np.uint32).max:
         raise DataError(f"--vocab-size {vocab_size} does not fit uint32 token ids")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False) -> HFTokenizer:
+    """A byte-level BPE (GPT-2's pre-tokenisation and byte alphabet, `EOT` as its one
+    special token) trained on `texts` to `vocab_size` entries, or fewer where the texts
+    hold fewer merges. The same texts in the same order give the same tokenizer.
+    `show_progress`: `tokenizers`' own bars on stderr (drawn on a terminal only)."""
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    check_bpe_size(vocab_size)
     tok = Raw(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=show_progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     return HFTokenizer(tok.to_str(), EOT)

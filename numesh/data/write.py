@@ -10,7 +10,11 @@ old one as it was, and the next writer removes the staging directory a dead one 
 A complete dataset is replaced by different content only when asked (`overwrite`): runs
 were trained on it. The same content again, or a dataset that fails its own check, is
 replaced freely. Files of the old directory that are not the dataset's (the cached
-`input.txt` of tiny Shakespeare, a note) are carried into the new one as hard links.
+`input.txt` of tiny Shakespeare, a note) are carried into the new one as hard links. A
+directory that holds files of a dataset's names (`tokenizer.json`, `train.bin`, a
+`meta.json`, ...) but no meta.json numesh wrote is refused, with or without `overwrite`:
+they are someone else's (a transformers export's tokenizer, nanoGPT's `train.bin`), and
+numesh never deletes files it did not write.
 No fsync: a power cut can leave a dataset that fails its check at the next run's start,
 never one that trains silently.
 """
@@ -57,7 +61,44 @@ def target(out: Path) -> Path:
                         "e.g. data/NAME")
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is a file, not a directory: choose another --out")
-    return real if out.is_symlink() else out
+    found = real if out.is_symlink() else out
+    refuse_foreign(found)
+    return found
+
+
+def _written_by_numesh(meta: Any) -> bool:
+    """Whether a parsed meta.json is a dataset's as numesh writes it: a vocabulary size and
+    its characters (a character dataset) or its shards (a sharded one)."""
+    return (isinstance(meta, dict) and isinstance(meta.get("vocab_size"), int)
+            and (isinstance(meta.get("chars"), list) or isinstance(meta.get("shards"), dict)))
+
+
+def foreign(out: Path) -> list[str]:
+    """The entries of `out` a dataset written there would replace although numesh did not
+    write them: every one of a dataset's names (tokenizer.json, train-N.bin, ...) when
+    `out` has no meta.json of numesh's, else none."""
+    try:
+        names = sorted(p.name for p in out.iterdir() if _OWNED.match(p.name))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:
+        raise DataError(f"cannot list --out {out} ({e.strerror or e}): check its permissions") from None
+    if not names:
+        return []
+    try:
+        meta = json.loads((out / dc.META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        meta = None
+    return [] if _written_by_numesh(meta) else names
+
+
+def refuse_foreign(out: Path) -> None:
+    """A DataError when writing a dataset to `out` would replace files numesh did not write
+    (`foreign`); `overwrite` does not change this: they are not a dataset numesh can rebuild."""
+    names = foreign(out)
+    if names:
+        raise DataError(f"--out {out} holds {', '.join(names)} but no dataset numesh wrote (no meta.json of its "
+                        "own), and writing one would delete them: choose a new or empty --out")
 
 
 def clean_leftovers(out: Path) -> list[Path]:
@@ -204,7 +245,9 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def publish(stage: Path, out: Path, meta: Mapping[str, Any], overwrite: bool) -> None:
     """Put the sealed dataset `stage` (its meta.json `meta`) in place as `out` in one
-    rename, unless `refuse_replacing` says no; the old dataset ends up in `stage`."""
+    rename, unless `refuse_foreign` or `refuse_replacing` says no; the old dataset ends up
+    in `stage`."""
+    refuse_foreign(out)
     refuse_replacing(out, meta, overwrite)
     try:
         _carry(out, stage)
