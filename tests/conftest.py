@@ -16,8 +16,9 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
+import attrs
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -77,6 +78,37 @@ def mesh1() -> Mesh:
     return self_mesh()
 
 
+def model_config(**overrides: Any) -> GPTConfig:
+    """The MPI parity suites' model: `tiny_config` 16 wide with 4 heads (tp up to 4 splits
+    every kind of leaf), dropout and biases on."""
+    kw: dict[str, Any] = dict(vocab_size=11, n_head=4, n_embd=16, dropout=0.1, bias=True)
+    kw.update(overrides)
+    return tiny_config(**kw)
+
+
+def random_batch(cfg: GPTConfig, rows: int = 4, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Input ids and targets of `rows` whole sequences, the same on every rank for a seed."""
+    rng = np.random.default_rng(seed)
+    shape = (rows, cfg.block_size)
+    return rng.integers(0, cfg.vocab_size, shape), rng.integers(0, cfg.vocab_size, shape)
+
+
+def mesh_for_world(meshes: dict[int, list[str]], i: int = 0, why: str = "") -> str:
+    """The `i`-th mesh `meshes` lists for COMM_WORLD's size; the test is skipped where there
+    is none (`why` says what the suite covers instead)."""
+    listed = meshes.get(WORLD.Get_size(), [])
+    if i >= len(listed):
+        pytest.skip(why or f"no mesh {i} on {WORLD.Get_size()} ranks")
+    return listed[i]
+
+
+def world_mesh(spec: str, sequence_parallel: bool = False) -> Iterator[Mesh]:
+    """The mesh `spec` over COMM_WORLD, for a fixture to `yield from`: freed after the test."""
+    mesh = Mesh.parse(spec, WORLD, sequence_parallel)
+    yield mesh
+    mesh.free()
+
+
 def gather_tree(tree: Any, specs: Any, mesh: Mesh) -> Any:
     """The global arrays of a sharded tree (a collective on every axis a spec splits)."""
     return tree_map(lambda x, s: unshard(x, s, mesh), tree, specs)
@@ -108,6 +140,56 @@ def assert_close(got: np.ndarray, want: np.ndarray, rtol: float, what: str = "")
     scale = max(float(np.max(np.abs(want), initial=0.0)), 1e-300)
     err = float(np.max(np.abs(got - want), initial=0.0))
     assert err <= rtol * scale, f"{what}: max abs diff {err:.3e} > {rtol:g} x {scale:.3e}"
+
+
+@attrs.frozen
+class OneStep:
+    """One forward and backward of `model_config` on a mesh, and the same on one rank."""
+
+    cfg: GPTConfig
+    loss: float  # the mesh's loss (this rank's share summed over cp)
+    grads: GPT  # this rank's gradients, as the walk gives them
+    full: GPT  # the global gradients: summed over cp, gathered over every other axis
+    tokens: np.ndarray  # this rank's per-token evaluation losses
+    want_loss: float
+    want: GPT
+    want_tokens: np.ndarray  # the one-rank per-token losses of this rank's tokens
+
+
+def one_step(mesh: Mesh, dropout: float, **overrides: Any) -> OneStep:
+    """`loss_and_grads` and `forward_loss` of random parameters on a batch of 4 sequences, each
+    rank given its cp chunks of them (the zigzag layout), beside the one-rank results: the
+    layer parity check of tp, sp and cp (`assert_one_step_matches`)."""
+    from numesh.mesh import psum, psum_scalar
+    from numesh.mesh.zigzag import take_local
+    from numesh.nn.dropout import DropoutKey
+    from numesh.nn.walk import forward_loss, loss_and_grads
+
+    cfg = model_config(dropout=dropout, **overrides)
+    gp = random_global_params(cfg, seed=21)
+    idx, tgt = random_batch(cfg)
+    scale = 1.0 / idx.size
+    drop = DropoutKey(dropout, seed=5, step=2, row0=0, global_rows=idx.shape[0]) if dropout else None
+    cp, r = mesh.size("cp"), mesh.index("cp")
+    mine = take_local(idx, cp, r), take_local(tgt, cp, r)
+    local = shard_params(gp, cfg, mesh)
+    loss, grads = loss_and_grads(local, *mine, cfg, mesh, scale, drop)
+    summed = tree_map(lambda g: psum(np.ascontiguousarray(g), mesh, "cp"), grads)
+    want_loss, want = loss_and_grads(gp, idx, tgt, cfg, self_mesh(), scale, drop)
+    want_tokens = forward_loss(gp, idx, tgt, cfg, self_mesh()).reshape(idx.shape)
+    return OneStep(cfg, psum_scalar(loss, mesh, "cp"), grads, gather_tree(summed, gpt_specs(cfg), mesh),
+                   forward_loss(local, *mine, cfg, mesh), want_loss, want, take_local(want_tokens, cp, r).ravel())
+
+
+def assert_one_step_matches(step: OneStep) -> None:
+    """The mesh's loss, per-token losses and every gradient leaf equal one rank's to 1e-10
+    (wte without the rows that pad the vocabulary over tp)."""
+    from numesh.base.tree import tree_leaves, tree_leaves_with_path
+
+    assert step.loss == pytest.approx(step.want_loss, rel=1e-10, abs=0)
+    assert_close(step.tokens, step.want_tokens, 1e-10, "per-token losses")
+    for (path, got), w in zip(tree_leaves_with_path(step.full), tree_leaves(step.want)):
+        assert_close(got[: step.cfg.vocab_size] if path == "wte" else got, w, 1e-10, what=path)
 
 
 # ---------------------------------------------------------------------------------------
@@ -155,6 +237,42 @@ def shared_dataset(shared_tmp: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------
+# work on some ranks of COMM_WORLD
+
+
+def on_first(n: int, fn: Callable[[MPI.Comm], Any]) -> Any:
+    """Run `fn` on a communicator of WORLD's first n ranks; every rank gets rank 0's result
+    (errors too, so a failure never leaves the other ranks waiting)."""
+    color = 0 if WORLD.Get_rank() < n else MPI.UNDEFINED
+    comm = WORLD.Split(color, WORLD.Get_rank())
+    result = None
+    if comm != MPI.COMM_NULL:
+        try:
+            result = ("ok", fn(comm))
+        except Exception as e:  # noqa: BLE001
+            result = ("error", f"{type(e).__name__}: {e}")
+        finally:
+            comm.Free()
+    status, value = WORLD.bcast(result, root=0)
+    WORLD.Barrier()  # rank 0 leaves a bcast before the others finish `fn` (e.g. remove their flight files)
+    if status != "ok":
+        raise AssertionError(f"rank 0 failed: {value}")
+    return value
+
+
+def on_root(check: Callable[[], None]) -> None:
+    """Run assertions on rank 0 and fail on every rank with its message."""
+    err = None
+    if WORLD.Get_rank() == 0:
+        try:
+            check()
+        except AssertionError as e:
+            err = str(e) or "assertion failed"
+    err = WORLD.bcast(err, root=0)
+    assert err is None, err
+
+
+# ---------------------------------------------------------------------------------------
 # training runs for the parity tests
 
 PARITY_KEYS = ("loss", "grad_norm", "lr", "train_loss", "val_loss", "moe_aux_loss", "moe_z_loss", "moe_tokens_min",
@@ -182,8 +300,6 @@ _SERIAL: dict[Any, tuple[list[dict], dict[str, np.ndarray]]] = {}
 def serial_reference(cfg: Any) -> tuple[list[dict], dict[str, np.ndarray]]:
     """The dp=1,tp=1,pp=1 run of `cfg` (mesh, out and sequence parallelism ignored):
     computed once on rank 0 of COMM_WORLD, broadcast to every rank, cached for the session."""
-    import attrs
-
     key = attrs.evolve(cfg, mesh="", out="", sequence_parallel=False)
     if key not in _SERIAL:
         result = None

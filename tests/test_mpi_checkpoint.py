@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
+from conftest import WORLD, assert_close, on_first, on_root
 from numesh.base.tree import tree_leaves_with_path
 from numesh.checkpoint import (
     CheckpointError,
@@ -39,7 +40,6 @@ from numesh.run.train import Trainer, restore, train, train_state
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-WORLD = MPI.COMM_WORLD
 TEXT = "".join("abcdefghij"[i % 10 :] + "abcdefghij"[: i % 10] + "\n" for i in range(60))  # vocabulary 11
 KEYS = ("loss", "grad_norm", "lr", "train_loss", "val_loss")
 K = 2
@@ -69,48 +69,10 @@ def _prod(mesh: str) -> int:
     return math.prod(int(part.split("=")[1]) for part in mesh.split(",") if part)
 
 
-def on_first(n: int, fn: Callable[[MPI.Comm], Any]) -> Any:
-    """Run `fn` on a communicator of WORLD's first n ranks; every rank gets rank 0's result
-    (errors too, so a failure never leaves the other ranks waiting)."""
-    color = 0 if WORLD.Get_rank() < n else MPI.UNDEFINED
-    comm = WORLD.Split(color, WORLD.Get_rank())
-    result = None
-    if comm != MPI.COMM_NULL:
-        try:
-            result = ("ok", fn(comm))
-        except Exception as e:  # noqa: BLE001
-            result = ("error", f"{type(e).__name__}: {e}")
-        finally:
-            comm.Free()
-    status, value = WORLD.bcast(result, root=0)
-    WORLD.Barrier()  # rank 0 leaves a bcast before the others finish `fn` (e.g. remove their flight files)
-    if status != "ok":
-        raise AssertionError(f"rank 0 failed: {value}")
-    return value
-
-
-def on_root(check: Callable[[], None]) -> None:
-    """Run assertions on rank 0 and fail on every rank with its message."""
-    err = None
-    if WORLD.Get_rank() == 0:
-        try:
-            check()
-        except AssertionError as e:
-            err = str(e) or "assertion failed"
-    err = WORLD.bcast(err, root=0)
-    assert err is None, err
-
-
 def records_of(cfg: TrainConfig, comm: MPI.Comm) -> list[dict]:
     records: list[dict] = []
     train(cfg, comm, on_step=lambda s, r: records.append({"step": s, **{k: r[k] for k in KEYS if k in r}}))
     return records
-
-
-def close(got: np.ndarray, want: np.ndarray, rtol: float, what: str) -> None:
-    scale = max(float(np.max(np.abs(want), initial=0.0)), 1e-300)
-    err = float(np.max(np.abs(got - want), initial=0.0))
-    assert got.shape == want.shape and err <= rtol * scale, f"{what}: max abs diff {err:.3e} > {rtol:g} x {scale:.3e}"
 
 
 @pytest.mark.parametrize(
@@ -157,7 +119,7 @@ def test_resume_on_another_mesh(data: Path, shared_tmp: Path, mesh_a: str, kw_a:
         assert meta_b.raw["mesh"] == parse_mesh(mesh_b, _prod(mesh_b))
         for group in ("params", "m", "v"):
             for (path, x), (_, y) in zip(tree_leaves_with_path(state_b[group]), tree_leaves_with_path(state_a[group])):
-                close(x, y, 1e-10, f"{group}/{path}")
+                assert_close(x, y, 1e-10, f"{group}/{path}")
 
     on_root(check)
 

@@ -28,7 +28,17 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import assert_close, assert_same_run, self_mesh, serial_reference, train_records
+from conftest import (
+    WORLD,
+    assert_close,
+    assert_same_run,
+    mesh_for_world,
+    on_first,
+    self_mesh,
+    serial_reference,
+    train_records,
+    world_mesh,
+)
 from numesh.base.tree import tree_leaves, tree_map
 from numesh.checkpoint import read_state
 from numesh.checkpoint.reshard import reshard
@@ -41,11 +51,9 @@ from numesh.perf import formulas
 from numesh.run.config import TrainConfig, check_layout, config_from
 from numesh.run.train import Trainer
 from test_moe import make_moe
-from test_mpi_checkpoint import on_first
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-WORLD = MPI.COMM_WORLD
 LAYER_MESHES = {
     2: ["ep=2"],
     4: ["ep=4", "dp=2,ep=2", "ep=2,cp=2", "ep=2,tp=2"],
@@ -56,12 +64,7 @@ C, E, B, T = 8, 8, 8, 12
 
 @pytest.fixture(params=range(4))
 def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
-    meshes = LAYER_MESHES.get(WORLD.Get_size(), [])
-    if request.param >= len(meshes):
-        pytest.skip("no such ep mesh on this world size")
-    m = Mesh.parse(meshes[request.param], WORLD)
-    yield m
-    m.free()
+    yield from world_mesh(mesh_for_world(LAYER_MESHES, request.param, "no such ep mesh on this world size"))
 
 
 def local_moe(p: MoE, mesh: Mesh) -> MoE:
