@@ -34,6 +34,7 @@ from conftest import (
     assert_same_run,
     mesh_for_world,
     on_first,
+    prefetch_serial,
     self_mesh,
     serial_reference,
     train_records,
@@ -222,14 +223,26 @@ def test_matrix_covers_the_brief() -> None:
         check_layout(run_config(Path("unused"), Path("unused"), mesh, **kw), n, vocab_size=11)
 
 
+def plain(cfg: TrainConfig) -> TrainConfig:
+    """The reference of a matrix case: one micro-batch, no ZeRO, no recomputation, the same
+    top-k and capacity (its mesh is ignored: it runs on one rank)."""
+    return attrs.evolve(cfg, schedule="1f1b", virtual_stages=1, micro_batches=1, zero=0, recompute="none")
+
+
+@pytest.fixture(scope="module")
+def references(shared_dataset: Path) -> None:
+    """Every matrix case's one-rank reference, trained side by side on the ranks."""
+    prefetch_serial([plain(run_config(shared_dataset, Path("unused"), mesh, **kw))
+                     for mesh, kw in (p.values for p in matrix_cases(WORLD.Get_size()))])
+
+
 @pytest.mark.parametrize("mesh, kw", matrix_cases(WORLD.Get_size()))
-def test_training_matches_one_rank(shared_dataset: Path, shared_tmp: Path, mesh: str, kw: dict) -> None:
-    """A whole float64 run with experts over the mesh equals the plain 1-rank run to 1e-10
-    (the reference: one micro-batch, no ZeRO, no recomputation, the same top-k and capacity)."""
+def test_training_matches_one_rank(shared_dataset: Path, shared_tmp: Path, references: None, mesh: str,
+                                   kw: dict) -> None:
+    """A whole float64 run with experts over the mesh equals the plain 1-rank run to 1e-10."""
     cfg = run_config(shared_dataset, shared_tmp / f"moe-{mesh}-{sorted(kw.items())}".replace(" ", ""), mesh, **kw)
     got = train_records(cfg, WORLD)
-    want = serial_reference(attrs.evolve(cfg, schedule="1f1b", virtual_stages=1, micro_batches=1, zero=0,
-                                         recompute="none"))
+    want = serial_reference(plain(cfg))
     assert any("moe_aux_loss" in r for r in got[0])
     if kw["moe_capacity_factor"]:
         assert sum(r.get("moe_dropped", 0) for r in got[0]) > 0  # the capacity really dropped some
