@@ -16,8 +16,9 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
+import attrs
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -77,6 +78,37 @@ def mesh1() -> Mesh:
     return self_mesh()
 
 
+def model_config(**overrides: Any) -> GPTConfig:
+    """The MPI parity suites' model: `tiny_config` 16 wide with 4 heads (tp up to 4 splits
+    every kind of leaf), dropout and biases on."""
+    kw: dict[str, Any] = dict(vocab_size=11, n_head=4, n_embd=16, dropout=0.1, bias=True)
+    kw.update(overrides)
+    return tiny_config(**kw)
+
+
+def random_batch(cfg: GPTConfig, rows: int = 4, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Input ids and targets of `rows` whole sequences, the same on every rank for a seed."""
+    rng = np.random.default_rng(seed)
+    shape = (rows, cfg.block_size)
+    return rng.integers(0, cfg.vocab_size, shape), rng.integers(0, cfg.vocab_size, shape)
+
+
+def mesh_for_world(meshes: dict[int, list[str]], i: int = 0, why: str = "") -> str:
+    """The `i`-th mesh `meshes` lists for COMM_WORLD's size; the test is skipped where there
+    is none (`why` says what the suite covers instead)."""
+    listed = meshes.get(WORLD.Get_size(), [])
+    if i >= len(listed):
+        pytest.skip(why or f"no mesh {i} on {WORLD.Get_size()} ranks")
+    return listed[i]
+
+
+def world_mesh(spec: str, sequence_parallel: bool = False) -> Iterator[Mesh]:
+    """The mesh `spec` over COMM_WORLD, for a fixture to `yield from`: freed after the test."""
+    mesh = Mesh.parse(spec, WORLD, sequence_parallel)
+    yield mesh
+    mesh.free()
+
+
 def gather_tree(tree: Any, specs: Any, mesh: Mesh) -> Any:
     """The global arrays of a sharded tree (a collective on every axis a spec splits)."""
     return tree_map(lambda x, s: unshard(x, s, mesh), tree, specs)
@@ -110,6 +142,56 @@ def assert_close(got: np.ndarray, want: np.ndarray, rtol: float, what: str = "")
     assert err <= rtol * scale, f"{what}: max abs diff {err:.3e} > {rtol:g} x {scale:.3e}"
 
 
+@attrs.frozen
+class OneStep:
+    """One forward and backward of `model_config` on a mesh, and the same on one rank."""
+
+    cfg: GPTConfig
+    loss: float  # the mesh's loss (this rank's share summed over cp)
+    grads: GPT  # this rank's gradients, as the walk gives them
+    full: GPT  # the global gradients: summed over cp, gathered over every other axis
+    tokens: np.ndarray  # this rank's per-token evaluation losses
+    want_loss: float
+    want: GPT
+    want_tokens: np.ndarray  # the one-rank per-token losses of this rank's tokens
+
+
+def one_step(mesh: Mesh, dropout: float, **overrides: Any) -> OneStep:
+    """`loss_and_grads` and `forward_loss` of random parameters on a batch of 4 sequences, each
+    rank given its cp chunks of them (the zigzag layout), beside the one-rank results: the
+    layer parity check of tp, sp and cp (`assert_one_step_matches`)."""
+    from numesh.mesh import psum, psum_scalar
+    from numesh.mesh.zigzag import take_local
+    from numesh.nn.dropout import DropoutKey
+    from numesh.nn.walk import forward_loss, loss_and_grads
+
+    cfg = model_config(dropout=dropout, **overrides)
+    gp = random_global_params(cfg, seed=21)
+    idx, tgt = random_batch(cfg)
+    scale = 1.0 / idx.size
+    drop = DropoutKey(dropout, seed=5, step=2, row0=0, global_rows=idx.shape[0]) if dropout else None
+    cp, r = mesh.size("cp"), mesh.index("cp")
+    mine = take_local(idx, cp, r), take_local(tgt, cp, r)
+    local = shard_params(gp, cfg, mesh)
+    loss, grads = loss_and_grads(local, *mine, cfg, mesh, scale, drop)
+    summed = tree_map(lambda g: psum(np.ascontiguousarray(g), mesh, "cp"), grads)
+    want_loss, want = loss_and_grads(gp, idx, tgt, cfg, self_mesh(), scale, drop)
+    want_tokens = forward_loss(gp, idx, tgt, cfg, self_mesh()).reshape(idx.shape)
+    return OneStep(cfg, psum_scalar(loss, mesh, "cp"), grads, gather_tree(summed, gpt_specs(cfg), mesh),
+                   forward_loss(local, *mine, cfg, mesh), want_loss, want, take_local(want_tokens, cp, r).ravel())
+
+
+def assert_one_step_matches(step: OneStep) -> None:
+    """The mesh's loss, per-token losses and every gradient leaf equal one rank's to 1e-10
+    (wte without the rows that pad the vocabulary over tp)."""
+    from numesh.base.tree import tree_leaves, tree_leaves_with_path
+
+    assert step.loss == pytest.approx(step.want_loss, rel=1e-10, abs=0)
+    assert_close(step.tokens, step.want_tokens, 1e-10, "per-token losses")
+    for (path, got), w in zip(tree_leaves_with_path(step.full), tree_leaves(step.want)):
+        assert_close(got[: step.cfg.vocab_size] if path == "wte" else got, w, 1e-10, what=path)
+
+
 # ---------------------------------------------------------------------------------------
 # data
 
@@ -133,10 +215,25 @@ def char_dataset(tmp_path: Path) -> Path:
     return make_dataset(tmp_path / "data")
 
 
+def scratch_dir() -> str | None:
+    """Where the MPI suites write their runs: /dev/shm where it is writable with 2 GiB free
+    (a tmpfs, where a checkpoint's fsync of every file costs nothing: on this 2-core VM's
+    disk, saving and reading checkpoints took 35 s of the MoE parity matrix's 93 s on rank
+    0), else the system's temporary directory (None)."""
+    shm = Path("/dev/shm")
+    try:
+        if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= 2 << 30:
+            return str(shm)
+    except OSError:
+        pass
+    return None
+
+
 @pytest.fixture(scope="session")
 def shared_tmp() -> Any:
-    """A directory shared by every rank of COMM_WORLD (made by rank 0, path broadcast)."""
-    path = tempfile.mkdtemp(prefix="numesh-test-") if WORLD.Get_rank() == 0 else None
+    """A directory shared by every rank of COMM_WORLD (made by rank 0, path broadcast; all
+    ranks run on this machine, as for any temporary directory)."""
+    path = tempfile.mkdtemp(prefix="numesh-test-", dir=scratch_dir()) if WORLD.Get_rank() == 0 else None
     path = WORLD.bcast(path, root=0)
     yield Path(path)
     WORLD.Barrier()
@@ -152,6 +249,42 @@ def shared_dataset(shared_tmp: Path) -> Path:
         make_dataset(out)
     WORLD.Barrier()
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# work on some ranks of COMM_WORLD
+
+
+def on_first(n: int, fn: Callable[[MPI.Comm], Any]) -> Any:
+    """Run `fn` on a communicator of WORLD's first n ranks; every rank gets rank 0's result
+    (errors too, so a failure never leaves the other ranks waiting)."""
+    color = 0 if WORLD.Get_rank() < n else MPI.UNDEFINED
+    comm = WORLD.Split(color, WORLD.Get_rank())
+    result = None
+    if comm != MPI.COMM_NULL:
+        try:
+            result = ("ok", fn(comm))
+        except Exception as e:  # noqa: BLE001
+            result = ("error", f"{type(e).__name__}: {e}")
+        finally:
+            comm.Free()
+    status, value = WORLD.bcast(result, root=0)
+    WORLD.Barrier()  # rank 0 leaves a bcast before the others finish `fn` (e.g. remove their flight files)
+    if status != "ok":
+        raise AssertionError(f"rank 0 failed: {value}")
+    return value
+
+
+def on_root(check: Callable[[], None]) -> None:
+    """Run assertions on rank 0 and fail on every rank with its message."""
+    err = None
+    if WORLD.Get_rank() == 0:
+        try:
+            check()
+        except AssertionError as e:
+            err = str(e) or "assertion failed"
+    err = WORLD.bcast(err, root=0)
+    assert err is None, err
 
 
 # ---------------------------------------------------------------------------------------
@@ -176,30 +309,47 @@ def train_records(cfg: Any, comm: MPI.Comm) -> tuple[list[dict], dict[str, np.nd
     return records, read_params_dict(result.checkpoint)
 
 
-_SERIAL: dict[Any, tuple[list[dict], dict[str, np.ndarray]]] = {}
+_SERIAL: dict[Any, tuple[str, Any]] = {}  # key -> ("ok", (records, parameters)) or ("error", why)
+
+
+def _serial_key(cfg: Any) -> Any:
+    return attrs.evolve(cfg, mesh="", out="", sequence_parallel=False)
+
+
+def _serial_run(key: Any) -> tuple[str, Any]:
+    """("ok", (records, parameters)) of `key` trained on this rank alone, or ("error", why)."""
+    out = Path(tempfile.mkdtemp(prefix="numesh-serial-", dir=scratch_dir()))
+    try:
+        return "ok", train_records(attrs.evolve(key, out=str(out)), MPI.COMM_SELF)
+    except Exception as e:  # every rank must learn of it, or the others would wait forever
+        return "error", f"rank {WORLD.Get_rank()}: {e!r}"
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def prefetch_serial(cfgs: Any) -> None:
+    """The serial references of `cfgs` not cached yet, each trained by one rank of COMM_WORLD
+    (in turn) and shared with all. Collective. A parity matrix asks for a reference per case,
+    and one rank ran them one by one while the others waited (MoE's 4-rank matrix: 8 runs,
+    21 s of its 93 s); here the ranks run them side by side."""
+    keys = list(dict.fromkeys(k for k in map(_serial_key, cfgs) if k not in _SERIAL))
+    n, r = WORLD.Get_size(), WORLD.Get_rank()
+    every = WORLD.allgather([_serial_run(k) for k in keys[r::n]])
+    for i, key in enumerate(keys):
+        _SERIAL[key] = every[i % n][i // n]
 
 
 def serial_reference(cfg: Any) -> tuple[list[dict], dict[str, np.ndarray]]:
-    """The dp=1,tp=1,pp=1 run of `cfg` (mesh, out and sequence parallelism ignored):
-    computed once on rank 0 of COMM_WORLD, broadcast to every rank, cached for the session."""
-    import attrs
-
-    key = attrs.evolve(cfg, mesh="", out="", sequence_parallel=False)
+    """The dp=1,tp=1,pp=1 run of `cfg` (mesh, out and sequence parallelism ignored), the same
+    on every rank: trained on rank 0 unless `prefetch_serial` ran it, cached for the session.
+    Collective when not cached."""
+    key = _serial_key(cfg)
     if key not in _SERIAL:
-        result = None
-        if WORLD.Get_rank() == 0:
-            out = Path(tempfile.mkdtemp(prefix="numesh-serial-"))
-            try:
-                result = ("ok", train_records(attrs.evolve(key, out=str(out)), MPI.COMM_SELF))
-            except Exception as e:  # every rank must learn of it, or the others would wait forever
-                result = ("error", repr(e))
-            finally:
-                shutil.rmtree(out, ignore_errors=True)
-        status, payload = WORLD.bcast(result, root=0)
-        if status != "ok":
-            raise RuntimeError(f"the serial reference run failed on rank 0: {payload}")
-        _SERIAL[key] = payload
-    return _SERIAL[key]
+        prefetch_serial([cfg])
+    status, payload = _SERIAL[key]
+    if status != "ok":
+        raise RuntimeError(f"the serial reference run failed on {payload}")
+    return payload
 
 
 def assert_same_run(got: tuple[list[dict], dict], want: tuple[list[dict], dict], rtol: float = 1e-10) -> None:

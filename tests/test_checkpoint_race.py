@@ -156,10 +156,11 @@ def test_meta_and_params_come_from_one_step(two_steps: Path, tmp_path: Path,
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_readers_of_a_running_jobs_latest_with_keep_1(tmp_path: Path) -> None:
-    """A real job saving every step with --keep 1, read back-to-back for a few seconds:
-    before the fix about 1 read in 40 failed (a hundred reads here)."""
+    """A real job saving every step with --keep 1, read back-to-back: before the fix about 1
+    read in 40 failed. Two hundred reads spanning at least 3 saved steps, counted, not timed
+    (a busy machine reads more slowly; the deadlines only stop a hung job)."""
     data, out = make_dataset(tmp_path / "data"), tmp_path / "run"
     cmd = [sys.executable, "-m", "numesh.cli.app", "train", "--data", str(data), "--out", str(out),
            "--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
@@ -168,20 +169,20 @@ def test_readers_of_a_running_jobs_latest_with_keep_1(tmp_path: Path) -> None:
     job = subprocess.Popen(cmd, env={**clean_env(), "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
     try:
-        latest, deadline = out / "ckpt" / "latest", time.monotonic() + 90
+        latest, deadline = out / "ckpt" / "latest", time.monotonic() + 120
         while not latest.exists():
             assert job.poll() is None, job.stderr.read()
-            assert time.monotonic() < deadline, "no checkpoint within 90 s"
+            assert time.monotonic() < deadline, "no checkpoint within 120 s (hung?)"
             time.sleep(0.05)
-        steps, reads, t0 = set(), 0, time.monotonic()
-        while time.monotonic() - t0 < 4 or len(steps) < 3:
+        steps, reads, deadline = set(), 0, time.monotonic() + 120
+        while reads < 200 or len(steps) < 3:
             steps.add(load_checkpoint(latest).step)
             reads += 1
-            assert job.poll() is None and time.monotonic() - t0 < 60
+            assert job.poll() is None, job.stderr.read()
+            assert time.monotonic() < deadline, f"the job saved only steps {sorted(steps)} within 120 s (hung?)"
     finally:
         job.kill()
         job.wait()
-    assert reads >= 50 and len(steps) >= 3, (reads, steps)
 
 
 def test_a_save_spares_a_reshard_writing_beside_it(tmp_path: Path) -> None:

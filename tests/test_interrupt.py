@@ -7,10 +7,11 @@ KeyboardInterrupt and left mid-step, its peer waited forever in an MPI receive.
 The first tests run `train()` in this process (fast). The others launch real jobs as
 subprocesses, like tests/test_mpi_suites.py (whose way of finding mpiexec they reuse),
 and are not marked `mpi`: they signal mpiexec or one rank once a few steps are logged and
-check that every process ends within EXIT_WITHIN_S with exit code 130, one "interrupted
-at step N" line, and (with --ckpt-interval) a loadable checkpoint of step N that `latest`
-points to. Every rank runs the CLI through WRAPPER, which writes the code the rank exits
-with to rc.<rank>, so the test sees each rank's code and not only mpiexec's.
+check that every process ends with exit code 130 (HANG_S only stops a hung test: how soon
+a job ends is not asserted, since a busy machine slows it), one "interrupted at step N"
+line, and (with --ckpt-interval) a loadable checkpoint of step N that `latest` points to.
+Every rank runs the CLI through WRAPPER, which writes the code the rank exits with to
+rc.<rank>, so the test sees each rank's code and not only mpiexec's.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from numesh.run.train import train
 from test_mpi_suites import clean_env, launcher
 
 START_WITHIN_S = 180  # to start and log STEPS_BEFORE steps (imports and set-up on a loaded 2-core machine)
-EXIT_WITHIN_S = 15  # every process gone this long after the signal
+# a job whose processes are not all gone this long after the signal is hung (one ends in
+# seconds; the watchdog's own grace is interrupt.GRACE_S): a bound that stops the test, not a timing
+HANG_S = 120
 STEPS_BEFORE = 3
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
@@ -206,20 +209,21 @@ class Job:
                 return pid
         raise AssertionError(f"no process of rank {rank} among {self.rank_pids}")
 
-    def finish(self, within: float = EXIT_WITHIN_S) -> tuple[int, float]:
-        """(mpiexec's exit code, seconds until every process was gone); kills and fails after `within`."""
-        t0 = time.monotonic()
+    def finish(self, within: float = HANG_S) -> int:
+        """mpiexec's exit code, once every process is gone; kills the job and fails as hung
+        after `within` seconds (a deadline that stops the test, not a timing of the job)."""
+        deadline = time.monotonic() + within
         try:
             rc = self.proc.wait(timeout=within)
-            while any(_alive(p) for p in self.rank_pids) and time.monotonic() - t0 < within:
+            while any(_alive(p) for p in self.rank_pids) and time.monotonic() < deadline:
                 time.sleep(0.05)
             left = [p for p in self.rank_pids if _alive(p)]
-            assert not left, f"ranks {left} still running {within} s after the signal"
+            assert not left, f"ranks {left} still running {within} s after the signal (hung)"
         except subprocess.TimeoutExpired:
             pytest.fail(f"the job did not end within {within} s of the signal (a hang):\n{self.stderr()}")
         finally:
             self.kill()
-        return rc, time.monotonic() - t0
+        return rc
 
     def kill(self) -> None:
         for pid in [self.proc.pid, *self.rank_pids]:  # the ranks are in sessions of their own
@@ -277,46 +281,31 @@ def check_stopped(j: Job, signame: str, saved: bool) -> int:
     return step
 
 
-@pytest.mark.timeout(300)
-def test_ctrl_c_to_mpiexec_stops_a_pipeline_and_saves(job) -> None:
-    """pp=2 hung 6/6 before: now every rank saves step N together and exits 130."""
-    j = job(2, "--mesh", "pp=2", "--micro-batches", "2", "--ckpt-interval", "1000")
-    j.wait_for_steps()
-    os.kill(j.proc.pid, signal.SIGINT)
-    rc, seconds = j.finish()
-    assert rc == 130, j.stderr()
-    check_stopped(j, "SIGINT", saved=True)
+# (ranks, options, whom the signal goes to: "launched" is mpiexec, which forwards it to every
+# rank, or the single process; a number is that rank alone, as a scheduler might), the signal,
+# whether the stopped step is saved
+STOPS = [
+    pytest.param(2, ("--mesh", "pp=2", "--micro-batches", "2", "--ckpt-interval", "1000"), "launched", signal.SIGINT,
+                 True, id="ctrl-c-to-mpiexec-pp2-saves"),
+    pytest.param(2, ("--mesh", "dp=2", "--ckpt-interval", "1000", "--save-on-signal", "none"), 1, signal.SIGTERM,
+                 True, id="sigterm-as-ctrl-c-to-rank-1-dp2-saves"),
+    pytest.param(2, ("--mesh", "tp=2"), 0, signal.SIGINT, False, id="ctrl-c-to-rank-0-tp2-without-checkpoints"),
+    pytest.param(0, ("--ckpt-interval", "1000"), "launched", signal.SIGINT, True, id="ctrl-c-to-a-single-process"),
+]
 
 
 @pytest.mark.timeout(300)
-def test_sigterm_to_one_rank_stops_every_rank(job) -> None:
-    """Only rank 1 is signalled (as a scheduler might): rank 0 learns it at the next step."""
-    j = job(2, "--mesh", "dp=2", "--ckpt-interval", "1000", "--save-on-signal", "none")  # SIGTERM as Ctrl-C
+@pytest.mark.parametrize("ranks, args, whom, sig, saved", STOPS)
+def test_a_signal_stops_every_rank_at_one_step(job, ranks: int, args: tuple, whom: str | int, sig: signal.Signals,
+                                               saved: bool) -> None:
+    """Every rank stops at the same step boundary and exits 130, saving that step where
+    checkpoints are on; a rank not signalled learns it at the next step. (pp=2 hung 6 times
+    out of 6 before.)"""
+    j = job(ranks, *args)
     j.wait_for_steps()
-    os.kill(j.rank_pid(1), signal.SIGTERM)
-    rc, _ = j.finish()
-    assert rc == 130, j.stderr()
-    check_stopped(j, "SIGTERM", saved=True)
-
-
-@pytest.mark.timeout(300)
-def test_ctrl_c_to_a_tensor_parallel_job_without_checkpoints(job) -> None:
-    j = job(2, "--mesh", "tp=2")
-    j.wait_for_steps()
-    os.kill(j.rank_pid(0), signal.SIGINT)
-    rc, _ = j.finish()
-    assert rc == 130, j.stderr()
-    check_stopped(j, "SIGINT", saved=False)
-
-
-@pytest.mark.timeout(300)
-def test_ctrl_c_to_a_single_process(job) -> None:
-    j = job(0, "--ckpt-interval", "1000")
-    j.wait_for_steps()
-    os.kill(j.proc.pid, signal.SIGINT)
-    rc, _ = j.finish()
-    assert rc == 130, j.stderr()
-    check_stopped(j, "SIGINT", saved=True)
+    os.kill(j.proc.pid if whom == "launched" else j.rank_pid(whom), sig)
+    assert j.finish() == 130, j.stderr()
+    check_stopped(j, sig.name, saved)
 
 
 @pytest.mark.timeout(300)
@@ -327,6 +316,6 @@ def test_a_stuck_rank_cannot_hang_the_job(job) -> None:
     j.wait_for_steps()
     os.kill(j.rank_pid(1), signal.SIGSTOP)
     os.kill(j.rank_pid(0), signal.SIGINT)
-    rc, _ = j.finish()
+    rc = j.finish()
     assert rc == 130, j.stderr()
     assert "[rank 0] interrupted: SIGINT: the ranks did not stop together in time" in j.stderr()

@@ -41,7 +41,7 @@ def test_kill_9_of_a_rank_keeps_the_trace_and_names_the_rank(tmp_path: Path) -> 
         j.wait_for_steps()
         wait_for_flushes(j, 1, FLUSHES_BEFORE)
         os.kill(j.rank_pid(1), signal.SIGKILL)
-        rc, _ = j.finish()
+        rc = j.finish()
     finally:
         if j.proc.poll() is None:
             j.kill()

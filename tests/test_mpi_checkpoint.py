@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
+from conftest import WORLD, assert_close, on_first, on_root
 from numesh.base.tree import tree_leaves_with_path
 from numesh.checkpoint import (
     CheckpointError,
@@ -39,7 +40,6 @@ from numesh.run.train import Trainer, restore, train, train_state
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-WORLD = MPI.COMM_WORLD
 TEXT = "".join("abcdefghij"[i % 10 :] + "abcdefghij"[: i % 10] + "\n" for i in range(60))  # vocabulary 11
 KEYS = ("loss", "grad_norm", "lr", "train_loss", "val_loss")
 K = 2
@@ -59,6 +59,7 @@ def config(data: Path, out: Path, mesh: str, **kw: Any) -> TrainConfig:
         n_layer=2, n_head=4, n_embd=16, block_size=8, batch_size=8, max_iters=2 * K, dropout=0.1, bias=True,
         learning_rate=1e-2, min_lr=1e-3, warmup_iters=1, lr_decay_iters=8, eval_interval=2, eval_iters=1,
         data=str(data), out=str(out), mesh=mesh, seed=3, dtype="float64",
+        peak_flops=1e12,  # MFU's denominator given: these runs check state, and each start measured it again
     )
     base.update(kw)
     return config_from(base)
@@ -69,48 +70,25 @@ def _prod(mesh: str) -> int:
     return math.prod(int(part.split("=")[1]) for part in mesh.split(",") if part)
 
 
-def on_first(n: int, fn: Callable[[MPI.Comm], Any]) -> Any:
-    """Run `fn` on a communicator of WORLD's first n ranks; every rank gets rank 0's result
-    (errors too, so a failure never leaves the other ranks waiting)."""
-    color = 0 if WORLD.Get_rank() < n else MPI.UNDEFINED
-    comm = WORLD.Split(color, WORLD.Get_rank())
-    result = None
-    if comm != MPI.COMM_NULL:
-        try:
-            result = ("ok", fn(comm))
-        except Exception as e:  # noqa: BLE001
-            result = ("error", f"{type(e).__name__}: {e}")
-        finally:
-            comm.Free()
-    status, value = WORLD.bcast(result, root=0)
-    WORLD.Barrier()  # rank 0 leaves a bcast before the others finish `fn` (e.g. remove their flight files)
-    if status != "ok":
-        raise AssertionError(f"rank 0 failed: {value}")
-    return value
-
-
-def on_root(check: Callable[[], None]) -> None:
-    """Run assertions on rank 0 and fail on every rank with its message."""
-    err = None
-    if WORLD.Get_rank() == 0:
-        try:
-            check()
-        except AssertionError as e:
-            err = str(e) or "assertion failed"
-    err = WORLD.bcast(err, root=0)
-    assert err is None, err
-
-
 def records_of(cfg: TrainConfig, comm: MPI.Comm) -> list[dict]:
     records: list[dict] = []
     train(cfg, comm, on_step=lambda s, r: records.append({"step": s, **{k: r[k] for k in KEYS if k in r}}))
     return records
 
 
-def close(got: np.ndarray, want: np.ndarray, rtol: float, what: str) -> None:
-    scale = max(float(np.max(np.abs(want), initial=0.0)), 1e-300)
-    err = float(np.max(np.abs(got - want), initial=0.0))
-    assert got.shape == want.shape and err <= rtol * scale, f"{what}: max abs diff {err:.3e} > {rtol:g} x {scale:.3e}"
+_UNINTERRUPTED: dict[str, tuple[Path, list[dict]]] = {}
+
+
+def uninterrupted(data: Path, shared_tmp: Path, mesh: str, kw: dict) -> tuple[Path, list[dict]]:
+    """Run A of a resume case: 2k steps on `mesh`, checkpointing at step k; (its run
+    directory, its records). Once per mesh and options for the module: the cases that resume
+    the same A on other meshes share it."""
+    tag = f"{mesh}-{sorted(kw.items())}"
+    if tag not in _UNINTERRUPTED:
+        out = shared_tmp / f"resume-a-{len(_UNINTERRUPTED)}"
+        cfg = config(data, out, mesh, ckpt_interval=K, **kw)
+        _UNINTERRUPTED[tag] = (out, on_first(_prod(mesh), lambda comm: records_of(cfg, comm)))
+    return _UNINTERRUPTED[tag]
 
 
 @pytest.mark.parametrize(
@@ -137,10 +115,9 @@ def test_resume_on_another_mesh(data: Path, shared_tmp: Path, mesh_a: str, kw_a:
     tags = ["sp" if kw.get("sequence_parallel") else "" for kw in (kw_a, kw_b)]
     base = shared_tmp / f"resume-{mesh_a}{tags[0]}-{mesh_b}{tags[1]}".replace(",", "_").replace("=", "")
     # A: 2k uninterrupted steps, which also checkpoint at step k
-    cfg_a = config(data, base / "a", mesh_a, ckpt_interval=K, **kw_a)
-    whole = on_first(_prod(mesh_a), lambda comm: records_of(cfg_a, comm))
+    run_a, whole = uninterrupted(data, shared_tmp, mesh_a, kw_a)
     # B: a fresh job on another mesh continues from A's step-k checkpoint
-    resume = base / "a" / "ckpt" / f"step_{K:06d}"
+    resume = run_a / "ckpt" / f"step_{K:06d}"
     cfg_b = config(data, base / "b", mesh_b, resume=str(resume), **kw_b)
     resumed = on_first(_prod(mesh_b), lambda comm: records_of(cfg_b, comm))
 
@@ -151,13 +128,13 @@ def test_resume_on_another_mesh(data: Path, shared_tmp: Path, mesh_a: str, kw_a:
             assert a.keys() == b.keys(), (a, b)
             for key in a:
                 assert a[key] == pytest.approx(b[key], rel=1e-10, abs=0), (a["step"], key, a[key], b[key])
-        meta_a, state_a = read_state(base / "a" / "ckpt" / "latest")
+        meta_a, state_a = read_state(run_a / "ckpt" / "latest")
         meta_b, state_b = read_state(base / "b" / "ckpt" / "latest")
         assert meta_a.step == meta_b.step == meta_b.opt_step == 2 * K
         assert meta_b.raw["mesh"] == parse_mesh(mesh_b, _prod(mesh_b))
         for group in ("params", "m", "v"):
             for (path, x), (_, y) in zip(tree_leaves_with_path(state_b[group]), tree_leaves_with_path(state_a[group])):
-                close(x, y, 1e-10, f"{group}/{path}")
+                assert_close(x, y, 1e-10, f"{group}/{path}")
 
     on_root(check)
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from conftest import WORLD, world_mesh
 from numesh.mesh import (
     Mesh,
     P,
@@ -35,15 +36,11 @@ from numesh.mesh import (
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-WORLD = MPI.COMM_WORLD
-
 
 @pytest.fixture
 def tp_mesh() -> Iterator[Mesh]:
     """tp = the world size."""
-    mesh = Mesh.create(WORLD, tp=WORLD.Get_size())
-    yield mesh
-    mesh.free()
+    yield from world_mesh(f"tp={WORLD.Get_size()}")
 
 
 @pytest.fixture
@@ -52,9 +49,7 @@ def dp_tp_mesh() -> Iterator[Mesh]:
     n = WORLD.Get_size()
     if n % 2:
         pytest.skip("needs an even number of ranks")
-    mesh = Mesh.create(WORLD, dp=2, tp=n // 2)
-    yield mesh
-    mesh.free()
+    yield from world_mesh(f"dp=2,tp={n // 2}")
 
 
 def rank_array(r: int, shape: tuple[int, ...]) -> np.ndarray:

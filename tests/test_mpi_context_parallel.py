@@ -38,31 +38,23 @@ import pytest
 from mpi4py import MPI
 
 from conftest import (
-    assert_close,
+    WORLD,
+    assert_one_step_matches,
     assert_same_run,
-    gather_tree,
-    random_global_params,
-    self_mesh,
+    mesh_for_world,
+    one_step,
     serial_reference,
-    shard_params,
-    tiny_config,
     train_records,
+    world_mesh,
 )
 from numesh.base.errors import ConfigError
-from numesh.base.tree import tree_leaves, tree_leaves_with_path, tree_map
-from numesh.mesh import Mesh, psum, psum_scalar
-from numesh.nn.context_parallel import take_local
-from numesh.nn.dropout import DropoutKey
-from numesh.nn.gpt import GPTConfig, gpt_specs
+from numesh.mesh import Mesh
 from numesh.nn.units import OUTER
-from numesh.nn.walk import forward_loss, loss_and_grads
 from numesh.perf import formulas
 from numesh.run.config import TrainConfig, check_layout, config_from
 from numesh.run.train import Trainer
 
 pytestmark = pytest.mark.mpi(min_size=2)
-
-WORLD = MPI.COMM_WORLD
 
 CP_SIZES = (2, 4)
 MODES = ("none", "full")
@@ -73,49 +65,17 @@ BATCH = 4
 LAYER_MESHES = {2: ["cp=2"], 4: ["cp=4", "cp=2,tp=2"], 8: ["cp=4,tp=2", "cp=2,tp=4"]}
 
 
-def model_config(**kw: object) -> GPTConfig:
-    base = dict(vocab_size=11, n_head=4, n_embd=16, block_size=16, dropout=0.1, bias=True)
-    base.update(kw)
-    return tiny_config(**base)
-
-
 @pytest.fixture(params=range(2))
 def layer_mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
-    meshes = LAYER_MESHES.get(WORLD.Get_size(), [])
-    if request.param >= len(meshes):
-        pytest.skip("no such cp mesh on this world size")
-    mesh = Mesh.parse(meshes[request.param], WORLD)
-    yield mesh
-    mesh.free()
+    yield from world_mesh(mesh_for_world(LAYER_MESHES, request.param, "no such cp mesh on this world size"))
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_loss_and_grads_match_one_rank(layer_mesh: Mesh, dropout: float) -> None:
     """Each cp rank's loss and gradients are its tokens' share: summed over cp they are the
-    1-rank loss and gradient of the whole sequences."""
-    mesh = layer_mesh
-    cfg = model_config(dropout=dropout)
-    gp = random_global_params(cfg, seed=21)
-    rng = np.random.default_rng(0)  # the same batch on every rank
-    idx, tgt = (rng.integers(0, cfg.vocab_size, (3, cfg.block_size)) for _ in range(2))
-    scale = 1.0 / idx.size
-    drop = DropoutKey(dropout, seed=5, step=2, row0=0, global_rows=idx.shape[0]) if dropout else None
-    cp, r = mesh.size("cp"), mesh.index("cp")
-    mine = take_local(idx, cp, r), take_local(tgt, cp, r)
-    local = shard_params(gp, cfg, mesh)
-    loss, grads = loss_and_grads(local, *mine, cfg, mesh, scale, drop)
-    loss = psum_scalar(loss, mesh, "cp")
-    grads = tree_map(lambda g: psum(np.ascontiguousarray(g), mesh, "cp"), grads)
-    full = gather_tree(grads, gpt_specs(cfg), mesh)
-    eval_loss = psum_scalar(float(forward_loss(local, *mine, cfg, mesh).sum()), mesh, "cp")
-
-    want_loss, want = loss_and_grads(gp, idx, tgt, cfg, self_mesh(), scale, drop)
-    assert loss == pytest.approx(want_loss, rel=1e-10, abs=0)
-    assert eval_loss == pytest.approx(float(forward_loss(gp, idx, tgt, cfg, self_mesh()).sum()), rel=1e-10)
-    for (path, got), w in zip(tree_leaves_with_path(full), tree_leaves(want)):
-        if path == "wte":
-            got = got[: cfg.vocab_size]
-        assert_close(got, w, 1e-10, what=path)
+    1-rank loss and gradient of the whole sequences, and its per-token losses are the
+    1-rank ones of its chunks."""
+    assert_one_step_matches(one_step(layer_mesh, dropout, block_size=BLOCK_SIZE))
 
 
 def test_observers_see_the_ring(layer_mesh: Mesh) -> None:

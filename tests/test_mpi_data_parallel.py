@@ -11,16 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
-from conftest import SMALL_BATCH, assert_same_run, serial_reference, small_run_config, train_records
+from conftest import SMALL_BATCH, WORLD, assert_same_run, serial_reference, small_run_config, train_records
 from numesh.base.errors import ConfigError
 from numesh.mesh import MeshError
 from numesh.run.train import train
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-WORLD = MPI.COMM_WORLD
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from conftest import WORLD
 from numesh.base.errors import ReplicaError
 from numesh.base.tree import tree_map
 from numesh.mesh import Mesh, P
@@ -28,7 +29,6 @@ from numesh.optim.clip import clip_scale
 from numesh.optim.zero import ZeroOptimizer
 from numesh.perf import formulas
 
-WORLD = MPI.COMM_WORLD
 pytestmark = [pytest.mark.mpi(min_size=4),
               pytest.mark.skipif(WORLD.Get_size() != 4, reason="dp=2 x ep=2 runs on 4 ranks")]
 E = 4  # experts; each of the 2 ep ranks holds 2

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from conftest import WORLD
 from numesh.base.tree import tree_leaves_with_path
 from numesh.checkpoint import read_meta, read_state, save_checkpoint
 from numesh.data.batches import local_batch, train_key
 from numesh.run.config import TrainConfig, config_from
 from numesh.run.train import Trainer, restore, train_state
 
-WORLD = MPI.COMM_WORLD
 pytestmark = [pytest.mark.mpi(min_size=4),
               pytest.mark.skipif(WORLD.Get_size() != 4, reason="dp=2 x ep=2 runs on 4 ranks")]
 

@@ -28,7 +28,18 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import assert_close, assert_same_run, self_mesh, serial_reference, train_records
+from conftest import (
+    WORLD,
+    assert_close,
+    assert_same_run,
+    mesh_for_world,
+    on_first,
+    prefetch_serial,
+    self_mesh,
+    serial_reference,
+    train_records,
+    world_mesh,
+)
 from numesh.base.tree import tree_leaves, tree_map
 from numesh.checkpoint import read_state
 from numesh.checkpoint.reshard import reshard
@@ -41,11 +52,9 @@ from numesh.perf import formulas
 from numesh.run.config import TrainConfig, check_layout, config_from
 from numesh.run.train import Trainer
 from test_moe import make_moe
-from test_mpi_checkpoint import on_first
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-WORLD = MPI.COMM_WORLD
 LAYER_MESHES = {
     2: ["ep=2"],
     4: ["ep=4", "dp=2,ep=2", "ep=2,cp=2", "ep=2,tp=2"],
@@ -56,12 +65,7 @@ C, E, B, T = 8, 8, 8, 12
 
 @pytest.fixture(params=range(4))
 def mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
-    meshes = LAYER_MESHES.get(WORLD.Get_size(), [])
-    if request.param >= len(meshes):
-        pytest.skip("no such ep mesh on this world size")
-    m = Mesh.parse(meshes[request.param], WORLD)
-    yield m
-    m.free()
+    yield from world_mesh(mesh_for_world(LAYER_MESHES, request.param, "no such ep mesh on this world size"))
 
 
 def local_moe(p: MoE, mesh: Mesh) -> MoE:
@@ -219,14 +223,26 @@ def test_matrix_covers_the_brief() -> None:
         check_layout(run_config(Path("unused"), Path("unused"), mesh, **kw), n, vocab_size=11)
 
 
+def plain(cfg: TrainConfig) -> TrainConfig:
+    """The reference of a matrix case: one micro-batch, no ZeRO, no recomputation, the same
+    top-k and capacity (its mesh is ignored: it runs on one rank)."""
+    return attrs.evolve(cfg, schedule="1f1b", virtual_stages=1, micro_batches=1, zero=0, recompute="none")
+
+
+@pytest.fixture(scope="module")
+def references(shared_dataset: Path) -> None:
+    """Every matrix case's one-rank reference, trained side by side on the ranks."""
+    prefetch_serial([plain(run_config(shared_dataset, Path("unused"), mesh, **kw))
+                     for mesh, kw in (p.values for p in matrix_cases(WORLD.Get_size()))])
+
+
 @pytest.mark.parametrize("mesh, kw", matrix_cases(WORLD.Get_size()))
-def test_training_matches_one_rank(shared_dataset: Path, shared_tmp: Path, mesh: str, kw: dict) -> None:
-    """A whole float64 run with experts over the mesh equals the plain 1-rank run to 1e-10
-    (the reference: one micro-batch, no ZeRO, no recomputation, the same top-k and capacity)."""
+def test_training_matches_one_rank(shared_dataset: Path, shared_tmp: Path, references: None, mesh: str,
+                                   kw: dict) -> None:
+    """A whole float64 run with experts over the mesh equals the plain 1-rank run to 1e-10."""
     cfg = run_config(shared_dataset, shared_tmp / f"moe-{mesh}-{sorted(kw.items())}".replace(" ", ""), mesh, **kw)
     got = train_records(cfg, WORLD)
-    want = serial_reference(attrs.evolve(cfg, schedule="1f1b", virtual_stages=1, micro_batches=1, zero=0,
-                                         recompute="none"))
+    want = serial_reference(plain(cfg))
     assert any("moe_aux_loss" in r for r in got[0])
     if kw["moe_capacity_factor"]:
         assert sum(r.get("moe_dropped", 0) for r in got[0]) > 0  # the capacity really dropped some

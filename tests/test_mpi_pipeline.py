@@ -26,9 +26,8 @@ from pathlib import Path
 
 import attrs
 import pytest
-from mpi4py import MPI
 
-from conftest import assert_same_run, serial_reference, train_records
+from conftest import WORLD, assert_same_run, serial_reference, train_records
 from numesh.base.errors import ConfigError
 from numesh.pipeline.schedules import ScheduleError, bubble_fraction, peak_activations, simulate
 from numesh.run.config import TrainConfig, config_from
@@ -36,7 +35,6 @@ from numesh.run.train import Trainer, train
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-WORLD = MPI.COMM_WORLD
 N = max(WORLD.Get_size(), 2)  # plain `pytest` collects the 2-rank cases (pytest-mpi skips them)
 BATCH = 8
 N_HEAD = 4

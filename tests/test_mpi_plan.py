@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mpi4py import MPI
 
+from conftest import WORLD
 from numesh.host.threads import threads
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.memory import rank_memory
@@ -18,7 +18,6 @@ from numesh.run.config import TrainConfig
 from numesh.run.train import Trainer
 
 pytestmark = pytest.mark.mpi(min_size=2)
-WORLD = MPI.COMM_WORLD
 N = WORLD.Get_size()
 
 

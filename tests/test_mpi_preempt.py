@@ -18,17 +18,16 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
+from conftest import WORLD, assert_close, on_first, on_root
 from numesh.base.errors import Preempted
 from numesh.base.tree import tree_leaves_with_path
 from numesh.checkpoint import read_meta, read_state
 from numesh.plan.auto import auto_layout
 from numesh.run.config import TrainConfig, config_from
 from numesh.run.train import train
-from test_mpi_checkpoint import close, on_first, on_root
 
 pytestmark = pytest.mark.mpi(min_size=4)
 
-WORLD = MPI.COMM_WORLD
 STOP, END = 20, 40
 
 
@@ -83,6 +82,6 @@ def test_preempted_on_4_ranks_continues_on_2_and_on_1(shared_dataset: Path, shar
             for group in ("params", "m", "v"):
                 pairs = zip(tree_leaves_with_path(got[group]), tree_leaves_with_path(want[group]))
                 for (path, x), (_, y) in pairs:
-                    close(x, y, 1e-10, f"{name}: {group}/{path}")
+                    assert_close(x, y, 1e-10, f"{name}: {group}/{path}")
 
     on_root(check)

@@ -21,9 +21,8 @@ from pathlib import Path
 import attrs
 import numpy as np
 import pytest
-from mpi4py import MPI
 
-from conftest import assert_same_run, serial_reference, train_records
+from conftest import WORLD, assert_same_run, serial_reference, train_records
 from numesh.host import threads
 from numesh.nn.units import OUTER
 from numesh.nn.walk import block_pieces
@@ -33,7 +32,6 @@ from numesh.run.train import Trainer
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-WORLD = MPI.COMM_WORLD
 N = max(WORLD.Get_size(), 2)
 MODES = ("none", "full")
 N_HEAD = 4

@@ -15,57 +15,44 @@ from typing import Iterator
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from conftest import (
+    WORLD,
     assert_close,
+    assert_one_step_matches,
     assert_same_run,
-    gather_tree,
+    mesh_for_world,
+    model_config,
+    one_step,
+    random_batch,
     random_global_params,
     self_mesh,
     serial_reference,
     shard_params,
     small_run_config,
-    tiny_config,
     train_records,
+    world_mesh,
 )
 from numesh.base.errors import ConfigError, MeshError
 from numesh.base.tree import held_bytes as nbytes  # each buffer once, as the activation accounting counts
 from numesh.base.tree import tree_leaves, tree_leaves_with_path
 from numesh.mesh import Mesh, P
 from numesh.nn.dropout import DropoutKey
-from numesh.nn.gpt import GPTConfig, gpt_specs
+from numesh.nn.gpt import gpt_specs
 from numesh.nn.units import OUTER
-from numesh.nn.walk import ResidentParams, forward_loss, loss_and_grads, stage_forward, whole_model
+from numesh.nn.walk import ResidentParams, loss_and_grads, stage_forward, whole_model
 from numesh.optim.zero import ZeroOptimizer
 from numesh.perf import formulas
 from numesh.run.train import Trainer
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-WORLD = MPI.COMM_WORLD
-
-
-def model_config(**kw: object) -> GPTConfig:
-    base = dict(vocab_size=11, n_head=4, n_embd=16, dropout=0.1, bias=True)
-    base.update(kw)
-    return tiny_config(**base)
-
 
 @pytest.fixture(params=[False, True], ids=["tp", "tp+sp"])
 def tp_mesh(request: pytest.FixtureRequest) -> Iterator[Mesh]:
     """tp = the world size (2 or 4), with and without sequence parallelism."""
-    n = WORLD.Get_size()
-    if n not in (2, 4):
-        pytest.skip("single-stage tp runs on 2 and 4 ranks (n_head=4 caps tp at 4)")
-    mesh = Mesh.create(WORLD, sequence_parallel=request.param, tp=n)
-    yield mesh
-    mesh.free()
-
-
-def batch(cfg: GPTConfig, B: int = 4, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)  # the same batch on every rank
-    return rng.integers(0, cfg.vocab_size, (B, cfg.block_size)), rng.integers(0, cfg.vocab_size, (B, cfg.block_size))
+    spec = mesh_for_world({2: ["tp=2"], 4: ["tp=4"]}, why="single-stage tp on 2 and 4 ranks (n_head=4 caps tp at 4)")
+    yield from world_mesh(spec, sequence_parallel=request.param)
 
 
 # ---------------------------------------------------------------------------------------
@@ -74,22 +61,10 @@ def batch(cfg: GPTConfig, B: int = 4, seed: int = 0) -> tuple[np.ndarray, np.nda
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_loss_and_every_grad_match_one_rank(tp_mesh: Mesh, dropout: float) -> None:
-    cfg = model_config(dropout=dropout)
-    gp = random_global_params(cfg, seed=21)
-    idx, tgt = batch(cfg)
-    scale = 1.0 / idx.size
-    drop = DropoutKey(dropout, seed=5, step=2, row0=0, global_rows=idx.shape[0]) if dropout else None
-    local = shard_params(gp, cfg, tp_mesh)
-    loss, grads = loss_and_grads(local, idx, tgt, cfg, tp_mesh, scale, drop)
-    full = gather_tree(grads, gpt_specs(cfg), tp_mesh)
-    want_loss, want = loss_and_grads(gp, idx, tgt, cfg, self_mesh(), scale, drop)
-    assert loss == pytest.approx(want_loss, rel=1e-10, abs=0)
-    np.testing.assert_allclose(forward_loss(local, idx, tgt, cfg, tp_mesh),
-                               forward_loss(gp, idx, tgt, cfg, self_mesh()), rtol=1e-10)
-    for (path, got), w in zip(tree_leaves_with_path(full), tree_leaves(want)):
-        assert_close(got[: cfg.vocab_size] if path == "wte" else got, w, 1e-10, what=path)
+    step = one_step(tp_mesh, dropout)
+    assert_one_step_matches(step)
     # tp-replicated leaves (LayerNorms, row-parallel biases, wpe) hold the same grad on every tp rank
-    for (path, g), s in zip(tree_leaves_with_path(grads), tree_leaves(gpt_specs(cfg))):
+    for (path, g), s in zip(tree_leaves_with_path(step.grads), tree_leaves(gpt_specs(step.cfg))):
         if "tp" not in s.axes():
             assert all(np.array_equal(g, o) for o in WORLD.allgather(g)), path
 
@@ -106,7 +81,7 @@ def test_layernorm_grads_are_partial_before_the_tp_sum() -> None:
     mesh = Mesh.create(WORLD, sequence_parallel=True, tp=n)
     cfg = model_config(dropout=0.0)
     gp = random_global_params(cfg, seed=4)
-    idx, tgt = batch(cfg, seed=2)
+    idx, tgt = random_batch(cfg, seed=2)
     units = ResidentParams(shard_params(gp, cfg, mesh))
     stage = whole_model(cfg.n_layer)
     _, ctx = stage_forward(units, stage, idx, tgt, cfg, mesh)
@@ -131,7 +106,7 @@ def test_bytes_are_plain_tp_plus_the_regathers(tp_mesh: Mesh, recompute: str) ->
     cfg = model_config(dropout=0.0)
     n, B, T, C, L, k = tp_mesh.size("tp"), 4, cfg.block_size, cfg.n_embd, cfg.n_layer, 8
     params = shard_params(random_global_params(cfg, seed=1), cfg, tp_mesh)
-    idx, tgt = batch(cfg, B)
+    idx, tgt = random_batch(cfg, B)
     tp_mesh.counter.reset()
     loss_and_grads(params, idx, tgt, cfg, tp_mesh, 1.0 / (B * T), recompute=recompute)
     c, chunk = tp_mesh.counter, formulas.Chunk(L, first=True, last=True)
@@ -163,7 +138,7 @@ def test_saved_activations_shrink(tp_mesh: Mesh) -> None:
     cfg = model_config(dropout=0.1)
     n, B, T, C, L, k = tp_mesh.size("tp"), 4, cfg.block_size, cfg.n_embd, cfg.n_layer, 8
     params = shard_params(random_global_params(cfg, seed=1), cfg, tp_mesh)
-    idx, tgt = batch(cfg, B)
+    idx, tgt = random_batch(cfg, B)
     drop = DropoutKey(0.1, seed=5, step=0, row0=0, global_rows=B)
     _, ctx = stage_forward(ResidentParams(params), whole_model(L), idx, tgt, cfg, tp_mesh, drop)
     plain_mesh = Mesh.create(WORLD, tp=n)

@@ -11,52 +11,39 @@ from typing import Iterator
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from conftest import (
+    WORLD,
     assert_close,
+    assert_one_step_matches,
     assert_same_run,
     gather_tree,
+    mesh_for_world,
+    model_config,
+    one_step,
+    random_batch,
     random_global_params,
     self_mesh,
     serial_reference,
     shard_params,
-    tiny_config,
     train_records,
+    world_mesh,
 )
 from numesh.base.tree import tree_leaves, tree_leaves_with_path
 from numesh.data.dataset import load_tokenizer
 from numesh.mesh import Mesh
-from numesh.nn.dropout import DropoutKey
-from numesh.nn.gpt import GPTConfig, gpt_specs, init_gpt
-from numesh.nn.walk import forward_loss, loss_and_grads
+from numesh.nn.gpt import gpt_specs, init_gpt
+from numesh.nn.walk import loss_and_grads
 from numesh.perf.formulas import Chunk, tp_all_reduce_bytes
 from numesh.run.config import config_from
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-WORLD = MPI.COMM_WORLD
-
-
-def model_config(**kw: object) -> GPTConfig:
-    base = dict(vocab_size=11, n_head=4, n_embd=16, dropout=0.1, bias=True)
-    base.update(kw)
-    return tiny_config(**base)
-
 
 @pytest.fixture
 def tp_mesh() -> Iterator[Mesh]:
-    n = WORLD.Get_size()
-    if n not in (2, 4):
-        pytest.skip("tp parity runs on 2 and 4 ranks")
-    mesh = Mesh.create(WORLD, tp=n)
-    yield mesh
-    mesh.free()
-
-
-def batch(cfg: GPTConfig, B: int = 4, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)  # the same batch on every rank
-    return rng.integers(0, cfg.vocab_size, (B, cfg.block_size)), rng.integers(0, cfg.vocab_size, (B, cfg.block_size))
+    """tp = the world size."""
+    yield from world_mesh(mesh_for_world({2: ["tp=2"], 4: ["tp=4"]}, why="tp parity runs on 2 and 4 ranks"))
 
 
 def test_vocab_is_padded(tp_mesh: Mesh) -> None:
@@ -84,27 +71,12 @@ def test_init_is_mesh_independent(tp_mesh: Mesh) -> None:
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_loss_and_grads_match_one_rank(tp_mesh: Mesh, dropout: float) -> None:
-    cfg = model_config(dropout=dropout)
-    gp = random_global_params(cfg, seed=21)
-    idx, tgt = batch(cfg)
-    scale = 1.0 / idx.size
-    drop = DropoutKey(dropout, seed=5, step=2, row0=0, global_rows=idx.shape[0]) if dropout else None
-    local = shard_params(gp, cfg, tp_mesh)
-    loss, grads = loss_and_grads(local, idx, tgt, cfg, tp_mesh, scale, drop)
-    full = gather_tree(grads, gpt_specs(cfg), tp_mesh)
-    eval_loss = forward_loss(local, idx, tgt, cfg, tp_mesh)
-
-    want_loss, want = loss_and_grads(gp, idx, tgt, cfg, self_mesh(), scale, drop)
-    assert loss == pytest.approx(want_loss, rel=1e-10, abs=0)
-    np.testing.assert_allclose(eval_loss, forward_loss(gp, idx, tgt, cfg, self_mesh()), rtol=1e-10)
-    assert full.wte.shape[0] == cfg.padded_vocab(tp_mesh.size("tp")) == 12
-    np.testing.assert_array_equal(full.wte[cfg.vocab_size :], 0.0)  # padding rows get no gradient
-    for (path, got), w in zip(tree_leaves_with_path(full), tree_leaves(want)):
-        if path == "wte":
-            got = got[: cfg.vocab_size]
-        assert_close(got, w, 1e-10, what=path)
+    step = one_step(tp_mesh, dropout)
+    assert_one_step_matches(step)
+    assert step.full.wte.shape[0] == step.cfg.padded_vocab(tp_mesh.size("tp")) == 12
+    np.testing.assert_array_equal(step.full.wte[step.cfg.vocab_size :], 0.0)  # padding rows get no gradient
     # every rank holds the same loss (the all-reduced cross-entropy)
-    assert WORLD.allgather(loss) == [loss] * WORLD.Get_size()
+    assert WORLD.allgather(step.loss) == [step.loss] * WORLD.Get_size()
 
 
 def test_tp_all_reduce_bytes_follow_megatron(tp_mesh: Mesh) -> None:
@@ -112,7 +84,7 @@ def test_tp_all_reduce_bytes_follow_megatron(tp_mesh: Mesh) -> None:
     n = tp_mesh.size("tp")
     params = init_gpt(cfg, tp_mesh, seed=0, dtype=np.float64)
     B, T, C, L = 4, cfg.block_size, cfg.n_embd, cfg.n_layer
-    idx, tgt = batch(cfg, B)
+    idx, tgt = random_batch(cfg, B)
     tp_mesh.counter.reset()
     loss_and_grads(params, idx, tgt, cfg, tp_mesh, 1.0 / (B * T))
     item = 8  # float64
@@ -163,7 +135,7 @@ def test_kv_cache_logits_match_one_rank(tp_mesh: Mesh) -> None:
     cfg = model_config(dropout=0.0)
     gp = random_global_params(cfg, seed=8)
     local = shard_params(gp, cfg, tp_mesh)
-    idx, _ = batch(cfg, B=2, seed=4)
+    idx, _ = random_batch(cfg, 2, seed=4)
     c_tp = new_kv_cache(cfg, tp_mesh, 2, np.float64)
     c_1 = new_kv_cache(cfg, self_mesh(), 2, np.float64)
     for t0, t1 in ((0, 4), (4, 5), (5, 8)):
@@ -180,7 +152,7 @@ def test_sampling_gives_the_same_tokens_as_one_rank(tp_mesh: Mesh, temperature: 
 
     cfg = model_config(dropout=0.0)
     gp = random_global_params(cfg, seed=9)
-    prompt, _ = batch(cfg, B=2, seed=5)
+    prompt, _ = random_batch(cfg, 2, seed=5)
     prompt = prompt[:, :3]
     kw = dict(max_new_tokens=cfg.block_size + 2, temperature=temperature, top_k=top_k, seed=21)  # past the context
     got = generate(shard_params(gp, cfg, tp_mesh), cfg, tp_mesh, prompt, **kw)

@@ -24,9 +24,8 @@ from typing import Any
 import attrs
 import numpy as np
 import pytest
-from mpi4py import MPI
 
-from conftest import SMALL_BATCH, assert_same_run, serial_reference, small_run_config, train_records
+from conftest import SMALL_BATCH, WORLD, assert_same_run, serial_reference, small_run_config, train_records
 from numesh.base.tree import tree_leaves
 from numesh.mesh import Mesh, MeshError
 from numesh.mesh.mesh import ByteCounter
@@ -38,7 +37,6 @@ from numesh.run.train import Trainer, train
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-WORLD = MPI.COMM_WORLD
 
 
 def mesh_for(kind: str) -> str:

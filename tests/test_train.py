@@ -53,7 +53,8 @@ def test_train_learns_logs_and_checkpoints(char_dataset: Path, tmp_path: Path) -
     assert [r["step"] for r in train_lines] == list(range(20))
     for r in train_lines:
         assert TRAIN_KEYS <= r.keys(), r
-        assert r["dt_ms"] > 0 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+        # signs only: a rate is the machine's (MFU is not clamped; test_mfu.py holds its arithmetic)
+        assert r["dt_ms"] > 0 and r["tokens_per_s"] > 0 and r["mfu"] > 0
         assert np.isfinite(r["loss"])
     evals = {r["step"]: r for r in lines if "val_loss" in r}
     assert sorted(evals) == [0, 10, 20]
