@@ -108,11 +108,15 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
     files = {"config.json": json.dumps(hf_config(meta.model, eot, name), indent=1),
              "generation_config.json": json.dumps({"bos_token_id": eot, "eos_token_id": eot}, indent=1),
              **_tokenizer_files(tok, meta.model)}
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
         write_all(out, {"model.safetensors": save(sd, metadata={"format": "pt"}), **files})
     except OSError as e:
-        raise CheckpointError(f"cannot write {out}: {os_reason(e)}") from None
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # as if never started: the rerun after freeing space needs no --force
+        raise CheckpointError(f"cannot write {out}: {os_reason(e)}; nothing of this export "
+                              "was left there") from None
     return out
 
 
@@ -125,11 +129,11 @@ def write_all(out: Path, files: dict[str, str | bytes]) -> None:
     try:
         for name, content in files.items():
             tmp = out / f".{name}.tmp-{os.getpid()}"
+            staged.append((tmp, out / name))  # before writing: a write cut short (a full disk) is removed too
             if isinstance(content, str):
                 tmp.write_text(content, encoding="utf-8")
             else:
                 tmp.write_bytes(content)
-            staged.append((tmp, out / name))
         for tmp, final in staged:
             os.replace(tmp, final)
     finally:
