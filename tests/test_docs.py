@@ -110,6 +110,19 @@ def test_readme_keeps_the_install_and_test_commands() -> None:
     assert re.search(r"^```bash\npytest\n```$", text, re.M), "the README's test command block `pytest` is gone"
 
 
+def test_readme_sets_up_a_virtual_environment_and_says_where_mpirun_comes_from() -> None:
+    """A newcomer following the set-up into a system Python, or without activating, met
+    `mpirun: command not found` at the first parallel example: the set-up creates and
+    activates a venv before the install, and says the mpich wheel's mpirun is in it."""
+    setup = README.read_text().split("## Set up", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"^```bash\n(.*?)^```", setup, re.S | re.M)
+    assert block, "the README's set-up has no bash block"
+    lines = [line.split("#", 1)[0].strip() for line in block.group(1).splitlines()]
+    assert lines.index("python3 -m venv .venv && . .venv/bin/activate") < lines.index("pip install -e '.[dev]'")
+    prose = " ".join(setup.split())
+    assert "`mpirun`" in prose and "mpich wheel" in prose and "`.venv/bin`" in prose and "active" in prose
+
+
 def test_nav_pages_exist_and_every_page_is_in_nav() -> None:
     pages = nav_pages()
     assert pages, "mkdocs.yml has no nav pages"

@@ -10,13 +10,15 @@ are installed: `.ci/run` installs them.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import cli, self_mesh
+from conftest import cli, one_error_line, self_mesh
 from numesh.data.corpus import Reading
 from numesh.data.dataset import load_split, load_tokenizer
 from numesh.data.sharded import prepare_bpe
@@ -103,3 +105,36 @@ def test_hf_export_refuses_a_file_or_a_full_directory(run: tuple[Path, Path], tm
     assert cli("export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "full"), "--force").exit_code == 0
     res = cli("export", str(ckpt), "--format", "onnx", "--out", str(tmp_path / "o"))
     assert res.exit_code == 2 and "--format must be nanogpt or hf" in res.stderr
+
+
+@pytest.mark.parametrize("run", ["char"], indirect=True)
+def test_hf_export_on_a_full_disk_leaves_nothing_and_the_rerun_needs_no_force(
+        run: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that fills half-way through the weights: the partial temporary file kept the
+    disk full and the export directory non-empty, so the rerun demanded --force. Now the
+    error says in one line that the disk is full, nothing is left behind (not even the
+    directory the export created), and a --force export over an older one keeps the old
+    files whole."""
+    ckpt, _ = run
+    real = Path.write_bytes
+
+    def fills_up(self: Path, data: bytes) -> int:
+        real(self, bytes(data)[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    out = tmp_path / "exports" / "hf"
+    with monkeypatch.context() as m:
+        m.setattr(Path, "write_bytes", fills_up)
+        res = cli("export", str(ckpt), "--format", "hf", "--out", str(out))
+    assert res.exit_code == 2
+    assert one_error_line(res) == (f"error: cannot write {out}: No space left on device, the disk is full; "
+                                   "nothing of this export was left there")
+    assert not out.exists() and list((tmp_path / "exports").iterdir()) == []
+    assert cli("export", str(ckpt), "--format", "hf", "--out", str(out)).exit_code == 0  # no --force asked
+
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with monkeypatch.context() as m:
+        m.setattr(Path, "write_bytes", fills_up)
+        res = cli("export", str(ckpt), "--format", "hf", "--out", str(out), "--force")
+    assert res.exit_code == 2 and "the disk is full" in one_error_line(res)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no temp file, the old export whole

@@ -104,3 +104,60 @@ def test_init_from_on_a_mesh_equals_one_rank(shared_dataset: Path, shared_tmp: P
     cfg = small_run_config(shared_dataset, shared_tmp / f"init-{mesh}" / "ft", mesh, init_from=str(hf), **kw)
     got = train_records(cfg, WORLD)
     assert_same_run(got, serial_reference(attrs.evolve(cfg, micro_batches=1)))
+
+
+@pytest.mark.parametrize("cls", ["GPT2Model", "GPT2LMHeadModel"])
+def test_init_from_a_gpt2_transformers_saved(shared_dataset: Path, tmp_path: Path, cls: str) -> None:
+    """A fresh GPT-2 saved by transformers itself: GPT2Model's tensors have no `transformer.`
+    prefix (refused: "has no tensor 'transformer.wte.weight'"), and a fresh model's biases
+    are all zero (read as a model without biases, so a --bias run was refused and a run
+    without them dropped them). Both forms now load, with biases, and compute what
+    transformers computes."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        pytest.fail("this test saves a GPT-2 with transformers itself: pip install torch==2.13.0 transformers==5.24.0")
+    from conftest import self_mesh
+    from numesh.checkpoint.hf import import_hf
+    from numesh.data.dataset import load_tokenizer
+    from numesh.nn.layers import layernorm_fwd
+    from numesh.nn.transformer import block_fwd, embed_fwd
+
+    tok = load_tokenizer(shared_dataset)
+    config = transformers.GPT2Config(vocab_size=len(tok.chars), n_positions=8, n_embd=16, n_layer=2, n_head=4,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    theirs = getattr(transformers, cls)(config).eval()
+    hf = tmp_path / "hf"
+    theirs.save_pretrained(hf)
+    (hf / "tokenizer.json").write_text(tok.to_hf_json())
+
+    trainer = Trainer(small_run_config(shared_dataset, tmp_path / "ft", "", init_from=str(hf)), MPI.COMM_SELF)
+    assert trainer.params.blocks[0].attn.qkv.b is not None  # a --bias run takes it, biases and all
+    with pytest.raises(ConfigError, match="has bias True, this run False"):
+        Trainer(small_run_config(shared_dataset, tmp_path / "ft2", "", init_from=str(hf), bias=False), MPI.COMM_SELF)
+
+    model, _, params = import_hf(hf)
+    idx = np.arange(16).reshape(2, 8) % len(tok.chars)
+    x, _ = embed_fwd(params, idx, model, self_mesh())
+    for layer, bp in enumerate(params.blocks):
+        x, _ = block_fwd(bp, x, model, self_mesh(), layer)
+    ours = layernorm_fwd(params.ln_f, x)[0] @ params.wte.T
+    with torch.no_grad():
+        out = theirs(torch.tensor(idx))
+        want = (out.logits if cls == "GPT2LMHeadModel" else out.last_hidden_state @ theirs.wte.weight.T).numpy()
+    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_numesh_export_without_biases_is_still_read_without_them(shared_dataset: Path, tmp_path: Path) -> None:
+    """GPT-2 always has biases, so the export writes zeros where numesh has none and says so
+    in config.json (`numesh_bias`): that export starts a run without biases, not one with."""
+    ckpt = train(small_run_config(shared_dataset, tmp_path / "src", "", max_iters=1, bias=False),
+                 MPI.COMM_SELF).checkpoint
+    hf = export_hf(ckpt, tmp_path / "hf")
+    trainer = Trainer(small_run_config(shared_dataset, tmp_path / "ft", "", init_from=str(hf), bias=False),
+                      MPI.COMM_SELF)
+    assert trainer.params.blocks[0].attn.qkv.b is None
+    with pytest.raises(ConfigError, match="has bias False, this run True"):
+        Trainer(small_run_config(shared_dataset, tmp_path / "ft2", "", init_from=str(hf)), MPI.COMM_SELF)

@@ -102,3 +102,38 @@ def test_an_moe_model_may_get_ep_and_a_dense_one_never(char_dataset: Path) -> No
     assert "ep=" in moe.mesh
     preds = _predictions(char_dataset, 0)
     assert {p.layout.ep for p in preds} == {1}
+
+
+def _one_rank_calibration(path: Path, dtype: str = "float32") -> None:
+    """A profile as `numesh plan --calibrate` on one process leaves it: kernels timed, no collectives."""
+    from numesh.plan.calibrate import KERNELS
+    from numesh.plan.hardware import Measured, Profile, save_profile
+
+    meas = Measured(1, 1, {}, ((1e3, 1e-7), (1e9, 1e-2)), {k: ((10.0, 1e-7), (1e6, 1e-3)) for k in KERNELS}, {})
+    save_profile(Profile(name="local", source="calibrated", dtype=dtype, itemsize=4, cores=2, measured={1: meas}),
+                 path)
+
+
+def test_a_one_rank_calibration_does_not_stop_mesh_auto_on_more_ranks(
+        char_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One `numesh plan --calibrate` on one process made every later multi-rank `--mesh auto`
+    job exit 2 ("do not requeue"), naming --hardware, which `numesh train` lacks. Such a job
+    is now planned uncalibrated, as when no profile exists, and its line says why; a
+    single-rank job still plans on the calibration."""
+    profiles = tmp_path / "cache"
+    monkeypatch.setenv("NUMESH_PROFILE_DIR", str(profiles))
+    _one_rank_calibration(profiles / "local.json")
+    for world, on_node in [(4, 4), (2, 1)]:  # one node, and two nodes of one rank each
+        cfg, line = auto.pick(_config(char_dataset), world=world, ranks_on_node=on_node)
+        assert line.startswith(
+            f"--mesh auto on {world} ranks, profile this-cpu-uncalibrated (this machine's calibration is not used: "
+            f"{profiles / 'local.json'} was calibrated on one rank, which times no communication; "
+            f"`mpirun -n {world} numesh plan --calibrate` measures it): --mesh {cfg.mesh} "), line
+        assert "\n" not in line and "--hardware" not in line
+    _, line = auto.pick(_config(char_dataset), world=1, ranks_on_node=1)
+    assert line.startswith("--mesh auto on 1 rank, profile local: --mesh dp=1,tp=1,pp=1 "), line
+    _one_rank_calibration(profiles / "local.json", dtype="float64")
+    _, line = auto.pick(_config(char_dataset), world=1, ranks_on_node=1)
+    assert "profile this-cpu-uncalibrated (this machine's calibration is not used: " in line
+    assert "was calibrated in float64, not float32" in line
+

@@ -159,8 +159,42 @@ def test_a_run_with_experts_gets_routing_panels(tmp_path: Path) -> None:
     assert np.isnan(PL.read_metrics(dense).moe_spread).all()
     fig = PL.build_figure([m, PL.read_metrics(dense)])
     ax_moe, ax_aux = fig.axes[1], fig.axes[2]
-    assert "max/min" in ax_moe.get_ylabel() and [line.get_label() for line in ax_moe.get_lines()] == ["moe"]
+    assert "max/min" in ax_moe.get_ylabel()
+    assert [line.get_label() for line in ax_moe.get_lines()] == ["moe", "an expert got no tokens (drawn at the top)"]
     np.testing.assert_allclose(ax_aux.get_lines()[0].get_ydata(), [0.014, 0.013, 0.012])
     drop = next(a for a in fig.axes if a.get_ylabel().startswith("dropped"))
     np.testing.assert_array_equal(drop.get_lines()[0].get_ydata(), [0, 10, 20])
     assert len(PL.build_figure([PL.read_metrics(dense)]).axes) == 2
+
+
+def test_a_collapsed_router_is_drawn_at_the_top_not_left_out(tmp_path: Path) -> None:
+    """A step where an expert got no token has an infinite spread, which matplotlib draws
+    as nothing: the worst load looked like missing data. It is drawn at the panel's top,
+    above every finite spread of every run, with a marker the legend names; NaN (a step that
+    logged no routing) stays a gap."""
+    runs = []
+    for name, lows in [("a", [0, 10, 20, 0]), ("b", [5, 0, 20, 20])]:
+        run = write_run(tmp_path / name, steps=4)
+        recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        for rec, lo in zip(recs, lows):
+            rec |= {"moe_aux_loss": 0.01, "moe_tokens_min": lo, "moe_tokens_max": 40}
+        recs[2].pop("moe_tokens_min")  # a step without routing numbers: a gap, not a collapse
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        runs.append(PL.read_metrics(run))
+    fig = PL.build_figure(runs)
+    ax_moe = fig.axes[1]
+    lines = {line.get_label(): line for line in ax_moe.get_lines()}
+    a, b = lines["a"].get_ydata(), lines["b"].get_ydata()
+    top = a[0]
+    assert np.isfinite(top) and top > 8.0  # above b's 40/5, the largest finite spread
+    np.testing.assert_array_equal(a[[0, 3]], [top, top])
+    assert a[1] == 4.0 and np.isnan(a[2]) and b[0] == 8.0 and b[1] == top
+    ylo, yhi = ax_moe.get_ylim()
+    assert ylo < top <= yhi  # on the panel, not clipped off it
+    marker = lines["an expert got no tokens (drawn at the top)"]
+    np.testing.assert_array_equal(marker.get_xdata(), [0, 3])
+    np.testing.assert_array_equal(marker.get_ydata(), [top, top])
+    b_marker = [line for line in ax_moe.get_lines() if line.get_label() == "_nolegend_"]
+    assert len(b_marker) == 1 and list(b_marker[0].get_xdata()) == [1]
+    legend = [t.get_text() for t in ax_moe.get_legend().get_texts()]
+    assert legend.count("an expert got no tokens (drawn at the top)") == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -38,12 +39,14 @@ def write_atomic(path: Path, content: str | bytes | Callable[[Path], None]) -> N
 def os_reason(e: OSError) -> str:
     """Why a file could not be written, in words for a one-line error. A file standing where
     a directory must be is named: mkdir says only "File exists" and open "Not a directory",
-    about a path further down."""
+    about a path further down. A full disk is called one."""
     if isinstance(e, (FileExistsError, NotADirectoryError)) and e.filename:
         path = Path(os.fsdecode(e.filename))
         for p in [*reversed(path.parents), path]:
             if p.exists() and not p.is_dir():
                 return f"{p} is a file, not a directory"
+    if e.errno == errno.ENOSPC:
+        return f"{e.strerror or 'No space left on device'}, the disk is full"
     return e.strerror or str(e)
 
 

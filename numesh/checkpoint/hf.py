@@ -4,9 +4,10 @@
 DIR)` load what this writes, offline: `config.json` (a `GPT2LMHeadModel`: numesh's GELU is
 GPT-2's tanh form, `gelu_new`; LayerNorm epsilon 1e-5; `n_positions` = the block size;
 tied embeddings), `model.safetensors` in transformers' names and layouts (GPT-2's `Conv1D`
-weights are [in, out], as numesh's; biases written as zeros where numesh has none), the
-tokenizer (a BPE dataset's `tokenizer.json`; for a character dataset an equivalent one,
-`CharTokenizer.to_hf_json`) with its `tokenizer_config.json`, and `generation_config.json`.
+weights are [in, out], as numesh's; biases written as zeros where numesh has none, which
+config.json's `numesh_bias` says), the tokenizer (a BPE dataset's `tokenizer.json`; for a
+character dataset an equivalent one, `CharTokenizer.to_hf_json`) with its
+`tokenizer_config.json`, and `generation_config.json`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from numesh.nn.gpt import GPTConfig
 from numesh.nn.layers import LN_EPS
 
 _LINEARS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+NUMESH_BIAS = "numesh_bias"  # config.json's record of a numesh export's --bias (transformers keeps unknown keys)
 _BIASES = {".ln_1.bias": 1, ".attn.c_attn.bias": 3, ".attn.c_proj.bias": 1, ".ln_2.bias": 1, ".mlp.c_fc.bias": 4,
            ".mlp.c_proj.bias": 1}  # per block: name -> width in units of n_embd
 
@@ -64,6 +66,7 @@ def hf_config(model: GPTConfig, eot_id: int | None, dtype: str) -> dict[str, Any
         "activation_function": "gelu_new", "layer_norm_epsilon": LN_EPS, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
         "attn_pdrop": 0.0, "tie_word_embeddings": True, "scale_attn_weights": True, "use_cache": True,
         "bos_token_id": eot_id, "eos_token_id": eot_id, "torch_dtype": dtype,
+        NUMESH_BIAS: model.bias,  # GPT-2 always has biases: whether the zeros written are numesh's "none"
     }
 
 
@@ -100,11 +103,15 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
     files = {"config.json": json.dumps(hf_config(meta.model, eot, name), indent=1),
              "generation_config.json": json.dumps({"bos_token_id": eot, "eos_token_id": eot}, indent=1),
              **_tokenizer_files(tok, meta.model)}
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
         write_all(out, {"model.safetensors": save(sd, metadata={"format": "pt"}), **files})
     except OSError as e:
-        raise CheckpointError(f"cannot write {out}: {os_reason(e)}") from None
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # as if never started: the rerun after freeing space needs no --force
+        raise CheckpointError(f"cannot write {out}: {os_reason(e)}; nothing of this export "
+                              "was left there") from None
     return out
 
 
@@ -117,11 +124,11 @@ def write_all(out: Path, files: dict[str, str | bytes]) -> None:
     try:
         for name, content in files.items():
             tmp = out / f".{name}.tmp-{os.getpid()}"
+            staged.append((tmp, out / name))  # before writing: a write cut short (a full disk) is removed too
             if isinstance(content, str):
                 tmp.write_text(content, encoding="utf-8")
             else:
                 tmp.write_bytes(content)
-            staged.append((tmp, out / name))
         for tmp, final in staged:
             os.replace(tmp, final)
     finally:
@@ -157,8 +164,11 @@ def _hf_model(cfg: dict[str, Any], where: Path, bias: bool) -> GPTConfig:
 
 def import_hf(directory: str | Path) -> tuple[GPTConfig, str, Any]:
     """(model config, tokenizer.json text, whole params) of a transformers GPT-2 directory
-    (one written by `export_hf`, or any GPT-2-architecture model saved as safetensors).
-    Biases that are all zero are dropped (a model numesh trained without them)."""
+    (one written by `export_hf`, or any GPT-2-architecture model saved as safetensors, by
+    GPT2LMHeadModel with `transformer.` names or GPT2Model without). The model has biases
+    when the file holds them, whatever their values (a fresh GPT-2's are zero), except the
+    zeros numesh's own export wrote for a model without them (config.json's `numesh_bias`
+    false, the biases still all zero: not trained since)."""
     from safetensors import SafetensorError, safe_open
 
     from numesh.checkpoint.export import from_nanogpt
@@ -177,7 +187,9 @@ def import_hf(directory: str | Path) -> tuple[GPTConfig, str, Any]:
         if not isinstance(obj, dict):
             raise CheckpointError(f"{d / name} is not a JSON object: export the directory again")
     sd = {k.removeprefix("model."): v for k, v in sd.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
-    bias = any(k.endswith(".bias") and np.any(v) for k, v in sd.items())
+    sd = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v for k, v in sd.items()}
+    biases = [v for k, v in sd.items() if k.endswith(".bias")]
+    bias = bool(biases) and not (cfg.get(NUMESH_BIAS) is False and not any(np.any(v) for v in biases))
     model = _hf_model(cfg, d, bias)
     if not bias:
         sd = {k: v for k, v in sd.items() if not k.endswith(".bias")}

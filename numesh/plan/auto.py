@@ -8,8 +8,10 @@ other than their defaults (`KEPT`: --zero, --schedule, ...) are kept: only layou
 those values are considered.
 
 The profile is this machine's calibration (`numesh plan --calibrate`) when there is one
-in the run's dtype, else `cpu_profile`: a spec-sheet profile of this CPU from the matmul
-peak numesh measures for MFU and assumed memory and link speeds. Rank 0 decides and every
+in the run's dtype that can time the job (one calibrated on a single rank times no
+communication, so it plans only single-rank jobs), else `cpu_profile`: a spec-sheet
+profile of this CPU from the matmul peak numesh measures for MFU and assumed memory and
+link speeds; the chosen line says why a calibration was left aside. Rank 0 decides and every
 rank gets its answer (or its one-line error), so the ranks never disagree on a mesh.
 """
 
@@ -90,26 +92,37 @@ def node_memory() -> float:
         return 0.0
 
 
-def _profile(cfg: TrainConfig, world: int, ranks_on_node: int) -> Profile:
+def _profile(cfg: TrainConfig, world: int, ranks_on_node: int) -> tuple[Profile, str]:
     """This machine's calibrated profile in the run's dtype, else `cpu_profile` (the job's
-    --peak-flops shared by its cores, or one core's measured peak)."""
-    if local_profile_path().is_file():
+    --peak-flops shared by its cores, or one core's measured peak); and, when a calibration
+    exists but cannot plan this job, why it was left aside (else ""). A calibration that
+    timed no communication (one rank) cannot price a multi-rank job: that job is planned as
+    if there were none, never refused (a requeued job must not fail on the user's cache)."""
+    path, why = local_profile_path(), ""
+    if path.is_file():
         try:
             prof = load_profile("local")
-            if prof.measured and prof.dtype == cfg.dtype:
-                return prof
-        except UserError:
-            pass  # a broken calibration file: plan without it
+            if not prof.measured:
+                why = f"{path} holds no measurements"
+            elif prof.dtype != cfg.dtype:
+                why = f"{path} was calibrated in {prof.dtype}, not {cfg.dtype}"
+            elif world > 1 and not prof.times_communication():
+                why = (f"{path} was calibrated on one rank, which times no communication; `mpirun -n "
+                       f"{min(world, 8)} numesh plan --calibrate` measures it")
+            else:
+                return prof, ""
+        except UserError as e:
+            why = f"unreadable ({e})"  # a broken calibration file: plan without it
     cores = world * threads()
     core = cfg.peak_flops / cores if cfg.peak_flops > 0 else core_peak_flops(np.dtype(cfg.dtype))[0]
-    return cpu_profile(cfg.dtype, core, threads(), ranks_on_node, node_memory())
+    return cpu_profile(cfg.dtype, core, threads(), ranks_on_node, node_memory()), why
 
 
 def pick(cfg: TrainConfig, world: int, ranks_on_node: int) -> tuple[TrainConfig, str]:
     """(`cfg` with the chosen layout, the one line saying what was chosen and the runner-up)."""
     base = attrs.evolve(cfg, mesh="")
     model = model_spec(base, None, None)  # the vocabulary of --data
-    prof = _profile(base, world, ranks_on_node)
+    prof, set_aside = _profile(base, world, ranks_on_node)
     limit = prof.memory_bytes if not prof.measured else prof.memory_bytes / max(1, ranks_on_node)
     tpr = max(1, (prof.cores or 1) // ranks_on_node) if prof.measured else threads()
     preds = plan(base, model, world, prof, limit, np.dtype(cfg.dtype).itemsize, tpr)
@@ -118,8 +131,9 @@ def pick(cfg: TrainConfig, world: int, ranks_on_node: int) -> tuple[TrainConfig,
     def said(p: Prediction) -> str:
         return f"{p.layout.train_flags()} ({human_seconds(p.time.total)} a step, {human_bytes(p.memory.total)} a rank)"
 
-    line = (f"--mesh auto on {world} rank{'s' if world > 1 else ''}, profile {prof.name}: {said(best)}; runner-up: "
-            + (said(second) if second else "none"))
+    uncalibrated = f" (this machine's calibration is not used: {set_aside})" if set_aside else ""
+    line = (f"--mesh auto on {world} rank{'s' if world > 1 else ''}, profile {prof.name}{uncalibrated}: {said(best)}; "
+            "runner-up: " + (said(second) if second else "none"))
     return train_config(cfg, best.layout), line
 
 

@@ -147,6 +147,11 @@ class Profile:
         link = self.intra if intra else self.inter
         return costs.collective_time(op, payload, n, link.latency_s, link.bandwidth)
 
+    def times_communication(self) -> bool:
+        """Whether this profile can time a collective: a spec-sheet profile from its links, a
+        measured one when some calibration ran on several ranks (one rank times none)."""
+        return not self.measured or any(m.collectives for m in self.measured.values())
+
     def comm_measurement(self, ranks_on_node: int) -> Measured:
         """The measurement that times communication for `ranks_on_node` ranks: `for_ranks`'
         if it timed any, else the nearest that did (a calibration on one rank times none).
@@ -155,7 +160,7 @@ class Profile:
         if meas is not None and meas.collectives:
             return meas
         timed = [n for n, m in self.measured.items() if m.collectives]
-        if not timed:
+        if not self.times_communication():
             n = min(max(ranks_on_node, 2), max(self.cores, 8))
             raise ConfigError(
                 f"hardware profile {self.name} was calibrated on one rank, which times no communication: to plan for "

@@ -123,6 +123,22 @@ def _spread(most: np.ndarray, fewest: np.ndarray) -> np.ndarray:
         return np.where(fewest == 0, np.inf, most / fewest) * np.where(np.isnan(most), np.nan, 1.0)
 
 
+COLLAPSED = "an expert got no tokens"
+
+
+def collapsed_top(spreads: Sequence[np.ndarray]) -> float:
+    """Where the load-spread panel draws a step whose spread is infinite (an expert got no
+    token): a quarter above the largest finite spread of any run (at least 2, where the
+    balanced value 1 is all there is), so the worst load tops the panel instead of vanishing."""
+    finite = [float(np.max(s[np.isfinite(s)])) for s in spreads if np.isfinite(s).any()]
+    return max([2.0] + [1.25 * f for f in finite])
+
+
+def clip_collapsed(spread: np.ndarray, top: float) -> np.ndarray:
+    """The spread with +inf drawn at `top` (matplotlib draws no point at inf); NaN stays a gap."""
+    return np.where(np.isposinf(spread), top, spread)
+
+
 def run_labels(runs: Sequence[str | Path]) -> list[str]:
     """Short legend names: each directory's name, or the path as given where names repeat."""
     names = [Path(r).name if Path(r).name != METRICS_FILE else Path(r).parent.name for r in runs]
@@ -149,7 +165,9 @@ def build_figure(runs: Sequence[RunMetrics]) -> Any:
     dashed val line with markers, one colour per run), then the val loss in bits per byte
     (which compares runs with different tokenizers; when any run logged it), the experts'
     load spread and load-balancing loss (when any run has experts, with the assignments a
-    capacity dropped dotted on a second scale), tokens/s below (one line per run)."""
+    capacity dropped dotted on a second scale), tokens/s below (one line per run). A step
+    where an expert got no token (an infinite spread, a collapsed router) is drawn as a
+    marker at the panel's top, named in the legend, not left out as matplotlib leaves inf."""
     require_matplotlib()
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -162,6 +180,8 @@ def build_figure(runs: Sequence[RunMetrics]) -> Any:
     ax_loss, ax_speed = axes[0], axes[-1]
     ax_moe, ax_aux = (axes[-3], axes[-2]) if moe else (None, None)
     ax_drop = ax_aux.twinx() if moe and any(np.nansum(r.moe_dropped) > 0 for r in runs) else None
+    top = collapsed_top([r.moe_spread for r in runs])
+    marked = False  # the "no tokens" marker gets one legend entry, however many runs collapse
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
         dot = "." if run.step.size == 1 else None  # a one-step run is a point, not an invisible line
@@ -171,7 +191,14 @@ def build_figure(runs: Sequence[RunMetrics]) -> Any:
                          label=f"{run.label} val")
         ax_speed.plot(run.step, run.tokens_per_s, color=color, lw=1.0, marker=dot, label=run.label)
         if ax_moe is not None and not np.isnan(run.moe_spread).all():
-            ax_moe.plot(run.step, run.moe_spread, color=color, lw=1.0, marker=dot, label=run.label)
+            ax_moe.plot(run.step, clip_collapsed(run.moe_spread, top), color=color, lw=1.0, marker=dot,
+                        label=run.label)
+            collapsed = np.isposinf(run.moe_spread)
+            if collapsed.any():
+                ax_moe.plot(run.step[collapsed], np.full(int(collapsed.sum()), top), ls="none", marker="^",
+                            ms=7, color=color, mec="black", label=f"{COLLAPSED} (drawn at the top)" if not marked
+                            else "_nolegend_")
+                marked = True
             ax_aux.plot(run.step, run.moe_aux_loss, color=color, lw=1.0, marker=dot, label=run.label)
             if ax_drop is not None:
                 ax_drop.plot(run.step, run.moe_dropped, color=color, lw=1.0, ls=":", label=f"{run.label} dropped")
