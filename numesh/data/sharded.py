@@ -54,6 +54,11 @@ def _no_tokens() -> DataError:
                      "--text-field")
 
 
+def _empty_split(docs: int, split: str, val_fraction: float) -> DataError:
+    return DataError(f"the {docs:,} documents leave the {split} split empty at --val-fraction {val_fraction}: "
+                     "add documents, split them (--split-on) or change --val-fraction")
+
+
 def split_plan(paths: Sequence[Path], how: Reading, val_fraction: float) -> str:
     """How the corpus splits into train and val, decided before anything is trained:
     "documents" (each whole, to the split a hash of its index picks) once both splits have
@@ -75,9 +80,7 @@ def split_plan(paths: Sequence[Path], how: Reading, val_fraction: float) -> str:
     if count == 0:
         raise _no_tokens()
     if count > 1:
-        empty = "train" if True in splits else "val"
-        raise DataError(f"the {count:,} documents leave the {empty} split empty at --val-fraction {val_fraction}: "
-                        "add documents, split them (--split-on) or change --val-fraction")
+        raise _empty_split(count, "train" if True in splits else "val", val_fraction)
     cut = _cut(first, val_fraction)
     if cut == 0 or cut == len(first):
         raise DataError(f"the corpus is one document of {len(first):,} characters, too short to split "
@@ -273,8 +276,7 @@ def _check_splits(stats: dict, writers: dict[str, ShardWriter], val_fraction: fl
         raise _no_tokens()
     for split in ("train", "val"):
         if writers[split].tokens == 0:
-            raise DataError(f"the {docs:,} documents leave the {split} split empty at --val-fraction "
-                            f"{val_fraction}: add documents, split them (--split-on) or change --val-fraction")
+            raise _empty_split(docs, split, val_fraction)
 
 
 def _meta(tok: HFTokenizer, dtype: np.dtype, shards: dict, stats: dict, writers: dict[str, ShardWriter],

@@ -11,6 +11,7 @@ tokenize` uses; documents are separated by its end-of-text token. Both give `enc
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence
 
@@ -136,8 +137,6 @@ class CharTokenizer:
         """The character vocabulary a `to_hf_json` file holds (a character model's
         `numesh export --format hf` tokenizer: a BPE with no merges over single characters,
         ids 0..V-1), or None when `json_text` is another tokenizer."""
-        import json
-
         try:
             model = json.loads(json_text).get("model")
         except (ValueError, AttributeError):

@@ -160,7 +160,7 @@ class Profile:
         if meas is not None and meas.collectives:
             return meas
         timed = [n for n, m in self.measured.items() if m.collectives]
-        if not self.times_communication():
+        if not timed:
             n = min(max(ranks_on_node, 2), max(self.cores, 8))
             raise ConfigError(
                 f"hardware profile {self.name} was calibrated on one rank, which times no communication: to plan for "
