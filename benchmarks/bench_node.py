@@ -50,6 +50,12 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def logged(result: dict[str, Any]) -> dict[str, Any]:
+    """`result`, also written to stderr at once: a long run cut short keeps what it measured."""
+    log(f"  -> {json.dumps(result)}")
+    return result
+
+
 # --------------------------------------------------------------------------------------
 # workers: one measurement each, printing one JSON line on rank 0
 
@@ -320,19 +326,20 @@ def main(argv: list[str] | None = None) -> int:
             for n in powers_up_to(args.cores):
                 log(f"threads={n} ...")
                 row: dict[str, Any] = {"threads": n,
-                                       "numesh": run_worker("numesh", default, data, n, args.iters, args.warmup,
-                                                                   timeout=args.timeout)}
+                                       "numesh": logged(run_worker("numesh", default, data, n, args.iters,
+                                                                          args.warmup, timeout=args.timeout))}
                 if have_torch:
-                    row["torch"] = run_worker("torch", default, data, n, args.iters, args.warmup, timeout=args.timeout)
+                    row["torch"] = logged(run_worker("torch", default, data, n, args.iters, args.warmup,
+                                                     timeout=args.timeout))
                 rep["threads"].append(row)
         if "weak" in sections:
             rep["weak"] = []
             for dp in powers_up_to(args.cores):
                 log(f"weak scaling dp={dp} ...")
                 model = dict(default, batch_size=default["batch_size"] * dp)
-                rep["weak"].append({"dp": dp, "numesh": run_worker("numesh", model, data, 1, args.iters, args.warmup,
-                                                                  ranks=dp, mesh=f"dp={dp}", launcher=launcher,
-                                                                  timeout=args.timeout)})
+                rep["weak"].append({"dp": dp, "numesh": logged(run_worker(
+                    "numesh", model, data, 1, args.iters, args.warmup, ranks=dp, mesh=f"dp={dp}",
+                    launcher=launcher, timeout=args.timeout))})
         if "baby" in sections:
             meshes = []
             for dp, tp, pp in baby_meshes(args.cores, BABY):
@@ -340,15 +347,16 @@ def main(argv: list[str] | None = None) -> int:
                 name = f"dp={dp},tp={tp},pp={pp}"
                 log(f"baby {name} x {args.cores // ranks} threads ...")
                 meshes.append({"mesh": name, "ranks": ranks, "threads": args.cores // ranks,
-                               "numesh": run_worker("numesh", BABY, data, args.cores // ranks, args.baby_iters, 1,
-                                                    ranks=ranks, mesh=name if ranks > 1 else "",
-                                                    micro_batches=2 * pp if pp > 1 else 1, launcher=launcher,
-                                                    timeout=args.timeout)})
+                               "numesh": logged(run_worker("numesh", BABY, data, args.cores // ranks,
+                                                           args.baby_iters, 1, ranks=ranks,
+                                                           mesh=name if ranks > 1 else "",
+                                                           micro_batches=2 * pp if pp > 1 else 1,
+                                                           launcher=launcher, timeout=args.timeout))})
             rep["baby"] = {"meshes": meshes}
             if have_torch:
                 log("baby torch eager ...")
-                rep["baby"]["torch"] = run_worker("torch", BABY, data, args.cores, args.baby_iters, 1,
-                                                  timeout=args.timeout)
+                rep["baby"]["torch"] = logged(run_worker("torch", BABY, data, args.cores, args.baby_iters, 1,
+                                                         timeout=args.timeout))
     if args.json:
         print(json.dumps(rep))
     else:
