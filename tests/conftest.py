@@ -127,9 +127,15 @@ def shard_params(global_params: GPT, cfg: GPTConfig, mesh: Mesh) -> GPT:
     from numesh.mesh import shard
 
     v = cfg.padded_vocab(mesh.size("tp"))
-    wte = np.zeros((v, global_params.wte.shape[1]), dtype=global_params.wte.dtype)
-    wte[: cfg.vocab_size] = global_params.wte
-    padded = GPT(wte=wte, wpe=global_params.wpe, blocks=global_params.blocks, ln_f=global_params.ln_f)
+
+    def pad(x: np.ndarray | None) -> np.ndarray | None:
+        if x is None:
+            return None
+        out = np.zeros((v, x.shape[1]), dtype=x.dtype)
+        out[: cfg.vocab_size] = x[: cfg.vocab_size]
+        return out
+
+    padded = attrs.evolve(global_params, wte=pad(global_params.wte), lm_head=pad(global_params.lm_head))
     return tree_map(lambda x, s: shard(x, s, mesh), padded, gpt_specs(cfg))
 
 

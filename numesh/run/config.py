@@ -21,7 +21,7 @@ from numesh.base.files import read_user_file
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
 from numesh.host.interrupt import parse_signals
 from numesh.mesh import parse_mesh
-from numesh.nn.gpt import GPTConfig
+from numesh.nn.gpt import ARCHS, GPTConfig
 from numesh.nn.walk import check_recompute
 from numesh.observe.inject import faults_from_env
 from numesh.pipeline.schedules import make_schedule
@@ -62,6 +62,26 @@ class TrainConfig:
     moe_capacity_factor: float = _field(
         0.0, "each expert takes at most ceil(c*T*k/E) token-assignments of each sequence, those of highest router "
         "probability, and drops the rest; 0 = dropless")
+    arch: str = _field(
+        "gpt2", "model kind: gpt2 (LayerNorm, learned positions, GELU MLP, head tied to the embedding) or llama "
+        "(RMSNorm, rotary positions, SwiGLU MLP, untied head); sets --norm, --positions, --mlp and "
+        "--tie-embeddings, each unless given")
+    norm: str = _field("layernorm", "layernorm or rmsnorm; --arch sets it unless given")
+    norm_eps: float = _field(1e-5, "the norm's epsilon (LayerNorm's is 1e-5, fixed by its kernel)")
+    positions: str = _field(
+        "learned", "learned (a block_size x n_embd table) or rotary (RoPE on q and k, transformers' rotate-half "
+        "layout); --arch sets it unless given")
+    rope_theta: float = _field(10000.0, "rotary positions' base theta")
+    mlp: str = _field(
+        "gelu", "gelu, or swiglu: silu(gate) * up, in the dense MLP and every expert; --arch sets it unless given")
+    ffn_hidden: int = _field(
+        0, "the MLP's (and each expert's) hidden size; 0 = 4*n_embd for gelu, 8*n_embd/3 rounded up to a multiple "
+        "of 32 for swiglu")
+    n_kv_head: int = _field(
+        0, "key/value heads (grouped-query attention; must divide n_head; tp may exceed it when tp is a multiple "
+        "of it); 0 = n_head")
+    tie_embeddings: bool = _field(
+        True, "the LM head is the token embedding, else its own matrix; --arch sets it unless given")
     # optimisation
     batch_size: int = _field(12, "global batch in sequences per optimiser step, whatever the mesh")
     micro_batches: int = _field(1, "gradient-accumulation micro-batches per dp rank and step")
@@ -151,7 +171,8 @@ def field_type(field: attrs.Attribute) -> type:
 
 
 def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) -> TrainConfig:
-    """Defaults, then the TOML file, then `overrides` (None values are ignored)."""
+    """Defaults, then the TOML file, then `overrides` (None values are ignored); the parts
+    of the model kind `arch` names fill the part options neither of them gives."""
     fields = {f.name: f for f in attrs.fields(TrainConfig)}
     values: dict[str, Any] = {}
     if toml_path is not None:
@@ -171,6 +192,11 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
             raise ConfigError(f"unknown config key '{key}': the keys are {', '.join(fields)}")
         if value is not None:
             values[key] = value
+    arch = values.get("arch", fields["arch"].default)
+    if arch not in ARCHS:
+        raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    for name, value in ARCHS[arch].items():  # the kind's parts, where no option names one
+        values.setdefault(name, value)
     for name, value in values.items():
         want = field_type(fields[name])
         if want is float and isinstance(value, int) and not isinstance(value, bool):

@@ -40,7 +40,7 @@ from numesh.mesh import AXES, BATCH_AXES, Mesh, psum, psum_scalar, unshard
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
 from numesh.nn.moe import moe_metrics, stats_vector
-from numesh.nn.units import OUTER, join_units, sequence_partial_leaves, split_units
+from numesh.nn.units import OUTER, join_units, split_units, tp_partial_leaves
 from numesh.observe import attach
 from numesh.observe.flight import FlightRecorder
 from numesh.observe.inject import FaultInjector, faults_from_env, unshared_out
@@ -111,13 +111,14 @@ class Trainer:
         self.specs = stage_tree(gpt_specs(self.model), self.layout, pp_rank)
         adamw = AdamWConfig(cfg.beta1, cfg.beta2, 1e-8, cfg.weight_decay)
         params = stage_tree(self._initial_params(), self.layout, pp_rank)
-        tied_copy = self.layout.holds_tied(pp_rank) and self.layout.is_last(pp_rank)  # counted on the first rank
+        # a tied wte's copy on the last stage: counted on the first rank
+        tied_copy = self.model.tie_embeddings and self.layout.holds_tied(pp_rank) and self.layout.is_last(pp_rank)
         units = split_units(params)
         self.opt = ZeroOptimizer(
             units, split_units(self.specs), self.mesh, cfg.zero, adamw,
             bucket_bytes=int(cfg.bucket_mb * 2**20), overlap=cfg.overlap,
             uncounted={(OUTER, "wte")} if tied_copy else (),
-            tp_partial=sequence_partial_leaves(units) if cfg.sequence_parallel else (),  # LayerNorm grads under sp
+            tp_partial=tp_partial_leaves(units, self.mesh),  # norm grads under sp, GQA's k and v
         )
         self.opt.check_replicas()
         self.pipeline = PipelineExecutor(self.model, self.mesh, self.layout, self.opt, self.dtype, cfg.recompute)
@@ -254,7 +255,7 @@ class Trainer:
         return formulas.RankUnits(
             [formulas.Chunk(len(s.blocks), s.first, s.last) for s in self.pipeline.stages],
             sum(u.padded for k, u in units.items() if not k.is_outer), units[OUTER].padded,
-            tied if self.layout.holds_tied(self.mesh.index("pp")) else 0,
+            tied if self.model.tie_embeddings and self.layout.holds_tied(self.mesh.index("pp")) else 0,
             self.opt.tp_partial_values, self.opt.ep_replicated_values,
         )
 
