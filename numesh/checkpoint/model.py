@@ -20,7 +20,7 @@ from numesh.pipeline.stages import StageLayout, stage_tree
 # model-config keys that change the shape of some parameter (dropout does not)
 SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "moe_experts", "moe_every")
 # leaves whose dim 0 is the vocabulary, padded to a multiple of tp on a mesh
-VOCAB_LEAVES = ("wte",)
+VOCAB_LEAVES = ("wte", "lm_head")
 # tied leaves held by both the first and the last pipeline stage; the first one writes them
 TIED_LEAVES = ("wte",)
 
