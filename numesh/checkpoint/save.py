@@ -64,7 +64,7 @@ def rank_blocks(state: TrainState, leaves: dict[str, LeafDef]) -> list[Block]:
     mesh = state.mesh
     out = []
     for group in GROUPS:
-        for path, x in written_leaves(state.trees[group], state.layout, mesh.index("pp")):
+        for path, x in written_leaves(state.trees[group], state.model, state.layout, mesh.index("pp")):
             leaf = leaves[path]
             if not writes_leaf(leaf.spec, mesh.coords):
                 continue

@@ -18,6 +18,7 @@ import numpy as np
 
 from numesh.base.errors import ConfigError
 from numesh.base.files import read_user_file
+from numesh.checkpoint.init_from import check_init_kind
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
 from numesh.host.interrupt import parse_signals
 from numesh.mesh import parse_mesh
@@ -314,6 +315,8 @@ def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> G
                           f"use a --block-size divisible by {shape['tp']}")
     model = cfg.model(vocab_size)
     model.validate(1)  # a tp or experts error below says which mesh axis
+    if cfg.init_from:
+        check_init_kind(model)
     _check_moe(cfg, shape)
     model.validate(shape["tp"])
     StageLayout(model.n_layer, shape["pp"], cfg.virtual_stages)
