@@ -265,7 +265,19 @@ class Trainer:
             sum(u.padded for k, u in units.items() if not k.is_outer), units[OUTER].padded,
             tied if self.layout.holds_tied(self.mesh.index("pp")) else 0,
             self.opt.tp_partial_values, self.opt.ep_replicated_values,
+            *self.matrix_exchange_bytes(),
         )
+
+    def matrix_exchange_bytes(self) -> tuple[int, int]:
+        """Bytes this rank sends each step over dp and over tp so that each of Muon's
+        matrices is whole on one rank (`formulas.matrix_exchange_bytes`; 0 for AdamW)."""
+        units = self.opt.units
+        index = {k: i for i, k in enumerate(units)}
+        slabs = [(index[s.key], s.start, s.size, s.cost, s.view.tp_dim is not None) for s in self.opt.matrix_slabs]
+        out = formulas.matrix_exchange_bytes([u.size for u in units.values()], slabs, self.mesh.size("dp"),
+                                             self.mesh.index("dp"), self.mesh.size("tp"),
+                                             np.dtype(self.dtype).itemsize, self.opt.sync.sharded)
+        return out.get(("dp", "all_to_all"), 0), out.get(("tp", "all_gather"), 0)
 
     def gathered_params(self) -> GPT:
         """The global parameters (vocabulary unpadded), gathered on every rank (tests, export)."""
