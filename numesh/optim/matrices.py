@@ -97,10 +97,12 @@ class MatrixExchange:
         # this rank's pieces of every slab, in slab order: (slab, lo, hi) in unit coordinates
         self.local = [(i, *self.cut[i][self.rank]) for i in range(len(self.slabs))
                       if self.cut[i][self.rank][1] > self.cut[i][self.rank][0]]
-        self.send = np.zeros(self.dp, np.int64)  # values this rank sends each owner in `gather`
+        # values this rank sends each owner in `gather`, and receives from each rank (ints, not
+        # arrays: nothing held between steps beside ZeroOptimizer.memory()'s buffers)
+        self.send = [0] * self.dp
         for i, lo, hi in self.local:
             self.send[self.slabs[i].owner] += hi - lo
-        self.recv = np.array([sum(self._len(i, q) for i in self.mine) for q in range(self.dp)], np.int64)
+        self.recv = [sum(self._len(i, q) for i in self.mine) for q in range(self.dp)]
 
     def _len(self, i: int, q: int) -> int:
         lo, hi = self.cut[i][q]
