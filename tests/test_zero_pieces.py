@@ -16,8 +16,8 @@ from numesh.mesh.collectives import Handle
 from numesh.nn.units import OUTER, Unit
 from numesh.optim import grad_sync as gs
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_rule, adamw_step
-from numesh.optim.interface import Optimizer
 from numesh.optim.flat import FlatLayout
+from numesh.optim.interface import Optimizer
 from numesh.optim.residency import AllResident, ShardResident
 from numesh.optim.zero import ZeroOptimizer
 
@@ -275,7 +275,8 @@ def test_driver_matches_adamw_on_the_flat_vector(stage: int) -> None:
     """Every stage on one rank: the same parameters as AdamW on the flattened tree, and
     state_trees / load_state_trees round-trip by unit key."""
     units, cfg = three_units(), AdamWConfig(weight_decay=0.1)
-    opt = ZeroOptimizer(units, specs_of(units), self_mesh(), stage=stage, optimizer=Optimizer("adamw", cfg, (adamw_rule(cfg),), lambda _leaf: 0))
+    adamw = Optimizer("adamw", cfg, (adamw_rule(cfg),), lambda _leaf: 0)
+    opt = ZeroOptimizer(units, specs_of(units), self_mesh(), stage=stage, optimizer=adamw)
     p = np.concatenate([np.ravel(x) for t in units.values() for x in tree_leaves(t)])
     decay = np.array([0] * 5 + [0] + [1] * 6 + [0] * 4, dtype=float)  # only a.w is a matrix
     ref = AdamWState(np.zeros_like(p), np.zeros_like(p))

@@ -37,6 +37,7 @@ import attrs
 import numpy as np
 
 from numesh.base.errors import ConfigError
+from numesh.host.threads import matmul
 from numesh.optim.adamw import AdamWConfig, adamw_config, adamw_rule
 from numesh.optim.interface import Leaf, MatrixRule, Optimizer
 
@@ -153,10 +154,10 @@ def orthogonalise(x: np.ndarray, cfg: MuonConfig = MuonConfig()) -> np.ndarray:
     work = x if x.shape[1] > x.shape[0] else x.T  # torch's W = xᵀ, transposed when it has more rows
     norm = float(np.sqrt(np.sum(work * work, dtype=work.dtype)))
     X = work / max(norm, cfg.eps)
-    for _ in range(cfg.ns_steps):
-        A = X @ X.T
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
+    for _ in range(cfg.ns_steps):  # numesh's threads over fixed row tiles: the same bits for any thread count
+        A = matmul(X, X.T)
+        B = b * A + c * matmul(A, A)
+        X = a * X + matmul(B, X)
     out = X if work is x else X.T
     return np.ascontiguousarray(out, dtype=x.dtype)
 
