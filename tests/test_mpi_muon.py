@@ -1,5 +1,5 @@
 """Muon on every mesh: float64 parity with one rank (dp with ZeRO 0-3 and micro-batches,
-tp with sp, pp under two schedules, ep with experts, dp×tp×pp), resume and reshard of its
+tp with sp, pp under two schedules, ep with experts, cp, dp×tp×pp), resume and reshard of its
 state, one test per DeepSpeed Muon bug, and the bytes and state per rank against the formulas.
 
 DeepSpeed's distributed Muon shipped three silent bugs; each test below would catch its own:
@@ -52,6 +52,7 @@ PARITY = {
         ("pp=2", dict(micro_batches=2, schedule="1f1b")),
         ("pp=2", dict(micro_batches=2, schedule="zb-h1")),
         ("ep=2", dict(moe_experts=4, zero=1)),
+        ("cp=2", dict(zero=0)),
     ],
     4: [("dp=2,tp=2", dict(zero=3, micro_batches=2))],
     8: [("dp=2,tp=2,pp=2", dict(zero=1, micro_batches=2))],
@@ -63,7 +64,7 @@ def parity_configs(shared_dataset: Path, shared_tmp: Path) -> list[Any]:
             for i, (mesh, kw) in enumerate(PARITY.get(WORLD.Get_size(), []))]
 
 
-@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("case", range(9))
 def test_muon_matches_one_rank(shared_dataset: Path, shared_tmp: Path, case: int) -> None:
     cfgs = parity_configs(shared_dataset, shared_tmp)
     if case >= len(cfgs):
