@@ -343,13 +343,13 @@ def test_pipeline_stage_trees_save_and_load(data: Path, shared_tmp: Path) -> Non
         t = _stage_trainer(cfg, comm, mesh_a, 2, state, 7)
         step_dir = save_checkpoint(TrainState(t.mesh, t.model, t.layout,
                                               {g: join_units(x) for g, x in t.opt.state_trees().items()},
-                                              t.step, t.opt.adam_step, cfg.dtype, cfg.seed), cfg.out)
+                                              t.step, t.opt.opt_step, cfg.dtype, cfg.seed), cfg.out)
         for spec, v in ((f"pp=2,dp={n // 2}", 1), (f"dp={n}", 1), (mesh_a, 2)):
             u = _stage_trainer(cfg, comm, spec, v, None, 0)
             got = read_local_state(step_dir, u.mesh, u.model, u.layout, u.dtype)
             u.opt.load_state_trees({g: split_units(x) for g, x in got.trees.items()}, got.opt_step)
             u.step = got.step
-            assert u.step == 7 and u.opt.adam_step == 7
+            assert u.step == 7 and u.opt.opt_step == 7
             want = _stage_state(u.model, u.layout, u.mesh, state)
             got = {g: join_units(t) for g, t in u.opt.state_trees().items()}
             for g in ("params", "m", "v"):
