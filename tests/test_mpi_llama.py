@@ -4,8 +4,8 @@ A small Llama: RMSNorm, rotary positions, SwiGLU, 8 query heads sharing 2 kv hea
 untied vocab-parallel head (and the tied one on one mesh). Layer parity (one forward and
 backward, dropout on) on tp=2, tp=2 with sp, cp=2 (2 ranks), tp=4 (kv heads < tp) and
 cp=2 x tp=2 (4 ranks); training-run parity (every logged number and final parameter)
-on dp=2 with ZeRO 0-3, pp=2 under each schedule, ep=2 with SwiGLU experts and full
-recomputation (2 ranks), dp=2 x tp=2 x pp=2 (8 ranks).
+on dp=2 with ZeRO 0-3, pp=2 under each schedule, ep=2 with SwiGLU experts, full
+recomputation and Muon on tp=2 and dp=2 ZeRO-1 (2 ranks), dp=2 x tp=2 x pp=2 (8 ranks).
 """
 
 from __future__ import annotations
@@ -81,7 +81,9 @@ def run_cases(n: int) -> list:
         cases += [("pp=2", dict(schedule=s, micro_batches=4, virtual_stages=2 if s == "interleaved" else 1))
                   for s in ("gpipe", "1f1b", "interleaved", "zb-h1")]
         cases += [("ep=2", dict(moe_experts=4, moe_every=2, moe_z_coef=0.01)),
-                  ("tp=2", dict(recompute="full", sequence_parallel=True))]
+                  ("tp=2", dict(recompute="full", sequence_parallel=True)),
+                  # Muon on Llama's matrices: q whole over tp, k and v replicated, gate and up apart
+                  ("tp=2", dict(optimizer="muon")), ("dp=2", dict(optimizer="muon", zero=1))]
         return cases
     if n == 8:
         return [("dp=2,tp=2,pp=2", dict(zero=1, micro_batches=2, schedule="1f1b"))]
