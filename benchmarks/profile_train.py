@@ -2,8 +2,11 @@
 """Where a numesh training step spends its time.
 
     python benchmarks/profile_train.py --preset default --steps 20
+    python benchmarks/profile_train.py --preset smollm2-4 --steps 5              # Llama: SmolLM2's block, 4 layers
+    python benchmarks/profile_train.py --preset smollm2-4 --block-size 2048 --batch-size 1 --steps 5
 
-Three views of the same single-process training run (see bench_train.py for presets/data):
+Three views of the same single-process training run (see bench_train.py for presets/data;
+benchmarks/common.py's LLAMA_PRESETS are Llama-family models, with the Llama parts' ops):
   1. cProfile over `--steps` Trainer.train_step() calls: the top functions by tottime.
      numpy operators (`a @ b`, `x * y`, ufuncs) are not separate entries: their time is
      the tottime of the Python function that executes them.
@@ -40,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import CpuMonitor, log, make_trainer, preset_config  # noqa: E402
-from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
+from common import DEFAULT_SRC, LLAMA_PRESETS, PRESETS, dataset_dir  # noqa: E402
 from numesh.host.runtime import keep_freed_memory  # noqa: E402
 
 # --------------------------------------------------------------------------------------
@@ -64,6 +67,9 @@ OP_FUNCS = (
     "gelu_fwd", "gelu_bwd", "causal_attention_fwd", "causal_attention_bwd",
     "vocab_parallel_embedding_fwd", "vocab_parallel_embedding_bwd",
     "vocab_parallel_cross_entropy_fwd", "vocab_parallel_cross_entropy_bwd", "flatten",
+    # the Llama kind's parts (numesh.nn.parts, layers, rotary)
+    "rmsnorm_fwd", "rmsnorm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd", "qkv_fwd", "qkv_bwd_input",
+    "qkv_bwd_weight", "attend_fwd", "attend_bwd",
 )
 
 
@@ -208,7 +214,7 @@ def report_ops(inst: Instrument, step_total: float, n: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    ap.add_argument("--preset", choices=sorted(PRESETS | LLAMA_PRESETS), default="default")
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--steps", type=int, default=20, help="steps per view (default 20)")
