@@ -5,6 +5,7 @@ in PyTorch eager, side by side in one run (issue 40's benchmark).
     python benchmarks/bench_llama.py                              # 512 x 4 and 2048 x 1, 2 threads, 2 rounds
     python benchmarks/bench_llama.py --rows 512x4 --rounds 3 --iters 8 --json
     python benchmarks/bench_llama.py --same-init --iters 3        # also: both sides' losses from one init
+    python benchmarks/bench_llama.py --base /tmp/numesh-before    # also another numesh checkout: before/after
 
 The model is SmolLM2-135M's block (HuggingFaceTB/SmolLM2-135M: 576 wide, 9 query heads
 sharing 3 key/value heads, head size 64, SwiGLU of 1,536, RMSNorm eps 1e-5, rotary theta
@@ -28,6 +29,11 @@ torch alternating for --rounds rounds; each reports the median step over --iters
 after --warmup, and the cores other processes used meanwhile ("other cpu": on a shared
 machine a row well above 0 is not a clean measurement). The header names the CPU, its
 vector ISA, numpy's BLAS (OpenBLAS's kernel family) and torch's CPU capability.
+
+`--base DIR` measures a second numesh, the checkout at DIR (a `git worktree add DIR COMMIT`
+of the code before a change), as a third side in each round: the same workers with DIR
+first on PYTHONPATH (each run reports where its numesh came from), so before, after and
+torch alternate on the same machine state.
 
 Ratios are numesh tokens/s over torch's, per round (> 1: numesh faster). The target of
 issue 40 is >= 1.25x at no more peak RSS. This is a benchmark: it asserts nothing;
@@ -98,15 +104,23 @@ def _result(times: list[float], mon: CpuMonitor, tokens: int, losses: list[float
 
 
 def worker_numesh(model: dict[str, Any], data: str, threads: int, warmup: int, iters: int) -> dict[str, Any]:
+    from numesh.host import kernels
     from numesh.host.runtime import configure_process
     from numesh.run.train import Trainer
 
     n = configure_process(threads, None)
     trainer = Trainer(train_config(model, data))
+    kernels.warm_up(trainer.dtype)
+    try:
+        from numesh.host import llama_kernels  # not in a --base from before it existed
+    except ImportError:
+        pass
+    else:
+        llama_kernels.warm_up(trainer.dtype)
     losses: list[float] = []
     times, mon = _timed(lambda _i: losses.append(trainer.train_step()[0]), 0, warmup, iters)
     return _result(times, mon, trainer.tokens_per_step, losses, threads=n, n_params=trainer.n_params,
-                   blas=blas_info())
+                   blas=blas_info(), numesh_path=str(Path(numesh.__file__).resolve().parents[1]))
 
 
 def _load_numesh_init(torch, model, tc) -> None:
@@ -209,14 +223,18 @@ def torch_cpu(torch) -> str:
 
 
 def run_worker(kind: str, model: dict[str, Any], data: str, threads: int, warmup: int, iters: int,
-               same_init: bool = False, timeout: float = 3600) -> dict[str, Any]:
-    """One measurement in a fresh process: its JSON, or {"error": ...}."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--threads", str(threads),
+               same_init: bool = False, timeout: float = 3600, base: str | None = None) -> dict[str, Any]:
+    """One measurement in a fresh process: its JSON, or {"error": ...}. Kind "base" is the
+    numesh worker with the checkout `base` first on PYTHONPATH."""
+    worker = "numesh" if kind == "base" else kind
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--threads", str(threads),
            "--warmup", str(warmup), "--iters", str(iters), "--data", data, "--model", json.dumps(model)]
     if same_init:
         cmd.append("--same-init")
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    if kind == "base":
+        env["PYTHONPATH"] = os.pathsep.join([str(base), *filter(None, [env.get("PYTHONPATH")])])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -225,7 +243,10 @@ def run_worker(kind: str, model: dict[str, Any], data: str, threads: int, warmup
     if p.returncode != 0 or not lines:
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
         return {"error": f"exit {p.returncode}: " + " | ".join(tail)}
-    return json.loads(lines[-1])
+    res = json.loads(lines[-1])
+    if kind == "base" and Path(res["numesh_path"]) != Path(base).resolve():
+        return {"error": f"--base {base}: the worker imported numesh from {res['numesh_path']}"}
+    return res
 
 
 def parse_rows(spec: str) -> list[tuple[int, int]]:
@@ -253,11 +274,12 @@ def measure(args: argparse.Namespace, data: str) -> list[dict[str, Any]]:
     out = []
     for T, B in parse_rows(args.rows):
         model = dict(SMOLLM2, n_layer=args.layers, block_size=T, batch_size=B)
-        runs: dict[str, list[dict]] = {"numesh": [], "torch": []}
+        kinds = ("base", "numesh", "torch") if args.base else ("numesh", "torch")
+        runs: dict[str, list[dict]] = {k: [] for k in kinds}
         for rnd in range(args.rounds):
-            for kind in ("numesh", "torch"):
+            for kind in kinds:
                 r = run_worker(kind, model, data, args.threads, args.warmup, args.iters, args.same_init,
-                               timeout=args.timeout)
+                               timeout=args.timeout, base=args.base)
                 said = (f"{r['ms']:.0f} ms, {r['rss_mb']:.0f} MB, other cpu {r['other_cpu_cores']:.2f}"
                         if "ms" in r else r["error"])
                 log(f"  {T}x{B} round {rnd + 1} {kind}: {said}")
@@ -274,10 +296,9 @@ def _span(rs: list[dict], key: str, spec: str) -> str:
     return lo if lo == hi else f"{lo}–{hi}"
 
 
-def _ratio_span(row: dict, key: str, invert: bool = False) -> str:
-    """numesh over torch of `key`, per round (each round's pair ran back to back)."""
-    rs = [(b[key] / a[key]) if invert else (a[key] / b[key]) for a, b in zip(row["numesh"], row["torch"])
-          if key in a and key in b]
+def _ratio_span(row: dict, key: str, over: str = "torch") -> str:
+    """numesh over `over` (torch, or base) of `key`, per round (each round's runs back to back)."""
+    rs = [a[key] / b[key] for a, b in zip(row["numesh"], row[over]) if key in a and key in b]
     if not rs:
         return "n/a"
     return f"{min(rs):.2f}×" if len(rs) == 1 else f"{min(rs):.2f}–{max(rs):.2f}×"
@@ -306,6 +327,14 @@ def print_report(rep: dict[str, Any]) -> None:
               f"{_span(r['numesh'] + r['torch'], 'other_cpu_cores', '.2f')} |")
     print("ratios per round: tokens/s numesh over torch (> 1: numesh faster), RSS numesh over torch (< 1: numesh "
           "smaller); other cpu = cores other processes used while the steps were timed")
+    if rep["base"]:
+        print(f"\n--base {rep['base']} (numesh before), in the same rounds:")
+        print("| T × B | base ms | numesh ms | numesh / base tokens/s | base peak RSS MB | numesh peak RSS MB |")
+        print("|---|---|---|---|---|---|")
+        for r in rep["rows"]:
+            print(f"| {r['T']} × {r['B']} | {_span(r['base'], 'ms', '.0f')} | {_span(r['numesh'], 'ms', '.0f')} | "
+                  f"**{_ratio_span(r, 'tokens_per_s', 'base')}** | {_span(r['base'], 'rss_mb', '.0f')} | "
+                  f"{_span(r['numesh'], 'rss_mb', '.0f')} |")
     if rep["same_init"]:
         for r in rep["rows"]:
             for a, b in zip(r["numesh"], r["torch"]):
@@ -326,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--same-init", action="store_true",
                     help="load numesh's initial weights into the transformers model and print the loss difference")
+    ap.add_argument("--base", default=None,
+                    help="another numesh checkout (e.g. a `git worktree` of the code before a change) measured too")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one measurement may take")
     ap.add_argument("--data", default=None, help="dataset dir from `numesh data` (default: a temporary one)")
     ap.add_argument("--src", default=DEFAULT_SRC, help="text for the temporary character dataset")
@@ -344,10 +375,13 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.layers, args.threads, args.rounds, args.iters) < 1 or args.warmup < 0:
         ap.error("--layers, --threads, --rounds and --iters must be >= 1, --warmup >= 0")
     parse_rows(args.rows)
+    if args.base and not (Path(args.base) / "numesh" / "__init__.py").is_file():
+        ap.error(f"--base {args.base} holds no numesh package (numesh/__init__.py)")
     rep: dict[str, Any] = {"machine": machine(), "isa": isa(), "numpy_blas": blas_info(),
                            "date": time.strftime("%Y-%m-%d"), "layers": args.layers, "threads": args.threads,
                            "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
-                           "same_init": args.same_init, "load_before": [round(x, 2) for x in os.getloadavg()]}
+                           "same_init": args.same_init, "base": args.base,
+                           "load_before": [round(x, 2) for x in os.getloadavg()]}
     with dataset_dir(args.data, args.src, log=log) as data:
         rep["vocab_size"] = json.loads((Path(data) / "meta.json").read_text())["vocab_size"]
         rep["rows"] = measure(args, data)
