@@ -95,7 +95,9 @@ def _timed(step, first: int, warmup: int, iters: int) -> tuple[list[float], CpuM
 
 def _result(times: list[float], mon: CpuMonitor, tokens: int, losses: list[float], **extra) -> dict[str, Any]:
     med = statistics.median(times)
+    cpu = None if mon.own_cores is None else mon.own_cores * statistics.fmean(times) * 1e3
     return {"ms": med * 1e3, "ms_all": [round(t * 1e3, 1) for t in times], "tokens_per_s": tokens / med,
+            "cpu_ms": cpu,
             "rss_mb": _peak_rss_mb(), "losses": losses, **monitor_fields(mon, len(times)), **extra}
 
 
@@ -329,12 +331,16 @@ def print_report(rep: dict[str, Any]) -> None:
           "smaller); other cpu = cores other processes used while the steps were timed")
     if rep["base"]:
         print(f"\n--base {rep['base']} (numesh before), in the same rounds:")
-        print("| T × B | base ms | numesh ms | numesh / base tokens/s | base peak RSS MB | numesh peak RSS MB |")
-        print("|---|---|---|---|---|---|")
+        print("| T × B | base ms | numesh ms | numesh / base tokens/s | base CPU ms/step | numesh CPU ms/step | "
+              "base peak RSS MB | numesh peak RSS MB |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rep["rows"]:
             print(f"| {r['T']} × {r['B']} | {_span(r['base'], 'ms', '.0f')} | {_span(r['numesh'], 'ms', '.0f')} | "
-                  f"**{_ratio_span(r, 'tokens_per_s', 'base')}** | {_span(r['base'], 'rss_mb', '.0f')} | "
+                  f"**{_ratio_span(r, 'tokens_per_s', 'base')}** | {_span(r['base'], 'cpu_ms', '.0f')} | "
+                  f"{_span(r['numesh'], 'cpu_ms', '.0f')} | {_span(r['base'], 'rss_mb', '.0f')} | "
                   f"{_span(r['numesh'], 'rss_mb', '.0f')} |")
+        print("CPU ms/step: this process's CPU time per timed step (both threads; numesh's threads block, never "
+              "spin): steadier than wall time on a busy machine")
     if rep["same_init"]:
         for r in rep["rows"]:
             for a, b in zip(r["numesh"], r["torch"]):

@@ -3,7 +3,7 @@
 
     python benchmarks/profile_train.py --preset default --steps 20
     python benchmarks/profile_train.py --preset smollm2-4 --steps 5              # Llama: SmolLM2's block, 4 layers
-    python benchmarks/profile_train.py --preset smollm2-4 --block-size 2048 --batch-size 1 --steps 5
+    python benchmarks/profile_train.py --preset smollm2-4 --block-size 2048 --batch-size 1 --steps 5 --clock cpu
 
 Three views of the same single-process training run (see bench_train.py for presets/data;
 benchmarks/common.py's LLAMA_PRESETS are Llama-family models, with the Llama parts' ops):
@@ -78,7 +78,8 @@ class Instrument:
     that record, per label, inclusive time, exclusive time (minus wrapped callees) and
     calls, plus per phase the time of its outermost calls."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
         self.incl: dict[str, float] = defaultdict(float)
         self.excl: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
@@ -105,11 +106,11 @@ class Instrument:
             frame = [label, phase, 0.0]
             stack = inst._stack()
             stack.append(frame)
-            t0 = time.perf_counter()
+            t0 = inst.clock()
             try:
                 return fn(*args, **kw)
             finally:
-                dt = time.perf_counter() - t0
+                dt = inst.clock() - t0
                 stack.pop()
                 with inst._lock:
                     inst.incl[label] += dt
@@ -227,7 +228,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep freed memory for reuse as `numesh train` does (default), or glibc's defaults")
     ap.add_argument("--data", default=None)
     ap.add_argument("--src", default=DEFAULT_SRC)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: elapsed time (default); cpu: this process's CPU time on all its threads "
+                         "(time.process_time), which a busy machine's other processes do not inflate: each op's "
+                         "own cost when one op runs at a time (blocks whole, e.g. batch 1, or --threads 1); blocks "
+                         "run as pieces on several threads count each other's time")
     args = ap.parse_args(argv)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
     from numesh.host.runtime import set_blas_threads
 
@@ -236,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     model_cfg = preset_config(args.preset, args.batch_size, args.block_size)
     with dataset_dir(args.data, args.src, log=log) as data:
         tr = make_trainer(model_cfg, data, args.dtype)
-        print(f"config: preset={args.preset} {model_cfg} dtype={args.dtype} threads={threads} "
+        print(f"config: preset={args.preset} {model_cfg} dtype={args.dtype} threads={threads} clock={args.clock} "
               f"steps={args.steps} (+{args.warmup} warmup) malloc={'keep freed memory' if kept else 'glibc defaults'}")
         for _ in range(args.warmup):
             tr.train_step()
@@ -245,15 +252,15 @@ def main(argv: list[str] | None = None) -> int:
         t = []
         with CpuMonitor() as mon:
             for _ in range(args.steps):
-                t0 = time.perf_counter()
+                t0 = clock()
                 tr.train_step()
-                t.append(time.perf_counter() - t0)
+                t.append(clock() - t0)
         step_ms = statistics.median(t) * 1e3
         print(f"Trainer.train_step: median {step_ms:.2f} ms, mean {statistics.fmean(t) * 1e3:.2f} ms, "
               f"min {min(t) * 1e3:.2f} ms ({_load(mon, args.steps)})")
 
         # 1. cProfile
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(clock)
         with CpuMonitor() as mon:
             prof.enable()
             for _ in range(args.steps):
@@ -269,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text.rstrip().replace(str(Path(__file__).resolve().parents[1]) + "/", ""))
 
         # 2 + 3. phases and ops, from timers around numesh's functions during train_step()
-        inst = Instrument()
+        inst = Instrument(clock)
         inst.patch_functions(PHASE_FUNCS)
         inst.patch_functions({name: None for name in OP_FUNCS})
         if getattr(tr, "opt", None) is not None:
@@ -278,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with CpuMonitor() as mon:
                 for _ in range(args.steps):
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     tr.train_step()
-                    t.append(time.perf_counter() - t0)
+                    t.append(clock() - t0)
         finally:
             inst.restore()
         n, total = args.steps, sum(t)
