@@ -5,7 +5,8 @@ where `dparams` has the parameters' own attrs class. Linear layers also expose t
 input-grad and weight-grad halves separately (`linear_bwd_input`, `linear_bwd_weight`),
 which is what lets a zero-bubble pipeline schedule defer the weight half.
 
-LayerNorm and GELU run as fused kernels (numesh/kernels.py) when numba is installed; the
+LayerNorm and GELU run as fused kernels (numesh/host/kernels.py) when numba is installed,
+and so do the Llama kind's RMSNorm and SwiGLU (numesh/host/llama_kernels.py); the
 `*_reference` functions are the plain NumPy versions, the readable definition that the
 kernels are tested against. Attention has its own module (numesh/nn/attention.py).
 """
@@ -18,7 +19,8 @@ import attrs
 import numpy as np
 
 from numesh.host import kernels as K
-from numesh.host.threads import matmul, over_rows, token_sum
+from numesh.host import llama_kernels as LK
+from numesh.host.threads import cores, matmul, over_rows, tiles, token_sum, tree_sum
 
 LN_EPS = 1e-5
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -138,16 +140,54 @@ def layernorm_bwd_reference(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray],
 
 def rmsnorm_fwd(p: RMSNorm, x: np.ndarray, eps: float) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """RMSNorm over the last dim, y = x * rstd * w with rstd = 1/sqrt(mean(x^2) + eps); the
-    context is (xhat = x * rstd, rstd [..., 1])."""
+    context is (xhat = x * rstd, rstd [..., 1]). One kernel pass per row, rows over the threads."""
+    if not K.enabled():
+        return rmsnorm_fwd_reference(p, x, eps)
+    x = np.ascontiguousarray(x)
+    y, xhat = np.empty_like(x), np.empty_like(x)
+    rstd = np.empty((*x.shape[:-1], 1), x.dtype)
+    x2, y2, xh2, r2 = _rows(x), _rows(y), _rows(xhat), rstd.reshape(-1)
+    over_rows(lambda r: LK.rmsnorm_fwd(x2[r], p.w, eps, y2[r], xh2[r], r2[r]), x2.shape[0],
+              _chunk_rows(x2.shape[1]))
+    return y, (xhat, rstd)
+
+
+def rmsnorm_bwd(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, RMSNorm]:
+    """dx = rstd * (dxhat - xhat * mean(dxhat * xhat)) with dxhat = dy * w; dw sums dy * xhat
+    over tokens: within each `token_sum` piece over fixed row tiles (`tiles`, a function of
+    the shape and the cores, never of the threads), the tiles' float64 sums added in one
+    pairwise tree (`tree_sum`), so the rows spread over the threads and the bits do not."""
+    if not K.enabled():
+        return rmsnorm_bwd_reference(p, ctx, dy)
+    xhat, rstd = (np.ascontiguousarray(a) for a in ctx)
+    dy = np.ascontiguousarray(dy)
+    dx = np.empty_like(dy)
+    dy2, xh2, r2, dx2 = _rows(dy), _rows(xhat), rstd.reshape(-1), _rows(dx)
+    c = dy2.shape[1]
+
+    def piece(rows: slice) -> np.ndarray:
+        parts = tiles(rows.stop - rows.start, _chunk_rows(c), cores())
+
+        def tile(i: int) -> tuple[None, np.ndarray]:
+            t = slice(rows.start + parts[i].start, rows.start + parts[i].stop)
+            dw = np.empty(c, np.float64)
+            LK.rmsnorm_bwd(dy2[t], xh2[t], r2[t], p.w, dx2[t], dw)
+            return None, dw
+
+        return tree_sum(tile, len(parts))[1].astype(dy.dtype)
+
+    return dx, RMSNorm(token_sum(piece, dy2.shape[0]))
+
+
+def rmsnorm_fwd_reference(p: RMSNorm, x: np.ndarray, eps: float) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     ms = np.einsum("...i,...i->...", x, x)[..., None] / x.shape[-1]
     rstd = 1.0 / np.sqrt(ms + eps)
     xhat = x * rstd
     return xhat * p.w, (xhat, rstd)
 
 
-def rmsnorm_bwd(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, RMSNorm]:
-    """dx = rstd * (dxhat - xhat * mean(dxhat * xhat)) with dxhat = dy * w; dw sums dy * xhat
-    over tokens (`token_sum`, as LayerNorm's)."""
+def rmsnorm_bwd_reference(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray],
+                          dy: np.ndarray) -> tuple[np.ndarray, RMSNorm]:
     xhat, rstd = ctx
     dy2, xh2 = _rows(dy), _rows(xhat)
     dw = token_sum(lambda r: np.einsum("ni,ni->i", dy2[r], xh2[r]), dy2.shape[0])
@@ -159,13 +199,45 @@ def rmsnorm_bwd(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) 
 
 def swiglu_fwd(gate: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """SwiGLU's gating: silu(gate) * up, with silu(g) = g * sigmoid(g); the context is
-    (gate, up, sigmoid(gate))."""
+    (gate, up, sigmoid(gate)). NumPy's exp, then one kernel pass, rows over the threads."""
+    if not K.enabled():
+        return swiglu_fwd_reference(gate, up)
+    gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
+    sig, y = np.empty_like(gate), np.empty_like(gate)
+    g2, u2, s2, y2 = _rows(gate), _rows(up), _rows(sig), _rows(y)
+
+    def rows(r: slice) -> None:
+        gr, sr = g2[r].reshape(-1), s2[r].reshape(-1)
+        np.negative(gr, out=sr)
+        with np.errstate(over="ignore"):  # exp(-g) = inf for g << 0: sigmoid 0, as the reference
+            np.exp(sr, out=sr)
+        LK.swiglu_fwd(gr, u2[r].reshape(-1), sr, y2[r].reshape(-1))
+
+    over_rows(rows, g2.shape[0], _chunk_rows(g2.shape[1]))
+    return y, (gate, up, sig)
+
+
+def swiglu_bwd(ctx: tuple[np.ndarray, np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(d gate, d up): silu'(g) = sig * (1 + g * (1 - sig)); one kernel pass, rows over the threads."""
+    if not K.enabled():
+        return swiglu_bwd_reference(ctx, dy)
+    gate, up, sig = (np.ascontiguousarray(a) for a in ctx)
+    dy = np.ascontiguousarray(dy)
+    dgate, dup = np.empty_like(dy), np.empty_like(dy)
+    flat = [_rows(a) for a in (gate, up, sig, dy, dgate, dup)]
+    over_rows(lambda r: LK.swiglu_bwd(*(a[r].reshape(-1) for a in flat)), flat[0].shape[0],
+              _chunk_rows(flat[0].shape[1]))
+    return dgate, dup
+
+
+def swiglu_fwd_reference(gate: np.ndarray,
+                         up: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     sig = 1.0 / (1.0 + np.exp(-gate))
     return gate * sig * up, (gate, up, sig)
 
 
-def swiglu_bwd(ctx: tuple[np.ndarray, np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(d gate, d up): silu'(g) = sig * (1 + g * (1 - sig))."""
+def swiglu_bwd_reference(ctx: tuple[np.ndarray, np.ndarray, np.ndarray],
+                         dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     gate, up, sig = ctx
     silu = gate * sig
     dgate = dy * up * sig * (1.0 + gate * (1.0 - sig))

@@ -129,8 +129,9 @@ def qkv_fwd(p: Attention | GQAttention, h: np.ndarray, cfg: GPTConfig, mesh: Mes
         q = linear_fwd(p.q, h)[0].reshape(B, T, nh, hs)
         k = linear_fwd(_columns(p.k, cols), h)[0].reshape(B, T, -1, hs)
         v = linear_fwd(_columns(p.v, cols), h)[0].reshape(B, T, -1, hs)
-    if rot is not None:
-        q, k = rope_fwd(q, rot), rope_fwd(k, rot)
+    if rot is not None:  # in place: q and k are this call's fresh projections (or views of one)
+        rope_fwd(q, rot, out=q)
+        rope_fwd(k, rot, out=k)
     return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), QKVCtx(rot, cols)
 
 
@@ -172,12 +173,13 @@ def qkv_bwd_input(p: Attention | GQAttention, ctx: QKVCtx, storage: Any) -> tupl
         B, T = storage.shape[:2]
         if ctx.rot is not None:  # q and k were rotated after the projection: undo it on their grads
             for i in (0, 1):
-                storage[:, :, i] = rope_bwd(storage[:, :, i], ctx.rot)
+                rope_bwd(storage[:, :, i], ctx.rot, out=storage[:, :, i])
         dqkv = storage.reshape(B, T, -1)
         return linear_bwd_input(p.qkv, dqkv), QKVGrads(qkv=dqkv)
     dq, dk, dv = storage
-    if ctx.rot is not None:
-        dq, dk = rope_bwd(dq, ctx.rot), rope_bwd(dk, ctx.rot)
+    if ctx.rot is not None:  # in place: the buffers are this backward's own
+        rope_bwd(dq, ctx.rot, out=dq)
+        rope_bwd(dk, ctx.rot, out=dk)
     B, T = dq.shape[:2]
     dq, dk, dv = (d.reshape(B, T, -1) for d in (dq, dk, dv))
     dh = linear_bwd_input(p.q, dq)
@@ -196,6 +198,9 @@ def qkv_bwd_weight(p: Attention | GQAttention, h: np.ndarray, ctx: QKVCtx,
     out = [linear_bwd_weight(p.q, h, g.q)]
     for lin, d in ((p.k, g.k), (p.v, g.v)):
         part = linear_bwd_weight(_columns(lin, ctx.kv_cols), h, d)
+        if ctx.kv_cols == slice(0, lin.w.shape[1]):  # every kv head (tp=1): the part is the whole
+            out.append(part)
+            continue
         whole = Linear(np.zeros_like(lin.w), None if lin.b is None else np.zeros_like(lin.b))
         whole.w[:, ctx.kv_cols] = part.w
         if whole.b is not None:

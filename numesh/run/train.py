@@ -31,7 +31,7 @@ from numesh.checkpoint.model import shard_params
 from numesh.data.batches import eval_key, local_batch, train_key
 from numesh.data.dataset import Dataset, bits_per_byte, bytes_per_token, open_dataset, verify_dataset
 from numesh.data.shards import TokenStream
-from numesh.host import kernels
+from numesh.host import kernels, llama_kernels
 from numesh.host.interrupt import InterruptWatch, parse_signals
 from numesh.host.runtime import dp_hint, host_map, log
 from numesh.host.runtime import job_peak_flops as measured_peak_flops
@@ -531,6 +531,8 @@ def train(
     `ckpt_interval` steps and at the end) with OUT/ckpt/latest pointing at the newest."""
     trainer = Trainer(cfg, comm)
     kernels.warm_up(trainer.dtype)  # compiled before any collective has a deadline
+    if trainer.model.norm == "rmsnorm" or trainer.model.mlp == "swiglu" or trainer.model.positions == "rotary":
+        llama_kernels.warm_up(trainer.dtype)  # the Llama parts' kernels, when the model has them
     _check_hosts(trainer.mesh.world, Path(cfg.out))
     if resume := _resume_from(cfg, trainer.mesh.world):
         if _resume(trainer, cfg, resume):
