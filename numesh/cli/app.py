@@ -151,10 +151,12 @@ def data_bpe(
 
 @data_app.command("tokenize")
 def data_tokenize(
-    tokenizer: Path = typer.Option(..., help="a Hugging Face tokenizer.json (GPT-2's, or one `numesh data bpe` wrote)"),
+    tokenizer: Path = typer.Option(..., help="a Hugging Face tokenizer.json (GPT-2's, or one `numesh data bpe` wrote), "
+                                   "or a transformers model's directory holding one (its model's tokenizer)"),
     src: list[str] = typer.Option(..., help=_SRC_HELP, metavar="PATH"),
     out: Path = typer.Option(..., help="output directory: a copy of the tokenizer, the token shards, meta.json"),
-    eot: str = typer.Option("<|endoftext|>", help="the tokenizer's end-of-text token, put after each document"),
+    eot: Optional[str] = typer.Option(None, help="the tokenizer's end-of-text token, put after each document",
+                                      show_default="a model directory's eos_token, else <|endoftext|>"),
     split_on: Optional[str] = typer.Option(None, help=_SPLIT_HELP),
     text_field: str = typer.Option("text", help="the field holding the text in .jsonl and .parquet files"),
     val_fraction: float = typer.Option(0.1, help="share of the documents that go to the val split"),
@@ -169,7 +171,7 @@ def data_tokenize(
     def go() -> None:
         tok = HFTokenizer.from_file(tokenizer, eot)
         how = Reading(split_on, text_field)
-        again = rebuild_command(src, how, val_fraction, tokenizer=tokenizer, eot=eot)
+        again = rebuild_command(src, how, val_fraction, tokenizer=tokenizer, eot=tok.eot)
         with download_bar("tokenising") as progress:
             summary = prepare_tokenized(src, tok, out, how, val_fraction, progress, overwrite, again)
         _tokenized(summary, out, "wrote")

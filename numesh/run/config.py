@@ -18,6 +18,7 @@ import numpy as np
 
 from numesh.base.errors import ConfigError
 from numesh.base.files import read_user_file
+from numesh.checkpoint.hf_llama import OPTIONS, conflicts, is_pretrained_dir, model_type, pretrained
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
 from numesh.host.interrupt import parse_signals
 from numesh.mesh import parse_mesh
@@ -134,8 +135,9 @@ class TrainConfig:
         "", "checkpoint to continue from (written on any mesh), e.g. OUT/ckpt/latest; auto: OUT/ckpt/latest if it "
         "exists, else start fresh, so one command line serves the first attempt and every requeue")
     init_from: str = _field(
-        "", "start from these weights, fine-tuning: a Hugging Face GPT-2-architecture directory or a `numesh "
-        "export` file, with the run's model shape and --data's tokenizer")
+        "", "start from these weights, fine-tuning: a Hugging Face transformers directory (Llama, Mistral or "
+        "Mixtral: it sets the model options; GPT-2: the options must match it) or a `numesh export` file, with "
+        "--data tokenised by its tokenizer")
     save_on_signal: str = _field(
         "TERM,USR1", "on these signals every rank saves a checkpoint at the next step boundary, whatever "
         "--ckpt-interval, and exits 75 (preempted: rerun with --resume auto); comma-separated names "
@@ -192,6 +194,7 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
             raise ConfigError(f"unknown config key '{key}': the keys are {', '.join(fields)}")
         if value is not None:
             values[key] = value
+    _from_pretrained(values)
     arch = values.get("arch", fields["arch"].default)
     if arch not in ARCHS:
         raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
@@ -204,6 +207,23 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
         elif not isinstance(values[name], want) or (want is int and isinstance(value, bool)):
             raise ConfigError(f"config key '{name}' must be {want.__name__}, got {value!r}")
     return TrainConfig(**values)
+
+
+def _from_pretrained(values: dict[str, Any]) -> None:
+    """With --init-from a transformers Llama-family directory, the model options its
+    config.json fixes, filled in where not given; one given otherwise is a one-line error.
+    (A GPT-2 directory's shape is given by the options, and checked when it is read.)"""
+    init = values.get("init_from")
+    if not (isinstance(init, str) and init.strip() and is_pretrained_dir(init)
+            and model_type(Path(init)) != "gpt2"):
+        return
+    theirs = pretrained(init).options
+    clash = conflicts(theirs, values)
+    if clash is not None:
+        name, given, want = clash
+        raise ConfigError(f"{OPTIONS[name]} {given} conflicts with --init-from {init}, whose model has {want}: "
+                          "leave the option out (the directory sets it)")
+    values.update(theirs)
 
 
 def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]:
@@ -342,8 +362,6 @@ def _check_moe(cfg: TrainConfig, shape: dict[str, int]) -> None:
     if cfg.moe_experts % ep:
         raise ConfigError(f"--moe-experts {cfg.moe_experts} do not split over ep={ep}: "
                           f"use a multiple of {ep} experts or another ep")
-    if cfg.init_from:
-        raise ConfigError("--init-from with experts is not supported yet: its weights are a dense model's")
 
 
 @functools.lru_cache(maxsize=4096)
