@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -325,3 +324,117 @@ def test_what_transformers_cannot_compute_is_refused_in_one_line(llama_data: Pat
                               str(tmp_path / "hf")))
     assert "mixes GPT-2's and Llama's parts (norm layernorm, positions rotary" in line
     assert not (tmp_path / "hf").exists()
+
+
+# ---------------------------------------------------------------------------------------
+# the options come from the directory; one-line refusals
+
+
+def _edit_config(d: Path, **changes: Any) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_weights(d: Path, drop: str | None = None, transpose: str | None = None, add: str | None = None) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    sd = load_file(d / "model.safetensors")
+    if drop:
+        del sd[drop]
+    if transpose:
+        sd[transpose] = np.ascontiguousarray(sd[transpose].T)
+    if add:
+        sd[add] = np.zeros(3, np.float64)
+    save_file(sd, d / "model.safetensors")
+
+
+def test_init_from_alone_sets_the_model_and_a_conflicting_option_is_one_line(tok_json: str, llama_data: Path,
+                                                                              tmp_path: Path) -> None:
+    from numesh.run.config import config_from
+
+    d = save_model(tmp_path / "hf", tok_json, kind="mixtral", tie_word_embeddings=True)
+    cfg = config_from(dict(init_from=str(d), data=str(llama_data)))
+    got = {k: getattr(cfg, k) for k in ("arch", "norm", "positions", "mlp", "n_layer", "n_head", "n_embd",
+                                        "n_kv_head", "ffn_hidden", "rope_theta", "norm_eps", "tie_embeddings",
+                                        "bias", "moe_experts", "moe_top_k")}
+    assert got == dict(arch="llama", norm="rmsnorm", positions="rotary", mlp="swiglu", n_layer=2, n_head=4, n_embd=16,
+                       n_kv_head=2, ffn_hidden=24, rope_theta=500.0, norm_eps=1e-6, tie_embeddings=True, bias=False,
+                       moe_experts=4, moe_top_k=2)
+    assert config_from(dict(init_from=str(d), n_layer=2, n_kv_head=2)).n_layer == 2  # agreeing options are fine
+    for kw, says in [(dict(n_layer=3), "--n-layer 3 conflicts with --init-from"),
+                     (dict(tie_embeddings=False), "--tie-embeddings / --no-tie-embeddings False conflicts"),
+                     (dict(arch="gpt2"), "--arch gpt2 conflicts"),
+                     (dict(moe_experts=0), "--moe-experts 0 conflicts")]:
+        with pytest.raises(ConfigError, match=re.escape(says)) as e:
+            config_from(dict(init_from=str(d), **kw))
+        assert "whose model has" in str(e.value) and "\n" not in str(e.value)
+    line = one_error_line(cli("train", "--init-from", str(d), "--data", str(llama_data), "--n-embd", "32",
+                              "--out", str(tmp_path / "run")))
+    assert "--n-embd 32 conflicts with --init-from" in line
+
+
+REFUSALS = [  # (how the directory is spoiled, what the one line says)
+    (lambda d: (d / "config.json").unlink(), "it needs config.json"),
+    (lambda d: (d / "model.safetensors").unlink(), "holds no weights: it needs model.safetensors"),
+    (lambda d: _edit_config(d, model_type="qwen2"), "model_type 'qwen2' is not one numesh reads: it reads llama, "
+                                                    "mistral, mixtral and gpt2"),
+    (lambda d: _edit_config(d, rope_parameters={"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}),
+     "rope scaling 'llama3' is not implemented in numesh"),
+    (lambda d: _edit_config(d, rope_scaling={"type": "linear", "factor": 2.0}),
+     "rope scaling 'linear' is not implemented in numesh"),
+    (lambda d: _edit_config(d, model_type="mistral", sliding_window=4096),
+     "mistral with a sliding window (4096 tokens) is not implemented"),
+    (lambda d: _edit_config(d, head_dim=8), "head_dim is 8 but hidden_size / num_attention_heads is 16/4"),
+    (lambda d: _edit_config(d, hidden_act="gelu"), "hidden_act is 'gelu', numesh's SwiGLU needs silu"),
+    (lambda d: _edit_config(d, attention_bias=True), "attention_bias is True but mlp_bias False"),
+    (lambda d: _edit_weights(d, drop="model.layers.1.mlp.up_proj.weight"),
+     "has no tensor 'model.layers.1.mlp.up_proj.weight'"),
+    (lambda d: _edit_weights(d, transpose="model.layers.0.self_attn.k_proj.weight"),
+     "tensor 'model.layers.0.self_attn.k_proj.weight' has shape [16, 8], the model needs [8, 16]"),
+    (lambda d: _edit_weights(d, add="model.layers.0.self_attn.q_norm.weight"),
+     "unexpected tensor 'model.layers.0.self_attn.q_norm.weight'"),
+    (lambda d: (d / "tokenizer.json").unlink(), "has no tokenizer.json"),
+]
+
+
+@pytest.mark.parametrize("spoil, says", REFUSALS, ids=[s for _, s in REFUSALS])
+def test_a_directory_numesh_cannot_read_is_one_line(spoil: Any, says: str, tok_json: str, llama_data: Path,
+                                                    tmp_path: Path) -> None:
+    from numesh.run.train import Trainer
+
+    d = save_model(tmp_path / "hf", tok_json)
+    spoil(d)
+    cfg = llama_run(llama_data, tmp_path / "ft", init_from="", ffn_hidden=24)
+    import attrs
+
+    with pytest.raises(UserError, match=re.escape(says)) as e:
+        Trainer(attrs.evolve(cfg, init_from=str(d)), MPI.COMM_SELF)
+    assert "\n" not in str(e.value)
+
+
+def test_the_run_must_fit_the_directory_in_context_and_tokenizer(tok_json: str, llama_data: Path, char_dataset: Path,
+                                                                  tmp_path: Path) -> None:
+    """--block-size up to max_position_embeddings (64 here: rotary, no table to crop); a
+    dataset tokenised with another tokenizer, of another size or the same size, refused."""
+    import attrs
+
+    from numesh.data.dataset import load_tokenizer
+    from numesh.run.train import Trainer
+
+    d = save_model(tmp_path / "hf", tok_json)
+    cfg = llama_run(llama_data, tmp_path / "ft", ffn_hidden=24, init_from=str(d))
+    Trainer(attrs.evolve(cfg, block_size=64), MPI.COMM_SELF)  # the longest allowed
+    with pytest.raises(ConfigError, match="--block-size 65 is longer than .* max_position_embeddings 64"):
+        Trainer(attrs.evolve(cfg, block_size=65), MPI.COMM_SELF)
+    with pytest.raises(ConfigError, match=r"has vocab_size \d+, --data's tokenizer \d+ entries: tokenise the corpus "
+                                          "with its tokenizer.json"):
+        Trainer(attrs.evolve(cfg, data=str(char_dataset)), MPI.COMM_SELF)
+    other = json.loads(tok_json)  # the same size, two tokens swapped: other ids for the same text
+    vocab = other["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (d / "tokenizer.json").write_text(json.dumps(other))
+    assert load_tokenizer(llama_data).vocab_size == vocab_of(json.dumps(other))
+    with pytest.raises(ConfigError, match="was trained with another tokenizer than --data's"):
+        Trainer(cfg, MPI.COMM_SELF)
