@@ -28,6 +28,7 @@ import numpy as np
 
 from numesh.base.errors import CheckpointError
 from numesh.base.files import os_reason
+from numesh.checkpoint.common import read_meta
 from numesh.checkpoint.export import exported_tensors, to_nanogpt
 from numesh.checkpoint.hf_llama import to_llama
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
@@ -41,12 +42,14 @@ _BIASES = {".ln_1.bias": 1, ".attn.c_attn.bias": 3, ".attn.c_proj.bias": 1, ".ln
 
 
 # transformers' MoE decoders (Mixtral, Qwen2-MoE, OLMoE, ...) are Llama-shaped: RMSNorm,
-# rotary positions and gated SiLU experts (w1, w3, w2). numesh's GPT has LayerNorm, learned
-# positions and GELU experts, and GPT2LMHeadModel has no experts: no class transformers
-# ships computes this model, and a directory needing custom code is what the export avoids.
+# rotary positions and gated SiLU experts (w1, w3, w2). GPT-2's kind with experts has
+# LayerNorm, learned positions and GELU experts, and GPT2LMHeadModel has no experts: no class
+# transformers ships computes it, and a directory needing custom code is what the export
+# avoids. The Llama kind with experts is a Mixtral (`hf_kind`).
 MOE_REFUSAL = ("this checkpoint is a mixture of experts ({} experts) and transformers has no model class for it: "
-               "its MoE models (Mixtral and kin) use RMSNorm, rotary positions and gated SiLU experts where numesh "
-               "has LayerNorm, learned positions and GELU experts; sample or resume it with numesh instead")
+               "its MoE models (Mixtral and kin) use RMSNorm, rotary positions and gated SiLU experts where this "
+               "model has LayerNorm, learned positions and GELU experts (a Llama-kind MoE, --arch llama, exports "
+               "as MixtralForCausalLM); sample or resume it with numesh instead")
 
 
 def to_hf(params: Any, model: GPTConfig) -> dict[str, np.ndarray]:
@@ -151,6 +154,8 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
         raise CheckpointError(f"{out} is a file: --format hf writes a directory, pass a directory as --out")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise CheckpointError(f"{out} is not empty: pass --force to overwrite")
+    if Path(path).is_dir():
+        hf_kind(read_meta(path).model)  # what transformers cannot compute, refused before the weights are read
     meta, sd = exported_tensors(path, dtype, _converted)
     tok_meta = meta.raw.get("tokenizer")
     if tok_meta is None:

@@ -404,7 +404,8 @@ def moe_progress(info: dict) -> str:
 @app.command("sample", cls=_Command)
 def sample_cmd(
     ckpt: Path = typer.Option(
-        ..., help="checkpoint directory (e.g. runs/x/ckpt/latest) or a `numesh export`ed .safetensors file"
+        ..., help="checkpoint directory (e.g. runs/x/ckpt/latest), a `numesh export`ed .safetensors file, or a "
+        "transformers model directory (Llama, Mistral, Mixtral, GPT-2)"
     ),
     prompt: str = typer.Option("\n", help="text to continue", show_default="a newline"),
     max_new_tokens: int = typer.Option(500, help="tokens to generate"),
@@ -456,7 +457,8 @@ def export_cmd(
                                 show_default=False),
     out: str = typer.Option(..., help="output: a .safetensors file (nanogpt) or a directory (hf)", metavar="<path>"),
     format: str = typer.Option("nanogpt", "--format", help="nanogpt: one safetensors file with nanoGPT's names; "
-                               "hf: a Hugging Face transformers directory (GPT-2 architecture)"),
+                               "hf: a Hugging Face transformers directory (GPT-2, or LlamaForCausalLM / "
+                               "MixtralForCausalLM for the Llama kind)"),
     dtype: Optional[str] = typer.Option(None, help="float32 or float64", show_default="the checkpoint's"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT if it exists"),
 ) -> None:

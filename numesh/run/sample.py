@@ -52,9 +52,9 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path, comm: MPI.Comm | None = None) -> Checkpoint:
-    """Whole parameters of a checkpoint directory (e.g. RUN/ckpt/latest) or of a
-    `numesh export`ed nanoGPT .safetensors file (no pickle either way). With `comm`, every
-    rank of it gets the same step of a directory (a collective)."""
+    """Whole parameters of a checkpoint directory (e.g. RUN/ckpt/latest), of a `numesh
+    export`ed nanoGPT .safetensors file or of a transformers directory (no pickle any way).
+    With `comm`, every rank of it gets the same step of a checkpoint directory (a collective)."""
     p = Path(path)
     if is_pretrained_dir(p):
         return load_pretrained(p)
@@ -163,8 +163,8 @@ class SampleConfig:
     """What `numesh sample` asks for; `validate` checks it before any file is read.
 
     Attributes:
-        ckpt: a checkpoint directory (e.g. runs/x/ckpt/latest) or a `numesh export`ed
-            .safetensors file.
+        ckpt: a checkpoint directory (e.g. runs/x/ckpt/latest), a `numesh export`ed
+            .safetensors file or a transformers model directory (`load_pretrained`).
         prompt: the text to continue.
         max_new_tokens: tokens to generate.
         temperature: the softmax temperature; 0 = greedy.
