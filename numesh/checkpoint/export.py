@@ -31,8 +31,9 @@ EXPORT_FORMAT = "numesh-nanogpt"
 def check_nanogpt(model: GPTConfig) -> None:
     """Raise unless nanoGPT's format holds `model`: GPT-2's parts, every MLP dense."""
     if parts := gpt2_differences(model):
-        raise CheckpointError(f"nanoGPT export of this model: not yet (issue 41): it has {', '.join(parts)}, "
-                              "where nanoGPT's GPT has GPT-2's parts; sample or resume it with numesh instead")
+        raise CheckpointError(f"nanoGPT's format holds GPT-2's parts only, and this model has {', '.join(parts)}: "
+                              "export it with --format hf (transformers' Llama classes), or sample or resume it "
+                              "with numesh instead")
     if model.moe_experts:
         raise CheckpointError(f"this checkpoint is a mixture of experts ({model.moe_experts} experts), which "
                               "nanoGPT's format cannot hold: sample or resume it with numesh instead")

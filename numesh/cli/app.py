@@ -151,10 +151,12 @@ def data_bpe(
 
 @data_app.command("tokenize")
 def data_tokenize(
-    tokenizer: Path = typer.Option(..., help="a Hugging Face tokenizer.json (GPT-2's, or one `numesh data bpe` wrote)"),
+    tokenizer: Path = typer.Option(..., help="a Hugging Face tokenizer.json (GPT-2's, or one `numesh data bpe` wrote), "
+                                   "or a transformers model's directory holding one (its model's tokenizer)"),
     src: list[str] = typer.Option(..., help=_SRC_HELP, metavar="PATH"),
     out: Path = typer.Option(..., help="output directory: a copy of the tokenizer, the token shards, meta.json"),
-    eot: str = typer.Option("<|endoftext|>", help="the tokenizer's end-of-text token, put after each document"),
+    eot: Optional[str] = typer.Option(None, help="the tokenizer's end-of-text token, put after each document",
+                                      show_default="a model directory's eos_token, else <|endoftext|>"),
     split_on: Optional[str] = typer.Option(None, help=_SPLIT_HELP),
     text_field: str = typer.Option("text", help="the field holding the text in .jsonl and .parquet files"),
     val_fraction: float = typer.Option(0.1, help="share of the documents that go to the val split"),
@@ -169,7 +171,7 @@ def data_tokenize(
     def go() -> None:
         tok = HFTokenizer.from_file(tokenizer, eot)
         how = Reading(split_on, text_field)
-        again = rebuild_command(src, how, val_fraction, tokenizer=tokenizer, eot=eot)
+        again = rebuild_command(src, how, val_fraction, tokenizer=tokenizer, eot=tok.eot)
         with download_bar("tokenising") as progress:
             summary = prepare_tokenized(src, tok, out, how, val_fraction, progress, overwrite, again)
         _tokenized(summary, out, "wrote")
@@ -402,7 +404,8 @@ def moe_progress(info: dict) -> str:
 @app.command("sample", cls=_Command)
 def sample_cmd(
     ckpt: Path = typer.Option(
-        ..., help="checkpoint directory (e.g. runs/x/ckpt/latest) or a `numesh export`ed .safetensors file"
+        ..., help="checkpoint directory (e.g. runs/x/ckpt/latest), a `numesh export`ed .safetensors file, or a "
+        "transformers model directory (Llama, Mistral, Mixtral, GPT-2)"
     ),
     prompt: str = typer.Option("\n", help="text to continue", show_default="a newline"),
     max_new_tokens: int = typer.Option(500, help="tokens to generate"),
@@ -454,7 +457,8 @@ def export_cmd(
                                 show_default=False),
     out: str = typer.Option(..., help="output: a .safetensors file (nanogpt) or a directory (hf)", metavar="<path>"),
     format: str = typer.Option("nanogpt", "--format", help="nanogpt: one safetensors file with nanoGPT's names; "
-                               "hf: a Hugging Face transformers directory (GPT-2 architecture)"),
+                               "hf: a Hugging Face transformers directory (GPT-2, or LlamaForCausalLM / "
+                               "MixtralForCausalLM for the Llama kind)"),
     dtype: Optional[str] = typer.Option(None, help="float32 or float64", show_default="the checkpoint's"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT if it exists"),
 ) -> None:

@@ -211,11 +211,19 @@ class HFTokenizer:
         object.__setattr__(self, "_tok", tok)
 
     @classmethod
-    def from_file(cls, path: str | Path, eot: str = EOT) -> HFTokenizer:
-        text = read_tokenizer_file(path)
+    def from_file(cls, path: str | Path, eot: str | None = EOT) -> HFTokenizer:
+        """The tokenizer.json at `path`, or in the transformers directory `path` (a model's:
+        `numesh data tokenize --tokenizer DIR`). `eot` None: the directory's end-of-sequence
+        token (`directory_eos`), else `EOT`."""
+        p = Path(path)
+        file = p / "tokenizer.json" if p.is_dir() else p
+        if p.is_dir() and not file.exists():
+            raise DataError(f"{p} has no tokenizer.json: pass a directory holding one (a transformers model's) "
+                            "or the file itself")
+        text = read_tokenizer_file(file)
         if CharTokenizer.from_hf_json(text) is not None:
             raise DataError(char_route(str(path), str(path)))
-        return cls(text, eot)
+        return cls(text, eot if eot is not None else directory_eos(file.parent, text) or EOT)
 
     @property
     def vocab_size(self) -> int:
@@ -255,6 +263,33 @@ class HFTokenizer:
     def to_meta(self) -> dict[str, Any]:
         return {"kind": self.kind, "vocab_size": self.vocab_size, "eot": self.eot, "eot_id": self.eot_id,
                 "sha256": self.sha256, "json": self.json_text}
+
+
+def directory_eos(directory: Path, json_text: str) -> str | None:
+    """The end-of-sequence token a transformers directory names: tokenizer_config.json's
+    eos_token, else the token of config.json's eos_token_id; None when it names none (or
+    the files are unreadable: the caller's default then applies)."""
+    def read(name: str) -> dict[str, Any]:
+        try:
+            obj = json.loads((directory / name).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return {}
+        return obj if isinstance(obj, dict) else {}
+
+    eos = read("tokenizer_config.json").get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if isinstance(eos, str) and eos:
+        return eos
+    eos_id = read("config.json").get("eos_token_id")
+    eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
+    if isinstance(eos_id, int) and not isinstance(eos_id, bool):
+        from tokenizers import Tokenizer as Raw
+
+        try:
+            return Raw.from_str(json_text).id_to_token(eos_id)
+        except Exception:  # tokenizers raises its own types; HFTokenizer reports a bad file
+            return None
+    return None
 
 
 def check_bpe_size(vocab_size: int) -> None:

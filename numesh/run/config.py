@@ -18,6 +18,7 @@ import numpy as np
 
 from numesh.base.errors import ConfigError
 from numesh.base.files import read_user_file
+from numesh.checkpoint.hf_llama import OPTIONS, conflicts, is_pretrained_dir, model_type, pretrained
 from numesh.checkpoint.init_from import check_init_kind
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
 from numesh.host.interrupt import parse_signals
@@ -147,8 +148,9 @@ class TrainConfig:
         "", "checkpoint to continue from (written on any mesh), e.g. OUT/ckpt/latest; auto: OUT/ckpt/latest if it "
         "exists, else start fresh, so one command line serves the first attempt and every requeue")
     init_from: str = _field(
-        "", "start from these weights, fine-tuning: a Hugging Face GPT-2-architecture directory or a `numesh "
-        "export` file, with the run's model shape and --data's tokenizer")
+        "", "start from these weights, fine-tuning: a Hugging Face transformers directory (Llama, Mistral or "
+        "Mixtral: it sets the model options; GPT-2: the options must match it) or a `numesh export` file, with "
+        "--data tokenised by its tokenizer")
     save_on_signal: str = _field(
         "TERM,USR1", "on these signals every rank saves a checkpoint at the next step boundary, whatever "
         "--ckpt-interval, and exits 75 (preempted: rerun with --resume auto); comma-separated names "
@@ -205,6 +207,7 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
             raise ConfigError(f"unknown config key '{key}': the keys are {', '.join(fields)}")
         if value is not None:
             values[key] = value
+    _from_pretrained(values)
     arch = values.get("arch", fields["arch"].default)
     if arch not in ARCHS:
         raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
@@ -217,6 +220,27 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
         elif not isinstance(values[name], want) or (want is int and isinstance(value, bool)):
             raise ConfigError(f"config key '{name}' must be {want.__name__}, got {value!r}")
     return TrainConfig(**values)
+
+
+def _llama_dir(init: Any) -> bool:
+    """Whether `--init-from` names a transformers Llama-family directory (not GPT-2's)."""
+    return isinstance(init, str) and bool(init.strip()) and is_pretrained_dir(init) and model_type(Path(init)) != "gpt2"
+
+
+def _from_pretrained(values: dict[str, Any]) -> None:
+    """With --init-from a transformers Llama-family directory, the model options its
+    config.json fixes, filled in where not given; one given otherwise is a one-line error.
+    (A GPT-2 directory's shape is given by the options, and checked when it is read.)"""
+    init = values.get("init_from")
+    if not _llama_dir(init):
+        return
+    theirs = pretrained(init).options
+    clash = conflicts(theirs, values)
+    if clash is not None:
+        name, given, want = clash
+        raise ConfigError(f"{OPTIONS[name]} {given} conflicts with --init-from {init}, whose model has {want}: "
+                          "leave the option out (the directory sets it)")
+    values.update(theirs)
 
 
 def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]:
@@ -325,7 +349,7 @@ def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> G
                           f"use a --block-size divisible by {shape['tp']}")
     model = cfg.model(vocab_size)
     model.validate(1)  # a tp or experts error below says which mesh axis
-    if cfg.init_from:
+    if cfg.init_from and not Path(cfg.init_from).is_dir():  # a directory is judged when it is read
         check_init_kind(model)
     _check_moe(cfg, shape)
     model.validate(shape["tp"])
@@ -355,8 +379,6 @@ def _check_moe(cfg: TrainConfig, shape: dict[str, int]) -> None:
     if cfg.moe_experts % ep:
         raise ConfigError(f"--moe-experts {cfg.moe_experts} do not split over ep={ep}: "
                           f"use a multiple of {ep} experts or another ep")
-    if cfg.init_from:
-        raise ConfigError("--init-from with experts is not supported yet: its weights are a dense model's")
 
 
 @functools.lru_cache(maxsize=4096)

@@ -26,8 +26,7 @@ from numesh.base.tree import tree_leaves, tree_leaves_with_path, tree_map
 from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
 from numesh.checkpoint.background import AsyncCheckpoints
 from numesh.checkpoint.format import step_dir_name
-from numesh.checkpoint.init_from import load_init
-from numesh.checkpoint.model import shard_params
+from numesh.checkpoint.init_from import initial_shards
 from numesh.data.batches import eval_key, local_batch, train_key
 from numesh.data.dataset import Dataset, bits_per_byte, bytes_per_token, open_dataset, verify_dataset
 from numesh.data.shards import TokenStream
@@ -111,7 +110,7 @@ class Trainer:
         self.schedule = make_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
         self.specs = stage_tree(gpt_specs(self.model), self.layout, pp_rank)
         self.optimizer = make_optimizer(cfg.optimizer, attrs.asdict(cfg))
-        params = stage_tree(self._initial_params(), self.layout, pp_rank)
+        params = self._initial_params()
         # a tied wte's copy on the last stage: counted on the first rank
         tied_copy = self.model.tie_embeddings and self.layout.holds_tied(pp_rank) and self.layout.is_last(pp_rank)
         units = split_units(params)
@@ -135,12 +134,13 @@ class Trainer:
         self.trace: Tracer | None = None  # set by `start_trace`
 
     def _initial_params(self) -> GPT:
-        """This rank's shards of the starting weights: initialised from the seed, or those of
-        `--init-from` (the same on every rank, sharded like a checkpoint's)."""
+        """This rank's shards of its stage's starting weights: initialised from the seed, or
+        those of `--init-from` (sharded like a checkpoint's)."""
         if not self.cfg.init_from:
-            return init_gpt(self.model, self.mesh, self.cfg.seed, self.dtype)
-        whole = load_init(self.cfg.init_from, self.model, self.dataset.tokenizer, self.dtype)
-        return shard_params(whole, self.model, self.mesh)
+            return stage_tree(init_gpt(self.model, self.mesh, self.cfg.seed, self.dtype), self.layout,
+                              self.mesh.index("pp"))
+        return initial_shards(self.cfg.init_from, self.model, self.dataset.tokenizer, self.mesh, self.layout,
+                              self.dtype)
 
     def optimizer_groups(self) -> list[str]:
         """Which of the optimiser's rules updates which of the model's (global) leaves, in words."""
