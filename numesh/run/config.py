@@ -8,7 +8,6 @@ The CLI's options are the fields, `_` spelled `-`; each field's help is the opti
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from numesh.mesh import parse_mesh
 from numesh.nn.gpt import GPTConfig
 from numesh.nn.walk import check_recompute
 from numesh.observe.inject import faults_from_env
-from numesh.pipeline.schedules import make_schedule
+from numesh.pipeline.schedules import check_shape
 from numesh.pipeline.stages import StageLayout
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -291,7 +290,7 @@ def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> G
     _check_moe(cfg, shape)
     model.validate(shape["tp"])
     StageLayout(model.n_layer, shape["pp"], cfg.virtual_stages)
-    _check_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
+    check_shape(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)  # the trainer builds it
     return model
 
 
@@ -320,12 +319,4 @@ def _check_moe(cfg: TrainConfig, shape: dict[str, int]) -> None:
         raise ConfigError("--init-from with experts is not supported yet: its weights are a dense model's")
 
 
-@functools.lru_cache(maxsize=4096)
-def _check_schedule(name: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
-    """`make_schedule` builds and validates it or raises; remembered when it passes (only that:
-    no schedule is kept). `numesh plan` asks about the same shape for every ZeRO stage, cp, sp
-    and recompute setting, and rebuilding it each time was a large share of a big plan
-    (`python -m cProfile -s cumtime -m numesh.cli.app plan --model gpt3-175b --ranks 1024
-    --hardware a100-80gb` shows where a plan's time goes)."""
-    make_schedule(name, pp, micro_batches, virtual_stages)
 
