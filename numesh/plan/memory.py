@@ -121,20 +121,28 @@ def row_chunks(model: ModelSpec, layout: Layout, threads: int) -> int:
     return stage_row_chunks(threads, layout.tp, layout.cp, layout.rows(model), model.block_size // layout.cp)
 
 
-def _chunk_bytes(model: ModelSpec, layout: Layout, sched: Schedule, pp_rank: int, chunk: int, itemsize: int,
+def _saved_bytes(model: ModelSpec, layout: Layout, pp_rank: int, chunk: int, itemsize: int) -> int:
+    """Bytes one micro-batch's F leaves through one chunk of rank `pp_rank` (global stage
+    chunk·pp + rank, as `Schedule.stage` numbers them)."""
+    k, stages = chunk * layout.pp + pp_rank, layout.pp * layout.virtual_stages
+    per_chunk = model.n_layer // stages
+    shape = activation_shape(model, layout, itemsize)
+    f = formulas.activation_bytes(shape, formulas.Chunk(per_chunk, k == 0, k == stages - 1), model.vocab_size)
+    if model.moe_experts:
+        f += model.moe_blocks(k * per_chunk, (k + 1) * per_chunk) * moe_activation_delta(model, layout, itemsize)
+    return f
+
+
+def _chunk_bytes(model: ModelSpec, layout: Layout, pp_rank: int, chunk: int, itemsize: int,
                  threads: int) -> tuple[int, int]:
     """(bytes after F, bytes kept after a split B) of one micro-batch through one chunk."""
-    k = sched.stage(pp_rank, chunk)
-    per_chunk = model.n_layer // (layout.pp * layout.virtual_stages)
+    k, per_chunk = chunk * layout.pp + pp_rank, model.n_layer // (layout.pp * layout.virtual_stages)
     shape = activation_shape(model, layout, itemsize)
-    f = formulas.activation_bytes(shape, formulas.Chunk(per_chunk, k == 0, k == sched.num_stages - 1),
-                                  model.vocab_size)
     w = formulas.weight_grad_bytes(shape, per_chunk, model.bias, row_chunks(model, layout, threads))
     if model.moe_experts:
-        moe = model.moe_blocks(k * per_chunk, (k + 1) * per_chunk)
-        f += moe * moe_activation_delta(model, layout, itemsize)
-        w += moe * moe_weight_delta(model, layout, itemsize, row_chunks(model, layout, threads))
-    return f, w
+        w += model.moe_blocks(k * per_chunk, (k + 1) * per_chunk) * moe_weight_delta(
+            model, layout, itemsize, row_chunks(model, layout, threads))
+    return _saved_bytes(model, layout, pp_rank, chunk, itemsize), w
 
 
 def peak_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 4, threads: int = 1,
@@ -143,7 +151,7 @@ def peak_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, itemsi
     as the executor walks it (F adds a context, B frees it or, when the backward is split,
     keeps the W's inputs until W)."""
     sched = sched or layout.sched
-    cost = tuple(_chunk_bytes(model, layout, sched, pp_rank, c, itemsize, threads)
+    cost = tuple(_chunk_bytes(model, layout, pp_rank, c, itemsize, threads)
                  for c in range(layout.virtual_stages))
     return _walk(sched.name, sched.p, sched.m, sched.v, pp_rank, cost)
 
@@ -181,9 +189,33 @@ def rank_memory(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 
     )
 
 
+def largest_ranks(layout: Layout) -> list[int]:
+    """The pipeline ranks that can hold the most: the first (embedding), the last (head) and
+    the second (the middle rank that starts the most micro-batches before its first
+    backward: the schedules warm up less on every later rank)."""
+    return sorted({0, min(1, layout.pp - 1), layout.pp - 1})
+
+
 def layout_memory(model: ModelSpec, layout: Layout, itemsize: int = 4, threads: int = 1) -> list[RankMemory]:
-    """Predicted bytes of the pipeline ranks that can hold the most: the first (embedding),
-    the last (head) and the second (the middle rank that starts the most micro-batches
-    before its first backward: the schedules warm up less on every later rank)."""
-    return [rank_memory(model, layout, r, itemsize, threads, layout.sched)
-            for r in sorted({0, min(1, layout.pp - 1), layout.pp - 1})]
+    """Predicted bytes of the `largest_ranks`."""
+    return [rank_memory(model, layout, r, itemsize, threads, layout.sched) for r in largest_ranks(layout)]
+
+
+def memory_floor(model: ModelSpec, layout: Layout, itemsize: int = 4) -> int:
+    """A lower bound of the largest `layout_memory` total, found without building the
+    schedule: each rank's buffers, exactly (no schedule changes them), and one micro-batch's
+    context through its smallest chunk (each rank's first F holds one until its B frees it).
+    The planner drops a layout whose floor is over the memory limit before it builds the
+    layout's schedule: for a big model on few ranks, schedules of 300k actions that could
+    never run."""
+    v = layout.virtual_stages
+    # a dense model's chunks differ only in holding the first or the last stage: 0, 1 and v - 1 cover them
+    chunks = range(v) if model.moe_experts else sorted({0, min(1, v - 1), v - 1})
+
+    def floor(pp_rank: int) -> int:
+        sizes = unit_sizes(model, layout, pp_rank)
+        buffers = formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize)
+        one = min(_saved_bytes(model, layout, pp_rank, c, itemsize) for c in chunks)
+        return sum(buffers.values()) + one + comm_buffer_bytes(model, layout, sizes, itemsize)
+
+    return max(floor(r) for r in largest_ranks(layout))
