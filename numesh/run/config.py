@@ -18,7 +18,7 @@ import numpy as np
 from numesh.base.errors import ConfigError
 from numesh.base.files import read_user_file
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
-from numesh.host.interrupt import parse_signals
+from numesh.host.startup_signals import DEFAULT_SAVE_SIGNALS, parse_signals
 from numesh.mesh import parse_mesh
 from numesh.nn.gpt import GPTConfig
 from numesh.nn.walk import check_recompute
@@ -116,7 +116,7 @@ class TrainConfig:
         "", "start from these weights, fine-tuning: a Hugging Face GPT-2-architecture directory or a `numesh "
         "export` file, with the run's model shape and --data's tokenizer")
     save_on_signal: str = _field(
-        "TERM,USR1", "on these signals every rank saves a checkpoint at the next step boundary, whatever "
+        DEFAULT_SAVE_SIGNALS, "on these signals every rank saves a checkpoint at the next step boundary, whatever "
         "--ckpt-interval, and exits 75 (preempted: rerun with --resume auto); comma-separated names "
         "(HUP, INT, QUIT, TERM, USR1, USR2, XCPU), none = off")
     overwrite: bool = _field(False, "replace a run already in --out (its config, metrics and checkpoints)")
