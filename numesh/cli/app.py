@@ -140,7 +140,11 @@ def data_bpe(
     overwrite: bool = typer.Option(False, "--overwrite", help=_OVERWRITE_HELP),
 ) -> None:
     """Train a byte-level BPE on a corpus (deterministic for the same inputs and size), then
-    tokenise the corpus with it into token shards: documents end with <|endoftext|>."""
+    tokenise the corpus with it into token shards: documents end with <|endoftext|>.
+
+    Long text reaches the tokenizer in pieces cut between words, and a run of more than
+    1,000 characters without whitespace (minified code, base64) is cut into 1,000-character
+    words, so a huge unbroken line costs time and memory in proportion to its length."""
     from numesh.cli.dataset import download_bar
     from numesh.data.corpus import Reading
     from numesh.data.sharded import prepare_bpe
