@@ -180,13 +180,20 @@ def rank_memory(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 
     same). Parameters are replicated over cp and ZeRO shards over dp alone
     (`ZeroOptimizer`'s flat layout: cp ranks sum their gradients, then dp shards them); an
     MoE block holds E/ep experts on each ep rank, ZeRO still sharding over dp only."""
-    sizes = unit_sizes(model, layout, pp_rank)
-    buffers = formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize)
+    buffers, comm = rank_buffers(model, layout, pp_rank, itemsize)
     return RankMemory(
         **buffers,
         activations=peak_activation_bytes(model, layout, pp_rank, itemsize, threads, sched),
-        comm_buffers=comm_buffer_bytes(model, layout, sizes, itemsize),
+        comm_buffers=comm,
     )
+
+
+def rank_buffers(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 4) -> tuple[dict[str, int], int]:
+    """`rank_memory`'s parts that no schedule changes: (params, grads, optimizer and
+    workspace bytes, communication buffer bytes) of pipeline rank `pp_rank`."""
+    sizes = unit_sizes(model, layout, pp_rank)
+    return (formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize),
+            comm_buffer_bytes(model, layout, sizes, itemsize))
 
 
 def largest_ranks(layout: Layout) -> list[int]:
@@ -213,9 +220,8 @@ def memory_floor(model: ModelSpec, layout: Layout, itemsize: int = 4) -> int:
     chunks = range(v) if model.moe_experts else sorted({0, min(1, v - 1), v - 1})
 
     def floor(pp_rank: int) -> int:
-        sizes = unit_sizes(model, layout, pp_rank)
-        buffers = formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize)
+        buffers, comm = rank_buffers(model, layout, pp_rank, itemsize)
         one = min(_saved_bytes(model, layout, pp_rank, c, itemsize) for c in chunks)
-        return sum(buffers.values()) + one + comm_buffer_bytes(model, layout, sizes, itemsize)
+        return sum(buffers.values()) + one + comm
 
     return max(floor(r) for r in largest_ranks(layout))
