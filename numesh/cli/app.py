@@ -211,7 +211,8 @@ def _train_signature() -> inspect.Signature:
             inspect.Parameter.KEYWORD_ONLY,
             default=typer.Option(None, "--model", "--preset",
                                  help="a model preset's shape, e.g. gpt2 (12 layers x 768, 12 heads, block 1024, "
-                                 "biases); the vocabulary is --data's, options given override it"),
+                                 "biases) or smollm2-135m (Llama: 30 x 576, 9 heads, 3 kv heads, SwiGLU 1536); "
+                                 "the vocabulary is --data's, options given override it"),
             annotation=Optional[str],
         ),
     ]
@@ -238,8 +239,7 @@ def _with_preset(options: dict[str, Any], name: str | None) -> dict[str, Any]:
         return options
     from numesh.plan.presets import preset
 
-    p = preset(name)
-    shape = dict(n_layer=p.n_layer, n_head=p.n_head, n_embd=p.n_embd, block_size=p.block_size, bias=True)
+    shape = preset(name).model_options()
     return {**options, **{k: v for k, v in shape.items() if options.get(k) is None}}
 
 
@@ -298,9 +298,8 @@ _PLAN_OPTIONS = [
     ("ranks", Optional[int], typer.Option(None, "--ranks",
                                           help="ranks to plan for (every dp x cp x tp x pp layout of them)")),
     ("model_preset", Optional[str], typer.Option(None, "--model", "--preset", help="a model preset (gpt2, gpt2-medium, "
-     "gpt2-large, "
-     "gpt2-xl, gpt3-125m, gpt3-1.3b, gpt3-13b, gpt3-175b, megatron-18b, megatron-146b, megatron-1t); "
-     "options given override it")),
+     "gpt2-large, gpt2-xl, gpt3-125m, gpt3-1.3b, gpt3-13b, gpt3-175b, megatron-18b, megatron-146b, megatron-1t, "
+     "smollm2-135m, llama3-8b, llama3-70b, llama3-405b); options given override it")),
     ("vocab_size", Optional[int], typer.Option(None, "--vocab-size",
                                                help="vocabulary  [default: the preset's, or --data's]")),
     ("memory_per_rank", Optional[str], typer.Option(None, "--memory-per-rank", help="memory of one rank, e.g. 8GiB  "

@@ -57,8 +57,7 @@ def base_config(overrides: dict[str, Any], toml: Path | None, model_preset: str 
     values = {}
     if model_preset is not None:  # '' is an unknown preset, not none
         p = preset(model_preset)
-        values = {"n_layer": p.n_layer, "n_head": p.n_head, "n_embd": p.n_embd, "block_size": p.block_size,
-                  "batch_size": p.batch_size}
+        values = {**p.model_options(), "batch_size": p.batch_size}
     values.update({k: v for k, v in overrides.items() if v is not None})
     return config_from(values, toml)
 
@@ -127,7 +126,8 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
                                                     "recompute", "sequence_parallel"))
     if model_preset:
         p = preset(model_preset)
-        extra = (f"--n-layer {p.n_layer} --n-head {p.n_head} --n-embd {p.n_embd} --block-size {p.block_size} "
+        parts = "".join(f" {_flag(k, v)}" for k, v in p.parts.items() if k != "bias")  # a Llama preset's kind
+        extra = (f"--n-layer {p.n_layer} --n-head {p.n_head} --n-embd {p.n_embd} --block-size {p.block_size}{parts} "
                  f"--batch-size {cfg.batch_size} " + extra).strip()
     return table(found, ranks, top, limit, profile.name, extra)
 

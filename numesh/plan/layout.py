@@ -13,7 +13,7 @@ from numesh.pipeline.schedules import Schedule, make_schedule
 
 @attrs.frozen
 class ModelSpec:
-    """A GPT's sizes and the step's global batch: all the planner needs of a model."""
+    """A GPT's sizes, the step's global batch and the optimiser: all the planner needs of a model."""
 
     n_layer: int
     n_head: int
@@ -26,12 +26,14 @@ class ModelSpec:
     moe_experts: int = 0  # E experts in place of the MLP of every moe_every-th block; 0: dense
     moe_top_k: int = 2
     moe_every: int = 1
+    optimizer: str = "adamw"  # the run's --optimizer: its state and its step's work (numesh/plan/optimizer.py)
 
     @classmethod
     def of(cls, cfg: Any, vocab_size: int) -> "ModelSpec":
-        """The sizes of a `TrainConfig`'s model (its experts included) with `vocab_size` tokens."""
+        """The sizes of a `TrainConfig`'s model (its experts included) with `vocab_size` tokens,
+        and its optimiser."""
         return cls(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, vocab_size, cfg.batch_size, cfg.bias,
-                   cfg.dropout > 0, cfg.moe_experts, cfg.moe_top_k, cfg.moe_every)
+                   cfg.dropout > 0, cfg.moe_experts, cfg.moe_top_k, cfg.moe_every, cfg.optimizer)
 
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer` has experts (layer % moe_every == 0, as `GPTConfig.moe` says)."""

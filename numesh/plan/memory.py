@@ -1,8 +1,9 @@
 """Predicted memory of every rank of a layout, from `numesh.perf.formulas`.
 
 Parameters, gradients, optimiser state and workspace are what `ZeroOptimizer.memory()`
-measures (exact: the same units, padding and sharding); activations are the peak of the
-saved contexts along the rank's action list, as the executor counts `peak_bytes` (exact
+measures (exact: the same units, padding and sharding; the state of an optimiser with
+several rules, Muon's, is their expected share of a ZeRO slice: numesh/plan/optimizer.py);
+activations are the peak of the saved contexts along the rank's action list, as the executor counts `peak_bytes` (exact
 for the contexts numesh holds today); communication buffers are the transient copies a
 step makes besides them (not measured by numesh: ZeRO-3's gathered unit, ZeRO-2/3's
 per-unit reduce-scatter input).
@@ -20,6 +21,7 @@ from numesh.perf import formulas
 from numesh.pipeline.schedules import Schedule
 from numesh.pipeline.stages import StageLayout
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
+from numesh.plan.optimizer import rank_units, state_values
 
 PARTS = ("params", "grads", "optimizer", "workspace", "activations", "comm_buffers")
 
@@ -192,7 +194,8 @@ def rank_buffers(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int =
     """`rank_memory`'s parts that no schedule changes: (params, grads, optimizer and
     workspace bytes, communication buffer bytes) of pipeline rank `pp_rank`."""
     sizes = unit_sizes(model, layout, pp_rank)
-    return (formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize),
+    rules = rank_units(model, layout, rank_layers(model, layout, pp_rank), pp_rank == 0, pp_rank == layout.pp - 1)
+    return (formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize, state_values(model, layout, rules)),
             comm_buffer_bytes(model, layout, sizes, itemsize))
 
 
