@@ -336,10 +336,12 @@ def test_plan_lists_what_fits_fastest_first(char_dataset: Path, tmp_path: Path) 
 
 def test_memory_floor_is_below_the_prediction() -> None:
     """The floor that rejects a layout before its schedule is built is never above the
-    prediction, on every kind of layout (pipelines, interleaving, ZeRO, cp, sp, experts)."""
+    prediction, on every kind of layout (pipelines, interleaving, ZeRO, cp, sp, experts, Muon's state)."""
     for base, ranks in ((TrainConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, batch_size=16, moe_experts=4,
                                      moe_every=2), 8),
-                        (TrainConfig(n_layer=6, n_head=4, n_embd=64, block_size=64, batch_size=24, bias=True), 6)):
+                        (TrainConfig(n_layer=6, n_head=4, n_embd=64, block_size=64, batch_size=24, bias=True), 6),
+                        (TrainConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, batch_size=16,
+                                     optimizer="muon"), 4)):
         model = spec_of(base, 100)
         layouts = valid_layouts(base, model, ranks)
         assert {lay.virtual_stages for lay in layouts} > {1} and {lay.ep for lay in layouts} >= {1}
