@@ -192,11 +192,21 @@ def rank_memory(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 
 
 def rank_buffers(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 4) -> tuple[dict[str, int], int]:
     """`rank_memory`'s parts that no schedule changes: (params, grads, optimizer and
-    workspace bytes, communication buffer bytes) of pipeline rank `pp_rank`."""
+    workspace bytes, communication buffer bytes) of pipeline rank `pp_rank`. They depend on
+    the mesh, ZeRO stage and virtual stages alone, so they are worked out once for all the
+    layouts that differ in the rest (schedule, micro-batches, cp, sp, recomputation)."""
+    key = attrs.evolve(layout, schedule="1f1b", micro_batches=1, recompute="none", cp=1, sp=False)
+    buffers, comm = _rank_buffers(model, key, pp_rank, itemsize)
+    return dict(buffers), comm
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_buffers(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int) -> tuple[tuple[tuple[str, int], ...],
+                                                                                          int]:
     sizes = unit_sizes(model, layout, pp_rank)
     rules = rank_units(model, layout, rank_layers(model, layout, pp_rank), pp_rank == 0, pp_rank == layout.pp - 1)
-    return (formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize, state_values(model, layout, rules)),
-            comm_buffer_bytes(model, layout, sizes, itemsize))
+    buffers = formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize, state_values(model, layout, rules))
+    return tuple(buffers.items()), comm_buffer_bytes(model, layout, sizes, itemsize)
 
 
 def largest_ranks(layout: Layout) -> list[int]:
