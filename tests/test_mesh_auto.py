@@ -54,7 +54,7 @@ def test_options_set_are_kept(char_dataset: Path) -> None:
 def _predictions(data: Path, memory_per_rank: float) -> list:
     base = attrs.evolve(_config(data), mesh="")
     prof = auto.cpu_profile("float32", 1e12 / (4 * threads()), threads(), 4, 4 * memory_per_rank)
-    return auto.plan(base, auto.model_spec(base, None, None), 4, prof, memory_per_rank, 4, threads())
+    return auto.plan(base, auto.model_spec(base, None, None), 4, prof, memory_per_rank, 4, threads()).fitting
 
 
 def _layout_of(cfg) -> tuple:

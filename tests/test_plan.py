@@ -24,6 +24,7 @@ from numesh.perf import formulas
 from numesh.pipeline.schedules import make_schedule, simulate
 from numesh.plan import costs, plan, predict
 from numesh.plan.calibrate import KERNELS, fit_scale_and_overhead
+from numesh.plan.command import base_config, model_spec
 from numesh.plan.hardware import (
     Link,
     Measured,
@@ -33,9 +34,10 @@ from numesh.plan.hardware import (
     profile_from_json,
     save_profile,
 )
-from numesh.plan.layout import Layout, ModelSpec
-from numesh.plan.memory import layout_memory, rank_memory
+from numesh.plan.layout import Layout, ModelSpec, schedule_of
+from numesh.plan.memory import layout_memory, memory_floor, rank_memory
 from numesh.plan.pipesim import makespan_and_busy
+from numesh.plan.predict import Plan
 from numesh.plan.search import _cp_sizes, candidates, least_recompute, train_config, valid_layouts
 from numesh.plan.timing import Placement, attention_cost, block_cost, placement, predict_time, ring_hop_bytes
 from numesh.run.config import TrainConfig, validate
@@ -312,16 +314,62 @@ def test_placement_tp_inside_a_node_first() -> None:
     assert across.comm["tp"] > inside.comm["tp"] * 2  # tp over the slower inter-node link
 
 
-def test_plan_sorts_fitting_first_then_fastest(char_dataset: Path, tmp_path: Path) -> None:
+def test_plan_lists_what_fits_fastest_first(char_dataset: Path, tmp_path: Path) -> None:
+    """With a memory limit, plan predicts exactly the layouts whose memory fits (those its
+    floor rules out included nowhere), in the order of the unlimited plan; and when none
+    fits it names the layout that needs the least, as predicting every one would."""
     base = TrainConfig(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=4, batch_size=8)
     model = spec_of(base, 20)
-    preds = plan(base, model, 4, synthetic_profile(), 0.0, 4)
+    every = plan(base, model, 4, synthetic_profile(), 0.0, 4)
+    preds = every.fitting
     tps = [p.tokens_per_s for p in preds]
-    assert tps == sorted(tps, reverse=True)
-    small = min(p.memory.total for p in preds)
-    limited = plan(base, model, 4, synthetic_profile(), small, 4)
-    fits = [p.fits for p in limited]
-    assert fits[0] and fits == sorted(fits, reverse=True) and not all(fits)
+    assert tps == sorted(tps, reverse=True) and every.layouts == len(preds) and every.smallest is None
+    sizes = sorted({p.memory.total for p in preds})
+    limit = sizes[len(sizes) // 2]
+    limited = plan(base, model, 4, synthetic_profile(), limit, 4)
+    assert limited.layouts == every.layouts and 0 < len(limited.fitting) < len(preds)
+    assert limited.fitting == [attrs.evolve(p, fits=True) for p in preds if p.memory.total <= limit]
+    none = plan(base, model, 4, synthetic_profile(), sizes[0] - 1, 4)
+    assert none.fitting == [] and none.smallest_bytes == sizes[0]
+    assert none.smallest in [p.layout for p in preds if p.memory.total == sizes[0]]
+
+
+def test_memory_floor_is_below_the_prediction() -> None:
+    """The floor that rejects a layout before its schedule is built is never above the
+    prediction, on every kind of layout (pipelines, interleaving, ZeRO, cp, sp, experts, Muon's state)."""
+    for base, ranks in ((TrainConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, batch_size=16, moe_experts=4,
+                                     moe_every=2), 8),
+                        (TrainConfig(n_layer=6, n_head=4, n_embd=64, block_size=64, batch_size=24, bias=True), 6),
+                        (TrainConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, batch_size=16,
+                                     optimizer="muon"), 4)):
+        model = spec_of(base, 100)
+        layouts = valid_layouts(base, model, ranks)
+        assert {lay.virtual_stages for lay in layouts} > {1} and {lay.ep for lay in layouts} >= {1}
+        for lay in layouts:
+            assert memory_floor(model, lay, 4) <= max(m.total for m in layout_memory(model, lay, 4)), lay
+
+
+def test_a_big_model_on_few_ranks_is_answered_without_building_its_schedules(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`numesh plan --model gpt3-175b --ranks 8 --hardware a100-80gb` built, walked and
+    simulated every schedule of up to 1,536 micro-batches × 12 virtual stages and printed
+    nothing for a quarter of an hour: no layout fits, and their floors say so. It now
+    builds the schedules of the few layouts whose floors are the smallest."""
+    built = []
+
+    def counted(*args: object) -> object:
+        built.append(args)
+        assert len(built) <= 8, "the plan builds the schedules of layouts that cannot fit"
+        return make_schedule(*args)
+
+    schedule_of.cache_clear()
+    monkeypatch.setattr("numesh.plan.layout.make_schedule", counted)
+    base = base_config({}, None, "gpt3-175b")
+    model = model_spec(base, None, "gpt3-175b")
+    found = plan(base, model, 8, load_profile("a100-80gb"), 80 * 2**30, 2)
+    assert found.fitting == [] and found.layouts > 10_000 and found.smallest is not None
+    assert found.smallest_bytes > 80 * 2**30 and found.smallest.tp == 8
+    schedule_of.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------
@@ -488,10 +536,14 @@ def test_cli_preset_at_scale() -> None:
                   "--memory-per-rank", "16GiB", "--json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)
-    assert rows[0]["fits"] and not rows[-1]["fits"]
-    # dp=16 without ZeRO holds 1.5B parameters' state on every rank
-    assert not any(r["fits"] for r in rows if r["dp"] == 16 and r["zero"] == 0)
-    assert all(r["fits"] == (r["memory_bytes_per_rank"] <= 16 * 2**30) for r in rows)
+    # only what fits is listed: dp=16 without ZeRO holds 1.5B parameters' state on every rank
+    assert rows and not any(r["dp"] == 16 and r["zero"] == 0 for r in rows)
+    assert all(r["fits"] and r["memory_bytes_per_rank"] <= 16 * 2**30 for r in rows)
+    res = invoke(["--ranks", "16", "--model", "gpt2-xl", "--batch-size", "32", "--hardware", "a100-80gb",
+                  "--memory-per-rank", "16GiB"])
+    counted = re.search(r"^(\d+) layouts on 16 ranks \((\d+) fit in 16.0 GiB per rank\).* --json lists the (\d+) "
+                        r"that fit,", res.stdout, re.M)
+    assert counted and int(counted[2]) == int(counted[3]) == len(rows) < int(counted[1]), res.stdout
 
 
 @pytest.mark.parametrize("args, match", [
@@ -610,7 +662,7 @@ def test_the_table_shows_waits_only_where_the_profile_has_them() -> None:
     for fit, shown in (({}, False), ({"sync_s": 1e-4, "sync_share": 0.1}, True)):
         prof = _measured_profile(2, **fit)
         preds = [predict(model, lay, prof, 0, 4) for lay in lays]
-        head = table(preds, 2, 5, 0, "t").splitlines()[0].split()
+        head = table(Plan(preds, len(preds)), 2, 5, 0, "t").splitlines()[0].split()
         assert ("wait" in head) == shown
         for p in preds:  # the step is the sum of its parts, the wait among them
             assert (p.time.comm["wait"] > 0) == shown

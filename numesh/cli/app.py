@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-import inspect
 import sys
+
+import numesh  # noqa: F401  (first: it sets up OpenBLAS before numpy loads it)
+from numesh.host.startup_signals import catch_for_command
+
+# `numesh train`: a preemption signal during the imports below (numba's kernels, MPI) and the
+# rest of start-up is kept for the training loop, not lost (numesh/host/startup_signals.py)
+catch_for_command(sys.argv)
+
+import inspect  # after the line above, which must run first
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import attrs
 import typer
 from typer.core import TyperCommand
-
-import numesh  # noqa: F401  (first: it sets up OpenBLAS before numpy loads it)
 
 if TYPE_CHECKING:
     from numesh.run.config import TrainConfig
@@ -134,7 +140,11 @@ def data_bpe(
     overwrite: bool = typer.Option(False, "--overwrite", help=_OVERWRITE_HELP),
 ) -> None:
     """Train a byte-level BPE on a corpus (deterministic for the same inputs and size), then
-    tokenise the corpus with it into token shards: documents end with <|endoftext|>."""
+    tokenise the corpus with it into token shards: documents end with <|endoftext|>.
+
+    Long text reaches the tokenizer in pieces cut between words, and a run of more than
+    1,000 characters without whitespace (minified code, base64) is cut into 1,000-character
+    words, so a huge unbroken line costs time and memory in proportion to its length."""
     from numesh.cli.dataset import download_bar
     from numesh.data.corpus import Reading
     from numesh.data.sharded import prepare_bpe
@@ -253,6 +263,7 @@ def train_cmd(**options: Any) -> None:
 
         from numesh.cli.dataset import ensure_run_dataset
         from numesh.host.runtime import configure_process, is_root, log
+        from numesh.host.startup_signals import parse_signals, settle
         from numesh.plan.auto import auto_layout
         from numesh.plan.fits import check_run_fits
         from numesh.run.config import check_options
@@ -261,6 +272,7 @@ def train_cmd(**options: Any) -> None:
         configure_process()
         cfg = train_config(options)
         check_options(cfg, MPI.COMM_WORLD.Get_size())  # before a download: bad options are one line at once
+        settle(parse_signals(cfg.save_on_signal))  # a --config file may name other signals than the command line
         # the default dataset is prepared on rank 0 if missing (download or offline fallback)
         ensure_run_dataset(cfg.data)
         cfg = auto_layout(cfg, log=log)  # --mesh auto: the planner's layout for these ranks

@@ -706,16 +706,16 @@ def peak_activation_bytes(schedule: Schedule, rank: int, saved: Callable[[int], 
     measures; with every chunk alike it is peak_activations(schedule)[rank] × saved(0)
     for schedules that do not split the backward."""
     live: dict[tuple[int, int], int] = {}
-    peak = 0
+    held = peak = 0  # held: sum(live.values()), kept as it changes (GPipe holds m contexts at once)
     for a in schedule.actions[rank]:
         key = (a.mb, a.chunk)
+        held -= live.pop(key, 0)
         if a.kind == "F":
             live[key] = saved(a.chunk)
         elif a.kind == "B" and schedule.split_backward:
             live[key] = deferred(a.chunk) if deferred is not None else 0
-        else:
-            live.pop(key, None)
-        peak = max(peak, sum(live.values()))
+        held += live.get(key, 0)
+        peak = max(peak, held)
     return peak
 
 

@@ -123,20 +123,28 @@ def row_chunks(model: ModelSpec, layout: Layout, threads: int) -> int:
     return stage_row_chunks(threads, layout.tp, layout.cp, layout.rows(model), model.block_size // layout.cp)
 
 
-def _chunk_bytes(model: ModelSpec, layout: Layout, sched: Schedule, pp_rank: int, chunk: int, itemsize: int,
+def _saved_bytes(model: ModelSpec, layout: Layout, pp_rank: int, chunk: int, itemsize: int) -> int:
+    """Bytes one micro-batch's F leaves through one chunk of rank `pp_rank` (global stage
+    chunk·pp + rank, as `Schedule.stage` numbers them)."""
+    k, stages = chunk * layout.pp + pp_rank, layout.pp * layout.virtual_stages
+    per_chunk = model.n_layer // stages
+    shape = activation_shape(model, layout, itemsize)
+    f = formulas.activation_bytes(shape, formulas.Chunk(per_chunk, k == 0, k == stages - 1), model.vocab_size)
+    if model.moe_experts:
+        f += model.moe_blocks(k * per_chunk, (k + 1) * per_chunk) * moe_activation_delta(model, layout, itemsize)
+    return f
+
+
+def _chunk_bytes(model: ModelSpec, layout: Layout, pp_rank: int, chunk: int, itemsize: int,
                  threads: int) -> tuple[int, int]:
     """(bytes after F, bytes kept after a split B) of one micro-batch through one chunk."""
-    k = sched.stage(pp_rank, chunk)
-    per_chunk = model.n_layer // (layout.pp * layout.virtual_stages)
+    k, per_chunk = chunk * layout.pp + pp_rank, model.n_layer // (layout.pp * layout.virtual_stages)
     shape = activation_shape(model, layout, itemsize)
-    f = formulas.activation_bytes(shape, formulas.Chunk(per_chunk, k == 0, k == sched.num_stages - 1),
-                                  model.vocab_size)
     w = formulas.weight_grad_bytes(shape, per_chunk, model.bias, row_chunks(model, layout, threads))
     if model.moe_experts:
-        moe = model.moe_blocks(k * per_chunk, (k + 1) * per_chunk)
-        f += moe * moe_activation_delta(model, layout, itemsize)
-        w += moe * moe_weight_delta(model, layout, itemsize, row_chunks(model, layout, threads))
-    return f, w
+        w += model.moe_blocks(k * per_chunk, (k + 1) * per_chunk) * moe_weight_delta(
+            model, layout, itemsize, row_chunks(model, layout, threads))
+    return _saved_bytes(model, layout, pp_rank, chunk, itemsize), w
 
 
 def peak_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 4, threads: int = 1,
@@ -145,7 +153,7 @@ def peak_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, itemsi
     as the executor walks it (F adds a context, B frees it or, when the backward is split,
     keeps the W's inputs until W)."""
     sched = sched or layout.sched
-    cost = tuple(_chunk_bytes(model, layout, sched, pp_rank, c, itemsize, threads)
+    cost = tuple(_chunk_bytes(model, layout, pp_rank, c, itemsize, threads)
                  for c in range(layout.virtual_stages))
     return _walk(sched.name, sched.p, sched.m, sched.v, pp_rank, cost)
 
@@ -174,19 +182,59 @@ def rank_memory(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 
     same). Parameters are replicated over cp and ZeRO shards over dp alone
     (`ZeroOptimizer`'s flat layout: cp ranks sum their gradients, then dp shards them); an
     MoE block holds E/ep experts on each ep rank, ZeRO still sharding over dp only."""
-    sizes = unit_sizes(model, layout, pp_rank)
-    rules = rank_units(model, layout, rank_layers(model, layout, pp_rank), pp_rank == 0, pp_rank == layout.pp - 1)
-    buffers = formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize, state_values(model, layout, rules))
+    buffers, comm = rank_buffers(model, layout, pp_rank, itemsize)
     return RankMemory(
         **buffers,
         activations=peak_activation_bytes(model, layout, pp_rank, itemsize, threads, sched),
-        comm_buffers=comm_buffer_bytes(model, layout, sizes, itemsize),
+        comm_buffers=comm,
     )
 
 
+def rank_buffers(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 4) -> tuple[dict[str, int], int]:
+    """`rank_memory`'s parts that no schedule changes: (params, grads, optimizer and
+    workspace bytes, communication buffer bytes) of pipeline rank `pp_rank`. They depend on
+    the mesh, ZeRO stage and virtual stages alone, so they are worked out once for all the
+    layouts that differ in the rest (schedule, micro-batches, cp, sp, recomputation)."""
+    key = attrs.evolve(layout, schedule="1f1b", micro_batches=1, recompute="none", cp=1, sp=False)
+    buffers, comm = _rank_buffers(model, key, pp_rank, itemsize)
+    return dict(buffers), comm
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_buffers(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int) -> tuple[tuple[tuple[str, int], ...],
+                                                                                          int]:
+    sizes = unit_sizes(model, layout, pp_rank)
+    rules = rank_units(model, layout, rank_layers(model, layout, pp_rank), pp_rank == 0, pp_rank == layout.pp - 1)
+    buffers = formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize, state_values(model, layout, rules))
+    return tuple(buffers.items()), comm_buffer_bytes(model, layout, sizes, itemsize)
+
+
+def largest_ranks(layout: Layout) -> list[int]:
+    """The pipeline ranks that can hold the most: the first (embedding), the last (head) and
+    the second (the middle rank that starts the most micro-batches before its first
+    backward: the schedules warm up less on every later rank)."""
+    return sorted({0, min(1, layout.pp - 1), layout.pp - 1})
+
+
 def layout_memory(model: ModelSpec, layout: Layout, itemsize: int = 4, threads: int = 1) -> list[RankMemory]:
-    """Predicted bytes of the pipeline ranks that can hold the most: the first (embedding),
-    the last (head) and the second (the middle rank that starts the most micro-batches
-    before its first backward: the schedules warm up less on every later rank)."""
-    return [rank_memory(model, layout, r, itemsize, threads, layout.sched)
-            for r in sorted({0, min(1, layout.pp - 1), layout.pp - 1})]
+    """Predicted bytes of the `largest_ranks`."""
+    return [rank_memory(model, layout, r, itemsize, threads, layout.sched) for r in largest_ranks(layout)]
+
+
+def memory_floor(model: ModelSpec, layout: Layout, itemsize: int = 4) -> int:
+    """A lower bound of the largest `layout_memory` total, found without building the
+    schedule: each rank's buffers, exactly (no schedule changes them), and one micro-batch's
+    context through its smallest chunk (each rank's first F holds one until its B frees it).
+    The planner drops a layout whose floor is over the memory limit before it builds the
+    layout's schedule: for a big model on few ranks, schedules of 300k actions that could
+    never run."""
+    v = layout.virtual_stages
+    # a dense model's chunks differ only in holding the first or the last stage: 0, 1 and v - 1 cover them
+    chunks = range(v) if model.moe_experts else sorted({0, min(1, v - 1), v - 1})
+
+    def floor(pp_rank: int) -> int:
+        buffers, comm = rank_buffers(model, layout, pp_rank, itemsize)
+        one = min(_saved_bytes(model, layout, pp_rank, c, itemsize) for c in chunks)
+        return sum(buffers.values()) + one + comm
+
+    return max(floor(r) for r in largest_ranks(layout))

@@ -8,7 +8,6 @@ The CLI's options are the fields, `_` spelled `-`; each field's help is the opti
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -21,13 +20,13 @@ from numesh.base.files import read_user_file
 from numesh.checkpoint.hf_llama import OPTIONS, conflicts, is_pretrained_dir, model_type, pretrained
 from numesh.checkpoint.init_from import check_init_kind
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
-from numesh.host.interrupt import parse_signals
+from numesh.host.startup_signals import DEFAULT_SAVE_SIGNALS, parse_signals
 from numesh.mesh import parse_mesh
 from numesh.nn.gpt import ARCHS, GPTConfig
 from numesh.nn.walk import check_recompute
 from numesh.observe.inject import faults_from_env
 from numesh.optim.registry import make_optimizer
-from numesh.pipeline.schedules import make_schedule
+from numesh.pipeline.schedules import check_shape
 from numesh.pipeline.stages import StageLayout
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -152,7 +151,7 @@ class TrainConfig:
         "Mixtral: it sets the model options; GPT-2: the options must match it) or a `numesh export` file, with "
         "--data tokenised by its tokenizer")
     save_on_signal: str = _field(
-        "TERM,USR1", "on these signals every rank saves a checkpoint at the next step boundary, whatever "
+        DEFAULT_SAVE_SIGNALS, "on these signals every rank saves a checkpoint at the next step boundary, whatever "
         "--ckpt-interval, and exits 75 (preempted: rerun with --resume auto); comma-separated names "
         "(HUP, INT, QUIT, TERM, USR1, USR2, XCPU), none = off")
     overwrite: bool = _field(False, "replace a run already in --out (its config, metrics and checkpoints)")
@@ -354,7 +353,7 @@ def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> G
     _check_moe(cfg, shape)
     model.validate(shape["tp"])
     StageLayout(model.n_layer, shape["pp"], cfg.virtual_stages)
-    _check_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
+    check_shape(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)  # the trainer builds it
     return model
 
 
@@ -381,12 +380,4 @@ def _check_moe(cfg: TrainConfig, shape: dict[str, int]) -> None:
                           f"use a multiple of {ep} experts or another ep")
 
 
-@functools.lru_cache(maxsize=4096)
-def _check_schedule(name: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
-    """`make_schedule` builds and validates it or raises; remembered when it passes (only that:
-    no schedule is kept). `numesh plan` asks about the same shape for every ZeRO stage, cp, sp
-    and recompute setting, and rebuilding it each time was a large share of a big plan
-    (`python -m cProfile -s cumtime -m numesh.cli.app plan --model gpt3-175b --ranks 1024
-    --hardware a100-80gb` shows where a plan's time goes)."""
-    make_schedule(name, pp, micro_batches, virtual_stages)
 

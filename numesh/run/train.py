@@ -31,9 +31,10 @@ from numesh.data.batches import eval_key, local_batch, train_key
 from numesh.data.dataset import Dataset, bits_per_byte, bytes_per_token, open_dataset, verify_dataset
 from numesh.data.shards import TokenStream
 from numesh.host import kernels, llama_kernels
-from numesh.host.interrupt import InterruptWatch, parse_signals
+from numesh.host.interrupt import InterruptWatch
 from numesh.host.runtime import dp_hint, host_map, log
 from numesh.host.runtime import job_peak_flops as measured_peak_flops
+from numesh.host.startup_signals import parse_signals
 from numesh.host.threads import threads
 from numesh.mesh import AXES, BATCH_AXES, Mesh, psum, psum_scalar, unshard
 from numesh.nn.dropout import DropoutKey
@@ -336,11 +337,13 @@ def save_step(trainer: Trainer, out_dir: Path, keep: int = 0, saves: AsyncCheckp
 def stop_interrupted(trainer: Trainer, watch: InterruptWatch, signum: int, out: Path, saved_at: int | None,
                      saves: AsyncCheckpoints | None = None) -> None:
     """Some rank got a signal and every rank is here at the same step boundary: on a
-    --save-on-signal one, save this step's checkpoint and raise `Preempted`; otherwise save
+    --save-on-signal one, save this step's checkpoint (none at step 0) and raise `Preempted`; otherwise save
     it if the run saves them and raise `Interrupted` (unless just saved; collective). A
     checkpoint still being written (--ckpt-async) is finished first."""
     c, path, why_not = trainer.cfg, None, " (--ckpt-interval is 0)"
     preempted = signum in parse_signals(c.save_on_signal)
+    if preempted and trainer.step == 0:  # it came during start-up and nothing has trained: nothing to save
+        raise Preempted(0, signum, None)
     if saves is not None:
         with watch.saving():
             saves.wait()
@@ -541,7 +544,10 @@ def train(
     run = _open_run(trainer, cfg, resume)  # before the peak is measured: a refused --out is said at once, and first
     try:
         peak = _announce(trainer)
-        return _locked_run(trainer, run, start, peak, on_step)
+        # a run continued from OUT's own checkpoint has its first step saved already: a
+        # signal before that step needs no second copy (a checkpoint is never rewritten)
+        own = bool(resume) and Path(resume).resolve().parent == (Path(cfg.out) / "ckpt").resolve()
+        return _locked_run(trainer, run, start, peak, on_step, start if own else None)
     finally:
         # the lock goes last: until the final checkpoint and trace are written, another run
         # taking OUT (a resume, an --overwrite) would write or remove files under this one
@@ -549,8 +555,9 @@ def train(
 
 
 def _locked_run(trainer: Trainer, run: RunDir, start: int, peak: float,
-                on_step: Callable[[int, dict], None] | None) -> TrainResult:
-    """`train` from its first step on, in the run directory `run` it holds."""
+                on_step: Callable[[int, dict], None] | None, saved_at: int | None = None) -> TrainResult:
+    """`train` from its first step on, in the run directory `run` it holds (`saved_at`:
+    `start` when OUT holds that step's checkpoint already)."""
     cfg, out = trainer.cfg, Path(trainer.cfg.out)
     observed_before = trainer.mesh.observer
     observer = _attach_observers(trainer, out)
@@ -561,7 +568,7 @@ def _locked_run(trainer: Trainer, run: RunDir, start: int, peak: float,
     watch = InterruptWatch(trainer.mesh.world, signals=parse_signals(cfg.save_on_signal)).start()
     saves = AsyncCheckpoints(trainer.mesh.world) if cfg.ckpt_async else None
     try:
-        last, saved_at = _run_steps(trainer, start, run, watch, observer, peak, on_step, saves)
+        last, saved_at = _run_steps(trainer, start, run, watch, observer, peak, on_step, saves, saved_at)
     except Interrupted:  # any save in flight was finished first (stop_interrupted)
         with watch.saving():  # every rank stopped at the same step: an orderly end, its files as after a clean one
             _finish_observing(trainer, out, observer, observed_before)
@@ -603,14 +610,13 @@ def _announce(trainer: Trainer) -> float:
 def _run_steps(trainer: Trainer, start: int, run: RunDir, watch: InterruptWatch,
                observer: FlightRecorder | FaultInjector | None, peak: float,
                on_step: Callable[[int, dict], None] | None,
-               saves: AsyncCheckpoints | None = None) -> tuple[dict[str, Any], int | None]:
+               saves: AsyncCheckpoints | None = None, saved_at: int | None = None) -> tuple[dict[str, Any], int | None]:
     """Steps `start` .. max_iters (the last one only evaluates), each written to `run`'s
     metrics, with the periodic checkpoints (with `saves`, written in the background and
     finished at the first step boundary every rank's writer is done): (the latest value of
     every metric, the step last saved or None)."""
     cfg, out = trainer.cfg, Path(trainer.cfg.out)
     last: dict[str, Any] = {}
-    saved_at = None
     for step in range(start, cfg.max_iters + 1):
         if signum := watch.requested():  # one-value all-reduce: did any rank get a signal?
             stop_interrupted(trainer, watch, signum, out, saved_at, saves)
