@@ -189,13 +189,13 @@ def one_step(mesh: Mesh, dropout: float, **overrides: Any) -> OneStep:
 
 def assert_one_step_matches(step: OneStep) -> None:
     """The mesh's loss, per-token losses and every gradient leaf equal one rank's to 1e-10
-    (wte without the rows that pad the vocabulary over tp)."""
+    (wte and an untied lm_head without the rows that pad the vocabulary over tp)."""
     from numesh.base.tree import tree_leaves, tree_leaves_with_path
 
     assert step.loss == pytest.approx(step.want_loss, rel=1e-10, abs=0)
     assert_close(step.tokens, step.want_tokens, 1e-10, "per-token losses")
     for (path, got), w in zip(tree_leaves_with_path(step.full), tree_leaves(step.want)):
-        assert_close(got[: step.cfg.vocab_size] if path == "wte" else got, w, 1e-10, what=path)
+        assert_close(got[: step.cfg.vocab_size] if path in ("wte", "lm_head") else got, w, 1e-10, what=path)
 
 
 # ---------------------------------------------------------------------------------------

@@ -178,3 +178,54 @@ def test_impossible_models_and_meshes_are_one_line_errors(overrides: dict, tp: i
     with pytest.raises(ConfigError, match=message) as err:
         cfg.validate(tp)
     assert "\n" not in str(err.value)
+
+
+def test_numesh_train_arch_llama_trains_and_records_its_parts(char_dataset, tmp_path) -> None:
+    """`numesh train --arch llama` end to end: the run's config.json holds the kind's parts,
+    the loss falls, and the checkpoint holds Llama's leaves."""
+    import json
+
+    from conftest import cli
+    from numesh.checkpoint import read_params_dict
+
+    out = tmp_path / "run"
+    res = cli("train", "--arch", "llama", "--n-kv-head", "2", "--data", str(char_dataset), "--out", str(out),
+              "--n-layer", "2", "--n-embd", "32", "--block-size", "16", "--max-iters", "30", "--eval-interval", "30",
+              "--eval-iters", "2", "--learning-rate", "1e-2", "--warmup-iters", "0", "--peak-flops", "1e12")
+    assert res.exit_code == 0, res.output
+    config = json.loads((out / "config.json").read_text())
+    config = config.get("config", config)
+    assert {k: config[k] for k in ("arch", "norm", "positions", "mlp", "n_kv_head", "tie_embeddings")} == dict(
+        arch="llama", norm="rmsnorm", positions="rotary", mlp="swiglu", n_kv_head=2, tie_embeddings=False)
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line and '"step"' in line]
+    assert losses[-1] < losses[0] - 0.3
+    params = read_params_dict(out / "ckpt" / "latest")
+    assert "lm_head" in params and "wpe" not in params and "blocks.0.attn.k.w" in params
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--arch", "llama", "--n-kv-head", "3"], "n_kv_head=3 must divide n_head=4"),
+    (["--arch", "qwen"], "--arch must be one of gpt2, llama, got 'qwen'"),
+])
+def test_numesh_train_refuses_impossible_kinds_in_one_line(args, message, char_dataset, tmp_path) -> None:
+    from conftest import cli, one_error_line
+
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), *args))
+    assert message in line
+
+
+@pytest.mark.parametrize("options, ranks, message", [
+    (dict(mesh="tp=3"), 3, "n_head=8 is not divisible by tp=3: use a tp that divides the heads"),
+    (dict(n_head=12, n_embd=48, n_kv_head=4, mesh="tp=6"), 6, "tp=6 splits the 4 kv heads' query groups"),
+    (dict(n_kv_head=2, mesh="tp=8"), 8, None),  # 8 query heads on 8 ranks, 4 ranks per kv head
+])
+def test_meshes_that_cannot_split_the_heads_fail_before_training(options, ranks, message) -> None:
+    from numesh.run.config import check_layout
+
+    cfg = config_from({"arch": "llama", "n_head": 8, "n_embd": 32, "n_kv_head": 2, **options})
+    if message is None:
+        assert check_layout(cfg, ranks, 65)[0]["tp"] == 8
+        return
+    with pytest.raises(ConfigError, match=message):
+        check_layout(cfg, ranks, 65)

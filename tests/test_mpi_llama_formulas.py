@@ -52,7 +52,7 @@ def test_step_bytes_follow_the_formula(shared_dataset: Path, shared_tmp: Path, m
     counter.reset()
     trainer.train_step()
     step = report.step_shape(trainer.trace_meta)  # as `numesh report` reads a trace
-    assert step.parts == formulas.Parts.of(trainer.model) and step.parts.kv_heads == 2
+    assert step.parts == formulas.Parts.of(trainer.model) and step.parts.kv_heads == 2 and step.parts.rotary
     rank = report.rank_units(attrs.asdict(trainer.rank_units()))
     want = formulas.step_bytes(step, rank, trainer.all_to_all_bytes())
     got = {("+".join(axes), op): v for (axes, op), v in counter.payload.items() if v}

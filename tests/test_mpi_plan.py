@@ -160,3 +160,21 @@ def test_the_waits_are_fitted_on_a_real_mesh_step(shared_dataset: Path, shared_t
     assert calls > 0
     assert fitted.sync_s * calls == pytest.approx(fitted.sync_share * step.compute, rel=1e-9, abs=1e-15)
     assert with_waits.total - step.total == pytest.approx(fitted.sync_s * calls, rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_muon_state_is_predicted(shared_dataset: Path, shared_tmp: Path, zero: int) -> None:
+    """Muon's state (a momentum value per matrix value, AdamW's two moments for the rest):
+    exactly what the optimiser holds under ZeRO 0; under ZeRO >= 1 the rules' expected share
+    of each 1/dp slice, within 2 % (the cut falls where it falls in each unit)."""
+    cfg = TrainConfig(data=str(shared_dataset), out=str(shared_tmp / "o"), n_layer=4, n_head=4, n_embd=32,
+                      block_size=16, batch_size=16, mesh=f"dp={N}", zero=zero, max_iters=1, optimizer="muon",
+                      collective_timeout=0.0)
+    t = Trainer(cfg, WORLD)
+    pred = rank_memory(ModelSpec.of(cfg, t.model.vocab_size), Layout(N, 1, 1, zero, "1f1b", 1), 0, 4, threads())
+    got = t.opt.memory()
+    assert {k: getattr(pred, k) for k in got if k != "optimizer"} == {k: v for k, v in got.items() if k != "optimizer"}
+    if zero == 0:
+        assert pred.optimizer == got["optimizer"]
+    else:
+        assert pred.optimizer == pytest.approx(got["optimizer"], rel=0.02)

@@ -90,10 +90,14 @@ def test_zero_buffer_bytes_hand_worked() -> None:
                                                            micro_batches=2, dtype="float64"),
     dict(arch="llama", tie_embeddings=True, ffn_hidden=48, recompute="full", micro_batches=4, schedule="zb-h1"),
     dict(arch="llama", n_kv_head=2, moe_experts=4, moe_every=2, micro_batches=2),  # Mixtral's SwiGLU experts
+    # Muon: one momentum value per matrix value, AdamW's two moments for the rest
+    dict(optimizer="muon", micro_batches=2, bias=True), dict(optimizer="muon", moe_experts=4),
+    dict(optimizer="muon", arch="llama", n_kv_head=2, moe_experts=4, moe_every=2),  # Muon on q, k, v, gate and up
 ])
 def test_memory_model_equals_measured_single_process(char_dataset: Path, tmp_path: Path, overrides: dict) -> None:
-    cfg = TrainConfig(**{**dict(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=2, n_embd=32, n_head=4,
-                         block_size=16, batch_size=8, max_iters=1), **overrides})
+    cfg = config_from({**dict(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=2, n_embd=32, n_head=4,
+                              block_size=16, batch_size=8, max_iters=1), **overrides})  # --arch fills its parts
+    assert cfg.positions == ("rotary" if overrides.get("arch") == "llama" else "learned")
     t = Trainer(cfg)
     t.train_step()
     itemsize = np.dtype(cfg.dtype).itemsize
@@ -240,6 +244,20 @@ def test_time_model_single_rank_is_micro_batches_times_a_pass() -> None:
     # the model's FLOPs over the achieved rate bound the compute from below
     flops = 6 * model.n_params * model.tokens_per_step
     assert one.compute > flops / (prof.peak_flops * prof.gemm_efficiency)
+
+
+def test_time_model_prices_muons_matrices_and_exchange() -> None:
+    """Muon's step: its Newton–Schulz GEMMs on every matrix under ZeRO 0, about 1/dp of them
+    under ZeRO 1, plus the exchange over dp that brings them whole; AdamW has neither."""
+    prof = synthetic_profile()
+    adamw, muon = ModelSpec(4, 4, 64, 32, 100, 8), ModelSpec(4, 4, 64, 32, 100, 8, optimizer="muon")
+    t = {(m.optimizer, z): predict_time(m, Layout(4, 1, 1, z, "1f1b", 1), prof).optimizer
+         for m in (adamw, muon) for z in (0, 1)}
+    ns = t["muon", 0] - t["adamw", 0]  # all the matrices' iterations, no exchange
+    assert ns > 0
+    # ZeRO 1: a quarter of the iterations, a quarter of the elementwise work, and the exchange
+    assert t["muon", 1] - t["adamw", 1] > ns / 4
+    assert t["muon", 1] < t["muon", 0]
 
 
 def test_time_model_bubble_is_simulate_and_comm_is_exposed_per_axis() -> None:

@@ -103,13 +103,20 @@ def test_over_batch_returns_chunks_in_order_single_threaded_inside(with_threads)
     assert threads.threads() == 3  # restored after an error too
 
 
+# the model kinds' parts (numesh.nn.gpt.ARCHS): GPT-2's, and Llama's with one kv head for both query heads
+KINDS = {"gpt2": {}, "llama": dict(norm="rmsnorm", positions="rotary", mlp="swiglu", tie_embeddings=False,
+                                   n_kv_head=1)}
+
+
 @pytest.mark.bits
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("batch", [2, 5])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_blocks_run_as_pieces_are_the_same_bits_on_any_thread_count(with_threads, monkeypatch, batch: int,
-                                                                     dropout: float) -> None:
+                                                                     dropout: float, kind: str) -> None:
     monkeypatch.setattr(walk, "PIECE_TOKENS", 1)  # pieces of one sequence, even in this tiny model
-    cfg = GPTConfig(vocab_size=23, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=dropout, bias=True)
+    cfg = GPTConfig(vocab_size=23, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=dropout, bias=True,
+                    **KINDS[kind])
     mesh = Mesh.parse("")
     params = init_gpt(cfg, mesh, seed=3, dtype=np.float64)
     rng = np.random.default_rng(0)

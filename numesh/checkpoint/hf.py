@@ -22,6 +22,7 @@ import numpy as np
 from numesh.base.errors import CheckpointError
 from numesh.base.files import os_reason
 from numesh.checkpoint.export import exported_tensors, to_nanogpt
+from numesh.checkpoint.model import gpt2_differences
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
 from numesh.nn.gpt import GPTConfig
 from numesh.nn.layers import LN_EPS
@@ -33,19 +34,31 @@ _BIASES = {".ln_1.bias": 1, ".attn.c_attn.bias": 3, ".attn.c_proj.bias": 1, ".ln
 
 
 # transformers' MoE decoders (Mixtral, Qwen2-MoE, OLMoE, ...) are Llama-shaped: RMSNorm,
-# rotary positions and gated SiLU experts (w1, w3, w2). numesh's GPT has LayerNorm, learned
-# positions and GELU experts, and GPT2LMHeadModel has no experts: no class transformers
-# ships computes this model, and a directory needing custom code is what the export avoids.
+# rotary positions and gated SiLU experts (w1, w3, w2). A GPT-2-kind numesh MoE has
+# LayerNorm, learned positions and GELU experts, and GPT2LMHeadModel has no experts: no
+# class transformers ships computes it, and a directory needing custom code is what the
+# export avoids. (A Llama-kind MoE is Mixtral's block, refused with the Llama kind below.)
 MOE_REFUSAL = ("this checkpoint is a mixture of experts ({} experts) and transformers has no model class for it: "
-               "its MoE models (Mixtral and kin) use RMSNorm, rotary positions and gated SiLU experts where numesh "
-               "has LayerNorm, learned positions and GELU experts; sample or resume it with numesh instead")
+               "its MoE models (Mixtral and kin) use RMSNorm, rotary positions and gated SiLU experts where this "
+               "model has LayerNorm, learned positions and GELU experts; sample or resume it with numesh instead")
+
+
+def check_hf(model: GPTConfig) -> None:
+    """Raise unless transformers' GPT2LMHeadModel holds `model`: GPT-2's parts, dense.
+    A Llama-kind model would be LlamaForCausalLM (or Mixtral's with experts), which the
+    export does not write yet (issue 41)."""
+    if parts := gpt2_differences(model):
+        raise CheckpointError(f"HF export of llama-kind models: not yet (issue 41): this model has "
+                              f"{', '.join(parts)}, where the export writes GPT-2's GPT2LMHeadModel; sample or "
+                              "resume it with numesh instead")
+    if model.moe_experts:
+        raise CheckpointError(MOE_REFUSAL.format(model.moe_experts))
 
 
 def to_hf(params: Any, model: GPTConfig) -> dict[str, np.ndarray]:
     """transformers' GPT2LMHeadModel tensors: nanoGPT's names with the Linear weights back
     in [in, out] (Conv1D), zero biases where numesh has none, the tied head left out."""
-    if model.moe_experts:
-        raise CheckpointError(MOE_REFUSAL.format(model.moe_experts))
+    check_hf(model)
     sd = to_nanogpt(params, model)
     del sd["lm_head.weight"]  # tie_word_embeddings: transformers ties it to wte
     out = {k: np.ascontiguousarray(v.T) if k.endswith(_LINEARS) else v for k, v in sd.items()}
@@ -92,7 +105,7 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
         raise CheckpointError(f"{out} is a file: --format hf writes a directory, pass a directory as --out")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise CheckpointError(f"{out} is not empty: pass --force to overwrite")
-    meta, sd = exported_tensors(path, dtype, to_hf)
+    meta, sd = exported_tensors(path, dtype, to_hf, check_hf)
     tok_meta = meta.raw.get("tokenizer")
     if tok_meta is None:
         raise CheckpointError(f"{meta.root} holds no tokenizer, which a transformers directory needs: resume it "

@@ -326,7 +326,8 @@ class RankUnits:
     values it holds (its dp shard of them under ZeRO >= 1) of the leaves reduced apart from
     the dp sum, once per step: over tp the norms' under sequence parallelism and
     grouped-query attention's k and v with tp > 1 (`tp_partial_values`), those replicated
-    over ep (`ep_replicated_values`). A traced run
+    over ep (`ep_replicated_values`); the bytes a matrix rule (Muon) moves to have each
+    matrix whole on one rank, over dp and over tp (`matrix_exchange_bytes`). A traced run
     records these fields as its ranks' metadata, from which `numesh report` computes them."""
 
     chunks: tuple[Chunk, ...] = attrs.field(converter=tuple)
@@ -335,6 +336,8 @@ class RankUnits:
     tied_bytes: int = 0
     tp_partial_values: int = 0
     ep_replicated_values: int = 0
+    matrix_all_to_all: int = 0  # a matrix rule's (Muon's) exchange over dp: `matrix_exchange_bytes`
+    matrix_all_gather: int = 0  # ... and its gather over tp
 
 
 def step_bytes(step: StepShape, rank: RankUnits, all_to_all_bytes: int = 0) -> dict[tuple[str, str], int]:
@@ -377,15 +380,18 @@ def step_bytes(step: StepShape, rank: RankUnits, all_to_all_bytes: int = 0) -> d
                 add("tp", op, m * n)
     elif shape["tp"] > 1:
         add("tp", "all_reduce", m * sum(tp_all_reduce_bytes(c, rows, t, n_embd, itemsize, recompute) for c in chunks))
-    if shape["tp"] > 1:  # the norms' grads under sp, GQA's k and v grads: partial over tp, summed once a step
-        if step.moe is not None:
+    if shape["tp"] > 1:
+        if step.moe is not None:  # the MoE blocks' combine-weight grads, per micro-batch
             add("tp", "all_reduce", m * sum(moe_tp_bytes(c, rows, t, step.moe.top_k, itemsize) for c in chunks))
+        # the norms' grads under sp, GQA's k and v grads: partial over tp, summed once a step
         add("tp", "all_reduce", rank.tp_partial_values * itemsize)
     if shape["pp"] > 1:
         split = shape["tp"] if step.sequence_parallel else 1
         add("pp", "send", m * sum(pp_send_bytes(c, rows, t, n_embd, itemsize, split) for c in chunks))
         if rank.tied_bytes:
             add(f"pp[0,{shape['pp'] - 1}]", "all_reduce", rank.tied_bytes)
+    add("dp", "all_to_all", rank.matrix_all_to_all)
+    add("tp", "all_gather", rank.matrix_all_gather)
     if shape.get("ep", 1) > 1:
         add("ep", "all_reduce", ep_grad_bytes(rank.ep_replicated_values, itemsize))
         add("ep", "all_to_all", all_to_all_bytes)
@@ -575,20 +581,81 @@ def outer_params(n_embd: int, vocab: int, block_size: int, tp: int = 1, first: b
     return n
 
 
-def zero_buffer_bytes(unit_sizes: Iterable[int], dp: int, stage: int, itemsize: int = 4) -> dict[str, int]:
+def zero_buffer_bytes(unit_sizes: Iterable[int], dp: int, stage: int, itemsize: int = 4,
+                      state_values: float | None = None) -> dict[str, int]:
     """`ZeroOptimizer.memory()` of a rank whose units hold `unit_sizes` values: each unit
-    padded to a multiple of dp; parameters, gradients and AdamW's two moments whole or as
-    this rank's 1/dp as the stage says; the workspace is AdamW's scratch (one state-sized
-    buffer) and the weight-decay and norm masks (a byte per state value each)."""
+    padded to a multiple of dp; parameters, gradients and the optimiser state whole or as
+    this rank's 1/dp as the stage says; the workspace is the elementwise rules' scratch
+    (one state-slice of values) and the weight-decay and norm masks (a byte per value of the
+    slice each). The state is `state_values` values (`rule_state_values`; default AdamW's
+    two moments of every value of the slice)."""
     padded = [round_up(n, dp) for n in unit_sizes]
     full, shard = sum(padded), sum(p // dp for p in padded)
     state = shard if stage >= 1 else full
     return {
         "params": (shard if stage >= 3 else full) * itemsize,
         "grads": (shard if stage >= 2 else full) * itemsize,
-        "optimizer": 2 * state * itemsize,
+        "optimizer": int((2 * state if state_values is None else state_values) * itemsize),
         "workspace": state * itemsize + 2 * state,
     }
+
+
+def rule_values(units: Iterable[Sequence[tuple[int, int]]], dp: int, rank: int | None) -> dict[int, int]:
+    """Values of each optimiser rule in a rank's slice of the flat buffers: `units` are each
+    unit's (rule, values) runs in layout order (its leaves'), each unit padded to a multiple
+    of dp with rule 0's padding (numesh.optim.zero: the padding is the first rule's). With
+    `rank` None the whole buffers (ZeRO 0), else dp rank `rank`'s 1/dp of every unit."""
+    out: dict[int, int] = {}
+    for runs in units:
+        size = sum(n for _, n in runs)
+        padded = round_up(size, dp)
+        lo, hi = (0, padded) if rank is None else (rank * padded // dp, (rank + 1) * padded // dp)
+        start = 0
+        for rule, n in [*runs, (0, padded - size)]:
+            out[rule] = out.get(rule, 0) + max(0, min(hi, start + n) - max(lo, start))
+            start += n
+    return out
+
+
+def rule_state_values(units: Iterable[Sequence[tuple[int, int]]], dp: int, rank: int, stage: int,
+                      per_value: Sequence[int]) -> int:
+    """Optimiser state values a rank holds: each rule's values in its slice (`rule_values`:
+    this rank's 1/dp from ZeRO 1 on, else whole) times that rule's state buffers
+    (`per_value`: AdamW 2, Muon's matrix rule 1)."""
+    values = rule_values(units, dp, rank if stage >= 1 else None)
+    return sum(per_value[r] * n for r, n in values.items())
+
+
+def matrix_exchange_bytes(unit_sizes: Sequence[int], slabs: Sequence[tuple[int, int, int, float, bool]], dp: int,
+                          rank: int, tp: int, itemsize: int, sharded: bool) -> dict[tuple[str, str], int]:
+    """Payload bytes a rank sends in one step to have each matrix of a matrix rule (Muon)
+    whole on one rank (numesh/optim/matrices.py): `slabs` are (unit index, first value in
+    the unit, values, cost, whether split over tp), tp-local, in layout order;
+    `unit_sizes` the units' values. Under ZeRO >= 1 (`sharded`) the slabs are dealt to the
+    dp ranks by cost (`assign_owners`), each rank sends every owner the part of its slabs
+    that lies in its 1/dp shard of the unit (padded to a multiple of dp), and each owner
+    the rest of its slabs back, all-to-alls over dp that count what leaves a rank; every
+    owner then all-gathers its tp-split slabs over tp, tp times their values."""
+    from numesh.optim.matrices import assign_owners, pieces  # here: the other formulas need no MPI
+
+    n = dp if sharded else 1
+    owners = assign_owners([s[3] for s in slabs], n)
+    me = rank if sharded else 0
+    out: dict[tuple[str, str], int] = {}
+    moved = gathered = 0
+    for (unit, start, size, _cost, split), owner in zip(slabs, owners):
+        shard = round_up(unit_sizes[unit], n) // n
+        lo, hi = pieces(start, size, shard, n)[me]
+        if owner != me:
+            moved += hi - lo  # my piece, to its owner
+        else:
+            moved += size - (hi - lo)  # the others' pieces of my slab, back to them
+            gathered += size * tp if split and tp > 1 else 0
+    if n > 1:
+        out[("dp", "all_to_all")] = moved * itemsize
+    if gathered:
+        out[("tp", "all_gather")] = gathered * itemsize
+    return out
 
 
 

@@ -325,6 +325,7 @@ def rank_units(info: dict) -> formulas.RankUnits:
         [formulas.Chunk(**c) for c in info["chunks"]], info["padded_blocks"], info["padded_outer"], info["tied_bytes"],
         info.get("tp_partial_values", 0),  # absent in traces before sp
         info.get("ep_replicated_values", 0),  # absent in traces before ep
+        info.get("matrix_all_to_all", 0), info.get("matrix_all_gather", 0),  # absent before Muon
     )
 
 

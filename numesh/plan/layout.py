@@ -13,8 +13,8 @@ from numesh.pipeline.schedules import Schedule, make_schedule
 
 @attrs.frozen
 class ModelSpec:
-    """A GPT's sizes, its kind's parts and the step's global batch: all the planner needs
-    of a model."""
+    """A GPT's sizes, its kind's parts, the step's global batch and the optimiser: all the
+    planner needs of a model."""
 
     n_layer: int
     n_head: int
@@ -27,13 +27,15 @@ class ModelSpec:
     moe_experts: int = 0  # E experts in place of the MLP of every moe_every-th block; 0: dense
     moe_top_k: int = 2
     moe_every: int = 1
+    optimizer: str = "adamw"  # the run's --optimizer: its state and its step's work (numesh/plan/optimizer.py)
     parts: formulas.Parts = formulas.GPT2  # the kind's norm, positions, MLP, kv heads and head (GPT-2's by default)
 
     @classmethod
     def of(cls, cfg: Any, vocab_size: int) -> "ModelSpec":
-        """The sizes of a `TrainConfig`'s model (its experts and parts included) with `vocab_size` tokens."""
+        """The sizes of a `TrainConfig`'s model (its experts and parts included) with `vocab_size`
+        tokens, and its optimiser."""
         return cls(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, vocab_size, cfg.batch_size, cfg.bias,
-                   cfg.dropout > 0, cfg.moe_experts, cfg.moe_top_k, cfg.moe_every,
+                   cfg.dropout > 0, cfg.moe_experts, cfg.moe_top_k, cfg.moe_every, cfg.optimizer,
                    formulas.Parts.of(cfg.model(vocab_size)))
 
     def is_moe(self, layer: int) -> bool:

@@ -1,8 +1,9 @@
 """Predicted memory of every rank of a layout, from `numesh.perf.formulas`.
 
 Parameters, gradients, optimiser state and workspace are what `ZeroOptimizer.memory()`
-measures (exact: the same units, padding and sharding); activations are the peak of the
-saved contexts along the rank's action list, as the executor counts `peak_bytes` (exact
+measures (exact: the same units, padding and sharding; the state of an optimiser with
+several rules, Muon's, is their expected share of a ZeRO slice: numesh/plan/optimizer.py);
+activations are the peak of the saved contexts along the rank's action list, as the executor counts `peak_bytes` (exact
 for the contexts numesh holds today); communication buffers are the transient copies a
 step makes besides them (not measured by numesh: ZeRO-3's gathered unit, ZeRO-2/3's
 per-unit reduce-scatter input).
@@ -20,6 +21,7 @@ from numesh.perf import formulas
 from numesh.pipeline.schedules import Schedule
 from numesh.pipeline.stages import StageLayout
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
+from numesh.plan.optimizer import rank_units, state_values
 
 PARTS = ("params", "grads", "optimizer", "workspace", "activations", "comm_buffers")
 
@@ -186,7 +188,8 @@ def rank_memory(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 
     (`ZeroOptimizer`'s flat layout: cp ranks sum their gradients, then dp shards them); an
     MoE block holds E/ep experts on each ep rank, ZeRO still sharding over dp only."""
     sizes = unit_sizes(model, layout, pp_rank)
-    buffers = formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize)
+    rules = rank_units(model, layout, rank_layers(model, layout, pp_rank), pp_rank == 0, pp_rank == layout.pp - 1)
+    buffers = formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize, state_values(model, layout, rules))
     return RankMemory(
         **buffers,
         activations=peak_activation_bytes(model, layout, pp_rank, itemsize, threads, sched),

@@ -50,10 +50,12 @@ import attrs
 
 from numesh.base.padding import ceil_div, padded_vocab, round_up
 from numesh.nn.attention import QUERY_TILE
+from numesh.optim import MatrixRule
 from numesh.perf import formulas
 from numesh.plan.hardware import Measured, Profile
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
 from numesh.plan.memory import block_sizes, rank_layers, unit_sizes
+from numesh.plan.optimizer import matrix_bytes, matrix_work, optimizer_of, rank_units
 from numesh.plan.pipesim import makespan_and_busy
 
 
@@ -85,7 +87,7 @@ class StepTime:
     comm: dict[str, float]  # exposed communication by axis: tp, cp, ep, pp, dp (with ZeRO-3's gathers), other, and
     # "wait": blocking calls waiting for their groups' last members (measured profiles)
     bubble: float  # idle time of the pipeline schedule
-    optimizer: float  # gradient norm and AdamW on this rank's state
+    optimizer: float  # gradient norm and the optimiser on this rank's state (Muon's matrices and exchange too)
     total: float
 
 
@@ -499,9 +501,7 @@ def _predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byt
     if partial := tp_partial_values(model, layout):  # all-reduced over tp once per step (this dp shard's)
         tp_time += profile.comm_time("all_reduce", ceil_div(partial, layout.dp) * k if layout.zero else partial * k,
                                      layout.tp, place.tp_intra, ron)
-    state = sum(ceil_div(n, layout.dp) for n in sizes) if layout.zero >= 1 else sum(sizes)
-    optimizer = (profile.elementwise_time("adamw", state, ron)
-                 + profile.elementwise_time("copy", state, ron))  # + the norm's dot
+    optimizer = _optimizer_time(model, layout, profile, place, sizes)
     pp_exposed = max(0.0, makespan - busy) if layout.pp > 1 else 0.0
     bubble_ideal = _simulated(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages,
                               worst.f, worst.b, worst.w, 0.0)[0] - busy
@@ -533,6 +533,27 @@ def tp_partial_values(model: ModelSpec, layout: Layout) -> int:
         kv = parts.kv_width(C)
         n += blocks * 2 * (C * kv + (kv if model.bias else 0))
     return n
+
+
+def _optimizer_time(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, sizes: list[int]) -> float:
+    """The optimiser step on pipeline rank 0's slice: its elementwise passes (as AdamW's
+    kernel, and the norm's), and a matrix rule's (Muon's) function on its share of the whole
+    matrices, each priced at the profile's GEMM rate for its shape, with the exchange that
+    brings them whole over dp and tp (numesh/plan/optimizer.py)."""
+    ron, k = place.ranks_on_node, profile.itemsize
+    state = sum(ceil_div(n, layout.dp) for n in sizes) if layout.zero >= 1 else sum(sizes)
+    t = profile.elementwise_time("adamw", state, ron) + profile.elementwise_time("copy", state, ron)
+    units = rank_units(model, layout, rank_layers(model, layout, 0), True, layout.pp == 1)
+    rule = next((r for r in optimizer_of(model).rules if isinstance(r, MatrixRule)), None)
+    if rule is None:
+        return t
+    for m, count in matrix_work(model, layout, units):
+        s, big = min(m.fan_in, m.fan_out), max(m.fan_in, m.fan_out)
+        gemm = profile.gemm_time(1, s, big, s, ron)  # X·Xᵀ's shape: the rate of the iteration's GEMMs
+        t += count * rule.flops(m.fan_in, m.fan_out) * gemm / (2.0 * s * big * s)
+    nbytes = matrix_bytes(model, layout, units, k)
+    t += 2 * profile.comm_time("all_to_all", nbytes["dp"] / 2, layout.dp, place.dp_intra, ron)
+    return t + profile.comm_time("all_gather", nbytes["tp"], layout.tp, place.tp_intra, ron)
 
 
 def _cp_grad_sum_time(layout: Layout, profile: Profile, place: Placement, padded: list[int],

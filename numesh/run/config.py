@@ -18,12 +18,14 @@ import numpy as np
 
 from numesh.base.errors import ConfigError
 from numesh.base.files import read_user_file
+from numesh.checkpoint.init_from import check_init_kind
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
 from numesh.host.interrupt import parse_signals
 from numesh.mesh import parse_mesh
 from numesh.nn.gpt import ARCHS, GPTConfig
 from numesh.nn.walk import check_recompute
 from numesh.observe.inject import faults_from_env
+from numesh.optim.registry import make_optimizer
 from numesh.pipeline.schedules import make_schedule
 from numesh.pipeline.stages import StageLayout
 
@@ -90,9 +92,20 @@ class TrainConfig:
     min_lr: float = _field(1e-4, "learning rate at the end of the cosine decay")
     warmup_iters: int = _field(100, "linear warmup steps")
     lr_decay_iters: int = _field(2000, "step at which the cosine decay reaches min_lr")
-    weight_decay: float = _field(0.1, "AdamW weight decay (matrices and embeddings only)")
+    weight_decay: float = _field(
+        0.1, "decoupled weight decay: AdamW's (matrices and embeddings only) and Muon's (its matrices)")
     beta1: float = _field(0.9, "AdamW beta1")
     beta2: float = _field(0.99, "AdamW beta2")
+    optimizer: str = _field(
+        "adamw", "the optimiser: adamw, or muon (momentum orthogonalised by Newton-Schulz for the blocks' "
+        "matrices, AdamW with --learning-rate, --beta1, --beta2 for the other leaves)")
+    muon_lr: float = _field(0.0, "Muon's peak learning rate, on --learning-rate's schedule; 0 = --learning-rate")
+    muon_momentum: float = _field(0.95, "Muon's momentum")
+    muon_nesterov: bool = _field(True, "Muon's Nesterov momentum")
+    muon_ns_steps: int = _field(5, "Muon's Newton-Schulz iterations (run in --dtype, not bfloat16 as in PyTorch)")
+    muon_adjust_lr: str = _field(
+        "match_rms_adamw", "Muon's learning rate per matrix (torch.optim.Muon's adjust_lr_fn): match_rms_adamw "
+        "(0.2*sqrt(max(in, out)): AdamW's update size, so --learning-rate fits) or original (sqrt(max(1, out/in)))")
     grad_clip: float = _field(1.0, "clip gradients to this global norm (0 = off)")
     # data parallelism
     zero: int = _field(0, "ZeRO stage over dp: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters")
@@ -256,9 +269,7 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
         raise ConfigError("--init-from and --resume both say where the weights come from: pass one")
     if not cfg.learning_rate > 0:
         raise ConfigError(f"learning_rate must be > 0, got {cfg.learning_rate}")
-    for name in ("beta1", "beta2"):
-        if not 0.0 <= getattr(cfg, name) < 1.0:
-            raise ConfigError(f"{name} must be in [0, 1), got {getattr(cfg, name)}")
+    make_optimizer(cfg.optimizer, attrs.asdict(cfg))  # its name and hyper-parameters (betas too)
     return shape
 
 
@@ -314,6 +325,8 @@ def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> G
                           f"use a --block-size divisible by {shape['tp']}")
     model = cfg.model(vocab_size)
     model.validate(1)  # a tp or experts error below says which mesh axis
+    if cfg.init_from:
+        check_init_kind(model)
     _check_moe(cfg, shape)
     model.validate(shape["tp"])
     StageLayout(model.n_layer, shape["pp"], cfg.virtual_stages)

@@ -111,7 +111,7 @@ def generate(
     # included, which a token generated one at a time cannot see (docs/moe.md)
     model = attrs.evolve(model, moe_capacity_factor=0.0)
     bs = model.block_size
-    cache = new_kv_cache(model, mesh, idx.shape[0], params.wpe.dtype) if kv_cache else None
+    cache = new_kv_cache(model, mesh, idx.shape[0], params.wte.dtype) if kv_cache else None
     for _ in range(max_new_tokens):
         if cache is None:
             logits = logits_last(params, idx[:, -bs:], model, mesh)

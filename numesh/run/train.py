@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh.base.errors import ConfigError, DataError, Interrupted, Preempted, abort_job
-from numesh.base.tree import tree_leaves, tree_map
+from numesh.base.tree import tree_leaves, tree_leaves_with_path, tree_map
 from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
 from numesh.checkpoint.background import AsyncCheckpoints
 from numesh.checkpoint.format import step_dir_name
@@ -46,7 +46,8 @@ from numesh.observe.flight import FlightRecorder
 from numesh.observe.inject import FaultInjector, faults_from_env, unshared_out
 from numesh.observe.spool import PARTS_DIR
 from numesh.observe.trace import Tracer
-from numesh.optim import AdamWConfig, clip_scale, cosine_lr
+from numesh.optim import Leaf, clip_scale, cosine_lr
+from numesh.optim.registry import describe, make_optimizer
 from numesh.optim.zero import ZeroOptimizer
 from numesh.perf import formulas
 from numesh.pipeline.executor import PipelineExecutor, StepStats
@@ -112,16 +113,18 @@ class Trainer:
         self.layout = StageLayout(self.model.n_layer, shape["pp"], cfg.virtual_stages)
         self.schedule = make_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
         self.specs = stage_tree(gpt_specs(self.model), self.layout, pp_rank)
-        adamw = AdamWConfig(cfg.beta1, cfg.beta2, 1e-8, cfg.weight_decay)
+        self.optimizer = make_optimizer(cfg.optimizer, attrs.asdict(cfg))
         params = stage_tree(self._initial_params(), self.layout, pp_rank)
         # a tied wte's copy on the last stage: counted on the first rank
         tied_copy = self.model.tie_embeddings and self.layout.holds_tied(pp_rank) and self.layout.is_last(pp_rank)
         units = split_units(params)
+        owned = self.layout.owned(pp_rank)  # the global layer of each local block, for the optimiser's rules
         self.opt = ZeroOptimizer(
-            units, split_units(self.specs), self.mesh, cfg.zero, adamw,
+            units, split_units(self.specs), self.mesh, cfg.zero, self.optimizer,
             bucket_bytes=int(cfg.bucket_mb * 2**20), overlap=cfg.overlap,
             uncounted={(OUTER, "wte")} if tied_copy else (),
             tp_partial=tp_partial_leaves(units, self.mesh),  # norm grads under sp, GQA's k and v
+            paths={u: "" if u.is_outer else f"blocks.{owned[u.block]}." for u in units},
         )
         self.opt.check_replicas()
         self.pipeline = PipelineExecutor(self.model, self.mesh, self.layout, self.opt, self.dtype, cfg.recompute)
@@ -141,6 +144,12 @@ class Trainer:
             return init_gpt(self.model, self.mesh, self.cfg.seed, self.dtype)
         whole = load_init(self.cfg.init_from, self.model, self.dataset.tokenizer, self.dtype)
         return shard_params(whole, self.model, self.mesh)
+
+    def optimizer_groups(self) -> list[str]:
+        """Which of the optimiser's rules updates which of the model's (global) leaves, in words."""
+        shapes = dict(tree_leaves_with_path(gpt_global_shapes(self.model)))
+        specs = dict(tree_leaves_with_path(gpt_specs(self.model)))
+        return describe(self.optimizer, {p: Leaf(p, shapes[p], specs[p]) for p in shapes})
 
     @property
     def params(self) -> GPT:
@@ -264,7 +273,19 @@ class Trainer:
             sum(u.padded for k, u in units.items() if not k.is_outer), units[OUTER].padded,
             tied if self.model.tie_embeddings and self.layout.holds_tied(self.mesh.index("pp")) else 0,
             self.opt.tp_partial_values, self.opt.ep_replicated_values,
+            *self.matrix_exchange_bytes(),
         )
+
+    def matrix_exchange_bytes(self) -> tuple[int, int]:
+        """Bytes this rank sends each step over dp and over tp so that each of Muon's
+        matrices is whole on one rank (`formulas.matrix_exchange_bytes`; 0 for AdamW)."""
+        units = self.opt.units
+        index = {k: i for i, k in enumerate(units)}
+        slabs = [(index[s.key], s.start, s.size, s.cost, s.view.tp_dim is not None) for s in self.opt.matrix_slabs]
+        out = formulas.matrix_exchange_bytes([u.size for u in units.values()], slabs, self.mesh.size("dp"),
+                                             self.mesh.index("dp"), self.mesh.size("tp"),
+                                             np.dtype(self.dtype).itemsize, self.opt.sync.sharded)
+        return out.get(("dp", "all_to_all"), 0), out.get(("tp", "all_gather"), 0)
 
     def gathered_params(self) -> GPT:
         """The global parameters (vocabulary unpadded), gathered on every rank (tests, export)."""
@@ -283,17 +304,19 @@ def train_state(trainer: Trainer) -> TrainState:
     return TrainState(
         mesh=trainer.mesh, model=trainer.model, layout=trainer.layout,
         trees={g: join_units(t) for g, t in trainer.opt.state_trees().items()},
-        step=trainer.step, opt_step=trainer.opt.adam_step, dtype=c.dtype, seed=c.seed,
+        step=trainer.step, opt_step=trainer.opt.opt_step, dtype=c.dtype, seed=c.seed,
+        optimizer=trainer.optimizer.name,
         run_config=attrs.asdict(c), tokenizer=tokenizer,
     )
 
 
 def restore(trainer: Trainer, path: str | Path) -> None:
-    """Set the trainer's parameters, AdamW moments and steps from a checkpoint written on
+    """Set the trainer's parameters, optimiser state and steps from a checkpoint written on
     any mesh (collective; on error every rank raises and the trainer is unchanged). A
-    checkpoint trained on another vocabulary than the run's dataset is refused."""
+    checkpoint trained on another vocabulary than the run's dataset, or with another
+    optimiser, is refused."""
     got = read_local_state(path, trainer.mesh, trainer.model, trainer.layout, trainer.dtype,
-                           trainer.dataset.tokenizer, f"dataset {trainer.cfg.data}")
+                           trainer.dataset.tokenizer, f"dataset {trainer.cfg.data}", trainer.optimizer.name)
     trainer.opt.load_state_trees({g: split_units(t) for g, t in got.trees.items()}, got.opt_step)
     trainer.step = got.step
 
@@ -469,7 +492,8 @@ def _open_run(trainer: Trainer, cfg: TrainConfig, resume: str) -> RunDir:
     """Lock OUT, refuse to reuse a run unless resuming (from `resume`) or overwriting, check
     room for a checkpoint. `--resume auto` without a checkpoint starts over: what a first
     attempt that died before its first checkpoint left in OUT goes."""
-    ckpt_bytes = 3 * trainer.n_params * np.dtype(trainer.dtype).itemsize  # params and both moments
+    # params and the most state values any rule keeps per value (AdamW: both moments)
+    ckpt_bytes = (1 + max(trainer.optimizer.state_per_value)) * trainer.n_params * np.dtype(trainer.dtype).itemsize
     over = cfg.overwrite or (cfg.resume == RESUME_AUTO and not resume)
     return RunDir(Path(cfg.out), trainer.mesh.world, resume or None, over, ckpt_bytes, attrs.asdict(cfg),
                   resume_step=trainer.step)
@@ -574,6 +598,8 @@ def _announce(trainer: Trainer) -> float:
     cfg = trainer.cfg
     if hint := dp_hint(trainer.mesh.world.Get_size(), threads(), cfg.batch_size, cfg.micro_batches):
         log(hint)
+    for line in trainer.optimizer_groups():  # which rule updates which leaves, declared once by the optimiser
+        log(line)
     peak, source = job_peak_flops(trainer)  # MFU's denominator (docs/observability.md)
     log(f"MFU peak: {peak / 1e9:.1f} GFLOP/s ({source})")
     return peak
