@@ -9,6 +9,7 @@ test_mpi_plan.py.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from numesh.base.errors import ConfigError, UserError
+from numesh.base.tree import tree_leaves
 from numesh.cli.app import app
 from numesh.host.threads import threads
 from numesh.perf import formulas
@@ -40,7 +42,7 @@ from numesh.plan.pipesim import makespan_and_busy
 from numesh.plan.predict import Plan
 from numesh.plan.search import _cp_sizes, candidates, least_recompute, train_config, valid_layouts
 from numesh.plan.timing import Placement, attention_cost, block_cost, placement, predict_time, ring_hop_bytes
-from numesh.run.config import TrainConfig, validate
+from numesh.run.config import TrainConfig, config_from, validate
 from numesh.run.train import Trainer
 
 
@@ -85,12 +87,19 @@ def test_zero_buffer_bytes_hand_worked() -> None:
     # experts (dropless, one rank: the balanced-routing assumption is exact with ep = 1)
     dict(moe_experts=4), dict(moe_experts=4, moe_every=2, micro_batches=2, bias=True),
     dict(moe_experts=4, moe_top_k=1, recompute="full"), dict(moe_experts=4, micro_batches=2, schedule="zb-h1"),
+    # Llama: RMSNorm, rotary (the tables held once), SwiGLU, grouped-query attention, untied head
+    dict(arch="llama", n_kv_head=2, micro_batches=2), dict(arch="llama", n_kv_head=1, bias=True, schedule="zb-h1",
+                                                           micro_batches=2, dtype="float64"),
+    dict(arch="llama", tie_embeddings=True, ffn_hidden=48, recompute="full", micro_batches=4, schedule="zb-h1"),
+    dict(arch="llama", n_kv_head=2, moe_experts=4, moe_every=2, micro_batches=2),  # Mixtral's SwiGLU experts
     # Muon: one momentum value per matrix value, AdamW's two moments for the rest
     dict(optimizer="muon", micro_batches=2, bias=True), dict(optimizer="muon", moe_experts=4),
+    dict(optimizer="muon", arch="llama", n_kv_head=2, moe_experts=4, moe_every=2),  # Muon on q, k, v, gate and up
 ])
 def test_memory_model_equals_measured_single_process(char_dataset: Path, tmp_path: Path, overrides: dict) -> None:
-    cfg = TrainConfig(**{**dict(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=2, n_embd=32, n_head=4,
-                         block_size=16, batch_size=8, max_iters=1), **overrides})
+    cfg = config_from({**dict(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=2, n_embd=32, n_head=4,
+                              block_size=16, batch_size=8, max_iters=1), **overrides})  # --arch fills its parts
+    assert cfg.positions == ("rotary" if overrides.get("arch") == "llama" else "learned")
     t = Trainer(cfg)
     t.train_step()
     itemsize = np.dtype(cfg.dtype).itemsize
@@ -268,6 +277,38 @@ def test_time_model_bubble_is_simulate_and_comm_is_exposed_per_axis() -> None:
     assert z[3].comm["dp"] > z[0].comm["dp"]  # ZeRO-3 gathers parameters in every F and B
     no_overlap = predict_time(model, Layout(4, 1, 1, 0, "1f1b", 2), attrs.evolve(prof, overlap=False))
     assert no_overlap.comm["dp"] >= z[0].comm["dp"]
+
+
+def test_time_model_prices_a_llama_block_at_its_own_shapes() -> None:
+    """Grouped-query attention multiplies q at C/tp and k, v at the rank's kv columns (1 kv
+    head of 4 here: fewer FLOPs than the fused QKV); SwiGLU runs three GEMMs of its hidden
+    size; with tp > 1 the k and v gradients are all-reduced over tp once per step (with or
+    without sp); an untied head sums no embedding gradient across pp."""
+    from numesh.plan.timing import projection_columns, tp_partial_values
+
+    gpt2 = ModelSpec(4, 4, 64, 32, 65, 8)
+    llama = attrs.evolve(gpt2, parts=formulas.Parts(hidden=96, gated=True, kv_heads=1, head_size=16, rmsnorm=True,
+                                                    rotary=True, tied=False))
+    tp2 = Layout(1, 2, 1, 0, "1f1b", 1)
+    assert projection_columns(gpt2, tp2) == [96] and projection_columns(llama, tp2) == [32, 16, 16]
+    assert tp_partial_values(gpt2, tp2) == 0 and tp_partial_values(llama, tp2) == 4 * 2 * 64 * 16
+    assert tp_partial_values(llama, attrs.evolve(tp2, sp=True)) == 4 * 2 * 64 * 16 + (2 * 4 + 1) * 64
+    prof = load_profile("a100-80gb")
+    one = Layout(1, 1, 1, 0, "1f1b", 1)
+    for lay in (one, tp2):
+        a, b = (block_cost(m, lay, prof, placement(lay, prof), False) for m in (gpt2, llama))
+        assert a.w != b.w  # other GEMMs: the narrower k, v and the gate
+    # tp = 2: beside the same activations' all-reduces as every head's own kv (fused QKV), GQA
+    # all-reduces its k and v gradients once
+    fused = attrs.evolve(llama, parts=attrs.evolve(llama.parts, kv_heads=0))
+    extra = predict_time(llama, tp2, prof).comm["tp"] - predict_time(fused, tp2, prof).comm["tp"]
+    place = placement(tp2, prof)
+    want = prof.comm_time("all_reduce", tp_partial_values(llama, tp2) * prof.itemsize, 2, place.tp_intra,
+                          place.ranks_on_node)
+    assert extra == pytest.approx(want, rel=1e-9) and want > 0
+    pp2 = Layout(1, 1, 2, 0, "1f1b", 2)
+    tied = attrs.evolve(llama, parts=attrs.evolve(llama.parts, tied=True))
+    assert predict_time(tied, pp2, prof).comm["other"] > predict_time(llama, pp2, prof).comm["other"]
 
 
 def test_time_model_recompute_cp_and_sp() -> None:
@@ -546,6 +587,62 @@ def test_cli_preset_at_scale() -> None:
     assert counted and int(counted[2]) == int(counted[3]) == len(rows) < int(counted[1]), res.stdout
 
 
+@pytest.mark.parametrize("name, published", [
+    ("smollm2-135m", 134_515_008), ("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496),
+    ("llama3-405b", 405_853_388_800),
+])
+def test_llama_presets_carry_their_parts_and_count_the_published_parameters(name: str, published: int) -> None:
+    """The planner's model of a Llama preset counts what the model's own parameter tree holds,
+    and that is the count its makers publish (GQA's k, v, SwiGLU's three matrices, RMSNorm,
+    no wpe, the untied head; SmolLM2's tied)."""
+    from numesh.nn.gpt import gpt_global_shapes
+    from numesh.plan.command import base_config, model_spec
+
+    cfg = base_config({}, None, name)
+    model = model_spec(cfg, None, name)
+    assert model.parts == formulas.Parts.of(cfg.model(model.vocab_size)) and model.parts.kv_heads in (3, 8)
+    shapes = gpt_global_shapes(cfg.model(model.vocab_size))
+    assert model.n_params == sum(math.prod(x) for x in tree_leaves(shapes)) == published
+
+
+def test_cli_llama3_preset_json_and_table() -> None:
+    """`numesh plan --model llama3-8b` lists layouts with the Llama block's memory and time,
+    in JSON and as the table with the command that runs the best one; the state of a
+    dp-only ZeRO-0 layout holds the 8.03 B parameters (in the profile's itemsize), not a
+    GPT-2 model's of the same width."""
+    args = ["--ranks", "8", "--model", "llama3-8b", "--batch-size", "8", "--hardware", "h100-80gb"]
+    res = invoke([*args, "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)
+    assert rows[0]["fits"] and {r["tp"] for r in rows} == {1, 2, 4, 8}
+    profile = load_profile("h100-80gb")
+    plain = next(r for r in rows if r["mesh"] == "dp=8,tp=1,pp=1" and r["zero"] == 0)
+    values = plain["memory"]["params"] / profile.itemsize  # every unit padded to a multiple of dp = 8
+    assert 8_030_261_248 <= values < 8_030_261_248 + 8 * 33
+    res = invoke([*args, "--top", "3"])
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 1 + 3 + 2 and lines[-1].startswith("best: mpirun -n 8 numesh train --mesh ")
+    assert "--arch llama --n-kv-head 8 --ffn-hidden 14336 --rope-theta 500000.0" in lines[-1]
+
+
+def test_the_search_never_lists_a_tp_that_splits_the_kv_heads_query_groups(char_dataset: Path,
+                                                                            tmp_path: Path) -> None:
+    """12 query heads in 3 kv groups on 12 ranks: tp = 2 and 4 would split a group across
+    ranks and `GPTConfig.validate` refuses them; tp = 3, 6 and 12 (a kv head on 1, 2 or 4
+    ranks) are listed, and the listed layouts pass train's validation."""
+    base = config_from(dict(data=str(char_dataset), out=str(tmp_path / "o"), arch="llama", n_layer=2, n_head=12,
+                            n_kv_head=3, n_embd=48, ffn_hidden=96, block_size=16, batch_size=12))
+    _, gpt = validate(base, 1)
+    model = spec_of(base, gpt.vocab_size)
+    listed = valid_layouts(base, model, 12)
+    assert {lay.tp for lay in listed} == {1, 3, 6, 12}
+    for lay in listed[::50]:
+        validate(train_config(base, lay), 12)
+    with pytest.raises(UserError, match="splits the 3 kv heads' query groups"):
+        validate(train_config(base, Layout(3, 4, 1, 0, "1f1b", 1)), 12)
+
+
 @pytest.mark.parametrize("args, match", [
     (["--ranks", "7"], "no layout of this model uses 7 ranks"),
     (["--ranks", "2", "--memory-per-rank", "1KiB"], "no layout of this model fits in 1.0 KiB per rank"),
@@ -670,15 +767,17 @@ def test_the_table_shows_waits_only_where_the_profile_has_them() -> None:
                                                  + p.time.optimizer, rel=1e-12)
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
-def test_calibration_collects_every_gemm_shape_the_time_model_asks_for(ranks: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks, kind", [(1, {}), (2, {}), (4, {}), (8, {}), (4, dict(arch="llama", n_kv_head=2))])
+def test_calibration_collects_every_gemm_shape_the_time_model_asks_for(ranks: int, kind: dict, tmp_path: Path) -> None:
     """`model_gemm_shapes` runs the time model on a stand-in profile that records GEMM shapes
     (cp layouts among them from 2 ranks on); every shape predict_time then asks a profile
-    calibrated for those ranks is one that calibration measured."""
+    calibrated for those ranks is one that calibration measured: a Llama model's q, k, v
+    and SwiGLU GEMMs too."""
     from numesh.plan.calibrate import model_gemm_shapes
 
-    base = TrainConfig(data=str(tmp_path), n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16)
-    model = ModelSpec(4, 4, 128, 64, 65, 16)
+    base = config_from(dict(data=str(tmp_path), n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16,
+                            **kind))
+    model = ModelSpec.of(base, 65)
     shapes = model_gemm_shapes(base, model, ranks, 4)
     asked: set = set()
 

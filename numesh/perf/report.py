@@ -314,6 +314,8 @@ def step_shape(m: dict) -> formulas.StepShape:
         m["itemsize"], sched.split_backward,
         m.get("sequence_parallel", False),  # absent in traces before sp
         m.get("recompute", "none"),  # traces written before --recompute ran without it
+        formulas.Parts(**m.get("parts", {})),  # traces written before the model kinds: GPT-2's
+        None if not m.get("moe") else formulas.ExpertShape(**m["moe"]),  # absent before the formulas took it
     )
 
 

@@ -47,18 +47,19 @@ class RankMemory:
         return self.total - self.comm_buffers
 
 
-def moe_block_rank_params(n_embd: int, experts: int, ep: int, tp: int, bias: bool) -> int:
+def moe_block_rank_params(n_embd: int, experts: int, ep: int, tp: int, bias: bool,
+                          parts: formulas.Parts = formulas.GPT2) -> int:
     """Values of one MoE block on one (ep, tp) rank: the router and the dense block's attention
-    and LayerNorms (replicated over ep) and E/ep experts, each tp-split like the dense MLP.
+    and norms (replicated over ep) and E/ep experts, each tp-split like the dense MLP.
     ep = tp = 1 gives `formulas.moe_block_params`."""
-    return (formulas.moe_block_other_values(n_embd, experts, tp, bias)
-            + formulas.moe_expert_values(n_embd, experts, ep, tp, bias))
+    return (formulas.moe_block_other_values(n_embd, experts, tp, bias, parts)
+            + formulas.moe_expert_values(n_embd, experts, ep, tp, bias, parts))
 
 
 def block_sizes(model: ModelSpec, layout: Layout, layers: range | list[int]) -> list[int]:
     """Values of each block unit among `layers` on one rank of the layout."""
-    dense = formulas.block_params(model.n_embd, layout.tp, model.bias)
-    moe = (moe_block_rank_params(model.n_embd, model.moe_experts, layout.ep, layout.tp, model.bias)
+    dense = formulas.block_params(model.n_embd, layout.tp, model.bias, model.parts)
+    moe = (moe_block_rank_params(model.n_embd, model.moe_experts, layout.ep, layout.tp, model.bias, model.parts)
            if model.moe_experts else dense)
     return [moe if model.is_moe(i) else dense for i in layers]
 
@@ -71,9 +72,11 @@ def rank_layers(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
 def unit_sizes(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
     """Values of each parameter unit on pipeline rank `pp_rank` (its blocks, then the outer unit)."""
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
-    outer = formulas.outer_params(model.n_embd, model.vocab_size, model.block_size, layout.tp, first, last, model.bias)
+    outer = formulas.outer_params(model.n_embd, model.vocab_size, model.block_size, layout.tp, first, last, model.bias,
+                                  model.parts)
     if not model.moe_experts:  # the dense model's blocks all alike
-        return [formulas.block_params(model.n_embd, layout.tp, model.bias)] * (model.n_layer // layout.pp) + [outer]
+        block = formulas.block_params(model.n_embd, layout.tp, model.bias, model.parts)
+        return [block] * (model.n_layer // layout.pp) + [outer]
     return list(_moe_block_units(model, layout.tp, layout.ep, layout.pp, layout.virtual_stages, pp_rank)) + [outer]
 
 
@@ -87,7 +90,7 @@ def _moe_block_units(model: ModelSpec, tp: int, ep: int, pp: int, v: int, pp_ran
 def activation_shape(model: ModelSpec, layout: Layout, itemsize: int) -> formulas.ActivationShape:
     """The sizes of one micro-batch's activations on a rank of the layout (the formulas' `ActivationShape`)."""
     return formulas.ActivationShape(layout.rows(model), model.block_size, model.n_embd, model.n_head, layout.tp,
-                                    layout.cp, layout.sp, layout.recompute, itemsize)
+                                    layout.cp, layout.sp, layout.recompute, itemsize, model.parts)
 
 
 def moe_activation_delta(model: ModelSpec, layout: Layout, itemsize: int) -> int:
@@ -106,15 +109,16 @@ def moe_activation_delta(model: ModelSpec, layout: Layout, itemsize: int) -> int
 
 def moe_weight_delta(model: ModelSpec, layout: Layout, itemsize: int, chunks: int) -> int:
     """A zero-bubble W context of an MoE block less a dense one's (`formulas.weight_ctx_bytes`):
-    no MLP Linear inputs and output gradients (h2, dz [b,s,C]; MLP-up's 4C/tp output
-    gradient, GELU output), the MoE MLP's weight gradients instead (all made in B: the router
-    and this rank's experts), its LayerNorm gradients once (an MoE block runs whole)."""
+    no MLP Linear inputs and output gradients (h2, dz [b,s,C]; MLP-up's F/tp output
+    gradient and the activation's output, and SwiGLU's gate output gradient), the MoE MLP's
+    weight gradients instead (all made in B: the router and this rank's experts), its norm
+    gradients once (an MoE block runs whole)."""
     n = layout.rows(model) * (model.block_size // layout.cp)
-    C, tp = model.n_embd, layout.tp
-    mlp_io = itemsize * (2 * n * C + 8 * n * C // tp)
-    experts = formulas.moe_expert_values(C, model.moe_experts, layout.ep, tp, model.bias)
+    C, tp, parts = model.n_embd, layout.tp, model.parts
+    mlp_io = itemsize * (2 * n * C + parts.mlp_matrices * n * parts.ffn(C) // tp)
+    experts = formulas.moe_expert_values(C, model.moe_experts, layout.ep, tp, model.bias, parts)
     grads = (C * model.moe_experts + experts) * itemsize
-    ln = (chunks - 1) * 2 * C * (2 if model.bias else 1) * itemsize
+    ln = (chunks - 1) * 2 * parts.norm_values(C, model.bias) * itemsize
     return grads - mlp_io - ln
 
 
@@ -155,16 +159,25 @@ def peak_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, itemsi
     sched = sched or layout.sched
     cost = tuple(_chunk_bytes(model, layout, pp_rank, c, itemsize, threads)
                  for c in range(layout.virtual_stages))
-    return _walk(sched.name, sched.p, sched.m, sched.v, pp_rank, cost)
+    return _walk(sched.name, sched.p, sched.m, sched.v, pp_rank, cost, shared_bytes(model, layout, itemsize))
+
+
+def shared_bytes(model: ModelSpec, layout: Layout, itemsize: int) -> tuple[int, int]:
+    """What every F context and every deferred W of a rank hold in common, counted once
+    (`formulas.peak_activation_bytes`' `shared`): the rotary tables, which a fully
+    recomputed block's F does not keep."""
+    tables = formulas.rotary_table_bytes(activation_shape(model, layout, itemsize))
+    return (0 if layout.recompute == "full" else tables), tables
 
 
 @functools.lru_cache(maxsize=4096)
-def _walk(name: str, pp: int, m: int, v: int, pp_rank: int, cost: tuple[tuple[int, int], ...]) -> int:
+def _walk(name: str, pp: int, m: int, v: int, pp_rank: int, cost: tuple[tuple[int, int], ...],
+          shared: tuple[int, int] = (0, 0)) -> int:
     """`peak_activation_bytes`' walk (`formulas.peak_activation_bytes`, as the executor
     holds them), cached: layouts that differ only in their ZeRO stage hold the same
     activations (a walk of a 98k-action schedule is milliseconds)."""
     return formulas.peak_activation_bytes(schedule_of(name, pp, m, v), pp_rank, lambda c: cost[c][0],
-                                          lambda c: cost[c][1])
+                                          lambda c: cost[c][1], shared)
 
 
 def comm_buffer_bytes(model: ModelSpec, layout: Layout, sizes: list[int], itemsize: int) -> int:

@@ -99,14 +99,19 @@ def outer_rules(model: ModelSpec, tp: int, first: bool, last: bool) -> UnitRules
     """The outer unit (embeddings, final norm) of a pipeline rank, first and/or last."""
     shapes, specs = _leaves(_gpt(model), tp)
     leaves = [(p, shapes[p], specs[p]) for p in shapes
-              if not p.startswith("blocks.") and outer_held(p.split(".")[0], first, last)]
+              if not p.startswith("blocks.") and outer_held(p.split(".")[0], first, last, model.parts.tied)]
     return _unit(optimizer_of(model), leaves, {"tp": tp, "ep": 1})
 
 
 def _gpt(model: ModelSpec) -> GPTConfig:
+    """The model's config, its kind's parts included (the leaves a rule is asked about)."""
+    p = model.parts
     return GPTConfig(vocab_size=model.vocab_size, block_size=model.block_size, n_layer=model.n_layer,
                      n_head=model.n_head, n_embd=model.n_embd, bias=model.bias, moe_experts=model.moe_experts,
-                     moe_every=model.moe_every, moe_top_k=model.moe_top_k)
+                     moe_every=model.moe_every, moe_top_k=model.moe_top_k,
+                     norm="rmsnorm" if p.rmsnorm else "layernorm", positions="rotary" if p.rotary else "learned",
+                     mlp="swiglu" if p.gated else "gelu", ffn_hidden=p.hidden, n_kv_head=p.kv_heads,
+                     tie_embeddings=p.tied)
 
 
 @functools.lru_cache(maxsize=256)

@@ -123,6 +123,7 @@ def _valid_quick(model: ModelSpec, ranks: int):
     for pp in divisors(ranks):
         for tp in divisors(ranks // pp):
             dp = ranks // (pp * tp)
-            if (model.batch_size % dp == 0 and model.n_head % tp == 0 and (4 * model.n_embd) % tp == 0
-                    and model.n_layer % pp == 0):
+            kv = model.parts.kv_heads or model.n_head  # tp divides the kv heads or is a multiple of them
+            if (model.batch_size % dp == 0 and model.n_head % tp == 0 and model.parts.ffn(model.n_embd) % tp == 0
+                    and (kv % tp == 0 or tp % kv == 0) and model.n_layer % pp == 0):
                 yield dp, tp, pp

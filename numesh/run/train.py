@@ -67,10 +67,13 @@ class Diverged(ConfigError):
 
 def flops_per_token(model: GPTConfig, n_params: int) -> float:
     """Training FLOPs per token: 6 per parameter a token uses (with experts, only its k of
-    each MoE block's E) plus attention (PaLM's appendix B)."""
+    each MoE block's E; an untied embedding's rows are looked up, not counted:
+    `formulas.counted_params`) plus attention (PaLM's appendix B)."""
+    parts = formulas.Parts.of(model)
     active = formulas.active_params(n_params, model.n_embd, model.moe_blocks, model.moe_experts, model.moe_top_k,
-                                    model.bias)
-    return formulas.flops_per_token(model.n_layer, model.n_embd, model.block_size, active)
+                                    model.bias, parts)
+    counted = formulas.counted_params(active, model.vocab_size, model.n_embd, parts)
+    return formulas.flops_per_token(model.n_layer, model.n_embd, model.block_size, counted)
 
 
 def open_run_dataset(path: str, comm: MPI.Comm) -> Dataset:
@@ -251,7 +254,10 @@ class Trainer:
             "n_layer": self.model.n_layer, "n_embd": self.model.n_embd, "n_params": self.n_params,
             "rows_per_micro_batch": c.batch_size // (shape["dp"] * shape["ep"] * c.micro_batches),
             "tokens_per_step": self.tokens_per_step, "flops_per_token": flops_per_token(self.model, self.n_params),
-            "peak_flops": peak_flops,
+            "peak_flops": peak_flops, "parts": attrs.asdict(formulas.Parts.of(self.model)),
+            "moe": None if not self.model.moe_experts else dict(
+                experts=self.model.moe_experts, top_k=self.model.moe_top_k, ep=shape["ep"],
+                capacity=self.model.moe_capacity_factor > 0),
         }
         if spool is not None:
             tr.start_spool(spool, self.trace_meta)
@@ -263,7 +269,8 @@ class Trainer:
         shape, units = self.mesh.shape, self.opt.units
         tied = self.model.padded_vocab(shape["tp"]) // shape["tp"] * self.model.n_embd * np.dtype(self.dtype).itemsize
         return formulas.RankUnits(
-            [formulas.Chunk(len(s.blocks), s.first, s.last) for s in self.pipeline.stages],
+            [formulas.Chunk(len(s.blocks), s.first, s.last, sum(self.model.moe(b) is not None for b, _ in s.blocks))
+             for s in self.pipeline.stages],
             sum(u.padded for k, u in units.items() if not k.is_outer), units[OUTER].padded,
             tied if self.model.tie_embeddings and self.layout.holds_tied(self.mesh.index("pp")) else 0,
             self.opt.tp_partial_values, self.opt.ep_replicated_values,
