@@ -8,8 +8,8 @@ A tile's scores are held transposed, [keys, queries] (see numesh/kernels.py for 
 It keeps the output and each row's log-sum-exp. `attend_bwd` is FlashAttention-2's
 backward: each stripe's probabilities are recomputed from q, k and the saved log-sum-exp,
 and dq, dk, dv accumulate stripe by stripe. The tile GEMMs run on BLAS (NumPy's matmul);
-the softmax passes between them are numba kernels (numesh/kernels.py, `stripe_*`) or their
-NumPy equivalents here. `attention_reference` is the plain definition (the whole T×T
+the softmax passes between them are numba kernels (numesh/host/kernels.py, `stripe_*`,
+their exp vectorised) or their NumPy equivalents here. `attention_reference` is the plain definition (the whole T×T
 matrix at once) that both are tested against.
 
 Grouped-query attention (GQA: fewer key/value heads than query heads) is the same kernel:
@@ -157,20 +157,18 @@ def _hidden(vis0: int, shape: tuple[int, ...]) -> np.ndarray:
     return np.arange(shape[-2])[:, None] >= (vis0 + np.arange(shape[-1]))[None, :]
 
 
-def _shift(s: np.ndarray, vis0: int, m: np.ndarray, alpha: np.ndarray) -> None:
+def _softmax(s: np.ndarray, vis0: int, m: np.ndarray, l: np.ndarray, alpha: np.ndarray, st: _Stripe) -> None:
+    """One key tile of the online softmax: hidden scores out, the running max m and sum l
+    updated (alpha: how much the old sum shrinks), s the tile's exp'ed (and dropped) scores."""
     if K.enabled():
-        return K.stripe_shift(s, vis0, m, alpha)
+        return K.stripe_softmax(s, vis0, m, l, alpha, st.key, st.threshold, st.inv_keep, st.row_base, st.kpos)
     s[:, _hidden(vis0, s.shape)] = -np.inf
     m_new = np.maximum(m, s.max(axis=1))
     with np.errstate(invalid="ignore"):  # -inf - -inf before a row's first key: alpha 0
         alpha[:] = np.where(m > -np.inf, np.exp(m - m_new), 0.0)
     m[:] = m_new
     s -= m_new[:, None, :]
-
-
-def _sums(s: np.ndarray, l: np.ndarray, alpha: np.ndarray, st: _Stripe) -> None:
-    if K.enabled():
-        return K.stripe_sums(s, l, alpha, st.key, st.threshold, st.inv_keep, st.row_base, st.kpos)
+    np.exp(s, out=s)
     l *= alpha
     l += s.sum(axis=1)
     keep = _keep(st, s.shape)
@@ -178,11 +176,13 @@ def _sums(s: np.ndarray, l: np.ndarray, alpha: np.ndarray, st: _Stripe) -> None:
         s *= keep
 
 
-def _logits(s: np.ndarray, vis0: int, lse: np.ndarray) -> None:
+def _probs(s: np.ndarray, vis0: int, lse: np.ndarray) -> None:
+    """The backward's probabilities in place: exp(s - lse), hidden ones 0."""
     if K.enabled():
-        return K.stripe_logits(s, vis0, lse)
+        return K.stripe_probs(s, vis0, lse)
     s -= lse[:, None, :]
     s[:, _hidden(vis0, s.shape)] = -np.inf
+    np.exp(s, out=s)
 
 
 def _dropped(p: np.ndarray, out: np.ndarray, st: _Stripe) -> np.ndarray:
@@ -310,10 +310,8 @@ def _stripe_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, grp: _Group, q0:
     for j0, j1, vis0 in _key_tiles(q0, q1, k.shape[3], diag):
         s4 = buf[: G * (j1 - j0) * rows].reshape(nb, nh, g, j1 - j0, rows)
         np.matmul(k[grp.b, grp.h, :, j0:j1], qs.swapaxes(-1, -2), out=s4)  # [nb, nh, g, keys, rows]
-        s = s4.reshape(G, j1 - j0, rows)
-        _shift(s, vis0, m, alpha)
-        np.exp(s, out=s)
-        _sums(s, l, alpha, _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], q.dtype, g))
+        st = _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], q.dtype, g)
+        _softmax(s4.reshape(G, j1 - j0, rows), vis0, m, l, alpha, st)
         pv = np.matmul(s4.swapaxes(-1, -2), v[grp.b, grp.h, :, j0:j1])  # [nb, nh, g, rows, hs]
         if acc is None:
             acc = pv
@@ -372,8 +370,7 @@ def _stripe_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos,
         p4, dp4, pd4 = (x[: G * (j1 - j0) * rows].reshape(nb, nh, g, j1 - j0, rows) for x in bufs)
         flat = (G, j1 - j0, rows)
         np.matmul(k[b, h, :, j0:j1], qs.swapaxes(-1, -2), out=p4)
-        _logits(p4.reshape(flat), vis0, lse_g)
-        np.exp(p4, out=p4)  # the attention probabilities [nb, nh, g, keys, rows]
+        _probs(p4.reshape(flat), vis0, lse_g)  # the attention probabilities [nb, nh, g, keys, rows]
         dropped = _dropped(p4.reshape(flat), pd4.reshape(flat), st).reshape(p4.shape)
         dv[b, h, :, j0:j1] += _group_sum(np.matmul(dropped, dy_s), g)
         np.matmul(v[b, h, :, j0:j1], dy_s.swapaxes(-1, -2), out=dp4)  # d(probabilities after dropout)
@@ -391,24 +388,21 @@ def row_dots(dy: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def stripe_passes(keys: int, rows: int, dtype) -> tuple[Callable[[], None], Callable[[], None]]:
-    """The element-wise work of one key tile × query stripe, forward (shift, exp, sums) and
-    backward (logits, exp, gradient), as the kernels run it: what `numesh plan --calibrate`
-    times per score (the GEMMs between them are timed as GEMMs)."""
+    """The element-wise work of one key tile × query stripe, forward (the online softmax)
+    and backward (probabilities, gradient), as the kernels run it: what `numesh plan
+    --calibrate` times per score (the GEMMs between them are timed as GEMMs)."""
     rng = np.random.default_rng(0)
     s, dp = (rng.standard_normal((1, keys, rows)).astype(dtype) for _ in range(2))
     m, l, alpha = np.full((1, rows), -np.inf, dtype), np.zeros((1, rows), dtype), np.empty((1, rows), dtype)
     st = _stripe(None, _Group(slice(0, 1), slice(0, 1)), np.arange(rows), np.arange(keys), dtype)
 
     def fwd() -> None:  # rerun on its own output: the values stay finite (exp of shifted scores)
-        _shift(s, keys, m, alpha)
-        np.exp(s, out=s)
-        _sums(s, l, alpha, st)
+        _softmax(s, keys, m, l, alpha, st)
 
     ones = np.ones((1, rows), dtype)
 
     def bwd() -> None:  # likewise: probabilities of 1 or less, minus a log-sum-exp of 1, stay in (0, 1]
-        _logits(s, keys, ones)
-        np.exp(s, out=s)
+        _probs(s, keys, ones)
         _grad(s, dp, l, st)
 
     fwd()

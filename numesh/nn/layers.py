@@ -5,9 +5,9 @@ where `dparams` has the parameters' own attrs class. Linear layers also expose t
 input-grad and weight-grad halves separately (`linear_bwd_input`, `linear_bwd_weight`),
 which is what lets a zero-bubble pipeline schedule defer the weight half.
 
-LayerNorm and GELU run as fused kernels (numesh/kernels.py) when numba is installed; the
-`*_reference` functions are the plain NumPy versions, the readable definition that the
-kernels are tested against. Attention has its own module (numesh/nn/attention.py).
+LayerNorm, RMSNorm, GELU and SwiGLU run as fused kernels (numesh/host/kernels.py) when
+numba is installed; the `*_reference` functions are the plain NumPy versions, the readable
+definition that the kernels are tested against. Attention has its own module (numesh/nn/attention.py).
 """
 
 from __future__ import annotations
@@ -139,15 +139,42 @@ def layernorm_bwd_reference(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray],
 def rmsnorm_fwd(p: RMSNorm, x: np.ndarray, eps: float) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """RMSNorm over the last dim, y = x * rstd * w with rstd = 1/sqrt(mean(x^2) + eps); the
     context is (xhat = x * rstd, rstd [..., 1])."""
+    if not K.enabled():
+        return rmsnorm_fwd_reference(p, x, eps)
+    x = np.ascontiguousarray(x)
+    y, xhat = np.empty_like(x), np.empty_like(x)
+    rstd = np.empty((*x.shape[:-1], 1), x.dtype)
+    K.rmsnorm_fwd(_rows(x), p.w, float(eps), _rows(y), _rows(xhat), rstd.reshape(-1))
+    return y, (xhat, rstd)
+
+
+def rmsnorm_bwd(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, RMSNorm]:
+    """dx = rstd * (dxhat - xhat * mean(dxhat * xhat)) with dxhat = dy * w; dw sums dy * xhat
+    over tokens (`token_sum`, as LayerNorm's)."""
+    if not K.enabled():
+        return rmsnorm_bwd_reference(p, ctx, dy)
+    xhat, rstd = ctx
+    dy = np.ascontiguousarray(dy)
+    dx = np.empty_like(dy)
+    dy2, xh2, rstd2, dx2 = _rows(dy), _rows(xhat), rstd.reshape(-1), _rows(dx)
+
+    def rows(r: slice) -> np.ndarray:  # dx of these rows; their dw
+        dw = np.empty(dy.shape[-1], np.float64)  # a float64 accumulator
+        K.rmsnorm_bwd(dy2[r], xh2[r], rstd2[r], p.w, dx2[r], dw)
+        return dw.astype(dy.dtype)
+
+    return dx, RMSNorm(token_sum(rows, dy2.shape[0]))
+
+
+def rmsnorm_fwd_reference(p: RMSNorm, x: np.ndarray, eps: float) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     ms = np.einsum("...i,...i->...", x, x)[..., None] / x.shape[-1]
     rstd = 1.0 / np.sqrt(ms + eps)
     xhat = x * rstd
     return xhat * p.w, (xhat, rstd)
 
 
-def rmsnorm_bwd(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, RMSNorm]:
-    """dx = rstd * (dxhat - xhat * mean(dxhat * xhat)) with dxhat = dy * w; dw sums dy * xhat
-    over tokens (`token_sum`, as LayerNorm's)."""
+def rmsnorm_bwd_reference(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray],
+                          dy: np.ndarray) -> tuple[np.ndarray, RMSNorm]:
     xhat, rstd = ctx
     dy2, xh2 = _rows(dy), _rows(xhat)
     dw = token_sum(lambda r: np.einsum("ni,ni->i", dy2[r], xh2[r]), dy2.shape[0])
@@ -160,12 +187,37 @@ def rmsnorm_bwd(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) 
 def swiglu_fwd(gate: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """SwiGLU's gating: silu(gate) * up, with silu(g) = g * sigmoid(g); the context is
     (gate, up, sigmoid(gate))."""
-    sig = 1.0 / (1.0 + np.exp(-gate))
-    return gate * sig * up, (gate, up, sig)
+    if not K.enabled():
+        return swiglu_fwd_reference(gate, up)
+    gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
+    y, sig = np.empty_like(gate), np.empty_like(gate)
+    g2, u2, y2, s2 = _rows(gate), _rows(up), _rows(y), _rows(sig)
+    over_rows(lambda r: K.swiglu_fwd(g2[r].reshape(-1), u2[r].reshape(-1), y2[r].reshape(-1), s2[r].reshape(-1)),
+              g2.shape[0], _chunk_rows(g2.shape[1]))
+    return y, (gate, up, sig)
 
 
 def swiglu_bwd(ctx: tuple[np.ndarray, np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(d gate, d up): silu'(g) = sig * (1 + g * (1 - sig))."""
+    if not K.enabled():
+        return swiglu_bwd_reference(ctx, dy)
+    gate, up, sig = (np.ascontiguousarray(a) for a in ctx)
+    dy = np.ascontiguousarray(dy)
+    dgate, dup = np.empty_like(dy), np.empty_like(dy)
+    flat = [_rows(a) for a in (gate, up, sig, dy, dgate, dup)]
+    n, width = flat[0].shape
+    over_rows(lambda r: K.swiglu_bwd(*(a[r].reshape(-1) for a in flat)), n, _chunk_rows(width))
+    return dgate, dup
+
+
+def swiglu_fwd_reference(gate: np.ndarray,
+                         up: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    sig = 1.0 / (1.0 + np.exp(-gate))
+    return gate * sig * up, (gate, up, sig)
+
+
+def swiglu_bwd_reference(ctx: tuple[np.ndarray, np.ndarray, np.ndarray],
+                         dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     gate, up, sig = ctx
     silu = gate * sig
     dgate = dy * up * sig * (1.0 + gate * (1.0 - sig))
@@ -178,20 +230,17 @@ def _chunk_rows(row_len: int, elements: int = 1 << 15) -> int:
 
 
 def gelu_fwd(x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-    """GELU in GPT-2's tanh form: 0.5·x·(1 + tanh(k·(x + 0.044715·x³))); the context is (x, tanh)."""
+    """GELU in GPT-2's tanh form: 0.5·x·(1 + tanh(u)), u = k·(x + 0.044715·x³), computed as
+    x·sigmoid(2u) (equal, and accurate far left, where 1 + tanh(u) cancels); the context is
+    (x, tanh(u))."""
     if not K.enabled():
         return gelu_fwd_reference(x)
     x = np.ascontiguousarray(x)
     t, y = np.empty_like(x), np.empty_like(x)
     x2, t2, y2 = _rows(x), _rows(t), _rows(y)
 
-    def rows(r: slice) -> None:
-        xr, tr = x2[r].reshape(-1), t2[r].reshape(-1)
-        K.gelu_fwd_pre(xr, tr)
-        np.tanh(tr, out=tr)
-        K.gelu_fwd_post(xr, tr, y2[r].reshape(-1))
-
-    over_rows(rows, x2.shape[0], _chunk_rows(x2.shape[1]))
+    over_rows(lambda r: K.gelu_fwd(x2[r].reshape(-1), t2[r].reshape(-1), y2[r].reshape(-1)),
+              x2.shape[0], _chunk_rows(x2.shape[1]))
     return y, (x, t)
 
 
@@ -211,16 +260,18 @@ def gelu_fwd_reference(x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.
     t, y = np.empty_like(x), np.empty_like(x)
     x2, t2, y2 = _rows(x), _rows(t), _rows(y)
 
-    def rows(r: slice) -> None:
+    def rows(r: slice) -> None:  # 0.5·x·(1 + tanh(u)) as x·sigmoid(2u): the same, without 1 + tanh's cancellation
         xr, tr, yr = x2[r], t2[r], y2[r]
         np.multiply(xr, xr, out=tr)
         tr *= 0.044715 * _GELU_K
         tr += _GELU_K
         tr *= xr
+        np.multiply(tr, -2.0, out=yr)
+        with np.errstate(over="ignore"):  # exp(-2u) = inf far left: y = x / inf = -0
+            np.exp(yr, out=yr)
+        yr += 1.0
+        np.divide(xr, yr, out=yr)
         np.tanh(tr, out=tr)
-        np.add(tr, 1.0, out=yr)
-        yr *= xr
-        yr *= 0.5
 
     over_rows(rows, x2.shape[0], _chunk_rows(x2.shape[1]))
     return y, (x, t)
