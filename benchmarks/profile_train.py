@@ -2,6 +2,7 @@
 """Where a numesh training step spends its time.
 
     python benchmarks/profile_train.py --preset default --steps 20
+    python benchmarks/profile_train.py --block-size 1024 --batch-size 2 --threads 1 --clock cpu   # a shared machine
 
 Three views of the same single-process training run (see bench_train.py for presets/data):
   1. cProfile over `--steps` Trainer.train_step() calls: the top functions by tottime.
@@ -61,10 +62,14 @@ PHASE_METHODS = {
 # the layer functions inside the blocks (numesh.nn.layers / numesh.nn.parallel)
 OP_FUNCS = (
     "layernorm_fwd", "layernorm_bwd", "linear_fwd", "linear_bwd_input", "linear_bwd_weight",
-    "gelu_fwd", "gelu_bwd", "causal_attention_fwd", "causal_attention_bwd",
+    "gelu_fwd", "gelu_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "swiglu_fwd", "swiglu_bwd",
+    "causal_attention_fwd", "causal_attention_bwd",
     "vocab_parallel_embedding_fwd", "vocab_parallel_embedding_bwd",
     "vocab_parallel_cross_entropy_fwd", "vocab_parallel_cross_entropy_bwd", "flatten",
 )
+
+
+clock = time.perf_counter  # or time.thread_time (--clock cpu)
 
 
 class Instrument:
@@ -99,11 +104,11 @@ class Instrument:
             frame = [label, phase, 0.0]
             stack = inst._stack()
             stack.append(frame)
-            t0 = time.perf_counter()
+            t0 = clock()
             try:
                 return fn(*args, **kw)
             finally:
-                dt = time.perf_counter() - t0
+                dt = clock() - t0
                 stack.pop()
                 with inst._lock:
                     inst.incl[label] += dt
@@ -221,17 +226,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep freed memory for reuse as `numesh train` does (default), or glibc's defaults")
     ap.add_argument("--data", default=None)
     ap.add_argument("--src", default=DEFAULT_SRC)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: each thread's CPU time (time.thread_time) instead of wall time, which on a machine "
+                         "other jobs share leaves out the waits for a core; use it with --threads 1")
     args = ap.parse_args(argv)
 
     from numesh.host.runtime import set_blas_threads
 
+    global clock
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     threads = set_blas_threads(args.threads)
     kept = keep_freed_memory() if args.malloc == "keep" else False
     model_cfg = preset_config(args.preset, args.batch_size, args.block_size)
     with dataset_dir(args.data, args.src, log=log) as data:
         tr = make_trainer(model_cfg, data, args.dtype)
         print(f"config: preset={args.preset} {model_cfg} dtype={args.dtype} threads={threads} "
-              f"steps={args.steps} (+{args.warmup} warmup) malloc={'keep freed memory' if kept else 'glibc defaults'}")
+              f"steps={args.steps} (+{args.warmup} warmup) clock={args.clock} "
+              f"malloc={'keep freed memory' if kept else 'glibc defaults'}")
         for _ in range(args.warmup):
             tr.train_step()
 
@@ -239,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         t = []
         with CpuMonitor() as mon:
             for _ in range(args.steps):
-                t0 = time.perf_counter()
+                t0 = clock()
                 tr.train_step()
-                t.append(time.perf_counter() - t0)
+                t.append(clock() - t0)
         step_ms = statistics.median(t) * 1e3
         print(f"Trainer.train_step: median {step_ms:.2f} ms, mean {statistics.fmean(t) * 1e3:.2f} ms, "
               f"min {min(t) * 1e3:.2f} ms ({_load(mon, args.steps)})")
@@ -272,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with CpuMonitor() as mon:
                 for _ in range(args.steps):
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     tr.train_step()
-                    t.append(time.perf_counter() - t0)
+                    t.append(clock() - t0)
         finally:
             inst.restore()
         n, total = args.steps, sum(t)

@@ -110,19 +110,22 @@ def switched(on: bool) -> Iterator[None]:
 # exp in float32 that LLVM vectorises. numba's math.exp is a call into libm, one element at
 # a time, unless Intel's SVML is loaded (it needs an SVML-patched llvmlite, which the
 # wheels are not: `numba -s`). Written out as arithmetic instead, a loop of it compiles to
-# packed AVX2 / AVX-512 code: on a Zen 3 (AVX2) 0.85 ns an element against NumPy's SIMD
-# np.exp's 2.1 ns, and it fuses into the passes around it instead of being a sweep of its
-# own. Cephes' expf: x = n·ln2 + r with |r| <= ln2/2 (ln2 split in two so r is exact),
-# exp(r) by a degree-7 polynomial, times 2^n built in the exponent bits. 2^n is applied as
-# two halves, so results that are subnormal (x < -87.3) round once, correctly, and x >
-# 88.72 gives inf. Every float32 input was checked against float64 exp: at most 1 ulp
+# packed AVX2 / AVX-512 code: on a Zen 3 (AVX2) ~0.85 ns an element against NumPy's SIMD
+# np.exp's 1.5-2.1 ns, and it fuses into the passes around it instead of being a sweep of
+# its own. Cephes' expf: x = n·ln2 + r with |r| <= ln2/2 (ln2 split in two so r is exact),
+# exp(r) by a degree-7 polynomial, times 2^n built in the exponent bits, as two halves so
+# that n = 128 overflows to inf rather than to a wrong exponent. Results below float32's
+# smallest normal (x < -87.34) are 0: a subnormal anywhere in the arithmetic costs a
+# microcode assist per lane (the masked diagonal scores, exp(-inf), ran 2× slower with
+# them), and no softmax or sigmoid can see a weight below 1.2e-38. Every float32 input
+# checked against float64 exp: within 1 ulp where the result is normal
 # (tests/test_kernels.py samples it); -inf gives 0, NaN stays NaN. Plain IEEE operations
 # without FMA (fastmath=False), so it gives the same bits on every x86 CPU.
 
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693359375  # ln 2 in 10 bits: n·_LN2_HI is exact for |n| < 2^14
 _LN2_LO = -2.12194440e-4  # ln 2 - _LN2_HI
-_EXP_LO = -104.0  # exp(-104) < 2^-150: 0 in float32
+_EXP_LO = -87.33654  # float32 just above ln(2^-126): below it exp is subnormal, returned as 0
 _EXP_HI = 89.0  # exp(89) > float32's largest: inf
 _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
              5.0000001201e-1)
@@ -130,12 +133,13 @@ _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
 
 @njit(**_JIT)
 def exp32(x):
-    """exp of a float32 (within 1 ulp), as arithmetic that vectorises; NaN in, NaN out."""
+    """exp of a float32 (within 1 ulp; 0 below float32's normal range), as arithmetic that
+    vectorises; NaN in, NaN out."""
     f = np.float32
-    x = f(_EXP_LO) if x < f(_EXP_LO) else x  # written so that NaN passes both
-    x = f(_EXP_HI) if x > f(_EXP_HI) else x
-    nf = np.floor(x * f(_LOG2E) + f(0.5))
-    r = x - nf * f(_LN2_HI)
+    xc = f(_EXP_LO) if x < f(_EXP_LO) else x  # written so that NaN passes both
+    xc = f(_EXP_HI) if xc > f(_EXP_HI) else xc
+    nf = np.floor(xc * f(_LOG2E) + f(0.5))
+    r = xc - nf * f(_LN2_HI)
     r = r - nf * f(_LN2_LO)
     c0, c1, c2, c3, c4, c5 = _EXP_POLY
     p = f(c0)
@@ -149,7 +153,7 @@ def exp32(x):
     n1 = n >> 1
     s1 = np.int32((n1 + 127) << 23).view(np.float32)
     s2 = np.int32((n - n1 + 127) << 23).view(np.float32)
-    return p * s1 * s2
+    return f(0.0) if x < f(_EXP_LO) else p * s1 * s2
 
 
 def vexp(x):
@@ -426,9 +430,10 @@ def stripe_softmax(s, vis0, m, l, alpha, key, threshold, inv_keep, row_base, kpo
     groups, keys, rows = s.shape
     _hide(s, vis0)
     acc = np.empty(rows, np.float64)
+    ping, pong = np.empty(rows, m.dtype), np.empty(rows, m.dtype)
     for g in range(groups):
         mg, ag = m[g], alpha[g]
-        mx = _col_max(s[g], mg)
+        mx = _col_max(s[g], mg, ping, pong)
         for r in range(rows):
             ag[r] = vexp(mg[r] - mx[r]) if mg[r] > -np.inf else 0.0
             mg[r] = mx[r]
@@ -446,12 +451,14 @@ def stripe_softmax(s, vis0, m, l, alpha, key, threshold, inv_keep, row_base, kpo
 
 
 @njit(**_JIT)
-def _col_max(a, start):
-    """max(start[r], max_j a[j, r]) for each r, into a new array. The running maxima
-    alternate between two arrays: `cur[r] = max(cur[r], x)` in place compiles to a masked
-    store (vmaskmovps), which Zen 3 runs at a seventh of the speed (measured 0.77 against
-    0.11 ns a score)."""
-    cur, nxt = start.copy(), np.empty_like(start)
+def _col_max(a, start, ping, pong):
+    """max(start[r], max_j a[j, r]) for each r, returned in ping or pong (scratch arrays of
+    start's size). The running maxima alternate between the two: `cur[r] = max(cur[r], x)`
+    in place compiles to a masked store (vmaskmovps), which Zen 3 runs at a seventh of the
+    speed (measured 0.77 against 0.11 ns a score)."""
+    cur, nxt = ping, pong
+    for r in range(a.shape[1]):
+        cur[r] = start[r]
     for j in range(a.shape[0]):
         row = a[j]
         for r in range(a.shape[1]):
