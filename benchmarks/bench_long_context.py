@@ -47,7 +47,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import numesh  # noqa: E402,F401  # isort: skip  (before numpy: it sets up OpenBLAS)
-from bench_node import machine, run_worker  # noqa: E402
+from bench_node import describe, machine, run_worker  # noqa: E402
 from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
 
 ROWS = "default:64x32,default:256x8,default:1024x2,default:2048x1,default:4096x1,baby:256x8,baby:1024x2"
@@ -128,7 +128,7 @@ def attention_worker(kind: str, threads: int, runs: int) -> None:
         if kind == "gemms":  # the same calls with the passes between the GEMMs made no-ops
             import types
 
-            for name in ("_shift", "_sums", "_logits", "_grad"):
+            for name in ("_softmax", "_probs", "_grad"):
                 setattr(A, name, lambda *a, **kw: None)
             A.np = types.SimpleNamespace(**{**vars(np), "exp": lambda x, out=None: out})
             np.seterr(all="ignore")  # y and lse come out as garbage; the GEMMs' inputs stay finite
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sections = set(args.sections.split(","))
     report: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d")}
-    print(f"machine: {json.dumps(report['machine'])}, {report['date']}")
+    print(f"machine: {describe(report['machine'])}; {report['date']}")
     if "model" in sections:
         with dataset_dir(args.data, args.src, log=log) as data:
             report["model"] = model_section(args, data)

@@ -195,23 +195,67 @@ def baby_meshes(cores: int, model: dict) -> list[tuple[int, int, int]]:
     return out
 
 
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
     except OSError:
-        pass
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines())}
+
+
+def cpu_isa() -> str:
+    """The widest vector ISA numpy sees on this CPU: AVX-512, AVX2, AVX or SSE."""
+    import numpy as np
+
+    f = np._core._multiarray_umath.__cpu_features__
+    return next((name for name, key in (("AVX-512", "AVX512F"), ("AVX2", "AVX2"), ("AVX", "AVX")) if f.get(key)),
+                "SSE")
+
+
+def blas_kernel() -> str:
+    """numpy's BLAS, its version and the kernel family it runs here (OpenBLAS: Haswell,
+    Zen, SkylakeX, ...), as threadpoolctl reports them."""
+    from threadpoolctl import threadpool_info
+
+    blas = [i for i in threadpool_info() if i["user_api"] == "blas"]
+    if not blas:
+        return "unknown"
+    b = blas[0]
+    return f"{b['internal_api']} {b.get('version') or '?'} {b.get('architecture') or ''}".strip()
+
+
+def svml() -> bool | None:
+    """Whether numba runs with Intel's SVML (vector math functions), None without numba."""
+    try:
+        from numba import config
+    except ImportError:
+        return None
+    return bool(config.USING_SVML)
+
+
+def machine() -> dict[str, Any]:
+    """What a measurement ran on: the CPU (model, family/model numbers, ISA), numpy's BLAS
+    and its kernel, library versions and the load average (the tables cite all of it)."""
+    info = _cpuinfo()
+    cpu = info.get("model name", platform.processor() or "unknown")
+    if "cpu family" in info:
+        cpu += f" (family {info['cpu family']} model {info.get('model', '?')})"
     versions = {}
     for mod in ("numpy", "numba", "torch", "mpi4py"):
         try:
             versions[mod] = __import__(mod).__version__
         except ImportError:
             versions[mod] = None
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "loadavg": [round(x, 2) for x in os.getloadavg()], **versions}
+    return {"cpu": cpu, "isa": cpu_isa(), "blas": blas_kernel(), "svml": svml(), "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "loadavg": [round(x, 2) for x in os.getloadavg()], **versions}
+
+
+def describe(m: dict[str, Any]) -> str:
+    """One line for a report's head: CPU, ISA, BLAS kernel, versions and load."""
+    return (f"{m['cpu']}, {m['isa']}, {m['cpu_count']} cpus; BLAS {m['blas']}; numba {m['numba']} "
+            f"(SVML {'on' if m['svml'] else 'off'}), numpy {m['numpy']}, torch {m['torch'] or '(not installed)'}, "
+            f"python {m['python']}; load avg {m['loadavg']}")
 
 
 def _fmt(r: dict | None, key: str, spec: str) -> str:
@@ -228,8 +272,7 @@ def _ratio(a: dict | None, b: dict | None) -> str:
 
 def print_report(rep: dict[str, Any]) -> None:
     m = rep["machine"]
-    print(f"machine: {m['cpu']}, {m['cpu_count']} cpus; python {m['python']}, numpy {m['numpy']}, numba {m['numba']}, "
-          f"torch {m['torch'] or '(not installed)'}, mpi4py {m['mpi4py']}; load avg at start {m['loadavg']}")
+    print(f"machine: {describe(m)} (at start); mpi4py {m['mpi4py']}")
     print(f"cores used: {rep['cores']}; {rep['iters']} timed steps after {rep['warmup']} "
           f"(baby: {rep['baby_iters']} after 1); ms = median step; RSS = peak resident MB of the largest rank")
     if "threads" in rep:

@@ -64,7 +64,8 @@ PHASE_METHODS = {
 # the layer functions inside the blocks (numesh.nn.layers / numesh.nn.parallel)
 OP_FUNCS = (
     "layernorm_fwd", "layernorm_bwd", "linear_fwd", "linear_bwd_input", "linear_bwd_weight",
-    "gelu_fwd", "gelu_bwd", "causal_attention_fwd", "causal_attention_bwd",
+    "gelu_fwd", "gelu_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "swiglu_fwd", "swiglu_bwd",
+    "causal_attention_fwd", "causal_attention_bwd",
     "vocab_parallel_embedding_fwd", "vocab_parallel_embedding_bwd",
     "vocab_parallel_cross_entropy_fwd", "vocab_parallel_cross_entropy_bwd", "flatten",
     # the Llama kind's parts (numesh.nn.parts, layers, rotary)

@@ -10,6 +10,7 @@ held by another rank.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -21,10 +22,15 @@ from numesh.base.tree import tree_leaves
 from numesh.host import kernels as K
 from numesh.nn.layers import (
     LayerNorm,
+    RMSNorm,
     gelu_bwd,
     gelu_fwd,
     layernorm_bwd,
     layernorm_fwd,
+    rmsnorm_bwd,
+    rmsnorm_fwd,
+    swiglu_bwd,
+    swiglu_fwd,
 )
 from numesh.nn.parallel import vocab_parallel_cross_entropy_bwd, vocab_parallel_cross_entropy_fwd
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
@@ -82,6 +88,82 @@ def test_gelu(dtype, shape):
     assert_close(fast, ref, dtype, "gelu_fwd", scale=2)
     fast, ref = both(lambda: gelu_bwd(gelu_fwd(x)[1], dy))
     assert_close(fast, ref, dtype, "gelu_bwd", scale=4)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rmsnorm(dtype, shape):
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal(shape) * 3 + 1).astype(dtype)
+    p = RMSNorm(rng.standard_normal(shape[-1]).astype(dtype))
+    dy = rng.standard_normal(shape).astype(dtype)
+    fast, ref = both(lambda: rmsnorm_fwd(p, x, 1e-6))
+    assert_close(fast, ref, dtype, "rmsnorm_fwd", scale=4)
+    fast, ref = both(lambda: rmsnorm_bwd(p, rmsnorm_fwd(p, x, 1e-6)[1], dy))
+    assert_close(fast, ref, dtype, "rmsnorm_bwd", scale=4 * np.sqrt(np.prod(shape[:-1])))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_swiglu(dtype, shape):
+    rng = np.random.default_rng(7)
+    gate, up, dy = ((rng.standard_normal(shape) * 4).astype(dtype) for _ in range(3))
+    gate.reshape(-1)[:2] = [90.0, -90.0][: gate.size]  # exp(-gate) far below 1, or overflowing
+    with np.errstate(over="ignore"):  # the reference's exp(90) in float32: inf, and sigmoid 0
+        fast, ref = both(lambda: swiglu_fwd(gate, up))
+        assert_close(fast, ref, dtype, "swiglu_fwd", scale=2)
+        fast, ref = both(lambda: swiglu_bwd(swiglu_fwd(gate, up)[1], dy))
+    assert_close(fast, ref, dtype, "swiglu_bwd", scale=4)
+
+
+def _exp_inputs() -> np.ndarray:
+    """float32 inputs over exp's whole range: every result order of magnitude from 0
+    (subnormal, underflow) to inf, the ends of each 2^n step, and the special values."""
+    rng = np.random.default_rng(8)
+    span = np.linspace(-110.0, 90.0, 400_001)
+    steps = np.arange(-151, 129)[:, None] * np.log(2.0) + np.array([-1e-6, 0.0, 1e-6, 0.17, 0.34])[None, :]
+    special = [-np.inf, np.inf, 0.0, -0.0, 1e-30, -1e-30, 88.72283, 88.72284, -87.33654, -103.97208, -103.97209]
+    return np.concatenate([span, steps.ravel(), rng.standard_normal(100_000) * 30, special]).astype(np.float32)
+
+
+def test_exp32_is_within_one_ulp_of_exp_everywhere():
+    """`kernels.exp32` (the attention's, GELU's and SwiGLU's exp) against float64 exp, in
+    units of the float32 spacing at the true result: at most 1.03 ulp (1 ulp, and the FMA's
+    other rounding: every float32 input was checked once) wherever the result is a normal
+    float32; 0 below that (x < -87.3365, an absolute error under 2^-126) and for
+    -inf, inf where float32 overflows, NaN for NaN."""
+    x = _exp_inputs()
+    got = np.empty_like(x)
+    K.exp_into(x, got)
+    true = np.exp(x.astype(np.float64))
+    with np.errstate(over="ignore"):
+        true32 = true.astype(np.float32)
+    tiny = np.finfo(np.float32).tiny
+    big, small = np.isinf(true32), true < tiny
+    assert np.all(np.isinf(got[big])), "exp must overflow to inf where float32 does"
+    assert np.all(got[small] == 0.0) and np.all(got[x == -np.inf] == 0.0), "below the normal range: 0"
+    assert np.any(small & (x > -104.0)), "the inputs reach the subnormal range"
+    normal = ~big & ~small
+    spacing = np.spacing(true32[normal]).astype(np.float64)
+    ulps = np.abs(got[normal].astype(np.float64) - true[normal]) / spacing
+    worst = int(np.argmax(ulps))
+    assert ulps[worst] <= 1.03, f"exp32({x[normal][worst]!r}) = {got[normal][worst]!r}, off by {ulps[worst]:.3f} ulp"
+    nan = np.array([np.nan], np.float32)
+    K.exp_into(nan, nan)
+    assert np.isnan(nan[0]), "a NaN score must stay NaN (the run's NaN check sees it)"
+
+
+def test_exp_runs_as_packed_simd_code(tmp_path):
+    """The float32 exp loop compiles to packed 256- or 512-bit instructions (ymm/zmm), not
+    one element at a time: the point of writing it out (numba's own exp is a libm call).
+    Compiled in a child with an empty cache: numba keeps no assembly for cached code."""
+    code = ("import numpy as np, numesh.host.kernels as K\n"
+            "x = np.ones(64, np.float32); K.exp_into(x, x.copy())\n"
+            "print(K.exp_into.inspect_asm(K.exp_into.signatures[0]))\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    asm = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    packed = re.findall(r"\bv(?:mul|add|sub|f\w*madd\w*)ps\s[^\n]*[yz]mm", asm)  # FMAs too
+    assert len(packed) >= 10, f"the exp loop is not vectorised ({len(packed)} packed float ops)"
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

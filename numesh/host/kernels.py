@@ -10,7 +10,8 @@ every kernel against its reference (float64 to 1e-12) and the parity suites run 
 Every kernel works on plain C-contiguous arrays, writes only its own rows of preallocated
 outputs and holds no Python state, so callers may split rows over numesh's threads
 (`nogil=True`: numba releases the GIL inside). `fastmath=False` keeps the results
-reproducible: no reassociation, no fused multiply-add contraction.
+reproducible: no reassociation, no fused multiply-add contraction (but in `exp32`, which
+may fuse: see there).
 
 Compiled code is cached on disk (`cache=True`) next to this file, or, when the package
 directory is not writable (a system install), in $NUMBA_CACHE_DIR, which `_cache_dir`
@@ -104,6 +105,83 @@ def switched(on: bool) -> Iterator[None]:
         yield
     finally:
         _on = saved
+
+
+# ---------------------------------------------------------------------------------------
+# exp in float32 that LLVM vectorises. numba's math.exp is a call into libm, one element at
+# a time, unless Intel's SVML is loaded (it needs an SVML-patched llvmlite, which the
+# wheels are not: `numba -s`). Written out as arithmetic instead, a loop of it compiles to
+# packed AVX2 / AVX-512 code: on a Zen 3 (AVX2) ~0.85 ns an element against NumPy's SIMD
+# np.exp's 1.5-2.1 ns, and it fuses into the passes around it instead of being a sweep of
+# its own. Cephes' expf: x = n·ln2 + r with |r| <= ln2/2 (ln2 split in two so r is exact),
+# exp(r) by a degree-7 polynomial, times 2^n built in the exponent bits, as two halves so
+# that n = 128 overflows to inf rather than to a wrong exponent. Results below float32's
+# smallest normal (x < -87.34) are 0: a subnormal anywhere in the arithmetic costs a
+# microcode assist per lane (the masked diagonal scores, exp(-inf), ran 2× slower with
+# them), and no softmax or sigmoid can see a weight below 1.2e-38. It alone may contract
+# a multiply and an add into an FMA (fastmath={"contract"}: 0.62 against 0.85 ns an element
+# on Zen 3), which rounds once where the two round twice: a CPU without FMA (before Haswell)
+# gets other bits, as it would from BLAS; nothing is reassociated, so any thread count on
+# one machine gets the same bits. Every float32 input checked against float64 exp: within
+# 1.03 ulp where the result is normal (0.99 without FMA; tests/test_kernels.py samples it);
+# -inf gives 0, NaN stays NaN.
+
+_LOG2E = 1.4426950408889634
+_LN2_HI = 0.693359375  # ln 2 in 10 bits: n·_LN2_HI is exact for |n| < 2^14
+_LN2_LO = -2.12194440e-4  # ln 2 - _LN2_HI
+_EXP_LO = -87.33654  # float32 just above ln(2^-126): below it exp is subnormal, returned as 0
+_EXP_HI = 89.0  # exp(89) > float32's largest: inf
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+             5.0000001201e-1)
+
+
+@njit(**{**_JIT, "fastmath": {"contract"}})
+def exp32(x):
+    """exp of a float32 (within 1.03 ulp; 0 below float32's normal range), as arithmetic that
+    vectorises; NaN in, NaN out."""
+    f = np.float32
+    xc = f(_EXP_LO) if x < f(_EXP_LO) else x  # written so that NaN passes both
+    xc = f(_EXP_HI) if xc > f(_EXP_HI) else xc
+    nf = np.floor(xc * f(_LOG2E) + f(0.5))
+    r = xc - nf * f(_LN2_HI)
+    r = r - nf * f(_LN2_LO)
+    c0, c1, c2, c3, c4, c5 = _EXP_POLY
+    p = f(c0)
+    p = p * r + f(c1)
+    p = p * r + f(c2)
+    p = p * r + f(c3)
+    p = p * r + f(c4)
+    p = p * r + f(c5)
+    p = p * r * r + r + f(1.0)
+    n = np.int32(nf)
+    n1 = n >> 1
+    s1 = np.int32((n1 + 127) << 23).view(np.float32)
+    s2 = np.int32((n - n1 + 127) << 23).view(np.float32)
+    return f(0.0) if x < f(_EXP_LO) else p * s1 * s2
+
+
+def vexp(x):
+    """exp of one element inside a kernel: `exp32` for float32, libm's exp otherwise
+    (float64 runs are for parity checks, where accuracy matters more than lanes)."""
+    return math.exp(x)
+
+
+if HAVE_NUMBA:
+    from numba import types
+    from numba.extending import overload
+
+    @overload(vexp)
+    def _vexp_typed(x):
+        if isinstance(x, types.Float) and x.bitwidth == 32:
+            return lambda x: exp32(x)
+        return lambda x: math.exp(x)
+
+
+@njit(**_JIT)
+def exp_into(x, out):
+    """out = exp(x) elementwise on flat arrays, by `vexp` (its tests call this)."""
+    for i in range(x.shape[0]):
+        out[i] = vexp(x[i])
 
 
 # ---------------------------------------------------------------------------------------
@@ -207,29 +285,87 @@ def layernorm_bwd(dy, xhat, rstd, w, dx, dw, db):
 
 
 # ---------------------------------------------------------------------------------------
-# GELU (tanh form), elementwise on flat arrays. numba has no vectorised tanh without Intel's
-# SVML (measured: math.tanh ~100 ns an element, NumPy's SIMD tanh 0.36 ns on float32), so
-# the tanh is NumPy's, between two fused passes (~85 µs + 142 µs + ~60 µs for the default
-# model's 393k elements, against ~400 µs for the reference's seven NumPy passes).
+# RMSNorm over the last dim of x [N, C] (Llama's norm: LayerNorm without the mean and bias)
 
 
 @njit(**_JIT)
-def gelu_fwd_pre(x, u):
-    """u = k·(x + 0.044715·x³) (then tanh'ed in place by the caller)."""
-    k = x.dtype.type(GELU_K)
-    c = x.dtype.type(GELU_C)
+def rmsnorm_fwd(x, w, eps, y, xhat, rstd):
+    """y = x·rstd·w per row with rstd = 1/sqrt(mean(x²) + eps) (a float64 sum); also xhat =
+    x·rstd and rstd [N] for backward."""
+    n, c = x.shape
+    cast = x.dtype.type
+    for i in range(n):
+        r = cast(1.0 / math.sqrt(_row_dot(x, x, i, c) / c + eps))
+        rstd[i] = r
+        for j in range(c):
+            h = x[i, j] * r
+            xhat[i, j] = h
+            y[i, j] = h * w[j]
+
+
+@njit(**_JIT)
+def rmsnorm_bwd(dy, xhat, rstd, w, dx, dw):
+    """dx [N, C] = rstd·(dy·w - xhat·mean(dy·w·xhat)) and dw [C] = Σ_rows dy·xhat (float64
+    accumulators); dx holds dy·w in between."""
+    n, c = dy.shape
+    for j in range(c):
+        dw[j] = 0.0
+    for i in range(n):
+        for j in range(c):
+            g = dy[i, j]
+            dw[j] += g * xhat[i, j]
+            dx[i, j] = g * w[j]
+        mean_dx = dx.dtype.type(_row_dot(dx, xhat, i, c) / c)
+        r = rstd[i]
+        for j in range(c):
+            dx[i, j] = (dx[i, j] - xhat[i, j] * mean_dx) * r
+
+
+# ---------------------------------------------------------------------------------------
+# SwiGLU's gating silu(gate)·up, elementwise on flat arrays, its sigmoid from one `vexp`
+
+
+@njit(**_JIT)
+def swiglu_fwd(gate, up, y, sig):
+    """sig = 1/(1 + exp(-gate)) (kept for backward), y = gate·sig·up."""
+    one = gate.dtype.type(1.0)
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        s = one / (one + vexp(-g))
+        sig[i] = s
+        y[i] = g * s * up[i]
+
+
+@njit(**_JIT)
+def swiglu_bwd(gate, up, sig, dy, dgate, dup):
+    """dgate = dy·up·sig·(1 + gate·(1 - sig)), dup = dy·gate·sig."""
+    one = gate.dtype.type(1.0)
+    for i in range(gate.shape[0]):
+        g, s, d = gate[i], sig[i], dy[i]
+        dgate[i] = d * up[i] * s * (one + g * (one - s))
+        dup[i] = d * (g * s)
+
+
+# ---------------------------------------------------------------------------------------
+# GELU (tanh form), elementwise on flat arrays, in one pass: tanh(u) and GELU's
+# 0.5·x·(1 + tanh(u)) = x·sigmoid(2u) from one `vexp`, e = exp(-2|u|) in (0, 1]:
+# tanh(|u|) = (1 - e)/(1 + e) and sigmoid(2u) = 1/(1 + e) for u >= 0, e/(1 + e) below, so
+# neither tail cancels (1 + tanh(u) computed as a sum loses the left tail's digits).
+
+
+@njit(**_JIT)
+def gelu_fwd(x, t, y):
+    """t = tanh(u) with u = k·(x + 0.044715·x³) (what backward reads), y = 0.5·x·(1 + t)."""
+    f = x.dtype.type
+    k, c, one, two = f(GELU_K), f(GELU_C), f(1.0), f(2.0)
     for i in range(x.shape[0]):
         v = x[i]
-        u[i] = k * (v + c * v * v * v)
-
-
-@njit(**_JIT)
-def gelu_fwd_post(x, t, y):
-    """y = 0.5·x·(1 + t) from t = tanh(u)."""
-    half = x.dtype.type(0.5)
-    one = x.dtype.type(1.0)
-    for i in range(x.shape[0]):
-        y[i] = half * x[i] * (one + t[i])
+        u = k * (v + c * v * v * v)
+        e = vexp(-two * abs(u))
+        inv = one / (one + e)
+        th = (one - e) * inv
+        t[i] = th if u >= 0 else -th
+        y[i] = v * (inv if u >= 0 else e * inv)
 
 
 @njit(**_JIT)
@@ -249,8 +385,8 @@ def gelu_bwd(x, t, dy, dx):
 # of queries, for a group of (batch row, head) pairs, transposed, s [G, keys, queries]
 # (k·qᵀ: BLAS runs that shape faster than q·kᵀ, and every pass below then runs along a
 # key's row of queries, where it vectorises without reordering a sum). Query r sees key j
-# iff j < vis0 + r. NumPy's SIMD exp runs between the passes (numba's exp is scalar,
-# several times slower).
+# iff j < vis0 + r. The exp is `vexp`, inside the passes: the forward's softmax is two
+# sweeps over a tile's scores (max; exp and sums), the backward's probabilities one.
 #
 # Attention dropout draws no mask: whether query q of (batch row b, head h) keeps key j is a
 # hash of (the stream's key, the counter ((b·H + h)·S + q)·S + j), with b, h, q and j global,
@@ -288,70 +424,81 @@ def _hide(s, vis0):
 
 
 @njit(**_JIT)
-def stripe_shift(s, vis0, m, alpha):
-    """Online softmax, first pass, for each group g (a (batch row, head)) of s [G, keys,
-    queries]: m[g, r] <- max(m[g, r], max of query r's visible scores), alpha[g, r] =
-    exp(old m - new m); visible scores minus the new max, hidden ones -inf. Needs a visible
-    key for every query by this tile (m finite after it)."""
+def stripe_softmax(s, vis0, m, l, alpha, key, threshold, inv_keep, row_base, kpos):
+    """Online softmax over one key tile, for each group g (a (batch row, head)) of s [G,
+    keys, queries], in two sweeps: (1) hidden scores (query r, key j >= vis0 + r) to -inf
+    and each query's running max m[g, r] raised to its visible scores' max, alpha[g, r] =
+    exp(old m - new m); (2) s <- exp(s - m) and l[g, r] <- l[g, r]·alpha[g, r] + Σ_j s[g,
+    j, r] (float64 sums), then with dropout (threshold > 0) s scaled by the keep mask. Needs
+    a visible key for every query by this tile (m finite after it)."""
     groups, keys, rows = s.shape
     _hide(s, vis0)
-    mx = np.empty(rows, m.dtype)
+    acc = np.empty(rows, np.float64)
+    ping, pong = np.empty(rows, m.dtype), np.empty(rows, m.dtype)
     for g in range(groups):
         mg, ag = m[g], alpha[g]
+        mx = _col_max(s[g], mg, ping, pong)
         for r in range(rows):
-            mx[r] = mg[r]
-        for j in range(keys):
-            row = s[g, j]
-            for r in range(rows):
-                mx[r] = max(mx[r], row[r])
-        for r in range(rows):
-            ag[r] = math.exp(mg[r] - mx[r]) if mg[r] > -np.inf else 0.0
+            ag[r] = vexp(mg[r] - mx[r]) if mg[r] > -np.inf else 0.0
             mg[r] = mx[r]
+            acc[r] = 0.0
         for j in range(keys):
             row = s[g, j]
             for r in range(rows):
-                row[r] -= mx[r]
-
-
-@njit(**_JIT)
-def stripe_sums(s, l, alpha, key, threshold, inv_keep, row_base, kpos):
-    """Online softmax, second pass (s already exp'ed): l[g, r] <- l[g, r]·alpha[g, r] +
-    Σ_j s[g, j, r] (float64 sums); then, with dropout (threshold > 0), s scaled by the keep
-    mask."""
-    groups, keys, rows = s.shape
-    acc = np.empty(rows, np.float64)
-    for g in range(groups):
-        acc[:] = 0.0
-        for j in range(keys):
-            row = s[g, j]
-            for r in range(rows):
+                row[r] = vexp(row[r] - mx[r])
+            for r in range(rows):  # a loop of its own: fused with the exp (float32 to float64) it stays scalar
                 acc[r] += row[r]
         for r in range(rows):
-            l[g, r] = l[g, r] * alpha[g, r] + acc[r]
+            l[g, r] = l[g, r] * ag[r] + acc[r]
         if threshold > 0:
-            base = row_base[g]
-            for j in range(keys):
-                kj = kpos[j]
-                row = s[g, j]
-                for r in range(rows):
-                    if drop_keep(key, base[r] + kj, threshold):
-                        row[r] *= inv_keep
-                    else:
-                        row[r] = 0.0
+            _drop_rows(s[g], key, threshold, inv_keep, row_base[g], kpos)
 
 
 @njit(**_JIT)
-def stripe_logits(s, vis0, lse):
-    """Backward, first pass: visible scores minus their query's log-sum-exp lse [G, queries]
-    (exp gives the probabilities), hidden ones -inf."""
+def _col_max(a, start, ping, pong):
+    """max(start[r], max_j a[j, r]) for each r, returned in ping or pong (scratch arrays of
+    start's size). The running maxima alternate between the two: `cur[r] = max(cur[r], x)`
+    in place compiles to a masked store (vmaskmovps), which Zen 3 runs at a seventh of the
+    speed (measured 0.77 against 0.11 ns a score)."""
+    cur, nxt = ping, pong
+    for r in range(a.shape[1]):
+        cur[r] = start[r]
+    for j in range(a.shape[0]):
+        row = a[j]
+        for r in range(a.shape[1]):
+            nxt[r] = max(cur[r], row[r])
+        cur, nxt = nxt, cur
+    return cur
+
+
+@njit(**_JIT)
+def _drop_rows(p, key, threshold, inv_keep, base, kpos):
+    """p [keys, queries] of one group times its keep mask (0 or inv_keep), in place."""
+    for j in range(p.shape[0]):
+        kj = kpos[j]
+        row = p[j]
+        for r in range(p.shape[1]):
+            if drop_keep(key, base[r] + kj, threshold):
+                row[r] *= inv_keep
+            else:
+                row[r] = 0.0
+
+
+@njit(**_JIT)
+def stripe_probs(s, vis0, lse):
+    """Backward, the probabilities in one sweep: s <- exp(s - lse[g, r]) for visible scores,
+    0 for hidden ones (the exp runs over whole rows, then the hidden head of a row is
+    zeroed: a loop from a varying start would not vectorise)."""
     groups, keys, rows = s.shape
-    _hide(s, vis0)
     for g in range(groups):
         lg = lse[g]
         for j in range(keys):
             row = s[g, j]
             for r in range(rows):
-                row[r] -= lg[r]
+                row[r] = vexp(row[r] - lg[r])
+            if j >= vis0:
+                for r in range(_first_seen(vis0, j, rows)):
+                    row[r] = 0.0
 
 
 @njit(**_JIT)
@@ -442,14 +589,16 @@ def warm_up(dtype) -> None:
     layernorm_fwd(x, w, w, False, y, xh, r)
     layernorm_fwd(x, w, w, True, y, xh, r)
     layernorm_bwd(x, xh, r, w, dx, dw, db)
+    rmsnorm_fwd(x, w, 1e-5, y, xh, r)
+    rmsnorm_bwd(x, xh, r, w, dx, dw)
     flat, out, t = x.reshape(-1), y.reshape(-1), xh.reshape(-1)
-    gelu_fwd_pre(flat, t)
-    gelu_fwd_post(flat, t, out)
+    gelu_fwd(flat, t, out)
+    swiglu_fwd(flat, flat, out, t)
+    swiglu_bwd(flat, flat, t, flat, out, dx.reshape(-1))
     gelu_bwd(flat, t, flat, out)
     s, v1, u = np.zeros((1, 4, 2), f), np.zeros((1, 2), f), np.zeros((1, 4), np.uint64)
-    stripe_shift(s, 1, v1, v1.copy())
-    stripe_sums(s, v1, v1.copy(), np.uint64(1), np.uint64(1), f(2), u[:, :2], u[0])
-    stripe_logits(s, 1, v1)
+    stripe_softmax(s, 1, v1, v1.copy(), v1.copy(), np.uint64(1), np.uint64(1), f(2), u[:, :2], u[0])
+    stripe_probs(s, 1, v1)
     stripe_dropped(s, s.copy(), np.uint64(1), np.uint64(1), f(2), u[:, :2], u[0])
     stripe_grad(s, s.copy(), v1, np.uint64(1), np.uint64(1), f(2), u[:, :2], u[0])
     ce_bwd(np.ones((2, 3), f), np.ones(2, f), np.zeros(2, np.int64), np.ones(1))

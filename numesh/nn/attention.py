@@ -8,8 +8,8 @@ A tile's scores are held transposed, [keys, queries] (see numesh/kernels.py for 
 It keeps the output and each row's log-sum-exp. `attend_bwd` is FlashAttention-2's
 backward: each stripe's probabilities are recomputed from q, k and the saved log-sum-exp,
 and dq, dk, dv accumulate stripe by stripe. The tile GEMMs run on BLAS (NumPy's matmul);
-the softmax passes between them are numba kernels (numesh/kernels.py, `stripe_*`) or their
-NumPy equivalents here. `attention_reference` is the plain definition (the whole T×T
+the softmax passes between them are numba kernels (numesh/host/kernels.py, `stripe_*`,
+their exp vectorised) or their NumPy equivalents here. `attention_reference` is the plain definition (the whole T×T
 matrix at once) that both are tested against.
 
 Grouped-query attention (GQA: fewer key/value heads than query heads) is the same kernel:
@@ -157,20 +157,18 @@ def _hidden(vis0: int, shape: tuple[int, ...]) -> np.ndarray:
     return np.arange(shape[-2])[:, None] >= (vis0 + np.arange(shape[-1]))[None, :]
 
 
-def _shift(s: np.ndarray, vis0: int, m: np.ndarray, alpha: np.ndarray) -> None:
+def _softmax(s: np.ndarray, vis0: int, m: np.ndarray, l: np.ndarray, alpha: np.ndarray, st: _Stripe) -> None:
+    """One key tile of the online softmax: hidden scores out, the running max m and sum l
+    updated (alpha: how much the old sum shrinks), s the tile's exp'ed (and dropped) scores."""
     if K.enabled():
-        return K.stripe_shift(s, vis0, m, alpha)
+        return K.stripe_softmax(s, vis0, m, l, alpha, st.key, st.threshold, st.inv_keep, st.row_base, st.kpos)
     s[:, _hidden(vis0, s.shape)] = -np.inf
     m_new = np.maximum(m, s.max(axis=1))
     with np.errstate(invalid="ignore"):  # -inf - -inf before a row's first key: alpha 0
         alpha[:] = np.where(m > -np.inf, np.exp(m - m_new), 0.0)
     m[:] = m_new
     s -= m_new[:, None, :]
-
-
-def _sums(s: np.ndarray, l: np.ndarray, alpha: np.ndarray, st: _Stripe) -> None:
-    if K.enabled():
-        return K.stripe_sums(s, l, alpha, st.key, st.threshold, st.inv_keep, st.row_base, st.kpos)
+    np.exp(s, out=s)
     l *= alpha
     l += s.sum(axis=1)
     keep = _keep(st, s.shape)
@@ -178,11 +176,13 @@ def _sums(s: np.ndarray, l: np.ndarray, alpha: np.ndarray, st: _Stripe) -> None:
         s *= keep
 
 
-def _logits(s: np.ndarray, vis0: int, lse: np.ndarray) -> None:
+def _probs(s: np.ndarray, vis0: int, lse: np.ndarray) -> None:
+    """The backward's probabilities in place: exp(s - lse), hidden ones 0."""
     if K.enabled():
-        return K.stripe_logits(s, vis0, lse)
+        return K.stripe_probs(s, vis0, lse)
     s -= lse[:, None, :]
     s[:, _hidden(vis0, s.shape)] = -np.inf
+    np.exp(s, out=s)
 
 
 def _dropped(p: np.ndarray, out: np.ndarray, st: _Stripe) -> np.ndarray:
@@ -272,22 +272,19 @@ def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, sc
     qpos, kpos = _positions(qpos, Tq), _positions(kpos, Tk)
     lse = np.empty((B, H, Tq), q.dtype)
     cap, pairs = max(1, _cap(Tq, Tk) // g), _stripe_pairs(Tq)
-    call = functools.partial(_stripe_fwd, _grouped(q, g), k[:, :, None], v[:, :, None], _grouped(y, g),
+    call = functools.partial(_group_fwd, _grouped(q, g), k[:, :, None], v[:, :, None], _grouped(y, g),
                              lse.reshape(B, Hk, g, Tq), scale, diag, drop, qpos, kpos)
     size = g * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)  # one pair's scores of a stripe
 
     def by_heads(r: slice) -> None:
         buf = np.empty(min(cap, r.stop - r.start) * size, q.dtype)
         for grp in _groups(r.start, r.stop, Hk, cap):
-            for q0 in range(0, Tq, QUERY_TILE):
-                call(grp, q0, buf)
+            call(grp, range(0, Tq, QUERY_TILE), buf)
 
     def by_stripes(r: slice) -> None:
         buf = np.empty(min(cap, B * Hk) * size, q.dtype)
         for grp in _groups(0, B * Hk, Hk, cap):
-            for pair in pairs[r]:
-                for q0 in pair:
-                    call(grp, q0, buf)
+            call(grp, [q0 for pair in pairs[r] for q0 in pair], buf)
 
     if B * Hk >= threads():
         over_rows(by_heads, B * Hk)
@@ -296,32 +293,47 @@ def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, sc
     return lse
 
 
-def _stripe_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, grp: _Group, q0: int, buf: np.ndarray) -> None:
-    """Query rows [q0, q0 + QUERY_TILE) of one group of (batch row, kv head) pairs, each with
+def _own(x: np.ndarray, grp: _Group, scale: float | None = None) -> np.ndarray:
+    """A group's rows and heads of x, C-contiguous (times `scale` if given): copied once for
+    all its stripes, since BLAS packs contiguous rows faster than rows strided through the
+    QKV buffer (~8 % of the tile GEMMs' time at head size 32)."""
+    part = x[grp.b, grp.h]
+    return np.ascontiguousarray(part) if scale is None else part * part.dtype.type(scale)
+
+
+def _group_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, grp: _Group, starts, buf: np.ndarray) -> None:
+    """The stripes starting at `starts` of one group of (batch row, kv head) pairs, each with
     its g query heads (q, y [B, Hkv, g, T, hs], lse [B, Hkv, g, T]; k, v [B, Hkv, 1, T, hs]):
     their y rows and log-sum-exps written."""
-    nb, nh, g = grp.b.stop - grp.b.start, grp.h.stop - grp.h.start, q.shape[2]
-    q1 = min(q.shape[3], q0 + QUERY_TILE)
+    qg, kg, vg = _own(q, grp, scale), _own(k, grp), _own(v, grp)
+    yg, lseg = y[grp.b, grp.h], lse[grp.b, grp.h]
+    for q0 in starts:
+        _stripe_fwd(qg, kg, vg, yg, lseg, diag, drop, qpos, kpos, grp, q0, buf)
+
+
+def _stripe_fwd(qg, kg, vg, yg, lseg, diag, drop, qpos, kpos, grp: _Group, q0: int, buf: np.ndarray) -> None:
+    """Query rows [q0, q0 + QUERY_TILE) of a group: qg (scaled), yg [nb, nh, g, T, hs], lseg
+    [nb, nh, g, T]; kg, vg [nb, nh, 1, T, hs]."""
+    nb, nh, g = qg.shape[:3]
+    q1 = min(qg.shape[3], q0 + QUERY_TILE)
     rows, G = q1 - q0, nb * nh * g
-    qs = q[grp.b, grp.h, :, q0:q1] * q.dtype.type(scale)  # [nb, nh, g, rows, hs]
-    m = np.full((G, rows), -np.inf, q.dtype)
-    l, alpha = np.zeros((G, rows), q.dtype), np.empty((G, rows), q.dtype)
+    qs = qg[:, :, :, q0:q1]  # [nb, nh, g, rows, hs]
+    m = np.full((G, rows), -np.inf, qg.dtype)
+    l, alpha = np.zeros((G, rows), qg.dtype), np.empty((G, rows), qg.dtype)
     acc = None
-    for j0, j1, vis0 in _key_tiles(q0, q1, k.shape[3], diag):
+    for j0, j1, vis0 in _key_tiles(q0, q1, kg.shape[3], diag):
         s4 = buf[: G * (j1 - j0) * rows].reshape(nb, nh, g, j1 - j0, rows)
-        np.matmul(k[grp.b, grp.h, :, j0:j1], qs.swapaxes(-1, -2), out=s4)  # [nb, nh, g, keys, rows]
-        s = s4.reshape(G, j1 - j0, rows)
-        _shift(s, vis0, m, alpha)
-        np.exp(s, out=s)
-        _sums(s, l, alpha, _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], q.dtype, g))
-        pv = np.matmul(s4.swapaxes(-1, -2), v[grp.b, grp.h, :, j0:j1])  # [nb, nh, g, rows, hs]
+        np.matmul(kg[:, :, :, j0:j1], qs.swapaxes(-1, -2), out=s4)  # [nb, nh, g, keys, rows]
+        st = _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], qg.dtype, g)
+        _softmax(s4.reshape(G, j1 - j0, rows), vis0, m, l, alpha, st)
+        pv = np.matmul(s4.swapaxes(-1, -2), vg[:, :, :, j0:j1])  # [nb, nh, g, rows, hs]
         if acc is None:
             acc = pv
         else:
             acc *= alpha.reshape(nb, nh, g, rows, 1)
             acc += pv
-    np.divide(acc, l.reshape(nb, nh, g, rows, 1), out=y[grp.b, grp.h, :, q0:q1])
-    lse[grp.b, grp.h, :, q0:q1] = (m + np.log(l)).reshape(nb, nh, g, rows)
+    np.divide(acc, l.reshape(nb, nh, g, rows, 1), out=yg[:, :, :, q0:q1])
+    lseg[:, :, :, q0:q1] = (m + np.log(l)).reshape(nb, nh, g, rows)
 
 
 def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse: np.ndarray, dd: np.ndarray,
@@ -346,42 +358,51 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
         size = min(cap, r.stop - r.start) * g * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)
         bufs = np.empty(size, q.dtype), np.empty(size, q.dtype), np.empty(size, q.dtype)
         for grp in _groups(r.start, r.stop, Hk, cap):
-            for q0 in range(0, Tq, QUERY_TILE):
-                _stripe_bwd(q5, k5, v5, dy5, lse5, dd5, dq5, dk5, dv5, scale, diag, drop, qpos, kpos, grp, q0, bufs)
+            _group_bwd(q5, k5, v5, dy5, lse5, dd5, dq5, dk5, dv5, scale, diag, drop, qpos, kpos, grp, bufs)
 
     over_rows(by_heads, B * Hk)
 
 
-def _stripe_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, grp: _Group, q0: int,
-                bufs: tuple[np.ndarray, ...]) -> None:
-    """One stripe of a group of (batch row, kv head) pairs with their g query heads (shapes
-    as in `_stripe_fwd`): its dq rows, and its share of every visible key's dk, dv, the
-    group's query heads summed in order."""
+def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, grp: _Group,
+               bufs: tuple[np.ndarray, ...]) -> None:
+    """Every stripe of one group of (batch row, kv head) pairs with their g query heads
+    (shapes as in `_group_fwd`), in order: the group's dq, dk, dv summed in contiguous
+    buffers, then added into dq, dk, dv once."""
     f = q.dtype.type
-    b, h, g = grp.b, grp.h, q.shape[2]
-    nb, nh = b.stop - b.start, h.stop - h.start
-    q1 = min(q.shape[3], q0 + QUERY_TILE)
+    qg, kg, vg, dyg = _own(q, grp, scale), _own(k, grp), _own(v, grp), _own(dy, grp)
+    lseg, ddg = _own(lse, grp), _own(dd, grp)
+    dqg, dkg, dvg = np.zeros_like(qg), np.zeros_like(kg), np.zeros_like(vg)
+    for q0 in range(0, qg.shape[3], QUERY_TILE):
+        _stripe_bwd(qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, drop, qpos, kpos, grp, q0, bufs)
+    dqg *= f(scale)
+    dq[grp.b, grp.h] += dqg
+    dk[grp.b, grp.h] += dkg
+    dv[grp.b, grp.h] += dvg
+
+
+def _stripe_bwd(qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, drop, qpos, kpos, grp: _Group, q0: int,
+                bufs: tuple[np.ndarray, ...]) -> None:
+    """One stripe of a group (its arrays as `_group_bwd` holds them): its rows of dqg (not yet
+    scaled), and its share of every visible key's dkg, dvg, the g query heads summed in order."""
+    nb, nh, g = qg.shape[:3]
+    q1 = min(qg.shape[3], q0 + QUERY_TILE)
     rows, G = q1 - q0, nb * nh * g
-    qs = q[b, h, :, q0:q1] * f(scale)  # [nb, nh, g, rows, hs]
-    dqs = np.zeros(qs.shape, q.dtype)
-    lse_g = np.ascontiguousarray(lse[b, h, :, q0:q1]).reshape(G, rows)
-    dd_g = np.ascontiguousarray(dd[b, h, :, q0:q1]).reshape(G, rows)
-    dy_s = dy[b, h, :, q0:q1]
-    for j0, j1, vis0 in _key_tiles(q0, q1, k.shape[3], diag):
-        st = _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], q.dtype, g)
+    qs, dy_s, dqs = qg[:, :, :, q0:q1], dyg[:, :, :, q0:q1], dqg[:, :, :, q0:q1]  # [nb, nh, g, rows, hs]
+    lse_s = np.ascontiguousarray(lseg[:, :, :, q0:q1]).reshape(G, rows)
+    dd_s = np.ascontiguousarray(ddg[:, :, :, q0:q1]).reshape(G, rows)
+    for j0, j1, vis0 in _key_tiles(q0, q1, kg.shape[3], diag):
+        st = _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], qg.dtype, g)
         p4, dp4, pd4 = (x[: G * (j1 - j0) * rows].reshape(nb, nh, g, j1 - j0, rows) for x in bufs)
         flat = (G, j1 - j0, rows)
-        np.matmul(k[b, h, :, j0:j1], qs.swapaxes(-1, -2), out=p4)
-        _logits(p4.reshape(flat), vis0, lse_g)
-        np.exp(p4, out=p4)  # the attention probabilities [nb, nh, g, keys, rows]
+        kt, vt = kg[:, :, :, j0:j1], vg[:, :, :, j0:j1]
+        np.matmul(kt, qs.swapaxes(-1, -2), out=p4)
+        _probs(p4.reshape(flat), vis0, lse_s)  # the attention probabilities [nb, nh, g, keys, rows]
         dropped = _dropped(p4.reshape(flat), pd4.reshape(flat), st).reshape(p4.shape)
-        dv[b, h, :, j0:j1] += _group_sum(np.matmul(dropped, dy_s), g)
-        np.matmul(v[b, h, :, j0:j1], dy_s.swapaxes(-1, -2), out=dp4)  # d(probabilities after dropout)
-        _grad(p4.reshape(flat), dp4.reshape(flat), dd_g, st)  # d(scores)
-        dqs += np.matmul(dp4.swapaxes(-1, -2), k[b, h, :, j0:j1])
-        dk[b, h, :, j0:j1] += _group_sum(np.matmul(dp4, qs), g)
-    dqs *= f(scale)
-    dq[b, h, :, q0:q1] += dqs
+        dvg[:, :, :, j0:j1] += _group_sum(np.matmul(dropped, dy_s), g)
+        np.matmul(vt, dy_s.swapaxes(-1, -2), out=dp4)  # d(probabilities after dropout)
+        _grad(p4.reshape(flat), dp4.reshape(flat), dd_s, st)  # d(scores)
+        dqs += np.matmul(dp4.swapaxes(-1, -2), kt)
+        dkg[:, :, :, j0:j1] += _group_sum(np.matmul(dp4, qs), g)
 
 
 def row_dots(dy: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -391,24 +412,21 @@ def row_dots(dy: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def stripe_passes(keys: int, rows: int, dtype) -> tuple[Callable[[], None], Callable[[], None]]:
-    """The element-wise work of one key tile × query stripe, forward (shift, exp, sums) and
-    backward (logits, exp, gradient), as the kernels run it: what `numesh plan --calibrate`
-    times per score (the GEMMs between them are timed as GEMMs)."""
+    """The element-wise work of one key tile × query stripe, forward (the online softmax)
+    and backward (probabilities, gradient), as the kernels run it: what `numesh plan
+    --calibrate` times per score (the GEMMs between them are timed as GEMMs)."""
     rng = np.random.default_rng(0)
     s, dp = (rng.standard_normal((1, keys, rows)).astype(dtype) for _ in range(2))
     m, l, alpha = np.full((1, rows), -np.inf, dtype), np.zeros((1, rows), dtype), np.empty((1, rows), dtype)
     st = _stripe(None, _Group(slice(0, 1), slice(0, 1)), np.arange(rows), np.arange(keys), dtype)
 
     def fwd() -> None:  # rerun on its own output: the values stay finite (exp of shifted scores)
-        _shift(s, keys, m, alpha)
-        np.exp(s, out=s)
-        _sums(s, l, alpha, st)
+        _softmax(s, keys, m, l, alpha, st)
 
     ones = np.ones((1, rows), dtype)
 
     def bwd() -> None:  # likewise: probabilities of 1 or less, minus a log-sum-exp of 1, stay in (0, 1]
-        _logits(s, keys, ones)
-        np.exp(s, out=s)
+        _probs(s, keys, ones)
         _grad(s, dp, l, st)
 
     fwd()

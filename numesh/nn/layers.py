@@ -5,10 +5,11 @@ where `dparams` has the parameters' own attrs class. Linear layers also expose t
 input-grad and weight-grad halves separately (`linear_bwd_input`, `linear_bwd_weight`),
 which is what lets a zero-bubble pipeline schedule defer the weight half.
 
-LayerNorm and GELU run as fused kernels (numesh/host/kernels.py) when numba is installed,
-and so do the Llama kind's RMSNorm and SwiGLU (numesh/host/llama_kernels.py); the
-`*_reference` functions are the plain NumPy versions, the readable definition that the
-kernels are tested against. Attention has its own module (numesh/nn/attention.py).
+LayerNorm, GELU and SwiGLU's forward run as fused kernels (numesh/host/kernels.py) when
+numba is installed, and so do RMSNorm, SwiGLU's backward and rotary positions
+(numesh/host/llama_kernels.py); the `*_reference` functions are the plain NumPy versions,
+the readable definition that the kernels are tested against. Attention has its own module
+(numesh/nn/attention.py).
 """
 
 from __future__ import annotations
@@ -199,21 +200,14 @@ def rmsnorm_bwd_reference(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray],
 
 def swiglu_fwd(gate: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """SwiGLU's gating: silu(gate) * up, with silu(g) = g * sigmoid(g); the context is
-    (gate, up, sigmoid(gate)). NumPy's exp, then one kernel pass, rows over the threads."""
+    (gate, up, sigmoid(gate))."""
     if not K.enabled():
         return swiglu_fwd_reference(gate, up)
     gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
-    sig, y = np.empty_like(gate), np.empty_like(gate)
-    g2, u2, s2, y2 = _rows(gate), _rows(up), _rows(sig), _rows(y)
-
-    def rows(r: slice) -> None:
-        gr, sr = g2[r].reshape(-1), s2[r].reshape(-1)
-        np.negative(gr, out=sr)
-        with np.errstate(over="ignore"):  # exp(-g) = inf for g << 0: sigmoid 0, as the reference
-            np.exp(sr, out=sr)
-        LK.swiglu_fwd(gr, u2[r].reshape(-1), sr, y2[r].reshape(-1))
-
-    over_rows(rows, g2.shape[0], _chunk_rows(g2.shape[1]))
+    y, sig = np.empty_like(gate), np.empty_like(gate)
+    g2, u2, y2, s2 = _rows(gate), _rows(up), _rows(y), _rows(sig)
+    over_rows(lambda r: K.swiglu_fwd(g2[r].reshape(-1), u2[r].reshape(-1), y2[r].reshape(-1), s2[r].reshape(-1)),
+              g2.shape[0], _chunk_rows(g2.shape[1]))
     return y, (gate, up, sig)
 
 
@@ -250,20 +244,17 @@ def _chunk_rows(row_len: int, elements: int = 1 << 15) -> int:
 
 
 def gelu_fwd(x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-    """GELU in GPT-2's tanh form: 0.5·x·(1 + tanh(k·(x + 0.044715·x³))); the context is (x, tanh)."""
+    """GELU in GPT-2's tanh form: 0.5·x·(1 + tanh(u)), u = k·(x + 0.044715·x³), computed as
+    x·sigmoid(2u) (equal, and accurate far left, where 1 + tanh(u) cancels); the context is
+    (x, tanh(u))."""
     if not K.enabled():
         return gelu_fwd_reference(x)
     x = np.ascontiguousarray(x)
     t, y = np.empty_like(x), np.empty_like(x)
     x2, t2, y2 = _rows(x), _rows(t), _rows(y)
 
-    def rows(r: slice) -> None:
-        xr, tr = x2[r].reshape(-1), t2[r].reshape(-1)
-        K.gelu_fwd_pre(xr, tr)
-        np.tanh(tr, out=tr)
-        K.gelu_fwd_post(xr, tr, y2[r].reshape(-1))
-
-    over_rows(rows, x2.shape[0], _chunk_rows(x2.shape[1]))
+    over_rows(lambda r: K.gelu_fwd(x2[r].reshape(-1), t2[r].reshape(-1), y2[r].reshape(-1)),
+              x2.shape[0], _chunk_rows(x2.shape[1]))
     return y, (x, t)
 
 
@@ -283,16 +274,18 @@ def gelu_fwd_reference(x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.
     t, y = np.empty_like(x), np.empty_like(x)
     x2, t2, y2 = _rows(x), _rows(t), _rows(y)
 
-    def rows(r: slice) -> None:
+    def rows(r: slice) -> None:  # 0.5·x·(1 + tanh(u)) as x·sigmoid(2u): the same, without 1 + tanh's cancellation
         xr, tr, yr = x2[r], t2[r], y2[r]
         np.multiply(xr, xr, out=tr)
         tr *= 0.044715 * _GELU_K
         tr += _GELU_K
         tr *= xr
+        np.multiply(tr, -2.0, out=yr)
+        with np.errstate(over="ignore"):  # exp(-2u) = inf far left: y = x / inf = -0
+            np.exp(yr, out=yr)
+        yr += 1.0
+        np.divide(xr, yr, out=yr)
         np.tanh(tr, out=tr)
-        np.add(tr, 1.0, out=yr)
-        yr *= xr
-        yr *= 0.5
 
     over_rows(rows, x2.shape[0], _chunk_rows(x2.shape[1]))
     return y, (x, t)
