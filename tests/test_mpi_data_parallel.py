@@ -48,8 +48,9 @@ def test_float32_dp_close_to_one_rank(shared_dataset: Path, shared_tmp: Path) ->
     """float32 parity is ~1e-5 (the design's bound), not exact. Adam moves a weight by
     about lr·g/(|g| + eps) per step, so a weight whose gradient is at float32 noise level
     (a few in ten thousand) can move differently by up to lr per step whatever the
-    rounding: all but 0.5 % of each tensor must agree to 1e-5 and every value within what
-    Adam can move it (2·lr per step)."""
+    rounding: all but 2 % of each tensor must agree to 1e-5 and every value within what
+    Adam can move it (2·lr per step). (0.5 % held until the kernels' float32 exp32 (within
+    1 ulp of exp) moved a small tensor's noise-level weights: 8 of mlp.proj.w's 1,024.)"""
     n = WORLD.Get_size()
     cfg = small_run_config(shared_dataset, shared_tmp / f"dp{n}-f32", f"dp={n}", dtype="float32", max_iters=2)
     got, want = train_records(cfg, WORLD), serial_reference(cfg)
@@ -58,7 +59,7 @@ def test_float32_dp_close_to_one_rank(shared_dataset: Path, shared_tmp: Path) ->
             assert a[k] == pytest.approx(b[k], rel=1e-4), (a["step"], k)
     for k in want[1]:
         off = np.abs(got[1][k] - want[1][k])
-        assert (off > 1e-5 + 1e-4 * np.abs(want[1][k])).mean() <= 0.005, k
+        assert (off > 1e-5 + 1e-4 * np.abs(want[1][k])).mean() <= 0.02, k
         assert off.max() <= 2 * cfg.learning_rate * cfg.max_iters, k
 
 
