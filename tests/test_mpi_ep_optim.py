@@ -24,7 +24,7 @@ from numesh.base.tree import tree_map
 from numesh.mesh import Mesh, P
 from numesh.nn.gpt import Shape
 from numesh.observe.diagnosis import grid_coords
-from numesh.optim.adamw import AdamWConfig
+from numesh.optim.registry import make_optimizer
 from numesh.optim.clip import clip_scale
 from numesh.optim.zero import ZeroOptimizer
 from numesh.perf import formulas
@@ -100,7 +100,7 @@ def test_ep_reduces_replicated_leaves_over_dp_ep_and_experts_over_dp(stage: int)
     d, e = mesh.index("dp"), mesh.index("ep")
     assert mesh.coords == grid_coords(mesh.shape)[mesh.rank]  # Cart_create's layout: tp fastest, then cp, ep, dp
     assert mesh.index(("dp", "ep")) == d * ep + e
-    adamw = AdamWConfig(weight_decay=0.1)
+    adamw = make_optimizer("adamw", {"weight_decay": 0.1})
     params = global_params()
     mine = tree_map(lambda x, s: block(x, s, e, ep).copy(), params, SPECS)
     opt = ZeroOptimizer(mine, SPECS, mesh, stage, adamw, bucket_bytes=64)

@@ -687,12 +687,12 @@ class ActivationShape:
     @property
     def attention_values(self) -> int:
         """Values per token a block's attention keeps on a tp rank, as `activation_parts`
-        counts them under "block_sharded": q, k and v (the fused QKV output they view, and
-        with rotary positions the rotated q and k beside it; GQA's q and this rank's kv
-        columns of k and v, rotated or not) and the attention output."""
+        counts them under "block_sharded": q, k and v (the fused QKV output they view,
+        rotated in place with rotary positions; GQA's q and this rank's kv columns of k and
+        v) and the attention output."""
         C, t, parts = self.n_embd, self.tp, self.parts
         if not parts.kv_heads:
-            return (5 if parts.rotary else 3) * C // t + C // t
+            return 3 * C // t + C // t
         return 2 * C // t + 2 * parts.local_kv(C, t)
 
     def mlp_values(self, rows: int = 1) -> int:
@@ -746,8 +746,8 @@ def activation_parts(shape: ActivationShape, chunk: Chunk, vocab: int) -> dict[s
                           attention output (1, which attention's context views too), the
                           MLP-up output, GELU's tanh and GELU's output (4 each). Other
                           kinds (`shape.parts`): k·sb·(`attention_values` + `mlp_values`):
-                          rotary positions keep the rotated q and k beside the fused QKV
-                          output (+2·h/t); grouped-query attention keeps q (h/t) and this
+                          rotary positions rotate q and k in place (no extra values);
+                          grouped-query attention keeps q (h/t) and this
                           rank's kv columns of k and v (2·kv_local), rotated or not; SwiGLU
                           keeps gate, up, sigmoid and product (4·F/t) where GELU keeps 3·F/t.
                           The rotary tables are one pair for every context: `rotary_table_bytes`.
