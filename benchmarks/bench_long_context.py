@@ -73,7 +73,8 @@ def model_section(args: argparse.Namespace, data: str) -> list[dict[str, Any]]:
         runs: dict[str, list[dict]] = {"numesh": [], "torch": []}
         for rnd in range(args.rounds):
             for kind in ("numesh", "torch"):
-                r = run_worker(kind, model, data, args.threads, args.iters, args.warmup, timeout=args.timeout)
+                r = run_worker(kind, model, data, args.threads, args.iters, args.warmup, timeout=args.timeout,
+                               clock=args.clock)
                 log(f"  {name} {T}x{B} round {rnd + 1} {kind}: {r.get('ms', r.get('error'))}")
                 runs[kind].append(r)
         out.append({"model": name, "T": T, "B": B, **runs})
@@ -97,8 +98,9 @@ def _ratios(row: dict) -> str:
     return f"{min(rs):.2f}×" if len(rs) == 1 else f"{min(rs):.2f}–{max(rs):.2f}×"
 
 
-def print_model(rows: list[dict], threads: int) -> None:
-    print(f"\nmodel: training step, {threads} threads, float32, fresh process per measurement")
+def print_model(rows: list[dict], threads: int, clock: str = "wall") -> None:
+    print(f"\nmodel: training step, {threads} threads, float32, fresh process per measurement"
+          + (", ms = process CPU time" if clock == "cpu" else ""))
     print("| model | T × B | numesh ms | torch ms | numesh / torch tokens/s | numesh peak RSS MB | torch peak RSS MB |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
@@ -272,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default=None, help="dataset dir from `numesh data` (default: a temporary one)")
     ap.add_argument("--src", default=DEFAULT_SRC, help="text for the temporary dataset")
     ap.add_argument("--json", action="store_true", help="also print the report as one JSON line")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: time the model section's steps by process CPU time, which on a machine other jobs "
+                         "share leaves out the waits for a core (meaningful with --threads 1 only)")
     ap.add_argument("--attn-worker", choices=("numesh", "torch", "gemms"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.attn_worker:
@@ -283,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if "model" in sections:
         with dataset_dir(args.data, args.src, log=log) as data:
             report["model"] = model_section(args, data)
-        print_model(report["model"], args.threads)
+        print_model(report["model"], args.threads, args.clock)
     if "attention" in sections:
         report["attention"] = attention_section(args)
         print_attention(report["attention"])
