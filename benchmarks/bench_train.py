@@ -47,7 +47,7 @@ import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
+from common import DEFAULT_SRC, LLAMA_PRESETS, PRESETS, dataset_dir  # noqa: E402
 from numesh.host.runtime import keep_freed_memory  # noqa: E402
 
 TORCH_PIN = "torch==2.13.0"
@@ -63,7 +63,8 @@ def log(msg: str) -> None:
 
 
 def preset_config(preset: str, batch_size: int | None = None, block_size: int | None = None) -> dict[str, Any]:
-    cfg = dict(PRESETS[preset])
+    """The model and batch of `preset`: a nanoGPT one (PRESETS) or a Llama one (LLAMA_PRESETS)."""
+    cfg = dict(PRESETS[preset] if preset in PRESETS else LLAMA_PRESETS[preset])
     if batch_size is not None:
         cfg["batch_size"] = batch_size
     if block_size is not None:

@@ -26,6 +26,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     "baby": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=12),
 }
 
+# SmolLM2-135M's block (HuggingFaceTB/SmolLM2-135M's config.json) as `numesh train` options:
+# 576 wide, 9 query heads sharing 3 key/value heads, SwiGLU of 1,536, RMSNorm eps 1e-5,
+# rotary theta 1e5, the LM head tied to the embedding, no biases. Its 30 layers are cut to
+# what a benchmark can step (bench_llama.py's --layers).
+SMOLLM2 = dict(arch="llama", n_embd=576, n_head=9, n_kv_head=3, ffn_hidden=1536, norm="rmsnorm", norm_eps=1e-5,
+               positions="rotary", rope_theta=1e5, mlp="swiglu", tie_embeddings=True, bias=False, dropout=0.0)
+# Llama-family presets of the numesh-only scripts (profile_train.py); the nanoGPT ones above
+# are also the PyTorch reference model's (bench_train.py), which has no Llama block.
+LLAMA_PRESETS: dict[str, dict[str, Any]] = {
+    "smollm2-4": dict(SMOLLM2, n_layer=4, block_size=512, batch_size=4),  # bench_llama.py's first row
+}
+
 
 @contextlib.contextmanager
 def dataset_dir(data: str | None, src: str, comm: Any = None,

@@ -2,9 +2,11 @@
 """Where a numesh training step spends its time.
 
     python benchmarks/profile_train.py --preset default --steps 20
-    python benchmarks/profile_train.py --block-size 1024 --batch-size 2 --threads 1 --clock cpu   # a shared machine
+    python benchmarks/profile_train.py --preset smollm2-4 --steps 5              # Llama: SmolLM2's block, 4 layers
+    python benchmarks/profile_train.py --preset smollm2-4 --block-size 2048 --batch-size 1 --steps 5 --clock cpu
 
-Three views of the same single-process training run (see bench_train.py for presets/data):
+Three views of the same single-process training run (see bench_train.py for presets/data;
+benchmarks/common.py's LLAMA_PRESETS are Llama-family models, with the Llama parts' ops):
   1. cProfile over `--steps` Trainer.train_step() calls: the top functions by tottime.
      numpy operators (`a @ b`, `x * y`, ufuncs) are not separate entries: their time is
      the tottime of the Python function that executes them.
@@ -41,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import CpuMonitor, log, make_trainer, preset_config  # noqa: E402
-from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
+from common import DEFAULT_SRC, LLAMA_PRESETS, PRESETS, dataset_dir  # noqa: E402
 from numesh.host.runtime import keep_freed_memory  # noqa: E402
 
 # --------------------------------------------------------------------------------------
@@ -66,10 +68,10 @@ OP_FUNCS = (
     "causal_attention_fwd", "causal_attention_bwd",
     "vocab_parallel_embedding_fwd", "vocab_parallel_embedding_bwd",
     "vocab_parallel_cross_entropy_fwd", "vocab_parallel_cross_entropy_bwd", "flatten",
+    # the Llama kind's parts (numesh.nn.parts, layers, rotary)
+    "rmsnorm_fwd", "rmsnorm_bwd", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd", "qkv_fwd", "qkv_bwd_input",
+    "qkv_bwd_weight", "attend_fwd", "attend_bwd",
 )
-
-
-clock = time.perf_counter  # or time.thread_time (--clock cpu)
 
 
 class Instrument:
@@ -77,7 +79,8 @@ class Instrument:
     that record, per label, inclusive time, exclusive time (minus wrapped callees) and
     calls, plus per phase the time of its outermost calls."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
         self.incl: dict[str, float] = defaultdict(float)
         self.excl: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
@@ -104,11 +107,11 @@ class Instrument:
             frame = [label, phase, 0.0]
             stack = inst._stack()
             stack.append(frame)
-            t0 = clock()
+            t0 = inst.clock()
             try:
                 return fn(*args, **kw)
             finally:
-                dt = clock() - t0
+                dt = inst.clock() - t0
                 stack.pop()
                 with inst._lock:
                     inst.incl[label] += dt
@@ -213,7 +216,7 @@ def report_ops(inst: Instrument, step_total: float, n: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    ap.add_argument("--preset", choices=sorted(PRESETS | LLAMA_PRESETS), default="default")
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--steps", type=int, default=20, help="steps per view (default 20)")
@@ -227,22 +230,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default=None)
     ap.add_argument("--src", default=DEFAULT_SRC)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                    help="cpu: each thread's CPU time (time.thread_time) instead of wall time, which on a machine "
-                         "other jobs share leaves out the waits for a core; use it with --threads 1")
+                    help="wall: elapsed time (default); cpu: this process's CPU time on all its threads "
+                         "(time.process_time), which a busy machine's other processes do not inflate: each op's "
+                         "own cost when one op runs at a time (blocks whole, e.g. batch 1, or --threads 1); blocks "
+                         "run as pieces on several threads count each other's time")
     args = ap.parse_args(argv)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
     from numesh.host.runtime import set_blas_threads
 
-    global clock
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     threads = set_blas_threads(args.threads)
     kept = keep_freed_memory() if args.malloc == "keep" else False
     model_cfg = preset_config(args.preset, args.batch_size, args.block_size)
     with dataset_dir(args.data, args.src, log=log) as data:
         tr = make_trainer(model_cfg, data, args.dtype)
-        print(f"config: preset={args.preset} {model_cfg} dtype={args.dtype} threads={threads} "
-              f"steps={args.steps} (+{args.warmup} warmup) clock={args.clock} "
-              f"malloc={'keep freed memory' if kept else 'glibc defaults'}")
+        print(f"config: preset={args.preset} {model_cfg} dtype={args.dtype} threads={threads} clock={args.clock} "
+              f"steps={args.steps} (+{args.warmup} warmup) malloc={'keep freed memory' if kept else 'glibc defaults'}")
         for _ in range(args.warmup):
             tr.train_step()
 
@@ -258,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
               f"min {min(t) * 1e3:.2f} ms ({_load(mon, args.steps)})")
 
         # 1. cProfile
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(clock)
         with CpuMonitor() as mon:
             prof.enable()
             for _ in range(args.steps):
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text.rstrip().replace(str(Path(__file__).resolve().parents[1]) + "/", ""))
 
         # 2 + 3. phases and ops, from timers around numesh's functions during train_step()
-        inst = Instrument()
+        inst = Instrument(clock)
         inst.patch_functions(PHASE_FUNCS)
         inst.patch_functions({name: None for name in OP_FUNCS})
         if getattr(tr, "opt", None) is not None:

@@ -127,9 +127,15 @@ def shard_params(global_params: GPT, cfg: GPTConfig, mesh: Mesh) -> GPT:
     from numesh.mesh import shard
 
     v = cfg.padded_vocab(mesh.size("tp"))
-    wte = np.zeros((v, global_params.wte.shape[1]), dtype=global_params.wte.dtype)
-    wte[: cfg.vocab_size] = global_params.wte
-    padded = GPT(wte=wte, wpe=global_params.wpe, blocks=global_params.blocks, ln_f=global_params.ln_f)
+
+    def pad(x: np.ndarray | None) -> np.ndarray | None:
+        if x is None:
+            return None
+        out = np.zeros((v, x.shape[1]), dtype=x.dtype)
+        out[: cfg.vocab_size] = x[: cfg.vocab_size]
+        return out
+
+    padded = attrs.evolve(global_params, wte=pad(global_params.wte), lm_head=pad(global_params.lm_head))
     return tree_map(lambda x, s: shard(x, s, mesh), padded, gpt_specs(cfg))
 
 
@@ -183,13 +189,13 @@ def one_step(mesh: Mesh, dropout: float, **overrides: Any) -> OneStep:
 
 def assert_one_step_matches(step: OneStep) -> None:
     """The mesh's loss, per-token losses and every gradient leaf equal one rank's to 1e-10
-    (wte without the rows that pad the vocabulary over tp)."""
+    (wte and an untied lm_head without the rows that pad the vocabulary over tp)."""
     from numesh.base.tree import tree_leaves, tree_leaves_with_path
 
     assert step.loss == pytest.approx(step.want_loss, rel=1e-10, abs=0)
     assert_close(step.tokens, step.want_tokens, 1e-10, "per-token losses")
     for (path, got), w in zip(tree_leaves_with_path(step.full), tree_leaves(step.want)):
-        assert_close(got[: step.cfg.vocab_size] if path == "wte" else got, w, 1e-10, what=path)
+        assert_close(got[: step.cfg.vocab_size] if path in ("wte", "lm_head") else got, w, 1e-10, what=path)
 
 
 # ---------------------------------------------------------------------------------------

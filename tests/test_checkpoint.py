@@ -218,7 +218,7 @@ def test_round_trip_is_bit_exact(data: Path, tmp_path: Path) -> None:
 
     u = Trainer(config(data, tmp_path / "b"), MPI.COMM_SELF)
     restore(u, latest)
-    assert u.step == 3 and u.opt.adam_step == t.opt.adam_step == 3
+    assert u.step == 3 and u.opt.opt_step == t.opt.opt_step == 3
     assert_states_equal(state_trees(u), state_trees(t))
 
     # the files: no pickle, padding never stored, meta.json complete

@@ -142,8 +142,8 @@ def test_meta_and_params_come_from_one_step(two_steps: Path, tmp_path: Path,
     point_latest(ck, "step_000002")
     read_meta = common.read_any_meta
 
-    def then_move(path: Path, describe: object) -> fmt.Meta:
-        meta = read_meta(path, describe)
+    def then_move(path: Path, describe: object, groups: object) -> fmt.Meta:
+        meta = read_meta(path, describe, groups)
         point_latest(ck, "step_000004")
         return meta
 

@@ -129,7 +129,7 @@ def test_the_snapshot_is_a_copy_and_a_non_finite_one_never_becomes_latest(char_d
     t = Trainer(_config(char_dataset, tmp_path / "run"), MPI.COMM_SELF)
     t.train_step()
     state = train_state(t)
-    live = (t.opt.residency.buffer, t.opt.adam.m, t.opt.adam.v)
+    live = (t.opt.residency.buffer, t.opt.state["m"], t.opt.state["v"])
     assert not any(np.shares_memory(x, b) for tree in state.trees.values() for x in tree_leaves(tree) for b in live)
     saves = AsyncCheckpoints(MPI.COMM_SELF)
     assert saves.start(state, tmp_path / "run") == tmp_path / "run" / "ckpt" / "step_000001"

@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from numesh.figures import cp_zigzag, mesh_groups, moe_dispatch, pipeline_schedules, zero_memory
+from numesh.figures import cp_zigzag, gqa_heads, mesh_groups, moe_dispatch, pipeline_schedules, zero_memory
 from numesh.figures.__main__ import main
 from numesh.figures.catalog import FIGURES
+from numesh.mesh import P
+from numesh.nn.gpt import GPTConfig, gpt_specs
 from numesh.perf.formulas import memory_formula
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,3 +132,26 @@ def test_moe_rows_each_reach_their_experts_rank_once_grouped_by_expert() -> None
         assert got == sorted(got, key=lambda row: (row[2], row[0])), "rows grouped by expert, by source within"
         every += got
     assert sorted(every) == sorted((s, t, int(e)) for s, r in enumerate(rs) for t in range(tokens) for e in r.top[t])
+
+
+@pytest.mark.parametrize("n_head, n_kv_head, tp", [(8, 2, 2), (8, 2, 4), (8, 2, 8), (8, 4, 2), (9, 3, 3), (9, 3, 9),
+                                                   (4, 4, 2), (8, 1, 4)])
+def test_each_tp_rank_computes_exactly_the_kv_heads_its_query_heads_read(n_head: int, n_kv_head: int, tp: int) -> None:
+    cfg = GPTConfig(n_head=n_head, n_kv_head=n_kv_head, n_embd=8 * n_head)
+    ranks = gqa_heads.heads_of(cfg, tp)
+    assert [h for q, _ in ranks for h in q] == list(range(n_head)), "the query heads are split over tp in order"
+    computed = [j for _, kv in ranks for j in kv]
+    for q, kv in ranks:
+        assert set(kv) == {gqa_heads.group(cfg, h) for h in q}, (q, kv)
+    share = max(1, tp // n_kv_head)  # the ranks that compute each kv head, whose k, v grads the sum adds
+    assert sorted(computed) == sorted(list(range(n_kv_head)) * share)
+
+
+def test_gqa_figure_shows_k_and_v_replicated_and_their_grads_summed_over_tp() -> None:
+    cfg = gqa_heads.MODEL
+    assert cfg.kv_heads < cfg.n_head and max(gqa_heads.TPS) > cfg.kv_heads, "the figure should show tp > kv heads"
+    attn = gpt_specs(cfg).blocks[0].attn
+    assert attn.k.w == P() and attn.v.w == P() and attn.q.w == P(None, "tp")
+    for tp in gqa_heads.TPS:
+        assert gqa_heads.summed_over_tp(cfg, tp) == gqa_heads.KV_PATHS
+    assert gqa_heads.summed_over_tp(cfg, 1) == (), "on one rank nothing is partial"

@@ -92,6 +92,11 @@ def test_transformers_loads_the_export_and_computes_the_same(run: tuple[Path, Pa
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert hf_tok.decode(out[0]) == res.stdout.rstrip("\n")
+    # the export itself samples as its checkpoint does (`numesh sample --ckpt DIR`)
+    again = cli("sample", "--ckpt", str(tmp_path / "hf"), "--prompt", prompt, "--max-new-tokens", "12",
+                "--temperature", "0")
+    assert again.exit_code == 0, again.stderr
+    assert again.stdout == res.stdout
 
 
 def test_hf_export_refuses_a_file_or_a_full_directory(run: tuple[Path, Path], tmp_path: Path) -> None:

@@ -54,7 +54,7 @@ def test_options_set_are_kept(char_dataset: Path) -> None:
 def _predictions(data: Path, memory_per_rank: float) -> list:
     base = attrs.evolve(_config(data), mesh="")
     prof = auto.cpu_profile("float32", 1e12 / (4 * threads()), threads(), 4, 4 * memory_per_rank)
-    return auto.plan(base, auto.model_spec(base, None, None), 4, prof, memory_per_rank, 4, threads())
+    return auto.plan(base, auto.model_spec(base, None, None), 4, prof, memory_per_rank, 4, threads()).fitting
 
 
 def _layout_of(cfg) -> tuple:
@@ -102,6 +102,34 @@ def test_an_moe_model_may_get_ep_and_a_dense_one_never(char_dataset: Path) -> No
     assert "ep=" in moe.mesh
     preds = _predictions(char_dataset, 0)
     assert {p.layout.ep for p in preds} == {1}
+
+
+@pytest.mark.parametrize("heads, kv_heads, n_embd, tps", [
+    (4, 2, 16, {1, 2, 4}),  # tp = 4 > kv heads: two ranks per kv head (k and v replicated over tp)
+    (6, 3, 24, {1}),  # tp = 2 or 4 would split the 3 kv heads' query groups: GPTConfig.validate refuses them
+])
+def test_a_llama_model_is_planned_with_its_parts_and_the_tp_its_kv_heads_allow(
+        char_dataset: Path, heads: int, kv_heads: int, n_embd: int, tps: set) -> None:
+    """--mesh auto plans a Llama model (RMSNorm, rotary, SwiGLU, grouped-query attention,
+    untied head) with its own sizes, and never a tp that training refuses."""
+    cfg = _config(char_dataset, arch="llama", n_head=heads, n_kv_head=kv_heads, n_embd=n_embd)
+    base = attrs.evolve(cfg, mesh="")
+    model = auto.model_spec(base, None, None)
+    assert model.parts.kv_heads == kv_heads and model.parts.gated and not model.parts.tied
+    prof = auto.cpu_profile("float32", 1e12 / (4 * threads()), threads(), 4, 0)
+    preds = auto.plan(base, model, 4, prof, 0, 4, threads())
+    assert {p.layout.tp for p in preds.fitting} == tps
+    chosen, line = auto.pick(cfg, world=4, ranks_on_node=4)
+    assert f"--mesh {chosen.mesh} " in line and chosen.arch == "llama" and chosen.n_kv_head == kv_heads
+
+
+def test_numesh_train_mesh_auto_trains_a_llama_model(char_dataset: Path, tmp_path: Path) -> None:
+    res = cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--mesh", "auto", "--arch", "llama",
+              "--n-kv-head", "2", "--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--block-size", "8",
+              "--batch-size", "8", "--max-iters", "2", "--eval-iters", "1", "--peak-flops", "1e12")
+    assert res.exit_code == 0, res.output
+    assert [x for x in res.stderr.splitlines() if x.startswith("--mesh auto on 1 rank")]
+    assert (tmp_path / "o" / "metrics.jsonl").read_text().count('"step"') >= 2
 
 
 def _one_rank_calibration(path: Path, dtype: str = "float32") -> None:

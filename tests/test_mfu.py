@@ -4,14 +4,21 @@ the cores the job uses (a host's cores counted once), or given; MFU is never cla
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
+from conftest import self_mesh, tiny_config
+from numesh.base.tree import tree_leaves_with_path
 from numesh.host import runtime
+from numesh.nn import layers, transformer
+from numesh.nn.gpt import ARCHS, gpt_global_shapes, init_gpt
+from numesh.nn.walk import loss_and_grads
 from numesh.perf import formulas
 from numesh.run.train import train
 from test_train import run_config
@@ -30,6 +37,41 @@ def test_mfu_formula() -> None:
     assert formulas.mfu(12e9, 10e9) == pytest.approx(1.2)  # a peak below the achieved rate shows, it is not hidden
     assert formulas.mfu(0.0, 10e9) == 0.0
     assert formulas.mfu(1e9, 0.0) == 0.0
+
+
+@pytest.mark.parametrize("kind", [
+    dict(),  # GPT-2's block: fused QKV, GELU, learned positions, tied head
+    dict(ARCHS["llama"], n_kv_head=1, norm_eps=1e-6),  # GQA (one kv head of 2), SwiGLU, rotary, untied head
+    dict(ARCHS["llama"], ffn_hidden=12, tie_embeddings=True, norm_eps=1e-6),  # every head its kv, tied
+], ids=["gpt2", "llama-gqa", "llama-tied"])
+def test_flops_per_token_counts_the_matmuls_a_step_runs(monkeypatch: pytest.MonkeyPatch, kind: dict) -> None:
+    """The parameter term of `flops_per_token` (6 per counted parameter) is the matmuls of
+    one forward and backward on one rank (2·m·k·n each: the Linears' forward, input and
+    weight gradients, and the LM head's), per token, less 6 per value that no matmul
+    multiplies and the convention counts anyway (wpe's rows, norms, biases): an untied
+    embedding is a lookup and is not counted, an untied head is; a tied wte is the head."""
+    counted = [0.0]
+
+    def counting(real):
+        def matmul(a, b, *args, **kw):
+            counted[0] += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+            return real(a, b, *args, **kw)
+        return matmul
+
+    monkeypatch.setattr(layers, "matmul", counting(layers.matmul))
+    monkeypatch.setattr(transformer, "matmul", counting(transformer.matmul))
+    cfg = tiny_config(n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=11, bias=True, **kind)
+    params = init_gpt(cfg, self_mesh(), seed=0, dtype=np.float64)
+    idx = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, cfg.block_size))
+    loss_and_grads(params, idx, idx, cfg, self_mesh(), 1.0 / idx.size)
+    parts = formulas.Parts.of(cfg)
+    leaves = dict(tree_leaves_with_path(gpt_global_shapes(cfg)))
+    n_params = sum(math.prod(s) for s in leaves.values())
+    unmultiplied = sum(math.prod(s) for path, s in leaves.items()
+                       if path == "wpe" or path.endswith(".b") or re.search(r"(ln1|ln2|ln_f)\.", path))
+    per_token = counted[0] / idx.size
+    assert per_token == 6 * (formulas.counted_params(n_params, cfg.vocab_size, cfg.n_embd, parts) - unmultiplied)
+    assert (formulas.counted_params(n_params, cfg.vocab_size, cfg.n_embd, parts) == n_params) == parts.tied
 
 
 def test_one_cores_peak_is_the_best_reading_kept_per_machine_and_dtype(cache_dir: Path, monkeypatch) -> None:

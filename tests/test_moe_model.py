@@ -14,7 +14,8 @@ from conftest import random_global_params, self_mesh, tiny_config
 from numesh.base.errors import CheckpointError, ConfigError
 from numesh.base.tree import tree_leaves, tree_leaves_with_path
 from numesh.nn import moe as M
-from numesh.nn.gpt import MLP, gpt_global_shapes
+from numesh.nn.gpt import ARCHS, MLP, gpt_global_shapes
+from numesh.nn.layers import Linear
 from numesh.nn.moe import MoE, MoEConfig
 from numesh.nn.walk import ResidentParams, loss_and_grads, stage_forward, whole_model
 from numesh.perf import formulas
@@ -143,20 +144,29 @@ def test_export_refuses_experts_in_either_format() -> None:
 # formulas
 
 
+# Mixtral's block with a narrower SwiGLU (F = 12, not 4C) and grouped-query attention: 2 query heads, 1 kv head
+MIXTRAL = dict(ARCHS["llama"], n_kv_head=1, ffn_hidden=12, norm_eps=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "mixtral"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_parameter_formulas_equal_the_tree(bias: bool) -> None:
-    cfg = tiny_config(n_layer=3, bias=bias, **MOE)
+def test_parameter_formulas_equal_the_tree(bias: bool, kind: str) -> None:
+    cfg = tiny_config(n_layer=3, bias=bias, **MOE, **(MIXTRAL if kind == "mixtral" else {}))
+    parts = formulas.Parts.of(cfg)
+    assert (parts == formulas.GPT2) == (kind == "gpt2")
     shapes = gpt_global_shapes(cfg)
     sizes = [sum(math.prod(s) for s in tree_leaves(b)) for b in shapes.blocks]
     C, E = cfg.n_embd, cfg.moe_experts
-    assert sizes == [formulas.moe_block_params(C, E, bias), formulas.block_params(C, 1, bias),
-                     formulas.moe_block_params(C, E, bias)]
+    assert sizes == [formulas.moe_block_params(C, E, bias, parts), formulas.block_params(C, 1, bias, parts),
+                     formulas.moe_block_params(C, E, bias, parts)]
     expert = sum(math.prod(s[1:]) for s in tree_leaves(attrs_mlp_experts(shapes.blocks[0].mlp)))
-    assert expert == formulas.expert_params(C, bias)
+    assert expert == formulas.expert_params(C, bias, 1, parts)
     total = sum(math.prod(s) for s in tree_leaves(shapes))
-    active = formulas.active_params(total, C, cfg.moe_blocks, E, cfg.moe_top_k, bias)
+    active = formulas.active_params(total, C, cfg.moe_blocks, E, cfg.moe_top_k, bias, parts)
     assert total - active == 2 * (E - cfg.moe_top_k) * expert
-    assert flops_per_token(cfg, total) == formulas.flops_per_token(cfg.n_layer, C, cfg.block_size, active)
+    counted = formulas.counted_params(active, cfg.vocab_size, C, parts)  # an untied wte is looked up: not counted
+    assert counted == active - (0 if kind == "gpt2" else cfg.vocab_size * C)
+    assert flops_per_token(cfg, total) == formulas.flops_per_token(cfg.n_layer, C, cfg.block_size, counted)
     dense = tiny_config(bias=bias)
     n_dense = sum(math.prod(s) for s in tree_leaves(gpt_global_shapes(dense)))
     assert flops_per_token(dense, n_dense) == formulas.flops_per_token(dense.n_layer, C, dense.block_size, n_dense)
@@ -164,12 +174,15 @@ def test_parameter_formulas_equal_the_tree(bias: bool) -> None:
 
 def attrs_mlp_experts(mlp: MoE) -> list:
     """The experts' leaves of an MoE's shapes (router left out)."""
-    return [x for x in (mlp.fc.w, mlp.fc.b, mlp.proj.w, mlp.proj.b) if x is not None]
+    gate = () if mlp.gate is None else (mlp.gate.w, mlp.gate.b)
+    return [x for x in (mlp.fc.w, mlp.fc.b, mlp.proj.w, mlp.proj.b, *gate) if x is not None]
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
 @pytest.mark.parametrize("top_k", [1, 2, 3])
-def test_flops_formula_equals_the_matmuls_run(monkeypatch: pytest.MonkeyPatch, top_k: int) -> None:
-    """Every matmul of the layer's forward and backward counted (2·m·k·n each)."""
+def test_flops_formula_equals_the_matmuls_run(monkeypatch: pytest.MonkeyPatch, top_k: int, gated: bool) -> None:
+    """Every matmul of the layer's forward and backward counted (2·m·k·n each): GELU
+    experts of F = 4C, and SwiGLU experts of F = 12 (a gate beside fc)."""
     counted = [0.0]
     real_gemm, real_matmul = M._gemm, M.matmul
 
@@ -184,27 +197,35 @@ def test_flops_formula_equals_the_matmuls_run(monkeypatch: pytest.MonkeyPatch, t
     monkeypatch.setattr(M, "_gemm", gemm)
     monkeypatch.setattr(M, "matmul", matmul)
     rng = np.random.default_rng(0)
-    C, E, N = 8, 4, 50
+    C, E, N, F = 8, 4, 50, 12
     p = make_moe(rng, C, E, True)
-    cfg = MoEConfig(E, top_k, 0.1, 0.1)
+    parts = formulas.GPT2
+    if gated:
+        p = MoE(router=p.router, fc=Linear(rng.standard_normal((E, C, F)), rng.standard_normal((E, F))),
+                proj=Linear(rng.standard_normal((E, F, C)), p.proj.b),
+                gate=Linear(rng.standard_normal((E, C, F)), rng.standard_normal((E, F))))
+        parts = formulas.Parts(hidden=F, gated=True)
+    cfg = MoEConfig(E, top_k, 0.1, 0.1, gated=gated)
     mesh = self_mesh()
     y, ctx = M.moe_fwd(p, rng.standard_normal((5, N // 5, C)), cfg, mesh)
     M.moe_bwd(p, ctx, y, cfg, mesh, 1.0 / N)
-    assert counted[0] == N * formulas.moe_mlp_flops_per_token(C, E, top_k)
+    assert counted[0] == N * formulas.moe_mlp_flops_per_token(C, E, top_k, parts)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "mixtral"])
 @pytest.mark.parametrize("capacity", [0.0, 1.0], ids=["dropless", "cap1"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("recompute", ["none", "full"])
-def test_moe_block_activation_bytes_equal_the_formula(recompute: str, dtype, capacity: float) -> None:
+def test_moe_block_activation_bytes_equal_the_formula(recompute: str, dtype, capacity: float, kind: str) -> None:
     """What an MoE block's forward keeps (`held_bytes` of its context) equals
     `formulas.moe_activation_parts` given the rows it sent and received; under full
-    recomputation its input and stats; the dense blocks beside it keep what they did."""
+    recomputation its input and stats; the dense blocks beside it keep what they did.
+    Mixtral's block (SwiGLU experts, GQA, rotary) also holds the rotary tables, once."""
     from numesh.base.tree import held_bytes
     from numesh.nn.gpt import init_gpt
 
     cfg = tiny_config(n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=11,
-                      **{**MOE, "moe_capacity_factor": capacity})
+                      **{**MOE, "moe_capacity_factor": capacity, **(MIXTRAL if kind == "mixtral" else {})})
     mesh = self_mesh()
     params = init_gpt(cfg, mesh, seed=0, dtype=dtype)
     rows = 4
@@ -214,10 +235,14 @@ def test_moe_block_activation_bytes_equal_the_formula(recompute: str, dtype, cap
     q = np.dtype(dtype).itemsize
     (stats,) = ctx.moe
     assert (sum(stats.send) < rows * cfg.block_size * 2) == (capacity > 0)  # the capacity drops some
-    shape = formulas.ActivationShape(rows, cfg.block_size, cfg.n_embd, cfg.n_head, recompute=recompute, itemsize=q)
+    shape = formulas.ActivationShape(rows, cfg.block_size, cfg.n_embd, cfg.n_head, recompute=recompute, itemsize=q,
+                                     parts=formulas.Parts.of(cfg))
     want = formulas.moe_activation_parts(
         shape, formulas.ExpertShape(cfg.moe_experts, cfg.moe_top_k, capacity=capacity > 0),
         rows_sent=sum(stats.send), rows_received=sum(stats.recv))
-    assert held_bytes(ctx.blocks[0]) == sum(want.values()), want
+    tables = formulas.rotary_table_bytes(shape) if recompute == "none" else 0
+    assert (tables > 0) == (kind == "mixtral" and recompute == "none")
+    assert held_bytes(ctx.blocks[0]) == sum(want.values()) + tables, want
     dense = formulas.activation_bytes(shape, formulas.Chunk(1, first=False, last=False), cfg.vocab_size)
-    assert held_bytes(ctx.blocks[1]) == dense
+    assert held_bytes(ctx.blocks[1]) == dense + tables
+    assert held_bytes(ctx.blocks) == sum(want.values()) + dense + tables  # one pair of tables for both blocks

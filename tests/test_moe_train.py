@@ -94,7 +94,6 @@ def test_a_stopped_run_resumes_exactly(shakespeare: Path, tmp_path: Path) -> Non
     (dict(mesh="dp=2,ep=2", batch_size=6), 4, "batch_size 6 is not divisible by dp=2 x ep=2 x micro_batches=1: "
                                               "use a multiple of 4"),
     (dict(mesh="ep=2", micro_batches=2, batch_size=6), 2, "not divisible by dp=1 x ep=2 x micro_batches=2"),
-    (dict(init_from="gpt2"), 1, "--init-from with experts is not supported yet"),
     (dict(moe_top_k=5), 1, "moe_top_k must be between 1 and moe_experts=4"),
     (dict(moe_experts=-2), 1, "moe_experts must be >= 0"),
     (dict(moe_every=0), 1, "moe_every must be >= 1"),

@@ -27,6 +27,7 @@ from numesh.checkpoint import (
     read_local_state,
     read_meta,
     read_state,
+    reshard,
     save_checkpoint,
 )
 from numesh.checkpoint import format as fmt
@@ -120,21 +121,54 @@ def test_resume_on_another_mesh(data: Path, shared_tmp: Path, mesh_a: str, kw_a:
     resume = run_a / "ckpt" / f"step_{K:06d}"
     cfg_b = config(data, base / "b", mesh_b, resume=str(resume), **kw_b)
     resumed = on_first(_prod(mesh_b), lambda comm: records_of(cfg_b, comm))
+    on_root(lambda: check_resumed(run_a, whole, base / "b", resumed, mesh_b))
+
+
+def check_resumed(run_a: Path, whole: list[dict], run_b: Path, resumed: list[dict], mesh_b: str) -> None:
+    """Run B, resumed at step K on `mesh_b`, logged the steps of A's uninterrupted run from
+    K on and ended with A's parameters and optimiser state (1e-10)."""
+    want = [r for r in whole if r["step"] >= K]
+    assert [r["step"] for r in resumed] == [r["step"] for r in want]
+    for a, b in zip(resumed, want):
+        assert a.keys() == b.keys(), (a, b)
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-10, abs=0), (a["step"], key, a[key], b[key])
+    meta_a, state_a = read_state(run_a / "ckpt" / "latest")
+    meta_b, state_b = read_state(run_b / "ckpt" / "latest")
+    assert meta_a.step == meta_b.step == meta_b.opt_step == 2 * K
+    assert meta_b.raw["mesh"] == parse_mesh(mesh_b, _prod(mesh_b))
+    assert meta_b.model == meta_a.model
+    for group in ("params", "m", "v"):
+        for (path, x), (_, y) in zip(tree_leaves_with_path(state_b[group]), tree_leaves_with_path(state_a[group])):
+            assert_close(x, y, 1e-10, f"{group}/{path}")
+
+
+# the Llama kind: rotary, SwiGLU, RMSNorm, an untied vocab-parallel head, 2 kv heads for the 4
+# query heads (k and v replicated over tp, so tp=4 exceeds them), no biases
+LLAMA = dict(arch="llama", n_kv_head=2, bias=False, norm_eps=1e-6, rope_theta=500.0)
+
+
+@pytest.mark.parametrize("mesh_a, kw_a, to", [
+    pytest.param("tp=2", {}, "tp=1", id="llama-tp2-to-tp1"),
+    pytest.param("tp=2", {}, "tp=4", id="llama-tp2-to-tp4"),
+    pytest.param("pp=2", {"micro_batches": 2}, "pp=1,tp=2", id="llama-pp2-to-tp2"),  # lm_head: the last stage's
+])
+def test_a_llama_checkpoint_reshards_and_resumes_exactly(data: Path, shared_tmp: Path, mesh_a: str, kw_a: dict,
+                                                         to: str) -> None:
+    """A's step-K checkpoint rewritten by `numesh reshard --to` for mesh B, then resumed there."""
+    need = max(_prod(mesh_a), _prod(to))
+    if WORLD.Get_size() < need:
+        pytest.skip(f"{mesh_a} -> {to} needs {need} ranks, the job has {WORLD.Get_size()}")
+    base = shared_tmp / f"llama-{mesh_a}-{to}".replace("=", "").replace(",", "_")
+    run_a, whole = uninterrupted(data, shared_tmp, mesh_a, kw_a | LLAMA)
+    src = run_a / "ckpt" / f"step_{K:06d}"
+    moved = Path(on_first(1, lambda _comm: str(reshard(src, to, base / "resharded"))))
+    cfg_b = config(data, base / "b", to, resume=str(moved), **LLAMA)
+    resumed = on_first(_prod(to), lambda comm: records_of(cfg_b, comm))
 
     def check() -> None:
-        want = [r for r in whole if r["step"] >= K]
-        assert [r["step"] for r in resumed] == [r["step"] for r in want]
-        for a, b in zip(resumed, want):
-            assert a.keys() == b.keys(), (a, b)
-            for key in a:
-                assert a[key] == pytest.approx(b[key], rel=1e-10, abs=0), (a["step"], key, a[key], b[key])
-        meta_a, state_a = read_state(run_a / "ckpt" / "latest")
-        meta_b, state_b = read_state(base / "b" / "ckpt" / "latest")
-        assert meta_a.step == meta_b.step == meta_b.opt_step == 2 * K
-        assert meta_b.raw["mesh"] == parse_mesh(mesh_b, _prod(mesh_b))
-        for group in ("params", "m", "v"):
-            for (path, x), (_, y) in zip(tree_leaves_with_path(state_b[group]), tree_leaves_with_path(state_a[group])):
-                assert_close(x, y, 1e-10, f"{group}/{path}")
+        assert read_meta(moved).raw["mesh"] == parse_mesh(to, _prod(to))
+        check_resumed(run_a, whole, base / "b", resumed, to)
 
     on_root(check)
 
@@ -309,13 +343,13 @@ def test_pipeline_stage_trees_save_and_load(data: Path, shared_tmp: Path) -> Non
         t = _stage_trainer(cfg, comm, mesh_a, 2, state, 7)
         step_dir = save_checkpoint(TrainState(t.mesh, t.model, t.layout,
                                               {g: join_units(x) for g, x in t.opt.state_trees().items()},
-                                              t.step, t.opt.adam_step, cfg.dtype, cfg.seed), cfg.out)
+                                              t.step, t.opt.opt_step, cfg.dtype, cfg.seed), cfg.out)
         for spec, v in ((f"pp=2,dp={n // 2}", 1), (f"dp={n}", 1), (mesh_a, 2)):
             u = _stage_trainer(cfg, comm, spec, v, None, 0)
             got = read_local_state(step_dir, u.mesh, u.model, u.layout, u.dtype)
             u.opt.load_state_trees({g: split_units(x) for g, x in got.trees.items()}, got.opt_step)
             u.step = got.step
-            assert u.step == 7 and u.opt.adam_step == 7
+            assert u.step == 7 and u.opt.opt_step == 7
             want = _stage_state(u.model, u.layout, u.mesh, state)
             got = {g: join_units(t) for g, t in u.opt.state_trees().items()}
             for g in ("params", "m", "v"):

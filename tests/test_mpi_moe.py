@@ -336,8 +336,8 @@ def test_state_bytes_per_rank_follow_the_formula(shared_dataset: Path, shared_tm
         first=any(st.first for st in trainer.pipeline.stages), last=any(st.last for st in trainer.pipeline.stages))
     want = formulas.moe_state_bytes(units, shape["dp"], trainer.mesh.index("dp"), zero, 8)
     got = {"params": held_by_kind(opt, opt.residency.buffer), "grads": held_by_kind(opt, opt.sync.buffer),
-           "optimizer": {k: a + b for (k, a), b in zip(held_by_kind(opt, opt.adam.m).items(),
-                                                       held_by_kind(opt, opt.adam.v).values())}}
+           "optimizer": {k: a + b for (k, a), b in zip(held_by_kind(opt, opt.state["m"]).items(),
+                                                       held_by_kind(opt, opt.state["v"]).values())}}
     assert got == want
     assert want["params"]["expert"] > 0 and want["params"]["other"] > 0
     mem = opt.memory()

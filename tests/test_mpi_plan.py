@@ -14,7 +14,7 @@ from conftest import WORLD
 from numesh.host.threads import threads
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.memory import rank_memory
-from numesh.run.config import TrainConfig
+from numesh.run.config import TrainConfig, config_from
 from numesh.run.train import Trainer
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -43,16 +43,34 @@ def new_axes() -> list[tuple[str, int, str, int, int, str, bool]]:
     }.get(N, [])
 
 
-@pytest.mark.parametrize("mesh, zero, schedule, m, v, recompute, sp", layouts())
+# Llama's parts (RMSNorm, rotary, SwiGLU, untied head) with 2 kv heads of 4: k and v replicated over tp
+LLAMA = dict(arch="llama", n_kv_head=2)
+
+
+def llama_layouts() -> list[tuple[str, int, str, int, int, str, bool]]:
+    """Llama layouts: tp = 2 (a kv head per rank), with sp and full recomputation, beside pp
+    under zb-h1 (the W contexts hold the rotary tables too); tp = 4 > kv heads (two ranks
+    per kv head); ZeRO-3 over dp beside tp."""
+    return {
+        2: [("tp=2", 0, "1f1b", 2, 1, "none", False), ("tp=2", 0, "zb-h1", 2, 1, "full", True)],
+        4: [("tp=4", 0, "1f1b", 2, 1, "none", False), ("pp=2,tp=2", 0, "zb-h1", 4, 1, "none", True),
+            ("dp=2,tp=2", 3, "1f1b", 2, 1, "full", False)],
+        8: [("dp=2,tp=4", 2, "1f1b", 2, 1, "none", True), ("pp=2,dp=2,tp=2", 1, "interleaved", 2, 2, "none", False)],
+    }.get(N, [])
+
+
+@pytest.mark.parametrize("mesh, zero, schedule, m, v, recompute, sp, kind",
+                         [(*lay, {}) for lay in layouts()] + [(*lay, LLAMA) for lay in llama_layouts()])
 def test_predicted_memory_equals_measured(shared_dataset: Path, shared_tmp: Path, mesh: str, zero: int,
-                                          schedule: str, m: int, v: int, recompute: str, sp: bool) -> None:
-    cfg = TrainConfig(data=str(shared_dataset), out=str(shared_tmp / "o"), n_layer=4, n_head=4, n_embd=32,
-                      block_size=16, batch_size=16, mesh=mesh, zero=zero, schedule=schedule, micro_batches=m,
-                      virtual_stages=v, recompute=recompute, sequence_parallel=sp, max_iters=1, collective_timeout=0.0)
+                                          schedule: str, m: int, v: int, recompute: str, sp: bool, kind: dict) -> None:
+    cfg = config_from(dict(data=str(shared_dataset), out=str(shared_tmp / "o"), n_layer=4, n_head=4, n_embd=32,
+                           block_size=16, batch_size=16, mesh=mesh, zero=zero, schedule=schedule, micro_batches=m,
+                           virtual_stages=v, recompute=recompute, sequence_parallel=sp, max_iters=1,
+                           collective_timeout=0.0, **kind))
     t = Trainer(cfg, WORLD)
     t.train_step()
     s = t.mesh.shape
-    model = ModelSpec(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, t.model.vocab_size, cfg.batch_size)
+    model = ModelSpec.of(cfg, t.model.vocab_size)
     layout = Layout(s["dp"], s["tp"], s["pp"], zero, schedule, m, v, recompute, cp=s["cp"], sp=sp)
     pred = rank_memory(model, layout, t.mesh.index("pp"), 4, threads())
     got = {**t.opt.memory(), "activations": t.last_stats.peak_bytes}
@@ -70,20 +88,22 @@ def moe_layouts() -> list[tuple[str, int, str, int]]:
     return out
 
 
+@pytest.mark.parametrize("kind", [{}, LLAMA], ids=["gelu", "mixtral"])
 @pytest.mark.parametrize("mesh, zero, schedule, m", moe_layouts())
 def test_moe_memory_on_ep_equals_measured(shared_dataset: Path, shared_tmp: Path, mesh: str, zero: int,
-                                          schedule: str, m: int) -> None:
-    """With experts on ep = 2: parameters, gradients, optimiser state and workspace exactly
-    what `ZeroOptimizer.memory()` holds (E/ep experts, sharded over dp only), the values all-
+                                          schedule: str, m: int, kind: dict) -> None:
+    """With experts on ep = 2 (GELU ones, and Mixtral's SwiGLU ones in a Llama block):
+    parameters, gradients, optimiser state and workspace exactly what
+    `ZeroOptimizer.memory()` holds (E/ep experts, sharded over dp only), the values all-
     reduced over ep what it all-reduces, and the activations those of balanced routing (the
     real routing of an untrained router on 64-token micro-batches is only near it: within
     25 %; on ep = 1, where the rows a rank's experts get are all its own, they are exact:
     test_plan.py's one-rank MoE cases)."""
     from numesh.plan.timing import ep_replicated_values
 
-    cfg = TrainConfig(data=str(shared_dataset), out=str(shared_tmp / "o"), n_layer=2, n_head=4, n_embd=32,
-                      block_size=16, batch_size=16, mesh=mesh, zero=zero, schedule=schedule, micro_batches=m,
-                      moe_experts=4, max_iters=1, collective_timeout=0.0)
+    cfg = config_from(dict(data=str(shared_dataset), out=str(shared_tmp / "o"), n_layer=2, n_head=4, n_embd=32,
+                           block_size=16, batch_size=16, mesh=mesh, zero=zero, schedule=schedule, micro_batches=m,
+                           moe_experts=4, max_iters=1, collective_timeout=0.0, **kind))
     t = Trainer(cfg, WORLD)
     t.train_step()
     s = t.mesh.shape
@@ -140,3 +160,21 @@ def test_the_waits_are_fitted_on_a_real_mesh_step(shared_dataset: Path, shared_t
     assert calls > 0
     assert fitted.sync_s * calls == pytest.approx(fitted.sync_share * step.compute, rel=1e-9, abs=1e-15)
     assert with_waits.total - step.total == pytest.approx(fitted.sync_s * calls, rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_muon_state_is_predicted(shared_dataset: Path, shared_tmp: Path, zero: int) -> None:
+    """Muon's state (a momentum value per matrix value, AdamW's two moments for the rest):
+    exactly what the optimiser holds under ZeRO 0; under ZeRO >= 1 the rules' expected share
+    of each 1/dp slice, within 2 % (the cut falls where it falls in each unit)."""
+    cfg = TrainConfig(data=str(shared_dataset), out=str(shared_tmp / "o"), n_layer=4, n_head=4, n_embd=32,
+                      block_size=16, batch_size=16, mesh=f"dp={N}", zero=zero, max_iters=1, optimizer="muon",
+                      collective_timeout=0.0)
+    t = Trainer(cfg, WORLD)
+    pred = rank_memory(ModelSpec.of(cfg, t.model.vocab_size), Layout(N, 1, 1, zero, "1f1b", 1), 0, 4, threads())
+    got = t.opt.memory()
+    assert {k: getattr(pred, k) for k in got if k != "optimizer"} == {k: v for k, v in got.items() if k != "optimizer"}
+    if zero == 0:
+        assert pred.optimizer == got["optimizer"]
+    else:
+        assert pred.optimizer == pytest.approx(got["optimizer"], rel=0.02)

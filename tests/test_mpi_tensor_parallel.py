@@ -159,3 +159,27 @@ def test_sampling_gives_the_same_tokens_as_one_rank(tp_mesh: Mesh, temperature: 
     want = generate(gp, cfg, self_mesh(), prompt, **kw)
     assert got.shape == (2, 3 + cfg.block_size + 2)
     np.testing.assert_array_equal(got, want)
+
+
+def test_llama_kv_cache_with_fewer_kv_heads_than_tp_matches_one_rank(tp_mesh: Mesh) -> None:
+    """A Llama (rotary, SwiGLU, untied vocab-parallel head) with tp/2 kv heads, fewer than
+    tp: each rank caches only the kv head its query heads read, and the cached logits equal
+    the 1-rank full forward at every step; generation draws the 1-rank tokens."""
+    from numesh.nn.decode import logits_cached, logits_last, new_kv_cache
+    from numesh.nn.gpt import ARCHS
+    from numesh.run.sample import generate
+
+    n = tp_mesh.size("tp")
+    cfg = model_config(**ARCHS["llama"], dropout=0.0, bias=False, n_kv_head=n // 2, norm_eps=1e-6, rope_theta=100.0)
+    gp = random_global_params(cfg, seed=8)
+    local = shard_params(gp, cfg, tp_mesh)
+    cache = new_kv_cache(cfg, tp_mesh, 2, np.float64)
+    assert cache.k[0].shape[1] == 1  # the one kv head this rank's query heads share
+    idx, _ = random_batch(cfg, 2, seed=4)
+    for t0, t1 in ((0, 4), (4, 5), (5, 8)):
+        got = logits_cached(local, idx[:, t0:t1], cache, cfg, tp_mesh)
+        assert got.shape == (2, cfg.vocab_size)
+        assert_close(got, logits_last(gp, idx[:, :t1], cfg, self_mesh()), 1e-10, what=f"logits at {t1 - 1}")
+    kw = dict(max_new_tokens=cfg.block_size, temperature=1.0, top_k=None, seed=3)  # past the context
+    got = generate(local, cfg, tp_mesh, idx[:, :3], **kw)
+    np.testing.assert_array_equal(got, generate(gp, cfg, self_mesh(), idx[:, :3], **kw))

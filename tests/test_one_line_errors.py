@@ -338,7 +338,7 @@ EP_ERRORS = [
     (["--mesh", "ep=2", "--moe-experts", "4", "--batch-size", "5"],
      "error: batch_size 5 is not divisible by dp=1 x ep=2 x micro_batches=1: use a multiple of 2"),
     (["--mesh", "ep=2", "--moe-experts", "2", "--moe-top-k", "1", "--init-from", "gpt2"],
-     "error: --init-from with experts is not supported yet: its weights are a dense model's"),
+     "error: --init-from gpt2 does not exist: pass a transformers directory or a `numesh export` file"),
 ]
 
 

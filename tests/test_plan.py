@@ -9,6 +9,7 @@ test_mpi_plan.py.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -18,12 +19,14 @@ import pytest
 from typer.testing import CliRunner
 
 from numesh.base.errors import ConfigError, UserError
+from numesh.base.tree import tree_leaves
 from numesh.cli.app import app
 from numesh.host.threads import threads
 from numesh.perf import formulas
 from numesh.pipeline.schedules import make_schedule, simulate
 from numesh.plan import costs, plan, predict
 from numesh.plan.calibrate import KERNELS, fit_scale_and_overhead
+from numesh.plan.command import base_config, model_spec
 from numesh.plan.hardware import (
     Link,
     Measured,
@@ -33,12 +36,13 @@ from numesh.plan.hardware import (
     profile_from_json,
     save_profile,
 )
-from numesh.plan.layout import Layout, ModelSpec
-from numesh.plan.memory import layout_memory, rank_memory
+from numesh.plan.layout import Layout, ModelSpec, schedule_of
+from numesh.plan.memory import layout_memory, memory_floor, rank_memory
 from numesh.plan.pipesim import makespan_and_busy
+from numesh.plan.predict import Plan
 from numesh.plan.search import _cp_sizes, candidates, least_recompute, train_config, valid_layouts
 from numesh.plan.timing import Placement, attention_cost, block_cost, placement, predict_time, ring_hop_bytes
-from numesh.run.config import TrainConfig, validate
+from numesh.run.config import TrainConfig, config_from, validate
 from numesh.run.train import Trainer
 
 
@@ -83,10 +87,19 @@ def test_zero_buffer_bytes_hand_worked() -> None:
     # experts (dropless, one rank: the balanced-routing assumption is exact with ep = 1)
     dict(moe_experts=4), dict(moe_experts=4, moe_every=2, micro_batches=2, bias=True),
     dict(moe_experts=4, moe_top_k=1, recompute="full"), dict(moe_experts=4, micro_batches=2, schedule="zb-h1"),
+    # Llama: RMSNorm, rotary (the tables held once), SwiGLU, grouped-query attention, untied head
+    dict(arch="llama", n_kv_head=2, micro_batches=2), dict(arch="llama", n_kv_head=1, bias=True, schedule="zb-h1",
+                                                           micro_batches=2, dtype="float64"),
+    dict(arch="llama", tie_embeddings=True, ffn_hidden=48, recompute="full", micro_batches=4, schedule="zb-h1"),
+    dict(arch="llama", n_kv_head=2, moe_experts=4, moe_every=2, micro_batches=2),  # Mixtral's SwiGLU experts
+    # Muon: one momentum value per matrix value, AdamW's two moments for the rest
+    dict(optimizer="muon", micro_batches=2, bias=True), dict(optimizer="muon", moe_experts=4),
+    dict(optimizer="muon", arch="llama", n_kv_head=2, moe_experts=4, moe_every=2),  # Muon on q, k, v, gate and up
 ])
 def test_memory_model_equals_measured_single_process(char_dataset: Path, tmp_path: Path, overrides: dict) -> None:
-    cfg = TrainConfig(**{**dict(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=2, n_embd=32, n_head=4,
-                         block_size=16, batch_size=8, max_iters=1), **overrides})
+    cfg = config_from({**dict(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=2, n_embd=32, n_head=4,
+                              block_size=16, batch_size=8, max_iters=1), **overrides})  # --arch fills its parts
+    assert cfg.positions == ("rotary" if overrides.get("arch") == "llama" else "learned")
     t = Trainer(cfg)
     t.train_step()
     itemsize = np.dtype(cfg.dtype).itemsize
@@ -235,6 +248,20 @@ def test_time_model_single_rank_is_micro_batches_times_a_pass() -> None:
     assert one.compute > flops / (prof.peak_flops * prof.gemm_efficiency)
 
 
+def test_time_model_prices_muons_matrices_and_exchange() -> None:
+    """Muon's step: its Newton–Schulz GEMMs on every matrix under ZeRO 0, about 1/dp of them
+    under ZeRO 1, plus the exchange over dp that brings them whole; AdamW has neither."""
+    prof = synthetic_profile()
+    adamw, muon = ModelSpec(4, 4, 64, 32, 100, 8), ModelSpec(4, 4, 64, 32, 100, 8, optimizer="muon")
+    t = {(m.optimizer, z): predict_time(m, Layout(4, 1, 1, z, "1f1b", 1), prof).optimizer
+         for m in (adamw, muon) for z in (0, 1)}
+    ns = t["muon", 0] - t["adamw", 0]  # all the matrices' iterations, no exchange
+    assert ns > 0
+    # ZeRO 1: a quarter of the iterations, a quarter of the elementwise work, and the exchange
+    assert t["muon", 1] - t["adamw", 1] > ns / 4
+    assert t["muon", 1] < t["muon", 0]
+
+
 def test_time_model_bubble_is_simulate_and_comm_is_exposed_per_axis() -> None:
     model = ModelSpec(8, 4, 64, 32, 100, 16)
     prof = synthetic_profile()
@@ -250,6 +277,38 @@ def test_time_model_bubble_is_simulate_and_comm_is_exposed_per_axis() -> None:
     assert z[3].comm["dp"] > z[0].comm["dp"]  # ZeRO-3 gathers parameters in every F and B
     no_overlap = predict_time(model, Layout(4, 1, 1, 0, "1f1b", 2), attrs.evolve(prof, overlap=False))
     assert no_overlap.comm["dp"] >= z[0].comm["dp"]
+
+
+def test_time_model_prices_a_llama_block_at_its_own_shapes() -> None:
+    """Grouped-query attention multiplies q at C/tp and k, v at the rank's kv columns (1 kv
+    head of 4 here: fewer FLOPs than the fused QKV); SwiGLU runs three GEMMs of its hidden
+    size; with tp > 1 the k and v gradients are all-reduced over tp once per step (with or
+    without sp); an untied head sums no embedding gradient across pp."""
+    from numesh.plan.timing import projection_columns, tp_partial_values
+
+    gpt2 = ModelSpec(4, 4, 64, 32, 65, 8)
+    llama = attrs.evolve(gpt2, parts=formulas.Parts(hidden=96, gated=True, kv_heads=1, head_size=16, rmsnorm=True,
+                                                    rotary=True, tied=False))
+    tp2 = Layout(1, 2, 1, 0, "1f1b", 1)
+    assert projection_columns(gpt2, tp2) == [96] and projection_columns(llama, tp2) == [32, 16, 16]
+    assert tp_partial_values(gpt2, tp2) == 0 and tp_partial_values(llama, tp2) == 4 * 2 * 64 * 16
+    assert tp_partial_values(llama, attrs.evolve(tp2, sp=True)) == 4 * 2 * 64 * 16 + (2 * 4 + 1) * 64
+    prof = load_profile("a100-80gb")
+    one = Layout(1, 1, 1, 0, "1f1b", 1)
+    for lay in (one, tp2):
+        a, b = (block_cost(m, lay, prof, placement(lay, prof), False) for m in (gpt2, llama))
+        assert a.w != b.w  # other GEMMs: the narrower k, v and the gate
+    # tp = 2: beside the same activations' all-reduces as every head's own kv (fused QKV), GQA
+    # all-reduces its k and v gradients once
+    fused = attrs.evolve(llama, parts=attrs.evolve(llama.parts, kv_heads=0))
+    extra = predict_time(llama, tp2, prof).comm["tp"] - predict_time(fused, tp2, prof).comm["tp"]
+    place = placement(tp2, prof)
+    want = prof.comm_time("all_reduce", tp_partial_values(llama, tp2) * prof.itemsize, 2, place.tp_intra,
+                          place.ranks_on_node)
+    assert extra == pytest.approx(want, rel=1e-9) and want > 0
+    pp2 = Layout(1, 1, 2, 0, "1f1b", 2)
+    tied = attrs.evolve(llama, parts=attrs.evolve(llama.parts, tied=True))
+    assert predict_time(tied, pp2, prof).comm["other"] > predict_time(llama, pp2, prof).comm["other"]
 
 
 def test_time_model_recompute_cp_and_sp() -> None:
@@ -296,16 +355,62 @@ def test_placement_tp_inside_a_node_first() -> None:
     assert across.comm["tp"] > inside.comm["tp"] * 2  # tp over the slower inter-node link
 
 
-def test_plan_sorts_fitting_first_then_fastest(char_dataset: Path, tmp_path: Path) -> None:
+def test_plan_lists_what_fits_fastest_first(char_dataset: Path, tmp_path: Path) -> None:
+    """With a memory limit, plan predicts exactly the layouts whose memory fits (those its
+    floor rules out included nowhere), in the order of the unlimited plan; and when none
+    fits it names the layout that needs the least, as predicting every one would."""
     base = TrainConfig(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=4, batch_size=8)
     model = spec_of(base, 20)
-    preds = plan(base, model, 4, synthetic_profile(), 0.0, 4)
+    every = plan(base, model, 4, synthetic_profile(), 0.0, 4)
+    preds = every.fitting
     tps = [p.tokens_per_s for p in preds]
-    assert tps == sorted(tps, reverse=True)
-    small = min(p.memory.total for p in preds)
-    limited = plan(base, model, 4, synthetic_profile(), small, 4)
-    fits = [p.fits for p in limited]
-    assert fits[0] and fits == sorted(fits, reverse=True) and not all(fits)
+    assert tps == sorted(tps, reverse=True) and every.layouts == len(preds) and every.smallest is None
+    sizes = sorted({p.memory.total for p in preds})
+    limit = sizes[len(sizes) // 2]
+    limited = plan(base, model, 4, synthetic_profile(), limit, 4)
+    assert limited.layouts == every.layouts and 0 < len(limited.fitting) < len(preds)
+    assert limited.fitting == [attrs.evolve(p, fits=True) for p in preds if p.memory.total <= limit]
+    none = plan(base, model, 4, synthetic_profile(), sizes[0] - 1, 4)
+    assert none.fitting == [] and none.smallest_bytes == sizes[0]
+    assert none.smallest in [p.layout for p in preds if p.memory.total == sizes[0]]
+
+
+def test_memory_floor_is_below_the_prediction() -> None:
+    """The floor that rejects a layout before its schedule is built is never above the
+    prediction, on every kind of layout (pipelines, interleaving, ZeRO, cp, sp, experts, Muon's state)."""
+    for base, ranks in ((TrainConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, batch_size=16, moe_experts=4,
+                                     moe_every=2), 8),
+                        (TrainConfig(n_layer=6, n_head=4, n_embd=64, block_size=64, batch_size=24, bias=True), 6),
+                        (TrainConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, batch_size=16,
+                                     optimizer="muon"), 4)):
+        model = spec_of(base, 100)
+        layouts = valid_layouts(base, model, ranks)
+        assert {lay.virtual_stages for lay in layouts} > {1} and {lay.ep for lay in layouts} >= {1}
+        for lay in layouts:
+            assert memory_floor(model, lay, 4) <= max(m.total for m in layout_memory(model, lay, 4)), lay
+
+
+def test_a_big_model_on_few_ranks_is_answered_without_building_its_schedules(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`numesh plan --model gpt3-175b --ranks 8 --hardware a100-80gb` built, walked and
+    simulated every schedule of up to 1,536 micro-batches × 12 virtual stages and printed
+    nothing for a quarter of an hour: no layout fits, and their floors say so. It now
+    builds the schedules of the few layouts whose floors are the smallest."""
+    built = []
+
+    def counted(*args: object) -> object:
+        built.append(args)
+        assert len(built) <= 8, "the plan builds the schedules of layouts that cannot fit"
+        return make_schedule(*args)
+
+    schedule_of.cache_clear()
+    monkeypatch.setattr("numesh.plan.layout.make_schedule", counted)
+    base = base_config({}, None, "gpt3-175b")
+    model = model_spec(base, None, "gpt3-175b")
+    found = plan(base, model, 8, load_profile("a100-80gb"), 80 * 2**30, 2)
+    assert found.fitting == [] and found.layouts > 10_000 and found.smallest is not None
+    assert found.smallest_bytes > 80 * 2**30 and found.smallest.tp == 8
+    schedule_of.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------
@@ -472,10 +577,70 @@ def test_cli_preset_at_scale() -> None:
                   "--memory-per-rank", "16GiB", "--json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)
-    assert rows[0]["fits"] and not rows[-1]["fits"]
-    # dp=16 without ZeRO holds 1.5B parameters' state on every rank
-    assert not any(r["fits"] for r in rows if r["dp"] == 16 and r["zero"] == 0)
-    assert all(r["fits"] == (r["memory_bytes_per_rank"] <= 16 * 2**30) for r in rows)
+    # only what fits is listed: dp=16 without ZeRO holds 1.5B parameters' state on every rank
+    assert rows and not any(r["dp"] == 16 and r["zero"] == 0 for r in rows)
+    assert all(r["fits"] and r["memory_bytes_per_rank"] <= 16 * 2**30 for r in rows)
+    res = invoke(["--ranks", "16", "--model", "gpt2-xl", "--batch-size", "32", "--hardware", "a100-80gb",
+                  "--memory-per-rank", "16GiB"])
+    counted = re.search(r"^(\d+) layouts on 16 ranks \((\d+) fit in 16.0 GiB per rank\).* --json lists the (\d+) "
+                        r"that fit,", res.stdout, re.M)
+    assert counted and int(counted[2]) == int(counted[3]) == len(rows) < int(counted[1]), res.stdout
+
+
+@pytest.mark.parametrize("name, published", [
+    ("smollm2-135m", 134_515_008), ("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496),
+    ("llama3-405b", 405_853_388_800),
+])
+def test_llama_presets_carry_their_parts_and_count_the_published_parameters(name: str, published: int) -> None:
+    """The planner's model of a Llama preset counts what the model's own parameter tree holds,
+    and that is the count its makers publish (GQA's k, v, SwiGLU's three matrices, RMSNorm,
+    no wpe, the untied head; SmolLM2's tied)."""
+    from numesh.nn.gpt import gpt_global_shapes
+    from numesh.plan.command import base_config, model_spec
+
+    cfg = base_config({}, None, name)
+    model = model_spec(cfg, None, name)
+    assert model.parts == formulas.Parts.of(cfg.model(model.vocab_size)) and model.parts.kv_heads in (3, 8)
+    shapes = gpt_global_shapes(cfg.model(model.vocab_size))
+    assert model.n_params == sum(math.prod(x) for x in tree_leaves(shapes)) == published
+
+
+def test_cli_llama3_preset_json_and_table() -> None:
+    """`numesh plan --model llama3-8b` lists layouts with the Llama block's memory and time,
+    in JSON and as the table with the command that runs the best one; the state of a
+    dp-only ZeRO-0 layout holds the 8.03 B parameters (in the profile's itemsize), not a
+    GPT-2 model's of the same width."""
+    args = ["--ranks", "8", "--model", "llama3-8b", "--batch-size", "8", "--hardware", "h100-80gb"]
+    res = invoke([*args, "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)
+    assert rows[0]["fits"] and {r["tp"] for r in rows} == {1, 2, 4, 8}
+    profile = load_profile("h100-80gb")
+    plain = next(r for r in rows if r["mesh"] == "dp=8,tp=1,pp=1" and r["zero"] == 0)
+    values = plain["memory"]["params"] / profile.itemsize  # every unit padded to a multiple of dp = 8
+    assert 8_030_261_248 <= values < 8_030_261_248 + 8 * 33
+    res = invoke([*args, "--top", "3"])
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 1 + 3 + 2 and lines[-1].startswith("best: mpirun -n 8 numesh train --mesh ")
+    assert "--arch llama --n-kv-head 8 --ffn-hidden 14336 --rope-theta 500000.0" in lines[-1]
+
+
+def test_the_search_never_lists_a_tp_that_splits_the_kv_heads_query_groups(char_dataset: Path,
+                                                                            tmp_path: Path) -> None:
+    """12 query heads in 3 kv groups on 12 ranks: tp = 2 and 4 would split a group across
+    ranks and `GPTConfig.validate` refuses them; tp = 3, 6 and 12 (a kv head on 1, 2 or 4
+    ranks) are listed, and the listed layouts pass train's validation."""
+    base = config_from(dict(data=str(char_dataset), out=str(tmp_path / "o"), arch="llama", n_layer=2, n_head=12,
+                            n_kv_head=3, n_embd=48, ffn_hidden=96, block_size=16, batch_size=12))
+    _, gpt = validate(base, 1)
+    model = spec_of(base, gpt.vocab_size)
+    listed = valid_layouts(base, model, 12)
+    assert {lay.tp for lay in listed} == {1, 3, 6, 12}
+    for lay in listed[::50]:
+        validate(train_config(base, lay), 12)
+    with pytest.raises(UserError, match="splits the 3 kv heads' query groups"):
+        validate(train_config(base, Layout(3, 4, 1, 0, "1f1b", 1)), 12)
 
 
 @pytest.mark.parametrize("args, match", [
@@ -594,7 +759,7 @@ def test_the_table_shows_waits_only_where_the_profile_has_them() -> None:
     for fit, shown in (({}, False), ({"sync_s": 1e-4, "sync_share": 0.1}, True)):
         prof = _measured_profile(2, **fit)
         preds = [predict(model, lay, prof, 0, 4) for lay in lays]
-        head = table(preds, 2, 5, 0, "t").splitlines()[0].split()
+        head = table(Plan(preds, len(preds)), 2, 5, 0, "t").splitlines()[0].split()
         assert ("wait" in head) == shown
         for p in preds:  # the step is the sum of its parts, the wait among them
             assert (p.time.comm["wait"] > 0) == shown
@@ -602,15 +767,17 @@ def test_the_table_shows_waits_only_where_the_profile_has_them() -> None:
                                                  + p.time.optimizer, rel=1e-12)
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
-def test_calibration_collects_every_gemm_shape_the_time_model_asks_for(ranks: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks, kind", [(1, {}), (2, {}), (4, {}), (8, {}), (4, dict(arch="llama", n_kv_head=2))])
+def test_calibration_collects_every_gemm_shape_the_time_model_asks_for(ranks: int, kind: dict, tmp_path: Path) -> None:
     """`model_gemm_shapes` runs the time model on a stand-in profile that records GEMM shapes
     (cp layouts among them from 2 ranks on); every shape predict_time then asks a profile
-    calibrated for those ranks is one that calibration measured."""
+    calibrated for those ranks is one that calibration measured: a Llama model's q, k, v
+    and SwiGLU GEMMs too."""
     from numesh.plan.calibrate import model_gemm_shapes
 
-    base = TrainConfig(data=str(tmp_path), n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16)
-    model = ModelSpec(4, 4, 128, 64, 65, 16)
+    base = config_from(dict(data=str(tmp_path), n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16,
+                            **kind))
+    model = ModelSpec.of(base, 65)
     shapes = model_gemm_shapes(base, model, ranks, 4)
     asked: set = set()
 

@@ -22,8 +22,9 @@ from mpi4py import MPI
 from conftest import assert_close, cli, one_error_line
 from numesh.base.errors import ConfigError, Interrupted, Preempted
 from numesh.checkpoint import read_meta, read_params_dict
-from numesh.host.interrupt import parse_signals
+from numesh.host import startup_signals
 from numesh.host.runtime import guarded
+from numesh.host.startup_signals import parse_signals
 from numesh.run.config import config_from
 from numesh.run.train import train
 from test_interrupt import START_WITHIN_S, Job, _alive
@@ -126,6 +127,40 @@ def test_a_save_signal_saves_whatever_the_interval_and_exits_75(char_dataset: Pa
     assert capsys.readouterr().err.splitlines()[-1] == str(e)
 
 
+@pytest.fixture
+def startup_catch():
+    """`numesh train`'s start-up catch (numesh/host/startup_signals.py) in this process, as
+    its first line installs it; released afterwards."""
+    startup_signals.catch_for_command(["numesh", "train"])  # the default TERM,USR1
+    yield
+    startup_signals.release()
+
+
+def test_a_save_signal_during_start_up_exits_75_at_the_first_step(char_dataset: Path, tmp_path: Path,
+                                                                  startup_catch) -> None:
+    """Before the training loop: at step 0 nothing trained, so nothing is saved; a run that
+    continues OUT's own checkpoint names that one and writes no second copy. (Before, the
+    signal was lost: the run trained on to the end and exited 0 without a save.)"""
+    out = tmp_path / "run"
+    os.kill(os.getpid(), signal.SIGUSR1)  # as if it came while the kernels compiled or MPI started
+    with pytest.raises(Preempted) as info:
+        train(_config(char_dataset, out), MPI.COMM_SELF)
+    assert (info.value.step, info.value.checkpoint) == (0, None)
+    assert str(info.value) == ("preempted by SIGUSR1 before step 0 ran: no checkpoint needed; "
+                               "rerun with --resume auto to start")
+    assert _steps(out) == [] and not (out / "ckpt").exists()
+
+    train(_config(char_dataset, out, max_iters=3), MPI.COMM_SELF)  # the requeue starts over, saves step 3
+    saved = (out / "ckpt" / "step_000003").stat().st_mtime_ns
+    os.kill(os.getpid(), signal.SIGTERM)  # the next attempt (more steps) is preempted as it loads step 3
+    with pytest.raises(Preempted) as info:
+        train(_config(char_dataset, out), MPI.COMM_SELF)
+    assert (info.value.step, info.value.checkpoint) == (3, str(out / "ckpt" / "step_000003"))
+    # step 3's line goes on resuming (step 3 logs again when it runs); its checkpoint stays as written
+    assert _steps(out) == [0, 1, 2] and (out / "ckpt" / "step_000003").stat().st_mtime_ns == saved
+    assert (out / "ckpt" / "latest").resolve().name == "step_000003"
+
+
 def test_save_on_signal_names_are_checked(char_dataset: Path, tmp_path: Path) -> None:
     assert parse_signals("TERM, sigusr1,USR1") == (signal.SIGTERM, signal.SIGUSR1)
     assert parse_signals("none") == parse_signals("") == ()
@@ -138,14 +173,63 @@ def launch(tmp_path: Path):
     """Job(tmp_path, ranks, *args, env=...), every process of each killed at the end."""
     jobs: list[Job] = []
 
-    def make(ranks: int, *args: str, env: dict[str, str] | None = None) -> Job:
-        jobs.append(Job(tmp_path, ranks, *args, env=env))
+    def make(ranks: int, *args: str, env: dict[str, str] | None = None, prelude: str = "") -> Job:
+        jobs.append(Job(tmp_path, ranks, *args, env=env, prelude=prelude))
         return jobs[-1]
 
     yield make
     for j in jobs:
         if j.proc.poll() is None or any(_alive(p) for p in j.rank_pids):
             j.kill()
+
+
+# a rank's process sends itself $SIGNAL when it first imports the module $SIGNAL_AT (on the
+# ranks in $SIGNAL_RANKS): a moment of start-up hit every time, where a sleep would race
+SIGNAL_AT_IMPORT = """
+import importlib.abc, os, signal, sys
+class _SignalAt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["SIGNAL_AT"] and os.environ.get("PMI_RANK", "0") in os.environ["SIGNAL_RANKS"]:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), getattr(signal, os.environ["SIGNAL"]))
+        return None
+sys.meta_path.insert(0, _SignalAt())
+"""
+
+# (ranks, options, the module whose import the signal comes at, the ranks it goes to)
+START_UP = [
+    pytest.param(0, (), "mpi4py.MPI", "0", id="sigusr1-before-mpi-init"),  # once exit 138 and no message
+    pytest.param(2, ("--mesh", "dp=2"), "numesh.run.train", "1", id="sigusr1-to-rank-1-of-2-after-mpi-init"),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks, args, at, whom", START_UP)
+def test_a_save_signal_during_start_up_of_a_job_exits_75(launch, ranks: int, args: tuple, at: str,
+                                                          whom: str) -> None:
+    """`numesh train` keeps SIGUSR1 from its first line: before MPI initialisation (whose
+    handlers replace numesh's) and after it, on any rank. Every rank exits 75 at step 0
+    with nothing to save; before, the process died (exit 138) or trained to the end, exit 0."""
+    j = launch(ranks, *args, "--max-iters", "3", prelude=SIGNAL_AT_IMPORT,
+               env={"SIGNAL_AT": at, "SIGNAL_RANKS": whom, "SIGNAL": "SIGUSR1"})
+    rc = j.finish(within=START_WITHIN_S)
+    err = j.stderr()
+    assert rc == 75 and j.rank_codes() == [75] * j.ranks_expected, err
+    assert "preempted by SIGUSR1 before step 0 ran: no checkpoint needed" in err and "Traceback" not in err, err
+    assert not (j.out / "ckpt").exists()
+
+
+@pytest.mark.timeout(300)
+def test_save_on_signal_none_leaves_sigusr1_its_default_action(launch, tmp_path: Path) -> None:
+    """`save_on_signal = "none"` in a --config file: the SIGUSR1 that start-up kept while
+    the file was unread ends the process as SIGUSR1's default action does (once MPI's
+    handler swallowed it and the run went on)."""
+    config = tmp_path / "none.toml"
+    config.write_text('save_on_signal = "none"\n')
+    j = launch(0, "--config", str(config), "--max-iters", "3", prelude=SIGNAL_AT_IMPORT,
+               env={"SIGNAL_AT": "numesh.run.train", "SIGNAL_RANKS": "0", "SIGNAL": "SIGUSR1"})
+    assert j.finish(within=START_WITHIN_S) == -signal.SIGUSR1, j.stderr()
+    assert j.rank_codes() == [None]  # killed: the wrapper wrote no exit code
 
 
 TINY_F64 = ["--max-iters", "40", "--dtype", "float64", "--dropout", "0.1", "--peak-flops", "1e12"]

@@ -31,7 +31,7 @@ from numesh.base.tree import held_bytes, tree_leaves
 from numesh.host import threads
 from numesh.nn import walk as S
 from numesh.nn.dropout import DropoutKey
-from numesh.nn.gpt import GPTConfig, init_gpt
+from numesh.nn.gpt import ARCHS, GPTConfig, init_gpt
 from numesh.nn.transformer import block_fwd
 from numesh.nn.units import Unit
 from numesh.perf import formulas
@@ -141,14 +141,25 @@ def stage_kinds(n_layer: int) -> dict[str, S.Stage]:
     }
 
 
+# the model kinds the accounting is checked on: GPT-2's block; Llama's (RMSNorm, rotary, SwiGLU,
+# grouped-query attention with one kv head, untied head); Llama's with every head its own kv
+# (the fused QKV, rotated), a narrower SwiGLU and the head tied
+KINDS = {"gpt2": {}, "llama": dict(ARCHS["llama"], n_kv_head=1, norm_eps=1e-6),
+         "llama-mha-tied": dict(ARCHS["llama"], ffn_hidden=12, tie_embeddings=True)}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize("mode", MODES)
 def test_measured_activation_bytes_equal_the_formula(thread_count, mode: str, dropout: bool, dtype,
-                                                     n_threads: int) -> None:
+                                                     n_threads: int, kind: str) -> None:
+    """Every kind; with rotary positions each stage's context also holds the rotary tables
+    once (`rotary_table_bytes`), whatever its blocks, unless fully recomputed."""
     thread_count(n_threads)
-    cfg = tiny_config(dropout=0.2 if dropout else 0.0, n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=11)
+    cfg = tiny_config(dropout=0.2 if dropout else 0.0, n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=11,
+                      **KINDS[kind])
     mesh = self_mesh()
     params = init_gpt(cfg, mesh, seed=0, dtype=dtype)
     rows = 4
@@ -159,18 +170,23 @@ def test_measured_activation_bytes_equal_the_formula(thread_count, mode: str, dr
         _, ctx = S.stage_forward(S.ResidentParams(params), stage, idx if stage.first else x, tgt, cfg, mesh, drop,
                                  recompute=mode)
         shape = formulas.ActivationShape(rows, cfg.block_size, cfg.n_embd, cfg.n_head, recompute=mode,
-                                         itemsize=np.dtype(dtype).itemsize)
+                                         itemsize=np.dtype(dtype).itemsize, parts=formulas.Parts.of(cfg))
         chunk = formulas.Chunk(cfg.n_layer, stage.first, stage.last)
         want = formulas.activation_bytes(shape, chunk, cfg.vocab_size)
-        assert held_bytes(ctx) == want, (name, formulas.activation_parts(shape, chunk, cfg.vocab_size))
+        tables = formulas.rotary_table_bytes(shape) if mode == "none" else 0
+        assert (tables > 0) == (kind != "gpt2" and mode == "none")
+        assert held_bytes(ctx) == want + tables, (name, formulas.activation_parts(shape, chunk, cfg.vocab_size))
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("mode", MODES)
-def test_what_b_leaves_for_w_equals_the_formula(thread_count, mode: str, bias: bool, n_threads: int) -> None:
+def test_what_b_leaves_for_w_equals_the_formula(thread_count, mode: str, bias: bool, n_threads: int,
+                                                kind: str) -> None:
+    """Every kind; a W's context holds the rotary tables too (once), in either mode."""
     thread_count(n_threads)
-    cfg = tiny_config(dropout=0.2, bias=bias, n_layer=2)
+    cfg = tiny_config(dropout=0.2, bias=bias, n_layer=2, **KINDS[kind])
     mesh = self_mesh()
     params = init_gpt(cfg, mesh, seed=0, dtype=np.float64)
     rows = 4
@@ -179,11 +195,12 @@ def test_what_b_leaves_for_w_equals_the_formula(thread_count, mode: str, bias: b
     stage = S.whole_model(cfg.n_layer)
     _, ctx = S.stage_forward(units, stage, idx, tgt, cfg, mesh, key(cfg, rows, True), recompute=mode)
     _, _, deferred = S.stage_backward(units, stage, ctx, 1.0, cfg, mesh, split=True)
-    want = formulas.weight_ctx_bytes(formulas.ActivationShape(rows, cfg.block_size, cfg.n_embd, cfg.n_head, itemsize=8),
-                                     cfg.n_layer, bias=bias,
+    shape = formulas.ActivationShape(rows, cfg.block_size, cfg.n_embd, cfg.n_head, itemsize=8,
+                                     parts=formulas.Parts.of(cfg))
+    want = formulas.weight_ctx_bytes(shape, cfg.n_layer, bias=bias,
                                      chunks=len(threads.runs_for(n_threads,
                                                                  S.block_pieces(1, 1, rows, cfg.block_size, 16))))
-    assert held_bytes(deferred) == want
+    assert held_bytes(deferred) == want + formulas.rotary_table_bytes(shape)
 
 
 def test_no_mode_keeps_an_s2_term() -> None:
@@ -211,24 +228,31 @@ def run_config(data: Path, out: Path, **kw: object):
     return config_from(base)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
 @pytest.mark.parametrize("schedule, m", [("1f1b", 2), ("gpipe", 4), ("zb-h1", 2)])
 @pytest.mark.parametrize("mode", MODES)
 def test_step_peak_bytes_equal_the_formula(thread_count, char_dataset: Path, tmp_path: Path, mode: str, schedule: str,
-                                          m: int) -> None:
+                                          m: int, kind: str) -> None:
     """The executor's measured peak over one step (pp=1) is the schedule replayed with the
-    formula's bytes per micro-batch (GPipe holds all m, 1F1B one, zb-h1 one and its W)."""
+    formula's bytes per micro-batch (GPipe holds all m, 1F1B one, zb-h1 one and its W);
+    with rotary positions every context shares one pair of rotary tables, counted once."""
     thread_count(1)
-    cfg = run_config(char_dataset, tmp_path / "o", recompute=mode, schedule=schedule, micro_batches=m, dtype="float32")
+    cfg = run_config(char_dataset, tmp_path / "o", recompute=mode, schedule=schedule, micro_batches=m, dtype="float32",
+                     **KINDS[kind])
     trainer = Trainer(cfg, MPI.COMM_SELF)
     trainer.train_step()
     model, rows = trainer.model, cfg.batch_size // m
-    shape = formulas.ActivationShape(rows, cfg.block_size, model.n_embd, model.n_head, recompute=mode)
+    shape = formulas.ActivationShape(rows, cfg.block_size, model.n_embd, model.n_head, recompute=mode,
+                                     parts=formulas.Parts.of(model))
     saved = formulas.activation_bytes(shape, formulas.Chunk(model.n_layer, True, True), model.vocab_size)
     deferred = formulas.weight_ctx_bytes(shape, model.n_layer, bias=True)
+    tables = formulas.rotary_table_bytes(shape)
+    shared = (0 if mode == "full" else tables, tables)
     s = make_schedule(schedule, 1, m)
-    assert trainer.last_stats.peak_bytes == formulas.peak_activation_bytes(s, 0, lambda c: saved, lambda c: deferred)
+    assert trainer.last_stats.peak_bytes == formulas.peak_activation_bytes(s, 0, lambda c: saved, lambda c: deferred,
+                                                                           shared)
     if schedule == "gpipe":
-        assert trainer.last_stats.peak_bytes == m * saved
+        assert trainer.last_stats.peak_bytes == m * saved + shared[0]
 
 
 @pytest.mark.parametrize("threads_n", [1, 2])

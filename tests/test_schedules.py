@@ -14,6 +14,7 @@ from numesh.pipeline import (
     ScheduleError,
     W,
     bubble_fraction,
+    check_shape,
     gpipe,
     interleaved,
     make_schedule,
@@ -236,6 +237,25 @@ def test_interleaved_errors() -> None:
         make_schedule("interleaved", 2, 4)
     with pytest.raises(ScheduleError, match=r"v=2"):
         make_schedule("1f1b", 2, 4, v=2)
+
+
+@pytest.mark.parametrize("name, p, m, v", [
+    ("pipedream", 2, 4, 1), ("interleaved", 2, 3, 2), ("interleaved", 4, 2, 2), ("interleaved", 2, 4, 1),
+    ("1f1b", 2, 4, 2), ("gpipe", 0, 4, 1), ("zb_h1", 2, 0, 1), ("1F1B", 2, 1.5, 1), ("interleaved", True, 2, 2),
+    ("gpipe", 0, 4, 2), ("interleaved", 0, 4, 1),
+    ("gpipe", 3, 5, 1), ("ZB-H1", 4, 2, 1), ("interleaved", 4, 8, 3), ("1f1b", 1, 1, 1),
+])
+def test_check_shape_answers_as_make_schedule_does(name: str, p, m, v) -> None:
+    """train's checks and the planner ask `check_shape` instead of building the schedule:
+    it must accept what make_schedule builds and refuse the rest with make_schedule's error."""
+    try:
+        built = make_schedule(name, p, m, v)
+    except ScheduleError as e:
+        with pytest.raises(ScheduleError) as got:
+            check_shape(name, p, m, v)
+        assert str(got.value) == str(e)
+    else:
+        assert check_shape(name, p, m, v) == built.name
 
 
 @pytest.mark.parametrize("build", [gpipe, one_f_one_b, zb_h1, lambda p, m: interleaved(p, m, 2)])

@@ -19,6 +19,7 @@ from conftest import cli, one_error_line
 from numesh.base.errors import DataError
 from numesh.data import sharded as TD
 from numesh.data import shards as S
+from numesh.data import tokenizer as TK
 from numesh.data.batches import read_rows
 from numesh.data.char import fallback_corpus, prepare_char_dataset
 from numesh.data.corpus import Reading, expand
@@ -473,3 +474,84 @@ def test_an_empty_split_is_refused_before_the_tokenizer_trains(tmp_path: Path, m
               "--out", str(tmp_path / "o"))
     assert res.exit_code == 0, res.stderr
     assert "training a byte-level BPE of 300 entries on 0.3 kB of text (1 file;" in res.stderr
+
+
+def _long_text() -> str:
+    """~200 kB of text that has it all: words, long whitespace, a 5,000-character word and
+    a 3,000-space run, several TEXT_PIECEs long."""
+    words = fallback_corpus()[0][:150_000]
+    return words + " " + "ab" * 2_500 + " tail" + " " * 3_000 + "end\n" + words[:40_000]
+
+
+def test_text_pieces_cut_between_words_and_long_runs_alone() -> None:
+    """The pieces make the text again; none is much longer than TEXT_PIECE; no run longer
+    than MAX_RUN survives; and away from such runs the byte-level pre-tokens (the words a
+    BPE trains on and encodes) of the pieces are exactly the whole text's."""
+    from tokenizers import pre_tokenizers
+
+    words = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    text = _long_text()
+    pieces = list(TK.text_pieces(text))
+    assert "".join(pieces) == text and len(pieces) > 4
+    assert max(map(len, pieces)) <= TK.TEXT_PIECE
+    assert all(len(w) <= TK.MAX_RUN for p in pieces for w, _ in words.pre_tokenize_str(p))
+    plain = fallback_corpus()[0][:300_000]
+    cut = list(TK.text_pieces(plain))
+    assert len(cut) > 4 and [w for p in cut for w, _ in words.pre_tokenize_str(p)] == [
+        w for w, _ in words.pre_tokenize_str(plain)]
+    assert list(TK.text_pieces("short")) == ["short"]
+
+
+def test_a_text_cut_in_pieces_trains_and_encodes_as_the_whole_text() -> None:
+    """A 300 kB document without long runs: the BPE trained on its pieces is byte for byte
+    the one trained on the whole, and the shards hold the whole text's ids."""
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    text = fallback_corpus()[0][:300_000]
+    raw = Raw(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator([text], trainers.BpeTrainer(vocab_size=400, special_tokens=[EOT], show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = train_bpe([text], 400)
+    assert tok.json_text == raw.to_str() and tok.cuts_between_words
+    writers = {"train": _Collect(), "val": _Collect()}
+    TD._tokenize(iter([("train", text)]), [], tok, writers, None)
+    assert writers["train"].ids == [*tok.encode_batch([text])[0].tolist(), tok.eot_id]
+
+
+class _Collect:
+    """A ShardWriter's `add`, into a list."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+
+    def add(self, ids: np.ndarray) -> None:
+        self.ids += np.asarray(ids).tolist()
+
+
+def test_a_line_of_megabytes_without_a_space_makes_a_dataset(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2 MB line without whitespace was one 2 MB word for BPE training, which merges it in
+    time quadratic in its length and memory many times it (a 33 MB one took 5.4 GB and
+    minutes). Cut into 1,000-character words it trains and tokenises as any 2 MB text;
+    the shards decode back to the line, and no batch encoding held more than BATCH_CHARS."""
+    line = "".join(np.random.default_rng(0).choice(list("abcdefghij"), 2_000_000))
+    src = tmp_path / "line.txt"
+    src.write_text(line, encoding="utf-8")
+    held = []
+    encode = HFTokenizer.encode_batch
+
+    def measured(self: HFTokenizer, texts: list[str]) -> list[np.ndarray]:
+        held.append(sum(map(len, texts)))
+        return encode(self, texts)
+
+    monkeypatch.setattr(HFTokenizer, "encode_batch", measured)
+    summary = TD.prepare_bpe([src], 300, tmp_path / "d")
+    assert summary["split"] == "position" and summary["vocab_size"] == 300
+    tok, cut = load_tokenizer(tmp_path / "d"), int(len(line) * 0.9)
+    for split, want in (("train", line[:cut]), ("val", line[cut:])):
+        ids = np.asarray(load_split(tmp_path / "d", split))
+        assert ids[-1] == tok.eot_id and tok.decode(ids[:-1]) == want
+    assert len(held) > 1 and max(held) < TD.BATCH_CHARS + TK.TEXT_PIECE

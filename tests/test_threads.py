@@ -103,13 +103,20 @@ def test_over_batch_returns_chunks_in_order_single_threaded_inside(with_threads)
     assert threads.threads() == 3  # restored after an error too
 
 
+# the model kinds' parts (numesh.nn.gpt.ARCHS): GPT-2's, and Llama's with one kv head for both query heads
+KINDS = {"gpt2": {}, "llama": dict(norm="rmsnorm", positions="rotary", mlp="swiglu", tie_embeddings=False,
+                                   n_kv_head=1)}
+
+
 @pytest.mark.bits
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("batch", [2, 5])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_blocks_run_as_pieces_are_the_same_bits_on_any_thread_count(with_threads, monkeypatch, batch: int,
-                                                                     dropout: float) -> None:
+                                                                     dropout: float, kind: str) -> None:
     monkeypatch.setattr(walk, "PIECE_TOKENS", 1)  # pieces of one sequence, even in this tiny model
-    cfg = GPTConfig(vocab_size=23, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=dropout, bias=True)
+    cfg = GPTConfig(vocab_size=23, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=dropout, bias=True,
+                    **KINDS[kind])
     mesh = Mesh.parse("")
     params = init_gpt(cfg, mesh, seed=3, dtype=np.float64)
     rng = np.random.default_rng(0)
@@ -231,12 +238,13 @@ def test_matmul_split_over_rows_is_bit_identical(with_threads, monkeypatch, tile
 
 
 @pytest.mark.bits
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype, arch", [("float32", "gpt2"), ("float64", "gpt2"), ("float64", "llama")])
 def test_a_training_step_is_the_same_bits_on_1_and_2_threads(char_dataset, tmp_path, with_threads, monkeypatch,
-                                                              dtype: str) -> None:
+                                                              dtype: str, arch: str) -> None:
     """Two optimiser steps: once with blocks whole (their matmuls in row tiles) and once as 4
     pieces (one run of 4 on one thread, two runs of 2 on two); losses, gradient norms and
-    every parameter bit for bit."""
+    every parameter bit for bit. The Llama kind (GQA, rotary, RMSNorm, SwiGLU: their kernels
+    split rows over the threads, RMSNorm's weight gradient over fixed tiles) as GPT-2's."""
     from numesh.run.config import TrainConfig
     from numesh.run.train import Trainer
 
@@ -247,9 +255,11 @@ def test_a_training_step_is_the_same_bits_on_1_and_2_threads(char_dataset, tmp_p
         with threadpool_limits(limits=1, user_api="blas"):
             for k in (1, 2):
                 with_threads(k)
+                kind = {} if arch == "gpt2" else dict(norm="rmsnorm", positions="rotary", mlp="swiglu", n_kv_head=2,
+                                                        tie_embeddings=False)
                 cfg = TrainConfig(data=str(char_dataset), out=str(tmp_path / f"t{k}-{pieces}"), n_layer=2, n_embd=64,
                                   n_head=4, block_size=64, batch_size=8, max_iters=2, dtype=dtype, dropout=0.1,
-                                  bias=True)
+                                  bias=True, arch=arch, **kind)
                 t = Trainer(cfg)
                 assert len(walk.block_pieces(1, 1, cfg.batch_size, cfg.block_size, threads.cores())) == pieces
                 steps = [t.train_step() for _ in range(2)]

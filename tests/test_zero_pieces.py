@@ -15,8 +15,9 @@ from numesh.mesh import P
 from numesh.mesh.collectives import Handle
 from numesh.nn.units import OUTER, Unit
 from numesh.optim import grad_sync as gs
-from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
+from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_rule, adamw_step
 from numesh.optim.flat import FlatLayout
+from numesh.optim.interface import Optimizer
 from numesh.optim.residency import AllResident, ShardResident
 from numesh.optim.zero import ZeroOptimizer
 
@@ -274,7 +275,8 @@ def test_driver_matches_adamw_on_the_flat_vector(stage: int) -> None:
     """Every stage on one rank: the same parameters as AdamW on the flattened tree, and
     state_trees / load_state_trees round-trip by unit key."""
     units, cfg = three_units(), AdamWConfig(weight_decay=0.1)
-    opt = ZeroOptimizer(units, specs_of(units), self_mesh(), stage=stage, adamw=cfg)
+    adamw = Optimizer("adamw", cfg, (adamw_rule(cfg),), lambda _leaf: 0)
+    opt = ZeroOptimizer(units, specs_of(units), self_mesh(), stage=stage, optimizer=adamw)
     p = np.concatenate([np.ravel(x) for t in units.values() for x in tree_leaves(t)])
     decay = np.array([0] * 5 + [0] + [1] * 6 + [0] * 4, dtype=float)  # only a.w is a matrix
     ref = AdamWState(np.zeros_like(p), np.zeros_like(p))
@@ -289,16 +291,16 @@ def test_driver_matches_adamw_on_the_flat_vector(stage: int) -> None:
         adamw_step(p, g, ref, 1e-2, cfg, decay)
     got = np.concatenate([np.ravel(x) for t in opt.local_params().values() for x in tree_leaves(t)])
     np.testing.assert_allclose(got, p, rtol=1e-14)
-    assert opt.adam_step == 3
+    assert opt.opt_step == 3
     state = opt.state_trees()
     assert list(state["m"]) == ["c", "a", "b"]
     other = ZeroOptimizer(three_units(), specs_of(units), self_mesh(), stage=stage)
-    other.load_state_trees(state, opt.adam_step)
+    other.load_state_trees(state, opt.opt_step)
     for g in ("params", "m", "v"):
         for k in units:
             for x, y in zip(tree_leaves(other.state_trees()[g][k]), tree_leaves(state[g][k])):
                 np.testing.assert_array_equal(x, y)
-    assert other.adam_step == 3
+    assert other.opt_step == 3
 
 
 def test_uncounted_leaves_stay_out_of_the_norm() -> None:

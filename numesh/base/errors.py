@@ -73,17 +73,22 @@ class Interrupted(KeyboardInterrupt):
 class Preempted(Interrupted):
     """Training stopped on a --save-on-signal signal (by default SIGTERM or SIGUSR1: a
     scheduler's warning ahead of preemption or a time limit) after every rank saved the
-    same step's checkpoint. The CLI exits with EXIT_CODE, which a batch script can take as
+    same step's checkpoint (`checkpoint` None: it came before step 0 ran, so there was
+    none to save). The CLI exits with EXIT_CODE, which a batch script can take as
     "requeue me": the same command with --resume auto continues from `checkpoint`."""
 
     EXIT_CODE = 75  # EX_TEMPFAIL of sysexits.h: a temporary failure, try again
 
-    def __init__(self, step: int, signum: int, checkpoint: str):
+    def __init__(self, step: int, signum: int, checkpoint: str | None):
         self.step, self.signum, self.checkpoint = step, signum, checkpoint
         try:
             name = signal.Signals(signum).name
         except ValueError:
             name = f"signal {signum}"
+        if checkpoint is None:  # it came before the first step: nothing trained, nothing to save
+            KeyboardInterrupt.__init__(self, f"preempted by {name} before step {step} ran: no checkpoint needed; "
+                                             f"rerun with --resume auto to start")
+            return
         KeyboardInterrupt.__init__(self, f"preempted by {name}: checkpoint at step {step} ({checkpoint}); "
                                          f"rerun with --resume auto to continue")
 

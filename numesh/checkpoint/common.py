@@ -12,6 +12,7 @@ from numesh.base.tree import tree_map
 from numesh.checkpoint.format import BlockReader, Meta, fsync_dir, full_region
 from numesh.checkpoint.format import read_meta as read_any_meta
 from numesh.checkpoint.model import describe_gpt, global_paths
+from numesh.checkpoint.state import checkpoint_groups
 from numesh.nn.gpt import GPT
 
 # name prefix of directories still being written (a save or reshard in progress or killed)
@@ -21,7 +22,7 @@ TMP_PREFIX = ".tmp-"
 def read_meta(path: str | Path) -> Meta:
     """Read and check the meta.json of the GPT checkpoint at `path` (may be `latest`),
     its tokenizer included when it stores one (older checkpoints do not)."""
-    meta = read_any_meta(path, describe_gpt)
+    meta = read_any_meta(path, describe_gpt, checkpoint_groups)
     tok = meta.tokenizer()
     if tok is not None and tok.vocab_size != meta.model.vocab_size:
         raise CheckpointError(
@@ -32,11 +33,13 @@ def read_meta(path: str | Path) -> Meta:
 
 
 def read_group(meta: Meta, group: str) -> GPT:
-    """The whole unpadded tree of one group ("params", "m" or "v") of a checkpoint."""
+    """The whole unpadded tree of one group ("params", or a state such as "m") of a
+    checkpoint; None at the leaves the group does not hold."""
     reader = BlockReader(meta)
+    held = frozenset(meta.groups[group])
     return tree_map(
-        lambda path: reader.read(f"{group}/{path}", full_region(meta.defs[path].shape)), global_paths(meta.model)
-    )
+        lambda path: reader.read(f"{group}/{path}", full_region(meta.defs[path].shape)) if path in held else None,
+        global_paths(meta.model))
 
 
 def read_params(root: Path) -> tuple[Meta, GPT]:

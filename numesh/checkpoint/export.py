@@ -17,8 +17,9 @@ import numpy as np
 
 from numesh.base.errors import CheckpointError, DataError
 from numesh.base.files import os_reason
-from numesh.checkpoint.common import read_params
+from numesh.checkpoint.common import read_group, read_meta
 from numesh.checkpoint.format import DTYPES, Meta, write_file_atomic
+from numesh.checkpoint.model import gpt2_differences
 from numesh.checkpoint.pinned import read_pinned
 from numesh.data.tokenizer import tokenizer_from_meta
 from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
@@ -27,11 +28,20 @@ from numesh.nn.layers import LayerNorm, Linear
 EXPORT_FORMAT = "numesh-nanogpt"
 
 
-def to_nanogpt(params: GPT, model: GPTConfig) -> dict[str, np.ndarray]:
-    """nanoGPT state-dict tensors of whole unpadded parameters (a dense model's only)."""
+def check_nanogpt(model: GPTConfig) -> None:
+    """Raise unless nanoGPT's format holds `model`: GPT-2's parts, every MLP dense."""
+    if parts := gpt2_differences(model):
+        raise CheckpointError(f"nanoGPT's format holds GPT-2's parts only, and this model has {', '.join(parts)}: "
+                              "export it with --format hf (transformers' Llama classes), or sample or resume it "
+                              "with numesh instead")
     if model.moe_experts:
         raise CheckpointError(f"this checkpoint is a mixture of experts ({model.moe_experts} experts), which "
                               "nanoGPT's format cannot hold: sample or resume it with numesh instead")
+
+
+def to_nanogpt(params: GPT, model: GPTConfig) -> dict[str, np.ndarray]:
+    """nanoGPT state-dict tensors of whole unpadded parameters (a dense GPT-2-kind model's only)."""
+    check_nanogpt(model)
     C = model.n_embd
     sd: dict[str, np.ndarray] = {}
 
@@ -116,16 +126,22 @@ def from_nanogpt(sd: dict[str, np.ndarray], model: GPTConfig, where: Path) -> GP
     return params
 
 
-def exported_tensors(path: str | Path, dtype: str | None,
-                     convert: Callable[[GPT, GPTConfig], dict[str, np.ndarray]]) -> tuple[Meta, dict[str, np.ndarray]]:
+def exported_tensors(path: str | Path, dtype: str | None, convert: Callable[[GPT, GPTConfig], dict[str, np.ndarray]],
+                     check: Callable[[GPTConfig], None]) -> tuple[Meta, dict[str, np.ndarray]]:
     """What every export writes: the checkpoint at `path`'s metadata and its whole
     parameters as `convert` names and lays them out (`to_nanogpt`, `to_hf`), in `dtype`
-    ("float32"/"float64"; default: the checkpoint's). `dtype` is checked before anything is
-    read, and the checkpoint is read from one step directory, even while a job moves
-    `latest` on."""
+    ("float32"/"float64"; default: the checkpoint's). `dtype`, and the model by `check`
+    (`check_nanogpt`, `check_hf`), are checked before any array is read, and the
+    checkpoint is read from one step directory, even while a job moves `latest` on."""
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-    meta, params = read_pinned(path, read_params)
+
+    def read(root: Path) -> tuple[Meta, GPT]:
+        meta = read_meta(root)
+        check(meta.model)
+        return meta, read_group(meta, "params")
+
+    meta, params = read_pinned(path, read)
     sd = convert(params, meta.model)
     if dtype is not None:
         sd = {k: v.astype(dtype) for k, v in sd.items()}
@@ -143,7 +159,7 @@ def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = N
         raise CheckpointError(f"{out} is a directory: pass --out a .safetensors file name")
     if not force and (out.exists() or out.is_symlink()):
         raise CheckpointError(f"{out} exists: pass --force to overwrite")
-    meta, sd = exported_tensors(path, dtype, to_nanogpt)
+    meta, sd = exported_tensors(path, dtype, to_nanogpt, check_nanogpt)
     tok = meta.raw.get("tokenizer")
     metadata = {
         "format": EXPORT_FORMAT,

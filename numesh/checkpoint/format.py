@@ -1,9 +1,16 @@
 """The on-disk checkpoint format: metadata schema, block geometry and safe reading.
 
 A checkpoint is a directory. `meta.json` describes every leaf of the parameters and of
-both AdamW moments by its global path, unpadded global shape, dtype and partition spec,
+the optimiser's state by its global path, unpadded global shape, dtype and partition spec,
 and lists the files that hold it: each file is one rectangular block of the global array
 (`offset` + `shape`), stored as `.npy` with its sha256. Nothing here is pickled.
+
+The groups are "params" and the optimiser's state names, each holding the leaves of the
+rule that keeps it (AdamW's "m" and "v" every leaf; Muon's "momentum" its matrices, "m"
+and "v" the rest): a `Groups` function given by the caller says which
+(`numesh.checkpoint.state.checkpoint_groups`, from the optimiser's own declaration), so the
+format knows no optimiser. meta.json names the optimiser ("optimizer"; a checkpoint without
+one was written by AdamW, the only optimiser then).
 
 This module knows no model: what leaves a checkpoint must hold comes in as a table of
 `LeafDef`s (built for the GPT by `numesh.checkpoint.model`).
@@ -31,7 +38,8 @@ from numesh.mesh.mesh import axis_names
 FORMAT = "numesh-ckpt"
 VERSION = 1
 META_FILE = "meta.json"
-GROUPS = ("params", "m", "v")
+PARAMS = "params"
+LEGACY_OPTIMIZER = "adamw"  # what a meta.json without "optimizer" was trained with
 DTYPES = ("float32", "float64")
 STEP_DIR = re.compile(r"step_(\d+)")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -160,6 +168,16 @@ class LeafDef:
 # the model config and leaf table (global path -> LeafDef) that meta.json's "model" entry
 # describes; raises KeyError, TypeError or ValueError if the entry is bad
 Describe = Callable[[Any], tuple[Any, dict[str, LeafDef]]]
+# "params" and each state name of an optimiser (by name) -> the paths of the leaves it holds,
+# for a leaf table; raises KeyError for an optimiser it does not know
+Groups = Callable[[str, Mapping[str, LeafDef]], dict[str, tuple[str, ...]]]
+
+
+def adamw_groups(optimizer: str, defs: Mapping[str, LeafDef]) -> dict[str, tuple[str, ...]]:
+    """The groups of a checkpoint written by AdamW: params, m and v, each of every leaf."""
+    if optimizer != LEGACY_OPTIMIZER:
+        raise KeyError(optimizer)
+    return {g: tuple(defs) for g in (PARAMS, "m", "v")}
 
 
 # ---------------------------------------------------------------------------------------
@@ -324,6 +342,8 @@ class Meta:
         dtype: the arrays' dtype name.
         leaves: "params/wte" -> what meta.json records of that leaf.
         defs: "wte" -> what the model says that leaf is.
+        optimizer: the optimiser's name ("adamw", "muon").
+        groups: "params" and each state name -> the paths of the leaves it holds.
     """
 
     root: Path
@@ -334,6 +354,8 @@ class Meta:
     dtype: str
     leaves: dict[str, LeafInfo]
     defs: dict[str, LeafDef]
+    optimizer: str = LEGACY_OPTIMIZER
+    groups: dict[str, tuple[str, ...]] = attrs.field(factory=dict)
 
     @property
     def path(self) -> Path:
@@ -451,24 +473,32 @@ def _parse_leaf(key: str, info: Any, shape: tuple[int, ...], meta_path: Path) ->
     return LeafInfo(key, shape, info["dtype"], _spec(info.get("spec"), meta_path, key), tuple(files))
 
 
-def parse_meta(raw: Any, root: Path, describe: Describe) -> Meta:
+def parse_meta(raw: Any, root: Path, describe: Describe, state_groups: Groups = adamw_groups) -> Meta:
     """Check everything in meta.json that can be checked without the array files; `describe`
-    turns its "model" entry into the model config and the leaves that model has."""
+    turns its "model" entry into the model config and the leaves that model has,
+    `state_groups` its "optimizer" into the groups it must hold."""
     meta_path = root / META_FILE
     model, defs, step, opt_step, dtype = _parse_header(raw, meta_path, describe)
     leaves_raw = raw.get("leaves")
     if not isinstance(leaves_raw, dict):
         raise CheckpointError(f"{meta_path}: no 'leaves' table")
-    want_keys = {f"{g}/{p}" for g in GROUPS for p in defs}
+    optimizer = raw.get("optimizer", LEGACY_OPTIMIZER)
+    try:
+        groups = state_groups(optimizer, defs)
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{meta_path}: optimizer {optimizer!r} is not one this numesh knows") from None
+    want_keys = {f"{g}/{p}" for g, paths in groups.items() for p in paths}
     extra = sorted(set(leaves_raw) - want_keys)
     if extra:
-        raise CheckpointError(f"{meta_path}: leaf '{extra[0]}' is not a parameter of the model it describes")
+        raise CheckpointError(f"{meta_path}: leaf '{extra[0]}' is not a parameter of the model it describes "
+                              f"or a state of its optimizer {optimizer}")
     leaves = {
-        f"{g}/{p}": _parse_leaf(f"{g}/{p}", leaves_raw.get(f"{g}/{p}"), d.shape, meta_path)
-        for g in GROUPS
-        for p, d in defs.items()
+        f"{g}/{p}": _parse_leaf(f"{g}/{p}", leaves_raw.get(f"{g}/{p}"), defs[p].shape, meta_path)
+        for g, paths in groups.items()
+        for p in paths
     }
-    return Meta(root, raw, model, step, opt_step, dtype, leaves, defs)
+    return Meta(root, raw, model, step, opt_step, dtype, leaves, defs, optimizer, groups)
+
 
 
 def _check_tiling(key: str, shape: tuple[int, ...], files: list[FileRecord], meta_path: Path) -> None:
@@ -482,9 +512,10 @@ def _check_tiling(key: str, shape: tuple[int, ...], files: list[FileRecord], met
         raise CheckpointError(f"{meta_path}: the blocks of '{key}' cover {total} of its {math.prod(shape)} values")
 
 
-def read_meta(path: str | Path, describe: Describe) -> Meta:
+def read_meta(path: str | Path, describe: Describe, state_groups: Groups = adamw_groups) -> Meta:
     """Read and check `path/meta.json` (`path` may be the `latest` symlink) for the model
-    `describe` builds from it (see `parse_meta`)."""
+    `describe` builds from it and the groups `state_groups` says its optimiser keeps (see
+    `parse_meta`)."""
     given = Path(path)
     if not given.exists():
         raise CheckpointError(f"no checkpoint at {given}: pass a checkpoint directory such as RUN/ckpt/latest")
@@ -498,7 +529,7 @@ def read_meta(path: str | Path, describe: Describe) -> Meta:
         raw = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{meta_path} cannot be read: {e}") from None
-    return parse_meta(raw, root, describe)
+    return parse_meta(raw, root, describe, state_groups)
 
 
 # ---------------------------------------------------------------------------------------

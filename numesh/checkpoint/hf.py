@@ -1,13 +1,20 @@
-"""Export to a Hugging Face transformers directory: GPT-2's architecture, no custom code.
+"""Export to a Hugging Face transformers directory, no custom code: GPT-2 for GPT-2's kind,
+`LlamaForCausalLM` for the Llama kind and `MixtralForCausalLM` for a Llama with experts
+(their tensors: `numesh.checkpoint.hf_llama`).
 
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(
-DIR)` load what this writes, offline: `config.json` (a `GPT2LMHeadModel`: numesh's GELU is
+DIR)` load what this writes, offline. For GPT-2: `config.json` (a `GPT2LMHeadModel`: numesh's GELU is
 GPT-2's tanh form, `gelu_new`; LayerNorm epsilon 1e-5; `n_positions` = the block size;
 tied embeddings), `model.safetensors` in transformers' names and layouts (GPT-2's `Conv1D`
 weights are [in, out], as numesh's; biases written as zeros where numesh has none, which
 config.json's `numesh_bias` says), the tokenizer (a BPE dataset's `tokenizer.json`; for a
 character dataset an equivalent one, `CharTokenizer.to_hf_json`) with its
-`tokenizer_config.json`, and `generation_config.json`.
+`tokenizer_config.json`, and `generation_config.json`. For Llama and Mixtral: their
+config.json (`max_position_embeddings` = the block size; Mixtral's router is numesh's:
+softmax over every expert, top-k, renormalised), their tensor names and layouts, and the
+same tokenizer and generation files. A model of mixed parts (LayerNorm with rotary
+positions, say), or a Mixtral that numesh's options make other than Mixtral (experts in
+every other block, a capacity, biases), has no transformers class: a one-line refusal.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import numpy as np
 from numesh.base.errors import CheckpointError
 from numesh.base.files import os_reason
 from numesh.checkpoint.export import exported_tensors, to_nanogpt
+from numesh.checkpoint.hf_llama import to_llama
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
 from numesh.nn.gpt import GPTConfig
 from numesh.nn.layers import LN_EPS
@@ -33,12 +41,14 @@ _BIASES = {".ln_1.bias": 1, ".attn.c_attn.bias": 3, ".attn.c_proj.bias": 1, ".ln
 
 
 # transformers' MoE decoders (Mixtral, Qwen2-MoE, OLMoE, ...) are Llama-shaped: RMSNorm,
-# rotary positions and gated SiLU experts (w1, w3, w2). numesh's GPT has LayerNorm, learned
-# positions and GELU experts, and GPT2LMHeadModel has no experts: no class transformers
-# ships computes this model, and a directory needing custom code is what the export avoids.
+# rotary positions and gated SiLU experts (w1, w3, w2). GPT-2's kind with experts has
+# LayerNorm, learned positions and GELU experts, and GPT2LMHeadModel has no experts: no class
+# transformers ships computes it, and a directory needing custom code is what the export
+# avoids. The Llama kind with experts is a Mixtral (`hf_kind`).
 MOE_REFUSAL = ("this checkpoint is a mixture of experts ({} experts) and transformers has no model class for it: "
-               "its MoE models (Mixtral and kin) use RMSNorm, rotary positions and gated SiLU experts where numesh "
-               "has LayerNorm, learned positions and GELU experts; sample or resume it with numesh instead")
+               "its MoE models (Mixtral and kin) use RMSNorm, rotary positions and gated SiLU experts where this "
+               "model has LayerNorm, learned positions and GELU experts (a Llama-kind MoE, --arch llama, exports "
+               "as MixtralForCausalLM); sample or resume it with numesh instead")
 
 
 def to_hf(params: Any, model: GPTConfig) -> dict[str, np.ndarray]:
@@ -70,6 +80,57 @@ def hf_config(model: GPTConfig, eot_id: int | None, dtype: str) -> dict[str, Any
     }
 
 
+def hf_kind(model: GPTConfig) -> str:
+    """The transformers class a numesh model exports to: "gpt2", "llama" or "mixtral"; a
+    one-line CheckpointError says what no class of transformers computes."""
+    parts = (model.norm, model.positions, model.mlp)
+    if parts == ("layernorm", "learned", "gelu") and model.tie_embeddings and model.fused_qkv:
+        return "gpt2"
+    if parts != ("rmsnorm", "rotary", "swiglu"):
+        raise CheckpointError(f"this checkpoint's model mixes GPT-2's and Llama's parts (norm {model.norm}, positions "
+                              f"{model.positions}, mlp {model.mlp}, {model.kv_heads} kv heads, tied head "
+                              f"{model.tie_embeddings}): no transformers class computes it; export GPT-2's kind "
+                              "(layernorm, learned, gelu, tied, kv heads = heads) or Llama's (rmsnorm, rotary, "
+                              "swiglu), or use --format nanogpt / numesh itself")
+    if not model.moe_experts:
+        return "llama"
+    differs = [why for why, bad in (
+        (f"experts in every {model.moe_every}th block (Mixtral has them in every block)", model.moe_every != 1),
+        (f"a capacity factor {model.moe_capacity_factor} (Mixtral is dropless)", model.moe_capacity_factor > 0),
+        ("biases (Mixtral's Linears have none)", model.bias)) if bad]
+    if differs:
+        raise CheckpointError(f"this mixture of experts is not a Mixtral: it has {differs[0]}; "
+                              "sample or resume it with numesh instead")
+    return "mixtral"
+
+
+def llama_config(model: GPTConfig, kind: str, eot_id: int | None, dtype: str) -> dict[str, Any]:
+    """config.json of a LlamaForCausalLM or MixtralForCausalLM with numesh's shapes (the
+    rotary base both as transformers 5 spells it and as 4 did)."""
+    cfg: dict[str, Any] = {
+        "architectures": ["MixtralForCausalLM" if kind == "mixtral" else "LlamaForCausalLM"], "model_type": kind,
+        "vocab_size": model.vocab_size, "hidden_size": model.n_embd, "intermediate_size": model.hidden,
+        "num_hidden_layers": model.n_layer, "num_attention_heads": model.n_head,
+        "num_key_value_heads": model.kv_heads, "head_dim": model.head_size, "hidden_act": "silu",
+        "max_position_embeddings": model.block_size, "rms_norm_eps": model.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta}, "rope_theta": model.rope_theta,
+        "tie_word_embeddings": model.tie_embeddings, "attention_dropout": 0.0, "use_cache": True,
+        "bos_token_id": eot_id, "eos_token_id": eot_id, "dtype": dtype, "torch_dtype": dtype,
+    }
+    if kind == "mixtral":
+        cfg.update(num_local_experts=model.moe_experts, num_experts_per_tok=model.moe_top_k,
+                   router_aux_loss_coef=model.moe_aux_coef, router_jitter_noise=0.0, output_router_logits=False,
+                   sliding_window=None)
+    else:
+        cfg.update(attention_bias=model.bias, mlp_bias=model.bias)
+    return cfg
+
+
+def _converted(params: Any, model: GPTConfig) -> dict[str, np.ndarray]:
+    """transformers' tensors for the class `hf_kind` picks."""
+    return to_hf(params, model) if hf_kind(model) == "gpt2" else to_llama(params, model)
+
+
 def _tokenizer_files(tok: CharTokenizer | HFTokenizer, model: GPTConfig) -> dict[str, str]:
     if isinstance(tok, HFTokenizer):
         special = {"bos_token": tok.eot, "eos_token": tok.eot, "unk_token": tok.eot}
@@ -92,7 +153,7 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
         raise CheckpointError(f"{out} is a file: --format hf writes a directory, pass a directory as --out")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise CheckpointError(f"{out} is not empty: pass --force to overwrite")
-    meta, sd = exported_tensors(path, dtype, to_hf)
+    meta, sd = exported_tensors(path, dtype, _converted, hf_kind)  # the model checked before any array is read
     tok_meta = meta.raw.get("tokenizer")
     if tok_meta is None:
         raise CheckpointError(f"{meta.root} holds no tokenizer, which a transformers directory needs: resume it "
@@ -100,7 +161,9 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
     tok = tokenizer_from_meta(tok_meta)
     eot = tok.eot_id if isinstance(tok, HFTokenizer) else None
     name = np.dtype(next(iter(sd.values())).dtype).name
-    files = {"config.json": json.dumps(hf_config(meta.model, eot, name), indent=1),
+    kind = hf_kind(meta.model)
+    config = hf_config(meta.model, eot, name) if kind == "gpt2" else llama_config(meta.model, kind, eot, name)
+    files = {"config.json": json.dumps(config, indent=1),
              "generation_config.json": json.dumps({"bos_token_id": eot, "eos_token_id": eot}, indent=1),
              **_tokenizer_files(tok, meta.model)}
     created = not out.exists()

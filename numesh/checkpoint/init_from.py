@@ -1,10 +1,13 @@
 """`numesh train --init-from`: the weights a run starts from, as fine-tuning does.
 
-From a Hugging Face GPT-2-architecture directory (`numesh export --format hf` writes one)
-or a `numesh export` file: the whole unpadded parameters, checked against the run's model
-(every shape key must match: a one-line error names the option to change) and its
-dataset's tokenizer (the same ids must mean the same text), then sharded for any mesh like
-a checkpoint's.
+From a Hugging Face transformers directory (a Llama, Mistral or Mixtral, or a GPT-2; `numesh
+export --format hf` writes one) or a `numesh export` file, checked against the run's model
+(every key of the model's shape must match: a one-line error names the option to change)
+and its dataset's tokenizer (the same ids must mean the same text), then sharded for any
+mesh like a checkpoint's. A Llama-family directory is read leaf by leaf, each rank only the
+leaves of its pipeline stage, each leaf whole once and then cut to the rank's shard: no rank
+holds more than its shards and one tensor (`numesh.checkpoint.hf_files`). GPT-2 directories
+and export files are small and read whole.
 """
 
 from __future__ import annotations
@@ -15,17 +18,34 @@ from typing import Any
 
 import numpy as np
 
-from numesh.base.errors import ConfigError
+from numesh.base.errors import CheckpointError, ConfigError
 from numesh.base.tree import tree_map
 from numesh.checkpoint.export import import_nanogpt
-from numesh.checkpoint.format import vocab_difference
+from numesh.checkpoint.format import full_region, vocab_difference
 from numesh.checkpoint.hf import import_hf
-from numesh.checkpoint.model import SHAPE_KEYS
-from numesh.data.tokenizer import CharTokenizer, HFTokenizer
-from numesh.nn.gpt import GPT, GPTConfig
+from numesh.checkpoint.hf_files import open_weights
+from numesh.checkpoint.hf_llama import OPTIONS, check_weights, is_pretrained_dir, model_type, pretrained, read_leaf
+from numesh.checkpoint.model import SHAPE_KEYS, gpt2_differences, gpt_leaves, local_paths, model_value, shard_params
+from numesh.data.tokenizer import CharTokenizer, HFTokenizer, read_tokenizer_file
+from numesh.mesh import Mesh, shard
+from numesh.nn.gpt import GPT, GPTConfig, gpt_specs
+from numesh.pipeline.stages import StageLayout, stage_tree
 
+# the option that sets each shape key, for the error that names a mismatch
 OPTION = {"vocab_size": "the dataset's vocabulary (--data)", "block_size": "--block-size", "n_layer": "--n-layer",
-          "n_head": "--n-head", "n_embd": "--n-embd", "bias": "--bias / --no-bias"}
+          "n_head": "--n-head", "n_embd": "--n-embd", "bias": "--bias / --no-bias", "moe_experts": "--moe-experts",
+          "moe_every": "--moe-every", **OPTIONS}
+TOKENIZE = ("tokenise the corpus with its tokenizer.json (`numesh data tokenize --tokenizer`, or `numesh data char "
+            "--tokenizer` for a character model)")
+
+
+def check_init_kind(model: GPTConfig) -> None:
+    """Raise unless a GPT-2 directory or a nanoGPT file can start `model`: they hold GPT-2's
+    parts only (a Llama-family model starts from a Llama-family directory)."""
+    if parts := gpt2_differences(model):
+        raise ConfigError(f"--init-from a GPT-2 directory or a `numesh export` file holds GPT-2's parts, but this "
+                          f"run's model has {', '.join(parts)}: train the GPT-2 kind (--arch gpt2), or start from a "
+                          "transformers Llama, Mistral or Mixtral directory")
 
 
 def _same_tokenizer(tok_text: str, dataset: CharTokenizer | HFTokenizer) -> bool:
@@ -42,8 +62,11 @@ def load_init(path: str | Path, model: GPTConfig, dataset: CharTokenizer | HFTok
     """The whole parameters at `path` in `dtype`, for a run of `model` on a dataset
     tokenised by `dataset`; ConfigError where they do not fit."""
     p = Path(path)
+    if not p.is_dir():
+        check_init_kind(model)  # before reading anything
     if p.is_dir():
-        theirs, tok_text, params = import_hf(p)
+        theirs, tok_text, params = import_hf(p)  # a directory that is none is its own error first
+        check_init_kind(model)
         same = _same_tokenizer(tok_text, dataset)
     elif p.is_file():
         theirs, tok, params, _, _ = import_nanogpt(p)
@@ -51,11 +74,66 @@ def load_init(path: str | Path, model: GPTConfig, dataset: CharTokenizer | HFTok
     else:
         raise ConfigError(f"--init-from {p} does not exist: pass a transformers directory or a `numesh export` file")
     for key in SHAPE_KEYS:
-        if getattr(theirs, key) != getattr(model, key):
-            raise ConfigError(f"--init-from {p} has {key} {getattr(theirs, key)}, this run {getattr(model, key)}: "
-                              f"set {OPTION[key]} to match")
+        if model_value(theirs, key) != model_value(model, key):
+            raise ConfigError(f"--init-from {p} has {key} {model_value(theirs, key)}, this run "
+                              f"{model_value(model, key)}: set {OPTION[key]} to match")
     if not same:
         raise ConfigError(f"--init-from {p} was trained with another tokenizer than --data's: its token ids would "
-                          "mean other text; tokenise the corpus with its tokenizer.json (`numesh data tokenize "
-                          "--tokenizer`, or `numesh data char --tokenizer` for a character model)")
+                          f"mean other text; {TOKENIZE}")
     return tree_map(lambda x: np.asarray(x, dtype=dtype), params)
+
+
+def _check_pretrained(p: Path, model: GPTConfig, dataset: CharTokenizer | HFTokenizer) -> None:
+    """A Llama-family directory against the run: its model, its context and its tokenizer."""
+    pre = pretrained(p)
+    theirs = pre.model(model.block_size)
+    for key in OPTIONS:
+        if key != "arch" and getattr(theirs, key) != getattr(model, key) and not _same_default(key, theirs, model):
+            raise ConfigError(f"--init-from {p} has {key} {getattr(theirs, key)}, this run {getattr(model, key)}: "
+                              f"set {OPTION[key]} to match (or leave it out: the directory sets it)")
+    if model.block_size > pre.max_positions:
+        raise ConfigError(f"--block-size {model.block_size} is longer than {p}'s max_position_embeddings "
+                          f"{pre.max_positions}: use at most {pre.max_positions}")
+    text = read_tokenizer_file(p / "tokenizer.json") if (p / "tokenizer.json").exists() else None
+    if text is None:
+        raise ConfigError(f"{p} has no tokenizer.json: numesh tokenises with the model's own tokenizer; copy it "
+                          "there from the model's source")
+    if pre.vocab_size != model.vocab_size:
+        raise ConfigError(f"--init-from {p} has vocab_size {pre.vocab_size}, --data's tokenizer "
+                          f"{model.vocab_size} entries: {TOKENIZE}")
+    if not _same_tokenizer(text, dataset):
+        raise ConfigError(f"--init-from {p} was trained with another tokenizer than --data's: its token ids would "
+                          f"mean other text; {TOKENIZE}")
+
+
+def _same_default(key: str, theirs: GPTConfig, model: GPTConfig) -> bool:
+    """Whether two configs differ in `key` only by spelling a default (0 kv heads = n_head)."""
+    return key in ("n_kv_head", "ffn_hidden") and (theirs.kv_heads, theirs.hidden) == (model.kv_heads, model.hidden)
+
+
+def initial_shards(path: str | Path, model: GPTConfig, dataset: CharTokenizer | HFTokenizer, mesh: Mesh,
+                   layout: StageLayout, dtype: Any) -> GPT:
+    """This rank's shards of the weights at `path`, the tree of its pipeline stage
+    (`stage_tree`'s), for a run of `model` on a dataset tokenised by `dataset`; ConfigError
+    (or CheckpointError) where they do not fit, the same on every rank."""
+    p = Path(path)
+    pp_rank = mesh.index("pp")
+    if not (is_pretrained_dir(p) and model_type(p) != "gpt2"):
+        whole = load_init(p, model, dataset, dtype)
+        return stage_tree(shard_params(whole, model, mesh), layout, pp_rank)
+    _check_pretrained(p, model, dataset)
+    weights = open_weights(p)
+    check_weights(weights, model)
+    leaves, sizes = gpt_leaves(model), dict(mesh.shape)
+    model.validate(mesh.size("tp"))
+
+    def load(path: str, spec: Any) -> np.ndarray:
+        leaf = leaves[path]
+        whole = np.zeros(leaf.padded_shape(sizes), dtype)  # the vocabulary's padding rows stay zero
+        read_leaf(weights, path, model, whole[full_region(leaf.shape)])
+        return shard(whole, spec, mesh)
+
+    try:
+        return tree_map(load, local_paths(model, layout, pp_rank), stage_tree(gpt_specs(model), layout, pp_rank))
+    except OSError as e:  # the files changed or vanished after their headers were read
+        raise CheckpointError(f"cannot read the weights in {p}: {e.strerror or e}") from None

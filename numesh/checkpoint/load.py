@@ -10,7 +10,7 @@ import numpy as np
 from numesh.base.errors import CheckpointError
 from numesh.base.tree import tree_leaves_with_path, tree_map
 from numesh.checkpoint.common import read_group, read_meta, read_params
-from numesh.checkpoint.format import GROUPS, BlockReader, Meta, vocab_difference
+from numesh.checkpoint.format import BlockReader, Meta, vocab_difference
 from numesh.checkpoint.model import check_model, gpt_leaves, local_paths
 from numesh.checkpoint.pinned import read_pinned, read_pinned_on
 from numesh.checkpoint.state import LocalState
@@ -26,10 +26,13 @@ def _read_local_trees(meta: Meta, mesh: Mesh, model: GPTConfig, layout: StageLay
     reader = BlockReader(meta)
     template = local_paths(model, layout, mesh.index("pp"))
 
-    def read(group: str, path: str) -> np.ndarray:
+    def read(group: str, path: str) -> np.ndarray | None:
+        if path not in held[group]:
+            return None  # a state another rule of the optimiser keeps
         return reader.read(f"{group}/{path}", leaves[path].region(mesh.shape, mesh.coords), np.dtype(dtype))
 
-    return {g: tree_map(lambda path, g=g: read(g, path), template) for g in GROUPS}
+    held = {g: frozenset(paths) for g, paths in meta.groups.items()}
+    return {g: tree_map(lambda path, g=g: read(g, path), template) for g in meta.groups}
 
 
 def check_tokenizer(meta: Meta, tokenizer: CharTokenizer | HFTokenizer, dataset: str = "this run's dataset") -> None:
@@ -47,13 +50,24 @@ def check_tokenizer(meta: Meta, tokenizer: CharTokenizer | HFTokenizer, dataset:
         )
 
 
+def check_optimizer(meta: Meta, optimizer: str) -> None:
+    """Raise unless the checkpoint was trained with `optimizer`: another optimiser's state
+    (Muon's momentum, AdamW's moments) cannot continue this one's."""
+    if meta.optimizer != optimizer:
+        raise CheckpointError(
+            f"{meta.root} was trained with --optimizer {meta.optimizer}, this run has --optimizer {optimizer}: "
+            f"resume with --optimizer {meta.optimizer}, or start a new run from its weights with --init-from "
+            f"(after `numesh export`)")
+
+
 def read_local_state(path: str | Path, mesh: Mesh, model: GPTConfig, layout: StageLayout, dtype: Any,
                      tokenizer: CharTokenizer | HFTokenizer | None = None,
-                     dataset: str = "this run's dataset") -> LocalState:
+                     dataset: str = "this run's dataset", optimizer: str | None = None) -> LocalState:
     """This rank's part of a checkpoint written on any mesh: trees shaped like
     `TrainState.trees` for `mesh` and `layout`, in `dtype`, and the steps to continue from.
     With `tokenizer` (that of the run's data, described as `dataset` in errors), the
-    checkpoint must have been trained on the same vocabulary (see `check_tokenizer`).
+    checkpoint must have been trained on the same vocabulary (see `check_tokenizer`); with
+    `optimizer`, by that optimiser (its state is another one's: see `check_optimizer`).
 
     Collective over `mesh`: every rank reads only the blocks it needs, all of one step
     directory even while a job moves `latest` on (numesh/checkpoint/pinned.py), and every
@@ -64,7 +78,10 @@ def read_local_state(path: str | Path, mesh: Mesh, model: GPTConfig, layout: Sta
         if tokenizer is not None:
             check_tokenizer(meta, tokenizer, dataset)
         check_model(meta, model)
-        return LocalState(_read_local_trees(meta, mesh, model, layout, dtype), meta.step, meta.opt_step)
+        if optimizer is not None:
+            check_optimizer(meta, optimizer)
+        return LocalState(_read_local_trees(meta, mesh, model, layout, dtype), meta.step, meta.opt_step,
+                          meta.optimizer)
 
     return read_pinned_on(mesh.world, path, read)
 
@@ -86,11 +103,12 @@ def read_global_params(path: str | Path) -> tuple[GPTConfig, Any, GPT]:
 
 
 def read_state(path: str | Path) -> tuple[Meta, dict[str, GPT]]:
-    """The metadata and the whole unpadded params, m and v trees of a checkpoint (one process)."""
+    """The metadata and the whole unpadded trees of every group of a checkpoint (params and
+    the optimiser's state: None at the leaves a state does not hold), in one process."""
 
     def read(root: Path) -> tuple[Meta, dict[str, GPT]]:
         meta = read_meta(root)
-        return meta, {g: read_group(meta, g) for g in GROUPS}
+        return meta, {g: read_group(meta, g) for g in meta.groups}
 
     return read_pinned(path, read)
 

@@ -17,12 +17,39 @@ from numesh.checkpoint.format import LeafDef, Meta, full_region
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs
 from numesh.pipeline.stages import StageLayout, stage_tree
 
-# model-config keys that change the shape of some parameter (dropout does not)
-SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "moe_experts", "moe_every")
-# leaves whose dim 0 is the vocabulary, padded to a multiple of tp on a mesh
-VOCAB_LEAVES = ("wte",)
-# tied leaves held by both the first and the last pipeline stage; the first one writes them
-TIED_LEAVES = ("wte",)
+# model-config keys that change the shape or the meaning of some parameter (dropout and the
+# MoE router's settings do not): the norm (LayerNorm's w and b, or RMSNorm's w), the
+# positions (a wpe table, or none), the MLP (GELU's fc, or SwiGLU's gate and up), its hidden
+# size, the kv heads (one fused qkv, or q, k, v) and a tied or untied LM head
+SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "moe_experts", "moe_every",
+              "norm", "positions", "mlp", "ffn_hidden", "n_kv_head", "tie_embeddings")
+# keys that change no leaf but the function the weights compute: resuming must keep them too
+# (a resume continues the same run, and weights trained under one rotary base or norm
+# epsilon compute another function under another; a run that means to change them, as a
+# long-context fine-tune raises rope_theta, starts from the weights, not from a resume)
+MATH_KEYS = ("rope_theta", "norm_eps")
+# leaves whose dim 0 is the vocabulary, padded to a multiple of tp on a mesh (lm_head: the
+# untied LM head, absent when tied)
+VOCAB_LEAVES = ("wte", "lm_head")
+
+
+def tied_leaves(model: GPTConfig) -> tuple[str, ...]:
+    """Leaves held by both the first and the last pipeline stage (the first one writes them):
+    wte when it is also the LM head, none when the head is its own `lm_head`."""
+    return ("wte",) if model.tie_embeddings else ()
+
+
+def model_value(model: GPTConfig, key: str) -> object:
+    """What a config key means for the parameters: ffn_hidden and n_kv_head resolved (0 is
+    the default, the same tree as that default given), rope_theta only with rotary positions
+    and norm_eps only with RMSNorm (else nothing reads them)."""
+    if key == "ffn_hidden":
+        return model.hidden
+    if key == "n_kv_head":
+        return model.kv_heads
+    if (key == "rope_theta" and model.positions != "rotary") or (key == "norm_eps" and model.norm != "rmsnorm"):
+        return None
+    return getattr(model, key)
 
 
 def gpt_leaves(model: GPTConfig) -> dict[str, LeafDef]:
@@ -42,14 +69,35 @@ def describe_gpt(raw_model: Any) -> tuple[GPTConfig, dict[str, LeafDef]]:
 
 
 def check_model(meta: Meta, model: GPTConfig) -> None:
-    """Raise if the checkpoint's model has other parameter shapes than `model`."""
-    for key in SHAPE_KEYS:
-        have, want = getattr(meta.model, key), getattr(model, key)
+    """Raise if the checkpoint's model has other parameters than `model`, or computes
+    another function with them (`SHAPE_KEYS`, `MATH_KEYS`)."""
+    for key in SHAPE_KEYS + MATH_KEYS:
+        have, want = model_value(meta.model, key), model_value(model, key)
         if have != want:
             raise CheckpointError(
                 f"{meta.path}: the checkpoint's model has {key}={have} but this run has {key}={want}: "
                 "resume with the same model config"
             )
+
+
+def gpt2_differences(model: GPTConfig) -> list[str]:
+    """The parts of `model` that GPT-2's layout (nanoGPT's GPT, transformers'
+    GPT2LMHeadModel) lacks, in words: empty for the GPT-2 kind. What export and
+    `--init-from`, which know only that layout, refuse."""
+    out = []
+    if model.norm != "layernorm":
+        out.append(f"{model.norm} norms")
+    if model.positions != "learned":
+        out.append(f"{model.positions} positions")
+    if model.mlp != "gelu":
+        out.append(f"a {model.mlp} MLP")
+    elif model.hidden != 4 * model.n_embd:
+        out.append(f"an MLP {model.hidden} wide (GPT-2's is 4 x n_embd = {4 * model.n_embd})")
+    if model.kv_heads != model.n_head:
+        out.append(f"{model.kv_heads} kv heads for {model.n_head} query heads")
+    if not model.tie_embeddings:
+        out.append("an untied LM head")
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -76,13 +124,14 @@ def local_paths(model: GPTConfig, layout: StageLayout, pp_rank: int) -> GPT:
     return stage_tree(global_paths(model), layout, pp_rank)
 
 
-def written_leaves(tree: GPT, layout: StageLayout, pp_rank: int) -> Iterator[tuple[str, np.ndarray]]:
+def written_leaves(tree: GPT, model: GPTConfig, layout: StageLayout,
+                   pp_rank: int) -> Iterator[tuple[str, np.ndarray]]:
     """(global path, local array) of each leaf of a pipeline rank's tree that this stage
     writes: a tied copy is written by the first stage only."""
-    owned = layout.owned(pp_rank)
+    owned, tied = layout.owned(pp_rank), tied_leaves(model)
     for local, x in tree_leaves_with_path(tree):
         path = global_path(local, owned)
-        if path in TIED_LEAVES and not layout.is_first(pp_rank):
+        if path in tied and not layout.is_first(pp_rank):
             continue
         yield path, x
 

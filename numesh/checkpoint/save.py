@@ -21,7 +21,6 @@ from numesh.base.errors import CheckpointError
 from numesh.checkpoint.common import TMP_PREFIX, install_dir
 from numesh.checkpoint.format import (
     FORMAT,
-    GROUPS,
     META_FILE,
     STEP_DIR,
     VERSION,
@@ -40,7 +39,7 @@ from numesh.checkpoint.format import (
     writes_leaf,
 )
 from numesh.checkpoint.model import gpt_leaves, written_leaves
-from numesh.checkpoint.state import TrainState
+from numesh.checkpoint.state import TrainState, checkpoint_groups, state_groups
 from numesh.mesh import AXES
 
 LATEST = "latest"
@@ -63,8 +62,8 @@ def rank_blocks(state: TrainState, leaves: dict[str, LeafDef]) -> list[Block]:
     """The blocks of `state` this rank is the first holder of (views of its arrays)."""
     mesh = state.mesh
     out = []
-    for group in GROUPS:
-        for path, x in written_leaves(state.trees[group], state.layout, mesh.index("pp")):
+    for group in state_groups(state.optimizer):
+        for path, x in written_leaves(state.trees[group], state.model, state.layout, mesh.index("pp")):
             leaf = leaves[path]
             if not writes_leaf(leaf.spec, mesh.coords):
                 continue
@@ -97,9 +96,9 @@ def build_meta(state: TrainState, leaves: dict[str, LeafDef], written: list[Writ
         records.setdefault(key, []).append(rec)
         leaf_dtypes[key] = dt
     table = {}
-    for group in GROUPS:
-        for path, leaf in leaves.items():
-            key = f"{group}/{path}"
+    for group, paths in checkpoint_groups(state.optimizer, leaves).items():
+        for path in paths:
+            leaf, key = leaves[path], f"{group}/{path}"
             files = sorted(records.get(key, []), key=lambda r: (r["offset"], r["file"]))
             info = LeafInfo(key, leaf.shape, leaf_dtypes.get(key, state.dtype), tuple(leaf.spec), ())
             table[key] = info.to_json() | {"files": files}
@@ -109,6 +108,7 @@ def build_meta(state: TrainState, leaves: dict[str, LeafDef], written: list[Writ
         "version": VERSION,
         "step": step,
         "opt_step": state.opt_step,
+        "optimizer": state.optimizer,
         "dtype": state.dtype,
         "mesh": {a: state.mesh.shape[a] for a in AXES},
         "virtual_stages": state.layout.v,
@@ -161,17 +161,17 @@ def save_leftover(name: str) -> bool:
     return False
 
 
-def _prepare(ckdir: Path, tmp: Path) -> None:
+def _prepare(ckdir: Path, tmp: Path, groups: tuple[str, ...]) -> None:
     ckdir.mkdir(parents=True, exist_ok=True)
     for p in ckdir.iterdir():  # leftovers of killed saves
         if save_leftover(p.name) and p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
-    for group in GROUPS:
+    for group in groups:
         (tmp / group).mkdir(parents=True)
 
 
 def save_checkpoint(state: TrainState, out_dir: str | Path, keep: int | None = None) -> Path:
-    """Write `state` (parameters, AdamW moments, step) to OUT/ckpt/step_NNNNNN and point
+    """Write `state` (parameters, optimiser state, step) to OUT/ckpt/step_NNNNNN and point
     OUT/ckpt/latest at it; keep only the `keep` newest step dirs if given (> 0).
 
     Collective over the state's mesh: every rank writes its own blocks, nobody gathers
@@ -196,7 +196,7 @@ def prepare_save(state: TrainState, out_dir: str | Path) -> tuple[Path, Path]:
     err = None
     if comm.Get_rank() == 0:
         try:
-            _prepare(ckdir, tmp)
+            _prepare(ckdir, tmp, state_groups(state.optimizer))
         except OSError as e:
             err = f"cannot create checkpoint directory {tmp}: {e}"
     err = comm.bcast(err, root=0)

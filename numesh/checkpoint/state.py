@@ -11,42 +11,62 @@ from typing import Any, Mapping
 
 import attrs
 
-from numesh.checkpoint.format import GROUPS
+from numesh.checkpoint.format import LEGACY_OPTIMIZER, PARAMS, LeafDef
 from numesh.mesh import Mesh
 from numesh.nn.gpt import GPT, GPTConfig
+from numesh.optim.interface import Leaf
+from numesh.optim.registry import OPTIMIZERS
 from numesh.pipeline.stages import StageLayout
 
 
-def _check_groups(_inst: Any, _attr: Any, trees: Mapping[str, GPT]) -> None:
-    if set(trees) != set(GROUPS):
-        raise ValueError(f"a TrainState needs the trees {', '.join(GROUPS)}, got {', '.join(sorted(trees))}")
+def checkpoint_groups(optimizer: str, defs: Mapping[str, LeafDef]) -> dict[str, tuple[str, ...]]:
+    """"params" (every leaf) and each state name of `optimizer` -> the paths of the leaves
+    it holds, in the table's order (`Optimizer.groups` on the global leaves; the format's
+    `Groups`). KeyError for an optimiser this numesh does not know."""
+    opt = OPTIMIZERS[optimizer]({})  # which rule a leaf gets depends on no hyper-parameter
+    return opt.groups({path: Leaf(path, d.shape, d.spec) for path, d in defs.items()})
+
+
+def state_groups(optimizer: str) -> tuple[str, ...]:
+    """The groups a checkpoint of a run with `optimizer` holds: "params" and its state names."""
+    return (PARAMS, *OPTIMIZERS[optimizer]({}).state_names)
 
 
 @attrs.frozen(eq=False)
 class TrainState:
     """One rank's part of a training run at a step boundary, as a checkpoint stores it.
 
-    `trees` are {"params", "m", "v"}: this rank's tp-local, pipeline-stage trees (laid out
-    as `stage_tree` cuts them for `layout`), whole over dp. The data position and every
-    random draw are pure functions of (seed, step), so `seed` and `step` restore them."""
+    `trees` are "params" and the optimiser's state names (`state_groups`): this rank's
+    tp-local, pipeline-stage trees (laid out as `stage_tree` cuts them for `layout`), whole
+    over dp; a state tree holds the leaves of the rule that keeps that state, None
+    elsewhere. The data position and every random draw are pure functions of (seed, step),
+    so `seed` and `step` restore them."""
 
     mesh: Mesh
     model: GPTConfig
     layout: StageLayout  # pp ranks x v chunks per rank
-    trees: Mapping[str, GPT] = attrs.field(validator=_check_groups)
+    trees: Mapping[str, GPT]
     step: int = attrs.field(converter=int)  # optimiser steps taken = the next step to run
     opt_step: int = attrs.field(converter=int)  # the optimiser's own count (AdamW bias correction)
     dtype: str = "float32"  # "float32" or "float64"
     seed: int | None = None
     run_config: dict[str, Any] | None = None  # meta.json "train": the run's whole config
     tokenizer: dict[str, Any] | None = None  # meta.json "tokenizer" (the dataset tokenizer's to_meta())
+    optimizer: str = LEGACY_OPTIMIZER  # meta.json "optimizer"
+
+    def __attrs_post_init__(self) -> None:
+        want = state_groups(self.optimizer)
+        if set(self.trees) != set(want):
+            raise ValueError(f"a TrainState of {self.optimizer} needs the trees {', '.join(want)}, "
+                             f"got {', '.join(sorted(self.trees))}")
 
 
 @attrs.frozen(eq=False)
 class LocalState:
     """What loading a checkpoint gives one rank: trees shaped like `TrainState.trees` (in
-    the run's dtype and layout), the step to continue from and the optimiser's step."""
+    the run's dtype and layout), the step to continue from, the optimiser's step and name."""
 
     trees: dict[str, GPT]
     step: int
     opt_step: int
+    optimizer: str = LEGACY_OPTIMIZER

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-import inspect
 import sys
+
+import numesh  # noqa: F401  (first: it sets up OpenBLAS before numpy loads it)
+from numesh.host.startup_signals import catch_for_command
+
+# `numesh train`: a preemption signal during the imports below (numba's kernels, MPI) and the
+# rest of start-up is kept for the training loop, not lost (numesh/host/startup_signals.py)
+catch_for_command(sys.argv)
+
+import inspect  # after the line above, which must run first
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import attrs
 import typer
 from typer.core import TyperCommand
-
-import numesh  # noqa: F401  (first: it sets up OpenBLAS before numpy loads it)
 
 if TYPE_CHECKING:
     from numesh.run.config import TrainConfig
@@ -134,7 +140,11 @@ def data_bpe(
     overwrite: bool = typer.Option(False, "--overwrite", help=_OVERWRITE_HELP),
 ) -> None:
     """Train a byte-level BPE on a corpus (deterministic for the same inputs and size), then
-    tokenise the corpus with it into token shards: documents end with <|endoftext|>."""
+    tokenise the corpus with it into token shards: documents end with <|endoftext|>.
+
+    Long text reaches the tokenizer in pieces cut between words, and a run of more than
+    1,000 characters without whitespace (minified code, base64) is cut into 1,000-character
+    words, so a huge unbroken line costs time and memory in proportion to its length."""
     from numesh.cli.dataset import download_bar
     from numesh.data.corpus import Reading
     from numesh.data.sharded import prepare_bpe
@@ -151,10 +161,12 @@ def data_bpe(
 
 @data_app.command("tokenize")
 def data_tokenize(
-    tokenizer: Path = typer.Option(..., help="a Hugging Face tokenizer.json (GPT-2's, or one `numesh data bpe` wrote)"),
+    tokenizer: Path = typer.Option(..., help="a Hugging Face tokenizer.json (GPT-2's, or one `numesh data bpe` wrote), "
+                                   "or a transformers model's directory holding one (its model's tokenizer)"),
     src: list[str] = typer.Option(..., help=_SRC_HELP, metavar="PATH"),
     out: Path = typer.Option(..., help="output directory: a copy of the tokenizer, the token shards, meta.json"),
-    eot: str = typer.Option("<|endoftext|>", help="the tokenizer's end-of-text token, put after each document"),
+    eot: Optional[str] = typer.Option(None, help="the tokenizer's end-of-text token, put after each document",
+                                      show_default="a model directory's eos_token, else <|endoftext|>"),
     split_on: Optional[str] = typer.Option(None, help=_SPLIT_HELP),
     text_field: str = typer.Option("text", help="the field holding the text in .jsonl and .parquet files"),
     val_fraction: float = typer.Option(0.1, help="share of the documents that go to the val split"),
@@ -169,7 +181,7 @@ def data_tokenize(
     def go() -> None:
         tok = HFTokenizer.from_file(tokenizer, eot)
         how = Reading(split_on, text_field)
-        again = rebuild_command(src, how, val_fraction, tokenizer=tokenizer, eot=eot)
+        again = rebuild_command(src, how, val_fraction, tokenizer=tokenizer, eot=tok.eot)
         with download_bar("tokenising") as progress:
             summary = prepare_tokenized(src, tok, out, how, val_fraction, progress, overwrite, again)
         _tokenized(summary, out, "wrote")
@@ -201,7 +213,8 @@ def _train_signature() -> inspect.Signature:
             inspect.Parameter.KEYWORD_ONLY,
             default=typer.Option(None, "--model", "--preset",
                                  help="a model preset's shape, e.g. gpt2 (12 layers x 768, 12 heads, block 1024, "
-                                 "biases); the vocabulary is --data's, options given override it"),
+                                 "biases) or smollm2-135m (Llama: 30 x 576, 9 heads, 3 kv heads, SwiGLU 1536); "
+                                 "the vocabulary is --data's, options given override it"),
             annotation=Optional[str],
         ),
     ]
@@ -228,8 +241,7 @@ def _with_preset(options: dict[str, Any], name: str | None) -> dict[str, Any]:
         return options
     from numesh.plan.presets import preset
 
-    p = preset(name)
-    shape = dict(n_layer=p.n_layer, n_head=p.n_head, n_embd=p.n_embd, block_size=p.block_size, bias=True)
+    shape = preset(name).model_options()
     return {**options, **{k: v for k, v in shape.items() if options.get(k) is None}}
 
 
@@ -251,6 +263,7 @@ def train_cmd(**options: Any) -> None:
 
         from numesh.cli.dataset import ensure_run_dataset
         from numesh.host.runtime import configure_process, is_root, log
+        from numesh.host.startup_signals import parse_signals, settle
         from numesh.plan.auto import auto_layout
         from numesh.plan.fits import check_run_fits
         from numesh.run.config import check_options
@@ -259,6 +272,7 @@ def train_cmd(**options: Any) -> None:
         configure_process()
         cfg = train_config(options)
         check_options(cfg, MPI.COMM_WORLD.Get_size())  # before a download: bad options are one line at once
+        settle(parse_signals(cfg.save_on_signal))  # a --config file may name other signals than the command line
         # the default dataset is prepared on rank 0 if missing (download or offline fallback)
         ensure_run_dataset(cfg.data)
         cfg = auto_layout(cfg, log=log)  # --mesh auto: the planner's layout for these ranks
@@ -286,9 +300,8 @@ _PLAN_OPTIONS = [
     ("ranks", Optional[int], typer.Option(None, "--ranks",
                                           help="ranks to plan for (every dp x cp x tp x pp layout of them)")),
     ("model_preset", Optional[str], typer.Option(None, "--model", "--preset", help="a model preset (gpt2, gpt2-medium, "
-     "gpt2-large, "
-     "gpt2-xl, gpt3-125m, gpt3-1.3b, gpt3-13b, gpt3-175b, megatron-18b, megatron-146b, megatron-1t); "
-     "options given override it")),
+     "gpt2-large, gpt2-xl, gpt3-125m, gpt3-1.3b, gpt3-13b, gpt3-175b, megatron-18b, megatron-146b, megatron-1t, "
+     "smollm2-135m, llama3-8b, llama3-70b, llama3-405b); options given override it")),
     ("vocab_size", Optional[int], typer.Option(None, "--vocab-size",
                                                help="vocabulary  [default: the preset's, or --data's]")),
     ("memory_per_rank", Optional[str], typer.Option(None, "--memory-per-rank", help="memory of one rank, e.g. 8GiB  "
@@ -403,7 +416,8 @@ def moe_progress(info: dict) -> str:
 @app.command("sample", cls=_Command)
 def sample_cmd(
     ckpt: Path = typer.Option(
-        ..., help="checkpoint directory (e.g. runs/x/ckpt/latest) or a `numesh export`ed .safetensors file"
+        ..., help="checkpoint directory (e.g. runs/x/ckpt/latest), a `numesh export`ed .safetensors file, or a "
+        "transformers model directory (Llama, Mistral, Mixtral, GPT-2)"
     ),
     prompt: str = typer.Option("\n", help="text to continue", show_default="a newline"),
     max_new_tokens: int = typer.Option(500, help="tokens to generate"),
@@ -455,7 +469,8 @@ def export_cmd(
                                 show_default=False),
     out: str = typer.Option(..., help="output: a .safetensors file (nanogpt) or a directory (hf)", metavar="<path>"),
     format: str = typer.Option("nanogpt", "--format", help="nanogpt: one safetensors file with nanoGPT's names; "
-                               "hf: a Hugging Face transformers directory (GPT-2 architecture)"),
+                               "hf: a Hugging Face transformers directory (GPT-2, or LlamaForCausalLM / "
+                               "MixtralForCausalLM for the Llama kind)"),
     dtype: Optional[str] = typer.Option(None, help="float32 or float64", show_default="the checkpoint's"),
     force: bool = typer.Option(False, "--force", help="overwrite OUT if it exists"),
 ) -> None:

@@ -25,10 +25,11 @@ from numesh.base.files import write_atomic
 from numesh.data import write as dw
 from numesh.data.corpus import Reading, check_unchanged, describe, documents, expand
 from numesh.data.shards import ShardWriter, token_dtype
-from numesh.data.tokenizer import EOT, HFTokenizer, check_bpe_size, train_bpe
+from numesh.data.tokenizer import EOT, HFTokenizer, check_bpe_size, text_pieces, train_bpe
 
 TOKENIZER_FILE = "tokenizer.json"
-BATCH_DOCS = 512  # documents per batch encoding: enough to keep every core busy
+BATCH_DOCS = 512  # documents (or pieces) per batch encoding: enough to keep every core busy
+BATCH_CHARS = 1 << 22  # characters per batch encoding at most: what it holds at once stays bounded
 Progress = Callable[[int, int], None]  # (corpus bytes done, total)
 
 
@@ -246,25 +247,37 @@ def _write_shards(paths: Sequence[Path], files: list[dict[str, Any]], tok: HFTok
 def _tokenize(docs: Iterator[tuple[str, str]], paths: Sequence[Path], tok: HFTokenizer,
               writers: dict[str, ShardWriter], progress: Progress | None) -> dict[str, dict[str, int]]:
     """Stream the (split, document) pairs of the corpus `paths` through `tok` into the
-    writers; each split's documents and bytes."""
+    writers; each split's documents and bytes. A batch holds up to BATCH_DOCS documents
+    or pieces of them (`text_pieces`, for a byte-level tokenizer that cuts between words)
+    and BATCH_CHARS characters, so a 20 MB line costs what 20 MB of short documents do."""
     stats = {s: {"documents": 0, "bytes": 0} for s in writers}
-    total, done, batch = sum(p.stat().st_size for p in paths), 0, []
+    total, done, batch, chars = sum(p.stat().st_size for p in paths), 0, [], 0
+    cut = text_pieces if tok.cuts_between_words else lambda doc: iter((doc,))
 
     def flush() -> None:
-        nonlocal done
-        for (split, doc), ids in zip(batch, tok.encode_batch([doc for _, doc in batch])):
-            writers[split].add(np.append(ids, np.uint32(tok.eot_id)))
-            n = len(doc.encode("utf-8"))
-            stats[split]["documents"] += 1
+        nonlocal done, chars
+        for (split, piece, last), ids in zip(batch, tok.encode_batch([piece for _, piece, _ in batch])):
+            writers[split].add(np.append(ids, np.uint32(tok.eot_id)) if last else ids)
+            n = len(piece.encode("utf-8"))
+            stats[split]["documents"] += int(last)
             stats[split]["bytes"] += n
             done += n
         batch.clear()
+        chars = 0
         if progress is not None:
             progress(min(done, total), total)
 
-    for pair in docs:
-        batch.append(pair)
-        if len(batch) == BATCH_DOCS:
+    for split, doc in docs:
+        pieces = cut(doc)
+        piece = next(pieces)
+        for after in pieces:  # each piece once the next is known: the last one ends the document
+            batch.append((split, piece, False))
+            chars, piece = chars + len(piece), after
+            if len(batch) == BATCH_DOCS or chars >= BATCH_CHARS:
+                flush()
+        batch.append((split, piece, True))
+        chars += len(piece)
+        if len(batch) == BATCH_DOCS or chars >= BATCH_CHARS:
             flush()
     flush()
     return stats

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import attrs
 import numpy as np
@@ -211,11 +212,19 @@ class HFTokenizer:
         object.__setattr__(self, "_tok", tok)
 
     @classmethod
-    def from_file(cls, path: str | Path, eot: str = EOT) -> HFTokenizer:
-        text = read_tokenizer_file(path)
+    def from_file(cls, path: str | Path, eot: str | None = EOT) -> HFTokenizer:
+        """The tokenizer.json at `path`, or in the transformers directory `path` (a model's:
+        `numesh data tokenize --tokenizer DIR`). `eot` None: the directory's end-of-sequence
+        token (`directory_eos`), else `EOT`."""
+        p = Path(path)
+        file = p / "tokenizer.json" if p.is_dir() else p
+        if p.is_dir() and not file.exists():
+            raise DataError(f"{p} has no tokenizer.json: pass a directory holding one (a transformers model's) "
+                            "or the file itself")
+        text = read_tokenizer_file(file)
         if CharTokenizer.from_hf_json(text) is not None:
             raise DataError(char_route(str(path), str(path)))
-        return cls(text, eot)
+        return cls(text, eot if eot is not None else directory_eos(file.parent, text) or EOT)
 
     @property
     def vocab_size(self) -> int:
@@ -231,6 +240,18 @@ class HFTokenizer:
 
     def encode(self, s: str) -> np.ndarray:
         return np.asarray(self._tok.encode(s, add_special_tokens=False).ids, dtype=np.uint32)
+
+    @property
+    def cuts_between_words(self) -> bool:
+        """Whether a text's ids are those of its `text_pieces` one after the other (but for
+        runs longer than MAX_RUN): GPT-2's byte-level pre-tokenisation with no prefix space,
+        no normaliser and no added token but special ones, as `numesh data bpe` writes and
+        GPT-2's own tokenizer is. Others see whole documents."""
+        spec = json.loads(self.json_text)
+        pre = spec.get("pre_tokenizer") or {}
+        return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+                and not pre.get("add_prefix_space", False)
+                and all(t.get("special") for t in spec.get("added_tokens") or []))
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Each document's ids, tokenised in parallel on all cores (`tokenizers`' batch
@@ -257,6 +278,33 @@ class HFTokenizer:
                 "sha256": self.sha256, "json": self.json_text}
 
 
+def directory_eos(directory: Path, json_text: str) -> str | None:
+    """The end-of-sequence token a transformers directory names: tokenizer_config.json's
+    eos_token, else the token of config.json's eos_token_id; None when it names none (or
+    the files are unreadable: the caller's default then applies)."""
+    def read(name: str) -> dict[str, Any]:
+        try:
+            obj = json.loads((directory / name).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return {}
+        return obj if isinstance(obj, dict) else {}
+
+    eos = read("tokenizer_config.json").get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if isinstance(eos, str) and eos:
+        return eos
+    eos_id = read("config.json").get("eos_token_id")
+    eos_id = eos_id[0] if isinstance(eos_id, list) and eos_id else eos_id
+    if isinstance(eos_id, int) and not isinstance(eos_id, bool):
+        from tokenizers import Tokenizer as Raw
+
+        try:
+            return Raw.from_str(json_text).id_to_token(eos_id)
+        except Exception:  # tokenizers raises its own types; HFTokenizer reports a bad file
+            return None
+    return None
+
+
 def check_bpe_size(vocab_size: int) -> None:
     """A DataError when a byte-level BPE cannot have `vocab_size` entries: fewer than its
     256 bytes and end-of-text token, or more than uint32 ids hold."""
@@ -268,11 +316,50 @@ def check_bpe_size(vocab_size: int) -> None:
         raise DataError(f"--vocab-size {vocab_size} does not fit uint32 token ids")
 
 
+MAX_RUN = 1_000  # characters: a longer run without whitespace (or of whitespace alone) is cut into runs this long
+TEXT_PIECE = 1 << 16  # characters: a longer text reaches `tokenizers` in pieces about this long
+_LONG_RUN = re.compile(rf"(?<!\S)\S{{{MAX_RUN + 1},}}|(?<!\s)\s{{{MAX_RUN + 1},}}")
+_RUN_START = re.compile(r"(?<=\S)\s")  # where a run of whitespace starts: GPT-2's pre-tokens never span it
+
+
+def text_pieces(text: str) -> Iterator[str]:
+    """`text` as pieces that bound what `tokenizers` holds at once, whatever the text: cut
+    where a run of whitespace starts, every TEXT_PIECE characters or so, where no
+    pre-token (word) of GPT-2's byte-level pre-tokenisation ever spans (so the words, the
+    BPE trained on them and every id are those of the whole text), and any run of more than
+    MAX_RUN characters without whitespace (or of whitespace only) cut into runs of MAX_RUN.
+    A word is such a run at most, so a 20 MB line without a space, once one 20 MB word,
+    which BPE training merges in time quadratic in its length (hours) and memory many times
+    it (GBs), is 20,000 words of 1,000 characters; no word of a real text is that long."""
+    if len(text) <= TEXT_PIECE:
+        yield text
+        return
+    at = 0
+    for run in _LONG_RUN.finditer(text):
+        yield from _cut_between_words(text[at:run.start()])
+        yield from (text[i:i + MAX_RUN] for i in range(run.start(), run.end(), MAX_RUN))
+        at = run.end()
+    yield from _cut_between_words(text[at:])
+
+
+def _cut_between_words(text: str) -> Iterator[str]:
+    """`text_pieces` of a text with no run longer than MAX_RUN: cut at the last start of a
+    whitespace run before each TEXT_PIECE characters (one lies in any 2·MAX_RUN + 2 of them)."""
+    while len(text) > TEXT_PIECE:
+        cut = TEXT_PIECE
+        for start in _RUN_START.finditer(text, TEXT_PIECE - 2 * MAX_RUN - 2, TEXT_PIECE + 1):
+            cut = start.start()
+        yield text[:cut]
+        text = text[cut:]
+    if text:
+        yield text
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False) -> HFTokenizer:
     """A byte-level BPE (GPT-2's pre-tokenisation and byte alphabet, `EOT` as its one
-    special token) trained on `texts` to `vocab_size` entries, or fewer where the texts
-    hold fewer merges. The same texts in the same order give the same tokenizer.
-    `show_progress`: `tokenizers`' own bars on stderr (drawn on a terminal only)."""
+    special token) trained on `texts` (as `text_pieces`) to `vocab_size` entries, or fewer
+    where the texts hold fewer merges. The same texts in the same order give the same
+    tokenizer. `show_progress`: `tokenizers`' own bars on stderr (drawn on a terminal only)."""
     from tokenizers import Tokenizer as Raw
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -282,7 +369,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=show_progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
+    tok.train_from_iterator((piece for text in texts for piece in text_pieces(text)), trainer)
     return HFTokenizer(tok.to_str(), EOT)
 
 

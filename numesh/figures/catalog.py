@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from numesh.figures import cp_zigzag, mesh_groups, moe_dispatch, pipeline_schedules, zero_memory
+from numesh.figures import cp_zigzag, gqa_heads, mesh_groups, moe_dispatch, pipeline_schedules, zero_memory
 from numesh.figures.style import drawing, save
 
-FIGURES: tuple[ModuleType, ...] = (pipeline_schedules, mesh_groups, cp_zigzag, zero_memory, moe_dispatch)
+FIGURES: tuple[ModuleType, ...] = (pipeline_schedules, mesh_groups, cp_zigzag, zero_memory, moe_dispatch, gqa_heads)
 DEFAULT_OUT = Path("docs/img")
 
 

@@ -44,37 +44,14 @@ from typing import Iterator
 import numpy as np
 from mpi4py import MPI
 
-from numesh.base.errors import ConfigError, Interrupted, abort_job
+from numesh.base.errors import Interrupted, abort_job
+from numesh.host import startup_signals
+from numesh.host.startup_signals import signal_name
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# what --save-on-signal may name: the signals schedulers send ahead of a kill (Slurm's
-# --signal, PBS/LSF's warnings), and Ctrl-C's
-SAVE_SIGNALS = ("HUP", "INT", "QUIT", "TERM", "USR1", "USR2", "XCPU")
 GRACE_S = 5.0  # to finish the step in progress and agree (at least: twice the longest step if that is longer)
 SAVE_GRACE_S = 120.0  # to write the interrupted step's checkpoint
 REPEAT_S = 0.5  # signals this close to the first one are the same Ctrl-C
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def parse_signals(text: str) -> tuple[int, ...]:
-    """Signal numbers of a comma-separated list of names ("TERM,USR1", "SIGUSR1"; any case);
-    "" and "none" are none. A name outside SAVE_SIGNALS is a ConfigError."""
-    if text.strip().lower() in ("", "none"):
-        return ()
-    out = []
-    for part in text.split(","):
-        name = part.strip().upper().removeprefix("SIG")
-        if name not in SAVE_SIGNALS:
-            raise ConfigError(f"--save-on-signal: {part.strip()!r} is not one of {', '.join(SAVE_SIGNALS)} "
-                              "(comma-separated), or none")
-        out.append(int(getattr(signal, f"SIG{name}")))
-    return tuple(dict.fromkeys(out))
 
 
 class InterruptWatch:
@@ -121,6 +98,8 @@ class InterruptWatch:
         self._old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         for s in self.signals:
             self._old[s] = signal.signal(s, self._handler)
+        if (early := startup_signals.take()) in self.signals:
+            self._got(early)  # it came during start-up (numesh/host/startup_signals.py): as if it came now
         self._thread = threading.Thread(target=self._watch, name="numesh-interrupt-watch", daemon=True)
         self._thread.start()
         return self

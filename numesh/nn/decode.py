@@ -13,13 +13,14 @@ from numesh.base.errors import ConfigError
 from numesh.mesh import Mesh, all_gather
 from numesh.nn.attention import attend_fwd
 from numesh.nn.gpt import GPT, GPTConfig
-from numesh.nn.layers import layernorm_fwd
-from numesh.nn.transformer import block_fwd, embed_fwd, local_heads
+from numesh.nn.parts import local_kv_heads, norm_fwd
+from numesh.nn.transformer import block_fwd, embed_fwd, head_weight
 
 
 @attrs.define
 class KVCache:
-    """Per layer, keys and values [B, n_local_heads, block_size, hs] of the positions seen so far."""
+    """Per layer, keys and values [B, kv heads read on this tp rank, block_size, hs] of the
+    positions seen so far (grouped-query attention keeps only its kv heads)."""
 
     k: list[np.ndarray]
     v: list[np.ndarray]
@@ -29,8 +30,8 @@ class KVCache:
 def new_kv_cache(cfg: GPTConfig, mesh: Mesh, batch: int, dtype) -> KVCache:
     if mesh.sequence_parallel:  # a step decodes one token: there is no sequence to split
         raise ConfigError("generation does not use sequence parallelism: make its mesh without sequence_parallel")
-    nh, hs, _ = local_heads(cfg, mesh)
-    shape = (batch, nh, cfg.block_size, hs)
+    kv = local_kv_heads(cfg, mesh)
+    shape = (batch, kv.stop - kv.start, cfg.block_size, cfg.head_size)
     return KVCache([np.zeros(shape, dtype) for _ in range(cfg.n_layer)],
                    [np.zeros(shape, dtype) for _ in range(cfg.n_layer)])
 
@@ -54,9 +55,9 @@ class CachedAttention:
 
 def _logits(params: GPT, x: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> np.ndarray:
     """Full-vocabulary logits [B, V] of the last position of x [B, T, C]: the final norm, the
-    tied vocab-parallel head, its shards gathered over tp."""
-    xf, _ = layernorm_fwd(params.ln_f, x[:, -1])
-    return all_gather(xf @ params.wte.T, mesh, "tp", dim=1)[:, : cfg.vocab_size]  # [B, V]
+    vocab-parallel head, its shards gathered over tp."""
+    xf, _ = norm_fwd(params.ln_f, x[:, -1], cfg.norm_eps)
+    return all_gather(xf @ head_weight(params).T, mesh, "tp", dim=1)[:, : cfg.vocab_size]  # [B, V]
 
 
 def logits_cached(params: GPT, idx: np.ndarray, cache: KVCache, cfg: GPTConfig, mesh: Mesh) -> np.ndarray:

@@ -1,4 +1,9 @@
-"""The GPT model (nanoGPT's architecture): its config, parameter tree, specs and init.
+"""The model: its config (an architecture's parts as data), parameter tree, specs and init.
+
+One code path serves every kind: a config names its parts (the norm, the positions, the
+MLP, the key/value heads, a tied or untied head) and the tree holds the leaves those parts
+need; `ARCHS` names the kinds (GPT-2's parts, Llama's). docs/design.md says where a third
+kind's part goes.
 
 Parameters are stored as this rank's shards of the global arrays; `gpt_specs` says how.
 The forward and backward math is in `numesh.nn.transformer`, the walk over a pipeline
@@ -20,8 +25,26 @@ from numesh.base.errors import ConfigError
 from numesh.base.padding import padded_vocab
 from numesh.base.tree import tree_map, tree_map_with_path
 from numesh.mesh import Mesh, P, shard
-from numesh.nn.layers import LayerNorm, Linear
+from numesh.nn.layers import LN_EPS, LayerNorm, Linear, RMSNorm
 from numesh.nn.moe import MoE, MoEConfig
+
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rotary")
+MLPS = ("gelu", "swiglu")
+
+# The kinds: each a set of part values (`numesh train --arch NAME`; an option given
+# explicitly wins over its kind's value). GPT-2: LayerNorm, learned positions, a GELU MLP,
+# the LM head tied to the embedding. Llama: RMSNorm, rotary positions, SwiGLU, an untied head.
+ARCHS: dict[str, dict[str, object]] = {
+    "gpt2": dict(norm="layernorm", positions="learned", mlp="gelu", tie_embeddings=True),
+    "llama": dict(norm="rmsnorm", positions="rotary", mlp="swiglu", tie_embeddings=False),
+}
+
+
+def swiglu_hidden(n_embd: int) -> int:
+    """SwiGLU's default hidden size: 8C/3 (the GELU MLP's 4C parameters in three matrices, as
+    Llama sizes it) rounded up to a multiple of 32."""
+    return -(-(8 * n_embd // 3) // 32) * 32
 
 
 @attrs.frozen
@@ -45,6 +68,17 @@ class GPTConfig:
         moe_aux_coef: the load-balancing loss's coefficient.
         moe_z_coef: the router z-loss's coefficient.
         moe_capacity_factor: each expert's capacity per sequence; 0 = dropless.
+        norm: "layernorm" (GPT-2) or "rmsnorm" (Llama), before attention, the MLP and the head.
+        norm_eps: the norm's epsilon (LayerNorm's is fixed at `LN_EPS` by its fused kernel).
+        positions: "learned" (a `wpe` table of block_size rows) or "rotary" (RoPE on q and k,
+            transformers' rotate-half layout, `numesh.nn.rotary`).
+        rope_theta: the rotary base.
+        mlp: "gelu" (fc, GELU, proj) or "swiglu" (silu(gate) * up, then proj), also each
+            expert's MLP in an MoE block.
+        ffn_hidden: the MLP's hidden size F; 0 = 4C for GELU, `swiglu_hidden(C)` for SwiGLU.
+        n_kv_head: key/value heads (grouped-query attention: each serves n_head / n_kv_head
+            query heads); 0 = n_head. With fewer than n_head, q, k and v are separate Linears.
+        tie_embeddings: the LM head is the token embedding (else its own vocab-parallel `lm_head`).
     """
 
     vocab_size: int = 65
@@ -60,13 +94,42 @@ class GPTConfig:
     moe_aux_coef: float = 1e-2
     moe_z_coef: float = 0.0
     moe_capacity_factor: float = 0.0
+    norm: str = "layernorm"
+    norm_eps: float = LN_EPS
+    positions: str = "learned"
+    rope_theta: float = 10000.0
+    mlp: str = "gelu"
+    ffn_hidden: int = 0
+    n_kv_head: int = 0
+    tie_embeddings: bool = True
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (n_head without grouped-query attention)."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def hidden(self) -> int:
+        """The MLP's (and each expert's) hidden size F."""
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return 4 * self.n_embd if self.mlp == "gelu" else swiglu_hidden(self.n_embd)
+
+    @property
+    def fused_qkv(self) -> bool:
+        """q, k and v in one Linear [C, 3, C] (every head its own k and v), else three."""
+        return self.kv_heads == self.n_head
 
     def moe(self, layer: int) -> MoEConfig | None:
         """Block `layer`'s MoE settings, or None where its MLP is dense."""
         if self.moe_experts == 0 or layer % self.moe_every:
             return None
         return MoEConfig(self.moe_experts, self.moe_top_k, self.moe_aux_coef, self.moe_z_coef,
-                         self.moe_capacity_factor)
+                         self.moe_capacity_factor, gated=self.mlp == "swiglu")
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -91,11 +154,38 @@ class GPTConfig:
             raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}: change one of them")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        self._validate_parts()
         if self.n_head % tp:
             raise ConfigError(f"n_head={self.n_head} is not divisible by tp={tp}: use a tp that divides the heads")
-        if (4 * self.n_embd) % tp:
-            raise ConfigError(f"4*n_embd={4 * self.n_embd} is not divisible by tp={tp}: use a tp that divides it")
+        kv = self.kv_heads
+        if kv % tp and tp % kv:
+            raise ConfigError(f"tp={tp} splits the {kv} kv heads' query groups across ranks: use a tp that divides "
+                              f"n_kv_head={kv} or a multiple of it that divides n_head={self.n_head}")
+        if self.hidden % tp:
+            raise ConfigError(f"the MLP's hidden size {self.hidden} is not divisible by tp={tp}: "
+                              f"use a tp that divides it or set --ffn-hidden")
         self._validate_moe(tp)
+
+    def _validate_parts(self) -> None:
+        """The architecture's parts (norm, positions, MLP, kv heads)."""
+        for name, allowed in (("norm", NORMS), ("positions", POSITIONS), ("mlp", MLPS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, got '{getattr(self, name)}'")
+        if not self.norm_eps > 0:
+            raise ConfigError(f"norm_eps must be > 0, got {self.norm_eps}")
+        if self.norm == "layernorm" and self.norm_eps != LN_EPS:
+            raise ConfigError(f"LayerNorm's epsilon is {LN_EPS} (fixed in its fused kernel), got --norm-eps "
+                              f"{self.norm_eps}: keep {LN_EPS} or use --norm rmsnorm")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.positions == "rotary" and self.head_size % 2:
+            raise ConfigError(f"rotary positions rotate pairs: the head size n_embd/n_head={self.head_size} must "
+                              "be even")
+        if self.ffn_hidden < 0:
+            raise ConfigError(f"ffn_hidden must be >= 0 (0 = the MLP's default), got {self.ffn_hidden}")
+        if self.n_kv_head < 0 or self.n_head % self.kv_heads:
+            raise ConfigError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} "
+                              "(each kv head serves a group of query heads; 0 = n_head)")
 
     def _validate_moe(self, tp: int) -> None:
         """The mixture-of-experts settings."""
@@ -128,32 +218,56 @@ class Attention:
 
 
 @attrs.frozen
-class MLP:
-    """The dense MLP's parameters (GELU between two Linears), split over tp as Megatron does.
+class GQAttention:
+    """Grouped-query attention's parameters: n_head query heads, n_kv_head key/value heads.
 
     Attributes:
-        fc: w [C, 4C], column-parallel.
-        proj: w [4C, C], row-parallel.
+        q: w [C, n_head*hs], column-parallel: each tp rank owns whole query heads.
+        k: w [C, n_kv_head*hs], replicated over tp: each rank computes only the kv heads its
+            query heads read, and the ranks' gradients (zero off those heads) are summed over
+            tp (`tp_partial`). One spec for every tp, so a checkpoint reshards to any tp, and
+            tp may exceed n_kv_head.
+        v: w [C, n_kv_head*hs], as k.
+        proj: w [C, C], row-parallel.
     """
 
-    fc: Linear
+    q: Linear
+    k: Linear
+    v: Linear
     proj: Linear
 
 
 @attrs.frozen
-class Block:
-    """One pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)).
+class MLP:
+    """The dense MLP's parameters, split over tp as Megatron does: proj(act(fc(x))) with
+    GELU, or proj(silu(gate(x)) * fc(x)) with SwiGLU (fc is then Llama's up_proj).
 
     Attributes:
-        ln1: the LayerNorm before attention.
-        attn: the attention's Linears.
-        ln2: the LayerNorm before the MLP.
+        fc: w [C, F], column-parallel.
+        proj: w [F, C], row-parallel.
+        gate: w [C, F], column-parallel (SwiGLU only, else None): kept apart from fc so a
+            checkpoint reshards to any tp.
+    """
+
+    fc: Linear
+    proj: Linear
+    gate: Linear | None = None
+
+
+@attrs.frozen
+class Block:
+    """One pre-norm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)).
+
+    Attributes:
+        ln1: the norm before attention.
+        attn: the attention's Linears (fused QKV, or GQA's separate q, k, v).
+        ln2: the norm before the MLP.
         mlp: a dense `MLP`, or an `MoE` in the blocks `GPTConfig.moe` names.
     """
 
-    ln1: LayerNorm
-    attn: Attention
-    ln2: LayerNorm
+    ln1: LayerNorm | RMSNorm
+    attn: Attention | GQAttention
+    ln2: LayerNorm | RMSNorm
     mlp: MLP | MoE
 
 
@@ -165,23 +279,26 @@ class GPT:
     (`numesh.pipeline.stages.stage_tree`).
 
     Attributes:
-        wte: [V_padded, C] token embedding, vocab-parallel over tp; tied to the LM head.
-        wpe: [block_size, C] position embedding.
+        wte: [V_padded, C] token embedding, vocab-parallel over tp; the LM head too when tied.
+        wpe: [block_size, C] position embedding; None with rotary positions.
         blocks: the transformer blocks, in order.
-        ln_f: the final LayerNorm before the LM head.
+        ln_f: the final norm before the LM head.
+        lm_head: [V_padded, C] the untied LM head, vocab-parallel over tp; None when tied.
     """
 
     wte: np.ndarray
-    wpe: np.ndarray
+    wpe: np.ndarray | None
     blocks: tuple[Block, ...]
-    ln_f: LayerNorm
+    ln_f: LayerNorm | RMSNorm
+    lm_head: np.ndarray | None = None
 
 
 # The outer unit: every part of the model but its blocks, and which pipeline stage holds
-# each ("first": beside the embedding, "last": beside the loss; the tied wte is on both, its
-# two gradients summed over pp). A new outer part (an untied LM head, say) is one entry
-# here: stage trees, their gathering and the sum of stage gradients follow it.
-OUTER_STAGES: dict[str, tuple[str, ...]] = {"wte": ("first", "last"), "wpe": ("first",), "ln_f": ("last",)}
+# each ("first": beside the embedding, "last": beside the loss; a tied wte is on both, its
+# two gradients summed over pp, an untied one only on the first). A new outer part is one
+# entry here: stage trees, their gathering and the sum of stage gradients follow it.
+OUTER_STAGES: dict[str, tuple[str, ...]] = {"wte": ("first", "last"), "wpe": ("first",), "ln_f": ("last",),
+                                            "lm_head": ("last",)}
 
 
 def outer_parts() -> tuple[str, ...]:
@@ -195,10 +312,18 @@ def empty_outer() -> GPT:
     return GPT(blocks=(), **{name: None for name in outer_parts()})
 
 
-def outer_held(name: str, first: bool, last: bool) -> bool:
-    """Whether a pipeline stage (the first, the last, or both) holds outer part `name`."""
+def outer_held(name: str, first: bool, last: bool, tied: bool = True) -> bool:
+    """Whether a pipeline stage (the first, the last, or both) holds outer part `name`;
+    `tied`: the model's LM head is its wte (the last stage then holds wte too)."""
     stages = OUTER_STAGES[name]
+    if name == "wte" and not tied:
+        stages = ("first",)
     return (first and "first" in stages) or (last and "last" in stages)
+
+
+def is_tied(tree: GPT) -> bool:
+    """Whether a whole-model tree (params, specs, shapes) ties its LM head to wte."""
+    return tree.lm_head is None
 
 
 class _Leaf:
@@ -211,42 +336,50 @@ class _Leaf:
 
 
 def _layout(cfg: GPTConfig, tp: int) -> GPT:
-    C, H = cfg.n_embd, 4 * cfg.n_embd
+    C, H = cfg.n_embd, cfg.hidden
     col, row = P(None, "tp"), P("tp", None)
+    gated = cfg.mlp == "swiglu"
 
     def lin(init: str, shape: tuple[int, ...], spec: P, bshape: tuple[int, ...], bspec: P) -> Linear:
         return Linear(_Leaf(init, shape, spec), _Leaf("zeros", bshape, bspec) if cfg.bias else None)
 
-    def ln() -> LayerNorm:
+    def norm() -> LayerNorm | RMSNorm:
+        if cfg.norm == "rmsnorm":
+            return RMSNorm(_Leaf("ones", (C,), P()))
         return LayerNorm(_Leaf("ones", (C,), P()), _Leaf("zeros", (C,), P()) if cfg.bias else None)
 
     def mlp(layer: int) -> MLP | MoE:
         if (moe := cfg.moe(layer)) is None:
-            return MLP(fc=lin("normal", (C, H), col, (H,), P("tp")), proj=lin("residual", (H, C), row, (C,), P()))
+            return MLP(fc=lin("normal", (C, H), col, (H,), P("tp")), proj=lin("residual", (H, C), row, (C,), P()),
+                       gate=lin("normal", (C, H), col, (H,), P("tp")) if gated else None)
         # ep rank r holds experts r*E/ep ... (r+1)*E/ep - 1, each tp-split like the dense MLP
         # (column- then row-parallel); the router is replicated. Checkpoints hold whole
         # [E, ...] arrays, whatever the mesh
         E = moe.experts
+        expert_in = P("ep", None, "tp"), (E, H), P("ep", "tp")
         return MoE(router=Linear(_Leaf("normal", (C, E), P())),
-                   fc=lin("normal", (E, C, H), P("ep", None, "tp"), (E, H), P("ep", "tp")),
-                   proj=lin("residual", (E, H, C), P("ep", "tp", None), (E, C), P("ep", None)))
+                   fc=lin("normal", (E, C, H), *expert_in),
+                   proj=lin("residual", (E, H, C), P("ep", "tp", None), (E, C), P("ep", None)),
+                   gate=lin("normal", (E, C, H), *expert_in) if gated else None)
+
+    def attention() -> Attention | GQAttention:
+        proj = lin("residual", (C, C), row, (C,), P())
+        if cfg.fused_qkv:
+            return Attention(qkv=lin("normal", (C, 3, C), P(None, None, "tp"), (3, C), P(None, "tp")), proj=proj)
+        kv = cfg.kv_heads * cfg.head_size  # k and v replicated over tp (`GQAttention`)
+        return GQAttention(q=lin("normal", (C, C), col, (C,), P("tp")), k=lin("normal", (C, kv), P(), (kv,), P()),
+                           v=lin("normal", (C, kv), P(), (kv,), P()), proj=proj)
 
     def block(layer: int) -> Block:
-        return Block(
-            ln1=ln(),
-            attn=Attention(
-                qkv=lin("normal", (C, 3, C), P(None, None, "tp"), (3, C), P(None, "tp")),
-                proj=lin("residual", (C, C), row, (C,), P()),
-            ),
-            ln2=ln(),
-            mlp=mlp(layer),
-        )
+        return Block(ln1=norm(), attn=attention(), ln2=norm(), mlp=mlp(layer))
 
+    vocab = _Leaf("embedding", (cfg.padded_vocab(tp), C), P("tp", None))
     return GPT(
-        wte=_Leaf("embedding", (cfg.padded_vocab(tp), C), P("tp", None)),
-        wpe=_Leaf("normal", (cfg.block_size, C), P()),
+        wte=vocab,
+        wpe=_Leaf("normal", (cfg.block_size, C), P()) if cfg.positions == "learned" else None,
         blocks=tuple(block(i) for i in range(cfg.n_layer)),
-        ln_f=ln(),
+        ln_f=norm(),
+        lm_head=None if cfg.tie_embeddings else vocab,
     )
 
 

@@ -5,9 +5,11 @@ where `dparams` has the parameters' own attrs class. Linear layers also expose t
 input-grad and weight-grad halves separately (`linear_bwd_input`, `linear_bwd_weight`),
 which is what lets a zero-bubble pipeline schedule defer the weight half.
 
-LayerNorm, RMSNorm, GELU and SwiGLU run as fused kernels (numesh/host/kernels.py) when
-numba is installed; the `*_reference` functions are the plain NumPy versions, the readable
-definition that the kernels are tested against. Attention has its own module (numesh/nn/attention.py).
+LayerNorm, GELU and SwiGLU's forward run as fused kernels (numesh/host/kernels.py) when
+numba is installed, and so do RMSNorm, SwiGLU's backward and rotary positions
+(numesh/host/llama_kernels.py); the `*_reference` functions are the plain NumPy versions,
+the readable definition that the kernels are tested against. Attention has its own module
+(numesh/nn/attention.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import attrs
 import numpy as np
 
 from numesh.host import kernels as K
-from numesh.host.threads import matmul, over_rows, token_sum
+from numesh.host import llama_kernels as LK
+from numesh.host.threads import cores, matmul, over_rows, tiles, token_sum, tree_sum
 
 LN_EPS = 1e-5
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -138,32 +141,43 @@ def layernorm_bwd_reference(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray],
 
 def rmsnorm_fwd(p: RMSNorm, x: np.ndarray, eps: float) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """RMSNorm over the last dim, y = x * rstd * w with rstd = 1/sqrt(mean(x^2) + eps); the
-    context is (xhat = x * rstd, rstd [..., 1])."""
+    context is (xhat = x * rstd, rstd [..., 1]). One kernel pass per row, rows over the threads."""
     if not K.enabled():
         return rmsnorm_fwd_reference(p, x, eps)
     x = np.ascontiguousarray(x)
     y, xhat = np.empty_like(x), np.empty_like(x)
     rstd = np.empty((*x.shape[:-1], 1), x.dtype)
-    K.rmsnorm_fwd(_rows(x), p.w, float(eps), _rows(y), _rows(xhat), rstd.reshape(-1))
+    x2, y2, xh2, r2 = _rows(x), _rows(y), _rows(xhat), rstd.reshape(-1)
+    over_rows(lambda r: LK.rmsnorm_fwd(x2[r], p.w, eps, y2[r], xh2[r], r2[r]), x2.shape[0],
+              _chunk_rows(x2.shape[1]))
     return y, (xhat, rstd)
 
 
 def rmsnorm_bwd(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, RMSNorm]:
     """dx = rstd * (dxhat - xhat * mean(dxhat * xhat)) with dxhat = dy * w; dw sums dy * xhat
-    over tokens (`token_sum`, as LayerNorm's)."""
+    over tokens: within each `token_sum` piece over fixed row tiles (`tiles`, a function of
+    the shape and the cores, never of the threads), the tiles' float64 sums added in one
+    pairwise tree (`tree_sum`), so the rows spread over the threads and the bits do not."""
     if not K.enabled():
         return rmsnorm_bwd_reference(p, ctx, dy)
-    xhat, rstd = ctx
+    xhat, rstd = (np.ascontiguousarray(a) for a in ctx)
     dy = np.ascontiguousarray(dy)
     dx = np.empty_like(dy)
-    dy2, xh2, rstd2, dx2 = _rows(dy), _rows(xhat), rstd.reshape(-1), _rows(dx)
+    dy2, xh2, r2, dx2 = _rows(dy), _rows(xhat), rstd.reshape(-1), _rows(dx)
+    c = dy2.shape[1]
 
-    def rows(r: slice) -> np.ndarray:  # dx of these rows; their dw
-        dw = np.empty(dy.shape[-1], np.float64)  # a float64 accumulator
-        K.rmsnorm_bwd(dy2[r], xh2[r], rstd2[r], p.w, dx2[r], dw)
-        return dw.astype(dy.dtype)
+    def piece(rows: slice) -> np.ndarray:
+        parts = tiles(rows.stop - rows.start, _chunk_rows(c), cores())
 
-    return dx, RMSNorm(token_sum(rows, dy2.shape[0]))
+        def tile(i: int) -> tuple[None, np.ndarray]:
+            t = slice(rows.start + parts[i].start, rows.start + parts[i].stop)
+            dw = np.empty(c, np.float64)
+            LK.rmsnorm_bwd(dy2[t], xh2[t], r2[t], p.w, dx2[t], dw)
+            return None, dw
+
+        return tree_sum(tile, len(parts))[1].astype(dy.dtype)
+
+    return dx, RMSNorm(token_sum(piece, dy2.shape[0]))
 
 
 def rmsnorm_fwd_reference(p: RMSNorm, x: np.ndarray, eps: float) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
@@ -198,15 +212,15 @@ def swiglu_fwd(gate: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, tuple[np.n
 
 
 def swiglu_bwd(ctx: tuple[np.ndarray, np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(d gate, d up): silu'(g) = sig * (1 + g * (1 - sig))."""
+    """(d gate, d up): silu'(g) = sig * (1 + g * (1 - sig)); one kernel pass, rows over the threads."""
     if not K.enabled():
         return swiglu_bwd_reference(ctx, dy)
     gate, up, sig = (np.ascontiguousarray(a) for a in ctx)
     dy = np.ascontiguousarray(dy)
     dgate, dup = np.empty_like(dy), np.empty_like(dy)
     flat = [_rows(a) for a in (gate, up, sig, dy, dgate, dup)]
-    n, width = flat[0].shape
-    over_rows(lambda r: K.swiglu_bwd(*(a[r].reshape(-1) for a in flat)), n, _chunk_rows(width))
+    over_rows(lambda r: LK.swiglu_bwd(*(a[r].reshape(-1) for a in flat)), flat[0].shape[0],
+              _chunk_rows(flat[0].shape[1]))
     return dgate, dup
 
 

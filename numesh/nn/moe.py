@@ -12,7 +12,8 @@ the router learns only from the auxiliary and z losses (Switch Transformer keeps
 unnormalised p for that reason; numesh follows Mixtral's k = 2 default).
 
 Output: y[t] = Σ_j w[t, j] · MLP_{e(t, j)}(x[t]), each expert the dense block's MLP
-(Linear C -> 4C, GELU, Linear 4C -> C). Dropless by default: every token reaches its k experts.
+(Linear C -> F, GELU, Linear F -> C; or Mixtral's SwiGLU: proj(silu(gate(x)) * fc(x))).
+Dropless by default: every token reaches its k experts.
 
 Capacity (`capacity_factor` c > 0): each expert takes at most ceil(c·T·k/E) of each
 sequence's token-assignments (T the whole sequence's length), those of highest router
@@ -49,7 +50,7 @@ import numpy as np
 from numesh.host.threads import MIN_CHUNK_FLOPS, TILE_ROWS, cores, matmul, over_tiles, tiles
 from numesh.mesh import Mesh, all_gather, all_to_all, all_to_all_v, psum
 from numesh.mesh.zigzag import positions
-from numesh.nn.layers import Linear, gelu_bwd, gelu_fwd
+from numesh.nn.layers import Linear, gelu_bwd, gelu_fwd, swiglu_bwd, swiglu_fwd
 
 
 @attrs.frozen
@@ -64,6 +65,7 @@ class MoEConfig:
         z_coef: the router z-loss's coefficient (mean squared logsumexp of the logits).
         capacity_factor: c > 0: each expert takes at most ceil(c·T·k/E) assignments of a
             sequence and drops the rest; 0 = dropless.
+        gated: SwiGLU experts (a gate matrix beside fc) instead of GELU ones.
     """
 
     experts: int
@@ -71,6 +73,7 @@ class MoEConfig:
     aux_coef: float = 1e-2
     z_coef: float = 0.0
     capacity_factor: float = 0.0
+    gated: bool = False
 
 
 @attrs.frozen
@@ -80,13 +83,16 @@ class MoE:
 
     Attributes:
         router: w [C, E], no bias; replicated on every rank.
-        fc: w [E, C, 4C], b [E, 4C] or None: the experts over ep, each column-parallel over tp.
-        proj: w [E, 4C, C], b [E, C] or None: the experts over ep, each row-parallel over tp.
+        fc: w [E, C, F], b [E, F] or None: the experts over ep, each column-parallel over tp
+            (SwiGLU's up matrix in gated experts).
+        proj: w [E, F, C], b [E, C] or None: the experts over ep, each row-parallel over tp.
+        gate: w [E, C, F], b [E, F] or None: SwiGLU's gate, split as fc (None: GELU experts).
     """
 
     router: Linear
     fc: Linear
     proj: Linear
+    gate: Linear | None = None
 
 
 @attrs.frozen
@@ -320,8 +326,8 @@ class MoECtx:
     balance: SeqBalance
     dispatch: Dispatch
     xe: np.ndarray  # [R, C] the rows this rank's experts got, grouped by expert
-    gelu: Any  # GELU context of the experts' hidden rows [R, 4C/tp]
-    g: np.ndarray  # [R, 4C/tp] GELU output
+    act: Any  # the activation's context (GELU's, or SwiGLU's) of the experts' hidden rows [R, F/tp]
+    g: np.ndarray  # [R, F/tp] the activation's output
     ya: np.ndarray  # [N, k, C] each assignment's expert output, in token order (partial over tp)
     jobs: list  # (local expert, grouped rows) tiles
     stats: RoutingStats
@@ -342,8 +348,11 @@ def moe_fwd(p: MoE, x: np.ndarray, cfg: MoEConfig, mesh: Mesh, layer: int = 0) -
     jobs = _jobs(d.bounds)
     xe = to_experts(x2[r.order // k], d, mesh)  # [R, C]: the rows of this rank's experts, by expert
     bias = mesh.index("tp") == 0
-    u = _expert_matmul(xe, p.fc.w, p.fc.b, jobs)  # [R, 4C/tp]
-    g, gelu = gelu_fwd(u)
+    u = _expert_matmul(xe, p.fc.w, p.fc.b, jobs)  # [R, F/tp]
+    if p.gate is None:
+        g, act = gelu_fwd(u)
+    else:
+        g, act = swiglu_fwd(_expert_matmul(xe, p.gate.w, p.gate.b, jobs), u)
     ye = _expert_matmul(g, p.proj.w, p.proj.b if bias else None, jobs)  # [R, C]
     ya = by_assignment(from_experts(ye, d, mesh), r)  # [N, k, C]
     y = ya[:, 0] * r.weights[:, :1]
@@ -351,7 +360,7 @@ def moe_fwd(p: MoE, x: np.ndarray, cfg: MoEConfig, mesh: Mesh, layer: int = 0) -
         y += ya[:, j] * r.weights[:, j : j + 1]
     stats = attrs.evolve(routing_stats(r, bal, cfg, layer, mesh), send=tuple(d.send.tolist()),
                           recv=tuple(d.recv.tolist()))
-    return y.reshape(shape), MoECtx(x2, r, bal, d, xe, gelu, g, ya, jobs, stats, shape)
+    return y.reshape(shape), MoECtx(x2, r, bal, d, xe, act, g, ya, jobs, stats, shape)
 
 
 def _router_logits_grad(r: Routing, bal: SeqBalance, dw: np.ndarray, cfg: MoEConfig,
@@ -374,30 +383,27 @@ def _router_logits_grad(r: Routing, bal: SeqBalance, dw: np.ndarray, cfg: MoECon
     return dlogits
 
 
-def _expert_weight_grads(p: MoE, ctx: MoECtx, du: np.ndarray, dye: np.ndarray) -> tuple[Linear, Linear]:
-    """Each local expert's weight and bias gradients, one GEMM per expert and matrix, the
-    experts dealt to the threads (zeros for an expert without tokens)."""
+def _expert_weight_grads(ctx: MoECtx, mats: list[tuple[Linear, np.ndarray, np.ndarray]]) -> list[Linear]:
+    """Each local expert's weight and bias gradients of each (matrix, its input rows, its
+    output grad rows), one GEMM per expert and matrix, the experts dealt to the threads
+    (zeros for an expert without tokens)."""
     b = ctx.dispatch.bounds
-    d_fc, d_proj = np.empty_like(p.fc.w), np.empty_like(p.proj.w)
-    db_fc = None if p.fc.b is None else np.empty_like(p.fc.b)
-    db_proj = None if p.proj.b is None else np.empty_like(p.proj.b)
+    out = [Linear(np.empty_like(p.w), None if p.b is None else np.empty_like(p.b)) for p, _, _ in mats]
 
     def expert(e: int) -> None:
         r = slice(int(b[e]), int(b[e + 1]))
-        if r.start == r.stop:  # no tokens: no gradient
-            for d in (d_fc, d_proj, db_fc, db_proj):
-                if d is not None:
-                    d[e] = 0
-            return
-        _gemm(ctx.xe[r].T, du[r], d_fc[e])
-        _gemm(ctx.g[r].T, dye[r], d_proj[e])
-        if db_fc is not None:
-            du[r].sum(axis=0, out=db_fc[e])
-        if db_proj is not None:
-            dye[r].sum(axis=0, out=db_proj[e])
+        for d, (_, x, dy) in zip(out, mats):
+            if r.start == r.stop:  # no tokens: no gradient
+                d.w[e] = 0
+                if d.b is not None:
+                    d.b[e] = 0
+                continue
+            _gemm(x[r].T, dy[r], d.w[e])
+            if d.b is not None:
+                dy[r].sum(axis=0, out=d.b[e])
 
-    _run(expert, len(b) - 1, 4.0 * max(du.shape[0], 1) * du.shape[1] * ctx.xe.shape[1])
-    return Linear(d_fc, db_fc), Linear(d_proj, db_proj)
+    _run(expert, len(b) - 1, sum(2.0 * max(dy.shape[0], 1) * dy.shape[1] * x.shape[1] for _, x, dy in mats))
+    return out
 
 
 def moe_bwd(p: MoE, ctx: MoECtx, dy: np.ndarray, cfg: MoEConfig, mesh: Mesh,
@@ -414,10 +420,19 @@ def moe_bwd(p: MoE, ctx: MoECtx, dy: np.ndarray, cfg: MoEConfig, mesh: Mesh,
     dw = psum(np.einsum("nc,nkc->nk", dy2, ctx.ya), mesh, "tp")  # [N, k]: ya is partial over tp
     dya = r.weights[:, :, None] * dy2[:, None, :]  # [N, k, C]
     dye = to_experts(dya.reshape(n * k, c)[r.order], d, mesh)  # [R, C] grouped by local expert
-    dg = _expert_matmul(dye, p.proj.w, None, ctx.jobs, transpose=True)  # [R, 4C/tp]
-    du = gelu_bwd(ctx.gelu, dg)
+    dg = _expert_matmul(dye, p.proj.w, None, ctx.jobs, transpose=True)  # [R, F/tp]
+    mats = [(p.proj, ctx.g, dye)]
+    if p.gate is None:
+        du = gelu_bwd(ctx.act, dg)
+    else:
+        da, du = swiglu_bwd(ctx.act, dg)
+        mats.append((p.gate, ctx.xe, da))
+    mats.append((p.fc, ctx.xe, du))
     dxe = _expert_matmul(du, p.fc.w, None, ctx.jobs, transpose=True)  # [R, C]
-    d_fc, d_proj = _expert_weight_grads(p, ctx, du, dye)
+    if p.gate is not None:
+        dxe += _expert_matmul(da, p.gate.w, None, ctx.jobs, transpose=True)
+    grads = _expert_weight_grads(ctx, mats)
+    d_proj, d_gate, d_fc = grads[0], (grads[1] if p.gate is not None else None), grads[-1]
     dxa = by_assignment(from_experts(dxe, d, mesh), r)  # [N, k, C]: a dropped assignment sends no gradient
     dlogits = _router_logits_grad(r, ctx.balance, dw, cfg, loss_scale or 0.0)  # [N, E]
     dx = dxa[:, 0].copy()
@@ -426,7 +441,7 @@ def moe_bwd(p: MoE, ctx: MoECtx, dy: np.ndarray, cfg: MoEConfig, mesh: Mesh,
     if mesh.index("tp") == 0:  # the router's input grad is whole on every tp rank: add it once
         dx += matmul(dlogits, p.router.w.T)
     d_router = Linear(matmul(ctx.x.T, dlogits))
-    return dx.reshape(ctx.shape), MoE(d_router, d_fc, d_proj)
+    return dx.reshape(ctx.shape), MoE(d_router, d_fc, d_proj, d_gate)
 
 
 def moe_metrics(totals: np.ndarray) -> dict[str, float | int]:

@@ -9,12 +9,19 @@ form), so weights imported from transformers need no permutation of q and k.
 The angles come from each token's *true* position, passed in, never from its index in
 the local array: cp's zigzag chunks, pipeline micro-batches and the KV cache's next token
 all rotate by where the token sits in its sequence.
+
+The rotation runs as one fused kernel pass (numesh/host/llama_kernels.py `rope`) when numba
+is installed; `rope_fwd_reference` and `rope_bwd_reference` are the NumPy definition.
 """
 
 from __future__ import annotations
 
 import attrs
 import numpy as np
+
+from numesh.host import kernels as K
+from numesh.host import llama_kernels as LK
+from numesh.host.threads import over_rows
 
 
 @attrs.frozen
@@ -45,12 +52,52 @@ def _rotate_half(x: np.ndarray) -> np.ndarray:
     return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
 
 
-def rope_fwd(x: np.ndarray, rot: Rotary) -> np.ndarray:
-    """Rotate x [..., T, d] (heads before T, e.g. [B, H, T, d]) by the tables of its T tokens."""
+def rope_fwd(x: np.ndarray, rot: Rotary, out: np.ndarray | None = None) -> np.ndarray:
+    """Rotate x by the tables of its T tokens: x [..., T, d] (heads before T, e.g. [B, H, T,
+    d]) with tables [T, d], or x [B, T, H, d] with tables [T, 1, d] (as the block lays out its
+    projections). Into `out` (a new array by default; `out=x` rotates in place)."""
+    return _rotate(x, rot, False, out)
+
+
+def rope_bwd(dy: np.ndarray, rot: Rotary, out: np.ndarray | None = None) -> np.ndarray:
+    """The input gradient: the rotation is orthogonal, so its backward rotates by minus the
+    angle (`rotate_half`'s transpose is its negative, and sin is the same in both halves).
+    `out` as `rope_fwd`'s."""
+    return _rotate(dy, rot, True, out)
+
+
+def rope_fwd_reference(x: np.ndarray, rot: Rotary) -> np.ndarray:
     return x * rot.cos + _rotate_half(x) * rot.sin
 
 
-def rope_bwd(dy: np.ndarray, rot: Rotary) -> np.ndarray:
-    """The input gradient: the rotation is orthogonal, so its backward rotates by minus the
-    angle (`rotate_half`'s transpose is its negative, and sin is the same in both halves)."""
+def rope_bwd_reference(dy: np.ndarray, rot: Rotary) -> np.ndarray:
     return dy * rot.cos - _rotate_half(dy) * rot.sin
+
+
+def _token_major(x: np.ndarray, rot: Rotary) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """x as [B, T, H, d] (a view) and the tables as [T, d], for the kernel; None for a layout
+    it does not take (the reference runs)."""
+    if x.ndim == 4 and rot.cos.ndim == 3 and rot.cos.shape[1] == 1:  # [B, T, H, d] by [T, 1, d]
+        return x, rot.cos[:, 0], rot.sin[:, 0]
+    if x.ndim == 4 and rot.cos.ndim == 2:  # [B, H, T, d] by [T, d]
+        return x.transpose(0, 2, 1, 3), rot.cos, rot.sin
+    return None
+
+
+def _rotate(x: np.ndarray, rot: Rotary, inverse: bool, out: np.ndarray | None) -> np.ndarray:
+    """One kernel pass over the token rows, split over the threads (every row alone, so any
+    split gives the same bits), or the NumPy reference."""
+    laid = _token_major(x, rot) if K.enabled() and x.dtype == rot.cos.dtype else None
+    if laid is None:
+        y = (rope_bwd_reference if inverse else rope_fwd_reference)(x, rot)
+        if out is None:
+            return y
+        out[...] = y
+        return out
+    out = np.empty_like(x) if out is None else out
+    xt, cos, sin = laid
+    ot = _token_major(out, rot)[0]
+    cos, sin = np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+    B, T, H, d = xt.shape
+    over_rows(lambda r: LK.rope(xt, cos, sin, inverse, ot, r.start, r.stop), B * T, max(1, (1 << 15) // (H * d)))
+    return out

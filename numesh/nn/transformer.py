@@ -20,8 +20,8 @@ plain tp's bytes but holds 2·B·T·C values per block replicated, which at tp=2
 of plain tp's activations: compare the block terms of `numesh.perf.formulas.activation_parts`;
 `mpirun -n 2 python benchmarks/bench_parallel.py --meshes tp=2 --sequence-parallel` measures
 what each rank holds with and without sp). LayerNorm weight and bias gradients are sums
-over this rank's tokens only: partial over tp, summed by `reduce_sequence_partial` or by
-the optimiser (`sequence_partial_leaves`).
+over this rank's tokens only: partial over tp, summed by `reduce_tp_partial` or by
+the optimiser (`tp_partial_leaves`).
 """
 
 from __future__ import annotations
@@ -38,17 +38,16 @@ from numesh.mesh import Mesh, psum
 from numesh.nn.attention import AttnDropout
 from numesh.nn.context_parallel import CpSlice
 from numesh.nn.dropout import EMBED, DropoutKey, Site
-from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
+from numesh.nn.gpt import GPT, MLP, Block, GPTConfig
 from numesh.nn.layers import (
-    LayerNorm,
     Linear,
     gelu_bwd,
     gelu_fwd,
-    layernorm_bwd,
-    layernorm_fwd,
     linear_bwd_input,
     linear_bwd_weight,
     linear_fwd,
+    swiglu_bwd,
+    swiglu_fwd,
 )
 from numesh.nn.moe import MoE, MoECtx, RoutingStats, moe_bwd, moe_fwd
 from numesh.nn.parallel import (
@@ -64,53 +63,55 @@ from numesh.nn.parallel import (
     vocab_parallel_embedding_bwd,
     vocab_parallel_embedding_fwd,
 )
+from numesh.nn.parts import (
+    Norm,
+    QKVCtx,
+    QKVGrads,
+    attention_grads,
+    local_heads,
+    norm_bwd,
+    norm_fwd,
+    norm_output,
+    qkv_bwd_input,
+    qkv_bwd_weight,
+    qkv_fwd,
+    qkv_grad_buffers,
+    rotary_for,
+)
 from numesh.nn.ring_attention import attention_bwd, attention_fwd
 
 
-def local_heads(cfg: GPTConfig, mesh: Mesh) -> tuple[int, int, slice]:
-    """(heads on this tp rank, head size, this rank's slice of all heads)."""
-    n_local = cfg.n_head // mesh.size("tp")
-    h0 = mesh.index("tp") * n_local
-    return n_local, cfg.n_embd // cfg.n_head, slice(h0, h0 + n_local)
+def norm_gather_fwd(p: Norm, x: np.ndarray, eps: float,
+                    mesh: Mesh) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """The norm (LayerNorm or RMSNorm), then f: the input [B, T, C] of a column-parallel
+    matmul, and the context.
 
-
-def norm_gather_fwd(p: LayerNorm, x: np.ndarray, mesh: Mesh) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-    """LayerNorm, then f: the input [B, T, C] of a column-parallel matmul, and the context.
-
-    Plain tp: `layernorm_fwd`; the context is (xhat, rstd) and the caller keeps the output.
+    Plain tp: `norm_fwd`; the context is (xhat, rstd) and the caller keeps the output.
     Sequence parallel (x is [B, T/tp, C]): the LayerNorm on this rank's slice, its
     normalised slice all-gathered (the bytes of gathering the output) and the affine
     applied to the whole sequence. The context is this rank's slice (xhat [B, T/tp, C],
     rstd [B, T/tp, 1]) and the output is not kept: `norm_regather` rebuilds it for the
     weight gradient. Per LayerNorm that keeps B·T/tp·(C + 1) values where plain tp keeps
     2·B·T·C + B·T (xhat and the output)."""
-    h, ctx = layernorm_fwd(p, x)
+    h, ctx = norm_fwd(p, x, eps)
     if not mesh.sequence_parallel:
         return h, ctx
     return norm_regather(p, ctx, mesh), ctx
 
 
-def norm_output(p: LayerNorm, xhat: np.ndarray) -> np.ndarray:
-    """The LayerNorm's output from its normalised input (what `layernorm_fwd` computes)."""
-    y = xhat * p.w
-    if p.b is not None:
-        y += p.b
-    return y
-
-
-def norm_regather(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], mesh: Mesh) -> np.ndarray:
+def norm_regather(p: Norm, ctx: tuple[np.ndarray, np.ndarray], mesh: Mesh) -> np.ndarray:
     """The sequence-parallel LayerNorm's whole output [B, T, C] again, for a weight
     gradient: its context's x̂ slices all-gathered over tp, the affine applied."""
     return norm_output(p, gather_from_sequence_parallel_region(ctx[0], mesh))
 
 
-def norm_gather_bwd(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dh: np.ndarray,
-                    mesh: Mesh) -> tuple[np.ndarray, LayerNorm]:
+def norm_gather_bwd(p: Norm, ctx: tuple[np.ndarray, np.ndarray], dh: np.ndarray,
+                    mesh: Mesh) -> tuple[np.ndarray, Norm]:
     """Backward of `norm_gather_fwd` from the column-parallel matmul's partial input grad
-    [B, T, C]: (grad of x, the LayerNorm's grads, partial over tp with sp)."""
+    [B, T, C]: (grad of x, the norm's grads, partial over tp with sp)."""
     if not mesh.sequence_parallel:
-        return layernorm_bwd(p, ctx, copy_to_tp_bwd(dh, mesh))
-    return layernorm_bwd(p, ctx, gather_from_sequence_parallel_region_bwd(dh, mesh))  # dh: [B, T/tp, C]
+        return norm_bwd(p, ctx, copy_to_tp_bwd(dh, mesh))
+    return norm_bwd(p, ctx, gather_from_sequence_parallel_region_bwd(dh, mesh))  # dh: [B, T/tp, C]
 
 
 def reduce_seq(y: np.ndarray, mesh: Mesh) -> np.ndarray:
@@ -145,14 +146,15 @@ def bias_add(y: np.ndarray, b: np.ndarray | None) -> np.ndarray:
 class BlockCtx:
     """What a block's backward needs from its forward (residual dropout masks are redrawn)."""
 
-    ln1: Any  # LayerNorm 1's context: xhat [B, T, C] and rstd [B, T, 1] ([B, T/tp, ...] with sp)
-    h1: np.ndarray | None  # LayerNorm 1's output = the QKV matmul's input [B, T, C]; None with sp (regathered)
+    ln1: Any  # norm 1's context: xhat [B, T, C] and rstd [B, T, 1] ([B, T/tp, ...] with sp)
+    h1: np.ndarray | None  # norm 1's output = the QKV matmuls' input [B, T, C]; None with sp (regathered)
+    qkv: QKVCtx  # the projections' rotary tables and kv columns
     attn: Any  # attention core's context
     a: np.ndarray  # attention output = the out-projection's input [B, T, C/tp]
     ln2: Any
-    h2: np.ndarray | None  # LayerNorm 2's output = the MLP-up matmul's input [B, T, C]; None with sp
-    gelu: Any  # None in an MoE block
-    g: np.ndarray | None  # GELU output = the MLP-down matmul's input [B, T, 4C/tp]; None in an MoE block
+    h2: np.ndarray | None  # norm 2's output = the MLP-up matmul's input [B, T, C]; None with sp
+    act: Any  # the MLP activation's context (GELU's or SwiGLU's); None in an MoE block
+    g: np.ndarray | None  # the activation's output = the MLP-down matmul's input [B, T, F/tp]; None in an MoE block
     drop: DropoutKey | None
     layer: int
     moe: MoECtx | None = None  # the MoE MLP's context in an MoE block
@@ -172,15 +174,18 @@ class LinearIO:
 
 @attrs.frozen
 class BlockWeightCtx:
-    """What `block_bwd_weight` needs: LayerNorm grads (done in B) and each Linear's IO."""
+    """What `block_bwd_weight` needs: norm grads (done in B) and each Linear's IO."""
 
-    d_ln1: LayerNorm
-    d_ln2: LayerNorm
-    qkv: LinearIO
+    d_ln1: Norm
+    d_ln2: Norm
+    h1: np.ndarray  # the projections' input [B, T, C]
+    qkv: QKVCtx
+    dqkv: QKVGrads
     attn_proj: LinearIO
     fc: LinearIO | None  # None in an MoE block
     mlp_proj: LinearIO | None
     d_moe: MoE | None = None  # an MoE block's MLP grads, all computed in B
+    gate: LinearIO | None = None  # SwiGLU's gate
 
 
 def token_positions(mesh: Mesh, t_local: int, pos0: int = 0, gathered: bool = False) -> slice | np.ndarray:
@@ -212,7 +217,10 @@ def _drop_residual(y: np.ndarray, drop: DropoutKey | None, site: Site, mesh: Mes
 
 class Attend(Protocol):
     """An attention core for `block_fwd` in place of training's (cached decoding's, in
-    numesh/nn/decode.py): block `layer`'s q, k, v [B, nh, T, hs] into y [B, nh, T, hs]."""
+    numesh/nn/decode.py): block `layer`'s q [B, nh, T, hs], k, v [B, nkv, T, hs] into
+    y [B, nh, T, hs]; `pos0` is the position of the first of the T tokens."""
+
+    pos0: int
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray) -> Any: ...
 
@@ -223,14 +231,15 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
     """One transformer block on x [B, T, C], replicated over tp, or with sequence
     parallelism this rank's sequence slice [B, T/tp, C] (with cp, T is this rank's two
     chunks of each sequence and attention runs around the cp ring). A `transient` context
-    (full recomputation's rerun, used at once by backward) keeps the gathered LayerNorm
+    (full recomputation's rerun, used at once by backward) keeps the gathered norm
     outputs under sp instead of gathering them again. `attend` replaces the attention core
     (decoding over a KV cache: the same block, its context then unused)."""
     B, T = x.shape[0], global_seq(mesh, x.shape[1])
     nh, hs, _ = local_heads(cfg, mesh)
-    h1, ln1 = norm_gather_fwd(p.ln1, x, mesh)  # f: [B, T, C]
-    qkv, _ = linear_fwd(p.attn.qkv, h1)
-    q, k, v = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # views [B, nh, T, hs]
+    h1, ln1 = norm_gather_fwd(p.ln1, x, cfg.norm_eps, mesh)  # f: [B, T, C]
+    pos0 = 0 if attend is None else attend.pos0
+    rot = rotary_for(cfg, token_positions(mesh, x.shape[1], pos0, gathered=True), x.dtype)
+    q, k, v, qkv = qkv_fwd(p.attn, h1, cfg, mesh, rot)  # q [B, nh, T, hs], k and v [B, nkv, T, hs]
     a = np.empty((B, T, nh, hs), x.dtype)
     if attend is None:
         attn = attention_fwd(q, k, v, a.transpose(0, 2, 1, 3), attention_dropout(drop, layer, T, cfg, mesh), mesh)
@@ -242,27 +251,31 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
     if drop:
         y *= _residual_mask(drop, Site("attn_out", layer), y, mesh)
     x = x + y
-    h2, ln2 = norm_gather_fwd(p.ln2, x, mesh)
-    z, gelu, g, moe = mlp_fwd(p.mlp, h2, cfg, mesh, layer)
+    h2, ln2 = norm_gather_fwd(p.ln2, x, cfg.norm_eps, mesh)
+    z, act, g, moe = mlp_fwd(p.mlp, h2, cfg, mesh, layer)
     if drop:
         z *= _residual_mask(drop, Site("mlp_out", layer), z, mesh)
     x += z
     keep = transient or not mesh.sequence_parallel  # with sp backward gathers them again (norm_regather)
-    return x, BlockCtx(ln1, h1 if keep else None, attn, a, ln2, h2 if keep else None, gelu, g, drop, layer, moe)
+    return x, BlockCtx(ln1, h1 if keep else None, qkv, attn, a, ln2, h2 if keep else None, act, g, drop, layer, moe)
 
 
 def mlp_fwd(p: MLP | MoE, h2: np.ndarray, cfg: GPTConfig, mesh: Mesh,
             layer: int) -> tuple[np.ndarray, Any, np.ndarray | None, MoECtx | None]:
-    """A block's MLP on its LayerNorm output h2 [B, T, C]: (output, GELU context, GELU
-    output, MoE context): the dense MLP (column- then row-parallel) or, in the blocks
-    `cfg.moe` names, the MoE MLP (its output partial over tp as the row-parallel one's)."""
+    """A block's MLP on its norm output h2 [B, T, C]: (output, activation context,
+    activation output, MoE context): the dense MLP (column- then row-parallel; GELU, or
+    SwiGLU's silu(gate) * up) or, in the blocks `cfg.moe` names, the MoE MLP (its output
+    partial over tp as the row-parallel one's)."""
     if (moe_cfg := cfg.moe(layer)) is not None:
         z, moe = moe_fwd(p, h2, moe_cfg, mesh, layer)
         return reduce_seq(z, mesh), None, None, moe
-    u, _ = linear_fwd(p.fc, h2)
-    g, gelu = gelu_fwd(u)
+    u, _ = linear_fwd(p.fc, h2)  # [B, T, F/tp]
+    if p.gate is None:
+        g, act = gelu_fwd(u)
+    else:
+        g, act = swiglu_fwd(linear_fwd(p.gate, h2)[0], u)
     z, _ = linear_fwd(Linear(p.proj.w), g)
-    return bias_add(reduce_seq(z, mesh), p.proj.b), gelu, g, None
+    return bias_add(reduce_seq(z, mesh), p.proj.b), act, g, None
 
 
 def attention_dropout(drop: DropoutKey | None, layer: int, T: int, cfg: GPTConfig, mesh: Mesh) -> AttnDropout | None:
@@ -284,26 +297,33 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mes
     nh, hs, _ = local_heads(cfg, mesh)
     # MLP half
     dz = reduce_seq_bwd(_drop_residual(dx, ctx.drop, Site("mlp_out", ctx.layer), mesh), mesh)  # [B, T, C]
-    du = d_moe = None
+    du = da = d_moe = None
     if ctx.moe is None:
-        du = gelu_bwd(ctx.gelu, linear_bwd_input(p.mlp.proj, dz))
-        dh2 = linear_bwd_input(p.mlp.fc, du)
+        dg = linear_bwd_input(p.mlp.proj, dz)  # [B, T, F/tp]
+        if p.mlp.gate is None:
+            du = gelu_bwd(ctx.act, dg)
+            dh2 = linear_bwd_input(p.mlp.fc, du)
+        else:
+            da, du = swiglu_bwd(ctx.act, dg)
+            dh2 = linear_bwd_input(p.mlp.fc, du)
+            dh2 += linear_bwd_input(p.mlp.gate, da)
     else:  # the experts' and router's weight grads are done here too
         dh2, d_moe = moe_bwd(p.mlp, ctx.moe, dz, cfg.moe(ctx.layer), mesh, loss_scale)
     dx2, d_ln2 = norm_gather_bwd(p.ln2, ctx.ln2, dh2, mesh)  # like dx
     dx = dx + dx2
     # attention half
     dy = reduce_seq_bwd(_drop_residual(dx, ctx.drop, Site("attn_out", ctx.layer), mesh), mesh)  # [B, T, C]
-    da = linear_bwd_input(p.attn.proj, dy).reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # [B, nh, T, hs]
-    dqkv = np.zeros((B, T, 3, nh, hs), dtype=dx.dtype)
-    attention_bwd(ctx.attn, da, *dqkv.transpose(2, 0, 3, 1, 4), mesh)  # into views [B, nh, T, hs]
-    dqkv = dqkv.reshape(B, T, 3 * nh * hs)
-    dx1, d_ln1 = norm_gather_bwd(p.ln1, ctx.ln1, linear_bwd_input(p.attn.qkv, dqkv), mesh)
+    dattn = linear_bwd_input(p.attn.proj, dy).reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # [B, nh, T, hs]
+    views, storage = qkv_grad_buffers(p.attn, (B, T), cfg, mesh, dx.dtype)
+    attention_bwd(ctx.attn, dattn, *views, mesh)  # into views [B, n, T, hs]
+    dh1, dqkv = qkv_bwd_input(p.attn, ctx.qkv, storage)
+    dx1, d_ln1 = norm_gather_bwd(p.ln1, ctx.ln1, dh1, mesh)
     dx1 += dx  # not in place on dx: it may be `dy`, which the weight half still needs
     h1 = norm_regather(p.ln1, ctx.ln1, mesh) if ctx.h1 is None else ctx.h1  # [B, T, C]
     h2 = norm_regather(p.ln2, ctx.ln2, mesh) if ctx.h2 is None else ctx.h2
     mlp_io = (None, None) if d_moe is not None else (LinearIO(h2, du), LinearIO(ctx.g, dz))
-    io = BlockWeightCtx(d_ln1, d_ln2, LinearIO(h1, dqkv), LinearIO(ctx.a, dy), *mlp_io, d_moe)
+    gate = None if da is None else LinearIO(h2, da)
+    io = BlockWeightCtx(d_ln1, d_ln2, h1, ctx.qkv, dqkv, LinearIO(ctx.a, dy), *mlp_io, d_moe, gate)
     return dx1, io
 
 
@@ -320,14 +340,15 @@ def _row_parallel_grad(lin: Linear, io: LinearIO) -> Linear:
 
 def block_bwd_weight(p: Block, w: BlockWeightCtx) -> Block:
     """Weight-gradient half of the block's backward (a zero-bubble "W"): the Linear grads."""
-    return Block(
-        ln1=w.d_ln1,
-        attn=Attention(qkv=linear_bwd_weight(p.attn.qkv, w.qkv.x, w.qkv.dy),
-                       proj=_row_parallel_grad(p.attn.proj, w.attn_proj)),
-        ln2=w.d_ln2,
-        mlp=w.d_moe if w.d_moe is not None else
-        MLP(fc=linear_bwd_weight(p.mlp.fc, w.fc.x, w.fc.dy), proj=_row_parallel_grad(p.mlp.proj, w.mlp_proj)),
-    )
+    attn = attention_grads(p.attn, qkv_bwd_weight(p.attn, w.h1, w.qkv, w.dqkv),
+                           _row_parallel_grad(p.attn.proj, w.attn_proj))
+    if w.d_moe is not None:
+        mlp = w.d_moe
+    else:
+        gate = None if w.gate is None else linear_bwd_weight(p.mlp.gate, w.gate.x, w.gate.dy)
+        mlp = MLP(fc=linear_bwd_weight(p.mlp.fc, w.fc.x, w.fc.dy), proj=_row_parallel_grad(p.mlp.proj, w.mlp_proj),
+                  gate=gate)
+    return Block(ln1=w.d_ln1, attn=attn, ln2=w.d_ln2, mlp=mlp)
 
 
 # ---------------------------------------------------------------------------------------
@@ -359,18 +380,21 @@ def embed_fwd(params: GPT, idx: np.ndarray, cfg: GPTConfig, mesh: Mesh, drop: Dr
     if pos0 + T * cp.size > cfg.block_size:
         raise ConfigError(f"sequence of {pos0 + T * cp.size} tokens is longer than block_size={cfg.block_size}")
     tok, tok_ctx = vocab_parallel_embedding_fwd(params.wte, idx, mesh)
-    x = tok + params.wpe[token_positions(mesh, tok.shape[1], pos0)]
+    x = tok if params.wpe is None else tok + params.wpe[token_positions(mesh, tok.shape[1], pos0)]
     if drop:
         x *= _residual_mask(drop, EMBED, x, mesh)
     return x, EmbedCtx(tok_ctx, drop, token_positions(mesh, tok.shape[1], pos0, gathered=True))
 
 
-def embed_bwd(params: GPT, ctx: EmbedCtx, dx: np.ndarray, mesh: Mesh) -> tuple[np.ndarray, np.ndarray]:
-    """(grad of wte from the lookup, grad of wpe). With sp the gradient is gathered over the
-    sequence first (the backward of the lookup's reduce-scatter), so both are whole."""
+def embed_bwd(params: GPT, ctx: EmbedCtx, dx: np.ndarray, mesh: Mesh) -> tuple[np.ndarray, np.ndarray | None]:
+    """(grad of wte from the lookup, grad of wpe or None with rotary positions). With sp the
+    gradient is gathered over the sequence first (the backward of the lookup's
+    reduce-scatter), so both are whole."""
     dx = reduce_seq_bwd(_drop_residual(dx, ctx.drop, EMBED, mesh), mesh)  # [B, T, C]
-    dwpe = np.zeros_like(params.wpe)
-    dwpe[ctx.pos] = dx.sum(axis=0)
+    dwpe = None
+    if params.wpe is not None:
+        dwpe = np.zeros_like(params.wpe)
+        dwpe[ctx.pos] = dx.sum(axis=0)
     return vocab_parallel_embedding_bwd(params.wte, ctx.tok, dx), dwpe
 
 
@@ -391,44 +415,56 @@ class HeadCtx:
     shape: tuple[int, ...]
 
 
+def head_weight(params: GPT) -> np.ndarray:
+    """The LM head's vocab-parallel weight [V/tp, C]: lm_head, or wte when they are tied."""
+    return params.wte if params.lm_head is None else params.lm_head
+
+
 def head_fwd(params: GPT, x: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[np.ndarray, HeadCtx]:
-    """Final LayerNorm, tied LM head and vocab-parallel cross-entropy: per-token losses [B*T].
-    With sp the LayerNorm runs on this rank's slice and is gathered (`norm_gather_fwd`)."""
-    xf, lnf_ctx = norm_gather_fwd(params.ln_f, x, mesh)  # [B, T, C]
+    """Final norm, LM head (tied or not) and vocab-parallel cross-entropy: per-token losses
+    [B*T]. With sp the norm runs on this rank's slice and is gathered (`norm_gather_fwd`)."""
+    xf, lnf_ctx = norm_gather_fwd(params.ln_f, x, cfg.norm_eps, mesh)  # [B, T, C]
     xf2 = xf.reshape(-1, xf.shape[-1])
-    logits = matmul(xf2, params.wte.T)  # [B*T, V/tp]
+    logits = matmul(xf2, head_weight(params).T)  # [B*T, V/tp]
     loss, ce_ctx = vocab_parallel_cross_entropy_fwd(logits, targets, cfg.vocab_size, mesh)
     return loss, HeadCtx(lnf_ctx, None if mesh.sequence_parallel else xf2, ce_ctx, xf.shape)
 
 
 def head_bwd(params: GPT, ctx: HeadCtx, dloss: np.ndarray | float,
-             mesh: Mesh) -> tuple[np.ndarray, np.ndarray, LayerNorm]:
-    """(grad of the head's input, grad of wte from the head, grads of ln_f)."""
+             mesh: Mesh) -> tuple[np.ndarray, np.ndarray, Norm]:
+    """(grad of the head's input, grad of the head's weight (`head_weight`), grads of ln_f)."""
     dlogits = vocab_parallel_cross_entropy_bwd(ctx.ce, dloss)
     xf = norm_regather(params.ln_f, ctx.ln_f, mesh).reshape(-1, ctx.shape[-1]) if ctx.xf is None else ctx.xf
-    dwte = matmul(dlogits.T, xf)
-    dx, d_lnf = norm_gather_bwd(params.ln_f, ctx.ln_f, matmul(dlogits, params.wte).reshape(ctx.shape), mesh)
-    return dx, dwte, d_lnf
+    dhead = matmul(dlogits.T, xf)
+    dx, d_lnf = norm_gather_bwd(params.ln_f, ctx.ln_f, matmul(dlogits, head_weight(params)).reshape(ctx.shape), mesh)
+    return dx, dhead, d_lnf
 
 
 # ---------------------------------------------------------------------------------------
-# LayerNorm gradients under sequence parallelism
+# gradients partial over tp: the norms' under sequence parallelism, GQA's k and v
 
 
-def sequence_partial(path: str) -> bool:
+def tp_partial(path: str, mesh: Mesh) -> bool:
     """Whether the leaf at `path` (in a GPT, a Block, or a unit tree) gets a gradient that
-    is partial over tp with sequence parallelism: the LayerNorms' weight and bias, which
-    each rank sums over its own tokens only. Every other leaf's gradient is already whole:
-    the Linear and embedding grads are taken on gathered [B, T, ...] activations."""
-    return any(part in ("ln1", "ln2", "ln_f") for part in path.split("."))
+    is partial over tp on `mesh`, to be summed over tp once per step:
+    - with sequence parallelism, the norms' weights and biases, which each rank sums over
+      its own tokens only;
+    - with tp > 1, GQA's k and v (replicated over tp, `GQAttention`), each rank's gradient
+      zero off the kv heads its query heads read.
+    Every other leaf's gradient is already whole: the Linear and embedding grads are taken
+    on gathered [B, T, ...] activations."""
+    parts = path.split(".")
+    if mesh.sequence_parallel and any(part in ("ln1", "ln2", "ln_f") for part in parts):
+        return True
+    return mesh.size("tp") > 1 and "attn" in parts[:-1] and parts[parts.index("attn") + 1] in ("k", "v")
 
 
-def reduce_sequence_partial(grads: GPT, mesh: Mesh) -> GPT:
-    """`grads` with the LayerNorm gradients summed over tp (in place; one all-reduce of all
-    of them), when the mesh is sequence-parallel; otherwise `grads` unchanged."""
-    if not mesh.sequence_parallel:
+def reduce_tp_partial(grads: GPT, mesh: Mesh) -> GPT:
+    """`grads` with the `tp_partial` gradients summed over tp (in place; one all-reduce of
+    all of them); `grads` unchanged when there are none."""
+    parts = [x for path, x in tree_leaves_with_path(grads) if x is not None and tp_partial(path, mesh)]
+    if not parts:
         return grads
-    parts = [x for path, x in tree_leaves_with_path(grads) if x is not None and sequence_partial(path)]
     flat = psum(np.concatenate([x.reshape(-1) for x in parts]), mesh, "tp", inplace=True)
     i = 0
     for x in parts:

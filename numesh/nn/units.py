@@ -1,7 +1,7 @@
 """Units: the groups of parameters that are fetched, freed and reduced together.
 
 A unit is one transformer block (by its index in this rank's tree) or the outer unit
-(token and position embeddings and the final LayerNorm). ZeRO-3 gathers a unit before use
+(the embeddings, the final norm and an untied LM head). ZeRO-3 gathers a unit before use
 and frees it after; gradient reduction starts as soon as a unit's gradient is final.
 The optimiser sees units as opaque keys of an ordered dict: it never imports the model.
 """
@@ -13,8 +13,9 @@ from typing import Any, Mapping
 import attrs
 
 from numesh.base.tree import tree_leaves_with_path
+from numesh.mesh import Mesh
 from numesh.nn.gpt import GPT
-from numesh.nn.transformer import sequence_partial
+from numesh.nn.transformer import tp_partial
 
 
 @attrs.frozen
@@ -53,7 +54,9 @@ def join_units(units: Mapping[Unit, Any]) -> GPT:
     return attrs.evolve(units[OUTER], blocks=tuple(units[Unit(i)] for i in range(n)))
 
 
-def sequence_partial_leaves(units: Mapping[Unit, Any]) -> set[tuple[Unit, str]]:
-    """(unit, leaf path) of every leaf whose gradient is partial over tp under sequence
-    parallelism (the LayerNorms), for the optimiser to sum over tp once per step."""
-    return {(u, path) for u, tree in units.items() for path, _ in tree_leaves_with_path(tree) if sequence_partial(path)}
+def tp_partial_leaves(units: Mapping[Unit, Any], mesh: Mesh) -> set[tuple[Unit, str]]:
+    """(unit, leaf path) of every leaf whose gradient is partial over tp on `mesh` (the
+    norms under sequence parallelism, GQA's k and v: `tp_partial`), for the optimiser to
+    sum over tp once per step."""
+    return {(u, path) for u, tree in units.items() for path, _ in tree_leaves_with_path(tree)
+            if tp_partial(path, mesh)}

@@ -64,7 +64,7 @@ from numesh.nn.transformer import (
     embed_fwd,
     head_bwd,
     head_fwd,
-    reduce_sequence_partial,
+    reduce_tp_partial,
 )
 from numesh.nn.units import OUTER, Unit, join_units
 
@@ -256,7 +256,7 @@ def run_block_bwd_weight(p: Block, w: Any) -> Block:
         return block_bwd_weight(p, w)
 
     def run(c: Any, pieces: tuple[slice, ...]) -> Block:
-        with token_pieces(_tokens(pieces, c.qkv.x.shape[1])):
+        with token_pieces(_tokens(pieces, c.h1.shape[1])):
             return block_bwd_weight(p, c)
 
     return chunked_sum(run, w)
@@ -325,10 +325,11 @@ def stage_backward(units: ParamUnits, stage: Stage, ctx: StageCtx, dy: np.ndarra
     if loss_scale is None and stage.last:
         loss_scale = float(dy)
     if stage.last:
-        dx, dwte, d_lnf = head_bwd(units.get(OUTER), ctx.head, dy, mesh)
+        head = units.get(OUTER)
+        dx, dhead, d_lnf = head_bwd(head, ctx.head, dy, mesh)
         if not stage.first:  # the first stage keeps it for the embedding: ZeRO-3 gathers it once
             units.release(OUTER)
-        outer = attrs.evolve(outer, wte=dwte, ln_f=d_lnf)
+        outer = attrs.evolve(outer, ln_f=d_lnf, **{"wte" if head.lm_head is None else "lm_head": dhead})
     deferred = []
     for (layer, unit), c in reversed(list(zip(stage.blocks, ctx.blocks))):
         params = units.get(unit)
@@ -382,14 +383,14 @@ def loss_and_grads(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTCo
 
     With `loss_scale = 1 / (tokens in the global batch)`, summing the results over
     micro-batches and dp ranks gives the global mean loss and its gradient. With sequence
-    parallelism the LayerNorm gradients are summed over tp here (the training loop leaves
-    that to the optimiser, once per step)."""
+    parallelism the norm gradients, and GQA's k and v with tp, are summed over tp here (the
+    training loop leaves that to the optimiser, once per step)."""
     units = ResidentParams(params)
     stage = whole_model(cfg.n_layer)
     loss, ctx = stage_forward(units, stage, idx, targets, cfg, mesh, drop, recompute=recompute)
     _, outer, _ = stage_backward(units, stage, ctx, loss_scale, cfg, mesh)
     units.grads_ready(OUTER, outer)
-    return float(loss.sum()) * loss_scale, reduce_sequence_partial(units.grad_tree(), mesh)
+    return float(loss.sum()) * loss_scale, reduce_tp_partial(units.grad_tree(), mesh)
 
 
 def forward_loss(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> np.ndarray:

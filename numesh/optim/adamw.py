@@ -12,12 +12,16 @@ tested against (bit-identical in float64: same operations in the same order).
 
 from __future__ import annotations
 
+from typing import Any, Mapping, Sequence
+
 import attrs
 import numpy as np
 
+from numesh.base.errors import ConfigError
 from numesh.base.tree import Tree, flatten, tree_map_with_path
 from numesh.host import kernels as K
 from numesh.host.threads import over_rows
+from numesh.optim.interface import Elementwise, Leaf, Optimizer
 
 
 @attrs.frozen
@@ -133,3 +137,49 @@ def adamw_step_reference(
         p -= s
 
     over_rows(rows, params.shape[0], 1 << 16)
+
+
+# ---------------------------------------------------------------------------------------
+# AdamW as an optimiser of the interface (numesh/optim/interface.py)
+
+
+def check_adamw(cfg: AdamWConfig, what: str = "") -> None:
+    """One-line ConfigError unless AdamW's constants are usable."""
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(cfg, name) < 1.0:
+            raise ConfigError(f"{what}{name} must be in [0, 1), got {getattr(cfg, name)}")
+    if not cfg.eps > 0:
+        raise ConfigError(f"{what}AdamW's eps must be > 0, got {cfg.eps}")
+    if not cfg.weight_decay >= 0:
+        raise ConfigError(f"{what}weight_decay must be >= 0, got {cfg.weight_decay}")
+
+
+def adamw_config(options: Mapping[str, Any]) -> AdamWConfig:
+    """AdamW's constants from a run's options (`TrainConfig` fields: beta1, beta2,
+    weight_decay; defaults where absent), checked."""
+    d = AdamWConfig()
+    cfg = AdamWConfig(float(options.get("beta1", d.beta1)), float(options.get("beta2", d.beta2)), d.eps,
+                      float(options.get("weight_decay", d.weight_decay)))
+    check_adamw(cfg)
+    return cfg
+
+
+def adamw_rule(cfg: AdamWConfig, lr_ratio: float = 1.0) -> Elementwise:
+    """AdamW as an elementwise rule: state "m" and "v"."""
+
+    def step(p: np.ndarray, g: np.ndarray, states: Sequence[np.ndarray], lr: float, t: int, decay: np.ndarray,
+             scratch: np.ndarray) -> None:
+        m, v = states
+        adamw_step(p, g, AdamWState(m, v, t - 1), lr, cfg, decay, scratch)
+
+    return Elementwise("adamw", ("m", "v"), step, lr_ratio)
+
+
+def define(options: Mapping[str, Any]) -> Optimizer:
+    """`--optimizer adamw`: AdamW on every leaf."""
+    cfg = adamw_config(options)
+    return Optimizer("adamw", cfg, (adamw_rule(cfg),), _every_leaf)
+
+
+def _every_leaf(_leaf: Leaf) -> int:
+    return 0

@@ -3,15 +3,22 @@
 The caller gives the parameters as an ordered mapping of units (opaque keys, each a tree;
 the order backward finishes them). `FlatLayout` places each unit in a flat buffer padded
 to a multiple of dp; a `GradSync` strategy reduces the gradients; a `Residency` holds the
-parameters; AdamW updates this rank's part. The stage picks the strategy and the
-residency once; nothing below asks for it again.
+parameters; the optimiser (numesh/optim/interface.py: AdamW, Muon, ...) updates this
+rank's part. The stage picks the strategy and the residency once; nothing below asks for
+it again.
 
-| stage | parameters | gradients | AdamW moments | gradient collective |
+| stage | parameters | gradients | optimiser state | gradient collective |
 |---|---|---|---|---|
 | 0 | full | full | full | all-reduce (bucketed) |
 | 1 | full | full | 1/dp | reduce-scatter, then all-gather of updated params |
 | 2 | full | 1/dp | 1/dp | reduce-scatter, then all-gather of updated params |
 | 3 | 1/dp | 1/dp | 1/dp | reduce-scatter; params all-gathered per unit for forward and again for backward |
+
+The optimiser's state follows the gradient: the values this rank updates, each rule's
+state buffers holding only the values of the leaves that rule updates (AdamW's m and v
+two per value, Muon's momentum one), packed run after run. An elementwise rule runs on
+this rank's runs as they lie; a matrix rule (Muon) also needs each matrix whole, which
+`MatrixExchange` brings to one dp rank per matrix and back (numesh/optim/matrices.py).
 
 Expert parallelism (ep): ep is data parallelism for every leaf but the MoE experts, which
 it splits (their specs name "ep"). A leaf replicated over ep gets each ep rank's tokens'
@@ -28,24 +35,28 @@ layout sharded over dp·ep has to be kept in step with checkpoints and ZeRO-3's 
 from __future__ import annotations
 
 import math
+import time
 from typing import Collection, Generic, Hashable, Mapping, TypeVar
 
 import numpy as np
 
 from numesh.base.errors import ReplicaError
-from numesh.base.tree import Tree, tree_leaves, tree_map, tree_map_with_path
+from numesh.base.tree import Tree, flatten, tree_leaves, tree_leaves_with_path, tree_map, tree_map_with_path
 from numesh.mesh import Mesh, pmax, psum, psum_scalar
-from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step, decays
+from numesh.optim import adamw
+from numesh.optim.adamw import decays
 from numesh.optim.clip import counted_once
 from numesh.optim.flat import FlatLayout, Span
 from numesh.optim.grad_sync import make_grad_sync
+from numesh.optim.interface import Elementwise, Leaf, MatrixRule, Optimizer, fan, matrix_view
+from numesh.optim.matrices import MatrixExchange, Slab, assign_owners
 from numesh.optim.residency import gather_full, make_residency
 
 K = TypeVar("K", bound=Hashable)
 
 
 class ZeroOptimizer(Generic[K]):
-    """This rank's parameters, gradients and AdamW state for a ZeRO `stage` over dp,
+    """This rank's parameters, gradients and optimiser state for a ZeRO `stage` over dp,
     served unit by unit to the model loop (it is a `ParamUnits`)."""
 
     def __init__(
@@ -54,14 +65,18 @@ class ZeroOptimizer(Generic[K]):
         specs: Mapping[K, Tree],
         mesh: Mesh,
         stage: int = 0,
-        adamw: AdamWConfig = AdamWConfig(),
+        optimizer: Optimizer | None = None,
         bucket_bytes: int = 1 << 20,
         overlap: bool = True,
         uncounted: Collection[tuple[K, str]] = (),
         tp_partial: Collection[tuple[K, str]] = (),
+        paths: Mapping[K, str] | None = None,
     ):
         """`units`: this rank's tp/pp-local parameter trees, in the order backward finishes
-        them; `specs`: their partition specs. `uncounted`: (unit, leaf path in the unit)
+        them; `specs`: their partition specs. `optimizer`: AdamW with its defaults unless
+        given. `paths`: each unit's leaves' path prefix in the model ("blocks.3.", "" for
+        the outer unit; default: the key and a dot), what the optimiser chooses rules by.
+        `uncounted`: (unit, leaf path in the unit)
         pairs left out of the gradient norm (the last pipeline stage's tied wte, whose
         copy is counted on the first). `tp_partial`: (unit, leaf path) pairs whose
         gradients are partial sums over tp (the LayerNorms under sequence parallelism):
@@ -70,7 +85,8 @@ class ZeroOptimizer(Generic[K]):
         name "ep" (all but the experts) are summed over ep the same way (module docstring)."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-        self.mesh, self.stage, self.adamw = mesh, stage, adamw
+        self.mesh, self.stage = mesh, stage
+        self.optimizer = optimizer if optimizer is not None else adamw.define({})
         self.specs = dict(specs)
         self.layout: FlatLayout[K] = FlatLayout(units, mesh.size("dp"), mesh.index("dp"))
         self.dtype = next(x for t in units.values() for x in tree_leaves(t)).dtype
@@ -93,10 +109,52 @@ class ZeroOptimizer(Generic[K]):
             axis: {k: r for k, s in self.state_slices.items() if (r := _true_runs(part(mask)[s]))}
             for axis, mask in partial.items()}
         self._partial_pending = False
+        self._place_rules(units, paths)
         n = self.layout.shard_total if sharded else self.layout.total
-        self.adam = AdamWState(np.zeros(n, self.dtype), np.zeros(n, self.dtype))
-        self.scratch = np.empty_like(self.adam.m)
+        self.scratch = np.empty(n, self.dtype)
         self._norm_runs: dict[K, list[tuple[int, int]]] | None = None
+        self.opt_step = 0  # optimiser steps taken (saved in checkpoints: AdamW's bias correction)
+        self.matrix_seconds = 0.0  # time in the matrix rules' functions (Newton–Schulz) in the last step
+
+    def _place_rules(self, units: Mapping[K, Tree], paths: Mapping[K, str] | None) -> None:
+        """Each leaf's rule; this rank's runs of values per rule and their packed state
+        buffers; the matrix rules' slabs and exchanges."""
+        opt, sharded = self.optimizer, self.sync.sharded
+        prefix = {k: (paths[k] if paths is not None else f"{k}.") for k in units}
+        self._leaf_rules = {k: tree_map_with_path(
+            lambda path, x, s, k=k: opt.rule_index(Leaf(prefix[k] + path, np.shape(x), s)), t, self.specs[k])
+            for k, t in units.items()}
+        sizes = [0] * len(opt.rules)
+        self._runs: dict[K, list[tuple[int, int, int, int]]] = {}  # (rule, start, stop, offset in its state)
+        for key, u in self.layout.units.items():
+            lo = self.layout.rank * u.shard_size if sharded else 0
+            runs = []
+            for rule, a, b in _rule_runs(self._leaf_rules[key], u):
+                a, b = max(a, lo) - lo, min(b, lo + (u.shard_size if sharded else u.padded)) - lo
+                if b > a:
+                    runs.append((rule, a, b, sizes[rule]))
+                    sizes[rule] += b - a
+            self._runs[key] = runs
+        self.state = {name: np.zeros(sizes[i], self.dtype) for i, r in enumerate(opt.rules) for name in r.state}
+        self._exchanges = {i: MatrixExchange(self.layout, self._slabs(i, units, r), self.mesh, sharded)
+                           for i, r in enumerate(opt.rules) if isinstance(r, MatrixRule)}
+
+    def _slabs(self, rule: int, units: Mapping[K, Tree], r: MatrixRule) -> list[Slab]:
+        """The slabs of the leaves of matrix rule `rule`, in layout order, dealt to the dp
+        ranks (all this rank's when the state is not sharded)."""
+        tp, out = self.mesh.size("tp"), []
+        for key, t in units.items():
+            start = 0
+            for (path, x), spec, ri in zip(tree_leaves_with_path(t), tree_leaves(self.specs[key]),
+                                           tree_leaves(self._leaf_rules[key])):
+                if ri == rule:
+                    view = matrix_view(Leaf(path, np.shape(x), spec))
+                    f = fan(view, tp)
+                    cost = view.matrices_per_slab * r.flops(*f)
+                    out += [Slab(key, start + j * view.size, view, f, cost) for j in range(view.batch)]
+                start += int(np.size(x))
+        owners = assign_owners([s.cost for s in out], self.layout.dp if self.sync.sharded else 1)
+        return [Slab(s.key, s.start, s.view, s.fan, s.cost, o) for s, o in zip(out, owners)]
 
     def _masks(self, units: Mapping[K, Tree], uncounted: frozenset) -> tuple[np.ndarray, np.ndarray]:
         """Full-layout masks: weight decay, and "this rank counts it in the norm" (one
@@ -129,9 +187,14 @@ class ZeroOptimizer(Generic[K]):
         return sum(b - a for runs in self._partial_runs.get(axis, {}).values() for a, b in runs)
 
     @property
-    def adam_step(self) -> int:
-        """AdamW steps taken (saved in checkpoints: bias correction depends on it)."""
-        return self.adam.step
+    def matrix_slabs(self) -> list[Slab]:
+        """The slabs of every matrix rule, in layout order, each with its dp owner."""
+        return [slab for ex in self._exchanges.values() for slab in ex.slabs]
+
+    def rule_runs(self) -> dict[K, list[tuple[int, int, int]]]:
+        """(rule, start, stop) of each run of values of one rule in each unit's full layout
+        (padding is rule 0's): what the state's size depends on."""
+        return {k: _rule_runs(self._leaf_rules[k], u) for k, u in self.layout.units.items()}
 
     # ------------------------------------------------------------------ ParamUnits
 
@@ -195,17 +258,47 @@ class ZeroOptimizer(Generic[K]):
         return math.sqrt(total)
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
-        """AdamW on this rank's part of the state, then share updated parameters if sharded."""
+        """The optimiser on this rank's part of the state (each rule at `lr` times its
+        ratio), then share updated parameters if sharded."""
         self.wait()
-        t = self.adam.step
+        t = self.opt_step + 1
+        grads = {}
         for key, s in self.state_slices.items():
             g = self.sync.grad(key)
             if grad_scale != 1.0:
                 g *= grad_scale
-            state = AdamWState(self.adam.m[s], self.adam.v[s], t)
-            adamw_step(self.residency.update_view(key), g, state, lr, self.adamw, self.decay[s], self.scratch[s])
-        self.adam.step = t + 1
+            grads[key] = g
+            p = self.residency.update_view(key)
+            for i, a, b, c in self._runs[key]:
+                rule = self.optimizer.rules[i]
+                states = [self.state[name][c : c + b - a] for name in rule.state]
+                if isinstance(rule, Elementwise):
+                    rule.step(p[a:b], g[a:b], states, lr * rule.lr_ratio, t, self.decay[s][a:b], self.scratch[s][a:b])
+                else:
+                    rule.direction(g[a:b], states)
+        self.matrix_seconds = 0.0
+        for i, ex in self._exchanges.items():
+            self._matrix_step(self.optimizer.rules[i], ex, grads, lr)
+        self.opt_step = t
         self.residency.after_step()
+
+    def _matrix_step(self, rule: MatrixRule, ex: MatrixExchange, grads: Mapping[K, np.ndarray], lr: float) -> None:
+        """A matrix rule's function on each slab this rank owns, whole (the directions of
+        every shard gathered over dp, and over tp), and each piece of the results applied
+        where it belongs."""
+        whole = ex.whole_over_tp(ex.gather(grads))
+        t0 = time.perf_counter()
+        results = {}
+        for i, x in whole.items():
+            out = np.empty_like(x)
+            for src, dst in zip(ex.slabs[i].view.matrices(x), ex.slabs[i].view.matrices(out)):
+                dst[...] = rule.matrix(src)
+            results[i] = out
+        self.matrix_seconds += time.perf_counter() - t0
+        mine = {i: ex.mine_over_tp(i, out) for i, out in results.items()}
+        for i, a, b, values in ex.scatter(mine):
+            slab = ex.slabs[i]
+            rule.apply(self.residency.update_view(slab.key)[a:b], values, lr * rule.lr_ratio, slab.fan)
 
     # ------------------------------------------------------------------ inspection and checkpoints
 
@@ -218,34 +311,62 @@ class ZeroOptimizer(Generic[K]):
         full = gather_full(self.layout, buffer, self.mesh) if sharded else buffer.copy()
         return self.layout.unflatten(full)
 
-    def _state_buffers(self) -> dict[str, tuple[np.ndarray, bool]]:
-        """(buffer, whether it is this rank's shard buffer) of the parameters and moments."""
-        return {
-            "params": (self.residency.buffer, self.residency.sharded),
-            "m": (self.adam.m, self.sync.sharded),
-            "v": (self.adam.v, self.sync.sharded),
-        }
+    def _state_buffer(self, name: str) -> np.ndarray:
+        """State buffer `name` laid out like this rank's gradient slices (zero where another
+        rule's values or padding lie)."""
+        rule = self.optimizer.owner_of(name)
+        out = np.zeros(self.scratch.size, self.dtype)
+        for key, s in self.state_slices.items():
+            view = out[s]
+            for i, a, b, c in self._runs[key]:
+                if i == rule:
+                    view[a:b] = self.state[name][c : c + b - a]
+        return out
 
     def state_trees(self) -> dict[str, dict[K, Tree]]:
-        """{"params", "m", "v"} -> {unit: tree of this rank's tp-local leaves}, whole over
-        dp (a collective over dp when the stage shards them)."""
-        return {name: self._trees(buf, sharded) for name, (buf, sharded) in self._state_buffers().items()}
+        """"params" and each state name of the optimiser -> {unit: tree of this rank's
+        tp-local leaves}, whole over dp (a collective over dp when the stage shards them);
+        a state tree holds only its rule's leaves (None elsewhere)."""
+        out = {"params": self._trees(self.residency.buffer, self.residency.sharded)}
+        for name in self.optimizer.state_names:
+            rule = self.optimizer.owner_of(name)
+            trees = self._trees(self._state_buffer(name), self.sync.sharded)
+            out[name] = {k: tree_map(lambda x, r, rule=rule: x if r == rule else None, t, self._leaf_rules[k])
+                         for k, t in trees.items()}
+        return out
 
     def load_state_trees(self, trees: Mapping[str, Mapping[K, Tree]], step: int) -> None:
-        """Set parameters, moments and the AdamW step count from trees as `state_trees` gives."""
-        for name, (target, sharded) in self._state_buffers().items():
-            full = self.layout.flatten(trees[name], self.adam.m.dtype)
-            target[...] = self.layout.take_shard(full) if sharded else full
-        self.adam.step = step
+        """Set parameters, optimiser state and its step count from trees as `state_trees` gives."""
+        full = self._flatten(trees["params"])
+        self.residency.buffer[...] = self.layout.take_shard(full) if self.residency.sharded else full
+        for name in self.optimizer.state_names:
+            full = self._flatten(trees[name])
+            mine = self.layout.take_shard(full) if self.sync.sharded else full
+            rule = self.optimizer.owner_of(name)
+            for key, s in self.state_slices.items():
+                for i, a, b, c in self._runs[key]:
+                    if i == rule:
+                        self.state[name][c : c + b - a] = mine[s][a:b]
+        self.opt_step = step
+
+    def _flatten(self, trees: Mapping[K, Tree]) -> np.ndarray:
+        """A full buffer of unit trees whose leaves may be None (a state another rule holds: zero)."""
+        full = np.zeros(self.layout.total, dtype=self.dtype)
+        for key, u in self.layout.units.items():
+            have = dict(tree_leaves_with_path(trees[key]))
+            leaves = [have.get(path, np.zeros(np.shape(x))) for path, x in tree_leaves_with_path(u.template)]
+            flatten(leaves, out=full[u.real])
+        return full
 
     def memory(self) -> dict[str, int]:
         """Bytes of the buffers this rank holds between steps: parameters, gradients and
-        optimiser state (the ZeRO paper's three), and the workspace beside them (AdamW's
-        scratch, one optimiser-state shard; the weight-decay and norm masks, a byte per value each)."""
+        optimiser state (the ZeRO paper's three), and the workspace beside them (the
+        elementwise rules' scratch, one state-slice of values; the weight-decay and norm
+        masks, a byte per value each)."""
         return {
             "params": self.residency.buffer.nbytes,
             "grads": self.sync.nbytes,
-            "optimizer": self.adam.m.nbytes + self.adam.v.nbytes,
+            "optimizer": sum(b.nbytes for b in self.state.values()),
             "workspace": self.scratch.nbytes + self.decay.nbytes + self.counted.nbytes,
         }
 
@@ -284,6 +405,21 @@ class ZeroOptimizer(Generic[K]):
         if bad.size:
             which = names[min(bad[0] // 2, len(names) - 1)]
             raise ReplicaError(f"replicas differ over {'x'.join(axes)} in {which}: a rank has diverged")
+
+
+def _rule_runs(rules: Tree, u: Span) -> list[tuple[int, int, int]]:
+    """(rule, start, stop) runs of a unit's full layout from its tree of leaf rules (the
+    padding after its values is rule 0's), neighbours of one rule merged."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    sizes = [int(np.size(x)) for x in tree_leaves(u.template)] + [u.padded - u.size]
+    for rule, n in zip(tree_leaves(rules) + [0], sizes):
+        if n and runs and runs[-1][0] == rule:
+            runs[-1] = (rule, runs[-1][1], start + n)
+        elif n:
+            runs.append((rule, start, start + n))
+        start += n
+    return runs
 
 
 def _true_runs(mask: np.ndarray) -> list[tuple[int, int]]:

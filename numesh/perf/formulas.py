@@ -9,7 +9,7 @@ bytes. `bus_bytes` turns them into NCCL-tests bus bytes.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import attrs
 
@@ -17,6 +17,73 @@ from numesh.base.padding import padded_vocab, round_up
 from numesh.pipeline.schedules import Schedule, simulate
 
 SCALAR = 8  # one float64 all-reduced (loss, gradient norm)
+
+
+@attrs.frozen
+class Parts:
+    """A model kind's parts, as far as they change what the formulas count
+    (`numesh.nn.gpt.GPTConfig` names them; `Parts.of` takes them from one). The defaults are
+    GPT-2's, so a formula given none counts GPT-2's model.
+
+    Attributes:
+        hidden: the MLP's (and each expert's) hidden size F; 0 = 4·C.
+        gated: SwiGLU: a gate [C, F] beside fc (three matrices of C·F where GELU has two),
+            and four [.., F] arrays kept for backward where GELU keeps three.
+        kv_heads: key/value heads of grouped-query attention: q [C, C] column-parallel, k
+            and v [C, kv_heads·head_size] replicated over tp (each tp rank computes the kv
+            heads its query heads read, `numesh.nn.parts.local_kv_heads`); 0 = one per query
+            head, q, k and v in one fused [C, 3, C] Linear.
+        head_size: C / n_head (needed with kv_heads and rotary).
+        rmsnorm: every norm is RMSNorm: one weight vector, no bias.
+        rotary: rotary positions: no wpe; q and k rotated after their projections.
+        tied: the LM head is wte; else its own vocab-parallel [V, C] on the last stage.
+    """
+
+    hidden: int = 0
+    gated: bool = False
+    kv_heads: int = 0
+    head_size: int = 0
+    rmsnorm: bool = False
+    rotary: bool = False
+    tied: bool = True
+
+    @classmethod
+    def of(cls, cfg: Any) -> "Parts":
+        """The parts of a `GPTConfig` (or anything with its `norm`, `positions`, `mlp`,
+        `hidden`, `kv_heads`, `head_size`, `fused_qkv` and `tie_embeddings`)."""
+        gelu_default = cfg.mlp == "gelu" and cfg.hidden == 4 * cfg.n_embd
+        rotary = cfg.positions == "rotary"
+        return cls(hidden=0 if gelu_default else cfg.hidden, gated=cfg.mlp == "swiglu",
+                   kv_heads=0 if cfg.fused_qkv else cfg.kv_heads,
+                   head_size=0 if cfg.fused_qkv and not rotary else cfg.head_size,
+                   rmsnorm=cfg.norm == "rmsnorm", rotary=rotary, tied=cfg.tie_embeddings)
+
+    def ffn(self, n_embd: int) -> int:
+        """The MLP's hidden size F."""
+        return self.hidden or 4 * n_embd
+
+    @property
+    def mlp_matrices(self) -> int:
+        """C×F matrices of one MLP: fc and proj, and SwiGLU's gate."""
+        return 3 if self.gated else 2
+
+    def kv_width(self, n_embd: int) -> int:
+        """Columns of k (and of v): every head's, or the kv heads' only."""
+        return self.kv_heads * self.head_size if self.kv_heads else n_embd
+
+    def local_kv(self, n_embd: int, tp: int) -> int:
+        """Columns of k (and of v) a tp rank computes and attends with: its heads' C/tp, or
+        with grouped-query attention the kv heads its query heads read (one when tp > kv heads)."""
+        if not self.kv_heads:
+            return n_embd // tp
+        return max(1, self.kv_heads // tp) * self.head_size
+
+    def norm_values(self, n_embd: int, bias: bool) -> int:
+        """Values of one norm: its weight, and a LayerNorm's bias."""
+        return 2 * n_embd if bias and not self.rmsnorm else n_embd
+
+
+GPT2 = Parts()
 
 
 def bus_bytes(op: str, payload: float, n: int) -> float:
@@ -87,12 +154,37 @@ def dp_bytes(stage: int, micro_batches: int, padded_blocks: int, padded_outer: i
 
 @attrs.frozen
 class Chunk:
-    """What a rank's model chunk holds: its blocks, and whether it is the model's first
-    (embedding) or last (head and loss) stage."""
+    """What a rank's model chunk holds: its blocks (`moe_blocks` of them with experts), and
+    whether it is the model's first (embedding) or last (head and loss) stage."""
 
     blocks: int
     first: bool
     last: bool
+    moe_blocks: int = 0
+
+
+def moe_cp_bytes(chunk: Chunk, rows: int, block_size: int, moe: ExpertShape, recompute: str = "none") -> dict[str, int]:
+    """Payload bytes per op one micro-batch moves over cp in its MoE blocks' forwards (two
+    under full recomputation), where a sequence's tokens are split over cp: each block sums
+    its sequences' routing counts and mean probabilities over cp (2·rows·E float64,
+    numesh.nn.moe.seq_balance) and, with a capacity, gathers each assignment's (expert,
+    probability, position) of the whole sequence (rows·block_size·k·3 float64,
+    `apply_capacity`)."""
+    forwards = chunk.moe_blocks * (2 if recompute == "full" else 1)
+    out = {"all_reduce": forwards * 2 * rows * moe.experts * INDEX_BYTES}
+    if moe.capacity:
+        out["all_gather"] = forwards * rows * block_size * moe.top_k * 3 * INDEX_BYTES
+    return out
+
+
+def moe_tp_bytes(chunk: Chunk, rows: int, block_size: int, top_k: int, itemsize: int) -> int:
+    """Payload bytes one micro-batch all-reduces over tp in its MoE blocks beside the
+    activations' (`tp_all_reduce_bytes`, `tp_sequence_parallel_bytes`): each block's
+    backward sums the gradient of its combine weights [N, k] over tp, as the experts'
+    outputs it is taken from are partial over tp (numesh.nn.moe.moe_bwd; N = rows ×
+    block_size tokens, whole on every tp rank, with or without sp; once under full
+    recomputation, whose rerun forward has none)."""
+    return chunk.moe_blocks * rows * block_size * top_k * itemsize
 
 
 def tp_all_reduce_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, itemsize: int,
@@ -156,15 +248,19 @@ def loss_axes(shape: dict[str, int]) -> tuple[str, ...]:
     return ("pp", "dp") + tuple(a for a in ("ep", "cp") if shape.get(a, 1) > 1)
 
 
-def cp_ring_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, tp: int, cp: int, itemsize: int) -> int:
+def cp_ring_bytes(chunk: Chunk, rows: int, block_size: int, n_embd: int, tp: int, cp: int, itemsize: int,
+                  parts: Parts = GPT2, recompute: str = "none") -> int:
     """Payload bytes one micro-batch sends around the cp ring through a chunk (ring
     attention, `numesh.nn.ring_attention`). A K or V block is rows × T/cp tokens × C/tp
-    (this tp rank's heads); per layer the forward passes cp-1 K and V blocks, the backward
-    cp-1 K and V blocks again and cp dK and dV accumulators (the last hop takes each home)."""
+    (this tp rank's heads; with grouped-query attention the columns of the kv heads its
+    query heads read, `Parts.local_kv`); per layer the forward passes cp-1 K and V blocks
+    (again in backward's rerun under full recomputation), the backward cp-1 K and V blocks
+    again and cp dK and dV accumulators (the last hop takes each home)."""
     if cp == 1:
         return 0
-    blk = rows * (block_size // cp) * (n_embd // tp) * itemsize
-    return chunk.blocks * (2 * (cp - 1) + 2 * (cp - 1) + 2 * cp) * blk
+    blk = rows * (block_size // cp) * parts.local_kv(n_embd, tp) * itemsize
+    forwards = 2 if recompute == "full" else 1
+    return chunk.blocks * (forwards * 2 * (cp - 1) + 2 * (cp - 1) + 2 * cp) * blk
 
 
 def cp_grad_bytes(zero: int, micro_batches: int, padded_blocks: int, padded_outer: int, itemsize: int) -> int:
@@ -202,8 +298,10 @@ class StepShape:
     them), the ZeRO stage, `micro_batches` of `rows` sequences each on a rank (the batch is
     split over dp × ep), `block_size` tokens of width `n_embd` in `itemsize`-byte values;
     whether the schedule runs W apart from B (`split_backward`, zb-h1), whether tp also
-    splits the sequence (`sequence_parallel`) and the activation recomputation ("full"
-    reruns each block's forward, its tp communication included, in backward)."""
+    splits the sequence (`sequence_parallel`), the activation recomputation ("full"
+    reruns each block's forward, its tp communication included, in backward), the
+    model's `parts` (grouped-query attention's K/V blocks around the cp ring) and its MoE
+    blocks' experts (`moe_tp_bytes`, `moe_cp_bytes`)."""
 
     mesh: dict[str, int]
     zero: int
@@ -215,6 +313,8 @@ class StepShape:
     split_backward: bool = False
     sequence_parallel: bool = False
     recompute: str = "none"
+    parts: Parts = GPT2
+    moe: ExpertShape | None = None  # the MoE blocks' experts (`Chunk.moe_blocks`); None: dense
 
 
 @attrs.frozen
@@ -224,8 +324,10 @@ class RankUnits:
     `padded_outer` the embedding/head unit); its wte gradient's bytes (`tied_bytes`), summed
     between the first and last pp rank when pp > 1 (0 on other ranks); and the gradient
     values it holds (its dp shard of them under ZeRO >= 1) of the leaves reduced apart from
-    the dp sum, once per step: the LayerNorms' over tp under sequence parallelism
-    (`tp_partial_values`), those replicated over ep (`ep_replicated_values`). A traced run
+    the dp sum, once per step: over tp the norms' under sequence parallelism and
+    grouped-query attention's k and v with tp > 1 (`tp_partial_values`), those replicated
+    over ep (`ep_replicated_values`); the bytes a matrix rule (Muon) moves to have each
+    matrix whole on one rank, over dp and over tp (`matrix_exchange_bytes`). A traced run
     records these fields as its ranks' metadata, from which `numesh report` computes them."""
 
     chunks: tuple[Chunk, ...] = attrs.field(converter=tuple)
@@ -234,14 +336,17 @@ class RankUnits:
     tied_bytes: int = 0
     tp_partial_values: int = 0
     ep_replicated_values: int = 0
+    matrix_all_to_all: int = 0  # a matrix rule's (Muon's) exchange over dp: `matrix_exchange_bytes`
+    matrix_all_gather: int = 0  # ... and its gather over tp
 
 
 def step_bytes(step: StepShape, rank: RankUnits, all_to_all_bytes: int = 0) -> dict[tuple[str, str], int]:
     """Payload bytes per (axes, op) one rank moves in one training step (axes as "dp",
     "pp+dp", or "pp[0,3]" for the tied-embedding group), sends but not receives, for the
     step's layout and what the rank holds. With cp, add the ring's K/V traffic and the
-    gradients' sum over cp (`cp_ring_bytes`, `cp_grad_bytes`); with sequence parallelism the
-    LayerNorm gradients' all-reduce over tp; with ep the replicated leaves' all-reduce over
+    gradients' sum over cp (`cp_ring_bytes`, `cp_grad_bytes`); with tp the all-reduce of the
+    gradients partial over it (the norms' under sequence parallelism, grouped-query
+    attention's k and v: `tp_partial_values`); with ep the replicated leaves' all-reduce over
     ep (`ep_grad_bytes`) and `all_to_all_bytes`, the experts' token all-to-alls of the step,
     which depend on the routing (`moe_step_all_to_all_bytes` of the step's recorded counts;
     0 for dense meshes)."""
@@ -261,21 +366,32 @@ def step_bytes(step: StepShape, rank: RankUnits, all_to_all_bytes: int = 0) -> d
                 add("dp+cp" if cp > 1 and zero == 0 else "dp", op, n)
     if cp > 1:
         add("cp", "send",
-            m * sum(cp_ring_bytes(c, rows, step.block_size, n_embd, shape["tp"], cp, itemsize) for c in chunks))
+            m * sum(cp_ring_bytes(c, rows, step.block_size, n_embd, shape["tp"], cp, itemsize, step.parts, recompute)
+                    for c in chunks))
         add("cp", "all_reduce", cp_grad_bytes(zero, m, padded_blocks, padded_outer, itemsize))
+        if step.moe is not None:
+            for c in chunks:
+                for op, n in moe_cp_bytes(c, rows, step.block_size, step.moe, recompute).items():
+                    add("cp", op, m * n)
     t = step.block_size // cp  # tokens of each sequence on this rank
     if shape["tp"] > 1 and step.sequence_parallel:
         for c in chunks:
             for op, n in tp_sequence_parallel_bytes(c, rows, t, n_embd, itemsize, recompute).items():
                 add("tp", op, m * n)
-        add("tp", "all_reduce", rank.tp_partial_values * itemsize)
     elif shape["tp"] > 1:
         add("tp", "all_reduce", m * sum(tp_all_reduce_bytes(c, rows, t, n_embd, itemsize, recompute) for c in chunks))
+    if shape["tp"] > 1:
+        if step.moe is not None:  # the MoE blocks' combine-weight grads, per micro-batch
+            add("tp", "all_reduce", m * sum(moe_tp_bytes(c, rows, t, step.moe.top_k, itemsize) for c in chunks))
+        # the norms' grads under sp, GQA's k and v grads: partial over tp, summed once a step
+        add("tp", "all_reduce", rank.tp_partial_values * itemsize)
     if shape["pp"] > 1:
         split = shape["tp"] if step.sequence_parallel else 1
         add("pp", "send", m * sum(pp_send_bytes(c, rows, t, n_embd, itemsize, split) for c in chunks))
         if rank.tied_bytes:
             add(f"pp[0,{shape['pp'] - 1}]", "all_reduce", rank.tied_bytes)
+    add("dp", "all_to_all", rank.matrix_all_to_all)
+    add("tp", "all_gather", rank.matrix_all_gather)
     if shape.get("ep", 1) > 1:
         add("ep", "all_reduce", ep_grad_bytes(rank.ep_replicated_values, itemsize))
         add("ep", "all_to_all", all_to_all_bytes)
@@ -308,44 +424,63 @@ def bubble(schedule: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 
 TOKEN_ID_BYTES = 8  # token ids and targets are int64 (numesh.data.batches.read_rows)
 
 
-def block_params(n_embd: int, tp: int = 1, bias: bool = False) -> int:
-    """Values of one transformer block on one tp rank: QKV, MLP-up (column-parallel) and
-    attention-out, MLP-down (row-parallel) split over tp; the two LayerNorms replicated;
-    row-parallel biases replicated, column-parallel ones split."""
+def attention_params(n_embd: int, tp: int = 1, bias: bool = False, parts: Parts = GPT2) -> int:
+    """Values of one block's attention Linears on one tp rank: the fused QKV [C, 3, C]
+    column-parallel (its bias split too), or grouped-query attention's q [C, C]
+    column-parallel and k, v [C, kv] replicated over tp (biases likewise); the
+    out-projection [C, C] row-parallel, its bias replicated."""
     C = n_embd
-    n = 12 * C * C // tp + 2 * C
-    if bias:
-        n += 2 * C + 3 * C // tp + C + 4 * C // tp + C
-    return n
+    if not parts.kv_heads:
+        return 4 * C * C // tp + ((3 * C // tp + C) if bias else 0)
+    kv = parts.kv_width(C)
+    return 2 * C * C // tp + 2 * C * kv + ((C // tp + 2 * kv + C) if bias else 0)
 
 
-def expert_params(n_embd: int, bias: bool = False, tp: int = 1) -> int:
-    """Values of one expert on a tp rank: the dense MLP's C·4C and 4C·C (and its 4C + C
-    biases), tp-split as the dense MLP (fc's 4C columns and bias, proj's 4C rows; proj's
-    bias whole)."""
-    C = n_embd
-    return 8 * C * C // tp + ((4 * C // tp + C) if bias else 0)
+def block_params(n_embd: int, tp: int = 1, bias: bool = False, parts: Parts = GPT2) -> int:
+    """Values of one transformer block on one tp rank: its attention (`attention_params`),
+    its MLP (`expert_params`: column-parallel fc and gate, row-parallel proj) and its two
+    norms, replicated. GPT-2's is 12·C²/tp + 2·C (+ 2C + 3C/tp + C + 4C/tp + C of biases)."""
+    return (attention_params(n_embd, tp, bias, parts) + expert_params(n_embd, bias, tp, parts)
+            + 2 * parts.norm_values(n_embd, bias))
 
 
-def moe_block_params(n_embd: int, experts: int, bias: bool = False) -> int:
-    """Values of one MoE block (one rank): the dense block's attention and LayerNorms, the
+def expert_params(n_embd: int, bias: bool = False, tp: int = 1, parts: Parts = GPT2) -> int:
+    """Values of one MLP (a dense block's, or one expert) on a tp rank: fc [C, F] (and
+    SwiGLU's gate [C, F]) column-parallel with their biases, proj [F, C] row-parallel, its
+    bias whole. GPT-2's (F = 4C): 8·C²/tp + 4C/tp + C."""
+    C, F, mats = n_embd, parts.ffn(n_embd), parts.mlp_matrices
+    return mats * C * F // tp + (((mats - 1) * F // tp + C) if bias else 0)
+
+
+def moe_block_params(n_embd: int, experts: int, bias: bool = False, parts: Parts = GPT2) -> int:
+    """Values of one MoE block (one rank): the dense block's attention and norms, the
     router C·E (no bias) and E experts in place of the MLP."""
-    return block_params(n_embd, 1, bias) - expert_params(n_embd, bias) + n_embd * experts + experts * expert_params(
-        n_embd, bias)
+    one = expert_params(n_embd, bias, 1, parts)
+    return block_params(n_embd, 1, bias, parts) - one + n_embd * experts + experts * one
 
 
-def active_params(n_params: int, n_embd: int, moe_blocks: int, experts: int, top_k: int, bias: bool = False) -> int:
+def active_params(n_params: int, n_embd: int, moe_blocks: int, experts: int, top_k: int, bias: bool = False,
+                  parts: Parts = GPT2) -> int:
     """The parameters one token uses, of a model of `n_params` with `moe_blocks` MoE blocks:
     all but the E - k experts each MoE block does not route it to."""
-    return n_params - moe_blocks * (experts - top_k) * expert_params(n_embd, bias)
+    return n_params - moe_blocks * (experts - top_k) * expert_params(n_embd, bias, 1, parts)
 
 
-def moe_mlp_flops_per_token(n_embd: int, experts: int, top_k: int) -> float:
+def counted_params(n_params: int, vocab: int, n_embd: int, parts: Parts = GPT2) -> int:
+    """The parameters `flops_per_token` counts 6 FLOPs each for, of a model of `n_params`
+    (its active ones, with experts): all of them, less an untied token embedding, which
+    is looked up, not multiplied (the untied LM head beside it is counted); tied, wte is
+    also the head's matrix and counts once. torchtitan and Megatron-LM count a Llama so."""
+    return n_params - (0 if parts.tied else vocab * n_embd)
+
+
+def moe_mlp_flops_per_token(n_embd: int, experts: int, top_k: int, parts: Parts = GPT2) -> float:
     """Training FLOPs per token of one MoE MLP's matmuls: forward 2 per weight used (the
-    router's C·E, and 8C² for each of its k experts), backward twice that (input and
-    weight gradients). Bias adds, GELU and the softmax are not counted, as for the dense
-    model (`flops_per_token` with `active_params` counts the same)."""
-    return 6.0 * (n_embd * experts + top_k * 8 * n_embd * n_embd)
+    router's C·E, and the C·F matrices of each of its k experts: two, three with SwiGLU),
+    backward twice that (input and weight gradients). Bias adds, the activation and the
+    softmax are not counted, as for the dense model (`flops_per_token` with
+    `active_params` counts the same)."""
+    return 6.0 * (n_embd * experts + top_k * parts.mlp_matrices * n_embd * parts.ffn(n_embd))
 
 
 def moe_all_to_all_bytes(send: Sequence[int], recv: Sequence[int], rank: int, n_embd: int, experts: int,
@@ -374,28 +509,31 @@ def moe_step_all_to_all_bytes(routing: Iterable[tuple[Sequence[int], Sequence[in
     return sum(moe_all_to_all_bytes(s, r, rank, n_embd, experts, itemsize, recompute) for s, r in routing)
 
 
-def moe_expert_values(n_embd: int, experts: int, ep: int = 1, tp: int = 1, bias: bool = False) -> int:
+def moe_expert_values(n_embd: int, experts: int, ep: int = 1, tp: int = 1, bias: bool = False,
+                      parts: Parts = GPT2) -> int:
     """Values of one MoE block's experts on one rank: its E/ep experts, each tp-split as the
-    dense MLP: fc.w [E/ep, C, 4C/tp], fc.b [E/ep, 4C/tp], proj.w [E/ep, 4C/tp, C], proj.b
-    [E/ep, C] (the leaves whose spec names "ep")."""
-    return experts // ep * expert_params(n_embd, bias, tp)
+    dense MLP: fc.w [E/ep, C, F/tp] (and gate.w), fc.b [E/ep, F/tp], proj.w [E/ep, F/tp, C],
+    proj.b [E/ep, C] (the leaves whose spec names "ep")."""
+    return experts // ep * expert_params(n_embd, bias, tp, parts)
 
 
-def moe_block_other_values(n_embd: int, experts: int, tp: int = 1, bias: bool = False) -> int:
+def moe_block_other_values(n_embd: int, experts: int, tp: int = 1, bias: bool = False, parts: Parts = GPT2) -> int:
     """Values of one MoE block on one rank that are not experts (replicated over ep): the
-    dense block's attention and LayerNorms (`block_params` less its MLP) and the router C·E."""
-    return block_params(n_embd, tp, bias) - expert_params(n_embd, bias, tp) + n_embd * experts
+    dense block's attention and norms (`block_params` less its MLP) and the router C·E."""
+    return block_params(n_embd, tp, bias, parts) - expert_params(n_embd, bias, tp, parts) + n_embd * experts
 
 
 def moe_rank_units(*, n_embd: int, vocab: int, block_size: int, experts: int, moe_layers: Sequence[bool], ep: int = 1,
-                   tp: int = 1, bias: bool = False, first: bool = True, last: bool = True) -> list[tuple[int, int]]:
+                   tp: int = 1, bias: bool = False, first: bool = True, last: bool = True,
+                   parts: Parts = GPT2) -> list[tuple[int, int]]:
     """(non-expert, expert) values of each parameter unit of a rank: one per block of its
     stage (`moe_layers`: whether each is an MoE block) and the outer unit. In the flat
     layout (numesh.optim.flat) a unit's expert values come after its others: an MoE
-    block's experts (mlp.fc, mlp.proj) are its last leaves."""
-    units = [(moe_block_other_values(n_embd, experts, tp, bias), moe_expert_values(n_embd, experts, ep, tp, bias))
-             if moe else (block_params(n_embd, tp, bias), 0) for moe in moe_layers]
-    units.append((outer_params(n_embd, vocab, block_size, tp, first, last, bias), 0))
+    block's experts (mlp.fc, mlp.proj, mlp.gate) are its last leaves."""
+    units = [(moe_block_other_values(n_embd, experts, tp, bias, parts),
+              moe_expert_values(n_embd, experts, ep, tp, bias, parts))
+             if moe else (block_params(n_embd, tp, bias, parts), 0) for moe in moe_layers]
+    units.append((outer_params(n_embd, vocab, block_size, tp, first, last, bias, parts), 0))
     return units
 
 
@@ -430,30 +568,94 @@ def moe_state_bytes(units: Iterable[tuple[int, int]], dp: int, rank: int, stage:
 
 
 def outer_params(n_embd: int, vocab: int, block_size: int, tp: int = 1, first: bool = True, last: bool = True,
-                 bias: bool = False) -> int:
-    """Values of the outer unit on one rank: the vocab-parallel wte (first and last stage,
-    tied), wpe (first stage) and the final LayerNorm (last stage)."""
+                 bias: bool = False, parts: Parts = GPT2) -> int:
+    """Values of the outer unit on one rank: the vocab-parallel wte (first stage, and the
+    last when it is the tied head), wpe (first stage, learned positions only), the untied
+    vocab-parallel lm_head and the final norm (last stage)."""
     C = n_embd
-    n = padded_vocab(vocab, tp) // tp * C if (first or last) else 0
-    n += block_size * C if first else 0
-    n += (2 * C if bias else C) if last else 0
+    vocab_rows = padded_vocab(vocab, tp) // tp * C
+    n = vocab_rows if (first or (last and parts.tied)) else 0
+    n += vocab_rows if last and not parts.tied else 0
+    n += block_size * C if first and not parts.rotary else 0
+    n += parts.norm_values(C, bias) if last else 0
     return n
 
 
-def zero_buffer_bytes(unit_sizes: Iterable[int], dp: int, stage: int, itemsize: int = 4) -> dict[str, int]:
+def zero_buffer_bytes(unit_sizes: Iterable[int], dp: int, stage: int, itemsize: int = 4,
+                      state_values: float | None = None) -> dict[str, int]:
     """`ZeroOptimizer.memory()` of a rank whose units hold `unit_sizes` values: each unit
-    padded to a multiple of dp; parameters, gradients and AdamW's two moments whole or as
-    this rank's 1/dp as the stage says; the workspace is AdamW's scratch (one state-sized
-    buffer) and the weight-decay and norm masks (a byte per state value each)."""
+    padded to a multiple of dp; parameters, gradients and the optimiser state whole or as
+    this rank's 1/dp as the stage says; the workspace is the elementwise rules' scratch
+    (one state-slice of values) and the weight-decay and norm masks (a byte per value of the
+    slice each). The state is `state_values` values (`rule_state_values`; default AdamW's
+    two moments of every value of the slice)."""
     padded = [round_up(n, dp) for n in unit_sizes]
     full, shard = sum(padded), sum(p // dp for p in padded)
     state = shard if stage >= 1 else full
     return {
         "params": (shard if stage >= 3 else full) * itemsize,
         "grads": (shard if stage >= 2 else full) * itemsize,
-        "optimizer": 2 * state * itemsize,
+        "optimizer": int((2 * state if state_values is None else state_values) * itemsize),
         "workspace": state * itemsize + 2 * state,
     }
+
+
+def rule_values(units: Iterable[Sequence[tuple[int, int]]], dp: int, rank: int | None) -> dict[int, int]:
+    """Values of each optimiser rule in a rank's slice of the flat buffers: `units` are each
+    unit's (rule, values) runs in layout order (its leaves'), each unit padded to a multiple
+    of dp with rule 0's padding (numesh.optim.zero: the padding is the first rule's). With
+    `rank` None the whole buffers (ZeRO 0), else dp rank `rank`'s 1/dp of every unit."""
+    out: dict[int, int] = {}
+    for runs in units:
+        size = sum(n for _, n in runs)
+        padded = round_up(size, dp)
+        lo, hi = (0, padded) if rank is None else (rank * padded // dp, (rank + 1) * padded // dp)
+        start = 0
+        for rule, n in [*runs, (0, padded - size)]:
+            out[rule] = out.get(rule, 0) + max(0, min(hi, start + n) - max(lo, start))
+            start += n
+    return out
+
+
+def rule_state_values(units: Iterable[Sequence[tuple[int, int]]], dp: int, rank: int, stage: int,
+                      per_value: Sequence[int]) -> int:
+    """Optimiser state values a rank holds: each rule's values in its slice (`rule_values`:
+    this rank's 1/dp from ZeRO 1 on, else whole) times that rule's state buffers
+    (`per_value`: AdamW 2, Muon's matrix rule 1)."""
+    values = rule_values(units, dp, rank if stage >= 1 else None)
+    return sum(per_value[r] * n for r, n in values.items())
+
+
+def matrix_exchange_bytes(unit_sizes: Sequence[int], slabs: Sequence[tuple[int, int, int, float, bool]], dp: int,
+                          rank: int, tp: int, itemsize: int, sharded: bool) -> dict[tuple[str, str], int]:
+    """Payload bytes a rank sends in one step to have each matrix of a matrix rule (Muon)
+    whole on one rank (numesh/optim/matrices.py): `slabs` are (unit index, first value in
+    the unit, values, cost, whether split over tp), tp-local, in layout order;
+    `unit_sizes` the units' values. Under ZeRO >= 1 (`sharded`) the slabs are dealt to the
+    dp ranks by cost (`assign_owners`), each rank sends every owner the part of its slabs
+    that lies in its 1/dp shard of the unit (padded to a multiple of dp), and each owner
+    the rest of its slabs back, all-to-alls over dp that count what leaves a rank; every
+    owner then all-gathers its tp-split slabs over tp, tp times their values."""
+    from numesh.optim.matrices import assign_owners, pieces  # here: the other formulas need no MPI
+
+    n = dp if sharded else 1
+    owners = assign_owners([s[3] for s in slabs], n)
+    me = rank if sharded else 0
+    out: dict[tuple[str, str], int] = {}
+    moved = gathered = 0
+    for (unit, start, size, _cost, split), owner in zip(slabs, owners):
+        shard = round_up(unit_sizes[unit], n) // n
+        lo, hi = pieces(start, size, shard, n)[me]
+        if owner != me:
+            moved += hi - lo  # my piece, to its owner
+        else:
+            moved += size - (hi - lo)  # the others' pieces of my slab, back to them
+            gathered += size * tp if split and tp > 1 else 0
+    if n > 1:
+        out[("dp", "all_to_all")] = moved * itemsize
+    if gathered:
+        out[("tp", "all_gather")] = gathered * itemsize
+    return out
 
 
 
@@ -464,7 +666,7 @@ class ActivationShape:
     activation formula takes: `micro_batch` sequences of `seq` tokens (the whole sequence:
     under context parallelism each rank holds `tokens` = seq/cp of them), width `n_embd` in
     `n_head` heads split over `tp` (and the sequence too under sequence parallelism, `sp`),
-    the recomputation mode and the activation dtype's `itemsize`."""
+    the recomputation mode, the activation dtype's `itemsize` and the model's `parts`."""
 
     micro_batch: int
     seq: int
@@ -475,11 +677,39 @@ class ActivationShape:
     sp: bool = False
     recompute: str = "none"
     itemsize: int = 4
+    parts: Parts = GPT2
 
     @property
     def tokens(self) -> int:
         """Tokens of each sequence on this rank (seq/cp)."""
         return self.seq // self.cp
+
+    @property
+    def attention_values(self) -> int:
+        """Values per token a block's attention keeps on a tp rank, as `activation_parts`
+        counts them under "block_sharded": q, k and v (the fused QKV output they view, and
+        with rotary positions the rotated q and k beside it; GQA's q and this rank's kv
+        columns of k and v, rotated or not) and the attention output."""
+        C, t, parts = self.n_embd, self.tp, self.parts
+        if not parts.kv_heads:
+            return (5 if parts.rotary else 3) * C // t + C // t
+        return 2 * C // t + 2 * parts.local_kv(C, t)
+
+    def mlp_values(self, rows: int = 1) -> int:
+        """Values per token (per expert row) an MLP keeps on a tp rank: GELU's input (the
+        MLP-up output), its tanh and its output, 3·F/tp; SwiGLU's gate and up outputs, the
+        gate's sigmoid and the gated product, 4·F/tp."""
+        return rows * (4 if self.parts.gated else 3) * self.parts.ffn(self.n_embd) // self.tp
+
+
+def rotary_table_bytes(shape: ActivationShape) -> int:
+    """Bytes of the rotary cos and sin tables [s, 1, hs] of a rank's s = seq/cp tokens
+    (`numesh.nn.parts.rotary_for`), which every block's context of every micro-batch holds:
+    one cached pair, so counted once however many contexts are live (`peak_activation_bytes`'
+    `shared`), not in `activation_parts`. 0 with learned positions."""
+    if not shape.parts.rotary:
+        return 0
+    return 2 * shape.tokens * shape.parts.head_size * shape.itemsize
 
 
 @attrs.frozen
@@ -514,7 +744,13 @@ def activation_parts(shape: ActivationShape, chunk: Chunk, vocab: int) -> dict[s
                           inputs). Replicated over tp unless sequence-parallel (`sp`).
       "block_sharded"     k·16·sbh/t: the QKV output that q, k and v are views of (3), the
                           attention output (1, which attention's context views too), the
-                          MLP-up output, GELU's tanh and GELU's output (4 each).
+                          MLP-up output, GELU's tanh and GELU's output (4 each). Other
+                          kinds (`shape.parts`): k·sb·(`attention_values` + `mlp_values`):
+                          rotary positions keep the rotated q and k beside the fused QKV
+                          output (+2·h/t); grouped-query attention keeps q (h/t) and this
+                          rank's kv columns of k and v (2·kv_local), rotated or not; SwiGLU
+                          keeps gate, up, sigmoid and product (4·F/t) where GELU keeps 3·F/t.
+                          The rotary tables are one pair for every context: `rotary_table_bytes`.
       "block_lse"         k·a·sb/t: each query row's log-sum-exp [b, a/t, s], all the fused
                           attention keeps of its softmax (numesh/nn/attention.py): nothing
                           s×s, with or without dropout, whose pattern is a hash.
@@ -553,7 +789,7 @@ def activation_parts(shape: ActivationShape, chunk: Chunk, vocab: int) -> dict[s
         parts["block_input"] = n_layer * k * (sbh // t if sp else sbh)
     else:
         parts["block_replicated"] = n_layer * k * (2 * (sbh + sb) // t if sp else (4 * sbh + 2 * sb))
-        parts["block_sharded"] = n_layer * k * 16 * sbh // t
+        parts["block_sharded"] = n_layer * k * sb * (shape.attention_values + shape.mlp_values())
         parts["block_lse"] = n_layer * k * a * sb // t
     if first:
         parts["embed"] = (sb * TOKEN_ID_BYTES + (sb if t > 1 else 0)
@@ -587,7 +823,8 @@ def moe_activation_parts(shape: ActivationShape, moe: ExpertShape, rows_sent: in
       "block_replicated"  q·(4·sbh + 2·sb) as the dense block's (the MoE input is LayerNorm
                           2's output, kept once); under sp q·2·(sbh + sb)/t + q·sbh, the
                           gathered MoE input.
-      "block_attention"   q·4·sbh/t: the QKV output and the attention output.
+      "block_attention"   q·4·sbh/t: the QKV output and the attention output
+                          (q·sb·`attention_values` for other kinds).
       "block_lse"         q·a·sb/t, as the dense block's.
       "router"            the probabilities and logsumexp q·(N·E + N), the top-k order
                           8·N·E (a view of the whole argsort), the combine weights q·N·k,
@@ -596,7 +833,8 @@ def moe_activation_parts(shape: ActivationShape, moe: ExpertShape, rows_sent: in
       "dispatch"          send and recv 2·8·ep; with ep > 1 the regrouping 8·R and local
                           bounds 8·(E/ep + 1).
       "experts"           q·R·h the rows the experts got, q·12·R·h/t their hidden layer, GELU
-                          tanh and output, q·N·k·h each assignment's expert output.
+                          tanh and output (SwiGLU experts: q·R·4·F/t, `mlp_values`),
+                          q·N·k·h each assignment's expert output.
       "stats"             the routing stats' tokens per expert, 8·E.
     Under full recomputation the block keeps its input, q·sbh (q·sbh/t under sp), and its
     stats, 8·E (`RoutingStats.send`/`recv` are int tuples: nothing more)."""
@@ -609,12 +847,12 @@ def moe_activation_parts(shape: ActivationShape, moe: ExpertShape, rows_sent: in
         return {"block_input": q * (sbh // t if sp else sbh), "stats": stats}
     return {
         "block_replicated": q * (2 * (sbh + sb) // t + sbh) if sp else q * (4 * sbh + 2 * sb),
-        "block_attention": q * 4 * sbh // t,
+        "block_attention": q * sb * shape.attention_values,
         "block_lse": q * a * sb // t,
         "router": (q * (N * E + N + N * k) + INDEX_BYTES * (N * E + M + E + 1 + 2 * b * E)
                    + (N * k if moe.capacity else 0)),
         "dispatch": INDEX_BYTES * (2 * ep + ((R + E // ep + 1) if ep > 1 else 0)),
-        "experts": q * (R * h + 12 * R * h // t + N * k * h),
+        "experts": q * (R * h + shape.mlp_values(R) + N * k * h),
         "stats": stats,
     }
 
@@ -625,30 +863,44 @@ def weight_ctx_bytes(shape: ActivationShape, n_layer: int, bias: bool = False, c
     block the four Linears' inputs (h1, h2 [b,s,h]; attention output sbh/t, GELU output
     4·sbh/t) and output gradients (QKV's 3·sbh/t, MLP-up's 4·sbh/t, the two row-parallel
     ones sbh each), so k·(4·sbh + 12·sbh/t), plus both LayerNorms' weight (and `bias`)
-    gradients, once per thread chunk (`chunks`)."""
-    sbh, k = shape.tokens * shape.micro_batch * shape.n_embd, shape.itemsize
-    ln_grads = chunks * 2 * shape.n_embd * (2 if bias else 1) * k
-    return n_layer * (k * (4 * sbh + 12 * sbh // shape.tp) + ln_grads)
+    gradients, once per thread chunk (`chunks`). Other kinds (`shape.parts`): GQA's q, k, v
+    output gradients are h/t + 2·kv_local where the fused QKV's are 3·h/t; SwiGLU adds the
+    gate's output gradient (3·F/t in all where GELU has 2·F/t); an RMSNorm has no bias
+    gradient. The rotary tables, held too, are `rotary_table_bytes`, counted once."""
+    parts, t, C = shape.parts, shape.tp, shape.n_embd
+    sb, k = shape.tokens * shape.micro_batch, shape.itemsize
+    dqkv = 3 * C // t if not parts.kv_heads else C // t + 2 * parts.local_kv(C, t)
+    per_token = 4 * C + dqkv + C // t + parts.mlp_matrices * parts.ffn(C) // t
+    ln_grads = chunks * 2 * parts.norm_values(C, bias) * k
+    return n_layer * (k * sb * per_token + ln_grads)
 
 
 def peak_activation_bytes(schedule: Schedule, rank: int, saved: Callable[[int], int],
-                          deferred: Callable[[int], int] | None = None) -> int:
+                          deferred: Callable[[int], int] | None = None, shared: tuple[int, int] = (0, 0)) -> int:
     """The most activation bytes `rank` holds between two of its actions: F adds the
     micro-batch's `saved(chunk)` bytes, B frees them (or, when the schedule splits the
     backward, leaves `deferred(chunk)` bytes until W). What the executor's `peak_bytes`
     measures; with every chunk alike it is peak_activations(schedule)[rank] × saved(0)
-    for schedules that do not split the backward."""
-    live: dict[tuple[int, int], int] = {}
-    peak = 0
+    for schedules that do not split the backward. `shared`: the bytes of buffers that
+    every F context (first) and every deferred W (second) holds in common, counted once
+    while any context that holds them lives (the rotary tables, `rotary_table_bytes`: 0
+    where a context holds none, as a fully recomputed block's F)."""
+    live: dict[tuple[int, int], tuple[int, int]] = {}  # (mb, chunk) -> (bytes, 0: an F's context, 1: a W's)
+    count = [0, 0]  # live contexts of each kind
+    held = peak = 0  # held: the live contexts' own bytes, kept as they come and go (GPipe holds m at once)
     for a in schedule.actions[rank]:
         key = (a.mb, a.chunk)
+        if key in live:
+            n, kind = live.pop(key)
+            held, count[kind] = held - n, count[kind] - 1
         if a.kind == "F":
-            live[key] = saved(a.chunk)
+            live[key] = (saved(a.chunk), 0)
         elif a.kind == "B" and schedule.split_backward:
-            live[key] = deferred(a.chunk) if deferred is not None else 0
-        else:
-            live.pop(key, None)
-        peak = max(peak, sum(live.values()))
+            live[key] = (deferred(a.chunk) if deferred is not None else 0, 1)
+        if key in live:
+            n, kind = live[key]
+            held, count[kind] = held + n, count[kind] + 1
+        peak = max(peak, held + max(shared[0] if count[0] else 0, shared[1] if count[1] else 0))
     return peak
 
 

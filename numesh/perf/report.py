@@ -314,6 +314,8 @@ def step_shape(m: dict) -> formulas.StepShape:
         m["itemsize"], sched.split_backward,
         m.get("sequence_parallel", False),  # absent in traces before sp
         m.get("recompute", "none"),  # traces written before --recompute ran without it
+        formulas.Parts(**m.get("parts", {})),  # traces written before the model kinds: GPT-2's
+        None if not m.get("moe") else formulas.ExpertShape(**m["moe"]),  # absent before the formulas took it
     )
 
 
@@ -323,6 +325,7 @@ def rank_units(info: dict) -> formulas.RankUnits:
         [formulas.Chunk(**c) for c in info["chunks"]], info["padded_blocks"], info["padded_outer"], info["tied_bytes"],
         info.get("tp_partial_values", 0),  # absent in traces before sp
         info.get("ep_replicated_values", 0),  # absent in traces before ep
+        info.get("matrix_all_to_all", 0), info.get("matrix_all_gather", 0),  # absent before Muon
     )
 
 

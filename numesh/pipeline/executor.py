@@ -93,7 +93,7 @@ class PipelineExecutor:
         self.stages = [layout.stage(self.rank, c) for c in range(layout.v)]
         # the tied embedding lives on the first and the last rank: their wte grads are summed
         self.tied = mesh.group("pp", (0, self.p - 1)) if self.p > 1 else None
-        self.holds_tied = layout.holds_tied(self.rank)
+        self.holds_tied = cfg.tie_embeddings and layout.holds_tied(self.rank)
         self.trace = None  # a numesh.observe.trace.Tracer while tracing
         self._runs = 0  # schedules run so far (the same count on every rank): part of flow ids
 

@@ -67,6 +67,7 @@ __all__ = [
     "interleaved",
     "zb_h1",
     "make_schedule",
+    "check_shape",
     "simulate",
     "bubble_fraction",
     "peak_activations",
@@ -155,6 +156,23 @@ def _pm(p: Any, m: Any) -> tuple[int, int]:
     return _count("pipeline stages p (pp)", p), _count("micro-batches m", m)
 
 
+def _interleaved_shape(p: Any, m: Any, v: Any) -> tuple[int, int, int]:
+    """(p, m, v) checked as `interleaved` needs them, or ScheduleError saying what to change."""
+    p, m = _pm(p, m)
+    v = _count("model chunks per rank v", v)
+    if v < 2:
+        raise ScheduleError(
+            f"interleaved needs v >= 2 model chunks per rank, got v={v}; use 1f1b for one chunk per rank"
+        )
+    if m % p != 0:
+        near = sorted({max(p, (m // p) * p), (m // p + 1) * p})  # m < p would suggest p twice
+        raise ScheduleError(
+            f"interleaved needs micro-batches m={m} to be a multiple of pp={p} "
+            f"(e.g. {' or '.join(f'm={x}' for x in near)})"
+        )
+    return p, m, v
+
+
 def _build(name: str, p: int, m: int, v: int, split: bool, lists: Iterable[Iterable[Action]]) -> Schedule:
     sched = Schedule(name=name, p=p, m=m, v=v, split_backward=split, actions=tuple(tuple(a) for a in lists))
     validate(sched)
@@ -189,18 +207,7 @@ def one_f_one_b(p: int, m: int) -> Schedule:
 
 def interleaved(p: int, m: int, v: int) -> Schedule:
     """Megatron's interleaved 1F1B with ``v`` chunks per rank (rank ``s``, chunk ``c`` = stage ``c*p+s``)."""
-    p, m = _pm(p, m)
-    v = _count("model chunks per rank v", v)
-    if v < 2:
-        raise ScheduleError(
-            f"interleaved needs v >= 2 model chunks per rank, got v={v}; use 1f1b for one chunk per rank"
-        )
-    if m % p != 0:
-        near = sorted({max(p, (m // p) * p), (m // p + 1) * p})  # m < p would suggest p twice
-        raise ScheduleError(
-            f"interleaved needs micro-batches m={m} to be a multiple of pp={p} "
-            f"(e.g. {' or '.join(f'm={x}' for x in near)})"
-        )
+    p, m, v = _interleaved_shape(p, m, v)
     total = m * v
     group = p * v
 
@@ -253,14 +260,26 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
 
     Names are matched case-insensitively with ``_`` read as ``-``.
     """
+    key = check_shape(name, p, m, v)
+    return interleaved(p, m, v) if key == "interleaved" else SCHEDULES[key](p, m)
+
+
+def check_shape(name: str, p: int, m: int, v: int = 1) -> str:
+    """The schedule's key in SCHEDULES if `make_schedule(name, p, m, v)` builds one, else the
+    ScheduleError it raises, without building it: the shape decides (the schedules built
+    here are valid by construction, and `make_schedule` still validates each one it builds).
+    `numesh train`'s checks and `numesh plan`'s search ask this of thousands of shapes, some
+    of them 300k actions long."""
     key = str(name).strip().lower().replace("_", "-")
     if key not in SCHEDULES:
         raise ScheduleError(f"unknown pipeline schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
     if key == "interleaved":
-        return interleaved(p, m, v)
+        _interleaved_shape(p, m, v)
+        return key
     if _count("model chunks per rank v", v) != 1:
         raise ScheduleError(f"schedule {key!r} runs one model chunk per rank, got v={v}; use v=1 or 'interleaved'")
-    return SCHEDULES[key](p, m)
+    _pm(p, m)
+    return key
 
 
 # ---------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 With pp ranks and v virtual stages (chunks) per rank there are pp·v model stages of
 n_layer/(pp·v) contiguous layers each; model stage k = chunk·pp + rank. Model stage 0
-also owns the embedding (wte, wpe), the last one the final LayerNorm and the LM head,
-which is tied to wte: the first and last ranks both hold wte and sum its gradients.
+also owns the embedding (wte, wpe), the last one the final norm and the LM head: its own
+`lm_head`, or wte when they are tied, and then the first and last ranks both hold wte and
+sum its gradients.
 A rank's tree is a `GPT` whose `blocks` are its layers in chunk order and whose parts
 it does not own are None.
 """
@@ -18,7 +19,7 @@ import numpy as np
 from numesh.base.errors import ConfigError
 from numesh.base.tree import tree_map
 from numesh.mesh import Mesh, broadcast
-from numesh.nn.gpt import GPT, outer_held, outer_parts
+from numesh.nn.gpt import GPT, is_tied, outer_held, outer_parts
 from numesh.nn.units import Unit
 from numesh.nn.walk import Stage
 
@@ -83,9 +84,10 @@ class StageLayout:
 
 def stage_tree(full: GPT, layout: StageLayout, rank: int) -> GPT:
     """The part of a whole-model tree (params, grads or specs) that pipeline rank `rank` holds."""
-    first, last = layout.is_first(rank), layout.is_last(rank)
+    first, last, tied = layout.is_first(rank), layout.is_last(rank), is_tied(full)
     return GPT(blocks=tuple(full.blocks[i] for i in layout.owned(rank)),
-               **{name: getattr(full, name) if outer_held(name, first, last) else None for name in outer_parts()})
+               **{name: getattr(full, name) if outer_held(name, first, last, tied) else None
+                  for name in outer_parts()})
 
 
 def gather_stages(mine: GPT, shapes: GPT, layout: StageLayout, mesh: Mesh, dtype: Any) -> GPT:
@@ -102,7 +104,7 @@ def gather_stages(mine: GPT, shapes: GPT, layout: StageLayout, mesh: Mesh, dtype
         return tree_map(lambda x: broadcast(np.ascontiguousarray(x), mesh, "pp", root=src), tree)
 
     def outer_owner(name: str) -> int:  # the first stage where it is held there, else the last
-        return 0 if outer_held(name, True, False) else layout.pp - 1
+        return 0 if outer_held(name, True, False, is_tied(shapes)) else layout.pp - 1
 
     return GPT(blocks=tuple(from_rank(owner[i], held.get(i), shapes.blocks[i]) for i in range(layout.n_layer)),
                **{name: from_rank(outer_owner(name), getattr(mine, name), getattr(shapes, name))

@@ -125,7 +125,7 @@ def pick(cfg: TrainConfig, world: int, ranks_on_node: int) -> tuple[TrainConfig,
     prof, set_aside = _profile(base, world, ranks_on_node)
     limit = prof.memory_bytes if not prof.measured else prof.memory_bytes / max(1, ranks_on_node)
     tpr = max(1, (prof.cores or 1) // ranks_on_node) if prof.measured else threads()
-    preds = plan(base, model, world, prof, limit, np.dtype(cfg.dtype).itemsize, tpr)
+    preds = plan(base, model, world, prof, limit, np.dtype(cfg.dtype).itemsize, tpr).fitting
     best, second = choose(preds, base, kept_options(cfg))
 
     def said(p: Prediction) -> str:

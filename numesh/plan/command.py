@@ -15,7 +15,7 @@ from numesh.base.errors import ConfigError, UserError
 from numesh.data.dataset import load_tokenizer
 from numesh.plan.hardware import Profile, load_profile, local_profile_path
 from numesh.plan.layout import ModelSpec
-from numesh.plan.predict import Prediction, plan
+from numesh.plan.predict import Plan, plan
 from numesh.plan.presets import preset
 from numesh.plan.render import as_json, human_bytes, table
 from numesh.run.config import TrainConfig, check_options, config_from
@@ -57,8 +57,7 @@ def base_config(overrides: dict[str, Any], toml: Path | None, model_preset: str 
     values = {}
     if model_preset is not None:  # '' is an unknown preset, not none
         p = preset(model_preset)
-        values = {"n_layer": p.n_layer, "n_head": p.n_head, "n_embd": p.n_embd, "block_size": p.block_size,
-                  "batch_size": p.batch_size}
+        values = {**p.model_options(), "batch_size": p.batch_size}
     values.update({k: v for k, v in overrides.items() if v is not None})
     return config_from(values, toml)
 
@@ -117,19 +116,20 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
     itemsize = _itemsize(cfg, profile)
     limit = memory_limit(profile, ranks, memory)
     threads = max(1, (profile.cores or 1) // ranks) if profile.measured else 1
-    preds = plan(cfg, model, ranks, profile, limit, itemsize, threads)
-    if not preds[0].fits:
-        raise ConfigError(_fits_nowhere(preds, ranks, limit))
+    found = plan(cfg, model, ranks, profile, limit, itemsize, threads, log)
+    if not found.fitting:
+        raise ConfigError(_fits_nowhere(found, ranks, limit))
     if as_json_out:
-        return json.dumps([as_json(p, ranks) for p in preds], indent=1)
+        return json.dumps([as_json(p, ranks) for p in found.fitting], indent=1)
     extra = " ".join(_flag(k, v) for k, v in overrides.items()
                      if v is not None and k not in ("mesh", "zero", "schedule", "micro_batches", "virtual_stages",
                                                     "recompute", "sequence_parallel"))
     if model_preset:
         p = preset(model_preset)
-        extra = (f"--n-layer {p.n_layer} --n-head {p.n_head} --n-embd {p.n_embd} --block-size {p.block_size} "
+        parts = "".join(f" {_flag(k, v)}" for k, v in p.parts.items() if k != "bias")  # a Llama preset's kind
+        extra = (f"--n-layer {p.n_layer} --n-head {p.n_head} --n-embd {p.n_embd} --block-size {p.block_size}{parts} "
                  f"--batch-size {cfg.batch_size} " + extra).strip()
-    return table(preds, ranks, top, limit, profile.name, extra)
+    return table(found, ranks, top, limit, profile.name, extra)
 
 
 def _flag(name: str, value: Any) -> str:
@@ -140,10 +140,10 @@ def _flag(name: str, value: Any) -> str:
     return f"--{flag} {value}"
 
 
-def _fits_nowhere(preds: list[Prediction], ranks: int, limit: float) -> str:
-    small = min(preds, key=lambda p: p.memory.total)
+def _fits_nowhere(found: Plan, ranks: int, limit: float) -> str:
+    assert found.smallest is not None  # plan names it whenever nothing fits
     return (f"no layout of this model fits in {human_bytes(limit)} per rank on {ranks} ranks: the smallest, "
-            f"{small.layout.train_flags()}, needs {human_bytes(small.memory.total)}; give more ranks, "
+            f"{found.smallest.train_flags()}, needs {human_bytes(found.smallest_bytes)}; give more ranks, "
             f"--memory-per-rank of at least that, or a smaller model or --batch-size")
 
 

@@ -13,7 +13,8 @@ from numesh.pipeline.schedules import Schedule, make_schedule
 
 @attrs.frozen
 class ModelSpec:
-    """A GPT's sizes and the step's global batch: all the planner needs of a model."""
+    """A GPT's sizes, its kind's parts, the step's global batch and the optimiser: all the
+    planner needs of a model."""
 
     n_layer: int
     n_head: int
@@ -26,12 +27,16 @@ class ModelSpec:
     moe_experts: int = 0  # E experts in place of the MLP of every moe_every-th block; 0: dense
     moe_top_k: int = 2
     moe_every: int = 1
+    optimizer: str = "adamw"  # the run's --optimizer: its state and its step's work (numesh/plan/optimizer.py)
+    parts: formulas.Parts = formulas.GPT2  # the kind's norm, positions, MLP, kv heads and head (GPT-2's by default)
 
     @classmethod
     def of(cls, cfg: Any, vocab_size: int) -> "ModelSpec":
-        """The sizes of a `TrainConfig`'s model (its experts included) with `vocab_size` tokens."""
+        """The sizes of a `TrainConfig`'s model (its experts and parts included) with `vocab_size`
+        tokens, and its optimiser."""
         return cls(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, vocab_size, cfg.batch_size, cfg.bias,
-                   cfg.dropout > 0, cfg.moe_experts, cfg.moe_top_k, cfg.moe_every)
+                   cfg.dropout > 0, cfg.moe_experts, cfg.moe_top_k, cfg.moe_every, cfg.optimizer,
+                   formulas.Parts.of(cfg.model(vocab_size)))
 
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer` has experts (layer % moe_every == 0, as `GPTConfig.moe` says)."""
@@ -47,11 +52,12 @@ class ModelSpec:
     @property
     def n_params(self) -> int:
         """Parameters of the whole model (vocabulary unpadded), as `Trainer.n_params` counts them."""
-        C = self.n_embd
-        outer = self.vocab_size * C + self.block_size * C + (2 * C if self.bias else C)
+        C, parts = self.n_embd, self.parts
+        outer = (self.vocab_size * C * (1 if parts.tied else 2) + (0 if parts.rotary else self.block_size * C)
+                 + parts.norm_values(C, self.bias))
         moe = self.moe_blocks()
-        dense = (self.n_layer - moe) * formulas.block_params(C, 1, self.bias)
-        return dense + moe * (formulas.moe_block_params(C, self.moe_experts, self.bias) if moe else 0) + outer
+        dense = (self.n_layer - moe) * formulas.block_params(C, 1, self.bias, parts)
+        return dense + moe * (formulas.moe_block_params(C, self.moe_experts, self.bias, parts) if moe else 0) + outer
 
     @property
     def active_params(self) -> int:
@@ -59,7 +65,8 @@ class ModelSpec:
         moe = self.moe_blocks()
         if not moe:
             return self.n_params
-        return formulas.active_params(self.n_params, self.n_embd, moe, self.moe_experts, self.moe_top_k, self.bias)
+        return formulas.active_params(self.n_params, self.n_embd, moe, self.moe_experts, self.moe_top_k, self.bias,
+                                      self.parts)
 
     @property
     def tokens_per_step(self) -> int:
@@ -67,8 +74,10 @@ class ModelSpec:
 
     @property
     def flops_per_token(self) -> float:
-        """Training FLOPs per token as MFU counts them: active parameters only."""
-        return formulas.flops_per_token(self.n_layer, self.n_embd, self.block_size, self.active_params)
+        """Training FLOPs per token as MFU counts them: active parameters only (an untied
+        embedding not: `formulas.counted_params`)."""
+        counted = formulas.counted_params(self.active_params, self.vocab_size, self.n_embd, self.parts)
+        return formulas.flops_per_token(self.n_layer, self.n_embd, self.block_size, counted)
 
 
 @attrs.frozen

@@ -1,8 +1,9 @@
 """Predicted memory of every rank of a layout, from `numesh.perf.formulas`.
 
 Parameters, gradients, optimiser state and workspace are what `ZeroOptimizer.memory()`
-measures (exact: the same units, padding and sharding); activations are the peak of the
-saved contexts along the rank's action list, as the executor counts `peak_bytes` (exact
+measures (exact: the same units, padding and sharding; the state of an optimiser with
+several rules, Muon's, is their expected share of a ZeRO slice: numesh/plan/optimizer.py);
+activations are the peak of the saved contexts along the rank's action list, as the executor counts `peak_bytes` (exact
 for the contexts numesh holds today); communication buffers are the transient copies a
 step makes besides them (not measured by numesh: ZeRO-3's gathered unit, ZeRO-2/3's
 per-unit reduce-scatter input).
@@ -20,6 +21,7 @@ from numesh.perf import formulas
 from numesh.pipeline.schedules import Schedule
 from numesh.pipeline.stages import StageLayout
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
+from numesh.plan.optimizer import rank_units, state_values
 
 PARTS = ("params", "grads", "optimizer", "workspace", "activations", "comm_buffers")
 
@@ -45,18 +47,19 @@ class RankMemory:
         return self.total - self.comm_buffers
 
 
-def moe_block_rank_params(n_embd: int, experts: int, ep: int, tp: int, bias: bool) -> int:
+def moe_block_rank_params(n_embd: int, experts: int, ep: int, tp: int, bias: bool,
+                          parts: formulas.Parts = formulas.GPT2) -> int:
     """Values of one MoE block on one (ep, tp) rank: the router and the dense block's attention
-    and LayerNorms (replicated over ep) and E/ep experts, each tp-split like the dense MLP.
+    and norms (replicated over ep) and E/ep experts, each tp-split like the dense MLP.
     ep = tp = 1 gives `formulas.moe_block_params`."""
-    return (formulas.moe_block_other_values(n_embd, experts, tp, bias)
-            + formulas.moe_expert_values(n_embd, experts, ep, tp, bias))
+    return (formulas.moe_block_other_values(n_embd, experts, tp, bias, parts)
+            + formulas.moe_expert_values(n_embd, experts, ep, tp, bias, parts))
 
 
 def block_sizes(model: ModelSpec, layout: Layout, layers: range | list[int]) -> list[int]:
     """Values of each block unit among `layers` on one rank of the layout."""
-    dense = formulas.block_params(model.n_embd, layout.tp, model.bias)
-    moe = (moe_block_rank_params(model.n_embd, model.moe_experts, layout.ep, layout.tp, model.bias)
+    dense = formulas.block_params(model.n_embd, layout.tp, model.bias, model.parts)
+    moe = (moe_block_rank_params(model.n_embd, model.moe_experts, layout.ep, layout.tp, model.bias, model.parts)
            if model.moe_experts else dense)
     return [moe if model.is_moe(i) else dense for i in layers]
 
@@ -69,9 +72,11 @@ def rank_layers(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
 def unit_sizes(model: ModelSpec, layout: Layout, pp_rank: int) -> list[int]:
     """Values of each parameter unit on pipeline rank `pp_rank` (its blocks, then the outer unit)."""
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
-    outer = formulas.outer_params(model.n_embd, model.vocab_size, model.block_size, layout.tp, first, last, model.bias)
+    outer = formulas.outer_params(model.n_embd, model.vocab_size, model.block_size, layout.tp, first, last, model.bias,
+                                  model.parts)
     if not model.moe_experts:  # the dense model's blocks all alike
-        return [formulas.block_params(model.n_embd, layout.tp, model.bias)] * (model.n_layer // layout.pp) + [outer]
+        block = formulas.block_params(model.n_embd, layout.tp, model.bias, model.parts)
+        return [block] * (model.n_layer // layout.pp) + [outer]
     return list(_moe_block_units(model, layout.tp, layout.ep, layout.pp, layout.virtual_stages, pp_rank)) + [outer]
 
 
@@ -85,7 +90,7 @@ def _moe_block_units(model: ModelSpec, tp: int, ep: int, pp: int, v: int, pp_ran
 def activation_shape(model: ModelSpec, layout: Layout, itemsize: int) -> formulas.ActivationShape:
     """The sizes of one micro-batch's activations on a rank of the layout (the formulas' `ActivationShape`)."""
     return formulas.ActivationShape(layout.rows(model), model.block_size, model.n_embd, model.n_head, layout.tp,
-                                    layout.cp, layout.sp, layout.recompute, itemsize)
+                                    layout.cp, layout.sp, layout.recompute, itemsize, model.parts)
 
 
 def moe_activation_delta(model: ModelSpec, layout: Layout, itemsize: int) -> int:
@@ -104,15 +109,16 @@ def moe_activation_delta(model: ModelSpec, layout: Layout, itemsize: int) -> int
 
 def moe_weight_delta(model: ModelSpec, layout: Layout, itemsize: int, chunks: int) -> int:
     """A zero-bubble W context of an MoE block less a dense one's (`formulas.weight_ctx_bytes`):
-    no MLP Linear inputs and output gradients (h2, dz [b,s,C]; MLP-up's 4C/tp output
-    gradient, GELU output), the MoE MLP's weight gradients instead (all made in B: the router
-    and this rank's experts), its LayerNorm gradients once (an MoE block runs whole)."""
+    no MLP Linear inputs and output gradients (h2, dz [b,s,C]; MLP-up's F/tp output
+    gradient and the activation's output, and SwiGLU's gate output gradient), the MoE MLP's
+    weight gradients instead (all made in B: the router and this rank's experts), its norm
+    gradients once (an MoE block runs whole)."""
     n = layout.rows(model) * (model.block_size // layout.cp)
-    C, tp = model.n_embd, layout.tp
-    mlp_io = itemsize * (2 * n * C + 8 * n * C // tp)
-    experts = formulas.moe_expert_values(C, model.moe_experts, layout.ep, tp, model.bias)
+    C, tp, parts = model.n_embd, layout.tp, model.parts
+    mlp_io = itemsize * (2 * n * C + parts.mlp_matrices * n * parts.ffn(C) // tp)
+    experts = formulas.moe_expert_values(C, model.moe_experts, layout.ep, tp, model.bias, parts)
     grads = (C * model.moe_experts + experts) * itemsize
-    ln = (chunks - 1) * 2 * C * (2 if model.bias else 1) * itemsize
+    ln = (chunks - 1) * 2 * parts.norm_values(C, model.bias) * itemsize
     return grads - mlp_io - ln
 
 
@@ -121,20 +127,28 @@ def row_chunks(model: ModelSpec, layout: Layout, threads: int) -> int:
     return stage_row_chunks(threads, layout.tp, layout.cp, layout.rows(model), model.block_size // layout.cp)
 
 
-def _chunk_bytes(model: ModelSpec, layout: Layout, sched: Schedule, pp_rank: int, chunk: int, itemsize: int,
+def _saved_bytes(model: ModelSpec, layout: Layout, pp_rank: int, chunk: int, itemsize: int) -> int:
+    """Bytes one micro-batch's F leaves through one chunk of rank `pp_rank` (global stage
+    chunk·pp + rank, as `Schedule.stage` numbers them)."""
+    k, stages = chunk * layout.pp + pp_rank, layout.pp * layout.virtual_stages
+    per_chunk = model.n_layer // stages
+    shape = activation_shape(model, layout, itemsize)
+    f = formulas.activation_bytes(shape, formulas.Chunk(per_chunk, k == 0, k == stages - 1), model.vocab_size)
+    if model.moe_experts:
+        f += model.moe_blocks(k * per_chunk, (k + 1) * per_chunk) * moe_activation_delta(model, layout, itemsize)
+    return f
+
+
+def _chunk_bytes(model: ModelSpec, layout: Layout, pp_rank: int, chunk: int, itemsize: int,
                  threads: int) -> tuple[int, int]:
     """(bytes after F, bytes kept after a split B) of one micro-batch through one chunk."""
-    k = sched.stage(pp_rank, chunk)
-    per_chunk = model.n_layer // (layout.pp * layout.virtual_stages)
+    k, per_chunk = chunk * layout.pp + pp_rank, model.n_layer // (layout.pp * layout.virtual_stages)
     shape = activation_shape(model, layout, itemsize)
-    f = formulas.activation_bytes(shape, formulas.Chunk(per_chunk, k == 0, k == sched.num_stages - 1),
-                                  model.vocab_size)
     w = formulas.weight_grad_bytes(shape, per_chunk, model.bias, row_chunks(model, layout, threads))
     if model.moe_experts:
-        moe = model.moe_blocks(k * per_chunk, (k + 1) * per_chunk)
-        f += moe * moe_activation_delta(model, layout, itemsize)
-        w += moe * moe_weight_delta(model, layout, itemsize, row_chunks(model, layout, threads))
-    return f, w
+        w += model.moe_blocks(k * per_chunk, (k + 1) * per_chunk) * moe_weight_delta(
+            model, layout, itemsize, row_chunks(model, layout, threads))
+    return _saved_bytes(model, layout, pp_rank, chunk, itemsize), w
 
 
 def peak_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 4, threads: int = 1,
@@ -143,18 +157,27 @@ def peak_activation_bytes(model: ModelSpec, layout: Layout, pp_rank: int, itemsi
     as the executor walks it (F adds a context, B frees it or, when the backward is split,
     keeps the W's inputs until W)."""
     sched = sched or layout.sched
-    cost = tuple(_chunk_bytes(model, layout, sched, pp_rank, c, itemsize, threads)
+    cost = tuple(_chunk_bytes(model, layout, pp_rank, c, itemsize, threads)
                  for c in range(layout.virtual_stages))
-    return _walk(sched.name, sched.p, sched.m, sched.v, pp_rank, cost)
+    return _walk(sched.name, sched.p, sched.m, sched.v, pp_rank, cost, shared_bytes(model, layout, itemsize))
+
+
+def shared_bytes(model: ModelSpec, layout: Layout, itemsize: int) -> tuple[int, int]:
+    """What every F context and every deferred W of a rank hold in common, counted once
+    (`formulas.peak_activation_bytes`' `shared`): the rotary tables, which a fully
+    recomputed block's F does not keep."""
+    tables = formulas.rotary_table_bytes(activation_shape(model, layout, itemsize))
+    return (0 if layout.recompute == "full" else tables), tables
 
 
 @functools.lru_cache(maxsize=4096)
-def _walk(name: str, pp: int, m: int, v: int, pp_rank: int, cost: tuple[tuple[int, int], ...]) -> int:
+def _walk(name: str, pp: int, m: int, v: int, pp_rank: int, cost: tuple[tuple[int, int], ...],
+          shared: tuple[int, int] = (0, 0)) -> int:
     """`peak_activation_bytes`' walk (`formulas.peak_activation_bytes`, as the executor
     holds them), cached: layouts that differ only in their ZeRO stage hold the same
     activations (a walk of a 98k-action schedule is milliseconds)."""
     return formulas.peak_activation_bytes(schedule_of(name, pp, m, v), pp_rank, lambda c: cost[c][0],
-                                          lambda c: cost[c][1])
+                                          lambda c: cost[c][1], shared)
 
 
 def comm_buffer_bytes(model: ModelSpec, layout: Layout, sizes: list[int], itemsize: int) -> int:
@@ -172,18 +195,59 @@ def rank_memory(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 
     same). Parameters are replicated over cp and ZeRO shards over dp alone
     (`ZeroOptimizer`'s flat layout: cp ranks sum their gradients, then dp shards them); an
     MoE block holds E/ep experts on each ep rank, ZeRO still sharding over dp only."""
-    sizes = unit_sizes(model, layout, pp_rank)
-    buffers = formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize)
+    buffers, comm = rank_buffers(model, layout, pp_rank, itemsize)
     return RankMemory(
         **buffers,
         activations=peak_activation_bytes(model, layout, pp_rank, itemsize, threads, sched),
-        comm_buffers=comm_buffer_bytes(model, layout, sizes, itemsize),
+        comm_buffers=comm,
     )
 
 
+def rank_buffers(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int = 4) -> tuple[dict[str, int], int]:
+    """`rank_memory`'s parts that no schedule changes: (params, grads, optimizer and
+    workspace bytes, communication buffer bytes) of pipeline rank `pp_rank`. They depend on
+    the mesh, ZeRO stage and virtual stages alone, so they are worked out once for all the
+    layouts that differ in the rest (schedule, micro-batches, cp, sp, recomputation)."""
+    key = attrs.evolve(layout, schedule="1f1b", micro_batches=1, recompute="none", cp=1, sp=False)
+    buffers, comm = _rank_buffers(model, key, pp_rank, itemsize)
+    return dict(buffers), comm
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_buffers(model: ModelSpec, layout: Layout, pp_rank: int, itemsize: int) -> tuple[tuple[tuple[str, int], ...],
+                                                                                          int]:
+    sizes = unit_sizes(model, layout, pp_rank)
+    rules = rank_units(model, layout, rank_layers(model, layout, pp_rank), pp_rank == 0, pp_rank == layout.pp - 1)
+    buffers = formulas.zero_buffer_bytes(sizes, layout.dp, layout.zero, itemsize, state_values(model, layout, rules))
+    return tuple(buffers.items()), comm_buffer_bytes(model, layout, sizes, itemsize)
+
+
+def largest_ranks(layout: Layout) -> list[int]:
+    """The pipeline ranks that can hold the most: the first (embedding), the last (head) and
+    the second (the middle rank that starts the most micro-batches before its first
+    backward: the schedules warm up less on every later rank)."""
+    return sorted({0, min(1, layout.pp - 1), layout.pp - 1})
+
+
 def layout_memory(model: ModelSpec, layout: Layout, itemsize: int = 4, threads: int = 1) -> list[RankMemory]:
-    """Predicted bytes of the pipeline ranks that can hold the most: the first (embedding),
-    the last (head) and the second (the middle rank that starts the most micro-batches
-    before its first backward: the schedules warm up less on every later rank)."""
-    return [rank_memory(model, layout, r, itemsize, threads, layout.sched)
-            for r in sorted({0, min(1, layout.pp - 1), layout.pp - 1})]
+    """Predicted bytes of the `largest_ranks`."""
+    return [rank_memory(model, layout, r, itemsize, threads, layout.sched) for r in largest_ranks(layout)]
+
+
+def memory_floor(model: ModelSpec, layout: Layout, itemsize: int = 4) -> int:
+    """A lower bound of the largest `layout_memory` total, found without building the
+    schedule: each rank's buffers, exactly (no schedule changes them), and one micro-batch's
+    context through its smallest chunk (each rank's first F holds one until its B frees it).
+    The planner drops a layout whose floor is over the memory limit before it builds the
+    layout's schedule: for a big model on few ranks, schedules of 300k actions that could
+    never run."""
+    v = layout.virtual_stages
+    # a dense model's chunks differ only in holding the first or the last stage: 0, 1 and v - 1 cover them
+    chunks = range(v) if model.moe_experts else sorted({0, min(1, v - 1), v - 1})
+
+    def floor(pp_rank: int) -> int:
+        buffers, comm = rank_buffers(model, layout, pp_rank, itemsize)
+        one = min(_saved_bytes(model, layout, pp_rank, c, itemsize) for c in chunks)
+        return sum(buffers.values()) + one + comm
+
+    return max(floor(r) for r in largest_ranks(layout))

@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from numesh.plan.predict import Prediction
+from numesh.plan.predict import Plan, Prediction
 
 
 def human_bytes(n: float) -> str:
@@ -44,8 +44,9 @@ def command(p: Prediction, ranks: int, extra: str = "") -> str:
     return f"{launch}numesh train {p.layout.train_flags()}{' ' + extra if extra else ''}"
 
 
-def table(preds: list[Prediction], ranks: int, top: int, limit: float, profile: str, extra: str = "") -> str:
-    """The `top` best layouts as a table, a count of the rest, and the best one's command."""
+def table(found: Plan, ranks: int, top: int, limit: float, profile: str, extra: str = "") -> str:
+    """The `top` best layouts that fit as a table, a count of all, and the best one's command."""
+    preds = found.fitting
     # "wait": blocking calls waiting for their groups' last members, on a calibrated profile only
     waits = any(p.time.comm.get("wait", 0.0) > 0 for p in preds[:top])
     # "ep": the MoE blocks' all-to-alls and the ep gradient sum, where a layout shown has ep > 1
@@ -66,12 +67,12 @@ def table(preds: list[Prediction], ranks: int, top: int, limit: float, profile: 
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.rjust(w) if i not in (1, 4, 7) else c.ljust(w)  # noqa: E731
                               for i, (c, w) in enumerate(zip(r, widths)))
-    fit = sum(p.fits for p in preds)
+    fit = len(preds)
     lines = [fmt(head), *map(fmt, rows)]
     lim = human_bytes(limit) if limit > 0 else "no limit"
-    lines.append(f"{len(preds)} layouts on {ranks} ranks ({fit} fit in {lim} per rank), profile {profile}; "
-                 f"--json lists all with memory and time parts")
-    best = next((p for p in preds if p.fits), None)
-    if best is not None:
-        lines.append(f"best: {command(best, ranks, extra)}")
+    listed = "all" if fit == found.layouts else f"the {fit} that fit,"
+    lines.append(f"{found.layouts} layouts on {ranks} ranks ({fit} fit in {lim} per rank), profile {profile}; "
+                 f"--json lists {listed} with memory and time parts")
+    if preds:
+        lines.append(f"best: {command(preds[0], ranks, extra)}")
     return "\n".join(lines)

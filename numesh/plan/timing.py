@@ -25,10 +25,20 @@ backward. An MoE block (a model with experts) runs the router and its rank's E/e
 the N·k rows balanced routing brings them, with blocking all-to-alls over ep
 (`all_to_all_time`), and the ep-replicated gradients are all-reduced over ep once a step.
 
+The model's parts (`ModelSpec.parts`) set the shapes: grouped-query attention's q, k and v
+GEMMs at their own widths (`projection_columns`), SwiGLU's three GEMMs of the MLP's hidden
+size, the rotation of q and k as passes over them; with tp > 1 the k and v gradients,
+partial over tp, are all-reduced once per step with sp's norm gradients
+(`tp_partial_values`), and an untied head has no embedding gradient to sum across pp.
+RMSNorm is priced as the LayerNorm kernel and SwiGLU's activation as GELU's plus passes:
+neither is calibrated apart.
+
 Not modelled: a single rank with several threads runs each block as runs of pieces, one per
 thread (numesh.nn.walk); the model times its GEMMs with multi-threaded BLAS instead. The
 Python overhead of a step outside the timed kernels (the executor, slicing, allocation) is
-not counted either.
+not counted either, nor an MoE block's small all-reduces of its routing (its combine
+weights' gradient over tp, each sequence's routing over cp: `formulas.moe_tp_bytes`,
+`moe_cp_bytes`).
 """
 
 from __future__ import annotations
@@ -40,10 +50,12 @@ import attrs
 
 from numesh.base.padding import ceil_div, padded_vocab, round_up
 from numesh.nn.attention import QUERY_TILE
+from numesh.optim import MatrixRule
 from numesh.perf import formulas
 from numesh.plan.hardware import Measured, Profile
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
 from numesh.plan.memory import block_sizes, rank_layers, unit_sizes
+from numesh.plan.optimizer import matrix_bytes, matrix_work, optimizer_of, rank_units
 from numesh.plan.pipesim import makespan_and_busy
 
 
@@ -75,7 +87,7 @@ class StepTime:
     comm: dict[str, float]  # exposed communication by axis: tp, cp, ep, pp, dp (with ZeRO-3's gathers), other, and
     # "wait": blocking calls waiting for their groups' last members (measured profiles)
     bubble: float  # idle time of the pipeline schedule
-    optimizer: float  # gradient norm and AdamW on this rank's state
+    optimizer: float  # gradient norm and the optimiser on this rank's state (Muon's matrices and exchange too)
     total: float
 
 
@@ -136,7 +148,7 @@ def ring_hop_bytes(model: ModelSpec, layout: Layout, itemsize: int) -> tuple[lis
     and the dK, dV accumulators, the last hop the accumulators alone): they add up to
     `formulas.cp_ring_bytes`."""
     cp = layout.cp
-    blk = layout.rows(model) * (model.block_size // cp) * (model.n_embd // layout.tp) * itemsize
+    blk = layout.rows(model) * (model.block_size // cp) * model.parts.local_kv(model.n_embd, layout.tp) * itemsize
     return [2 * blk] * (cp - 1), [4 * blk] * (cp - 1) + [2 * blk] * (cp > 1)
 
 
@@ -173,6 +185,16 @@ def attention_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Pl
         cp_f = sum(max(0.0, send(n) - per_pair_f) + wait(n) for n in fwd)
         cp_b = sum(max(0.0, send(n) - per_pair_b) + wait(n) for n in bwd)
     return Attention(f + cp_f, bw + cp_b, cp_f, cp_b)
+
+
+def projection_columns(model: ModelSpec, layout: Layout) -> list[int]:
+    """Output columns of a block's q, k, v projections on one tp rank, one GEMM each: the
+    fused QKV's 3C/tp in one, or grouped-query attention's q (C/tp) and the kv columns of
+    k and v its query heads read (`formulas.Parts.local_kv`)."""
+    C, tp = model.n_embd, layout.tp
+    if not model.parts.kv_heads:
+        return [3 * C // tp]
+    return [C // tp] + [model.parts.local_kv(C, tp)] * 2
 
 
 def tp_block_comm(model: ModelSpec, layout: Layout, profile: Profile, place: Placement,
@@ -236,13 +258,27 @@ class Mlp:
     ep_b: float = 0.0
 
 
+def activation_time(model: ModelSpec, profile: Profile, values: int, ron: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the MLP's activation over `values` hidden values:
+    GELU's kernels; SwiGLU priced as them plus a pass for the product with up forward and
+    two backward (its NumPy passes are not calibrated apart)."""
+    ew = profile.elementwise_time
+    f, b = ew("gelu_fwd", values, ron), ew("gelu_bwd", values, ron)
+    if model.parts.gated:
+        f, b = f + ew("copy", values, ron), b + ew("copy", 2 * values, ron)
+    return f, b
+
+
 def dense_mlp_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement) -> Mlp:
-    """The dense MLP: C -> 4C/tp (column-parallel), GELU, 4C/tp -> C (row-parallel)."""
-    C, tp, ron = model.n_embd, layout.tp, place.ranks_on_node
-    bt, ew = layout.rows(model) * (model.block_size // layout.cp), profile.elementwise_time
-    f = _gemms(profile, [(1, bt, C, 4 * C // tp), (1, bt, 4 * C // tp, C)], ron) + ew("gelu_fwd", 4 * bt * C // tp, ron)
-    b = _gemms(profile, [(1, bt, C, 4 * C // tp), (1, bt, 4 * C // tp, C)], ron) + ew("gelu_bwd", 4 * bt * C // tp, ron)
-    w = _gemms(profile, [(1, C, bt, 4 * C // tp), (1, 4 * C // tp, bt, C)], ron)
+    """The dense MLP: C -> F/tp (column-parallel; SwiGLU's gate too), the activation,
+    F/tp -> C (row-parallel); F = 4C for GPT-2."""
+    C, ron = model.n_embd, place.ranks_on_node
+    bt, h = layout.rows(model) * (model.block_size // layout.cp), model.parts.ffn(C) // layout.tp
+    ups = model.parts.mlp_matrices - 1  # fc, and SwiGLU's gate
+    act_f, act_b = activation_time(model, profile, bt * h, ron)
+    f = _gemms(profile, [(1, bt, C, h)] * ups + [(1, bt, h, C)], ron) + act_f
+    b = _gemms(profile, [(1, bt, C, h)] * ups + [(1, bt, h, C)], ron) + act_b
+    w = _gemms(profile, [(1, C, bt, h)] * ups + [(1, h, bt, C)], ron)
     return Mlp(f, b, w)
 
 
@@ -257,12 +293,14 @@ def moe_mlp_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Plac
     local = E // layout.ep
     r = bt * model.moe_top_k
     re = max(1, r // local)  # rows of each local expert
-    h = 4 * C // tp
-    f = _gemms(profile, [(1, bt, C, E), (local, re, C, h), (local, re, h, C)], ron)
-    f += ew("softmax_fwd", bt * E, ron) + ew("gelu_fwd", r * h, ron) + ew("copy", 3 * r * C, ron)
-    b = _gemms(profile, [(local, re, C, h), (local, re, h, C), (local, C, re, h), (local, h, re, C),
+    h = model.parts.ffn(C) // tp
+    ups = model.parts.mlp_matrices - 1  # fc, and SwiGLU's gate
+    act_f, act_b = activation_time(model, profile, r * h, ron)
+    f = _gemms(profile, [(1, bt, C, E), *[(local, re, C, h)] * ups, (local, re, h, C)], ron)
+    f += ew("softmax_fwd", bt * E, ron) + act_f + ew("copy", 3 * r * C, ron)
+    b = _gemms(profile, [*[(local, re, C, h)] * ups, (local, re, h, C), *[(local, C, re, h)] * ups, (local, h, re, C),
                          (1, bt, E, C), (1, C, bt, E)], ron)
-    b += ew("softmax_bwd", bt * E, ron) + ew("gelu_bwd", r * h, ron) + ew("copy", 3 * r * C, ron)
+    b += ew("softmax_bwd", bt * E, ron) + act_b + ew("copy", 3 * r * C, ron)
     a2a_f, a2a_b = all_to_all_time(model, layout, profile, place)
     return Mlp(f + a2a_f, b + a2a_b, 0.0, a2a_f, a2a_b)
 
@@ -278,13 +316,17 @@ def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
     ew = profile.elementwise_time
     att = attention_cost(model, layout, profile, place)
     mlp = (moe_mlp_cost if moe else dense_mlp_cost)(model, layout, profile, place)
-    f = _gemms(profile, [(1, bt, C, 3 * C // tp), (1, bt, C // tp, C)], ron) + att.f + mlp.f
-    f += 2 * ew("layernorm_fwd", ln, ron)
+    qkv = projection_columns(model, layout)
+    f = _gemms(profile, [*[(1, bt, C, n) for n in qkv], (1, bt, C // tp, C)], ron) + att.f + mlp.f
+    f += 2 * ew("layernorm_fwd", ln, ron)  # an RMSNorm priced as a LayerNorm
     f += ew("copy", 2 * ln + 2 * bt * C // tp, ron)  # q scaled, heads merged, two residual adds
-    bw = _gemms(profile, [(1, bt, C, C // tp), (1, bt, 3 * C // tp, C)], ron) + att.b + mlp.b
+    bw = _gemms(profile, [(1, bt, C, C // tp), *[(1, bt, n, C) for n in qkv]], ron) + att.b + mlp.b
     bw += 2 * ew("layernorm_bwd", ln, ron)
     bw += ew("copy", 2 * ln + 5 * bt * C // tp, ron)  # dq, dk, dv packed, heads split, dq scaled, two adds
-    w = _gemms(profile, [(1, C, bt, 3 * C // tp), (1, C // tp, bt, C)], ron) + mlp.w
+    w = _gemms(profile, [*[(1, C, bt, n) for n in qkv], (1, C // tp, bt, C)], ron) + mlp.w
+    if model.parts.rotary:  # q and k rotated forward, their gradients back: ~4 passes each (numesh.nn.rotary)
+        rotated = 4 * bt * (C // tp + model.parts.local_kv(C, tp))
+        f, bw = f + ew("copy", rotated, ron), bw + ew("copy", rotated, ron)
     if layout.sp:
         sp_f, sp_b = SP_COPIES["block"]
         sp_b -= 4 if layout.recompute == "full" else 0  # the rerun forward keeps its gathered outputs: no regathers
@@ -295,7 +337,7 @@ def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
     tp_half = tp_block_comm(model, layout, profile, place, formulas.Chunk(1, False, False)) / 2  # half F, half B
     gather = 0.0
     if layout.zero == 3 and layout.dp > 1:
-        values = block_sizes(model, layout, [0])[0] if moe else formulas.block_params(C, tp, model.bias)
+        values = block_sizes(model, layout, [0])[0] if moe else formulas.block_params(C, tp, model.bias, model.parts)
         unit = round_up(values, layout.dp) * profile.itemsize
         gather = profile.comm_time("all_gather", unit, layout.dp, place.dp_intra, ron)
     w_gather = gather if split else 0.0  # the deferred W gathers the block again
@@ -313,8 +355,9 @@ def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
 
 def outer_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, first: bool,
                last: bool) -> ActionCost:
-    """The embedding (first stage) and the final LayerNorm, tied head and vocab-parallel
-    cross-entropy (last stage) for one micro-batch; their weight grads are part of B."""
+    """The embedding (first stage) and the final norm, LM head (tied or its own: the same
+    GEMMs) and vocab-parallel cross-entropy (last stage) for one micro-batch; their weight
+    grads are part of B."""
     bt, C, tp, ron = layout.rows(model) * (model.block_size // layout.cp), model.n_embd, layout.tp, place.ranks_on_node
     k, ew = profile.itemsize, profile.elementwise_time
     v_local = padded_vocab(model.vocab_size, tp) // tp
@@ -326,7 +369,7 @@ def outer_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
     b = tp_s - f
     if first:
         f += ew("copy", bt * C, ron)  # the lookup and the position add
-        b += ew("copy", 3 * bt * C, ron)  # wpe's sum and the sorted row sums of wte
+        b += ew("copy", (2 if model.parts.rotary else 3) * bt * C, ron)  # wpe's sum (learned) and wte's sorted row sums
     for end, here in (("first", first), ("last", last)):
         if layout.sp and here:
             f += ew("copy", SP_COPIES[end][0] * bt * C, ron)
@@ -341,7 +384,7 @@ def outer_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
         f, tp_s = f + t_f, tp_s + t_f
     gather = 0.0
     if layout.zero == 3 and layout.dp > 1 and (first or last):
-        n = formulas.outer_params(C, model.vocab_size, model.block_size, tp, first, last, model.bias)
+        n = formulas.outer_params(C, model.vocab_size, model.block_size, tp, first, last, model.bias, model.parts)
         gather = profile.comm_time("all_gather", round_up(n, layout.dp) * k, layout.dp, place.dp_intra, ron)
     return ActionCost(f + gather, b + gather, 0.0, tp_s, 2 * gather)
 
@@ -455,19 +498,16 @@ def _predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byt
         dp_exposed = _dp_exposed(layout, profile, place, padded, calls, worst, dp_group)
     other = _scalar_and_tied_time(model, layout, profile, place)
     ep_grads = _ep_grad_sum_time(model, layout, profile, place)
-    if layout.sp:  # the LayerNorm gradients, partial sums over tp, all-reduced once per step (this dp shard's)
-        ln = (2 * (model.n_layer // layout.pp) + int(layout.pp == 1)) * model.n_embd * (2 if model.bias else 1)
-        tp_time += profile.comm_time("all_reduce", ceil_div(ln, layout.dp) * k if layout.zero else ln * k, layout.tp,
-                                     place.tp_intra, ron)
-    state = sum(ceil_div(n, layout.dp) for n in sizes) if layout.zero >= 1 else sum(sizes)
-    optimizer = (profile.elementwise_time("adamw", state, ron)
-                 + profile.elementwise_time("copy", state, ron))  # + the norm's dot
+    if partial := tp_partial_values(model, layout):  # all-reduced over tp once per step (this dp shard's)
+        tp_time += profile.comm_time("all_reduce", ceil_div(partial, layout.dp) * k if layout.zero else partial * k,
+                                     layout.tp, place.tp_intra, ron)
+    optimizer = _optimizer_time(model, layout, profile, place, sizes)
     pp_exposed = max(0.0, makespan - busy) if layout.pp > 1 else 0.0
     bubble_ideal = _simulated(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages,
                               worst.f, worst.b, worst.w, 0.0)[0] - busy
     pp_comm = max(0.0, pp_exposed - bubble_ideal)
     compute = busy - (worst.tp + worst.zero3 + worst.cp + worst.ep) * per_mb
-    ln_tp = tp_time - worst.tp * per_mb  # sp's once-per-step LayerNorm all-reduce, after the pipeline
+    ln_tp = tp_time - worst.tp * per_mb  # the once-per-step all-reduce of the tp-partial grads, after the pipeline
     cp_grads = cp_time - worst.cp * per_mb  # ZeRO 1-3's cp gradient sums, after the backward
     total = makespan + dp_exposed + other + optimizer + ln_tp + cp_grads + ep_grads
     return StepTime(
@@ -478,6 +518,42 @@ def _predict_time(model: ModelSpec, layout: Layout, profile: Profile, bucket_byt
         optimizer=optimizer,
         total=total,
     )
+
+
+def tp_partial_values(model: ModelSpec, layout: Layout) -> int:
+    """Gradient values of pipeline rank 0 that are partial over tp and all-reduced over it
+    once per step (before ZeRO's dp shard): the norms' under sequence parallelism (each
+    rank sums over its own tokens), grouped-query attention's k and v with tp > 1 (each
+    rank's zero off the kv heads its query heads read; `numesh.nn.transformer.tp_partial`)."""
+    if layout.tp == 1:
+        return 0
+    C, parts, blocks = model.n_embd, model.parts, model.n_layer // layout.pp
+    n = (2 * blocks + int(layout.pp == 1)) * parts.norm_values(C, model.bias) if layout.sp else 0
+    if parts.kv_heads:
+        kv = parts.kv_width(C)
+        n += blocks * 2 * (C * kv + (kv if model.bias else 0))
+    return n
+
+
+def _optimizer_time(model: ModelSpec, layout: Layout, profile: Profile, place: Placement, sizes: list[int]) -> float:
+    """The optimiser step on pipeline rank 0's slice: its elementwise passes (as AdamW's
+    kernel, and the norm's), and a matrix rule's (Muon's) function on its share of the whole
+    matrices, each priced at the profile's GEMM rate for its shape, with the exchange that
+    brings them whole over dp and tp (numesh/plan/optimizer.py)."""
+    ron, k = place.ranks_on_node, profile.itemsize
+    state = sum(ceil_div(n, layout.dp) for n in sizes) if layout.zero >= 1 else sum(sizes)
+    t = profile.elementwise_time("adamw", state, ron) + profile.elementwise_time("copy", state, ron)
+    units = rank_units(model, layout, rank_layers(model, layout, 0), True, layout.pp == 1)
+    rule = next((r for r in optimizer_of(model).rules if isinstance(r, MatrixRule)), None)
+    if rule is None:
+        return t
+    for m, count in matrix_work(model, layout, units):
+        s, big = min(m.fan_in, m.fan_out), max(m.fan_in, m.fan_out)
+        gemm = profile.gemm_time(1, s, big, s, ron)  # X·Xᵀ's shape: the rate of the iteration's GEMMs
+        t += count * rule.flops(m.fan_in, m.fan_out) * gemm / (2.0 * s * big * s)
+    nbytes = matrix_bytes(model, layout, units, k)
+    t += 2 * profile.comm_time("all_to_all", nbytes["dp"] / 2, layout.dp, place.dp_intra, ron)
+    return t + profile.comm_time("all_gather", nbytes["tp"], layout.tp, place.tp_intra, ron)
 
 
 def _cp_grad_sum_time(layout: Layout, profile: Profile, place: Placement, padded: list[int],
@@ -505,7 +581,7 @@ def _ep_replicated(model: ModelSpec, tp: int, ep: int, pp: int, v: int, shards: 
     units = formulas.moe_rank_units(
         n_embd=model.n_embd, vocab=model.vocab_size, block_size=model.block_size, experts=model.moe_experts,
         moe_layers=[model.is_moe(i) for i in rank_layers(model, lay, 0)], ep=ep, tp=tp, bias=model.bias,
-        first=True, last=pp == 1)
+        first=True, last=pp == 1, parts=model.parts)
     return max(formulas.shard_values(units, shards, r)["other"] for r in range(shards))
 
 
@@ -545,7 +621,7 @@ def _scalar_and_tied_time(model: ModelSpec, layout: Layout, profile: Profile, pl
     """The tied embedding's gradient sum (pp > 1) and the step's two scalar all-reduces."""
     k, ron = profile.itemsize, place.ranks_on_node
     other = 0.0
-    if layout.pp > 1:  # the tied embedding's gradient, summed between the first and last stage
+    if layout.pp > 1 and model.parts.tied:  # the tied embedding's gradient, summed between the first and last stage
         tied = padded_vocab(model.vocab_size, layout.tp) // layout.tp * model.n_embd * k
         other += profile.comm_time("all_reduce", tied, 2, place.pp_intra, ron)
     shape = layout.shape

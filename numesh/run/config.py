@@ -8,7 +8,6 @@ The CLI's options are the fields, `_` spelled `-`; each field's help is the opti
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -18,13 +17,16 @@ import numpy as np
 
 from numesh.base.errors import ConfigError
 from numesh.base.files import read_user_file
+from numesh.checkpoint.hf_llama import OPTIONS, conflicts, is_pretrained_dir, model_type, pretrained
+from numesh.checkpoint.init_from import check_init_kind
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
-from numesh.host.interrupt import parse_signals
+from numesh.host.startup_signals import DEFAULT_SAVE_SIGNALS, parse_signals
 from numesh.mesh import parse_mesh
-from numesh.nn.gpt import GPTConfig
+from numesh.nn.gpt import ARCHS, GPTConfig
 from numesh.nn.walk import check_recompute
 from numesh.observe.inject import faults_from_env
-from numesh.pipeline.schedules import make_schedule
+from numesh.optim.registry import make_optimizer
+from numesh.pipeline.schedules import check_shape
 from numesh.pipeline.stages import StageLayout
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
@@ -62,6 +64,26 @@ class TrainConfig:
     moe_capacity_factor: float = _field(
         0.0, "each expert takes at most ceil(c*T*k/E) token-assignments of each sequence, those of highest router "
         "probability, and drops the rest; 0 = dropless")
+    arch: str = _field(
+        "gpt2", "model kind: gpt2 (LayerNorm, learned positions, GELU MLP, head tied to the embedding) or llama "
+        "(RMSNorm, rotary positions, SwiGLU MLP, untied head); sets --norm, --positions, --mlp and "
+        "--tie-embeddings, each unless given")
+    norm: str = _field("layernorm", "layernorm or rmsnorm; --arch sets it unless given")
+    norm_eps: float = _field(1e-5, "the norm's epsilon (LayerNorm's is 1e-5, fixed by its kernel)")
+    positions: str = _field(
+        "learned", "learned (a block_size x n_embd table) or rotary (RoPE on q and k, transformers' rotate-half "
+        "layout); --arch sets it unless given")
+    rope_theta: float = _field(10000.0, "rotary positions' base theta")
+    mlp: str = _field(
+        "gelu", "gelu, or swiglu: silu(gate) * up, in the dense MLP and every expert; --arch sets it unless given")
+    ffn_hidden: int = _field(
+        0, "the MLP's (and each expert's) hidden size; 0 = 4*n_embd for gelu, 8*n_embd/3 rounded up to a multiple "
+        "of 32 for swiglu")
+    n_kv_head: int = _field(
+        0, "key/value heads (grouped-query attention; must divide n_head; tp may exceed it when tp is a multiple "
+        "of it); 0 = n_head")
+    tie_embeddings: bool = _field(
+        True, "the LM head is the token embedding, else its own matrix; --arch sets it unless given")
     # optimisation
     batch_size: int = _field(12, "global batch in sequences per optimiser step, whatever the mesh")
     micro_batches: int = _field(1, "gradient-accumulation micro-batches per dp rank and step")
@@ -70,9 +92,20 @@ class TrainConfig:
     min_lr: float = _field(1e-4, "learning rate at the end of the cosine decay")
     warmup_iters: int = _field(100, "linear warmup steps")
     lr_decay_iters: int = _field(2000, "step at which the cosine decay reaches min_lr")
-    weight_decay: float = _field(0.1, "AdamW weight decay (matrices and embeddings only)")
+    weight_decay: float = _field(
+        0.1, "decoupled weight decay: AdamW's (matrices and embeddings only) and Muon's (its matrices)")
     beta1: float = _field(0.9, "AdamW beta1")
     beta2: float = _field(0.99, "AdamW beta2")
+    optimizer: str = _field(
+        "adamw", "the optimiser: adamw, or muon (momentum orthogonalised by Newton-Schulz for the blocks' "
+        "matrices, AdamW with --learning-rate, --beta1, --beta2 for the other leaves)")
+    muon_lr: float = _field(0.0, "Muon's peak learning rate, on --learning-rate's schedule; 0 = --learning-rate")
+    muon_momentum: float = _field(0.95, "Muon's momentum")
+    muon_nesterov: bool = _field(True, "Muon's Nesterov momentum")
+    muon_ns_steps: int = _field(5, "Muon's Newton-Schulz iterations (run in --dtype, not bfloat16 as in PyTorch)")
+    muon_adjust_lr: str = _field(
+        "match_rms_adamw", "Muon's learning rate per matrix (torch.optim.Muon's adjust_lr_fn): match_rms_adamw "
+        "(0.2*sqrt(max(in, out)): AdamW's update size, so --learning-rate fits) or original (sqrt(max(1, out/in)))")
     grad_clip: float = _field(1.0, "clip gradients to this global norm (0 = off)")
     # data parallelism
     zero: int = _field(0, "ZeRO stage over dp: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters")
@@ -114,10 +147,11 @@ class TrainConfig:
         "", "checkpoint to continue from (written on any mesh), e.g. OUT/ckpt/latest; auto: OUT/ckpt/latest if it "
         "exists, else start fresh, so one command line serves the first attempt and every requeue")
     init_from: str = _field(
-        "", "start from these weights, fine-tuning: a Hugging Face GPT-2-architecture directory or a `numesh "
-        "export` file, with the run's model shape and --data's tokenizer")
+        "", "start from these weights, fine-tuning: a Hugging Face transformers directory (Llama, Mistral or "
+        "Mixtral: it sets the model options; GPT-2: the options must match it) or a `numesh export` file, with "
+        "--data tokenised by its tokenizer")
     save_on_signal: str = _field(
-        "TERM,USR1", "on these signals every rank saves a checkpoint at the next step boundary, whatever "
+        DEFAULT_SAVE_SIGNALS, "on these signals every rank saves a checkpoint at the next step boundary, whatever "
         "--ckpt-interval, and exits 75 (preempted: rerun with --resume auto); comma-separated names "
         "(HUP, INT, QUIT, TERM, USR1, USR2, XCPU), none = off")
     overwrite: bool = _field(False, "replace a run already in --out (its config, metrics and checkpoints)")
@@ -151,7 +185,8 @@ def field_type(field: attrs.Attribute) -> type:
 
 
 def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) -> TrainConfig:
-    """Defaults, then the TOML file, then `overrides` (None values are ignored)."""
+    """Defaults, then the TOML file, then `overrides` (None values are ignored); the parts
+    of the model kind `arch` names fill the part options neither of them gives."""
     fields = {f.name: f for f in attrs.fields(TrainConfig)}
     values: dict[str, Any] = {}
     if toml_path is not None:
@@ -171,6 +206,12 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
             raise ConfigError(f"unknown config key '{key}': the keys are {', '.join(fields)}")
         if value is not None:
             values[key] = value
+    _from_pretrained(values)
+    arch = values.get("arch", fields["arch"].default)
+    if arch not in ARCHS:
+        raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    for name, value in ARCHS[arch].items():  # the kind's parts, where no option names one
+        values.setdefault(name, value)
     for name, value in values.items():
         want = field_type(fields[name])
         if want is float and isinstance(value, int) and not isinstance(value, bool):
@@ -178,6 +219,27 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
         elif not isinstance(values[name], want) or (want is int and isinstance(value, bool)):
             raise ConfigError(f"config key '{name}' must be {want.__name__}, got {value!r}")
     return TrainConfig(**values)
+
+
+def _llama_dir(init: Any) -> bool:
+    """Whether `--init-from` names a transformers Llama-family directory (not GPT-2's)."""
+    return isinstance(init, str) and bool(init.strip()) and is_pretrained_dir(init) and model_type(Path(init)) != "gpt2"
+
+
+def _from_pretrained(values: dict[str, Any]) -> None:
+    """With --init-from a transformers Llama-family directory, the model options its
+    config.json fixes, filled in where not given; one given otherwise is a one-line error.
+    (A GPT-2 directory's shape is given by the options, and checked when it is read.)"""
+    init = values.get("init_from")
+    if not _llama_dir(init):
+        return
+    theirs = pretrained(init).options
+    clash = conflicts(theirs, values)
+    if clash is not None:
+        name, given, want = clash
+        raise ConfigError(f"{OPTIONS[name]} {given} conflicts with --init-from {init}, whose model has {want}: "
+                          "leave the option out (the directory sets it)")
+    values.update(theirs)
 
 
 def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]:
@@ -230,9 +292,7 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
         raise ConfigError("--init-from and --resume both say where the weights come from: pass one")
     if not cfg.learning_rate > 0:
         raise ConfigError(f"learning_rate must be > 0, got {cfg.learning_rate}")
-    for name in ("beta1", "beta2"):
-        if not 0.0 <= getattr(cfg, name) < 1.0:
-            raise ConfigError(f"{name} must be in [0, 1), got {getattr(cfg, name)}")
+    make_optimizer(cfg.optimizer, attrs.asdict(cfg))  # its name and hyper-parameters (betas too)
     return shape
 
 
@@ -288,10 +348,12 @@ def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> G
                           f"use a --block-size divisible by {shape['tp']}")
     model = cfg.model(vocab_size)
     model.validate(1)  # a tp or experts error below says which mesh axis
+    if cfg.init_from and not Path(cfg.init_from).is_dir():  # a directory is judged when it is read
+        check_init_kind(model)
     _check_moe(cfg, shape)
     model.validate(shape["tp"])
     StageLayout(model.n_layer, shape["pp"], cfg.virtual_stages)
-    _check_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
+    check_shape(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)  # the trainer builds it
     return model
 
 
@@ -316,16 +378,6 @@ def _check_moe(cfg: TrainConfig, shape: dict[str, int]) -> None:
     if cfg.moe_experts % ep:
         raise ConfigError(f"--moe-experts {cfg.moe_experts} do not split over ep={ep}: "
                           f"use a multiple of {ep} experts or another ep")
-    if cfg.init_from:
-        raise ConfigError("--init-from with experts is not supported yet: its weights are a dense model's")
 
 
-@functools.lru_cache(maxsize=4096)
-def _check_schedule(name: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
-    """`make_schedule` builds and validates it or raises; remembered when it passes (only that:
-    no schedule is kept). `numesh plan` asks about the same shape for every ZeRO stage, cp, sp
-    and recompute setting, and rebuilding it each time was a large share of a big plan
-    (`python -m cProfile -s cumtime -m numesh.cli.app plan --model gpt3-175b --ranks 1024
-    --hardware a100-80gb` shows where a plan's time goes)."""
-    make_schedule(name, pp, micro_batches, virtual_stages)
 

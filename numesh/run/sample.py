@@ -16,6 +16,8 @@ from mpi4py import MPI
 from numesh.base.errors import CheckpointError, ConfigError
 from numesh.base.tree import tree_map
 from numesh.checkpoint import import_nanogpt, read_global
+from numesh.checkpoint.hf_files import open_weights, weights_dtype
+from numesh.checkpoint.hf_llama import is_pretrained_dir, model_type, read_pretrained
 from numesh.checkpoint.model import shard_params
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer
 from numesh.mesh import Mesh
@@ -36,7 +38,9 @@ class Checkpoint:
         tokenizer: the tokenizer of the dataset it was trained on.
         params: global arrays, vocabulary unpadded.
         dtype: the parameters' dtype name (float32 or float64).
-        step: the training step it was saved at.
+        step: the training step it was saved at (0 for a transformers directory).
+        max_positions: the longest context its positions allow when that is more than
+            `model.block_size` (a rotary model from a transformers directory), else None.
     """
 
     model: GPTConfig
@@ -44,13 +48,16 @@ class Checkpoint:
     params: GPT
     dtype: str
     step: int
+    max_positions: int | None = None
 
 
 def load_checkpoint(path: str | Path, comm: MPI.Comm | None = None) -> Checkpoint:
-    """Whole parameters of a checkpoint directory (e.g. RUN/ckpt/latest) or of a
-    `numesh export`ed nanoGPT .safetensors file (no pickle either way). With `comm`, every
-    rank of it gets the same step of a directory (a collective)."""
+    """Whole parameters of a checkpoint directory (e.g. RUN/ckpt/latest), of a `numesh
+    export`ed nanoGPT .safetensors file or of a transformers directory (no pickle any way).
+    With `comm`, every rank of it gets the same step of a checkpoint directory (a collective)."""
     p = Path(path)
+    if is_pretrained_dir(p):
+        return load_pretrained(p)
     if p.is_file() or p.suffix == ".safetensors":
         model, tok, params, dtype, step = import_nanogpt(p)
         fix = "export it again from a checkpoint that records its dataset's tokenizer"
@@ -62,6 +69,32 @@ def load_checkpoint(path: str | Path, comm: MPI.Comm | None = None) -> Checkpoin
     if tok is None:
         raise CheckpointError(f"{p} holds no tokenizer, so its token ids cannot be turned into text: {fix}")
     return Checkpoint(model, tok, params, dtype, step)
+
+
+# a transformers model's context as generation holds it: its max_position_embeddings, at most
+# this (the KV cache is [layers, batch, kv heads, context, head size]; Llama 3.2's 131,072
+# positions would be 16 GiB of it). `sample` widens it to what a prompt and its tokens need.
+PRETRAINED_CONTEXT = 2048
+
+
+def load_pretrained(directory: Path) -> Checkpoint:
+    """A transformers directory (Llama, Mistral, Mixtral or GPT-2) as a checkpoint for
+    generation, its tokenizer.json (ending documents with the directory's eos token) with
+    it; float64 weights stay float64, any other float32."""
+    from numesh.checkpoint.hf import import_hf
+
+    if model_type(directory) == "gpt2":
+        model, text, params = import_hf(directory)
+        tok = CharTokenizer.from_hf_json(text) or HFTokenizer.from_file(directory, None)
+        return Checkpoint(model, tok, params, params.wte.dtype.name, 0)
+    dtype = np.float64 if weights_dtype(open_weights(directory)) == "float64" else np.float32
+    pre, model, params = read_pretrained(directory, dtype, 1)
+    model = attrs.evolve(model, block_size=min(pre.max_positions, PRETRAINED_CONTEXT))
+    tok = HFTokenizer.from_file(directory, None)
+    if tok.vocab_size != model.vocab_size:
+        raise CheckpointError(f"{directory}: its tokenizer has {tok.vocab_size} entries but its model vocab_size is "
+                              f"{model.vocab_size}: numesh's vocabulary is its tokenizer's")
+    return Checkpoint(model, tok, params, np.dtype(dtype).name, 0, pre.max_positions)
 
 
 def pick(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:
@@ -111,7 +144,7 @@ def generate(
     # included, which a token generated one at a time cannot see (docs/moe.md)
     model = attrs.evolve(model, moe_capacity_factor=0.0)
     bs = model.block_size
-    cache = new_kv_cache(model, mesh, idx.shape[0], params.wpe.dtype) if kv_cache else None
+    cache = new_kv_cache(model, mesh, idx.shape[0], params.wte.dtype) if kv_cache else None
     for _ in range(max_new_tokens):
         if cache is None:
             logits = logits_last(params, idx[:, -bs:], model, mesh)
@@ -130,8 +163,8 @@ class SampleConfig:
     """What `numesh sample` asks for; `validate` checks it before any file is read.
 
     Attributes:
-        ckpt: a checkpoint directory (e.g. runs/x/ckpt/latest) or a `numesh export`ed
-            .safetensors file.
+        ckpt: a checkpoint directory (e.g. runs/x/ckpt/latest), a `numesh export`ed
+            .safetensors file or a transformers model directory (`load_pretrained`).
         prompt: the text to continue.
         max_new_tokens: tokens to generate.
         temperature: the softmax temperature; 0 = greedy.
@@ -177,9 +210,13 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
     dtype = np.float64 if ck.dtype == "float64" else np.float32
     params = shard_params(tree_map(lambda x: x.astype(dtype), ck.params), ck.model, mesh)
     prompt = ck.tokenizer.encode(cfg.prompt)[None, :]
+    model = ck.model
+    if ck.max_positions is not None:  # rotary: the context may grow to what the prompt and its tokens need
+        need = min(ck.max_positions, prompt.shape[1] + cfg.max_new_tokens)
+        model = attrs.evolve(model, block_size=max(model.block_size, need))
     out = []
     for i in range(cfg.num_samples):
-        ids = generate(params, ck.model, mesh, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed + i,
+        ids = generate(params, model, mesh, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed + i,
                        cfg.kv_cache)
         out.append(ck.tokenizer.decode(ids[0]))
     return out

@@ -22,31 +22,32 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh.base.errors import ConfigError, DataError, Interrupted, Preempted, abort_job
-from numesh.base.tree import tree_leaves, tree_map
+from numesh.base.tree import tree_leaves, tree_leaves_with_path, tree_map
 from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
 from numesh.checkpoint.background import AsyncCheckpoints
 from numesh.checkpoint.format import step_dir_name
-from numesh.checkpoint.init_from import load_init
-from numesh.checkpoint.model import shard_params
+from numesh.checkpoint.init_from import initial_shards
 from numesh.data.batches import eval_key, local_batch, train_key
 from numesh.data.dataset import Dataset, bits_per_byte, bytes_per_token, open_dataset, verify_dataset
 from numesh.data.shards import TokenStream
-from numesh.host import kernels
-from numesh.host.interrupt import InterruptWatch, parse_signals
+from numesh.host import kernels, llama_kernels
+from numesh.host.interrupt import InterruptWatch
 from numesh.host.runtime import dp_hint, host_map, log
 from numesh.host.runtime import job_peak_flops as measured_peak_flops
+from numesh.host.startup_signals import parse_signals
 from numesh.host.threads import threads
 from numesh.mesh import AXES, BATCH_AXES, Mesh, psum, psum_scalar, unshard
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
 from numesh.nn.moe import moe_metrics, stats_vector
-from numesh.nn.units import OUTER, join_units, sequence_partial_leaves, split_units
+from numesh.nn.units import OUTER, join_units, split_units, tp_partial_leaves
 from numesh.observe import attach
 from numesh.observe.flight import FlightRecorder
 from numesh.observe.inject import FaultInjector, faults_from_env, unshared_out
 from numesh.observe.spool import PARTS_DIR
 from numesh.observe.trace import Tracer
-from numesh.optim import AdamWConfig, clip_scale, cosine_lr
+from numesh.optim import Leaf, clip_scale, cosine_lr
+from numesh.optim.registry import describe, make_optimizer
 from numesh.optim.zero import ZeroOptimizer
 from numesh.perf import formulas
 from numesh.pipeline.executor import PipelineExecutor, StepStats
@@ -66,10 +67,13 @@ class Diverged(ConfigError):
 
 def flops_per_token(model: GPTConfig, n_params: int) -> float:
     """Training FLOPs per token: 6 per parameter a token uses (with experts, only its k of
-    each MoE block's E) plus attention (PaLM's appendix B)."""
+    each MoE block's E; an untied embedding's rows are looked up, not counted:
+    `formulas.counted_params`) plus attention (PaLM's appendix B)."""
+    parts = formulas.Parts.of(model)
     active = formulas.active_params(n_params, model.n_embd, model.moe_blocks, model.moe_experts, model.moe_top_k,
-                                    model.bias)
-    return formulas.flops_per_token(model.n_layer, model.n_embd, model.block_size, active)
+                                    model.bias, parts)
+    counted = formulas.counted_params(active, model.vocab_size, model.n_embd, parts)
+    return formulas.flops_per_token(model.n_layer, model.n_embd, model.block_size, counted)
 
 
 def open_run_dataset(path: str, comm: MPI.Comm) -> Dataset:
@@ -109,15 +113,18 @@ class Trainer:
         self.layout = StageLayout(self.model.n_layer, shape["pp"], cfg.virtual_stages)
         self.schedule = make_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
         self.specs = stage_tree(gpt_specs(self.model), self.layout, pp_rank)
-        adamw = AdamWConfig(cfg.beta1, cfg.beta2, 1e-8, cfg.weight_decay)
-        params = stage_tree(self._initial_params(), self.layout, pp_rank)
-        tied_copy = self.layout.holds_tied(pp_rank) and self.layout.is_last(pp_rank)  # counted on the first rank
+        self.optimizer = make_optimizer(cfg.optimizer, attrs.asdict(cfg))
+        params = self._initial_params()
+        # a tied wte's copy on the last stage: counted on the first rank
+        tied_copy = self.model.tie_embeddings and self.layout.holds_tied(pp_rank) and self.layout.is_last(pp_rank)
         units = split_units(params)
+        owned = self.layout.owned(pp_rank)  # the global layer of each local block, for the optimiser's rules
         self.opt = ZeroOptimizer(
-            units, split_units(self.specs), self.mesh, cfg.zero, adamw,
+            units, split_units(self.specs), self.mesh, cfg.zero, self.optimizer,
             bucket_bytes=int(cfg.bucket_mb * 2**20), overlap=cfg.overlap,
             uncounted={(OUTER, "wte")} if tied_copy else (),
-            tp_partial=sequence_partial_leaves(units) if cfg.sequence_parallel else (),  # LayerNorm grads under sp
+            tp_partial=tp_partial_leaves(units, self.mesh),  # norm grads under sp, GQA's k and v
+            paths={u: "" if u.is_outer else f"blocks.{owned[u.block]}." for u in units},
         )
         self.opt.check_replicas()
         self.pipeline = PipelineExecutor(self.model, self.mesh, self.layout, self.opt, self.dtype, cfg.recompute)
@@ -131,12 +138,19 @@ class Trainer:
         self.trace: Tracer | None = None  # set by `start_trace`
 
     def _initial_params(self) -> GPT:
-        """This rank's shards of the starting weights: initialised from the seed, or those of
-        `--init-from` (the same on every rank, sharded like a checkpoint's)."""
+        """This rank's shards of its stage's starting weights: initialised from the seed, or
+        those of `--init-from` (sharded like a checkpoint's)."""
         if not self.cfg.init_from:
-            return init_gpt(self.model, self.mesh, self.cfg.seed, self.dtype)
-        whole = load_init(self.cfg.init_from, self.model, self.dataset.tokenizer, self.dtype)
-        return shard_params(whole, self.model, self.mesh)
+            return stage_tree(init_gpt(self.model, self.mesh, self.cfg.seed, self.dtype), self.layout,
+                              self.mesh.index("pp"))
+        return initial_shards(self.cfg.init_from, self.model, self.dataset.tokenizer, self.mesh, self.layout,
+                              self.dtype)
+
+    def optimizer_groups(self) -> list[str]:
+        """Which of the optimiser's rules updates which of the model's (global) leaves, in words."""
+        shapes = dict(tree_leaves_with_path(gpt_global_shapes(self.model)))
+        specs = dict(tree_leaves_with_path(gpt_specs(self.model)))
+        return describe(self.optimizer, {p: Leaf(p, shapes[p], specs[p]) for p in shapes})
 
     @property
     def params(self) -> GPT:
@@ -240,7 +254,10 @@ class Trainer:
             "n_layer": self.model.n_layer, "n_embd": self.model.n_embd, "n_params": self.n_params,
             "rows_per_micro_batch": c.batch_size // (shape["dp"] * shape["ep"] * c.micro_batches),
             "tokens_per_step": self.tokens_per_step, "flops_per_token": flops_per_token(self.model, self.n_params),
-            "peak_flops": peak_flops,
+            "peak_flops": peak_flops, "parts": attrs.asdict(formulas.Parts.of(self.model)),
+            "moe": None if not self.model.moe_experts else dict(
+                experts=self.model.moe_experts, top_k=self.model.moe_top_k, ep=shape["ep"],
+                capacity=self.model.moe_capacity_factor > 0),
         }
         if spool is not None:
             tr.start_spool(spool, self.trace_meta)
@@ -252,11 +269,24 @@ class Trainer:
         shape, units = self.mesh.shape, self.opt.units
         tied = self.model.padded_vocab(shape["tp"]) // shape["tp"] * self.model.n_embd * np.dtype(self.dtype).itemsize
         return formulas.RankUnits(
-            [formulas.Chunk(len(s.blocks), s.first, s.last) for s in self.pipeline.stages],
+            [formulas.Chunk(len(s.blocks), s.first, s.last, sum(self.model.moe(b) is not None for b, _ in s.blocks))
+             for s in self.pipeline.stages],
             sum(u.padded for k, u in units.items() if not k.is_outer), units[OUTER].padded,
-            tied if self.layout.holds_tied(self.mesh.index("pp")) else 0,
+            tied if self.model.tie_embeddings and self.layout.holds_tied(self.mesh.index("pp")) else 0,
             self.opt.tp_partial_values, self.opt.ep_replicated_values,
+            *self.matrix_exchange_bytes(),
         )
+
+    def matrix_exchange_bytes(self) -> tuple[int, int]:
+        """Bytes this rank sends each step over dp and over tp so that each of Muon's
+        matrices is whole on one rank (`formulas.matrix_exchange_bytes`; 0 for AdamW)."""
+        units = self.opt.units
+        index = {k: i for i, k in enumerate(units)}
+        slabs = [(index[s.key], s.start, s.size, s.cost, s.view.tp_dim is not None) for s in self.opt.matrix_slabs]
+        out = formulas.matrix_exchange_bytes([u.size for u in units.values()], slabs, self.mesh.size("dp"),
+                                             self.mesh.index("dp"), self.mesh.size("tp"),
+                                             np.dtype(self.dtype).itemsize, self.opt.sync.sharded)
+        return out.get(("dp", "all_to_all"), 0), out.get(("tp", "all_gather"), 0)
 
     def gathered_params(self) -> GPT:
         """The global parameters (vocabulary unpadded), gathered on every rank (tests, export)."""
@@ -275,17 +305,19 @@ def train_state(trainer: Trainer) -> TrainState:
     return TrainState(
         mesh=trainer.mesh, model=trainer.model, layout=trainer.layout,
         trees={g: join_units(t) for g, t in trainer.opt.state_trees().items()},
-        step=trainer.step, opt_step=trainer.opt.adam_step, dtype=c.dtype, seed=c.seed,
+        step=trainer.step, opt_step=trainer.opt.opt_step, dtype=c.dtype, seed=c.seed,
+        optimizer=trainer.optimizer.name,
         run_config=attrs.asdict(c), tokenizer=tokenizer,
     )
 
 
 def restore(trainer: Trainer, path: str | Path) -> None:
-    """Set the trainer's parameters, AdamW moments and steps from a checkpoint written on
+    """Set the trainer's parameters, optimiser state and steps from a checkpoint written on
     any mesh (collective; on error every rank raises and the trainer is unchanged). A
-    checkpoint trained on another vocabulary than the run's dataset is refused."""
+    checkpoint trained on another vocabulary than the run's dataset, or with another
+    optimiser, is refused."""
     got = read_local_state(path, trainer.mesh, trainer.model, trainer.layout, trainer.dtype,
-                           trainer.dataset.tokenizer, f"dataset {trainer.cfg.data}")
+                           trainer.dataset.tokenizer, f"dataset {trainer.cfg.data}", trainer.optimizer.name)
     trainer.opt.load_state_trees({g: split_units(t) for g, t in got.trees.items()}, got.opt_step)
     trainer.step = got.step
 
@@ -312,11 +344,13 @@ def save_step(trainer: Trainer, out_dir: Path, keep: int = 0, saves: AsyncCheckp
 def stop_interrupted(trainer: Trainer, watch: InterruptWatch, signum: int, out: Path, saved_at: int | None,
                      saves: AsyncCheckpoints | None = None) -> None:
     """Some rank got a signal and every rank is here at the same step boundary: on a
-    --save-on-signal one, save this step's checkpoint and raise `Preempted`; otherwise save
+    --save-on-signal one, save this step's checkpoint (none at step 0) and raise `Preempted`; otherwise save
     it if the run saves them and raise `Interrupted` (unless just saved; collective). A
     checkpoint still being written (--ckpt-async) is finished first."""
     c, path, why_not = trainer.cfg, None, " (--ckpt-interval is 0)"
     preempted = signum in parse_signals(c.save_on_signal)
+    if preempted and trainer.step == 0:  # it came during start-up and nothing has trained: nothing to save
+        raise Preempted(0, signum, None)
     if saves is not None:
         with watch.saving():
             saves.wait()
@@ -461,7 +495,8 @@ def _open_run(trainer: Trainer, cfg: TrainConfig, resume: str) -> RunDir:
     """Lock OUT, refuse to reuse a run unless resuming (from `resume`) or overwriting, check
     room for a checkpoint. `--resume auto` without a checkpoint starts over: what a first
     attempt that died before its first checkpoint left in OUT goes."""
-    ckpt_bytes = 3 * trainer.n_params * np.dtype(trainer.dtype).itemsize  # params and both moments
+    # params and the most state values any rule keeps per value (AdamW: both moments)
+    ckpt_bytes = (1 + max(trainer.optimizer.state_per_value)) * trainer.n_params * np.dtype(trainer.dtype).itemsize
     over = cfg.overwrite or (cfg.resume == RESUME_AUTO and not resume)
     return RunDir(Path(cfg.out), trainer.mesh.world, resume or None, over, ckpt_bytes, attrs.asdict(cfg),
                   resume_step=trainer.step)
@@ -506,6 +541,8 @@ def train(
     `ckpt_interval` steps and at the end) with OUT/ckpt/latest pointing at the newest."""
     trainer = Trainer(cfg, comm)
     kernels.warm_up(trainer.dtype)  # compiled before any collective has a deadline
+    if trainer.model.norm == "rmsnorm" or trainer.model.mlp == "swiglu" or trainer.model.positions == "rotary":
+        llama_kernels.warm_up(trainer.dtype)  # the Llama parts' kernels, when the model has them
     _check_hosts(trainer.mesh.world, Path(cfg.out))
     if resume := _resume_from(cfg, trainer.mesh.world):
         if _resume(trainer, cfg, resume):
@@ -514,7 +551,10 @@ def train(
     run = _open_run(trainer, cfg, resume)  # before the peak is measured: a refused --out is said at once, and first
     try:
         peak = _announce(trainer)
-        return _locked_run(trainer, run, start, peak, on_step)
+        # a run continued from OUT's own checkpoint has its first step saved already: a
+        # signal before that step needs no second copy (a checkpoint is never rewritten)
+        own = bool(resume) and Path(resume).resolve().parent == (Path(cfg.out) / "ckpt").resolve()
+        return _locked_run(trainer, run, start, peak, on_step, start if own else None)
     finally:
         # the lock goes last: until the final checkpoint and trace are written, another run
         # taking OUT (a resume, an --overwrite) would write or remove files under this one
@@ -522,8 +562,9 @@ def train(
 
 
 def _locked_run(trainer: Trainer, run: RunDir, start: int, peak: float,
-                on_step: Callable[[int, dict], None] | None) -> TrainResult:
-    """`train` from its first step on, in the run directory `run` it holds."""
+                on_step: Callable[[int, dict], None] | None, saved_at: int | None = None) -> TrainResult:
+    """`train` from its first step on, in the run directory `run` it holds (`saved_at`:
+    `start` when OUT holds that step's checkpoint already)."""
     cfg, out = trainer.cfg, Path(trainer.cfg.out)
     observed_before = trainer.mesh.observer
     observer = _attach_observers(trainer, out)
@@ -534,7 +575,7 @@ def _locked_run(trainer: Trainer, run: RunDir, start: int, peak: float,
     watch = InterruptWatch(trainer.mesh.world, signals=parse_signals(cfg.save_on_signal)).start()
     saves = AsyncCheckpoints(trainer.mesh.world) if cfg.ckpt_async else None
     try:
-        last, saved_at = _run_steps(trainer, start, run, watch, observer, peak, on_step, saves)
+        last, saved_at = _run_steps(trainer, start, run, watch, observer, peak, on_step, saves, saved_at)
     except Interrupted:  # any save in flight was finished first (stop_interrupted)
         with watch.saving():  # every rank stopped at the same step: an orderly end, its files as after a clean one
             _finish_observing(trainer, out, observer, observed_before)
@@ -566,6 +607,8 @@ def _announce(trainer: Trainer) -> float:
     cfg = trainer.cfg
     if hint := dp_hint(trainer.mesh.world.Get_size(), threads(), cfg.batch_size, cfg.micro_batches):
         log(hint)
+    for line in trainer.optimizer_groups():  # which rule updates which leaves, declared once by the optimiser
+        log(line)
     peak, source = job_peak_flops(trainer)  # MFU's denominator (docs/observability.md)
     log(f"MFU peak: {peak / 1e9:.1f} GFLOP/s ({source})")
     return peak
@@ -574,14 +617,13 @@ def _announce(trainer: Trainer) -> float:
 def _run_steps(trainer: Trainer, start: int, run: RunDir, watch: InterruptWatch,
                observer: FlightRecorder | FaultInjector | None, peak: float,
                on_step: Callable[[int, dict], None] | None,
-               saves: AsyncCheckpoints | None = None) -> tuple[dict[str, Any], int | None]:
+               saves: AsyncCheckpoints | None = None, saved_at: int | None = None) -> tuple[dict[str, Any], int | None]:
     """Steps `start` .. max_iters (the last one only evaluates), each written to `run`'s
     metrics, with the periodic checkpoints (with `saves`, written in the background and
     finished at the first step boundary every rank's writer is done): (the latest value of
     every metric, the step last saved or None)."""
     cfg, out = trainer.cfg, Path(trainer.cfg.out)
     last: dict[str, Any] = {}
-    saved_at = None
     for step in range(start, cfg.max_iters + 1):
         if signum := watch.requested():  # one-value all-reduce: did any rank get a signal?
             stop_interrupted(trainer, watch, signum, out, saved_at, saves)

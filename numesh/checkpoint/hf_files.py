@@ -1,0 +1,169 @@
+"""Reading a Hugging Face transformers directory's files: its config.json and its weights.
+
+Weights are read by a small safetensors reader of numesh's own, one tensor at a time: the
+format is an 8-byte little-endian header length, a JSON header naming each tensor's dtype,
+shape and byte range, then the raw bytes. A tensor is read from its byte range in blocks
+of rows (`_BLOCK_BYTES`) converted straight into the array the caller gives, so reading a
+model never holds more than that destination and one block beside it: a rank that imports
+a 70 GB model holds its own shards and one tensor, never the whole file. (Not a memmap:
+the pages of a mapping that a read touched stay in the process's resident memory until it
+is unmapped, a second copy of the tensor beside the destination.) Both layouts
+transformers saves are read: one `model.safetensors`, or `model.safetensors.index.json`
+naming the shard file of every tensor. F32, F64, F16 and BF16 tensors convert exactly into
+float32 or float64 (bfloat16 is float32's upper 16 bits: shifted back into place).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from numesh.base.errors import CheckpointError
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_RAW = {"F32": np.dtype("<f4"), "F64": np.dtype("<f8"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_BLOCK_BYTES = 16 << 20  # conversion works this many bytes of a tensor at a time
+_MAX_HEADER = 100 << 20  # a larger header is a corrupt file (safetensors' own limit)
+
+
+@attrs.frozen
+class TensorInfo:
+    """Where one tensor lies: its file, stored dtype, shape and the absolute byte offset."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+
+def read_json_file(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from `path`; a missing, unreadable or non-object file is one CheckpointError."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path.parent} has no {path.name}: {what}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path} ({getattr(e, 'strerror', None) or e}): {what}") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} is not a JSON object: {what}")
+    return obj
+
+
+def _header(file: Path) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file, checked against the file's size."""
+    try:
+        with open(file, "rb") as f:
+            size = file.stat().st_size
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < n <= min(_MAX_HEADER, size - 8):
+                raise CheckpointError(f"{file} is not a safetensors file (its header length is {n})")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise CheckpointError(f"cannot read {file}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{file} is not a safetensors file (its header is not JSON)") from None
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{file}: tensor '{name}' has a malformed header entry") from None
+        if dtype not in _RAW:
+            raise CheckpointError(f"{file}: tensor '{name}' is {dtype}; numesh reads F32, F64, F16 and BF16")
+        if end - start != math.prod(shape) * _RAW[dtype].itemsize or not 0 <= start <= end <= size - 8 - n:
+            raise CheckpointError(f"{file}: tensor '{name}' has byte range {start}..{end}, which does not hold "
+                                  f"its shape {list(shape)} within the file: the file is truncated or corrupt")
+        out[name] = TensorInfo(file, dtype, shape, 8 + n + start)
+    return out
+
+
+def _shard_files(directory: Path) -> list[Path]:
+    """The safetensors files of a directory: the index's shards, or the one model file."""
+    if (directory / INDEX).exists():
+        index = read_json_file(directory / INDEX, "rewrite it with save_pretrained")
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{directory / INDEX} has no weight_map of tensor names to files")
+        return [directory / name for name in dict.fromkeys(weight_map.values())]
+    if (directory / SINGLE).exists():
+        return [directory / SINGLE]
+    raise CheckpointError(f"{directory} holds no weights: it needs {SINGLE} or {INDEX} with its shards "
+                          "(save the model with save_pretrained(..., safe_serialization=True))")
+
+
+@attrs.frozen
+class Weights:
+    """The tensors of a transformers directory, by name (`open_weights`), read one at a time."""
+
+    directory: Path
+    tensors: dict[str, TensorInfo]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
+    def read(self, name: str, out: np.ndarray, transpose: bool = False) -> np.ndarray:
+        """Tensor `name` (transposed if asked, 2-D only) converted into `out`, whose dtype
+        (float32 or float64) is the run's; returns `out`."""
+        info = self.tensors[name]
+        shape = info.shape[::-1] if transpose else info.shape
+        if tuple(out.shape) != shape:
+            raise CheckpointError(f"{self.directory}: tensor '{name}' has shape {list(info.shape)}, the model needs "
+                                  f"{list(out.shape[::-1] if transpose else out.shape)}")
+        if not out.size:
+            return out
+        raw = _RAW[info.dtype]
+        row = math.prod(info.shape[1:])
+        rows = max(1, _BLOCK_BYTES // max(1, row * raw.itemsize))
+        with open(info.file, "rb") as f:
+            f.seek(info.offset)
+            for i in range(0, info.shape[0], rows):
+                n = min(rows, info.shape[0] - i)
+                block = _to_float(np.fromfile(f, dtype=raw, count=n * row).reshape(n, *info.shape[1:]), info.dtype)
+                if transpose:
+                    out[:, i:i + n] = block.T
+                else:
+                    out[i:i + n] = block
+        return out
+
+
+def _to_float(block: np.ndarray, dtype: str) -> np.ndarray:
+    """A block of stored values as floats (bfloat16: its 16 bits are float32's upper half)."""
+    if dtype == "BF16":
+        return np.left_shift(block, 16, dtype=np.uint32).view(np.float32)
+    return block
+
+
+def open_weights(directory: Path) -> Weights:
+    """Every tensor of `directory`'s safetensors file(s), from their headers alone; a missing
+    file, a tensor in two files or one the index names but its file lacks is one line."""
+    tensors: dict[str, TensorInfo] = {}
+    for file in _shard_files(directory):
+        if not file.exists():
+            raise CheckpointError(f"{directory / INDEX} names {file.name}, which is missing from {directory}")
+        for name, info in _header(file).items():
+            if name in tensors:
+                raise CheckpointError(f"{directory}: tensor '{name}' is in both {tensors[name].file.name} and "
+                                      f"{file.name}")
+            tensors[name] = info
+    if (directory / INDEX).exists():
+        named = read_json_file(directory / INDEX, "rewrite it with save_pretrained")["weight_map"]
+        lost = sorted(k for k, v in named.items() if k not in tensors or tensors[k].file.name != v)
+        if lost:
+            raise CheckpointError(f"{directory / INDEX} puts tensor '{lost[0]}' in {named[lost[0]]}, which does "
+                                  "not hold it")
+    return Weights(directory, tensors)
+
+
+def weights_dtype(weights: Weights) -> str:
+    """The numpy dtype that holds every tensor exactly: float64 if any is F64, else float32."""
+    return "float64" if any(t.dtype == "F64" for t in weights.tensors.values()) else "float32"

@@ -1,0 +1,176 @@
+"""Each matrix whole on one rank: how a `MatrixRule` (Muon) runs under ZeRO and tp.
+
+A matrix rule's function needs the whole matrix, and the whole of its accumulated
+gradient: ZeRO's flat shards cut matrices anywhere, and tp splits them by rows or columns.
+The leaves of a matrix rule are cut into slabs (`interface.matrix_view`: one per expert,
+q, k and v of a fused leaf together, being interleaved in storage), and the slabs of a
+rank's units are dealt to the dp ranks (`assign_owners`: each in turn to the least loaded
+so far, by the rule's FLOPs), so no rank does all the work. Each step, after the
+gradients are reduced and the elementwise `direction` (momentum) ran on each rank's shard:
+
+1. every rank sends each owner the piece of its slabs that lies in its shard, one
+   all-to-all over dp (`MatrixExchange.gather`); the owner assembles each slab whole over
+   dp from the summed gradient of the step (every micro-batch's: never one alone);
+2. a slab split over tp is gathered whole over tp by the tp ranks of its owner, all such
+   slabs in one all-gather (`whole_over_tp`), and every tp rank computes the function on
+   the whole matrices (each keeps its own slice: `mine_over_tp`);
+3. the owner returns each shard's piece of the result (`scatter`), another all-to-all.
+
+Under ZeRO 0 nothing is sharded: every rank owns every slab and only the tp gather
+remains. Over ep each rank has its own experts (their slabs are its own); replicas over cp
+and ep compute their replicated slabs alike. Pipeline stages each handle their own units.
+The bytes are `numesh.perf.formulas.matrix_exchange_bytes`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Mapping, Sequence
+
+import attrs
+import numpy as np
+
+from numesh.mesh import Mesh, all_gather, all_to_all_v
+from numesh.optim.flat import FlatLayout
+from numesh.optim.interface import MatrixView
+
+
+@attrs.frozen
+class Slab:
+    """One contiguous slab of a matrix-rule leaf in the flat layout.
+
+    Attributes:
+        key: its unit.
+        start: its first value among the unit's values.
+        view: its tp-local shape, the input/output dims, the dim split over tp.
+        fan: (in, out) of its whole matrices.
+        cost: the rule's FLOPs for it (all its matrices).
+        owner: the dp rank that computes it.
+    """
+
+    key: Any
+    start: int
+    view: MatrixView
+    fan: tuple[int, int]
+    cost: float
+    owner: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.view.size
+
+
+def assign_owners(costs: Sequence[float], ranks: int) -> list[int]:
+    """Owners of items of `costs`, in order: each to the rank with the least cost so far
+    (the lowest such rank on a tie). A pure function of the costs: every rank deals alike."""
+    loads = [0.0] * ranks
+    owners = []
+    for c in costs:
+        r = min(range(ranks), key=lambda i: (loads[i], i))
+        owners.append(r)
+        loads[r] += c
+    return owners
+
+
+def pieces(start: int, size: int, shard: int, ranks: int) -> list[tuple[int, int]]:
+    """[lo, hi) of a slab [start, start + size) of a unit in each rank's shard of it (the
+    rank-th `shard` values; lo == hi where they do not meet)."""
+    out = []
+    for q in range(ranks):
+        lo, hi = max(start, q * shard), min(start + size, (q + 1) * shard)
+        out.append((lo, max(lo, hi)))
+    return out
+
+
+class MatrixExchange:
+    """Moves the slabs of a rank's units between shard owners and slab owners (module docstring).
+
+    `sharded`: whether each rank holds only its dp shard of the state (ZeRO >= 1); if not,
+    every slab is this rank's and nothing moves over dp."""
+
+    def __init__(self, layout: FlatLayout, slabs: Sequence[Slab], mesh: Mesh, sharded: bool):
+        self.mesh, self.slabs = mesh, list(slabs)
+        self.dp, self.rank = (layout.dp, layout.rank) if sharded else (1, 0)
+        shard = {k: (u.shard_size if sharded else u.padded) for k, u in layout.units.items()}
+        self.offset = {k: self.rank * n for k, n in shard.items()}  # where this rank's slice starts in each unit
+        self.cut = [pieces(s.start, s.size, shard[s.key], self.dp) for s in self.slabs]
+        self.mine = [i for i, s in enumerate(self.slabs) if s.owner == self.rank]
+        # this rank's pieces of every slab, in slab order: (slab, lo, hi) in unit coordinates
+        self.local = [(i, *self.cut[i][self.rank]) for i in range(len(self.slabs))
+                      if self.cut[i][self.rank][1] > self.cut[i][self.rank][0]]
+        # values this rank sends each owner in `gather`, and receives from each rank (ints, not
+        # arrays: nothing held between steps beside ZeroOptimizer.memory()'s buffers)
+        self.send = [0] * self.dp
+        for i, lo, hi in self.local:
+            self.send[self.slabs[i].owner] += hi - lo
+        self.recv = [sum(self._len(i, q) for i in self.mine) for q in range(self.dp)]
+
+    def _len(self, i: int, q: int) -> int:
+        lo, hi = self.cut[i][q]
+        return hi - lo
+
+    def _by_owner(self) -> list[tuple[int, int, int]]:
+        """`local` grouped by the slab's owner (dp order), slab order within."""
+        return sorted(self.local, key=lambda t: (self.slabs[t[0]].owner, t[0]))
+
+    def gather(self, values: Mapping[Hashable, np.ndarray]) -> dict[int, np.ndarray]:
+        """The slabs this rank owns, whole over dp (flat, tp-local): `values[key]` is this
+        rank's slice of unit `key` (its shard, or the whole unit when not sharded)."""
+        send = [values[self.slabs[i].key][lo - self.offset[self.slabs[i].key]: hi - self.offset[self.slabs[i].key]]
+                for i, lo, hi in self._by_owner()]
+        dtype = next(iter(values.values())).dtype
+        buf = np.concatenate(send) if send else np.zeros(0, dtype)
+        got = all_to_all_v(buf, self.send, self.recv, self.mesh, "dp") if self.dp > 1 else buf
+        out = {i: np.empty(self.slabs[i].size, dtype) for i in self.mine}
+        pos = 0
+        for q in range(self.dp):
+            for i in self.mine:
+                lo, hi = self.cut[i][q]
+                out[i][lo - self.slabs[i].start: hi - self.slabs[i].start] = got[pos: pos + hi - lo]
+                pos += hi - lo
+        return out
+
+    def scatter(self, results: Mapping[int, np.ndarray]) -> list[tuple[int, int, int, np.ndarray]]:
+        """Each owned slab's result (flat, tp-local) back to the shard owners: this rank's
+        pieces as (slab, lo, hi, values), lo and hi in the coordinates of its slice of the unit."""
+        send = []
+        for q in range(self.dp):
+            for i in self.mine:
+                lo, hi = self.cut[i][q]
+                send.append(results[i][lo - self.slabs[i].start: hi - self.slabs[i].start])
+        dtype = next(iter(results.values())).dtype if results else np.float64
+        buf = np.concatenate(send) if send else np.zeros(0, dtype)
+        got = all_to_all_v(buf, self.recv, self.send, self.mesh, "dp") if self.dp > 1 else buf
+        out, pos = [], 0
+        for i, lo, hi in self._by_owner():
+            off = self.offset[self.slabs[i].key]
+            out.append((i, lo - off, hi - off, got[pos: pos + hi - lo]))
+            pos += hi - lo
+        return out
+
+    def whole_over_tp(self, parts: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """The owned slabs whole over tp (shaped, [in, ..., out]): those split over tp
+        all-gathered in one call, the others as they are."""
+        tp = self.mesh.size("tp")
+        out = {i: parts[i].reshape(self.slabs[i].view.shape) for i in self.mine}
+        split = [i for i in self.mine if self.slabs[i].view.tp_dim is not None]
+        if tp == 1 or not split:
+            return out
+        flat = np.concatenate([parts[i] for i in split])
+        every = all_gather(flat, self.mesh, "tp").reshape(tp, flat.size)
+        pos = 0
+        for i in split:
+            v = self.slabs[i].view
+            blocks = [every[t, pos: pos + v.size].reshape(v.shape) for t in range(tp)]
+            out[i] = np.concatenate(blocks, axis=v.tp_dim)
+            pos += v.size
+        return out
+
+    def mine_over_tp(self, i: int, whole: np.ndarray) -> np.ndarray:
+        """This tp rank's part of slab `i`'s whole result, flat."""
+        v = self.slabs[i].view
+        if v.tp_dim is None or self.mesh.size("tp") == 1:
+            return whole.reshape(-1)
+        n, t = v.shape[v.tp_dim], self.mesh.index("tp")
+        index = [slice(None)] * len(v.shape)
+        index[v.tp_dim] = slice(t * n, (t + 1) * n)
+        return np.ascontiguousarray(whole[tuple(index)]).reshape(-1)

@@ -1,0 +1,52 @@
+"""The optimisers by name: what `--optimizer` chooses and a checkpoint records.
+
+Each entry builds an `Optimizer` (numesh/optim/interface.py) from a run's options (the
+`TrainConfig` fields as a mapping, missing ones at their defaults), raising a one-line
+ConfigError for a bad hyper-parameter. A new optimiser is one module in numesh/optim and
+one line here (docs/design.md, "Adding an optimiser").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from numesh.base.errors import ConfigError
+from numesh.optim import adamw, muon
+from numesh.optim.interface import Leaf, MatrixRule, Optimizer, matrix_view
+
+OPTIMIZERS: dict[str, Callable[[Mapping[str, Any]], Optimizer]] = {
+    "adamw": adamw.define,
+    "muon": muon.define,
+}
+
+
+def make_optimizer(name: str, options: Mapping[str, Any] | None = None) -> Optimizer:
+    """The optimiser `name` with the hyper-parameters in `options`; one-line ConfigError
+    for an unknown name or a bad value."""
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got '{name}'")
+    return OPTIMIZERS[name](options or {})
+
+
+def describe(opt: Optimizer, leaves: Mapping[str, Leaf]) -> list[str]:
+    """Lines saying which rule updates which leaves (printed at start-up): per rule, its
+    leaves by path with the block index as `*`, with their shapes and, for a matrix rule,
+    the matrices each holds (`interface.matrix_view`)."""
+    rows: dict[tuple[int, str], list[Leaf]] = {}
+    for path, leaf in leaves.items():
+        parts = path.split(".")
+        if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit():
+            parts[1] = "*"
+        rows.setdefault((opt.rule_index(leaf), ".".join(parts)), []).append(leaf)
+    lines = [f"optimizer {opt.name}: {len(leaves)} leaves"]
+    for i, rule in enumerate(opt.rules):
+        mine = [(path, group) for (r, path), group in rows.items() if r == i]
+        lines.append(f"  {rule.name}: {sum(len(g) for _, g in mine)} leaves")
+        for path, group in mine:
+            text = f"    {path} {list(group[0].shape)}" + (f" x{len(group)}" if len(group) > 1 else "")
+            if isinstance(rule, MatrixRule):
+                view = matrix_view(group[0])
+                n = view.batch * view.matrices_per_slab
+                text += f": {n} matri{'ces' if n > 1 else 'x'} [{view.shape[0]}, {view.shape[-1]}]"
+            lines.append(text)
+    return lines

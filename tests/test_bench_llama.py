@@ -1,0 +1,65 @@
+"""benchmarks/bench_llama.py's workers run: each side trains a tiny SmolLM2-shaped model in a
+fresh process and reports its step, and from numesh's initial weights transformers'
+LlamaForCausalLM follows numesh's losses on the same batches (the two sides train the same
+model on the same data). The benchmark's numbers are its own to print; nothing here is timed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import bench_llama  # noqa: E402
+
+# SmolLM2's parts (GQA 6:2, SwiGLU, tied head, rotary theta 1e5) at a test's size
+TINY = dict(bench_llama.SMOLLM2, n_layer=1, n_embd=48, n_head=6, n_kv_head=2, ffn_hidden=64, block_size=16,
+            batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    from numesh.data.char import prepare_char_dataset
+
+    rng = np.random.default_rng(0)
+    text = "".join(rng.choice(list("abcdefgh \n"), 4000))
+    out = tmp_path_factory.mktemp("bench_llama") / "data"
+    prepare_char_dataset(text, out)
+    return str(out)
+
+
+def _run(kind: str, data: str, same_init: bool = False) -> dict:
+    res = bench_llama.run_worker(kind, TINY, data, threads=1, warmup=1, iters=1, same_init=same_init, timeout=600)
+    assert "error" not in res, res["error"]
+    return res
+
+
+@pytest.fixture(scope="module")
+def ours(data: str) -> dict:
+    return _run("numesh", data)
+
+
+def test_numesh_worker_reports_a_step(ours: dict) -> None:
+    res = ours
+    assert res["tokens_per_s"] > 0 and res["rss_mb"] > 0
+    assert len(res["losses"]) == 2 and all(np.isfinite(res["losses"]))
+    assert res["n_params"] > 0
+
+
+def test_transformers_worker_follows_numesh_from_its_init(data: str, ours: dict) -> None:
+    pytest.importorskip("torch", reason="pip install torch==2.13.0 transformers==5.24.0 to run the torch side")
+    pytest.importorskip("transformers", reason="pip install transformers==5.24.0 to run the torch side")
+    theirs = _run("torch", data, same_init=True)
+    assert theirs["tokens_per_s"] > 0 and theirs["rss_mb"] > 0
+    assert theirs["n_params"] == ours["n_params"]  # the same model: the tied head counted once
+    # two AdamW steps on the same batches from the same weights: the same losses to float32 rounding
+    np.testing.assert_allclose(theirs["losses"], ours["losses"], rtol=1e-5)
+    assert ours["losses"][1] != ours["losses"][0]  # the first step changed the weights
+
+
+def test_rows_are_parsed_or_refused() -> None:
+    assert bench_llama.parse_rows("512x4, 2048x1") == [(512, 4), (2048, 1)]
+    with pytest.raises(SystemExit, match="--rows takes TxB"):
+        bench_llama.parse_rows("512")
