@@ -6,6 +6,7 @@ attention kernel beside the time of its FLOPs.
     python benchmarks/bench_long_context.py --sections attention --threads 1
     python benchmarks/bench_long_context.py --rows default:2048x1,baby:1024x2 --rounds 3
     python benchmarks/bench_long_context.py --sections tiles --threads 1 --clock cpu  # a shared machine
+    python benchmarks/bench_long_context.py --sections model --base ../before   # before/after a change
 
 Sections:
   model      training steps of the default model (4 layers × 128, 4 heads) at T × B = 64×32,
@@ -73,11 +74,13 @@ def model_section(args: argparse.Namespace, data: str) -> list[dict[str, Any]]:
     out = []
     for name, T, B in parse_rows(args.rows):
         model = dict(PRESETS[name], block_size=T, batch_size=B)
-        runs: dict[str, list[dict]] = {"numesh": [], "torch": []}
+        sides = ("base", "numesh", "torch") if args.base else ("numesh", "torch")
+        runs: dict[str, list[dict]] = {kind: [] for kind in sides}
         for rnd in range(args.rounds):
-            for kind in ("numesh", "torch"):
-                r = run_worker(kind, model, data, args.threads, args.iters, args.warmup, timeout=args.timeout,
-                               clock=args.clock)
+            for kind in sides:
+                r = run_worker("numesh" if kind == "base" else kind, model, data, args.threads, args.iters,
+                               args.warmup, timeout=args.timeout, clock=args.clock,
+                               numesh_from=args.base if kind == "base" else None)
                 log(f"  {name} {T}x{B} round {rnd + 1} {kind}: {r.get('ms', r.get('error'))}")
                 runs[kind].append(r)
         out.append({"model": name, "T": T, "B": B, **runs})
@@ -92,9 +95,9 @@ def _span(rs: list[dict], key: str, spec: str) -> str:
     return format(lo, spec) if format(lo, spec) == format(hi, spec) else f"{lo:{spec}}–{hi:{spec}}"
 
 
-def _ratios(row: dict) -> str:
-    """numesh/torch tokens/s per round (each round's pair ran back to back)."""
-    rs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(row["numesh"], row["torch"])
+def _ratios(row: dict, over: str = "torch") -> str:
+    """numesh/torch (or numesh/base) tokens/s per round (each round's runs back to back)."""
+    rs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(row["numesh"], row[over])
           if "tokens_per_s" in a and "tokens_per_s" in b]
     if not rs:
         return "n/a"
@@ -110,6 +113,14 @@ def print_model(rows: list[dict], threads: int, clock: str = "wall") -> None:
         print(f"| {r['model']} | {r['T']} × {r['B']} | {_span(r['numesh'], 'ms', '.1f')} | "
               f"{_span(r['torch'], 'ms', '.1f')} | **{_ratios(r)}** | {_span(r['numesh'], 'rss_mb', '.0f')} | "
               f"{_span(r['torch'], 'rss_mb', '.0f')} |")
+    if any("base" in r for r in rows):
+        print("\n--base (numesh before), in the same rounds:")
+        print("| model | T × B | base ms | numesh ms | numesh / base tokens/s | base peak RSS MB |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['model']} | {r['T']} × {r['B']} | {_span(r['base'], 'ms', '.1f')} | "
+                  f"{_span(r['numesh'], 'ms', '.1f')} | **{_ratios(r, 'base')}** | "
+                  f"{_span(r['base'], 'rss_mb', '.0f')} |")
 
 
 ATTN = dict(T=2048, B=1, H=4, hs=32)
@@ -316,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default=None, help="dataset dir from `numesh data` (default: a temporary one)")
     ap.add_argument("--src", default=DEFAULT_SRC, help="text for the temporary dataset")
     ap.add_argument("--json", action="store_true", help="also print the report as one JSON line")
+    ap.add_argument("--base", default=None,
+                    help="model section: also a numesh checkout at DIR (`git worktree add DIR COMMIT`) in the same "
+                         "rounds, before beside after")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: time the model and tiles sections by CPU time (the process's, the thread's), which "
                          "on a machine other jobs share leaves out the waits for a core (with --threads 1 only)")
