@@ -5,6 +5,8 @@ attention kernel beside the time of its FLOPs.
     python benchmarks/bench_long_context.py                        # both sections, 2 threads
     python benchmarks/bench_long_context.py --sections attention --threads 1
     python benchmarks/bench_long_context.py --rows default:2048x1,baby:1024x2 --rounds 3
+    python benchmarks/bench_long_context.py --sections tiles --threads 1 --clock cpu  # a shared machine
+    python benchmarks/bench_long_context.py --sections model --base ../before   # before/after a change
 
 Sections:
   model      training steps of the default model (4 layers × 128, 4 heads) at T × B = 64×32,
@@ -15,7 +17,8 @@ Sections:
              rounds; median step ms over --iters steps after --warmup, the ratio of tokens/s
              (numesh / torch) and each process's peak RSS.
   attention  one layer's attention core alone, forward + backward, float32, T = 2048,
-             B·H = 4, head size 32: numesh's `attend_fwd`/`attend_bwd` and torch's
+             heads × head size = 128 (--attn-head-size, default 32: 4 heads): numesh's
+             `attend_fwd`/`attend_bwd` and torch's
              `scaled_dot_product_attention(is_causal=True)` with its backward, each a fresh
              process (median of --attn-runs), alternating for --rounds; the causal half's FLOPs (7 GEMMs over each
              query's visible keys: numesh.perf.formulas.attention_flops) and the time they take
@@ -24,8 +27,9 @@ Sections:
              bound; and the kernel's GEMMs alone (its passes made no-ops), which shows how
              much of that distance is BLAS at these skinny (head-size) shapes.
 
-  tiles      (on request) the kernel at the attention section's shape for query tiles of
-             64, 128, 256 and key tiles of 512, 1024, 2048, interleaved, medians: what
+  tiles      (on request) the kernel at T = 2048 for query tiles of 64, 128, 256, 512 and
+             key tiles of 512, 1024, 2048, at each head size of --head-sizes (32, 64, 128;
+             heads × head size = 128), interleaved, medians and minima: what
              numesh.nn.attention's QUERY_TILE and KEY_TILE were chosen from.
 
 Ratios above 1 mean numesh is faster. This is a benchmark: it asserts nothing. The README's
@@ -70,10 +74,13 @@ def model_section(args: argparse.Namespace, data: str) -> list[dict[str, Any]]:
     out = []
     for name, T, B in parse_rows(args.rows):
         model = dict(PRESETS[name], block_size=T, batch_size=B)
-        runs: dict[str, list[dict]] = {"numesh": [], "torch": []}
+        sides = ("base", "numesh", "torch") if args.base else ("numesh", "torch")
+        runs: dict[str, list[dict]] = {kind: [] for kind in sides}
         for rnd in range(args.rounds):
-            for kind in ("numesh", "torch"):
-                r = run_worker(kind, model, data, args.threads, args.iters, args.warmup, timeout=args.timeout)
+            for kind in sides:
+                r = run_worker("numesh" if kind == "base" else kind, model, data, args.threads, args.iters,
+                               args.warmup, timeout=args.timeout, clock=args.clock,
+                               numesh_from=args.base if kind == "base" else None)
                 log(f"  {name} {T}x{B} round {rnd + 1} {kind}: {r.get('ms', r.get('error'))}")
                 runs[kind].append(r)
         out.append({"model": name, "T": T, "B": B, **runs})
@@ -88,36 +95,51 @@ def _span(rs: list[dict], key: str, spec: str) -> str:
     return format(lo, spec) if format(lo, spec) == format(hi, spec) else f"{lo:{spec}}–{hi:{spec}}"
 
 
-def _ratios(row: dict) -> str:
-    """numesh/torch tokens/s per round (each round's pair ran back to back)."""
-    rs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(row["numesh"], row["torch"])
+def _ratios(row: dict, over: str = "torch") -> str:
+    """numesh/torch (or numesh/base) tokens/s per round (each round's runs back to back)."""
+    rs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(row["numesh"], row[over])
           if "tokens_per_s" in a and "tokens_per_s" in b]
     if not rs:
         return "n/a"
     return f"{min(rs):.2f}×" if len(rs) == 1 else f"{min(rs):.2f}–{max(rs):.2f}×"
 
 
-def print_model(rows: list[dict], threads: int) -> None:
-    print(f"\nmodel: training step, {threads} threads, float32, fresh process per measurement")
+def print_model(rows: list[dict], threads: int, clock: str = "wall") -> None:
+    print(f"\nmodel: training step, {threads} threads, float32, fresh process per measurement"
+          + (", ms = process CPU time" if clock == "cpu" else ""))
     print("| model | T × B | numesh ms | torch ms | numesh / torch tokens/s | numesh peak RSS MB | torch peak RSS MB |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['T']} × {r['B']} | {_span(r['numesh'], 'ms', '.1f')} | "
               f"{_span(r['torch'], 'ms', '.1f')} | **{_ratios(r)}** | {_span(r['numesh'], 'rss_mb', '.0f')} | "
               f"{_span(r['torch'], 'rss_mb', '.0f')} |")
+    if any("base" in r for r in rows):
+        print("\n--base (numesh before), in the same rounds:")
+        print("| model | T × B | base ms | numesh ms | numesh / base tokens/s | base peak RSS MB |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['model']} | {r['T']} × {r['B']} | {_span(r['base'], 'ms', '.1f')} | "
+                  f"{_span(r['numesh'], 'ms', '.1f')} | **{_ratios(r, 'base')}** | "
+                  f"{_span(r['base'], 'rss_mb', '.0f')} |")
 
 
 ATTN = dict(T=2048, B=1, H=4, hs=32)
 
 
-def attention_worker(kind: str, threads: int, runs: int) -> None:
-    """One side of the attention section in this (fresh) process: prints {"ms": median}."""
+def attn_shape(head_size: int) -> tuple[int, int, int, int]:
+    """(T, B, H, head size) of the attention section: T = 2048, heads × head size = 128."""
+    return ATTN["T"], ATTN["B"], max(1, 128 // head_size), head_size
+
+
+def attention_worker(kind: str, threads: int, runs: int, head_size: int = 32, clock: str = "wall") -> None:
+    """One side of the attention section in this (fresh) process: prints {"ms": median}
+    (clock cpu: of the process's CPU time)."""
     import numpy as np
 
     from numesh.host.runtime import configure_process
 
     n = configure_process(threads, None)
-    T, B, H, hs = ATTN["T"], ATTN["B"], ATTN["H"], ATTN["hs"]
+    T, B, H, hs = attn_shape(head_size)
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((B, T, 3, H, hs)).astype(np.float32)
     q, k, v = qkv.transpose(2, 0, 3, 1, 4)  # views, as a block passes them
@@ -154,19 +176,38 @@ def attention_worker(kind: str, threads: int, runs: int) -> None:
 
     for _ in range(3):
         step()
+    tick = time.process_time if clock == "cpu" else time.perf_counter
     times = []
     for _ in range(runs):
-        t0 = time.perf_counter()
+        t0 = tick()
         step()
-        times.append(time.perf_counter() - t0)
+        times.append(tick() - t0)
     print(json.dumps({"ms": statistics.median(times) * 1e3}), flush=True)
+
+
+def gemm_rate(clock: str) -> float:
+    """FLOP/s of a 1024³ float32 GEMM on numesh's threads (clock cpu: one thread, best of 10
+    by the process's CPU time)."""
+    from numesh.host import threads
+    from numesh.host.runtime import gemm_flops
+
+    if clock != "cpu":
+        return gemm_flops(1024, 1024, 1024, split=threads.threads() > 1)
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
+    best = float("inf")
+    for _ in range(10):
+        t0 = time.process_time()
+        a @ a
+        best = min(best, time.process_time() - t0)
+    return 2.0 * 1024**3 / best
 
 
 def attention_section(args: argparse.Namespace) -> dict[str, Any]:
     """numesh and torch in fresh processes, alternating (torch's OpenMP threads spin after
     each op and would slow whatever ran next in the same process); the GEMM rate here."""
-    from numesh.host import threads
-    from numesh.host.runtime import configure_process, gemm_flops
+    from numesh.host.runtime import configure_process
     from numesh.nn.attention import QUERY_TILE
     from numesh.perf import formulas
 
@@ -175,15 +216,16 @@ def attention_section(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.rounds):
         for kind in ("numesh", "torch", "gemms"):
             cmd = [sys.executable, str(Path(__file__).resolve()), "--attn-worker", kind, "--threads",
-                   str(args.threads), "--attn-runs", str(args.attn_runs)]
+                   str(args.threads), "--attn-runs", str(args.attn_runs), "--attn-head-size",
+                   str(args.attn_head_size), "--clock", args.clock]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
             if out.returncode or not lines:
                 raise SystemExit(f"attention worker {kind} failed: {out.stderr.strip()[-500:]}")
             times[kind].append(json.loads(lines[-1])["ms"])
             log(f"  attention {kind}: {times[kind][-1]:.1f} ms")
-    T, B, H, hs = ATTN["T"], ATTN["B"], ATTN["H"], ATTN["hs"]
-    rate = gemm_flops(1024, 1024, 1024, split=threads.threads() > 1)
+    T, B, H, hs = attn_shape(args.attn_head_size)
+    rate = gemm_rate(args.clock)
     causal = B * 7 * 2.0 * H * hs * T * (T + 1) / 2
     executed = B * formulas.attention_flops(T, H * hs, QUERY_TILE)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -194,50 +236,60 @@ def attention_section(args: argparse.Namespace) -> dict[str, Any]:
             "numesh_over_bound": med["numesh"] * 1e-3 / (causal / rate), "query_tile": QUERY_TILE}
 
 
-TILES = [(qt, kt) for qt in (64, 128, 256) for kt in (512, 1024, 2048)]
+TILES = [(qt, kt) for qt in (64, 128, 256, 512) for kt in (512, 1024, 2048)]
 
 
 def tiles_section(args: argparse.Namespace) -> dict[str, Any]:
-    """The kernel's forward + backward at the attention section's shape for each (query
-    tile, key tile), in this process, the configurations interleaved round by round so a
-    drift in the machine hits them alike; medians over --rounds × 3 rounds."""
+    """The kernel's forward + backward for each (query tile, key tile) at T = 2048 and each
+    head size of --head-sizes (heads = 128 / head size, so every row does the same FLOPs),
+    in this process, the configurations interleaved round by round so a drift in the
+    machine hits them alike; medians and minima over --rounds × 3 rounds (--clock cpu: this
+    thread's CPU time, with --threads 1)."""
     import numpy as np
 
     from numesh.host.runtime import configure_process
     from numesh.nn import attention as A
 
     configure_process(args.threads, None)
-    T, B, H, hs = ATTN["T"], ATTN["B"], ATTN["H"], ATTN["hs"]
-    rng = np.random.default_rng(0)
-    q, k, v = rng.standard_normal((B, T, 3, H, hs)).astype(np.float32).transpose(2, 0, 3, 1, 4)
-    dy = rng.standard_normal((B, H, T, hs)).astype(np.float32)
-    y = np.empty((B, T, H, hs), np.float32).transpose(0, 2, 1, 3)
-
-    def step() -> None:
-        lse = A.attend_fwd(q, k, v, y, scale=1 / math.sqrt(hs))
-        grads = [np.zeros((B, H, T, hs), np.float32) for _ in range(3)]
-        A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=1 / math.sqrt(hs))
-
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    out: dict[str, Any] = {}
     saved = A.QUERY_TILE, A.KEY_TILE
-    times: dict[tuple[int, int], list[float]] = {c: [] for c in TILES}
     try:
-        for _ in range(3 * args.rounds):
-            for c in TILES:
-                A.QUERY_TILE, A.KEY_TILE = c
-                step()
-                t0 = time.perf_counter()
-                step()
-                times[c].append(time.perf_counter() - t0)
+        for hs in (int(x) for x in args.head_sizes.split(",")):
+            T, B, H, _ = attn_shape(hs)
+            rng = np.random.default_rng(0)
+            q, k, v = rng.standard_normal((B, T, 3, H, hs)).astype(np.float32).transpose(2, 0, 3, 1, 4)
+            dy = rng.standard_normal((B, H, T, hs)).astype(np.float32)
+            y = np.empty((B, T, H, hs), np.float32).transpose(0, 2, 1, 3)
+
+            def step() -> None:
+                lse = A.attend_fwd(q, k, v, y, scale=1 / math.sqrt(hs))
+                grads = [np.zeros((B, H, T, hs), np.float32) for _ in range(3)]
+                A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=1 / math.sqrt(hs))
+
+            times: dict[tuple[int, int], list[float]] = {c: [] for c in TILES}
+            for _ in range(3 * args.rounds):
+                for c in TILES:
+                    A.QUERY_TILE, A.KEY_TILE = c
+                    step()
+                    t0 = clock()
+                    step()
+                    times[c].append(clock() - t0)
+            out[f"hs{hs}"] = {f"{qt}x{kt}": (statistics.median(ts) * 1e3, min(ts) * 1e3)
+                              for (qt, kt), ts in times.items()}
     finally:
         A.QUERY_TILE, A.KEY_TILE = saved
-    return {f"{qt}x{kt}": statistics.median(ts) * 1e3 for (qt, kt), ts in times.items()}
+    return out
 
 
-def print_tiles(t: dict[str, float], threads: int) -> None:
-    print(f"\ntiles: the kernel's forward + backward (T = {ATTN['T']}, B·H = {ATTN['B'] * ATTN['H']}, "
-          f"{threads} threads), median ms per query tile x key tile")
-    for name, ms in t.items():
-        print(f"  {name:>9}  {ms:6.1f}")
+def print_tiles(t: dict[str, Any], threads: int, clock: str) -> None:
+    sizes = list(t)
+    print(f"\ntiles: the kernel's forward + backward, T = {ATTN['T']}, heads x head size = 128, {threads} threads, "
+          f"{'CPU' if clock == 'cpu' else 'wall'} ms per query tile x key tile, median (min)")
+    print("| tiles | " + " | ".join(f"head size {h[2:]}" for h in sizes) + " |")
+    print("|---|" + "---|" * len(sizes))
+    for name in t[sizes[0]]:
+        print(f"| {name} | " + " | ".join(f"{t[h][name][0]:.1f} ({t[h][name][1]:.1f})" for h in sizes) + " |")
 
 
 def print_attention(a: dict) -> None:
@@ -267,15 +319,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="numesh/torch rounds per row (default 2)")
     ap.add_argument("--iters", type=int, default=8, help="timed steps per measurement (default 8)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    ap.add_argument("--attn-head-size", type=int, default=32,
+                    help="the attention section's head size (heads = 128 / it; default 32)")
+    ap.add_argument("--head-sizes", default="32,64,128", help="the tiles section's head sizes (default 32,64,128)")
     ap.add_argument("--attn-runs", type=int, default=10, help="timed runs each in the attention section")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one measurement may take")
     ap.add_argument("--data", default=None, help="dataset dir from `numesh data` (default: a temporary one)")
     ap.add_argument("--src", default=DEFAULT_SRC, help="text for the temporary dataset")
     ap.add_argument("--json", action="store_true", help="also print the report as one JSON line")
+    ap.add_argument("--base", default=None,
+                    help="model section: also a numesh checkout at DIR (`git worktree add DIR COMMIT`) in the same "
+                         "rounds, before beside after")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: time the model and tiles sections by CPU time (the process's, the thread's), which "
+                         "on a machine other jobs share leaves out the waits for a core (with --threads 1 only)")
     ap.add_argument("--attn-worker", choices=("numesh", "torch", "gemms"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.attn_worker:
-        attention_worker(args.attn_worker, args.threads, args.attn_runs)
+        attention_worker(args.attn_worker, args.threads, args.attn_runs, args.attn_head_size, args.clock)
         return 0
     sections = set(args.sections.split(","))
     report: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d")}
@@ -283,13 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     if "model" in sections:
         with dataset_dir(args.data, args.src, log=log) as data:
             report["model"] = model_section(args, data)
-        print_model(report["model"], args.threads)
+        print_model(report["model"], args.threads, args.clock)
     if "attention" in sections:
         report["attention"] = attention_section(args)
         print_attention(report["attention"])
     if "tiles" in sections:
         report["tiles"] = tiles_section(args)
-        print_tiles(report["tiles"], args.threads)
+        print_tiles(report["tiles"], args.threads, args.clock)
     if args.json:
         print(json.dumps(report))
     return 0

@@ -64,6 +64,26 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
+def import_numesh_from(checkout: str) -> None:
+    """Import numesh from `checkout` (a directory holding numesh/) rather than the installed
+    one: its path first, and the import hooks of an editable install (which outrank
+    sys.path) removed; an error if numesh was imported already or comes from elsewhere."""
+    if "numesh" in sys.modules:
+        raise SystemExit("--numesh-from: numesh is imported already")
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+    sys.path.insert(0, checkout)
+    import numesh
+
+    if not Path(numesh.__file__).resolve().is_relative_to(Path(checkout).resolve()):
+        raise SystemExit(f"--numesh-from {checkout}: numesh came from {numesh.__file__}")
+
+
+def _clock(kind: str):
+    """wall: time.perf_counter. cpu: the process's CPU time (time.process_time), which with
+    one thread is a step's time less its waits for a core on a machine other jobs share."""
+    return time.process_time if kind == "cpu" else time.perf_counter
+
+
 def worker_numesh(args: argparse.Namespace) -> None:
     import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
     from mpi4py import MPI
@@ -82,11 +102,12 @@ def worker_numesh(args: argparse.Namespace) -> None:
     for _ in range(args.warmup):
         trainer.train_step()
     comm.Barrier()
+    clock = _clock(args.clock)
     times = []
     for _ in range(args.iters):
-        t0 = time.perf_counter()
+        t0 = clock()
         trainer.train_step()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     slowest = comm.allreduce(statistics.median(times), op=MPI.MAX)
     rss = comm.gather(_peak_rss_mb(), root=0)
     if comm.Get_rank() == 0:
@@ -110,11 +131,12 @@ def worker_torch(args: argparse.Namespace) -> None:
     _m, _p, step, _losses = torch_trainer(torch, tc, vocab, train_data, "sdpa", "default")
     for i in range(args.warmup):
         step(i)
+    clock = _clock(args.clock)
     times = []
     for i in range(args.warmup, args.warmup + args.iters):
-        t0 = time.perf_counter()
+        t0 = clock()
         step(i)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     med = statistics.median(times)
     print(json.dumps({"ms": med * 1e3, "tokens_per_s": tc.batch_size * tc.block_size / med, "rss_mb": _peak_rss_mb(),
                       "ranks": 1, "threads": args.threads, "torch": torch.__version__}), flush=True)
@@ -147,12 +169,16 @@ def with_binding(launcher: list[str]) -> list[str]:
 
 def run_worker(kind: str, model: dict, data: str, threads: int, iters: int, warmup: int, ranks: int = 1,
                mesh: str = "", micro_batches: int = 1, launcher: list[str] | None = None,
-               timeout: float = 3600) -> dict[str, Any]:
+               timeout: float = 3600, clock: str = "wall", numesh_from: str | None = None) -> dict[str, Any]:
     """One measurement in a fresh process (under the launcher when ranks > 1): its JSON, or
-    {"error": ...}."""
+    {"error": ...}. clock "cpu" times steps by the process's CPU time (one thread only);
+    `numesh_from` a checkout whose numesh the worker imports instead of this one (before and
+    after a change, in the same rounds)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--threads", str(threads),
            "--iters", str(iters), "--warmup", str(warmup), "--data", data, "--model", json.dumps(model),
-           "--mesh", mesh, "--micro-batches", str(micro_batches)]
+           "--mesh", mesh, "--micro-batches", str(micro_batches), "--clock", clock]
+    if numesh_from:
+        cmd += ["--numesh-from", str(Path(numesh_from).resolve())]
     if ranks > 1:
         cmd = [*(launcher or default_launcher()), "-n", str(ranks), *cmd]
     env = {k: v for k, v in os.environ.items()
@@ -341,7 +367,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--mesh", default="", help=argparse.SUPPRESS)
     ap.add_argument("--micro-batches", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help=argparse.SUPPRESS)
+    ap.add_argument("--numesh-from", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.numesh_from:
+        import_numesh_from(args.numesh_from)
     if args.worker == "numesh":
         worker_numesh(args)
         return 0

@@ -207,10 +207,11 @@ def test_dropout_pattern_depends_on_global_coordinates_only():
 
 @pytest.mark.bits
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("B,H", [(3, 2), (1, 1)])  # threads split the heads, or (1 pair) the stripes
-def test_results_do_not_depend_on_the_thread_count(with_threads, small_tiles, dtype, B, H):
+# threads split the heads, or (1 head) the stripes; with GQA the query heads of one kv head
+@pytest.mark.parametrize("B,H,Hkv", [(3, 2, 2), (1, 1, 1), (1, 6, 2), (2, 3, 1)])
+def test_results_do_not_depend_on_the_thread_count(with_threads, small_tiles, dtype, B, H, Hkv):
     small_tiles(8, 16)
-    q, k, v, dy = _inputs(B, H, 40, 40, 8, dtype)
+    q, k, v, dy = _inputs(B, H, 40, 40, 8, dtype, kv_heads=Hkv)
     drop = AttnDropout(0.2, key=1, row0=0, n_head=H, head0=0, seq=40)
     results = []
     for n in (1, 2, 3):
@@ -238,6 +239,19 @@ def test_nothing_of_size_t_by_t_is_allocated(kernels):
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     assert peak < 2048 * 2048 * 4 // 4, f"peak {peak / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("u0,u1,Hk,g,cap", [(0, 9, 3, 3, 4), (2, 7, 3, 3, 4), (4, 5, 3, 3, 1), (0, 24, 2, 4, 2),
+                                            (1, 12, 4, 1, 8)])
+def test_head_groups_cover_the_query_heads_in_order(u0, u1, Hk, g, cap):
+    """The units threads split the query heads into: each query head (b, kv head, i) once, in
+    order, whole kv groups at most `cap` pairs at a time."""
+    heads = []
+    for grp in A._head_groups(u0, u1, Hk, g, cap):
+        assert grp.size <= cap
+        heads += [(b * Hk + h) * g + i for b in range(grp.b.start, grp.b.stop)
+                  for h in range(grp.h.start, grp.h.stop) for i in grp.heads(g)]
+    assert heads == list(range(u0, u1))
 
 
 @pytest.mark.parametrize("u0,u1,H,cap", [(0, 12, 4, 8), (3, 11, 4, 8), (0, 12, 4, 3), (5, 6, 4, 1), (0, 7, 1, 4)])

@@ -285,68 +285,6 @@ def layernorm_bwd(dy, xhat, rstd, w, dx, dw, db):
 
 
 # ---------------------------------------------------------------------------------------
-# RMSNorm over the last dim of x [N, C] (Llama's norm: LayerNorm without the mean and bias)
-
-
-@njit(**_JIT)
-def rmsnorm_fwd(x, w, eps, y, xhat, rstd):
-    """y = x·rstd·w per row with rstd = 1/sqrt(mean(x²) + eps) (a float64 sum); also xhat =
-    x·rstd and rstd [N] for backward."""
-    n, c = x.shape
-    cast = x.dtype.type
-    for i in range(n):
-        r = cast(1.0 / math.sqrt(_row_dot(x, x, i, c) / c + eps))
-        rstd[i] = r
-        for j in range(c):
-            h = x[i, j] * r
-            xhat[i, j] = h
-            y[i, j] = h * w[j]
-
-
-@njit(**_JIT)
-def rmsnorm_bwd(dy, xhat, rstd, w, dx, dw):
-    """dx [N, C] = rstd·(dy·w - xhat·mean(dy·w·xhat)) and dw [C] = Σ_rows dy·xhat (float64
-    accumulators); dx holds dy·w in between."""
-    n, c = dy.shape
-    for j in range(c):
-        dw[j] = 0.0
-    for i in range(n):
-        for j in range(c):
-            g = dy[i, j]
-            dw[j] += g * xhat[i, j]
-            dx[i, j] = g * w[j]
-        mean_dx = dx.dtype.type(_row_dot(dx, xhat, i, c) / c)
-        r = rstd[i]
-        for j in range(c):
-            dx[i, j] = (dx[i, j] - xhat[i, j] * mean_dx) * r
-
-
-# ---------------------------------------------------------------------------------------
-# SwiGLU's gating silu(gate)·up, elementwise on flat arrays, its sigmoid from one `vexp`
-
-
-@njit(**_JIT)
-def swiglu_fwd(gate, up, y, sig):
-    """sig = 1/(1 + exp(-gate)) (kept for backward), y = gate·sig·up."""
-    one = gate.dtype.type(1.0)
-    for i in range(gate.shape[0]):
-        g = gate[i]
-        s = one / (one + vexp(-g))
-        sig[i] = s
-        y[i] = g * s * up[i]
-
-
-@njit(**_JIT)
-def swiglu_bwd(gate, up, sig, dy, dgate, dup):
-    """dgate = dy·up·sig·(1 + gate·(1 - sig)), dup = dy·gate·sig."""
-    one = gate.dtype.type(1.0)
-    for i in range(gate.shape[0]):
-        g, s, d = gate[i], sig[i], dy[i]
-        dgate[i] = d * up[i] * s * (one + g * (one - s))
-        dup[i] = d * (g * s)
-
-
-# ---------------------------------------------------------------------------------------
 # GELU (tanh form), elementwise on flat arrays, in one pass: tanh(u) and GELU's
 # 0.5·x·(1 + tanh(u)) = x·sigmoid(2u) from one `vexp`, e = exp(-2|u|) in (0, 1]:
 # tanh(|u|) = (1 - e)/(1 + e) and sigmoid(2u) = 1/(1 + e) for u >= 0, e/(1 + e) below, so
@@ -589,12 +527,8 @@ def warm_up(dtype) -> None:
     layernorm_fwd(x, w, w, False, y, xh, r)
     layernorm_fwd(x, w, w, True, y, xh, r)
     layernorm_bwd(x, xh, r, w, dx, dw, db)
-    rmsnorm_fwd(x, w, 1e-5, y, xh, r)
-    rmsnorm_bwd(x, xh, r, w, dx, dw)
     flat, out, t = x.reshape(-1), y.reshape(-1), xh.reshape(-1)
     gelu_fwd(flat, t, out)
-    swiglu_fwd(flat, flat, out, t)
-    swiglu_bwd(flat, flat, t, flat, out, dx.reshape(-1))
     gelu_bwd(flat, t, flat, out)
     s, v1, u = np.zeros((1, 4, 2), f), np.zeros((1, 2), f), np.zeros((1, 4), np.uint64)
     stripe_softmax(s, 1, v1, v1.copy(), v1.copy(), np.uint64(1), np.uint64(1), f(2), u[:, :2], u[0])

@@ -10,9 +10,8 @@ rows of preallocated outputs, so numesh.nn splits rows over its threads (`over_r
 are the `*_reference` functions in numesh/nn/layers.py and numesh/nn/rotary.py, and
 tests/test_llama_kernels.py holds each kernel to its reference.
 
-The exponential of SwiGLU's sigmoid is NumPy's, between passes (numba's `math.exp` is a
-scalar libm call, several times slower than NumPy's SIMD one: numesh/host/kernels.py says
-the same of tanh for GELU).
+SwiGLU's sigmoid takes its exponential from numesh/host/kernels.py's `vexp` (float32: the
+vectorised `exp32`), inside the one pass.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import math
 
 import numpy as np
 
-from numesh.host.kernels import _JIT, _row_dot, njit
+from numesh.host.kernels import _JIT, _row_dot, njit, vexp
 
 # ---------------------------------------------------------------------------------------
 # RMSNorm over the last dim of x [N, C]
@@ -66,14 +65,14 @@ def rmsnorm_bwd(dy, xhat, rstd, w, dx, dw):
 
 
 @njit(**_JIT)
-def swiglu_fwd(gate, up, e, y):
-    """From e = exp(-gate) (NumPy's, by the caller): e becomes sigmoid(gate) = 1/(1 + e),
-    kept for backward, and y = gate * sigmoid * up."""
+def swiglu_fwd(gate, up, y, sig):
+    """sig = sigmoid(gate) = 1/(1 + exp(-gate)) (kept for backward), y = gate * sig * up."""
     one = gate.dtype.type(1.0)
     for i in range(gate.shape[0]):
-        s = one / (one + e[i])
-        e[i] = s
-        y[i] = gate[i] * s * up[i]
+        g = gate[i]
+        s = one / (one + vexp(-g))
+        sig[i] = s
+        y[i] = g * s * up[i]
 
 
 @njit(**_JIT)
@@ -127,7 +126,7 @@ def warm_up(dtype) -> None:
     rmsnorm_fwd(x, w, 1e-5, y, xh, r)
     rmsnorm_bwd(x, xh, r, w, dx, np.empty(4, np.float64))
     flat = x.reshape(-1)
-    swiglu_fwd(flat, flat, flat.copy(), y.reshape(-1))
+    swiglu_fwd(flat, flat, y.reshape(-1), flat.copy())
     swiglu_bwd(flat, flat, flat, flat, y.reshape(-1), dx.reshape(-1))
     q = np.ones((1, 2, 2, 4), f)
     rope(q, x, x, False, q, 0, 2)  # C-contiguous, in place

@@ -100,14 +100,20 @@ class _Stripe:
 
 @attrs.frozen
 class _Group:
-    """A rectangle of (batch row, head) pairs processed together: rows `b`, heads `h`."""
+    """A rectangle of (batch row, head) pairs processed together: rows `b`, heads `h`; and
+    with GQA, of each kv head's query heads `i` (all by default)."""
 
     b: slice
     h: slice
+    i: slice = slice(0, None)
 
     @property
     def size(self) -> int:
         return (self.b.stop - self.b.start) * (self.h.stop - self.h.start)
+
+    def heads(self, g: int) -> range:
+        """Which of a kv head's g query heads the group holds."""
+        return range(g)[self.i]
 
 
 def _groups(u0: int, u1: int, H: int, cap: int) -> list[_Group]:
@@ -127,16 +133,37 @@ def _groups(u0: int, u1: int, H: int, cap: int) -> list[_Group]:
     return out
 
 
+def _head_groups(u0: int, u1: int, Hk: int, g: int, cap: int) -> list[_Group]:
+    """Rectangles covering the query heads u0..u1-1 of the flattened index u = (b·Hk + kv
+    head)·g + i, in order: runs of whole kv groups batched as `_groups` batches pairs (at
+    most `cap` pairs), a run's partial groups at its ends alone. Threads split query heads,
+    so 3 kv heads of 3 query heads each split 5 : 4 over 2 threads, not 2 : 1."""
+    out, u = [], u0
+    while u < u1:
+        pair, i = divmod(u, g)
+        whole = (u1 - u) // g if i == 0 else 0
+        if whole:
+            out += _groups(pair, pair + whole, Hk, cap)
+            u += whole * g
+        else:
+            n = min(g - i, u1 - u)
+            b, h = divmod(pair, Hk)
+            out.append(_Group(slice(b, b + 1), slice(h, h + 1), slice(i, i + n)))
+            u += n
+    return out
+
+
 def _stripe(drop: AttnDropout | None, grp: _Group, qpos: np.ndarray, kpos: np.ndarray, dtype,
             g: int = 1) -> _Stripe:
     """The dropout stream of a group's stripe; the group's heads are kv heads, each standing
-    for its `g` query heads (query head h·g + i), in that order."""
+    for its query heads h·g + i (i in `grp.i`), in that order."""
     f = np.dtype(dtype).type
+    heads = grp.heads(g)
     if drop is None or drop.p == 0.0:
-        return _Stripe(np.uint64(0), np.uint64(0), f(1.0), np.zeros((grp.size * g, len(qpos)), np.uint64),
+        return _Stripe(np.uint64(0), np.uint64(0), f(1.0), np.zeros((grp.size * len(heads), len(qpos)), np.uint64),
                        np.zeros(len(kpos), np.uint64))
-    base = np.concatenate([drop.row_base(b, h, qpos)[None] for b in range(grp.b.start, grp.b.stop)
-                           for h in range(grp.h.start * g, grp.h.stop * g)])
+    base = np.concatenate([drop.row_base(b, h * g + i, qpos)[None] for b in range(grp.b.start, grp.b.stop)
+                           for h in range(grp.h.start, grp.h.stop) for i in heads])
     return _Stripe(np.uint64(drop.key), drop.threshold, f(1.0 / (1.0 - drop.p)), base, kpos.astype(np.uint64))
 
 
@@ -232,12 +259,6 @@ def _grouped(x: np.ndarray, g: int) -> np.ndarray:
                                            (s[0], g * s[1], s[1], *s[2:]))
 
 
-def _group_sum(x: np.ndarray, g: int) -> np.ndarray:
-    """A group's contributions to its kv head [.., g, ...] summed in order (axis 2), kept as
-    a size-1 axis; with g = 1 x itself, so the sum adds no rounding."""
-    return x if g == 1 else x.sum(axis=2, keepdims=True)
-
-
 def _positions(pos: np.ndarray | None, n: int) -> np.ndarray:
     return np.arange(n) if pos is None else np.asarray(pos)
 
@@ -262,8 +283,8 @@ def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, sc
     query i seeing key j iff j <= i + diag (diag >= 0), written into y [B, H, Tq, hs] (any
     view); returns each row's log-sum-exp [B, H, Tq] of the scaled scores. `qpos`/`kpos`:
     the global positions of the queries and keys (default 0..T-1), which only dropout uses.
-    Threads take runs of (batch row, kv head) pairs, or with fewer pairs than threads runs
-    of stripe pairs: each stripe of each pair is computed alike."""
+    Threads take runs of query heads (`_head_groups`), or with fewer heads than threads runs
+    of stripe pairs: each stripe of each head is computed alike."""
     B, H, Tq, _ = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     if diag < 0:
@@ -274,46 +295,48 @@ def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, sc
     cap, pairs = max(1, _cap(Tq, Tk) // g), _stripe_pairs(Tq)
     call = functools.partial(_group_fwd, _grouped(q, g), k[:, :, None], v[:, :, None], _grouped(y, g),
                              lse.reshape(B, Hk, g, Tq), scale, diag, drop, qpos, kpos)
-    size = g * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)  # one pair's scores of a stripe
+    size = min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)  # one query head's scores of a stripe
 
     def by_heads(r: slice) -> None:
-        buf = np.empty(min(cap, r.stop - r.start) * size, q.dtype)
-        for grp in _groups(r.start, r.stop, Hk, cap):
+        buf = np.empty(min(cap * g, r.stop - r.start) * size, q.dtype)
+        for grp in _head_groups(r.start, r.stop, Hk, g, cap):
             call(grp, range(0, Tq, QUERY_TILE), buf)
 
     def by_stripes(r: slice) -> None:
-        buf = np.empty(min(cap, B * Hk) * size, q.dtype)
-        for grp in _groups(0, B * Hk, Hk, cap):
+        buf = np.empty(min(cap * g, B * H) * size, q.dtype)
+        for grp in _head_groups(0, B * H, Hk, g, cap):
             call(grp, [q0 for pair in pairs[r] for q0 in pair], buf)
 
-    if B * Hk >= threads():
-        over_rows(by_heads, B * Hk)
+    if B * H >= threads():
+        over_rows(by_heads, B * H)
     else:
         over_rows(by_stripes, len(pairs))
     return lse
 
 
 def _own(x: np.ndarray, grp: _Group, scale: float | None = None) -> np.ndarray:
-    """A group's rows and heads of x, C-contiguous (times `scale` if given): copied once for
-    all its stripes, since BLAS packs contiguous rows faster than rows strided through the
-    QKV buffer (~8 % of the tile GEMMs' time at head size 32)."""
-    part = x[grp.b, grp.h]
+    """A group's rows and heads of x [B, Hkv, g or 1, ...] (its query heads `grp.i` of a
+    query-head array), C-contiguous (times `scale` if given): copied once for all its
+    stripes, since BLAS packs contiguous rows faster than rows strided through the QKV
+    buffer (~8 % of the tile GEMMs' time at head size 32)."""
+    part = x[grp.b, grp.h, grp.i if x.shape[2] > 1 else slice(None)]
     return np.ascontiguousarray(part) if scale is None else part * part.dtype.type(scale)
 
 
 def _group_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, grp: _Group, starts, buf: np.ndarray) -> None:
     """The stripes starting at `starts` of one group of (batch row, kv head) pairs, each with
-    its g query heads (q, y [B, Hkv, g, T, hs], lse [B, Hkv, g, T]; k, v [B, Hkv, 1, T, hs]):
-    their y rows and log-sum-exps written."""
+    its query heads `grp.i` (q, y [B, Hkv, g, T, hs], lse [B, Hkv, g, T]; k, v [B, Hkv, 1,
+    T, hs]): their y rows and log-sum-exps written."""
     qg, kg, vg = _own(q, grp, scale), _own(k, grp), _own(v, grp)
-    yg, lseg = y[grp.b, grp.h], lse[grp.b, grp.h]
+    yg, lseg = y[grp.b, grp.h, grp.i], lse[grp.b, grp.h, grp.i]
     for q0 in starts:
-        _stripe_fwd(qg, kg, vg, yg, lseg, diag, drop, qpos, kpos, grp, q0, buf)
+        _stripe_fwd(qg, kg, vg, yg, lseg, diag, drop, qpos, kpos, grp, q0, buf, q.shape[2])
 
 
-def _stripe_fwd(qg, kg, vg, yg, lseg, diag, drop, qpos, kpos, grp: _Group, q0: int, buf: np.ndarray) -> None:
+def _stripe_fwd(qg, kg, vg, yg, lseg, diag, drop, qpos, kpos, grp: _Group, q0: int, buf: np.ndarray,
+                g_all: int) -> None:
     """Query rows [q0, q0 + QUERY_TILE) of a group: qg (scaled), yg [nb, nh, g, T, hs], lseg
-    [nb, nh, g, T]; kg, vg [nb, nh, 1, T, hs]."""
+    [nb, nh, g, T] (g of the kv group's g_all query heads); kg, vg [nb, nh, 1, T, hs]."""
     nb, nh, g = qg.shape[:3]
     q1 = min(qg.shape[3], q0 + QUERY_TILE)
     rows, G = q1 - q0, nb * nh * g
@@ -324,7 +347,7 @@ def _stripe_fwd(qg, kg, vg, yg, lseg, diag, drop, qpos, kpos, grp: _Group, q0: i
     for j0, j1, vis0 in _key_tiles(q0, q1, kg.shape[3], diag):
         s4 = buf[: G * (j1 - j0) * rows].reshape(nb, nh, g, j1 - j0, rows)
         np.matmul(kg[:, :, :, j0:j1], qs.swapaxes(-1, -2), out=s4)  # [nb, nh, g, keys, rows]
-        st = _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], qg.dtype, g)
+        st = _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], qg.dtype, g_all)
         _softmax(s4.reshape(G, j1 - j0, rows), vis0, m, l, alpha, st)
         pv = np.matmul(s4.swapaxes(-1, -2), vg[:, :, :, j0:j1])  # [nb, nh, g, rows, hs]
         if acc is None:
@@ -343,8 +366,10 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
     """Backward of `attend_fwd`, ADDED into dq, dk, dv (so a ring can accumulate): `dy` the
     output's gradient, `lse` the forward's log-sum-exp and `dd` = rowsum(dy·y) [B, H, Tq]
     (`row_dots`), which the softmax backward needs and a ring computes once. k, v, dk, dv
-    may have fewer heads than q (GQA, as in `attend_fwd`). Threads take runs of (batch row,
-    kv head) pairs; each pair's dk and dv add its stripes in order."""
+    may have fewer heads than q (GQA, as in `attend_fwd`). Threads take runs of query heads
+    (`_head_groups`); each head's dq, dk, dv add its stripes in order, and with GQA each
+    query head's share of dk, dv is kept apart and the g shares summed in order at the end,
+    so the sums do not follow how the threads split a kv head's query heads."""
     B, H, Tq, _ = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     g = kv_group(H, Hk)
@@ -353,37 +378,46 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
     q5, dy5, dq5 = _grouped(q, g), _grouped(dy, g), _grouped(dq, g)  # [B, Hkv, g, T, hs]
     k5, v5, dk5, dv5 = k[:, :, None], v[:, :, None], dk[:, :, None], dv[:, :, None]  # [B, Hkv, 1, T, hs]
     lse5, dd5 = _grouped(lse, g), _grouped(dd, g)
+    shares = (dk5, dv5) if g == 1 else (np.zeros((B, Hk, g, Tk, k.shape[3]), dk.dtype),
+                                        np.zeros((B, Hk, g, Tk, v.shape[3]), dv.dtype))
 
     def by_heads(r: slice) -> None:
-        size = min(cap, r.stop - r.start) * g * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)
+        size = min(cap * g, r.stop - r.start) * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)
         bufs = np.empty(size, q.dtype), np.empty(size, q.dtype), np.empty(size, q.dtype)
-        for grp in _groups(r.start, r.stop, Hk, cap):
-            _group_bwd(q5, k5, v5, dy5, lse5, dd5, dq5, dk5, dv5, scale, diag, drop, qpos, kpos, grp, bufs)
+        for grp in _head_groups(r.start, r.stop, Hk, g, cap):
+            _group_bwd(q5, k5, v5, dy5, lse5, dd5, dq5, *shares, scale, diag, drop, qpos, kpos, grp, bufs)
 
-    over_rows(by_heads, B * Hk)
+    over_rows(by_heads, B * H)
+    if g > 1:
+        dk5 += shares[0].sum(axis=2, keepdims=True)
+        dv5 += shares[1].sum(axis=2, keepdims=True)
 
 
 def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, grp: _Group,
                bufs: tuple[np.ndarray, ...]) -> None:
-    """Every stripe of one group of (batch row, kv head) pairs with their g query heads
-    (shapes as in `_group_fwd`), in order: the group's dq, dk, dv summed in contiguous
-    buffers, then added into dq, dk, dv once."""
+    """Every stripe of one group of (batch row, kv head) pairs with their query heads `grp.i`
+    (shapes as in `_group_fwd`; dk, dv [B, Hkv, 1, T, hs], or each query head's share [B,
+    Hkv, g, T, hs] with GQA), in order: the group's dq and each of its query heads' dk, dv
+    summed in contiguous buffers, then added into dq, dk, dv once."""
     f = q.dtype.type
     qg, kg, vg, dyg = _own(q, grp, scale), _own(k, grp), _own(v, grp), _own(dy, grp)
     lseg, ddg = _own(lse, grp), _own(dd, grp)
-    dqg, dkg, dvg = np.zeros_like(qg), np.zeros_like(kg), np.zeros_like(vg)
+    per_head = (*qg.shape[:3], kg.shape[3])  # [nb, nh, the group's query heads, Tk]
+    dqg = np.zeros_like(qg)
+    dkg, dvg = np.zeros((*per_head, kg.shape[4]), kg.dtype), np.zeros((*per_head, vg.shape[4]), vg.dtype)
     for q0 in range(0, qg.shape[3], QUERY_TILE):
-        _stripe_bwd(qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, drop, qpos, kpos, grp, q0, bufs)
+        _stripe_bwd(qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, drop, qpos, kpos, grp, q0, bufs, q.shape[2])
     dqg *= f(scale)
-    dq[grp.b, grp.h] += dqg
-    dk[grp.b, grp.h] += dkg
-    dv[grp.b, grp.h] += dvg
+    dq[grp.b, grp.h, grp.i] += dqg
+    dk[grp.b, grp.h, grp.i] += dkg
+    dv[grp.b, grp.h, grp.i] += dvg
 
 
 def _stripe_bwd(qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, drop, qpos, kpos, grp: _Group, q0: int,
-                bufs: tuple[np.ndarray, ...]) -> None:
-    """One stripe of a group (its arrays as `_group_bwd` holds them): its rows of dqg (not yet
-    scaled), and its share of every visible key's dkg, dvg, the g query heads summed in order."""
+                bufs: tuple[np.ndarray, ...], g_all: int) -> None:
+    """One stripe of a group (its arrays as `_group_bwd` holds them; g of its kv heads'
+    g_all query heads): its rows of dqg (not yet scaled), and each query head's share of
+    every visible key's dkg, dvg."""
     nb, nh, g = qg.shape[:3]
     q1 = min(qg.shape[3], q0 + QUERY_TILE)
     rows, G = q1 - q0, nb * nh * g
@@ -391,18 +425,18 @@ def _stripe_bwd(qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, drop, qpos, kpo
     lse_s = np.ascontiguousarray(lseg[:, :, :, q0:q1]).reshape(G, rows)
     dd_s = np.ascontiguousarray(ddg[:, :, :, q0:q1]).reshape(G, rows)
     for j0, j1, vis0 in _key_tiles(q0, q1, kg.shape[3], diag):
-        st = _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], qg.dtype, g)
+        st = _stripe(drop, grp, qpos[q0:q1], kpos[j0:j1], qg.dtype, g_all)
         p4, dp4, pd4 = (x[: G * (j1 - j0) * rows].reshape(nb, nh, g, j1 - j0, rows) for x in bufs)
         flat = (G, j1 - j0, rows)
         kt, vt = kg[:, :, :, j0:j1], vg[:, :, :, j0:j1]
         np.matmul(kt, qs.swapaxes(-1, -2), out=p4)
         _probs(p4.reshape(flat), vis0, lse_s)  # the attention probabilities [nb, nh, g, keys, rows]
         dropped = _dropped(p4.reshape(flat), pd4.reshape(flat), st).reshape(p4.shape)
-        dvg[:, :, :, j0:j1] += _group_sum(np.matmul(dropped, dy_s), g)
+        dvg[:, :, :, j0:j1] += np.matmul(dropped, dy_s)
         np.matmul(vt, dy_s.swapaxes(-1, -2), out=dp4)  # d(probabilities after dropout)
         _grad(p4.reshape(flat), dp4.reshape(flat), dd_s, st)  # d(scores)
         dqs += np.matmul(dp4.swapaxes(-1, -2), kt)
-        dkg[:, :, :, j0:j1] += _group_sum(np.matmul(dp4, qs), g)
+        dkg[:, :, :, j0:j1] += np.matmul(dp4, qs)
 
 
 def row_dots(dy: np.ndarray, y: np.ndarray) -> np.ndarray:

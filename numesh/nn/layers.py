@@ -206,7 +206,7 @@ def swiglu_fwd(gate: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, tuple[np.n
     gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
     y, sig = np.empty_like(gate), np.empty_like(gate)
     g2, u2, y2, s2 = _rows(gate), _rows(up), _rows(y), _rows(sig)
-    over_rows(lambda r: K.swiglu_fwd(g2[r].reshape(-1), u2[r].reshape(-1), y2[r].reshape(-1), s2[r].reshape(-1)),
+    over_rows(lambda r: LK.swiglu_fwd(g2[r].reshape(-1), u2[r].reshape(-1), y2[r].reshape(-1), s2[r].reshape(-1)),
               g2.shape[0], _chunk_rows(g2.shape[1]))
     return y, (gate, up, sig)
 
