@@ -24,8 +24,8 @@ from numesh.base.tree import tree_map
 from numesh.mesh import Mesh, P
 from numesh.nn.gpt import Shape
 from numesh.observe.diagnosis import grid_coords
-from numesh.optim.registry import make_optimizer
 from numesh.optim.clip import clip_scale
+from numesh.optim.registry import make_optimizer
 from numesh.optim.zero import ZeroOptimizer
 from numesh.perf import formulas
 
