@@ -24,7 +24,7 @@ from numesh.optim.interface import matrix_view
 from numesh.optim.matrices import assign_owners, pieces
 from numesh.optim.muon import MuonConfig, is_hidden_matrix, lr_factor, momentum_direction, orthogonalise
 from numesh.optim.registry import describe
-from numesh.optim.zero import ZeroOptimizer
+from numesh.optim.zero import ZeroOptimizer, deal_matrices
 
 # bfloat16 keeps 8 significant bits: one rounding is 2^-9 relative, and torch rounds the
 # iteration's input and every product of its 5 steps; measured 1-2 % of the update's
@@ -295,3 +295,32 @@ def test_resuming_with_another_optimizer_is_one_error_line(char_dataset: Path, t
     assert cli(*base, "--max-iters", "1").exit_code == 0
     line = one_error_line(cli(*base, "--max-iters", "2", "--optimizer", "muon", "--resume", "auto"))
     assert "was trained with --optimizer adamw, this run has --optimizer muon: resume with --optimizer adamw" in line
+
+
+def test_matrices_dealt_over_threads_largest_first_to_the_least_loaded() -> None:
+    assert deal_matrices([1.0, 8.0, 2.0, 2.0, 3.0], 2) == [[1], [4, 2, 3, 0]]
+    assert deal_matrices([5.0, 5.0, 5.0], 3) == [[0], [1], [2]]
+    assert deal_matrices([1.0], 2) == [[0], []]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_muon_steps_are_the_same_bits_on_any_thread_count(with_threads, dtype) -> None:
+    """Newton–Schulz runs several matrices side by side on the threads (`run_matrices`):
+    the parameters after two steps do not depend on how many threads there are."""
+    cfg = tiny_config(n_layer=2, n_embd=16, n_head=2)
+    got = []
+    for n in (1, 2, 3):
+        with_threads(n)
+        units = split_units(init_gpt(cfg, self_mesh(), seed=0, dtype=dtype))
+        opt = ZeroOptimizer(units, split_units(gpt_specs(cfg)), self_mesh(), optimizer=muon_opt(),
+                            paths={u: "" if u.is_outer else f"{u}." for u in units})
+        rng = np.random.default_rng(3)
+        for _ in range(2):
+            opt.begin_step(1)
+            for u, t in units.items():
+                opt.grads_ready(u, [rng.standard_normal(np.shape(x)).astype(dtype) for x in tree_leaves(t)])
+            opt.step(1e-2)
+        got.append([x.copy() for t in opt.local_params().values() for x in tree_leaves(t)])
+    for other in got[1:]:
+        for a, b in zip(got[0], other):
+            np.testing.assert_array_equal(a, b)
