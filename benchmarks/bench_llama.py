@@ -46,9 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,20 +55,27 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import numesh  # noqa: E402,F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
-from bench_node import machine  # noqa: E402
-from bench_train import CpuMonitor, blas_info, monitor_fields  # noqa: E402
-from common import DEFAULT_SRC, SMOLLM2, dataset_dir  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_SRC,
+    SMOLLM2,
+    CpuMonitor,
+    alternate,
+    blas_info,
+    dataset_dir,
+    isa_flags,
+    log,
+    machine,
+    monitor_fields,
+    peak_rss_mb,
+    ratio_span,
+    run_json,
+    span,
+    timed_steps,
+    torch_training,
+    worker_env,
+)
 
 ROWS = "512x4,2048x1"
-ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
 def train_config(model: dict[str, Any], data: str, seed: int = 1337):
@@ -80,25 +85,12 @@ def train_config(model: dict[str, Any], data: str, seed: int = 1337):
     return config_from({**model, "data": data, "dtype": "float32", "seed": seed, "mesh": ""})
 
 
-def _timed(step, first: int, warmup: int, iters: int) -> tuple[list[float], CpuMonitor]:
-    """Run step(first), ..., step(first + warmup + iters - 1); the last `iters` timed."""
-    for i in range(first, first + warmup):
-        step(i)
-    times = []
-    with CpuMonitor() as mon:
-        for i in range(first + warmup, first + warmup + iters):
-            t0 = time.perf_counter()
-            step(i)
-            times.append(time.perf_counter() - t0)
-    return times, mon
-
-
 def _result(times: list[float], mon: CpuMonitor, tokens: int, losses: list[float], **extra) -> dict[str, Any]:
     med = statistics.median(times)
     cpu = None if mon.own_cores is None else mon.own_cores * statistics.fmean(times) * 1e3
     return {"ms": med * 1e3, "ms_all": [round(t * 1e3, 1) for t in times], "tokens_per_s": tokens / med,
             "cpu_ms": cpu,
-            "rss_mb": _peak_rss_mb(), "losses": losses, **monitor_fields(mon, len(times)), **extra}
+            "rss_mb": peak_rss_mb(), "losses": losses, **monitor_fields(mon, len(times)), **extra}
 
 
 # --------------------------------------------------------------------------------------
@@ -120,54 +112,37 @@ def worker_numesh(model: dict[str, Any], data: str, threads: int, warmup: int, i
     else:
         llama_kernels.warm_up(trainer.dtype)
     losses: list[float] = []
-    times, mon = _timed(lambda _i: losses.append(trainer.train_step()[0]), 0, warmup, iters)
+    times, mon = timed_steps(lambda _i: losses.append(trainer.train_step()[0]), warmup, iters)
     return _result(times, mon, trainer.tokens_per_step, losses, threads=n, n_params=trainer.n_params,
                    blas=blas_info(), numesh_path=str(Path(numesh.__file__).resolve().parents[1]))
 
 
-def _load_numesh_init(torch, model, tc) -> None:
-    """Copy numesh's initial parameters (its seed, tp=1) into the transformers model, so the
+def hf_llama(torch, transformers, tc, same_init: bool = False):
+    """transformers' LlamaForCausalLM of TrainConfig `tc`'s model, SDPA attention, float32:
+    its config.json as `numesh export --format hf` writes it, and with `same_init` numesh's
+    initial parameters (its seed, one rank) through the export's own tensor names, so the
     two loss curves can be compared step by step (`--same-init`)."""
-    import numpy as np
-    from mpi4py import MPI
-
-    from numesh.mesh import Mesh
-    from numesh.nn.gpt import init_gpt
+    from numesh.checkpoint.hf import llama_config
     from numesh.run.config import validate
 
     _, gcfg = validate(tc, 1)
-    p = init_gpt(gcfg, Mesh.create(comm=MPI.COMM_SELF), tc.seed, np.float32)
-    V = gcfg.vocab_size
-
-    def t(a):
-        return torch.from_numpy(np.ascontiguousarray(a))
-
-    sd = {"model.embed_tokens.weight": t(p.wte[:V]), "model.norm.weight": t(p.ln_f.w)}
-    if p.lm_head is not None:
-        sd["lm_head.weight"] = t(p.lm_head[:V])
-    for i, b in enumerate(p.blocks):
-        h = f"model.layers.{i}."
-        sd.update({h + "input_layernorm.weight": t(b.ln1.w), h + "post_attention_layernorm.weight": t(b.ln2.w),
-                   h + "self_attn.q_proj.weight": t(b.attn.q.w.T), h + "self_attn.k_proj.weight": t(b.attn.k.w.T),
-                   h + "self_attn.v_proj.weight": t(b.attn.v.w.T), h + "self_attn.o_proj.weight": t(b.attn.proj.w.T),
-                   h + "mlp.gate_proj.weight": t(b.mlp.gate.w.T), h + "mlp.up_proj.weight": t(b.mlp.fc.w.T),
-                   h + "mlp.down_proj.weight": t(b.mlp.proj.w.T)})
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(sd[name])
-
-
-def hf_llama(torch, transformers, tc, vocab_size: int):
-    """transformers' LlamaForCausalLM of TrainConfig `tc`'s shape, SDPA attention, float32."""
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=tc.n_embd, intermediate_size=tc.ffn_hidden, num_hidden_layers=tc.n_layer,
-        num_attention_heads=tc.n_head, num_key_value_heads=tc.n_kv_head or tc.n_head,
-        max_position_embeddings=tc.block_size, rms_norm_eps=tc.norm_eps, rope_theta=tc.rope_theta,
-        tie_word_embeddings=tc.tie_embeddings, attention_bias=tc.bias, mlp_bias=tc.bias, use_cache=False,
-        attn_implementation="sdpa")
+    hf_cfg = transformers.LlamaConfig.from_dict(llama_config(gcfg, "llama", None, "float32"), use_cache=False,
+                                                attn_implementation="sdpa")
     torch.manual_seed(tc.seed)
     model = transformers.LlamaForCausalLM(hf_cfg).float()
     assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    if same_init:  # one rank: the vocabulary is not padded (MPI only then: the measured side starts without it)
+        import numpy as np
+        from mpi4py import MPI
+
+        from numesh.checkpoint.hf_llama import to_llama
+        from numesh.mesh import Mesh
+        from numesh.nn.gpt import init_gpt
+
+        sd = to_llama(init_gpt(gcfg, Mesh.create(comm=MPI.COMM_SELF), tc.seed, np.float32), gcfg)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(torch.from_numpy(sd[name]))
     return model
 
 
@@ -176,39 +151,20 @@ def worker_torch(model_spec: dict[str, Any], data: str, threads: int, warmup: in
     import torch
     import transformers
 
-    from numesh.data.batches import local_batch, train_key
     from numesh.data.dataset import load_split
-    from numesh.optim import cosine_lr
 
     torch.set_num_threads(threads)
     tc = train_config(model_spec, data)
     train_data = load_split(data, "train")
-    vocab = json.loads((Path(data) / "meta.json").read_text())["vocab_size"]
-    model = hf_llama(torch, transformers, tc, vocab)
-    if same_init:
-        _load_numesh_init(torch, model, tc)
+    model = hf_llama(torch, transformers, tc, same_init)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2), eps=1e-8)
-    losses: list[float] = []
 
-    def step(i: int) -> None:
-        (x, y), = local_batch(train_data, train_key(tc.seed, i), tc.batch_size, tc.block_size, 0, 1, 1)
-        xb, yb = torch.from_numpy(x.astype("int64")), torch.from_numpy(y.astype("int64"))
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(i, tc.learning_rate, tc.min_lr, tc.warmup_iters, tc.lr_decay_iters)
-        logits = model(input_ids=xb).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1))
-        loss.backward()
-        if tc.grad_clip > 0.0:
-            torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    def loss_of(x, y):
+        logits = model(input_ids=x.long()).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.long().reshape(-1))
 
-    times, mon = _timed(step, 0, warmup, iters)
+    params, step, losses = torch_training(torch, model, tc, train_data, loss_of)
+    times, mon = timed_steps(step, warmup, iters)
     return _result(times, mon, tc.batch_size * tc.block_size, losses, threads=torch.get_num_threads(),
                    n_params=sum(p.numel() for p in params), torch=torch.__version__,
                    transformers=transformers.__version__, torch_cpu=torch_cpu(torch))
@@ -233,20 +189,8 @@ def run_worker(kind: str, model: dict[str, Any], data: str, threads: int, warmup
            "--warmup", str(warmup), "--iters", str(iters), "--data", data, "--model", json.dumps(model)]
     if same_init:
         cmd.append("--same-init")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
-    if kind == "base":
-        env["PYTHONPATH"] = os.pathsep.join([str(base), *filter(None, [env.get("PYTHONPATH")])])
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
-    if p.returncode != 0 or not lines:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        return {"error": f"exit {p.returncode}: " + " | ".join(tail)}
-    res = json.loads(lines[-1])
-    if kind == "base" and Path(res["numesh_path"]) != Path(base).resolve():
+    res = run_json(cmd, worker_env(base if kind == "base" else None), timeout)
+    if "error" not in res and kind == "base" and Path(res["numesh_path"]) != Path(base).resolve():
         return {"error": f"--base {base}: the worker imported numesh from {res['numesh_path']}"}
     return res
 
@@ -262,48 +206,21 @@ def parse_rows(spec: str) -> list[tuple[int, int]]:
     return rows
 
 
-def isa() -> list[str]:
-    """The vector extensions of ISA_FLAGS this CPU has (/proc/cpuinfo; empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return [f for f in ISA_FLAGS if f in flags]
+def _said(r: dict[str, Any]) -> str:
+    """A measurement as the progress log says it."""
+    return f"{r['ms']:.0f} ms, {r['rss_mb']:.0f} MB, other cpu {r['other_cpu_cores']:.2f}" if "ms" in r else r["error"]
 
 
 def measure(args: argparse.Namespace, data: str) -> list[dict[str, Any]]:
     out = []
     for T, B in parse_rows(args.rows):
         model = dict(SMOLLM2, n_layer=args.layers, block_size=T, batch_size=B)
-        kinds = ("base", "numesh", "torch") if args.base else ("numesh", "torch")
-        runs: dict[str, list[dict]] = {k: [] for k in kinds}
-        for rnd in range(args.rounds):
-            for kind in kinds:
-                r = run_worker(kind, model, data, args.threads, args.warmup, args.iters, args.same_init,
-                               timeout=args.timeout, base=args.base)
-                said = (f"{r['ms']:.0f} ms, {r['rss_mb']:.0f} MB, other cpu {r['other_cpu_cores']:.2f}"
-                        if "ms" in r else r["error"])
-                log(f"  {T}x{B} round {rnd + 1} {kind}: {said}")
-                runs[kind].append(r)
+        runs = alternate(("base", "numesh", "torch") if args.base else ("numesh", "torch"), args.rounds,
+                         lambda kind: run_worker(kind, model, data, args.threads, args.warmup, args.iters,
+                                                 args.same_init, timeout=args.timeout, base=args.base),
+                         f"{T}x{B}", _said)
         out.append({"T": T, "B": B, **runs})
     return out
-
-
-def _span(rs: list[dict], key: str, spec: str) -> str:
-    vals = [r[key] for r in rs if key in r]
-    if not vals:
-        return "error: " + "; ".join(r.get("error", "?") for r in rs)
-    lo, hi = format(min(vals), spec), format(max(vals), spec)
-    return lo if lo == hi else f"{lo}–{hi}"
-
-
-def _ratio_span(row: dict, key: str, over: str = "torch") -> str:
-    """numesh over `over` (torch, or base) of `key`, per round (each round's runs back to back)."""
-    rs = [a[key] / b[key] for a, b in zip(row["numesh"], row[over]) if key in a and key in b]
-    if not rs:
-        return "n/a"
-    return f"{min(rs):.2f}×" if len(rs) == 1 else f"{min(rs):.2f}–{max(rs):.2f}×"
 
 
 def print_report(rep: dict[str, Any]) -> None:
@@ -322,11 +239,11 @@ def print_report(rep: dict[str, Any]) -> None:
           "numesh peak RSS MB | torch peak RSS MB | numesh / torch RSS | other cpu |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rep["rows"]:
-        print(f"| {r['T']} × {r['B']} | {_span(r['numesh'], 'ms', '.0f')} | {_span(r['torch'], 'ms', '.0f')} | "
-              f"**{_ratio_span(r, 'tokens_per_s')}** | {_span(r['numesh'], 'tokens_per_s', ',.0f')} | "
-              f"{_span(r['torch'], 'tokens_per_s', ',.0f')} | {_span(r['numesh'], 'rss_mb', '.0f')} | "
-              f"{_span(r['torch'], 'rss_mb', '.0f')} | {_ratio_span(r, 'rss_mb')} | "
-              f"{_span(r['numesh'] + r['torch'], 'other_cpu_cores', '.2f')} |")
+        print(f"| {r['T']} × {r['B']} | {span(r['numesh'], 'ms', '.0f')} | {span(r['torch'], 'ms', '.0f')} | "
+              f"**{ratio_span(r, 'tokens_per_s')}** | {span(r['numesh'], 'tokens_per_s', ',.0f')} | "
+              f"{span(r['torch'], 'tokens_per_s', ',.0f')} | {span(r['numesh'], 'rss_mb', '.0f')} | "
+              f"{span(r['torch'], 'rss_mb', '.0f')} | {ratio_span(r, 'rss_mb')} | "
+              f"{span(r['numesh'] + r['torch'], 'other_cpu_cores', '.2f')} |")
     print("ratios per round: tokens/s numesh over torch (> 1: numesh faster), RSS numesh over torch (< 1: numesh "
           "smaller); other cpu = cores other processes used while the steps were timed")
     if rep["base"]:
@@ -335,10 +252,10 @@ def print_report(rep: dict[str, Any]) -> None:
               "base peak RSS MB | numesh peak RSS MB |")
         print("|---|---|---|---|---|---|---|---|")
         for r in rep["rows"]:
-            print(f"| {r['T']} × {r['B']} | {_span(r['base'], 'ms', '.0f')} | {_span(r['numesh'], 'ms', '.0f')} | "
-                  f"**{_ratio_span(r, 'tokens_per_s', 'base')}** | {_span(r['base'], 'cpu_ms', '.0f')} | "
-                  f"{_span(r['numesh'], 'cpu_ms', '.0f')} | {_span(r['base'], 'rss_mb', '.0f')} | "
-                  f"{_span(r['numesh'], 'rss_mb', '.0f')} |")
+            print(f"| {r['T']} × {r['B']} | {span(r['base'], 'ms', '.0f')} | {span(r['numesh'], 'ms', '.0f')} | "
+                  f"**{ratio_span(r, 'tokens_per_s', 'base')}** | {span(r['base'], 'cpu_ms', '.0f')} | "
+                  f"{span(r['numesh'], 'cpu_ms', '.0f')} | {span(r['base'], 'rss_mb', '.0f')} | "
+                  f"{span(r['numesh'], 'rss_mb', '.0f')} |")
         print("CPU ms/step: this process's CPU time per timed step (both threads; numesh's threads block, never "
               "spin): steadier than wall time on a busy machine")
     if rep["same_init"]:
@@ -383,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parse_rows(args.rows)
     if args.base and not (Path(args.base) / "numesh" / "__init__.py").is_file():
         ap.error(f"--base {args.base} holds no numesh package (numesh/__init__.py)")
-    rep: dict[str, Any] = {"machine": machine(), "isa": isa(), "numpy_blas": blas_info(),
+    rep: dict[str, Any] = {"machine": machine(), "isa": isa_flags(), "numpy_blas": blas_info(),
                            "date": time.strftime("%Y-%m-%d"), "layers": args.layers, "threads": args.threads,
                            "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
                            "same_init": args.same_init, "base": args.base,

@@ -42,7 +42,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,14 +50,23 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import numesh  # noqa: E402,F401  # isort: skip  (before numpy: it sets up OpenBLAS)
-from bench_node import describe, machine, run_worker  # noqa: E402
-from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
+from bench_node import run_worker  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_SRC,
+    PRESETS,
+    alternate,
+    dataset_dir,
+    describe,
+    log,
+    machine,
+    ratio_span,
+    run_json,
+    span,
+    step_clock,
+    timed_steps,
+)
 
 ROWS = "default:64x32,default:256x8,default:1024x2,default:2048x1,default:4096x1,baby:256x8,baby:1024x2"
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def parse_rows(spec: str) -> list[tuple[str, int, int]]:
@@ -74,34 +82,13 @@ def model_section(args: argparse.Namespace, data: str) -> list[dict[str, Any]]:
     out = []
     for name, T, B in parse_rows(args.rows):
         model = dict(PRESETS[name], block_size=T, batch_size=B)
-        sides = ("base", "numesh", "torch") if args.base else ("numesh", "torch")
-        runs: dict[str, list[dict]] = {kind: [] for kind in sides}
-        for rnd in range(args.rounds):
-            for kind in sides:
-                r = run_worker("numesh" if kind == "base" else kind, model, data, args.threads, args.iters,
-                               args.warmup, timeout=args.timeout, clock=args.clock,
-                               numesh_from=args.base if kind == "base" else None)
-                log(f"  {name} {T}x{B} round {rnd + 1} {kind}: {r.get('ms', r.get('error'))}")
-                runs[kind].append(r)
+        runs = alternate(("base", "numesh", "torch") if args.base else ("numesh", "torch"), args.rounds,
+                         lambda kind: run_worker("numesh" if kind == "base" else kind, model, data, args.threads,
+                                                 args.iters, args.warmup, timeout=args.timeout, clock=args.clock,
+                                                 numesh_from=args.base if kind == "base" else None),
+                         f"{name} {T}x{B}", lambda r: r.get("ms", r.get("error")))
         out.append({"model": name, "T": T, "B": B, **runs})
     return out
-
-
-def _span(rs: list[dict], key: str, spec: str) -> str:
-    vals = [r[key] for r in rs if key in r]
-    if not vals:
-        return "error: " + "; ".join(r.get("error", "?") for r in rs)
-    lo, hi = min(vals), max(vals)
-    return format(lo, spec) if format(lo, spec) == format(hi, spec) else f"{lo:{spec}}–{hi:{spec}}"
-
-
-def _ratios(row: dict, over: str = "torch") -> str:
-    """numesh/torch (or numesh/base) tokens/s per round (each round's runs back to back)."""
-    rs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(row["numesh"], row[over])
-          if "tokens_per_s" in a and "tokens_per_s" in b]
-    if not rs:
-        return "n/a"
-    return f"{min(rs):.2f}×" if len(rs) == 1 else f"{min(rs):.2f}–{max(rs):.2f}×"
 
 
 def print_model(rows: list[dict], threads: int, clock: str = "wall") -> None:
@@ -110,17 +97,17 @@ def print_model(rows: list[dict], threads: int, clock: str = "wall") -> None:
     print("| model | T × B | numesh ms | torch ms | numesh / torch tokens/s | numesh peak RSS MB | torch peak RSS MB |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['T']} × {r['B']} | {_span(r['numesh'], 'ms', '.1f')} | "
-              f"{_span(r['torch'], 'ms', '.1f')} | **{_ratios(r)}** | {_span(r['numesh'], 'rss_mb', '.0f')} | "
-              f"{_span(r['torch'], 'rss_mb', '.0f')} |")
+        print(f"| {r['model']} | {r['T']} × {r['B']} | {span(r['numesh'], 'ms', '.1f')} | "
+              f"{span(r['torch'], 'ms', '.1f')} | **{ratio_span(r, 'tokens_per_s')}** | "
+              f"{span(r['numesh'], 'rss_mb', '.0f')} | {span(r['torch'], 'rss_mb', '.0f')} |")
     if any("base" in r for r in rows):
         print("\n--base (numesh before), in the same rounds:")
         print("| model | T × B | base ms | numesh ms | numesh / base tokens/s | base peak RSS MB |")
         print("|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['model']} | {r['T']} × {r['B']} | {_span(r['base'], 'ms', '.1f')} | "
-                  f"{_span(r['numesh'], 'ms', '.1f')} | **{_ratios(r, 'base')}** | "
-                  f"{_span(r['base'], 'rss_mb', '.0f')} |")
+            print(f"| {r['model']} | {r['T']} × {r['B']} | {span(r['base'], 'ms', '.1f')} | "
+                  f"{span(r['numesh'], 'ms', '.1f')} | **{ratio_span(r, 'tokens_per_s', 'base')}** | "
+                  f"{span(r['base'], 'rss_mb', '.0f')} |")
 
 
 ATTN = dict(T=2048, B=1, H=4, hs=32)
@@ -174,14 +161,7 @@ def attention_worker(kind: str, threads: int, runs: int, head_size: int = 32, cl
             for t in (tq, tk, tv):
                 t.grad = None
 
-    for _ in range(3):
-        step()
-    tick = time.process_time if clock == "cpu" else time.perf_counter
-    times = []
-    for _ in range(runs):
-        t0 = tick()
-        step()
-        times.append(tick() - t0)
+    times, _ = timed_steps(lambda _i: step(), 3, runs, step_clock(clock))
     print(json.dumps({"ms": statistics.median(times) * 1e3}), flush=True)
 
 
@@ -218,11 +198,10 @@ def attention_section(args: argparse.Namespace) -> dict[str, Any]:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--attn-worker", kind, "--threads",
                    str(args.threads), "--attn-runs", str(args.attn_runs), "--attn-head-size",
                    str(args.attn_head_size), "--clock", args.clock]
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
-            if out.returncode or not lines:
-                raise SystemExit(f"attention worker {kind} failed: {out.stderr.strip()[-500:]}")
-            times[kind].append(json.loads(lines[-1])["ms"])
+            out = run_json(cmd, timeout=args.timeout)
+            if "error" in out:
+                raise SystemExit(f"attention worker {kind} failed: {out['error']}")
+            times[kind].append(out["ms"])
             log(f"  attention {kind}: {times[kind][-1]:.1f} ms")
     T, B, H, hs = attn_shape(args.attn_head_size)
     rate = gemm_rate(args.clock)
@@ -293,19 +272,19 @@ def print_tiles(t: dict[str, Any], threads: int, clock: str) -> None:
 
 
 def print_attention(a: dict) -> None:
-    def span(xs: list[float]) -> str:
+    def ms_span(xs: list[float]) -> str:
         return f"{min(xs):.1f}–{max(xs):.1f}" if len(xs) > 1 else f"{xs[0]:.1f}"
 
     ratios = [t / m for m, t in zip(a["numesh_ms"], a["torch_ms"])]
     print(f"\nattention: forward + backward, T = {a['T']}, B·H = {a['B'] * a['H']}, head size {a['head_size']}, "
           f"float32, {a['threads']} threads, fresh processes alternating")
-    print(f"  numesh {span(a['numesh_ms'])} ms, torch SDPA {span(a['torch_ms'])} ms "
+    print(f"  numesh {ms_span(a['numesh_ms'])} ms, torch SDPA {ms_span(a['torch_ms'])} ms "
           f"(numesh / torch speed {min(ratios):.2f}–{max(ratios):.2f}×)")
     print(f"  causal half {a['causal_gflop']:.2f} GFLOP (executed with {a['query_tile']}-query stripes: "
           f"{a['executed_gflop']:.2f}) at the GEMM rate {a['gemm_gflops']:.1f} GFLOP/s = {a['bound_ms']:.1f} ms: "
           f"numesh's median takes {a['numesh_over_bound']:.2f}× that")
     print(f"  the kernel's GEMMs alone, at its tile shapes (the passes and exp between them no-ops): "
-          f"{span(a['gemms_ms'])} ms, "
+          f"{ms_span(a['gemms_ms'])} ms, "
           f"{statistics.median(a['gemms_ms']) / a['bound_ms']:.2f}× the bound")
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -41,13 +40,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
+from common import DEFAULT_SRC, PRESETS, dataset_dir, log, metrics, venv_tool  # noqa: E402
 
 TARGET = 1.5  # issue 32: an MoE step at most 1.5x a dense step of the same active FLOPs
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def model_flops(m: dict[str, Any], vocab: int) -> float:
@@ -71,26 +66,14 @@ def matched_dense(base: dict[str, Any], target: float, vocab: int) -> dict[str, 
     return min(cands, key=lambda m: abs(model_flops(m, vocab) / target - 1))
 
 
-def numesh_exe() -> str:
-    """The `numesh` command beside this Python (a virtual environment's), else on PATH."""
-    here = Path(sys.executable).parent / "numesh"
-    return str(here) if here.is_file() else (shutil.which("numesh") or "numesh")
-
-
 def train_args(m: dict[str, Any], data: str, out: str, args: argparse.Namespace) -> list[str]:
-    a = [numesh_exe(), "train", "--data", data, "--out", out, "--max-iters", str(args.steps),
+    a = [venv_tool("numesh"), "train", "--data", data, "--out", out, "--max-iters", str(args.steps),
          "--eval-interval", str(args.steps), "--eval-iters", str(args.eval_iters), "--peak-flops", "1e12",
          "--dtype", "float32", "--seed", str(args.seed), "--warmup-iters", str(args.warmup)]
     for k in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "moe_experts", "moe_top_k", "moe_every"):
         if k in m:
             a += ["--" + k.replace("_", "-"), str(m[k])]
     return a
-
-
-def mpiexec() -> str:
-    """The mpiexec beside this Python (the mpich wheel's), else on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.is_file() else (shutil.which("mpiexec") or "mpiexec")
 
 
 def run_one(m: dict[str, Any], data: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -100,13 +83,13 @@ def run_one(m: dict[str, Any], data: str, args: argparse.Namespace) -> dict[str,
         cmd = train_args(m, data, out, args)
         threads = args.threads
         if "mesh" in m:  # two ranks share the cores
-            cmd = [mpiexec(), "-n", "2", *cmd, "--mesh", m["mesh"]]
+            cmd = [venv_tool("mpiexec"), "-n", "2", *cmd, "--mesh", m["mesh"]]
             threads = max(1, args.threads // 2)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if p.returncode != 0:
             raise SystemExit(f"numesh train failed ({p.returncode}):\n{p.stderr[-3000:]}")
-        rows = [json.loads(s) for s in Path(out, "metrics.jsonl").read_text().splitlines() if s.strip()]
+        rows = metrics(out)
     steps = [r for r in rows if "dt_ms" in r]
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     after = [r for r in steps if r["step"] >= args.warmup and "moe_tokens_min" in r]

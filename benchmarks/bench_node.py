@@ -28,26 +28,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import resource
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import DEFAULT_SRC, PRESETS, dataset_dir  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_SRC,
+    PRESETS,
+    dataset_dir,
+    describe,
+    log,
+    machine,
+    peak_rss_mb,
+    run_json,
+    step_clock,
+    timed_steps,
+    venv_tool,
+    worker_env,
+)
 
 BABY = dict(PRESETS["baby"], batch_size=64)  # the issue's baby run: batch 64
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def logged(result: dict[str, Any]) -> dict[str, Any]:
@@ -58,10 +63,6 @@ def logged(result: dict[str, Any]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------
 # workers: one measurement each, printing one JSON line on rank 0
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
 def import_numesh_from(checkout: str) -> None:
@@ -76,12 +77,6 @@ def import_numesh_from(checkout: str) -> None:
 
     if not Path(numesh.__file__).resolve().is_relative_to(Path(checkout).resolve()):
         raise SystemExit(f"--numesh-from {checkout}: numesh came from {numesh.__file__}")
-
-
-def _clock(kind: str):
-    """wall: time.perf_counter. cpu: the process's CPU time (time.process_time), which with
-    one thread is a step's time less its waits for a core on a machine other jobs share."""
-    return time.process_time if kind == "cpu" else time.perf_counter
 
 
 def worker_numesh(args: argparse.Namespace) -> None:
@@ -102,14 +97,9 @@ def worker_numesh(args: argparse.Namespace) -> None:
     for _ in range(args.warmup):
         trainer.train_step()
     comm.Barrier()
-    clock = _clock(args.clock)
-    times = []
-    for _ in range(args.iters):
-        t0 = clock()
-        trainer.train_step()
-        times.append(clock() - t0)
+    times, _ = timed_steps(lambda _i: trainer.train_step(), 0, args.iters, step_clock(args.clock))
     slowest = comm.allreduce(statistics.median(times), op=MPI.MAX)
-    rss = comm.gather(_peak_rss_mb(), root=0)
+    rss = comm.gather(peak_rss_mb(), root=0)
     if comm.Get_rank() == 0:
         print(json.dumps({"ms": slowest * 1e3, "tokens_per_s": trainer.tokens_per_step / slowest,
                           "rss_mb": max(rss), "ranks": comm.Get_size(), "threads": threads}), flush=True)
@@ -129,16 +119,9 @@ def worker_torch(args: argparse.Namespace) -> None:
     train_data = load_split(args.data, "train")
     vocab = json.loads((Path(args.data) / "meta.json").read_text())["vocab_size"]
     _m, _p, step, _losses = torch_trainer(torch, tc, vocab, train_data, "sdpa", "default")
-    for i in range(args.warmup):
-        step(i)
-    clock = _clock(args.clock)
-    times = []
-    for i in range(args.warmup, args.warmup + args.iters):
-        t0 = clock()
-        step(i)
-        times.append(clock() - t0)
+    times, _ = timed_steps(step, args.warmup, args.iters, step_clock(args.clock))
     med = statistics.median(times)
-    print(json.dumps({"ms": med * 1e3, "tokens_per_s": tc.batch_size * tc.block_size / med, "rss_mb": _peak_rss_mb(),
+    print(json.dumps({"ms": med * 1e3, "tokens_per_s": tc.batch_size * tc.block_size / med, "rss_mb": peak_rss_mb(),
                       "ranks": 1, "threads": args.threads, "torch": torch.__version__}), flush=True)
 
 
@@ -152,9 +135,7 @@ def default_launcher() -> list[str]:
     env = os.environ.get("NUMESH_MPIRUN")
     if env:
         return shlex.split(env)
-    here = Path(sys.executable).parent / "mpirun"
-    exe = str(here) if here.exists() else shutil.which("mpirun") or "mpirun"
-    return with_binding([exe])
+    return with_binding([venv_tool("mpirun")])
 
 
 def with_binding(launcher: list[str]) -> list[str]:
@@ -181,17 +162,7 @@ def run_worker(kind: str, model: dict, data: str, threads: int, iters: int, warm
         cmd += ["--numesh-from", str(Path(numesh_from).resolve())]
     if ranks > 1:
         cmd = [*(launcher or default_launcher()), "-n", str(ranks), *cmd]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
-    if p.returncode != 0 or not lines:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        return {"error": f"exit {p.returncode}: " + " | ".join(tail)}
-    return json.loads(lines[-1])
+    return run_json(cmd, worker_env(), timeout)
 
 
 def powers_up_to(n: int) -> list[int]:
@@ -219,69 +190,6 @@ def baby_meshes(cores: int, model: dict) -> list[tuple[int, int, int]]:
                     continue
                 out.append((dp, tp, pp))
     return out
-
-
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
-    try:
-        block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
-        return {}
-    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines())}
-
-
-def cpu_isa() -> str:
-    """The widest vector ISA numpy sees on this CPU: AVX-512, AVX2, AVX or SSE."""
-    import numpy as np
-
-    f = np._core._multiarray_umath.__cpu_features__
-    return next((name for name, key in (("AVX-512", "AVX512F"), ("AVX2", "AVX2"), ("AVX", "AVX")) if f.get(key)),
-                "SSE")
-
-
-def blas_kernel() -> str:
-    """numpy's BLAS, its version and the kernel family it runs here (OpenBLAS: Haswell,
-    Zen, SkylakeX, ...), as threadpoolctl reports them."""
-    from threadpoolctl import threadpool_info
-
-    blas = [i for i in threadpool_info() if i["user_api"] == "blas"]
-    if not blas:
-        return "unknown"
-    b = blas[0]
-    return f"{b['internal_api']} {b.get('version') or '?'} {b.get('architecture') or ''}".strip()
-
-
-def svml() -> bool | None:
-    """Whether numba runs with Intel's SVML (vector math functions), None without numba."""
-    try:
-        from numba import config
-    except ImportError:
-        return None
-    return bool(config.USING_SVML)
-
-
-def machine() -> dict[str, Any]:
-    """What a measurement ran on: the CPU (model, family/model numbers, ISA), numpy's BLAS
-    and its kernel, library versions and the load average (the tables cite all of it)."""
-    info = _cpuinfo()
-    cpu = info.get("model name", platform.processor() or "unknown")
-    if "cpu family" in info:
-        cpu += f" (family {info['cpu family']} model {info.get('model', '?')})"
-    versions = {}
-    for mod in ("numpy", "numba", "torch", "mpi4py"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except ImportError:
-            versions[mod] = None
-    return {"cpu": cpu, "isa": cpu_isa(), "blas": blas_kernel(), "svml": svml(), "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "loadavg": [round(x, 2) for x in os.getloadavg()], **versions}
-
-
-def describe(m: dict[str, Any]) -> str:
-    """One line for a report's head: CPU, ISA, BLAS kernel, versions and load."""
-    return (f"{m['cpu']}, {m['isa']}, {m['cpu_count']} cpus; BLAS {m['blas']}; numba {m['numba']} "
-            f"(SVML {'on' if m['svml'] else 'off'}), numpy {m['numpy']}, torch {m['torch'] or '(not installed)'}, "
-            f"python {m['python']}; load avg {m['loadavg']}")
 
 
 def _fmt(r: dict | None, key: str, spec: str) -> str:

@@ -26,46 +26,31 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import DEFAULT_SRC, PRESETS  # noqa: E402
-
-NUMESH = [sys.executable, "-m", "numesh.cli.app"]
-
-
-def numesh(*args: str) -> None:
-    res = subprocess.run([*NUMESH, *args], capture_output=True, text=True)
-    if res.returncode:
-        raise SystemExit(f"numesh {' '.join(args)} failed: {res.stderr.strip()[-600:]}")
-
-
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+from common import DEFAULT_SRC, PRESETS, log, metrics, numesh_cli, run_json, venv_tool, work_dir  # noqa: E402
 
 
 def step_ms(run: Path) -> float:
     """Median training step time of a run (evaluations are not in dt_ms)."""
-    return statistics.median(r["dt_ms"] for r in records(run) if "dt_ms" in r)
+    return statistics.median(r["dt_ms"] for r in metrics(run) if "dt_ms" in r)
 
 
 def train(data: Path, out: Path, optimizer: str, steps: int, every: int, extra: list[str]) -> float:
     """One `numesh train` run; its wall-clock seconds."""
-    print(f"training {out.name}: {optimizer}, {steps} steps", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    numesh("train", "--data", str(data), "--out", str(out), "--optimizer", optimizer, "--max-iters", str(steps),
-           "--lr-decay-iters", str(steps), "--eval-interval", str(every), "--overwrite", *extra)
-    return time.perf_counter() - t0
+    log(f"training {out.name}: {optimizer}, {steps} steps")
+    return numesh_cli("train", "--data", str(data), "--out", str(out), "--optimizer", optimizer, "--max-iters",
+                      str(steps), "--lr-decay-iters", str(steps), "--eval-interval", str(every), "--overwrite",
+                      *extra)[0]
 
 
 def compare(root: Path, args: argparse.Namespace) -> None:
     data = root / "data"
-    numesh("data", "char", "--src", args.src, "--out", str(data))
+    numesh_cli("data", "char", "--src", args.src, "--out", str(data))
     extra = ["--muon-lr", str(args.muon_lr)] if args.muon_lr else []
     runs = {"adamw": root / "run-adamw", "muon": root / "run-muon", "muon-clock": root / "run-muon-clock"}
     train(data, runs["adamw"], "adamw", args.steps, args.eval_interval, [])
@@ -78,11 +63,11 @@ def compare(root: Path, args: argparse.Namespace) -> None:
     print("| run | step | train loss | val loss |")
     print("|---|---|---|---|")
     for name, run in runs.items():
-        for r in records(run):
+        for r in metrics(run):
             if "val_loss" in r:
                 print(f"| {name} | {r['step']} | {r['train_loss']:.4f} | {r['val_loss']:.4f} |")
     if args.plot:
-        numesh("plot", *map(str, runs.values()), "--out", args.plot)
+        numesh_cli("plot", *map(str, runs.values()), "--out", args.plot)
         print(f"curves: {args.plot}")
 
 
@@ -113,17 +98,15 @@ def worker(data: str, out: str, mesh: str, steps: int) -> None:
 def share(root: Path, args: argparse.Namespace) -> None:
     data = root / "data"
     if not data.exists():
-        numesh("data", "char", "--src", args.src, "--out", str(data))
-    mpiexec = Path(sys.executable).parent / "mpiexec"
+        numesh_cli("data", "char", "--src", args.src, "--out", str(data))
     for ranks, mesh in ((1, ""), (2, "dp=2")):
         cmd = [sys.executable, __file__, "--worker", str(data), str(root / f"share-{ranks}"), mesh,
                str(args.share_steps)]
         if ranks > 1:
-            cmd = [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(ranks), *cmd]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode:
-            raise SystemExit(f"{' '.join(cmd)} failed: {res.stderr.strip()[-600:]}")
-        got = json.loads(res.stdout.strip().splitlines()[-1])
+            cmd = [venv_tool("mpiexec"), "-n", str(ranks), *cmd]
+        got = run_json(cmd, timeout=None)
+        if "error" in got:
+            raise SystemExit(f"{' '.join(cmd)} failed: {got['error']}")
         where = "1 rank" if ranks == 1 else "dp=2 ZeRO-1"
         print(f"Newton-Schulz share of a Muon step, {where}: {got['ns_ms']:.1f} of {got['step_ms']:.1f} ms "
               f"({100 * got['ns_ms'] / got['step_ms']:.1f} %)")
@@ -146,9 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default="optim.png", help="write the runs' curves here (.png or .svg; '' = none)")
     ap.add_argument("--keep", default=None, help="keep the dataset and runs in this directory")
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="numesh-optim-") as tmp:
-        root = Path(args.keep or tmp)
-        root.mkdir(parents=True, exist_ok=True)
+    with work_dir(args.keep, "numesh-optim-") as root:
         if not args.share_only:
             compare(root, args)
         share(root, args)

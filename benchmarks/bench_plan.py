@@ -40,7 +40,7 @@ import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS)
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
-from common import DEFAULT_SRC  # noqa: E402
+from common import DEFAULT_SRC, venv_tool  # noqa: E402
 
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=16)
 
@@ -142,15 +142,13 @@ def main() -> None:
         return
 
     from numesh.data.char import prepare_char_dataset, read_source
-    from numesh.data.dataset import load_tokenizer
     from numesh.plan import predict
+    from numesh.plan.command import model_spec
     from numesh.plan.hardware import load_profile
-    from numesh.plan.layout import ModelSpec
     from numesh.plan.search import valid_layouts
     from numesh.run.config import TrainConfig
 
-    bindir = Path(sys.executable).parent
-    mpirun = str(bindir / "mpirun") if (bindir / "mpirun").exists() else "mpirun"
+    mpirun = venv_tool("mpirun")
     tmp = Path(tempfile.mkdtemp(prefix="bench-plan-"))
     data = args.data
     if data is None:
@@ -158,8 +156,7 @@ def main() -> None:
         prepare_char_dataset(read_source(args.src), data)
     profile_path = Path(args.profile) if args.profile else tmp / "profile.json"
     base = TrainConfig(**MODEL, data=data)
-    vocab = load_tokenizer(data).vocab_size
-    model = ModelSpec(base.n_layer, base.n_head, base.n_embd, base.block_size, vocab, base.batch_size)
+    model = model_spec(base, None, None)  # as `numesh plan` reads it: the parts, experts and optimiser too
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
     results = []
     confirmed: dict[int, tuple] = {}  # ranks -> (first choice, its step s, fastest, its step s) re-measured
@@ -169,7 +166,7 @@ def main() -> None:
     for n in args.ranks:
         if not args.no_calibrate:
             t0 = time.perf_counter()
-            subprocess.run([mpirun, "-n", str(n), str(bindir / "numesh"), "plan", "--calibrate", "--data", data,
+            subprocess.run([mpirun, "-n", str(n), venv_tool("numesh"), "plan", "--calibrate", "--data", data,
                             "--profile-out", str(profile_path), *flags], check=True, stdout=subprocess.DEVNULL)
             print(f"calibrated {n} ranks in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         profile = load_profile("a100-80gb" if args.memory_only else str(profile_path))  # its times unused

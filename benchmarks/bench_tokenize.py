@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import DEFAULT_SRC  # noqa: E402
+from common import DEFAULT_SRC, numesh_cli  # noqa: E402
 
 
 def write_corpus(src: Path, out: Path, size: int, seed: int = 0) -> int:
@@ -41,24 +40,6 @@ def write_corpus(src: Path, out: Path, size: int, seed: int = 0) -> int:
             f.write(json.dumps({"text": text}) + "\n")
             docs += 1
     return docs
-
-
-_MEASURED = ("import resource, runpy, sys\n"
-             "sys.argv = ['numesh', *sys.argv[1:]]\n"
-             "try:\n    runpy.run_module('numesh.cli.app', run_name='__main__')\n"
-             "finally:\n    print(f'PEAK_RSS_KB={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}', "
-             "file=sys.stderr)\n")
-
-
-def run(args: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS MB) of `numesh ARGS` in a fresh process (its own ru_maxrss)."""
-    t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", _MEASURED, *args], capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    peaks = [line for line in res.stderr.splitlines() if line.startswith("PEAK_RSS_KB=")]
-    if res.returncode or not peaks:
-        raise SystemExit(f"numesh {' '.join(args)} failed: {res.stderr.strip()[-500:]}")
-    return wall, int(peaks[-1].split("=")[1]) / 1024.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(corpus, encoding="utf-8") as f, open(sample, "w", encoding="utf-8") as g:
             while g.tell() < 20_000_000 and (line := f.readline()):
                 g.write(line)
-        _, _ = run(["data", "bpe", "--src", str(sample), "--vocab-size", str(args.vocab_size),
-                    "--out", str(Path(tmp) / "bpe")])
-        wall, rss = run(["data", "tokenize", "--tokenizer", str(Path(tmp) / "bpe" / "tokenizer.json"),
-                         "--src", str(corpus), "--out", str(Path(tmp) / "tok")])
+        numesh_cli("data", "bpe", "--src", str(sample), "--vocab-size", str(args.vocab_size),
+                   "--out", str(Path(tmp) / "bpe"))
+        wall, rss = numesh_cli("data", "tokenize", "--tokenizer", str(Path(tmp) / "bpe" / "tokenizer.json"),
+                               "--src", str(corpus), "--out", str(Path(tmp) / "tok"))
         meta = json.loads((Path(tmp) / "tok" / "meta.json").read_text())
         tokens = meta["train_tokens"] + meta["val_tokens"]
         print(f"numesh data tokenize: {wall:.0f} s, {tokens:,} tokens, {tokens / wall:,.0f} tokens/s, "

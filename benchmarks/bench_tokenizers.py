@@ -19,23 +19,12 @@ A benchmark: it asserts nothing. docs/benchmarks.md holds a run.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import DEFAULT_SRC, PRESETS  # noqa: E402
-
-NUMESH = [sys.executable, "-m", "numesh.cli.app"]
-
-
-def numesh(*args: str) -> None:
-    res = subprocess.run([*NUMESH, *args], capture_output=True, text=True)
-    if res.returncode:
-        raise SystemExit(f"numesh {' '.join(args)} failed: {res.stderr.strip()[-600:]}")
+from common import DEFAULT_SRC, PRESETS, log, metrics, numesh_cli, work_dir  # noqa: E402
 
 
 def flops_per_token(data: Path) -> float:
@@ -55,11 +44,6 @@ def flops_per_token(data: Path) -> float:
     return formulas.flops_per_token(model.n_layer, model.n_embd, model.block_size, n_params)
 
 
-def evals(run: Path) -> list[dict]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "val_bpb" in r]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,18 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="write both runs' curves here (.png or .svg)")
     ap.add_argument("--keep", default=None, help="keep the datasets and runs in this directory")
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="numesh-tok-") as tmp:
-        root = Path(args.keep or tmp)
+    with work_dir(args.keep, "numesh-tok-") as root:
         char, bpe = root / "data-char", root / "data-bpe"
-        numesh("data", "char", "--src", args.src, "--out", str(char))
-        numesh("data", "bpe", "--src", args.src, "--vocab-size", str(args.vocab_size), "--split-on", "\n\n",
+        numesh_cli("data", "char", "--src", args.src, "--out", str(char))
+        numesh_cli("data", "bpe", "--src", args.src, "--vocab-size", str(args.vocab_size), "--split-on", "\n\n",
                "--out", str(bpe))
         ratio = flops_per_token(char) / flops_per_token(bpe)
         plan = {"char": (char, args.steps, args.eval_interval),
                 "bpe": (bpe, round(args.steps * ratio), max(1, round(args.eval_interval * ratio)))}
         for name, (data, steps, every) in plan.items():
-            print(f"training {name}: {steps} steps, evaluating every {every}", file=sys.stderr, flush=True)
-            numesh("train", "--data", str(data), "--out", str(root / f"run-{name}"), "--max-iters", str(steps),
+            log(f"training {name}: {steps} steps, evaluating every {every}")
+            numesh_cli("train", "--data", str(data), "--out", str(root / f"run-{name}"), "--max-iters", str(steps),
                    "--eval-interval", str(every), "--overwrite")
         print(f"same training FLOPs: char {args.steps} steps, BPE-{args.vocab_size} {plan['bpe'][1]} steps "
               f"(its FLOPs per token are {1 / ratio:.3f}x the char model's)")
@@ -89,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|---|")
         for name, (data, _, _) in plan.items():
             tokens = 12 * PRESETS["default"]["block_size"]
-            for r in evals(root / f"run-{name}"):
+            for r in (r for r in metrics(root / f"run-{name}") if "val_bpb" in r):
                 tflop = r["step"] * tokens * flops_per_token(data) / 1e12
                 print(f"| {name} | {r['step']} | {tflop:.2f} | {r['val_loss']:.4f} | {r['val_bpb']:.4f} |")
         if args.plot:
-            numesh("plot", str(root / "run-char"), str(root / "run-bpe"), "--out", args.plot)
+            numesh_cli("plot", str(root / "run-char"), str(root / "run-bpe"), "--out", args.plot)
             print(f"curves: {args.plot}")
     return 0
 

@@ -160,9 +160,41 @@ def slow(args, data: str, comm: MPI.Comm) -> dict:
             "waited_ms_per_step": got["waited_ms_per_step"], "steps": args.warmup + args.iters}
 
 
+def say_overhead(res: dict) -> str:
+    return (f"{res['mesh']} {res['schedule']} m={res['m']}: bare {res['off_ms']:.2f} ms, flight recorder "
+            f"{res['recorder_ms']:.2f} ms ({res['recorder_pct']:+.2f} %), "
+            f"recorder and trace {res['on_ms']:.2f} ms (tracing {res['overhead_pct']:+.2f} % on top; "
+            f"measured inside the tracer: {res['tracer_ms']:.3f} ms a step on the busiest rank, "
+            f"{res['tracer_pct']:.2f} %; {res['events_per_step']:.0f} events/step/rank; "
+            f"writing the trace {res['write_s']:.2f} s)")
+
+
+def say_slow(res: dict) -> str:
+    return (f"dp={res['ranks']}, rank {res['slow_rank']} sleeping {res['injected_ms']} ms a step: the report "
+            f"names rank {res['named']}, slower by {res['slower_by_ms']:.1f} ms a step "
+            f"({res['ratio']:.3f} x the injected delay; waited per step: "
+            + ", ".join(f"rank {r} {v:.1f} ms" for r, v in sorted(res["waited_ms_per_step"].items()))
+            + f"; {res['steps']} steps, the first left out)")
+
+
+def say_bubble(r: dict) -> str:
+    return (f"{r['schedule']:>11} p={r['p']} m={r['m']} v={r['v']}: "
+            f"measured {100 * r['measured']:5.1f} %, "
+            f"theory {100 * r['theory_unit']:5.1f} % (F=B=W), {100 * r['theory_measured_costs']:5.1f} % "
+            f"(mean costs F/B/W {r['F_B_W_ms']['F']:.2f}/{r['F_B_W_ms']['B']:.2f}/"
+            f"{r['F_B_W_ms']['W']:.2f} ms), "
+            f"{100 * r['theory_stage_costs']:5.1f} % (each stage's costs), "
+            f"{100 * r['theory_action_costs']:5.1f} % (each action's own time); "
+            "idle per stage " + ", ".join(f"{100 * x:.1f}" for x in r["idle_per_stage"]))
+
+
+# each measurement and its line: overhead and slow give one result, bubble one per schedule
+MEASUREMENTS = {"overhead": (overhead, say_overhead), "bubble": (bubble, say_bubble), "slow": (slow, say_slow)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("overhead", "bubble", "slow"))
+    ap.add_argument("what", choices=tuple(MEASUREMENTS))
     ap.add_argument("--mesh", default="pp=2")
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--micro-batches", type=int, default=4)
@@ -176,40 +208,12 @@ def main() -> None:
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
     configure_process(threads=1)
-    root = comm.Get_rank() == 0
+    measure, say = MEASUREMENTS[args.what]
     with dataset_dir(args.data, args.src, comm) as data:
-        if args.what == "overhead":
-            res = overhead(args, data, comm)
-            if root:
-                print(json.dumps(res) if args.json else
-                      f"{res['mesh']} {res['schedule']} m={res['m']}: bare {res['off_ms']:.2f} ms, flight recorder "
-                      f"{res['recorder_ms']:.2f} ms ({res['recorder_pct']:+.2f} %), "
-                      f"recorder and trace {res['on_ms']:.2f} ms (tracing {res['overhead_pct']:+.2f} % on top; "
-                      f"measured inside the tracer: {res['tracer_ms']:.3f} ms a step on the busiest rank, "
-                      f"{res['tracer_pct']:.2f} %; {res['events_per_step']:.0f} events/step/rank; "
-                      f"writing the trace {res['write_s']:.2f} s)")
-        elif args.what == "slow":
-            res = slow(args, data, comm)
-            if root:
-                print(json.dumps(res) if args.json else
-                      f"dp={res['ranks']}, rank {res['slow_rank']} sleeping {res['injected_ms']} ms a step: the report "
-                      f"names rank {res['named']}, slower by {res['slower_by_ms']:.1f} ms a step "
-                      f"({res['ratio']:.3f} x the injected delay; waited per step: "
-                      + ", ".join(f"rank {r} {v:.1f} ms" for r, v in sorted(res["waited_ms_per_step"].items()))
-                      + f"; {res['steps']} steps, the first left out)")
-        else:
-            rows = bubble(args, data, comm)
-            if root:
-                for r in rows:
-                    print(json.dumps(r) if args.json else
-                          f"{r['schedule']:>11} p={r['p']} m={r['m']} v={r['v']}: "
-                          f"measured {100 * r['measured']:5.1f} %, "
-                          f"theory {100 * r['theory_unit']:5.1f} % (F=B=W), {100 * r['theory_measured_costs']:5.1f} % "
-                          f"(mean costs F/B/W {r['F_B_W_ms']['F']:.2f}/{r['F_B_W_ms']['B']:.2f}/"
-                          f"{r['F_B_W_ms']['W']:.2f} ms), "
-                          f"{100 * r['theory_stage_costs']:5.1f} % (each stage's costs), "
-                          f"{100 * r['theory_action_costs']:5.1f} % (each action's own time); "
-                          "idle per stage " + ", ".join(f"{100 * x:.1f}" for x in r["idle_per_stage"]))
+        res = measure(args, data, comm)
+    if comm.Get_rank() == 0:
+        for r in res if isinstance(res, list) else [res]:
+            print(json.dumps(r) if args.json else say(r))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +46,21 @@ import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_SRC, LLAMA_PRESETS, PRESETS, dataset_dir  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_SRC,
+    LLAMA_PRESETS,
+    PRESETS,
+    blas_info,
+    dataset_dir,
+    log,
+    monitor_fields,
+    timed_steps,
+    torch_training,
+)
 from numesh.host.runtime import keep_freed_memory  # noqa: E402
 
 TORCH_PIN = "torch==2.13.0"
 TORCH_WHEEL_DIR = "/opt/wheels"
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -82,62 +87,6 @@ def make_trainer(model_cfg: dict[str, Any], data: str, dtype: str = "float32", s
     return Trainer(cfg)
 
 
-def blas_info() -> list[dict[str, Any]]:
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return []
-    keep = ("internal_api", "version", "num_threads", "threading_layer", "architecture", "filepath")
-    return [{k: d.get(k) for k in keep} for d in threadpool_info() if d.get("user_api") == "blas"]
-
-
-class CpuMonitor:
-    """CPU used by *other* processes (and hypervisor steal) while we measure, in cores: busy
-    time in /proc/stat minus this process's CPU time. On a small shared machine this says
-    whether a number is trustworthy (Linux only; n/a elsewhere)."""
-
-    def __init__(self):
-        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-    def _busy(self) -> float | None:
-        try:
-            with open("/proc/stat") as f:
-                v = [int(x) for x in f.readline().split()[1:]]
-        except OSError:
-            return None
-        return (sum(v[:8]) - v[3] - v[4]) / self.hz  # user nice system irq softirq steal (guest is in user)
-
-    def __enter__(self):
-        t = os.times()
-        self._own, self._sys, self._busy0, self._wall = t.user + t.system, t.system, self._busy(), time.perf_counter()
-        self._faults = _minor_faults()
-        return self
-
-    def __exit__(self, *exc):
-        t = os.times()
-        busy = self._busy()
-        wall = time.perf_counter() - self._wall
-        own = t.user + t.system - self._own
-        self.other_cores = None if busy is None or wall <= 0 else max(0.0, (busy - self._busy0 - own) / wall)
-        self.own_cores = own / wall if wall > 0 else None
-        # kernel time of this process: mostly page faults on freshly allocated arrays
-        self.sys_share = (t.system - self._sys) / own if own > 0 else None
-        self.minor_faults = _minor_faults() - self._faults
-
-
-def monitor_fields(mon: CpuMonitor, iters: int) -> dict[str, Any]:
-    return {"own_cpu_cores": mon.own_cores, "other_cpu_cores": mon.other_cores, "sys_share": mon.sys_share,
-            "minor_faults_per_iter": mon.minor_faults / iters}
-
-
-def _minor_faults() -> int:
-    try:
-        import resource
-    except ImportError:  # not on Windows
-        return 0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
 def summarize(times_s: list[float], tokens_per_iter: int) -> dict[str, float]:
     ms = [t * 1e3 for t in times_s]
     med = statistics.median(ms)
@@ -161,21 +110,11 @@ def run_numesh(trainer, warmup: int, iters: int) -> dict[str, Any]:
     from numesh.data.batches import local_batch, train_key
 
     c = trainer.cfg
-    times, losses = [], []
-    for _ in range(warmup):
-        losses.append(trainer.train_step()[0])
-    with CpuMonitor() as mon:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            loss, _norm, _lr = trainer.train_step()
-            times.append(time.perf_counter() - t0)
-            losses.append(loss)
+    losses: list[float] = []
+    times, mon = timed_steps(lambda _i: losses.append(trainer.train_step()[0]), warmup, iters)
     # the batch draw alone (it is inside train_step)
-    draw = []
-    for i in range(iters):
-        t0 = time.perf_counter()
-        local_batch(trainer.train_data, train_key(c.seed, i), c.batch_size, c.block_size, 0, 1, 1)
-        draw.append(time.perf_counter() - t0)
+    draw, _ = timed_steps(lambda i: local_batch(trainer.train_data, train_key(c.seed, i), c.batch_size, c.block_size,
+                                                0, 1, 1), 0, iters)
     out = summarize(times, trainer.tokens_per_step)
     out.update(losses=losses, batch_draw_ms=statistics.median(draw) * 1e3, n_params=trainer.n_params,
                **monitor_fields(mon, iters))
@@ -226,8 +165,6 @@ def copy_numesh_params(torch, model, params) -> None:
 def torch_trainer(torch, tc, vocab_size: int, train_data, attention: str, optim_impl: str, init_params=None):
     """(model, params, step function, losses list): the torch model and a step(i) that trains
     it on numesh's batch i with TrainConfig `tc`'s hyper-parameters, as nanoGPT does."""
-    from numesh.data.batches import local_batch, train_key
-    from numesh.optim import cosine_lr
     from numesh.testing.torch_nanogpt import nanogpt
 
     torch.manual_seed(tc.seed)
@@ -235,29 +172,7 @@ def torch_trainer(torch, tc, vocab_size: int, train_data, attention: str, optim_
     if init_params is not None:
         copy_numesh_params(torch, model, init_params)
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    extra = {"fused": True} if optim_impl == "fused" else {"foreach": True} if optim_impl == "foreach" else {}
-    opt = torch.optim.AdamW(groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2), eps=1e-8, **extra)
-    losses: list[float] = []
-
-    def step(i: int) -> None:
-        (x, y), = local_batch(train_data, train_key(tc.seed, i), tc.batch_size, tc.block_size, 0, 1, 1)
-        xb, yb = torch.from_numpy(x), torch.from_numpy(y)
-        lr = cosine_lr(i, tc.learning_rate, tc.min_lr, tc.warmup_iters, tc.lr_decay_iters)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss = model(xb, yb)
-        loss.backward()
-        if tc.grad_clip > 0.0:
-            torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-
+    params, step, losses = torch_training(torch, model, tc, train_data, model, optim_impl)
     return model, params, step, losses
 
 
@@ -265,14 +180,7 @@ def run_torch(torch, tc, vocab_size: int, train_data, warmup: int, iters: int, a
               optim_impl: str, init_params=None) -> dict[str, Any]:
     """Time the torch model trained with TrainConfig `tc`'s hyper-parameters on numesh's batches."""
     _model, params, step, losses = torch_trainer(torch, tc, vocab_size, train_data, attention, optim_impl, init_params)
-    for i in range(warmup):
-        step(i)
-    times = []
-    with CpuMonitor() as mon:
-        for i in range(warmup, warmup + iters):
-            t0 = time.perf_counter()
-            step(i)
-            times.append(time.perf_counter() - t0)
+    times, mon = timed_steps(step, warmup, iters)
     out = summarize(times, tc.batch_size * tc.block_size)
     out.update(losses=losses, n_params=sum(p.numel() for p in params), **monitor_fields(mon, iters))
     return out

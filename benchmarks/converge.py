@@ -21,8 +21,8 @@ import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import import_torch, log, torch_trainer  # noqa: E402
-from common import DEFAULT_SRC, dataset_dir  # noqa: E402
+from bench_train import import_torch, torch_trainer  # noqa: E402
+from common import DEFAULT_SRC, dataset_dir, log  # noqa: E402
 
 
 def eval_batches(data: np.ndarray, seed: int, split: str, n: int, batch: int, block: int) -> list:

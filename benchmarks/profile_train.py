@@ -42,8 +42,8 @@ import numesh  # noqa: F401  # isort: skip  (before numpy: it sets up OpenBLAS, 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import CpuMonitor, log, make_trainer, preset_config  # noqa: E402
-from common import DEFAULT_SRC, LLAMA_PRESETS, PRESETS, dataset_dir  # noqa: E402
+from bench_train import make_trainer, preset_config  # noqa: E402
+from common import DEFAULT_SRC, LLAMA_PRESETS, PRESETS, CpuMonitor, dataset_dir, log, step_clock  # noqa: E402
 from numesh.host.runtime import keep_freed_memory  # noqa: E402
 
 # --------------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                          "own cost when one op runs at a time (blocks whole, e.g. batch 1, or --threads 1); blocks "
                          "run as pieces on several threads count each other's time")
     args = ap.parse_args(argv)
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = step_clock(args.clock)
 
     from numesh.host.runtime import set_blas_threads
 

@@ -532,17 +532,11 @@ def test_reshard_validates_the_target(saved: Path, tmp_path: Path) -> None:
 def numesh_logits(params: Any, model: Any, idx: np.ndarray) -> np.ndarray:
     """Logits at every position by a full forward on the 1-rank mesh."""
     from numesh.mesh import Mesh
-    from numesh.nn.layers import layernorm_fwd
-    from numesh.nn.transformer import block_fwd, embed_fwd
     from numesh.run.sample import shard_params
+    from test_layers import _full_logits
 
     mesh = Mesh.create(comm=MPI.COMM_SELF)
-    p = shard_params(params, model, mesh)
-    x, _ = embed_fwd(p, idx, model, mesh)
-    for layer, bp in enumerate(p.blocks):
-        x, _ = block_fwd(bp, x, model, mesh, layer)
-    xf, _ = layernorm_fwd(p.ln_f, x)
-    return xf @ p.wte.T
+    return _full_logits(shard_params(params, model, mesh), idx, model, mesh)
 
 
 @pytest.mark.parametrize("bias", [True, False])

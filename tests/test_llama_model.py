@@ -10,11 +10,14 @@ import pytest
 from conftest import random_global_params, self_mesh, tiny_config
 from numesh.base.errors import ConfigError
 from numesh.base.tree import tree_leaves, tree_leaves_with_path
+from numesh.checkpoint.hf import llama_config as hf_llama_config
+from numesh.checkpoint.hf_llama import to_llama
 from numesh.nn import reference
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import ARCHS, GPTConfig, gpt_specs, swiglu_hidden
 from numesh.nn.walk import forward_loss, loss_and_grads
 from numesh.run.config import config_from
+from test_layers import _batch
 
 LLAMA = ARCHS["llama"]
 # small enough for finite differences: 2 layers, 16 wide, 4 query heads of size 4
@@ -36,10 +39,6 @@ def llama_config(kind: str, **overrides) -> GPTConfig:
         kw["norm_eps"] = 1e-6
     kw.update(overrides)
     return tiny_config(**kw)
-
-
-def _batch(cfg: GPTConfig, rng: np.random.Generator, B: int = 2) -> tuple[np.ndarray, np.ndarray]:
-    return rng.integers(0, cfg.vocab_size, (B, cfg.block_size)), rng.integers(0, cfg.vocab_size, (B, cfg.block_size))
 
 
 def _ce(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -95,23 +94,11 @@ def test_loss_and_grads_match_finite_differences(kind: str) -> None:
 
 def test_mixtral_grads_match_finite_differences_through_the_router_losses() -> None:
     """SwiGLU experts (gate, up and down per expert) under the router and its two losses."""
-    from test_layers import _entries, assert_fd, fd_grad
-    from test_moe_model import _objective
+    from test_moe_model import assert_grads_match_fd
 
-    rng = np.random.default_rng(8)
     cfg = llama_config("mixtral", moe_every=2, n_layer=3, moe_aux_coef=0.2, moe_z_coef=0.05)
-    params = random_global_params(cfg, seed=2)
+    params = assert_grads_match_fd(cfg, 2, np.random.default_rng(8))
     assert params.blocks[0].mlp.gate.w.shape == (4, 16, 64)  # [E, C, F]
-    idx, tgt = _batch(cfg, rng)
-    scale = 1.0 / idx.size
-    _, grads = loss_and_grads(params, idx, tgt, cfg, self_mesh(), scale)
-
-    def f() -> float:
-        return _objective(params, idx, tgt, cfg, scale)[0]
-
-    for (path, p), g in zip(tree_leaves_with_path(params), tree_leaves(grads)):
-        entries = _entries(p.shape, rng, 4)
-        assert_fd(g, fd_grad(f, p, entries), path, entries)
 
 
 def test_logits_equal_transformers_llama() -> None:
@@ -121,21 +108,11 @@ def test_logits_equal_transformers_llama() -> None:
     transformers = pytest.importorskip("transformers")
     cfg = llama_config("gqa", block_size=12)
     p = random_global_params(cfg, seed=5, scale=0.2)
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.hidden,
-        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
-        max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
-    model = transformers.LlamaForCausalLM(hf_cfg).double().eval()
-    t = lambda a: torch.tensor(np.ascontiguousarray(a))  # noqa: E731
-    sd = {"model.embed_tokens.weight": t(p.wte), "model.norm.weight": t(p.ln_f.w), "lm_head.weight": t(p.lm_head)}
-    for i, b in enumerate(p.blocks):
-        h = f"model.layers.{i}."
-        sd.update({h + "input_layernorm.weight": t(b.ln1.w), h + "post_attention_layernorm.weight": t(b.ln2.w),
-                   h + "self_attn.q_proj.weight": t(b.attn.q.w.T), h + "self_attn.k_proj.weight": t(b.attn.k.w.T),
-                   h + "self_attn.v_proj.weight": t(b.attn.v.w.T), h + "self_attn.o_proj.weight": t(b.attn.proj.w.T),
-                   h + "mlp.gate_proj.weight": t(b.mlp.gate.w.T), h + "mlp.up_proj.weight": t(b.mlp.fc.w.T),
-                   h + "mlp.down_proj.weight": t(b.mlp.proj.w.T)})
+    # config.json and tensors as `numesh export --format hf` writes them (numesh.checkpoint's one table)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(
+        hf_llama_config(cfg, "llama", None, "float64"))).double().eval()
+    assert not model.config.tie_word_embeddings and model.config.num_key_value_heads == 2
+    sd = {name: torch.tensor(a) for name, a in to_llama(p, cfg).items()}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
     idx, tgt = _batch(cfg, np.random.default_rng(2), B=3)

@@ -34,12 +34,11 @@ def _objective(params, idx, tgt, cfg, scale: float, recompute: str = "none") -> 
     return float(loss.sum()) * scale + sum(s.aux_sum / s.sequences + s.z_sum / s.positions for s in ctx.moe), ctx.moe
 
 
-@pytest.mark.parametrize("top_k", [1, 2])
-def test_gpt_with_experts_grads_match_finite_differences(top_k: int) -> None:
-    rng = np.random.default_rng(8)
-    cfg = tiny_config(n_layer=3, **{**MOE, "moe_top_k": top_k})
-    params = random_global_params(cfg, seed=2)
-    assert [type(b.mlp) for b in params.blocks] == [MoE, MLP, MoE]  # blocks 0 and 2 (every 2nd)
+def assert_grads_match_fd(cfg, seed: int, rng: np.random.Generator):
+    """`loss_and_grads` of `cfg`'s model with experts (random parameters of `seed`) against
+    finite differences of the whole objective, the router losses included, at 4 entries of
+    every leaf; returns the parameters."""
+    params = random_global_params(cfg, seed=seed)
     idx, tgt = _batch(cfg, rng)
     scale = 1.0 / idx.size
     _, grads = loss_and_grads(params, idx, tgt, cfg, self_mesh(), scale)
@@ -51,6 +50,14 @@ def test_gpt_with_experts_grads_match_finite_differences(top_k: int) -> None:
         assert g.shape == p.shape, path
         entries = _entries(p.shape, rng, 4)
         assert_fd(g, fd_grad(f, p, entries), path, entries)
+    return params
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_gpt_with_experts_grads_match_finite_differences(top_k: int) -> None:
+    cfg = tiny_config(n_layer=3, **{**MOE, "moe_top_k": top_k})
+    params = assert_grads_match_fd(cfg, 2, np.random.default_rng(8))
+    assert [type(b.mlp) for b in params.blocks] == [MoE, MLP, MoE]  # blocks 0 and 2 (every 2nd)
 
 
 def test_full_recomputation_gives_the_same_bits() -> None:

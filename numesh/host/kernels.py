@@ -513,6 +513,14 @@ def adamw(p, g, m, v, decay, wd, beta1, beta2, eps, c1, c2):
 # ---------------------------------------------------------------------------------------
 
 
+def warm_rows(dtype) -> tuple[np.ndarray, ...]:
+    """The tiny operands `warm_up` (and numesh.host.llama_kernels.warm_up) compiles the row
+    kernels on: x [2, 4], a weight w [4], per-row r [2], and y, xh, dx shaped as x."""
+    f = np.dtype(dtype).type
+    x = np.ones((2, 4), f)
+    return x, np.ones(4, f), np.ones(2, f), np.empty_like(x), np.empty_like(x), np.empty_like(x)
+
+
 def warm_up(dtype) -> None:
     """Compile (or load from the disk cache) every kernel a training run of `dtype` calls,
     on tiny arrays: at start-up, before any collective has a deadline, rather than inside
@@ -520,9 +528,7 @@ def warm_up(dtype) -> None:
     if not enabled():
         return
     f = np.dtype(dtype).type
-    x = np.ones((2, 4), f)
-    w, r = np.ones(4, f), np.ones(2, f)
-    y, xh, dx = np.empty_like(x), np.empty_like(x), np.empty_like(x)
+    x, w, r, y, xh, dx = warm_rows(dtype)
     dw, db = np.empty(4, np.float64), np.empty(4, np.float64)
     layernorm_fwd(x, w, w, False, y, xh, r)
     layernorm_fwd(x, w, w, True, y, xh, r)

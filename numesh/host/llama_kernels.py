@@ -115,14 +115,12 @@ def rope(x, cos, sin, inverse, out, r0, r1):
 def warm_up(dtype) -> None:
     """Compile (or load from the disk cache) these kernels for `dtype` on tiny arrays, at
     start-up as numesh.host.kernels.warm_up does for the others."""
-    from numesh.host.kernels import enabled
+    from numesh.host.kernels import enabled, warm_rows
 
     if not enabled():
         return
     f = np.dtype(dtype).type
-    x = np.ones((2, 4), f)
-    w, r = np.ones(4, f), np.ones(2, f)
-    y, xh, dx = np.empty_like(x), np.empty_like(x), np.empty_like(x)
+    x, w, r, y, xh, dx = warm_rows(dtype)
     rmsnorm_fwd(x, w, 1e-5, y, xh, r)
     rmsnorm_bwd(x, xh, r, w, dx, np.empty(4, np.float64))
     flat = x.reshape(-1)
