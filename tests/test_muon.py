@@ -21,10 +21,10 @@ from numesh.nn.units import split_units
 from numesh.optim import Leaf, make_optimizer
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
 from numesh.optim.interface import matrix_view
-from numesh.optim.matrices import assign_owners, pieces
+from numesh.optim.matrices import assign_owners, deal_matrices, pieces
 from numesh.optim.muon import MuonConfig, is_hidden_matrix, lr_factor, momentum_direction, orthogonalise
 from numesh.optim.registry import describe
-from numesh.optim.zero import ZeroOptimizer, deal_matrices
+from numesh.optim.zero import ZeroOptimizer
 
 # bfloat16 keeps 8 significant bits: one rounding is 2^-9 relative, and torch rounds the
 # iteration's input and every product of its 5 steps; measured 1-2 % of the update's

@@ -29,9 +29,10 @@ from typing import Any, Hashable, Mapping, Sequence
 import attrs
 import numpy as np
 
+from numesh.host.threads import over_batch, threads
 from numesh.mesh import Mesh, all_gather, all_to_all_v
 from numesh.optim.flat import FlatLayout
-from numesh.optim.interface import MatrixView
+from numesh.optim.interface import MatrixRule, MatrixView
 
 
 @attrs.frozen
@@ -69,6 +70,37 @@ def assign_owners(costs: Sequence[float], ranks: int) -> list[int]:
         owners.append(r)
         loads[r] += c
     return owners
+
+
+def deal_matrices(flops: list[float], k: int) -> list[list[int]]:
+    """The matrices' indices dealt to `k` threads by `assign_owners`, largest first, so a few
+    big matrices do not all land on one thread."""
+    order = sorted(range(len(flops)), key=lambda j: (-flops[j], j))
+    bins: list[list[int]] = [[] for _ in range(k)]
+    for j, owner in zip(order, assign_owners([flops[j] for j in order], k)):
+        bins[owner].append(j)
+    return bins
+
+
+def run_matrices(rule: MatrixRule, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """dst ← rule.matrix(src) for each (src, dst). Several matrices run side by side on
+    numesh's threads, each whole on one thread, single-threaded: the default model's are
+    128 rows, too small for `threads.matmul` to split, so one thread would do all of
+    Newton–Schulz (benchmarks/bench_optim.py --share-only measures the share). A matrix's
+    operations do not depend on the thread it runs on, so the bits do not either."""
+    k = min(threads(), len(pairs))
+    if k <= 1:
+        for src, dst in pairs:
+            dst[...] = rule.matrix(src)
+        return
+    bins = deal_matrices([rule.flops(src.shape[0], src.shape[1]) for src, _ in pairs], k)
+
+    def work(r: slice) -> None:
+        for b in range(r.start, r.stop):
+            for j in bins[b]:
+                pairs[j][1][...] = rule.matrix(pairs[j][0])
+
+    over_batch(work, k, k)
 
 
 def pieces(start: int, size: int, shard: int, ranks: int) -> list[tuple[int, int]]:

@@ -42,7 +42,6 @@ import numpy as np
 
 from numesh.base.errors import ReplicaError
 from numesh.base.tree import Tree, flatten, tree_leaves, tree_leaves_with_path, tree_map, tree_map_with_path
-from numesh.host.threads import over_batch, threads
 from numesh.mesh import Mesh, pmax, psum, psum_scalar
 from numesh.optim import adamw
 from numesh.optim.adamw import decays
@@ -50,7 +49,7 @@ from numesh.optim.clip import counted_once
 from numesh.optim.flat import FlatLayout, Span
 from numesh.optim.grad_sync import make_grad_sync
 from numesh.optim.interface import Elementwise, Leaf, MatrixRule, Optimizer, fan, matrix_view
-from numesh.optim.matrices import MatrixExchange, Slab, assign_owners
+from numesh.optim.matrices import MatrixExchange, Slab, assign_owners, run_matrices
 from numesh.optim.residency import gather_full, make_residency
 
 K = TypeVar("K", bound=Hashable)
@@ -432,36 +431,3 @@ def _checksums(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64, copy=False)
     return np.array([x.sum(), np.dot(x, np.arange(1, x.size + 1, dtype=np.float64) % 97.0)])
 
-
-
-def deal_matrices(flops: list[float], k: int) -> list[list[int]]:
-    """The matrices' indices dealt to `k` threads: largest first, each to the thread with the
-    least work so far (ties to the lowest), so a few big matrices do not all land on one."""
-    bins: list[list[int]] = [[] for _ in range(k)]
-    load = [0.0] * k
-    for j in sorted(range(len(flops)), key=lambda j: (-flops[j], j)):
-        b = load.index(min(load))
-        bins[b].append(j)
-        load[b] += flops[j]
-    return bins
-
-
-def run_matrices(rule: MatrixRule, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    """dst ← rule.matrix(src) for each (src, dst). Several matrices run side by side on
-    numesh's threads, each whole on one thread, single-threaded: the default model's are
-    128 rows, too small for `threads.matmul` to split, so one thread would do all of
-    Newton–Schulz (benchmarks/bench_optim.py --share-only measures the share). A matrix's
-    operations do not depend on the thread it runs on, so the bits do not either."""
-    k = min(threads(), len(pairs))
-    if k <= 1:
-        for src, dst in pairs:
-            dst[...] = rule.matrix(src)
-        return
-    bins = deal_matrices([rule.flops(src.shape[0], src.shape[1]) for src, _ in pairs], k)
-
-    def work(r: slice) -> None:
-        for b in range(r.start, r.stop):
-            for j in bins[b]:
-                pairs[j][1][...] = rule.matrix(pairs[j][0])
-
-    over_batch(work, k, k)
