@@ -32,13 +32,16 @@ Sections:
              heads × head size = 128), interleaved, medians and minima: what
              numesh.nn.attention's QUERY_TILE and KEY_TILE were chosen from.
 
-Ratios above 1 mean numesh is faster. This is a benchmark: it asserts nothing. The README's
-"Long context" table and docs/benchmarks.md hold its output.
+Without torch installed, the torch sides are left out (said at the start, "—" in the
+tables) and the rest is measured. Ratios above 1 mean numesh is faster. This is a
+benchmark: it asserts nothing. The README's "Long context" table and docs/benchmarks.md
+hold its output.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import statistics
@@ -78,17 +81,28 @@ def parse_rows(spec: str) -> list[tuple[str, int, int]]:
     return rows
 
 
+def have_torch() -> bool:
+    """Whether torch can be imported here (its workers run in this interpreter)."""
+    return importlib.util.find_spec("torch") is not None
+
+
 def model_section(args: argparse.Namespace, data: str) -> list[dict[str, Any]]:
     out = []
+    sides = ("base",) * bool(args.base) + ("numesh",) + ("torch",) * have_torch()
     for name, T, B in parse_rows(args.rows):
         model = dict(PRESETS[name], block_size=T, batch_size=B)
-        runs = alternate(("base", "numesh", "torch") if args.base else ("numesh", "torch"), args.rounds,
+        runs = alternate(sides, args.rounds,
                          lambda kind: run_worker("numesh" if kind == "base" else kind, model, data, args.threads,
                                                  args.iters, args.warmup, timeout=args.timeout, clock=args.clock,
                                                  numesh_from=args.base if kind == "base" else None),
                          f"{name} {T}x{B}", lambda r: r.get("ms", r.get("error")))
-        out.append({"model": name, "T": T, "B": B, **runs})
+        out.append({"model": name, "T": T, "B": B, "torch": [], **runs})
     return out
+
+
+def _span(rs: list[dict[str, Any]], key: str, spec: str) -> str:
+    """`span`, or "—" for a side that did not run (torch not installed)."""
+    return span(rs, key, spec) if rs else "—"
 
 
 def print_model(rows: list[dict], threads: int, clock: str = "wall") -> None:
@@ -98,8 +112,8 @@ def print_model(rows: list[dict], threads: int, clock: str = "wall") -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['T']} × {r['B']} | {span(r['numesh'], 'ms', '.1f')} | "
-              f"{span(r['torch'], 'ms', '.1f')} | **{ratio_span(r, 'tokens_per_s')}** | "
-              f"{span(r['numesh'], 'rss_mb', '.0f')} | {span(r['torch'], 'rss_mb', '.0f')} |")
+              f"{_span(r['torch'], 'ms', '.1f')} | **{ratio_span(r, 'tokens_per_s')}** | "
+              f"{span(r['numesh'], 'rss_mb', '.0f')} | {_span(r['torch'], 'rss_mb', '.0f')} |")
     if any("base" in r for r in rows):
         print("\n--base (numesh before), in the same rounds:")
         print("| model | T × B | base ms | numesh ms | numesh / base tokens/s | base peak RSS MB |")
@@ -194,7 +208,7 @@ def attention_section(args: argparse.Namespace) -> dict[str, Any]:
     n = configure_process(args.threads, None)
     times: dict[str, list[float]] = {"numesh": [], "torch": [], "gemms": []}
     for _ in range(args.rounds):
-        for kind in ("numesh", "torch", "gemms"):
+        for kind in ("numesh",) + ("torch",) * have_torch() + ("gemms",):
             cmd = [sys.executable, str(Path(__file__).resolve()), "--attn-worker", kind, "--threads",
                    str(args.threads), "--attn-runs", str(args.attn_runs), "--attn-head-size",
                    str(args.attn_head_size), "--clock", args.clock]
@@ -207,7 +221,7 @@ def attention_section(args: argparse.Namespace) -> dict[str, Any]:
     rate = gemm_rate(args.clock)
     causal = B * 7 * 2.0 * H * hs * T * (T + 1) / 2
     executed = B * formulas.attention_flops(T, H * hs, QUERY_TILE)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items() if v}
     return {"T": T, "B": B, "H": H, "head_size": hs, "threads": n, "numesh_ms": times["numesh"],
             "torch_ms": times["torch"], "gemms_ms": times["gemms"], "gemm_gflops": rate / 1e9,
             "causal_gflop": causal / 1e9,
@@ -276,10 +290,11 @@ def print_attention(a: dict) -> None:
         return f"{min(xs):.1f}–{max(xs):.1f}" if len(xs) > 1 else f"{xs[0]:.1f}"
 
     ratios = [t / m for m, t in zip(a["numesh_ms"], a["torch_ms"])]
+    versus = (f"torch SDPA {ms_span(a['torch_ms'])} ms (numesh / torch speed {min(ratios):.2f}–{max(ratios):.2f}×)"
+              if ratios else "torch SDPA — (not installed)")
     print(f"\nattention: forward + backward, T = {a['T']}, B·H = {a['B'] * a['H']}, head size {a['head_size']}, "
           f"float32, {a['threads']} threads, fresh processes alternating")
-    print(f"  numesh {ms_span(a['numesh_ms'])} ms, torch SDPA {ms_span(a['torch_ms'])} ms "
-          f"(numesh / torch speed {min(ratios):.2f}–{max(ratios):.2f}×)")
+    print(f"  numesh {ms_span(a['numesh_ms'])} ms, {versus}")
     print(f"  causal half {a['causal_gflop']:.2f} GFLOP (executed with {a['query_tile']}-query stripes: "
           f"{a['executed_gflop']:.2f}) at the GEMM rate {a['gemm_gflops']:.1f} GFLOP/s = {a['bound_ms']:.1f} ms: "
           f"numesh's median takes {a['numesh_over_bound']:.2f}× that")
@@ -320,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = set(args.sections.split(","))
     report: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d")}
     print(f"machine: {describe(report['machine'])}; {report['date']}")
+    if not have_torch() and sections & {"model", "attention"}:
+        log(f"torch is not installed, so only numesh is measured; to compare: {sys.executable} -m pip install torch")
     if "model" in sections:
         with dataset_dir(args.data, args.src, log=log) as data:
             report["model"] = model_section(args, data)
