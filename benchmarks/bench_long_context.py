@@ -27,6 +27,9 @@ Sections:
              bound; and the kernel's GEMMs alone (its passes made no-ops), which shows how
              much of that distance is BLAS at these skinny (head-size) shapes.
 
+  loops      (on request) the kernel at T = 2048 in this process on --threads threads with
+             its stripe loops compiled (numesh.host.attention_kernels) and in Python,
+             alternating: what the compiled loops save by taking the GIL once per group.
   tiles      (on request) the kernel at T = 2048 for query tiles of 64, 128, 256, 512 and
              key tiles of 512, 1024, 2048, at each head size of --head-sizes (32, 64, 128;
              heads × head size = 128), interleaved, medians and minima: what
@@ -232,6 +235,60 @@ def attention_section(args: argparse.Namespace) -> dict[str, Any]:
 TILES = [(qt, kt) for qt in (64, 128, 256, 512) for kt in (512, 1024, 2048)]
 
 
+def loops_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The kernel's forward + backward (T = 2048, heads x head size = 128 at each head size
+    of --head-sizes, batch 1) with its stripe loops compiled (numesh.host.attention_kernels:
+    one GIL-free call per group) and in Python (the GIL handed over at every call), in this
+    process on --threads threads, alternating; medians and minima over --rounds x 3."""
+    import numpy as np
+
+    from numesh.host import blas
+    from numesh.host.runtime import configure_process
+    from numesh.nn import attention as A
+
+    configure_process(args.threads, None)
+    addresses = blas.gemm_addresses()
+    if addresses is None:
+        raise SystemExit("loops: numpy's BLAS offers no gemm the compiled loops can call (numesh.host.blas), or "
+                         "numba is off: nothing to compare")
+    out: dict[str, Any] = {}
+    saved = blas.gemm_addresses
+    try:
+        for hs in (int(x) for x in args.head_sizes.split(",")):
+            T, B, H, _ = attn_shape(hs)
+            rng = np.random.default_rng(0)
+            q, k, v, dy = (rng.standard_normal((B, H, T, hs)).astype(np.float32) for _ in range(4))
+            y = np.empty_like(q)
+
+            def step() -> None:
+                lse = A.attend_fwd(q, k, v, y, scale=1 / math.sqrt(hs))
+                grads = [np.zeros_like(q) for _ in range(3)]
+                A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=1 / math.sqrt(hs))
+
+            times: dict[str, list[float]] = {"compiled": [], "python": []}
+            for _ in range(3 * args.rounds):
+                for kind in times:
+                    blas.gemm_addresses = (lambda: addresses) if kind == "compiled" else (lambda: None)
+                    step()
+                    t0 = time.perf_counter()
+                    step()
+                    times[kind].append(time.perf_counter() - t0)
+            out[f"hs{hs}"] = {kind: (statistics.median(ts) * 1e3, min(ts) * 1e3) for kind, ts in times.items()}
+    finally:
+        blas.gemm_addresses = saved
+    return out
+
+
+def print_loops(t: dict[str, Any], threads: int) -> None:
+    print(f"\nloops: the kernel's forward + backward, T = {ATTN['T']}, heads x head size = 128, {threads} threads, "
+          "wall ms, median (min)")
+    print("| head size | stripe loops compiled | in Python | Python / compiled |")
+    print("|---|---|---|---|")
+    for h, r in t.items():
+        print(f"| {h[2:]} | {r['compiled'][0]:.1f} ({r['compiled'][1]:.1f}) | {r['python'][0]:.1f} "
+              f"({r['python'][1]:.1f}) | {r['python'][0] / r['compiled'][0]:.2f}× |")
+
+
 def tiles_section(args: argparse.Namespace) -> dict[str, Any]:
     """The kernel's forward + backward for each (query tile, key tile) at T = 2048 and each
     head size of --head-sizes (heads = 128 / head size, so every row does the same FLOPs),
@@ -307,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="model,attention",
-                    help="comma-separated: model, attention, tiles (default model,attention)")
+                    help="comma-separated: model, attention, loops, tiles (default model,attention)")
     ap.add_argument("--threads", type=int, default=2, help="threads per process (default 2)")
     ap.add_argument("--rows", default=ROWS, help=f"model:TxB,... (default {ROWS})")
     ap.add_argument("--rounds", type=int, default=2, help="numesh/torch rounds per row (default 2)")
@@ -344,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     if "attention" in sections:
         report["attention"] = attention_section(args)
         print_attention(report["attention"])
+    if "loops" in sections:
+        report["loops"] = loops_section(args)
+        print_loops(report["loops"], args.threads)
     if "tiles" in sections:
         report["tiles"] = tiles_section(args)
         print_tiles(report["tiles"], args.threads, args.clock)

@@ -17,6 +17,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from numesh.host import blas
 from numesh.host import kernels as K
 from numesh.nn import attention as A
 from numesh.nn.attention import (
@@ -115,6 +116,47 @@ def test_tiled_attention_matches_the_definition(small_tiles, kernels, dropout, B
         got = _run(q, k, v, dy, diag, drop)
     for g, w, name in zip(got, want, ("y", "dq", "dk", "dv")):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg=name)
+
+
+def _compiled_gemm() -> None:
+    """Skip (saying why) where the compiled stripe loops cannot run here."""
+    if not K.HAVE_NUMBA:
+        pytest.skip("numba is not installed")
+    if blas.gemm_addresses() is None:
+        pytest.skip("numpy's BLAS has no 64-bit-integer cblas gemm giving np.matmul's bits (pip's numpy wheel has)")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("B,H,Tq,Tk,hs,diag,qt,kt,kv", [*(c.values + (None,) for c in CASES),
+                                                        (1, 6, 37, 37, 8, 0, 8, 16, 2), (2, 4, 33, 33, 8, 0, 8, 8, 1)])
+def test_compiled_stripe_loops_match_the_python_loops(small_tiles, monkeypatch, dtype, B, H, Tq, Tk, hs, diag, qt,
+                                                      kt, kv):
+    """numesh.host.attention_kernels (one GIL-free call per group, numpy's GEMM called from
+    numba) computes what the Python stripe loop computes, to rounding: it accumulates the
+    gradients in the GEMM (beta = 1) where the loop adds each product, and takes libm's log
+    for the log-sum-exp where NumPy has its own."""
+    _compiled_gemm()
+    small_tiles(qt, kt)
+    q, k, v, dy = _inputs(B, H, Tq, Tk, hs, dtype, kv_heads=kv)
+    calls = []
+    monkeypatch.setattr(A.AK, "group_fwd", lambda *a, f=A.AK.group_fwd: calls.append(1) or f(*a))
+    with K.switched(True):
+        compiled = _run(q, k, v, dy, diag)
+        assert calls, "the compiled loops did not run"
+        monkeypatch.setattr(blas, "gemm_addresses", lambda: None)
+        python = _run(q, k, v, dy, diag)
+    tol = 1e-12 if dtype == np.float64 else 2e-6
+    for a, b, name in zip(compiled, python, ("y", "dq", "dk", "dv")):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol, err_msg=name)
+
+
+def test_the_gemm_probe_refuses_a_gemm_that_disagrees_with_numpy():
+    """`gemm_addresses` keeps a GEMM only if it gives np.matmul's bits: dgemm's address
+    offered as sgemm's fails the probe (it reads float32 data as float64)."""
+    _compiled_gemm()
+    sgemm, dgemm = blas.gemm_addresses()
+    assert blas._agrees(sgemm, np.float32) and blas._agrees(dgemm, np.float64)
+    assert not blas._agrees(sgemm, np.float64)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

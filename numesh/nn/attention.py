@@ -9,7 +9,11 @@ It keeps the output and each row's log-sum-exp. `attend_bwd` is FlashAttention-2
 backward: each stripe's probabilities are recomputed from q, k and the saved log-sum-exp,
 and dq, dk, dv accumulate stripe by stripe. The tile GEMMs run on BLAS (NumPy's matmul);
 the softmax passes between them are numba kernels (numesh/host/kernels.py, `stripe_*`,
-their exp vectorised) or their NumPy equivalents here. `attention_reference` is the plain definition (the whole T×T
+their exp vectorised) or their NumPy equivalents here. With numba, and numpy's GEMM
+callable from it (`numesh.host.blas`), a group's whole stripe loop runs compiled
+(`numesh.host.attention_kernels`): one GIL-free call per group instead of ~15 calls per
+stripe, each handing the GIL between threads; the loops below run with dropout (its
+stream stays here), without numba, or without such a GEMM. `attention_reference` is the plain definition (the whole T×T
 matrix at once) that both are tested against.
 
 Grouped-query attention (GQA: fewer key/value heads than query heads) is the same kernel:
@@ -38,6 +42,8 @@ from typing import Callable
 import attrs
 import numpy as np
 
+from numesh.host import attention_kernels as AK
+from numesh.host import blas
 from numesh.host import kernels as K
 from numesh.host.threads import over_rows, threads
 
@@ -323,12 +329,24 @@ def _own(x: np.ndarray, grp: _Group, scale: float | None = None) -> np.ndarray:
     return np.ascontiguousarray(part) if scale is None else part * part.dtype.type(scale)
 
 
+def _gemm(drop: AttnDropout | None, dtype) -> int | None:
+    """The address of numpy's GEMM for `numesh.host.attention_kernels` (the stripe loops
+    compiled, one GIL-free call per group), or None where the loops run here in Python:
+    numba off or missing, no usable GEMM (`blas.gemm_addresses`), or dropout on."""
+    fns = blas.gemm_addresses() if K.enabled() and (drop is None or drop.p == 0.0) else None
+    return None if fns is None else fns[np.dtype(dtype) == np.float64]
+
+
 def _group_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, grp: _Group, starts, buf: np.ndarray) -> None:
     """The stripes starting at `starts` of one group of (batch row, kv head) pairs, each with
     its query heads `grp.i` (q, y [B, Hkv, g, T, hs], lse [B, Hkv, g, T]; k, v [B, Hkv, 1,
     T, hs]): their y rows and log-sum-exps written."""
-    qg, kg, vg = _own(q, grp, scale), _own(k, grp), _own(v, grp)
+    qg, kg, vg = (np.ascontiguousarray(x) for x in (_own(q, grp, scale), _own(k, grp), _own(v, grp)))
     yg, lseg = y[grp.b, grp.h, grp.i], lse[grp.b, grp.h, grp.i]
+    fn = _gemm(drop, q.dtype)
+    if fn is not None:
+        AK.group_fwd(fn, qg, kg, vg, yg, lseg, diag, np.asarray(starts, np.int64), QUERY_TILE, KEY_TILE, buf)
+        return
     for q0 in starts:
         _stripe_fwd(qg, kg, vg, yg, lseg, diag, drop, qpos, kpos, grp, q0, buf, q.shape[2])
 
@@ -400,13 +418,19 @@ def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, 
     Hkv, g, T, hs] with GQA), in order: the group's dq and each of its query heads' dk, dv
     summed in contiguous buffers, then added into dq, dk, dv once."""
     f = q.dtype.type
-    qg, kg, vg, dyg = _own(q, grp, scale), _own(k, grp), _own(v, grp), _own(dy, grp)
+    qg, kg, vg, dyg = (np.ascontiguousarray(x) for x in (_own(q, grp, scale), _own(k, grp), _own(v, grp),
+                                                          _own(dy, grp)))
     lseg, ddg = _own(lse, grp), _own(dd, grp)
     per_head = (*qg.shape[:3], kg.shape[3])  # [nb, nh, the group's query heads, Tk]
     dqg = np.zeros_like(qg)
     dkg, dvg = np.zeros((*per_head, kg.shape[4]), kg.dtype), np.zeros((*per_head, vg.shape[4]), vg.dtype)
-    for q0 in range(0, qg.shape[3], QUERY_TILE):
-        _stripe_bwd(qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, drop, qpos, kpos, grp, q0, bufs, q.shape[2])
+    fn = _gemm(drop, q.dtype)
+    if fn is not None:
+        AK.group_bwd(fn, qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, QUERY_TILE, KEY_TILE, bufs[0], bufs[1])
+    else:
+        for q0 in range(0, qg.shape[3], QUERY_TILE):
+            _stripe_bwd(qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, drop, qpos, kpos, grp, q0, bufs,
+                        q.shape[2])
     dqg *= f(scale)
     dq[grp.b, grp.h, grp.i] += dqg
     dk[grp.b, grp.h, grp.i] += dkg
