@@ -24,8 +24,9 @@ Sections:
              query's visible keys: numesh.perf.formulas.attention_flops) and the time they take
              at the machine's GEMM rate (numesh.host.runtime.gemm_flops of a 1024³ float32 GEMM on
              the same threads): the kernel's time over that is its distance from the GEMM
-             bound; and the kernel's GEMMs alone (its passes made no-ops), which shows how
-             much of that distance is BLAS at these skinny (head-size) shapes.
+             bound; and the kernel's GEMMs alone (its passes made no-ops, in the Python stripe
+             loop: on several threads that one also waits for the GIL between calls), which
+             shows how much of that distance is BLAS at these skinny (head-size) shapes.
 
   loops      (on request) the kernel at T = 2048 in this process on --threads threads with
              its stripe loops compiled (numesh.host.attention_kernels) and in Python,
@@ -151,8 +152,12 @@ def attention_worker(kind: str, threads: int, runs: int, head_size: int = 32, cl
     if kind in ("numesh", "gemms"):
         from numesh.nn import attention as A
 
-        if kind == "gemms":  # the same calls with the passes between the GEMMs made no-ops
+        if kind == "gemms":  # the Python stripe loop's calls with the passes between the GEMMs made no-ops
             import types
+
+            from numesh.host import blas
+
+            blas.gemm_addresses = lambda: None  # the compiled loops' passes cannot be made no-ops
 
             for name in ("_softmax", "_probs", "_grad"):
                 setattr(A, name, lambda *a, **kw: None)
