@@ -127,27 +127,32 @@ def _compiled_gemm() -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
 @pytest.mark.parametrize("B,H,Tq,Tk,hs,diag,qt,kt,kv", [*(c.values + (None,) for c in CASES),
                                                         (1, 6, 37, 37, 8, 0, 8, 16, 2), (2, 4, 33, 33, 8, 0, 8, 8, 1)])
-def test_compiled_stripe_loops_match_the_python_loops(small_tiles, monkeypatch, dtype, B, H, Tq, Tk, hs, diag, qt,
-                                                      kt, kv):
+def test_compiled_stripe_loops_match_the_python_loops(small_tiles, monkeypatch, dtype, dropout, B, H, Tq, Tk, hs,
+                                                      diag, qt, kt, kv):
     """numesh.host.attention_kernels (one GIL-free call per group, numpy's GEMM called from
-    numba) computes what the Python stripe loop computes, to rounding: it accumulates the
-    gradients in the GEMM (beta = 1) where the loop adds each product, and takes libm's log
-    for the log-sum-exp where NumPy has its own."""
+    numba) computes what the Python stripe loop computes, dropout's pattern included, to
+    rounding: it accumulates the gradients in the GEMM (beta = 1) where the loop adds each
+    product, and takes libm's log for the log-sum-exp where NumPy has its own."""
     _compiled_gemm()
     small_tiles(qt, kt)
     q, k, v, dy = _inputs(B, H, Tq, Tk, hs, dtype, kv_heads=kv)
+    drop = AttnDropout(dropout, key=5, row0=1, n_head=H + 2, head0=2, seq=Tk) if dropout else None
     calls = []
-    monkeypatch.setattr(A.AK, "group_fwd", lambda *a, f=A.AK.group_fwd: calls.append(1) or f(*a))
+    for name in ("group_fwd", "group_bwd"):
+        monkeypatch.setattr(A.AK, name, lambda *a, f=getattr(A.AK, name), n=name: calls.append(n) or f(*a))
     with K.switched(True):
-        compiled = _run(q, k, v, dy, diag)
-        assert calls, "the compiled loops did not run"
+        compiled = _run(q, k, v, dy, diag, drop)
+        assert {"group_fwd", "group_bwd"} <= set(calls), "the compiled loops did not run"
         monkeypatch.setattr(blas, "gemm_addresses", lambda: None)
-        python = _run(q, k, v, dy, diag)
+        python = _run(q, k, v, dy, diag, drop)
     tol = 1e-12 if dtype == np.float64 else 2e-6
     for a, b, name in zip(compiled, python, ("y", "dq", "dk", "dv")):
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol, err_msg=name)
+    if dropout:  # dropout acted: the match above is not of two runs that both ignore it
+        assert not np.allclose(compiled[0], _run(q, k, v, dy, diag)[0], rtol=tol, atol=tol)
 
 
 def test_the_gemm_probe_refuses_a_gemm_that_disagrees_with_numpy():

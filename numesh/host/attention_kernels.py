@@ -8,8 +8,9 @@ loops`). `group_fwd` and `group_bwd` run the same loops compiled, calling numpy'
 GEMM (`numesh.host.blas.gemm`) and the same stripe passes (`numesh.host.kernels.stripe_*`),
 so a thread takes the GIL once per group. They compute what `_stripe_fwd`/`_stripe_bwd`
 compute, head by head in the same order, the gradients accumulated in the GEMM (beta = 1)
-rather than as a product then an add. Without dropout only: the dropout stream stays in
-the Python loop (numesh.nn.attention says which runs).
+rather than as a product then an add. Dropout draws from the same stream (`key`,
+`threshold`, `inv_keep`; threshold 0: none) at the same counters: `base` [G, T] each
+query's counter base (`AttnDropout.row_base`), `kpos` [Tk] the keys' positions.
 
 Arrays (shapes as in numesh.nn.attention's `_group_fwd`/`_group_bwd`): q, dy, dq
 [nb, nh, g, T, hs] and k, v [nb, nh, 1, Tk, hs] C-contiguous (q already scaled), dk, dv
@@ -22,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from numesh.host.blas import NO_TRANS, TRANS, gemm
-from numesh.host.kernels import _JIT, njit, stripe_grad, stripe_probs, stripe_softmax
+from numesh.host.kernels import _JIT, njit, stripe_dropped, stripe_grad, stripe_probs, stripe_softmax
 
 _N, _T = np.int64(NO_TRANS), np.int64(TRANS)
 
@@ -35,14 +36,13 @@ def _heads(q):
 
 
 @njit(**_JIT)
-def group_fwd(fn, q, k, v, y, lse, diag, starts, qt, kt, buf):
+def group_fwd(fn, q, k, v, y, lse, diag, starts, qt, kt, buf, key, threshold, inv_keep, base, kpos):
     """The stripes starting at `starts` (qt query rows each, key tiles of kt): y's rows and
     each row's log-sum-exp, as numesh.nn.attention's `_stripe_fwd` writes them."""
     nb, nh, g, G = _heads(q)
     T, hs, Tk = q.shape[3], q.shape[4], k.shape[3]
     one, zero = q.dtype.type(1.0), q.dtype.type(0.0)
     hs64 = np.int64(hs)
-    no_key, no_base, no_pos = np.uint64(0), np.zeros((G, qt), np.uint64), np.zeros(kt, np.uint64)
     pv = np.empty((G, qt, hs), q.dtype)
     acc = np.empty((G, qt, hs), q.dtype)
     for q0 in starts:
@@ -51,6 +51,7 @@ def group_fwd(fn, q, k, v, y, lse, diag, starts, qt, kt, buf):
         m = np.full((G, rows), -np.inf, q.dtype)
         l = np.zeros((G, rows), q.dtype)
         alpha = np.empty((G, rows), q.dtype)
+        base_s = np.ascontiguousarray(base[:, q0:q1])
         end = min(Tk, q1 + diag)
         first = True
         for j0 in range(0, end, kt):
@@ -63,7 +64,7 @@ def group_fwd(fn, q, k, v, y, lse, diag, starts, qt, kt, buf):
                         x = (b * nh + h) * g + i
                         gemm(fn, _N, _T, np.int64(keys), np.int64(rows), hs64, one, k[b, h, 0, j0:].ctypes.data, hs64,
                              q[b, h, i, q0:].ctypes.data, hs64, zero, s[x].ctypes.data, np.int64(rows))
-            stripe_softmax(s, vis0, m, l, alpha, no_key, no_key, one, no_base, no_pos)
+            stripe_softmax(s, vis0, m, l, alpha, key, threshold, inv_keep, base_s, kpos[j0:j1])
             for b in range(nb):
                 for h in range(nh):
                     for i in range(g):
@@ -88,7 +89,8 @@ def group_fwd(fn, q, k, v, y, lse, diag, starts, qt, kt, buf):
 
 
 @njit(**_JIT)
-def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, diag, qt, kt, p_buf, dp_buf):
+def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, diag, qt, kt, p_buf, dp_buf, pd_buf, key, threshold,
+              inv_keep, base, kpos):
     """Every stripe of the group: dq (not yet scaled), and each query head's share of dk
     and dv, accumulated as numesh.nn.attention's `_stripe_bwd` does; lse and dd [nb, nh,
     g, T] C-contiguous."""
@@ -96,18 +98,19 @@ def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, diag, qt, kt, p_buf, dp_buf)
     T, hs, Tk = q.shape[3], q.shape[4], k.shape[3]
     one, zero = q.dtype.type(1.0), q.dtype.type(0.0)
     hs64 = np.int64(hs)
-    no_key, no_base, no_pos = np.uint64(0), np.zeros((G, qt), np.uint64), np.zeros(kt, np.uint64)
     lse2, dd2 = lse.reshape((G, T)), dd.reshape((G, T))
     for q0 in range(0, T, qt):
         q1 = min(T, q0 + qt)
         rows = q1 - q0
         lse_s, dd_s = np.ascontiguousarray(lse2[:, q0:q1]), np.ascontiguousarray(dd2[:, q0:q1])
+        base_s = np.ascontiguousarray(base[:, q0:q1])
         end = min(Tk, q1 + diag)
         for j0 in range(0, end, kt):
             j1 = min(end, j0 + kt)
             keys, vis0 = j1 - j0, q0 + diag + 1 - j0
             p = p_buf[: G * keys * rows].reshape((G, keys, rows))
             dp = dp_buf[: G * keys * rows].reshape((G, keys, rows))
+            kpos_s = kpos[j0:j1]
             nk, nr = np.int64(keys), np.int64(rows)
             for b in range(nb):
                 for h in range(nh):
@@ -116,19 +119,23 @@ def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, diag, qt, kt, p_buf, dp_buf)
                         gemm(fn, _N, _T, nk, nr, hs64, one, k[b, h, 0, j0:].ctypes.data, hs64,
                              q[b, h, i, q0:].ctypes.data, hs64, zero, p[x].ctypes.data, nr)
             stripe_probs(p, vis0, lse_s)  # the attention probabilities [G, keys, rows]
+            dropped = p  # the weights the values were averaged with
+            if threshold != 0:
+                dropped = pd_buf[: G * keys * rows].reshape((G, keys, rows))
+                stripe_dropped(p, dropped, key, threshold, inv_keep, base_s, kpos_s)
             for b in range(nb):
                 for h in range(nh):
                     for i in range(g):
                         x = (b * nh + h) * g + i
-                        gemm(fn, _N, _N, nk, hs64, nr, one, p[x].ctypes.data, nr, dy[b, h, i, q0:].ctypes.data, hs64,
-                             one, dv[b, h, i, j0:].ctypes.data, hs64)
+                        gemm(fn, _N, _N, nk, hs64, nr, one, dropped[x].ctypes.data, nr,
+                             dy[b, h, i, q0:].ctypes.data, hs64, one, dv[b, h, i, j0:].ctypes.data, hs64)
             for b in range(nb):
                 for h in range(nh):
                     for i in range(g):
                         x = (b * nh + h) * g + i
                         gemm(fn, _N, _T, nk, nr, hs64, one, v[b, h, 0, j0:].ctypes.data, hs64,
                              dy[b, h, i, q0:].ctypes.data, hs64, zero, dp[x].ctypes.data, nr)
-            stripe_grad(p, dp, dd_s, no_key, no_key, one, no_base, no_pos)  # d(scores)
+            stripe_grad(p, dp, dd_s, key, threshold, inv_keep, base_s, kpos_s)  # d(scores)
             for b in range(nb):
                 for h in range(nh):
                     for i in range(g):

@@ -4,7 +4,7 @@
 multiplies its queries by only the keys they can see (keys above the diagonal are never
 multiplied or masked), KEY_TILE keys at a time, folding each key tile into an online
 (log-sum-exp) softmax: the largest buffer is KEY_TILE × QUERY_TILE per thread, whatever T.
-A tile's scores are held transposed, [keys, queries] (see numesh/kernels.py for why).
+A tile's scores are held transposed, [keys, queries] (see numesh/host/kernels.py for why).
 It keeps the output and each row's log-sum-exp. `attend_bwd` is FlashAttention-2's
 backward: each stripe's probabilities are recomputed from q, k and the saved log-sum-exp,
 and dq, dk, dv accumulate stripe by stripe. The tile GEMMs run on BLAS (NumPy's matmul);
@@ -12,9 +12,10 @@ the softmax passes between them are numba kernels (numesh/host/kernels.py, `stri
 their exp vectorised) or their NumPy equivalents here. With numba, and numpy's GEMM
 callable from it (`numesh.host.blas`), a group's whole stripe loop runs compiled
 (`numesh.host.attention_kernels`): one GIL-free call per group instead of ~15 calls per
-stripe, each handing the GIL between threads; the loops below run with dropout (its
-stream stays here), without numba, or without such a GEMM. `attention_reference` is the plain definition (the whole T×T
-matrix at once) that both are tested against.
+stripe, each handing the GIL between threads, dropout included (the same stream); the
+loops below run without numba (or NUMESH_KERNELS=numpy) or without such a GEMM.
+`attention_reference` is the plain definition (the whole T×T matrix at once) that both
+are tested against.
 
 Grouped-query attention (GQA: fewer key/value heads than query heads) is the same kernel:
 q and y are viewed as [B, Hkv, g, T, hs], each kv head's g query heads together, and k, v
@@ -329,12 +330,20 @@ def _own(x: np.ndarray, grp: _Group, scale: float | None = None) -> np.ndarray:
     return np.ascontiguousarray(part) if scale is None else part * part.dtype.type(scale)
 
 
-def _gemm(drop: AttnDropout | None, dtype) -> int | None:
+def _gemm(dtype) -> int | None:
     """The address of numpy's GEMM for `numesh.host.attention_kernels` (the stripe loops
     compiled, one GIL-free call per group), or None where the loops run here in Python:
-    numba off or missing, no usable GEMM (`blas.gemm_addresses`), or dropout on."""
-    fns = blas.gemm_addresses() if K.enabled() and (drop is None or drop.p == 0.0) else None
+    numba off or missing, or no usable GEMM (`blas.gemm_addresses`)."""
+    fns = blas.gemm_addresses() if K.enabled() else None
     return None if fns is None else fns[np.dtype(dtype) == np.float64]
+
+
+def _stream(drop: AttnDropout | None, grp: _Group, qpos: np.ndarray, kpos: np.ndarray, dtype,
+            g_all: int) -> tuple:
+    """The compiled loops' dropout arguments (key, threshold, inv_keep, counter bases [G,
+    Tq], key positions [Tk]): every stripe's `_stripe` at once, sliced per stripe there."""
+    st = _stripe(drop, grp, qpos, kpos, dtype, g_all)
+    return st.key, st.threshold, st.inv_keep, st.row_base, st.kpos
 
 
 def _group_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, grp: _Group, starts, buf: np.ndarray) -> None:
@@ -343,9 +352,10 @@ def _group_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, grp: _Group, star
     T, hs]): their y rows and log-sum-exps written."""
     qg, kg, vg = (np.ascontiguousarray(x) for x in (_own(q, grp, scale), _own(k, grp), _own(v, grp)))
     yg, lseg = y[grp.b, grp.h, grp.i], lse[grp.b, grp.h, grp.i]
-    fn = _gemm(drop, q.dtype)
+    fn = _gemm(q.dtype)
     if fn is not None:
-        AK.group_fwd(fn, qg, kg, vg, yg, lseg, diag, np.asarray(starts, np.int64), QUERY_TILE, KEY_TILE, buf)
+        AK.group_fwd(fn, qg, kg, vg, yg, lseg, diag, np.asarray(starts, np.int64), QUERY_TILE, KEY_TILE, buf,
+                     *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
         return
     for q0 in starts:
         _stripe_fwd(qg, kg, vg, yg, lseg, diag, drop, qpos, kpos, grp, q0, buf, q.shape[2])
@@ -424,9 +434,10 @@ def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, 
     per_head = (*qg.shape[:3], kg.shape[3])  # [nb, nh, the group's query heads, Tk]
     dqg = np.zeros_like(qg)
     dkg, dvg = np.zeros((*per_head, kg.shape[4]), kg.dtype), np.zeros((*per_head, vg.shape[4]), vg.dtype)
-    fn = _gemm(drop, q.dtype)
+    fn = _gemm(q.dtype)
     if fn is not None:
-        AK.group_bwd(fn, qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, QUERY_TILE, KEY_TILE, bufs[0], bufs[1])
+        AK.group_bwd(fn, qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, QUERY_TILE, KEY_TILE, *bufs,
+                     *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
     else:
         for q0 in range(0, qg.shape[3], QUERY_TILE):
             _stripe_bwd(qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, drop, qpos, kpos, grp, q0, bufs,
