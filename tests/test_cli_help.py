@@ -87,17 +87,20 @@ def test_preset_is_another_name_for_model(tmp_path) -> None:
     assert "unknown model preset 'gpt5'" in line
 
 
-def test_no_mpi_library_is_one_line(tmp_path) -> None:
+@pytest.mark.parametrize("args", [["--help"], ["train", "--max-iters", "1"]], ids=["help", "train"])
+def test_no_mpi_library_is_one_line(tmp_path, args: list[str]) -> None:
     """A machine without an MPI library (numesh installed without the mpich wheel or a system
     MPI): every command says so in one line with what to install, not mpi4py's traceback.
-    MPI4PY_LIBMPI pointing nowhere makes mpi4py fail to load one, as it does there."""
+    MPI4PY_LIBMPI pointing nowhere makes mpi4py fail to load one, as it does there. `train`
+    loads MPI inside its start-up signal guard (numesh/host/startup_signals.py), the others
+    just after it."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "MPI4PY_LIBMPI": str(tmp_path / "libmpi.so")}
-    res = subprocess.run([sys.executable, "-m", "numesh.cli.app", "--help"], env=env, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run([sys.executable, "-m", "numesh.cli.app", *args], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2, res.stderr
     assert len(lines) == 1 and lines[0].startswith("error: mpi4py finds no MPI library"), res.stderr

@@ -5,11 +5,16 @@ from __future__ import annotations
 import sys
 
 import numesh  # noqa: F401  (first: it sets up OpenBLAS before numpy loads it)
+from numesh.cli import exit_without_mpi
 from numesh.host.startup_signals import catch_for_command
 
 # `numesh train`: a preemption signal during the imports below (numba's kernels, MPI) and the
 # rest of start-up is kept for the training loop, not lost (numesh/host/startup_signals.py)
-catch_for_command(sys.argv)
+try:
+    catch_for_command(sys.argv)  # first: for `numesh train` it loads MPI itself, its handlers around it
+    from mpi4py import MPI  # noqa: F401  (every command needs it: without a library, one line)
+except RuntimeError as e:
+    exit_without_mpi(e)
 
 import inspect  # after the line above, which must run first
 from pathlib import Path
