@@ -129,10 +129,6 @@ def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, diag, qt, kt, p_buf, dp_buf,
                         x = (b * nh + h) * g + i
                         gemm(fn, _N, _N, nk, hs64, nr, one, dropped[x].ctypes.data, nr,
                              dy[b, h, i, q0:].ctypes.data, hs64, one, dv[b, h, i, j0:].ctypes.data, hs64)
-            for b in range(nb):
-                for h in range(nh):
-                    for i in range(g):
-                        x = (b * nh + h) * g + i
                         gemm(fn, _N, _T, nk, nr, hs64, one, v[b, h, 0, j0:].ctypes.data, hs64,
                              dy[b, h, i, q0:].ctypes.data, hs64, zero, dp[x].ctypes.data, nr)
             stripe_grad(p, dp, dd_s, key, threshold, inv_keep, base_s, kpos_s)  # d(scores)
