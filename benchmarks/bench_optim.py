@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Muon against AdamW on tiny Shakespeare with the default model, at equal steps and at
-equal wall-clock, and the Newton–Schulz share of a Muon step on 1 rank and on dp=2 ZeRO-1.
+equal wall-clock, and the Newton–Schulz share of a Muon step on 1 rank and on dp=2 (ZeRO 0, 1).
 
     python benchmarks/bench_optim.py                              # 2000 steps each, curves to optim.png
     python benchmarks/bench_optim.py --steps 500 --muon-lr 2e-3 --plot optim.svg
@@ -16,8 +16,9 @@ both comparisons; `--plot` draws the runs with `numesh plot` (loss, val loss, to
 
 The Newton–Schulz share: a Muon step's time in the iteration itself
 (`ZeroOptimizer.matrix_seconds`) over the whole step's, the medians of --share-steps steps
-after a warm-up, on one rank and on dp=2 with ZeRO 1 (this script's worker under the
-mpiexec beside this Python), where each rank iterates on about half the matrices.
+after a warm-up, on one rank and on dp=2 with ZeRO 0 and with ZeRO 1 (this script's worker
+under the mpiexec beside this Python), where each rank iterates on about half the matrices
+(under ZeRO 0 too: the results are all-gathered, numesh/optim/matrices.py).
 A benchmark: it asserts nothing. Its times need a quiet machine; docs/benchmarks.md holds runs.
 """
 
@@ -71,7 +72,7 @@ def compare(root: Path, args: argparse.Namespace) -> None:
         print(f"curves: {args.plot}")
 
 
-def worker(data: str, out: str, mesh: str, steps: int) -> None:
+def worker(data: str, out: str, mesh: str, steps: int, zero: int) -> None:
     """Under mpiexec (or alone): Muon steps of the default model; rank 0 prints the medians
     of the step time and of the time in the Newton–Schulz iteration, as JSON."""
     from mpi4py import MPI
@@ -81,7 +82,7 @@ def worker(data: str, out: str, mesh: str, steps: int) -> None:
     from numesh.run.train import Trainer
 
     configure_process()  # BLAS on one thread, numesh's threads over the rank's cores, as `numesh train` runs
-    cfg = config_from(dict(PRESETS["default"], data=data, out=out, mesh=mesh, zero=1 if mesh else 0,
+    cfg = config_from(dict(PRESETS["default"], data=data, out=out, mesh=mesh, zero=zero,
                            optimizer="muon", peak_flops=1e12))
     trainer = Trainer(cfg, MPI.COMM_WORLD)
     step, ns = [], []
@@ -99,15 +100,15 @@ def share(root: Path, args: argparse.Namespace) -> None:
     data = root / "data"
     if not data.exists():
         numesh_cli("data", "char", "--src", args.src, "--out", str(data))
-    for ranks, mesh in ((1, ""), (2, "dp=2")):
-        cmd = [sys.executable, __file__, "--worker", str(data), str(root / f"share-{ranks}"), mesh,
-               str(args.share_steps)]
+    for ranks, mesh, zero in ((1, "", 0), (2, "dp=2", 0), (2, "dp=2", 1)):
+        cmd = [sys.executable, __file__, "--worker", str(data), str(root / f"share-{ranks}-{zero}"), mesh,
+               str(args.share_steps), str(zero)]
         if ranks > 1:
             cmd = [venv_tool("mpiexec"), "-n", str(ranks), *cmd]
         got = run_json(cmd, timeout=None)
         if "error" in got:
             raise SystemExit(f"{' '.join(cmd)} failed: {got['error']}")
-        where = "1 rank" if ranks == 1 else "dp=2 ZeRO-1"
+        where = "1 rank" if ranks == 1 else f"dp=2 ZeRO-{zero}"
         print(f"Newton-Schulz share of a Muon step, {where}: {got['ns_ms']:.1f} of {got['step_ms']:.1f} ms "
               f"({100 * got['ns_ms'] / got['step_ms']:.1f} %)")
 
@@ -115,8 +116,8 @@ def share(root: Path, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        data, out, mesh, steps = argv[1:5]
-        worker(data, out, mesh, int(steps))
+        data, out, mesh, steps, zero = argv[1:6]
+        worker(data, out, mesh, int(steps), int(zero))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

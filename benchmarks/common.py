@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -312,11 +313,15 @@ def span(rs: list[dict[str, Any]], key: str, spec: str) -> str:
 
 def ratio_span(row: dict[str, list[dict[str, Any]]], key: str, over: str = "torch") -> str:
     """numesh's `key` over side `over`'s (torch, or base), per round (each round's runs back
-    to back), as "lo–hi×"."""
+    to back), as "lo–hi×", with the rounds' median from three rounds on: on a machine whose
+    neighbours take cycles now and then, one slow round moves the range but not the median."""
     rs = [a[key] / b[key] for a, b in zip(row["numesh"], row[over]) if key in a and key in b]
     if not rs:
         return "n/a"
-    return f"{min(rs):.2f}×" if len(rs) == 1 else f"{min(rs):.2f}–{max(rs):.2f}×"
+    if len(rs) == 1:
+        return f"{rs[0]:.2f}×"
+    median = f" (median {statistics.median(rs):.2f})" if len(rs) >= 3 else ""
+    return f"{min(rs):.2f}–{max(rs):.2f}×{median}"
 
 
 # --------------------------------------------------------------------------------------

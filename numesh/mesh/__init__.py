@@ -5,6 +5,7 @@ from numesh.mesh.collectives import (
     Handle,
     all_gather,
     all_gather_inplace,
+    all_gather_v,
     all_to_all,
     all_to_all_v,
     broadcast,
@@ -27,7 +28,7 @@ from numesh.mesh.spec import P, local_shape, local_slices, replicated_axes, shar
 
 __all__ = [
     "AXES", "BATCH_AXES", "ByteCounter", "Group", "Handle", "Mesh", "MeshError", "Observer", "P", "SkipCall",
-    "all_gather", "all_gather_inplace", "all_to_all", "all_to_all_v", "broadcast", "ipsum", "ipsum_scatter", "irecv",
-    "isend", "local_shape", "local_slices", "parse_mesh", "pmax", "psum", "psum_scalar", "psum_tree", "psum_scatter",
-    "recv", "replicated_axes", "send", "sendrecv", "shard", "unshard",
+    "all_gather", "all_gather_inplace", "all_gather_v", "all_to_all", "all_to_all_v", "broadcast", "ipsum",
+    "ipsum_scatter", "irecv", "isend", "local_shape", "local_slices", "parse_mesh", "pmax", "psum", "psum_scalar",
+    "psum_tree", "psum_scatter", "recv", "replicated_axes", "send", "sendrecv", "shard", "unshard",
 ]

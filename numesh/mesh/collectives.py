@@ -13,7 +13,7 @@ blocking call runs: observation off costs one attribute test per call.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -149,6 +149,22 @@ def all_gather(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> np.n
     if dim == 0:
         return buf.reshape(n * x.shape[0], *x.shape[1:])
     return np.concatenate(list(buf), axis=dim)
+
+
+def all_gather_v(x: np.ndarray, counts: Sequence[int], mesh: Mesh, axes: AxisNames) -> np.ndarray:
+    """Every rank's 1-D `x` concatenated in axis order, rank j's `counts[j]` values (known to
+    every rank beforehand). Bytes counted as `all_gather` counts them: the gathered buffer."""
+    if mesh.size(axes) == 1:
+        return x
+    counts_ = np.asarray(counts, np.int64)
+    displ = np.concatenate(([0], np.cumsum(counts_)[:-1]))
+    out = np.empty(int(counts_.sum()), x.dtype)
+    _count(mesh, axes, "all_gather", out.nbytes)
+    comm, src, mpi_type = mesh.comm(axes), _contig(x), MPI._typedict[x.dtype.char]
+    recv_spec = [out, (counts_, displ), mpi_type]
+    _run(mesh, axes, "all_gather", out.nbytes, lambda: comm.Allgatherv(src, recv_spec),
+         lambda: comm.Iallgatherv(src, recv_spec))
+    return out
 
 
 def all_gather_inplace(buf: np.ndarray, mesh: Mesh, axes: AxisNames) -> np.ndarray:

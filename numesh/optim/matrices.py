@@ -16,9 +16,13 @@ gradients are reduced and the elementwise `direction` (momentum) ran on each ran
    the whole matrices (each keeps its own slice: `mine_over_tp`);
 3. the owner returns each shard's piece of the result (`scatter`), another all-to-all.
 
-Under ZeRO 0 nothing is sharded: every rank owns every slab and only the tp gather
-remains. Over ep each rank has its own experts (their slabs are its own); replicas over cp
-and ep compute their replicated slabs alike. Pipeline stages each handle their own units.
+Under ZeRO 0 nothing is sharded: every rank holds every slab whole already, so step 1 moves
+nothing; the slabs are still dealt to the dp ranks, each iterates on its own, and step 3 is
+one all-gather over dp of the results (`share`): every rank would otherwise repeat all of
+Newton–Schulz, a third of a Muon step (benchmarks/bench_optim.py measures the share).
+
+Over ep each rank has its own experts (their slabs are its own); replicas over cp and ep
+compute their replicated slabs alike. Pipeline stages each handle their own units.
 The bytes are `numesh.perf.formulas.matrix_exchange_bytes`.
 """
 
@@ -30,7 +34,7 @@ import attrs
 import numpy as np
 
 from numesh.host.threads import over_batch, threads
-from numesh.mesh import Mesh, all_gather, all_to_all_v
+from numesh.mesh import Mesh, all_gather, all_gather_v, all_to_all_v
 from numesh.optim.flat import FlatLayout
 from numesh.optim.interface import MatrixRule, MatrixView
 
@@ -116,19 +120,25 @@ def pieces(start: int, size: int, shard: int, ranks: int) -> list[tuple[int, int
 class MatrixExchange:
     """Moves the slabs of a rank's units between shard owners and slab owners (module docstring).
 
-    `sharded`: whether each rank holds only its dp shard of the state (ZeRO >= 1); if not,
-    every slab is this rank's and nothing moves over dp."""
+    `sharded`: whether each rank holds only its dp shard of the state (ZeRO >= 1); if not
+    (ZeRO 0), every rank holds every slab whole, iterates on those it owns and gets the
+    others' results by `share`. `dtype`: the state's, which a rank that owns no slab still
+    receives in."""
 
-    def __init__(self, layout: FlatLayout, slabs: Sequence[Slab], mesh: Mesh, sharded: bool):
-        self.mesh, self.slabs = mesh, list(slabs)
-        self.dp, self.rank = (layout.dp, layout.rank) if sharded else (1, 0)
+    def __init__(self, layout: FlatLayout, slabs: Sequence[Slab], mesh: Mesh, sharded: bool, dtype=np.float64):
+        self.mesh, self.slabs, self.sharded, self.dtype = mesh, list(slabs), sharded, np.dtype(dtype)
+        self.dp, self.rank = layout.dp, layout.rank
+        n = self.dp if sharded else 1  # the slices each unit's state is cut into over dp
         shard = {k: (u.shard_size if sharded else u.padded) for k, u in layout.units.items()}
-        self.offset = {k: self.rank * n for k, n in shard.items()}  # where this rank's slice starts in each unit
-        self.cut = [pieces(s.start, s.size, shard[s.key], self.dp) for s in self.slabs]
+        me = self.rank if sharded else 0
+        self.offset = {k: me * size for k, size in shard.items()}  # where this rank's slice starts in each unit
+        self.cut = [pieces(s.start, s.size, shard[s.key], n) for s in self.slabs]
         self.mine = [i for i, s in enumerate(self.slabs) if s.owner == self.rank]
+        self.owned = [[i for i, s in enumerate(self.slabs) if s.owner == q] for q in range(self.dp)]
         # this rank's pieces of every slab, in slab order: (slab, lo, hi) in unit coordinates
-        self.local = [(i, *self.cut[i][self.rank]) for i in range(len(self.slabs))
-                      if self.cut[i][self.rank][1] > self.cut[i][self.rank][0]]
+        self.local = [(i, *self.cut[i][me]) for i in range(len(self.slabs)) if self.cut[i][me][1] > self.cut[i][me][0]]
+        if not sharded:
+            return
         # values this rank sends each owner in `gather`, and receives from each rank (ints, not
         # arrays: nothing held between steps beside ZeroOptimizer.memory()'s buffers)
         self.send = [0] * self.dp
@@ -147,6 +157,9 @@ class MatrixExchange:
     def gather(self, values: Mapping[Hashable, np.ndarray]) -> dict[int, np.ndarray]:
         """The slabs this rank owns, whole over dp (flat, tp-local): `values[key]` is this
         rank's slice of unit `key` (its shard, or the whole unit when not sharded)."""
+        if not self.sharded:  # each slab is whole here already
+            return {i: values[self.slabs[i].key][self.slabs[i].start: self.slabs[i].start + self.slabs[i].size]
+                    for i in self.mine}
         send = [values[self.slabs[i].key][lo - self.offset[self.slabs[i].key]: hi - self.offset[self.slabs[i].key]]
                 for i, lo, hi in self._by_owner()]
         dtype = next(iter(values.values())).dtype
@@ -164,19 +177,34 @@ class MatrixExchange:
     def scatter(self, results: Mapping[int, np.ndarray]) -> list[tuple[int, int, int, np.ndarray]]:
         """Each owned slab's result (flat, tp-local) back to the shard owners: this rank's
         pieces as (slab, lo, hi, values), lo and hi in the coordinates of its slice of the unit."""
+        if not self.sharded:
+            return self.share(results)
         send = []
         for q in range(self.dp):
             for i in self.mine:
                 lo, hi = self.cut[i][q]
                 send.append(results[i][lo - self.slabs[i].start: hi - self.slabs[i].start])
-        dtype = next(iter(results.values())).dtype if results else np.float64
-        buf = np.concatenate(send) if send else np.zeros(0, dtype)
+        buf = np.concatenate(send) if send else np.zeros(0, self.dtype)
         got = all_to_all_v(buf, self.recv, self.send, self.mesh, "dp") if self.dp > 1 else buf
         out, pos = [], 0
         for i, lo, hi in self._by_owner():
             off = self.offset[self.slabs[i].key]
             out.append((i, lo - off, hi - off, got[pos: pos + hi - lo]))
             pos += hi - lo
+        return out
+
+    def share(self, results: Mapping[int, np.ndarray]) -> list[tuple[int, int, int, np.ndarray]]:
+        """ZeRO 0: every slab's result on every rank, each from its owner, in one all-gather
+        over dp: (slab, lo, hi, values) for every slab, lo and hi in unit coordinates."""
+        buf = np.concatenate([results[i] for i in self.mine]) if self.mine else np.zeros(0, self.dtype)
+        counts = [sum(self.slabs[i].size for i in owned) for owned in self.owned]
+        got = all_gather_v(buf, counts, self.mesh, "dp") if self.dp > 1 else buf
+        out, pos = [], 0
+        for owned in self.owned:
+            for i in owned:
+                s = self.slabs[i]
+                out.append((i, s.start, s.start + s.size, got[pos: pos + s.size]))
+                pos += s.size
         return out
 
     def whole_over_tp(self, parts: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:

@@ -136,12 +136,12 @@ class ZeroOptimizer(Generic[K]):
                     sizes[rule] += b - a
             self._runs[key] = runs
         self.state = {name: np.zeros(sizes[i], self.dtype) for i, r in enumerate(opt.rules) for name in r.state}
-        self._exchanges = {i: MatrixExchange(self.layout, self._slabs(i, units, r), self.mesh, sharded)
+        self._exchanges = {i: MatrixExchange(self.layout, self._slabs(i, units, r), self.mesh, sharded, self.dtype)
                            for i, r in enumerate(opt.rules) if isinstance(r, MatrixRule)}
 
     def _slabs(self, rule: int, units: Mapping[K, Tree], r: MatrixRule) -> list[Slab]:
         """The slabs of the leaves of matrix rule `rule`, in layout order, dealt to the dp
-        ranks (all this rank's when the state is not sharded)."""
+        ranks (under ZeRO 0 too: each rank iterates on its own, `MatrixExchange.share`)."""
         tp, out = self.mesh.size("tp"), []
         for key, t in units.items():
             start = 0
@@ -153,7 +153,7 @@ class ZeroOptimizer(Generic[K]):
                     cost = view.matrices_per_slab * r.flops(*f)
                     out += [Slab(key, start + j * view.size, view, f, cost) for j in range(view.batch)]
                 start += int(np.size(x))
-        owners = assign_owners([s.cost for s in out], self.layout.dp if self.sync.sharded else 1)
+        owners = assign_owners([s.cost for s in out], self.layout.dp)
         return [Slab(s.key, s.start, s.view, s.fan, s.cost, o) for s, o in zip(out, owners)]
 
     def _masks(self, units: Mapping[K, Tree], uncounted: frozenset) -> tuple[np.ndarray, np.ndarray]:

@@ -338,6 +338,7 @@ class RankUnits:
     ep_replicated_values: int = 0
     matrix_all_to_all: int = 0  # a matrix rule's (Muon's) exchange over dp: `matrix_exchange_bytes`
     matrix_all_gather: int = 0  # ... and its gather over tp
+    matrix_dp_gather: int = 0  # ... and under ZeRO 0 its results' all-gather over dp
 
 
 def step_bytes(step: StepShape, rank: RankUnits, all_to_all_bytes: int = 0) -> dict[tuple[str, str], int]:
@@ -392,6 +393,7 @@ def step_bytes(step: StepShape, rank: RankUnits, all_to_all_bytes: int = 0) -> d
             add(f"pp[0,{shape['pp'] - 1}]", "all_reduce", rank.tied_bytes)
     add("dp", "all_to_all", rank.matrix_all_to_all)
     add("tp", "all_gather", rank.matrix_all_gather)
+    add("dp", "all_gather", rank.matrix_dp_gather)
     if shape.get("ep", 1) > 1:
         add("ep", "all_reduce", ep_grad_bytes(rank.ep_replicated_values, itemsize))
         add("ep", "all_to_all", all_to_all_bytes)
@@ -631,28 +633,32 @@ def matrix_exchange_bytes(unit_sizes: Sequence[int], slabs: Sequence[tuple[int, 
     """Payload bytes a rank sends in one step to have each matrix of a matrix rule (Muon)
     whole on one rank (numesh/optim/matrices.py): `slabs` are (unit index, first value in
     the unit, values, cost, whether split over tp), tp-local, in layout order;
-    `unit_sizes` the units' values. Under ZeRO >= 1 (`sharded`) the slabs are dealt to the
-    dp ranks by cost (`assign_owners`), each rank sends every owner the part of its slabs
-    that lies in its 1/dp shard of the unit (padded to a multiple of dp), and each owner
-    the rest of its slabs back, all-to-alls over dp that count what leaves a rank; every
-    owner then all-gathers its tp-split slabs over tp, tp times their values."""
+    `unit_sizes` the units' values. The slabs are dealt to the dp ranks by cost
+    (`assign_owners`). Under ZeRO >= 1 (`sharded`) each rank sends every owner the part of
+    its slabs that lies in its 1/dp shard of the unit (padded to a multiple of dp), and
+    each owner the rest of its slabs back, all-to-alls over dp that count what leaves a
+    rank; under ZeRO 0 the owners' results are all-gathered over dp, which counts the
+    gathered buffer (every slab's values). Every owner all-gathers its tp-split slabs over
+    tp, tp times their values."""
     from numesh.optim.matrices import assign_owners, pieces  # here: the other formulas need no MPI
 
     n = dp if sharded else 1
-    owners = assign_owners([s[3] for s in slabs], n)
-    me = rank if sharded else 0
+    owners = assign_owners([s[3] for s in slabs], dp)
     out: dict[tuple[str, str], int] = {}
     moved = gathered = 0
     for (unit, start, size, _cost, split), owner in zip(slabs, owners):
-        shard = round_up(unit_sizes[unit], n) // n
-        lo, hi = pieces(start, size, shard, n)[me]
-        if owner != me:
-            moved += hi - lo  # my piece, to its owner
-        else:
-            moved += size - (hi - lo)  # the others' pieces of my slab, back to them
+        if owner == rank:
             gathered += size * tp if split and tp > 1 else 0
-    if n > 1:
-        out[("dp", "all_to_all")] = moved * itemsize
+        if not sharded:
+            continue
+        shard = round_up(unit_sizes[unit], n) // n
+        lo, hi = pieces(start, size, shard, n)[rank]
+        moved += (hi - lo) if owner != rank else size - (hi - lo)  # my piece to its owner; the others' back
+    if dp > 1:
+        if sharded:
+            out[("dp", "all_to_all")] = moved * itemsize
+        elif slabs:
+            out[("dp", "all_gather")] = sum(s[2] for s in slabs) * itemsize
     if gathered:
         out[("tp", "all_gather")] = gathered * itemsize
     return out

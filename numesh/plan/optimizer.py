@@ -9,12 +9,13 @@ it: exact under ZeRO 0; under ZeRO >= 1 a rank holds 1/dp of each unit and the p
 the rules' shares of it in proportion (the exact split depends where the cut falls in the
 unit: `formulas.rule_values`, which the tests hold the optimiser to).
 
-A matrix rule (Muon) runs its function on whole matrices: with ZeRO >= 1 each dp rank on
-about 1/dp of them (dealt by cost, numesh/optim/matrices.py), with ZeRO 0 every rank on all;
-every tp rank on whole ones. Its bytes are expected ones (`formulas.matrix_exchange_bytes`
-is the exact count for a rank's slabs): under ZeRO >= 1 a rank's shard holds 1/dp of the
-matrix values, (dp - 1)/dp of which go to other owners, and as many come back; an owner
-gathers its tp-split matrices, tp times their values.
+A matrix rule (Muon) runs its function on whole matrices: each dp rank on about 1/dp of
+them (dealt by cost, numesh/optim/matrices.py), under every ZeRO stage; every tp rank on
+whole ones. Its bytes are expected ones (`formulas.matrix_exchange_bytes` is the exact
+count for a rank's slabs): under ZeRO >= 1 a rank's shard holds 1/dp of the matrix
+values, (dp - 1)/dp of which go to other owners, and as many come back; under ZeRO 0 the
+results are all-gathered over dp (all the matrix values); an owner gathers its tp-split
+matrices, tp times their values.
 """
 
 from __future__ import annotations
@@ -141,19 +142,21 @@ def state_values(model: ModelSpec, layout: Layout, units: list[UnitRules]) -> fl
 
 def matrix_work(model: ModelSpec, layout: Layout, units: list[UnitRules]) -> list[tuple[Matrices, float]]:
     """The matrices a rank runs a matrix rule on in one step: (kind, how many), about 1/dp
-    of its units' under ZeRO >= 1 (dealt by cost), all of them under ZeRO 0."""
-    share = 1.0 / layout.dp if layout.zero >= 1 else 1.0
-    return [(m, m.count * share) for u in units for m in u.matrices]
+    of its units' (dealt by cost)."""
+    return [(m, m.count / layout.dp) for u in units for m in u.matrices]
 
 
 def matrix_bytes(model: ModelSpec, layout: Layout, units: list[UnitRules], itemsize: int) -> dict[str, float]:
     """Expected payload bytes of the matrix exchange a rank sends in one step (module
-    docstring): "dp" all-to-all (both ways), "tp" all-gather."""
+    docstring): "dp" all-to-all (both ways, ZeRO >= 1), "dp_gather" the results'
+    all-gather over dp (ZeRO 0), "tp" all-gather."""
     local = sum(m.count * m.local for u in units for m in u.matrices)
     split = sum(m.count * m.local for u in units for m in u.matrices if m.split)
-    out = {"dp": 0.0, "tp": 0.0}
-    if layout.zero >= 1 and layout.dp > 1:
+    out = {"dp": 0.0, "dp_gather": 0.0, "tp": 0.0}
+    if layout.dp > 1 and layout.zero >= 1:
         out["dp"] = 2 * (layout.dp - 1) / layout.dp * local / layout.dp * itemsize
+    elif layout.dp > 1:
+        out["dp_gather"] = local * itemsize
     if layout.tp > 1:
-        out["tp"] = layout.tp * split * (1.0 / layout.dp if layout.zero >= 1 else 1.0) * itemsize
+        out["tp"] = layout.tp * split / layout.dp * itemsize
     return out

@@ -553,6 +553,7 @@ def _optimizer_time(model: ModelSpec, layout: Layout, profile: Profile, place: P
         t += count * rule.flops(m.fan_in, m.fan_out) * gemm / (2.0 * s * big * s)
     nbytes = matrix_bytes(model, layout, units, k)
     t += 2 * profile.comm_time("all_to_all", nbytes["dp"] / 2, layout.dp, place.dp_intra, ron)
+    t += profile.comm_time("all_gather", nbytes["dp_gather"], layout.dp, place.dp_intra, ron)
     return t + profile.comm_time("all_gather", nbytes["tp"], layout.tp, place.tp_intra, ron)
 
 
