@@ -204,6 +204,20 @@ def test_cache_dir_falls_back_when_package_is_read_only(tmp_path):
     assert (tmp_path / "numesh" / "numba").is_dir()
 
 
+def test_training_runs_with_the_kernels_off(tmp_path):
+    """NUMESH_KERNELS=numpy (as without numba): every module still imports, and the
+    attention's Python stripe loops compute the definition (the compiled loops' module once
+    failed to import without numba, so the whole model did)."""
+    code = ("import numpy as np; import numesh.host.kernels as K; from numesh.nn import attention as A; "
+            "r = np.random.default_rng(0); q, k, v = (r.standard_normal((1, 2, 70, 8)) for _ in range(3)); "
+            "y = np.empty_like(q); A.attend_fwd(q, k, v, y, scale=8 ** -0.5); "
+            "print(K.enabled(), A._gemm(np.float64), float(np.abs(y - A.attention_reference(q, k, v)).max()))")
+    env = {**os.environ, "NUMESH_KERNELS": "numpy"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    enabled, gemm, err = out.split()
+    assert (enabled, gemm) == ("False", "None") and float(err) < 1e-12
+
+
 def test_numpy_switch_turns_kernels_off():
     """NUMESH_KERNELS=numpy runs the references (the A/B switch of the benchmarks)."""
     code = "import numesh.host.kernels as K; print(K.enabled())"

@@ -60,6 +60,12 @@ if HAVE_NUMBA:
              a.ctypes.data, np.int64(a.shape[1]), b.ctypes.data, np.int64(b.shape[1]), a.dtype.type(0.0),
              c.ctypes.data, np.int64(n))
 
+else:
+
+    def gemm(*args):  # type: ignore[no-redef]
+        """Without numba there is no compiled caller: `gemm_addresses` is None, so nothing calls this."""
+        raise RuntimeError("numesh.host.blas.gemm needs numba (pip install 'numesh[fast]')")
+
 
 def _libraries() -> list[str]:
     """The loaded BLAS libraries' paths, numpy's first (imported by numpy, so loaded)."""
