@@ -54,7 +54,9 @@ PARITY = {
         ("ep=2", dict(moe_experts=4, zero=1)),
         ("cp=2", dict(zero=0)),
     ],
-    4: [("dp=2,tp=2", dict(zero=3, micro_batches=2))],
+    4: [("dp=2,tp=2", dict(zero=3, micro_batches=2)),
+        ("dp=2,tp=2", dict(zero=0)),  # ZeRO 0 deals tp-split matrices over dp and all-gathers the results
+        ("dp=2,pp=2", dict(zero=0, micro_batches=2, schedule="1f1b"))],
     8: [("dp=2,tp=2,pp=2", dict(zero=1, micro_batches=2))],
 }
 
