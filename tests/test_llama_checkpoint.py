@@ -62,6 +62,19 @@ def test_sample_reads_a_llama_checkpoint_alike_with_and_without_the_cache(llama_
     assert texts[0].stdout.startswith("the ") and len(set(texts[0].stdout)) > 3  # drawn text, past block 16
 
 
+def test_sample_reads_the_transformers_export_of_a_character_model_alike(llama_run: Path, tmp_path: Path) -> None:
+    """`numesh export --format hf` of a character-level Llama writes its vocabulary as a
+    tokenizer.json without an end-of-text token; sampling from that directory once refused
+    it as if it were preparing a dataset."""
+    ckpt = llama_run / "ckpt" / "latest"
+    res = cli("export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf"))
+    assert res.exit_code == 0, res.output
+    texts = [cli("sample", "--ckpt", str(src), "--prompt", "the ", "--max-new-tokens", "12", "--temperature", "0")
+             for src in (ckpt, tmp_path / "hf")]
+    assert all(t.exit_code == 0 for t in texts), texts[0].output + texts[1].output
+    assert texts[0].stdout == texts[1].stdout and texts[0].stdout.startswith("the ")
+
+
 def test_reshard_moves_a_llama_checkpoint_between_tp_1_2_4_unchanged(llama_run: Path, tmp_path: Path) -> None:
     """tp=4 has more ranks than the 2 kv heads (k and v are whole on every rank) and pads
     the 17-entry vocabulary of wte and of the untied lm_head to 20 rows, 5 per rank."""

@@ -19,7 +19,7 @@ from numesh.checkpoint import import_nanogpt, read_global
 from numesh.checkpoint.hf_files import open_weights, weights_dtype
 from numesh.checkpoint.hf_llama import is_pretrained_dir, model_type, read_pretrained
 from numesh.checkpoint.model import shard_params
-from numesh.data.tokenizer import CharTokenizer, HFTokenizer
+from numesh.data.tokenizer import CharTokenizer, HFTokenizer, read_tokenizer_file
 from numesh.mesh import Mesh
 from numesh.mesh.mesh import parse_axis_sizes
 from numesh.nn.decode import logits_cached, logits_last, new_kv_cache
@@ -90,7 +90,9 @@ def load_pretrained(directory: Path) -> Checkpoint:
     dtype = np.float64 if weights_dtype(open_weights(directory)) == "float64" else np.float32
     pre, model, params = read_pretrained(directory, dtype, 1)
     model = attrs.evolve(model, block_size=min(pre.max_positions, PRETRAINED_CONTEXT))
-    tok = HFTokenizer.from_file(directory, None)
+    file = Path(directory) / "tokenizer.json"  # a character model's export holds its vocabulary as one
+    tok = (file.exists() and CharTokenizer.from_hf_json(read_tokenizer_file(file))) or HFTokenizer.from_file(
+        directory, None)
     if tok.vocab_size != model.vocab_size:
         raise CheckpointError(f"{directory}: its tokenizer has {tok.vocab_size} entries but its model vocab_size is "
                               f"{model.vocab_size}: numesh's vocabulary is its tokenizer's")
