@@ -2,8 +2,9 @@
 checkpoint whose meta.json holds the model's parts, `numesh sample` reads it (the same text
 with and without the KV cache), `numesh reshard` moves it between tp=1, 2 and 4 unchanged
 (the untied head padded like wte), resuming with other parts or other rotary/norm math is
-one line, an older checkpoint without the parts reads as the GPT-2 kind, and export and
-`--init-from`, which know only GPT-2, refuse it in one line. Resuming exactly on tp=1, 2
+one line, an older checkpoint without the parts reads as the GPT-2 kind, its transformers
+export samples alike, and the nanoGPT export and `--init-from`, which know only GPT-2,
+refuse it in one line. Resuming exactly on tp=1, 2
 and 4 from resharded copies: tests/test_mpi_checkpoint.py."""
 
 from __future__ import annotations
