@@ -4,6 +4,7 @@ attention kernel beside the time of its FLOPs.
 
     python benchmarks/bench_long_context.py                        # both sections, 2 threads
     python benchmarks/bench_long_context.py --sections attention --threads 1
+    python benchmarks/bench_long_context.py --sections attention --attn-head-size 64 --attn-heads 9/3  # SmolLM2's
     python benchmarks/bench_long_context.py --rows default:2048x1,baby:1024x2 --rounds 3
     python benchmarks/bench_long_context.py --sections tiles --threads 1 --clock cpu  # a shared machine
     python benchmarks/bench_long_context.py --sections model --base ../before   # before/after a change
@@ -17,7 +18,8 @@ Sections:
              rounds; median step ms over --iters steps after --warmup, the ratio of tokens/s
              (numesh / torch) and each process's peak RSS.
   attention  one layer's attention core alone, forward + backward, float32, T = 2048,
-             heads × head size = 128 (--attn-head-size, default 32: 4 heads): numesh's
+             heads × head size = 128 (--attn-head-size, default 32: 4 heads; --attn-heads
+             H/Hkv another count, with grouped-query attention, e.g. 9/3): numesh's
              `attend_fwd`/`attend_bwd` and torch's
              `scaled_dot_product_attention(is_causal=True)` with its backward, each a fresh
              process (median of --attn-runs), alternating for --rounds; the causal half's FLOPs (7 GEMMs over each
@@ -136,7 +138,21 @@ def attn_shape(head_size: int) -> tuple[int, int, int, int]:
     return ATTN["T"], ATTN["B"], max(1, 128 // head_size), head_size
 
 
-def attention_worker(kind: str, threads: int, runs: int, head_size: int = 32, clock: str = "wall") -> None:
+def attn_heads(spec: str | None, head_size: int) -> tuple[int, int]:
+    """(query heads, kv heads) of the attention section: --attn-heads "H/Hkv" (or "H"), else
+    heads × head size = 128 without GQA."""
+    if not spec:
+        H = attn_shape(head_size)[2]
+        return H, H
+    h, _, kv = spec.partition("/")
+    H, Hkv = int(h), int(kv or h)
+    if H % Hkv:
+        raise SystemExit(f"--attn-heads {spec}: the kv heads must divide the query heads")
+    return H, Hkv
+
+
+def attention_worker(kind: str, threads: int, runs: int, head_size: int = 32, clock: str = "wall",
+                     heads: str | None = None) -> None:
     """One side of the attention section in this (fresh) process: prints {"ms": median}
     (clock cpu: of the process's CPU time)."""
     import numpy as np
@@ -144,10 +160,11 @@ def attention_worker(kind: str, threads: int, runs: int, head_size: int = 32, cl
     from numesh.host.runtime import configure_process
 
     n = configure_process(threads, None)
-    T, B, H, hs = attn_shape(head_size)
+    T, B, _, hs = attn_shape(head_size)
+    H, Hkv = attn_heads(heads, head_size)
     rng = np.random.default_rng(0)
-    qkv = rng.standard_normal((B, T, 3, H, hs)).astype(np.float32)
-    q, k, v = qkv.transpose(2, 0, 3, 1, 4)  # views, as a block passes them
+    qkv = rng.standard_normal((B, T, H + 2 * Hkv, hs)).astype(np.float32)
+    q, k, v = (qkv[:, :, a:b].transpose(0, 2, 1, 3) for a, b in ((0, H), (H, H + Hkv), (H + Hkv, H + 2 * Hkv)))
     dy = rng.standard_normal((B, H, T, hs)).astype(np.float32)
     if kind in ("numesh", "gemms"):
         from numesh.nn import attention as A
@@ -169,6 +186,7 @@ def attention_worker(kind: str, threads: int, runs: int, head_size: int = 32, cl
         def step() -> None:
             lse = A.attend_fwd(q, k, v, y, scale=1 / math.sqrt(hs))
             grads = [np.zeros((B, H, T, hs), np.float32) for _ in range(3)]
+            grads[1:] = [np.zeros((B, Hkv, T, hs), np.float32) for _ in range(2)]
             A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=1 / math.sqrt(hs))
     else:
         import torch
@@ -177,8 +195,10 @@ def attention_worker(kind: str, threads: int, runs: int, head_size: int = 32, cl
         tq, tk, tv = (torch.tensor(np.ascontiguousarray(a), requires_grad=True) for a in (q, k, v))
         tdy = torch.tensor(dy)
 
+        gqa = {"enable_gqa": True} if Hkv < H else {}  # torch >= 2.5
+
         def step() -> None:
-            out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+            out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, **gqa)
             out.backward(tdy)
             for t in (tq, tk, tv):
                 t.grad = None
@@ -219,18 +239,20 @@ def attention_section(args: argparse.Namespace) -> dict[str, Any]:
         for kind in ("numesh",) + ("torch",) * have_torch() + ("gemms",):
             cmd = [sys.executable, str(Path(__file__).resolve()), "--attn-worker", kind, "--threads",
                    str(args.threads), "--attn-runs", str(args.attn_runs), "--attn-head-size",
-                   str(args.attn_head_size), "--clock", args.clock]
+                   str(args.attn_head_size), "--clock", args.clock] + (["--attn-heads", args.attn_heads]
+                                                                           if args.attn_heads else [])
             out = run_json(cmd, timeout=args.timeout)
             if "error" in out:
                 raise SystemExit(f"attention worker {kind} failed: {out['error']}")
             times[kind].append(out["ms"])
             log(f"  attention {kind}: {times[kind][-1]:.1f} ms")
-    T, B, H, hs = attn_shape(args.attn_head_size)
+    T, B, _, hs = attn_shape(args.attn_head_size)
+    H, Hkv = attn_heads(args.attn_heads, args.attn_head_size)
     rate = gemm_rate(args.clock)
     causal = B * 7 * 2.0 * H * hs * T * (T + 1) / 2
     executed = B * formulas.attention_flops(T, H * hs, QUERY_TILE)
     med = {k: statistics.median(v) for k, v in times.items() if v}
-    return {"T": T, "B": B, "H": H, "head_size": hs, "threads": n, "numesh_ms": times["numesh"],
+    return {"T": T, "B": B, "H": H, "kv_heads": Hkv, "head_size": hs, "threads": n, "numesh_ms": times["numesh"],
             "torch_ms": times["torch"], "gemms_ms": times["gemms"], "gemm_gflops": rate / 1e9,
             "causal_gflop": causal / 1e9,
             "executed_gflop": executed / 1e9, "bound_ms": causal / rate * 1e3,
@@ -354,7 +376,8 @@ def print_attention(a: dict) -> None:
     ratios = [t / m for m, t in zip(a["numesh_ms"], a["torch_ms"])]
     versus = (f"torch SDPA {ms_span(a['torch_ms'])} ms (numesh / torch speed {min(ratios):.2f}–{max(ratios):.2f}×)"
               if ratios else "torch SDPA — (not installed)")
-    print(f"\nattention: forward + backward, T = {a['T']}, B·H = {a['B'] * a['H']}, head size {a['head_size']}, "
+    kv = f" (kv heads {a['kv_heads']})" if a.get("kv_heads", a["H"]) != a["H"] else ""
+    print(f"\nattention: forward + backward, T = {a['T']}, B·H = {a['B'] * a['H']}{kv}, head size {a['head_size']}, "
           f"float32, {a['threads']} threads, fresh processes alternating")
     print(f"  numesh {ms_span(a['numesh_ms'])} ms, {versus}")
     print(f"  causal half {a['causal_gflop']:.2f} GFLOP (executed with {a['query_tile']}-query stripes: "
@@ -377,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--attn-head-size", type=int, default=32,
                     help="the attention section's head size (heads = 128 / it; default 32)")
+    ap.add_argument("--attn-heads", default=None,
+                    help="the attention section's query heads, or H/Hkv with fewer kv heads (grouped-query "
+                         "attention, e.g. 9/3: SmolLM2's; default 128 / head size, no GQA)")
     ap.add_argument("--head-sizes", default="32,64,128", help="the tiles section's head sizes (default 32,64,128)")
     ap.add_argument("--attn-runs", type=int, default=10, help="timed runs each in the attention section")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one measurement may take")
@@ -392,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn-worker", choices=("numesh", "torch", "gemms"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.attn_worker:
-        attention_worker(args.attn_worker, args.threads, args.attn_runs, args.attn_head_size, args.clock)
+        attention_worker(args.attn_worker, args.threads, args.attn_runs, args.attn_head_size, args.clock,
+                         args.attn_heads)
         return 0
     sections = set(args.sections.split(","))
     report: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d")}

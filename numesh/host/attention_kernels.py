@@ -89,17 +89,17 @@ def group_fwd(fn, q, k, v, y, lse, diag, starts, qt, kt, buf, key, threshold, in
 
 
 @njit(**_JIT)
-def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, diag, qt, kt, p_buf, dp_buf, pd_buf, key, threshold,
+def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, diag, starts, qt, kt, p_buf, dp_buf, pd_buf, key, threshold,
               inv_keep, base, kpos):
-    """Every stripe of the group: dq (not yet scaled), and each query head's share of dk
-    and dv, accumulated as numesh.nn.attention's `_stripe_bwd` does; lse and dd [nb, nh,
-    g, T] C-contiguous."""
+    """The group's stripes starting at `starts`, in order: dq (not yet scaled), and each
+    query head's share of dk and dv, accumulated as numesh.nn.attention's `_stripe_bwd`
+    does; lse and dd [nb, nh, g, T] C-contiguous."""
     nb, nh, g, G = _heads(q)
     T, hs, Tk = q.shape[3], q.shape[4], k.shape[3]
     one, zero = q.dtype.type(1.0), q.dtype.type(0.0)
     hs64 = np.int64(hs)
     lse2, dd2 = lse.reshape((G, T)), dd.reshape((G, T))
-    for q0 in range(0, T, qt):
+    for q0 in starts:
         q1 = min(T, q0 + qt)
         rows = q1 - q0
         lse_s, dd_s = np.ascontiguousarray(lse2[:, q0:q1]), np.ascontiguousarray(dd2[:, q0:q1])

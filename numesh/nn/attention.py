@@ -26,10 +26,13 @@ Which keys a query sees is one rule, `diag`: query i sees key j iff j <= i + dia
 is diag = 0 (causal), ring attention's off-diagonal blocks see every key (diag >= keys),
 and decoding T new tokens after `pos0` cached ones is diag = pos0.
 
-Threads: the forward's units are (batch row, head, query stripe), all independent; the
-backward's are (batch row, head), each accumulating its dk and dv over its stripes in
-order. A unit computes the same bits whichever thread runs it, so results do not depend on
-the thread count. Attention dropout draws no mask: `AttnDropout` names the hash stream, and
+Threads: the work is cut into units (query head, pair of query stripes), pairs first with
+last so that each pair has the same causal work, and the units into one run per core
+(`_unit_runs`: from the shape and the machine's cores, never the thread count); threads
+take whole runs. A head cut between two runs has each run's part of its dk and dv summed
+apart and the parts added in run order after the threads meet, so 9 heads split 4.5 : 4.5
+over 2 threads (not 5 : 4) and over 16 threads none is idle, with the same bits for any
+thread count. Attention dropout draws no mask: `AttnDropout` names the hash stream, and
 each tile's keep/drop pattern comes from global (batch row, head, query, key) coordinates
 (see numesh/kernels.py), the same pattern on every mesh.
 """
@@ -46,7 +49,7 @@ import numpy as np
 from numesh.host import attention_kernels as AK
 from numesh.host import blas
 from numesh.host import kernels as K
-from numesh.host.threads import over_rows, threads
+from numesh.host.threads import cores, over_rows
 
 QUERY_TILE = 128  # query rows per stripe (benchmarks/bench_long_context.py --sections tiles measures others)
 KEY_TILE = 2048  # keys per online-softmax step: bounds a stripe's buffer whatever T is
@@ -282,6 +285,38 @@ def _stripe_pairs(Tq: int) -> list[tuple[int, ...]]:
     return [tuple(sorted({starts[i], starts[-1 - i]})) for i in range((len(starts) + 1) // 2)]
 
 
+def _unit_runs(n_heads: int, n_pairs: int) -> list[tuple[int, int]]:
+    """The units u = query head · n_pairs + stripe pair cut into one near-equal run per core
+    (at most one per unit): [u0, u1) each. A function of the shape and the machine's cores
+    (`numesh.host.threads.cores`), never of the thread count, so where a head is cut does
+    not depend on how many threads run the runs."""
+    n = n_heads * n_pairs
+    k = max(1, min(cores(), n))
+    return [(n * i // k, n * (i + 1) // k) for i in range(k)]
+
+
+def _run_items(u0: int, u1: int, n_pairs: int) -> list[tuple[int, int, slice | None]]:
+    """A run of units as (first query head, end query head, its stripe pairs or None for all):
+    a partial head at either end alone, the whole heads between together."""
+    out = []
+    while u0 < u1:
+        h, j = divmod(u0, n_pairs)
+        if j == 0 and u1 - u0 >= n_pairs:
+            whole = (u1 - u0) // n_pairs
+            out.append((h, h + whole, None))
+            u0 += whole * n_pairs
+        else:
+            end = min(u1, (h + 1) * n_pairs)
+            out.append((h, h + 1, slice(j, end - h * n_pairs)))
+            u0 = end
+    return out
+
+
+def _starts(pairs: list[tuple[int, ...]], part: slice | None, Tq: int) -> list[int]:
+    """The first rows of the stripes of some pairs (all of them, in order, for None)."""
+    return list(range(0, Tq, QUERY_TILE)) if part is None else sorted(q0 for pair in pairs[part] for q0 in pair)
+
+
 def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, scale: float, diag: int = 0,
                drop: AttnDropout | None = None, qpos: np.ndarray | None = None,
                kpos: np.ndarray | None = None) -> np.ndarray:
@@ -290,8 +325,8 @@ def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, sc
     query i seeing key j iff j <= i + diag (diag >= 0), written into y [B, H, Tq, hs] (any
     view); returns each row's log-sum-exp [B, H, Tq] of the scaled scores. `qpos`/`kpos`:
     the global positions of the queries and keys (default 0..T-1), which only dropout uses.
-    Threads take runs of query heads (`_head_groups`), or with fewer heads than threads runs
-    of stripe pairs: each stripe of each head is computed alike."""
+    Threads take runs of (query head, stripe pair) units (`_unit_runs`): each stripe of each
+    head is computed alike."""
     B, H, Tq, _ = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     if diag < 0:
@@ -303,21 +338,16 @@ def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, sc
     call = functools.partial(_group_fwd, _grouped(q, g), k[:, :, None], v[:, :, None], _grouped(y, g),
                              lse.reshape(B, Hk, g, Tq), scale, diag, drop, qpos, kpos)
     size = min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)  # one query head's scores of a stripe
+    items = [_run_items(u0, u1, len(pairs)) for u0, u1 in _unit_runs(B * H, len(pairs))]
 
-    def by_heads(r: slice) -> None:
-        buf = np.empty(min(cap * g, r.stop - r.start) * size, q.dtype)
-        for grp in _head_groups(r.start, r.stop, Hk, g, cap):
-            call(grp, range(0, Tq, QUERY_TILE), buf)
+    def run(r: slice) -> None:
+        mine = [it for its in items[r] for it in its]
+        buf = np.empty(min(cap * g, max(h1 - h0 for h0, h1, _ in mine)) * size, q.dtype)
+        for h0, h1, part in mine:
+            for grp in _head_groups(h0, h1, Hk, g, cap):
+                call(grp, _starts(pairs, part, Tq), buf)
 
-    def by_stripes(r: slice) -> None:
-        buf = np.empty(min(cap * g, B * H) * size, q.dtype)
-        for grp in _head_groups(0, B * H, Hk, g, cap):
-            call(grp, [q0 for pair in pairs[r] for q0 in pair], buf)
-
-    if B * H >= threads():
-        over_rows(by_heads, B * H)
-    else:
-        over_rows(by_stripes, len(pairs))
+    over_rows(run, len(items))
     return lse
 
 
@@ -394,10 +424,11 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
     """Backward of `attend_fwd`, ADDED into dq, dk, dv (so a ring can accumulate): `dy` the
     output's gradient, `lse` the forward's log-sum-exp and `dd` = rowsum(dy·y) [B, H, Tq]
     (`row_dots`), which the softmax backward needs and a ring computes once. k, v, dk, dv
-    may have fewer heads than q (GQA, as in `attend_fwd`). Threads take runs of query heads
-    (`_head_groups`); each head's dq, dk, dv add its stripes in order, and with GQA each
-    query head's share of dk, dv is kept apart and the g shares summed in order at the end,
-    so the sums do not follow how the threads split a kv head's query heads."""
+    may have fewer heads than q (GQA, as in `attend_fwd`). Threads take runs of (query head,
+    stripe pair) units (`_unit_runs`); each head's dk, dv add its stripes in order, a head
+    cut between runs each run's part apart, the parts added in run order at the end; with
+    GQA each query head's share of dk, dv is kept apart and the g shares summed in order at
+    the end: the sums follow the runs, which follow the cores, not the threads."""
     B, H, Tq, _ = q.shape
     Hk, Tk = k.shape[1], k.shape[2]
     g = kv_group(H, Hk)
@@ -408,41 +439,63 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
     lse5, dd5 = _grouped(lse, g), _grouped(dd, g)
     shares = (dk5, dv5) if g == 1 else (np.zeros((B, Hk, g, Tk, k.shape[3]), dk.dtype),
                                         np.zeros((B, Hk, g, Tk, v.shape[3]), dv.dtype))
+    pairs = _stripe_pairs(Tq)
+    items = [_run_items(u0, u1, len(pairs)) for u0, u1 in _unit_runs(B * H, len(pairs))]
+    # a head cut between runs: each run's part of its dk, dv apart ([1, 1, 1, Tk, hs], as a group's)
+    parts = {(r, h0): (np.zeros((1, 1, 1, Tk, k.shape[3]), dk.dtype), np.zeros((1, 1, 1, Tk, v.shape[3]), dv.dtype))
+             for r, its in enumerate(items) for h0, _, part in its if part is not None}
 
-    def by_heads(r: slice) -> None:
-        size = min(cap * g, r.stop - r.start) * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)
+    def run(r: slice) -> None:
+        mine = [(i, it) for i in range(r.start, r.stop) for it in items[i]]
+        size = min(cap * g, max(h1 - h0 for _, (h0, h1, _) in mine)) * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)
         bufs = np.empty(size, q.dtype), np.empty(size, q.dtype), np.empty(size, q.dtype)
-        for grp in _head_groups(r.start, r.stop, Hk, g, cap):
-            _group_bwd(q5, k5, v5, dy5, lse5, dd5, dq5, *shares, scale, diag, drop, qpos, kpos, grp, bufs)
+        for i, (h0, h1, part) in mine:
+            for grp in _head_groups(h0, h1, Hk, g, cap):
+                _group_bwd(q5, k5, v5, dy5, lse5, dd5, dq5, *(shares if part is None else parts[i, h0]), scale, diag,
+                           drop, qpos, kpos, grp, bufs, _starts(pairs, part, Tq), part is not None)
 
-    over_rows(by_heads, B * H)
+    over_rows(run, len(items))
+    for (_, h), (pk, pv) in sorted(parts.items()):  # run order
+        b, i = divmod(h, g)
+        b, kv = divmod(b, Hk)
+        shares[0][b, kv, i if g > 1 else 0] += pk[0, 0, 0]
+        shares[1][b, kv, i if g > 1 else 0] += pv[0, 0, 0]
     if g > 1:
         dk5 += shares[0].sum(axis=2, keepdims=True)
         dv5 += shares[1].sum(axis=2, keepdims=True)
 
 
 def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, grp: _Group,
-               bufs: tuple[np.ndarray, ...]) -> None:
-    """Every stripe of one group of (batch row, kv head) pairs with their query heads `grp.i`
-    (shapes as in `_group_fwd`; dk, dv [B, Hkv, 1, T, hs], or each query head's share [B,
-    Hkv, g, T, hs] with GQA), in order: the group's dq and each of its query heads' dk, dv
-    summed in contiguous buffers, then added into dq, dk, dv once."""
+               bufs: tuple[np.ndarray, ...], starts: list[int], part: bool = False) -> None:
+    """The stripes starting at `starts` of one group of (batch row, kv head) pairs with their
+    query heads `grp.i` (shapes as in `_group_fwd`; dk, dv [B, Hkv, 1, T, hs], or each query
+    head's share [B, Hkv, g, T, hs] with GQA), in order: the group's dq and each of its query
+    heads' dk, dv summed in contiguous buffers, then added into dq (those stripes' rows) and
+    dk, dv once. `part`: one query head's part of its stripes, dk and dv [1, 1, 1, T, hs]
+    its own buffers."""
     f = q.dtype.type
     qg, kg, vg, dyg = (np.ascontiguousarray(x) for x in (_own(q, grp, scale), _own(k, grp), _own(v, grp),
                                                           _own(dy, grp)))
     lseg, ddg = _own(lse, grp), _own(dd, grp)
     per_head = (*qg.shape[:3], kg.shape[3])  # [nb, nh, the group's query heads, Tk]
     dqg = np.zeros_like(qg)
-    dkg, dvg = np.zeros((*per_head, kg.shape[4]), kg.dtype), np.zeros((*per_head, vg.shape[4]), vg.dtype)
+    if part:  # its own zeroed buffers: the sums go straight in
+        dkg, dvg = dk, dv
+    else:
+        dkg, dvg = np.zeros((*per_head, kg.shape[4]), kg.dtype), np.zeros((*per_head, vg.shape[4]), vg.dtype)
     fn = _gemm(q.dtype)
     if fn is not None:
-        AK.group_bwd(fn, qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, QUERY_TILE, KEY_TILE, *bufs,
-                     *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
+        AK.group_bwd(fn, qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, np.asarray(starts, np.int64), QUERY_TILE,
+                     KEY_TILE, *bufs, *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
     else:
-        for q0 in range(0, qg.shape[3], QUERY_TILE):
+        for q0 in starts:
             _stripe_bwd(qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, drop, qpos, kpos, grp, q0, bufs,
                         q.shape[2])
     dqg *= f(scale)
+    if part:  # other runs write the head's other stripes' rows of dq meanwhile
+        for q0 in starts:
+            dq[grp.b, grp.h, grp.i, q0:q0 + QUERY_TILE] += dqg[:, :, :, q0:q0 + QUERY_TILE]
+        return
     dq[grp.b, grp.h, grp.i] += dqg
     dk[grp.b, grp.h, grp.i] += dkg
     dv[grp.b, grp.h, grp.i] += dvg
