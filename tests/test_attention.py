@@ -333,6 +333,22 @@ def test_unit_runs_cover_every_head_and_pair_once(monkeypatch, heads, pairs, cor
     assert seen == list(range(heads * pairs))
 
 
+@pytest.mark.bits
+def test_a_block_run_as_pieces_cuts_no_head(small_tiles, monkeypatch):
+    """Inside a block run as pieces, attention sees a run of the pieces (all of them on one
+    thread, half on each of two): computed on 4 sequences at once or 2 and 2, the bits are
+    the same. Cutting heads by cores there would cut 4 × 3 heads × 3 stripe pairs into
+    whole heads, and 2 × 3 × 3 into runs of 4.5 units, summing dk, dv differently."""
+    small_tiles(8, 16)
+    monkeypatch.setattr(threads, "_cores", 4)
+    q, k, v, dy = _inputs(4, 3, 40, 40, 8, np.float64)
+    with threads.token_pieces((slice(0, 40), slice(40, 80))):
+        whole = _run(q, k, v, dy)
+        halves = [_run(*(x[r] for x in (q, k, v, dy))) for r in (slice(0, 2), slice(2, 4))]
+    for a, b in zip(whole, (np.concatenate(parts) for parts in zip(*halves))):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_stripe_pairs_balance_causal_work():
     """Stripes paired first-with-last: with whole stripes every pair (but a lone middle
     one) sees the same keys."""

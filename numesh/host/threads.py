@@ -246,6 +246,12 @@ def token_pieces(rows: tuple[slice, ...] | None) -> Iterator[None]:
         _local.pieces = saved
 
 
+def in_pieces() -> bool:
+    """Whether this thread is inside a block run as pieces (`token_pieces`): its calls then
+    see a run of the pieces, whose size follows the thread count."""
+    return bool(getattr(_local, "pieces", None))
+
+
 def _pieces(n: int) -> tuple[slice, ...]:
     """The pieces of n token rows inside `token_pieces`, else the one piece range(n)."""
     rows = getattr(_local, "pieces", None)

@@ -32,7 +32,7 @@ last so that each pair has the same causal work, and the units into one run per 
 take whole runs. A head cut between two runs has each run's part of its dk and dv summed
 apart and the parts added in run order after the threads meet, so 9 heads split 4.5 : 4.5
 over 2 threads (not 5 : 4) and over 16 threads none is idle, with the same bits for any
-thread count. Attention dropout draws no mask: `AttnDropout` names the hash stream, and
+thread count. Inside a block run as pieces (numesh/nn/walk.py) a call is one run. Attention dropout draws no mask: `AttnDropout` names the hash stream, and
 each tile's keep/drop pattern comes from global (batch row, head, query, key) coordinates
 (see numesh/kernels.py), the same pattern on every mesh.
 """
@@ -49,7 +49,7 @@ import numpy as np
 from numesh.host import attention_kernels as AK
 from numesh.host import blas
 from numesh.host import kernels as K
-from numesh.host.threads import cores, over_rows
+from numesh.host.threads import cores, in_pieces, over_rows
 
 QUERY_TILE = 128  # query rows per stripe (benchmarks/bench_long_context.py --sections tiles measures others)
 KEY_TILE = 2048  # keys per online-softmax step: bounds a stripe's buffer whatever T is
@@ -289,9 +289,11 @@ def _unit_runs(n_heads: int, n_pairs: int) -> list[tuple[int, int]]:
     """The units u = query head · n_pairs + stripe pair cut into one near-equal run per core
     (at most one per unit): [u0, u1) each. A function of the shape and the machine's cores
     (`numesh.host.threads.cores`), never of the thread count, so where a head is cut does
-    not depend on how many threads run the runs."""
+    not depend on how many threads run the runs. Inside a block run as pieces, one run: the
+    call's batch rows are a run of pieces, as many as the threads leave each (1 thread: all
+    of them, 2: half), so cuts there would move with the threads; and its thread is alone."""
     n = n_heads * n_pairs
-    k = max(1, min(cores(), n))
+    k = 1 if in_pieces() else max(1, min(cores(), n))
     return [(n * i // k, n * (i + 1) // k) for i in range(k)]
 
 
