@@ -32,9 +32,11 @@ last so that each pair has the same causal work, and the units into one run per 
 take whole runs. A head cut between two runs has each run's part of its dk and dv summed
 apart and the parts added in run order after the threads meet, so 9 heads split 4.5 : 4.5
 over 2 threads (not 5 : 4) and over 16 threads none is idle, with the same bits for any
-thread count. Inside a block run as pieces (numesh/nn/walk.py) a call is one run. Attention dropout draws no mask: `AttnDropout` names the hash stream, and
-each tile's keep/drop pattern comes from global (batch row, head, query, key) coordinates
-(see numesh/kernels.py), the same pattern on every mesh.
+thread count. Inside a block run as pieces (numesh/nn/walk.py) a call is one run.
+
+Attention dropout draws no mask: `AttnDropout` names the hash stream, and each tile's
+keep/drop pattern comes from global (batch row, head, query, key) coordinates (see
+numesh/kernels.py), the same pattern on every mesh.
 """
 
 from __future__ import annotations
@@ -146,8 +148,9 @@ def _groups(u0: int, u1: int, H: int, cap: int) -> list[_Group]:
 def _head_groups(u0: int, u1: int, Hk: int, g: int, cap: int) -> list[_Group]:
     """Rectangles covering the query heads u0..u1-1 of the flattened index u = (b·Hk + kv
     head)·g + i, in order: runs of whole kv groups batched as `_groups` batches pairs (at
-    most `cap` pairs), a run's partial groups at its ends alone. Threads split query heads,
-    so 3 kv heads of 3 query heads each split 5 : 4 over 2 threads, not 2 : 1."""
+    most `cap` pairs), a run's partial groups at its ends alone: runs of units (`_unit_runs`)
+    cut kv groups anywhere, so 3 kv heads of 3 query heads each split 4.5 : 4.5 over 2
+    threads, not 2 : 1."""
     out, u = [], u0
     while u < u1:
         pair, i = divmod(u, g)
