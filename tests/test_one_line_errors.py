@@ -284,6 +284,17 @@ def test_sample_from_something_that_is_not_a_checkpoint_is_one_line(tiny_run: Pa
     assert str(ckpt) in line
 
 
+def test_sample_takes_the_checkpoint_as_an_argument_or_an_option_once(tiny_run: Path) -> None:
+    """`numesh sample CKPT`, as export and reshard take theirs, or `--ckpt CKPT`: the same
+    text; neither or both is one line."""
+    ckpt = str(tiny_run / "ckpt" / "latest")
+    args = ("--max-new-tokens", "8", "--temperature", "0")
+    texts = [cli("sample", ckpt, *args), cli("sample", "--ckpt", ckpt, *args)]
+    assert all(t.exit_code == 0 for t in texts) and texts[0].stdout == texts[1].stdout
+    for given in ((), (ckpt, "--ckpt", ckpt)):
+        assert "name the checkpoint once" in one_error_line(cli("sample", *given, *args))
+
+
 @pytest.mark.parametrize("temperature", [1e-320, 1e-300, 1e-30])
 def test_a_tiny_temperature_samples_the_most_likely_token_not_token_0(temperature: float) -> None:
     """Dividing by 1e-320 before subtracting the largest logit made inf - inf = NaN and every

@@ -420,9 +420,11 @@ def moe_progress(info: dict) -> str:
 
 @app.command("sample", cls=_Command)
 def sample_cmd(
-    ckpt: Path = typer.Option(
-        ..., help="checkpoint directory (e.g. runs/x/ckpt/latest), a `numesh export`ed .safetensors file, or a "
-        "transformers model directory (Llama, Mistral, Mixtral, GPT-2)"
+    path: Optional[Path] = typer.Argument(None, metavar="CKPT", show_default=False,
+                                          help="the checkpoint, as --ckpt gives it (either form)"),
+    ckpt: Optional[Path] = typer.Option(
+        None, help="checkpoint directory (e.g. runs/x/ckpt/latest), a `numesh export`ed .safetensors file, or a "
+        "transformers model directory (Llama, Mistral, Mixtral, GPT-2)", show_default=False,
     ),
     prompt: str = typer.Option("\n", help="text to continue", show_default="a newline"),
     max_new_tokens: int = typer.Option(500, help="tokens to generate"),
@@ -436,12 +438,16 @@ def sample_cmd(
     """Generate text from a checkpoint: prints the prompt and its continuation on stdout."""
 
     def go() -> None:
+        from numesh.base.errors import ConfigError
         from numesh.host.runtime import configure_process, is_root
         from numesh.run.sample import SampleConfig, sample
 
+        if (path is None) == (ckpt is None):
+            raise ConfigError("name the checkpoint once: `numesh sample CKPT` or `numesh sample --ckpt CKPT`, "
+                              "e.g. runs/x/ckpt/latest" + (f" (got {path} and --ckpt {ckpt})" if path else ""))
         configure_process()
-        cfg = SampleConfig(str(ckpt), prompt, max_new_tokens, temperature, top_k or None, seed, num_samples, mesh,
-                           kv_cache)
+        cfg = SampleConfig(str(path or ckpt), prompt, max_new_tokens, temperature, top_k or None, seed, num_samples,
+                           mesh, kv_cache)
         texts = sample(cfg)
         if is_root():
             print("\n---------------\n".join(texts))
