@@ -36,7 +36,7 @@ thread count. Inside a block run as pieces (numesh/nn/walk.py) a call is one run
 
 Attention dropout draws no mask: `AttnDropout` names the hash stream, and each tile's
 keep/drop pattern comes from global (batch row, head, query, key) coordinates (see
-numesh/kernels.py), the same pattern on every mesh.
+numesh/host/kernels.py), the same pattern on every mesh.
 """
 
 from __future__ import annotations
@@ -461,10 +461,9 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
 
     over_rows(run, len(items))
     for (_, h), (pk, pv) in sorted(parts.items()):  # run order
-        b, i = divmod(h, g)
-        b, kv = divmod(b, Hk)
-        shares[0][b, kv, i if g > 1 else 0] += pk[0, 0, 0]
-        shares[1][b, kv, i if g > 1 else 0] += pv[0, 0, 0]
+        grp = _head_groups(h, h + 1, Hk, g, cap)[0]  # the head's place, as its part was computed
+        shares[0][grp.b, grp.h, grp.i] += pk
+        shares[1][grp.b, grp.h, grp.i] += pv
     if g > 1:
         dk5 += shares[0].sum(axis=2, keepdims=True)
         dv5 += shares[1].sum(axis=2, keepdims=True)

@@ -128,17 +128,16 @@ class MatrixExchange:
     def __init__(self, layout: FlatLayout, slabs: Sequence[Slab], mesh: Mesh, sharded: bool, dtype=np.float64):
         self.mesh, self.slabs, self.sharded, self.dtype = mesh, list(slabs), sharded, np.dtype(dtype)
         self.dp, self.rank = layout.dp, layout.rank
-        n = self.dp if sharded else 1  # the slices each unit's state is cut into over dp
-        shard = {k: (u.shard_size if sharded else u.padded) for k, u in layout.units.items()}
-        me = self.rank if sharded else 0
-        self.offset = {k: me * size for k, size in shard.items()}  # where this rank's slice starts in each unit
-        self.cut = [pieces(s.start, s.size, shard[s.key], n) for s in self.slabs]
         self.mine = [i for i, s in enumerate(self.slabs) if s.owner == self.rank]
         self.owned = [[i for i, s in enumerate(self.slabs) if s.owner == q] for q in range(self.dp)]
-        # this rank's pieces of every slab, in slab order: (slab, lo, hi) in unit coordinates
-        self.local = [(i, *self.cut[i][me]) for i in range(len(self.slabs)) if self.cut[i][me][1] > self.cut[i][me][0]]
-        if not sharded:
+        if not sharded:  # every slab whole here: nothing below is needed (`gather` slices, `share` gathers)
             return
+        shard = {k: u.shard_size for k, u in layout.units.items()}
+        self.offset = {k: self.rank * n for k, n in shard.items()}  # where this rank's slice starts in each unit
+        self.cut = [pieces(s.start, s.size, shard[s.key], self.dp) for s in self.slabs]
+        # this rank's pieces of every slab, in slab order: (slab, lo, hi) in unit coordinates
+        self.local = [(i, *self.cut[i][self.rank]) for i in range(len(self.slabs))
+                      if self.cut[i][self.rank][1] > self.cut[i][self.rank][0]]
         # values this rank sends each owner in `gather`, and receives from each rank (ints, not
         # arrays: nothing held between steps beside ZeroOptimizer.memory()'s buffers)
         self.send = [0] * self.dp
