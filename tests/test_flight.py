@@ -20,9 +20,12 @@ import pytest
 from mpi4py import MPI
 
 from numesh.base.errors import ConfigError
+from numesh.mesh.hook import SkipCall
+from numesh.mesh.mesh import Mesh, parse_mesh
+from numesh.observe import flight
 from numesh.observe.diagnosis import SKIPPED, CallRec, RankState, diagnose
-from numesh.observe.flight import postmortem
-from numesh.observe.inject import Fault, parse_faults
+from numesh.observe.flight import FlightRecorder, postmortem
+from numesh.observe.inject import Fault, FaultInjector, parse_faults
 from numesh.run.config import config_from
 from numesh.run.train import Trainer, _attach_observers
 from test_interrupt import START_WITHIN_S, Job, _alive, _children
@@ -87,6 +90,48 @@ def attrs_evolve(cfg, **kw):
     import attrs
 
     return attrs.evolve(cfg, **kw)
+
+
+# ---------------------------------------------------------------------------------------
+# an error after a collective fault
+
+
+def _recorder(tmp_path: Path, monkeypatch, faults: str) -> FlightRecorder:
+    """A flight recorder of a 1-rank mesh whose job abort raises SystemExit(code) instead."""
+    def abort(comm, code):
+        raise SystemExit(code)
+    monkeypatch.setattr(flight, "abort_job", abort)
+    mesh = Mesh(parse_mesh("", 1), MPI.COMM_SELF)
+    inject = FaultInjector(parse_faults(faults, 1), 0, mesh)
+    return FlightRecorder(mesh, tmp_path / "flight", 10.0, inject, grace_s=0.0, leader_wait_s=0.0)
+
+
+def test_an_error_after_a_skipped_collective_ends_with_the_diagnosis(tmp_path: Path, monkeypatch) -> None:
+    """A rank that skipped a collective leaves its peers' calls paired with the wrong ones:
+    whichever rank first trips over the mixed data raises (CI saw `global_norm` take the
+    square root of a negative sum). That error ends the job as the time-out would have:
+    the skip named, exit code 3."""
+    rec = _recorder(tmp_path, monkeypatch, "skip:rank=0:step=0")
+    with pytest.raises(SkipCall):
+        rec.begin("all_reduce", "tp", 64)
+    rec.end(rec.begin("all_reduce", "tp", 64))
+    with pytest.raises(SystemExit) as info:
+        rec.after_error(ValueError("math domain error"))
+    assert info.value.code == 3
+    text = (tmp_path / "flight" / "diagnosis.txt").read_text()
+    assert text.startswith("numesh flight recorder: rank 0 raised ValueError: math domain error after a "
+                           "collective fault")
+    assert text.splitlines()[1].startswith("cause: rank 0 (the only rank) skipped all_reduce over tp #0 at step 0")
+    assert "gave up: ValueError: math domain error" in text
+    rec.close()
+
+
+def test_an_error_without_a_collective_fault_is_left_to_unwind(tmp_path: Path, monkeypatch) -> None:
+    rec = _recorder(tmp_path, monkeypatch, "")
+    rec.end(rec.begin("all_reduce", "tp", 64))
+    rec.after_error(ValueError("a bug of this rank's own"))  # returns: the caller re-raises
+    assert not (tmp_path / "flight" / "diagnosis.txt").exists() and not (tmp_path / "flight" / "rank-0.json").exists()
+    rec.close()
 
 
 # ---------------------------------------------------------------------------------------

@@ -22,6 +22,11 @@ rank give up on MPI, which cannot be trusted any more:
    one (other op, axes or size), or is dead, prints that as one block on stderr and in
    OUT/flight/diagnosis.txt, and calls MPI_Abort(COMM_WORLD, EXIT_CODE).
 
+A rank whose training raises after such a fault shows in the rings (a call skipped, a rank
+that gave up or died) takes the same path (`after_error`): the error is most likely the
+fault's consequence, data from calls that no longer pair, so the job ends with the diagnosis
+and EXIT_CODE rather than with whichever error tripped first.
+
 The diagnosis itself (`diagnose`, numesh/observe/diagnosis.py) is a pure function of the
 ranks' states, which `read_state` decodes from their ring files. A clean end of training
 removes the ring files (`close`). A job that the launcher killed (a rank died) leaves them
@@ -111,7 +116,7 @@ def read_state(flight_dir: Path, rank: int, run: int) -> RankState | None:
         if k % RING == int(head["waiting"]) and int(head["waiting"]) >= 0 and rec.end is None:
             waiting = rec
     counts = {names[i]: int(head["counts"][i]) for i in range(len(names))}
-    failed = {0: None, 1: "timeout", 2: "MPI error"}.get(int(head["failed"]), "?")
+    failed = {0: None, 1: "timeout", 2: "MPI error", 3: "error"}.get(int(head["failed"]), "?")
     running = None
     if meta.get("host") == socket.gethostname():
         running = alive(int(meta["pid"]))
@@ -347,13 +352,32 @@ class FlightRecorder(Observer):
 
     # ------------------------------------------------------------------ giving up
 
-    def _fail(self, token: int, reason: str, code: int) -> None:
-        """Never returns: dump, wait for the others, diagnose (leader) and abort the job."""
+    def after_error(self, error: BaseException) -> None:
+        """An exception escaped this rank's training: if the rings show a collective fault
+        (a call skipped, a rank that gave up or is dead), the error is most likely its
+        consequence (a rank whose calls no longer pair with its peers' reduces the wrong
+        buffers, and whichever rank first trips over the data raises), so end as a time-out
+        does: the diagnosis, and EXIT_CODE on every rank. Returns when the rings show no
+        fault: the error is the rank's own and unwinds as any other."""
+        if self._failing:
+            return
+        states = [read_state(self.dir, r, self.run) for r in range(self.size)]
+        if not any(s is not None and (s.alive is False or s.failed is not None
+                                      or any(c.flags & (SKIPPED | FAILED) for c in s.calls)) for s in states):
+            return
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        self._fail(None, reason, 3, title=f"numesh flight recorder: rank {self.rank} raised {reason} after a "
+                                        f"collective fault; every rank's last calls are in {self.dir}")
+
+    def _fail(self, token: int | None, reason: str, code: int, title: str = "") -> None:
+        """Never returns: dump, wait for the others, diagnose (leader) and abort the job.
+        `token`: the call this rank gives up in (None: an error outside any call)."""
         self._failing = True
-        self._waiting[0] = token
-        if not self._wait_since[0]:
-            self._wait_since[0] = time.time()
-        self.ring[token]["flags"] |= FAILED
+        if token is not None:
+            self._waiting[0] = token
+            if not self._wait_since[0]:
+                self._wait_since[0] = time.time()
+            self.ring[token]["flags"] |= FAILED
         self._head["failed"] = code
         self._mm.flush()
         state = read_state(self.dir, self.rank, self.run)
@@ -369,7 +393,7 @@ class FlightRecorder(Observer):
             if time.monotonic() - failed_at > self.grace_s + self.leader_wait_s:
                 break  # the leader did not abort the job: take over
             time.sleep(0.1)
-        self._lead(reason)
+        self._lead(reason, title)
 
     def _dumps(self) -> dict[int, dict]:
         out = {}
@@ -382,7 +406,7 @@ class FlightRecorder(Observer):
                 out[r] = d
         return out
 
-    def _lead(self, reason: str) -> None:
+    def _lead(self, reason: str, title: str = "") -> None:
         try:
             states = {r: read_state(self.dir, r, self.run) for r in range(self.size)}
             dumps = self._dumps()
@@ -391,7 +415,7 @@ class FlightRecorder(Observer):
                     dump = {"run": self.run, "written_by": self.rank, "reason": "read from its ring by the leader",
                             "time": time.time(), **s.to_json()}
                     write_atomic(self.dir / f"rank-{r}.json", json.dumps(dump, indent=1))
-            text, _ = diagnose(states, time.time(), self.timeout, str(self.dir))
+            text, _ = diagnose(states, time.time(), self.timeout, str(self.dir), title=title)
             text += f"\n(rank {self.rank} gave up: {reason}; exiting with code {EXIT_CODE} on every rank)"
             write_atomic(self.dir / "diagnosis.txt", text + "\n")
             sys.stderr.write(text + "\n")

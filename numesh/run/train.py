@@ -581,9 +581,11 @@ def _locked_run(trainer: Trainer, run: RunDir, start: int, peak: float,
         with watch.saving():  # every rank stopped at the same step: an orderly end, its files as after a clean one
             _finish_observing(trainer, out, observer, observed_before)
         raise
-    except BaseException:
+    except BaseException as e:
         if saves is not None:
             saves.abandon()  # no collective while an error unwinds: latest stays where it was
+        if isinstance(observer, FlightRecorder) and isinstance(e, Exception):
+            observer.after_error(e)  # ends the job with the diagnosis when a collective fault caused the error
         raise
     finally:
         run.close_metrics()
