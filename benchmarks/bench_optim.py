@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Muon against AdamW on tiny Shakespeare with the default model, at equal steps and at
-equal wall-clock, and the Newton–Schulz share of a Muon step on 1 rank and on dp=2 (ZeRO 0, 1).
+equal wall-clock, and the Newton–Schulz share of a Muon step on 1 rank, on dp=2 (ZeRO 0, 1) and on tp=2.
 
     python benchmarks/bench_optim.py                              # 2000 steps each, curves to optim.png
     python benchmarks/bench_optim.py --steps 500 --muon-lr 2e-3 --plot optim.svg
@@ -16,9 +16,9 @@ both comparisons; `--plot` draws the runs with `numesh plot` (loss, val loss, to
 
 The Newton–Schulz share: a Muon step's time in the iteration itself
 (`ZeroOptimizer.matrix_seconds`) over the whole step's, the medians of --share-steps steps
-after a warm-up, on one rank and on dp=2 with ZeRO 0 and with ZeRO 1 (this script's worker
+after a warm-up, on one rank, on dp=2 with ZeRO 0 and with ZeRO 1, and on tp=2 (this script's worker
 under the mpiexec beside this Python), where each rank iterates on about half the matrices
-(under ZeRO 0 too: the results are all-gathered, numesh/optim/matrices.py).
+(under ZeRO 0 too: the results are all-gathered; over tp too, numesh/optim/matrices.py).
 A benchmark: it asserts nothing. Its times need a quiet machine; docs/benchmarks.md holds runs.
 """
 
@@ -100,15 +100,15 @@ def share(root: Path, args: argparse.Namespace) -> None:
     data = root / "data"
     if not data.exists():
         numesh_cli("data", "char", "--src", args.src, "--out", str(data))
-    for ranks, mesh, zero in ((1, "", 0), (2, "dp=2", 0), (2, "dp=2", 1)):
-        cmd = [sys.executable, __file__, "--worker", str(data), str(root / f"share-{ranks}-{zero}"), mesh,
+    for ranks, mesh, zero in ((1, "", 0), (2, "dp=2", 0), (2, "dp=2", 1), (2, "tp=2", 0)):
+        cmd = [sys.executable, __file__, "--worker", str(data), str(root / f"share-{mesh or 'one'}-{zero}"), mesh,
                str(args.share_steps), str(zero)]
         if ranks > 1:
             cmd = [venv_tool("mpiexec"), "-n", str(ranks), *cmd]
         got = run_json(cmd, timeout=None)
         if "error" in got:
             raise SystemExit(f"{' '.join(cmd)} failed: {got['error']}")
-        where = "1 rank" if ranks == 1 else f"dp=2 ZeRO-{zero}"
+        where = "1 rank" if ranks == 1 else f"{mesh} ZeRO-{zero}"
         print(f"Newton-Schulz share of a Muon step, {where}: {got['ns_ms']:.1f} of {got['step_ms']:.1f} ms "
               f"({100 * got['ns_ms'] / got['step_ms']:.1f} %)")
 

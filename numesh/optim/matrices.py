@@ -11,9 +11,11 @@ gradients are reduced and the elementwise `direction` (momentum) ran on each ran
 1. every rank sends each owner the piece of its slabs that lies in its shard, one
    all-to-all over dp (`MatrixExchange.gather`); the owner assembles each slab whole over
    dp from the summed gradient of the step (every micro-batch's: never one alone);
-2. a slab split over tp is gathered whole over tp by the tp ranks of its owner, all such
-   slabs in one all-gather (`whole_over_tp`), and every tp rank computes the function on
-   the whole matrices (each keeps its own slice: `mine_over_tp`);
+2. the owner's slabs are dealt again to its tp ranks (`assign_owners` over tp): each tp
+   rank sends its part of a tp-split slab to the slab's tp owner, one all-to-all over tp
+   (`to_tp_owners`), and each tp rank computes the function on its slabs, whole; it sends
+   every other tp rank its part of each result (all of it for a slab tp does not split),
+   another all-to-all (`from_tp_owners`). (Before, every tp rank computed every owned slab.)
 3. the owner returns each shard's piece of the result (`scatter`), another all-to-all.
 
 Under ZeRO 0 nothing is sharded: every rank holds every slab whole already, so step 1 moves
@@ -21,8 +23,8 @@ nothing; the slabs are still dealt to the dp ranks, each iterates on its own, an
 one all-gather over dp of the results (`share`): every rank would otherwise repeat all of
 Newton–Schulz, a third of a Muon step (benchmarks/bench_optim.py measures the share).
 
-Over ep each rank has its own experts (their slabs are its own); replicas over cp and ep
-compute their replicated slabs alike. Pipeline stages each handle their own units.
+Over ep each rank has its own experts (their slabs are its own); replicas over cp, and
+over ep for the slabs every ep rank holds, still compute those slabs alike. Pipeline stages each handle their own units.
 The bytes are `numesh.perf.formulas.matrix_exchange_bytes`.
 """
 
@@ -34,7 +36,7 @@ import attrs
 import numpy as np
 
 from numesh.host.threads import over_batch, threads
-from numesh.mesh import Mesh, all_gather, all_gather_v, all_to_all_v
+from numesh.mesh import Mesh, all_gather_v, all_to_all_v
 from numesh.optim.flat import FlatLayout
 from numesh.optim.interface import MatrixRule, MatrixView
 
@@ -130,6 +132,10 @@ class MatrixExchange:
         self.dp, self.rank = layout.dp, layout.rank
         self.mine = [i for i, s in enumerate(self.slabs) if s.owner == self.rank]
         self.owned = [[i for i, s in enumerate(self.slabs) if s.owner == q] for q in range(self.dp)]
+        # the owned slabs dealt again over tp, whose ranks all hold them (each its part)
+        self.tp, self.tp_rank = mesh.size("tp"), mesh.index("tp")
+        self.tp_owner = dict(zip(self.mine, assign_owners([self.slabs[i].cost for i in self.mine], self.tp)))
+        self.computes = [i for i in self.mine if self.tp_owner[i] == self.tp_rank]
         if not sharded:  # every slab whole here: nothing below is needed (`gather` slices, `share` gathers)
             return
         shard = {k: u.shard_size for k, u in layout.units.items()}
@@ -206,30 +212,59 @@ class MatrixExchange:
                 pos += s.size
         return out
 
-    def whole_over_tp(self, parts: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
-        """The owned slabs whole over tp (shaped, [in, ..., out]): those split over tp
-        all-gathered in one call, the others as they are."""
-        tp = self.mesh.size("tp")
-        out = {i: parts[i].reshape(self.slabs[i].view.shape) for i in self.mine}
+    def to_tp_owners(self, parts: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """The owned slabs this tp rank computes (`computes`), whole and shaped [in, ...,
+        out]: of a slab split over tp, every tp rank's part goes to its tp owner, all such
+        parts in one all-to-all; a slab whole on every tp rank is there already. `parts`:
+        this rank's tp-local part of every owned slab, flat."""
+        out = {i: parts[i].reshape(self.slabs[i].view.shape) for i in self.computes}
         split = [i for i in self.mine if self.slabs[i].view.tp_dim is not None]
-        if tp == 1 or not split:
+        if self.tp == 1 or not split:
             return out
-        flat = np.concatenate([parts[i] for i in split])
-        every = all_gather(flat, self.mesh, "tp").reshape(tp, flat.size)
+        send = [parts[i] for t in range(self.tp) for i in split if self.tp_owner[i] == t]
+        mine = [i for i in split if self.tp_owner[i] == self.tp_rank]
+        counts = [sum(self.slabs[i].size for i in split if self.tp_owner[i] == t) for t in range(self.tp)]
+        got = all_to_all_v(np.concatenate(send), counts, [sum(self.slabs[i].size for i in mine)] * self.tp,
+                           self.mesh, "tp")
         pos = 0
-        for i in split:
-            v = self.slabs[i].view
-            blocks = [every[t, pos: pos + v.size].reshape(v.shape) for t in range(tp)]
-            out[i] = np.concatenate(blocks, axis=v.tp_dim)
-            pos += v.size
+        blocks: dict[int, list[np.ndarray]] = {i: [] for i in mine}
+        for _ in range(self.tp):  # rank t's parts of my slabs, in slab order
+            for i in mine:
+                v = self.slabs[i].view
+                blocks[i].append(got[pos: pos + v.size].reshape(v.shape))
+                pos += v.size
+        for i in mine:
+            out[i] = np.concatenate(blocks[i], axis=self.slabs[i].view.tp_dim)
         return out
 
-    def mine_over_tp(self, i: int, whole: np.ndarray) -> np.ndarray:
-        """This tp rank's part of slab `i`'s whole result, flat."""
+    def from_tp_owners(self, results: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """This tp rank's part of every owned slab's result (flat), from the tp rank that
+        computed it (`results`: the whole results of `computes`): each tp owner sends every
+        tp rank its part of each split slab and the whole of each other slab, one all-to-all."""
+        if self.tp == 1:
+            return {i: results[i].reshape(-1) for i in self.mine}
+        send, counts = [], []
+        for t in range(self.tp):
+            part = [self._part(i, results[i], t) for i in self.computes]
+            send += part
+            counts.append(sum(x.size for x in part))
+        recv = [sum(self.slabs[i].size for i in self.mine if self.tp_owner[i] == t) for t in range(self.tp)]
+        buf = np.concatenate(send) if send else np.zeros(0, self.dtype)
+        got = all_to_all_v(buf, counts, recv, self.mesh, "tp")
+        out, pos = {}, 0
+        for t in range(self.tp):
+            for i in self.mine:
+                if self.tp_owner[i] == t:
+                    out[i] = got[pos: pos + self.slabs[i].size]
+                    pos += self.slabs[i].size
+        return out
+
+    def _part(self, i: int, whole: np.ndarray, t: int) -> np.ndarray:
+        """Tp rank t's part of slab `i`'s whole result, flat (all of it if tp does not split it)."""
         v = self.slabs[i].view
-        if v.tp_dim is None or self.mesh.size("tp") == 1:
+        if v.tp_dim is None:
             return whole.reshape(-1)
-        n, t = v.shape[v.tp_dim], self.mesh.index("tp")
+        n = v.shape[v.tp_dim]
         index = [slice(None)] * len(v.shape)
         index[v.tp_dim] = slice(t * n, (t + 1) * n)
         return np.ascontiguousarray(whole[tuple(index)]).reshape(-1)

@@ -337,8 +337,9 @@ class RankUnits:
     tp_partial_values: int = 0
     ep_replicated_values: int = 0
     matrix_all_to_all: int = 0  # a matrix rule's (Muon's) exchange over dp: `matrix_exchange_bytes`
-    matrix_all_gather: int = 0  # ... and its gather over tp
+    matrix_all_gather: int = 0  # ... its gather over tp, in traces before the matrices were dealt over tp
     matrix_dp_gather: int = 0  # ... and under ZeRO 0 its results' all-gather over dp
+    matrix_tp_all_to_all: int = 0  # ... and its exchange with the tp owners
 
 
 def step_bytes(step: StepShape, rank: RankUnits, all_to_all_bytes: int = 0) -> dict[tuple[str, str], int]:
@@ -393,6 +394,7 @@ def step_bytes(step: StepShape, rank: RankUnits, all_to_all_bytes: int = 0) -> d
             add(f"pp[0,{shape['pp'] - 1}]", "all_reduce", rank.tied_bytes)
     add("dp", "all_to_all", rank.matrix_all_to_all)
     add("tp", "all_gather", rank.matrix_all_gather)
+    add("tp", "all_to_all", rank.matrix_tp_all_to_all)
     add("dp", "all_gather", rank.matrix_dp_gather)
     if shape.get("ep", 1) > 1:
         add("ep", "all_reduce", ep_grad_bytes(rank.ep_replicated_values, itemsize))
@@ -629,7 +631,7 @@ def rule_state_values(units: Iterable[Sequence[tuple[int, int]]], dp: int, rank:
 
 
 def matrix_exchange_bytes(unit_sizes: Sequence[int], slabs: Sequence[tuple[int, int, int, float, bool]], dp: int,
-                          rank: int, tp: int, itemsize: int, sharded: bool) -> dict[tuple[str, str], int]:
+                          rank: int, tp: int, tp_rank: int, itemsize: int, sharded: bool) -> dict[tuple[str, str], int]:
     """Payload bytes a rank sends in one step to have each matrix of a matrix rule (Muon)
     whole on one rank (numesh/optim/matrices.py): `slabs` are (unit index, first value in
     the unit, values, cost, whether split over tp), tp-local, in layout order;
@@ -638,17 +640,17 @@ def matrix_exchange_bytes(unit_sizes: Sequence[int], slabs: Sequence[tuple[int, 
     its slabs that lies in its 1/dp shard of the unit (padded to a multiple of dp), and
     each owner the rest of its slabs back, all-to-alls over dp that count what leaves a
     rank; under ZeRO 0 the owners' results are all-gathered over dp, which counts the
-    gathered buffer (every slab's values). Every owner all-gathers its tp-split slabs over
-    tp, tp times their values."""
+    gathered buffer (every slab's values). An owner's slabs are dealt again to its tp
+    ranks: each sends its part of a tp-split slab to the slab's tp owner, which sends every
+    other tp rank its part of the result (all of it for a slab tp does not split), two
+    all-to-alls over tp."""
     from numesh.optim.matrices import assign_owners, pieces  # here: the other formulas need no MPI
 
     n = dp if sharded else 1
     owners = assign_owners([s[3] for s in slabs], dp)
     out: dict[tuple[str, str], int] = {}
-    moved = gathered = 0
-    for (unit, start, size, _cost, split), owner in zip(slabs, owners):
-        if owner == rank:
-            gathered += size * tp if split and tp > 1 else 0
+    moved = 0
+    for (unit, start, size, _cost, _split), owner in zip(slabs, owners):
         if not sharded:
             continue
         shard = round_up(unit_sizes[unit], n) // n
@@ -659,8 +661,15 @@ def matrix_exchange_bytes(unit_sizes: Sequence[int], slabs: Sequence[tuple[int, 
             out[("dp", "all_to_all")] = moved * itemsize
         elif slabs:
             out[("dp", "all_gather")] = sum(s[2] for s in slabs) * itemsize
-    if gathered:
-        out[("tp", "all_gather")] = gathered * itemsize
+    mine = [s for s, owner in zip(slabs, owners) if owner == rank]
+    over_tp = 0
+    for (_unit, _start, size, _cost, split), t in zip(mine, assign_owners([s[3] for s in mine], tp)):
+        if t == tp_rank:
+            over_tp += (tp - 1) * size  # each other tp rank's part of the result (or all of it)
+        elif split:
+            over_tp += size  # my part to its tp owner
+    if tp > 1 and over_tp:
+        out[("tp", "all_to_all")] = over_tp * itemsize
     return out
 
 
