@@ -56,7 +56,8 @@ PARITY = {
     ],
     4: [("dp=2,tp=2", dict(zero=3, micro_batches=2)),
         ("dp=2,tp=2", dict(zero=0)),  # ZeRO 0 deals tp-split matrices over dp and all-gathers the results
-        ("dp=2,pp=2", dict(zero=0, micro_batches=2, schedule="1f1b"))],
+        ("dp=2,pp=2", dict(zero=0, micro_batches=2, schedule="1f1b")),
+        ("cp=2,tp=2", dict(zero=1))],  # the matrices dealt over the cp x tp replicas
     8: [("dp=2,tp=2,pp=2", dict(zero=1, micro_batches=2))],
 }
 
@@ -182,14 +183,14 @@ def test_deepspeed_bugs_muon_is_active_at_every_stage_on_the_summed_gradient(zer
 # bytes and memory per rank
 
 
-BYTES_CASES = {2: [("dp=2", 0, 1), ("dp=2", 1, 1), ("dp=2", 2, 2), ("dp=2", 3, 2), ("tp=2", 0, 1)],
-               4: [("dp=2,tp=2", 1, 1), ("dp=2,tp=2", 0, 1)], 8: [("dp=2,tp=2,pp=2", 3, 2)]}
+BYTES_CASES = {2: [("dp=2", 0, 1), ("dp=2", 1, 1), ("dp=2", 2, 2), ("dp=2", 3, 2), ("tp=2", 0, 1), ("cp=2", 0, 1)],
+               4: [("dp=2,tp=2", 1, 1), ("dp=2,tp=2", 0, 1), ("cp=2,tp=2", 1, 1)], 8: [("dp=2,tp=2,pp=2", 3, 2)]}
 
 
-@pytest.mark.parametrize("case", range(5))
+@pytest.mark.parametrize("case", range(6))
 def test_muon_bytes_per_step_follow_the_formula(shared_dataset: Path, shared_tmp: Path, case: int) -> None:
     """The byte counter of one step equals `formulas.step_bytes`, Muon's all-to-alls over dp
-    and exchange with the tp owners (`formulas.matrix_exchange_bytes`) included."""
+    and exchange with the cp x tp replicas (`formulas.matrix_exchange_bytes`) included."""
     cases = BYTES_CASES.get(WORLD.Get_size(), [])
     if case >= len(cases):
         pytest.skip("no such case on this world size")
@@ -212,8 +213,9 @@ def test_muon_bytes_per_step_follow_the_formula(shared_dataset: Path, shared_tmp
     assert got == want
     assert (units.matrix_all_to_all > 0) == (shape["dp"] > 1 and zero > 0)
     assert (units.matrix_dp_gather > 0) == (shape["dp"] > 1 and zero == 0)  # ZeRO 0: the results all-gathered
-    assert units.matrix_all_gather == 0  # the tp gather of older runs: now an exchange with the tp owners
-    assert (units.matrix_tp_all_to_all > 0) == (shape["tp"] > 1)  # every tp rank computes some matrices
+    assert units.matrix_all_gather == 0  # the tp gather of older runs: now an exchange with the replicas
+    # every replica over cp x tp computes some of its owner's matrices
+    assert (units.matrix_replica_all_to_all > 0) == (shape["tp"] * shape.get("cp", 1) > 1)
 
 
 def rule_runs_of(trainer: Trainer) -> list[list[tuple[int, int]]]:

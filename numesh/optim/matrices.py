@@ -11,11 +11,13 @@ gradients are reduced and the elementwise `direction` (momentum) ran on each ran
 1. every rank sends each owner the piece of its slabs that lies in its shard, one
    all-to-all over dp (`MatrixExchange.gather`); the owner assembles each slab whole over
    dp from the summed gradient of the step (every micro-batch's: never one alone);
-2. the owner's slabs are dealt again to its tp ranks (`assign_owners` over tp): each tp
-   rank sends its part of a tp-split slab to the slab's tp owner, one all-to-all over tp
-   (`to_tp_owners`), and each tp rank computes the function on its slabs, whole; it sends
-   every other tp rank its part of each result (all of it for a slab tp does not split),
-   another all-to-all (`from_tp_owners`). (Before, every tp rank computed every owned slab.)
+2. the owner's slabs are dealt again to its replicas, the cp x tp ranks that hold them
+   alike, each tp rank its part (`assign_owners` over the replicas): the tp ranks beside a
+   slab's computing replica (its cp coordinate) send it their parts of a tp-split slab,
+   one all-to-all (`to_replicas`); each replica computes the function on its slabs, whole,
+   and sends every other replica its tp part of each result (all of it for a slab tp does
+   not split), another all-to-all (`from_replicas`). (Before, every tp and cp rank
+   computed every owned slab.)
 3. the owner returns each shard's piece of the result (`scatter`), another all-to-all.
 
 Under ZeRO 0 nothing is sharded: every rank holds every slab whole already, so step 1 moves
@@ -23,8 +25,8 @@ nothing; the slabs are still dealt to the dp ranks, each iterates on its own, an
 one all-gather over dp of the results (`share`): every rank would otherwise repeat all of
 Newton–Schulz, a third of a Muon step (benchmarks/bench_optim.py measures the share).
 
-Over ep each rank has its own experts (their slabs are its own); replicas over cp, and
-over ep for the slabs every ep rank holds, still compute those slabs alike. Pipeline stages each handle their own units.
+Over ep each rank has its own experts (their slabs are its own); the slabs every ep rank
+holds are still computed alike on each. Pipeline stages each handle their own units.
 The bytes are `numesh.perf.formulas.matrix_exchange_bytes`.
 """
 
@@ -109,6 +111,13 @@ def run_matrices(rule: MatrixRule, pairs: list[tuple[np.ndarray, np.ndarray]]) -
     over_batch(work, k, k)
 
 
+def replica_axes(shape: Mapping[str, int]) -> tuple[str, ...]:
+    """The axes over which a dp owner's matrices are held alike, each tp rank its part:
+    cp and tp, those of size > 1 (tp alone when neither is), the axes of the exchange with
+    the replica that computes a matrix."""
+    return tuple(a for a in ("cp", "tp") if shape.get(a, 1) > 1) or ("tp",)
+
+
 def pieces(start: int, size: int, shard: int, ranks: int) -> list[tuple[int, int]]:
     """[lo, hi) of a slab [start, start + size) of a unit in each rank's shard of it (the
     rank-th `shard` values; lo == hi where they do not meet)."""
@@ -132,10 +141,12 @@ class MatrixExchange:
         self.dp, self.rank = layout.dp, layout.rank
         self.mine = [i for i, s in enumerate(self.slabs) if s.owner == self.rank]
         self.owned = [[i for i, s in enumerate(self.slabs) if s.owner == q] for q in range(self.dp)]
-        # the owned slabs dealt again over tp, whose ranks all hold them (each its part)
-        self.tp, self.tp_rank = mesh.size("tp"), mesh.index("tp")
-        self.tp_owner = dict(zip(self.mine, assign_owners([self.slabs[i].cost for i in self.mine], self.tp)))
-        self.computes = [i for i in self.mine if self.tp_owner[i] == self.tp_rank]
+        # the owned slabs dealt again over the replicas, the cp x tp ranks that all hold them
+        # (each tp rank its part): replica r is (cp r // tp, tp r % tp)
+        self.rep_axes, self.tp = replica_axes(mesh.shape), mesh.size("tp")
+        self.nrep, self.rep = mesh.size(self.rep_axes), mesh.index(self.rep_axes)
+        self.rep_owner = dict(zip(self.mine, assign_owners([self.slabs[i].cost for i in self.mine], self.nrep)))
+        self.computes = [i for i in self.mine if self.rep_owner[i] == self.rep]
         if not sharded:  # every slab whole here: nothing below is needed (`gather` slices, `share` gathers)
             return
         shard = {k: u.shard_size for k, u in layout.units.items()}
@@ -212,23 +223,27 @@ class MatrixExchange:
                 pos += s.size
         return out
 
-    def to_tp_owners(self, parts: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
-        """The owned slabs this tp rank computes (`computes`), whole and shaped [in, ...,
-        out]: of a slab split over tp, every tp rank's part goes to its tp owner, all such
-        parts in one all-to-all; a slab whole on every tp rank is there already. `parts`:
-        this rank's tp-local part of every owned slab, flat."""
+    def to_replicas(self, parts: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """The owned slabs this rank computes (`computes`), whole and shaped [in, ..., out].
+        A slab split over tp: the parts of the tp ranks beside its computing rank (the same
+        cp coordinate) go to it, all such parts in one all-to-all over the replicas; a slab
+        whole on every tp rank is there already. `parts`: this rank's tp-local part of every
+        owned slab, flat."""
         out = {i: parts[i].reshape(self.slabs[i].view.shape) for i in self.computes}
         split = [i for i in self.mine if self.slabs[i].view.tp_dim is not None]
         if self.tp == 1 or not split:
             return out
-        send = [parts[i] for t in range(self.tp) for i in split if self.tp_owner[i] == t]
-        mine = [i for i in split if self.tp_owner[i] == self.tp_rank]
-        counts = [sum(self.slabs[i].size for i in split if self.tp_owner[i] == t) for t in range(self.tp)]
-        got = all_to_all_v(np.concatenate(send), counts, [sum(self.slabs[i].size for i in mine)] * self.tp,
-                           self.mesh, "tp")
+        row = self.rep // self.tp  # my cp coordinate: the tp ranks of my row send me their parts
+        send = [parts[i] for r in range(self.nrep) if r // self.tp == row for i in split if self.rep_owner[i] == r]
+        counts = [sum(self.slabs[i].size for i in split if self.rep_owner[i] == r) if r // self.tp == row else 0
+                  for r in range(self.nrep)]
+        mine = [i for i in split if self.rep_owner[i] == self.rep]
+        n = sum(self.slabs[i].size for i in mine)
+        recv = [n if r // self.tp == row else 0 for r in range(self.nrep)]
+        got = all_to_all_v(np.concatenate(send), counts, recv, self.mesh, self.rep_axes)
         pos = 0
         blocks: dict[int, list[np.ndarray]] = {i: [] for i in mine}
-        for _ in range(self.tp):  # rank t's parts of my slabs, in slab order
+        for _ in range(self.tp):  # tp rank t's parts of my slabs, in slab order
             for i in mine:
                 v = self.slabs[i].view
                 blocks[i].append(got[pos: pos + v.size].reshape(v.shape))
@@ -237,24 +252,24 @@ class MatrixExchange:
             out[i] = np.concatenate(blocks[i], axis=self.slabs[i].view.tp_dim)
         return out
 
-    def from_tp_owners(self, results: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
-        """This tp rank's part of every owned slab's result (flat), from the tp rank that
-        computed it (`results`: the whole results of `computes`): each tp owner sends every
-        tp rank its part of each split slab and the whole of each other slab, one all-to-all."""
-        if self.tp == 1:
+    def from_replicas(self, results: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """This rank's tp part of every owned slab's result (flat), from the replica that
+        computed it (`results`: the whole results of `computes`): each sends every other
+        replica its tp part of each split result and the whole of each other, one all-to-all."""
+        if self.nrep == 1:
             return {i: results[i].reshape(-1) for i in self.mine}
         send, counts = [], []
-        for t in range(self.tp):
-            part = [self._part(i, results[i], t) for i in self.computes]
+        for r in range(self.nrep):
+            part = [self._part(i, results[i], r % self.tp) for i in self.computes]
             send += part
             counts.append(sum(x.size for x in part))
-        recv = [sum(self.slabs[i].size for i in self.mine if self.tp_owner[i] == t) for t in range(self.tp)]
+        recv = [sum(self.slabs[i].size for i in self.mine if self.rep_owner[i] == r) for r in range(self.nrep)]
         buf = np.concatenate(send) if send else np.zeros(0, self.dtype)
-        got = all_to_all_v(buf, counts, recv, self.mesh, "tp")
+        got = all_to_all_v(buf, counts, recv, self.mesh, self.rep_axes)
         out, pos = {}, 0
-        for t in range(self.tp):
+        for r in range(self.nrep):
             for i in self.mine:
-                if self.tp_owner[i] == t:
+                if self.rep_owner[i] == r:
                     out[i] = got[pos: pos + self.slabs[i].size]
                     pos += self.slabs[i].size
         return out

@@ -286,14 +286,14 @@ class ZeroOptimizer(Generic[K]):
         """A matrix rule's function on each slab this rank owns, whole (the directions of
         every shard gathered over dp, and over tp), and each piece of the results applied
         where it belongs."""
-        whole = ex.to_tp_owners(ex.gather(grads))
+        whole = ex.to_replicas(ex.gather(grads))
         t0 = time.perf_counter()
         results = {i: np.empty_like(x) for i, x in whole.items()}
         pairs = [pair for i, x in whole.items()
                  for pair in zip(ex.slabs[i].view.matrices(x), ex.slabs[i].view.matrices(results[i]))]
         run_matrices(rule, pairs)
         self.matrix_seconds += time.perf_counter() - t0
-        mine = ex.from_tp_owners(results)
+        mine = ex.from_replicas(results)
         for i, a, b, values in ex.scatter(mine):
             slab = ex.slabs[i]
             rule.apply(self.residency.update_view(slab.key)[a:b], values, lr * rule.lr_ratio, slab.fan)

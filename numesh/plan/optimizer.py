@@ -10,13 +10,13 @@ the rules' shares of it in proportion (the exact split depends where the cut fal
 unit: `formulas.rule_values`, which the tests hold the optimiser to).
 
 A matrix rule (Muon) runs its function on whole matrices: each dp rank on about 1/dp of
-them (dealt by cost, numesh/optim/matrices.py), under every ZeRO stage, and each tp rank
-of an owner on about 1/tp of those. Its bytes are expected ones (`formulas.matrix_exchange_bytes`
+them (dealt by cost, numesh/optim/matrices.py), under every ZeRO stage, and each of an
+owner's cp x tp replicas on about 1/(cp·tp) of those. Its bytes are expected ones (`formulas.matrix_exchange_bytes`
 is the exact count for a rank's slabs): under ZeRO >= 1 a rank's shard holds 1/dp of the
 matrix values, (dp - 1)/dp of which go to other owners, and as many come back; under ZeRO
-0 the results are all-gathered over dp (all the matrix values); over tp a rank sends its
-parts of the split matrices others compute, and the others' parts (or all) of the results
-of those it computes: (tp - 1)/tp of twice the split values plus the unsplit ones.
+0 the results are all-gathered over dp (all the matrix values); over the replicas a rank
+sends its parts of the split matrices its tp neighbours compute, and the others' parts
+(or all) of the results of those it computes.
 """
 
 from __future__ import annotations
@@ -143,21 +143,22 @@ def state_values(model: ModelSpec, layout: Layout, units: list[UnitRules]) -> fl
 
 def matrix_work(model: ModelSpec, layout: Layout, units: list[UnitRules]) -> list[tuple[Matrices, float]]:
     """The matrices a rank runs a matrix rule on in one step: (kind, how many), about
-    1/(dp·tp) of its units' (dealt by cost over dp, then over tp)."""
-    return [(m, m.count / (layout.dp * layout.tp)) for u in units for m in u.matrices]
+    1/(dp·cp·tp) of its units' (dealt by cost over dp, then over the cp x tp replicas)."""
+    return [(m, m.count / (layout.dp * layout.cp * layout.tp)) for u in units for m in u.matrices]
 
 
 def matrix_bytes(model: ModelSpec, layout: Layout, units: list[UnitRules], itemsize: int) -> dict[str, float]:
     """Expected payload bytes of the matrix exchange a rank sends in one step (module
     docstring): "dp" all-to-all (both ways, ZeRO >= 1), "dp_gather" the results'
-    all-gather over dp (ZeRO 0), "tp" the two all-to-alls with the tp owners."""
+    all-gather over dp (ZeRO 0), "replicas" the two all-to-alls over cp x tp."""
     local = sum(m.count * m.local for u in units for m in u.matrices)
     split = sum(m.count * m.local for u in units for m in u.matrices if m.split)
-    out = {"dp": 0.0, "dp_gather": 0.0, "tp": 0.0}
+    out = {"dp": 0.0, "dp_gather": 0.0, "replicas": 0.0}
     if layout.dp > 1 and layout.zero >= 1:
         out["dp"] = 2 * (layout.dp - 1) / layout.dp * local / layout.dp * itemsize
     elif layout.dp > 1:
         out["dp_gather"] = local * itemsize
-    if layout.tp > 1:  # parts of split ones to their tp owners; results' parts (or all) back
-        out["tp"] = (layout.tp - 1) / layout.tp * (2 * split + (local - split)) / layout.dp * itemsize
+    n = layout.cp * layout.tp
+    if n > 1:  # split parts to the replica beside me computing them; results' parts (or all) back
+        out["replicas"] = ((n - 1) * local + (layout.tp - 1) * split) / n / layout.dp * itemsize
     return out
