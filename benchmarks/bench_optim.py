@@ -72,9 +72,10 @@ def compare(root: Path, args: argparse.Namespace) -> None:
         print(f"curves: {args.plot}")
 
 
-def worker(data: str, out: str, mesh: str, steps: int, zero: int) -> None:
-    """Under mpiexec (or alone): Muon steps of the default model; rank 0 prints the medians
-    of the step time and of the time in the Newton–Schulz iteration, as JSON."""
+def worker(data: str, out: str, mesh: str, steps: int, zero: int, **options: int) -> None:
+    """Under mpiexec (or alone): Muon steps of the default model (with `options`, e.g.
+    moe_experts=4 for ep); rank 0 prints the medians of the step time and of the time in
+    the Newton–Schulz iteration, as JSON."""
     from mpi4py import MPI
 
     from numesh.host.runtime import configure_process
@@ -83,7 +84,7 @@ def worker(data: str, out: str, mesh: str, steps: int, zero: int) -> None:
 
     configure_process()  # BLAS on one thread, numesh's threads over the rank's cores, as `numesh train` runs
     cfg = config_from(dict(PRESETS["default"], data=data, out=out, mesh=mesh, zero=zero,
-                           optimizer="muon", peak_flops=1e12))
+                           optimizer="muon", peak_flops=1e12, **options))
     trainer = Trainer(cfg, MPI.COMM_WORLD)
     step, ns = [], []
     for i in range(steps + 3):
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         data, out, mesh, steps, zero = argv[1:6]
-        worker(data, out, mesh, int(steps), int(zero))
+        worker(data, out, mesh, int(steps), int(zero), **{k: int(v) for k, v in (a.split("=") for a in argv[6:])})
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -57,7 +57,8 @@ PARITY = {
     4: [("dp=2,tp=2", dict(zero=3, micro_batches=2)),
         ("dp=2,tp=2", dict(zero=0)),  # ZeRO 0 deals tp-split matrices over dp and all-gathers the results
         ("dp=2,pp=2", dict(zero=0, micro_batches=2, schedule="1f1b")),
-        ("cp=2,tp=2", dict(zero=1))],  # the matrices dealt over the cp x tp replicas
+        ("cp=2,tp=2", dict(zero=1)),  # the matrices dealt over the cp x tp replicas
+        ("ep=2,tp=2", dict(moe_experts=4, zero=0))],  # experts over their ep rank's tp ranks, the others over all
     8: [("dp=2,tp=2,pp=2", dict(zero=1, micro_batches=2))],
 }
 
@@ -183,11 +184,13 @@ def test_deepspeed_bugs_muon_is_active_at_every_stage_on_the_summed_gradient(zer
 # bytes and memory per rank
 
 
-BYTES_CASES = {2: [("dp=2", 0, 1), ("dp=2", 1, 1), ("dp=2", 2, 2), ("dp=2", 3, 2), ("tp=2", 0, 1), ("cp=2", 0, 1)],
-               4: [("dp=2,tp=2", 1, 1), ("dp=2,tp=2", 0, 1), ("cp=2,tp=2", 1, 1)], 8: [("dp=2,tp=2,pp=2", 3, 2)]}
+BYTES_CASES = {2: [("dp=2", 0, 1), ("dp=2", 1, 1), ("dp=2", 2, 2), ("dp=2", 3, 2), ("tp=2", 0, 1), ("cp=2", 0, 1),
+                   ("ep=2", 1, 1)],
+               4: [("dp=2,tp=2", 1, 1), ("dp=2,tp=2", 0, 1), ("cp=2,tp=2", 1, 1), ("ep=2,tp=2", 0, 1)],
+               8: [("dp=2,tp=2,pp=2", 3, 2)]}
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(7))
 def test_muon_bytes_per_step_follow_the_formula(shared_dataset: Path, shared_tmp: Path, case: int) -> None:
     """The byte counter of one step equals `formulas.step_bytes`, Muon's all-to-alls over dp
     and exchange with the cp x tp replicas (`formulas.matrix_exchange_bytes`) included."""
@@ -195,8 +198,9 @@ def test_muon_bytes_per_step_follow_the_formula(shared_dataset: Path, shared_tmp
     if case >= len(cases):
         pytest.skip("no such case on this world size")
     mesh, zero, m = cases[case]
+    experts = dict(moe_experts=4) if "ep" in mesh else {}
     cfg = small_run_config(shared_dataset, shared_tmp / f"muon-bytes-{case}", mesh, zero=zero, micro_batches=m,
-                           dropout=0.0, **MUON)
+                           dropout=0.0, **MUON, **experts)
     trainer = Trainer(cfg, WORLD)
     trainer.train_step()
     counter = trainer.mesh.counter
@@ -204,8 +208,11 @@ def test_muon_bytes_per_step_follow_the_formula(shared_dataset: Path, shared_tmp
     trainer.train_step()
     shape, units = trainer.mesh.shape, trainer.rank_units()
     want = formulas.step_bytes(
-        formulas.StepShape(shape, zero, m, cfg.batch_size // (shape["dp"] * m), cfg.block_size, cfg.n_embd, 8,
-                           trainer.schedule.split_backward), units)
+        formulas.StepShape(shape, zero, m, cfg.batch_size // (shape["dp"] * shape["ep"] * m), cfg.block_size,
+                           cfg.n_embd, 8, trainer.schedule.split_backward,
+                           moe=formulas.ExpertShape(trainer.model.moe_experts, trainer.model.moe_top_k, shape["ep"],
+                                                    trainer.model.moe_capacity_factor > 0) if experts else None),
+        units, all_to_all_bytes=trainer.all_to_all_bytes())
     got = {("+".join(axes), op): v for (axes, op), v in counter.payload.items() if v}
     if units.tied_bytes:  # the counter books the tied-embedding group under its axis
         want[("pp", "all_reduce")] = want.get(("pp", "all_reduce"), 0) + want.pop(
@@ -215,7 +222,7 @@ def test_muon_bytes_per_step_follow_the_formula(shared_dataset: Path, shared_tmp
     assert (units.matrix_dp_gather > 0) == (shape["dp"] > 1 and zero == 0)  # ZeRO 0: the results all-gathered
     assert units.matrix_all_gather == 0  # the tp gather of older runs: now an exchange with the replicas
     # every replica over cp x tp computes some of its owner's matrices
-    assert (units.matrix_replica_all_to_all > 0) == (shape["tp"] * shape.get("cp", 1) > 1)
+    assert (units.matrix_replica_all_to_all > 0) == (shape["tp"] * shape["cp"] * shape["ep"] > 1)
 
 
 def rule_runs_of(trainer: Trainer) -> list[list[tuple[int, int]]]:

@@ -160,11 +160,13 @@ class MatrixView:
     (the product of the leading dims split over ep: experts, one contiguous slab each),
     then per slab its `shape`, whose dim
     `inp` is the input, `out` the output, the dims between stacking separate matrices;
-    `tp_dim`, the slab dim split over tp (None: whole on every tp rank)."""
+    `tp_dim`, the slab dim split over tp (None: whole on every tp rank); `experts`: whether
+    its slabs are experts (the leaf's leading dims split over ep: each ep rank its own)."""
 
     batch: int
     shape: tuple[int, ...]
     tp_dim: int | None
+    experts: bool = False
 
     @property
     def matrices_per_slab(self) -> int:
@@ -200,7 +202,7 @@ def matrix_view(leaf: Leaf) -> MatrixView:
     split = [i for i, n in enumerate(names[nb:]) if n]
     if len(split) > 1 or any(set(names[nb + i]) != {"tp"} for i in split):
         raise ValueError(f"{leaf.path}: spec {leaf.spec!r} splits a matrix over more than tp alone")
-    return MatrixView(math.prod(leaf.shape[:nb]), shape, split[0] if split else None)
+    return MatrixView(math.prod(leaf.shape[:nb]), shape, split[0] if split else None, nb > 0)
 
 
 def fan(view: MatrixView, tp: int) -> tuple[int, int]:

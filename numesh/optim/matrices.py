@@ -11,13 +11,14 @@ gradients are reduced and the elementwise `direction` (momentum) ran on each ran
 1. every rank sends each owner the piece of its slabs that lies in its shard, one
    all-to-all over dp (`MatrixExchange.gather`); the owner assembles each slab whole over
    dp from the summed gradient of the step (every micro-batch's: never one alone);
-2. the owner's slabs are dealt again to its replicas, the cp x tp ranks that hold them
-   alike, each tp rank its part (`assign_owners` over the replicas): the tp ranks beside a
-   slab's computing replica (its cp coordinate) send it their parts of a tp-split slab,
-   one all-to-all (`to_replicas`); each replica computes the function on its slabs, whole,
-   and sends every other replica its tp part of each result (all of it for a slab tp does
-   not split), another all-to-all (`from_replicas`). (Before, every tp and cp rank
-   computed every owned slab.)
+2. the owner's slabs are dealt again to its replicas, the ep x cp x tp ranks that hold
+   them alike, each tp rank its part, an expert's slabs only on the cp x tp ranks of its ep
+   rank (`replica_owners`): the tp ranks beside a slab's computing replica (its ep and cp
+   coordinates) send it their parts of a tp-split slab, one all-to-all (`to_replicas`);
+   each replica computes the function on its slabs, whole, and sends every other replica
+   holding the slab its tp part of each result (all of it for a slab tp does not split),
+   another all-to-all (`from_replicas`). (Before, every tp, cp and ep rank computed every
+   owned slab it held.)
 3. the owner returns each shard's piece of the result (`scatter`), another all-to-all.
 
 Under ZeRO 0 nothing is sharded: every rank holds every slab whole already, so step 1 moves
@@ -25,9 +26,8 @@ nothing; the slabs are still dealt to the dp ranks, each iterates on its own, an
 one all-gather over dp of the results (`share`): every rank would otherwise repeat all of
 Newton–Schulz, a third of a Muon step (benchmarks/bench_optim.py measures the share).
 
-Over ep each rank has its own experts (their slabs are its own); the slabs every ep rank
-holds are still computed alike on each. Pipeline stages each handle their own units.
-The bytes are `numesh.perf.formulas.matrix_exchange_bytes`.
+Over ep each rank has its own experts (their slabs are its own). Pipeline stages each
+handle their own units. The bytes are `numesh.perf.formulas.matrix_exchange_bytes`.
 """
 
 from __future__ import annotations
@@ -68,10 +68,11 @@ class Slab:
         return self.view.size
 
 
-def assign_owners(costs: Sequence[float], ranks: int) -> list[int]:
+def assign_owners(costs: Sequence[float], ranks: int, loads: Sequence[float] | None = None) -> list[int]:
     """Owners of items of `costs`, in order: each to the rank with the least cost so far
-    (the lowest such rank on a tie). A pure function of the costs: every rank deals alike."""
-    loads = [0.0] * ranks
+    (the lowest such rank on a tie), starting from `loads` (default none). A pure function
+    of its inputs: every rank deals alike."""
+    loads = [0.0] * ranks if loads is None else list(loads)
     owners = []
     for c in costs:
         r = min(range(ranks), key=lambda i: (loads[i], i))
@@ -112,10 +113,28 @@ def run_matrices(rule: MatrixRule, pairs: list[tuple[np.ndarray, np.ndarray]]) -
 
 
 def replica_axes(shape: Mapping[str, int]) -> tuple[str, ...]:
-    """The axes over which a dp owner's matrices are held alike, each tp rank its part:
-    cp and tp, those of size > 1 (tp alone when neither is), the axes of the exchange with
-    the replica that computes a matrix."""
-    return tuple(a for a in ("cp", "tp") if shape.get(a, 1) > 1) or ("tp",)
+    """The axes over which a dp owner's matrices are held alike, each tp rank its part
+    (ep: those not experts): ep, cp and tp, those of size > 1 (tp alone when none is), the
+    axes of the exchange with the replica that computes a matrix."""
+    return tuple(a for a in ("ep", "cp", "tp") if shape.get(a, 1) > 1) or ("tp",)
+
+
+def replica_owners(costs: Sequence[float], experts: Sequence[bool], ep: int, cp: int, tp: int,
+                   ep_rank: int) -> list[int]:
+    """The replica (ep, cp, tp position (e·cp + c)·tp + t) that computes each of an owner's
+    slabs: its experts dealt over the cp·tp replicas of its own ep rank (every ep rank deals
+    its experts alike), then the other slabs over all the replicas, from those loads."""
+    row = cp * tp
+    ex = [i for i, e in enumerate(experts) if e]
+    out = [0] * len(costs)
+    loads = [0.0] * row
+    for i, j in zip(ex, assign_owners([costs[i] for i in ex], row)):
+        out[i] = ep_rank * row + j
+        loads[j] += costs[i]
+    rest = [i for i, e in enumerate(experts) if not e]
+    for i, r in zip(rest, assign_owners([costs[i] for i in rest], ep * row, loads * ep)):
+        out[i] = r
+    return out
 
 
 def pieces(start: int, size: int, shard: int, ranks: int) -> list[tuple[int, int]]:
@@ -141,11 +160,16 @@ class MatrixExchange:
         self.dp, self.rank = layout.dp, layout.rank
         self.mine = [i for i, s in enumerate(self.slabs) if s.owner == self.rank]
         self.owned = [[i for i, s in enumerate(self.slabs) if s.owner == q] for q in range(self.dp)]
-        # the owned slabs dealt again over the replicas, the cp x tp ranks that all hold them
-        # (each tp rank its part): replica r is (cp r // tp, tp r % tp)
+        # the owned slabs dealt again over the replicas, the ep x cp x tp ranks that hold them
+        # (each tp rank its part; experts only the cp x tp of their ep rank): replica r is
+        # (ep, cp, tp) = (r // (cp·tp), r // tp % cp, r % tp)
         self.rep_axes, self.tp = replica_axes(mesh.shape), mesh.size("tp")
         self.nrep, self.rep = mesh.size(self.rep_axes), mesh.index(self.rep_axes)
-        self.rep_owner = dict(zip(self.mine, assign_owners([self.slabs[i].cost for i in self.mine], self.nrep)))
+        self.row = mesh.size("cp") * self.tp  # the replicas of one ep rank
+        mine = [self.slabs[i] for i in self.mine]
+        owners = replica_owners([s.cost for s in mine], [s.view.experts for s in mine], self.nrep // self.row,
+                                mesh.size("cp"), self.tp, mesh.index("ep"))
+        self.rep_owner = dict(zip(self.mine, owners))
         self.computes = [i for i in self.mine if self.rep_owner[i] == self.rep]
         if not sharded:  # every slab whole here: nothing below is needed (`gather` slices, `share` gathers)
             return
@@ -226,7 +250,7 @@ class MatrixExchange:
     def to_replicas(self, parts: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
         """The owned slabs this rank computes (`computes`), whole and shaped [in, ..., out].
         A slab split over tp: the parts of the tp ranks beside its computing rank (the same
-        cp coordinate) go to it, all such parts in one all-to-all over the replicas; a slab
+        ep and cp coordinates) go to it, all such parts in one all-to-all over the replicas; a slab
         whole on every tp rank is there already. `parts`: this rank's tp-local part of every
         owned slab, flat."""
         out = {i: parts[i].reshape(self.slabs[i].view.shape) for i in self.computes}
@@ -259,8 +283,9 @@ class MatrixExchange:
         if self.nrep == 1:
             return {i: results[i].reshape(-1) for i in self.mine}
         send, counts = [], []
-        for r in range(self.nrep):
-            part = [self._part(i, results[i], r % self.tp) for i in self.computes]
+        for r in range(self.nrep):  # an expert's result only to the replicas of its ep rank
+            part = [self._part(i, results[i], r % self.tp) for i in self.computes
+                    if not self.slabs[i].view.experts or r // self.row == self.rep // self.row]
             send += part
             counts.append(sum(x.size for x in part))
         recv = [sum(self.slabs[i].size for i in self.mine if self.rep_owner[i] == r) for r in range(self.nrep)]

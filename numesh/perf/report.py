@@ -327,7 +327,7 @@ def rank_units(info: dict) -> formulas.RankUnits:
         info.get("ep_replicated_values", 0),  # absent in traces before ep
         info.get("matrix_all_to_all", 0), info.get("matrix_all_gather", 0),  # absent before Muon
         info.get("matrix_dp_gather", 0),  # absent before ZeRO 0 dealt Muon's matrices over dp
-        info.get("matrix_replica_all_to_all", 0),  # absent before they were dealt over cp x tp
+        info.get("matrix_replica_all_to_all", 0),  # absent before they were dealt over ep x cp x tp
     )
 
 

@@ -11,7 +11,8 @@ unit: `formulas.rule_values`, which the tests hold the optimiser to).
 
 A matrix rule (Muon) runs its function on whole matrices: each dp rank on about 1/dp of
 them (dealt by cost, numesh/optim/matrices.py), under every ZeRO stage, and each of an
-owner's cp x tp replicas on about 1/(cp·tp) of those. Its bytes are expected ones (`formulas.matrix_exchange_bytes`
+owner's replicas on its share of those: an expert's over the cp x tp ranks of its ep rank,
+the others over ep x cp x tp. Its bytes are expected ones (`formulas.matrix_exchange_bytes`
 is the exact count for a rank's slabs): under ZeRO >= 1 a rank's shard holds 1/dp of the
 matrix values, (dp - 1)/dp of which go to other owners, and as many come back; under ZeRO
 0 the results are all-gathered over dp (all the matrix values); over the replicas a rank
@@ -38,13 +39,15 @@ from numesh.plan.layout import Layout, ModelSpec
 @attrs.frozen
 class Matrices:
     """A kind of whole matrix a matrix rule runs on: (in, out), how many a unit holds, the
-    tp-local values of each and whether tp splits it."""
+    tp-local values of each, whether tp splits it and whether it is an expert's (each ep
+    rank its own)."""
 
     fan_in: int
     fan_out: int
     count: int
     local: int
     split: bool
+    experts: bool = False
 
 
 @attrs.frozen
@@ -81,7 +84,7 @@ def _unit(opt: Optimizer, leaves: list[tuple[str, tuple[int, ...], P]], sizes: d
             view = matrix_view(leaf)
             f = fan(view, sizes["tp"])
             mats.append(Matrices(f[0], f[1], view.batch * view.matrices_per_slab, view.size // view.matrices_per_slab,
-                                 view.tp_dim is not None))
+                                 view.tp_dim is not None, view.experts))
     return UnitRules(tuple(sorted(values.items())), tuple(mats))
 
 
@@ -143,22 +146,26 @@ def state_values(model: ModelSpec, layout: Layout, units: list[UnitRules]) -> fl
 
 def matrix_work(model: ModelSpec, layout: Layout, units: list[UnitRules]) -> list[tuple[Matrices, float]]:
     """The matrices a rank runs a matrix rule on in one step: (kind, how many), about
-    1/(dp·cp·tp) of its units' (dealt by cost over dp, then over the cp x tp replicas)."""
-    return [(m, m.count / (layout.dp * layout.cp * layout.tp)) for u in units for m in u.matrices]
+    1/(dp·cp·tp) of its units' experts and 1/(dp·ep·cp·tp) of the others (dealt by cost
+    over dp, then over the replicas that hold them alike)."""
+    row = layout.dp * layout.cp * layout.tp
+    return [(m, m.count / (row if m.experts else row * layout.ep)) for u in units for m in u.matrices]
 
 
 def matrix_bytes(model: ModelSpec, layout: Layout, units: list[UnitRules], itemsize: int) -> dict[str, float]:
     """Expected payload bytes of the matrix exchange a rank sends in one step (module
     docstring): "dp" all-to-all (both ways, ZeRO >= 1), "dp_gather" the results'
-    all-gather over dp (ZeRO 0), "replicas" the two all-to-alls over cp x tp."""
+    all-gather over dp (ZeRO 0), "replicas" the two all-to-alls over ep x cp x tp."""
     local = sum(m.count * m.local for u in units for m in u.matrices)
-    split = sum(m.count * m.local for u in units for m in u.matrices if m.split)
     out = {"dp": 0.0, "dp_gather": 0.0, "replicas": 0.0}
     if layout.dp > 1 and layout.zero >= 1:
         out["dp"] = 2 * (layout.dp - 1) / layout.dp * local / layout.dp * itemsize
     elif layout.dp > 1:
         out["dp_gather"] = local * itemsize
-    n = layout.cp * layout.tp
-    if n > 1:  # split parts to the replica beside me computing them; results' parts (or all) back
-        out["replicas"] = ((n - 1) * local + (layout.tp - 1) * split) / n / layout.dp * itemsize
+    for experts in (True, False):  # an expert's replicas are the cp x tp ranks of its ep rank
+        n = layout.cp * layout.tp * (1 if experts else layout.ep)
+        kind = [m.count * m.local for u in units for m in u.matrices if m.experts == experts]
+        split = sum(m.count * m.local for u in units for m in u.matrices if m.experts == experts and m.split)
+        # split parts to the replica beside me computing them; the results' parts (or all) back
+        out["replicas"] += ((n - 1) * sum(kind) + (layout.tp - 1) * split) / n / layout.dp * itemsize
     return out

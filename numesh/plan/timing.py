@@ -554,7 +554,8 @@ def _optimizer_time(model: ModelSpec, layout: Layout, profile: Profile, place: P
     nbytes = matrix_bytes(model, layout, units, k)
     t += 2 * profile.comm_time("all_to_all", nbytes["dp"] / 2, layout.dp, place.dp_intra, ron)
     t += profile.comm_time("all_gather", nbytes["dp_gather"], layout.dp, place.dp_intra, ron)
-    n, intra = layout.cp * layout.tp, place.tp_intra and (layout.cp == 1 or place.cp_intra)
+    n = layout.ep * layout.cp * layout.tp
+    intra = place.tp_intra and (layout.cp == 1 or place.cp_intra) and (layout.ep == 1 or place.ep_intra)
     return t + 2 * profile.comm_time("all_to_all", nbytes["replicas"] / 2, n, intra, ron)
 
 

@@ -281,14 +281,16 @@ class Trainer:
         """Bytes this rank moves each step so that each of Muon's matrices is whole on one
         rank (`formulas.matrix_exchange_bytes`; 0 for AdamW): the all-to-all over dp (ZeRO
         >= 1), a gather over tp (0: older runs'), the results' all-gather over dp (ZeRO 0),
-        the exchange over cp x tp with the replica that computes each matrix."""
+        the exchange over ep x cp x tp with the replica that computes each matrix."""
         units = self.opt.units
         index = {k: i for i, k in enumerate(units)}
-        slabs = [(index[s.key], s.start, s.size, s.cost, s.view.tp_dim is not None) for s in self.opt.matrix_slabs]
+        slabs = [(index[s.key], s.start, s.size, s.cost, s.view.tp_dim is not None, s.view.experts)
+                 for s in self.opt.matrix_slabs]
         out = formulas.matrix_exchange_bytes([u.size for u in units.values()], slabs, self.mesh.size("dp"),
                                              self.mesh.index("dp"), self.mesh.size("tp"), self.mesh.index("tp"),
                                              np.dtype(self.dtype).itemsize, self.opt.sync.sharded,
-                                             self.mesh.size("cp"), self.mesh.index("cp"))
+                                             self.mesh.size("cp"), self.mesh.index("cp"), self.mesh.size("ep"),
+                                             self.mesh.index("ep"))
         replicas = sum(n for (axes, op), n in out.items() if op == "all_to_all" and axes != "dp")
         return out.get(("dp", "all_to_all"), 0), 0, out.get(("dp", "all_gather"), 0), replicas
 
