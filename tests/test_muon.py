@@ -21,7 +21,7 @@ from numesh.nn.units import split_units
 from numesh.optim import Leaf, make_optimizer
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
 from numesh.optim.interface import matrix_view
-from numesh.optim.matrices import assign_owners, deal_matrices, pieces
+from numesh.optim.matrices import assign_owners, deal_matrices, pieces, replica_owners
 from numesh.optim.muon import MuonConfig, is_hidden_matrix, lr_factor, momentum_direction, orthogonalise
 from numesh.optim.registry import describe
 from numesh.optim.zero import ZeroOptimizer
@@ -161,6 +161,7 @@ def test_a_leaf_is_cut_into_its_matrices() -> None:
     assert (experts.batch, experts.shape, experts.tp_dim, experts.matrices_per_slab) == (2, (16, 32), 1, 1)
     proj = matrix_view(Leaf("blocks.0.mlp.proj.w", (64, 16), P("tp", None)))
     assert proj.tp_dim == 0 and proj.batch == 1
+    assert experts.experts and not proj.experts
     with pytest.raises(ValueError, match="no matrix"):
         matrix_view(Leaf("blocks.0.mlp.fc.w", (2, 16), P("ep", None)))
 
@@ -171,6 +172,20 @@ def test_slabs_are_dealt_by_cost_and_cut_by_shards() -> None:
     assert assign_owners([3, 3], 1) == [0, 0]
     assert pieces(5, 10, 8, 2) == [(5, 8), (8, 15)]
     assert pieces(0, 4, 8, 2) == [(0, 4), (8, 8)]  # nothing in rank 1's shard
+    assert assign_owners([1, 1], 2, loads=[5.0, 0.0]) == [1, 1]
+
+
+def test_an_owners_slabs_are_dealt_over_its_replicas() -> None:
+    """Replicas (ep, cp, tp) = (r // (cp·tp), r // tp % cp, r % tp): an expert's slab goes to
+    a replica of its own ep rank, every ep rank dealing its experts alike; the others over
+    all of them, after the experts' loads."""
+    costs, experts = [4.0, 4.0, 1.0, 1.0, 1.0, 1.0], [True, True, False, False, False, False]
+    for ep_rank in (0, 1):  # ep=2, cp=1, tp=2
+        got = replica_owners(costs, experts, 2, 1, 2, ep_rank)
+        assert got[:2] == [2 * ep_rank, 2 * ep_rank + 1]  # the experts: this ep rank's two tp ranks
+        assert got[2:] == [0, 1, 2, 3]  # the others alike on both: from loads 4 everywhere, one each
+    assert replica_owners([1.0, 1.0, 1.0], [False] * 3, 1, 2, 2, 0) == [0, 1, 2]  # cp x tp, no ep
+    assert replica_owners([2.0, 1.0], [False, False], 1, 1, 1, 0) == [0, 0]  # one replica: all its own
 
 
 def test_start_up_lines_name_each_rules_leaves() -> None:

@@ -264,7 +264,8 @@ class MatrixExchange:
         mine = [i for i in split if self.rep_owner[i] == self.rep]
         n = sum(self.slabs[i].size for i in mine)
         recv = [n if r // self.tp == row else 0 for r in range(self.nrep)]
-        got = all_to_all_v(np.concatenate(send), counts, recv, self.mesh, self.rep_axes)
+        buf = np.concatenate(send) if send else np.zeros(0, parts[split[0]].dtype)  # all computed in other rows
+        got = all_to_all_v(buf, counts, recv, self.mesh, self.rep_axes)
         pos = 0
         blocks: dict[int, list[np.ndarray]] = {i: [] for i in mine}
         for _ in range(self.tp):  # tp rank t's parts of my slabs, in slab order
