@@ -43,6 +43,8 @@ from numesh.mesh import (
     [
         ("", 1, dict(pp=1, dp=1, ep=1, cp=1, tp=1)),
         (None, 1, dict(pp=1, dp=1, ep=1, cp=1, tp=1)),
+        ("", 4, dict(pp=1, dp=4, ep=1, cp=1, tp=1)),  # no mesh on 4 ranks: all of them on dp
+        (None, 2, dict(pp=1, dp=2, ep=1, cp=1, tp=1)),
         ("dp=2,tp=2,pp=2", 8, dict(pp=2, dp=2, ep=1, cp=1, tp=2)),
         ("tp=4", 4, dict(pp=1, dp=1, ep=1, cp=1, tp=4)),
         (" dp = 2 , tp = 2 ", 4, dict(pp=1, dp=2, ep=1, cp=1, tp=2)),

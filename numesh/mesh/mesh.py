@@ -61,9 +61,10 @@ def parse_axis_sizes(spec: str) -> dict[str, int]:
 
 
 def parse_mesh(spec: str | dict[str, int] | None, n_ranks: int) -> dict[str, int]:
-    """Axis sizes from "dp=2,tp=2" (omitted axes are 1; one axis may be -1 = inferred)."""
+    """Axis sizes from "dp=2,tp=2" (omitted axes are 1; one axis may be -1 = inferred).
+    No spec (None or ""): every rank on dp, as `mpirun -n 4 numesh train` means."""
     if spec is None or spec == "":
-        sizes: dict[str, int] = {}
+        sizes: dict[str, int] = {"dp": n_ranks}
     elif isinstance(spec, dict):
         sizes = dict(spec)
     else:

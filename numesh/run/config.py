@@ -132,8 +132,8 @@ class TrainConfig:
     out: str = _field("runs/shakespeare_char", "output directory: config.json, metrics.jsonl, ckpt/")
     mesh: str = _field(
         "", "process mesh over pp, dp, ep, cp, tp, e.g. dp=2,tp=2, cp=2 or ep=2 (omitted axes = 1, one axis may "
-        "be -1); auto: the layout whose memory fits and whose step `numesh plan` predicts fastest on the job's "
-        "ranks (options of the layout set to other than their defaults are kept)")
+        "be -1; none given: every rank on dp); auto: the layout whose memory fits and whose step `numesh plan` "
+        "predicts fastest on the job's ranks (options of the layout set to other than their defaults are kept)")
     seed: int = _field(1337, "seed of the initial parameters, data order and dropout")
     dtype: str = _field("float32", "float32 or float64")
     # checkpoints

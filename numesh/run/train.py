@@ -550,6 +550,8 @@ def train(
     if trainer.model.norm == "rmsnorm" or trainer.model.mlp == "swiglu" or trainer.model.positions == "rotary":
         llama_kernels.warm_up(trainer.dtype)  # the Llama parts' kernels, when the model has them
     _check_hosts(trainer.mesh.world, Path(cfg.out))
+    if not cfg.mesh and trainer.mesh.world.Get_size() > 1:
+        log(f"mesh: dp={trainer.mesh.world.Get_size()} (no --mesh given: every rank on dp)")
     if resume := _resume_from(cfg, trainer.mesh.world):
         if _resume(trainer, cfg, resume):
             return _finished(cfg, resume)
