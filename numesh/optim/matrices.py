@@ -257,7 +257,7 @@ class MatrixExchange:
         split = [i for i in self.mine if self.slabs[i].view.tp_dim is not None]
         if self.tp == 1 or not split:
             return out
-        row = self.rep // self.tp  # my cp coordinate: the tp ranks of my row send me their parts
+        row = self.rep // self.tp  # my (ep, cp) coordinates: the tp ranks of my row send me their parts
         send = [parts[i] for r in range(self.nrep) if r // self.tp == row for i in split if self.rep_owner[i] == r]
         counts = [sum(self.slabs[i].size for i in split if self.rep_owner[i] == r) if r // self.tp == row else 0
                   for r in range(self.nrep)]
