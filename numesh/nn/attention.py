@@ -317,6 +317,11 @@ def _run_items(u0: int, u1: int, n_pairs: int) -> list[tuple[int, int, slice | N
     return out
 
 
+def _runs(n_heads: int, n_pairs: int) -> list[list[tuple[int, int, slice | None]]]:
+    """Each run's items (`_run_items`) of the runs of units (`_unit_runs`)."""
+    return [_run_items(u0, u1, n_pairs) for u0, u1 in _unit_runs(n_heads, n_pairs)]
+
+
 def _starts(pairs: list[tuple[int, ...]], part: slice | None, Tq: int) -> list[int]:
     """The first rows of the stripes of some pairs (all of them, in order, for None)."""
     return list(range(0, Tq, QUERY_TILE)) if part is None else sorted(q0 for pair in pairs[part] for q0 in pair)
@@ -343,7 +348,7 @@ def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, sc
     call = functools.partial(_group_fwd, _grouped(q, g), k[:, :, None], v[:, :, None], _grouped(y, g),
                              lse.reshape(B, Hk, g, Tq), scale, diag, drop, qpos, kpos)
     size = min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)  # one query head's scores of a stripe
-    items = [_run_items(u0, u1, len(pairs)) for u0, u1 in _unit_runs(B * H, len(pairs))]
+    items = _runs(B * H, len(pairs))
 
     def run(r: slice) -> None:
         mine = [it for its in items[r] for it in its]
@@ -445,7 +450,7 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
     shares = (dk5, dv5) if g == 1 else (np.zeros((B, Hk, g, Tk, k.shape[3]), dk.dtype),
                                         np.zeros((B, Hk, g, Tk, v.shape[3]), dv.dtype))
     pairs = _stripe_pairs(Tq)
-    items = [_run_items(u0, u1, len(pairs)) for u0, u1 in _unit_runs(B * H, len(pairs))]
+    items = _runs(B * H, len(pairs))
     # a head cut between runs: each run's part of its dk, dv apart ([1, 1, 1, Tk, hs], as a group's)
     parts = {(r, h0): (np.zeros((1, 1, 1, Tk, k.shape[3]), dk.dtype), np.zeros((1, 1, 1, Tk, v.shape[3]), dv.dtype))
              for r, its in enumerate(items) for h0, _, part in its if part is not None}
