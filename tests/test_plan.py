@@ -698,6 +698,31 @@ def test_the_fit_predicts_the_steps_it_was_fitted_on(ranks: int) -> None:
         assert _kernel_time(model, kernels, 4, m) > m * model.n_layer * (split.f + split.b)
 
 
+def test_rmsnorm_and_swiglu_are_priced_by_their_own_kernels(char_dataset: Path, tmp_path: Path) -> None:
+    """A Llama block's norms and activation take the calibrated `rmsnorm_*` and `swiglu_*`
+    times (a GPT-2 block's do not); a profile calibrated before those kernels were prices
+    them as LayerNorm's and GELU's, as the planner did then."""
+    common = dict(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=2, n_head=4, n_embd=64, block_size=16,
+                  batch_size=4)
+    llama, gpt = config_from(dict(common, arch="llama", n_kv_head=2)), config_from(common)
+    place, lay = Placement(1, True, True, True, True), Layout(1, 1, 1, 0, "1f1b", 1)
+
+    def cost(cfg: TrainConfig, slow: tuple[str, ...], kernels: tuple[str, ...] = KERNELS) -> float:
+        times = {k: ((10.0, 1e-7), (1e6, (1.0 if k in slow else 1e-3))) for k in kernels}
+        prof = Profile(name="t", source="", itemsize=4, cores=2,
+                       measured={1: Measured(1, 1, {}, ((1e3, 1e-7), (1e9, 1e-2)), times, {})})
+        c = block_cost(spec_of(cfg, 65), lay, prof, place, False)
+        return c.f + c.b
+
+    new = ("rmsnorm_fwd", "rmsnorm_bwd", "swiglu_fwd", "swiglu_bwd")
+    old = ("layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd")
+    assert cost(llama, new) > 5 * cost(llama, ())
+    assert cost(llama, old) == pytest.approx(cost(llama, ()))
+    assert cost(gpt, new) == pytest.approx(cost(gpt, ()))
+    before = tuple(k for k in KERNELS if k not in new)  # an older calibration: no Llama kernels
+    assert cost(llama, old, before) > 5 * cost(llama, (), before)
+
+
 def _measured_profile(ranks: int, **fit) -> Profile:
     curve = ((8.0, 5e-6), (1e6, 1e-4), (1e8, 1e-2))
     meas = Measured(ranks, 1, {}, ((1e3, 1e-7), (1e9, 1e-2)), {k: ((10.0, 1e-7), (1e6, 1e-3)) for k in KERNELS},

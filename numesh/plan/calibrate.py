@@ -35,7 +35,18 @@ from mpi4py import MPI
 from numesh.base.errors import ConfigError
 from numesh.host.threads import threads as numesh_threads
 from numesh.nn.attention import QUERY_TILE, stripe_passes
-from numesh.nn.layers import LayerNorm, gelu_bwd, gelu_fwd, layernorm_bwd, layernorm_fwd
+from numesh.nn.layers import (
+    LayerNorm,
+    RMSNorm,
+    gelu_bwd,
+    gelu_fwd,
+    layernorm_bwd,
+    layernorm_fwd,
+    rmsnorm_bwd,
+    rmsnorm_fwd,
+    swiglu_bwd,
+    swiglu_fwd,
+)
 from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
 from numesh.plan.hardware import Measured, Profile, check_profile_out, load_profile, save_profile
 from numesh.plan.layout import Layout, ModelSpec
@@ -126,6 +137,17 @@ def _elementwise(comm: MPI.Comm, kernel: str, n: int, C: int, T: int, dtype: np.
         y, ctx = layernorm_fwd(p, x)
         fn = (lambda: layernorm_fwd(p, x)) if kernel.endswith("fwd") else (lambda: layernorm_bwd(p, ctx, y))
         return _timed(comm, fn) * n / (rows * C)
+    if kernel.startswith("rmsnorm"):
+        x = rng.standard_normal((max(1, n // C), C)).astype(dtype)
+        q = RMSNorm(np.ones(C, dtype))
+        y, ctx = rmsnorm_fwd(q, x, 1e-5)
+        fn = (lambda: rmsnorm_fwd(q, x, 1e-5)) if kernel.endswith("fwd") else (lambda: rmsnorm_bwd(q, ctx, y))
+        return _timed(comm, fn) * n / x.size
+    if kernel.startswith("swiglu"):  # per hidden value: the gate's and up's values together
+        gate, up = (rng.standard_normal((max(1, n // (4 * C)), 4 * C)).astype(dtype) for _ in range(2))
+        y, ctx = swiglu_fwd(gate, up)
+        fn = (lambda: swiglu_fwd(gate, up)) if kernel.endswith("fwd") else (lambda: swiglu_bwd(ctx, y))
+        return _timed(comm, fn) * n / gate.size
     if kernel.startswith("gelu"):
         x = rng.standard_normal((max(1, n // (4 * C)), 4 * C)).astype(dtype)
         _, ctx = gelu_fwd(x)
@@ -143,7 +165,8 @@ def _elementwise(comm: MPI.Comm, kernel: str, n: int, C: int, T: int, dtype: np.
     raise ValueError(kernel)
 
 
-KERNELS = ("layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd", "softmax_fwd", "softmax_bwd", "copy", "adamw")
+KERNELS = ("layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd", "softmax_fwd", "softmax_bwd", "copy", "adamw",
+           "rmsnorm_fwd", "rmsnorm_bwd", "swiglu_fwd", "swiglu_bwd")
 
 
 def _collectives(comm: MPI.Comm, dtype: np.dtype, rounds: int = 3) -> dict[str, tuple[tuple[float, float], ...]]:

@@ -34,12 +34,22 @@ Points = tuple[tuple[float, float], ...]  # (size, seconds), sorted by size
 PASSES = {
     "layernorm_fwd": 9, "layernorm_bwd": 14,  # mean, centre, variance, scale, affine; grads of w and x
     "gelu_fwd": 12, "gelu_bwd": 14,  # tanh form in place, 8 ops on x and t
+    # numesh/host/llama_kernels.py: x read twice, y and xhat written; dy and xhat read twice,
+    # dx written, w's grad summed. Per hidden value: gate and up read, y and the sigmoid
+    # written; and back gate, up, sigmoid and dy read, both grads written
+    "rmsnorm_fwd": 4, "rmsnorm_bwd": 6, "swiglu_fwd": 4, "swiglu_bwd": 6,
     # attention's passes over each score (numesh/kernels.py stripe_*): max, shift, exp, sum;
     # backward the logits, exp and the gradient (reads p and dp, writes dp)
     "softmax_fwd": 6, "softmax_bwd": 7,
     "copy": 3,  # a residual add or a transposing copy: two reads, a write
     "adamw": 12,  # read p, g, m, v and the masks; write p, m, v (and the scratch)
 }
+
+
+# what a profile calibrated before the Llama parts' kernels had times kernels by: the
+# GPT-2 kernels the time model priced them as then
+BEFORE_KERNELS = {"rmsnorm_fwd": "layernorm_fwd", "rmsnorm_bwd": "layernorm_bwd", "swiglu_fwd": "gelu_fwd",
+                  "swiglu_bwd": "gelu_bwd"}
 
 
 @attrs.frozen
@@ -126,7 +136,8 @@ class Profile:
         meas, scale = self.for_ranks(ranks_on_node)
         if meas is None:
             return PASSES[kernel] * elements * self.itemsize / self.mem_bandwidth
-        return costs.interp_time(meas.elementwise[kernel], elements) * scale * meas.in_situ
+        points = meas.elementwise.get(kernel) or meas.elementwise[BEFORE_KERNELS.get(kernel, kernel)]
+        return costs.interp_time(points, elements) * scale * meas.in_situ
 
     def call_overhead(self, ranks_on_node: int) -> float:
         """Seconds a block action (F, B or W) costs beyond its kernels: the Python between

@@ -259,14 +259,10 @@ class Mlp:
 
 
 def activation_time(model: ModelSpec, profile: Profile, values: int, ron: int) -> tuple[float, float]:
-    """(forward, backward) seconds of the MLP's activation over `values` hidden values:
-    GELU's kernels; SwiGLU priced as them plus a pass for the product with up forward and
-    two backward (its NumPy passes are not calibrated apart)."""
-    ew = profile.elementwise_time
-    f, b = ew("gelu_fwd", values, ron), ew("gelu_bwd", values, ron)
-    if model.parts.gated:
-        f, b = f + ew("copy", values, ron), b + ew("copy", 2 * values, ron)
-    return f, b
+    """(forward, backward) seconds of the MLP's activation over `values` hidden values: GELU's
+    kernels, or SwiGLU's (gate and up together, per hidden value)."""
+    act = "swiglu" if model.parts.gated else "gelu"
+    return profile.elementwise_time(f"{act}_fwd", values, ron), profile.elementwise_time(f"{act}_bwd", values, ron)
 
 
 def dense_mlp_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placement) -> Mlp:
@@ -318,10 +314,11 @@ def block_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
     mlp = (moe_mlp_cost if moe else dense_mlp_cost)(model, layout, profile, place)
     qkv = projection_columns(model, layout)
     f = _gemms(profile, [*[(1, bt, C, n) for n in qkv], (1, bt, C // tp, C)], ron) + att.f + mlp.f
-    f += 2 * ew("layernorm_fwd", ln, ron)  # an RMSNorm priced as a LayerNorm
+    norm = "rmsnorm" if model.parts.rmsnorm else "layernorm"
+    f += 2 * ew(f"{norm}_fwd", ln, ron)
     f += ew("copy", 2 * ln + 2 * bt * C // tp, ron)  # q scaled, heads merged, two residual adds
     bw = _gemms(profile, [(1, bt, C, C // tp), *[(1, bt, n, C) for n in qkv]], ron) + att.b + mlp.b
-    bw += 2 * ew("layernorm_bwd", ln, ron)
+    bw += 2 * ew(f"{norm}_bwd", ln, ron)
     bw += ew("copy", 2 * ln + 5 * bt * C // tp, ron)  # dq, dk, dv packed, heads split, dq scaled, two adds
     w = _gemms(profile, [*[(1, C, bt, n) for n in qkv], (1, C // tp, bt, C)], ron) + mlp.w
     if model.parts.rotary:  # q and k rotated forward, their gradients back: ~4 passes each (numesh.nn.rotary)
@@ -375,10 +372,11 @@ def outer_cost(model: ModelSpec, layout: Layout, profile: Profile, place: Placem
             f += ew("copy", SP_COPIES[end][0] * bt * C, ron)
             b += ew("copy", SP_COPIES[end][1] * bt * C, ron)
     if last:
-        f += (ew("layernorm_fwd", ln, ron) + profile.gemm_time(1, bt, C, v_local, ron)
+        norm = "rmsnorm" if model.parts.rmsnorm else "layernorm"
+        f += (ew(f"{norm}_fwd", ln, ron) + profile.gemm_time(1, bt, C, v_local, ron)
               + ew("softmax_fwd", bt * v_local, ron))
         b += (ew("softmax_bwd", bt * v_local, ron) + profile.gemm_time(1, v_local, bt, C, ron)
-              + profile.gemm_time(1, bt, v_local, C, ron) + ew("layernorm_bwd", ln, ron))
+              + profile.gemm_time(1, bt, v_local, C, ron) + ew(f"{norm}_bwd", ln, ron))
         t_f = profile.comm_time("all_reduce", bt * k, tp, place.tp_intra, ron) + profile.comm_time(
             "all_reduce", 2 * bt * k, tp, place.tp_intra, ron)  # the row maxima; [sum-exp, target logit]
         f, tp_s = f + t_f, tp_s + t_f
