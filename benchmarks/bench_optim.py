@@ -19,6 +19,10 @@ The Newton–Schulz share: a Muon step's time in the iteration itself
 after a warm-up, on one rank, on dp=2 with ZeRO 0 and with ZeRO 1, and on tp=2 (this script's worker
 under the mpiexec beside this Python), where each rank iterates on about half the matrices
 (under ZeRO 0 too: the results are all-gathered; over tp too, numesh/optim/matrices.py).
+The worker alone, for before/after pairs on any mesh (options after it set the model):
+
+    mpiexec -n 2 python benchmarks/bench_optim.py --worker DATA OUT ep=2 40 0 moe_experts=4
+
 A benchmark: it asserts nothing. Its times need a quiet machine; docs/benchmarks.md holds runs.
 """
 
