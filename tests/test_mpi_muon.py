@@ -59,7 +59,8 @@ PARITY = {
         ("dp=2,pp=2", dict(zero=0, micro_batches=2, schedule="1f1b")),
         ("cp=2,tp=2", dict(zero=1)),  # the matrices dealt over the cp x tp replicas
         ("ep=2,tp=2", dict(moe_experts=4, zero=0))],  # experts over their ep rank's tp ranks, the others over all
-    8: [("dp=2,tp=2,pp=2", dict(zero=1, micro_batches=2))],
+    8: [("dp=2,tp=2,pp=2", dict(zero=1, micro_batches=2)),
+        ("ep=2,cp=2,tp=2", dict(moe_experts=4, zero=1))],  # the replicas over all three axes, experts apart
 }
 
 
