@@ -167,7 +167,7 @@ class MatrixExchange:
         self.nrep, self.rep = mesh.size(self.rep_axes), mesh.index(self.rep_axes)
         self.row = mesh.size("cp") * self.tp  # the replicas of one ep rank
         mine = [self.slabs[i] for i in self.mine]
-        owners = replica_owners([s.cost for s in mine], [s.view.experts for s in mine], self.nrep // self.row,
+        owners = replica_owners([s.cost for s in mine], [s.view.experts for s in mine], mesh.size("ep"),
                                 mesh.size("cp"), self.tp, mesh.index("ep"))
         self.rep_owner = dict(zip(self.mine, owners))
         self.computes = [i for i in self.mine if self.rep_owner[i] == self.rep]

@@ -9,7 +9,7 @@ bytes. `bus_bytes` turns them into NCCL-tests bus bytes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import attrs
 
@@ -394,6 +394,7 @@ def step_bytes(step: StepShape, rank: RankUnits, all_to_all_bytes: int = 0) -> d
             add(f"pp[0,{shape['pp'] - 1}]", "all_reduce", rank.tied_bytes)
     add("dp", "all_to_all", rank.matrix_all_to_all)
     add("tp", "all_gather", rank.matrix_all_gather)
+    # the axes of `matrices.replica_axes`, spelled here: importing it would import MPI
     add("+".join(a for a in ("ep", "cp", "tp") if shape.get(a, 1) > 1) or "tp", "all_to_all",
         rank.matrix_replica_all_to_all)
     add("dp", "all_gather", rank.matrix_dp_gather)
@@ -631,24 +632,27 @@ def rule_state_values(units: Iterable[Sequence[tuple[int, int]]], dp: int, rank:
     return sum(per_value[r] * n for r, n in values.items())
 
 
-def matrix_exchange_bytes(unit_sizes: Sequence[int], slabs: Sequence[tuple[int, int, int, float, bool]], dp: int,
-                          rank: int, tp: int, tp_rank: int, itemsize: int, sharded: bool, cp: int = 1,
-                          cp_rank: int = 0, ep: int = 1, ep_rank: int = 0) -> dict[tuple[str, str], int]:
-    """Payload bytes a rank sends in one step to have each matrix of a matrix rule (Muon)
-    whole on one rank (numesh/optim/matrices.py): `slabs` are (unit index, first value in
-    the unit, values, cost, whether split over tp, whether experts), tp-local, in layout order;
-    `unit_sizes` the units' values. The slabs are dealt to the dp ranks by cost
-    (`assign_owners`). Under ZeRO >= 1 (`sharded`) each rank sends every owner the part of
-    its slabs that lies in its 1/dp shard of the unit (padded to a multiple of dp), and
-    each owner the rest of its slabs back, all-to-alls over dp that count what leaves a
-    rank; under ZeRO 0 the owners' results are all-gathered over dp, which counts the
-    gathered buffer (every slab's values). An owner's slabs are dealt again to its ep x cp x
-    tp replicas (`matrices.replica_owners`; experts over the cp x tp of their ep rank): the
-    tp ranks beside a slab's computing replica send it their parts of a tp-split slab, and
-    it sends every other replica holding the slab its tp part of the result (all of it for
-    a slab tp does not split), two all-to-alls over the replicas."""
+def matrix_exchange_bytes(unit_sizes: Sequence[int], slabs: Sequence[tuple[int, int, int, float, bool, bool]],
+                          shape: Mapping[str, int], coords: Mapping[str, int], itemsize: int,
+                          sharded: bool) -> dict[tuple[str, str], int]:
+    """Payload bytes the rank at `coords` of a mesh of axis sizes `shape` sends in one step to
+    have each matrix of a matrix rule (Muon) whole on one rank (numesh/optim/matrices.py):
+    `slabs` are (unit index, first value in the unit, values, cost, whether split over tp,
+    whether experts), tp-local, in layout order; `unit_sizes` the units' values. The slabs
+    are dealt to the dp ranks by cost (`assign_owners`). Under ZeRO >= 1 (`sharded`) each
+    rank sends every owner the part of its slabs that lies in its 1/dp shard of the unit
+    (padded to a multiple of dp), and each owner the rest of its slabs back, all-to-alls
+    over dp that count what leaves a rank; under ZeRO 0 the owners' results are all-gathered
+    over dp, which counts the gathered buffer (every slab's values). An owner's slabs are
+    dealt again to its ep x cp x tp replicas (`matrices.replica_owners`; experts over the cp
+    x tp of their ep rank): the tp ranks beside a slab's computing replica send it their
+    parts of a tp-split slab, and it sends every other replica holding the slab its tp part
+    of the result (all of it for a slab tp does not split), two all-to-alls over the
+    replicas."""
     from numesh.optim.matrices import assign_owners, pieces, replica_axes, replica_owners  # the others need no MPI
 
+    dp, rank = shape["dp"], coords["dp"]
+    ep, cp, tp = shape["ep"], shape["cp"], shape["tp"]
     n = dp if sharded else 1
     owners = assign_owners([s[3] for s in slabs], dp)
     out: dict[tuple[str, str], int] = {}
@@ -665,15 +669,15 @@ def matrix_exchange_bytes(unit_sizes: Sequence[int], slabs: Sequence[tuple[int, 
         elif slabs:
             out[("dp", "all_gather")] = sum(s[2] for s in slabs) * itemsize
     mine = [s for s, owner in zip(slabs, owners) if owner == rank]
-    row, me, replicas = cp * tp, (ep_rank * cp + cp_rank) * tp + tp_rank, 0
+    row, me, replicas = cp * tp, (coords["ep"] * cp + coords["cp"]) * tp + coords["tp"], 0
     for (_unit, _start, size, _cost, split, experts), r in zip(
-            mine, replica_owners([s[3] for s in mine], [s[5] for s in mine], ep, cp, tp, ep_rank)):
+            mine, replica_owners([s[3] for s in mine], [s[5] for s in mine], ep, cp, tp, coords["ep"])):
         if r == me:  # each other replica's tp part of the result (or all of it); an expert's: its ep rank's
             replicas += ((row if experts else ep * row) - 1) * size
         elif split and tp > 1 and r // tp == me // tp:
             replicas += size  # my part to the replica beside me that computes it
     if replicas:
-        out[("+".join(replica_axes({"ep": ep, "cp": cp, "tp": tp})), "all_to_all")] = replicas * itemsize
+        out[("+".join(replica_axes(shape)), "all_to_all")] = replicas * itemsize
     return out
 
 

@@ -286,11 +286,8 @@ class Trainer:
         index = {k: i for i, k in enumerate(units)}
         slabs = [(index[s.key], s.start, s.size, s.cost, s.view.tp_dim is not None, s.view.experts)
                  for s in self.opt.matrix_slabs]
-        out = formulas.matrix_exchange_bytes([u.size for u in units.values()], slabs, self.mesh.size("dp"),
-                                             self.mesh.index("dp"), self.mesh.size("tp"), self.mesh.index("tp"),
-                                             np.dtype(self.dtype).itemsize, self.opt.sync.sharded,
-                                             self.mesh.size("cp"), self.mesh.index("cp"), self.mesh.size("ep"),
-                                             self.mesh.index("ep"))
+        out = formulas.matrix_exchange_bytes([u.size for u in units.values()], slabs, self.mesh.shape,
+                                             self.mesh.coords, np.dtype(self.dtype).itemsize, self.opt.sync.sharded)
         replicas = sum(n for (axes, op), n in out.items() if op == "all_to_all" and axes != "dp")
         return out.get(("dp", "all_to_all"), 0), 0, out.get(("dp", "all_gather"), 0), replicas
 
