@@ -208,7 +208,8 @@ def parse_rows(spec: str) -> list[tuple[int, int]]:
 
 def _said(r: dict[str, Any]) -> str:
     """A measurement as the progress log says it."""
-    return f"{r['ms']:.0f} ms, {r['rss_mb']:.0f} MB, other cpu {r['other_cpu_cores']:.2f}" if "ms" in r else r["error"]
+    return (f"{r['ms']:.0f} ms, {r['rss_mb']:.0f} MB, {r['minor_faults_per_iter']:,.0f} page faults/step, other cpu "
+            f"{r['other_cpu_cores']:.2f}") if "ms" in r else r["error"]
 
 
 def measure(args: argparse.Namespace, data: str) -> list[dict[str, Any]]:
@@ -236,26 +237,28 @@ def print_report(rep: dict[str, Any]) -> None:
           f"{rep['iters']} timed steps after {rep['warmup']}, fresh process per measurement, {rep['rounds']} "
           f"round(s) alternating")
     print("| T × B | numesh ms | torch ms | numesh / torch tokens/s | numesh tokens/s | torch tokens/s | "
-          "numesh peak RSS MB | torch peak RSS MB | numesh / torch RSS | other cpu |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "numesh peak RSS MB | torch peak RSS MB | numesh / torch RSS | numesh page faults/step | other cpu |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rep["rows"]:
         print(f"| {r['T']} × {r['B']} | {span(r['numesh'], 'ms', '.0f')} | {span(r['torch'], 'ms', '.0f')} | "
               f"**{ratio_span(r, 'tokens_per_s')}** | {span(r['numesh'], 'tokens_per_s', ',.0f')} | "
               f"{span(r['torch'], 'tokens_per_s', ',.0f')} | {span(r['numesh'], 'rss_mb', '.0f')} | "
               f"{span(r['torch'], 'rss_mb', '.0f')} | {ratio_span(r, 'rss_mb')} | "
+              f"{span(r['numesh'], 'minor_faults_per_iter', ',.0f')} | "
               f"{span(r['numesh'] + r['torch'], 'other_cpu_cores', '.2f')} |")
     print("ratios per round: tokens/s numesh over torch (> 1: numesh faster), RSS numesh over torch (< 1: numesh "
           "smaller); other cpu = cores other processes used while the steps were timed")
     if rep["base"]:
         print(f"\n--base {rep['base']} (numesh before), in the same rounds:")
         print("| T × B | base ms | numesh ms | numesh / base tokens/s | base CPU ms/step | numesh CPU ms/step | "
-              "base peak RSS MB | numesh peak RSS MB |")
-        print("|---|---|---|---|---|---|---|---|")
+              "base peak RSS MB | numesh peak RSS MB | base page faults/step | numesh page faults/step |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rep["rows"]:
             print(f"| {r['T']} × {r['B']} | {span(r['base'], 'ms', '.0f')} | {span(r['numesh'], 'ms', '.0f')} | "
                   f"**{ratio_span(r, 'tokens_per_s', 'base')}** | {span(r['base'], 'cpu_ms', '.0f')} | "
                   f"{span(r['numesh'], 'cpu_ms', '.0f')} | {span(r['base'], 'rss_mb', '.0f')} | "
-                  f"{span(r['numesh'], 'rss_mb', '.0f')} |")
+                  f"{span(r['numesh'], 'rss_mb', '.0f')} | {span(r['base'], 'minor_faults_per_iter', ',.0f')} | "
+                  f"{span(r['numesh'], 'minor_faults_per_iter', ',.0f')} |")
         print("CPU ms/step: this process's CPU time per timed step (both threads; numesh's threads block, never "
               "spin): steadier than wall time on a busy machine")
     if rep["same_init"]:

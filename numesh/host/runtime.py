@@ -104,7 +104,15 @@ def keep_freed_memory() -> bool:
     with glibc's defaults each one is a fresh mmap, so every step pays thousands of page
     faults and zero-fills (`python benchmarks/bench_train.py --malloc glibc` against the
     default `--malloc` shows the page faults per step on this machine). Same
-    effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ in the environment."""
+    effect as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_/MALLOC_TOP_PAD_ in the environment.
+
+    The top pad is for numesh's worker threads: each allocates in an arena of its own, made
+    of heaps of at most 64 MiB, and glibc unmaps a heap other than an arena's first as soon
+    as it is empty, whatever the trim threshold, unless the arena's top pad would not fit
+    beside it. A block run in pieces frees its worker's activations at the end of each
+    backward, so without the pad a step could map, fault in and unmap the same memory again,
+    in some runs and not others, as the heaps happened to lie (tests/test_malloc.py shows
+    the mechanism; `benchmarks/bench_llama.py` prints the page faults per step)."""
     import ctypes
     import ctypes.util
 
@@ -113,8 +121,9 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(name)
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, (1 << 31) - 1))
+        m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+        return (bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, (1 << 31) - 1))
+                and bool(libc.mallopt(m_top_pad, 64 << 20)))
     except (OSError, AttributeError):
         return False
 
