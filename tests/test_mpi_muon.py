@@ -194,7 +194,7 @@ BYTES_CASES = {2: [("dp=2", 0, 1), ("dp=2", 1, 1), ("dp=2", 2, 2), ("dp=2", 3, 2
 @pytest.mark.parametrize("case", range(7))
 def test_muon_bytes_per_step_follow_the_formula(shared_dataset: Path, shared_tmp: Path, case: int) -> None:
     """The byte counter of one step equals `formulas.step_bytes`, Muon's all-to-alls over dp
-    and exchange with the cp x tp replicas (`formulas.matrix_exchange_bytes`) included."""
+    and exchange with the ep x cp x tp replicas (`formulas.matrix_exchange_bytes`) included."""
     cases = BYTES_CASES.get(WORLD.Get_size(), [])
     if case >= len(cases):
         pytest.skip("no such case on this world size")
@@ -222,7 +222,7 @@ def test_muon_bytes_per_step_follow_the_formula(shared_dataset: Path, shared_tmp
     assert (units.matrix_all_to_all > 0) == (shape["dp"] > 1 and zero > 0)
     assert (units.matrix_dp_gather > 0) == (shape["dp"] > 1 and zero == 0)  # ZeRO 0: the results all-gathered
     assert units.matrix_all_gather == 0  # the tp gather of older runs: now an exchange with the replicas
-    # every replica over cp x tp computes some of its owner's matrices
+    # every replica over ep x cp x tp computes some of its owner's matrices
     assert (units.matrix_replica_all_to_all > 0) == (shape["tp"] * shape["cp"] * shape["ep"] > 1)
 
 
