@@ -26,8 +26,9 @@ in float32 on --threads threads:
           torch.set_num_threads(--threads).
 Each measurement is a fresh process (so its ru_maxrss is its own peak RSS), numesh and
 torch alternating for --rounds rounds; each reports the median step over --iters steps
-after --warmup, and the cores other processes used meanwhile ("other cpu": on a shared
-machine a row well above 0 is not a clean measurement). The header names the CPU, its
+after --warmup, its minor page faults per step (memory the allocator handed back and took
+again), and the cores other processes used meanwhile ("other cpu": on a shared machine a
+row well above 0 is not a clean measurement). The header names the CPU, its
 vector ISA, numpy's BLAS (OpenBLAS's kernel family) and torch's CPU capability.
 
 `--base DIR` measures a second numesh, the checkout at DIR (a `git worktree add DIR COMMIT`
