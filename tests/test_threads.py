@@ -238,6 +238,39 @@ def test_matmul_split_over_rows_is_bit_identical(with_threads, monkeypatch, tile
 
 
 @pytest.mark.bits
+@pytest.mark.parametrize("m, k, n", [(128, 512, 384), (100, 64, 300), (7, 33, 1000)])
+def test_matmul_split_over_columns_is_bit_identical(with_threads, monkeypatch, m: int, k: int, n: int) -> None:
+    """Too few rows for two row tiles (a narrow layer's weight gradient xᵀ·dy): each column
+    comes from one single-threaded BLAS call on a fixed tile of columns, the tiles spread
+    over the threads without changing a bit, and they are cut as the machine's cores say."""
+    monkeypatch.setattr(threads, "TILE_COLS", 64)
+    monkeypatch.setattr(threads, "_cores", 4)  # as on a 4-core machine, whatever this one has
+    rng = np.random.default_rng(1)
+    for dtype in (np.float32, np.float64):
+        a = rng.standard_normal((k, m)).astype(dtype).T  # a strided view, as the gradient's xᵀ
+        b = rng.standard_normal((k, n)).astype(dtype)
+        cut: list[int] = []
+        real = threads.over_tiles
+
+        def counting(fn, count, k=None):
+            cut.append(count)
+            return real(fn, count, k)
+
+        monkeypatch.setattr(threads, "over_tiles", counting)
+        with threadpool_limits(limits=1, user_api="blas"):
+            monkeypatch.setattr(threads, "MIN_CHUNK_FLOPS", 1.0)
+            with_threads(1)
+            one = threads.matmul(a, b)
+            for n_threads in (2, 3, 4):
+                with_threads(n_threads)
+                np.testing.assert_array_equal(threads.matmul(a, b), one)
+        assert set(cut) == {len(threads.tiles(n, 64, 4))} and len(threads.tiles(n, 64, 4)) > 1
+        np.testing.assert_allclose(one, a @ b, rtol=1e-4 if dtype == np.float32 else 1e-12,
+                                   atol=1e-4 if dtype == np.float32 else 1e-12)
+        monkeypatch.setattr(threads, "over_tiles", real)
+
+
+@pytest.mark.bits
 @pytest.mark.parametrize("dtype, arch", [("float32", "gpt2"), ("float64", "gpt2"), ("float64", "llama")])
 def test_a_training_step_is_the_same_bits_on_1_and_2_threads(char_dataset, tmp_path, with_threads, monkeypatch,
                                                               dtype: str, arch: str) -> None:

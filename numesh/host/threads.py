@@ -227,6 +227,9 @@ def over_tiles(fn: Callable[[int], T], count: int, k: int | None = None) -> list
 # rows (each call packs the right-hand side again), at 64 rows 10-15 %
 # (benchmarks/bench_tiles.py measures it).
 TILE_ROWS = 256
+# Columns of a matmul tile, when too few rows make one row tile: each call packs the
+# left-hand side again, a [M, K] with M small, so narrower tiles cost little.
+TILE_COLS = 128
 # A single-threaded sgemm does ~1 MFLOP in 20 µs (50 GFLOP/s, one AVX2 core), the cost of a
 # hand-off: each thread gets at least 4 MFLOP, else the tiles run on the caller's thread.
 MIN_CHUNK_FLOPS = 4e6
@@ -261,19 +264,30 @@ def _pieces(n: int) -> tuple[slice, ...]:
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a [M, K] @ b [K, N]: one single-threaded BLAS call per fixed tile of rows (`tiles` of
     TILE_ROWS, at most `cores`, within each of `token_pieces`' pieces), the tiles spread
-    over the threads when each thread gets enough work: the same bits for any thread count."""
+    over the threads when each thread gets enough work: the same bits for any thread count.
+    Too few rows for two tiles (a weight gradient x.T @ dy of a narrow layer: M is its input
+    width) cuts the columns instead, by the same rule."""
     m, k = a.shape
     n = b.shape[1]
     out = np.empty((m, n), np.result_type(a, b))
     rows = [slice(p.start + t.start, p.start + t.stop)
             for p in _pieces(m) for t in tiles(p.stop - p.start, TILE_ROWS, _cores)]
+    threads_for = int(2.0 * m * k * n // MIN_CHUNK_FLOPS)
     if len(rows) == 1:
-        return np.matmul(a, b, out=out)
+        cols = tiles(n, TILE_COLS, _cores)
+        if len(cols) == 1:
+            return np.matmul(a, b, out=out)
+
+        def col_tile(i: int) -> None:
+            np.matmul(a, b[:, cols[i]], out=out[:, cols[i]])
+
+        over_tiles(col_tile, len(cols), threads_for)
+        return out
 
     def tile(i: int) -> None:
         np.matmul(a[rows[i]], b, out=out[rows[i]])
 
-    over_tiles(tile, len(rows), int(2.0 * m * k * n // MIN_CHUNK_FLOPS))
+    over_tiles(tile, len(rows), threads_for)
     return out
 
 
