@@ -272,22 +272,16 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     out = np.empty((m, n), np.result_type(a, b))
     rows = [slice(p.start + t.start, p.start + t.stop)
             for p in _pieces(m) for t in tiles(p.stop - p.start, TILE_ROWS, _cores)]
-    threads_for = int(2.0 * m * k * n // MIN_CHUNK_FLOPS)
-    if len(rows) == 1:
-        cols = tiles(n, TILE_COLS, _cores)
-        if len(cols) == 1:
-            return np.matmul(a, b, out=out)
-
-        def col_tile(i: int) -> None:
-            np.matmul(a, b[:, cols[i]], out=out[:, cols[i]])
-
-        over_tiles(col_tile, len(cols), threads_for)
-        return out
+    parts = ([(r, slice(None)) for r in rows] if len(rows) > 1
+             else [(slice(None), c) for c in tiles(n, TILE_COLS, _cores)])
+    if len(parts) == 1:
+        return np.matmul(a, b, out=out)
 
     def tile(i: int) -> None:
-        np.matmul(a[rows[i]], b, out=out[rows[i]])
+        r, c = parts[i]
+        np.matmul(a[r], b[:, c], out=out[r, c])
 
-    over_tiles(tile, len(rows), threads_for)
+    over_tiles(tile, len(parts), int(2.0 * m * k * n // MIN_CHUNK_FLOPS))
     return out
 
 
