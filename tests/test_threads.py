@@ -199,6 +199,19 @@ def test_tree_sum_adds_in_one_tree_whichever_thread_adds(with_threads, n: int) -
         np.testing.assert_array_equal(got, want)
 
 
+def _record_over_tiles(monkeypatch) -> list[tuple[int, int, int | None]]:
+    """Each `threads.over_tiles` call from now on, as (the thread count then, tiles, thread cap)."""
+    calls: list[tuple[int, int, int | None]] = []
+    real = threads.over_tiles
+
+    def recording(fn, count, k=None):
+        calls.append((threads.threads(), count, k))
+        return real(fn, count, k)
+
+    monkeypatch.setattr(threads, "over_tiles", recording)
+    return calls
+
+
 @pytest.mark.bits
 @pytest.mark.parametrize("tile_rows", [16, threads.TILE_ROWS])
 @pytest.mark.parametrize("m, k, n", [(1, 3, 5), (257, 64, 96), (1000, 128, 65), (1100, 64, 48)])
@@ -209,16 +222,10 @@ def test_matmul_split_over_rows_is_bit_identical(with_threads, monkeypatch, tile
     it), and small products are not handed to other threads."""
     monkeypatch.setattr(threads, "TILE_ROWS", tile_rows)
     rng = np.random.default_rng(0)
+    calls = _record_over_tiles(monkeypatch)
     for dtype in (np.float32, np.float64):
         a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
-        used: list[int] = []
-        real = threads.over_tiles
-
-        def counting(fn, count, k=None):
-            used.append(min(threads.threads(), count, k))
-            return real(fn, count, k)
-
-        monkeypatch.setattr(threads, "over_tiles", counting)
+        calls.clear()
         with threadpool_limits(limits=1, user_api="blas"):
             monkeypatch.setattr(threads, "MIN_CHUNK_FLOPS", 1.0)
             with_threads(1)
@@ -229,12 +236,13 @@ def test_matmul_split_over_rows_is_bit_identical(with_threads, monkeypatch, tile
                 with_threads(n_threads)
                 np.testing.assert_array_equal(threads.matmul(a, b), one)
                 np.testing.assert_array_equal(threads.matmul(a_f, b), one_f)
+            used = [min(t, c, cap) for t, c, cap in calls]
             assert max(used, default=1) == min(3, len(threads.tiles(m, tile_rows, threads.cores())))
             monkeypatch.setattr(threads, "MIN_CHUNK_FLOPS", 1e12)
-            used.clear()
+            calls.clear()
             np.testing.assert_array_equal(threads.matmul(a, b), one)
-            assert max(used, default=0) <= 1  # too small to hand off: every tile on this thread
-        monkeypatch.setattr(threads, "over_tiles", real)
+            # too small to hand off: every tile on this thread
+            assert max((min(t, c, cap) for t, c, cap in calls), default=0) <= 1
 
 
 @pytest.mark.bits
@@ -246,17 +254,11 @@ def test_matmul_split_over_columns_is_bit_identical(with_threads, monkeypatch, m
     monkeypatch.setattr(threads, "TILE_COLS", 64)
     monkeypatch.setattr(threads, "_cores", 4)  # as on a 4-core machine, whatever this one has
     rng = np.random.default_rng(1)
+    calls = _record_over_tiles(monkeypatch)
     for dtype in (np.float32, np.float64):
         a = rng.standard_normal((k, m)).astype(dtype).T  # a strided view, as the gradient's xᵀ
         b = rng.standard_normal((k, n)).astype(dtype)
-        cut: list[int] = []
-        real = threads.over_tiles
-
-        def counting(fn, count, k=None):
-            cut.append(count)
-            return real(fn, count, k)
-
-        monkeypatch.setattr(threads, "over_tiles", counting)
+        calls.clear()
         with threadpool_limits(limits=1, user_api="blas"):
             monkeypatch.setattr(threads, "MIN_CHUNK_FLOPS", 1.0)
             with_threads(1)
@@ -264,10 +266,9 @@ def test_matmul_split_over_columns_is_bit_identical(with_threads, monkeypatch, m
             for n_threads in (2, 3, 4):
                 with_threads(n_threads)
                 np.testing.assert_array_equal(threads.matmul(a, b), one)
-        assert set(cut) == {len(threads.tiles(n, 64, 4))} and len(threads.tiles(n, 64, 4)) > 1
+        assert {c for _, c, _ in calls} == {len(threads.tiles(n, 64, 4))} and len(threads.tiles(n, 64, 4)) > 1
         np.testing.assert_allclose(one, a @ b, rtol=1e-4 if dtype == np.float32 else 1e-12,
                                    atol=1e-4 if dtype == np.float32 else 1e-12)
-        monkeypatch.setattr(threads, "over_tiles", real)
 
 
 @pytest.mark.bits
