@@ -64,6 +64,9 @@ try:
     _cache_dir()
     from numba import njit
 
+    from numesh.host import numba_cache
+
+    numba_cache.install()  # a kernel's cache entry is renewed when any kernel file changes
     HAVE_NUMBA = True
 except ImportError:  # the NumPy references are used
     HAVE_NUMBA = False
