@@ -122,6 +122,26 @@ def test_exp32_is_within_one_ulp_of_exp_everywhere():
     assert np.isnan(nan[0]), "a NaN score must stay NaN (the run's NaN check sees it)"
 
 
+def test_exp32_low_is_exp32_bit_for_bit_up_to_88():
+    """`kernels.exp32_low` (the softmax's and GELU's exp) drops exp32's overflow handling:
+    on its domain, x <= 88 (every value there the sample of exp's range reaches, -inf
+    included), it must return exp32's very bits, so the attention's and GELU's results do
+    not depend on which of the two they call; NaN stays NaN."""
+    x = _exp_inputs()
+    x = np.concatenate([x[x <= 88.0], np.float32([88.0, -0.0, np.nan])])
+    want, got = np.empty_like(x), np.empty_like(x)
+    K.exp_into(x, want)
+    _exp_low_into(x, got)
+    same = (want.view(np.uint32) == got.view(np.uint32)) | (np.isnan(want) & np.isnan(got))
+    assert same.all(), f"exp32_low({x[~same][0]!r}) = {got[~same][0]!r}, exp32 gives {want[~same][0]!r}"
+
+
+@K.njit(nogil=True, error_model="numpy")  # not cached: numba would keep a stale copy of exp32_low
+def _exp_low_into(x, out):
+    for i in range(x.shape[0]):
+        out[i] = K.vexp_low(x[i])
+
+
 def test_exp_runs_as_packed_simd_code(tmp_path):
     """The float32 exp loop compiles to packed 256- or 512-bit instructions (ymm/zmm), not
     one element at a time: the point of writing it out (numba's own exp is a libm call).

@@ -163,9 +163,38 @@ def exp32(x):
     return f(0.0) if x < f(_EXP_LO) else p * s1 * s2
 
 
+@njit(**{**_JIT, "fastmath": {"contract"}})
+def exp32_low(x):
+    """`exp32` of a float32 x <= 88, bit for bit, in fewer instructions: the softmax's
+    shifted scores and GELU's -2|u| are <= 0 (up to rounding), so the clamp at the top and
+    the 2^n built in two halves, which only exp's overflow range needs, go. Above 88 it
+    does not overflow to inf. Its loops run about a quarter faster than exp32's
+    (`python benchmarks/bench_exp.py`)."""
+    f = np.float32
+    xc = f(_EXP_LO) if x < f(_EXP_LO) else x  # written so that NaN passes
+    nf = np.floor(xc * f(_LOG2E) + f(0.5))  # -126 <= n <= 127 here: one normal scale
+    r = xc - nf * f(_LN2_HI)
+    r = r - nf * f(_LN2_LO)
+    c0, c1, c2, c3, c4, c5 = _EXP_POLY
+    p = f(c0)
+    p = p * r + f(c1)
+    p = p * r + f(c2)
+    p = p * r + f(c3)
+    p = p * r + f(c4)
+    p = p * r + f(c5)
+    p = p * r * r + r + f(1.0)
+    s = np.int32((np.int32(nf) + 127) << 23).view(np.float32)
+    return f(0.0) if x < f(_EXP_LO) else p * s
+
+
 def vexp(x):
     """exp of one element inside a kernel: `exp32` for float32, libm's exp otherwise
     (float64 runs are for parity checks, where accuracy matters more than lanes)."""
+    return math.exp(x)
+
+
+def vexp_low(x):
+    """`vexp` of an x <= 88 (`exp32_low` for float32): the softmax's and GELU's exp."""
     return math.exp(x)
 
 
@@ -177,6 +206,12 @@ if HAVE_NUMBA:
     def _vexp_typed(x):
         if isinstance(x, types.Float) and x.bitwidth == 32:
             return lambda x: exp32(x)
+        return lambda x: math.exp(x)
+
+    @overload(vexp_low)
+    def _vexp_low_typed(x):
+        if isinstance(x, types.Float) and x.bitwidth == 32:
+            return lambda x: exp32_low(x)
         return lambda x: math.exp(x)
 
 
@@ -302,7 +337,7 @@ def gelu_fwd(x, t, y):
     for i in range(x.shape[0]):
         v = x[i]
         u = k * (v + c * v * v * v)
-        e = vexp(-two * abs(u))
+        e = vexp_low(-two * abs(u))
         inv = one / (one + e)
         th = (one - e) * inv
         t[i] = th if u >= 0 else -th
@@ -380,13 +415,13 @@ def stripe_softmax(s, vis0, m, l, alpha, key, threshold, inv_keep, row_base, kpo
         mg, ag = m[g], alpha[g]
         mx = _col_max(s[g], mg, ping, pong)
         for r in range(rows):
-            ag[r] = vexp(mg[r] - mx[r]) if mg[r] > -np.inf else 0.0
+            ag[r] = vexp_low(mg[r] - mx[r]) if mg[r] > -np.inf else 0.0
             mg[r] = mx[r]
             acc[r] = 0.0
         for j in range(keys):
             row = s[g, j]
             for r in range(rows):
-                row[r] = vexp(row[r] - mx[r])
+                row[r] = vexp_low(row[r] - mx[r])
             for r in range(rows):  # a loop of its own: fused with the exp (float32 to float64) it stays scalar
                 acc[r] += row[r]
         for r in range(rows):
@@ -436,7 +471,7 @@ def stripe_probs(s, vis0, lse):
         for j in range(keys):
             row = s[g, j]
             for r in range(rows):
-                row[r] = vexp(row[r] - lg[r])
+                row[r] = vexp_low(row[r] - lg[r])
             if j >= vis0:
                 for r in range(_first_seen(vis0, j, rows)):
                     row[r] = 0.0
