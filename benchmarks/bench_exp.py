@@ -26,13 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import describe, machine  # noqa: E402
 
 
-@K.njit(**K._JIT)
+# not cached: numba keys a cache on this file alone, so a changed kernels.py would be timed stale
+@K.njit(nogil=True, error_model="numpy")
 def _exp_full(x, out):
     for i in range(x.shape[0]):
         out[i] = K.vexp(x[i])
 
 
-@K.njit(**K._JIT)
+@K.njit(nogil=True, error_model="numpy")
 def _exp_low(x, out):
     for i in range(x.shape[0]):
         out[i] = K.vexp_low(x[i])
