@@ -410,8 +410,8 @@ def one_error_line(res: Any) -> str:
 def with_threads():
     """Run a test body once per thread count, restoring the count afterwards. The rank may
     use 16 cores, whatever this machine has, so the work is cut as finely as on a node."""
-    before, cores = threads.threads(), threads.cores()
+    before, spin, cores = threads.threads(), threads._spin, threads.cores()
     threads.set_cores(16)
     yield threads.set_threads
-    threads.set_threads(before)
+    threads.set_threads(before, spin=spin)
     threads.set_cores(cores)

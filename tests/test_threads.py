@@ -3,12 +3,16 @@ split over sequences (`over_batch`) equal to one thread up to the order of the c
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
 from numesh.base.tree import tree_leaves
-from numesh.host import threads
+from numesh.host import kernels as K
+from numesh.host import spin, threads
 from numesh.mesh import Mesh
 from numesh.nn import walk
 from numesh.nn.attention import AttnDropout, causal_attention_bwd, causal_attention_fwd
@@ -19,9 +23,10 @@ from numesh.nn.walk import loss_and_grads
 from numesh.optim.adamw import AdamWConfig, adamw_init, adamw_step
 
 
+@pytest.mark.parametrize("spin", [False, True])
 @pytest.mark.parametrize("n, k, min_rows", [(10, 3, 1), (7, 2, 1), (5, 4, 3), (1, 2, 1), (0, 2, 1)])
-def test_over_rows_covers_each_row_once(with_threads, n: int, k: int, min_rows: int) -> None:
-    with_threads(k)
+def test_over_rows_covers_each_row_once(with_threads, n: int, k: int, min_rows: int, spin: bool) -> None:
+    with_threads(k, spin=spin)
     hits = np.zeros(n, dtype=int)
     chunks: list[slice] = []
 
@@ -35,8 +40,9 @@ def test_over_rows_covers_each_row_once(with_threads, n: int, k: int, min_rows: 
     assert len(chunks) == want
 
 
-def test_over_rows_reraises_a_worker_error(with_threads) -> None:
-    with_threads(2)
+@pytest.mark.parametrize("spin", [False, True])
+def test_over_rows_reraises_a_worker_error(with_threads, spin: bool) -> None:
+    with_threads(2, spin=spin)
 
     def fn(r: slice) -> None:
         if r.start > 0:
@@ -45,6 +51,33 @@ def test_over_rows_reraises_a_worker_error(with_threads) -> None:
     with pytest.raises(ValueError, match="boom in the worker"):
         threads.over_rows(fn, 8)
     threads.over_rows(lambda r: None, 8)  # the pool still works afterwards
+
+
+def test_spinning_threads_run_every_job_between_sleeps(with_threads) -> None:
+    """Waiting threads that spin awake (`set_threads(spin=True)`) still run every job once
+    and hand every result back, whether the next job comes while they spin (back to back)
+    or after they have gone to sleep (gaps longer than the spin)."""
+    with_threads(4, spin=True)
+    hits = np.zeros(64, dtype=int)
+    for i in range(200):
+        threads.over_rows(lambda r: hits.__setitem__(r, hits[r] + 1), 64)
+        if i % 50 == 49:
+            time.sleep(2 * spin.SPIN_SECONDS)  # the workers give up spinning and sleep on the queue
+    assert (hits == 200).all()
+
+
+@pytest.mark.skipif(not K.HAVE_NUMBA, reason="numba is not installed: waiters sleep at once")
+def test_a_spinning_waiter_sees_a_bump_from_another_thread() -> None:
+    """`spin.Counter.wait_change` returns True once another thread bumps the counter while
+    it spins (without the GIL: the bumping thread needs it), and False when none does."""
+    counter = spin.Counter()
+    assert not counter.wait_change(counter.value(), seconds=1e-3)
+    seen = counter.value()
+    bumper = threading.Timer(0.01, counter.bump)
+    bumper.start()
+    assert counter.wait_change(seen, seconds=10.0), "the bump was never seen"
+    bumper.join()
+    assert counter.value() == seen + 1
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

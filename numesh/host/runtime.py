@@ -53,7 +53,7 @@ def set_blas_threads(threads: int | None = None, comm: MPI.Comm | None = None) -
     if threads is None:
         threads = cores
     _LIMITER = threadpool_limits(limits=1, user_api="blas")
-    return set_threads(threads)
+    return set_threads(threads, spin=threads <= cores)  # spinning on shared cores would slow the other thread
 
 
 def env_threads() -> int | None:

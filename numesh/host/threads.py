@@ -22,6 +22,12 @@ cores fought: each BLAS call on several threads must wake the others, and when t
 are busy (other ranks, or numesh's own workers) a wake-up waits for a scheduler slice
 (benchmarks/bench_node.py measures the thread sweep).
 
+A thread waiting for another (a worker for its next job, the caller for the workers to
+finish) spins awake a while before it sleeps, when every thread has a core of its own
+(`set_threads(spin=True)`, as numesh.host.runtime sets it): waking a sleeping thread costs
+0.1-0.2 ms on a VM that halts idle vCPUs, at each of a step's dozens of hand-offs
+(numesh.host.spin says why and how).
+
 Nothing is handed to another thread when the hand-off (~20 µs) would outweigh the work:
 `over_rows` takes a minimum rows per chunk and `matmul` one of `MIN_CHUNK_FLOPS` per thread.
 The thread count follows `numesh.host.runtime.set_blas_threads` (ranks × threads = cores);
@@ -40,19 +46,28 @@ from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 import numpy as np
 
 from numesh.base.tree import tree_map
+from numesh.host.spin import Counter, warm
 
 T = TypeVar("T")
 
 _jobs: queue.SimpleQueue = queue.SimpleQueue()
 _workers: list[threading.Thread] = []
 _threads = 1
+_spin = False  # whether waiting threads spin awake before they sleep (`set_threads`)
+_posted, _finished = Counter(), Counter()  # bumped when jobs are queued, when one is done
 _blas = None  # threadpoolctl controller of the loaded BLAS libraries, made on first use
 
 
-def set_threads(n: int) -> int:
-    """Use `n` threads (this one and n-1 workers, started once and kept); returns n."""
-    global _threads
+def set_threads(n: int, spin: bool = False) -> int:
+    """Use `n` threads (this one and n-1 workers, started once and kept); returns n.
+    `spin`: each has a core of its own, so a thread waiting for another spins awake for a
+    while before it sleeps (`numesh.host.spin`), as OpenMP's threads do; never on shared
+    cores, where the spin would take the core the other thread needs."""
+    global _threads, _spin
     _threads = max(1, int(n))
+    _spin = bool(spin) and _threads > 1
+    if _spin:
+        warm()
     while len(_workers) < _threads - 1:
         t = threading.Thread(target=_work, name=f"numesh-intra-{len(_workers)}", daemon=True)
         t.start()
@@ -66,7 +81,7 @@ def threads() -> int:
 
 def _work() -> None:
     while True:
-        fn, done, errors, err_state = _jobs.get()
+        fn, done, errors, err_state = _next_job()
         try:
             with np.errstate(**err_state):  # float warnings as the caller has them
                 fn()
@@ -74,6 +89,35 @@ def _work() -> None:
             errors.append(e)
         finally:
             done.release()
+            _finished.bump()
+
+
+def _next_job() -> tuple:
+    """The next job off the queue; with `_spin`, spinning awake (no GIL) for a while for
+    one to be posted before sleeping on the queue (`numesh.host.spin`)."""
+    seen = _posted.value()  # before the queue is looked at: a job posted after it bumps it
+    try:
+        return _jobs.get_nowait()
+    except queue.Empty:
+        pass
+    if _spin and _posted.wait_change(seen):
+        try:
+            return _jobs.get_nowait()
+        except queue.Empty:  # another worker took it
+            pass
+    return _jobs.get()
+
+
+def _wait(done: threading.Lock) -> None:
+    """Until a worker releases `done`; with `_spin`, spinning awake while workers go on
+    finishing jobs, then sleeping on the lock."""
+    while not done.acquire(blocking=False):
+        seen = _finished.value()
+        if done.acquire(blocking=False):
+            return
+        if not (_spin and _finished.wait_change(seen)):
+            done.acquire()
+            return
 
 
 def _run_all(calls: list[Callable[[], None]]) -> None:
@@ -85,11 +129,12 @@ def _run_all(calls: list[Callable[[], None]]) -> None:
         done.acquire()
         _jobs.put((call, done, errors, err_state))
         dones.append(done)
+    _posted.bump()
     try:
         calls[0]()
     finally:
         for done in dones:
-            done.acquire()
+            _wait(done)
     if errors:
         raise errors[0]
 
