@@ -260,8 +260,8 @@ def print_report(rep: dict[str, Any]) -> None:
                   f"{span(r['numesh'], 'cpu_ms', '.0f')} | {span(r['base'], 'rss_mb', '.0f')} | "
                   f"{span(r['numesh'], 'rss_mb', '.0f')} | {span(r['base'], 'minor_faults_per_iter', ',.0f')} | "
                   f"{span(r['numesh'], 'minor_faults_per_iter', ',.0f')} |")
-        print("CPU ms/step: this process's CPU time per timed step (both threads; numesh's threads block, never "
-              "spin): steadier than wall time on a busy machine")
+        print("CPU ms/step: this process's CPU time per timed step (both threads; a numesh thread that waits spins "
+              "up to 10 ms before it sleeps, numesh.host.spin, so idle waits count too since 3604a81)")
     if rep["same_init"]:
         for r in rep["rows"]:
             for a, b in zip(r["numesh"], r["torch"]):

@@ -19,6 +19,7 @@ loop. Without numba, `wait_change` returns at once and the callers sleep as befo
 from __future__ import annotations
 
 import functools
+import platform
 import time
 
 import numpy as np
@@ -31,9 +32,12 @@ from numesh.host.kernels import HAVE_NUMBA, njit
 # (`python benchmarks/bench_threads.py --spin-seconds S`).
 SPIN_SECONDS = 0.01
 
+_PAUSE = "llvm.x86.sse2.pause" if platform.machine().lower() in ("x86_64", "amd64") else ""  # x86's spin-wait hint
+
 if HAVE_NUMBA:
     from llvmlite import ir
     from numba import types
+    from numba.core import cgutils
     from numba.extending import intrinsic
 
     @intrinsic
@@ -42,6 +46,9 @@ if HAVE_NUMBA:
         sig = types.int64(addr)
 
         def codegen(context, builder, signature, args):
+            if _PAUSE:  # tell the core it spins: it then yields to its SMT sibling and saves power
+                pause = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), _PAUSE)
+                builder.call(pause, [])
             ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
             return builder.load_atomic(ptr, "acquire", 8)
 
