@@ -28,8 +28,11 @@ finish) spins awake a while before it sleeps, when every thread has a core of it
 0.1-0.2 ms on a VM that halts idle vCPUs, at each of a step's dozens of hand-offs
 (numesh.host.spin says why and how).
 
-Nothing is handed to another thread when the hand-off (~20 µs) would outweigh the work:
-`over_rows` takes a minimum rows per chunk and `matmul` one of `MIN_CHUNK_FLOPS` per thread.
+Nothing is handed to another thread when the hand-off would outweigh the work: `over_rows`
+takes a minimum rows per chunk and `matmul` one of `MIN_CHUNK_FLOPS` per thread. The
+minimums assume a hand-off of ~20 µs; on the 2-vCPU VMs it measured 0.08-0.35 ms
+(`python benchmarks/bench_threads.py`), and there larger minimums still gained nothing
+measurable (docs/benchmarks.md, "Fast on every CPU").
 The thread count follows `numesh.host.runtime.set_blas_threads` (ranks × threads = cores);
 with one thread, as in an oversubscribed MPI job, the same tiles run one after another.
 """
@@ -150,7 +153,8 @@ def over_rows(fn: Callable[[slice], None], n: int, min_rows: int = 1) -> None:
     Only for row-independent work: `fn` must compute each row with the same operations
     whatever chunk it is in, and only write to its own rows of preallocated outputs; the
     chunks follow the thread count. Chunks have at least `min_rows` rows, so small inputs
-    run as one call (a hand-off costs ~20 µs)."""
+    run as one call (a hand-off costs ~20 µs where idle cores wake fast, more on a VM: see the module
+    docstring)."""
     k = min(_threads, n // max(1, min_rows))
     if k <= 1:
         fn(slice(0, n))
