@@ -139,12 +139,11 @@ _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
 
 
 @njit(**{**_JIT, "fastmath": {"contract"}})
-def exp32(x):
-    """exp of a float32 (within 1.03 ulp; 0 below float32's normal range), as arithmetic that
-    vectorises; NaN in, NaN out."""
+def _exp_split(xc):
+    """exp(xc) = 2^n · p for a clamped float32 xc: (n as a float, p = exp(r) by the
+    polynomial), r = xc - n·ln2 in two parts so that it is exact; `exp32` and `exp32_low`
+    build 2^n each their own way."""
     f = np.float32
-    xc = f(_EXP_LO) if x < f(_EXP_LO) else x  # written so that NaN passes both
-    xc = f(_EXP_HI) if xc > f(_EXP_HI) else xc
     nf = np.floor(xc * f(_LOG2E) + f(0.5))
     r = xc - nf * f(_LN2_HI)
     r = r - nf * f(_LN2_LO)
@@ -156,6 +155,17 @@ def exp32(x):
     p = p * r + f(c4)
     p = p * r + f(c5)
     p = p * r * r + r + f(1.0)
+    return nf, p
+
+
+@njit(**{**_JIT, "fastmath": {"contract"}})
+def exp32(x):
+    """exp of a float32 (within 1.03 ulp; 0 below float32's normal range), as arithmetic that
+    vectorises; NaN in, NaN out."""
+    f = np.float32
+    xc = f(_EXP_LO) if x < f(_EXP_LO) else x  # written so that NaN passes both
+    xc = f(_EXP_HI) if xc > f(_EXP_HI) else xc
+    nf, p = _exp_split(xc)
     n = np.int32(nf)
     n1 = n >> 1
     s1 = np.int32((n1 + 127) << 23).view(np.float32)
@@ -172,17 +182,7 @@ def exp32_low(x):
     (`python benchmarks/bench_exp.py`)."""
     f = np.float32
     xc = f(_EXP_LO) if x < f(_EXP_LO) else x  # written so that NaN passes
-    nf = np.floor(xc * f(_LOG2E) + f(0.5))  # -126 <= n <= 127 here: one normal scale
-    r = xc - nf * f(_LN2_HI)
-    r = r - nf * f(_LN2_LO)
-    c0, c1, c2, c3, c4, c5 = _EXP_POLY
-    p = f(c0)
-    p = p * r + f(c1)
-    p = p * r + f(c2)
-    p = p * r + f(c3)
-    p = p * r + f(c4)
-    p = p * r + f(c5)
-    p = p * r * r + r + f(1.0)
+    nf, p = _exp_split(xc)  # -126 <= n <= 127 here: one normal scale
     s = np.int32((np.int32(nf) + 127) << 23).view(np.float32)
     return f(0.0) if x < f(_EXP_LO) else p * s
 
