@@ -24,9 +24,9 @@ are busy (other ranks, or numesh's own workers) a wake-up waits for a scheduler 
 
 A thread waiting for another (a worker for its next job, the caller for the workers to
 finish) spins awake a while before it sleeps, when every thread has a core of its own
-(`set_threads(spin=True)`, as numesh.host.runtime sets it): waking a sleeping thread costs
-0.1-0.2 ms on a VM that halts idle vCPUs, at each of a step's dozens of hand-offs
-(numesh.host.spin says why and how).
+(`set_threads(spin=True)`, as numesh.host.runtime sets it): waking a sleeping thread goes
+through the hypervisor on a VM that halts idle vCPUs (its cost is measured below), at each
+of a step's dozens of hand-offs (numesh.host.spin says why and how).
 
 Nothing is handed to another thread when the hand-off would outweigh the work: `over_rows`
 takes a minimum rows per chunk and `matmul` one of `MIN_CHUNK_FLOPS` per thread. The
