@@ -64,9 +64,10 @@ try:
     _cache_dir()
     from numba import njit
 
-    from numesh.host import numba_cache
+    from numesh.host import numba_cache, numba_target
 
     numba_cache.install()  # a kernel's cache entry is renewed when any kernel file changes
+    numba_target.prefer_full_width()  # 512-bit vectors on AVX-512 CPUs, before anything compiles
     HAVE_NUMBA = True
 except ImportError:  # the NumPy references are used
     HAVE_NUMBA = False
