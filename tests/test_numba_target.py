@@ -60,3 +60,20 @@ def test_a_users_features_and_an_earlier_compile_are_kept():
     mine = "+sse2,+sse4.2"
     assert _probe("numesh-first", NUMBA_CPU_FEATURES=mine)["features"] == mine
     assert "prefer-256-bit" not in _probe("numba-first")["features"]
+
+
+def test_a_cpu_whose_features_llvm_cannot_read_is_left_alone(monkeypatch):
+    """Where LLVM cannot read the host's features (it raises, as numba expects on some
+    platforms), nothing is set."""
+    import llvmlite.binding as llvm
+    from numba.core import config, registry
+
+    def fail():
+        raise RuntimeError("no features")
+
+    monkeypatch.setattr(llvm, "get_host_cpu_features", fail)
+    monkeypatch.setattr(config, "CPU_FEATURES", None)
+    monkeypatch.delenv("NUMBA_CPU_FEATURES", raising=False)
+    monkeypatch.delitem(vars(registry.cpu_target), "_toplevel_target_context", raising=False)
+    assert numba_target.prefer_full_width() is False
+    assert config.CPU_FEATURES is None

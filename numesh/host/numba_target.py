@@ -43,7 +43,10 @@ def prefer_full_width() -> bool:
         return False  # numba's code generator already exists, with its features fixed
     import llvmlite.binding as llvm
 
-    host = llvm.get_host_cpu_features()
+    try:
+        host = llvm.get_host_cpu_features()
+    except RuntimeError:  # LLVM cannot read this CPU's features (numba itself then passes none)
+        return False
     wanted = features(dict(host), host.flatten())
     if wanted is None:
         return False
