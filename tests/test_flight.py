@@ -196,6 +196,27 @@ def test_diagnosis_names_the_rank_that_called_another_size() -> None:
             "where the others called all_reduce of 2048 B") in text
 
 
+def test_a_rank_that_recorded_its_own_end_first_is_the_cause_whatever_the_witness_saw_first() -> None:
+    """Under CPU contention the kernel can finish the exit of a rank mpiexec SIGKILLed before
+    that of the rank whose crash made it send the kill (a loaded CI machine: the killed rank
+    "ended first" by 6 ms). A rank that recorded ending itself before the witness saw the
+    first one gone is named instead; a witness whose first rank ended itself, or a rank on
+    another host (another clock), or one that ended after, changes nothing."""
+    shape = {"tp": 4}
+    states = {r: _state(r, shape, {"tp": r}, _tp_calls(3, False), host="a") for r in range(4)}
+    first = {"at": NOW, "gone": [1], "alive": [0, 2, 3], "host": "a", "ms_before": 6.1}
+    assert flight._began_first(first, states) == []  # nobody recorded an exit of its own
+    states[3].exited = NOW - 0.004  # rank 3 crashed (an injected crash marks it) before rank 1 was seen gone
+    assert flight._began_first(first, states) == [3]
+    line = flight.witness_line(first, states, [3])
+    assert line.startswith("witness: rank 1 ") and "rank 3 had recorded ending itself by then" in line
+    assert flight._began_first({**first, "gone": [3]}, states) == []  # the witness agrees
+    assert flight._began_first({**first, "gone": [1, 3]}, states) == [3]  # seen gone together with a killed one
+    assert flight._began_first({**first, "at": NOW - 0.01}, states) == []  # it ended after the first seen gone
+    assert flight._began_first({**first, "host": "b"}, states) == []  # another host's clock
+    assert flight._began_first(None, states) == []
+
+
 def test_diagnosis_of_skips_dead_ranks_and_pipeline_waits() -> None:
     shape = {"pp": 4, "dp": 1, "tp": 1}
     states = {}

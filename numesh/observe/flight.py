@@ -157,9 +157,10 @@ def postmortem(flight_dir: str | Path) -> str | None:
         if s is not None:
             s.alive = None  # every process is gone now; which died first is what we infer
     first = witness.first_to_end(witness.read(flight_dir, run))
-    for r in first["gone"] if first else ():
+    began = _began_first(first, states)
+    for r in began or (first["gone"] if first else ()):
         if states.get(r) is not None:
-            states[r].alive = False  # the witness saw it end while the others still ran
+            states[r].alive = False  # the witness saw it end while the others still ran, or it ended itself first
     known = [s for s in states.values() if s is not None]
     if not known:  # the metadata without a ring: nothing recorded to diagnose
         return None
@@ -168,7 +169,7 @@ def postmortem(flight_dir: str | Path) -> str | None:
              f"without a diagnosis (a rank that dies makes mpiexec kill the others at once; its exit code is in "
              f"mpiexec's message); every rank's last calls are in {flight_dir}")
     text, _ = diagnose(states, end, 0.0, str(flight_dir), title=title, ended=True)
-    text += "\n" + witness_line(first, states)
+    text += "\n" + witness_line(first, states, began)
     try:
         write_atomic(diag, text + "\n")
     except OSError:  # a read-only OUT (another user's run): the diagnosis is still printed
@@ -176,8 +177,25 @@ def postmortem(flight_dir: str | Path) -> str | None:
     return text + "\n"
 
 
-def witness_line(first: dict[str, Any] | None, states: dict[int, RankState | None]) -> str:
-    """What the witness (numesh/observe/witness.py) saw end first, in words."""
+def _began_first(first: dict[str, Any] | None, states: dict[int, RankState | None]) -> list[int]:
+    """Ranks on the witness's host that recorded ending themselves (Python's exit, an injected
+    crash) by the time the witness saw the first ranks gone, where those differ from the
+    ranks it saw gone. The witness sees when the kernel finished each exit; under CPU
+    contention the kernel can finish a rank that mpiexec SIGKILLed before, or together with,
+    the rank whose end made mpiexec send that kill (seen on a loaded 2-core machine: the
+    killed rank "ended first" by 6 ms). The rank's own record, made before its exit began,
+    says which came first. Empty when they are the ranks the witness saw, or it saw none."""
+    if first is None:
+        return []
+    began = sorted(r for r, s in states.items()
+                   if s is not None and s.exited and s.exited <= first["at"] and s.host == first.get("host"))
+    return [] if set(began) in (set(), set(first["gone"])) else began
+
+
+def witness_line(first: dict[str, Any] | None, states: dict[int, RankState | None],
+                 began: list[int] | None = None) -> str:
+    """What the witness (numesh/observe/witness.py) saw end first, in words; and which ranks
+    had recorded ending themselves before that (`_began_first`)."""
     if first is None:
         return ("witness: none saw one rank end before the others (no pidfds here, the ranks ended together, "
                 "or --collective-timeout 0)")
@@ -187,7 +205,11 @@ def witness_line(first: dict[str, Any] | None, states: dict[int, RankState | Non
            if all(states.get(r) is not None and states[r].exited for r in gone)
            else "never exited on its own: killed (kill -9, the OOM killer), crashed, or aborted the job")
     ahead = "" if first["ms_before"] is None else f", {first['ms_before']:.1f} ms before the next"
-    return f"witness: {who} ended first{ahead}, while {len(first['alive'])} other rank(s) still ran; it {how}"
+    line = f"witness: {who} ended first{ahead}, while {len(first['alive'])} other rank(s) still ran; it {how}"
+    if began:
+        line += (f"; but {', '.join(f'rank {r}' for r in began)} had recorded ending itself by then (its exit began "
+                 f"first, whenever the kernel finished it): the cause above")
+    return line
 
 
 # ---------------------------------------------------------------------------------------
@@ -233,7 +255,7 @@ class FlightRecorder(Observer):
         self._write_meta()
         self._head["magic"] = MAGIC  # last: a reader sees a whole header or none
         if inject is not None:
-            inject.on_fire = self._note
+            inject.on_fire, inject.on_exit = self._note, self._mark_exit  # os._exit runs no atexit
         self._failing = False
         atexit.register(self._mark_exit)  # an exit of its own, unlike SIGKILL, which runs nothing
         self._witness = self._start_witness(world)

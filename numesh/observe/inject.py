@@ -153,6 +153,7 @@ class FaultInjector(Observer):
         self.step = 0
         self.fired: list[tuple[Fault, str]] = []  # (fault, the call it hit)
         self.on_fire: Any = None  # called with one line before a fault acts (the flight recorder's note)
+        self.on_exit: Any = None  # called just before a crash exits (the flight recorder marks the exit its own)
 
     def __bool__(self) -> bool:
         return bool(self.pending or self.slow)
@@ -190,6 +191,8 @@ class FaultInjector(Observer):
                 time.sleep(3600)
         if f.kind == "crash":
             self._say(f, f"exiting before {where}")
+            if self.on_exit is not None:
+                self.on_exit()
             os._exit(1)
         if f.kind == "skip":
             self._say(f, f"skipping {where}")

@@ -100,9 +100,9 @@ def read(flight_dir: Path, run: int) -> list[dict[str, Any]]:
 
 def first_to_end(docs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The first look that saw some ranks gone while others still ran (the earliest, over
-    hosts): {"at", "gone": ranks, "alive": ranks, "ms_before": until the next rank ended}.
+    hosts): {"at", "gone": ranks, "alive": ranks, "host", "ms_before": until the next rank ended}.
     None when no witness saw one rank end before the rest."""
-    looks = [d["first"] for d in docs if d["first"]["alive"]]
+    looks = [{**d["first"], "host": d.get("host")} for d in docs if d["first"]["alive"]]
     if not looks:
         return None
     first = min(looks, key=lambda f: f["at"])
