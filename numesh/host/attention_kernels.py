@@ -8,14 +8,17 @@ loops`). `group_fwd` and `group_bwd` run the same loops compiled, calling numpy'
 GEMM (`numesh.host.blas.gemm`) and the same stripe passes (`numesh.host.kernels.stripe_*`),
 so a thread takes the GIL once per group. They compute what `_stripe_fwd`/`_stripe_bwd`
 compute, head by head in the same order, the gradients accumulated in the GEMM (beta = 1)
-rather than as a product then an add. Dropout draws from the same stream (`key`,
+rather than as a product then an add, and the 1/sqrt(hs) scale applied as the GEMMs' alpha
+rather than to a copy of q. Dropout draws from the same stream (`key`,
 `threshold`, `inv_keep`; threshold 0: none) at the same counters: `base` [G, T] each
 query's counter base (`AttnDropout.row_base`), `kpos` [Tk] the keys' positions.
 
 Arrays (shapes as in numesh.nn.attention's `_group_fwd`/`_group_bwd`): q, dy, dq
-[nb, nh, g, T, hs] and k, v [nb, nh, 1, Tk, hs] C-contiguous (q already scaled), dk, dv
-[nb, nh, g, Tk, hs] C-contiguous (each query head's share), y [nb, nh, g, T, hs] and lse
-[nb, nh, g, T] any view; `buf`s flat scratch of at least nb·nh·g·min(KEY_TILE, Tk)·rows.
+[nb, nh, g, T, hs], k, v [nb, nh, 1, Tk, hs] and dk, dv [nb, nh, g, Tk, hs] (each query
+head's share) with each row of hs contiguous, rows at any stride (the GEMMs' leading
+dimensions, `_ld`: a group of one stripe reads q, k, v in place in the QKV buffer), q
+unscaled; y [nb, nh, g, T, hs] and lse [nb, nh, g, T] any view; `buf`s flat scratch of at
+least nb·nh·g·min(KEY_TILE, Tk)·rows.
 """
 
 from __future__ import annotations
@@ -36,13 +39,24 @@ def _heads(q):
 
 
 @njit(**_JIT)
-def group_fwd(fn, q, k, v, y, lse, diag, starts, qt, kt, buf, key, threshold, inv_keep, base, kpos):
+def _ld(a):
+    """The row stride, in elements, of a [..., rows, hs] array whose rows are contiguous:
+    the GEMMs' leading dimension, so that they read rows where a strided view holds them."""
+    if a.shape[a.ndim - 2] <= 1:  # one row: any stride numpy gives it; BLAS wants >= hs
+        return np.int64(a.shape[a.ndim - 1])
+    return np.int64(a.strides[a.ndim - 2] // a.itemsize)
+
+
+@njit(**_JIT)
+def group_fwd(fn, q, k, v, y, lse, scale, diag, starts, qt, kt, buf, key, threshold, inv_keep, base, kpos):
     """The stripes starting at `starts` (qt query rows each, key tiles of kt): y's rows and
-    each row's log-sum-exp, as numesh.nn.attention's `_stripe_fwd` writes them."""
+    each row's log-sum-exp, as numesh.nn.attention's `_stripe_fwd` writes them. q, k, v
+    unscaled, each row of hs contiguous but rows any stride (`_ld`): the scores' GEMM
+    applies `scale`."""
     nb, nh, g, G = _heads(q)
     T, hs, Tk = q.shape[3], q.shape[4], k.shape[3]
     one, zero = q.dtype.type(1.0), q.dtype.type(0.0)
-    hs64 = np.int64(hs)
+    hs64, ldq, ldk, ldv = np.int64(hs), _ld(q), _ld(k), _ld(v)
     pv = np.empty((G, qt, hs), q.dtype)
     acc = np.empty((G, qt, hs), q.dtype)
     for q0 in starts:
@@ -62,15 +76,15 @@ def group_fwd(fn, q, k, v, y, lse, diag, starts, qt, kt, buf, key, threshold, in
                 for h in range(nh):
                     for i in range(g):
                         x = (b * nh + h) * g + i
-                        gemm(fn, _N, _T, np.int64(keys), np.int64(rows), hs64, one, k[b, h, 0, j0:].ctypes.data, hs64,
-                             q[b, h, i, q0:].ctypes.data, hs64, zero, s[x].ctypes.data, np.int64(rows))
+                        gemm(fn, _N, _T, np.int64(keys), np.int64(rows), hs64, scale, k[b, h, 0, j0:].ctypes.data,
+                             ldk, q[b, h, i, q0:].ctypes.data, ldq, zero, s[x].ctypes.data, np.int64(rows))
             stripe_softmax(s, vis0, m, l, alpha, key, threshold, inv_keep, base_s, kpos[j0:j1])
             for b in range(nb):
                 for h in range(nh):
                     for i in range(g):
                         x = (b * nh + h) * g + i
                         gemm(fn, _T, _N, np.int64(rows), hs64, np.int64(keys), one, s[x].ctypes.data, np.int64(rows),
-                             v[b, h, 0, j0:].ctypes.data, hs64, zero, pv[x].ctypes.data, hs64)
+                             v[b, h, 0, j0:].ctypes.data, ldv, zero, pv[x].ctypes.data, hs64)
             for x in range(G):
                 for r in range(rows):
                     a = alpha[x, r]
@@ -89,15 +103,18 @@ def group_fwd(fn, q, k, v, y, lse, diag, starts, qt, kt, buf, key, threshold, in
 
 
 @njit(**_JIT)
-def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, diag, starts, qt, kt, p_buf, dp_buf, pd_buf, key, threshold,
-              inv_keep, base, kpos):
-    """The group's stripes starting at `starts`, in order: dq (not yet scaled), and each
-    query head's share of dk and dv, accumulated as numesh.nn.attention's `_stripe_bwd`
-    does; lse and dd [nb, nh, g, T] C-contiguous."""
+def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, starts, qt, kt, p_buf, dp_buf, pd_buf, key,
+              threshold, inv_keep, base, kpos):
+    """The group's stripes starting at `starts`, in order: dq, and each query head's share
+    of dk and dv, accumulated as numesh.nn.attention's `_stripe_bwd` does (added to what
+    they hold: the GEMMs' beta is 1); q unscaled (the GEMMs that read it, and dq's, apply
+    `scale`); q, k, v, dy, dq, dk, dv rows of hs contiguous at any stride; lse and dd [nb,
+    nh, g, T] C-contiguous."""
     nb, nh, g, G = _heads(q)
     T, hs, Tk = q.shape[3], q.shape[4], k.shape[3]
     one, zero = q.dtype.type(1.0), q.dtype.type(0.0)
-    hs64 = np.int64(hs)
+    hs64, ldq, ldk, ldv, ldy = np.int64(hs), _ld(q), _ld(k), _ld(v), _ld(dy)
+    ldq_out, ldk_out, ldv_out = _ld(dq), _ld(dk), _ld(dv)
     lse2, dd2 = lse.reshape((G, T)), dd.reshape((G, T))
     for q0 in starts:
         q1 = min(T, q0 + qt)
@@ -116,8 +133,8 @@ def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, diag, starts, qt, kt, p_buf,
                 for h in range(nh):
                     for i in range(g):
                         x = (b * nh + h) * g + i
-                        gemm(fn, _N, _T, nk, nr, hs64, one, k[b, h, 0, j0:].ctypes.data, hs64,
-                             q[b, h, i, q0:].ctypes.data, hs64, zero, p[x].ctypes.data, nr)
+                        gemm(fn, _N, _T, nk, nr, hs64, scale, k[b, h, 0, j0:].ctypes.data, ldk,
+                             q[b, h, i, q0:].ctypes.data, ldq, zero, p[x].ctypes.data, nr)
             stripe_probs(p, vis0, lse_s)  # the attention probabilities [G, keys, rows]
             dropped = p  # the weights the values were averaged with
             if threshold != 0:
@@ -128,15 +145,15 @@ def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, diag, starts, qt, kt, p_buf,
                     for i in range(g):
                         x = (b * nh + h) * g + i
                         gemm(fn, _N, _N, nk, hs64, nr, one, dropped[x].ctypes.data, nr,
-                             dy[b, h, i, q0:].ctypes.data, hs64, one, dv[b, h, i, j0:].ctypes.data, hs64)
-                        gemm(fn, _N, _T, nk, nr, hs64, one, v[b, h, 0, j0:].ctypes.data, hs64,
-                             dy[b, h, i, q0:].ctypes.data, hs64, zero, dp[x].ctypes.data, nr)
+                             dy[b, h, i, q0:].ctypes.data, ldy, one, dv[b, h, i, j0:].ctypes.data, ldv_out)
+                        gemm(fn, _N, _T, nk, nr, hs64, one, v[b, h, 0, j0:].ctypes.data, ldv,
+                             dy[b, h, i, q0:].ctypes.data, ldy, zero, dp[x].ctypes.data, nr)
             stripe_grad(p, dp, dd_s, key, threshold, inv_keep, base_s, kpos_s)  # d(scores)
             for b in range(nb):
                 for h in range(nh):
                     for i in range(g):
                         x = (b * nh + h) * g + i
-                        gemm(fn, _T, _N, nr, hs64, nk, one, dp[x].ctypes.data, nr, k[b, h, 0, j0:].ctypes.data, hs64,
-                             one, dq[b, h, i, q0:].ctypes.data, hs64)
-                        gemm(fn, _N, _N, nk, hs64, nr, one, dp[x].ctypes.data, nr, q[b, h, i, q0:].ctypes.data, hs64,
-                             one, dk[b, h, i, j0:].ctypes.data, hs64)
+                        gemm(fn, _T, _N, nr, hs64, nk, scale, dp[x].ctypes.data, nr, k[b, h, 0, j0:].ctypes.data,
+                             ldk, one, dq[b, h, i, q0:].ctypes.data, ldq_out)
+                        gemm(fn, _N, _N, nk, hs64, nr, scale, dp[x].ctypes.data, nr, q[b, h, i, q0:].ctypes.data,
+                             ldq, one, dk[b, h, i, j0:].ctypes.data, ldk_out)

@@ -361,6 +361,16 @@ def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, sc
     return lse
 
 
+def _read(x: np.ndarray, grp: _Group, copy: bool) -> np.ndarray:
+    """A group's rows and heads of x as the compiled loops read it: C-contiguous when `copy`
+    (several stripes re-read each key's row, and BLAS packs contiguous rows faster, see
+    `_own`), else the view itself wherever its rows of hs are contiguous (one stripe: the
+    GEMMs read each row where the QKV product left it, and a copy would cost more than it
+    saves; `benchmarks/bench_long_context.py --rows default:64x12`)."""
+    part = x[grp.b, grp.h, grp.i if x.shape[2] > 1 else slice(None)]
+    return np.ascontiguousarray(part) if copy or part.strides[-1] != part.itemsize else part
+
+
 def _own(x: np.ndarray, grp: _Group, scale: float | None = None) -> np.ndarray:
     """A group's rows and heads of x [B, Hkv, g or 1, ...] (its query heads `grp.i` of a
     query-head array), C-contiguous (times `scale` if given): copied once for all its
@@ -390,13 +400,14 @@ def _group_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, grp: _Group, star
     """The stripes starting at `starts` of one group of (batch row, kv head) pairs, each with
     its query heads `grp.i` (q, y [B, Hkv, g, T, hs], lse [B, Hkv, g, T]; k, v [B, Hkv, 1,
     T, hs]): their y rows and log-sum-exps written."""
-    qg, kg, vg = (np.ascontiguousarray(x) for x in (_own(q, grp, scale), _own(k, grp), _own(v, grp)))
     yg, lseg = y[grp.b, grp.h, grp.i], lse[grp.b, grp.h, grp.i]
     fn = _gemm(q.dtype)
-    if fn is not None:
-        AK.group_fwd(fn, qg, kg, vg, yg, lseg, diag, np.asarray(starts, np.int64), QUERY_TILE, KEY_TILE, buf,
-                     *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
+    if fn is not None:  # the scores' GEMM applies the scale
+        qg, kg, vg = (_read(x, grp, len(starts) > 1) for x in (q, k, v))
+        AK.group_fwd(fn, qg, kg, vg, yg, lseg, q.dtype.type(scale), diag, np.asarray(starts, np.int64), QUERY_TILE,
+                     KEY_TILE, buf, *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
         return
+    qg, kg, vg = (np.ascontiguousarray(x) for x in (_own(q, grp, scale), _own(k, grp), _own(v, grp)))
     for q0 in starts:
         _stripe_fwd(qg, kg, vg, yg, lseg, diag, drop, qpos, kpos, grp, q0, buf, q.shape[2])
 
@@ -479,35 +490,40 @@ def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, 
     """The stripes starting at `starts` of one group of (batch row, kv head) pairs with their
     query heads `grp.i` (shapes as in `_group_fwd`; dk, dv [B, Hkv, 1, T, hs], or each query
     head's share [B, Hkv, g, T, hs] with GQA), in order: the group's dq and each of its query
-    heads' dk, dv summed in contiguous buffers, then added into dq (those stripes' rows) and
-    dk, dv once. `part`: one query head's part of its stripes, dk and dv [1, 1, 1, T, hs]
-    its own buffers."""
+    heads' dk, dv. The compiled loops add them straight into dq (those stripes' rows), dk and
+    dv wherever their rows of hs are contiguous (no zeroed buffers, no adds after: at T = 64
+    those were a tenth of the backward's time, `perf record`); the Python loops sum them in
+    contiguous buffers, then add those once. `part`: one query head's part of its stripes,
+    dk and dv [1, 1, 1, T, hs] its own buffers."""
     f = q.dtype.type
-    qg, kg, vg, dyg = (np.ascontiguousarray(x) for x in (_own(q, grp, scale), _own(k, grp), _own(v, grp),
-                                                          _own(dy, grp)))
+    fn = _gemm(q.dtype)
+    qg, kg, vg, dyg = (_read(x, grp, fn is None or len(starts) > 1) for x in (q, k, v, dy))
     lseg, ddg = _own(lse, grp), _own(dd, grp)
     per_head = (*qg.shape[:3], kg.shape[3])  # [nb, nh, the group's query heads, Tk]
-    dqg = np.zeros_like(qg)
-    if part:  # its own zeroed buffers: the sums go straight in
-        dkg, dvg = dk, dv
+    at = (grp.b, grp.h, grp.i)  # basic indexing: dq[at] etc. are views, and += writes through
+    if fn is not None:  # the GEMMs that read q, and dq's, apply the scale
+        outs = [dq[at]] + ([] if part else [dk[at], dv[at]])
+        bufs_g = [x if x.strides[-1] == x.itemsize else np.zeros(x.shape, x.dtype) for x in outs]
+        dqg, dkg, dvg = bufs_g[0], *((dk, dv) if part else bufs_g[1:])
+        AK.group_bwd(fn, qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, f(scale), diag, np.asarray(starts, np.int64),
+                     QUERY_TILE, KEY_TILE, *bufs, *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
+        pending = [(o, b) for o, b in zip(outs, bufs_g) if b is not o]  # rows not contiguous: summed apart
     else:
-        dkg, dvg = np.zeros((*per_head, kg.shape[4]), kg.dtype), np.zeros((*per_head, vg.shape[4]), vg.dtype)
-    fn = _gemm(q.dtype)
-    if fn is not None:
-        AK.group_bwd(fn, qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, np.asarray(starts, np.int64), QUERY_TILE,
-                     KEY_TILE, *bufs, *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
-    else:
+        dqg = np.zeros(qg.shape, qg.dtype)
+        dkg, dvg = (dk, dv) if part else (np.zeros((*per_head, kg.shape[4]), kg.dtype),
+                                          np.zeros((*per_head, vg.shape[4]), vg.dtype))
+        qg = qg * f(scale)
         for q0 in starts:
             _stripe_bwd(qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, drop, qpos, kpos, grp, q0, bufs,
                         q.shape[2])
-    dqg *= f(scale)
-    if part:  # other runs write the head's other stripes' rows of dq meanwhile
-        for q0 in starts:
-            dq[grp.b, grp.h, grp.i, q0:q0 + QUERY_TILE] += dqg[:, :, :, q0:q0 + QUERY_TILE]
-        return
-    dq[grp.b, grp.h, grp.i] += dqg
-    dk[grp.b, grp.h, grp.i] += dkg
-    dv[grp.b, grp.h, grp.i] += dvg
+        dqg *= f(scale)
+        pending = [(dq[at], dqg)] + ([] if part else [(dk[at], dkg), (dv[at], dvg)])
+    for out, buf in pending:
+        if part:  # dq alone (dk, dv are the part's own): other runs write its other stripes' rows meanwhile
+            for q0 in starts:
+                out[:, :, :, q0:q0 + QUERY_TILE] += buf[:, :, :, q0:q0 + QUERY_TILE]
+        else:
+            out += buf
 
 
 def _stripe_bwd(qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, drop, qpos, kpos, grp: _Group, q0: int,
