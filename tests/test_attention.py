@@ -204,6 +204,29 @@ def test_backward_matches_finite_differences(small_tiles, dropout):
             assert (up - loss(*args)) / (2 * eps) == pytest.approx(grad[i], rel=1e-6, abs=1e-9)
 
 
+@pytest.mark.parametrize("T", [33, 300])  # one stripe (read in place), several (copied)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gradients_into_any_views_are_the_same_bits(T, dtype):
+    """The compiled backward adds dq, dk, dv straight into gradients whose rows are
+    contiguous, and through buffers into any others (every other element of a wider array,
+    here): the same bits either way, and a second call adds to what the first left."""
+    q, k, v, dy = _inputs(2, 3, T, T, 8, dtype, seed=3)
+    scale = 1.0 / math.sqrt(8)
+    y = np.empty(q.shape, q.dtype)
+    lse = attend_fwd(q, k, v, y, scale=scale)
+    dd = row_dots(dy, y)
+    plain = [np.zeros_like(x) for x in (q, k, v)]
+    wide = [np.zeros((*x.shape[:-1], 2 * x.shape[-1]), dtype)[..., ::2] for x in (q, k, v)]
+    for grads in (plain, wide):
+        for _ in range(2):
+            attend_bwd(q, k, v, dy, lse, dd, *grads, scale=scale)
+    for a, b, name in zip(plain, wide, ("dq", "dk", "dv")):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    once = [np.zeros_like(x) for x in (q, k, v)]
+    attend_bwd(q, k, v, dy, lse, dd, *once, scale=scale)
+    np.testing.assert_allclose(plain[0], 2 * once[0], rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
+
+
 def test_strided_views_in_and_out():
     """The block passes q, k, v as views of the QKV output [B, T, 3, H, hs] and y as a view
     of [B, T, H, hs]: the same results as contiguous arrays."""

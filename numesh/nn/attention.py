@@ -490,10 +490,11 @@ def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, 
     """The stripes starting at `starts` of one group of (batch row, kv head) pairs with their
     query heads `grp.i` (shapes as in `_group_fwd`; dk, dv [B, Hkv, 1, T, hs], or each query
     head's share [B, Hkv, g, T, hs] with GQA), in order: the group's dq and each of its query
-    heads' dk, dv. The compiled loops add them straight into dq (those stripes' rows), dk and
-    dv wherever their rows of hs are contiguous (no zeroed buffers, no adds after: at T = 64
-    those were a tenth of the backward's time, `perf record`); the Python loops sum them in
-    contiguous buffers, then add those once. `part`: one query head's part of its stripes,
+    heads' dk, dv. The compiled loops' GEMMs add them straight into dq (those stripes' rows),
+    dk and dv (no zeroed buffers, no adds after: at T = 64 those were a tenth of the
+    backward's time, `perf record`), into a contiguous copy written back where a gradient's
+    rows are not contiguous, so the bits are the same either way; the Python loops sum them
+    in contiguous buffers, then add those once. `part`: one query head's part of its stripes,
     dk and dv [1, 1, 1, T, hs] its own buffers."""
     f = q.dtype.type
     fn = _gemm(q.dtype)
@@ -503,27 +504,31 @@ def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, 
     at = (grp.b, grp.h, grp.i)  # basic indexing: dq[at] etc. are views, and += writes through
     if fn is not None:  # the GEMMs that read q, and dq's, apply the scale
         outs = [dq[at]] + ([] if part else [dk[at], dv[at]])
-        bufs_g = [x if x.strides[-1] == x.itemsize else np.zeros(x.shape, x.dtype) for x in outs]
+        # the GEMMs accumulate in place: into each gradient itself where its rows are contiguous
+        # (and of q's dtype, which the GEMM writes), else into a contiguous copy written back after
+        bufs_g = [x if x.strides[-1] == x.itemsize and x.dtype == q.dtype else np.array(x, q.dtype) for x in outs]
         dqg, dkg, dvg = bufs_g[0], *((dk, dv) if part else bufs_g[1:])
         AK.group_bwd(fn, qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, f(scale), diag, np.asarray(starts, np.int64),
                      QUERY_TILE, KEY_TILE, *bufs, *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
-        pending = [(o, b) for o, b in zip(outs, bufs_g) if b is not o]  # rows not contiguous: summed apart
-    else:
-        dqg = np.zeros(qg.shape, qg.dtype)
-        dkg, dvg = (dk, dv) if part else (np.zeros((*per_head, kg.shape[4]), kg.dtype),
-                                          np.zeros((*per_head, vg.shape[4]), vg.dtype))
-        qg = qg * f(scale)
+        for out, buf in zip(outs, bufs_g):
+            if buf is not out:  # with `part`, dq alone: other runs write its other stripes' rows meanwhile
+                for rows in ([np.s_[:, :, :, q0:q0 + QUERY_TILE] for q0 in starts] if part else [np.s_[...]]):
+                    out[rows] = buf[rows]
+        return
+    dqg = np.zeros(qg.shape, qg.dtype)
+    dkg, dvg = (dk, dv) if part else (np.zeros((*per_head, kg.shape[4]), kg.dtype),
+                                      np.zeros((*per_head, vg.shape[4]), vg.dtype))
+    qg = qg * f(scale)
+    for q0 in starts:
+        _stripe_bwd(qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, drop, qpos, kpos, grp, q0, bufs, q.shape[2])
+    dqg *= f(scale)
+    if part:  # other runs write the head's other stripes' rows of dq meanwhile
         for q0 in starts:
-            _stripe_bwd(qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, drop, qpos, kpos, grp, q0, bufs,
-                        q.shape[2])
-        dqg *= f(scale)
-        pending = [(dq[at], dqg)] + ([] if part else [(dk[at], dkg), (dv[at], dvg)])
-    for out, buf in pending:
-        if part:  # dq alone (dk, dv are the part's own): other runs write its other stripes' rows meanwhile
-            for q0 in starts:
-                out[:, :, :, q0:q0 + QUERY_TILE] += buf[:, :, :, q0:q0 + QUERY_TILE]
-        else:
-            out += buf
+            dq[at][:, :, :, q0:q0 + QUERY_TILE] += dqg[:, :, :, q0:q0 + QUERY_TILE]
+        return
+    dq[at] += dqg
+    dk[at] += dkg
+    dv[at] += dvg
 
 
 def _stripe_bwd(qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, diag, drop, qpos, kpos, grp: _Group, q0: int,
