@@ -21,8 +21,6 @@ reused the other way.
 
 from __future__ import annotations
 
-import os
-
 NARROW = "prefer-256-bit"  # LLVM's x86 tuning flag that caps the vectoriser at 256 bits
 
 
@@ -37,8 +35,8 @@ def prefer_full_width() -> bool:
     now does. Call after importing numba and before compiling anything."""
     from numba.core import config, registry
 
-    if os.environ.get("NUMBA_CPU_FEATURES") or config.CPU_FEATURES is not None:
-        return False  # the user's choice
+    if config.CPU_FEATURES is not None:
+        return False  # the user's choice (numba read NUMBA_CPU_FEATURES into it at import)
     if "_toplevel_target_context" in vars(registry.cpu_target):
         return False  # numba's code generator already exists, with its features fixed
     import llvmlite.binding as llvm

@@ -361,13 +361,19 @@ def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, sc
     return lse
 
 
+def _part(x: np.ndarray, grp: _Group) -> np.ndarray:
+    """A group's rows and heads of x [B, Hkv, g or 1, ...] (its query heads `grp.i` of a
+    query-head array): a view."""
+    return x[grp.b, grp.h, grp.i if x.shape[2] > 1 else slice(None)]
+
+
 def _read(x: np.ndarray, grp: _Group, copy: bool) -> np.ndarray:
     """A group's rows and heads of x as the compiled loops read it: C-contiguous when `copy`
     (several stripes re-read each key's row, and BLAS packs contiguous rows faster, see
     `_own`), else the view itself wherever its rows of hs are contiguous (one stripe: the
     GEMMs read each row where the QKV product left it, and a copy would cost more than it
     saves; `benchmarks/bench_long_context.py --rows default:64x12`)."""
-    part = x[grp.b, grp.h, grp.i if x.shape[2] > 1 else slice(None)]
+    part = _part(x, grp)
     return np.ascontiguousarray(part) if copy or part.strides[-1] != part.itemsize else part
 
 
@@ -376,7 +382,7 @@ def _own(x: np.ndarray, grp: _Group, scale: float | None = None) -> np.ndarray:
     query-head array), C-contiguous (times `scale` if given): copied once for all its
     stripes, since BLAS packs contiguous rows faster than rows strided through the QKV
     buffer (~8 % of the tile GEMMs' time at head size 32)."""
-    part = x[grp.b, grp.h, grp.i if x.shape[2] > 1 else slice(None)]
+    part = _part(x, grp)
     return np.ascontiguousarray(part) if scale is None else part * part.dtype.type(scale)
 
 
@@ -407,7 +413,7 @@ def _group_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, grp: _Group, star
         AK.group_fwd(fn, qg, kg, vg, yg, lseg, q.dtype.type(scale), diag, np.asarray(starts, np.int64), QUERY_TILE,
                      KEY_TILE, buf, *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
         return
-    qg, kg, vg = (np.ascontiguousarray(x) for x in (_own(q, grp, scale), _own(k, grp), _own(v, grp)))
+    qg, kg, vg = _own(q, grp, scale), _own(k, grp), _own(v, grp)
     for q0 in starts:
         _stripe_fwd(qg, kg, vg, yg, lseg, diag, drop, qpos, kpos, grp, q0, buf, q.shape[2])
 
@@ -506,11 +512,11 @@ def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, 
         outs = [dq[at]] + ([] if part else [dk[at], dv[at]])
         # the GEMMs accumulate in place: into each gradient itself where its rows are contiguous
         # (and of q's dtype, which the GEMM writes), else into a contiguous copy written back after
-        bufs_g = [x if x.strides[-1] == x.itemsize and x.dtype == q.dtype else np.array(x, q.dtype) for x in outs]
-        dqg, dkg, dvg = bufs_g[0], *((dk, dv) if part else bufs_g[1:])
+        into = [x if x.strides[-1] == x.itemsize and x.dtype == q.dtype else np.array(x, q.dtype) for x in outs]
+        dqg, dkg, dvg = into[0], *((dk, dv) if part else into[1:])
         AK.group_bwd(fn, qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, f(scale), diag, np.asarray(starts, np.int64),
                      QUERY_TILE, KEY_TILE, *bufs, *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
-        for out, buf in zip(outs, bufs_g):
+        for out, buf in zip(outs, into):
             if buf is not out:  # with `part`, dq alone: other runs write its other stripes' rows meanwhile
                 for rows in ([np.s_[:, :, :, q0:q0 + QUERY_TILE] for q0 in starts] if part else [np.s_[...]]):
                     out[rows] = buf[rows]
