@@ -230,7 +230,8 @@ def print_report(rep: dict[str, Any]) -> None:
     print(f"machine: {m['cpu']}, {m['cpu_count']} cpus, ISA {' '.join(rep['isa']) or 'unknown'}; "
           f"python {m['python']}, numpy {m['numpy']}, numba {m['numba']}, torch {m['torch']}; {rep['date']}")
     for b in rep["numpy_blas"]:
-        print(f"numpy BLAS: {b['internal_api']} {b['version']}, kernel {b['architecture']}")
+        print(f"BLAS loaded: {b['internal_api']} {b['version']}, kernel {b['architecture']}")
+    print(f"numesh's GEMMs on: {m.get('gemm', '?')}")
     print(f"torch: {rep.get('torch_cpu', '(no torch measurement)')}, transformers {rep.get('transformers', '?')}")
     print(f"load avg before / after: {rep['load_before']} / {rep['load_after']}")
     print(f"\nSmolLM2-135M's block x {rep['layers']} layers (576 wide, 9 heads, 3 kv heads, SwiGLU 1536, tied, "

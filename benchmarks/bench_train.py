@@ -53,6 +53,7 @@ from common import (  # noqa: E402
     blas_info,
     dataset_dir,
     log,
+    machine,
     monitor_fields,
     timed_steps,
     torch_training,
@@ -200,6 +201,7 @@ def env_info(threads: int) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "blas": blas_info(),
+        "gemm": machine()["gemm"],
     }
 
 
@@ -226,7 +228,8 @@ def print_table(report: dict[str, Any]) -> None:
           f"threads={e['threads']} (cpus {e['cpu_count']}), load avg before/after "
           f"{report['load_before']} / {report['load_after']}")
     for b in e["blas"]:
-        print(f"numpy BLAS: {b['internal_api']} {b['version']} {b['architecture']} num_threads={b['num_threads']}")
+        print(f"BLAS loaded: {b['internal_api']} {b['version']} {b['architecture']} num_threads={b['num_threads']}")
+    print(f"numesh's GEMMs on: {e.get('gemm', '?')}")
     if "torch_blas" in report:
         print(f"torch: {report['torch_blas']}")
     print()

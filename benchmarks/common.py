@@ -355,13 +355,15 @@ def cpu_isa() -> str:
 
 
 def blas_info() -> list[dict[str, Any]]:
-    """numpy's BLAS libraries as threadpoolctl reports them (empty without threadpoolctl)."""
+    """The loaded BLAS libraries as threadpoolctl reports them, numpy's own first (empty
+    without threadpoolctl)."""
     try:
         from threadpoolctl import threadpool_info
     except ImportError:
         return []
     keep = ("internal_api", "version", "num_threads", "threading_layer", "architecture", "filepath")
-    return [{k: d.get(k) for k in keep} for d in threadpool_info() if d.get("user_api") == "blas"]
+    libs = [{k: d.get(k) for k in keep} for d in threadpool_info() if d.get("user_api") == "blas"]
+    return sorted(libs, key=lambda d: "numpy" not in (d["filepath"] or ""))  # numpy's own first (MKL may load before)
 
 
 def blas_kernel() -> str:
@@ -396,12 +398,16 @@ def machine() -> dict[str, Any]:
             versions[mod] = __import__(mod).__version__
         except ImportError:
             versions[mod] = None
-    return {"cpu": cpu, "isa": cpu_isa(), "blas": blas_kernel(), "svml": svml(), "cpu_count": os.cpu_count(),
+    from numesh.host import blas
+
+    return {"cpu": cpu, "isa": cpu_isa(), "blas": blas_kernel(), "gemm": blas.describe(), "svml": svml(),
+            "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "loadavg": [round(x, 2) for x in os.getloadavg()], **versions}
 
 
 def describe(m: dict[str, Any]) -> str:
     """One line for a report's head: CPU, ISA, BLAS kernel, versions and load."""
-    return (f"{m['cpu']}, {m['isa']}, {m['cpu_count']} cpus; BLAS {m['blas']}; numba {m['numba']} "
+    return (f"{m['cpu']}, {m['isa']}, {m['cpu_count']} cpus; BLAS {m['blas']}, numesh's GEMMs on "
+            f"{m.get('gemm', '?')}; numba {m['numba']} "
             f"(SVML {'on' if m['svml'] else 'off'}), numpy {m['numpy']}, torch {m['torch'] or '(not installed)'}, "
             f"python {m['python']}; load avg {m['loadavg']}")

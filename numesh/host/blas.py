@@ -13,18 +13,30 @@ and keeps them only if a probe multiply gives `np.matmul`'s bits, so results do 
 depend on which path runs. Where they are missing (a NumPy built on MKL, Accelerate or a
 32-bit-integer BLAS) it returns None and callers keep their NumPy loops. The address goes
 into compiled code as an argument (`gemm`), not a global, so the kernels stay cacheable.
+
+Where pip's `mkl` is installed (`numesh[mkl]`) and the CPU is Intel's, numesh's own GEMMs
+(the matmul tiles of numesh.host.threads and the attention's stripe loops) run on MKL
+instead (numesh.host.mkl), which is faster there (benchmarks/bench_long_context.py
+`--sections gemm`). NUMESH_BLAS picks: `numpy` (numpy's BLAS), `mkl` (MKL on any CPU; an
+error if it is missing), unset or empty (the default just said). Other products
+(`x @ y` elsewhere, the NumPy references) stay on numpy's BLAS, and so does everything
+when the kernels are off (NUMESH_KERNELS=numpy). `name()` says which one runs; a step
+has the same bits on any thread count with either.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import numpy as np
 
-from numesh.host.kernels import HAVE_NUMBA, njit
+from numesh.host import mkl
+from numesh.host.kernels import HAVE_NUMBA, enabled, njit
 
 NO_TRANS, TRANS = 111, 112  # CBLAS's CblasNoTrans, CblasTrans
+MODES = ("numpy", "mkl")  # NUMESH_BLAS; unset or empty: mkl where installed on an Intel CPU, else numpy
 _SYMBOLS = (("scipy_cblas_sgemm64_", "scipy_cblas_dgemm64_"), ("cblas_sgemm64_", "cblas_dgemm64_"))
 
 if HAVE_NUMBA:
@@ -89,12 +101,95 @@ def _agrees(fn: int, dtype: type) -> bool:
     return True
 
 
+def _mode() -> str:
+    return os.environ.get("NUMESH_BLAS", "").strip().lower()
+
+
+def check_mode() -> None:
+    """A NUMESH_BLAS this module does not know, or `mkl` without MKL, is a one-line error
+    (a ConfigError) at a command's start-up."""
+    mode = _mode()
+    if mode not in MODES and mode != "":
+        from numesh.base.errors import ConfigError
+
+        raise ConfigError(f"NUMESH_BLAS={os.environ.get('NUMESH_BLAS', '')!r} is not one of {', '.join(MODES)} "
+                          "(or unset/empty for MKL where installed on an Intel CPU, else numpy)")
+    if mode == "mkl" and mkl.gemms() is None:
+        from numesh.base.errors import ConfigError
+
+        raise ConfigError("NUMESH_BLAS=mkl, but no MKL was found: pip install 'numesh[mkl]' (Linux x86-64), "
+                          "or unset NUMESH_BLAS")
+
+
+def _intel() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        return False
+
+
 @functools.cache
-def gemm_addresses() -> tuple[int, int] | None:
-    """(sgemm, dgemm) addresses of numpy's BLAS for `gemm`, or None where there are none
-    that give np.matmul's bits (or no numba)."""
-    if not HAVE_NUMBA:
-        return None
+def _choice() -> str:
+    mode = _mode()
+    wanted = mode == "mkl" or (mode not in MODES and _intel())  # MKL measured faster on Intel only
+    return "mkl" if wanted and mkl.gemms() is not None else "numpy"
+
+
+def name() -> str:
+    """The BLAS numesh's own GEMMs run on now: "mkl" or "numpy" (see the module's text)."""
+    return _choice() if enabled() else "numpy"
+
+
+def describe() -> str:
+    """Which BLAS numesh's GEMMs run on, for run headers and benchmarks: "MKL 2026.2" or
+    "numpy's BLAS"."""
+    if name() == "mkl":
+        return f"MKL {mkl.version()}"
+    return "numpy's BLAS"
+
+
+@functools.cache
+def _mkl_calls() -> tuple:
+    """ctypes callables of MKL's sgemm and dgemm (ctypes releases the GIL during the call)."""
+    calls = []
+    for fn, real in zip(mkl.gemms(), (ctypes.c_float, ctypes.c_double)):
+        i32, i64, p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+        proto = ctypes.CFUNCTYPE(None, i32, i32, i32, i64, i64, i64, real, p, i64, p, i64, real, p, i64)
+        calls.append(proto(fn))
+    return tuple(calls)
+
+
+def _layout(x: np.ndarray) -> tuple[int, int] | None:
+    """(CBLAS transpose flag, leading dimension) of a 2-D view BLAS can read in place, or None."""
+    item = x.itemsize
+    s0, s1 = x.strides
+    if s1 == item and s0 % item == 0 and s0 >= max(1, x.shape[1]) * item:
+        return NO_TRANS, s0 // item
+    if s0 == item and s1 % item == 0 and s1 >= max(1, x.shape[0]) * item:
+        return TRANS, s1 // item
+    return None
+
+
+def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out[...] = a @ b (2-D) on the BLAS `name()` picks: MKL's GEMM called in place on the
+    views, else (or for a layout or dtype it cannot take) np.matmul."""
+    dt = out.dtype
+    if (name() == "mkl" and a.dtype == b.dtype == dt and dt in (np.float32, np.float64) and min(out.shape) > 0
+            and a.shape[1] > 0):
+        la, lb, lc = _layout(a), _layout(b), _layout(out)
+        if la is not None and lb is not None and lc is not None and lc[0] == NO_TRANS:
+            call = _mkl_calls()[dt == np.float64]
+            m, k = a.shape
+            call(101, la[0], lb[0], m, out.shape[1], k, 1.0, a.ctypes.data, la[1], b.ctypes.data, lb[1], 0.0,
+                 out.ctypes.data, lc[1])  # 101: CblasRowMajor
+            return
+    np.matmul(a, b, out=out)
+
+
+@functools.cache
+def _numpy_gemms() -> tuple[int, int] | None:
+    """(sgemm, dgemm) of numpy's own BLAS, where they give np.matmul's bits."""
     for path in _libraries():
         try:
             lib = ctypes.CDLL(path)
@@ -108,3 +203,11 @@ def gemm_addresses() -> tuple[int, int] | None:
             if _agrees(fns[0], np.float32) and _agrees(fns[1], np.float64):
                 return fns  # type: ignore[return-value]
     return None
+
+
+def gemm_addresses() -> tuple[int, int] | None:
+    """(sgemm, dgemm) addresses for `gemm` in compiled code: MKL's where `name()` is mkl,
+    else numpy's BLAS's where they give np.matmul's bits; None without numba."""
+    if not HAVE_NUMBA:
+        return None
+    return mkl.gemms() if name() == "mkl" else _numpy_gemms()

@@ -23,6 +23,8 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 from numesh.base.errors import ConfigError, Interrupted, abort_job
 from numesh.base.files import os_reason, write_atomic
+from numesh.host.blas import describe as describe_gemm
+from numesh.host.blas import matmul_into
 from numesh.host.threads import over_batch, set_cores, set_threads
 
 T = TypeVar("T")
@@ -130,10 +132,12 @@ def keep_freed_memory() -> bool:
 
 def configure_process(threads: int | None = None, comm: MPI.Comm | None = None) -> int:
     """Per-rank set-up before heavy work: BLAS threads and allocator reuse. Returns the threads.
-    A bad NUMESH_KERNELS or thread variable in the environment is a ConfigError here."""
-    from numesh.host.kernels import check_mode  # here, not at the top: numba loads with it
+    A bad NUMESH_KERNELS, NUMESH_BLAS or thread variable in the environment is a ConfigError here."""
+    from numesh.host import blas  # here, not at the top: numba loads with it
+    from numesh.host.kernels import check_mode
 
     check_mode()
+    blas.check_mode()
     keep_freed_memory()
     return set_blas_threads(threads, comm)
 
@@ -148,7 +152,7 @@ def gemm_flops(m: int, k: int, n: int, dtype=np.float32, repeats: int = 5, split
     out = np.empty((m, n), dtype)
 
     def rows(r: slice) -> None:
-        np.matmul(a[r], b, out=out[r])
+        matmul_into(a[r], b, out[r])  # the BLAS numesh's own GEMMs run on
 
     def once() -> None:
         if split:
@@ -195,8 +199,13 @@ def _cpu_model() -> str:
 def machine_key(dtype) -> str:
     """What a cached peak belongs to: the CPU, the BLAS library and the kernels it runs
     (OPENBLAS_CORETYPE changes them), and the dtype."""
-    blas = [i for i in threadpool_info() if i["user_api"] == "blas"]
+    from numesh.host import blas as gemms
+    from numesh.host import mkl
+
+    blas = sorted((i for i in threadpool_info() if i["user_api"] == "blas"), key=lambda i: "numpy" not in i["filepath"])
     lib = f"{blas[0]['internal_api']} {blas[0]['version']} {blas[0].get('architecture')}" if blas else "no BLAS"
+    if gemms.name() == "mkl":  # the peak is numesh's GEMM's (gemm_flops)
+        lib = mkl.version()
     return f"{_cpu_model()} | {platform.machine()} | {lib} | {np.dtype(dtype).name}"
 
 
@@ -245,7 +254,7 @@ def job_peak_flops(comm: MPI.Comm, n_threads: int, dtype=np.float32) -> tuple[fl
     total = comm.allreduce(used * per_core if leader else 0.0)
     cores, hosts = comm.allreduce(used if leader else 0), comm.allreduce(int(leader))
     return total, (f"{cores} core(s) on {hosts} host(s) x one core's {np.dtype(dtype).name} matmul peak "
-                   f"{per_core / 1e9:.1f} GFLOP/s, {source}")
+                   f"{per_core / 1e9:.1f} GFLOP/s on {describe_gemm()}, {source}")
 
 
 def rank_ranges(ranks: list[int]) -> str:

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 import numpy as np
 
 from numesh.base.tree import tree_map
+from numesh.host.blas import matmul_into
 from numesh.host.spin import Counter, warm
 
 T = TypeVar("T")
@@ -324,11 +325,12 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     parts = ([(r, slice(None)) for r in rows] if len(rows) > 1
              else [(slice(None), c) for c in tiles(n, TILE_COLS, _cores)])
     if len(parts) == 1:
-        return np.matmul(a, b, out=out)
+        matmul_into(a, b, out)
+        return out
 
     def tile(i: int) -> None:
         r, c = parts[i]
-        np.matmul(a[r], b[:, c], out=out[r, c])
+        matmul_into(a[r], b[:, c], out[r, c])
 
     over_tiles(tile, len(parts), int(2.0 * m * k * n // MIN_CHUNK_FLOPS))
     return out
