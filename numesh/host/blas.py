@@ -16,12 +16,12 @@ into compiled code as an argument (`gemm`), not a global, so the kernels stay ca
 
 Where pip's `mkl` is installed (`numesh[mkl]`) and the CPU is Intel's, numesh's own GEMMs
 (the matmul tiles of numesh.host.threads and the attention's stripe loops) run on MKL
-instead (numesh.host.mkl), which is faster there (benchmarks/bench_long_context.py
-`--sections gemm`). NUMESH_BLAS picks: `numpy` (numpy's BLAS), `mkl` (MKL on any CPU; an
-error if it is missing), unset or empty (the default just said). Other products
-(`x @ y` elsewhere, the NumPy references) stay on numpy's BLAS, and so does everything
-when the kernels are off (NUMESH_KERNELS=numpy). `name()` says which one runs; a step
-has the same bits on any thread count with either.
+instead (numesh.host.mkl), which is faster there (benchmarks/bench_gemm.py). NUMESH_BLAS
+picks: `numpy` (numpy's BLAS), `mkl` (MKL on any CPU; an error if it is missing), unset or
+empty (the default just said). Other products (`x @ y` elsewhere, the NumPy references)
+stay on numpy's BLAS, and so does everything when the kernels are off
+(NUMESH_KERNELS=numpy). `name()` says which one runs; a step has the same bits on any
+thread count with either.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Intel MKL's GEMM, when pip's `mkl` is installed (`pip install 'numesh[mkl]'`).
 
 numpy's wheels bring OpenBLAS; on Intel's AVX-512 server cores MKL runs numesh's GEMM
-shapes faster (benchmarks/bench_long_context.py `--sections gemm` prints both on the
-machine it runs on), and MKL is what PyTorch multiplies with there. `library()` loads
+shapes faster (benchmarks/bench_gemm.py prints both, and torch's, on the machine it runs
+on), and MKL is what PyTorch multiplies with there. `library()` loads
 pip's `libmkl_rt` and sets it up for numesh before anything else can call it:
 
 - the sequential threading layer: numesh runs its own threads and gives each GEMM tile

@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""numesh's GEMM shapes on each BLAS it can use, beside PyTorch's: one thread, float32.
+
+    python benchmarks/bench_gemm.py                 # 5 rounds
+    python benchmarks/bench_gemm.py --rounds 9
+
+A training step's GEMMs are one-thread calls on fixed tiles (numesh.host.threads) and the
+attention's stripe GEMMs (numesh.host.attention_kernels). This times those shapes with
+numpy's own BLAS (`np.matmul`, OpenBLAS in pip's wheels), with MKL as numesh calls it
+(`numesh.host.blas.matmul_into` under NUMESH_BLAS=mkl: pip's `mkl`, `numesh[mkl]`) and with
+`torch.mm` (MKL or oneDNN inside torch), interleaved round by round in this process, and
+prints each one's median GFLOP/s and MKL's and torch's speed over numpy's. What
+numesh.host.blas's default (MKL on Intel CPUs where installed) rests on. A side that is
+not installed is "—". This is a benchmark: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+os.environ["NUMESH_BLAS"] = "mkl" if os.environ.get("NUMESH_BLAS", "") == "" else os.environ["NUMESH_BLAS"]
+
+import numpy as np  # noqa: E402
+from threadpoolctl import threadpool_limits  # noqa: E402
+
+from common import describe, machine  # noqa: E402
+
+# (what, m, k, n, layout): C[m, n] = op(A)[m, k] · op(B)[k, n]; T marks a transposed operand
+SHAPES = [
+    ("default 64x12: qkv, a thread's 384 rows", 384, 128, 384, "NN"),
+    ("default 64x12: mlp fc", 384, 128, 512, "NN"),
+    ("default 64x12: mlp proj", 384, 512, 128, "NN"),
+    ("default 64x12: fc's dx = dy·Wᵀ", 384, 512, 128, "NT"),
+    ("default 64x12: fc's dW = xᵀ·dy", 128, 384, 512, "TN"),
+    ("default 2048x1: fc, a 256-row tile", 256, 128, 512, "NN"),
+    ("smollm2: mlp up, a 256-row tile", 256, 576, 1536, "NN"),
+    ("smollm2: mlp down's dx", 256, 1536, 576, "NT"),
+    ("smollm2: mlp up's dW, 512 rows", 576, 512, 1536, "TN"),
+    ("attention hs64: S = K·Qᵀ", 2048, 64, 128, "NT"),
+    ("attention hs64: Y = Sᵀ·V", 128, 2048, 64, "TN"),
+    ("attention hs32: S = K·Qᵀ", 2048, 32, 128, "NT"),
+]
+
+
+def operands(m: int, k: int, n: int, layout: str, rng) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    a = rng.standard_normal((k, m)).astype(np.float32).T if layout[0] == "T" else \
+        rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k)).astype(np.float32).T if layout[1] == "T" else \
+        rng.standard_normal((k, n)).astype(np.float32)
+    return a, b, np.empty((m, n), np.float32)
+
+
+def per_call(fn: Callable[[], object], seconds: float) -> float:
+    """Mean seconds a call over at least `seconds` of calls, after one untimed."""
+    fn()
+    t0, count = time.perf_counter(), 0
+    while True:
+        fn()
+        count += 1
+        dt = time.perf_counter() - t0
+        if dt >= seconds:
+            return dt / count
+
+
+def sides(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> dict[str, Callable[[], object] | None]:
+    from numesh.host import blas
+
+    out: dict[str, Callable[[], object] | None] = {"numpy": lambda: np.matmul(a, b, out=c)}
+    out["mkl"] = (lambda: blas.matmul_into(a, b, c)) if blas.name() == "mkl" else None
+    try:
+        import torch
+    except ImportError:
+        out["torch"] = None
+    else:
+        ta, tb, tc = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(c)
+        out["torch"] = lambda: torch.mm(ta, tb, out=tc)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    ap.add_argument("--seconds", type=float, default=0.1, help="seconds of calls a measurement (default 0.1)")
+    args = ap.parse_args(argv)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    from numesh.host import blas
+
+    print(f"machine: {describe(machine())}")
+    if blas.name() != "mkl":
+        print("MKL: not installed here (pip install 'numesh[mkl]'), so only numpy's BLAS and torch")
+    print(f"one thread, float32, median GFLOP/s of {args.rounds} interleaved rounds\n")
+    print("| GEMM | m × k × n | numpy's BLAS | MKL (numesh) | torch.mm | MKL / numpy | torch / numpy |")
+    print("|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    with threadpool_limits(limits=1, user_api="blas"):
+        for what, m, k, n, layout in SHAPES:
+            fns = sides(*operands(m, k, n, layout, rng))
+            rates: dict[str, list[float]] = {s: [] for s, f in fns.items() if f is not None}
+            for _ in range(args.rounds):
+                for s in rates:
+                    rates[s].append(2.0 * m * k * n / per_call(fns[s], args.seconds) / 1e9)
+            med = {s: statistics.median(r) for s, r in rates.items()}
+            cell = [f"{med[s]:.1f}" if s in med else "—" for s in ("numpy", "mkl", "torch")]
+            ratio = [f"{med[s] / med['numpy']:.2f}×" if s in med else "—" for s in ("mkl", "torch")]
+            print(f"| {what} ({layout}) | {m} × {k} × {n} | {' | '.join(cell)} | {' | '.join(ratio)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
