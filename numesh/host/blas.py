@@ -131,6 +131,8 @@ def _intel() -> bool:
 
 @functools.cache
 def _choice() -> str:
+    """Decided once (mkl.library() loads MKL under its lock, so threads that ask at once
+    agree); the tests clear the cache to decide again."""
     mode = _mode()
     wanted = mode == "mkl" or (mode not in MODES and _intel())  # MKL measured faster on Intel only
     return "mkl" if wanted and mkl.gemms() is not None else "numpy"

@@ -24,6 +24,7 @@ import glob
 import os
 import re
 import sys
+import threading
 
 _SEQUENTIAL = 1  # MKL_THREADING_SEQUENTIAL
 _CBWR_AUTO_STRICT = 2 | 0x10000  # MKL_CBWR_AUTO | MKL_CBWR_STRICT
@@ -41,10 +42,20 @@ def _candidates() -> list[str]:
     return paths + ([found] if found else [])
 
 
-@functools.cache
+_LOCK = threading.Lock()
+
+
 def library() -> ctypes.CDLL | None:
     """pip's libmkl_rt, sequential and strictly reproducible, or None where it is missing
-    or will not take those settings (an MKL too old for STRICT)."""
+    or will not take those settings (an MKL too old for STRICT). Loaded once, under a lock:
+    the first GEMM may come from two threads at once, and MKL takes its settings only
+    before its first computation."""
+    with _LOCK:
+        return _load()
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
     for path in _candidates():
         try:
             lib = ctypes.CDLL(path)

@@ -138,6 +138,7 @@ def configure_process(threads: int | None = None, comm: MPI.Comm | None = None) 
 
     check_mode()
     blas.check_mode()
+    blas.name()  # MKL, where it is the choice, loads now, before the threads ask for it
     keep_freed_memory()
     return set_blas_threads(threads, comm)
 
