@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """numesh's GEMM shapes on each BLAS it can use, beside PyTorch's: one thread, float32.
 
-    python benchmarks/bench_gemm.py                 # 5 rounds
+    python benchmarks/bench_gemm.py                 # the GEMMs, 5 rounds
     python benchmarks/bench_gemm.py --rounds 9
+    python benchmarks/bench_gemm.py --steps default:64x12,default:2048x1,smollm2-4:512x4 --pairs 20
 
 A training step's GEMMs are one-thread calls on fixed tiles (numesh.host.threads) and the
 attention's stripe GEMMs (numesh.host.attention_kernels). This times those shapes with
@@ -11,7 +12,14 @@ numpy's own BLAS (`np.matmul`, OpenBLAS in pip's wheels), with MKL as numesh cal
 `torch.mm` (MKL or oneDNN inside torch), interleaved round by round in this process, and
 prints each one's median GFLOP/s and MKL's and torch's speed over numpy's. What
 numesh.host.blas's default (MKL on Intel CPUs where installed) rests on. A side that is
-not installed is "—". This is a benchmark: it asserts nothing.
+not installed is "—".
+
+`--steps` times whole training steps instead (2 threads, float32, one process per row): the
+steps alternate between numpy's BLAS and MKL (`numesh.host.blas.using`), in ABBA order,
+and the report is the median of each pair's ratio. A host whose speed drifts by tens of
+percent over seconds (a busy cloud VM, where fresh-process rounds disagree) slows both
+sides of a pair alike, so this ratio holds where separate runs do not. This is a
+benchmark: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -86,12 +94,70 @@ def sides(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> dict[str, Callable[[],
     return out
 
 
+def steps_row(spec: str, pairs: int, data: str) -> str:
+    """One table row: the model `spec` ("preset:TxB") trained for `pairs` pairs of steps."""
+    from bench_train import make_trainer, preset_config
+    from numesh.host import blas
+
+    preset, shape = spec.split(":")
+    T, B = (int(x) for x in shape.split("x"))
+    trainer = make_trainer(preset_config(preset, B, T), data, "float32")
+    times: dict[str, list[float]] = {"numpy": [], "mkl": []}
+    for i in range(pairs + 2):  # the first two pairs warm up
+        for side in (("numpy", "mkl") if i % 2 == 0 else ("mkl", "numpy")):
+            with blas.using(side):
+                t0 = time.perf_counter()
+                trainer.train_step()
+                if i >= 2:
+                    times[side].append(time.perf_counter() - t0)
+    ratios = [a / b for a, b in zip(times["numpy"], times["mkl"])]
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return (f"| {preset} | {T} × {B} | {statistics.median(times['numpy']) * 1e3:.1f} | "
+            f"{statistics.median(times['mkl']) * 1e3:.1f} | **{statistics.median(ratios):.3f}×** "
+            f"({q[0]:.3f}–{q[2]:.3f}) | {pairs} |")
+
+
+def steps_section(rows: str, pairs: int, data: str | None) -> None:
+    import subprocess
+
+    from common import DEFAULT_SRC, dataset_dir, log
+    from numesh.host import blas
+
+    if blas.name() != "mkl":
+        raise SystemExit("--steps compares numpy's BLAS with MKL: pip install 'numesh[mkl]' first")
+    print("training steps, 2 threads, float32, numpy's BLAS and MKL alternating step by step in one process "
+          "per row\n")
+    print("| model | T × B | numpy's BLAS ms | MKL ms | MKL / numpy speed, median of pairs (quartiles) | pairs |")
+    print("|---|---|---|---|---|---|")
+    with dataset_dir(data, DEFAULT_SRC, log=log) as d:
+        for spec in rows.split(","):
+            res = subprocess.run([sys.executable, __file__, "--steps-worker", spec, "--pairs", str(pairs),
+                                  "--data", str(d)], capture_output=True, text=True)
+            print(res.stdout.strip() if res.returncode == 0 else f"| {spec} | failed: {res.stderr.strip()[-300:]} |",
+                  flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--seconds", type=float, default=0.1, help="seconds of calls a measurement (default 0.1)")
+    ap.add_argument("--steps", default=None, help="preset:TxB,... : time training steps instead (see above)")
+    ap.add_argument("--pairs", type=int, default=20, help="--steps: pairs of steps a row (default 20)")
+    ap.add_argument("--data", default=None, help="--steps: dataset dir from `numesh data` (default: a temporary one)")
+    ap.add_argument("--steps-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.steps_worker:
+        from numesh.host.runtime import keep_freed_memory, set_blas_threads
+
+        set_blas_threads(2)
+        keep_freed_memory()
+        print(steps_row(args.steps_worker, args.pairs, args.data))
+        return 0
+    if args.steps:
+        print(f"machine: {describe(machine())}")
+        steps_section(args.steps, args.pairs, args.data)
+        return 0
     try:
         import torch
 

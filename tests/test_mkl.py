@@ -151,3 +151,18 @@ def test_mkl_gives_the_same_bits_wherever_the_arrays_lie(choose, dtype):
         blas.matmul_into(a, b, out)
         results.append(out.copy())
     assert all(np.array_equal(results[0], r) for r in results[1:])
+
+
+def test_using_switches_the_blas_for_a_block_and_refuses_one_it_lacks(choose, monkeypatch):
+    choose("numpy")
+    if mkl.gemms() is not None and K.HAVE_NUMBA:
+        with blas.using("mkl"):
+            assert blas.name() == "mkl"
+        assert blas.name() == "numpy"
+    monkeypatch.setattr(mkl, "gemms", lambda: None)
+    with pytest.raises(ValueError, match="no 'mkl' BLAS here"):
+        with blas.using("mkl"):
+            pass
+    with pytest.raises(ValueError, match="no 'openblas' BLAS here"):
+        with blas.using("openblas"):
+            pass

@@ -26,9 +26,11 @@ thread count with either.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
+from typing import Iterator
 
 import numpy as np
 
@@ -138,9 +140,26 @@ def _choice() -> str:
     return "mkl" if wanted and mkl.gemms() is not None else "numpy"
 
 
+_forced: str | None = None  # `using`'s choice, else None
+
+
 def name() -> str:
     """The BLAS numesh's own GEMMs run on now: "mkl" or "numpy" (see the module's text)."""
-    return _choice() if enabled() else "numpy"
+    return (_forced or _choice()) if enabled() else "numpy"
+
+
+@contextlib.contextmanager
+def using(choice: str) -> Iterator[None]:
+    """numesh's GEMMs on `choice` ("numpy" or "mkl") inside the block, whatever NUMESH_BLAS
+    says: how benchmarks/bench_gemm.py alternates them step by step in one process."""
+    global _forced
+    if choice not in MODES or (choice == "mkl" and mkl.gemms() is None):
+        raise ValueError(f"no {choice!r} BLAS here: one of {', '.join(MODES)} (mkl needs pip install 'numesh[mkl]')")
+    saved, _forced = _forced, choice
+    try:
+        yield
+    finally:
+        _forced = saved
 
 
 def describe() -> str:
