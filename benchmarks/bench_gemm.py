@@ -14,17 +14,21 @@ prints each one's median GFLOP/s and MKL's and torch's speed over numpy's. What
 numesh.host.blas's default (MKL on Intel CPUs where installed) rests on. A side that is
 not installed is "—".
 
-`--steps` times whole training steps instead (2 threads, float32, one process per row): the
-steps alternate between numpy's BLAS and MKL (`numesh.host.blas.using`), in ABBA order,
-and the report is the median of each pair's ratio. A host whose speed drifts by tens of
-percent over seconds (a busy cloud VM, where fresh-process rounds disagree) slows both
-sides of a pair alike, so this ratio holds where separate runs do not. This is a
+`--steps` times whole training steps instead (2 threads, float32, one process per row):
+numesh on numpy's BLAS, numesh on MKL (`numesh.host.blas.using`) and, for the nanoGPT
+presets, PyTorch eager (SDPA, AdamW, the same batches: bench_train.torch_trainer) take
+steps in turn, in a rotating order, and the report is the median over the rounds of each
+round's ratio. A host whose speed drifts by tens of percent over seconds (a busy cloud VM,
+where fresh-process rounds disagree) slows the steps of one round alike, so these ratios
+hold where separate runs do not; peak memory needs separate processes
+(bench_long_context.py). This is a
 benchmark: it asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -94,27 +98,64 @@ def sides(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> dict[str, Callable[[],
     return out
 
 
+def _torch_step(preset: str, T: int, B: int, data: str) -> Callable[[int], None] | None:
+    """nanoGPT's step in PyTorch eager (SDPA, AdamW, numesh's batches: bench_train.torch_trainer)
+    on 2 threads, for the nanoGPT presets where torch is installed; else None."""
+    from bench_train import preset_config, torch_trainer
+    from common import PRESETS
+
+    if preset not in PRESETS:
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    from numesh.data.dataset import load_split
+    from numesh.run.config import config_from
+
+    torch.set_num_threads(2)
+    tc = config_from({**preset_config(preset, B, T), "data": data, "dtype": "float32", "seed": 1337, "dropout": 0.0,
+                      "bias": False})
+    vocab = json.loads((Path(data) / "meta.json").read_text())["vocab_size"]
+    return torch_trainer(torch, tc, vocab, load_split(data, "train"), "sdpa", "default")[2]
+
+
 def steps_row(spec: str, pairs: int, data: str) -> str:
-    """One table row: the model `spec` ("preset:TxB") trained for `pairs` pairs of steps."""
+    """One table row: the model `spec` ("preset:TxB") trained for `pairs` rounds of steps, the
+    sides in a rotating order, a pause between steps so that no side's waiting threads
+    still spin into the next (numesh's spin up to 10 ms, numesh.host.spin)."""
     from bench_train import make_trainer, preset_config
     from numesh.host import blas
 
     preset, shape = spec.split(":")
     T, B = (int(x) for x in shape.split("x"))
     trainer = make_trainer(preset_config(preset, B, T), data, "float32")
-    times: dict[str, list[float]] = {"numpy": [], "mkl": []}
-    for i in range(pairs + 2):  # the first two pairs warm up
-        for side in (("numpy", "mkl") if i % 2 == 0 else ("mkl", "numpy")):
-            with blas.using(side):
+    steps: dict[str, Callable[[int], object]] = {"numpy": lambda i: trainer.train_step(),
+                                                 "mkl": lambda i: trainer.train_step()}
+    torch_step = _torch_step(preset, T, B, data)
+    if torch_step is not None:
+        steps["torch"] = torch_step
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(pairs + 2):  # the first two rounds warm up
+        for side in names[i % len(names):] + names[:i % len(names)]:
+            time.sleep(0.03)
+            with blas.using("numpy" if side == "torch" else side):
                 t0 = time.perf_counter()
-                trainer.train_step()
+                steps[side](i)
                 if i >= 2:
                     times[side].append(time.perf_counter() - t0)
-    ratios = [a / b for a, b in zip(times["numpy"], times["mkl"])]
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-    return (f"| {preset} | {T} × {B} | {statistics.median(times['numpy']) * 1e3:.1f} | "
-            f"{statistics.median(times['mkl']) * 1e3:.1f} | **{statistics.median(ratios):.3f}×** "
-            f"({q[0]:.3f}–{q[2]:.3f}) | {pairs} |")
+    med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+
+    def paired(a: str, b: str) -> str:
+        r = [x / y for x, y in zip(times[a], times[b])]
+        q = statistics.quantiles(r, n=4) if len(r) > 1 else r * 3
+        return f"**{statistics.median(r):.3f}×** ({q[0]:.3f}–{q[2]:.3f})"
+
+    versus = (f"{med['torch']:.1f} | {paired('torch', 'numpy')} | {paired('torch', 'mkl')}" if "torch" in med
+              else "— | — | —")
+    return (f"| {preset} | {T} × {B} | {med['numpy']:.1f} | {med['mkl']:.1f} | {paired('numpy', 'mkl')} | {versus} "
+            f"| {pairs} |")
 
 
 def steps_section(rows: str, pairs: int, data: str | None) -> None:
@@ -125,10 +166,12 @@ def steps_section(rows: str, pairs: int, data: str | None) -> None:
 
     if blas.name() != "mkl":
         raise SystemExit("--steps compares numpy's BLAS with MKL: pip install 'numesh[mkl]' first")
-    print("training steps, 2 threads, float32, numpy's BLAS and MKL alternating step by step in one process "
-          "per row\n")
-    print("| model | T × B | numpy's BLAS ms | MKL ms | MKL / numpy speed, median of pairs (quartiles) | pairs |")
-    print("|---|---|---|---|---|---|")
+    print("training steps, 2 threads, float32: numesh on numpy's BLAS, numesh on MKL and (nanoGPT presets) "
+          "PyTorch eager, in turn step by step in one process per row; speed ratios are medians over the rounds "
+          "(quartiles)\n")
+    print("| model | T × B | numesh, numpy's BLAS ms | numesh, MKL ms | MKL / numpy's BLAS | torch ms "
+          "| numesh (numpy's BLAS) / torch | numesh (MKL) / torch | rounds |")
+    print("|---|---|---|---|---|---|---|---|---|")
     with dataset_dir(data, DEFAULT_SRC, log=log) as d:
         for spec in rows.split(","):
             res = subprocess.run([sys.executable, __file__, "--steps-worker", spec, "--pairs", str(pairs),

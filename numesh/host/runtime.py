@@ -206,7 +206,7 @@ def machine_key(dtype) -> str:
     blas = sorted((i for i in threadpool_info() if i["user_api"] == "blas"), key=lambda i: "numpy" not in i["filepath"])
     lib = f"{blas[0]['internal_api']} {blas[0]['version']} {blas[0].get('architecture')}" if blas else "no BLAS"
     if gemms.name() == "mkl":  # the peak is numesh's GEMM's (gemm_flops)
-        lib = mkl.version()
+        lib = f"MKL {mkl.version()}"
     return f"{_cpu_model()} | {platform.machine()} | {lib} | {np.dtype(dtype).name}"
 
 
