@@ -355,15 +355,11 @@ def cpu_isa() -> str:
 
 
 def blas_info() -> list[dict[str, Any]]:
-    """The loaded BLAS libraries as threadpoolctl reports them, numpy's own first (empty
-    without threadpoolctl)."""
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return []
+    """The loaded BLAS libraries as threadpoolctl reports them, numpy's own first."""
+    from numesh.host.blas import loaded_libraries
+
     keep = ("internal_api", "version", "num_threads", "threading_layer", "architecture", "filepath")
-    libs = [{k: d.get(k) for k in keep} for d in threadpool_info() if d.get("user_api") == "blas"]
-    return sorted(libs, key=lambda d: "numpy" not in (d["filepath"] or ""))  # numpy's own first (MKL may load before)
+    return [{k: d.get(k) for k in keep} for d in loaded_libraries()]
 
 
 def blas_kernel() -> str:

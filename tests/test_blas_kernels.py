@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from threadpoolctl import threadpool_info
+
+from numesh.host.blas import loaded_libraries
 
 TESTS = Path(__file__).parent
 
@@ -39,7 +40,7 @@ def why_not(family: str) -> str | None:
     """Why this machine cannot run OpenBLAS's `family` kernels, or None if it can."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"OpenBLAS's x86 kernel families need an x86-64 CPU, this is {platform.machine()}"
-    blas = sorted((i for i in threadpool_info() if i["user_api"] == "blas"), key=lambda i: "numpy" not in i["filepath"])
+    blas = loaded_libraries()
     if not blas or blas[0]["internal_api"] != "openblas":
         return f"numpy's BLAS is {blas[0]['internal_api'] if blas else 'unknown'}, not OpenBLAS"
     features = np._core._multiarray_umath.__cpu_features__

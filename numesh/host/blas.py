@@ -81,12 +81,13 @@ else:
         raise RuntimeError("numesh.host.blas.gemm needs numba (pip install 'numesh[fast]')")
 
 
-def _libraries() -> list[str]:
-    """The loaded BLAS libraries' paths, numpy's first (imported by numpy, so loaded)."""
-    from threadpoolctl import ThreadpoolController
+def loaded_libraries() -> list[dict]:
+    """The loaded BLAS libraries as threadpoolctl describes them, numpy's own first: once
+    MKL is loaded threadpoolctl may list it before numpy's OpenBLAS."""
+    from threadpoolctl import threadpool_info
 
-    paths = [lib.filepath for lib in ThreadpoolController().select(user_api="blas").lib_controllers if lib.filepath]
-    return sorted(paths, key=lambda p: "numpy" not in p)
+    libs = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    return sorted(libs, key=lambda i: "numpy" not in (i.get("filepath") or ""))
 
 
 def _agrees(fn: int, dtype: type) -> bool:
@@ -211,7 +212,7 @@ def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
 @functools.cache
 def _numpy_gemms() -> tuple[int, int] | None:
     """(sgemm, dgemm) of numpy's own BLAS, where they give np.matmul's bits."""
-    for path in _libraries():
+    for path in [lib["filepath"] for lib in loaded_libraries() if lib.get("filepath")]:
         try:
             lib = ctypes.CDLL(path)
         except OSError:

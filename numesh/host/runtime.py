@@ -19,12 +19,11 @@ from typing import Callable, TypeVar
 
 import numpy as np
 from mpi4py import MPI
-from threadpoolctl import threadpool_info, threadpool_limits
+from threadpoolctl import threadpool_limits
 
 from numesh.base.errors import ConfigError, Interrupted, abort_job
 from numesh.base.files import os_reason, write_atomic
-from numesh.host.blas import describe as describe_gemm
-from numesh.host.blas import matmul_into
+from numesh.host import blas
 from numesh.host.threads import over_batch, set_cores, set_threads
 
 T = TypeVar("T")
@@ -133,7 +132,6 @@ def keep_freed_memory() -> bool:
 def configure_process(threads: int | None = None, comm: MPI.Comm | None = None) -> int:
     """Per-rank set-up before heavy work: BLAS threads and allocator reuse. Returns the threads.
     A bad NUMESH_KERNELS, NUMESH_BLAS or thread variable in the environment is a ConfigError here."""
-    from numesh.host import blas  # here, not at the top: numba loads with it
     from numesh.host.kernels import check_mode
 
     check_mode()
@@ -153,7 +151,7 @@ def gemm_flops(m: int, k: int, n: int, dtype=np.float32, repeats: int = 5, split
     out = np.empty((m, n), dtype)
 
     def rows(r: slice) -> None:
-        matmul_into(a[r], b, out[r])  # the BLAS numesh's own GEMMs run on
+        blas.matmul_into(a[r], b, out[r])  # the BLAS numesh's own GEMMs run on
 
     def once() -> None:
         if split:
@@ -200,13 +198,10 @@ def _cpu_model() -> str:
 def machine_key(dtype) -> str:
     """What a cached peak belongs to: the CPU, the BLAS library and the kernels it runs
     (OPENBLAS_CORETYPE changes them), and the dtype."""
-    from numesh.host import blas as gemms
-    from numesh.host import mkl
-
-    blas = sorted((i for i in threadpool_info() if i["user_api"] == "blas"), key=lambda i: "numpy" not in i["filepath"])
-    lib = f"{blas[0]['internal_api']} {blas[0]['version']} {blas[0].get('architecture')}" if blas else "no BLAS"
-    if gemms.name() == "mkl":  # the peak is numesh's GEMM's (gemm_flops)
-        lib = f"MKL {mkl.version()}"
+    libs = blas.loaded_libraries()
+    lib = f"{libs[0]['internal_api']} {libs[0]['version']} {libs[0].get('architecture')}" if libs else "no BLAS"
+    if blas.name() == "mkl":  # the peak is numesh's GEMM's (gemm_flops)
+        lib = blas.describe()
     return f"{_cpu_model()} | {platform.machine()} | {lib} | {np.dtype(dtype).name}"
 
 
@@ -255,7 +250,7 @@ def job_peak_flops(comm: MPI.Comm, n_threads: int, dtype=np.float32) -> tuple[fl
     total = comm.allreduce(used * per_core if leader else 0.0)
     cores, hosts = comm.allreduce(used if leader else 0), comm.allreduce(int(leader))
     return total, (f"{cores} core(s) on {hosts} host(s) x one core's {np.dtype(dtype).name} matmul peak "
-                   f"{per_core / 1e9:.1f} GFLOP/s on {describe_gemm()}, {source}")
+                   f"{per_core / 1e9:.1f} GFLOP/s on {blas.describe()}, {source}")
 
 
 def rank_ranges(ranks: list[int]) -> str:
