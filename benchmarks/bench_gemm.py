@@ -15,14 +15,14 @@ numesh.host.blas's default (MKL on Intel CPUs where installed) rests on. A side 
 not installed is "—".
 
 `--steps` times whole training steps instead (2 threads, float32, one process per row):
-numesh on numpy's BLAS, numesh on MKL (`numesh.host.blas.using`) and, for the nanoGPT
-presets, PyTorch eager (SDPA, AdamW, the same batches: bench_train.torch_trainer) take
-steps in turn, in a rotating order, and the report is the median over the rounds of each
-round's ratio. A host whose speed drifts by tens of percent over seconds (a busy cloud VM,
-where fresh-process rounds disagree) slows the steps of one round alike, so these ratios
-hold where separate runs do not; peak memory needs separate processes
-(bench_long_context.py). This is a
-benchmark: it asserts nothing.
+numesh on numpy's BLAS, numesh on MKL (`numesh.host.blas.using`) and PyTorch eager (SDPA,
+AdamW, the same batches: nanoGPT's model for the nanoGPT presets, bench_train.torch_trainer;
+transformers' LlamaForCausalLM for the Llama ones, bench_llama.hf_training) take steps in
+turn, in a rotating order, and the report is the median over the rounds of each round's
+ratio. A host whose speed drifts by tens of percent over seconds (a busy cloud VM, where
+fresh-process rounds disagree) slows the steps of one round alike, so these ratios hold
+where separate runs do not; peak memory needs separate processes (bench_long_context.py,
+bench_llama.py). This is a benchmark: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ SHAPES = [
     ("attention hs64: S = K·Qᵀ", 2048, 64, 128, "NT"),
     ("attention hs64: Y = Sᵀ·V", 128, 2048, 64, "TN"),
     ("attention hs32: S = K·Qᵀ", 2048, 32, 128, "NT"),
+    ("a small product: the call's own cost shows", 64, 64, 64, "NN"),
 ]
 
 
@@ -99,13 +100,13 @@ def sides(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> dict[str, Callable[[],
 
 
 def _torch_step(preset: str, T: int, B: int, data: str) -> Callable[[int], None] | None:
-    """nanoGPT's step in PyTorch eager (SDPA, AdamW, numesh's batches: bench_train.torch_trainer)
-    on 2 threads, for the nanoGPT presets where torch is installed; else None."""
+    """The same model's step in PyTorch eager on 2 threads (SDPA, AdamW, numesh's batches):
+    nanoGPT's for the nanoGPT presets (bench_train.torch_trainer), transformers'
+    LlamaForCausalLM for the Llama ones (bench_llama.hf_training); None without torch (or
+    transformers, for Llama)."""
     from bench_train import preset_config, torch_trainer
     from common import PRESETS
 
-    if preset not in PRESETS:
-        return None
     try:
         import torch
     except ImportError:
@@ -114,10 +115,19 @@ def _torch_step(preset: str, T: int, B: int, data: str) -> Callable[[int], None]
     from numesh.run.config import config_from
 
     torch.set_num_threads(2)
+    train = load_split(data, "train")
+    if preset not in PRESETS:
+        try:
+            import transformers
+        except ImportError:
+            return None
+        from bench_llama import hf_training, train_config
+
+        return hf_training(torch, transformers, train_config(preset_config(preset, B, T), data), train)[1]
     tc = config_from({**preset_config(preset, B, T), "data": data, "dtype": "float32", "seed": 1337, "dropout": 0.0,
                       "bias": False})
     vocab = json.loads((Path(data) / "meta.json").read_text())["vocab_size"]
-    return torch_trainer(torch, tc, vocab, load_split(data, "train"), "sdpa", "default")[2]
+    return torch_trainer(torch, tc, vocab, train, "sdpa", "default")[2]
 
 
 def steps_row(spec: str, pairs: int, data: str) -> str:
@@ -166,9 +176,9 @@ def steps_section(rows: str, pairs: int, data: str | None) -> None:
 
     if blas.name() != "mkl":
         raise SystemExit("--steps compares numpy's BLAS with MKL: pip install 'numesh[mkl]' first")
-    print("training steps, 2 threads, float32: numesh on numpy's BLAS, numesh on MKL and (nanoGPT presets) "
-          "PyTorch eager, in turn step by step in one process per row; speed ratios are medians over the rounds "
-          "(quartiles)\n")
+    print("training steps, 2 threads, float32: numesh on numpy's BLAS, numesh on MKL and PyTorch eager "
+          "(nanoGPT's model, or transformers' Llama), in turn step by step in one process per row; "
+          "speed ratios are medians over the rounds (quartiles)\n")
     print("| model | T × B | numesh, numpy's BLAS ms | numesh, MKL ms | MKL / numpy's BLAS | torch ms "
           "| numesh (numpy's BLAS) / torch | numesh (MKL) / torch | rounds |")
     print("|---|---|---|---|---|---|---|---|---|")

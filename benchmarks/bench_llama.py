@@ -147,6 +147,19 @@ def hf_llama(torch, transformers, tc, same_init: bool = False):
     return model
 
 
+def hf_training(torch, transformers, tc, train_data, same_init: bool = False):
+    """(parameters, step, losses) of transformers' Llama for TrainConfig `tc` (hf_llama) trained
+    on numesh's batches of `train_data` (common.torch_training)."""
+    model = hf_llama(torch, transformers, tc, same_init)
+    model.train()
+
+    def loss_of(x, y):
+        logits = model(input_ids=x.long()).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.long().reshape(-1))
+
+    return torch_training(torch, model, tc, train_data, loss_of)
+
+
 def worker_torch(model_spec: dict[str, Any], data: str, threads: int, warmup: int, iters: int,
                  same_init: bool = False) -> dict[str, Any]:
     import torch
@@ -156,15 +169,7 @@ def worker_torch(model_spec: dict[str, Any], data: str, threads: int, warmup: in
 
     torch.set_num_threads(threads)
     tc = train_config(model_spec, data)
-    train_data = load_split(data, "train")
-    model = hf_llama(torch, transformers, tc, same_init)
-    model.train()
-
-    def loss_of(x, y):
-        logits = model(input_ids=x.long()).logits
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.long().reshape(-1))
-
-    params, step, losses = torch_training(torch, model, tc, train_data, loss_of)
+    params, step, losses = hf_training(torch, transformers, tc, load_split(data, "train"), same_init)
     times, mon = timed_steps(step, warmup, iters)
     return _result(times, mon, tc.batch_size * tc.block_size, losses, threads=torch.get_num_threads(),
                    n_params=sum(p.numel() for p in params), torch=torch.__version__,

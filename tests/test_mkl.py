@@ -73,13 +73,14 @@ def test_mkl_runs_where_installed_on_intel_or_asked_for_and_never_with_the_kerne
 
 
 def test_views_blas_reads_in_place_and_the_ones_it_cannot():
+    _need_mkl()
     x = np.zeros((6, 10), np.float32)
-    assert blas._layout(x) == (blas.NO_TRANS, 10)
-    assert blas._layout(x.T) == (blas.TRANS, 10)
-    assert blas._layout(x[1:4, 2:7]) == (blas.NO_TRANS, 10)  # a tile: rows 10 apart
-    assert blas._layout(x[::2]) == (blas.NO_TRANS, 20)
-    assert blas._layout(x[:, ::2]) is None  # columns 2 apart: no leading dimension says that
-    assert blas._layout(np.zeros((3, 4, 5))[:, 0, :]) == (blas.NO_TRANS, 20)
+    assert blas._lay(x) == (blas.NO_TRANS, 10)
+    assert blas._lay(x.T) == (blas.TRANS, 10)
+    assert blas._lay(x[1:4, 2:7]) == (blas.NO_TRANS, 10)  # a tile: rows 10 apart
+    assert blas._lay(x[::2]) == (blas.NO_TRANS, 20)
+    assert blas._lay(x[:, ::2]) == (0, 0)  # columns 2 apart: no leading dimension says that
+    assert blas._lay(np.zeros((3, 4, 5))[:, 0, :]) == (blas.NO_TRANS, 20)
 
 
 def _operand(rng, shape, dtype, how):
@@ -116,19 +117,28 @@ def test_what_mkl_cannot_take_falls_back_to_numpys_bits(choose, monkeypatch):
     _need_mkl()
     choose("mkl")
 
-    def refuse(*args):
-        raise AssertionError("MKL was handed a layout or dtype it cannot take")
+    gemm_into, answers = blas._gemm_into, []
 
-    monkeypatch.setattr(blas, "_mkl_calls", lambda: (refuse, refuse))
+    def watched(fn, a, b, c):
+        answers.append(gemm_into(fn, a, b, c))
+        return answers[-1]
+
+    monkeypatch.setattr(blas, "_gemm_into", watched)
     rng = np.random.default_rng(2)
     a = rng.standard_normal((40, 60)).astype(np.float32)
     c = rng.standard_normal((60, 80)).astype(np.float32)[:, ::2]  # [60, 40], columns 2 apart
     out = np.empty((40, 40), np.float32)
     blas.matmul_into(a, c, out)
+    assert answers == [False]  # MKL looked and refused: no leading dimension says "2 apart"
     assert np.array_equal(out, np.matmul(a, c))
+    blas.matmul_into(a, c, out.T)  # a transposed output: CBLAS writes rows only
+    want = np.empty((40, 40), np.float32).T
+    np.matmul(a, c, out=want)
+    assert answers == [False, False] and np.array_equal(out.T, want)
     ints = np.arange(12).reshape(3, 4)
     got = np.empty((3, 3), ints.dtype)
-    blas.matmul_into(ints, ints.T, got)
+    blas.matmul_into(ints, ints.T, got)  # integers: never handed to MKL
+    assert len(answers) == 2
     assert np.array_equal(got, ints @ ints.T)
 
 

@@ -67,6 +67,34 @@ if HAVE_NUMBA:
         return sig, codegen
 
     @njit(cache=True, nogil=True)
+    def _lay(x):
+        """(CBLAS transpose flag, leading dimension) of a 2-D view BLAS reads in place, or
+        (0, 0) where it cannot."""
+        item = x.itemsize
+        s0, s1 = x.strides
+        if s1 == item and s0 % item == 0 and s0 >= max(1, x.shape[1]) * item:
+            return NO_TRANS, s0 // item
+        if s0 == item and s1 % item == 0 and s1 >= max(1, x.shape[0]) * item:
+            return TRANS, s1 // item
+        return 0, 0
+
+    @njit(cache=True, nogil=True)
+    def _gemm_into(fn, a, b, c):
+        """c = a·b by the cblas_?gemm at `fn`, the views read in place, or False where one
+        lies so that BLAS cannot read it (`matmul_into`). Compiled, the call costs a few
+        microseconds where a ctypes one cost tens (benchmarks/bench_gemm.py's small product)."""
+        ta, lda = _lay(a)
+        tb, ldb = _lay(b)
+        tc, ldc = _lay(c)
+        if ta == 0 or tb == 0 or tc != NO_TRANS:
+            return False
+        m, n = c.shape
+        gemm(fn, np.int64(ta), np.int64(tb), np.int64(m), np.int64(n), np.int64(a.shape[1]), c.dtype.type(1.0),
+             a.ctypes.data, np.int64(lda), b.ctypes.data, np.int64(ldb), c.dtype.type(0.0), c.ctypes.data,
+             np.int64(ldc))
+        return True
+
+    @njit(cache=True, nogil=True)
     def _probe(fn, a, b, c, ta, tb):
         m, n = c.shape
         k = a.shape[0] if ta == TRANS else a.shape[1]
@@ -171,41 +199,17 @@ def describe() -> str:
     return "numpy's BLAS"
 
 
-@functools.cache
-def _mkl_calls() -> tuple:
-    """ctypes callables of MKL's sgemm and dgemm (ctypes releases the GIL during the call)."""
-    calls = []
-    for fn, real in zip(mkl.gemms(), (ctypes.c_float, ctypes.c_double)):
-        i32, i64, p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        proto = ctypes.CFUNCTYPE(None, i32, i32, i32, i64, i64, i64, real, p, i64, p, i64, real, p, i64)
-        calls.append(proto(fn))
-    return tuple(calls)
-
-
-def _layout(x: np.ndarray) -> tuple[int, int] | None:
-    """(CBLAS transpose flag, leading dimension) of a 2-D view BLAS can read in place, or None."""
-    item = x.itemsize
-    s0, s1 = x.strides
-    if s1 == item and s0 % item == 0 and s0 >= max(1, x.shape[1]) * item:
-        return NO_TRANS, s0 // item
-    if s0 == item and s1 % item == 0 and s1 >= max(1, x.shape[0]) * item:
-        return TRANS, s1 // item
-    return None
+_REALS = {np.dtype(np.float32): 0, np.dtype(np.float64): 1}  # native byte order only: BLAS's reals
 
 
 def matmul_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """out[...] = a @ b (2-D) on the BLAS `name()` picks: MKL's GEMM called in place on the
-    views, else (or for a layout or dtype it cannot take) np.matmul."""
-    dt = out.dtype
-    if (name() == "mkl" and a.dtype == b.dtype == dt and dt in (np.float32, np.float64) and min(out.shape) > 0
-            and a.shape[1] > 0):
-        la, lb, lc = _layout(a), _layout(b), _layout(out)
-        if la is not None and lb is not None and lc is not None and lc[0] == NO_TRANS:
-            call = _mkl_calls()[dt == np.float64]
-            m, k = a.shape
-            call(101, la[0], lb[0], m, out.shape[1], k, 1.0, a.ctypes.data, la[1], b.ctypes.data, lb[1], 0.0,
-                 out.ctypes.data, lc[1])  # 101: CblasRowMajor
-            return
+    views (from compiled code, with the GIL released), else (or for a layout or dtype it
+    cannot take) np.matmul."""
+    real = _REALS.get(out.dtype)
+    if real is not None and a.dtype == b.dtype == out.dtype and name() == "mkl" and out.size and a.shape[1] \
+            and _gemm_into(mkl.gemms()[real], a, b, out):
+        return
     np.matmul(a, b, out=out)
 
 

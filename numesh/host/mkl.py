@@ -69,6 +69,7 @@ def _load() -> ctypes.CDLL | None:
     return None
 
 
+@functools.cache  # matmul_into asks at every call
 def gemms() -> tuple[int, int] | None:
     """(sgemm, dgemm) addresses of MKL's ILP64 CBLAS GEMM, or None without MKL."""
     lib = library()
