@@ -82,6 +82,17 @@ def test_grouped_query_attention_refuses_uneven_groups():
         attend_fwd(q, k, v, np.empty_like(q), scale=0.5)
 
 
+def test_grouped_heads_are_a_view_writes_reach():
+    """GQA's [B, H/g, g, T, hs] view of a head axis that lies strided through the QKV buffer
+    (as the model hands it over): the backward's dq is added through it, so a copy would lose it."""
+    buf = np.zeros((2, 5, 3, 6, 4))  # [B, T, q/k/v, H, hs]
+    dq = buf[:, :, 0].transpose(0, 2, 1, 3)  # [B, H, T, hs]
+    grouped = A._grouped(dq, 3)
+    assert grouped.shape == (2, 2, 3, 5, 4)
+    grouped[1, 1, 2, 4, 3] = 7.0  # batch row 1, query head 1·3 + 2 = 5, token 4
+    assert buf[1, 4, 0, 5, 3] == 7.0 and np.count_nonzero(buf) == 1
+
+
 def _run(q, k, v, dy, diag=0, drop=None, qpos=None, kpos=None):
     """(y, dq, dk, dv) of the tiled kernel."""
     scale = 1.0 / math.sqrt(q.shape[-1])

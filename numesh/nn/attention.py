@@ -266,10 +266,10 @@ def kv_group(n_head: int, n_kv_head: int) -> int:
 
 def _grouped(x: np.ndarray, g: int) -> np.ndarray:
     """x [B, H, ...] as [B, H/g, g, ...]: query heads h·g ... h·g + g - 1 beside kv head h.
-    A view whatever x's strides (splitting one axis never copies), so writes reach x."""
-    s = x.strides
-    return np.lib.stride_tricks.as_strided(x, (x.shape[0], x.shape[1] // g, g, *x.shape[2:]),
-                                           (s[0], g * s[1], s[1], *s[2:]))
+    A view whatever x's strides (numpy's reshape splits one axis without copying), so
+    writes reach x; a tenth of as_strided's cost, which a short context's attention paid
+    seven times a layer."""
+    return x.reshape(x.shape[0], x.shape[1] // g, g, *x.shape[2:])
 
 
 def _positions(pos: np.ndarray | None, n: int) -> np.ndarray:
