@@ -7,6 +7,7 @@ attention kernel beside the time of its FLOPs.
     python benchmarks/bench_long_context.py --sections attention --attn-head-size 64 --attn-heads 9/3  # SmolLM2's
     python benchmarks/bench_long_context.py --rows default:2048x1,baby:1024x2 --rounds 3
     python benchmarks/bench_long_context.py --sections tiles --threads 1 --clock cpu  # a shared machine
+    python benchmarks/bench_long_context.py --sections copies --threads 1
     python benchmarks/bench_long_context.py --sections model --base ../before   # before/after a change
 
 Sections:
@@ -37,6 +38,11 @@ Sections:
              key tiles of 512, 1024, 2048, at each head size of --head-sizes (32, 64, 128;
              heads × head size = 128), interleaved, medians and minima: what
              numesh.nn.attention's QUERY_TILE and KEY_TILE were chosen from.
+  copies     (on request) the kernel as a training step calls it (in a block's pieces, q, k,
+             v strided through the QKV buffer) at T = 256 to 2048, head sizes 32 and 64,
+             with each group reading contiguous copies of its rows from 2 stripes, from 9
+             (numesh.nn.attention.COPY_STRIPES) or never, interleaved: what COPY_STRIPES
+             was chosen from.
 
 Without torch installed, the torch sides are left out (said at the start, "—" in the
 tables) and the rest is measured. Ratios above 1 mean numesh is faster. This is a
@@ -359,6 +365,64 @@ def tiles_section(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+COPY_ROWS = ((256, 4, 32), (512, 2, 32), (1024, 1, 32), (2048, 1, 32), (512, 2, 64), (2048, 1, 64))  # T, B, hs
+COPY_RULES = {"copy from 2 stripes": 1, "from 9 (COPY_STRIPES = 8)": 8, "never": 1 << 30}
+
+
+def copies_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The kernel's forward + backward inside a block's pieces (one run, as a training step
+    calls it), q, k, v strided through a QKV buffer, for each T × B × head size of
+    COPY_ROWS (128 wide: 4 heads of 32 or 2 of 64) and each rule of when a group reads
+    contiguous copies of its rows (numesh.nn.attention.COPY_STRIPES), the rules interleaved
+    round by round; medians over --rounds × 3 rounds (--clock cpu: this thread's CPU time)."""
+    import numpy as np
+
+    from numesh.host import threads
+    from numesh.host.runtime import configure_process
+    from numesh.nn import attention as A
+
+    configure_process(args.threads, None)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    out: dict[str, Any] = {}
+    saved = A.COPY_STRIPES
+    try:
+        for T, B, hs in COPY_ROWS:
+            H = 128 // hs
+            rng = np.random.default_rng(0)
+            q, k, v = rng.standard_normal((B, T, 3, H, hs)).astype(np.float32).transpose(2, 0, 3, 1, 4)
+            dy = rng.standard_normal((B, H, T, hs)).astype(np.float32)
+            y = np.empty((B, T, H, hs), np.float32).transpose(0, 2, 1, 3)
+
+            def step() -> None:
+                with threads.token_pieces((slice(0, B),)):
+                    lse = A.attend_fwd(q, k, v, y, scale=1 / math.sqrt(hs))
+                    grads = np.zeros((B, T, 3, H, hs), np.float32).transpose(2, 0, 3, 1, 4)
+                    A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=1 / math.sqrt(hs))
+
+            times: dict[str, list[float]] = {name: [] for name in COPY_RULES}
+            for _ in range(3 * args.rounds):
+                for name, rule in COPY_RULES.items():
+                    A.COPY_STRIPES = rule
+                    step()
+                    t0 = clock()
+                    step()
+                    times[name].append(clock() - t0)
+            out[f"{T}x{B} hs{hs}"] = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    finally:
+        A.COPY_STRIPES = saved
+    return out
+
+
+def print_copies(t: dict[str, Any], threads: int, clock: str) -> None:
+    print(f"\ncopies: the kernel's forward + backward in a block's pieces, {threads} threads, "
+          f"{'CPU' if clock == 'cpu' else 'wall'} ms (median) by when a group copies its rows")
+    print("| T × B, head size | stripes | " + " | ".join(COPY_RULES) + " |")
+    print("|---|---|" + "---|" * len(COPY_RULES))
+    for row, r in t.items():
+        stripes = -(-int(row.split("x")[0]) // 128)
+        print(f"| {row.replace(' hs', ', ')} | {stripes} | " + " | ".join(f"{r[n]:.2f}" for n in COPY_RULES) + " |")
+
+
 def print_tiles(t: dict[str, Any], threads: int, clock: str) -> None:
     sizes = list(t)
     print(f"\ntiles: the kernel's forward + backward, T = {ATTN['T']}, heads x head size = 128, {threads} threads, "
@@ -392,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="model,attention",
-                    help="comma-separated: model, attention, loops, tiles (default model,attention)")
+                    help="comma-separated: model, attention, loops, tiles, copies (default model,attention)")
     ap.add_argument("--threads", type=int, default=2, help="threads per process (default 2)")
     ap.add_argument("--rows", default=ROWS, help=f"model:TxB,... (default {ROWS})")
     ap.add_argument("--rounds", type=int, default=2, help="numesh/torch rounds per row (default 2)")
@@ -439,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     if "tiles" in sections:
         report["tiles"] = tiles_section(args)
         print_tiles(report["tiles"], args.threads, args.clock)
+    if "copies" in sections:
+        report["copies"] = copies_section(args)
+        print_copies(report["copies"], args.threads, args.clock)
     if args.json:
         print(json.dumps(report))
     return 0

@@ -56,6 +56,10 @@ from numesh.host.threads import cores, in_pieces, over_rows
 QUERY_TILE = 128  # query rows per stripe (benchmarks/bench_long_context.py --sections tiles measures others)
 KEY_TILE = 2048  # keys per online-softmax step: bounds a stripe's buffer whatever T is
 GROUP_SCORES = 1 << 18  # scores per group's buffer: (batch row, head) pairs are batched up to it
+# A group that runs more stripes than this reads contiguous copies of its q, k, v (and dy)
+# rows, else its rows in place: every stripe re-reads the keys, so the copy pays off only
+# over many stripes (`python benchmarks/bench_long_context.py --sections copies`).
+COPY_STRIPES = 8
 _DROP_BITS = 24
 
 
@@ -369,10 +373,10 @@ def _part(x: np.ndarray, grp: _Group) -> np.ndarray:
 
 def _read(x: np.ndarray, grp: _Group, copy: bool) -> np.ndarray:
     """A group's rows and heads of x as the compiled loops read it: C-contiguous when `copy`
-    (several stripes re-read each key's row, and BLAS packs contiguous rows faster, see
-    `_own`), else the view itself wherever its rows of hs are contiguous (one stripe: the
-    GEMMs read each row where the QKV product left it, and a copy would cost more than it
-    saves; `benchmarks/bench_long_context.py --rows default:64x12`)."""
+    (many stripes re-read each key's row, and BLAS packs contiguous rows faster, see `_own`;
+    COPY_STRIPES), else the view itself wherever its rows of hs are contiguous (few stripes:
+    the GEMMs read each row where the QKV product left it, and a copy would cost more than
+    it saves)."""
     part = _part(x, grp)
     return np.ascontiguousarray(part) if copy or part.strides[-1] != part.itemsize else part
 
@@ -409,7 +413,7 @@ def _group_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, grp: _Group, star
     yg, lseg = y[grp.b, grp.h, grp.i], lse[grp.b, grp.h, grp.i]
     fn = _gemm(q.dtype)
     if fn is not None:  # the scores' GEMM applies the scale
-        qg, kg, vg = (_read(x, grp, len(starts) > 1) for x in (q, k, v))
+        qg, kg, vg = (_read(x, grp, len(starts) > COPY_STRIPES) for x in (q, k, v))
         AK.group_fwd(fn, qg, kg, vg, yg, lseg, q.dtype.type(scale), diag, np.asarray(starts, np.int64), QUERY_TILE,
                      KEY_TILE, buf, *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
         return
@@ -504,7 +508,7 @@ def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, 
     dk and dv [1, 1, 1, T, hs] its own buffers."""
     f = q.dtype.type
     fn = _gemm(q.dtype)
-    qg, kg, vg, dyg = (_read(x, grp, fn is None or len(starts) > 1) for x in (q, k, v, dy))
+    qg, kg, vg, dyg = (_read(x, grp, fn is None or len(starts) > COPY_STRIPES) for x in (q, k, v, dy))
     lseg, ddg = _own(lse, grp), _own(dd, grp)
     per_head = (*qg.shape[:3], kg.shape[3])  # [nb, nh, the group's query heads, Tk]
     at = (grp.b, grp.h, grp.i)  # basic indexing: dq[at] etc. are views, and += writes through
