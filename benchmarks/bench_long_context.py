@@ -60,7 +60,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -298,14 +298,11 @@ def loops_section(args: argparse.Namespace) -> dict[str, Any]:
                 grads = [np.zeros_like(q) for _ in range(3)]
                 A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=1 / math.sqrt(hs))
 
-            times: dict[str, list[float]] = {"compiled": [], "python": []}
-            for _ in range(3 * args.rounds):
-                for kind in times:
-                    blas.gemm_addresses = (lambda: addresses) if kind == "compiled" else (lambda: None)
-                    step()
-                    t0 = time.perf_counter()
-                    step()
-                    times[kind].append(time.perf_counter() - t0)
+            def use(fns: Any) -> None:
+                blas.gemm_addresses = lambda: fns
+
+            times = _interleaved(step, {"compiled": lambda: use(addresses), "python": lambda: use(None)},
+                                 3 * args.rounds, time.perf_counter)
             out[f"hs{hs}"] = {kind: (statistics.median(ts) * 1e3, min(ts) * 1e3) for kind, ts in times.items()}
     finally:
         blas.gemm_addresses = saved
@@ -320,6 +317,26 @@ def print_loops(t: dict[str, Any], threads: int) -> None:
     for h, r in t.items():
         print(f"| {h[2:]} | {r['compiled'][0]:.1f} ({r['compiled'][1]:.1f}) | {r['python'][0]:.1f} "
               f"({r['python'][1]:.1f}) | {r['python'][0] / r['compiled'][0]:.2f}× |")
+
+
+def _interleaved(step: Callable[[], None], settings: dict[Any, Callable[[], None]], rounds: int,
+                 clock: Callable[[], float]) -> dict[Any, list[float]]:
+    """Each setting's times of `step` over `rounds` rounds, every setting applied and timed
+    once per round (after one untimed step), so a drift of the machine hits them alike."""
+    times: dict[Any, list[float]] = {key: [] for key in settings}
+    for _ in range(rounds):
+        for key, apply in settings.items():
+            apply()
+            step()
+            t0 = clock()
+            step()
+            times[key].append(clock() - t0)
+    return times
+
+
+def _set_tiles(A: Any, tiles: tuple[int, int]) -> None:
+    """numesh.nn.attention's (QUERY_TILE, KEY_TILE)."""
+    A.QUERY_TILE, A.KEY_TILE = tiles
 
 
 def tiles_section(args: argparse.Namespace) -> dict[str, Any]:
@@ -350,14 +367,7 @@ def tiles_section(args: argparse.Namespace) -> dict[str, Any]:
                 grads = [np.zeros((B, H, T, hs), np.float32) for _ in range(3)]
                 A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=1 / math.sqrt(hs))
 
-            times: dict[tuple[int, int], list[float]] = {c: [] for c in TILES}
-            for _ in range(3 * args.rounds):
-                for c in TILES:
-                    A.QUERY_TILE, A.KEY_TILE = c
-                    step()
-                    t0 = clock()
-                    step()
-                    times[c].append(clock() - t0)
+            times = _interleaved(step, {c: lambda c=c: _set_tiles(A, c) for c in TILES}, 3 * args.rounds, clock)
             out[f"hs{hs}"] = {f"{qt}x{kt}": (statistics.median(ts) * 1e3, min(ts) * 1e3)
                               for (qt, kt), ts in times.items()}
     finally:
@@ -399,14 +409,8 @@ def copies_section(args: argparse.Namespace) -> dict[str, Any]:
                     grads = np.zeros((B, T, 3, H, hs), np.float32).transpose(2, 0, 3, 1, 4)
                     A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=1 / math.sqrt(hs))
 
-            times: dict[str, list[float]] = {name: [] for name in COPY_RULES}
-            for _ in range(3 * args.rounds):
-                for name, rule in COPY_RULES.items():
-                    A.COPY_STRIPES = rule
-                    step()
-                    t0 = clock()
-                    step()
-                    times[name].append(clock() - t0)
+            times = _interleaved(step, {name: lambda r=rule: setattr(A, "COPY_STRIPES", r)
+                                        for name, rule in COPY_RULES.items()}, 3 * args.rounds, clock)
             out[f"{T}x{B} hs{hs}"] = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
     finally:
         A.COPY_STRIPES = saved
