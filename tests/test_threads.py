@@ -333,3 +333,29 @@ def test_a_training_step_is_the_same_bits_on_1_and_2_threads(char_dataset, tmp_p
                 runs[k] = [np.array(steps), *tree_leaves(t.gathered_params())]
         for a, b in zip(runs[1], runs[2], strict=True):
             np.testing.assert_array_equal(b, a)
+
+
+def test_inside_a_run_of_pieces_a_matmul_is_one_call_per_piece(monkeypatch) -> None:
+    """A block run as pieces is already split over the threads by its runs: inside one, a
+    matmul over token rows makes one BLAS call per piece, and a weight gradient's xᵀ·dy
+    (inside `token_sum`) one call, however many row or column tiles the shape would cut."""
+    calls = []
+    real = threads.matmul_into
+
+    def counted(a, b, out):
+        calls.append(a.shape)
+        real(a, b, out)
+
+    monkeypatch.setattr(threads, "matmul_into", counted)
+    monkeypatch.setattr(threads, "_cores", 8)  # outside pieces these shapes are cut into tiles
+    rng = np.random.default_rng(2)
+    x, w, dy = rng.standard_normal((1024, 64)), rng.standard_normal((64, 96)), rng.standard_normal((1024, 96))
+    threads.matmul(x, w)
+    assert len(calls) > 1  # row tiles outside pieces
+    calls.clear()
+    with threads.token_pieces((slice(0, 512), slice(512, 1024))):
+        y = threads.matmul(x, w)
+        dw = threads.token_sum(lambda r: threads.matmul(x[r].T, dy[r]), 1024)
+    assert calls == [(512, 64), (512, 64), (64, 512), (64, 512)]
+    np.testing.assert_allclose(y, x @ w, rtol=1e-12)
+    np.testing.assert_allclose(dw, x.T @ dy, rtol=1e-10, atol=1e-12)  # pieces summed apart

@@ -289,14 +289,15 @@ _local = threading.local()  # .pieces: the token rows of each piece of the block
 
 @contextlib.contextmanager
 def token_pieces(rows: tuple[slice, ...] | None) -> Iterator[None]:
-    """Inside, matmuls over `rows[-1].stop` token rows make their calls piece by piece and
-    `token_sum` adds piece by piece (this thread only; None: no pieces)."""
-    saved = getattr(_local, "pieces", None)  # None on a thread that never set it
-    _local.pieces = rows
+    """Inside, matmuls over `rows[-1].stop` token rows make their calls piece by piece, every
+    matmul one call per piece (no tiles: see `matmul`), and `token_sum` adds piece by piece
+    (this thread only; None: no pieces)."""
+    saved = getattr(_local, "pieces", None), getattr(_local, "run", False)  # on a thread that never set them
+    _local.pieces, _local.run = rows, bool(rows)
     try:
         yield
     finally:
-        _local.pieces = saved
+        _local.pieces, _local.run = saved
 
 
 def in_pieces() -> bool:
@@ -313,15 +314,21 @@ def _pieces(n: int) -> tuple[slice, ...]:
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a [M, K] @ b [K, N]: one single-threaded BLAS call per fixed tile of rows (`tiles` of
-    TILE_ROWS, at most `cores`, within each of `token_pieces`' pieces), the tiles spread
-    over the threads when each thread gets enough work: the same bits for any thread count.
-    Too few rows for two tiles (a weight gradient x.T @ dy of a narrow layer: M is its input
-    width) cuts the columns instead, by the same rule."""
+    TILE_ROWS, at most `cores`), the tiles spread over the threads when each thread gets
+    enough work: the same bits for any thread count. Too few rows for two tiles (a weight
+    gradient x.T @ dy of a narrow layer: M is its input width) cuts the columns instead, by
+    the same rule. Inside a block run as pieces (`token_pieces`) one call per piece over
+    token rows, else one call: the runs of pieces are already the threads' split, and more
+    calls on one thread only cost (each packs an operand again: 5-10 % at a step's shapes,
+    benchmarks/bench_tiles.py)."""
     m, k = a.shape
     n = b.shape[1]
     out = np.empty((m, n), np.result_type(a, b))
-    rows = [slice(p.start + t.start, p.start + t.stop)
-            for p in _pieces(m) for t in tiles(p.stop - p.start, TILE_ROWS, _cores)]
+    if getattr(_local, "run", False):
+        for p in _pieces(m):
+            matmul_into(a[p], b, out[p])
+        return out
+    rows = tiles(m, TILE_ROWS, _cores)
     parts = ([(r, slice(None)) for r in rows] if len(rows) > 1
              else [(slice(None), c) for c in tiles(n, TILE_COLS, _cores)])
     if len(parts) == 1:
