@@ -82,31 +82,45 @@ def linear_bwd(p: Linear, ctx: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, 
 
 
 def layernorm_fwd(p: LayerNorm, x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-    """LayerNorm over the last dim; the context is (xhat, rstd [..., 1])."""
+    """LayerNorm over the last dim; the context is (xhat, rstd [..., 1]). One kernel pass
+    per row, rows over the threads."""
     if not K.enabled():
         return layernorm_fwd_reference(p, x)
     x = np.ascontiguousarray(x)
     y, xhat = np.empty_like(x), np.empty_like(x)
     rstd = np.empty((*x.shape[:-1], 1), x.dtype)
     b = p.w if p.b is None else p.b  # unused without a bias
-    K.layernorm_fwd(_rows(x), p.w, b, p.b is not None, _rows(y), _rows(xhat), rstd.reshape(-1))
+    x2, y2, xh2, r2 = _rows(x), _rows(y), _rows(xhat), rstd.reshape(-1)
+    over_rows(lambda r: K.layernorm_fwd(x2[r], p.w, b, p.b is not None, y2[r], xh2[r], r2[r]), x2.shape[0],
+              _chunk_rows(x2.shape[1]))
     return y, (xhat, rstd)
 
 
 def layernorm_bwd(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, LayerNorm]:
+    """dx, and dw, db summed over tokens as `rmsnorm_bwd` sums its dw: within each
+    `token_sum` piece over fixed row tiles, the tiles' float64 sums added in one pairwise
+    tree, so the rows spread over the threads and the bits do not."""
     if not K.enabled():
         return layernorm_bwd_reference(p, ctx, dy)
     xhat, rstd = ctx
     dy = np.ascontiguousarray(dy)
     dx = np.empty_like(dy)
     dy2, xh2, rstd2, dx2 = _rows(dy), _rows(xhat), rstd.reshape(-1), _rows(dx)
+    c = dy2.shape[1]
 
-    def rows(r: slice) -> tuple[np.ndarray, np.ndarray]:  # dx of these rows; their dw, db
-        dw, db = np.empty(dy.shape[-1], np.float64), np.empty(dy.shape[-1], np.float64)  # float64 accumulators
-        K.layernorm_bwd(dy2[r], xh2[r], rstd2[r], p.w, dx2[r], dw, db)
+    def piece(rows: slice) -> tuple[np.ndarray, np.ndarray]:
+        parts = tiles(rows.stop - rows.start, _chunk_rows(c), cores())
+
+        def tile(i: int) -> tuple[None, tuple[np.ndarray, np.ndarray]]:  # dx of its rows; their dw, db
+            t = slice(rows.start + parts[i].start, rows.start + parts[i].stop)
+            dw, db = np.empty(c, np.float64), np.empty(c, np.float64)  # float64 accumulators
+            K.layernorm_bwd(dy2[t], xh2[t], rstd2[t], p.w, dx2[t], dw, db)
+            return None, (dw, db)
+
+        dw, db = tree_sum(tile, len(parts))[1]
         return dw.astype(dy.dtype), db.astype(dy.dtype)
 
-    dw, db = token_sum(rows, dy2.shape[0])
+    dw, db = token_sum(piece, dy2.shape[0])
     return dx, LayerNorm(dw, None if p.b is None else db)
 
 
