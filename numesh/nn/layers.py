@@ -15,6 +15,7 @@ the readable definition that the kernels are tested against. Attention has its o
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import attrs
 import numpy as np
@@ -97,9 +98,7 @@ def layernorm_fwd(p: LayerNorm, x: np.ndarray) -> tuple[np.ndarray, tuple[np.nda
 
 
 def layernorm_bwd(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, LayerNorm]:
-    """dx, and dw, db summed over tokens as `rmsnorm_bwd` sums its dw: within each
-    `token_sum` piece over fixed row tiles, the tiles' float64 sums added in one pairwise
-    tree, so the rows spread over the threads and the bits do not."""
+    """dx, and dw, db summed over tokens by fixed row tiles (`_tiled_token_sums`)."""
     if not K.enabled():
         return layernorm_bwd_reference(p, ctx, dy)
     xhat, rstd = ctx
@@ -108,20 +107,29 @@ def layernorm_bwd(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarr
     dy2, xh2, rstd2, dx2 = _rows(dy), _rows(xhat), rstd.reshape(-1), _rows(dx)
     c = dy2.shape[1]
 
-    def piece(rows: slice) -> tuple[np.ndarray, np.ndarray]:
-        parts = tiles(rows.stop - rows.start, _chunk_rows(c), cores())
+    def tile(t: slice) -> tuple[np.ndarray, np.ndarray]:  # dx of these rows; their dw, db
+        dw, db = np.empty(c, np.float64), np.empty(c, np.float64)  # float64 accumulators
+        K.layernorm_bwd(dy2[t], xh2[t], rstd2[t], p.w, dx2[t], dw, db)
+        return dw, db
 
-        def tile(i: int) -> tuple[None, tuple[np.ndarray, np.ndarray]]:  # dx of its rows; their dw, db
-            t = slice(rows.start + parts[i].start, rows.start + parts[i].stop)
-            dw, db = np.empty(c, np.float64), np.empty(c, np.float64)  # float64 accumulators
-            K.layernorm_bwd(dy2[t], xh2[t], rstd2[t], p.w, dx2[t], dw, db)
-            return None, (dw, db)
-
-        dw, db = tree_sum(tile, len(parts))[1]
-        return dw.astype(dy.dtype), db.astype(dy.dtype)
-
-    dw, db = token_sum(piece, dy2.shape[0])
+    dw, db = _tiled_token_sums(tile, dy2.shape[0], c, dy.dtype)
     return dx, LayerNorm(dw, None if p.b is None else db)
+
+
+def _tiled_token_sums(tile: Callable[[slice], Any], n: int, c: int, dtype: Any) -> Any:
+    """A norm's weight-gradient sums over n token rows of width c: `tile(rows)` writes those
+    rows' dx and returns their float64 sums (an array or a tuple of them); within each
+    `token_sum` piece over fixed row tiles (`tiles`, a function of the shape and the cores,
+    never of the threads), the tiles' sums added in one pairwise tree (`tree_sum`) and cast
+    to `dtype`, so the rows spread over the threads and the bits do not."""
+
+    def piece(rows: slice) -> Any:
+        parts = tiles(rows.stop - rows.start, _chunk_rows(c), cores())
+        sums = tree_sum(lambda i: (None, tile(slice(rows.start + parts[i].start, rows.start + parts[i].stop))),
+                        len(parts))[1]
+        return tuple(s.astype(dtype) for s in sums) if isinstance(sums, tuple) else sums.astype(dtype)
+
+    return token_sum(piece, n)
 
 
 def layernorm_fwd_reference(p: LayerNorm, x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
@@ -169,9 +177,7 @@ def rmsnorm_fwd(p: RMSNorm, x: np.ndarray, eps: float) -> tuple[np.ndarray, tupl
 
 def rmsnorm_bwd(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, RMSNorm]:
     """dx = rstd * (dxhat - xhat * mean(dxhat * xhat)) with dxhat = dy * w; dw sums dy * xhat
-    over tokens: within each `token_sum` piece over fixed row tiles (`tiles`, a function of
-    the shape and the cores, never of the threads), the tiles' float64 sums added in one
-    pairwise tree (`tree_sum`), so the rows spread over the threads and the bits do not."""
+    over tokens by fixed row tiles (`_tiled_token_sums`)."""
     if not K.enabled():
         return rmsnorm_bwd_reference(p, ctx, dy)
     xhat, rstd = (np.ascontiguousarray(a) for a in ctx)
@@ -180,18 +186,12 @@ def rmsnorm_bwd(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) 
     dy2, xh2, r2, dx2 = _rows(dy), _rows(xhat), rstd.reshape(-1), _rows(dx)
     c = dy2.shape[1]
 
-    def piece(rows: slice) -> np.ndarray:
-        parts = tiles(rows.stop - rows.start, _chunk_rows(c), cores())
+    def tile(t: slice) -> np.ndarray:  # dx of these rows; their dw
+        dw = np.empty(c, np.float64)
+        LK.rmsnorm_bwd(dy2[t], xh2[t], r2[t], p.w, dx2[t], dw)
+        return dw
 
-        def tile(i: int) -> tuple[None, np.ndarray]:
-            t = slice(rows.start + parts[i].start, rows.start + parts[i].stop)
-            dw = np.empty(c, np.float64)
-            LK.rmsnorm_bwd(dy2[t], xh2[t], r2[t], p.w, dx2[t], dw)
-            return None, dw
-
-        return tree_sum(tile, len(parts))[1].astype(dy.dtype)
-
-    return dx, RMSNorm(token_sum(piece, dy2.shape[0]))
+    return dx, RMSNorm(_tiled_token_sums(tile, dy2.shape[0], c, dy.dtype))
 
 
 def rmsnorm_fwd_reference(p: RMSNorm, x: np.ndarray, eps: float) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
