@@ -284,7 +284,8 @@ TILE_COLS = 128
 # hand-off: each thread gets at least 4 MFLOP, else the tiles run on the caller's thread.
 MIN_CHUNK_FLOPS = 4e6
 
-_local = threading.local()  # .pieces: the token rows of each piece of the block call on this thread
+_local = threading.local()  # .pieces: the token rows of each piece of the block call on this thread,
+# () inside `token_sum` (still in a run, but not over those rows), None outside a run
 
 
 @contextlib.contextmanager
@@ -292,12 +293,12 @@ def token_pieces(rows: tuple[slice, ...] | None) -> Iterator[None]:
     """Inside, matmuls over `rows[-1].stop` token rows make their calls piece by piece, every
     matmul one call per piece (no tiles: see `matmul`), and `token_sum` adds piece by piece
     (this thread only; None: no pieces)."""
-    saved = getattr(_local, "pieces", None), getattr(_local, "run", False)  # on a thread that never set them
-    _local.pieces, _local.run = rows, bool(rows)
+    saved = getattr(_local, "pieces", None)  # None on a thread that never set it
+    _local.pieces = rows
     try:
         yield
     finally:
-        _local.pieces, _local.run = saved
+        _local.pieces = saved
 
 
 def in_pieces() -> bool:
@@ -324,7 +325,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     m, k = a.shape
     n = b.shape[1]
     out = np.empty((m, n), np.result_type(a, b))
-    if getattr(_local, "run", False):
+    if getattr(_local, "pieces", None) is not None:  # in a run ((): inside `token_sum`)
         for p in _pieces(m):
             matmul_into(a[p], b, out[p])
         return out
@@ -351,7 +352,8 @@ def token_sum(fn: Callable[[slice], Any], n: int) -> Any:
     if len(pieces) == 1:
         return fn(pieces[0])
     assert len(pieces) & (len(pieces) - 1) == 0, "token pieces must be a power of two"
-    saved, _local.pieces = _local.pieces, None  # fn's own matmuls are not over these token rows
+    # fn's own matmuls are not over these token rows, but still in the run: () says both
+    saved, _local.pieces = _local.pieces, ()
     try:
         sums = [fn(r) for r in pieces]
     finally:
