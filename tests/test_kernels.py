@@ -33,7 +33,8 @@ from numesh.optim.adamw import AdamWConfig, AdamWState, adamw_step
 pytestmark = pytest.mark.skipif(not K.HAVE_NUMBA, reason="numba is not installed: the layers use the NumPy references")
 
 TOL = {np.float64: 1e-12, np.float32: 2e-6}
-SHAPES = [(1, 1, 8), (2, 1, 5), (3, 7, 13), (2, 9, 128), (4, 300, 64)]  # the last: rows over several tiles
+# 77: whole lanes and a tail (numesh.host.lanes); the last: rows over several tiles
+SHAPES = [(1, 1, 8), (2, 1, 5), (3, 7, 13), (2, 9, 128), (2, 3, 77), (4, 300, 64)]
 
 
 def both(fn):

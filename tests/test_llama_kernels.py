@@ -23,7 +23,7 @@ from test_kernels import assert_close, both
 pytestmark = pytest.mark.skipif(not K.HAVE_NUMBA, reason="numba is not installed: the layers use the NumPy references")
 
 DTYPES = [np.float64, np.float32]
-SHAPES = [(1, 1, 8), (2, 1, 5), (3, 7, 13), (2, 9, 576)]
+SHAPES = [(1, 1, 8), (2, 1, 5), (3, 7, 13), (2, 3, 77), (2, 9, 576)]  # 77: whole lanes and a tail
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

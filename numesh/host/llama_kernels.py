@@ -20,7 +20,8 @@ import math
 
 import numpy as np
 
-from numesh.host.kernels import _JIT, _row_dot, njit, vexp
+from numesh.host.kernels import _JIT, njit, vexp
+from numesh.host.lanes import row_dot
 
 # ---------------------------------------------------------------------------------------
 # RMSNorm over the last dim of x [N, C]
@@ -29,11 +30,11 @@ from numesh.host.kernels import _JIT, _row_dot, njit, vexp
 @njit(**_JIT)
 def rmsnorm_fwd(x, w, eps, y, xhat, rstd):
     """y = x * rstd * w per row, rstd = 1/sqrt(mean(x²) + eps); also xhat = x * rstd and
-    rstd [N] for backward. The mean is accumulated in float64 (`_row_dot`'s four chains)."""
+    rstd [N] for backward. The mean is accumulated in float64 (`row_dot`'s lanes)."""
     n, c = x.shape
     cast = x.dtype.type
     for i in range(n):
-        r = cast(1.0 / math.sqrt(_row_dot(x, x, i, c) / c + eps))
+        r = cast(1.0 / math.sqrt(row_dot(x, x, i, c) / c + eps))
         rstd[i] = r
         for j in range(c):
             h = x[i, j] * r
@@ -54,7 +55,7 @@ def rmsnorm_bwd(dy, xhat, rstd, w, dx, dw):
             g = dy[i, j]
             dw[j] += g * xhat[i, j]
             dx[i, j] = g * w[j]
-        m = cast(_row_dot(dx, xhat, i, c) / c)
+        m = cast(row_dot(dx, xhat, i, c) / c)
         r = rstd[i]
         for j in range(c):
             dx[i, j] = (dx[i, j] - xhat[i, j] * m) * r

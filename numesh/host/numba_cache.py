@@ -19,7 +19,8 @@ import hashlib
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-SOURCES = ("kernels.py", "attention_kernels.py", "llama_kernels.py", "blas.py")  # the files with cached njit code
+# the files with cached njit code, and lanes.py, whose vector reductions compile into kernels.py's
+SOURCES = ("kernels.py", "attention_kernels.py", "llama_kernels.py", "blas.py", "lanes.py")
 
 
 @functools.cache
