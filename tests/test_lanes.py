@@ -72,3 +72,30 @@ def test_compiled_vectors_give_the_definitions_bits(width, dtype):
             assert got == (row_sum(a, i, width), row_dot(a, b, i, width)), (layout, i)
         # n shorter than the row: the tail starts where n says
         assert both(a, b, 0, width - 1)[1] == row_dot(a, b, 0, width - 1), layout
+
+
+def test_sum_squares_follows_the_order_across_the_definitions_numpy_passes():
+    from numesh.host import lanes
+
+    x = np.random.default_rng(3).standard_normal(2 * lanes._CHUNK * LANES + 77).astype(np.float32)
+    assert lanes.sum_squares(x) == _stated_order([float(v) * float(v) for v in x])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_kernels_sum_squares_gives_the_definitions_bits(dtype):
+    from numesh.host import lanes
+
+    x = (np.random.default_rng(4).standard_normal(100_003) * 10.0).astype(dtype)
+    with K.switched(True):
+        fast = K.sum_squares(x[5:])  # a slice: the gradient norm sums runs of a flat buffer
+    with K.switched(False):
+        ref = K.sum_squares(x[5:])
+    assert fast == ref == lanes.sum_squares(x[5:])
+
+
+def test_a_float32_gradient_norm_does_not_overflow():
+    # 1e20² overflows float32 (np.dot's accumulator), not float64: the norm stays finite
+    x = np.full(1000, 1e20, np.float32)
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.dot(x, x))
+    assert K.sum_squares(x) == pytest.approx(1000 * float(np.float32(1e20)) ** 2, rel=1e-15)

@@ -44,7 +44,11 @@ def test_divergence_stops_with_one_line_and_keeps_the_good_checkpoint(char_datas
     assert f"last good checkpoint: {latest}" in errors[0]
     assert int(latest.name.split("_")[1]) <= step  # never a checkpoint of the diverged state
     lines = strict_lines(out / "metrics.jsonl")  # strict JSON: NaN written as null
-    assert lines[-1] == {"step": step, "loss": None, "grad_norm": None, "diverged": True}
+    last = lines[-1]
+    assert set(last) == {"step", "loss", "grad_norm", "diverged"} and last["step"] == step and last["diverged"]
+    # what diverged is non-finite, written as null; the other may still be finite (a loss of 2e17
+    # whose gradients overflowed float32), depending on the path the rounding took
+    assert None in (last["loss"], last["grad_norm"]), last
     import numpy as np
 
     from numesh.checkpoint import read_state

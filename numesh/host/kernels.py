@@ -34,6 +34,7 @@ from typing import Iterator
 
 import numpy as np
 
+from numesh.host import lanes as _lanes
 from numesh.host.lanes import row_dot, row_sum
 
 LN_EPS = 1e-5
@@ -66,11 +67,11 @@ try:
     _cache_dir()
     from numba import njit
 
-    from numesh.host import lanes, numba_cache, numba_target
+    from numesh.host import numba_cache, numba_target
 
     numba_cache.install()  # a kernel's cache entry is renewed when any kernel file changes
     numba_target.prefer_full_width()  # 512-bit vectors on AVX-512 CPUs, before anything compiles
-    lanes.compile_for_numba()
+    _lanes.compile_for_numba()
     HAVE_NUMBA = True
 except ImportError:  # the NumPy references are used
     HAVE_NUMBA = False
@@ -224,6 +225,17 @@ def exp_into(x, out):
     """out = exp(x) elementwise on flat arrays, by `vexp` (its tests call this)."""
     for i in range(x.shape[0]):
         out[i] = vexp(x[i])
+
+
+@njit(**_JIT)
+def _sum_squares(x):
+    return _lanes.sum_squares(x)
+
+
+def sum_squares(x: np.ndarray) -> float:
+    """Σ x² of a contiguous vector in float64, in numesh.host.lanes' order: compiled where
+    the kernels are on, else that module's NumPy definition (the same bits)."""
+    return float(_sum_squares(x)) if _on else _lanes.sum_squares(x)
 
 
 # ---------------------------------------------------------------------------------------

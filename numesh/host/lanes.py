@@ -25,31 +25,48 @@ import numpy as np
 LANES = 32  # 4 AVX-512 vectors of doubles: enough independent adds to hide an add's latency
 
 
-def _lanes_reference(x: np.ndarray) -> float:
-    """The lanes' order applied to a float64 vector."""
-    n = x.shape[0]
+_CHUNK = 1 << 14  # blocks of LANES a NumPy pass of the definition takes: bounds its float64 copies
+
+
+def _lanes_reference(a: np.ndarray, b: np.ndarray | None = None) -> float:
+    """The lanes' order applied to a vector a (of a·b with b), in float64: NumPy adds the
+    rows of an [m, LANES] array over axis 0 one row after another (a sum along the
+    contiguous axis would be pairwise instead), each pass's first row carrying the lanes so
+    far."""
+    n = a.shape[0]
     whole = n - n % LANES
-    lanes = np.zeros(LANES)
-    for start in range(0, whole, LANES):
-        lanes += x[start : start + LANES]
-    w = LANES
+    lanes = np.zeros((1, LANES))
+    for start in range(0, whole, LANES * _CHUNK):
+        stop = min(whole, start + LANES * _CHUNK)
+        t = np.array(a[start:stop], np.float64).reshape(-1, LANES)
+        if b is not None:
+            t *= np.asarray(b[start:stop], np.float64).reshape(-1, LANES)
+        t[0] += lanes[0]  # the lanes so far, then this pass's blocks in order
+        lanes = np.add.reduce(t, axis=0, keepdims=True)
+    v, w = lanes[0], LANES
     while w > 1:
         w //= 2
-        lanes = lanes[:w] + lanes[w : 2 * w]
-    s = float(lanes[0])
-    for v in x[whole:]:
-        s += float(v)
+        v = v[:w] + v[w : 2 * w]
+    s = float(v[0])
+    for j in range(whole, n):
+        s += float(a[j]) if b is None else float(a[j]) * float(b[j])
     return s
 
 
 def row_sum(a: np.ndarray, i: int, n: int) -> float:
     """Σ_{j<n} a[i, j] in float64, in the lanes' order."""
-    return _lanes_reference(np.asarray(a[i, :n], np.float64))
+    return _lanes_reference(a[i, :n])
 
 
 def row_dot(a: np.ndarray, b: np.ndarray, i: int, n: int) -> float:
     """Σ_{j<n} a[i, j]·b[i, j] in float64 (each factor widened first), in the lanes' order."""
-    return _lanes_reference(np.asarray(a[i, :n], np.float64) * np.asarray(b[i, :n], np.float64))
+    return _lanes_reference(a[i, :n], b[i, :n])
+
+
+def sum_squares(x: np.ndarray) -> float:
+    """Σ x[j]² of a vector in float64 (each element widened first), in the lanes' order: a
+    gradient norm's sum, the same bits whatever the BLAS, and no float32 overflow."""
+    return _lanes_reference(x, x)
 
 
 def _row_pointer(context, builder, aty, value, i):
@@ -169,6 +186,14 @@ def compile_for_numba() -> None:
             for j in range(n - n % LANES, n):
                 s += np.float64(a[i, j]) * np.float64(b[i, j])
             return s
+
+        return impl
+
+    @overload(sum_squares)
+    def _sum_squares_vector(x):
+        def impl(x):
+            rows = x.reshape((1, x.shape[0]))  # a contiguous vector as one row
+            return row_dot(rows, rows, 0, x.shape[0])
 
         return impl
 

@@ -42,6 +42,7 @@ import numpy as np
 
 from numesh.base.errors import ReplicaError
 from numesh.base.tree import Tree, flatten, tree_leaves, tree_leaves_with_path, tree_map, tree_map_with_path
+from numesh.host.kernels import sum_squares
 from numesh.mesh import Mesh, pmax, psum, psum_scalar
 from numesh.optim import adamw
 from numesh.optim.adamw import decays
@@ -249,7 +250,7 @@ class ZeroOptimizer(Generic[K]):
         for key, runs in self._norm_runs.items():
             g = self.sync.grad(key)
             for a, b in runs:  # a few contiguous runs per unit: no masked copy of g
-                total += float(np.dot(g[a:b], g[a:b]))
+                total += sum_squares(g[a:b])  # float64 lanes: no BLAS-dependent bits, no float32 overflow
         axes = [a for a in ("pp", "ep", "tp") if self.mesh.shape[a] > 1]  # other leaves, or one copy of each
         if self.sync.sharded and self.layout.dp > 1:
             axes.append("dp")  # each dp rank holds a different shard of the gradient
