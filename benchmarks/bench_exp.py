@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import numpy as np
 from numesh.host import kernels as K
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import describe, machine  # noqa: E402
+from common import describe, machine, ns_per_element, print_ns_table  # noqa: E402
 
 
 # not cached: numba keys a cache on this file alone, so a changed kernels.py would be timed stale
@@ -65,22 +64,10 @@ def main() -> None:
     x[::7] = -np.inf
     out = np.empty_like(x)
     sides = _sides(x, out)
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    for fn in sides.values():
-        fn()  # compile, warm
-    for _ in range(args.rounds):
-        for name, fn in sides.items():
-            t0 = time.perf_counter()
-            for _ in range(args.reps):
-                fn()
-            times[name].append((time.perf_counter() - t0) / args.reps / args.n * 1e9)
+    times = ns_per_element(sides, args.n, args.rounds, args.reps)
     print(describe(machine()))
     print(f"float32 exp, {args.n:,} elements, 1 thread, {args.rounds} rounds")
-    print("| exp | median ns/element | min |")
-    print("|---|---|---|")
-    for name, t in times.items():
-        print(f"| {name} | {np.median(t):.3f} | {min(t):.3f} |")
-
+    print_ns_table("exp", times)
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ from numesh.host import llama_kernels as LK
 from numesh.host.lanes import row_dot, row_sum
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import describe, machine  # noqa: E402
+from common import describe, machine, ns_per_element, print_ns_table  # noqa: E402
 
 
 # not cached: numba keys a cache on this file alone, so a changed lanes.py would be timed stale
@@ -107,22 +106,9 @@ def main() -> None:
     print(describe(machine()))
     for shape in args.shapes.split(","):
         n, c = (int(v) for v in shape.split("x"))
-        sides = _sides(n, c)
-        times: dict[str, list[float]] = {k: [] for k in sides}
-        for fn in sides.values():
-            fn()  # compile, warm
-        for _ in range(args.rounds):
-            for name, fn in sides.items():
-                t0 = time.perf_counter()
-                for _ in range(args.reps):
-                    fn()
-                times[name].append((time.perf_counter() - t0) / args.reps / (n * c) * 1e9)
+        times = ns_per_element(_sides(n, c), n * c, args.rounds, args.reps)
         print(f"\nfloat32 rows {n} x {c}, 1 thread, {args.rounds} rounds")
-        print("| kernel | median ns/element | min |")
-        print("|---|---|---|")
-        for name, t in times.items():
-            print(f"| {name} | {np.median(t):.3f} | {min(t):.3f} |")
-
+        print_ns_table("kernel", times)
 
 if __name__ == "__main__":
     main()

@@ -301,6 +301,31 @@ def alternate(sides: Sequence[str], rounds: int, measure: Callable[[str], dict[s
     return runs
 
 
+def ns_per_element(sides: dict[str, Callable[[], object]], elements: int, rounds: int,
+                   reps: int) -> dict[str, list[float]]:
+    """Each side's ns an element (`elements` per call), one timing of `reps` calls per round,
+    the sides back to back in every round (a drift of the machine hits them alike), after a
+    call of each that compiles and warms it."""
+    for fn in sides.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(rounds):
+        for name, fn in sides.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times[name].append((time.perf_counter() - t0) / reps / elements * 1e9)
+    return times
+
+
+def print_ns_table(what: str, times: dict[str, list[float]]) -> None:
+    """`ns_per_element`'s times as a markdown table: the median and the minimum of each side."""
+    print(f"| {what} | median ns/element | min |")
+    print("|---|---|---|")
+    for name, t in times.items():
+        print(f"| {name} | {statistics.median(t):.3f} | {min(t):.3f} |")
+
+
 def span(rs: list[dict[str, Any]], key: str, spec: str) -> str:
     """`key` over the rounds' results `rs` as "lo–hi" (one number when they print alike),
     or the rounds' errors."""
