@@ -166,6 +166,26 @@ def test_compiled_stripe_loops_match_the_python_loops(small_tiles, monkeypatch, 
         assert not np.allclose(compiled[0], _run(q, k, v, dy, diag)[0], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("vis0", [-3, 0, 5, 40])
+def test_one_sweep_of_probabilities_and_their_gradient_is_the_two_sweeps_bit_for_bit(dtype, vis0):
+    """`stripe_probs_grad` (the backward without dropout) gives what `stripe_probs` then
+    `stripe_grad` give, bits and signed zeros included, whether a tile hides nothing, part
+    of its rows or (past the diagonal) whole rows."""
+    rng = np.random.default_rng(3)
+    s = rng.standard_normal((2, 24, 19)).astype(dtype)
+    dp = rng.standard_normal(s.shape).astype(dtype)
+    lse, dd = (rng.standard_normal((2, 19)).astype(dtype) for _ in range(2))
+    u = np.zeros((2, 19), np.uint64)
+    p1, dp1, p2, dp2 = s.copy(), dp.copy(), s.copy(), dp.copy()
+    K.stripe_probs(p1, vis0, lse)
+    K.stripe_grad(p1, dp1, dd, np.uint64(0), np.uint64(0), dtype(1), u, u[0])
+    K.stripe_probs_grad(p2, dp2, vis0, lse, dd)
+    for a, b in ((p1, p2), (dp1, dp2)):
+        assert a.tobytes() == b.tobytes()
+    assert (p2 == 0).any() == (vis0 < 24)  # the cases hide something, except the one that sees all
+
+
 def test_the_gemm_probe_refuses_a_gemm_that_disagrees_with_numpy():
     """numpy's GEMM for the compiled loops is kept only if it gives np.matmul's bits: dgemm's
     address offered as sgemm's fails the probe (it reads float32 data as float64)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from numesh.host.blas import NO_TRANS, TRANS, gemm
-from numesh.host.kernels import _JIT, njit, stripe_dropped, stripe_grad, stripe_probs, stripe_softmax
+from numesh.host.kernels import _JIT, njit, stripe_dropped, stripe_grad, stripe_probs, stripe_probs_grad, stripe_softmax
 
 _N, _T = np.int64(NO_TRANS), np.int64(TRANS)
 
@@ -52,45 +52,38 @@ def group_fwd(fn, q, k, v, y, lse, scale, diag, starts, qt, kt, buf, key, thresh
     """The stripes starting at `starts` (qt query rows each, key tiles of kt): y's rows and
     each row's log-sum-exp, as numesh.nn.attention's `_stripe_fwd` writes them. q, k, v
     unscaled, each row of hs contiguous but rows any stride (`_ld`): the scores' GEMM
-    applies `scale`."""
+    applies `scale`. Head by head within a key tile: its scores' GEMM, softmax and P·V
+    while its tile is in cache."""
     nb, nh, g, G = _heads(q)
     T, hs, Tk = q.shape[3], q.shape[4], k.shape[3]
     one, zero = q.dtype.type(1.0), q.dtype.type(0.0)
     hs64, ldq, ldk, ldv = np.int64(hs), _ld(q), _ld(k), _ld(v)
-    pv = np.empty((G, qt, hs), q.dtype)
+    pv = np.empty((qt, hs), q.dtype)
     acc = np.empty((G, qt, hs), q.dtype)
     for q0 in starts:
         q1 = min(T, q0 + qt)
         rows = q1 - q0
+        nr = np.int64(rows)
         m = np.full((G, rows), -np.inf, q.dtype)
         l = np.zeros((G, rows), q.dtype)
         alpha = np.empty((G, rows), q.dtype)
         base_s = np.ascontiguousarray(base[:, q0:q1])
         end = min(Tk, q1 + diag)
-        first = True
         for j0 in range(0, end, kt):
             j1 = min(end, j0 + kt)
             keys, vis0 = j1 - j0, q0 + diag + 1 - j0
-            s = buf[: G * keys * rows].reshape((G, keys, rows))
+            s = buf[: keys * rows].reshape((1, keys, rows))  # one head's scores [1, keys, rows]
             for b in range(nb):
                 for h in range(nh):
                     for i in range(g):
                         x = (b * nh + h) * g + i
-                        gemm(fn, _N, _T, np.int64(keys), np.int64(rows), hs64, scale, k[b, h, 0, j0:].ctypes.data,
-                             ldk, q[b, h, i, q0:].ctypes.data, ldq, zero, s[x].ctypes.data, np.int64(rows))
-            stripe_softmax(s, vis0, m, l, alpha, key, threshold, inv_keep, base_s, kpos[j0:j1])
-            for b in range(nb):
-                for h in range(nh):
-                    for i in range(g):
-                        x = (b * nh + h) * g + i
-                        gemm(fn, _T, _N, np.int64(rows), hs64, np.int64(keys), one, s[x].ctypes.data, np.int64(rows),
-                             v[b, h, 0, j0:].ctypes.data, ldv, zero, pv[x].ctypes.data, hs64)
-            for x in range(G):
-                for r in range(rows):
-                    a = alpha[x, r]
-                    for c in range(hs):
-                        acc[x, r, c] = pv[x, r, c] if first else acc[x, r, c] * a + pv[x, r, c]
-            first = False
+                        gemm(fn, _N, _T, np.int64(keys), nr, hs64, scale, k[b, h, 0, j0:].ctypes.data,
+                             ldk, q[b, h, i, q0:].ctypes.data, ldq, zero, s.ctypes.data, nr)
+                        stripe_softmax(s, vis0, m[x:x + 1], l[x:x + 1], alpha[x:x + 1], key, threshold, inv_keep,
+                                       base_s[x:x + 1], kpos[j0:j1])
+                        gemm(fn, _T, _N, nr, hs64, np.int64(keys), one, s.ctypes.data, nr,
+                             v[b, h, 0, j0:].ctypes.data, ldv, zero, pv.ctypes.data, hs64)
+                        _fold(acc[x], pv, alpha[x], rows, j0 == 0)
         for b in range(nb):
             for h in range(nh):
                 for i in range(g):
@@ -103,13 +96,24 @@ def group_fwd(fn, q, k, v, y, lse, scale, diag, starts, qt, kt, buf, key, thresh
 
 
 @njit(**_JIT)
+def _fold(acc, pv, alpha, rows, first):
+    """acc [qt, hs] <- a key tile's P·V rows (the first tile), or acc·alpha + P·V."""
+    for r in range(rows):
+        a = alpha[r]
+        for c in range(acc.shape[1]):
+            acc[r, c] = pv[r, c] if first else acc[r, c] * a + pv[r, c]
+
+
+@njit(**_JIT)
 def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, starts, qt, kt, p_buf, dp_buf, pd_buf, key,
               threshold, inv_keep, base, kpos):
     """The group's stripes starting at `starts`, in order: dq, and each query head's share
     of dk and dv, accumulated as numesh.nn.attention's `_stripe_bwd` does (added to what
     they hold: the GEMMs' beta is 1); q unscaled (the GEMMs that read it, and dq's, apply
     `scale`); q, k, v, dy, dq, dk, dv rows of hs contiguous at any stride; lse and dd [nb,
-    nh, g, T] C-contiguous."""
+    nh, g, T] C-contiguous. Head by head within a key tile, as `group_fwd`; without dropout
+    d(probabilities)' GEMM runs first, so that one sweep makes the probabilities and
+    d(scores) (`stripe_probs_grad`)."""
     nb, nh, g, G = _heads(q)
     T, hs, Tk = q.shape[3], q.shape[4], k.shape[3]
     one, zero = q.dtype.type(1.0), q.dtype.type(0.0)
@@ -125,8 +129,9 @@ def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, starts, qt, kt,
         for j0 in range(0, end, kt):
             j1 = min(end, j0 + kt)
             keys, vis0 = j1 - j0, q0 + diag + 1 - j0
-            p = p_buf[: G * keys * rows].reshape((G, keys, rows))
-            dp = dp_buf[: G * keys * rows].reshape((G, keys, rows))
+            p = p_buf[: keys * rows].reshape((1, keys, rows))  # one head's [1, keys, rows]
+            dp = dp_buf[: keys * rows].reshape((1, keys, rows))
+            dropped = p if threshold == 0 else pd_buf[: keys * rows].reshape((1, keys, rows))
             kpos_s = kpos[j0:j1]
             nk, nr = np.int64(keys), np.int64(rows)
             for b in range(nb):
@@ -134,26 +139,19 @@ def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, starts, qt, kt,
                     for i in range(g):
                         x = (b * nh + h) * g + i
                         gemm(fn, _N, _T, nk, nr, hs64, scale, k[b, h, 0, j0:].ctypes.data, ldk,
-                             q[b, h, i, q0:].ctypes.data, ldq, zero, p[x].ctypes.data, nr)
-            stripe_probs(p, vis0, lse_s)  # the attention probabilities [G, keys, rows]
-            dropped = p  # the weights the values were averaged with
-            if threshold != 0:
-                dropped = pd_buf[: G * keys * rows].reshape((G, keys, rows))
-                stripe_dropped(p, dropped, key, threshold, inv_keep, base_s, kpos_s)
-            for b in range(nb):
-                for h in range(nh):
-                    for i in range(g):
-                        x = (b * nh + h) * g + i
-                        gemm(fn, _N, _N, nk, hs64, nr, one, dropped[x].ctypes.data, nr,
-                             dy[b, h, i, q0:].ctypes.data, ldy, one, dv[b, h, i, j0:].ctypes.data, ldv_out)
+                             q[b, h, i, q0:].ctypes.data, ldq, zero, p.ctypes.data, nr)
                         gemm(fn, _N, _T, nk, nr, hs64, one, v[b, h, 0, j0:].ctypes.data, ldv,
-                             dy[b, h, i, q0:].ctypes.data, ldy, zero, dp[x].ctypes.data, nr)
-            stripe_grad(p, dp, dd_s, key, threshold, inv_keep, base_s, kpos_s)  # d(scores)
-            for b in range(nb):
-                for h in range(nh):
-                    for i in range(g):
-                        x = (b * nh + h) * g + i
-                        gemm(fn, _T, _N, nr, hs64, nk, scale, dp[x].ctypes.data, nr, k[b, h, 0, j0:].ctypes.data,
+                             dy[b, h, i, q0:].ctypes.data, ldy, zero, dp.ctypes.data, nr)  # d(probabilities)
+                        if threshold == 0:
+                            stripe_probs_grad(p, dp, vis0, lse_s[x:x + 1], dd_s[x:x + 1])
+                        else:
+                            stripe_probs(p, vis0, lse_s[x:x + 1])  # the attention probabilities
+                            stripe_dropped(p, dropped, key, threshold, inv_keep, base_s[x:x + 1], kpos_s)
+                            stripe_grad(p, dp, dd_s[x:x + 1], key, threshold, inv_keep, base_s[x:x + 1], kpos_s)
+                        # dv with the weights the values were averaged with; dq, dk with d(scores)
+                        gemm(fn, _N, _N, nk, hs64, nr, one, dropped.ctypes.data, nr,
+                             dy[b, h, i, q0:].ctypes.data, ldy, one, dv[b, h, i, j0:].ctypes.data, ldv_out)
+                        gemm(fn, _T, _N, nr, hs64, nk, scale, dp.ctypes.data, nr, k[b, h, 0, j0:].ctypes.data,
                              ldk, one, dq[b, h, i, q0:].ctypes.data, ldq_out)
-                        gemm(fn, _N, _N, nk, hs64, nr, scale, dp[x].ctypes.data, nr, q[b, h, i, q0:].ctypes.data,
+                        gemm(fn, _N, _N, nk, hs64, nr, scale, dp.ctypes.data, nr, q[b, h, i, q0:].ctypes.data,
                              ldq, one, dk[b, h, i, j0:].ctypes.data, ldk_out)

@@ -447,6 +447,28 @@ def stripe_probs(s, vis0, lse):
 
 
 @njit(**_JIT)
+def stripe_probs_grad(s, dp, vis0, lse, dd):
+    """`stripe_probs` then `stripe_grad` without dropout, in one sweep: s <- the
+    probabilities exp(s - lse[g, r]) (0 where hidden), dp <- s·(dp - dd[g, r]), row by row
+    while the row is in L1, with their ops and order, so the same bits; it reads the
+    probabilities back from L1 where the second sweep read them from the tile (which at
+    2048 keys × 128 queries is larger than L2). dp must hold d(probabilities) already:
+    the backward runs that GEMM first."""
+    groups, keys, rows = s.shape
+    for g in range(groups):
+        lg, dg = lse[g], dd[g]
+        for j in range(keys):
+            row, dj = s[g, j], dp[g, j]
+            for r in range(rows):
+                row[r] = vexp_low(row[r] - lg[r])
+            if j >= vis0:
+                for r in range(_first_seen(vis0, j, rows)):
+                    row[r] = 0.0
+            for r in range(rows):
+                dj[r] = row[r] * (dj[r] - dg[r])
+
+
+@njit(**_JIT)
 def stripe_dropped(p, out, key, threshold, inv_keep, row_base, kpos):
     """out = the probabilities p after dropout (the weights the values were averaged with)."""
     groups, keys, rows = p.shape
@@ -548,6 +570,7 @@ def warm_up(dtype) -> None:
     stripe_probs(s, 1, v1)
     stripe_dropped(s, s.copy(), np.uint64(1), np.uint64(1), f(2), u[:, :2], u[0])
     stripe_grad(s, s.copy(), v1, np.uint64(1), np.uint64(1), f(2), u[:, :2], u[0])
+    stripe_probs_grad(s, s.copy(), 1, v1, v1)
     ce_bwd(np.ones((2, 3), f), np.ones(2, f), np.zeros(2, np.int64), np.ones(1))
     z = np.zeros(8, f)
     adamw(z, z.copy(), z.copy(), z.copy(), np.ones(8, bool), 0.0, 0.9, 0.99, 1e-8, 1.0, 1.0)  # decay: a bool mask
