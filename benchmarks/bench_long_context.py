@@ -8,6 +8,7 @@ attention kernel beside the time of its FLOPs.
     python benchmarks/bench_long_context.py --rows default:2048x1,baby:1024x2 --rounds 3
     python benchmarks/bench_long_context.py --sections tiles --threads 1 --clock cpu  # a shared machine
     python benchmarks/bench_long_context.py --sections copies --threads 1
+    python benchmarks/bench_long_context.py --sections products --threads 1 --clock cpu --rounds 5
     python benchmarks/bench_long_context.py --sections model --base ../before   # before/after a change
 
 Sections:
@@ -43,6 +44,9 @@ Sections:
              with each group reading contiguous copies of its rows from 2 stripes, from 9
              (numesh.nn.attention.COPY_STRIPES) or never, interleaved: what COPY_STRIPES
              was chosen from.
+  products   (on request) the kernel at the default model's, SmolLM2's and Llama 3's head
+             sizes (32, 64, 128) with its tile products on numesh.host.tile_gemm and on
+             BLAS, interleaved: what numesh.nn.attention.TILE_HEAD_SIZE was chosen from.
 
 Without torch installed, the torch sides are left out (said at the start, "—" in the
 tables) and the rest is measured. Ratios above 1 mean numesh is faster. This is a
@@ -427,6 +431,57 @@ def print_copies(t: dict[str, Any], threads: int, clock: str) -> None:
         print(f"| {row.replace(' hs', ', ')} | {stripes} | " + " | ".join(f"{r[n]:.2f}" for n in COPY_RULES) + " |")
 
 
+PRODUCT_ROWS = ((64, 12, 4, 4, 32), (1024, 2, 4, 4, 32), (4096, 1, 4, 4, 32), (512, 4, 9, 3, 64),
+                (2048, 1, 9, 3, 64), (1024, 2, 4, 1, 128))  # T, B, heads, kv heads, head size
+
+
+def products_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The kernel's forward + backward for each T × B × heads × head size of PRODUCT_ROWS
+    (the default model's 4 heads of 32, SmolLM2's 9/3 of 64, Llama 3's head size 128) with
+    its tile products on numesh.host.tile_gemm and on BLAS (MKL where numesh uses it, else
+    numpy's), the two interleaved round by round in this process; medians over --rounds × 3
+    rounds (--clock cpu: this thread's CPU time). What attention.TILE_HEAD_SIZE was chosen
+    from; `now` says which one numesh picks on this CPU."""
+    import numpy as np
+
+    from numesh.host.runtime import configure_process
+    from numesh.nn import attention as A
+
+    configure_process(args.threads, None)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    real = A._gemm
+    paths = {"blas": lambda dtype, hs: real(dtype, 1 << 30), "tile": lambda dtype, hs: 0}
+    out: dict[str, Any] = {}
+    try:
+        for T, B, H, Hk, hs in PRODUCT_ROWS:
+            rng = np.random.default_rng(0)
+            q, dy = (rng.standard_normal((B, H, T, hs)).astype(np.float32) for _ in range(2))
+            k, v = (rng.standard_normal((B, Hk, T, hs)).astype(np.float32) for _ in range(2))
+            y = np.empty_like(q)
+
+            def step() -> None:
+                lse = A.attend_fwd(q, k, v, y, scale=1 / math.sqrt(hs))
+                grads = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
+                A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=1 / math.sqrt(hs))
+
+            now = "tile" if real(np.float32, hs) == 0 else "blas"
+            times = _interleaved(step, {p: lambda f=f: setattr(A, "_gemm", f) for p, f in paths.items()},
+                                 3 * args.rounds, clock)
+            out[f"{T}x{B} {H}/{Hk}x{hs}"] = {**{p: statistics.median(ts) * 1e3 for p, ts in times.items()}, "now": now}
+    finally:
+        A._gemm = real
+    return out
+
+
+def print_products(t: dict[str, Any], threads: int, clock: str) -> None:
+    print(f"\nproducts: the kernel's forward + backward, float32, {threads} threads, "
+          f"{'CPU' if clock == 'cpu' else 'wall'} ms (median) with its tile products on BLAS and on tile_gemm")
+    print("| T × B, heads, head size | BLAS | tile_gemm | tile_gemm / BLAS | numesh uses |")
+    print("|---|---|---|---|---|")
+    for row, r in t.items():
+        print(f"| {row} | {r['blas']:.2f} | {r['tile']:.2f} | {r['tile'] / r['blas']:.3f}× | {r['now']} |")
+
+
 def print_tiles(t: dict[str, Any], threads: int, clock: str) -> None:
     sizes = list(t)
     print(f"\ntiles: the kernel's forward + backward, T = {ATTN['T']}, heads x head size = 128, {threads} threads, "
@@ -460,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="model,attention",
-                    help="comma-separated: model, attention, loops, tiles, copies (default model,attention)")
+                    help="comma-separated: model, attention, loops, tiles, copies, products (default model,attention)")
     ap.add_argument("--threads", type=int, default=2, help="threads per process (default 2)")
     ap.add_argument("--rows", default=ROWS, help=f"model:TxB,... (default {ROWS})")
     ap.add_argument("--rounds", type=int, default=2, help="numesh/torch rounds per row (default 2)")
@@ -510,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
     if "copies" in sections:
         report["copies"] = copies_section(args)
         print_copies(report["copies"], args.threads, args.clock)
+    if "products" in sections:
+        report["products"] = products_section(args)
+        print_products(report["products"], args.threads, args.clock)
     if args.json:
         print(json.dumps(report))
     return 0

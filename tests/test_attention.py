@@ -44,6 +44,18 @@ def small_tiles(monkeypatch):
     return set_tiles
 
 
+@pytest.fixture(params=["tile", "blas"])
+def products(request, monkeypatch):
+    """The compiled loops multiply their tiles with numesh.host.tile_gemm ("tile") or with
+    BLAS ("blas"), whatever this CPU and the head size would pick (`attention._gemm`)."""
+    real = A._gemm
+    if request.param == "tile":
+        monkeypatch.setattr(A, "_gemm", lambda dtype, hs: None if real(dtype, hs) is None else 0)
+    else:
+        monkeypatch.setattr(A, "_gemm", lambda dtype, hs: real(dtype, 1 << 30))
+    return request.param
+
+
 def _inputs(B, H, Tq, Tk, hs, dtype=np.float64, seed=0, kv_heads=None):
     rng = np.random.default_rng(seed)
     q, dy = (rng.standard_normal((B, H, Tq, hs)).astype(dtype) for _ in range(2))
@@ -141,12 +153,13 @@ def _compiled_gemm() -> None:
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 @pytest.mark.parametrize("B,H,Tq,Tk,hs,diag,qt,kt,kv", [*(c.values + (None,) for c in CASES),
                                                         (1, 6, 37, 37, 8, 0, 8, 16, 2), (2, 4, 33, 33, 8, 0, 8, 8, 1)])
-def test_compiled_stripe_loops_match_the_python_loops(small_tiles, monkeypatch, dtype, dropout, B, H, Tq, Tk, hs,
-                                                      diag, qt, kt, kv):
-    """numesh.host.attention_kernels (one GIL-free call per group, numpy's GEMM called from
-    numba) computes what the Python stripe loop computes, dropout's pattern included, to
-    rounding: it accumulates the gradients in the GEMM (beta = 1) where the loop adds each
-    product, and takes libm's log for the log-sum-exp where NumPy has its own."""
+def test_compiled_stripe_loops_match_the_python_loops(small_tiles, products, monkeypatch, dtype, dropout, B, H, Tq,
+                                                      Tk, hs, diag, qt, kt, kv):
+    """numesh.host.attention_kernels (one GIL-free call per group, its tile products by
+    numesh.host.tile_gemm or by BLAS called from numba) computes what the Python stripe
+    loop computes, dropout's pattern included, to rounding: it accumulates the gradients
+    in the GEMM (beta = 1) where the loop adds each product, and takes libm's log for the
+    log-sum-exp where NumPy has its own."""
     _compiled_gemm()
     small_tiles(qt, kt)
     q, k, v, dy = _inputs(B, H, Tq, Tk, hs, dtype, kv_heads=kv)
@@ -239,7 +252,7 @@ def test_backward_matches_finite_differences(small_tiles, dropout):
 
 @pytest.mark.parametrize("T", [33, 300])  # one stripe (read in place), several (copied)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_gradients_into_any_views_are_the_same_bits(T, dtype):
+def test_gradients_into_any_views_are_the_same_bits(products, T, dtype):
     """The compiled backward adds dq, dk, dv straight into gradients whose rows are
     contiguous, and through buffers into any others (every other element of a wider array,
     here): the same bits either way, and a second call adds to what the first left."""
@@ -313,7 +326,7 @@ def test_dropout_pattern_depends_on_global_coordinates_only():
 # threads take runs of (query head, stripe pair) units, heads cut between runs; with GQA the
 # query heads of one kv head
 @pytest.mark.parametrize("B,H,Hkv", [(3, 2, 2), (1, 1, 1), (1, 6, 2), (2, 3, 1), (1, 9, 3)])
-def test_results_do_not_depend_on_the_thread_count(with_threads, small_tiles, dtype, B, H, Hkv):
+def test_results_do_not_depend_on_the_thread_count(with_threads, small_tiles, products, dtype, B, H, Hkv):
     small_tiles(8, 16)
     q, k, v, dy = _inputs(B, H, 40, 40, 8, dtype, kv_heads=Hkv)
     drop = AttnDropout(0.2, key=1, row0=0, n_head=H, head0=0, seq=40)

@@ -232,7 +232,7 @@ def test_training_runs_with_the_kernels_off(tmp_path):
     code = ("import numpy as np; import numesh.host.kernels as K; from numesh.nn import attention as A; "
             "r = np.random.default_rng(0); q, k, v = (r.standard_normal((1, 2, 70, 8)) for _ in range(3)); "
             "y = np.empty_like(q); A.attend_fwd(q, k, v, y, scale=8 ** -0.5); "
-            "print(K.enabled(), A._gemm(np.float64), float(np.abs(y - A.attention_reference(q, k, v)).max()))")
+            "print(K.enabled(), A._gemm(np.float64, 8), float(np.abs(y - A.attention_reference(q, k, v)).max()))")
     env = {**os.environ, "NUMESH_KERNELS": "numpy"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     enabled, gemm, err = out.split()

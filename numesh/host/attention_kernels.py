@@ -27,6 +27,7 @@ import numpy as np
 
 from numesh.host.blas import NO_TRANS, TRANS, gemm
 from numesh.host.kernels import _JIT, njit, stripe_dropped, stripe_grad, stripe_probs, stripe_probs_grad, stripe_softmax
+from numesh.host.tile_gemm import VB, tile_mm
 
 _N, _T = np.int64(NO_TRANS), np.int64(TRANS)
 
@@ -48,6 +49,44 @@ def _ld(a):
 
 
 @njit(**_JIT)
+def _prod(fn, ta, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, raw):
+    """C = alpha·op(A)·B + beta·C (beta 0 or 1, B not transposed), row-major, addresses a,
+    b, c: by the BLAS GEMM at fn, or where fn is 0 by `tile_mm`, which reads A in place."""
+    if fn != 0:
+        gemm(fn, ta, _N, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+    elif ta == _N:
+        tile_mm(m, n, k, alpha, a, lda, np.int64(1), b, ldb, c, ldc, beta != 0, raw)
+    else:
+        tile_mm(m, n, k, alpha, a, np.int64(1), lda, b, ldb, c, ldc, beta != 0, raw)
+
+
+@njit(**_JIT)
+def _scores(fn, alpha, k, ldk, x, keys, out, xt, raw):
+    """out [keys, rows] = alpha·K·xᵀ: a key tile's K (address k, row stride ldk) against x
+    [rows, hs], one head's query (or dy) rows of a stripe. BLAS reads x transposed in
+    place; `tile_mm` reads xᵀ's rows, copied into xt first."""
+    rows, hs = x.shape
+    zero = x.dtype.type(0.0)
+    if fn != 0:
+        gemm(fn, _N, _T, np.int64(keys), np.int64(rows), np.int64(hs), alpha, k, ldk, x.ctypes.data, _ld(x), zero,
+             out, np.int64(rows))
+        return
+    t = xt[: hs * rows].reshape((hs, rows))
+    for r in range(rows):
+        for c in range(hs):
+            t[c, r] = x[r, c]
+    tile_mm(np.int64(keys), np.int64(rows), np.int64(hs), alpha, k, ldk, np.int64(1), t.ctypes.data, np.int64(rows),
+            out, np.int64(rows), False, raw)
+
+
+@njit(**_JIT)
+def _scratch(q, qt, kt):
+    """xt and raw for `_scores` and `_prod`: a stripe's xᵀ, and `tile_mm`'s partial sums."""
+    w = VB // q.itemsize
+    return np.empty(q.shape[4] * qt, q.dtype), np.empty(max(qt, kt) * 4 * w, q.dtype)
+
+
+@njit(**_JIT)
 def group_fwd(fn, q, k, v, y, lse, scale, diag, starts, qt, kt, buf, key, threshold, inv_keep, base, kpos):
     """The stripes starting at `starts` (qt query rows each, key tiles of kt): y's rows and
     each row's log-sum-exp, as numesh.nn.attention's `_stripe_fwd` writes them. q, k, v
@@ -57,7 +96,8 @@ def group_fwd(fn, q, k, v, y, lse, scale, diag, starts, qt, kt, buf, key, thresh
     nb, nh, g, G = _heads(q)
     T, hs, Tk = q.shape[3], q.shape[4], k.shape[3]
     one, zero = q.dtype.type(1.0), q.dtype.type(0.0)
-    hs64, ldq, ldk, ldv = np.int64(hs), _ld(q), _ld(k), _ld(v)
+    hs64, ldk, ldv = np.int64(hs), _ld(k), _ld(v)
+    xt, raw = _scratch(q, qt, kt)
     pv = np.empty((qt, hs), q.dtype)
     acc = np.empty((G, qt, hs), q.dtype)
     for q0 in starts:
@@ -77,12 +117,12 @@ def group_fwd(fn, q, k, v, y, lse, scale, diag, starts, qt, kt, buf, key, thresh
                 for h in range(nh):
                     for i in range(g):
                         x = (b * nh + h) * g + i
-                        gemm(fn, _N, _T, np.int64(keys), nr, hs64, scale, k[b, h, 0, j0:].ctypes.data,
-                             ldk, q[b, h, i, q0:].ctypes.data, ldq, zero, s.ctypes.data, nr)
+                        _scores(fn, scale, k[b, h, 0, j0:].ctypes.data, ldk, q[b, h, i, q0:q1], keys, s.ctypes.data,
+                                xt, raw)
                         stripe_softmax(s, vis0, m[x:x + 1], l[x:x + 1], alpha[x:x + 1], key, threshold, inv_keep,
                                        base_s[x:x + 1], kpos[j0:j1])
-                        gemm(fn, _T, _N, nr, hs64, np.int64(keys), one, s.ctypes.data, nr,
-                             v[b, h, 0, j0:].ctypes.data, ldv, zero, pv.ctypes.data, hs64)
+                        _prod(fn, _T, nr, hs64, np.int64(keys), one, s.ctypes.data, nr, v[b, h, 0, j0:].ctypes.data,
+                              ldv, zero, pv.ctypes.data, hs64, raw)
                         _fold(acc[x], pv, alpha[x], rows, j0 == 0)
         for b in range(nb):
             for h in range(nh):
@@ -116,9 +156,10 @@ def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, starts, qt, kt,
     d(scores) (`stripe_probs_grad`)."""
     nb, nh, g, G = _heads(q)
     T, hs, Tk = q.shape[3], q.shape[4], k.shape[3]
-    one, zero = q.dtype.type(1.0), q.dtype.type(0.0)
+    one = q.dtype.type(1.0)
     hs64, ldq, ldk, ldv, ldy = np.int64(hs), _ld(q), _ld(k), _ld(v), _ld(dy)
     ldq_out, ldk_out, ldv_out = _ld(dq), _ld(dk), _ld(dv)
+    xt, raw = _scratch(q, qt, kt)
     lse2, dd2 = lse.reshape((G, T)), dd.reshape((G, T))
     for q0 in starts:
         q1 = min(T, q0 + qt)
@@ -138,10 +179,10 @@ def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, starts, qt, kt,
                 for h in range(nh):
                     for i in range(g):
                         x = (b * nh + h) * g + i
-                        gemm(fn, _N, _T, nk, nr, hs64, scale, k[b, h, 0, j0:].ctypes.data, ldk,
-                             q[b, h, i, q0:].ctypes.data, ldq, zero, p.ctypes.data, nr)
-                        gemm(fn, _N, _T, nk, nr, hs64, one, v[b, h, 0, j0:].ctypes.data, ldv,
-                             dy[b, h, i, q0:].ctypes.data, ldy, zero, dp.ctypes.data, nr)  # d(probabilities)
+                        _scores(fn, scale, k[b, h, 0, j0:].ctypes.data, ldk, q[b, h, i, q0:q1], keys, p.ctypes.data,
+                                xt, raw)
+                        _scores(fn, one, v[b, h, 0, j0:].ctypes.data, ldv, dy[b, h, i, q0:q1], keys, dp.ctypes.data,
+                                xt, raw)  # d(probabilities)
                         if threshold == 0:
                             stripe_probs_grad(p, dp, vis0, lse_s[x:x + 1], dd_s[x:x + 1])
                         else:
@@ -149,9 +190,9 @@ def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, starts, qt, kt,
                             stripe_dropped(p, dropped, key, threshold, inv_keep, base_s[x:x + 1], kpos_s)
                             stripe_grad(p, dp, dd_s[x:x + 1], key, threshold, inv_keep, base_s[x:x + 1], kpos_s)
                         # dv with the weights the values were averaged with; dq, dk with d(scores)
-                        gemm(fn, _N, _N, nk, hs64, nr, one, dropped.ctypes.data, nr,
-                             dy[b, h, i, q0:].ctypes.data, ldy, one, dv[b, h, i, j0:].ctypes.data, ldv_out)
-                        gemm(fn, _T, _N, nr, hs64, nk, scale, dp.ctypes.data, nr, k[b, h, 0, j0:].ctypes.data,
-                             ldk, one, dq[b, h, i, q0:].ctypes.data, ldq_out)
-                        gemm(fn, _N, _N, nk, hs64, nr, scale, dp.ctypes.data, nr, q[b, h, i, q0:].ctypes.data,
-                             ldq, one, dk[b, h, i, j0:].ctypes.data, ldk_out)
+                        _prod(fn, _N, nk, hs64, nr, one, dropped.ctypes.data, nr, dy[b, h, i, q0:].ctypes.data, ldy,
+                              one, dv[b, h, i, j0:].ctypes.data, ldv_out, raw)
+                        _prod(fn, _T, nr, hs64, nk, scale, dp.ctypes.data, nr, k[b, h, 0, j0:].ctypes.data, ldk,
+                              one, dq[b, h, i, q0:].ctypes.data, ldq_out, raw)
+                        _prod(fn, _N, nk, hs64, nr, scale, dp.ctypes.data, nr, q[b, h, i, q0:].ctypes.data, ldq,
+                              one, dk[b, h, i, j0:].ctypes.data, ldk_out, raw)

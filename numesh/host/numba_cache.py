@@ -20,7 +20,7 @@ from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 # the files with cached njit code, and lanes.py, whose vector reductions compile into kernels.py's
-SOURCES = ("kernels.py", "attention_kernels.py", "llama_kernels.py", "blas.py", "lanes.py")
+SOURCES = ("kernels.py", "attention_kernels.py", "llama_kernels.py", "blas.py", "lanes.py", "tile_gemm.py")
 
 
 @functools.cache

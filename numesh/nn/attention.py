@@ -51,10 +51,16 @@ import numpy as np
 from numesh.host import attention_kernels as AK
 from numesh.host import blas
 from numesh.host import kernels as K
+from numesh.host import tile_gemm as TG
 from numesh.host.threads import cores, in_pieces, over_rows
 
 QUERY_TILE = 128  # query rows per stripe (benchmarks/bench_long_context.py --sections tiles measures others)
 KEY_TILE = 2048  # keys per online-softmax step: bounds a stripe's buffer whatever T is
+# Heads up to this wide multiply their tiles with numesh.host.tile_gemm on AVX-512, wider ones
+# with BLAS: one thread, the kernel forward + backward took 0.88-0.95x BLAS's (MKL's) time at
+# head size 32, 0.96-1.03x at 64 and 1.16x at 128 on a Cascade Lake (`python
+# benchmarks/bench_long_context.py --sections products`).
+TILE_HEAD_SIZE = 32
 GROUP_SCORES = 1 << 18  # scores per group's buffer: (batch row, head) pairs are batched up to it
 # A group that runs more stripes than this reads contiguous copies of its q, k, v (and dy)
 # rows, else its rows in place: every stripe re-reads the keys, so the copy pays off only
@@ -390,12 +396,16 @@ def _own(x: np.ndarray, grp: _Group, scale: float | None = None) -> np.ndarray:
     return np.ascontiguousarray(part) if scale is None else part * part.dtype.type(scale)
 
 
-def _gemm(dtype) -> int | None:
-    """The address of numpy's GEMM for `numesh.host.attention_kernels` (the stripe loops
-    compiled, one GIL-free call per group), or None where the loops run here in Python:
+def _gemm(dtype, head_size: int) -> int | None:
+    """How `numesh.host.attention_kernels` (the stripe loops compiled, one GIL-free call per
+    group) multiplies a tile: 0 for `numesh.host.tile_gemm`'s register-tiled products, which
+    copy nothing, where the CPU has 64-byte vectors and heads are at most TILE_HEAD_SIZE
+    wide; else the address of the BLAS GEMM; or None where the loops run here in Python:
     numba off or missing, or no usable GEMM (`blas.gemm_addresses`)."""
     fns = blas.gemm_addresses() if K.enabled() else None
-    return None if fns is None else fns[np.dtype(dtype) == np.float64]
+    if fns is None:
+        return None
+    return 0 if TG.VB == 64 and head_size <= TILE_HEAD_SIZE else fns[np.dtype(dtype) == np.float64]
 
 
 def _stream(drop: AttnDropout | None, grp: _Group, qpos: np.ndarray, kpos: np.ndarray, dtype,
@@ -411,7 +421,7 @@ def _group_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, grp: _Group, star
     its query heads `grp.i` (q, y [B, Hkv, g, T, hs], lse [B, Hkv, g, T]; k, v [B, Hkv, 1,
     T, hs]): their y rows and log-sum-exps written."""
     yg, lseg = y[grp.b, grp.h, grp.i], lse[grp.b, grp.h, grp.i]
-    fn = _gemm(q.dtype)
+    fn = _gemm(q.dtype, q.shape[-1])
     if fn is not None:  # the scores' GEMM applies the scale
         qg, kg, vg = (_read(x, grp, len(starts) > COPY_STRIPES) for x in (q, k, v))
         AK.group_fwd(fn, qg, kg, vg, yg, lseg, q.dtype.type(scale), diag, np.asarray(starts, np.int64), QUERY_TILE,
@@ -507,7 +517,7 @@ def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, 
     in contiguous buffers, then add those once. `part`: one query head's part of its stripes,
     dk and dv [1, 1, 1, T, hs] its own buffers."""
     f = q.dtype.type
-    fn = _gemm(q.dtype)
+    fn = _gemm(q.dtype, q.shape[-1])
     qg, kg, vg, dyg = (_read(x, grp, fn is None or len(starts) > COPY_STRIPES) for x in (q, k, v, dy))
     lseg, ddg = _own(lse, grp), _own(dd, grp)
     per_head = (*qg.shape[:3], kg.shape[3])  # [nb, nh, the group's query heads, Tk]
