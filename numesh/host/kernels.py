@@ -451,9 +451,8 @@ def stripe_probs_grad(s, dp, vis0, lse, dd):
     """`stripe_probs` then `stripe_grad` without dropout, in one sweep: s <- the
     probabilities exp(s - lse[g, r]) (0 where hidden), dp <- s·(dp - dd[g, r]), row by row
     while the row is in L1, with their ops and order, so the same bits; it reads the
-    probabilities back from L1 where the second sweep read them from the tile (which at
-    2048 keys × 128 queries is larger than L2). dp must hold d(probabilities) already:
-    the backward runs that GEMM first."""
+    probabilities back from L1 where the second sweep read them from the tile again. dp
+    must hold d(probabilities) already: the backward runs that GEMM first."""
     groups, keys, rows = s.shape
     for g in range(groups):
         lg, dg = lse[g], dd[g]

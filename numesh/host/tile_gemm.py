@@ -1,8 +1,8 @@
 """The attention's tile products as register-tiled loops that read their operands in place.
 
 A BLAS GEMM copies ("packs") both operands into its own layout before it multiplies. At
-the attention's tile shapes one operand is a whole tile of scores (2,048 keys × 128
-queries) and the other is thin (a head's 32 or 64 columns), so the copies are a large part
+the attention's tile shapes one operand is a whole tile of scores (512 to 2,048 keys ×
+128 queries) and the other is thin (a head's 32 or 64 columns), so the copies are a large part
 of each call: MKL spent ~18 % of the kernel's time packing at T = 4,096, head size 32
 (`perf`), and its tile GEMMs ran at half its rate on large products
 (`python benchmarks/bench_long_context.py --sections attention` times the kernel).

@@ -55,7 +55,12 @@ from numesh.host import tile_gemm as TG
 from numesh.host.threads import cores, in_pieces, over_rows
 
 QUERY_TILE = 128  # query rows per stripe (benchmarks/bench_long_context.py --sections tiles measures others)
-KEY_TILE = 2048  # keys per online-softmax step: bounds a stripe's buffer whatever T is
+# keys per online-softmax step: bounds a stripe's buffer whatever T is. With the tile
+# products (tile_gemm) a 512 × 128 tile of scores and its gradient stay in L2 between the
+# products and the passes; one thread, the kernel took 0.98x (head size 32) and 0.97x (64)
+# the time it took with 2048-key tiles at T = 2048 (`python benchmarks/bench_long_context.py
+# --sections tiles --threads 1 --clock cpu`), 0.95-0.96x at T = 4096, head size 32
+KEY_TILE = 512
 # Heads up to this wide multiply their tiles with numesh.host.tile_gemm on AVX-512, wider ones
 # with BLAS: one thread, the kernel forward + backward took 0.88-0.95x BLAS's (MKL's) time at
 # head size 32, 0.96-1.03x at 64 and 1.16x at 128 on a Cascade Lake (`python
