@@ -61,29 +61,38 @@ def _prod(fn, ta, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, raw):
 
 
 @njit(**_JIT)
-def _scores(fn, alpha, k, ldk, x, keys, out, xt, raw):
-    """out [keys, rows] = alpha·K·xᵀ: a key tile's K (address k, row stride ldk) against x
-    [rows, hs], one head's query (or dy) rows of a stripe. BLAS reads x transposed in
-    place; `tile_mm` reads xᵀ's rows, copied into xt first."""
+def _transposed(fn, x, xt):
+    """xᵀ [hs, rows] of one head's stripe rows x [rows, hs], copied into xt where `tile_mm`
+    reads it (fn 0), once a stripe: the scores' products read its rows."""
     rows, hs = x.shape
-    zero = x.dtype.type(0.0)
-    if fn != 0:
-        gemm(fn, _N, _T, np.int64(keys), np.int64(rows), np.int64(hs), alpha, k, ldk, x.ctypes.data, _ld(x), zero,
-             out, np.int64(rows))
-        return
     t = xt[: hs * rows].reshape((hs, rows))
-    for r in range(rows):
-        for c in range(hs):
-            t[c, r] = x[r, c]
-    tile_mm(np.int64(keys), np.int64(rows), np.int64(hs), alpha, k, ldk, np.int64(1), t.ctypes.data, np.int64(rows),
-            out, np.int64(rows), False, raw)
+    if fn == 0:
+        for r in range(rows):
+            for c in range(hs):
+                t[c, r] = x[r, c]
+    return t
+
+
+@njit(**_JIT)
+def _scores(fn, alpha, k, ldk, x, xt, keys, out, raw):
+    """out [keys, rows] = alpha·K·xᵀ: a key tile's K (address k, row stride ldk) against x
+    [rows, hs], one head's query (or dy) rows of a stripe: BLAS reads x transposed in
+    place, `tile_mm` reads xt = xᵀ (`_transposed`)."""
+    rows, hs = x.shape
+    if fn != 0:
+        gemm(fn, _N, _T, np.int64(keys), np.int64(rows), np.int64(hs), alpha, k, ldk, x.ctypes.data, _ld(x),
+             x.dtype.type(0.0), out, np.int64(rows))
+    else:
+        tile_mm(np.int64(keys), np.int64(rows), np.int64(hs), alpha, k, ldk, np.int64(1), xt.ctypes.data,
+                np.int64(rows), out, np.int64(rows), False, raw)
 
 
 @njit(**_JIT)
 def _scratch(q, qt, kt):
-    """xt and raw for `_scores` and `_prod`: a stripe's xᵀ, and `tile_mm`'s partial sums."""
+    """xt and raw for `_scores` and `_prod`: room for a stripe's qᵀ and dyᵀ, and `tile_mm`'s
+    partial sums."""
     w = VB // q.itemsize
-    return np.empty(q.shape[4] * qt, q.dtype), np.empty(max(qt, kt) * 4 * w, q.dtype)
+    return np.empty(2 * q.shape[4] * qt, q.dtype), np.empty(max(qt, kt) * 4 * w, q.dtype)
 
 
 @njit(**_JIT)
@@ -91,8 +100,8 @@ def group_fwd(fn, q, k, v, y, lse, scale, diag, starts, qt, kt, buf, key, thresh
     """The stripes starting at `starts` (qt query rows each, key tiles of kt): y's rows and
     each row's log-sum-exp, as numesh.nn.attention's `_stripe_fwd` writes them. q, k, v
     unscaled, each row of hs contiguous but rows any stride (`_ld`): the scores' GEMM
-    applies `scale`. Head by head within a key tile: its scores' GEMM, softmax and P·V
-    while its tile is in cache."""
+    applies `scale`. Head by head, each through its key tiles: a tile's scores' GEMM,
+    softmax and P·V while the tile is in cache, qᵀ copied once a stripe (`_transposed`)."""
     nb, nh, g, G = _heads(q)
     T, hs, Tk = q.shape[3], q.shape[4], k.shape[3]
     one, zero = q.dtype.type(1.0), q.dtype.type(0.0)
@@ -109,25 +118,21 @@ def group_fwd(fn, q, k, v, y, lse, scale, diag, starts, qt, kt, buf, key, thresh
         alpha = np.empty((G, rows), q.dtype)
         base_s = np.ascontiguousarray(base[:, q0:q1])
         end = min(Tk, q1 + diag)
-        for j0 in range(0, end, kt):
-            j1 = min(end, j0 + kt)
-            keys, vis0 = j1 - j0, q0 + diag + 1 - j0
-            s = buf[: keys * rows].reshape((1, keys, rows))  # one head's scores [1, keys, rows]
-            for b in range(nb):
-                for h in range(nh):
-                    for i in range(g):
-                        x = (b * nh + h) * g + i
-                        _scores(fn, scale, k[b, h, 0, j0:].ctypes.data, ldk, q[b, h, i, q0:q1], keys, s.ctypes.data,
-                                xt, raw)
-                        stripe_softmax(s, vis0, m[x:x + 1], l[x:x + 1], alpha[x:x + 1], key, threshold, inv_keep,
-                                       base_s[x:x + 1], kpos[j0:j1])
-                        _prod(fn, _T, nr, hs64, np.int64(keys), one, s.ctypes.data, nr, v[b, h, 0, j0:].ctypes.data,
-                              ldv, zero, pv.ctypes.data, hs64, raw)
-                        _fold(acc[x], pv, alpha[x], rows, j0 == 0)
         for b in range(nb):
             for h in range(nh):
                 for i in range(g):
                     x = (b * nh + h) * g + i
+                    qs = q[b, h, i, q0:q1]
+                    tq = _transposed(fn, qs, xt)
+                    for j0 in range(0, end, kt):
+                        keys, vis0 = min(end, j0 + kt) - j0, q0 + diag + 1 - j0
+                        s = buf[: keys * rows].reshape((1, keys, rows))  # one head's scores [1, keys, rows]
+                        _scores(fn, scale, k[b, h, 0, j0:].ctypes.data, ldk, qs, tq, keys, s.ctypes.data, raw)
+                        stripe_softmax(s, vis0, m[x:x + 1], l[x:x + 1], alpha[x:x + 1], key, threshold, inv_keep,
+                                       base_s[x:x + 1], kpos[j0:j0 + keys])
+                        _prod(fn, _T, nr, hs64, np.int64(keys), one, s.ctypes.data, nr, v[b, h, 0, j0:].ctypes.data,
+                              ldv, zero, pv.ctypes.data, hs64, raw)
+                        _fold(acc[x], pv, alpha[x], rows, j0 == 0)
                     for r in range(rows):
                         lx = l[x, r]
                         for c in range(hs):
@@ -151,7 +156,7 @@ def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, starts, qt, kt,
     of dk and dv, accumulated as numesh.nn.attention's `_stripe_bwd` does (added to what
     they hold: the GEMMs' beta is 1); q unscaled (the GEMMs that read it, and dq's, apply
     `scale`); q, k, v, dy, dq, dk, dv rows of hs contiguous at any stride; lse and dd [nb,
-    nh, g, T] C-contiguous. Head by head within a key tile, as `group_fwd`; without dropout
+    nh, g, T] C-contiguous. Head by head, as `group_fwd`; without dropout
     d(probabilities)' GEMM runs first, so that one sweep makes the probabilities and
     d(scores) (`stripe_probs_grad`)."""
     nb, nh, g, G = _heads(q)
@@ -164,25 +169,25 @@ def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, starts, qt, kt,
     for q0 in starts:
         q1 = min(T, q0 + qt)
         rows = q1 - q0
+        nr = np.int64(rows)
         lse_s, dd_s = np.ascontiguousarray(lse2[:, q0:q1]), np.ascontiguousarray(dd2[:, q0:q1])
         base_s = np.ascontiguousarray(base[:, q0:q1])
         end = min(Tk, q1 + diag)
-        for j0 in range(0, end, kt):
-            j1 = min(end, j0 + kt)
-            keys, vis0 = j1 - j0, q0 + diag + 1 - j0
-            p = p_buf[: keys * rows].reshape((1, keys, rows))  # one head's [1, keys, rows]
-            dp = dp_buf[: keys * rows].reshape((1, keys, rows))
-            dropped = p if threshold == 0 else pd_buf[: keys * rows].reshape((1, keys, rows))
-            kpos_s = kpos[j0:j1]
-            nk, nr = np.int64(keys), np.int64(rows)
-            for b in range(nb):
-                for h in range(nh):
-                    for i in range(g):
-                        x = (b * nh + h) * g + i
-                        _scores(fn, scale, k[b, h, 0, j0:].ctypes.data, ldk, q[b, h, i, q0:q1], keys, p.ctypes.data,
-                                xt, raw)
-                        _scores(fn, one, v[b, h, 0, j0:].ctypes.data, ldv, dy[b, h, i, q0:q1], keys, dp.ctypes.data,
-                                xt, raw)  # d(probabilities)
+        for b in range(nb):
+            for h in range(nh):
+                for i in range(g):
+                    x = (b * nh + h) * g + i
+                    qs, dys = q[b, h, i, q0:q1], dy[b, h, i, q0:q1]
+                    tq, tdy = _transposed(fn, qs, xt), _transposed(fn, dys, xt[hs * qt:])
+                    for j0 in range(0, end, kt):
+                        keys, vis0 = min(end, j0 + kt) - j0, q0 + diag + 1 - j0
+                        nk, kpos_s = np.int64(keys), kpos[j0:j0 + keys]
+                        p = p_buf[: keys * rows].reshape((1, keys, rows))  # one head's [1, keys, rows]
+                        dp = dp_buf[: keys * rows].reshape((1, keys, rows))
+                        dropped = p if threshold == 0 else pd_buf[: keys * rows].reshape((1, keys, rows))
+                        _scores(fn, scale, k[b, h, 0, j0:].ctypes.data, ldk, qs, tq, keys, p.ctypes.data, raw)
+                        _scores(fn, one, v[b, h, 0, j0:].ctypes.data, ldv, dys, tdy, keys, dp.ctypes.data,
+                                raw)  # d(probabilities)
                         if threshold == 0:
                             stripe_probs_grad(p, dp, vis0, lse_s[x:x + 1], dd_s[x:x + 1])
                         else:
