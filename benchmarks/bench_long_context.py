@@ -338,6 +338,21 @@ def _interleaved(step: Callable[[], None], settings: dict[Any, Callable[[], None
     return times
 
 
+def _kernel_step(A: Any, q: Any, k: Any, v: Any, dy: Any, y: Any) -> Callable[[], None]:
+    """One forward + backward of numesh.nn.attention's kernel (`A`) on q [B, H, T, hs], k, v
+    [B, Hkv, T, hs], dy, into y, with fresh zeroed gradients each call."""
+    import numpy as np
+
+    scale = 1 / math.sqrt(q.shape[-1])
+
+    def step() -> None:
+        lse = A.attend_fwd(q, k, v, y, scale=scale)
+        grads = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
+        A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=scale)
+
+    return step
+
+
 def _set_tiles(A: Any, tiles: tuple[int, int]) -> None:
     """numesh.nn.attention's (QUERY_TILE, KEY_TILE)."""
     A.QUERY_TILE, A.KEY_TILE = tiles
@@ -366,11 +381,7 @@ def tiles_section(args: argparse.Namespace) -> dict[str, Any]:
             dy = rng.standard_normal((B, H, T, hs)).astype(np.float32)
             y = np.empty((B, T, H, hs), np.float32).transpose(0, 2, 1, 3)
 
-            def step() -> None:
-                lse = A.attend_fwd(q, k, v, y, scale=1 / math.sqrt(hs))
-                grads = [np.zeros((B, H, T, hs), np.float32) for _ in range(3)]
-                A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=1 / math.sqrt(hs))
-
+            step = _kernel_step(A, q, k, v, dy, y)
             times = _interleaved(step, {c: lambda c=c: _set_tiles(A, c) for c in TILES}, 3 * args.rounds, clock)
             out[f"hs{hs}"] = {f"{qt}x{kt}": (statistics.median(ts) * 1e3, min(ts) * 1e3)
                               for (qt, kt), ts in times.items()}
@@ -457,13 +468,7 @@ def products_section(args: argparse.Namespace) -> dict[str, Any]:
             rng = np.random.default_rng(0)
             q, dy = (rng.standard_normal((B, H, T, hs)).astype(np.float32) for _ in range(2))
             k, v = (rng.standard_normal((B, Hk, T, hs)).astype(np.float32) for _ in range(2))
-            y = np.empty_like(q)
-
-            def step() -> None:
-                lse = A.attend_fwd(q, k, v, y, scale=1 / math.sqrt(hs))
-                grads = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
-                A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=1 / math.sqrt(hs))
-
+            step = _kernel_step(A, q, k, v, dy, np.empty_like(q))
             now = "tile" if real(np.float32, hs) == 0 else "blas"
             times = _interleaved(step, {p: lambda f=f: setattr(A, "_gemm", f) for p, f in paths.items()},
                                  3 * args.rounds, clock)

@@ -64,12 +64,13 @@ def _prod(fn, ta, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, raw):
 def _transposed(fn, x, xt):
     """xᵀ [hs, rows] of one head's stripe rows x [rows, hs], copied into xt where `tile_mm`
     reads it (fn 0), once a stripe: the scores' products read its rows."""
+    if fn != 0:  # BLAS reads x in place
+        return xt[:0].reshape((0, 0))
     rows, hs = x.shape
     t = xt[: hs * rows].reshape((hs, rows))
-    if fn == 0:
-        for r in range(rows):
-            for c in range(hs):
-                t[c, r] = x[r, c]
+    for r in range(rows):
+        for c in range(hs):
+            t[c, r] = x[r, c]
     return t
 
 
@@ -88,9 +89,11 @@ def _scores(fn, alpha, k, ldk, x, xt, keys, out, raw):
 
 
 @njit(**_JIT)
-def _scratch(q, qt, kt):
+def _scratch(fn, q, qt, kt):
     """xt and raw for `_scores` and `_prod`: room for a stripe's qᵀ and dyᵀ, and `tile_mm`'s
-    partial sums."""
+    partial sums, where the tile products run (fn 0); BLAS needs neither."""
+    if fn != 0:
+        return np.empty(0, q.dtype), np.empty(0, q.dtype)
     w = VB // q.itemsize
     return np.empty(2 * q.shape[4] * qt, q.dtype), np.empty(max(qt, kt) * 4 * w, q.dtype)
 
@@ -106,7 +109,7 @@ def group_fwd(fn, q, k, v, y, lse, scale, diag, starts, qt, kt, buf, key, thresh
     T, hs, Tk = q.shape[3], q.shape[4], k.shape[3]
     one, zero = q.dtype.type(1.0), q.dtype.type(0.0)
     hs64, ldk, ldv = np.int64(hs), _ld(k), _ld(v)
-    xt, raw = _scratch(q, qt, kt)
+    xt, raw = _scratch(fn, q, qt, kt)
     pv = np.empty((qt, hs), q.dtype)
     acc = np.empty((G, qt, hs), q.dtype)
     for q0 in starts:
@@ -164,7 +167,7 @@ def group_bwd(fn, q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, starts, qt, kt,
     one = q.dtype.type(1.0)
     hs64, ldq, ldk, ldv, ldy = np.int64(hs), _ld(q), _ld(k), _ld(v), _ld(dy)
     ldq_out, ldk_out, ldv_out = _ld(dq), _ld(dk), _ld(dv)
-    xt, raw = _scratch(q, qt, kt)
+    xt, raw = _scratch(fn, q, qt, kt)
     lse2, dd2 = lse.reshape((G, T)), dd.reshape((G, T))
     for q0 in starts:
         q1 = min(T, q0 + qt)
