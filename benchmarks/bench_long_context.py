@@ -167,13 +167,14 @@ def attention_worker(kind: str, threads: int, runs: int, head_size: int = 32, cl
     (clock cpu: of the process's CPU time)."""
     import numpy as np
 
+    from numesh.host import aligned
     from numesh.host.runtime import configure_process
 
     n = configure_process(threads, None)
     T, B, _, hs = attn_shape(head_size)
     H, Hkv = attn_heads(heads, head_size)
     rng = np.random.default_rng(0)
-    qkv = rng.standard_normal((B, T, H + 2 * Hkv, hs)).astype(np.float32)
+    qkv = aligned.copy(rng.standard_normal((B, T, H + 2 * Hkv, hs)).astype(np.float32))  # as the model's QKV output
     q, k, v = (qkv[:, :, a:b].transpose(0, 2, 1, 3) for a, b in ((0, H), (H, H + Hkv), (H + Hkv, H + 2 * Hkv)))
     dy = rng.standard_normal((B, H, T, hs)).astype(np.float32)
     if kind in ("numesh", "gemms"):
@@ -195,8 +196,7 @@ def attention_worker(kind: str, threads: int, runs: int, head_size: int = 32, cl
 
         def step() -> None:
             lse = A.attend_fwd(q, k, v, y, scale=1 / math.sqrt(hs))
-            grads = [np.zeros((B, H, T, hs), np.float32) for _ in range(3)]
-            grads[1:] = [np.zeros((B, Hkv, T, hs), np.float32) for _ in range(2)]
+            grads = [aligned.zeros((B, h, T, hs), np.float32) for h in (H, Hkv, Hkv)]
             A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=1 / math.sqrt(hs))
     else:
         import torch
@@ -340,14 +340,15 @@ def _interleaved(step: Callable[[], None], settings: dict[Any, Callable[[], None
 
 def _kernel_step(A: Any, q: Any, k: Any, v: Any, dy: Any, y: Any) -> Callable[[], None]:
     """One forward + backward of numesh.nn.attention's kernel (`A`) on q [B, H, T, hs], k, v
-    [B, Hkv, T, hs], dy, into y, with fresh zeroed gradients each call."""
-    import numpy as np
+    [B, Hkv, T, hs], dy, into y, with fresh zeroed gradients each call (64-byte aligned, as
+    the model's: numesh.host.aligned)."""
+    from numesh.host import aligned
 
     scale = 1 / math.sqrt(q.shape[-1])
 
     def step() -> None:
         lse = A.attend_fwd(q, k, v, y, scale=scale)
-        grads = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
+        grads = [aligned.zeros(x.shape, x.dtype) for x in (q, k, v)]
         A.attend_bwd(q, k, v, dy, lse, A.row_dots(dy, y), *grads, scale=scale)
 
     return step
@@ -455,6 +456,7 @@ def products_section(args: argparse.Namespace) -> dict[str, Any]:
     from; `now` says which one numesh picks on this CPU."""
     import numpy as np
 
+    from numesh.host import aligned
     from numesh.host.runtime import configure_process
     from numesh.nn import attention as A
 
@@ -466,9 +468,9 @@ def products_section(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for T, B, H, Hk, hs in PRODUCT_ROWS:
             rng = np.random.default_rng(0)
-            q, dy = (rng.standard_normal((B, H, T, hs)).astype(np.float32) for _ in range(2))
-            k, v = (rng.standard_normal((B, Hk, T, hs)).astype(np.float32) for _ in range(2))
-            step = _kernel_step(A, q, k, v, dy, np.empty_like(q))
+            q, dy = (aligned.copy(rng.standard_normal((B, H, T, hs)).astype(np.float32)) for _ in range(2))
+            k, v = (aligned.copy(rng.standard_normal((B, Hk, T, hs)).astype(np.float32)) for _ in range(2))
+            step = _kernel_step(A, q, k, v, dy, aligned.empty(q.shape, q.dtype))
             now = "tile" if real(np.float32, hs) == 0 else "blas"
             times = _interleaved(step, {p: lambda f=f: setattr(A, "_gemm", f) for p, f in paths.items()},
                                  3 * args.rounds, clock)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from numesh.host import aligned
 from numesh.host import kernels as K
 from numesh.host import tile_gemm as TG
 
@@ -76,3 +77,22 @@ def test_an_elements_bits_do_not_depend_on_its_block(dtype):
             _product(a, part, out, 0.25, False, True)
             cols[:, j:j + width] = out
         assert cols.tobytes() == whole.tobytes(), width
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_an_elements_bits_do_not_depend_on_the_operands_alignment(dtype):
+    """The same C from operands on a 64-byte boundary (numesh.host.aligned: how the model
+    holds them) and from the same values placed 1 to 15 elements past it, C too."""
+    rng = np.random.default_rng(2)
+    m, n, k = 29, 3 * W32 + 5, TG.KC + 17
+    a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+    results = []
+    for shift in (0, 1, 3, 4, 15):
+        store = aligned.empty(3 * (m * k + k * n + m * n) + 64, dtype)
+        a_at = store[shift:shift + m * k].reshape(m, k)
+        b_at = store[m * k + 2 * shift:m * k + 2 * shift + k * n].reshape(k, n)
+        c_at = store[m * k + k * n + 3 * shift:m * k + k * n + 3 * shift + m * n].reshape(m, n)
+        a_at[...], b_at[...], c_at[...] = a, b, 0
+        _product(a_at, b_at, c_at, 0.5, True, False)
+        results.append(c_at.tobytes())
+    assert all(r == results[0] for r in results[1:])

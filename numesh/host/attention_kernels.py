@@ -89,13 +89,23 @@ def _scores(fn, alpha, k, ldk, x, xt, keys, out, raw):
 
 
 @njit(**_JIT)
+def _empty(n, like):
+    """np.empty(n) of like's dtype, its data on a 64-byte boundary (numesh.host.aligned: a
+    vector load from `tile_mm`'s operands then reads one cache line, not two)."""
+    raw = np.empty(n + 64 // like.itemsize, like.dtype)
+    start = (-raw.ctypes.data) % 64 // like.itemsize
+    return raw[start:start + n]
+
+
+@njit(**_JIT)
 def _scratch(fn, q, qt, kt):
     """xt and raw for `_scores` and `_prod`: room for a stripe's qᵀ and dyᵀ, and `tile_mm`'s
     partial sums, where the tile products run (fn 0); BLAS needs neither."""
     if fn != 0:
         return np.empty(0, q.dtype), np.empty(0, q.dtype)
     w = VB // q.itemsize
-    return np.empty(2 * q.shape[4] * qt, q.dtype), np.empty(max(qt, kt) * 4 * w, q.dtype)
+    hs = q.shape[4]
+    return _empty(2 * hs * qt, q), _empty(max(qt, kt) * 4 * w, q)
 
 
 @njit(**_JIT)
@@ -110,8 +120,8 @@ def group_fwd(fn, q, k, v, y, lse, scale, diag, starts, qt, kt, buf, key, thresh
     one, zero = q.dtype.type(1.0), q.dtype.type(0.0)
     hs64, ldk, ldv = np.int64(hs), _ld(k), _ld(v)
     xt, raw = _scratch(fn, q, qt, kt)
-    pv = np.empty((qt, hs), q.dtype)
-    acc = np.empty((G, qt, hs), q.dtype)
+    pv = _empty(qt * hs, q).reshape((qt, hs))
+    acc = _empty(G * qt * hs, q).reshape((G, qt, hs))
     for q0 in starts:
         q1 = min(T, q0 + qt)
         rows = q1 - q0

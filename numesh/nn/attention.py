@@ -48,8 +48,8 @@ from typing import Callable
 import attrs
 import numpy as np
 
+from numesh.host import aligned, blas
 from numesh.host import attention_kernels as AK
-from numesh.host import blas
 from numesh.host import kernels as K
 from numesh.host import tile_gemm as TG
 from numesh.host.threads import cores, in_pieces, over_rows
@@ -65,7 +65,7 @@ KEY_TILE = 512
 # with BLAS: one thread, the kernel forward + backward took 0.90-0.97x BLAS's (MKL's) time at
 # head size 32, 0.96-1.05x at 64 and 1.16-1.34x at 128 on a Cascade Lake (`python
 # benchmarks/bench_long_context.py --sections products`).
-TILE_HEAD_SIZE = 32
+TILE_HEAD_SIZE = 64
 GROUP_SCORES = 1 << 18  # scores per group's buffer: (batch row, head) pairs are batched up to it
 # A group that runs more stripes than this reads contiguous copies of its q, k, v (and dy)
 # rows, else its rows in place: every stripe re-reads the keys, so the copy pays off only
@@ -367,7 +367,7 @@ def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, sc
 
     def run(r: slice) -> None:
         mine = [it for its in items[r] for it in its]
-        buf = np.empty(min(cap * g, max(h1 - h0 for h0, h1, _ in mine)) * size, q.dtype)
+        buf = aligned.empty(min(cap * g, max(h1 - h0 for h0, h1, _ in mine)) * size, q.dtype)
         for h0, h1, part in mine:
             for grp in _head_groups(h0, h1, Hk, g, cap):
                 call(grp, _starts(pairs, part, Tq), buf)
@@ -389,7 +389,7 @@ def _read(x: np.ndarray, grp: _Group, copy: bool) -> np.ndarray:
     the GEMMs read each row where the QKV product left it, and a copy would cost more than
     it saves)."""
     part = _part(x, grp)
-    return np.ascontiguousarray(part) if copy or part.strides[-1] != part.itemsize else part
+    return aligned.copy(part) if copy or part.strides[-1] != part.itemsize else part
 
 
 def _own(x: np.ndarray, grp: _Group, scale: float | None = None) -> np.ndarray:
@@ -483,18 +483,19 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
     q5, dy5, dq5 = _grouped(q, g), _grouped(dy, g), _grouped(dq, g)  # [B, Hkv, g, T, hs]
     k5, v5, dk5, dv5 = k[:, :, None], v[:, :, None], dk[:, :, None], dv[:, :, None]  # [B, Hkv, 1, T, hs]
     lse5, dd5 = _grouped(lse, g), _grouped(dd, g)
-    shares = (dk5, dv5) if g == 1 else (np.zeros((B, Hk, g, Tk, k.shape[3]), dk.dtype),
-                                        np.zeros((B, Hk, g, Tk, v.shape[3]), dv.dtype))
+    shares = (dk5, dv5) if g == 1 else (aligned.zeros((B, Hk, g, Tk, k.shape[3]), dk.dtype),
+                                        aligned.zeros((B, Hk, g, Tk, v.shape[3]), dv.dtype))
     pairs = _stripe_pairs(Tq)
     items = _runs(B * H, len(pairs))
     # a head cut between runs: each run's part of its dk, dv apart ([1, 1, 1, Tk, hs], as a group's)
-    parts = {(r, h0): (np.zeros((1, 1, 1, Tk, k.shape[3]), dk.dtype), np.zeros((1, 1, 1, Tk, v.shape[3]), dv.dtype))
+    parts = {(r, h0): (aligned.zeros((1, 1, 1, Tk, k.shape[3]), dk.dtype),
+                       aligned.zeros((1, 1, 1, Tk, v.shape[3]), dv.dtype))
              for r, its in enumerate(items) for h0, _, part in its if part is not None}
 
     def run(r: slice) -> None:
         mine = [(i, it) for i in range(r.start, r.stop) for it in items[i]]
         size = min(cap * g, max(h1 - h0 for _, (h0, h1, _) in mine)) * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)
-        bufs = np.empty(size, q.dtype), np.empty(size, q.dtype), np.empty(size, q.dtype)
+        bufs = aligned.empty(size, q.dtype), aligned.empty(size, q.dtype), aligned.empty(size, q.dtype)
         for i, (h0, h1, part) in mine:
             for grp in _head_groups(h0, h1, Hk, g, cap):
                 _group_bwd(q5, k5, v5, dy5, lse5, dd5, dq5, *(shares if part is None else parts[i, h0]), scale, diag,
@@ -531,7 +532,8 @@ def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, 
         outs = [dq[at]] + ([] if part else [dk[at], dv[at]])
         # the GEMMs accumulate in place: into each gradient itself where its rows are contiguous
         # (and of q's dtype, which the GEMM writes), else into a contiguous copy written back after
-        into = [x if x.strides[-1] == x.itemsize and x.dtype == q.dtype else np.array(x, q.dtype) for x in outs]
+        into = [x if x.strides[-1] == x.itemsize and x.dtype == q.dtype else aligned.copy(x.astype(q.dtype, copy=False))
+                for x in outs]
         dqg, dkg, dvg = into[0], *((dk, dv) if part else into[1:])
         AK.group_bwd(fn, qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, f(scale), diag, np.asarray(starts, np.int64),
                      QUERY_TILE, KEY_TILE, *bufs, *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from numesh.host import aligned
 from numesh.mesh import Mesh
 from numesh.nn.gpt import Attention, GPTConfig, GQAttention
 from numesh.nn.layers import (
@@ -158,10 +159,10 @@ def qkv_grad_buffers(p: Attention | GQAttention, shape: tuple[int, int], cfg: GP
     B, T = shape
     nh, hs, _ = local_heads(cfg, mesh)
     if isinstance(p, Attention):
-        buf = np.zeros((B, T, 3, nh, hs), dtype)
+        buf = aligned.zeros((B, T, 3, nh, hs), dtype)  # the attention's tile products add into it
         return tuple(buf.transpose(2, 0, 3, 1, 4)), buf
     nkv = local_kv_heads(cfg, mesh).stop - local_kv_heads(cfg, mesh).start
-    bufs = (np.zeros((B, T, nh, hs), dtype), np.zeros((B, T, nkv, hs), dtype), np.zeros((B, T, nkv, hs), dtype))
+    bufs = tuple(aligned.zeros((B, T, n, hs), dtype) for n in (nh, nkv, nkv))
     return tuple(b.transpose(0, 2, 1, 3) for b in bufs), bufs
 
 
