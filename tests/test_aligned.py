@@ -5,7 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from numesh.host import aligned, threads
+from conftest import self_mesh, tiny_config
+from numesh.host import aligned
+from numesh.nn.gpt import init_gpt
+from numesh.nn.parts import qkv_grad_buffers
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64, np.uint8])
@@ -30,11 +33,12 @@ def test_a_copy_is_its_own_memory():
     assert (x == 1).all() and c.shape == (2, 4)
 
 
-@pytest.mark.parametrize("rows", [1, 37, 4096])
-def test_the_threaded_matmuls_output_is_aligned(rows):
-    """The QKV product's output is where the attention's tile products read q, k and v."""
-    a = np.random.default_rng(0).standard_normal((rows, 24)).astype(np.float32)
-    b = np.random.default_rng(1).standard_normal((24, 40)).astype(np.float32)
-    out = threads.matmul(a, b)
-    assert out.ctypes.data % aligned.ALIGN == 0
-    np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("kv_heads", [0, 1])
+def test_the_qkv_gradients_that_the_attention_adds_into_are_aligned(kv_heads):
+    """The attention's tile products accumulate dq, dk and dv in these buffers in place."""
+    cfg = tiny_config(n_head=2, n_kv_head=kv_heads, n_embd=16)
+    params = init_gpt(cfg, self_mesh(), dtype=np.float32)
+    views, storage = qkv_grad_buffers(params.blocks[0].attn, (3, 8), cfg, self_mesh(), np.float32)
+    for buf in storage if isinstance(storage, tuple) else (storage,):
+        assert buf.ctypes.data % aligned.ALIGN == 0 and not buf.any()
+    assert [v.shape for v in views] == [(3, 2, 8, 8), (3, 1 if kv_heads else 2, 8, 8), (3, 1 if kv_heads else 2, 8, 8)]

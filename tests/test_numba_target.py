@@ -77,3 +77,17 @@ def test_a_cpu_whose_features_llvm_cannot_read_is_left_alone(monkeypatch):
     monkeypatch.delitem(vars(registry.cpu_target), "_toplevel_target_context", raising=False)
     assert numba_target.prefer_full_width() is False
     assert config.CPU_FEATURES is None
+
+
+def test_vector_bytes_follow_the_features_numba_compiles_with():
+    """64 where numba's features include AVX-512 (the user's NUMBA_CPU_FEATURES, else the
+    host's), 32 otherwise: tile_gemm's register blocks are sized by it."""
+    import llvmlite.binding as llvm
+
+    code = "from numesh.host import numba_target; print(numba_target.vector_bytes())"
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CPU_FEATURES"}
+    for feats, want in ((None, 64 if llvm.get_host_cpu_features().get("avx512f") else 32),
+                        ("+sse2,+avx,+avx2,+fma", 32), ("+sse2,+avx,+avx2,+fma,+avx512f", 64)):
+        run_env = env if feats is None else {**env, "NUMBA_CPU_FEATURES": feats}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
+        assert int(out.stdout) == want, feats

@@ -12,6 +12,7 @@ alignment changes times only, never results.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -20,9 +21,10 @@ ALIGN = 64
 
 
 def empty(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
-    """np.empty(shape, dtype), C-contiguous, its data on a 64-byte boundary."""
+    """np.empty(shape, dtype), C-contiguous, its data on a 64-byte boundary. A few
+    microseconds a call (math.prod, not np.prod's five: the attention calls it per run)."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
+    nbytes = (shape if isinstance(shape, int) else math.prod(shape)) * dtype.itemsize
     raw = np.empty(nbytes + ALIGN, np.uint8)
     start = -raw.ctypes.data % ALIGN
     return raw[start:start + nbytes].view(dtype).reshape(shape)

@@ -18,7 +18,7 @@ Arrays (shapes as in numesh.nn.attention's `_group_fwd`/`_group_bwd`): q, dy, dq
 head's share) with each row of hs contiguous, rows at any stride (the GEMMs' leading
 dimensions, `_ld`: a group of one stripe reads q, k, v in place in the QKV buffer), q
 unscaled; y [nb, nh, g, T, hs] and lse [nb, nh, g, T] any view; `buf`s flat scratch of at
-least nb·nh·g·min(KEY_TILE, Tk)·rows.
+least min(KEY_TILE, Tk)·rows: one head's tile of a stripe.
 """
 
 from __future__ import annotations

@@ -50,3 +50,19 @@ def prefer_full_width() -> bool:
         return False
     config.CPU_FEATURES = wanted
     return True
+
+
+def vector_bytes() -> int:
+    """Bytes in a vector register of the code numba compiles here: 64 where its features (the
+    host's, or the user's NUMBA_CPU_FEATURES) include AVX-512, else 32; 32 without numba.
+    numesh.host.tile_gemm sizes its register blocks by it."""
+    try:
+        import llvmlite.binding as llvm
+        from numba.core import config
+    except ImportError:
+        return 32
+    try:
+        flat = config.CPU_FEATURES if config.CPU_FEATURES is not None else llvm.get_host_cpu_features().flatten()
+    except RuntimeError:  # LLVM cannot read this CPU's features
+        return 32
+    return 64 if "+avx512f" in flat.split(",") else 32

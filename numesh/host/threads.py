@@ -49,7 +49,6 @@ from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 import numpy as np
 
 from numesh.base.tree import tree_map
-from numesh.host import aligned
 from numesh.host.blas import matmul_into
 from numesh.host.spin import Counter, warm
 
@@ -325,7 +324,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     benchmarks/bench_tiles.py)."""
     m, k = a.shape
     n = b.shape[1]
-    out = aligned.empty((m, n), np.result_type(a, b))  # the attention's tile products read q, k, v in it
+    out = np.empty((m, n), np.result_type(a, b))
     if getattr(_local, "pieces", None) is not None:  # in a run ((): inside `token_sum`)
         for p in _pieces(m):
             matmul_into(a[p], b, out[p])

@@ -19,7 +19,7 @@ alpha·acc (or C + alpha·acc), so its bits do not depend on the block it fell i
 length, the thread count or the BLAS; the chain rounds differently from a BLAS GEMM, whose
 order is its own. The fused multiply-add is LLVM's `fmuladd` (one rounding on every x86-64
 CPU since Haswell). The block sizes are the vector registers' count and width: 64-byte
-vectors on AVX-512, 32-byte ones elsewhere (`vector_bytes`).
+vectors on AVX-512, 32-byte ones elsewhere (`numba_target.vector_bytes`).
 
 `tile_mm_reference` is the product in NumPy (float64 sums): what tests compare with.
 """
@@ -29,23 +29,10 @@ from __future__ import annotations
 import numpy as np
 
 from numesh.host.kernels import _JIT, HAVE_NUMBA, njit
+from numesh.host.numba_target import vector_bytes
 
 KC = 128  # k steps per chunk: a chunk of B (128 × 64 floats) stays in L1
 MP = 48  # rows per panel when k is one chunk: their A rows (48 × 128 floats at most) stay in L1
-
-
-def vector_bytes() -> int:
-    """Bytes per vector register numba compiles for: 64 where the CPU has AVX-512, else 32."""
-    if not HAVE_NUMBA:
-        return 32
-    import llvmlite.binding as llvm
-    from numba.core import config
-
-    try:
-        flat = config.CPU_FEATURES if config.CPU_FEATURES is not None else llvm.get_host_cpu_features().flatten()
-    except RuntimeError:
-        return 32
-    return 64 if "+avx512f" in flat.split(",") else 32
 
 
 # (MR, NV) register blocks: 64-byte vectors have 32 registers, 32-byte ones 16; each block

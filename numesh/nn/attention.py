@@ -362,18 +362,28 @@ def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, sc
     cap, pairs = max(1, _cap(Tq, Tk) // g), _stripe_pairs(Tq)
     call = functools.partial(_group_fwd, _grouped(q, g), k[:, :, None], v[:, :, None], _grouped(y, g),
                              lse.reshape(B, Hk, g, Tq), scale, diag, drop, qpos, kpos)
-    size = min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)  # one query head's scores of a stripe
     items = _runs(B * H, len(pairs))
 
     def run(r: slice) -> None:
         mine = [it for its in items[r] for it in its]
-        buf = aligned.empty(min(cap * g, max(h1 - h0 for h0, h1, _ in mine)) * size, q.dtype)
+        (buf,) = _scratch(q.dtype, q.shape[-1], Tq, Tk, min(cap * g, max(h1 - h0 for h0, h1, _ in mine)), 1)
         for h0, h1, part in mine:
             for grp in _head_groups(h0, h1, Hk, g, cap):
                 call(grp, _starts(pairs, part, Tq), buf)
 
     over_rows(run, len(items))
     return lse
+
+
+def _scratch(dtype, head_size: int, Tq: int, Tk: int, heads: int, n: int) -> tuple[np.ndarray, ...]:
+    """A thread's n score buffers (forward 1, backward 3: probabilities, their gradient,
+    dropped), as views of one 64-byte-aligned allocation (numesh.host.aligned; one call, as
+    each call costs microseconds under the GIL while the other thread waits): room for one
+    head's tile of a stripe where the compiled loops run (they take a head at a time), for
+    `heads` heads' where the Python loops batch a group's GEMMs."""
+    size = min(KEY_TILE, Tk) * min(QUERY_TILE, Tq) * (1 if _gemm(dtype, head_size) is not None else heads)
+    block = aligned.empty(n * size, dtype)
+    return tuple(block[i * size:(i + 1) * size] for i in range(n))
 
 
 def _part(x: np.ndarray, grp: _Group) -> np.ndarray:
@@ -494,8 +504,7 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
 
     def run(r: slice) -> None:
         mine = [(i, it) for i in range(r.start, r.stop) for it in items[i]]
-        size = min(cap * g, max(h1 - h0 for _, (h0, h1, _) in mine)) * min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)
-        bufs = aligned.empty(size, q.dtype), aligned.empty(size, q.dtype), aligned.empty(size, q.dtype)
+        bufs = _scratch(q.dtype, q.shape[-1], Tq, Tk, min(cap * g, max(h1 - h0 for _, (h0, h1, _) in mine)), 3)
         for i, (h0, h1, part) in mine:
             for grp in _head_groups(h0, h1, Hk, g, cap):
                 _group_bwd(q5, k5, v5, dy5, lse5, dd5, dq5, *(shares if part is None else parts[i, h0]), scale, diag,
