@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import self_mesh, tiny_config
-from numesh.host import aligned
+from numesh.host import aligned, threads
 from numesh.nn.gpt import init_gpt
 from numesh.nn.parts import qkv_grad_buffers
 
@@ -42,3 +42,14 @@ def test_the_qkv_gradients_that_the_attention_adds_into_are_aligned(kv_heads):
     for buf in storage if isinstance(storage, tuple) else (storage,):
         assert buf.ctypes.data % aligned.ALIGN == 0 and not buf.any()
     assert [v.shape for v in views] == [(3, 2, 8, 8), (3, 1 if kv_heads else 2, 8, 8), (3, 1 if kv_heads else 2, 8, 8)]
+
+
+@pytest.mark.parametrize("rows", [1, 37, 4096])
+def test_the_threaded_matmuls_output_is_aligned(rows):
+    """The QKV product's output is where the attention's tile products read q, k and v at
+    short contexts."""
+    a = np.random.default_rng(0).standard_normal((rows, 24)).astype(np.float32)
+    b = np.random.default_rng(1).standard_normal((24, 40)).astype(np.float32)
+    out = threads.matmul(a, b)
+    assert out.ctypes.data % aligned.ALIGN == 0
+    np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5)

@@ -12,6 +12,7 @@ alignment changes times only, never results.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Any
 
@@ -21,12 +22,13 @@ ALIGN = 64
 
 
 def empty(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
-    """np.empty(shape, dtype), C-contiguous, its data on a 64-byte boundary. A few
-    microseconds a call (math.prod, not np.prod's five: the attention calls it per run)."""
+    """np.empty(shape, dtype), C-contiguous, its data on a 64-byte boundary. About 1.5 µs
+    more than np.empty (its address read through ctypes, 0.5 µs, where `.ctypes.data` takes
+    1.5 and np.prod 5): every matmul output of a step is one."""
     dtype = np.dtype(dtype)
     nbytes = (shape if isinstance(shape, int) else math.prod(shape)) * dtype.itemsize
     raw = np.empty(nbytes + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(raw)) % ALIGN
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 

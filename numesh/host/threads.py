@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 import numpy as np
 
 from numesh.base.tree import tree_map
+from numesh.host import aligned
 from numesh.host.blas import matmul_into
 from numesh.host.spin import Counter, warm
 
@@ -324,7 +325,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     benchmarks/bench_tiles.py)."""
     m, k = a.shape
     n = b.shape[1]
-    out = np.empty((m, n), np.result_type(a, b))
+    out = aligned.empty((m, n), np.result_type(a, b))  # the attention reads q, k, v where the QKV product left them
     if getattr(_local, "pieces", None) is not None:  # in a run ((): inside `token_sum`)
         for p in _pieces(m):
             matmul_into(a[p], b, out[p])
