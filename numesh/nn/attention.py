@@ -63,8 +63,8 @@ QUERY_TILE = 128  # query rows per stripe (benchmarks/bench_long_context.py --se
 KEY_TILE = 512
 # Heads up to this wide multiply their tiles with numesh.host.tile_gemm on AVX-512, wider ones
 # with BLAS: one thread, with aligned buffers (numesh.host.aligned), the kernel forward +
-# backward took 0.90-0.91x BLAS's (MKL's) time at head size 32, 0.93-0.96x at 64 and
-# 1.15-1.19x at 128 on a Cascade Lake (`python benchmarks/bench_long_context.py --sections products`).
+# backward took 0.90-0.95x BLAS's (MKL's) time at head size 32, 0.93-0.96x at 64 and
+# 1.15x at 128 on a Cascade Lake (`python benchmarks/bench_long_context.py --sections products`).
 TILE_HEAD_SIZE = 64
 GROUP_SCORES = 1 << 18  # scores per group's buffer: (batch row, head) pairs are batched up to it
 # A group that runs more stripes than this reads contiguous copies of its q, k, v (and dy)
