@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import self_mesh, tiny_config
+from numesh.base.tree import held_bytes
 from numesh.host import aligned, threads
 from numesh.nn.gpt import init_gpt
 from numesh.nn.parts import qkv_grad_buffers
@@ -53,3 +54,12 @@ def test_the_threaded_matmuls_output_is_aligned(rows):
     out = threads.matmul(a, b)
     assert out.ctypes.data % aligned.ALIGN == 0
     np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_memory_accounting_counts_an_aligned_arrays_own_bytes():
+    """held_bytes (what the activation formulas are held equal to) sees the data, not the
+    slack before it: the same count as for numpy's own array, views included."""
+    for shape in [(7,), (4, 6), (2, 3, 8)]:
+        a, b = aligned.empty(shape, np.float64), np.empty(shape, np.float64)
+        assert held_bytes(a) == held_bytes(b) == b.nbytes
+        assert held_bytes(a.reshape(-1)[1:], a.T) == b.nbytes
