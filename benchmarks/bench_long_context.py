@@ -9,6 +9,7 @@ attention kernel beside the time of its FLOPs.
     python benchmarks/bench_long_context.py --sections tiles --threads 1 --clock cpu  # a shared machine
     python benchmarks/bench_long_context.py --sections copies --threads 1
     python benchmarks/bench_long_context.py --sections products --threads 1 --clock cpu --rounds 5
+    python benchmarks/bench_long_context.py --sections stripes --threads 1 --clock cpu --rounds 3
     python benchmarks/bench_long_context.py --sections model --base ../before   # before/after a change
 
 Sections:
@@ -47,6 +48,11 @@ Sections:
   products   (on request) the kernel at the default model's, SmolLM2's and Llama 3's head
              sizes (32, 64, 128) with its tile products on numesh.host.tile_gemm and on
              BLAS, interleaved: what numesh.nn.attention.TILE_HEAD_SIZE was chosen from.
+  stripes    (on request) the kernel at the default model's, SmolLM2's and Llama 3's head
+             sizes from T = 256 to 2048 (q, k, v in the QKV buffer, as a block reads them)
+             in stripes of 32, 64 and 128 query rows, interleaved: what
+             numesh.nn.attention.TILE_QUERIES (tile products) and QUERY_TILE (BLAS) were
+             chosen from.
 
 Without torch installed, the torch sides are left out (said at the start, "—" in the
 tables) and the rest is measured. Ratios above 1 mean numesh is faster. This is a
@@ -355,8 +361,10 @@ def _kernel_step(A: Any, q: Any, k: Any, v: Any, dy: Any, y: Any) -> Callable[[]
 
 
 def _set_tiles(A: Any, tiles: tuple[int, int]) -> None:
-    """numesh.nn.attention's (QUERY_TILE, KEY_TILE)."""
-    A.QUERY_TILE, A.KEY_TILE = tiles
+    """numesh.nn.attention's stripe height (QUERY_TILE and TILE_QUERIES: whichever path
+    runs) and KEY_TILE."""
+    A.QUERY_TILE = A.TILE_QUERIES = tiles[0]
+    A.KEY_TILE = tiles[1]
 
 
 def tiles_section(args: argparse.Namespace) -> dict[str, Any]:
@@ -373,7 +381,7 @@ def tiles_section(args: argparse.Namespace) -> dict[str, Any]:
     configure_process(args.threads, None)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     out: dict[str, Any] = {}
-    saved = A.QUERY_TILE, A.KEY_TILE
+    saved = A.QUERY_TILE, A.TILE_QUERIES, A.KEY_TILE
     try:
         for hs in (int(x) for x in args.head_sizes.split(",")):
             T, B, H, _ = attn_shape(hs)
@@ -387,8 +395,59 @@ def tiles_section(args: argparse.Namespace) -> dict[str, Any]:
             out[f"hs{hs}"] = {f"{qt}x{kt}": (statistics.median(ts) * 1e3, min(ts) * 1e3)
                               for (qt, kt), ts in times.items()}
     finally:
-        A.QUERY_TILE, A.KEY_TILE = saved
+        A.QUERY_TILE, A.TILE_QUERIES, A.KEY_TILE = saved
     return out
+
+
+STRIPE_ROWS = ((256, 4, 4, 4, 32), (1024, 1, 4, 4, 32), (2048, 1, 4, 4, 32), (512, 2, 9, 3, 64),
+               (2048, 1, 9, 3, 64), (512, 2, 4, 2, 128), (2048, 1, 4, 2, 128))  # T, B, heads, kv heads, head size
+STRIPES = (32, 64, 128)
+
+
+def stripes_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The kernel's forward + backward for each T × B × heads × head size of STRIPE_ROWS (a
+    thread's share of the default model's, SmolLM2's and Llama 3's attention in a 2,048-token
+    step) with stripes of each height of STRIPES, q, k, v read in place in a QKV buffer as a
+    block reads them, the heights interleaved round by round in this process; medians and
+    minima over --rounds × 3 rounds (--clock cpu: this thread's CPU time). `path` says whether
+    numesh multiplies the tiles with tile_gemm (TILE_QUERIES) or BLAS (QUERY_TILE) there."""
+    import numpy as np
+
+    from numesh.host import aligned
+    from numesh.host.runtime import configure_process
+    from numesh.nn import attention as A
+
+    configure_process(args.threads, None)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    out: dict[str, Any] = {}
+    saved = A.QUERY_TILE, A.TILE_QUERIES
+    try:
+        for T, B, H, Hk, hs in STRIPE_ROWS:
+            rng = np.random.default_rng(0)
+            qkv = aligned.copy(rng.standard_normal((B, T, H + 2 * Hk, hs)).astype(np.float32))  # [B, T, heads, hs]
+            q, k, v = (qkv[:, :, a:b].transpose(0, 2, 1, 3) for a, b in ((0, H), (H, H + Hk), (H + Hk, H + 2 * Hk)))
+            dy = aligned.copy(rng.standard_normal((B, H, T, hs)).astype(np.float32))
+            y = aligned.empty((B, T, H, hs), np.float32).transpose(0, 2, 1, 3)
+            step = _kernel_step(A, q, k, v, dy, y)
+            path = "tile" if A._gemm(np.float32, hs) == 0 else "blas"
+            times = _interleaved(step, {r: lambda r=r: _set_tiles(A, (r, A.KEY_TILE)) for r in STRIPES},
+                                 3 * args.rounds, clock)
+            out[f"{T}x{B} {H}/{Hk}x{hs}"] = {**{r: (statistics.median(ts) * 1e3, min(ts) * 1e3)
+                                                for r, ts in times.items()}, "path": path}
+    finally:
+        A.QUERY_TILE, A.TILE_QUERIES = saved
+    return out
+
+
+def print_stripes(t: dict[str, Any], threads: int, clock: str) -> None:
+    print(f"\nstripes: the kernel's forward + backward, float32, {threads} threads, "
+          f"{'CPU' if clock == 'cpu' else 'wall'} ms, median (min), by query rows per stripe; the ratios of minima")
+    print("| T × B, heads, head size | products | " + " | ".join(f"{r} rows" for r in STRIPES) + " | "
+          + " | ".join(f"{r} / 128" for r in STRIPES[:-1]) + " |")
+    print("|---|---|" + "---|" * (2 * len(STRIPES) - 1))
+    for row, r in t.items():
+        print(f"| {row} | {r['path']} | " + " | ".join(f"{r[n][0]:.2f} ({r[n][1]:.2f})" for n in STRIPES) + " | "
+              + " | ".join(f"{r[n][1] / r[128][1]:.3f}×" for n in STRIPES[:-1]) + " |")
 
 
 COPY_ROWS = ((256, 4, 32), (512, 2, 32), (1024, 1, 32), (2048, 1, 32), (512, 2, 64), (2048, 1, 64))  # T, B, hs
@@ -427,7 +486,8 @@ def copies_section(args: argparse.Namespace) -> dict[str, Any]:
 
             times = _interleaved(step, {name: lambda r=rule: setattr(A, "COPY_STRIPES", r)
                                         for name, rule in COPY_RULES.items()}, 3 * args.rounds, clock)
-            out[f"{T}x{B} hs{hs}"] = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+            out[f"{T}x{B} hs{hs}"] = {**{name: statistics.median(ts) * 1e3 for name, ts in times.items()},
+                                      "stripes": -(-T // A.query_tile(np.float32, hs))}
     finally:
         A.COPY_STRIPES = saved
     return out
@@ -439,8 +499,8 @@ def print_copies(t: dict[str, Any], threads: int, clock: str) -> None:
     print("| T × B, head size | stripes | " + " | ".join(COPY_RULES) + " |")
     print("|---|---|" + "---|" * len(COPY_RULES))
     for row, r in t.items():
-        stripes = -(-int(row.split("x")[0]) // 128)
-        print(f"| {row.replace(' hs', ', ')} | {stripes} | " + " | ".join(f"{r[n]:.2f}" for n in COPY_RULES) + " |")
+        times = " | ".join(f"{r[n]:.2f}" for n in COPY_RULES)
+        print(f"| {row.replace(' hs', ', ')} | {r['stripes']} | {times} |")
 
 
 PRODUCT_ROWS = ((64, 12, 4, 4, 32), (1024, 2, 4, 4, 32), (4096, 1, 4, 4, 32), (512, 4, 9, 3, 64),
@@ -522,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", default="model,attention",
-                    help="comma-separated: model, attention, loops, tiles, copies, products (default model,attention)")
+                    help="comma-separated: model, attention, loops, tiles, copies, products, stripes "
+                         "(default model,attention)")
     ap.add_argument("--threads", type=int, default=2, help="threads per process (default 2)")
     ap.add_argument("--rows", default=ROWS, help=f"model:TxB,... (default {ROWS})")
     ap.add_argument("--rounds", type=int, default=2, help="numesh/torch rounds per row (default 2)")
@@ -575,6 +636,9 @@ def main(argv: list[str] | None = None) -> int:
     if "products" in sections:
         report["products"] = products_section(args)
         print_products(report["products"], args.threads, args.clock)
+    if "stripes" in sections:
+        report["stripes"] = stripes_section(args)
+        print_stripes(report["stripes"], args.threads, args.clock)
     if args.json:
         print(json.dumps(report))
     return 0

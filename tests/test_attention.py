@@ -37,9 +37,11 @@ KERNELS = [pytest.param(True, id="numba"), pytest.param(False, id="numpy")]
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """Tiles small enough that test shapes have several query stripes and key tiles."""
+    """Tiles small enough that test shapes have several query stripes and key tiles (the
+    stripe height of both paths: BLAS's QUERY_TILE and tile_gemm's TILE_QUERIES)."""
     def set_tiles(query: int, key: int) -> None:
         monkeypatch.setattr(A, "QUERY_TILE", query)
+        monkeypatch.setattr(A, "TILE_QUERIES", query)
         monkeypatch.setattr(A, "KEY_TILE", key)
     return set_tiles
 
@@ -426,7 +428,28 @@ def test_stripe_pairs_balance_causal_work():
     """Stripes paired first-with-last: with whole stripes every pair (but a lone middle
     one) sees the same keys."""
     for T in (128, 1024, 2048):
-        pairs = A._stripe_pairs(T)
-        assert sorted(q for p in pairs for q in p) == list(range(0, T, A.QUERY_TILE))
-        work = {sum(min(T, q + A.QUERY_TILE) for q in p) for p in pairs if len(p) == 2}
-        assert len(work) <= 1
+        for qt in (A.TILE_QUERIES, A.QUERY_TILE):
+            pairs = A._stripe_pairs(T, qt)
+            assert sorted(q for p in pairs for q in p) == list(range(0, T, qt))
+            work = {sum(min(T, q + qt) for q in p) for p in pairs if len(p) == 2}
+            assert len(work) <= 1
+
+
+def test_stripes_are_shorter_where_tile_gemm_multiplies_them(products):
+    """The stripe height follows the products: TILE_QUERIES rows where tile_gemm multiplies
+    the tiles, QUERY_TILE where BLAS does, and QUERY_TILE in the Python loops; the kernel's
+    stripe loops are handed that height."""
+    _compiled_gemm()
+    assert A.TILE_QUERIES < A.QUERY_TILE
+    want = A.TILE_QUERIES if products == "tile" else A.QUERY_TILE
+    assert A.query_tile(np.float32, 64) == want
+    seen = []
+    real = A.AK.group_fwd
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(A.AK, "group_fwd", lambda *a: seen.append((list(a[8]), a[9])) or real(*a))
+        q, k, v, _ = _inputs(1, 2, 256, 256, 64, np.float32)
+        A.attend_fwd(q, k, v, np.empty_like(q), scale=0.125)
+    assert seen and {qt for _, qt in seen} == {want}
+    assert sorted({int(q0) for starts, _ in seen for q0 in starts}) == list(range(0, 256, want))
+    with K.switched(False):
+        assert A.query_tile(np.float32, 64) == A.QUERY_TILE

@@ -1,9 +1,9 @@
 """Causal attention, fused and tiled: nothing of size T×T is ever held.
 
-`attend_fwd` walks each (batch row, head) in stripes of QUERY_TILE query rows. A stripe
+`attend_fwd` walks each (batch row, head) in stripes of query rows (`query_tile`). A stripe
 multiplies its queries by only the keys they can see (keys above the diagonal are never
 multiplied or masked), KEY_TILE keys at a time, folding each key tile into an online
-(log-sum-exp) softmax: the largest buffer is KEY_TILE × QUERY_TILE per thread, whatever T.
+(log-sum-exp) softmax: the largest buffer is KEY_TILE × a stripe per thread, whatever T.
 A tile's scores are held transposed, [keys, queries] (see numesh/host/kernels.py for why).
 It keeps the output and each row's log-sum-exp. `attend_bwd` is FlashAttention-2's
 backward: each stripe's probabilities are recomputed from q, k and the saved log-sum-exp,
@@ -55,6 +55,13 @@ from numesh.host import tile_gemm as TG
 from numesh.host.threads import cores, in_pieces, over_rows
 
 QUERY_TILE = 128  # query rows per stripe (benchmarks/bench_long_context.py --sections tiles measures others)
+# Query rows per stripe where numesh.host.tile_gemm multiplies the tiles (`query_tile`): a
+# causal stripe multiplies its whole diagonal block, half of it hidden, so shorter stripes
+# waste less at short contexts (T = 512: 1.125x the causal half's products against 1.25x),
+# and a tile_gemm product costs nothing to start; BLAS packs its operands at every call and
+# keeps QUERY_TILE (`python benchmarks/bench_long_context.py --sections stripes --threads 1
+# --clock cpu` times stripes of 32, 64 and 128 rows on both).
+TILE_QUERIES = 64
 # keys per online-softmax step: bounds a stripe's buffer whatever T is. With the tile
 # products (tile_gemm) a 512 × 128 tile of scores and its gradient stay in L2 between the
 # products and the passes; one thread, the kernel took 0.98x (head size 32) and 0.97x (64)
@@ -291,15 +298,24 @@ def _positions(pos: np.ndarray | None, n: int) -> np.ndarray:
     return np.arange(n) if pos is None else np.asarray(pos)
 
 
-def _cap(Tq: int, Tk: int) -> int:
-    """Pairs per group: a group's stripe buffer holds at most GROUP_SCORES scores."""
-    return max(1, GROUP_SCORES // (min(KEY_TILE, Tk) * min(QUERY_TILE, Tq)))
+def _cap(Tq: int, Tk: int, qt: int) -> int:
+    """Pairs per group: a group's stripe buffer (stripes of qt rows) holds at most
+    GROUP_SCORES scores."""
+    return max(1, GROUP_SCORES // (min(KEY_TILE, Tk) * min(qt, Tq)))
 
 
-def _stripe_pairs(Tq: int) -> list[tuple[int, ...]]:
-    """The query stripes (their first rows) in pairs, first with last, second with second
-    last...: causal stripes pair up to equal work, so contiguous runs of pairs balance."""
-    starts = list(range(0, Tq, QUERY_TILE))
+def query_tile(dtype, head_size: int) -> int:
+    """Query rows per stripe: TILE_QUERIES where numesh.host.tile_gemm multiplies the tiles
+    (`_gemm` 0), else QUERY_TILE. A function of the dtype, head size and CPU only, never of
+    the thread count."""
+    return TILE_QUERIES if _gemm(dtype, head_size) == 0 else QUERY_TILE
+
+
+def _stripe_pairs(Tq: int, qt: int) -> list[tuple[int, ...]]:
+    """The query stripes of qt rows (their first rows) in pairs, first with last, second
+    with second last...: causal stripes pair up to equal work, so contiguous runs of pairs
+    balance."""
+    starts = list(range(0, Tq, qt))
     return [tuple(sorted({starts[i], starts[-1 - i]})) for i in range((len(starts) + 1) // 2)]
 
 
@@ -337,9 +353,9 @@ def _runs(n_heads: int, n_pairs: int) -> list[list[tuple[int, int, slice | None]
     return [_run_items(u0, u1, n_pairs) for u0, u1 in _unit_runs(n_heads, n_pairs)]
 
 
-def _starts(pairs: list[tuple[int, ...]], part: slice | None, Tq: int) -> list[int]:
-    """The first rows of the stripes of some pairs (all of them, in order, for None)."""
-    return list(range(0, Tq, QUERY_TILE)) if part is None else sorted(q0 for pair in pairs[part] for q0 in pair)
+def _starts(pairs: list[tuple[int, ...]], part: slice | None, Tq: int, qt: int) -> list[int]:
+    """The first rows of the stripes (qt rows) of some pairs (all of them, in order, for None)."""
+    return list(range(0, Tq, qt)) if part is None else sorted(q0 for pair in pairs[part] for q0 in pair)
 
 
 def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, scale: float, diag: int = 0,
@@ -359,7 +375,8 @@ def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, sc
     g = kv_group(H, Hk)
     qpos, kpos = _positions(qpos, Tq), _positions(kpos, Tk)
     lse = np.empty((B, H, Tq), q.dtype)
-    cap, pairs = max(1, _cap(Tq, Tk) // g), _stripe_pairs(Tq)
+    qt = query_tile(q.dtype, q.shape[-1])
+    cap, pairs = max(1, _cap(Tq, Tk, qt) // g), _stripe_pairs(Tq, qt)
     call = functools.partial(_group_fwd, _grouped(q, g), k[:, :, None], v[:, :, None], _grouped(y, g),
                              lse.reshape(B, Hk, g, Tq), scale, diag, drop, qpos, kpos)
     items = _runs(B * H, len(pairs))
@@ -369,7 +386,7 @@ def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, sc
         (buf,) = _scratch(q.dtype, q.shape[-1], Tq, Tk, min(cap * g, max(h1 - h0 for h0, h1, _ in mine)), 1)
         for h0, h1, part in mine:
             for grp in _head_groups(h0, h1, Hk, g, cap):
-                call(grp, _starts(pairs, part, Tq), buf)
+                call(grp, _starts(pairs, part, Tq, qt), buf)
 
     over_rows(run, len(items))
     return lse
@@ -381,7 +398,8 @@ def _scratch(dtype, head_size: int, Tq: int, Tk: int, heads: int, n: int) -> tup
     each call costs microseconds under the GIL while the other thread waits): room for one
     head's tile of a stripe where the compiled loops run (they take a head at a time), for
     `heads` heads' where the Python loops batch a group's GEMMs."""
-    size = min(KEY_TILE, Tk) * min(QUERY_TILE, Tq) * (1 if _gemm(dtype, head_size) is not None else heads)
+    size = min(KEY_TILE, Tk) * min(query_tile(dtype, head_size), Tq) * (1 if _gemm(dtype, head_size) is not None
+                                                                        else heads)
     block = aligned.empty(n * size, dtype)
     return tuple(block[i * size:(i + 1) * size] for i in range(n))
 
@@ -439,8 +457,9 @@ def _group_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, grp: _Group, star
     fn = _gemm(q.dtype, q.shape[-1])
     if fn is not None:  # the scores' GEMM applies the scale
         qg, kg, vg = (_read(x, grp, len(starts) > COPY_STRIPES) for x in (q, k, v))
-        AK.group_fwd(fn, qg, kg, vg, yg, lseg, q.dtype.type(scale), diag, np.asarray(starts, np.int64), QUERY_TILE,
-                     KEY_TILE, buf, *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
+        AK.group_fwd(fn, qg, kg, vg, yg, lseg, q.dtype.type(scale), diag, np.asarray(starts, np.int64),
+                     query_tile(q.dtype, q.shape[-1]), KEY_TILE, buf,
+                     *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
         return
     qg, kg, vg = _own(q, grp, scale), _own(k, grp), _own(v, grp)
     for q0 in starts:
@@ -489,13 +508,14 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
     Hk, Tk = k.shape[1], k.shape[2]
     g = kv_group(H, Hk)
     qpos, kpos = _positions(qpos, Tq), _positions(kpos, Tk)
-    cap = max(1, _cap(Tq, Tk) // g)
+    qt = query_tile(q.dtype, q.shape[-1])
+    cap = max(1, _cap(Tq, Tk, qt) // g)
     q5, dy5, dq5 = _grouped(q, g), _grouped(dy, g), _grouped(dq, g)  # [B, Hkv, g, T, hs]
     k5, v5, dk5, dv5 = k[:, :, None], v[:, :, None], dk[:, :, None], dv[:, :, None]  # [B, Hkv, 1, T, hs]
     lse5, dd5 = _grouped(lse, g), _grouped(dd, g)
     shares = (dk5, dv5) if g == 1 else (aligned.zeros((B, Hk, g, Tk, k.shape[3]), dk.dtype),
                                         aligned.zeros((B, Hk, g, Tk, v.shape[3]), dv.dtype))
-    pairs = _stripe_pairs(Tq)
+    pairs = _stripe_pairs(Tq, qt)
     items = _runs(B * H, len(pairs))
     # a head cut between runs: each run's part of its dk, dv apart ([1, 1, 1, Tk, hs], as a group's)
     parts = {(r, h0): (aligned.zeros((1, 1, 1, Tk, k.shape[3]), dk.dtype),
@@ -508,7 +528,7 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
         for i, (h0, h1, part) in mine:
             for grp in _head_groups(h0, h1, Hk, g, cap):
                 _group_bwd(q5, k5, v5, dy5, lse5, dd5, dq5, *(shares if part is None else parts[i, h0]), scale, diag,
-                           drop, qpos, kpos, grp, bufs, _starts(pairs, part, Tq), part is not None)
+                           drop, qpos, kpos, grp, bufs, _starts(pairs, part, Tq, qt), part is not None)
 
     over_rows(run, len(items))
     for (_, h), (pk, pv) in sorted(parts.items()):  # run order
@@ -544,11 +564,12 @@ def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, 
         into = [x if x.strides[-1] == x.itemsize and x.dtype == q.dtype else aligned.copy(x.astype(q.dtype, copy=False))
                 for x in outs]
         dqg, dkg, dvg = into[0], *((dk, dv) if part else into[1:])
+        qt = query_tile(q.dtype, q.shape[-1])
         AK.group_bwd(fn, qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, f(scale), diag, np.asarray(starts, np.int64),
-                     QUERY_TILE, KEY_TILE, *bufs, *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
+                     qt, KEY_TILE, *bufs, *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
         for out, buf in zip(outs, into):
             if buf is not out:  # with `part`, dq alone: other runs write its other stripes' rows meanwhile
-                for rows in ([np.s_[:, :, :, q0:q0 + QUERY_TILE] for q0 in starts] if part else [np.s_[...]]):
+                for rows in ([np.s_[:, :, :, q0:q0 + qt] for q0 in starts] if part else [np.s_[...]]):
                     out[rows] = buf[rows]
         return
     dqg = np.zeros(qg.shape, qg.dtype)

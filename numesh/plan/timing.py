@@ -129,7 +129,10 @@ class Attention:
 def score_pairs(layout: Layout, T: int) -> list[tuple[int, int, int]]:
     """(stripes, query rows, keys) of the score tiles one rank computes for one sequence, as
     the fused kernel runs them (numesh.nn.attention): QUERY_TILE-query stripes, each against
-    the keys up to its last query (a causal block), or whole half blocks. Without cp, the
+    the keys up to its last query (a causal block), or whole half blocks. (Where tile_gemm
+    multiplies the tiles the kernel's stripes are TILE_QUERIES rows, which waste less on
+    the diagonal; the model keeps QUERY_TILE's, a function of nothing but the model, so a
+    plan does not depend on the CPU it is made on.) Without cp, the
     causal T x T; with ring attention its own causal block of T/cp tokens and cp-1 half
     blocks (`numesh.nn.ring_attention.block_pairs`: the load balance). Stripes of a causal
     block are grouped by the keys they see, pooled into one mean size."""
