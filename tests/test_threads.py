@@ -232,6 +232,36 @@ def test_tree_sum_adds_in_one_tree_whichever_thread_adds(with_threads, n: int) -
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("n", [7, 2 * threads.ELEMENTWISE_CHUNK + 5, 5 * threads.ELEMENTWISE_CHUNK])
+def test_add_into_and_copy_into_split_large_arrays_with_the_same_bits(with_threads, monkeypatch, n: int) -> None:
+    """`add_into` and `copy_into` give a += b and dst[...] = src's bits on any thread count,
+    float32 into float64 included; large contiguous ones are split over the threads, small,
+    strided or broadcast ones are not (and still come out right)."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n)
+    want_sum = a.copy()
+    want_sum += b
+    calls = []
+    real = threads.over_rows
+    monkeypatch.setattr(threads, "over_rows", lambda fn, m, r=1: calls.append(m) or real(fn, m, r))
+    for k in (1, 2, 3):
+        with_threads(k)
+        calls.clear()
+        got = a.copy()
+        assert threads.add_into(got, b) is got
+        np.testing.assert_array_equal(got, want_sum)
+        dst = np.empty(n)
+        threads.copy_into(dst, a)
+        np.testing.assert_array_equal(dst, a.astype(np.float64))
+        assert calls == ([n, n] if k > 1 and n >= 2 * threads.ELEMENTWISE_CHUNK else [])
+    strided = np.zeros(2 * n, np.float32)[::2]
+    threads.add_into(strided, a)
+    np.testing.assert_array_equal(strided, a)
+    grid = np.ones((n, 2))
+    threads.add_into(grid, np.array([1.0, 2.0]))  # broadcast
+    np.testing.assert_array_equal(grid[-1], [2.0, 3.0])
+
+
 def _record_over_tiles(monkeypatch) -> list[tuple[int, int, int | None]]:
     """Each `threads.over_tiles` call from now on, as (the thread count then, tiles, thread cap)."""
     calls: list[tuple[int, int, int | None]] = []

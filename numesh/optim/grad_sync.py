@@ -35,7 +35,8 @@ from typing import Any, Hashable, Protocol
 
 import numpy as np
 
-from numesh.base.tree import Tree, flatten
+from numesh.base.tree import Tree, flatten, tree_leaves
+from numesh.host.threads import add_into, copy_into
 from numesh.mesh import Handle, Mesh, ipsum, ipsum_scatter, psum
 from numesh.optim.flat import FlatLayout
 
@@ -95,10 +96,14 @@ class _Sync:
     def _accumulate(self, key: Any, grads: Tree, count: int) -> bool:
         """Sum `grads` into the full buffer; True once all the step's micro-batches are in."""
         view = self.buffer[self.layout.units[key].real]
-        if self.received[key] == 0:
-            flatten(grads, out=view)
-        else:
-            view += flatten(grads, dtype=view.dtype)
+        into = copy_into if self.received[key] == 0 else add_into
+        i = 0
+        for leaf in tree_leaves(grads):  # `flatten`'s order; large leaves over the threads
+            leaf = np.asarray(leaf)
+            into(view[i:i + leaf.size], leaf.reshape(-1))
+            i += leaf.size
+        if i != view.size:
+            raise ValueError(f"unit {key!r}: the gradient has {i} values, its buffer {view.size}")
         self.received[key] += count
         return self.received[key] == self.n_micro
 
