@@ -234,7 +234,7 @@ def test_tree_sum_adds_in_one_tree_whichever_thread_adds(with_threads, n: int) -
 
 @pytest.mark.parametrize("n", [7, 2 * threads.ELEMENTWISE_CHUNK + 5, 5 * threads.ELEMENTWISE_CHUNK])
 def test_add_into_and_copy_into_split_large_arrays_with_the_same_bits(with_threads, monkeypatch, n: int) -> None:
-    """`add_into` and `copy_into` give a += b and dst[...] = src's bits on any thread count,
+    """`add_into`, `copy_into` and `scale_into` give a += b, dst[...] = src and x *= f's bits on any thread count,
     float32 into float64 included; large contiguous ones are split over the threads, small,
     strided or broadcast ones are not (and still come out right)."""
     rng = np.random.default_rng(0)
@@ -253,7 +253,11 @@ def test_add_into_and_copy_into_split_large_arrays_with_the_same_bits(with_threa
         dst = np.empty(n)
         threads.copy_into(dst, a)
         np.testing.assert_array_equal(dst, a.astype(np.float64))
-        assert calls == ([n, n] if k > 1 and n >= 2 * threads.ELEMENTWISE_CHUNK else [])
+        scaled, want_scaled = a.copy(), a.copy()
+        want_scaled *= 0.123456789
+        threads.scale_into(scaled, 0.123456789)
+        assert scaled.tobytes() == want_scaled.tobytes()
+        assert calls == ([n, n, n] if k > 1 and n >= 2 * threads.ELEMENTWISE_CHUNK else [])
     strided = np.zeros(2 * n, np.float32)[::2]
     threads.add_into(strided, a)
     np.testing.assert_array_equal(strided, a)

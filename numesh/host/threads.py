@@ -467,6 +467,18 @@ def add_into(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a
 
 
+def scale_into(x: np.ndarray, factor: float) -> None:
+    """x *= factor, a large one's elements split over the threads as in `add_into` (the
+    optimiser's gradient clipping: a pass over every gradient on one thread before)."""
+    flat = _flat_pair(x, x)
+    if flat is None or _threads == 1:
+        x *= factor
+        return
+    fx = flat[0]
+    f = fx.dtype.type(factor)  # x's precision, as x *= factor computes it
+    over_rows(lambda r: np.multiply(fx[r], f, out=fx[r]), fx.size, ELEMENTWISE_CHUNK)
+
+
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     """dst[...] = src, a large one's elements split over the threads as in `add_into`."""
     flat = _flat_pair(dst, src)

@@ -43,6 +43,7 @@ import numpy as np
 from numesh.base.errors import ReplicaError
 from numesh.base.tree import Tree, flatten, tree_leaves, tree_leaves_with_path, tree_map, tree_map_with_path
 from numesh.host.kernels import sum_squares
+from numesh.host.threads import scale_into
 from numesh.mesh import Mesh, pmax, psum, psum_scalar
 from numesh.optim import adamw
 from numesh.optim.adamw import decays
@@ -267,7 +268,7 @@ class ZeroOptimizer(Generic[K]):
         for key, s in self.state_slices.items():
             g = self.sync.grad(key)
             if grad_scale != 1.0:
-                g *= grad_scale
+                scale_into(g, grad_scale)
             grads[key] = g
             p = self.residency.update_view(key)
             for i, a, b, c in self._runs[key]:
