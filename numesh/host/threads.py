@@ -399,21 +399,52 @@ def _over_runs(fn: Callable[[int], T], n: int) -> list[T]:
     return [y for ys in over_batch(lambda r: [fn(i) for i in range(r.start, r.stop)], n) for y in ys]
 
 
+class _Rows:
+    """The runs' outputs gathered by rows into one array, each run copying its own rows on
+    its own thread as it finishes (a concatenation after the threads met ran on one thread
+    while the others waited: a block's [B, T, C] output, twice a layer). Made by the first
+    run to finish, shaped from its output."""
+
+    def __init__(self, rows: tuple[slice, ...]) -> None:
+        self.rows, self.array, self._lock = rows, None, threading.Lock()
+
+    def put(self, i: int, y: np.ndarray) -> None:
+        with self._lock:
+            if self.array is None:
+                self.array = np.empty((self.rows[-1].stop, *y.shape[1:]), y.dtype)
+        self.array[self.rows[i]] = y
+
+
+def _gathered(rows: tuple[slice, ...], fn: Callable[[int], tuple[np.ndarray, Any]]) -> tuple[np.ndarray, list]:
+    """(the runs' first outputs gathered by rows, their second outputs in order) of `fn(i)`
+    for each run i (rows[i] its rows)."""
+    if len(rows) == 1:
+        y, other = fn(0)
+        return y, [other]
+    out = _Rows(rows)
+
+    def run(i: int) -> Any:
+        y, other = fn(i)
+        out.put(i, y)
+        return other
+
+    others = _over_runs(run, len(rows))
+    return out.array, others
+
+
 def chunked_fwd(fn: Callable[[slice, tuple[slice, ...]], tuple[np.ndarray, Any]],
                 pieces: tuple[slice, ...]) -> tuple[np.ndarray, RowChunks]:
-    """`fn(rows, pieces) -> (y, ctx)` for each run of `pieces`: y concatenated by rows."""
+    """`fn(rows, pieces) -> (y, ctx)` for each run of `pieces`: y gathered by rows."""
     rs = runs_for(_threads, pieces)
-    parts = _over_runs(lambda i: fn(*rs[i]), len(rs))
-    y = np.concatenate([y for y, _ in parts]) if len(parts) > 1 else parts[0][0]
-    return y, RowChunks(tuple(r for r, _ in rs), tuple(p for _, p in rs), tuple(c for _, c in parts))
+    y, ctxs = _gathered(tuple(r for r, _ in rs), lambda i: fn(*rs[i]))
+    return y, RowChunks(tuple(r for r, _ in rs), tuple(p for _, p in rs), tuple(ctxs))
 
 
 def chunked_bwd(fn: Callable[[Any, slice, tuple[slice, ...]], tuple[np.ndarray, Any]],
                 ctx: RowChunks) -> tuple[np.ndarray, RowChunks]:
-    """`fn(run ctx, rows, pieces) -> (dx, next ctx)` for each run of `ctx`: dx concatenated."""
-    parts = _over_runs(lambda i: fn(ctx.parts[i], ctx.rows[i], ctx.pieces[i]), len(ctx.rows))
-    dx = np.concatenate([d for d, _ in parts]) if len(parts) > 1 else parts[0][0]
-    return dx, RowChunks(ctx.rows, ctx.pieces, tuple(w for _, w in parts))
+    """`fn(run ctx, rows, pieces) -> (dx, next ctx)` for each run of `ctx`: dx gathered by rows."""
+    dx, nxt = _gathered(ctx.rows, lambda i: fn(ctx.parts[i], ctx.rows[i], ctx.pieces[i]))
+    return dx, RowChunks(ctx.rows, ctx.pieces, tuple(nxt))
 
 
 def chunked_sum(fn: Callable[[Any, tuple[slice, ...]], Any], ctx: RowChunks) -> Any:
@@ -424,10 +455,19 @@ def chunked_sum(fn: Callable[[Any, tuple[slice, ...]], Any], ctx: RowChunks) -> 
 
 def chunked_bwd_sum(fn: Callable[[Any, slice, tuple[slice, ...]], tuple[np.ndarray, Any]],
                     ctx: RowChunks) -> tuple[np.ndarray, Any]:
-    """`fn(run ctx, rows, pieces) -> (dx, tree)` for each run: dx concatenated by rows, the
+    """`fn(run ctx, rows, pieces) -> (dx, tree)` for each run: dx gathered by rows, the
     trees added as `chunked_sum` adds them."""
-    dxs, total = tree_sum(lambda i: fn(ctx.parts[i], ctx.rows[i], ctx.pieces[i]), len(ctx.rows))
-    return (np.concatenate(dxs) if len(dxs) > 1 else dxs[0]), total
+    if len(ctx.rows) == 1:
+        return fn(ctx.parts[0], ctx.rows[0], ctx.pieces[0])
+    out = _Rows(ctx.rows)
+
+    def run(i: int) -> tuple[None, Any]:
+        dx, tree = fn(ctx.parts[i], ctx.rows[i], ctx.pieces[i])
+        out.put(i, dx)
+        return None, tree
+
+    _, total = tree_sum(run, len(ctx.rows))
+    return out.array, total
 
 
 def _add(a: Any, b: Any) -> Any:
@@ -440,9 +480,11 @@ def _add(a: Any, b: Any) -> Any:
     return a
 
 
-# Elements a thread takes at least in `add_into`/`copy_into`: a hand-off costs what adding
-# a few tens of thousands of floats does (see the module's text on hand-offs).
-ELEMENTWISE_CHUNK = 1 << 16
+# Elements a thread takes at least in `add_into`, `copy_into` and `scale_into`: on the
+# 2-vCPU VMs a hand-off (0.08-0.35 ms, the module's text) costs what one pass over a few
+# hundred thousand floats does, so the default model's units (~200K values) stay on one
+# thread and SmolLM2's (3.5M) are split.
+ELEMENTWISE_CHUNK = 1 << 18
 
 
 def _flat_pair(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
