@@ -457,17 +457,8 @@ def chunked_bwd_sum(fn: Callable[[Any, slice, tuple[slice, ...]], tuple[np.ndarr
                     ctx: RowChunks) -> tuple[np.ndarray, Any]:
     """`fn(run ctx, rows, pieces) -> (dx, tree)` for each run: dx gathered by rows, the
     trees added as `chunked_sum` adds them."""
-    if len(ctx.rows) == 1:
-        return fn(ctx.parts[0], ctx.rows[0], ctx.pieces[0])
-    out = _Rows(ctx.rows)
-
-    def run(i: int) -> tuple[None, Any]:
-        dx, tree = fn(ctx.parts[i], ctx.rows[i], ctx.pieces[i])
-        out.put(i, dx)
-        return None, tree
-
-    _, total = tree_sum(run, len(ctx.rows))
-    return out.array, total
+    dx, trees = _gathered(ctx.rows, lambda i: fn(ctx.parts[i], ctx.rows[i], ctx.pieces[i]))
+    return dx, _pairwise(trees)
 
 
 def _add(a: Any, b: Any) -> Any:

@@ -378,12 +378,12 @@ def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, sc
     qt = query_tile(q.dtype, q.shape[-1])
     cap, pairs = max(1, _cap(Tq, Tk, qt) // g), _stripe_pairs(Tq, qt)
     call = functools.partial(_group_fwd, _grouped(q, g), k[:, :, None], v[:, :, None], _grouped(y, g),
-                             lse.reshape(B, Hk, g, Tq), scale, diag, drop, qpos, kpos)
+                             lse.reshape(B, Hk, g, Tq), scale, diag, drop, qpos, kpos, qt)
     items = _runs(B * H, len(pairs))
 
     def run(r: slice) -> None:
         mine = [it for its in items[r] for it in its]
-        (buf,) = _scratch(q.dtype, q.shape[-1], Tq, Tk, min(cap * g, max(h1 - h0 for h0, h1, _ in mine)), 1)
+        (buf,) = _scratch(q.dtype, q.shape[-1], Tq, Tk, qt, min(cap * g, max(h1 - h0 for h0, h1, _ in mine)), 1)
         for h0, h1, part in mine:
             for grp in _head_groups(h0, h1, Hk, g, cap):
                 call(grp, _starts(pairs, part, Tq, qt), buf)
@@ -392,14 +392,13 @@ def attend_fwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray, *, sc
     return lse
 
 
-def _scratch(dtype, head_size: int, Tq: int, Tk: int, heads: int, n: int) -> tuple[np.ndarray, ...]:
+def _scratch(dtype, head_size: int, Tq: int, Tk: int, qt: int, heads: int, n: int) -> tuple[np.ndarray, ...]:
     """A thread's n score buffers (forward 1, backward 3: probabilities, their gradient,
     dropped), as views of one 64-byte-aligned allocation (numesh.host.aligned; one call, as
     each call costs microseconds under the GIL while the other thread waits): room for one
-    head's tile of a stripe where the compiled loops run (they take a head at a time), for
-    `heads` heads' where the Python loops batch a group's GEMMs."""
-    size = min(KEY_TILE, Tk) * min(query_tile(dtype, head_size), Tq) * (1 if _gemm(dtype, head_size) is not None
-                                                                        else heads)
+    head's tile of a stripe (qt rows) where the compiled loops run (they take a head at a
+    time), for `heads` heads' where the Python loops batch a group's GEMMs."""
+    size = min(KEY_TILE, Tk) * min(qt, Tq) * (1 if _gemm(dtype, head_size) is not None else heads)
     block = aligned.empty(n * size, dtype)
     return tuple(block[i * size:(i + 1) * size] for i in range(n))
 
@@ -449,17 +448,17 @@ def _stream(drop: AttnDropout | None, grp: _Group, qpos: np.ndarray, kpos: np.nd
     return st.key, st.threshold, st.inv_keep, st.row_base, st.kpos
 
 
-def _group_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, grp: _Group, starts, buf: np.ndarray) -> None:
-    """The stripes starting at `starts` of one group of (batch row, kv head) pairs, each with
+def _group_fwd(q, k, v, y, lse, scale, diag, drop, qpos, kpos, qt: int, grp: _Group, starts,
+               buf: np.ndarray) -> None:
+    """The stripes (qt rows, `query_tile`) starting at `starts` of one group of (batch row, kv head) pairs, each with
     its query heads `grp.i` (q, y [B, Hkv, g, T, hs], lse [B, Hkv, g, T]; k, v [B, Hkv, 1,
     T, hs]): their y rows and log-sum-exps written."""
     yg, lseg = y[grp.b, grp.h, grp.i], lse[grp.b, grp.h, grp.i]
     fn = _gemm(q.dtype, q.shape[-1])
     if fn is not None:  # the scores' GEMM applies the scale
         qg, kg, vg = (_read(x, grp, len(starts) > COPY_STRIPES) for x in (q, k, v))
-        AK.group_fwd(fn, qg, kg, vg, yg, lseg, q.dtype.type(scale), diag, np.asarray(starts, np.int64),
-                     query_tile(q.dtype, q.shape[-1]), KEY_TILE, buf,
-                     *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
+        AK.group_fwd(fn, qg, kg, vg, yg, lseg, q.dtype.type(scale), diag, np.asarray(starts, np.int64), qt,
+                     KEY_TILE, buf, *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
         return
     qg, kg, vg = _own(q, grp, scale), _own(k, grp), _own(v, grp)
     for q0 in starts:
@@ -524,11 +523,11 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
 
     def run(r: slice) -> None:
         mine = [(i, it) for i in range(r.start, r.stop) for it in items[i]]
-        bufs = _scratch(q.dtype, q.shape[-1], Tq, Tk, min(cap * g, max(h1 - h0 for _, (h0, h1, _) in mine)), 3)
+        bufs = _scratch(q.dtype, q.shape[-1], Tq, Tk, qt, min(cap * g, max(h1 - h0 for _, (h0, h1, _) in mine)), 3)
         for i, (h0, h1, part) in mine:
             for grp in _head_groups(h0, h1, Hk, g, cap):
                 _group_bwd(q5, k5, v5, dy5, lse5, dd5, dq5, *(shares if part is None else parts[i, h0]), scale, diag,
-                           drop, qpos, kpos, grp, bufs, _starts(pairs, part, Tq, qt), part is not None)
+                           drop, qpos, kpos, grp, bufs, _starts(pairs, part, Tq, qt), qt, part is not None)
 
     over_rows(run, len(items))
     for (_, h), (pk, pv) in sorted(parts.items()):  # run order
@@ -541,9 +540,9 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
 
 
 def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, grp: _Group,
-               bufs: tuple[np.ndarray, ...], starts: list[int], part: bool = False) -> None:
-    """The stripes starting at `starts` of one group of (batch row, kv head) pairs with their
-    query heads `grp.i` (shapes as in `_group_fwd`; dk, dv [B, Hkv, 1, T, hs], or each query
+               bufs: tuple[np.ndarray, ...], starts: list[int], qt: int, part: bool = False) -> None:
+    """The stripes (qt rows) starting at `starts` of one group of (batch row, kv head) pairs
+    with their query heads `grp.i` (shapes as in `_group_fwd`; dk, dv [B, Hkv, 1, T, hs], or each query
     head's share [B, Hkv, g, T, hs] with GQA), in order: the group's dq and each of its query
     heads' dk, dv. The compiled loops' GEMMs add them straight into dq (those stripes' rows),
     dk and dv (no zeroed buffers, no adds after: at T = 64 those were a tenth of the
@@ -564,7 +563,6 @@ def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, 
         into = [x if x.strides[-1] == x.itemsize and x.dtype == q.dtype else aligned.copy(x.astype(q.dtype, copy=False))
                 for x in outs]
         dqg, dkg, dvg = into[0], *((dk, dv) if part else into[1:])
-        qt = query_tile(q.dtype, q.shape[-1])
         AK.group_bwd(fn, qg, kg, vg, dyg, lseg, ddg, dqg, dkg, dvg, f(scale), diag, np.asarray(starts, np.int64),
                      qt, KEY_TILE, *bufs, *_stream(drop, grp, qpos, kpos, q.dtype, q.shape[2]))
         for out, buf in zip(outs, into):
