@@ -136,6 +136,65 @@ def test_over_batch_returns_chunks_in_order_single_threaded_inside(with_threads)
     assert threads.threads() == 3  # restored after an error too
 
 
+def test_over_batch_limits_blas_only_where_it_runs_on_more_than_one_thread(with_threads) -> None:
+    """Inside `over_batch` BLAS runs on one thread: left alone where it already does (as
+    numesh.host.runtime sets it), limited for the call and restored where it does not."""
+    with_threads(2)
+    threads.over_batch(lambda r: None, 2)  # makes the BLAS controller
+
+    def counts_now() -> list[int]:
+        return [lib.num_threads for lib in threads._blas.lib_controllers]
+
+    counts: list[list[int]] = []
+    with threadpool_limits(limits=2, user_api="blas"):  # OpenBLAS's count (pip's MKL may be sequential)
+        before = counts_now()
+        threads.over_batch(lambda r: counts.append(counts_now()), 2)
+        assert counts_now() == before and max(before) == 2
+    with threadpool_limits(limits=1, user_api="blas"):
+        threads.over_batch(lambda r: counts.append(counts_now()), 2)
+    assert counts and all(n == 1 for c in counts for n in c)
+
+
+def test_one_hand_off_holds_the_calls_back_and_runs_them_in_one(with_threads, monkeypatch) -> None:
+    """`over_rows` calls made inside `one_hand_off` run at its end, all in one hand-off, each
+    cut as it would have been at once; small ones, other threads' calls and calls with one
+    thread run at once."""
+    hand_offs = []
+    real = threads._run_all
+    monkeypatch.setattr(threads, "_run_all", lambda calls: hand_offs.append(len(calls)) or real(calls))
+    sizes = (10, 3, 7)
+    for k in (1, 2, 3):
+        with_threads(k)
+        hand_offs.clear()
+        outs = [np.zeros(n) for n in sizes]
+        seen: list[tuple[int, slice]] = []
+
+        def fill(i: int, r: slice) -> None:
+            seen.append((i, r))
+            outs[i][r] = np.arange(r.start, r.stop) + 100 * i
+
+        with threads.one_hand_off():
+            for i, n in enumerate(sizes):
+                threads.over_rows(lambda r, i=i: fill(i, r), n, 3)
+            threads.over_rows(lambda r: fill(1, r), 3, 2)  # one chunk: at once
+            assert hand_offs == [] and (k == 1 or not outs[0].any())
+            other = np.zeros(10)
+            t = threading.Thread(target=threads.over_rows, args=(lambda r: other.__setitem__(r, 1.0), 10, 3))
+            t.start()
+            t.join()
+            assert other.all()  # another thread's call: at once
+            hand_offs.clear()
+        for i, n in enumerate(sizes):
+            np.testing.assert_array_equal(outs[i], np.arange(n) + 100 * i)
+        assert hand_offs == ([] if k == 1 else [k])
+        want = [(i, r) for i, n in enumerate(sizes) for r in threads._bounds(n, min(k, n // 3))]
+        assert sorted(seen, key=str) == sorted(want + [(1, slice(0, 3))], key=str)
+    with pytest.raises(ValueError, match="boom"), threads.one_hand_off():
+        threads.over_rows(lambda r: None, 10, 1)
+        raise ValueError("boom")
+    assert threads._held is None  # an error drops the held calls
+
+
 # the model kinds' parts (numesh.nn.gpt.ARCHS): GPT-2's, and Llama's with one kv head for both query heads
 KINDS = {"gpt2": {}, "llama": dict(norm="rmsnorm", positions="rotary", mlp="swiglu", tie_embeddings=False,
                                    n_kv_head=1)}

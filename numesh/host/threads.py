@@ -161,12 +161,49 @@ def over_rows(fn: Callable[[slice], None], n: int, min_rows: int = 1) -> None:
     if k <= 1:
         fn(slice(0, n))
         return
+    if _held is not None and threading.get_ident() == _held[0]:
+        _held[1].append((fn, _bounds(n, k)))
+        return
     _run_all([lambda r=r: fn(r) for r in _bounds(n, k)])
+
+
+_held: tuple[int, list] | None = None  # (the thread inside `one_hand_off`, its calls held back)
+
+
+@contextlib.contextmanager
+def one_hand_off() -> Iterator[None]:
+    """The `over_rows` calls this thread makes inside the block (each cut into more than one
+    chunk) held back and run at its end, all of them in one hand-off: thread i takes chunk i
+    of each, so every row gets what it would have got at once. For calls none of which
+    reads what another writes (an optimiser's update of each unit): each hand-off costs the
+    main thread's Python time and the other threads' wake-up (~0.1 ms on a VM, see the
+    module docstring), and a step's units otherwise hand off one by one."""
+    global _held
+    if _held is not None or _threads <= 1:
+        yield
+        return
+    _held = (threading.get_ident(), [])
+    try:
+        yield
+        calls = _held[1]
+    finally:
+        _held = None
+    if calls:
+        _run_all([lambda i=i: _chunks(calls, i) for i in range(max(len(chunks) for _, chunks in calls))])
+
+
+def _chunks(calls: list[tuple[Callable[[slice], None], list[slice]]], i: int) -> None:
+    for fn, chunks in calls:
+        if i < len(chunks):
+            fn(chunks[i])
 
 
 @contextlib.contextmanager
 def _single_threaded() -> Iterator[None]:
-    """BLAS and `over_rows` on one thread (per caller) inside the block."""
+    """BLAS and `over_rows` on one thread (per caller) inside the block. BLAS is left alone
+    where it already runs on one thread, as numesh.host.runtime sets it: asking each library
+    its count costs ~1 µs, a threadpoolctl limit and its restore tens of µs on the main
+    thread while the others wait, at every block call."""
     global _blas, _threads
     if _blas is None:
         from threadpoolctl import ThreadpoolController
@@ -175,8 +212,11 @@ def _single_threaded() -> Iterator[None]:
     saved = _threads
     _threads = 1
     try:
-        with _blas.limit(limits=1):
+        if all(lib.num_threads == 1 for lib in _blas.lib_controllers):
             yield
+        else:
+            with _blas.limit(limits=1):
+                yield
     finally:
         _threads = saved
 

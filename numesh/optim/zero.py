@@ -43,7 +43,7 @@ import numpy as np
 from numesh.base.errors import ReplicaError
 from numesh.base.tree import Tree, flatten, tree_leaves, tree_leaves_with_path, tree_map, tree_map_with_path
 from numesh.host.kernels import sum_squares
-from numesh.host.threads import scale_into
+from numesh.host.threads import ELEMENTWISE_CHUNK, one_hand_off, over_tiles, scale_into
 from numesh.mesh import Mesh, pmax, psum, psum_scalar
 from numesh.optim import adamw
 from numesh.optim.adamw import decays
@@ -247,11 +247,13 @@ class ZeroOptimizer(Generic[K]):
         self.wait()
         if self._norm_runs is None:
             self._norm_runs = {k: _true_runs(self.counted[s]) for k, s in self.state_slices.items()}
+        # a few contiguous runs per unit (no masked copy of g), each summed whole in float64
+        # lanes (no BLAS-dependent bits, no float32 overflow) on some thread, then added in order
+        runs = [self.sync.grad(key)[a:b] for key, rs in self._norm_runs.items() for a, b in rs]
         total = 0.0
-        for key, runs in self._norm_runs.items():
-            g = self.sync.grad(key)
-            for a, b in runs:  # a few contiguous runs per unit: no masked copy of g
-                total += sum_squares(g[a:b])  # float64 lanes: no BLAS-dependent bits, no float32 overflow
+        big = sum(r.size for r in runs) >= 2 * ELEMENTWISE_CHUNK  # else one thread: a hand-off would cost more
+        for part in over_tiles(lambda i: sum_squares(runs[i]), len(runs), None if big else 1):
+            total += part
         axes = [a for a in ("pp", "ep", "tp") if self.mesh.shape[a] > 1]  # other leaves, or one copy of each
         if self.sync.sharded and self.layout.dp > 1:
             axes.append("dp")  # each dp rank holds a different shard of the gradient
@@ -264,20 +266,24 @@ class ZeroOptimizer(Generic[K]):
         ratio), then share updated parameters if sharded."""
         self.wait()
         t = self.opt_step + 1
-        grads = {}
-        for key, s in self.state_slices.items():
-            g = self.sync.grad(key)
-            if grad_scale != 1.0:
+        grads = {key: self.sync.grad(key) for key in self.state_slices}
+        if grad_scale != 1.0:
+            for g in grads.values():
                 scale_into(g, grad_scale)
-            grads[key] = g
-            p = self.residency.update_view(key)
-            for i, a, b, c in self._runs[key]:
-                rule = self.optimizer.rules[i]
-                states = [self.state[name][c : c + b - a] for name in rule.state]
-                if isinstance(rule, Elementwise):
-                    rule.step(p[a:b], g[a:b], states, lr * rule.lr_ratio, t, self.decay[s][a:b], self.scratch[s][a:b])
-                else:
-                    rule.direction(g[a:b], states)
+        # the rules' passes over every unit in one hand-off to the threads: each reads and
+        # writes its own run of the buffers only
+        with one_hand_off():
+            for key, s in self.state_slices.items():
+                g = grads[key]
+                p = self.residency.update_view(key)
+                for i, a, b, c in self._runs[key]:
+                    rule = self.optimizer.rules[i]
+                    states = [self.state[name][c : c + b - a] for name in rule.state]
+                    if isinstance(rule, Elementwise):
+                        rule.step(p[a:b], g[a:b], states, lr * rule.lr_ratio, t, self.decay[s][a:b],
+                                  self.scratch[s][a:b])
+                    else:
+                        rule.direction(g[a:b], states)
         self.matrix_seconds = 0.0
         for i, ex in self._exchanges.items():
             self._matrix_step(self.optimizer.rules[i], ex, grads, lr)
