@@ -238,6 +238,43 @@ def test_blocks_run_as_pieces_are_the_same_bits_on_any_thread_count(with_threads
             np.testing.assert_array_equal(b, a)
 
 
+@pytest.mark.bits
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_a_stage_in_one_hand_off_is_the_same_bits_as_block_by_block(with_threads, monkeypatch, dropout: float,
+                                                                    recompute: str) -> None:
+    """On one rank a stage's blocks run in one hand-off each way (`walk.stage_blocks_fwd`,
+    `stage_blocks_bwd`), its backward block by block where the runs' weight gradients
+    would take more than STAGE_GRAD_BYTES: the loss and every gradient bit for bit as
+    block by block, on one thread as on several."""
+    monkeypatch.setattr(walk, "PIECE_TOKENS", 1)
+    cfg = GPTConfig(vocab_size=23, block_size=8, n_layer=3, n_head=2, n_embd=16, dropout=dropout, bias=True)
+    mesh = Mesh.parse("")
+    params = init_gpt(cfg, mesh, seed=3, dtype=np.float64)
+    idx, targets = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 4, cfg.block_size))
+    drop = DropoutKey(dropout, 7, 1, 0, 4) if dropout else None
+    hand_offs = []
+    real = threads._run_all
+    monkeypatch.setattr(threads, "_run_all", lambda calls: hand_offs.append(len(calls)) or real(calls))
+    runs = {}
+    with threadpool_limits(limits=1, user_api="blas"):
+        for k, how in ((1, "one"), (2, "blocks"), (2, "one"), (2, "one fwd"), (4, "one")):
+            with_threads(k)
+            with monkeypatch.context() as m:
+                if how == "blocks":
+                    m.setattr(walk, "_one_hand_off", lambda *a: False)
+                if how == "one fwd":
+                    m.setattr(walk, "STAGE_GRAD_BYTES", 0)
+                hand_offs.clear()
+                loss, grads = loss_and_grads(params, idx, targets, cfg, mesh, 1.0 / idx.size, drop, recompute)
+            runs[k, how] = [np.array(loss), *tree_leaves(grads)]
+            blocks = len([n for n in hand_offs if n == min(k, 4)])
+            assert blocks == {"one": 2, "blocks": 6, "one fwd": 4}[how] if k > 1 else hand_offs == []
+    for key, got in runs.items():
+        for a, b in zip(runs[1, "one"], got, strict=True):
+            np.testing.assert_array_equal(b, a)
+
+
 def test_block_pieces_are_a_function_of_the_shape() -> None:
     """At least PIECE_TOKENS tokens a piece, a power of two of them, at most one per core;
     whole with tp or cp; one run of pieces per thread, a power of two of them."""

@@ -18,7 +18,9 @@ the cores meet once per block instead of once per matmul, and the runs' weight g
 are added by the same tree. Either way the same calls and the same additions: every thread
 count gives the same bits (numesh/threads.py says why that needs fixed tiles). Other
 blocks run whole on the main thread, their ops split over fixed row tiles
-(`numesh.host.threads.matmul`, `over_rows`).
+(`numesh.host.threads.matmul`, `over_rows`). On one rank, where nothing between blocks
+talks over MPI, each run goes through all of a stage's blocks in one hand-off each way
+(`stage_blocks_fwd`, `stage_blocks_bwd`): the same pieces, the same tree, fewer meetings.
 
 Activation recomputation wraps the block functions here too (`Recompute`): "full" keeps
 only the block's input (`BlockInput`, with its dropout key) and reruns the block's forward, tp
@@ -39,6 +41,7 @@ import numpy as np
 
 from numesh.base.errors import ConfigError
 from numesh.base.padding import ceil_div
+from numesh.base.tree import tree_leaves
 from numesh.host.threads import (
     RowChunks,
     chunked_bwd,
@@ -47,6 +50,7 @@ from numesh.host.threads import (
     chunked_sum,
     cores,
     runs_for,
+    threads,
     tiles,
     token_pieces,
 )
@@ -282,6 +286,79 @@ def run_block_bwd(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np.ndarr
 
 
 # ---------------------------------------------------------------------------------------
+# a stage's blocks in one hand-off
+
+# The most the runs' weight gradients of a whole stage may take for its backward to run in
+# one hand-off (each run keeps its own of every block until the end, instead of handing
+# each block's to the optimiser as soon as they are summed).
+STAGE_GRAD_BYTES = 16 << 20
+
+
+def _one_hand_off(stage: Stage, cfg: GPTConfig, mesh: Mesh) -> bool:
+    """Whether the stage's blocks may run in one hand-off to the threads: on one rank only,
+    where nothing between blocks talks over MPI (ZeRO-3's gathers, dp's overlapped
+    reductions, tp, cp, ep), and with no MoE block (it runs whole)."""
+    return bool(stage.blocks) and not mesh.axes_of_size_gt1() and not any(cfg.moe(layer) for layer, _ in stage.blocks)
+
+
+def _stage_pieces(stage: Stage, x: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> tuple[slice, ...]:
+    """The pieces all of the stage's blocks run as in one hand-off (those each would run as
+    alone), or () where they run block by block: `_one_hand_off` says no, or one run."""
+    if not _one_hand_off(stage, cfg, mesh):
+        return ()
+    pieces = _pieces(mesh, x)
+    return pieces if len(runs_for(threads(), pieces)) > 1 else ()
+
+
+def stage_blocks_fwd(params: list, stage: Stage, x: np.ndarray, pieces: tuple[slice, ...], cfg: GPTConfig,
+                     mesh: Mesh, drop: DropoutKey | None, recompute: Recompute,
+                     keep: bool = True) -> tuple[np.ndarray, list]:
+    """Every block of the stage forward, each run of pieces through all of them on its own
+    thread: each block gets the rows, pieces and dropout it gets from `run_block_fwd`, so
+    the same bits, in one hand-off instead of one per block (each costs the Python that
+    starts a run while the other thread waits for the GIL, `docs/benchmarks.md`). Returns
+    the output and each block's context as `run_block_fwd` leaves it (None each, kept by
+    no run, unless `keep`)."""
+
+    def run(rows: slice, ps: tuple[slice, ...]) -> tuple[np.ndarray, list]:
+        xr, dr, ctxs = x[rows], drop and drop.shifted(rows), []
+        with token_pieces(_tokens(ps, x.shape[1])):
+            for p, (layer, _) in zip(params, stage.blocks):
+                y, ctx = block_fwd(p, xr, cfg, mesh, layer, dr)
+                ctxs.append(_saved(recompute, ctx, xr, dr, layer) if keep else None)
+                xr = y
+        return xr, ctxs
+
+    y, runs = chunked_fwd(run, pieces)
+    if not keep:
+        return y, [None] * len(params)
+    return y, [RowChunks(runs.rows, runs.pieces, tuple(c[j] for c in runs.parts)) for j in range(len(params))]
+
+
+def stage_blocks_bwd(params: list, stage: Stage, ctxs: list, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh,
+                     loss_scale: float | None) -> tuple[np.ndarray, tuple]:
+    """Every block of the stage backward (B and W), each run through all of them on its own
+    thread, as `run_block_bwd` runs each: (the stage's input grad, each block's weight
+    grads in forward order, the runs' added by the pieces' tree)."""
+    first = ctxs[0]
+    both = RowChunks(first.rows, first.pieces, tuple(tuple(c.parts[i] for c in ctxs) for i in range(len(first.rows))))
+
+    def run(cs: tuple, rows: slice, ps: tuple[slice, ...]) -> tuple[np.ndarray, tuple]:
+        d, grads = dx[rows], []
+        with token_pieces(_tokens(ps, dx.shape[1])):
+            for p, c in reversed(list(zip(params, cs))):
+                d, w = block_bwd_input(p, _restored(p, c, cfg, mesh), d, cfg, mesh, loss_scale)
+                grads.append(block_bwd_weight(p, w))
+        return d, tuple(reversed(grads))
+
+    return chunked_bwd_sum(run, both)
+
+
+def _stage_grad_bytes(params: list, runs: int) -> int:
+    return runs * sum(leaf.nbytes for p in params for leaf in tree_leaves(p))
+
+
+# ---------------------------------------------------------------------------------------
 # the walk
 
 
@@ -300,7 +377,13 @@ def stage_forward(units: ParamUnits, stage: Stage, inp: np.ndarray, targets: np.
         if not stage.last:  # the last stage keeps it for the head: ZeRO-3 gathers it once
             units.release(OUTER)
     ctxs = []
-    for layer, unit in stage.blocks:
+    pieces = _stage_pieces(stage, x, cfg, mesh)
+    if pieces:
+        params = [units.get(unit) for _, unit in stage.blocks]
+        x, ctxs = stage_blocks_fwd(params, stage, x, pieces, cfg, mesh, drop, recompute, keep)
+        for _, unit in stage.blocks:
+            units.release(unit)
+    for layer, unit in stage.blocks if not pieces else ():
         x, c = run_block_fwd(units.get(unit), x, cfg, mesh, layer, drop, recompute if keep else "none")
         units.release(unit)
         ctxs.append(c if keep else None)
@@ -331,7 +414,17 @@ def stage_backward(units: ParamUnits, stage: Stage, ctx: StageCtx, dy: np.ndarra
             units.release(OUTER)
         outer = attrs.evolve(outer, ln_f=d_lnf, **{"wte" if head.lm_head is None else "lm_head": dhead})
     deferred = []
-    for (layer, unit), c in reversed(list(zip(stage.blocks, ctx.blocks))):
+    fused = not split and _one_hand_off(stage, cfg, mesh) and all(isinstance(c, RowChunks) for c in ctx.blocks)
+    if fused:  # as the forward ran, unless the runs' weight grads of every block would take too much
+        params = [units.get(unit) for _, unit in stage.blocks]
+        fused = _stage_grad_bytes(params, len(ctx.blocks[0].rows)) <= STAGE_GRAD_BYTES
+        if fused:
+            dx, grads = stage_blocks_bwd(params, stage, ctx.blocks, dx, cfg, mesh, loss_scale)
+        for (_, unit), g in reversed(list(zip(stage.blocks, grads if fused else [None] * len(params)))):
+            units.release(unit)
+            if fused:
+                units.grads_ready(unit, g)
+    for (layer, unit), c in reversed(list(zip(stage.blocks, ctx.blocks)) if not fused else []):
         params = units.get(unit)
         if split:
             dx, w = run_block_bwd_input(params, c, dx, cfg, mesh, loss_scale)
