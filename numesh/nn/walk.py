@@ -354,8 +354,19 @@ def stage_blocks_bwd(params: list, stage: Stage, ctxs: list, dx: np.ndarray, cfg
     return chunked_bwd_sum(run, both)
 
 
-def _stage_grad_bytes(params: list, runs: int) -> int:
-    return runs * sum(leaf.nbytes for p in params for leaf in tree_leaves(p))
+def _fused_params(units: ParamUnits, stage: Stage, ctx: StageCtx, split: bool, cfg: GPTConfig,
+                  mesh: Mesh) -> list | None:
+    """The stage's block parameters (got from `units`) where its backward runs in one
+    hand-off: not split, run as its forward ran (`stage_blocks_fwd`), and the runs' weight
+    grads of every block within STAGE_GRAD_BYTES; else None, nothing held."""
+    if split or not _one_hand_off(stage, cfg, mesh) or not all(isinstance(c, RowChunks) for c in ctx.blocks):
+        return None
+    params = [units.get(unit) for _, unit in stage.blocks]
+    if len(ctx.blocks[0].rows) * sum(leaf.nbytes for p in params for leaf in tree_leaves(p)) <= STAGE_GRAD_BYTES:
+        return params
+    for _, unit in stage.blocks:
+        units.release(unit)
+    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -383,10 +394,11 @@ def stage_forward(units: ParamUnits, stage: Stage, inp: np.ndarray, targets: np.
         x, ctxs = stage_blocks_fwd(params, stage, x, pieces, cfg, mesh, drop, recompute, keep)
         for _, unit in stage.blocks:
             units.release(unit)
-    for layer, unit in stage.blocks if not pieces else ():
-        x, c = run_block_fwd(units.get(unit), x, cfg, mesh, layer, drop, recompute if keep else "none")
-        units.release(unit)
-        ctxs.append(c if keep else None)
+    else:
+        for layer, unit in stage.blocks:
+            x, c = run_block_fwd(units.get(unit), x, cfg, mesh, layer, drop, recompute if keep else "none")
+            units.release(unit)
+            ctxs.append(c if keep else None)
     if stage.last:
         x, head = head_fwd(units.get(OUTER), x, targets, cfg, mesh)
         units.release(OUTER)
@@ -414,17 +426,13 @@ def stage_backward(units: ParamUnits, stage: Stage, ctx: StageCtx, dy: np.ndarra
             units.release(OUTER)
         outer = attrs.evolve(outer, ln_f=d_lnf, **{"wte" if head.lm_head is None else "lm_head": dhead})
     deferred = []
-    fused = not split and _one_hand_off(stage, cfg, mesh) and all(isinstance(c, RowChunks) for c in ctx.blocks)
-    if fused:  # as the forward ran, unless the runs' weight grads of every block would take too much
-        params = [units.get(unit) for _, unit in stage.blocks]
-        fused = _stage_grad_bytes(params, len(ctx.blocks[0].rows)) <= STAGE_GRAD_BYTES
-        if fused:
-            dx, grads = stage_blocks_bwd(params, stage, ctx.blocks, dx, cfg, mesh, loss_scale)
-        for (_, unit), g in reversed(list(zip(stage.blocks, grads if fused else [None] * len(params)))):
+    fused = _fused_params(units, stage, ctx, split, cfg, mesh)
+    if fused is not None:
+        dx, grads = stage_blocks_bwd(fused, stage, ctx.blocks, dx, cfg, mesh, loss_scale)
+        for (_, unit), g in reversed(list(zip(stage.blocks, grads))):
             units.release(unit)
-            if fused:
-                units.grads_ready(unit, g)
-    for (layer, unit), c in reversed(list(zip(stage.blocks, ctx.blocks)) if not fused else []):
+            units.grads_ready(unit, g)
+    for (layer, unit), c in reversed(list(zip(stage.blocks, ctx.blocks)) if fused is None else []):
         params = units.get(unit)
         if split:
             dx, w = run_block_bwd_input(params, c, dx, cfg, mesh, loss_scale)
