@@ -518,10 +518,16 @@ def _add(a: Any, b: Any) -> Any:
 ELEMENTWISE_CHUNK = 1 << 18
 
 
+def worth_splitting(n: int) -> bool:
+    """Whether n values of element-wise work are enough to split over the threads: at least
+    two ELEMENTWISE_CHUNKs, else one thread does it (a hand-off would cost more)."""
+    return n >= 2 * ELEMENTWISE_CHUNK
+
+
 def _flat_pair(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """1-D views of a and b where both are C-contiguous, of one shape and large enough to
-    split over the threads; else None."""
-    if a.shape != b.shape or a.size < 2 * ELEMENTWISE_CHUNK or not (a.flags.c_contiguous and b.flags.c_contiguous):
+    split over the threads (`worth_splitting`); else None."""
+    if a.shape != b.shape or not worth_splitting(a.size) or not (a.flags.c_contiguous and b.flags.c_contiguous):
         return None
     return a.reshape(-1), b.reshape(-1)
 

@@ -43,7 +43,7 @@ import numpy as np
 from numesh.base.errors import ReplicaError
 from numesh.base.tree import Tree, flatten, tree_leaves, tree_leaves_with_path, tree_map, tree_map_with_path
 from numesh.host.kernels import sum_squares
-from numesh.host.threads import ELEMENTWISE_CHUNK, one_hand_off, over_tiles, scale_into
+from numesh.host.threads import one_hand_off, over_tiles, scale_into, worth_splitting
 from numesh.mesh import Mesh, pmax, psum, psum_scalar
 from numesh.optim import adamw
 from numesh.optim.adamw import decays
@@ -251,7 +251,7 @@ class ZeroOptimizer(Generic[K]):
         # lanes (no BLAS-dependent bits, no float32 overflow) on some thread, then added in order
         runs = [self.sync.grad(key)[a:b] for key, rs in self._norm_runs.items() for a, b in rs]
         total = 0.0
-        big = sum(r.size for r in runs) >= 2 * ELEMENTWISE_CHUNK  # else one thread: a hand-off would cost more
+        big = worth_splitting(sum(r.size for r in runs))
         for part in over_tiles(lambda i: sum_squares(runs[i]), len(runs), None if big else 1):
             total += part
         axes = [a for a in ("pp", "ep", "tp") if self.mesh.shape[a] > 1]  # other leaves, or one copy of each
