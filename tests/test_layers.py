@@ -10,6 +10,7 @@ import pytest
 
 from conftest import random_global_params, self_mesh, tiny_config
 from numesh.base.tree import tree_leaves, tree_leaves_with_path
+from numesh.host import kernels as K
 from numesh.nn.dropout import EMBED, DropoutKey, Site
 from numesh.nn.layers import (
     LayerNorm,
@@ -186,6 +187,35 @@ def test_vocab_parallel_embedding_fd(rng: np.random.Generator) -> None:
     assert_fd(dwte, fd_grad(loss, wte), "dwte")
     np.testing.assert_array_equal(dwte[[2, 4]], 0.0)  # ids never looked up get no gradient
     np.testing.assert_allclose(dwte[3], r[0, 1] + r[0, 2] + r[1, 1], rtol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rank_slice", [False, True])
+def test_embedding_grad_kernel_adds_in_token_order(rng: np.random.Generator, dtype, rank_slice: bool) -> None:
+    """numesh.host.kernels.embedding_grad adds the tokens in order: np.add.at's bits, and
+    the NumPy path's sums (each id's tokens pairwise, np.add.reduceat) to rounding; ids
+    another tp rank holds left out, rows never looked up zero."""
+    if not K.HAVE_NUMBA:
+        pytest.skip("numba is not installed")
+    V, C = 11, 37
+    wte = np.zeros((V, C), dtype)
+    ids = rng.integers(0, V - 3, (3, 50))  # many repeats; the last 3 rows never looked up
+    dy = rng.standard_normal((3, 50, C)).astype(dtype)
+    outside = (ids % 4 == 1) if rank_slice else None  # as another tp rank's ids would be
+    ctx = (ids, outside)
+    with K.switched(False):
+        pairwise = vocab_parallel_embedding_bwd(wte, ctx, dy)
+    with K.switched(True):
+        got = vocab_parallel_embedding_bwd(wte, ctx, dy)
+    in_order = np.zeros_like(wte)
+    keep = np.ones(ids.shape, bool) if outside is None else ~outside
+    np.add.at(in_order, ids[keep], dy[keep])
+    assert got.tobytes() == in_order.tobytes()
+    tol = 1e-5 if dtype == np.float32 else 1e-13
+    np.testing.assert_allclose(got, pairwise, rtol=tol, atol=tol)
+    assert not got[V - 3:].any() and got[:V - 3].any()
+    if rank_slice:
+        assert not got[1].any() and not got[5].any()  # every token of ids 1 and 5 is outside
 
 
 def _log_softmax_loss(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:

@@ -517,6 +517,20 @@ def ce_bwd(probs, sumexp, local, dloss):
             probs[i, j] *= g
 
 
+@njit(**_JIT)
+def embedding_grad(ids, dy, out):
+    """out [V, C] (zeros from the caller) += each token's row of dy [N, C] into row ids[t]
+    (ids[t] < 0: another rank's, skipped), token by token in order, as np.add.at adds: one
+    pass, with no sort and no gathered copy of dy. `numesh.nn.parallel`'s NumPy path adds
+    each id's tokens pairwise (np.add.reduceat), so the two agree to rounding."""
+    for t in range(ids.shape[0]):
+        i = ids[t]
+        if i >= 0:
+            row, d = out[i], dy[t]
+            for c in range(d.shape[0]):
+                row[c] += d[c]
+
+
 # ---------------------------------------------------------------------------------------
 # AdamW on flat buffers
 
@@ -571,5 +585,6 @@ def warm_up(dtype) -> None:
     stripe_grad(s, s.copy(), v1, np.uint64(1), np.uint64(1), f(2), u[:, :2], u[0])
     stripe_probs_grad(s, s.copy(), 1, v1, v1)
     ce_bwd(np.ones((2, 3), f), np.ones(2, f), np.zeros(2, np.int64), np.ones(1))
+    embedding_grad(np.array([0, -1, 0], np.int64), np.ones((3, 2), f), np.zeros((1, 2), f))
     z = np.zeros(8, f)
     adamw(z, z.copy(), z.copy(), z.copy(), np.ones(8, bool), 0.0, 0.9, 0.99, 1e-8, 1.0, 1.0)  # decay: a bool mask

@@ -14,7 +14,9 @@ replaces f before a column-parallel matmul, `reduce_scatter_to_sequence_parallel
 all-reduce is a reduce-scatter plus an all-gather, so the bus bytes are those of f/g.
 
 The cross-entropy's backward is one fused pass (numesh.host.kernels.ce_bwd) when numba is
-installed; `vocab_parallel_cross_entropy_bwd_reference` is its NumPy definition.
+installed; `vocab_parallel_cross_entropy_bwd_reference` is its NumPy definition. So is the
+embedding's (numesh.host.kernels.embedding_grad: the tokens added in order, where the
+NumPy path adds each id's pairwise).
 """
 
 from __future__ import annotations
@@ -98,6 +100,11 @@ def vocab_parallel_embedding_bwd(wte: np.ndarray, ctx: tuple, dy: np.ndarray) ->
     dwte = np.zeros_like(wte)
     dy2 = dy.reshape(-1, dy.shape[-1])
     idx = local.reshape(-1)
+    if K.enabled() and dy2.dtype == dwte.dtype:  # one pass, where the sort and gather below run on the main
+        # thread alone (`benchmarks/profile_train.py`'s vocab_parallel_embedding_bwd row)
+        ids = idx if outside is None else np.where(outside.reshape(-1), -1, idx)
+        K.embedding_grad(ids.astype(np.int64, copy=False), np.ascontiguousarray(dy2), dwte)
+        return dwte
     if outside is not None:
         keep = ~outside.reshape(-1)
         idx, dy2 = idx[keep], dy2[keep]
