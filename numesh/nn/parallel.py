@@ -15,8 +15,8 @@ all-reduce is a reduce-scatter plus an all-gather, so the bus bytes are those of
 
 The cross-entropy's backward is one fused pass (numesh.host.kernels.ce_bwd) when numba is
 installed; `vocab_parallel_cross_entropy_bwd_reference` is its NumPy definition. So is the
-embedding's (numesh.host.kernels.embedding_grad: the tokens added in order, where the
-NumPy path adds each id's pairwise).
+embedding's (numesh.host.kernels.embedding_grad adds the tokens in order, where
+`vocab_parallel_embedding_bwd_reference` adds each id's pairwise).
 """
 
 from __future__ import annotations
@@ -95,20 +95,29 @@ def vocab_parallel_embedding_fwd(wte: np.ndarray, ids: np.ndarray, mesh: Mesh) -
 
 def vocab_parallel_embedding_bwd(wte: np.ndarray, ctx: tuple, dy: np.ndarray) -> np.ndarray:
     """Gradient of this rank's wte rows from the gradient of the whole lookup [B, T, C]
-    (with sequence parallelism the caller gathers it over tp first)."""
+    (with sequence parallelism the caller gathers it over tp first): one compiled pass
+    (`numesh.host.kernels.embedding_grad`), where the reference's sort and gather ran on the
+    main thread alone (`benchmarks/profile_train.py`'s vocab_parallel_embedding_bwd row)."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    if not K.enabled() or dy2.dtype != wte.dtype:
+        return vocab_parallel_embedding_bwd_reference(wte, ctx, dy)
+    local, outside = ctx
+    ids = local.reshape(-1) if outside is None else np.where(outside.reshape(-1), -1, local.reshape(-1))
+    dwte = np.zeros_like(wte)
+    K.embedding_grad(ids.astype(np.int64, copy=False), np.ascontiguousarray(dy2), dwte)
+    return dwte
+
+
+def vocab_parallel_embedding_bwd_reference(wte: np.ndarray, ctx: tuple, dy: np.ndarray) -> np.ndarray:
     local, outside = ctx
     dwte = np.zeros_like(wte)
     dy2 = dy.reshape(-1, dy.shape[-1])
     idx = local.reshape(-1)
-    if K.enabled() and dy2.dtype == dwte.dtype:  # one pass, where the sort and gather below run on the main
-        # thread alone (`benchmarks/profile_train.py`'s vocab_parallel_embedding_bwd row)
-        ids = idx if outside is None else np.where(outside.reshape(-1), -1, idx)
-        K.embedding_grad(ids.astype(np.int64, copy=False), np.ascontiguousarray(dy2), dwte)
-        return dwte
     if outside is not None:
         keep = ~outside.reshape(-1)
         idx, dy2 = idx[keep], dy2[keep]
-    # per-row sums over the tokens with that id, in token order (np.add.at is ~5x slower)
+    # each id's tokens, sorted stably by id, summed by np.add.reduceat (pairwise within an
+    # id; np.add.at, which adds in token order, is ~5x slower)
     order = np.argsort(idx, kind="stable")
     ids = idx[order]
     starts = np.flatnonzero(np.diff(ids, prepend=-1))
