@@ -1,6 +1,7 @@
 """numesh.host.tile_gemm: the attention's register-tiled tile products against NumPy.
 
-Every shape class the blocks meet (rows in whole blocks and a row at a time, columns in
+Every shape class the blocks meet (rows in whole blocks and the last rows in blocks of 4, 2
+and 1, columns in
 4-, 2- and 1-vector blocks with a partial last vector, k in one chunk and several, k = 0),
 A read row-wise and transposed, C written and accumulated, float32 and float64; what lies
 outside C's rows and columns is left alone; and an element's bits do not depend on the
@@ -35,7 +36,7 @@ def _product(a: np.ndarray, b: np.ndarray, c: np.ndarray, alpha: float, accumula
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("m", [1, 13, 130])
+@pytest.mark.parametrize("m", [1, 11, 64, 130])  # with 6- or 8-row blocks: tails of 4 + 1, 2 + 1, 4, 2
 @pytest.mark.parametrize("n", [1, W32 - 1, W32, W32 + 1, 2 * W32 + 3, 3 * W32 + 1, 4 * W32, 4 * W32 + 5, 128])
 @pytest.mark.parametrize("k", [0, 1, TG.KC, TG.KC + 1, 300])
 def test_the_product_matches_numpy_and_touches_nothing_else(dtype, m, n, k):
@@ -58,17 +59,19 @@ def test_the_product_matches_numpy_and_touches_nothing_else(dtype, m, n, k):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_an_elements_bits_do_not_depend_on_its_block(dtype):
-    """The same C whole, one row at a time (every row then takes the 1-row path) and in
-    column slices of every width (other block kinds, other partial vectors)."""
+    """The same C whole, in row slices of every height up to 9 (each row then falls in
+    another block: the full blocks and the 4-, 2- and 1-row tails) and in column slices of
+    every width (other block kinds, other partial vectors)."""
     rng = np.random.default_rng(1)
     m, n, k = 37, 4 * W32 + 11, TG.KC * 2 + 9
     a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
     whole = np.zeros((m, n), dtype)
     _product(a, b, whole, 0.25, False, True)
-    rows = np.zeros((m, n), dtype)
-    for i in range(m):
-        _product(a[i:i + 1], b, rows[i:i + 1], 0.25, False, True)
-    assert rows.tobytes() == whole.tobytes()
+    for height in range(1, 10):
+        rows = np.zeros((m, n), dtype)
+        for i in range(0, m, height):
+            _product(a[i:i + height], b, rows[i:i + height], 0.25, False, True)
+        assert rows.tobytes() == whole.tobytes(), height
     for width in (1, 3, W32, W32 + 2, 3 * W32 + 1):
         cols = np.zeros((m, n), dtype)
         for j in range(0, n, width):
