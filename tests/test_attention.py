@@ -341,6 +341,32 @@ def test_results_do_not_depend_on_the_thread_count(with_threads, small_tiles, pr
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.bits
+@pytest.mark.parametrize("g", [2, 3, 8])
+def test_query_heads_shares_are_added_in_order_on_any_thread_count(with_threads, monkeypatch, g):
+    """`add_shares`: dk += the g query heads' shares summed over axis 2, numpy's order and
+    bits, into a strided view (k's columns of a QKV gradient buffer), its key rows split
+    over the threads; nothing outside the view written."""
+    monkeypatch.setattr(A, "ELEMENTWISE_CHUNK", 64)  # split even these few rows
+    rng = np.random.default_rng(g)
+    scales = 10.0 ** rng.integers(-4, 5, (2, 3, g, 50, 1))  # sums that round differently in another order
+    shares = (rng.standard_normal((2, 3, g, 50, 8)) * scales).astype(np.float32)
+    store = rng.standard_normal((2, 50, 7, 8)).astype(np.float32)  # [B, T, heads, hs]
+
+    def view(x):
+        return x[:, :, 2:5].transpose(0, 2, 1, 3)[:, :, None]  # [B, 3, 1, T, hs]
+
+    want = view(store).copy()
+    want += shares.sum(axis=2, keepdims=True)
+    for n in (1, 2, 3):
+        with_threads(n)
+        got = store.copy()
+        A.add_shares(view(got), shares)
+        assert np.ascontiguousarray(view(got)).tobytes() == want.tobytes()
+        np.testing.assert_array_equal(got[:, :, :2], store[:, :, :2])
+        np.testing.assert_array_equal(got[:, :, 5:], store[:, :, 5:])
+
+
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_nothing_of_size_t_by_t_is_allocated(kernels, n_threads, with_threads, monkeypatch):

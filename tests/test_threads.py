@@ -330,9 +330,10 @@ def test_tree_sum_adds_in_one_tree_whichever_thread_adds(with_threads, n: int) -
 
 @pytest.mark.parametrize("n", [7, 2 * threads.ELEMENTWISE_CHUNK + 5, 5 * threads.ELEMENTWISE_CHUNK])
 def test_add_into_and_copy_into_split_large_arrays_with_the_same_bits(with_threads, monkeypatch, n: int) -> None:
-    """`add_into`, `copy_into` and `scale_into` give a += b, dst[...] = src and x *= f's bits on any thread count,
-    float32 into float64 included; large contiguous ones are split over the threads, small,
-    strided or broadcast ones are not (and still come out right)."""
+    """`add_into`, `copy_into`, `scale_into` and `zero_into` give a += b, dst[...] = src,
+    x *= f's and x[...] = 0's bits on any thread count, float32 into float64 included; large
+    contiguous ones are split over the threads, small, strided or broadcast ones are not
+    (and still come out right)."""
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n)
     want_sum = a.copy()
@@ -353,7 +354,10 @@ def test_add_into_and_copy_into_split_large_arrays_with_the_same_bits(with_threa
         want_scaled *= 0.123456789
         threads.scale_into(scaled, 0.123456789)
         assert scaled.tobytes() == want_scaled.tobytes()
-        assert calls == ([n, n, n] if k > 1 and n >= 2 * threads.ELEMENTWISE_CHUNK else [])
+        zeroed = a.copy()
+        assert threads.zero_into(zeroed) is zeroed
+        assert not zeroed.any()
+        assert calls == ([n, n, n, n] if k > 1 and n >= 2 * threads.ELEMENTWISE_CHUNK else [])
     strided = np.zeros(2 * n, np.float32)[::2]
     threads.add_into(strided, a)
     np.testing.assert_array_equal(strided, a)

@@ -558,6 +558,19 @@ def scale_into(x: np.ndarray, factor: float) -> None:
     over_rows(lambda r: np.multiply(fx[r], f, out=fx[r]), fx.size, ELEMENTWISE_CHUNK)
 
 
+def zero_into(x: np.ndarray) -> np.ndarray:
+    """x[...] = 0, returning x; a large one's elements split over the threads as in
+    `add_into` (buffers that kernels add into, zeroed on the main thread alone before, at
+    batch 1: `benchmarks/profile_train.py --preset smollm2-4 --block-size 2048 --batch-size 1`)."""
+    flat = _flat_pair(x, x)
+    if flat is None or _threads == 1:
+        x.fill(0)
+        return x
+    fx = flat[0]
+    over_rows(lambda r: fx[r].fill(0), fx.size, ELEMENTWISE_CHUNK)
+    return x
+
+
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     """dst[...] = src, a large one's elements split over the threads as in `add_into`."""
     flat = _flat_pair(dst, src)

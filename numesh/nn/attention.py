@@ -52,7 +52,7 @@ from numesh.host import aligned, blas
 from numesh.host import attention_kernels as AK
 from numesh.host import kernels as K
 from numesh.host import tile_gemm as TG
-from numesh.host.threads import cores, in_pieces, over_rows
+from numesh.host.threads import ELEMENTWISE_CHUNK, cores, in_pieces, over_rows
 
 QUERY_TILE = 128  # query rows per stripe (benchmarks/bench_long_context.py --sections tiles measures others)
 # Query rows per stripe where numesh.host.tile_gemm multiplies the tiles (`query_tile`): a
@@ -512,20 +512,30 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
     q5, dy5, dq5 = _grouped(q, g), _grouped(dy, g), _grouped(dq, g)  # [B, Hkv, g, T, hs]
     k5, v5, dk5, dv5 = k[:, :, None], v[:, :, None], dk[:, :, None], dv[:, :, None]  # [B, Hkv, 1, T, hs]
     lse5, dd5 = _grouped(lse, g), _grouped(dd, g)
-    shares = (dk5, dv5) if g == 1 else (aligned.zeros((B, Hk, g, Tk, k.shape[3]), dk.dtype),
-                                        aligned.zeros((B, Hk, g, Tk, v.shape[3]), dv.dtype))
+    # with GQA each query head's share of dk, dv: zeroed by the run that computes the head (on
+    # its thread, not all on the main one first), or below where runs cut the head
+    shares = (dk5, dv5) if g == 1 else (aligned.empty((B, Hk, g, Tk, k.shape[3]), dk.dtype),
+                                        aligned.empty((B, Hk, g, Tk, v.shape[3]), dv.dtype))
     pairs = _stripe_pairs(Tq, qt)
     items = _runs(B * H, len(pairs))
     # a head cut between runs: each run's part of its dk, dv apart ([1, 1, 1, Tk, hs], as a group's)
-    parts = {(r, h0): (aligned.zeros((1, 1, 1, Tk, k.shape[3]), dk.dtype),
-                       aligned.zeros((1, 1, 1, Tk, v.shape[3]), dv.dtype))
-             for r, its in enumerate(items) for h0, _, part in its if part is not None}
+    parts = {(r, h0): (aligned.empty((1, 1, 1, Tk, k.shape[3]), dk.dtype),
+                       aligned.empty((1, 1, 1, Tk, v.shape[3]), dv.dtype))
+             for r, its in enumerate(items) for h0, _, part in its if part is not None}  # zeroed by their runs
+    for _, h in parts if g > 1 else ():
+        grp = _head_groups(h, h + 1, Hk, g, cap)[0]
+        for share in shares:
+            share[grp.b, grp.h, grp.i] = 0
 
     def run(r: slice) -> None:
         mine = [(i, it) for i in range(r.start, r.stop) for it in items[i]]
         bufs = _scratch(q.dtype, q.shape[-1], Tq, Tk, qt, min(cap * g, max(h1 - h0 for _, (h0, h1, _) in mine)), 3)
         for i, (h0, h1, part) in mine:
+            for buf in parts[i, h0] if part is not None else ():
+                buf.fill(0)
             for grp in _head_groups(h0, h1, Hk, g, cap):
+                for share in shares if g > 1 and part is None else ():
+                    share[grp.b, grp.h, grp.i] = 0
                 _group_bwd(q5, k5, v5, dy5, lse5, dd5, dq5, *(shares if part is None else parts[i, h0]), scale, diag,
                            drop, qpos, kpos, grp, bufs, _starts(pairs, part, Tq, qt), qt, part is not None)
 
@@ -535,8 +545,26 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
         shares[0][grp.b, grp.h, grp.i] += pk
         shares[1][grp.b, grp.h, grp.i] += pv
     if g > 1:
-        dk5 += shares[0].sum(axis=2, keepdims=True)
-        dv5 += shares[1].sum(axis=2, keepdims=True)
+        add_shares(dk5, shares[0])
+        add_shares(dv5, shares[1])
+
+
+def add_shares(out: np.ndarray, shares: np.ndarray) -> None:
+    """out [B, Hkv, 1, T, hs] += the g query heads' shares [B, Hkv, g, T, hs] summed in
+    order, ((s0 + s1) + s2) + ..., as shares.sum(axis=2) adds them, key rows split over the
+    threads (element-wise, so the same bits on any thread count; on the main thread alone
+    it took ~1 % of a SmolLM2 step at 2048 × 1)."""
+    B, Hk, g, T, hs = shares.shape
+
+    def rows(r: slice) -> None:
+        for b in range(B):
+            for h in range(Hk):
+                total = shares[b, h, 0, r] + shares[b, h, 1, r]
+                for i in range(2, g):
+                    total += shares[b, h, i, r]
+                out[b, h, 0, r] += total
+
+    over_rows(rows, T, -(-ELEMENTWISE_CHUNK // (B * Hk * g * hs)))
 
 
 def _group_bwd(q, k, v, dy, lse, dd, dq, dk, dv, scale, diag, drop, qpos, kpos, grp: _Group,

@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 
 from numesh.host import aligned
+from numesh.host.threads import add_into, zero_into
 from numesh.mesh import Mesh
 from numesh.nn.gpt import Attention, GPTConfig, GQAttention
 from numesh.nn.layers import (
@@ -159,10 +160,10 @@ def qkv_grad_buffers(p: Attention | GQAttention, shape: tuple[int, int], cfg: GP
     B, T = shape
     nh, hs, _ = local_heads(cfg, mesh)
     if isinstance(p, Attention):
-        buf = aligned.zeros((B, T, 3, nh, hs), dtype)  # the attention's tile products add into it
+        buf = zero_into(aligned.empty((B, T, 3, nh, hs), dtype))  # the attention's tile products add into it
         return tuple(buf.transpose(2, 0, 3, 1, 4)), buf
     nkv = local_kv_heads(cfg, mesh).stop - local_kv_heads(cfg, mesh).start
-    bufs = tuple(aligned.zeros((B, T, n, hs), dtype) for n in (nh, nkv, nkv))
+    bufs = tuple(zero_into(aligned.empty((B, T, n, hs), dtype)) for n in (nh, nkv, nkv))
     return tuple(b.transpose(0, 2, 1, 3) for b in bufs), bufs
 
 
@@ -184,8 +185,8 @@ def qkv_bwd_input(p: Attention | GQAttention, ctx: QKVCtx, storage: Any) -> tupl
     B, T = dq.shape[:2]
     dq, dk, dv = (d.reshape(B, T, -1) for d in (dq, dk, dv))
     dh = linear_bwd_input(p.q, dq)
-    dh += linear_bwd_input(_columns(p.k, ctx.kv_cols), dk)
-    dh += linear_bwd_input(_columns(p.v, ctx.kv_cols), dv)
+    add_into(dh, linear_bwd_input(_columns(p.k, ctx.kv_cols), dk))
+    add_into(dh, linear_bwd_input(_columns(p.v, ctx.kv_cols), dv))
     return dh, QKVGrads(q=dq, k=dk, v=dv)
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from numesh.base.errors import ConfigError
 from numesh.base.tree import tree_leaves_with_path
-from numesh.host.threads import matmul, token_sum
+from numesh.host.threads import add_into, matmul, token_sum
 from numesh.mesh import Mesh, psum
 from numesh.nn.attention import AttnDropout
 from numesh.nn.context_parallel import CpSlice
@@ -250,12 +250,12 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
     y = bias_add(reduce_seq(y, mesh), p.attn.proj.b)  # g: [B, T, C] or [B, T/tp, C]
     if drop:
         y *= _residual_mask(drop, Site("attn_out", layer), y, mesh)
-    x = x + y
+    x = add_into(y, x)  # x + y into y (this block's own), over the threads: x is the caller's
     h2, ln2 = norm_gather_fwd(p.ln2, x, cfg.norm_eps, mesh)
     z, act, g, moe = mlp_fwd(p.mlp, h2, cfg, mesh, layer)
     if drop:
         z *= _residual_mask(drop, Site("mlp_out", layer), z, mesh)
-    x += z
+    add_into(x, z)
     keep = transient or not mesh.sequence_parallel  # with sp backward gathers them again (norm_regather)
     return x, BlockCtx(ln1, h1 if keep else None, qkv, attn, a, ln2, h2 if keep else None, act, g, drop, layer, moe)
 
@@ -306,11 +306,11 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mes
         else:
             da, du = swiglu_bwd(ctx.act, dg)
             dh2 = linear_bwd_input(p.mlp.fc, du)
-            dh2 += linear_bwd_input(p.mlp.gate, da)
+            add_into(dh2, linear_bwd_input(p.mlp.gate, da))
     else:  # the experts' and router's weight grads are done here too
         dh2, d_moe = moe_bwd(p.mlp, ctx.moe, dz, cfg.moe(ctx.layer), mesh, loss_scale)
     dx2, d_ln2 = norm_gather_bwd(p.ln2, ctx.ln2, dh2, mesh)  # like dx
-    dx = dx + dx2
+    dx = add_into(dx2, dx)  # dx + dx2 into dx2 (this backward's own): dx is the caller's
     # attention half
     dy = reduce_seq_bwd(_drop_residual(dx, ctx.drop, Site("attn_out", ctx.layer), mesh), mesh)  # [B, T, C]
     dattn = linear_bwd_input(p.attn.proj, dy).reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # [B, nh, T, hs]
@@ -318,7 +318,7 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mes
     attention_bwd(ctx.attn, dattn, *views, mesh)  # into views [B, n, T, hs]
     dh1, dqkv = qkv_bwd_input(p.attn, ctx.qkv, storage)
     dx1, d_ln1 = norm_gather_bwd(p.ln1, ctx.ln1, dh1, mesh)
-    dx1 += dx  # not in place on dx: it may be `dy`, which the weight half still needs
+    add_into(dx1, dx)  # not in place on dx: it may be `dy`, which the weight half still needs
     h1 = norm_regather(p.ln1, ctx.ln1, mesh) if ctx.h1 is None else ctx.h1  # [B, T, C]
     h2 = norm_regather(p.ln2, ctx.ln2, mesh) if ctx.h2 is None else ctx.h2
     mlp_io = (None, None) if d_moe is not None else (LinearIO(h2, du), LinearIO(ctx.g, dz))
