@@ -522,10 +522,7 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
     parts = {(r, h0): (aligned.empty((1, 1, 1, Tk, k.shape[3]), dk.dtype),
                        aligned.empty((1, 1, 1, Tk, v.shape[3]), dv.dtype))
              for r, its in enumerate(items) for h0, _, part in its if part is not None}  # zeroed by their runs
-    for _, h in parts if g > 1 else ():
-        grp = _head_groups(h, h + 1, Hk, g, cap)[0]
-        for share in shares:
-            share[grp.b, grp.h, grp.i] = 0
+    first_part = {h: r for r, h in sorted(parts, reverse=True)}  # a cut head's share: zeroed by its first run
 
     def run(r: slice) -> None:
         mine = [(i, it) for i in range(r.start, r.stop) for it in items[i]]
@@ -534,7 +531,7 @@ def attend_bwd(q: np.ndarray, k: np.ndarray, v: np.ndarray, dy: np.ndarray, lse:
             for buf in parts[i, h0] if part is not None else ():
                 buf.fill(0)
             for grp in _head_groups(h0, h1, Hk, g, cap):
-                for share in shares if g > 1 and part is None else ():
+                for share in shares if g > 1 and (part is None or first_part[h0] == i) else ():
                     share[grp.b, grp.h, grp.i] = 0
                 _group_bwd(q5, k5, v5, dy5, lse5, dd5, dq5, *(shares if part is None else parts[i, h0]), scale, diag,
                            drop, qpos, kpos, grp, bufs, _starts(pairs, part, Tq, qt), qt, part is not None)
