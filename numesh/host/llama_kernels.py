@@ -66,22 +66,25 @@ def rmsnorm_bwd(dy, xhat, rstd, w, dx, dw):
 
 
 @njit(**_JIT)
-def swiglu_fwd(gate, up, y, sig):
-    """sig = sigmoid(gate) = 1/(1 + exp(-gate)) (kept for backward), y = gate * sig * up."""
+def swiglu_fwd(gate, up, y):
+    """y = gate * sigmoid(gate) * up, sigmoid(g) = 1/(1 + exp(-g)). The sigmoid is not kept:
+    backward computes it again from gate, bit for bit (`swiglu_bwd`), which costs an exp
+    there but spares a stored [tokens, F] array per block and a stream each way."""
     one = gate.dtype.type(1.0)
     for i in range(gate.shape[0]):
         g = gate[i]
         s = one / (one + vexp(-g))
-        sig[i] = s
         y[i] = g * s * up[i]
 
 
 @njit(**_JIT)
-def swiglu_bwd(gate, up, sig, dy, dgate, dup):
-    """dgate = dy * up * sig * (1 + gate * (1 - sig)) (silu's derivative), dup = dy * silu(gate)."""
+def swiglu_bwd(gate, up, dy, dgate, dup):
+    """dgate = dy * up * s * (1 + gate * (1 - s)) (silu's derivative), dup = dy * silu(gate),
+    with s = sigmoid(gate) computed as `swiglu_fwd` computes it."""
     one = gate.dtype.type(1.0)
     for i in range(gate.shape[0]):
-        g, s, d = gate[i], sig[i], dy[i]
+        g, d = gate[i], dy[i]
+        s = one / (one + vexp(-g))
         dgate[i] = d * up[i] * s * (one + g * (one - s))
         dup[i] = d * (g * s)
 
@@ -125,8 +128,8 @@ def warm_up(dtype) -> None:
     rmsnorm_fwd(x, w, 1e-5, y, xh, r)
     rmsnorm_bwd(x, xh, r, w, dx, np.empty(4, np.float64))
     flat = x.reshape(-1)
-    swiglu_fwd(flat, flat, y.reshape(-1), flat.copy())
-    swiglu_bwd(flat, flat, flat, flat, y.reshape(-1), dx.reshape(-1))
+    swiglu_fwd(flat, flat, y.reshape(-1))
+    swiglu_bwd(flat, flat, flat, y.reshape(-1), dx.reshape(-1))
     q = np.ones((1, 2, 2, 4), f)
     rope(q, x, x, False, q, 0, 2)  # C-contiguous, in place
     rope(q[:, :, :1], x, x, True, q[:, :, :1], 0, 2)  # a view of a fused projection

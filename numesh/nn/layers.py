@@ -212,41 +212,44 @@ def rmsnorm_bwd_reference(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray],
     return dxhat, RMSNorm(dw)
 
 
-def swiglu_fwd(gate: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def swiglu_fwd(gate: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """SwiGLU's gating: silu(gate) * up, with silu(g) = g * sigmoid(g); the context is
-    (gate, up, sigmoid(gate))."""
+    (gate, up): backward computes the sigmoid again rather than keep it."""
     if not K.enabled():
         return swiglu_fwd_reference(gate, up)
     gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
-    y, sig = np.empty_like(gate), np.empty_like(gate)
-    g2, u2, y2, s2 = _rows(gate), _rows(up), _rows(y), _rows(sig)
-    over_rows(lambda r: LK.swiglu_fwd(g2[r].reshape(-1), u2[r].reshape(-1), y2[r].reshape(-1), s2[r].reshape(-1)),
+    y = np.empty_like(gate)
+    g2, u2, y2 = _rows(gate), _rows(up), _rows(y)
+    over_rows(lambda r: LK.swiglu_fwd(g2[r].reshape(-1), u2[r].reshape(-1), y2[r].reshape(-1)),
               g2.shape[0], _chunk_rows(g2.shape[1]))
-    return y, (gate, up, sig)
+    return y, (gate, up)
 
 
-def swiglu_bwd(ctx: tuple[np.ndarray, np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(d gate, d up): silu'(g) = sig * (1 + g * (1 - sig)); one kernel pass, rows over the threads."""
+def swiglu_bwd(ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(d gate, d up): silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g) again; one kernel
+    pass, rows over the threads."""
     if not K.enabled():
         return swiglu_bwd_reference(ctx, dy)
-    gate, up, sig = (np.ascontiguousarray(a) for a in ctx)
+    gate, up = (np.ascontiguousarray(a) for a in ctx)
     dy = np.ascontiguousarray(dy)
     dgate, dup = np.empty_like(dy), np.empty_like(dy)
-    flat = [_rows(a) for a in (gate, up, sig, dy, dgate, dup)]
+    flat = [_rows(a) for a in (gate, up, dy, dgate, dup)]
     over_rows(lambda r: LK.swiglu_bwd(*(a[r].reshape(-1) for a in flat)), flat[0].shape[0],
               _chunk_rows(flat[0].shape[1]))
     return dgate, dup
 
 
-def swiglu_fwd_reference(gate: np.ndarray,
-                         up: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    sig = 1.0 / (1.0 + np.exp(-gate))
-    return gate * sig * up, (gate, up, sig)
+def _sigmoid(gate: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-gate))
 
 
-def swiglu_bwd_reference(ctx: tuple[np.ndarray, np.ndarray, np.ndarray],
-                         dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    gate, up, sig = ctx
+def swiglu_fwd_reference(gate: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    return gate * _sigmoid(gate) * up, (gate, up)
+
+
+def swiglu_bwd_reference(ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    gate, up = ctx
+    sig = _sigmoid(gate)
     silu = gate * sig
     dgate = dy * up * sig * (1.0 + gate * (1.0 - sig))
     return dgate, dy * silu

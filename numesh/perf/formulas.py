@@ -719,10 +719,10 @@ class ActivationShape:
         return 2 * C // t + 2 * parts.local_kv(C, t)
 
     def mlp_values(self, rows: int = 1) -> int:
-        """Values per token (per expert row) an MLP keeps on a tp rank: GELU's input (the
-        MLP-up output), its tanh and its output, 3·F/tp; SwiGLU's gate and up outputs, the
-        gate's sigmoid and the gated product, 4·F/tp."""
-        return rows * (4 if self.parts.gated else 3) * self.parts.ffn(self.n_embd) // self.tp
+        """Values per token (per expert row) an MLP keeps on a tp rank, 3·F/tp: GELU's input
+        (the MLP-up output), its tanh and its output; SwiGLU's gate and up outputs and the
+        gated product (its backward computes the gate's sigmoid again)."""
+        return rows * 3 * self.parts.ffn(self.n_embd) // self.tp
 
 
 def rotary_table_bytes(shape: ActivationShape) -> int:
@@ -772,7 +772,7 @@ def activation_parts(shape: ActivationShape, chunk: Chunk, vocab: int) -> dict[s
                           rotary positions rotate q and k in place (no extra values);
                           grouped-query attention keeps q (h/t) and this
                           rank's kv columns of k and v (2·kv_local), rotated or not; SwiGLU
-                          keeps gate, up, sigmoid and product (4·F/t) where GELU keeps 3·F/t.
+                          keeps gate, up and product (3·F/t, as GELU's input, tanh and output).
                           The rotary tables are one pair for every context: `rotary_table_bytes`.
       "block_lse"         k·a·sb/t: each query row's log-sum-exp [b, a/t, s], all the fused
                           attention keeps of its softmax (numesh/nn/attention.py): nothing
@@ -856,7 +856,7 @@ def moe_activation_parts(shape: ActivationShape, moe: ExpertShape, rows_sent: in
       "dispatch"          send and recv 2·8·ep; with ep > 1 the regrouping 8·R and local
                           bounds 8·(E/ep + 1).
       "experts"           q·R·h the rows the experts got, q·12·R·h/t their hidden layer, GELU
-                          tanh and output (SwiGLU experts: q·R·4·F/t, `mlp_values`),
+                          tanh and output (SwiGLU experts: gate, up and product, q·R·3·F/t, `mlp_values`),
                           q·N·k·h each assignment's expert output.
       "stats"             the routing stats' tokens per expert, 8·E.
     Under full recomputation the block keeps its input, q·sbh (q·sbh/t under sp), and its

@@ -35,9 +35,9 @@ PASSES = {
     "layernorm_fwd": 9, "layernorm_bwd": 14,  # mean, centre, variance, scale, affine; grads of w and x
     "gelu_fwd": 12, "gelu_bwd": 14,  # tanh form in place, 8 ops on x and t
     # numesh/host/llama_kernels.py: x read twice, y and xhat written; dy and xhat read twice,
-    # dx written, w's grad summed. Per hidden value: gate and up read, y and the sigmoid
-    # written; and back gate, up, sigmoid and dy read, both grads written
-    "rmsnorm_fwd": 4, "rmsnorm_bwd": 6, "swiglu_fwd": 4, "swiglu_bwd": 6,
+    # dx written, w's grad summed. Per hidden value: gate and up read, y written; and back
+    # gate, up and dy read (the sigmoid computed again), both grads written
+    "rmsnorm_fwd": 4, "rmsnorm_bwd": 6, "swiglu_fwd": 3, "swiglu_bwd": 5,
     # attention's passes over each score (numesh/kernels.py stripe_*): max, shift, exp, sum;
     # backward the logits, exp and the gradient (reads p and dp, writes dp)
     "softmax_fwd": 6, "softmax_bwd": 7,
