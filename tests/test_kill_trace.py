@@ -34,9 +34,16 @@ def wait_for_flushes(j: Job, rank: int, lines: int, within: float = 180) -> None
         time.sleep(0.1)
 
 
-@pytest.mark.timeout(300)
-def test_kill_9_of_a_rank_keeps_the_trace_and_names_the_rank(tmp_path: Path) -> None:
-    j = Job(tmp_path, 2, "--mesh", "tp=2", "--trace", "--peak-flops", "1e12")
+# The witness tells which rank ended first only if the kernel runs it before mpiexec has
+# killed the other rank too (milliseconds); on a loaded machine it can miss that, and says
+# so ("none saw one rank end before the others"): the job is then killed again, a fresh one.
+WITNESS_TRIES = 3
+
+
+def _killed_run(where: Path) -> tuple[Job, subprocess.CompletedProcess]:
+    """A 2-rank tp job, its rank 1 SIGKILLed after two trace flushes, and `numesh report` of it."""
+    where.mkdir()
+    j = Job(where, 2, "--mesh", "tp=2", "--trace", "--peak-flops", "1e12")
     try:
         j.wait_for_steps()
         wait_for_flushes(j, 1, FLUSHES_BEFORE)
@@ -50,6 +57,15 @@ def test_kill_9_of_a_rank_keeps_the_trace_and_names_the_rank(tmp_path: Path) -> 
     res = subprocess.run([sys.executable, "-m", "numesh.cli.app", "report", str(j.out)], capture_output=True,
                          text=True, env=clean_env(), timeout=120)
     assert res.returncode == 0, res.stderr
+    return j, res
+
+
+@pytest.mark.timeout(300 * WITNESS_TRIES)
+def test_kill_9_of_a_rank_keeps_the_trace_and_names_the_rank(tmp_path: Path) -> None:
+    for attempt in range(WITNESS_TRIES):
+        j, res = _killed_run(tmp_path / f"try{attempt}")
+        if "witness: none saw one rank end before the others" not in res.stdout:
+            break
     lines = res.stdout.splitlines()
     assert lines[1].startswith("cause: rank 1 (tp=1) is dead"), res.stdout
     assert any(x.startswith("witness: rank 1 (pid ") and "never exited on its own" in x for x in lines), res.stdout
