@@ -36,7 +36,9 @@ def _product(a: np.ndarray, b: np.ndarray, c: np.ndarray, alpha: float, accumula
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("m", [1, 11, 64, 130])  # with 6- or 8-row blocks: tails of 4 + 1, 2 + 1, 4, 2
+# with 6-row blocks 7 = 6 + 1, 15 = 12 + 2 + 1, 64 = 60 + 4 (48 + 12 + 4 in panels); with
+# 8-row blocks 7 = 4 + 2 + 1, 15 = 8 + 4 + 2 + 1; 2-row blocks (kind 0 on 32-byte vectors) end in 1
+@pytest.mark.parametrize("m", [1, 7, 15, 64, 130])
 @pytest.mark.parametrize("n", [1, W32 - 1, W32, W32 + 1, 2 * W32 + 3, 3 * W32 + 1, 4 * W32, 4 * W32 + 5, 128])
 @pytest.mark.parametrize("k", [0, 1, TG.KC, TG.KC + 1, 300])
 def test_the_product_matches_numpy_and_touches_nothing_else(dtype, m, n, k):

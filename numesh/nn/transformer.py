@@ -225,6 +225,14 @@ class Attend(Protocol):
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, y: np.ndarray) -> Any: ...
 
 
+def _residual(own: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """own + other, into `own` (an array the block itself made) by `add_into`, split over
+    the threads, where own is C-contiguous; else a fresh array, as `+` gives. Sequence
+    parallelism's reduce-scatter returns [B, T/tp, C] views of a [T/tp, B, C] buffer, and
+    what reads the residual stream next wants its rows contiguous."""
+    return add_into(own, other) if own.flags.c_contiguous else own + other
+
+
 def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
               drop: DropoutKey | None = None, transient: bool = False,
               attend: Attend | None = None) -> tuple[np.ndarray, BlockCtx]:
@@ -250,7 +258,7 @@ def block_fwd(p: Block, x: np.ndarray, cfg: GPTConfig, mesh: Mesh, layer: int,
     y = bias_add(reduce_seq(y, mesh), p.attn.proj.b)  # g: [B, T, C] or [B, T/tp, C]
     if drop:
         y *= _residual_mask(drop, Site("attn_out", layer), y, mesh)
-    x = add_into(y, x)  # x + y into y (this block's own), over the threads: x is the caller's
+    x = _residual(y, x)  # x is the caller's: not in place on it
     h2, ln2 = norm_gather_fwd(p.ln2, x, cfg.norm_eps, mesh)
     z, act, g, moe = mlp_fwd(p.mlp, h2, cfg, mesh, layer)
     if drop:
@@ -310,7 +318,7 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mes
     else:  # the experts' and router's weight grads are done here too
         dh2, d_moe = moe_bwd(p.mlp, ctx.moe, dz, cfg.moe(ctx.layer), mesh, loss_scale)
     dx2, d_ln2 = norm_gather_bwd(p.ln2, ctx.ln2, dh2, mesh)  # like dx
-    dx = add_into(dx2, dx)  # dx + dx2 into dx2 (this backward's own): dx is the caller's
+    dx = _residual(dx2, dx)  # dx is the caller's: not in place on it
     # attention half
     dy = reduce_seq_bwd(_drop_residual(dx, ctx.drop, Site("attn_out", ctx.layer), mesh), mesh)  # [B, T, C]
     dattn = linear_bwd_input(p.attn.proj, dy).reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # [B, nh, T, hs]
