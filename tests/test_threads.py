@@ -413,6 +413,40 @@ def test_matmul_split_over_rows_is_bit_identical(with_threads, monkeypatch, tile
 
 
 @pytest.mark.bits
+@pytest.mark.parametrize("m", [1, 100, 1000])  # one tile (column tiles or one call), and row tiles
+def test_several_products_in_one_hand_off_are_matmuls_bits(with_threads, monkeypatch, m: int) -> None:
+    """`matmuls` gives each product's `matmul` bits and `matmul_sum` those of `matmul` then
+    `add_into` in order (q, k, v's projections and their input gradient), on any thread
+    count, with B read transposed as the backward reads Wᵀ; the products share one
+    hand-off where `matmul` would cut all of them into row tiles."""
+    monkeypatch.setattr(threads, "TILE_ROWS", 64)
+    monkeypatch.setattr(threads, "_cores", 4)  # several row tiles at m = 1000 on any machine
+    monkeypatch.setattr(threads, "MIN_CHUNK_FLOPS", 1.0)
+    rng = np.random.default_rng(m)
+    for dtype in (np.float32, np.float64):
+        x = rng.standard_normal((m, 48)).astype(dtype)
+        ws = [rng.standard_normal((n, 48)).astype(dtype) for n in (96, 32, 32)]  # [out, in], read as wᵀ
+        dys = [rng.standard_normal((m, w.shape[0])).astype(dtype) * 10.0 ** (2 * i) for i, w in enumerate(ws)]
+        with threadpool_limits(limits=1, user_api="blas"):
+            with_threads(1)
+            want_each = [threads.matmul(x, w.T) for w in ws]
+            want_sum = threads.matmul(dys[0], ws[0])
+            for dy, w in zip(dys[1:], ws[1:]):
+                want_sum = threads.add_into(want_sum, threads.matmul(dy, w))
+            calls = _record_over_tiles(monkeypatch)
+            for n_threads in (1, 2, 3):
+                with_threads(n_threads)
+                calls.clear()
+                got = threads.matmuls([(x, w.T) for w in ws])
+                summed = threads.matmul_sum(list(zip(dys, ws)))
+                for a, b in zip(got, want_each, strict=True):
+                    assert a.tobytes() == b.tobytes()
+                assert summed.tobytes() == want_sum.tobytes()
+                if m == 1000:  # one hand-off each, every product's row tiles in it
+                    assert [c for _, c, _ in calls] == [len(threads.tiles(m, 64, 4))] * 2
+
+
+@pytest.mark.bits
 @pytest.mark.parametrize("m, k, n", [(128, 512, 384), (100, 64, 300), (7, 33, 1000)])
 def test_matmul_split_over_columns_is_bit_identical(with_threads, monkeypatch, m: int, k: int, n: int) -> None:
     """Too few rows for two row tiles (a narrow layer's weight gradient xᵀ·dy): each column

@@ -385,6 +385,63 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+def _shared_row_tiles(products: list[tuple[np.ndarray, np.ndarray]]) -> tuple[slice, ...]:
+    """The row tiles `matmul` cuts each of these products into, where it cuts all of them
+    into the same two or more (their A's have one row count, outside a block's pieces); else ()."""
+    m = products[0][0].shape[0]
+    if getattr(_local, "pieces", None) is not None or any(a.shape[0] != m for a, _ in products):
+        return ()
+    rows = tiles(m, TILE_ROWS, _cores)
+    return rows if len(rows) > 1 else ()
+
+
+def _flops(products: list[tuple[np.ndarray, np.ndarray]]) -> int:
+    return int(sum(2.0 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in products) // MIN_CHUNK_FLOPS)
+
+
+def matmuls(products: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    """[`matmul`(a, b) for each (a, b)] in one hand-off to the threads: each thread takes its
+    row tile of every product, so the tiles (and the bits) are `matmul`'s and the threads
+    wait for each other once, not once a product (q, k and v's projections, SwiGLU's gate
+    and up: each hand-off costs a start-up lag and the threads' imbalance)."""
+    rows = _shared_row_tiles(products)
+    if not rows:
+        return [matmul(a, b) for a, b in products]
+    outs = [aligned.empty((a.shape[0], b.shape[1]), np.result_type(a, b)) for a, b in products]
+
+    def tile(i: int) -> None:
+        for (a, b), out in zip(products, outs):
+            matmul_into(a[rows[i]], b, out[rows[i]])
+
+    over_tiles(tile, len(rows), _flops(products))
+    return outs
+
+
+def matmul_sum(products: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Σ a @ b over the products, added in order (`matmul` of the first, then `add_into` of
+    each other's `matmul`: the same bits), in one hand-off: each thread makes its row tile
+    of every product and adds it while the tile is in cache."""
+    rows = _shared_row_tiles(products)
+    if not rows:
+        out = matmul(*products[0])
+        for a, b in products[1:]:
+            add_into(out, matmul(a, b))
+        return out
+    (a0, b0), n = products[0], products[0][1].shape[1]
+    out = aligned.empty((a0.shape[0], n), np.result_type(*(x for pair in products for x in pair)))
+
+    def tile(i: int) -> None:
+        r = rows[i]
+        matmul_into(a0[r], b0, out[r])
+        part = aligned.empty((r.stop - r.start, n), out.dtype)
+        for a, b in products[1:]:
+            matmul_into(a[r], b, part)
+            out[r] += part
+
+    over_tiles(tile, len(rows), _flops(products))
+    return out
+
+
 def token_sum(fn: Callable[[slice], Any], n: int) -> Any:
     """`fn(rows) -> array or tuple of arrays` (a sum over those token rows) for each of
     `token_pieces`' pieces of the n token rows, added in the fixed pairwise tree ((0+1) +

@@ -22,7 +22,7 @@ import numpy as np
 
 from numesh.host import kernels as K
 from numesh.host import llama_kernels as LK
-from numesh.host.threads import cores, matmul, over_rows, tiles, token_sum, tree_sum
+from numesh.host.threads import cores, matmul, matmul_sum, matmuls, over_rows, tiles, token_sum, tree_sum
 
 LN_EPS = 1e-5
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -67,6 +67,26 @@ def linear_fwd(p: Linear, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def linear_bwd_input(p: Linear, dy: np.ndarray) -> np.ndarray:
     w2 = p.w.reshape(p.w.shape[0], -1)
     return matmul(_rows(dy), w2.T).reshape(*dy.shape[:-1], w2.shape[0])
+
+
+def linear_fwd_many(ps: list[Linear], x: np.ndarray) -> list[np.ndarray]:
+    """`linear_fwd`'s outputs of several Linears on one input x, their GEMMs in one hand-off
+    to the threads (`threads.matmuls`)."""
+    ws = [p.w.reshape(p.w.shape[0], -1) for p in ps]
+    ys = matmuls([(_rows(x), w2) for w2 in ws])
+    for p, y in zip(ps, ys):
+        if p.b is not None:
+            y += p.b.reshape(-1)
+    return [y.reshape(*x.shape[:-1], y.shape[1]) for y in ys]
+
+
+def linear_bwd_input_sum(grads: list[tuple[Linear, np.ndarray]]) -> np.ndarray:
+    """Σ `linear_bwd_input`(p, dy) over (p, dy), added in order, in one hand-off to the
+    threads (`threads.matmul_sum`): the input's gradient where several Linears read it."""
+    dy0 = grads[0][1]
+    ws = [p.w.reshape(p.w.shape[0], -1) for p, _ in grads]
+    dx = matmul_sum([(_rows(dy), w2.T) for (_, dy), w2 in zip(grads, ws)])
+    return dx.reshape(*dy0.shape[:-1], ws[0].shape[0])
 
 
 def linear_bwd_weight(p: Linear, x: np.ndarray, dy: np.ndarray) -> Linear:

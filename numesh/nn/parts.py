@@ -14,7 +14,7 @@ import attrs
 import numpy as np
 
 from numesh.host import aligned
-from numesh.host.threads import add_into, zero_into
+from numesh.host.threads import zero_into
 from numesh.mesh import Mesh
 from numesh.nn.gpt import Attention, GPTConfig, GQAttention
 from numesh.nn.layers import (
@@ -24,8 +24,10 @@ from numesh.nn.layers import (
     layernorm_bwd,
     layernorm_fwd,
     linear_bwd_input,
+    linear_bwd_input_sum,
     linear_bwd_weight,
     linear_fwd,
+    linear_fwd_many,
     rmsnorm_bwd,
     rmsnorm_fwd,
 )
@@ -128,9 +130,8 @@ def qkv_fwd(p: Attention | GQAttention, h: np.ndarray, cfg: GPTConfig, mesh: Mes
     else:
         heads = local_kv_heads(cfg, mesh)
         cols = slice(heads.start * hs, heads.stop * hs)
-        q = linear_fwd(p.q, h)[0].reshape(B, T, nh, hs)
-        k = linear_fwd(_columns(p.k, cols), h)[0].reshape(B, T, -1, hs)
-        v = linear_fwd(_columns(p.v, cols), h)[0].reshape(B, T, -1, hs)
+        q, k, v = linear_fwd_many([p.q, _columns(p.k, cols), _columns(p.v, cols)], h)
+        q, k, v = q.reshape(B, T, nh, hs), k.reshape(B, T, -1, hs), v.reshape(B, T, -1, hs)
     if rot is not None:  # in place: q and k are this call's fresh projections (or views of one)
         rope_fwd(q, rot, out=q)
         rope_fwd(k, rot, out=k)
@@ -184,9 +185,7 @@ def qkv_bwd_input(p: Attention | GQAttention, ctx: QKVCtx, storage: Any) -> tupl
         rope_bwd(dk, ctx.rot, out=dk)
     B, T = dq.shape[:2]
     dq, dk, dv = (d.reshape(B, T, -1) for d in (dq, dk, dv))
-    dh = linear_bwd_input(p.q, dq)
-    add_into(dh, linear_bwd_input(_columns(p.k, ctx.kv_cols), dk))
-    add_into(dh, linear_bwd_input(_columns(p.v, ctx.kv_cols), dv))
+    dh = linear_bwd_input_sum([(p.q, dq), (_columns(p.k, ctx.kv_cols), dk), (_columns(p.v, ctx.kv_cols), dv)])
     return dh, QKVGrads(q=dq, k=dk, v=dv)
 
 

@@ -44,8 +44,10 @@ from numesh.nn.layers import (
     gelu_bwd,
     gelu_fwd,
     linear_bwd_input,
+    linear_bwd_input_sum,
     linear_bwd_weight,
     linear_fwd,
+    linear_fwd_many,
     swiglu_bwd,
     swiglu_fwd,
 )
@@ -277,11 +279,11 @@ def mlp_fwd(p: MLP | MoE, h2: np.ndarray, cfg: GPTConfig, mesh: Mesh,
     if (moe_cfg := cfg.moe(layer)) is not None:
         z, moe = moe_fwd(p, h2, moe_cfg, mesh, layer)
         return reduce_seq(z, mesh), None, None, moe
-    u, _ = linear_fwd(p.fc, h2)  # [B, T, F/tp]
     if p.gate is None:
-        g, act = gelu_fwd(u)
+        g, act = gelu_fwd(linear_fwd(p.fc, h2)[0])  # [B, T, F/tp]
     else:
-        g, act = swiglu_fwd(linear_fwd(p.gate, h2)[0], u)
+        u, gate = linear_fwd_many([p.fc, p.gate], h2)  # [B, T, F/tp] each
+        g, act = swiglu_fwd(gate, u)
     z, _ = linear_fwd(Linear(p.proj.w), g)
     return bias_add(reduce_seq(z, mesh), p.proj.b), act, g, None
 
@@ -313,8 +315,7 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mes
             dh2 = linear_bwd_input(p.mlp.fc, du)
         else:
             da, du = swiglu_bwd(ctx.act, dg)
-            dh2 = linear_bwd_input(p.mlp.fc, du)
-            add_into(dh2, linear_bwd_input(p.mlp.gate, da))
+            dh2 = linear_bwd_input_sum([(p.mlp.fc, du), (p.mlp.gate, da)])
     else:  # the experts' and router's weight grads are done here too
         dh2, d_moe = moe_bwd(p.mlp, ctx.moe, dz, cfg.moe(ctx.layer), mesh, loss_scale)
     dx2, d_ln2 = norm_gather_bwd(p.ln2, ctx.ln2, dh2, mesh)  # like dx
