@@ -58,7 +58,15 @@ def test_flops_per_token_counts_the_matmuls_a_step_runs(monkeypatch: pytest.Monk
             return real(a, b, *args, **kw)
         return matmul
 
+    def counting_each(real):  # several products in one call: threads.matmuls, matmul_sum
+        def products(pairs, *args, **kw):
+            counted[0] += sum(2.0 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in pairs)
+            return real(pairs, *args, **kw)
+        return products
+
     monkeypatch.setattr(layers, "matmul", counting(layers.matmul))
+    monkeypatch.setattr(layers, "matmuls", counting_each(layers.matmuls))
+    monkeypatch.setattr(layers, "matmul_sum", counting_each(layers.matmul_sum))
     monkeypatch.setattr(transformer, "matmul", counting(transformer.matmul))
     cfg = tiny_config(n_layer=2, n_head=2, n_embd=8, block_size=8, vocab_size=11, bias=True, **kind)
     params = init_gpt(cfg, self_mesh(), seed=0, dtype=np.float64)
