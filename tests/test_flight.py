@@ -332,3 +332,25 @@ def test_a_slow_rank_within_the_timeout_is_not_a_hang(tmp_path: Path, monkeypatc
                       timeout=30.0)
     assert rc == 0, j.stderr()
     assert not (j.out / "flight").exists() and "flight recorder" not in j.stderr()
+
+
+def test_the_witness_asks_to_run_ahead_of_the_job_and_runs_without_the_right(monkeypatch) -> None:
+    """`witness._ahead_of_the_job`: the lowest real-time priority where the kernel allows it,
+    else a higher nice, else nothing, and never an error (a user without CAP_SYS_NICE)."""
+    import os
+
+    from numesh.observe import witness
+
+    asked: list = []
+    monkeypatch.setattr(os, "sched_setscheduler", lambda pid, policy, param: asked.append((pid, policy,
+                                                                                          param.sched_priority)))
+    assert witness._ahead_of_the_job() == "SCHED_FIFO 1" and asked == [(0, os.SCHED_FIFO, 1)]
+
+    def refused(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    monkeypatch.setattr(os, "nice", lambda inc: asked.append(inc))
+    assert witness._ahead_of_the_job() == "nice -10" and asked[-1] == -10
+    monkeypatch.setattr(os, "nice", refused)
+    assert witness._ahead_of_the_job() == "as started"
