@@ -363,7 +363,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     token rows, else one call: the runs of pieces are already the threads' split, and more
     calls on one thread only cost (each packs an operand again: 5-10 % at a step's shapes,
     benchmarks/bench_tiles.py)."""
-    m, k = a.shape
+    m = a.shape[0]
     n = b.shape[1]
     out = aligned.empty((m, n), np.result_type(a, b))  # the attention reads q, k, v where the QKV product left them
     if getattr(_local, "pieces", None) is not None:  # in a run ((): inside `token_sum`)
@@ -381,7 +381,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         r, c = parts[i]
         matmul_into(a[r], b[:, c], out[r, c])
 
-    over_tiles(tile, len(parts), int(2.0 * m * k * n // MIN_CHUNK_FLOPS))
+    over_tiles(tile, len(parts), _flops([(a, b)]))
     return out
 
 
@@ -396,6 +396,7 @@ def _shared_row_tiles(products: list[tuple[np.ndarray, np.ndarray]]) -> tuple[sl
 
 
 def _flops(products: list[tuple[np.ndarray, np.ndarray]]) -> int:
+    """The most threads these products' FLOPs are worth: MIN_CHUNK_FLOPS each."""
     return int(sum(2.0 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in products) // MIN_CHUNK_FLOPS)
 
 

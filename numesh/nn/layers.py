@@ -72,8 +72,8 @@ def linear_bwd_input(p: Linear, dy: np.ndarray) -> np.ndarray:
 def linear_fwd_many(ps: list[Linear], x: np.ndarray) -> list[np.ndarray]:
     """`linear_fwd`'s outputs of several Linears on one input x, their GEMMs in one hand-off
     to the threads (`threads.matmuls`)."""
-    ws = [p.w.reshape(p.w.shape[0], -1) for p in ps]
-    ys = matmuls([(_rows(x), w2) for w2 in ws])
+    x2 = _rows(x)  # once: a copy where x's rows are not contiguous
+    ys = matmuls([(x2, p.w.reshape(p.w.shape[0], -1)) for p in ps])
     for p, y in zip(ps, ys):
         if p.b is not None:
             y += p.b.reshape(-1)
