@@ -328,6 +328,35 @@ def test_tree_sum_adds_in_one_tree_whichever_thread_adds(with_threads, n: int) -
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+def test_the_pairwise_sum_into_a_destination_has_the_same_bits(with_threads, n: int) -> None:
+    """`_pairwise(trees, out)` (where the runs' weight gradients land in the optimiser's
+    buffer, `ParamUnits.grad_slot`): the same bits as without, written into out's arrays and
+    returning out itself; one tree is returned as it is and out is left alone. A mutation
+    that adds the last pair in another order, or that drops one run, fails here."""
+    rng = np.random.default_rng(1)
+    scales = 10.0 ** rng.integers(-6, 7, size=(8, 1, 1))  # sums whose bits depend on their order
+    trees = [(rng.standard_normal((3, 5)) * scales[i], (None, rng.standard_normal(4) * scales[i, 0]))
+             for i in range(n)]
+
+    def copies():
+        return [(a.copy(), (None, b.copy())) for a, (_, b) in trees]
+
+    for k in (1, 2, 3):
+        with_threads(k)
+        want = threads._pairwise(copies())
+        out = (np.full((3, 5), np.nan), (None, np.full(4, np.nan)))
+        got = threads._pairwise(copies(), out)
+        if n == 1:
+            assert got is not out and np.isnan(out[0]).all()
+            np.testing.assert_array_equal(got[0], trees[0][0])
+            continue
+        assert got is out
+        assert got[0].tobytes() == want[0].tobytes() and got[1][1].tobytes() == want[1][1].tobytes()
+    with pytest.raises(ValueError, match="not shaped like"):
+        threads._pairwise(copies()[:2] if n > 1 else copies() * 2, (np.zeros((5, 3)), (None, np.zeros(4))))
+
+
 @pytest.mark.parametrize("n", [7, 2 * threads.ELEMENTWISE_CHUNK + 5, 5 * threads.ELEMENTWISE_CHUNK])
 def test_add_into_and_copy_into_split_large_arrays_with_the_same_bits(with_threads, monkeypatch, n: int) -> None:
     """`add_into`, `copy_into`, `scale_into` and `zero_into` give a += b, dst[...] = src,
@@ -347,6 +376,9 @@ def test_add_into_and_copy_into_split_large_arrays_with_the_same_bits(with_threa
         got = a.copy()
         assert threads.add_into(got, b) is got
         np.testing.assert_array_equal(got, want_sum)
+        into, a0 = np.full(n, np.nan, np.float32), a.copy()
+        assert threads.add_into(a0, b, out=into) is into  # out = a + b, a left as it was
+        assert into.tobytes() == want_sum.tobytes() and a0.tobytes() == a.tobytes()
         dst = np.empty(n)
         threads.copy_into(dst, a)
         np.testing.assert_array_equal(dst, a.astype(np.float64))
@@ -357,7 +389,7 @@ def test_add_into_and_copy_into_split_large_arrays_with_the_same_bits(with_threa
         zeroed = a.copy()
         assert threads.zero_into(zeroed) is zeroed
         assert not zeroed.any()
-        assert calls == ([n, n, n, n] if k > 1 and n >= 2 * threads.ELEMENTWISE_CHUNK else [])
+        assert calls == ([n, n, n, n, n] if k > 1 and n >= 2 * threads.ELEMENTWISE_CHUNK else [])
     strided = np.zeros(2 * n, np.float32)[::2]
     threads.add_into(strided, a)
     np.testing.assert_array_equal(strided, a)
@@ -527,3 +559,58 @@ def test_inside_a_run_of_pieces_a_matmul_is_one_call_per_piece(monkeypatch) -> N
     assert calls == [(512, 64), (512, 64), (64, 512), (64, 512)]
     np.testing.assert_allclose(y, x @ w, rtol=1e-12)
     np.testing.assert_allclose(dw, x.T @ dy, rtol=1e-10, atol=1e-12)  # pieces summed apart
+
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_runs_weight_gradients_land_in_the_optimisers_buffer_without_a_copy(with_threads, monkeypatch,
+                                                                                stage: int, fused: bool) -> None:
+    """A backward whose blocks run in pieces over the threads adds the runs' weight
+    gradients straight into the ZeRO optimiser's gradient buffer (`ParamUnits.grad_slot`):
+    under stages 0 and 1 no block's gradient is copied there afterwards (only the outer
+    unit's), under stage 2 (no full buffer) they are handed over as before; either way the
+    buffer holds the bits of a backward without the slots, a stage's blocks in one
+    hand-off (`fused`) or block by block."""
+    from mpi4py import MPI
+
+    from numesh.nn.gpt import gpt_specs
+    from numesh.nn.units import OUTER, split_units
+    from numesh.optim import grad_sync
+    from numesh.optim.zero import ZeroOptimizer
+
+    monkeypatch.setattr(walk, "PIECE_TOKENS", 1)  # pieces of one sequence, even in this tiny model
+    if not fused:
+        monkeypatch.setattr(walk, "STAGE_GRAD_BYTES", 0)
+    cfg = GPTConfig(vocab_size=13, block_size=8, n_layer=3, n_head=2, n_embd=8, dropout=0.0, bias=True)
+    mesh = Mesh.create(comm=MPI.COMM_SELF)
+    rng = np.random.default_rng(3)
+    idx, tgt = rng.integers(0, 13, (8, 8)), rng.integers(0, 13, (8, 8))
+    model = walk.whole_model(cfg.n_layer)
+    real_copy = grad_sync.copy_into
+
+    def grads(slots: bool) -> tuple[dict, list]:
+        units = split_units(init_gpt(cfg, mesh, seed=0, dtype=np.float64))
+        opt = ZeroOptimizer(units, split_units(gpt_specs(cfg)), mesh, stage=stage)
+        if not slots:
+            monkeypatch.setattr(opt, "grad_slot", lambda key: None)
+        copied: list[int] = []
+        monkeypatch.setattr(grad_sync, "copy_into", lambda d, s: copied.append(d.size) or real_copy(d, s))
+        opt.begin_step(1)
+        _, ctx = walk.stage_forward(opt, model, idx, tgt, cfg, mesh)
+        _, outer, _ = walk.stage_backward(opt, model, ctx, 1.0 / idx.size, cfg, mesh)
+        opt.grads_ready(OUTER, outer)
+        opt.wait()
+        return {k: opt.sync.grad(k).copy() for k in opt.units}, copied
+
+    with_threads(2)
+    want, copied_without = grads(False)
+    got, copied_with = grads(True)
+    for k in want:
+        assert got[k].tobytes() == want[k].tobytes(), k
+    leaves = {u: len(tree_leaves(t)) for u, t in split_units(init_gpt(cfg, mesh, seed=0, dtype=np.float64)).items()}
+    if stage == 2:
+        assert copied_with == copied_without == []
+    else:
+        assert len(copied_without) == sum(leaves.values())
+        assert len(copied_with) == leaves[OUTER]

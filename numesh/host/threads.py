@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 
 import numpy as np
 
-from numesh.base.tree import tree_map
+from numesh.base.tree import tree_leaves, tree_map
 from numesh.host import aligned
 from numesh.host.blas import matmul_into
 from numesh.host.spin import Counter, warm
@@ -545,18 +545,20 @@ def chunked_bwd(fn: Callable[[Any, slice, tuple[slice, ...]], tuple[np.ndarray, 
     return dx, RowChunks(ctx.rows, ctx.pieces, tuple(nxt))
 
 
-def chunked_sum(fn: Callable[[Any, tuple[slice, ...]], Any], ctx: RowChunks) -> Any:
+def chunked_sum(fn: Callable[[Any, tuple[slice, ...]], Any], ctx: RowChunks, out: Any = None) -> Any:
     """`fn(run ctx, pieces) -> tree` for each run, the runs' trees added as the top of the
-    pieces' pairwise tree (`tree_sum`): the same bits whichever thread ran which run."""
-    return tree_sum(lambda i: (None, fn(ctx.parts[i], ctx.pieces[i])), len(ctx.rows))[1]
+    pieces' pairwise tree (`tree_sum`): the same bits whichever thread ran which run; the
+    last addition into `out` where given (`_pairwise`)."""
+    return _pairwise([t for _, t in _over_runs(lambda i: (None, fn(ctx.parts[i], ctx.pieces[i])), len(ctx.rows))],
+                     out)
 
 
 def chunked_bwd_sum(fn: Callable[[Any, slice, tuple[slice, ...]], tuple[np.ndarray, Any]],
-                    ctx: RowChunks) -> tuple[np.ndarray, Any]:
+                    ctx: RowChunks, out: Any = None) -> tuple[np.ndarray, Any]:
     """`fn(run ctx, rows, pieces) -> (dx, tree)` for each run: dx gathered by rows, the
-    trees added as `chunked_sum` adds them."""
+    trees added as `chunked_sum` adds them (into `out` where given)."""
     dx, trees = _gathered(ctx.rows, lambda i: fn(ctx.parts[i], ctx.rows[i], ctx.pieces[i]))
-    return dx, _pairwise(trees)
+    return dx, _pairwise(trees, out)
 
 
 def _add(a: Any, b: Any) -> Any:
@@ -567,6 +569,17 @@ def _add(a: Any, b: Any) -> Any:
         return tuple(_add(x, y) for x, y in zip(a, b, strict=True))
     tree_map(add_into, a, b)
     return a
+
+
+def _add_to(out: Any, a: Any, b: Any) -> Any:
+    """out = a + b over trees with the same leaves in the same order (`tree_leaves`), into
+    out's arrays; returns `out` itself. The leaves' sums are `_add`'s, so the same bits."""
+    la, lb, lo = tree_leaves(a), tree_leaves(b), tree_leaves(out)
+    if not len(la) == len(lb) == len(lo) or any(x.shape != o.shape for x, o in zip(la, lo)):
+        raise ValueError("the sum's destination is not shaped like the trees it adds")
+    for x, y, o in zip(la, lb, lo):
+        add_into(x, y, out=o)
+    return out
 
 
 # Elements a thread takes at least in `add_into`, `copy_into` and `scale_into`: on the
@@ -582,26 +595,28 @@ def worth_splitting(n: int) -> bool:
     return n >= 2 * ELEMENTWISE_CHUNK
 
 
-def _flat_pair(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """1-D views of a and b where both are C-contiguous, of one shape and large enough to
-    split over the threads (`worth_splitting`); else None."""
-    if a.shape != b.shape or not worth_splitting(a.size) or not (a.flags.c_contiguous and b.flags.c_contiguous):
+def _flat_pair(a: np.ndarray, *rest: np.ndarray) -> tuple[np.ndarray, ...] | None:
+    """1-D views of a and the rest where all are C-contiguous, of one shape and large enough
+    to split over the threads (`worth_splitting`); else None."""
+    if any(x.shape != a.shape or not x.flags.c_contiguous for x in rest) or not worth_splitting(a.size) \
+            or not a.flags.c_contiguous:
         return None
-    return a.reshape(-1), b.reshape(-1)
+    return a.reshape(-1), *(x.reshape(-1) for x in rest)
 
 
-def add_into(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a += b, returning a; a large one's elements split over the threads (`over_rows`:
-    element-wise, so the same bits on any thread count). The sums of a step's weight
-    gradients over the threads' runs (`tree_sum`) ran on one thread while the others
-    waited: ~1 % of a SmolLM2 step at 512 × 4."""
-    flat = _flat_pair(a, b)
+def add_into(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """a += b, returning a, or out = a + b, returning out; a large one's elements split over
+    the threads (`over_rows`: element-wise, so the same bits on any thread count). The sums
+    of a step's weight gradients over the threads' runs (`tree_sum`) ran on one thread
+    while the others waited: ~1 % of a SmolLM2 step at 512 × 4."""
+    out = a if out is None else out
+    flat = _flat_pair(out, a, b)
     if flat is None or _threads == 1:
-        a += b
-        return a
-    fa, fb = flat
-    over_rows(lambda r: np.add(fa[r], fb[r], out=fa[r]), fa.size, ELEMENTWISE_CHUNK)
-    return a
+        np.add(a, b, out=out)
+        return out
+    fo, fa, fb = flat
+    over_rows(lambda r: np.add(fa[r], fb[r], out=fo[r]), fo.size, ELEMENTWISE_CHUNK)
+    return out
 
 
 def scale_into(x: np.ndarray, factor: float) -> None:
@@ -639,11 +654,16 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     over_rows(lambda r: np.copyto(fd[r], fs[r]), fd.size, ELEMENTWISE_CHUNK)
 
 
-def _pairwise(sums: list) -> Any:
+def _pairwise(sums: list, out: Any = None) -> Any:
     """The trees of `sums` added in the fixed pairwise tree: (0+1) + (2+3), ..., level by
-    level, an odd last one carried up as it is; None for none."""
-    while len(sums) > 1:
+    level, an odd last one carried up as it is; None for none. With `out` (a tree with the
+    sums' leaves, e.g. views of the optimiser's gradient buffer: `ParamUnits.grad_slot`)
+    the last addition writes into it and `out` itself is returned, the same bits; with one
+    tree there is no addition and that tree is returned."""
+    while len(sums) > 2 or (len(sums) == 2 and out is None):
         sums = [_add(sums[i], sums[i + 1]) if i + 1 < len(sums) else sums[i] for i in range(0, len(sums), 2)]
+    if len(sums) == 2:
+        return _add_to(out, sums[0], sums[1])
     return sums[0] if sums else None
 
 

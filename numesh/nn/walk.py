@@ -77,11 +77,16 @@ class ParamUnits(Protocol):
     """Where the walk gets each unit's parameters and leaves each unit's gradients.
 
     `get` may gather a unit (ZeRO-3) and `release` free it; `grads_ready` receives a unit's
-    gradient summed over `count` micro-batches once it is final."""
+    gradient summed over `count` micro-batches once it is final. `grad_slot` may offer a
+    tree shaped like the unit to write that gradient into: where the walk adds the
+    threads' runs' gradients (`chunked_bwd_sum`), the last addition lands there, and
+    `grads_ready` of that very tree then copies nothing."""
 
     def get(self, unit: Unit) -> Any: ...
 
     def release(self, unit: Unit) -> None: ...
+
+    def grad_slot(self, unit: Unit) -> Any: ...
 
     def grads_ready(self, unit: Unit, grads: Any, count: int = 1) -> None: ...
 
@@ -98,6 +103,9 @@ class ResidentParams:
 
     def release(self, unit: Unit) -> None:
         pass
+
+    def grad_slot(self, unit: Unit) -> None:
+        return None  # it keeps the trees it is given
 
     def grads_ready(self, unit: Unit, grads: Any, count: int = 1) -> None:
         self.grads[unit] = grads
@@ -253,9 +261,9 @@ def run_block_bwd_input(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np
     return chunked_bwd(run, ctx)
 
 
-def run_block_bwd_weight(p: Block, w: Any) -> Block:
+def run_block_bwd_weight(p: Block, w: Any, out: Any = None) -> Block:
     """`block_bwd_weight` of a `run_block_bwd_input` context (the runs' grads added by the
-    pieces' tree)."""
+    pieces' tree, the last addition into `out` where given: `ParamUnits.grad_slot`)."""
     if not isinstance(w, RowChunks):
         return block_bwd_weight(p, w)
 
@@ -263,12 +271,13 @@ def run_block_bwd_weight(p: Block, w: Any) -> Block:
         with token_pieces(_tokens(pieces, c.h1.shape[1])):
             return block_bwd_weight(p, c)
 
-    return chunked_sum(run, w)
+    return chunked_sum(run, w, out)
 
 
 def run_block_bwd(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np.ndarray, cfg: GPTConfig,
-                  mesh: Mesh, loss_scale: float | None = None) -> tuple[np.ndarray, Block]:
-    """B and W at once (each thread does both halves for its run)."""
+                  mesh: Mesh, loss_scale: float | None = None, out: Any = None) -> tuple[np.ndarray, Block]:
+    """B and W at once (each thread does both halves for its run); the runs' grads added as
+    `run_block_bwd_weight` adds them."""
 
     def both(c: BlockCtx | BlockInput, rows: slice | None = None) -> tuple[np.ndarray, Block]:
         d, w = block_bwd_input(p, _restored(p, c, cfg, mesh), dx if rows is None else dx[rows], cfg, mesh,
@@ -282,7 +291,7 @@ def run_block_bwd(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np.ndarr
         with token_pieces(_tokens(pieces, dx.shape[1])):
             return both(c, rows)
 
-    return chunked_bwd_sum(run, ctx)
+    return chunked_bwd_sum(run, ctx, out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -336,10 +345,11 @@ def stage_blocks_fwd(params: list, stage: Stage, x: np.ndarray, pieces: tuple[sl
 
 
 def stage_blocks_bwd(params: list, stage: Stage, ctxs: list, dx: np.ndarray, cfg: GPTConfig, mesh: Mesh,
-                     loss_scale: float | None) -> tuple[np.ndarray, tuple]:
+                     loss_scale: float | None, out: tuple | None = None) -> tuple[np.ndarray, tuple]:
     """Every block of the stage backward (B and W), each run through all of them on its own
     thread, as `run_block_bwd` runs each: (the stage's input grad, each block's weight
-    grads in forward order, the runs' added by the pieces' tree)."""
+    grads in forward order, the runs' added by the pieces' tree, the last addition into
+    `out`'s trees where given)."""
     first = ctxs[0]
     both = RowChunks(first.rows, first.pieces, tuple(tuple(c.parts[i] for c in ctxs) for i in range(len(first.rows))))
 
@@ -351,7 +361,7 @@ def stage_blocks_bwd(params: list, stage: Stage, ctxs: list, dx: np.ndarray, cfg
                 grads.append(block_bwd_weight(p, w))
         return d, tuple(reversed(grads))
 
-    return chunked_bwd_sum(run, both)
+    return chunked_bwd_sum(run, both, out)
 
 
 def _fused_params(units: ParamUnits, stage: Stage, ctx: StageCtx, split: bool, cfg: GPTConfig,
@@ -428,7 +438,9 @@ def stage_backward(units: ParamUnits, stage: Stage, ctx: StageCtx, dy: np.ndarra
     deferred = []
     fused = _fused_params(units, stage, ctx, split, cfg, mesh)
     if fused is not None:
-        dx, grads = stage_blocks_bwd(fused, stage, ctx.blocks, dx, cfg, mesh, loss_scale)
+        slots = tuple(units.grad_slot(unit) for _, unit in stage.blocks)
+        dx, grads = stage_blocks_bwd(fused, stage, ctx.blocks, dx, cfg, mesh, loss_scale,
+                                     None if any(s is None for s in slots) else slots)
         for (_, unit), g in reversed(list(zip(stage.blocks, grads))):
             units.release(unit)
             units.grads_ready(unit, g)
@@ -439,7 +451,7 @@ def stage_backward(units: ParamUnits, stage: Stage, ctx: StageCtx, dy: np.ndarra
             deferred.append((unit, w))
             units.release(unit)
         else:
-            dx, grads = run_block_bwd(params, c, dx, cfg, mesh, loss_scale)
+            dx, grads = run_block_bwd(params, c, dx, cfg, mesh, loss_scale, units.grad_slot(unit))
             units.release(unit)
             units.grads_ready(unit, grads)
     if stage.first:
@@ -453,7 +465,7 @@ def stage_backward(units: ParamUnits, stage: Stage, ctx: StageCtx, dy: np.ndarra
 def stage_weight(units: ParamUnits, deferred: list) -> None:
     """The deferred weight halves of a split backward (a zero-bubble "W")."""
     for unit, w in deferred:
-        grads = run_block_bwd_weight(units.get(unit), w)
+        grads = run_block_bwd_weight(units.get(unit), w, units.grad_slot(unit))
         units.release(unit)
         units.grads_ready(unit, grads)
 

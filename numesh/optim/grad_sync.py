@@ -35,7 +35,7 @@ from typing import Any, Hashable, Protocol
 
 import numpy as np
 
-from numesh.base.tree import Tree, flatten, tree_leaves
+from numesh.base.tree import Tree, flatten, tree_leaves, unflatten
 from numesh.host.threads import add_into, copy_into
 from numesh.mesh import Handle, Mesh, ipsum, ipsum_scatter, psum
 from numesh.optim.flat import FlatLayout
@@ -50,6 +50,8 @@ class GradSync(Protocol):
     def begin_step(self, n_micro: int) -> None: ...
 
     def grads_ready(self, key: Hashable, grads: Tree, count: int = 1) -> None: ...
+
+    def slot(self, key: Hashable) -> Tree | None: ...
 
     def wait(self) -> None: ...
 
@@ -66,6 +68,7 @@ class _Sync:
         self.buffer = buffer
         self.nbytes = buffer.nbytes
         self.pending: list[tuple[Handle, Any]] = []  # (handle, unit key or None)
+        self._slots: dict[Any, Tree] = {}  # each unit's views of the full buffer, made once (`slot`)
         self.begin_step(1)
 
     def begin_step(self, n_micro: int) -> None:
@@ -93,17 +96,32 @@ class _Sync:
         """Put a finished reduce-scatter's shard of unit `key` in place."""
         raise NotImplementedError
 
+    def slot(self, key: Any) -> Tree | None:
+        """Where unit `key`'s gradient may be written so that `grads_ready` need not copy it:
+        a tree of views of its place in the buffer, shaped like the unit (the same tree
+        object every step), while the step has none of its gradient yet; else None. Only
+        the strategies that keep a full buffer have one (stages 0 and 1)."""
+        if self.received[key]:
+            return None
+        if key not in self._slots:
+            u = self.layout.units[key]
+            self._slots[key] = unflatten(self.buffer[u.real], u.template)
+        return self._slots[key]
+
     def _accumulate(self, key: Any, grads: Tree, count: int) -> bool:
-        """Sum `grads` into the full buffer; True once all the step's micro-batches are in."""
-        view = self.buffer[self.layout.units[key].real]
-        into = copy_into if self.received[key] == 0 else add_into
-        i = 0
-        for leaf in tree_leaves(grads):  # `flatten`'s order; large leaves over the threads
-            leaf = np.asarray(leaf)
-            into(view[i:i + leaf.size], leaf.reshape(-1))
-            i += leaf.size
-        if i != view.size:
-            raise ValueError(f"unit {key!r}: the gradient has {i} values, its buffer {view.size}")
+        """Sum `grads` into the full buffer; True once all the step's micro-batches are in.
+        A gradient written into the unit's `slot` is in place already: nothing to copy."""
+        first = self.received[key] == 0
+        if not (first and grads is self._slots.get(key)):
+            view = self.buffer[self.layout.units[key].real]
+            into = copy_into if first else add_into
+            i = 0
+            for leaf in tree_leaves(grads):  # `flatten`'s order; large leaves over the threads
+                leaf = np.asarray(leaf)
+                into(view[i:i + leaf.size], leaf.reshape(-1))
+                i += leaf.size
+            if i != view.size:
+                raise ValueError(f"unit {key!r}: the gradient has {i} values, its buffer {view.size}")
         self.received[key] += count
         return self.received[key] == self.n_micro
 
@@ -184,6 +202,10 @@ class ScatterToShardSync(_Sync):
         buf = np.zeros(u.padded, dtype=self.buffer.dtype)
         flatten(grads, out=buf[: u.size])
         self._launch(ipsum_scatter(psum(buf, self.mesh, "cp", inplace=True), self.mesh, "dp"), key)
+
+    def slot(self, key: Any) -> Tree | None:
+        """None: this strategy keeps no full buffer to write a unit's gradient into."""
+        return None
 
     def _land(self, key: Any, result: np.ndarray) -> None:
         shard = self.buffer[self.layout.units[key].shard]

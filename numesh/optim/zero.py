@@ -208,6 +208,11 @@ class ZeroOptimizer(Generic[K]):
         """Done with unit `key` for now (ZeRO-3 frees its gathered copy)."""
         self.residency.release(key)
 
+    def grad_slot(self, key: K) -> Tree | None:
+        """Where the walk may write unit `key`'s next gradient so that `grads_ready` takes it
+        without a copy (the gradient buffer's views, `GradSync.slot`), or None."""
+        return self.sync.slot(key)
+
     def grads_ready(self, key: K, grads: Tree, count: int = 1) -> None:
         """The gradient of unit `key` summed over `count` micro-batches; its reduction
         starts once the step's micro-batches are in (stages 0/1) or at once (2/3)."""
