@@ -357,6 +357,35 @@ def test_the_pairwise_sum_into_a_destination_has_the_same_bits(with_threads, n: 
         threads._pairwise(copies()[:2] if n > 1 else copies() * 2, (np.zeros((5, 3)), (None, np.zeros(4))))
 
 
+def test_a_sum_into_a_destination_splits_all_its_leaves_in_one_hand_off(with_threads, monkeypatch) -> None:
+    """Leaves each too small to split (and an empty one) but together worth it: `_add_to`
+    hands them to the threads at once, cut through the leaves wherever the chunks fall,
+    with a + b's bits in every element; strided leaves go one by one as `add_into` takes
+    them."""
+    c = threads.ELEMENTWISE_CHUNK
+    rng = np.random.default_rng(2)
+    sizes = [c - 3, 0, c + 7, 5, c // 2]
+    a = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    b = [rng.standard_normal(n) for n in sizes]  # float64 into float32, as `a += b`
+    want = [x.copy() for x in a]
+    for x, y in zip(want, b):
+        x += y
+    calls = []
+    real = threads.over_rows
+    monkeypatch.setattr(threads, "over_rows", lambda fn, m, r=1: calls.append(m) or real(fn, m, r))
+    for k in (1, 2, 3, 4):
+        with_threads(k)
+        calls.clear()
+        out = [np.full(n, np.nan, np.float32) for n in sizes]
+        assert threads._add_to(out, a, b) is out
+        assert all(o.tobytes() == w.tobytes() for o, w in zip(out, want))
+        assert calls == ([sum(sizes)] if k > 1 else [])
+    strided = [np.zeros(2 * n, np.float32)[::2] for n in sizes]
+    calls.clear()
+    threads._add_to(strided, a, b)
+    assert all(o.tobytes() == w.tobytes() for o, w in zip(strided, want)) and calls == []
+
+
 @pytest.mark.parametrize("n", [7, 2 * threads.ELEMENTWISE_CHUNK + 5, 5 * threads.ELEMENTWISE_CHUNK])
 def test_add_into_and_copy_into_split_large_arrays_with_the_same_bits(with_threads, monkeypatch, n: int) -> None:
     """`add_into`, `copy_into`, `scale_into` and `zero_into` give a += b, dst[...] = src,

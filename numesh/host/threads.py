@@ -577,9 +577,31 @@ def _add_to(out: Any, a: Any, b: Any) -> Any:
     la, lb, lo = tree_leaves(a), tree_leaves(b), tree_leaves(out)
     if not len(la) == len(lb) == len(lo) or any(x.shape != o.shape for x, o in zip(la, lo)):
         raise ValueError("the sum's destination is not shaped like the trees it adds")
-    for x, y, o in zip(la, lb, lo):
-        add_into(x, y, out=o)
+    flat = [_flat(o, x, y) for x, y, o in zip(la, lb, lo)]
+    total = sum(o.size for o in lo)
+    if _threads == 1 or not worth_splitting(total) or any(f is None for f in flat):
+        for x, y, o in zip(la, lb, lo):
+            add_into(x, y, out=o)
+        return out
+    starts = np.cumsum([0] + [o.size for o in lo])
+
+    def part(r: slice) -> None:  # the leaves' values r.start..r.stop, counted through them in order
+        for i in range(int(np.searchsorted(starts, r.start, "right")) - 1, len(lo)):
+            if starts[i] >= r.stop:
+                break
+            lo_i, hi_i = max(r.start, starts[i]) - starts[i], min(r.stop, starts[i + 1]) - starts[i]
+            fo, fa, fb = flat[i]
+            np.add(fa[lo_i:hi_i], fb[lo_i:hi_i], out=fo[lo_i:hi_i])
+
+    over_rows(part, total, ELEMENTWISE_CHUNK)  # one hand-off for every leaf, small ones included
     return out
+
+
+def _flat(a: np.ndarray, *rest: np.ndarray) -> tuple[np.ndarray, ...] | None:
+    """1-D views of a and the rest where all are C-contiguous and of one shape, else None."""
+    if any(x.shape != a.shape or not x.flags.c_contiguous for x in rest) or not a.flags.c_contiguous:
+        return None
+    return a.reshape(-1), *(x.reshape(-1) for x in rest)
 
 
 # Elements a thread takes at least in `add_into`, `copy_into` and `scale_into`: on the
@@ -598,10 +620,7 @@ def worth_splitting(n: int) -> bool:
 def _flat_pair(a: np.ndarray, *rest: np.ndarray) -> tuple[np.ndarray, ...] | None:
     """1-D views of a and the rest where all are C-contiguous, of one shape and large enough
     to split over the threads (`worth_splitting`); else None."""
-    if any(x.shape != a.shape or not x.flags.c_contiguous for x in rest) or not worth_splitting(a.size) \
-            or not a.flags.c_contiguous:
-        return None
-    return a.reshape(-1), *(x.reshape(-1) for x in rest)
+    return _flat(a, *rest) if worth_splitting(a.size) else None
 
 
 def add_into(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
