@@ -643,3 +643,25 @@ def test_the_runs_weight_gradients_land_in_the_optimisers_buffer_without_a_copy(
     else:
         assert len(copied_without) == sum(leaves.values())
         assert len(copied_with) == leaves[OUTER]
+
+
+@pytest.mark.parametrize("spin", [False, True])
+def test_a_worker_lets_go_of_its_job_when_it_is_done(with_threads, spin: bool) -> None:
+    """What a job's closure reads is freed once the hand-off returns, not kept by the worker
+    thread until its next job (a block's weight gradients lived on through the rest of
+    each backward that way)."""
+    import gc
+    import weakref
+
+    with_threads(2, spin=spin)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        arr = np.ones(8)
+        ref = weakref.ref(arr)
+        threads.over_rows(lambda r, a=arr: a[r].sum(), 8)
+        del arr
+        assert ref() is None
+    finally:
+        if was:
+            gc.enable()

@@ -93,6 +93,9 @@ def _work() -> None:
         except BaseException as e:  # re-raised by the caller
             errors.append(e)
         finally:
+            # let go of the job before saying it is done: kept while this thread waits for
+            # the next one, its closure kept what it reads alive (a block's weight gradients)
+            fn = None
             done.release()
             _finished.bump()
 
