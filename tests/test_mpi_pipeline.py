@@ -176,6 +176,30 @@ def test_measured_peak_activations_follow_the_schedule(shared_dataset: Path, sha
         assert max(want) < s.v * m
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_step_leaves_no_reference_cycles(shared_dataset: Path, shared_tmp: Path, schedule: str) -> None:
+    """A pipeline step makes no garbage that only Python's cyclic collector frees: arrays in
+    a cycle live until it runs (a walk written as a closure calling itself held a step's
+    gradients that way)."""
+    import gc
+
+    trainer = one_step(shared_dataset, shared_tmp / f"cycles-{schedule}", schedule, memory_m(WORLD.Get_size()))
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        trainer.train_step()
+        found = gc.collect()
+        kinds = sorted({type(o).__qualname__ for o in gc.garbage})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was:
+            gc.enable()
+    assert WORLD.allgather((found, kinds)) == [(0, [])] * WORLD.Get_size()  # every rank fails alike
+
+
 def test_gpipe_holds_m_micro_batches_and_1f1b_p(shared_dataset: Path, shared_tmp: Path) -> None:
     """GPipe holds all m micro-batches' activations on every stage, 1F1B at most p (p - s on
     stage s); every micro-batch saves the same arrays, so the measured peak bytes of the

@@ -474,16 +474,19 @@ def add_outer(total: GPT | None, part: GPT) -> GPT:
     """Sum two stage shares of the outer unit's grads (None parts are absent)."""
     if total is None:
         return part
+    return GPT(blocks=(), **{name: _add_parts(getattr(total, name), getattr(part, name)) for name in outer_parts()})
 
-    def add(a: Any, b: Any) -> Any:
-        if a is None or b is None:
-            return b if a is None else a
-        if isinstance(a, np.ndarray):
-            a += b
-            return a
-        return type(a)(*(add(x, y) for x, y in zip(attrs.astuple(a, recurse=False), attrs.astuple(b, recurse=False))))
 
-    return GPT(blocks=(), **{name: add(getattr(total, name), getattr(part, name)) for name in outer_parts()})
+def _add_parts(a: Any, b: Any) -> Any:
+    """a + b of two shares of one outer part (into a's arrays; None absent). A module
+    function: a closure calling itself is a reference cycle, garbage every step."""
+    if a is None or b is None:
+        return b if a is None else a
+    if isinstance(a, np.ndarray):
+        a += b
+        return a
+    kids = zip(attrs.astuple(a, recurse=False), attrs.astuple(b, recurse=False))
+    return type(a)(*(_add_parts(x, y) for x, y in kids))
 
 
 # ---------------------------------------------------------------------------------------
