@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from numesh.base.tree import tree_leaves
+from numesh.base.tree import tree_leaves, tree_leaves_with_path
 from numesh.host import kernels as K
 from numesh.host import spin, threads
 from numesh.mesh import Mesh
@@ -592,15 +592,17 @@ def test_inside_a_run_of_pieces_a_matmul_is_one_call_per_piece(monkeypatch) -> N
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-@pytest.mark.parametrize("fused", [True, False])
-def test_the_runs_weight_gradients_land_in_the_optimisers_buffer_without_a_copy(with_threads, monkeypatch,
-                                                                                stage: int, fused: bool) -> None:
-    """A backward whose blocks run in pieces over the threads adds the runs' weight
-    gradients straight into the ZeRO optimiser's gradient buffer (`ParamUnits.grad_slot`):
-    under stages 0 and 1 no block's gradient is copied there afterwards (only the outer
-    unit's), under stage 2 (no full buffer) they are handed over as before; either way the
-    buffer holds the bits of a backward without the slots, a stage's blocks in one
-    hand-off (`fused`) or block by block."""
+@pytest.mark.parametrize("run", ["fused", "block by block", "whole blocks"])
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_the_weight_gradients_land_in_the_optimisers_buffer_without_a_copy(with_threads, monkeypatch,
+                                                                           stage: int, run: str, arch: str) -> None:
+    """A backward writes its blocks' weight gradients straight into the ZeRO optimiser's
+    gradient buffer (`ParamUnits.grad_slot`): where blocks run in pieces over the threads
+    the runs' last sum lands there (a stage's blocks in one hand-off, `fused`, or block by
+    block), where a block runs whole its weights' GEMMs write there. Under stages 0 and 1
+    nothing of it is copied afterwards (only the outer unit, and a whole block's norms and
+    biases, which no GEMM makes); under stage 2 (no full buffer) everything is handed over
+    as before. Either way the buffer holds the bits of a backward without the slots."""
     from mpi4py import MPI
 
     from numesh.nn.gpt import gpt_specs
@@ -608,10 +610,12 @@ def test_the_runs_weight_gradients_land_in_the_optimisers_buffer_without_a_copy(
     from numesh.optim import grad_sync
     from numesh.optim.zero import ZeroOptimizer
 
-    monkeypatch.setattr(walk, "PIECE_TOKENS", 1)  # pieces of one sequence, even in this tiny model
-    if not fused:
+    monkeypatch.setattr(walk, "PIECE_TOKENS", 1 << 20 if run == "whole blocks" else 1)  # pieces of one sequence
+    if run == "block by block":
         monkeypatch.setattr(walk, "STAGE_GRAD_BYTES", 0)
-    cfg = GPTConfig(vocab_size=13, block_size=8, n_layer=3, n_head=2, n_embd=8, dropout=0.0, bias=True)
+    parts = dict(norm="rmsnorm", positions="rotary", mlp="swiglu", n_kv_head=1, bias=False) if arch == "llama" \
+        else dict(bias=True)
+    cfg = GPTConfig(vocab_size=13, block_size=8, n_layer=3, n_head=2, n_embd=8, dropout=0.0, **parts)
     mesh = Mesh.create(comm=MPI.COMM_SELF)
     rng = np.random.default_rng(3)
     idx, tgt = rng.integers(0, 13, (8, 8)), rng.integers(0, 13, (8, 8))
@@ -637,12 +641,16 @@ def test_the_runs_weight_gradients_land_in_the_optimisers_buffer_without_a_copy(
     got, copied_with = grads(True)
     for k in want:
         assert got[k].tobytes() == want[k].tobytes(), k
-    leaves = {u: len(tree_leaves(t)) for u, t in split_units(init_gpt(cfg, mesh, seed=0, dtype=np.float64)).items()}
+    units = split_units(init_gpt(cfg, mesh, seed=0, dtype=np.float64))
+    leaves = {u: len(tree_leaves(t)) for u, t in units.items()}
+    made_by_gemms = {u: sum(path.endswith("w") and x.ndim > 1 for path, x in tree_leaves_with_path(t))
+                     for u, t in units.items() if not u.is_outer}  # the Linears' weights
     if stage == 2:
         assert copied_with == copied_without == []
     else:
         assert len(copied_without) == sum(leaves.values())
-        assert len(copied_with) == leaves[OUTER]
+        left = 0 if run != "whole blocks" else sum(leaves[u] - made_by_gemms[u] for u in made_by_gemms)
+        assert len(copied_with) == leaves[OUTER] + left
 
 
 @pytest.mark.parametrize("spin", [False, True])

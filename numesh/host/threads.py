@@ -357,8 +357,9 @@ def _pieces(n: int) -> tuple[slice, ...]:
     return rows if rows and rows[-1].stop == n else (slice(0, n),)
 
 
-def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a [M, K] @ b [K, N]: one single-threaded BLAS call per fixed tile of rows (`tiles` of
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """a [M, K] @ b [K, N], into `out` where given (a weight gradient's place in the
+    optimiser's buffer); one single-threaded BLAS call per fixed tile of rows (`tiles` of
     TILE_ROWS, at most `cores`), the tiles spread over the threads when each thread gets
     enough work: the same bits for any thread count. Too few rows for two tiles (a weight
     gradient x.T @ dy of a narrow layer: M is its input width) cuts the columns instead, by
@@ -368,7 +369,8 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     benchmarks/bench_tiles.py)."""
     m = a.shape[0]
     n = b.shape[1]
-    out = aligned.empty((m, n), np.result_type(a, b))  # the attention reads q, k, v where the QKV product left them
+    if out is None:
+        out = aligned.empty((m, n), np.result_type(a, b))  # the attention reads q, k, v where the QKV product left them
     if getattr(_local, "pieces", None) is not None:  # in a run ((): inside `token_sum`)
         for p in _pieces(m):
             matmul_into(a[p], b, out[p])
@@ -444,6 +446,11 @@ def matmul_sum(products: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
 
     over_tiles(tile, len(rows), _flops(products))
     return out
+
+
+def whole(n: int) -> bool:
+    """Whether `token_sum` over n token rows is one call over all of them (no pieces here)."""
+    return len(_pieces(n)) == 1
 
 
 def token_sum(fn: Callable[[slice], Any], n: int) -> Any:

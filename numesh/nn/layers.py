@@ -22,7 +22,7 @@ import numpy as np
 
 from numesh.host import kernels as K
 from numesh.host import llama_kernels as LK
-from numesh.host.threads import cores, matmul, matmul_sum, matmuls, over_rows, tiles, token_sum, tree_sum
+from numesh.host.threads import cores, matmul, matmul_sum, matmuls, over_rows, tiles, token_sum, tree_sum, whole
 
 LN_EPS = 1e-5
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -89,11 +89,17 @@ def linear_bwd_input_sum(grads: list[tuple[Linear, np.ndarray]]) -> np.ndarray:
     return dx.reshape(*dy0.shape[:-1], ws[0].shape[0])
 
 
-def linear_bwd_weight(p: Linear, x: np.ndarray, dy: np.ndarray) -> Linear:
+def linear_bwd_weight(p: Linear, x: np.ndarray, dy: np.ndarray, out: Linear | None = None) -> Linear:
     """The weight (and bias) gradient, a sum over tokens (`token_sum`: piece by piece inside
-    a block run as pieces)."""
+    a block run as pieces). With `out` (the weight's place in the optimiser's gradient
+    buffer, `ParamUnits.grad_slot`) and no pieces, the weight's GEMM writes there and the
+    result's w is `out.w` itself, which `grads_ready` then need not copy."""
     x2, dy2 = _rows(x), _rows(dy)
-    dw = token_sum(lambda r: matmul(x2[r].T, dy2[r]), x2.shape[0]).reshape(p.w.shape)
+    if out is not None and out.w.flags.c_contiguous and whole(x2.shape[0]):
+        dw = out.w
+        matmul(x2.T, dy2, out=dw.reshape(x2.shape[1], dy2.shape[1]))
+    else:
+        dw = token_sum(lambda r: matmul(x2[r].T, dy2[r]), x2.shape[0]).reshape(p.w.shape)
     db = None if p.b is None else token_sum(lambda r: dy2[r].sum(axis=0), dy2.shape[0]).reshape(p.b.shape)
     return Linear(dw, db)
 

@@ -190,18 +190,19 @@ def qkv_bwd_input(p: Attention | GQAttention, ctx: QKVCtx, storage: Any) -> tupl
 
 
 def qkv_bwd_weight(p: Attention | GQAttention, h: np.ndarray, ctx: QKVCtx,
-                   g: QKVGrads) -> tuple[Linear, ...]:
+                   g: QKVGrads, into: Attention | GQAttention | None = None) -> tuple[Linear, ...]:
     """The projections' weight (and bias) grads from their input h and output grads: the
     fused Linear's, or q's, k's and v's, k and v zero off this rank's columns (their sum
-    over tp is the whole gradient, `numesh.nn.transformer.tp_partial`)."""
+    over tp is the whole gradient, `numesh.nn.transformer.tp_partial`). `into`: where the
+    weights' GEMMs may write (`linear_bwd_weight`'s `out`), or None."""
     if isinstance(p, Attention):
-        return (linear_bwd_weight(p.qkv, h, g.qkv),)
-    out = [linear_bwd_weight(p.q, h, g.q)]
-    for lin, d in ((p.k, g.k), (p.v, g.v)):
-        part = linear_bwd_weight(_columns(lin, ctx.kv_cols), h, d)
+        return (linear_bwd_weight(p.qkv, h, g.qkv, into and into.qkv),)
+    out = [linear_bwd_weight(p.q, h, g.q, into and into.q)]
+    for lin, d, dest in ((p.k, g.k, into and into.k), (p.v, g.v, into and into.v)):
         if ctx.kv_cols == slice(0, lin.w.shape[1]):  # every kv head (tp=1): the part is the whole
-            out.append(part)
+            out.append(linear_bwd_weight(lin, h, d, dest))
             continue
+        part = linear_bwd_weight(_columns(lin, ctx.kv_cols), h, d)
         whole = Linear(np.zeros_like(lin.w), None if lin.b is None else np.zeros_like(lin.b))
         whole.w[:, ctx.kv_cols] = part.w
         if whole.b is not None:

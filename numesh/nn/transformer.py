@@ -336,27 +336,31 @@ def block_bwd_input(p: Block, ctx: BlockCtx, dx: np.ndarray, cfg: GPTConfig, mes
     return dx1, io
 
 
-def _row_parallel_grad(lin: Linear, io: LinearIO) -> Linear:
+def _row_parallel_grad(lin: Linear, io: LinearIO, into: Linear | None = None) -> Linear:
     """A row-parallel Linear's grads: its bias is added after the tp reduction, so the bias
     grad is the full upstream grad summed over tokens (with sp `io.dy` is the gathered
-    [B, T, C], so this sum is over every token and needs no tp reduction)."""
-    dw = linear_bwd_weight(Linear(lin.w), io.x, io.dy).w
+    [B, T, C], so this sum is over every token and needs no tp reduction). `into`: where
+    the weight's GEMM may write (`linear_bwd_weight`'s `out`), or None."""
+    dw = linear_bwd_weight(Linear(lin.w), io.x, io.dy, into and Linear(into.w)).w
     if lin.b is None:
         return Linear(dw, None)
     dy2 = io.dy.reshape(-1, io.dy.shape[-1])
     return Linear(dw, token_sum(lambda r: dy2[r].sum(axis=0), dy2.shape[0]))
 
 
-def block_bwd_weight(p: Block, w: BlockWeightCtx) -> Block:
-    """Weight-gradient half of the block's backward (a zero-bubble "W"): the Linear grads."""
-    attn = attention_grads(p.attn, qkv_bwd_weight(p.attn, w.h1, w.qkv, w.dqkv),
-                           _row_parallel_grad(p.attn.proj, w.attn_proj))
+def block_bwd_weight(p: Block, w: BlockWeightCtx, into: Block | None = None) -> Block:
+    """Weight-gradient half of the block's backward (a zero-bubble "W"): the Linear grads.
+    `into` (the block's place in the optimiser's gradient buffer, `ParamUnits.grad_slot`):
+    where the weights' GEMMs may write instead of into arrays of their own."""
+    attn = attention_grads(p.attn, qkv_bwd_weight(p.attn, w.h1, w.qkv, w.dqkv, into and into.attn),
+                           _row_parallel_grad(p.attn.proj, w.attn_proj, into and into.attn.proj))
     if w.d_moe is not None:
         mlp = w.d_moe
     else:
-        gate = None if w.gate is None else linear_bwd_weight(p.mlp.gate, w.gate.x, w.gate.dy)
-        mlp = MLP(fc=linear_bwd_weight(p.mlp.fc, w.fc.x, w.fc.dy), proj=_row_parallel_grad(p.mlp.proj, w.mlp_proj),
-                  gate=gate)
+        dest = into.mlp if into is not None and isinstance(into.mlp, MLP) else None
+        gate = None if w.gate is None else linear_bwd_weight(p.mlp.gate, w.gate.x, w.gate.dy, dest and dest.gate)
+        mlp = MLP(fc=linear_bwd_weight(p.mlp.fc, w.fc.x, w.fc.dy, dest and dest.fc),
+                  proj=_row_parallel_grad(p.mlp.proj, w.mlp_proj, dest and dest.proj), gate=gate)
     return Block(ln1=w.d_ln1, attn=attn, ln2=w.d_ln2, mlp=mlp)
 
 

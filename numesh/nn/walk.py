@@ -263,9 +263,10 @@ def run_block_bwd_input(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np
 
 def run_block_bwd_weight(p: Block, w: Any, out: Any = None) -> Block:
     """`block_bwd_weight` of a `run_block_bwd_input` context (the runs' grads added by the
-    pieces' tree, the last addition into `out` where given: `ParamUnits.grad_slot`)."""
+    pieces' tree, the last addition into `out` where given: `ParamUnits.grad_slot`; a whole
+    block's weight GEMMs write into `out`)."""
     if not isinstance(w, RowChunks):
-        return block_bwd_weight(p, w)
+        return block_bwd_weight(p, w, out)
 
     def run(c: Any, pieces: tuple[slice, ...]) -> Block:
         with token_pieces(_tokens(pieces, c.h1.shape[1])):
@@ -277,15 +278,16 @@ def run_block_bwd_weight(p: Block, w: Any, out: Any = None) -> Block:
 def run_block_bwd(p: Block, ctx: BlockCtx | BlockInput | RowChunks, dx: np.ndarray, cfg: GPTConfig,
                   mesh: Mesh, loss_scale: float | None = None, out: Any = None) -> tuple[np.ndarray, Block]:
     """B and W at once (each thread does both halves for its run); the runs' grads added as
-    `run_block_bwd_weight` adds them."""
+    `run_block_bwd_weight` adds them, or a whole block's weight GEMMs writing into `out`."""
 
-    def both(c: BlockCtx | BlockInput, rows: slice | None = None) -> tuple[np.ndarray, Block]:
+    def both(c: BlockCtx | BlockInput, rows: slice | None = None,
+             into: Block | None = None) -> tuple[np.ndarray, Block]:
         d, w = block_bwd_input(p, _restored(p, c, cfg, mesh), dx if rows is None else dx[rows], cfg, mesh,
                                loss_scale)
-        return d, block_bwd_weight(p, w)
+        return d, block_bwd_weight(p, w, into)
 
     if not isinstance(ctx, RowChunks):
-        return both(ctx)
+        return both(ctx, into=out)
 
     def run(c: BlockCtx | BlockInput, rows: slice, pieces: tuple[slice, ...]) -> tuple[np.ndarray, Block]:
         with token_pieces(_tokens(pieces, dx.shape[1])):

@@ -69,6 +69,7 @@ class _Sync:
         self.nbytes = buffer.nbytes
         self.pending: list[tuple[Handle, Any]] = []  # (handle, unit key or None)
         self._slots: dict[Any, Tree] = {}  # each unit's views of the full buffer, made once (`slot`)
+        self._slot_leaves: dict[Any, list] = {}  # and their leaves, in `tree_leaves` order
         self.begin_step(1)
 
     def begin_step(self, n_micro: int) -> None:
@@ -106,20 +107,24 @@ class _Sync:
         if key not in self._slots:
             u = self.layout.units[key]
             self._slots[key] = unflatten(self.buffer[u.real], u.template)
+            self._slot_leaves[key] = tree_leaves(self._slots[key])
         return self._slots[key]
 
     def _accumulate(self, key: Any, grads: Tree, count: int) -> bool:
         """Sum `grads` into the full buffer; True once all the step's micro-batches are in.
-        A gradient written into the unit's `slot` is in place already: nothing to copy."""
+        A gradient written into the unit's `slot` is in place already: nothing to copy,
+        whether the whole tree is the slot or only some of its leaves are the slot's."""
         first = self.received[key] == 0
         if not (first and grads is self._slots.get(key)):
+            placed = self._slot_leaves.get(key) if first else None
             view = self.buffer[self.layout.units[key].real]
             into = copy_into if first else add_into
             i = 0
-            for leaf in tree_leaves(grads):  # `flatten`'s order; large leaves over the threads
-                leaf = np.asarray(leaf)
-                into(view[i:i + leaf.size], leaf.reshape(-1))
-                i += leaf.size
+            for j, leaf in enumerate(tree_leaves(grads)):  # `flatten`'s order; large leaves over the threads
+                arr = np.asarray(leaf)
+                if placed is None or j >= len(placed) or leaf is not placed[j]:
+                    into(view[i:i + arr.size], arr.reshape(-1))
+                i += arr.size
             if i != view.size:
                 raise ValueError(f"unit {key!r}: the gradient has {i} values, its buffer {view.size}")
         self.received[key] += count
