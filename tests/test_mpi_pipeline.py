@@ -185,7 +185,7 @@ def test_a_step_leaves_no_reference_cycles(shared_dataset: Path, shared_tmp: Pat
 
     trainer = one_step(shared_dataset, shared_tmp / f"cycles-{schedule}", schedule, memory_m(WORLD.Get_size()))
     gc.collect()
-    was = gc.isenabled()
+    was, flags = gc.isenabled(), gc.get_debug()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
@@ -193,7 +193,7 @@ def test_a_step_leaves_no_reference_cycles(shared_dataset: Path, shared_tmp: Pat
         found = gc.collect()
         kinds = sorted({type(o).__qualname__ for o in gc.garbage})
     finally:
-        gc.set_debug(0)
+        gc.set_debug(flags)
         gc.garbage.clear()
         if was:
             gc.enable()

@@ -594,15 +594,18 @@ def test_inside_a_run_of_pieces_a_matmul_is_one_call_per_piece(monkeypatch) -> N
 @pytest.mark.parametrize("stage", [0, 1, 2])
 @pytest.mark.parametrize("run", ["fused", "block by block", "whole blocks"])
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
-def test_the_weight_gradients_land_in_the_optimisers_buffer_without_a_copy(with_threads, monkeypatch,
-                                                                           stage: int, run: str, arch: str) -> None:
+@pytest.mark.parametrize("how", ["plain", "split, 2 micro-batches"])
+def test_the_weight_gradients_land_in_the_optimisers_buffer_without_a_copy(with_threads, monkeypatch, stage: int,
+                                                                           run: str, arch: str, how: str) -> None:
     """A backward writes its blocks' weight gradients straight into the ZeRO optimiser's
     gradient buffer (`ParamUnits.grad_slot`): where blocks run in pieces over the threads
     the runs' last sum lands there (a stage's blocks in one hand-off, `fused`, or block by
     block), where a block runs whole its weights' GEMMs write there. Under stages 0 and 1
     nothing of it is copied afterwards (only the outer unit, and a whole block's norms and
     biases, which no GEMM makes); under stage 2 (no full buffer) everything is handed over
-    as before. Either way the buffer holds the bits of a backward without the slots."""
+    as before. Either way the buffer holds the bits of a backward without the slots, two
+    steps running (the slots are made once), with the weight halves deferred (zero-bubble's
+    W, `stage_weight`) and with a second micro-batch added into the first's."""
     from mpi4py import MPI
 
     from numesh.nn.gpt import gpt_specs
@@ -629,11 +632,17 @@ def test_the_weight_gradients_land_in_the_optimisers_buffer_without_a_copy(with_
             monkeypatch.setattr(opt, "grad_slot", lambda key: None)
         copied: list[int] = []
         monkeypatch.setattr(grad_sync, "copy_into", lambda d, s: copied.append(d.size) or real_copy(d, s))
-        opt.begin_step(1)
-        _, ctx = walk.stage_forward(opt, model, idx, tgt, cfg, mesh)
-        _, outer, _ = walk.stage_backward(opt, model, ctx, 1.0 / idx.size, cfg, mesh)
-        opt.grads_ready(OUTER, outer)
-        opt.wait()
+        micro = [slice(0, 8)] if how == "plain" else [slice(0, 4), slice(4, 8)]
+        for _ in range(2):
+            copied.clear()
+            opt.begin_step(len(micro))
+            for rows in micro:
+                _, ctx = walk.stage_forward(opt, model, idx[rows], tgt[rows], cfg, mesh)
+                _, outer, deferred = walk.stage_backward(opt, model, ctx, 1.0 / idx.size, cfg, mesh,
+                                                         split=how != "plain")
+                walk.stage_weight(opt, deferred)
+                opt.grads_ready(OUTER, outer)
+            opt.wait()
         return {k: opt.sync.grad(k).copy() for k in opt.units}, copied
 
     with_threads(2)
@@ -673,3 +682,31 @@ def test_a_worker_lets_go_of_its_job_when_it_is_done(with_threads, spin: bool) -
     finally:
         if was:
             gc.enable()
+
+
+def test_a_slot_is_offered_once_a_step_and_refused_back_later() -> None:
+    """`grad_slot` offers a unit's place in the buffer only while the step has none of its
+    gradient (the same tree every step); handing the slot back for a later micro-batch,
+    which would add the buffer to itself, is an error, not a doubled gradient."""
+    from mpi4py import MPI
+
+    from numesh.nn.gpt import gpt_specs
+    from numesh.nn.units import split_units
+    from numesh.optim.zero import ZeroOptimizer
+
+    cfg = GPTConfig(vocab_size=13, block_size=8, n_layer=1, n_head=2, n_embd=8, dropout=0.0, bias=True)
+    mesh = Mesh.create(comm=MPI.COMM_SELF)
+    units = split_units(init_gpt(cfg, mesh, seed=0, dtype=np.float64))
+    opt = ZeroOptimizer(units, split_units(gpt_specs(cfg)), mesh)
+    key = next(u for u in units if not u.is_outer)
+    opt.begin_step(2)
+    slot = opt.grad_slot(key)
+    for leaf in tree_leaves(slot):
+        leaf[...] = 1.0
+    opt.grads_ready(key, slot)
+    assert opt.grad_slot(key) is None
+    with pytest.raises(ValueError, match="later micro-batch"):
+        opt.grads_ready(key, slot)
+    opt.begin_step(1)
+    assert opt.grad_slot(key) is slot
+    assert (opt.sync.grad(key)[: sum(x.size for x in tree_leaves(slot))] == 1.0).all()

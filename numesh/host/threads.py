@@ -95,7 +95,7 @@ def _work() -> None:
         finally:
             # let go of the job before saying it is done: kept while this thread waits for
             # the next one, its closure kept what it reads alive (a block's weight gradients)
-            fn = None
+            fn = errors = None  # (an error's traceback holds the job's frames too)
             done.release()
             _finished.bump()
 
@@ -585,7 +585,8 @@ def _add_to(out: Any, a: Any, b: Any) -> Any:
     """out = a + b over trees with the same leaves in the same order (`tree_leaves`), into
     out's arrays; returns `out` itself. The leaves' sums are `_add`'s, so the same bits."""
     la, lb, lo = tree_leaves(a), tree_leaves(b), tree_leaves(out)
-    if not len(la) == len(lb) == len(lo) or any(x.shape != o.shape for x, o in zip(la, lo)):
+    if not len(la) == len(lb) == len(lo) or any(o.shape != x.shape or o.shape != y.shape
+                                                 for x, y, o in zip(la, lb, lo)):
         raise ValueError("the sum's destination is not shaped like the trees it adds")
     flat = [_flat(o, x, y) for x, y, o in zip(la, lb, lo)]
     total = sum(o.size for o in lo)

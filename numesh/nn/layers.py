@@ -95,7 +95,8 @@ def linear_bwd_weight(p: Linear, x: np.ndarray, dy: np.ndarray, out: Linear | No
     buffer, `ParamUnits.grad_slot`) and no pieces, the weight's GEMM writes there and the
     result's w is `out.w` itself, which `grads_ready` then need not copy."""
     x2, dy2 = _rows(x), _rows(dy)
-    if out is not None and out.w.flags.c_contiguous and whole(x2.shape[0]):
+    if out is not None and out.w.flags.c_contiguous and out.w.dtype == np.result_type(x2, dy2) \
+            and whole(x2.shape[0]):
         dw = out.w
         matmul(x2.T, dy2, out=dw.reshape(x2.shape[1], dy2.shape[1]))
     else:

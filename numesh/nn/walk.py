@@ -78,9 +78,11 @@ class ParamUnits(Protocol):
 
     `get` may gather a unit (ZeRO-3) and `release` free it; `grads_ready` receives a unit's
     gradient summed over `count` micro-batches once it is final. `grad_slot` may offer a
-    tree shaped like the unit to write that gradient into: where the walk adds the
-    threads' runs' gradients (`chunked_bwd_sum`), the last addition lands there, and
-    `grads_ready` of that very tree then copies nothing."""
+    tree shaped like the unit to write that gradient into (asked afresh for each
+    micro-batch): where the walk adds the threads' runs' gradients (`chunked_bwd_sum`,
+    `chunked_sum`) the last addition lands there, and where a block runs whole its
+    Linears' weight GEMMs write into the slot's leaves; `grads_ready` copies nothing of
+    the tree that is the slot, and none of the leaves that are its own."""
 
     def get(self, unit: Unit) -> Any: ...
 

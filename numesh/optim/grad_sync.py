@@ -115,6 +115,10 @@ class _Sync:
         A gradient written into the unit's `slot` is in place already: nothing to copy,
         whether the whole tree is the slot or only some of its leaves are the slot's."""
         first = self.received[key] == 0
+        mine = self._slot_leaves.get(key, ())
+        if not first and any(leaf is m for leaf, m in zip(tree_leaves(grads), mine)):
+            raise ValueError(f"unit {key!r}: a later micro-batch's gradient was written into the unit's slot, "
+                             "which holds the sum so far: ask `slot` before each one")
         if not (first and grads is self._slots.get(key)):
             placed = self._slot_leaves.get(key) if first else None
             view = self.buffer[self.layout.units[key].real]
