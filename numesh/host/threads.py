@@ -559,8 +559,7 @@ def chunked_sum(fn: Callable[[Any, tuple[slice, ...]], Any], ctx: RowChunks, out
     """`fn(run ctx, pieces) -> tree` for each run, the runs' trees added as the top of the
     pieces' pairwise tree (`tree_sum`): the same bits whichever thread ran which run; the
     last addition into `out` where given (`_pairwise`)."""
-    return _pairwise([t for _, t in _over_runs(lambda i: (None, fn(ctx.parts[i], ctx.pieces[i])), len(ctx.rows))],
-                     out)
+    return tree_sum(lambda i: (None, fn(ctx.parts[i], ctx.pieces[i])), len(ctx.rows), out)[1]
 
 
 def chunked_bwd_sum(fn: Callable[[Any, slice, tuple[slice, ...]], tuple[np.ndarray, Any]],
@@ -697,9 +696,9 @@ def _pairwise(sums: list, out: Any = None) -> Any:
     return sums[0] if sums else None
 
 
-def tree_sum(fn: Callable[[int], tuple[Any, Any]], n: int) -> tuple[list, Any]:
+def tree_sum(fn: Callable[[int], tuple[Any, Any]], n: int, out: Any = None) -> tuple[list, Any]:
     """`fn(i) -> (side, tree)` for i in range(n), dealt to the threads in contiguous runs
-    (`over_batch`): ([side for each i], the trees added by `_pairwise`), the same bits
-    whichever thread computed which."""
+    (`over_batch`): ([side for each i], the trees added by `_pairwise`, into `out` where
+    given), the same bits whichever thread computed which."""
     parts = _over_runs(fn, n)
-    return [side for side, _ in parts], _pairwise([t for _, t in parts])
+    return [side for side, _ in parts], _pairwise([t for _, t in parts], out)

@@ -341,7 +341,7 @@ def _row_parallel_grad(lin: Linear, io: LinearIO, into: Linear | None = None) ->
     grad is the full upstream grad summed over tokens (with sp `io.dy` is the gathered
     [B, T, C], so this sum is over every token and needs no tp reduction). `into`: where
     the weight's GEMM may write (`linear_bwd_weight`'s `out`), or None."""
-    dw = linear_bwd_weight(Linear(lin.w), io.x, io.dy, into and Linear(into.w)).w
+    dw = linear_bwd_weight(Linear(lin.w), io.x, io.dy, into).w
     if lin.b is None:
         return Linear(dw, None)
     dy2 = io.dy.reshape(-1, io.dy.shape[-1])

@@ -115,22 +115,22 @@ class _Sync:
         A gradient written into the unit's `slot` is in place already: nothing to copy,
         whether the whole tree is the slot or only some of its leaves are the slot's."""
         first = self.received[key] == 0
-        mine = self._slot_leaves.get(key, ())
-        if not first and any(leaf is m for leaf, m in zip(tree_leaves(grads), mine)):
+        leaves = tree_leaves(grads)  # `flatten`'s order
+        placed = self._slot_leaves.get(key, ())
+        in_place = [j < len(placed) and leaf is placed[j] for j, leaf in enumerate(leaves)]
+        if not first and any(in_place):
             raise ValueError(f"unit {key!r}: a later micro-batch's gradient was written into the unit's slot, "
                              "which holds the sum so far: ask `slot` before each one")
-        if not (first and grads is self._slots.get(key)):
-            placed = self._slot_leaves.get(key) if first else None
-            view = self.buffer[self.layout.units[key].real]
-            into = copy_into if first else add_into
-            i = 0
-            for j, leaf in enumerate(tree_leaves(grads)):  # `flatten`'s order; large leaves over the threads
-                arr = np.asarray(leaf)
-                if placed is None or j >= len(placed) or leaf is not placed[j]:
-                    into(view[i:i + arr.size], arr.reshape(-1))
-                i += arr.size
-            if i != view.size:
-                raise ValueError(f"unit {key!r}: the gradient has {i} values, its buffer {view.size}")
+        view = self.buffer[self.layout.units[key].real]
+        into = copy_into if first else add_into
+        i = 0
+        for leaf, done in zip(leaves, in_place):  # large leaves over the threads
+            arr = np.asarray(leaf)
+            if not done:
+                into(view[i:i + arr.size], arr.reshape(-1))
+            i += arr.size
+        if i != view.size:
+            raise ValueError(f"unit {key!r}: the gradient has {i} values, its buffer {view.size}")
         self.received[key] += count
         return self.received[key] == self.n_micro
 
