@@ -536,20 +536,22 @@ def embedding_grad(ids, dy, out):
 
 
 @njit(**_JIT)
-def adamw(p, g, m, v, decay, wd, beta1, beta2, eps, c1, c2):
-    """One pass of the reference's AdamW update, in its order of operations:
-    p -= wd·decay·p; m = b1·m + (1-b1)·g; v = b2·v + (1-b2)·g²; p -= c1·m / (c2·sqrt(v) + eps)."""
-    one_b1 = 1.0 - beta1
-    one_b2 = 1.0 - beta2
+def adamw(p, g, m, v, decay, wd, beta1, one_b1, beta2, one_b2, eps, c1, c2):
+    """One pass of the reference's AdamW update, in its order of operations and in p's
+    dtype (the scalars given in it, decay cast to it): p -= wd·decay·p; m = b1·m + (1-b1)·g;
+    v = b2·v + (1-b2)·g²; p -= c1·m / (c2·sqrt(v) + eps). In float32 that is 16 lanes of
+    float32 sqrt and divide: with float64 scalars the loop ran in float64, 8 lanes of the
+    slow float64 sqrt and divide, ~3x the time in cache (`python benchmarks/bench_adamw.py`)."""
+    cast = p.dtype.type
     for i in range(p.shape[0]):
         pi = p[i]
-        pi = pi - pi * decay[i] * wd
+        pi = pi - pi * cast(decay[i]) * wd
         gi = g[i]
         mi = m[i] * beta1 + gi * one_b1
         vi = v[i] * beta2 + gi * gi * one_b2
         m[i] = mi
         v[i] = vi
-        p[i] = pi - mi / (math.sqrt(vi) * c2 + eps) * c1
+        p[i] = pi - mi / (np.sqrt(vi) * c2 + eps) * c1
 
 
 # ---------------------------------------------------------------------------------------
@@ -587,4 +589,5 @@ def warm_up(dtype) -> None:
     ce_bwd(np.ones((2, 3), f), np.ones(2, f), np.zeros(2, np.int64), np.ones(1))
     embedding_grad(np.array([0, -1, 0], np.int64), np.ones((3, 2), f), np.zeros((1, 2), f))
     z = np.zeros(8, f)
-    adamw(z, z.copy(), z.copy(), z.copy(), np.ones(8, bool), 0.0, 0.9, 0.99, 1e-8, 1.0, 1.0)  # decay: a bool mask
+    consts = (f(c) for c in (0.0, 0.9, 0.1, 0.99, 0.01, 1e-8, 1.0, 1.0))  # in the dtype, as adamw_step gives them
+    adamw(z, z.copy(), z.copy(), z.copy(), np.ones(8, bool), *consts)  # decay: a bool mask

@@ -7,11 +7,12 @@ The step updates its buffers in place: they are donated, as with JAX's `donate_a
 
 With numba installed the update is one fused pass (numesh.host.kernels.adamw) instead of the
 reference's fourteen NumPy passes; `adamw_step_reference` is the readable definition it is
-tested against (bit-identical in float64: same operations in the same order).
+tested against (bit-identical: the same operations in the same order, in the buffers' dtype).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Sequence
 
 import attrs
@@ -75,10 +76,12 @@ def decay_mask(params: Tree, dtype=np.float64) -> np.ndarray:
 
 def _next_step(state: AdamWState, lr: float, cfg: AdamWConfig) -> tuple[float, float, float]:
     """Count the step and return its scalars: the decay factor lr·wd, lr/(1 - β1^t) and
-    1/sqrt(1 - β2^t) (the bias corrections), the same for the fused and reference updates."""
+    1/sqrt(1 - β2^t) (the bias corrections), the same for the fused and reference updates.
+    Python floats: NumPy rounds them to the buffers' dtype (a NumPy float64 would make the
+    reference's float32 product with it a float64 one)."""
     state.step += 1
     t = state.step
-    return lr * cfg.weight_decay, lr / (1.0 - cfg.beta1**t), 1.0 / np.sqrt(1.0 - cfg.beta2**t)
+    return lr * cfg.weight_decay, lr / (1.0 - cfg.beta1**t), 1.0 / math.sqrt(1.0 - cfg.beta2**t)
 
 
 def adamw_step(
@@ -93,10 +96,12 @@ def adamw_step(
     """One decoupled-weight-decay Adam step on flat buffers (PyTorch's AdamW formula)."""
     if not K.enabled():
         return adamw_step_reference(params, grads, state, lr, cfg, decay, scratch)
+    f = params.dtype.type  # every scalar in the buffers' dtype, as the reference's NumPy rounds it
     wd, c1, c2 = _next_step(state, lr, cfg)
+    consts = tuple(f(c) for c in (wd, cfg.beta1, 1.0 - cfg.beta1, cfg.beta2, 1.0 - cfg.beta2, cfg.eps, c1, c2))
 
     def rows(r: slice) -> None:
-        K.adamw(params[r], grads[r], state.m[r], state.v[r], decay[r], wd, cfg.beta1, cfg.beta2, cfg.eps, c1, c2)
+        K.adamw(params[r], grads[r], state.m[r], state.v[r], decay[r], *consts)
 
     over_rows(rows, params.shape[0], 1 << 16)
 
