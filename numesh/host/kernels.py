@@ -541,7 +541,7 @@ def adamw(p, g, m, v, decay, wd, beta1, one_b1, beta2, one_b2, eps, c1, c2):
     dtype (the scalars given in it, decay cast to it): p -= wd·decay·p; m = b1·m + (1-b1)·g;
     v = b2·v + (1-b2)·g²; p -= c1·m / (c2·sqrt(v) + eps). In float32 that is 16 lanes of
     float32 sqrt and divide: with float64 scalars the loop ran in float64, 8 lanes of the
-    slow float64 sqrt and divide, ~3x the time in cache (`python benchmarks/bench_adamw.py`)."""
+    slow float64 sqrt and divide, 2.2-2.7x the time in cache (`python benchmarks/bench_adamw.py`)."""
     cast = p.dtype.type
     for i in range(p.shape[0]):
         pi = p[i]
