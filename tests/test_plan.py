@@ -56,18 +56,18 @@ def spec_of(cfg: TrainConfig, vocab: int) -> ModelSpec:
 
 def test_activation_bytes_hand_worked() -> None:
     # b=2, T=4, C=8, H=2, one block, tp=1, float32, the middle of a pipeline:
-    # per block 4bTC + 2bT + 16bTC + b·H·T = 256 + 16 + 1024 + 16 = 1312 values = 5248 bytes
-    # (16bTC: the QKV buffer q, k and v are views of, the attention output, the MLP-up
-    # output, GELU's tanh and output; b·H·T: each query row's log-sum-exp, all the fused
+    # per block 4bTC + 2bT + 12bTC + b·H·T = 256 + 16 + 768 + 16 = 1056 values = 4224 bytes
+    # (12bTC: the QKV buffer q, k and v are views of, the attention output, the MLP-up
+    # output and GELU's output; b·H·T: each query row's log-sum-exp, all the fused
     # attention keeps of its softmax: nothing T×T)
     shape = formulas.ActivationShape(micro_batch=2, seq=4, n_embd=8, n_head=2)
-    assert formulas.activation_bytes(shape, formulas.Chunk(1, first=False, last=False), vocab=10) == 5248
+    assert formulas.activation_bytes(shape, formulas.Chunk(1, first=False, last=False), vocab=10) == 4224
     # the first stage adds the int64 token ids (8 bT = 64 bytes); with tp=2 a byte mask too
-    assert formulas.activation_bytes(shape, formulas.Chunk(1, first=True, last=False), vocab=10) == 5248 + 64
+    assert formulas.activation_bytes(shape, formulas.Chunk(1, first=True, last=False), vocab=10) == 4224 + 64
     # the last stage: x̂, output (2bTC), 1/σ, sum-exp and target logit (3bT), logits bT·V (vocab 10),
     # int64 targets, a byte mask
     head = (2 * 64 + 3 * 8 + 8 * 10) * 4 + 8 * 8 + 8
-    assert formulas.activation_bytes(shape, formulas.Chunk(1, first=False, last=True), vocab=10) == 5248 + head
+    assert formulas.activation_bytes(shape, formulas.Chunk(1, first=False, last=True), vocab=10) == 4224 + head
     with pytest.raises(ValueError):
         formulas.activation_bytes(formulas.ActivationShape(1, 1, 8, 2, recompute="some"), formulas.Chunk(1, True, True),
                                   vocab=10)

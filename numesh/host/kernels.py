@@ -292,36 +292,43 @@ def layernorm_bwd(dy, xhat, rstd, w, dx, dw, db):
 
 
 # ---------------------------------------------------------------------------------------
-# GELU (tanh form), elementwise on flat arrays, in one pass: tanh(u) and GELU's
-# 0.5·x·(1 + tanh(u)) = x·sigmoid(2u) from one `vexp`, e = exp(-2|u|) in (0, 1]:
-# tanh(|u|) = (1 - e)/(1 + e) and sigmoid(2u) = 1/(1 + e) for u >= 0, e/(1 + e) below, so
-# neither tail cancels (1 + tanh(u) computed as a sum loses the left tail's digits).
+# GELU (tanh form), elementwise on flat arrays: 0.5·x·(1 + tanh(u)) = x·σ(2u), u = k·(x +
+# 0.044715·x³), from one `vexp`, e = exp(-2|u|) in (0, 1]: σ(2u) = 1/(1 + e) for u >= 0,
+# e/(1 + e) below, and σ(2u)·(1 - σ(2u)) = e/(1 + e)², so neither tail cancels (1 + tanh(u)
+# and 1 - tanh(u)² computed as differences lose the left tail's digits: at x = -9.4 the
+# derivative from tanh had no correct digit). Only x is kept: the backward computes e again,
+# which costs less than writing and reading back a saved tanh would
+# (`python benchmarks/profile_train.py --preset default`).
 
 
 @njit(**_JIT)
-def gelu_fwd(x, t, y):
-    """t = tanh(u) with u = k·(x + 0.044715·x³) (what backward reads), y = 0.5·x·(1 + t)."""
+def _sigmoid_2u(v, k, c, one, two):
+    """(σ(2u), σ(2u)·(1 - σ(2u))) of one value v, u = k·(v + c·v³)."""
+    u = k * (v + c * v * v * v)
+    e = vexp_low(-two * abs(u))
+    inv = one / (one + e)
+    return (inv if u >= 0 else e * inv), e * inv * inv
+
+
+@njit(**_JIT)
+def gelu_fwd(x, y):
+    """y = x·σ(2u) = 0.5·x·(1 + tanh(u))."""
     f = x.dtype.type
     k, c, one, two = f(GELU_K), f(GELU_C), f(1.0), f(2.0)
     for i in range(x.shape[0]):
         v = x[i]
-        u = k * (v + c * v * v * v)
-        e = vexp_low(-two * abs(u))
-        inv = one / (one + e)
-        th = (one - e) * inv
-        t[i] = th if u >= 0 else -th
-        y[i] = v * (inv if u >= 0 else e * inv)
+        y[i] = v * _sigmoid_2u(v, k, c, one, two)[0]
 
 
 @njit(**_JIT)
-def gelu_bwd(x, t, dy, dx):
-    """dx = dy · (0.5(1+t) + 0.5·x·(1-t²)·k·(1 + 3·0.044715·x²))."""
+def gelu_bwd(x, dy, dx):
+    """dx = dy · (σ(2u) + 2·x·σ(2u)(1 - σ(2u))·k·(1 + 3·0.044715·x²)), GELU's derivative."""
     f = x.dtype.type
-    half, one, k, c3 = f(0.5), f(1.0), f(GELU_K), f(3.0 * GELU_C)
+    one, two, k, c, c3 = f(1.0), f(2.0), f(GELU_K), f(GELU_C), f(3.0 * GELU_C)
     for i in range(x.shape[0]):
         v = x[i]
-        th = t[i]
-        d = half * (one + th) + half * v * (one - th * th) * k * (one + c3 * v * v)
+        s, s1 = _sigmoid_2u(v, k, c, one, two)
+        d = s + two * v * k * (one + c3 * v * v) * s1
         dx[i] = d * dy[i]
 
 
@@ -577,9 +584,9 @@ def warm_up(dtype) -> None:
     layernorm_fwd(x, w, w, False, y, xh, r)
     layernorm_fwd(x, w, w, True, y, xh, r)
     layernorm_bwd(x, xh, r, w, dx, dw, db)
-    flat, out, t = x.reshape(-1), y.reshape(-1), xh.reshape(-1)
-    gelu_fwd(flat, t, out)
-    gelu_bwd(flat, t, flat, out)
+    flat, out = x.reshape(-1), y.reshape(-1)
+    gelu_fwd(flat, out)
+    gelu_bwd(flat, flat, out)
     s, v1, u = np.zeros((1, 4, 2), f), np.zeros((1, 2), f), np.zeros((1, 4), np.uint64)
     stripe_softmax(s, 1, v1, v1.copy(), v1.copy(), np.uint64(1), np.uint64(1), f(2), u[:, :2], u[0])
     stripe_probs(s, 1, v1)

@@ -287,72 +287,84 @@ def _chunk_rows(row_len: int, elements: int = 1 << 15) -> int:
     return max(1, elements // max(1, row_len))
 
 
-def gelu_fwd(x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+def gelu_fwd(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """GELU in GPT-2's tanh form: 0.5·x·(1 + tanh(u)), u = k·(x + 0.044715·x³), computed as
     x·sigmoid(2u) (equal, and accurate far left, where 1 + tanh(u) cancels); the context is
-    (x, tanh(u))."""
+    x alone: the backward computes exp(-2|u|) again (`numesh.host.kernels`' GELU notes; a
+    kept tanh(u) was a third of the MLP's saved values)."""
     if not K.enabled():
         return gelu_fwd_reference(x)
     x = np.ascontiguousarray(x)
-    t, y = np.empty_like(x), np.empty_like(x)
-    x2, t2, y2 = _rows(x), _rows(t), _rows(y)
+    y = np.empty_like(x)
+    x2, y2 = _rows(x), _rows(y)
 
-    over_rows(lambda r: K.gelu_fwd(x2[r].reshape(-1), t2[r].reshape(-1), y2[r].reshape(-1)),
-              x2.shape[0], _chunk_rows(x2.shape[1]))
-    return y, (x, t)
+    over_rows(lambda r: K.gelu_fwd(x2[r].reshape(-1), y2[r].reshape(-1)), x2.shape[0], _chunk_rows(x2.shape[1]))
+    return y, x
 
 
-def gelu_bwd(ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> np.ndarray:
+def gelu_bwd(x: np.ndarray, dy: np.ndarray) -> np.ndarray:
+    """dx of GELU at x (its forward's context) for the output gradient dy."""
     if not K.enabled():
-        return gelu_bwd_reference(ctx, dy)
-    x, t = ctx
+        return gelu_bwd_reference(x, dy)
     dy = np.ascontiguousarray(dy)
     dx = np.empty_like(dy)
-    x2, t2, dy2, dx2 = _rows(x), _rows(t), _rows(dy), _rows(dx)
-    over_rows(lambda r: K.gelu_bwd(x2[r].reshape(-1), t2[r].reshape(-1), dy2[r].reshape(-1), dx2[r].reshape(-1)),
+    x2, dy2, dx2 = _rows(x), _rows(dy), _rows(dx)
+    over_rows(lambda r: K.gelu_bwd(x2[r].reshape(-1), dy2[r].reshape(-1), dx2[r].reshape(-1)),
               x2.shape[0], _chunk_rows(x2.shape[1]))
     return dx
 
 
-def gelu_fwd_reference(x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-    t, y = np.empty_like(x), np.empty_like(x)
-    x2, t2, y2 = _rows(x), _rows(t), _rows(y)
+def _gelu_u(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """u = k·(x + 0.044715·x³) into out, as (x²·0.044715k + k)·x, for the forward and the
+    backward alike."""
+    np.multiply(x, x, out=out)
+    out *= 0.044715 * _GELU_K
+    out += _GELU_K
+    out *= x
+    return out
+
+
+def gelu_fwd_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    y = np.empty_like(x)
+    x2, y2 = _rows(x), _rows(y)
 
     def rows(r: slice) -> None:  # 0.5·x·(1 + tanh(u)) as x·sigmoid(2u): the same, without 1 + tanh's cancellation
-        xr, tr, yr = x2[r], t2[r], y2[r]
-        np.multiply(xr, xr, out=tr)
-        tr *= 0.044715 * _GELU_K
-        tr += _GELU_K
-        tr *= xr
-        np.multiply(tr, -2.0, out=yr)
+        xr, yr = x2[r], y2[r]
+        _gelu_u(xr, yr)
+        yr *= -2.0
         with np.errstate(over="ignore"):  # exp(-2u) = inf far left: y = x / inf = -0
             np.exp(yr, out=yr)
         yr += 1.0
         np.divide(xr, yr, out=yr)
-        np.tanh(tr, out=tr)
 
     over_rows(rows, x2.shape[0], _chunk_rows(x2.shape[1]))
-    return y, (x, t)
+    return y, x
 
 
-def gelu_bwd_reference(ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> np.ndarray:
-    x, t = ctx
+def gelu_bwd_reference(x: np.ndarray, dy: np.ndarray) -> np.ndarray:
     dx = np.empty_like(dy)
-    x2, t2, dy2, dx2 = _rows(x), _rows(t), _rows(dy), _rows(dx)
+    x2, dy2, dx2 = _rows(x), _rows(dy), _rows(dx)
 
     def rows(r: slice) -> None:
-        # d/dx = 0.5(1+t) + 0.5 x (1-t^2) k (1 + 3·0.044715 x^2)
-        xr, tr, out = x2[r], t2[r], dx2[r]
+        # d/dx of x·σ(2u) = σ + 2·x·σ(1 - σ)·k·(1 + 3·0.044715·x²); with e = exp(-2|u|),
+        # σ(1 - σ) = e/(1 + e)² (no difference near 0 or 1 to cancel)
+        xr, out = x2[r], dx2[r]
+        e = _gelu_u(xr, np.empty_like(xr))
+        u_neg = e < 0
+        np.abs(e, out=e)
+        e *= -2.0
+        np.exp(e, out=e)
+        inv = 1.0 / (1.0 + e)
+        s1 = e * inv * inv
+        sig = np.where(u_neg, e * inv, inv)
         np.multiply(xr, xr, out=out)
-        out *= 3 * 0.044715 * _GELU_K
-        out += _GELU_K
-        out *= xr
-        sech2 = tr * tr
-        np.subtract(1.0, sech2, out=sech2)
-        out *= sech2
-        out += tr
+        out *= 3 * 0.044715
         out += 1.0
-        out *= 0.5
+        out *= _GELU_K
+        out *= xr
+        out *= 2.0
+        out *= s1
+        out += sig
         out *= dy2[r]
 
     over_rows(rows, x2.shape[0], _chunk_rows(x2.shape[1]))

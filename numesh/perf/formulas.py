@@ -719,10 +719,11 @@ class ActivationShape:
         return 2 * C // t + 2 * parts.local_kv(C, t)
 
     def mlp_values(self, rows: int = 1) -> int:
-        """Values per token (per expert row) an MLP keeps on a tp rank, 3·F/tp: GELU's input
-        (the MLP-up output), its tanh and its output; SwiGLU's gate and up outputs and the
-        gated product (its backward computes the gate's sigmoid again)."""
-        return rows * 3 * self.parts.ffn(self.n_embd) // self.tp
+        """Values per token (per expert row) an MLP keeps on a tp rank: GELU's input (the
+        MLP-up output) and its output, 2·F/tp (its backward computes the exponential again); SwiGLU's
+        gate and up outputs and the gated product, 3·F/tp (its backward computes the gate's
+        sigmoid again)."""
+        return rows * (3 if self.parts.gated else 2) * self.parts.ffn(self.n_embd) // self.tp
 
 
 def rotary_table_bytes(shape: ActivationShape) -> int:
@@ -765,14 +766,15 @@ def activation_parts(shape: ActivationShape, chunk: Chunk, vocab: int) -> dict[s
       "block_replicated"  k·(4·sbh + 2·sb): LayerNorm 1 and 2 each keep x̂ [b,s,h] and 1/σ
                           [b,s,1], and their outputs h1, h2 [b,s,h] (the QKV and MLP-up
                           inputs). Replicated over tp unless sequence-parallel (`sp`).
-      "block_sharded"     k·16·sbh/t: the QKV output that q, k and v are views of (3), the
+      "block_sharded"     k·12·sbh/t: the QKV output that q, k and v are views of (3), the
                           attention output (1, which attention's context views too), the
-                          MLP-up output, GELU's tanh and GELU's output (4 each). Other
+                          MLP-up output and GELU's output (4 each; GELU's backward computes
+                          its exponential again). Other
                           kinds (`shape.parts`): k·sb·(`attention_values` + `mlp_values`):
                           rotary positions rotate q and k in place (no extra values);
                           grouped-query attention keeps q (h/t) and this
                           rank's kv columns of k and v (2·kv_local), rotated or not; SwiGLU
-                          keeps gate, up and product (3·F/t, as GELU's input, tanh and output).
+                          keeps gate, up and product (3·F/t; GELU 2·F/t, its input and output).
                           The rotary tables are one pair for every context: `rotary_table_bytes`.
       "block_lse"         k·a·sb/t: each query row's log-sum-exp [b, a/t, s], all the fused
                           attention keeps of its softmax (numesh/nn/attention.py): nothing
@@ -780,7 +782,7 @@ def activation_parts(shape: ActivationShape, chunk: Chunk, vocab: int) -> dict[s
       "block_input"       k·sbh: full recomputation keeps only the block's input, instead
                           of the three parts above.
     Residual and embedding dropout masks are redrawn in backward, never kept. So a block
-    holds k·(sbh·(4 + 16/t) + 2·sb + a·sb/t) bytes (Korthikanti et al. count 34·sbh +
+    holds k·(sbh·(4 + 12/t) + 2·sb + a·sb/t) bytes (Korthikanti et al. count 34·sbh +
     5·a·s²·b for fp16 with byte masks and the s×s softmax kept: numesh keeps x̂ beside the
     LayerNorm output, and neither the residual masks nor any s×s tensor) and k·sbh under
     full recomputation.
@@ -855,8 +857,8 @@ def moe_activation_parts(shape: ActivationShape, moe: ExpertShape, rows_sent: in
                           f and P 2·8·b·E, and with a capacity which assignments it kept N·k.
       "dispatch"          send and recv 2·8·ep; with ep > 1 the regrouping 8·R and local
                           bounds 8·(E/ep + 1).
-      "experts"           q·R·h the rows the experts got, q·12·R·h/t their hidden layer, GELU
-                          tanh and output (SwiGLU experts: gate, up and product, q·R·3·F/t, `mlp_values`),
+      "experts"           q·R·h the rows the experts got, q·8·R·h/t their hidden layer and GELU's
+                          output (SwiGLU experts: gate, up and product, q·R·3·F/t, `mlp_values`),
                           q·N·k·h each assignment's expert output.
       "stats"             the routing stats' tokens per expert, 8·E.
     Under full recomputation the block keeps its input, q·sbh (q·sbh/t under sp), and its
