@@ -33,7 +33,7 @@ Points = tuple[tuple[float, float], ...]  # (size, seconds), sorted by size
 # divides by memory bandwidth (a measured profile times the kernels themselves).
 PASSES = {
     "layernorm_fwd": 9, "layernorm_bwd": 14,  # mean, centre, variance, scale, affine; grads of w and x
-    "gelu_fwd": 12, "gelu_bwd": 14,  # tanh form in place, 8 ops on x and t
+    "gelu_fwd": 12, "gelu_bwd": 14,  # tanh form in place, counted when the forward also kept tanh(u)
     # numesh/host/llama_kernels.py: x read twice, y and xhat written; dy and xhat read twice,
     # dx written, w's grad summed. Per hidden value: gate and up read, y written; and back
     # gate, up and dy read (the sigmoid computed again), both grads written
