@@ -143,7 +143,7 @@ def test_gelu_value_and_fd(rng: np.random.Generator) -> None:
     u = k * (x + 0.044715 * x**3)
     # 0.5·x·(1 + tanh(u)) = x·sigmoid(2u); the first form loses digits where tanh(u) is near -1 (x = -5: 3e-9)
     np.testing.assert_allclose(y, x / (1 + np.exp(-2 * u)), rtol=1e-14, atol=1e-300)
-    assert ctx is x  # the input alone is kept: backward computes tanh(u) again
+    assert ctx is x  # the input alone is kept: backward computes exp(-2|u|) again
     dx = gelu_bwd(ctx, r)
     # d/dx of 0.5·x·(1 + tanh(u)), from tanh(u) as NumPy computes it
     t = np.tanh(u)

@@ -81,6 +81,7 @@ def _next_step(state: AdamWState, lr: float, cfg: AdamWConfig) -> tuple[float, f
     reference's float32 product with it a float64 one)."""
     state.step += 1
     t = state.step
+    lr = float(lr)  # a NumPy float64 here would make the reference's float32 products float64
     return lr * cfg.weight_decay, lr / (1.0 - cfg.beta1**t), 1.0 / math.sqrt(1.0 - cfg.beta2**t)
 
 

@@ -28,7 +28,8 @@ class Parts:
     Attributes:
         hidden: the MLP's (and each expert's) hidden size F; 0 = 4·C.
         gated: SwiGLU: a gate [C, F] beside fc (three matrices of C·F where GELU has two),
-            and four [.., F] arrays kept for backward where GELU keeps three.
+            and three [.., F] arrays kept for backward (gate, up, product) where GELU keeps
+            two (its input and output; `ActivationShape.mlp_values`).
         kv_heads: key/value heads of grouped-query attention: q [C, C] column-parallel, k
             and v [C, kv_heads·head_size] replicated over tp (each tp rank computes the kv
             heads its query heads read, `numesh.nn.parts.local_kv_heads`); 0 = one per query
