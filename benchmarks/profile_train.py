@@ -5,7 +5,7 @@
     python benchmarks/profile_train.py --preset smollm2-4 --steps 5              # Llama: SmolLM2's block, 4 layers
     python benchmarks/profile_train.py --preset smollm2-4 --block-size 2048 --batch-size 1 --steps 5 --clock cpu
 
-Three views of the same single-process training run (see bench_train.py for presets/data;
+Four views of the same single-process training run (see bench_train.py for presets/data;
 benchmarks/common.py's LLAMA_PRESETS are Llama-family models, with the Llama parts' ops):
   1. cProfile over `--steps` Trainer.train_step() calls: the top functions by tottime.
      numpy operators (`a @ b`, `x * y`, ufuncs) are not separate entries: their time is
@@ -22,6 +22,10 @@ benchmarks/common.py's LLAMA_PRESETS are Llama-family models, with the Llama par
      every wrapped function is reported by exclusive time, so the phase functions' own
      rows are their glue: the reshapes, transposes, residual adds and head matmuls written
      inline in block_fwd/block_bwd_input/block_bwd_weight/head_fwd/head_bwd.
+  4. Hand-offs (with more than one thread): the main thread's stretches alone between the
+     hand-offs to the threads (numesh.host.threads' `_run_all`), while the other threads
+     wait, by the call that ends each stretch: the step's serial part, which no thread
+     count shortens.
 """
 
 from __future__ import annotations
@@ -211,6 +215,63 @@ def report_ops(inst: Instrument, step_total: float, n: int) -> None:
         print(f"{name:<44} {_ms(t, n)} {100 * t / total:5.1f}% {calls:>5}")
 
 
+class HandOffs:
+    """Times the main thread's stretches between hand-offs to the threads (`_run_all`, the
+    one place numesh.host.threads starts work on them), keyed by the calls (innermost
+    first) that end each stretch, and the stretches before the first and after the last."""
+
+    def __init__(self, clock=time.perf_counter, depth: int = 5):
+        from numesh.host import threads
+
+        self.threads, self.clock, self.depth = threads, clock, depth
+        self.between: dict[str, float] = defaultdict(float)
+        self.count: dict[str, int] = defaultdict(int)
+        self.edges = [0.0, 0.0]  # before the first hand-off, after the last (the whole step: none)
+        self.hand_offs = 0
+        self.last: float | None = None
+        self._orig = threads._run_all
+
+        def run_all(calls):
+            t0 = self.clock()
+            if self.last is not None:
+                f, names = sys._getframe(1), []
+                while f is not None and len(names) < self.depth:
+                    names.append(f.f_code.co_name)
+                    f = f.f_back
+                where = " < ".join(names)
+                self.between[where] += t0 - self.last
+                self.count[where] += 1
+            else:
+                self.edges[0] += t0 - self.start
+            self.hand_offs += 1
+            try:
+                self._orig(calls)
+            finally:
+                self.last = self.clock()
+
+        threads._run_all = run_all
+
+    def step(self, fn) -> float:
+        """Run one step under the timers; its time."""
+        self.start, self.last = self.clock(), None
+        fn()
+        end = self.clock()
+        self.edges[1] += end - (self.start if self.last is None else self.last)
+        return end - self.start
+
+    def restore(self) -> None:
+        self.threads._run_all = self._orig
+
+    def report(self, step_total: float, n: int) -> None:
+        alone = sum(self.between.values()) + sum(self.edges)
+        print(f"(hand-offs a step: {self.hand_offs / n:.0f}; the main thread alone "
+              f"{_ms(alone, n).strip()} of {_ms(step_total, n).strip()}: {_ms(self.edges[0], n).strip()} before the "
+              f"first, {_ms(self.edges[1], n).strip()} after the last, the rest between them, by the call that ends "
+              "each stretch, innermost first)")
+        for where, t in sorted(self.between.items(), key=lambda kv: -kv[1]):
+            print(f"{_ms(t, n)} {self.count[where] / n:5.1f}x  {where}")
+
+
 # --------------------------------------------------------------------------------------
 
 
@@ -298,6 +359,17 @@ def main(argv: list[str] | None = None) -> int:
         report_phases(inst, total, n)
         print("\n== ops and glue (exclusive time of each wrapped function, ms per step) ==")
         report_ops(inst, total, n)
+
+        # 4. the main thread alone between hand-offs
+        if threads > 1:
+            hand = HandOffs(clock)
+            try:
+                total = sum(hand.step(tr.train_step) for _ in range(args.steps))
+            finally:
+                hand.restore()
+            print(f"\n== hand-offs: the main thread alone between them (the other threads waiting), ms per step "
+                  f"(mean of {args.steps} steps: {total / args.steps * 1e3:.2f} ms) ==")
+            hand.report(total, args.steps)
     return 0
 
 
