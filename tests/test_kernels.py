@@ -158,12 +158,12 @@ def test_exp_runs_as_packed_simd_code(tmp_path):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("dloss_kind", ["scalar", "per-token"])
-@pytest.mark.parametrize("vocab_size", [13, 11])
-def test_cross_entropy(dtype, dloss_kind, vocab_size):
+@pytest.mark.parametrize("N, V, vocab_size", [(17, 13, 13), (17, 13, 11), (9, 203, 200)])
+def test_cross_entropy(dtype, dloss_kind, N, V, vocab_size):
     """vocab 11 in 13 columns: the last two are padding; targets past the columns stand for
-    tokens held by another tp rank (-1 in the kernel)."""
+    tokens held by another tp rank (-1 in the kernel). 203 columns: whole blocks of the
+    row max's lanes and of row_sum's, and a tail of each."""
     rng = np.random.default_rng(4)
-    N, V = 17, 13
     logits = (rng.standard_normal((N, V)) * 3).astype(dtype)
     targets = rng.integers(0, vocab_size, N)
     dloss = 1.0 / N if dloss_kind == "scalar" else rng.standard_normal(N)
@@ -181,6 +181,45 @@ def test_cross_entropy(dtype, dloss_kind, vocab_size):
     ctx = (probs.copy(), sums, np.array([0, 7, -2]), np.array([True, False, False]))
     fast, ref = both(lambda: vocab_parallel_cross_entropy_bwd((ctx[0].copy(), *ctx[1:]), 2.0))
     assert_close(fast, ref, dtype, "cross-entropy outside the slice")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_cross_entropy_rows(dtype):
+    """`ce_rows` row by row against NumPy: the max, the target's logit (0 off this rank's
+    columns), exp(logits - max) in place and its sum; a row of padding alone (every column
+    -inf) gives zeros and a zero sum, not NaN; a NaN logit makes the row's sum NaN."""
+    rng = np.random.default_rng(6)
+    logits = (rng.standard_normal((5, 131)) * 4).astype(dtype)
+    logits[2] = -np.inf
+    local = np.array([5, 130, 0, -1, 3])
+    x = logits.copy()
+    x[4, 70] = np.nan
+    m, target, s = np.empty(5, dtype), np.empty(5, dtype), np.empty(5)
+    K.ce_rows(x, local, m, s, target)
+    np.testing.assert_array_equal(m[:4], logits[:4].max(axis=1))
+    np.testing.assert_array_equal(target[:4], [logits[0, 5], logits[1, 130], logits[2, 0], 0.0])
+    for i in (0, 1, 3):
+        np.testing.assert_allclose(x[i], np.exp(logits[i] - m[i]), rtol=TOL[dtype])
+        np.testing.assert_allclose(s[i], np.exp(logits[i].astype(np.float64) - m[i]).sum(), rtol=TOL[dtype] * 4)
+    assert not x[2].any() and s[2] == 0.0
+    assert np.isnan(s[4])
+
+
+@pytest.mark.bits
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_cross_entropy_does_not_depend_on_the_thread_count(with_threads, dtype):
+    """Rows over the threads (300 rows of 4,096 logits: several chunks): the same bits."""
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal((300, 4096)) * 3).astype(dtype)
+    targets = rng.integers(0, 4096, 300)
+    results = []
+    for n in (1, 2, 3):
+        with_threads(n)
+        loss, ctx = vocab_parallel_cross_entropy_fwd(logits.copy(), targets, 4096, self_mesh())
+        results.append((loss, vocab_parallel_cross_entropy_bwd(ctx, 1.0 / 300)))
+    for loss, grad in results[1:]:
+        np.testing.assert_array_equal(loss, results[0][0])
+        np.testing.assert_array_equal(grad, results[0][1])
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

@@ -508,20 +508,85 @@ def stripe_grad(p, dp, dd, key, threshold, inv_keep, row_base, kpos):
 # cross-entropy over logits [N, V] (this tp rank's vocabulary columns)
 
 
+# ---------------------------------------------------------------------------------------
+# Cross-entropy over a rank's logit columns, a row at a time, rows over the threads
+# (numesh.nn.parallel): a real vocabulary's row (SmolLM2's 49,152 columns, 192 KB) stays in
+# L2 from its max to its sum, where NumPy's passes (max, shift, exp, sum, each over the
+# whole [N, V] array, on one thread) read the logits from memory again at each
+# (`python benchmarks/bench_cross_entropy.py` times both beside torch's).
+
+_MAX_LANES = 64  # running maxima a row keeps: whole vectors (4 on AVX-512, 8 on AVX2)
+
+
+@njit(**_JIT)
+def _row_max(row, ping, pong):
+    """max of a row (-inf for none), over `_MAX_LANES` running maxima that compile to vector
+    max, folded twice in halves and then one by one: a max is exact in any order, so the
+    lanes change nothing but the speed. They alternate between ping and pong
+    (`stripe_softmax`'s masked-store note)."""
+    v = row.shape[0]
+    whole = v - v % _MAX_LANES
+    m = row.dtype.type(-np.inf)
+    if whole:
+        cur, nxt = ping, pong
+        for k in range(_MAX_LANES):
+            cur[k] = -np.inf
+        for j0 in range(0, whole, _MAX_LANES):
+            for k in range(_MAX_LANES):
+                nxt[k] = max(cur[k], row[j0 + k])
+            cur, nxt = nxt, cur
+        half, quarter = _MAX_LANES // 2, _MAX_LANES // 4
+        for k in range(half):
+            nxt[k] = max(cur[k], cur[k + half])
+        for k in range(quarter):
+            cur[k] = max(nxt[k], nxt[k + quarter])
+        for k in range(quarter):
+            m = max(m, cur[k])
+    for j in range(whole, v):
+        m = max(m, row[j])
+    return m
+
+
+@njit(**_JIT)
+def ce_rows(logits, local, m, s, target):
+    """For each row i of logits [N, V] (this rank's columns): m[i] its max, target[i] its
+    logit at column local[i] (0 where local[i] is outside [0, V): another rank's), then in
+    place exp(logits[i] - m[i]), and s[i] their float64 sum (`row_sum`'s lanes). A row with
+    no finite max (every column padding) becomes zeros, s[i] = 0."""
+    n, v = logits.shape
+    ping, pong = np.empty(_MAX_LANES, logits.dtype), np.empty(_MAX_LANES, logits.dtype)
+    for i in range(n):
+        row = logits[i]
+        mi = _row_max(row, ping, pong)
+        m[i] = mi
+        t = local[i]
+        target[i] = row[t] if 0 <= t < v else 0.0
+        shift = mi if mi > -np.inf else logits.dtype.type(0.0)
+        for j in range(v):
+            row[j] = vexp_low(row[j] - shift)
+        s[i] = row_sum(logits, i, v)
+
+
 @njit(**_JIT)
 def ce_bwd(probs, sumexp, local, dloss):
-    """In place: probs <- (exp / sumexp - onehot(target)) · dloss[i] (dloss has 1 or N entries)."""
+    """In place: probs <- (exp / sumexp - onehot(target)) · dloss[i], rounded as NumPy's
+    reference rounds it: dloss has 1 entry (a loss scale, which the reference takes in
+    probs' dtype, as a Python float) or N (float64 products, rounded once). The target's
+    entry goes after the row's loop, which then has no branch in it and vectorises."""
     n, v = probs.shape
     scalar = dloss.shape[0] == 1
+    f = probs.dtype.type
     for i in range(n):
-        g = dloss[0] if scalar else dloss[i]
+        g = np.float64(f(dloss[0])) if scalar else dloss[i]
         se = sumexp[i]
         t = local[i]
+        row = probs[i]
+        inside = 0 <= t < v
+        pt = row[t] if inside else f(0.0)
         for j in range(v):
-            probs[i, j] = probs[i, j] / se
-            if j == t:
-                probs[i, j] -= 1.0
-            probs[i, j] *= g
+            row[j] = row[j] / se * g
+        if inside:
+            row[t] = (pt / se - f(1.0)) * g
 
 
 @njit(**_JIT)
@@ -593,6 +658,7 @@ def warm_up(dtype) -> None:
     stripe_dropped(s, s.copy(), np.uint64(1), np.uint64(1), f(2), u[:, :2], u[0])
     stripe_grad(s, s.copy(), v1, np.uint64(1), np.uint64(1), f(2), u[:, :2], u[0])
     stripe_probs_grad(s, s.copy(), 1, v1, v1)
+    ce_rows(np.ones((2, 3), f), np.zeros(2, np.int64), v1[0], np.ones(2), v1[0].copy())
     ce_bwd(np.ones((2, 3), f), np.ones(2, f), np.zeros(2, np.int64), np.ones(1))
     embedding_grad(np.array([0, -1, 0], np.int64), np.ones((3, 2), f), np.zeros((1, 2), f))
     z = np.zeros(8, f)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from numesh.host import kernels as K
+from numesh.host.threads import over_rows
 from numesh.mesh import Mesh, all_gather, pmax, psum, psum_scatter
 
 SEQ = 1  # the sequence dimension of an activation [B, T, C]
@@ -131,7 +132,46 @@ def vocab_parallel_cross_entropy_fwd(
 ) -> tuple[np.ndarray, tuple]:
     """Per-token loss from this rank's logit columns [N, V_local]; `logits` is overwritten.
 
-    Columns past `vocab_size` (padding) get zero probability. Returns (loss [N], ctx)."""
+    Columns past `vocab_size` (padding) get zero probability. Returns (loss [N], ctx).
+    With the kernels each row is shifted by this rank's own max in one visit
+    (`kernels.ce_rows`, rows over the threads), then the ranks' maxima are combined (pmax)
+    and each rank's sum rescaled to the common max before the one psum; the backward divides
+    this rank's exp(logits - own max) by the sum rescaled back (`ctx[1]`), which is the sum
+    itself on one rank. The same collectives and bytes as the NumPy path below."""
+    if not K.enabled():
+        return vocab_parallel_cross_entropy_fwd_reference(logits, targets, vocab_size, mesh)
+    n, v_local = logits.shape
+    start, stop = vocab_range(v_local, mesh)
+    if stop > vocab_size:
+        logits[:, max(vocab_size - start, 0) :] = -np.inf
+    local = targets.reshape(-1) - start
+    inside = (local >= 0) & (local < v_local)
+    own_max, target = np.empty(n, logits.dtype), np.empty(n, logits.dtype)
+    own_sum = np.empty(n, np.float64)
+    idx = local.astype(np.int64, copy=False)
+    over_rows(lambda r: K.ce_rows(logits[r], idx[r], own_max[r], own_sum[r], target[r]), n,
+              max(1, CE_CHUNK // max(1, v_local)))
+    m = pmax(own_max, mesh, "tp")
+    # one all-reduce for both: [sum of exp at the common max, the shifted target logit (held by one rank)]
+    sums = np.empty((2, n), dtype=logits.dtype)
+    sums[0] = own_sum * np.exp((own_max - m).astype(np.float64))  # 1 on one rank; 0 for a rank's all-padding row
+    sums[1] = np.where(inside, target - m, 0.0)
+    sums = psum(sums, mesh, "tp", inplace=True)
+    loss = np.log(sums[0]) - sums[1]
+    sums[0] *= np.exp(m - own_max)  # the sum at this rank's own max: what its exps divide by
+    return loss, (logits, sums[0], local, inside)
+
+
+# logits a thread takes at least in `vocab_parallel_cross_entropy_fwd`: a hand-off costs
+# what a few hundred thousand exps do (numesh.host.threads' ELEMENTWISE_CHUNK)
+CE_CHUNK = 1 << 18
+
+
+def vocab_parallel_cross_entropy_fwd_reference(
+    logits: np.ndarray, targets: np.ndarray, vocab_size: int, mesh: Mesh
+) -> tuple[np.ndarray, tuple]:
+    """`vocab_parallel_cross_entropy_fwd` as NumPy passes over the whole array, shifted by
+    the common max of every rank's columns."""
     n, v_local = logits.shape
     start, stop = vocab_range(v_local, mesh)
     if stop > vocab_size:
@@ -157,8 +197,14 @@ def vocab_parallel_cross_entropy_bwd(ctx: tuple, dloss: np.ndarray | float) -> n
     if not K.enabled():
         return vocab_parallel_cross_entropy_bwd_reference(ctx, dloss)
     probs, sumexp, local, inside = ctx
-    targets = np.where(inside, local, -1)  # -1: the target is another rank's
-    K.ce_bwd(probs, sumexp, targets, np.asarray(dloss, dtype=np.float64).reshape(-1))
+    n, v_local = probs.shape
+    targets = np.where(inside, local, -1).astype(np.int64, copy=False)  # -1: the target is another rank's
+    d = np.asarray(dloss, dtype=np.float64).reshape(-1)
+
+    def rows(r: slice) -> None:
+        K.ce_bwd(probs[r], sumexp[r], targets[r], d if d.shape[0] == 1 else d[r])
+
+    over_rows(rows, n, max(1, CE_CHUNK // max(1, v_local)))
     return probs
 
 
