@@ -33,6 +33,7 @@ from numesh.base.tree import tree_leaves, tree_leaves_with_path
 from numesh.data.dataset import load_tokenizer
 from numesh.mesh import Mesh
 from numesh.nn.gpt import gpt_specs, init_gpt
+from numesh.nn.parallel import vocab_parallel_cross_entropy_bwd, vocab_parallel_cross_entropy_fwd
 from numesh.nn.walk import loss_and_grads
 from numesh.perf.formulas import Chunk, tp_all_reduce_bytes
 from numesh.run.config import config_from
@@ -77,6 +78,29 @@ def test_loss_and_grads_match_one_rank(tp_mesh: Mesh, dropout: float) -> None:
     np.testing.assert_array_equal(step.full.wte[step.cfg.vocab_size :], 0.0)  # padding rows get no gradient
     # every rank holds the same loss (the all-reduced cross-entropy)
     assert WORLD.allgather(step.loss) == [step.loss] * WORLD.Get_size()
+
+
+def test_cross_entropy_with_a_rank_far_below_matches_one_rank(tp_mesh: Mesh) -> None:
+    """Each rank shifts its columns by its own max and rescales its sum to the common max:
+    rows whose last rank's logits lie 60 below the others', or whose other ranks' lie 1,000
+    below the last's (their exps underflow, their sums' rescaling overflows), give the
+    1-rank loss and gradient (vocab 11 padded to 12, float64, per-token dloss)."""
+    n, r = tp_mesh.size("tp"), tp_mesh.index("tp")
+    rng = np.random.default_rng(8)
+    logits = rng.standard_normal((5, 12)) * 3
+    cut = 12 - 12 // n  # the last rank's first column
+    logits[1, cut:] -= 60.0
+    logits[2, :cut] -= 1000.0
+    targets = np.array([3, 11 - 1, 0, cut, 7])
+    dloss = rng.standard_normal(5)
+    loss1, ctx1 = vocab_parallel_cross_entropy_fwd(logits.copy(), targets, 11, self_mesh())
+    grad1 = vocab_parallel_cross_entropy_bwd(ctx1, dloss)
+    mine = logits[:, r * 12 // n:(r + 1) * 12 // n].copy()
+    loss, ctx = vocab_parallel_cross_entropy_fwd(mine, targets, 11, tp_mesh)
+    grad = np.concatenate(WORLD.allgather(vocab_parallel_cross_entropy_bwd(ctx, dloss)), axis=1)
+    assert np.isfinite(loss).all() and np.isfinite(grad).all()
+    assert_close(loss, loss1, 1e-10, "loss")
+    assert_close(grad, grad1, 1e-10, "dlogits")
 
 
 def test_tp_all_reduce_bytes_follow_megatron(tp_mesh: Mesh) -> None:

@@ -515,15 +515,16 @@ def stripe_grad(p, dp, dd, key, threshold, inv_keep, row_base, kpos):
 # whole [N, V] array, on one thread) read the logits from memory again at each
 # (`python benchmarks/bench_cross_entropy.py` times both beside torch's).
 
-_MAX_LANES = 64  # running maxima a row keeps: whole vectors (4 on AVX-512, 8 on AVX2)
+_MAX_LANES = 64  # running maxima a row keeps: whole vectors (float32: 4 on AVX-512, 8 on AVX2)
 
 
 @njit(**_JIT)
 def _row_max(row, ping, pong):
     """max of a row (-inf for none), over `_MAX_LANES` running maxima that compile to vector
     max, folded twice in halves and then one by one: a max is exact in any order, so the
-    lanes change nothing but the speed. They alternate between ping and pong
-    (`stripe_softmax`'s masked-store note)."""
+    lanes change nothing but the speed. numba's max(a, b) keeps a where b is NaN, so a NaN
+    is skipped here; it reaches the loss through the row's sum (`ce_rows`). The maxima
+    alternate between ping and pong (`stripe_softmax`'s masked-store note)."""
     v = row.shape[0]
     whole = v - v % _MAX_LANES
     m = row.dtype.type(-np.inf)
@@ -551,8 +552,9 @@ def _row_max(row, ping, pong):
 def ce_rows(logits, local, m, s, target):
     """For each row i of logits [N, V] (this rank's columns): m[i] its max, target[i] its
     logit at column local[i] (0 where local[i] is outside [0, V): another rank's), then in
-    place exp(logits[i] - m[i]), and s[i] their float64 sum (`row_sum`'s lanes). A row with
-    no finite max (every column padding) becomes zeros, s[i] = 0."""
+    place exp(logits[i] - m[i]), and s[i] their float64 sum (`row_sum`'s lanes). A row of
+    -inf alone (this rank's columns all padding) becomes zeros, s[i] = 0; a NaN or +inf
+    logit makes s[i] NaN."""
     n, v = logits.shape
     ping, pong = np.empty(_MAX_LANES, logits.dtype), np.empty(_MAX_LANES, logits.dtype)
     for i in range(n):
@@ -569,15 +571,14 @@ def ce_rows(logits, local, m, s, target):
 
 @njit(**_JIT)
 def ce_bwd(probs, sumexp, local, dloss):
-    """In place: probs <- (exp / sumexp - onehot(target)) · dloss[i], rounded as NumPy's
-    reference rounds it: dloss has 1 entry (a loss scale, which the reference takes in
-    probs' dtype, as a Python float) or N (float64 products, rounded once). The target's
-    entry goes after the row's loop, which then has no branch in it and vectorises."""
+    """In place: probs <- (exp / sumexp - onehot(target)) · dloss[i] (dloss has 1 or N
+    float64 entries; each product rounded once, as NumPy's reference rounds it). The
+    target's entry goes after the row's loop, which then has no branch in it and vectorises."""
     n, v = probs.shape
     scalar = dloss.shape[0] == 1
     f = probs.dtype.type
     for i in range(n):
-        g = np.float64(f(dloss[0])) if scalar else dloss[i]
+        g = dloss[0] if scalar else dloss[i]
         se = sumexp[i]
         t = local[i]
         row = probs[i]

@@ -158,7 +158,10 @@ def vocab_parallel_cross_entropy_fwd(
     sums[1] = np.where(inside, target - m, 0.0)
     sums = psum(sums, mesh, "tp", inplace=True)
     loss = np.log(sums[0]) - sums[1]
-    sums[0] *= np.exp(m - own_max)  # the sum at this rank's own max: what its exps divide by
+    # the sum at this rank's own max, what its exps divide by: inf where its max lies more
+    # than exp's range below the common one, whose exps are then 0 (as they would be)
+    with np.errstate(over="ignore"):
+        sums[0] *= np.exp(m - own_max)
     return loss, (logits, sums[0], local, inside)
 
 
@@ -199,7 +202,10 @@ def vocab_parallel_cross_entropy_bwd(ctx: tuple, dloss: np.ndarray | float) -> n
     probs, sumexp, local, inside = ctx
     n, v_local = probs.shape
     targets = np.where(inside, local, -1).astype(np.int64, copy=False)  # -1: the target is another rank's
-    d = np.asarray(dloss, dtype=np.float64).reshape(-1)
+    # a Python float scales in probs' dtype, as NumPy takes it (`probs *= dloss`); a NumPy
+    # scalar or per-token array in float64, rounded once
+    d = np.array([probs.dtype.type(dloss)], np.float64) if type(dloss) is float else \
+        np.asarray(dloss, dtype=np.float64).reshape(-1)
 
     def rows(r: slice) -> None:
         K.ce_bwd(probs[r], sumexp[r], targets[r], d if d.shape[0] == 1 else d[r])
