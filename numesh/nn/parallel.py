@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from numesh.host import kernels as K
-from numesh.host.threads import over_rows
+from numesh.host.threads import over_rows, zero_into
 from numesh.mesh import Mesh, all_gather, pmax, psum, psum_scatter
 
 SEQ = 1  # the sequence dimension of an activation [B, T, C]
@@ -104,7 +104,7 @@ def vocab_parallel_embedding_bwd(wte: np.ndarray, ctx: tuple, dy: np.ndarray) ->
         return vocab_parallel_embedding_bwd_reference(wte, ctx, dy)
     local, outside = ctx
     ids = local.reshape(-1) if outside is None else np.where(outside.reshape(-1), -1, local.reshape(-1))
-    dwte = np.zeros_like(wte)
+    dwte = zero_into(np.empty_like(wte))  # [V, C] zeroed on the threads (a real vocabulary's is 50 MB and more)
     K.embedding_grad(ids.astype(np.int64, copy=False), np.ascontiguousarray(dy2), dwte)
     return dwte
 

@@ -44,6 +44,7 @@ from numesh.base.padding import ceil_div
 from numesh.base.tree import tree_leaves
 from numesh.host.threads import (
     RowChunks,
+    add_into,
     chunked_bwd,
     chunked_bwd_sum,
     chunked_fwd,
@@ -461,7 +462,8 @@ def stage_backward(units: ParamUnits, stage: Stage, ctx: StageCtx, dy: np.ndarra
     if stage.first:
         dwte, dwpe = embed_bwd(units.get(OUTER), ctx.embed, dx, mesh)
         units.release(OUTER)
-        outer = attrs.evolve(outer, wte=dwte if outer.wte is None else outer.wte + dwte, wpe=dwpe)
+        # a tied embedding's two [V, C] grads (the head's a GEMM's fresh output) added on the threads
+        outer = attrs.evolve(outer, wte=dwte if outer.wte is None else add_into(outer.wte, dwte), wpe=dwpe)
         dx = None
     return dx, outer, deferred
 
@@ -487,8 +489,7 @@ def _add_parts(a: Any, b: Any) -> Any:
     if a is None or b is None:
         return b if a is None else a
     if isinstance(a, np.ndarray):
-        a += b
-        return a
+        return add_into(a, b)  # large ones (a tied embedding's [V, C]) on the threads
     kids = zip(attrs.astuple(a, recurse=False), attrs.astuple(b, recurse=False))
     return type(a)(*(_add_parts(x, y) for x, y in kids))
 
