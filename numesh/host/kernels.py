@@ -505,15 +505,11 @@ def stripe_grad(p, dp, dd, key, threshold, inv_keep, row_base, kpos):
 
 
 # ---------------------------------------------------------------------------------------
-# cross-entropy over logits [N, V] (this tp rank's vocabulary columns)
-
-
-# ---------------------------------------------------------------------------------------
-# Cross-entropy over a rank's logit columns, a row at a time, rows over the threads
-# (numesh.nn.parallel): a real vocabulary's row (SmolLM2's 49,152 columns, 192 KB) stays in
-# L2 from its max to its sum, where NumPy's passes (max, shift, exp, sum, each over the
-# whole [N, V] array, on one thread) read the logits from memory again at each
-# (`python benchmarks/bench_cross_entropy.py` times both beside torch's).
+# Cross-entropy over logits [N, V] (this tp rank's vocabulary columns), a row at a time,
+# rows over the threads (numesh.nn.parallel): a real vocabulary's row (SmolLM2's 49,152
+# columns, 192 KB) stays in L2 from its max to its sum, where NumPy's passes (max, shift,
+# exp, sum, each over the whole [N, V] array, on one thread) read the logits from memory
+# again at each (`python benchmarks/bench_cross_entropy.py` times both beside torch's).
 
 _MAX_LANES = 64  # running maxima a row keeps: whole vectors (float32: 4 on AVX-512, 8 on AVX2)
 

@@ -127,6 +127,11 @@ def vocab_parallel_embedding_bwd_reference(wte: np.ndarray, ctx: tuple, dy: np.n
     return dwte
 
 
+# logits a thread takes at least in the cross-entropy's kernels: a hand-off costs
+# what a few hundred thousand exps do (numesh.host.threads' ELEMENTWISE_CHUNK)
+CE_CHUNK = 1 << 18
+
+
 def vocab_parallel_cross_entropy_fwd(
     logits: np.ndarray, targets: np.ndarray, vocab_size: int, mesh: Mesh
 ) -> tuple[np.ndarray, tuple]:
@@ -163,11 +168,6 @@ def vocab_parallel_cross_entropy_fwd(
     with np.errstate(over="ignore"):
         sums[0] *= np.exp(m - own_max)
     return loss, (logits, sums[0], local, inside)
-
-
-# logits a thread takes at least in `vocab_parallel_cross_entropy_fwd`: a hand-off costs
-# what a few hundred thousand exps do (numesh.host.threads' ELEMENTWISE_CHUNK)
-CE_CHUNK = 1 << 18
 
 
 def vocab_parallel_cross_entropy_fwd_reference(
