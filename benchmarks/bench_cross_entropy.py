@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -32,7 +31,7 @@ from numesh.mesh import Mesh
 from numesh.nn.parallel import vocab_parallel_cross_entropy_bwd, vocab_parallel_cross_entropy_fwd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import describe, machine  # noqa: E402
+from common import describe, machine, ns_per_element  # noqa: E402
 
 
 def _sides(n: int, v: int, threads: int) -> tuple[dict[str, Callable[[], None]], float | None]:
@@ -83,21 +82,14 @@ def main() -> None:
     for shape in args.shapes.split(","):
         n, v = (int(x) for x in shape.split("x"))
         sides, gap = _sides(n, v, args.threads)
-        times: dict[str, list[float]] = {name: [] for name in sides}
-        for fn in sides.values():  # warm: compiled, allocated
-            fn()
-        for _ in range(args.rounds):
-            for name, fn in sides.items():
-                t = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - t) * 1e3)
+        times = ns_per_element(sides, n * v, args.rounds, reps=1)
         print(f"\ncross-entropy forward + backward, {n:,} tokens × {v:,} logits, float32, {args.threads} threads, "
               f"{args.rounds} rounds" + ("" if gap is None else f"; per-token loss within {gap:.1e} of torch's"))
         print("| side | median ms | min ms | ns a logit |")
         print("|---|---|---|---|")
         for name, ts in times.items():
             med = statistics.median(ts)
-            print(f"| {name} | {med:.2f} | {min(ts):.2f} | {med * 1e6 / (n * v):.3f} |")
+            print(f"| {name} | {med * n * v / 1e6:.2f} | {min(ts) * n * v / 1e6:.2f} | {med:.3f} |")
 
 
 if __name__ == "__main__":

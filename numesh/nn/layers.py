@@ -22,7 +22,18 @@ import numpy as np
 
 from numesh.host import kernels as K
 from numesh.host import llama_kernels as LK
-from numesh.host.threads import cores, matmul, matmul_sum, matmuls, over_rows, tiles, token_sum, tree_sum, whole
+from numesh.host.threads import (
+    chunk_rows,
+    cores,
+    matmul,
+    matmul_sum,
+    matmuls,
+    over_rows,
+    tiles,
+    token_sum,
+    tree_sum,
+    whole,
+)
 
 LN_EPS = 1e-5
 _GELU_K = math.sqrt(2.0 / math.pi)
@@ -120,7 +131,7 @@ def layernorm_fwd(p: LayerNorm, x: np.ndarray) -> tuple[np.ndarray, tuple[np.nda
     b = p.w if p.b is None else p.b  # unused without a bias
     x2, y2, xh2, r2 = _rows(x), _rows(y), _rows(xhat), rstd.reshape(-1)
     over_rows(lambda r: K.layernorm_fwd(x2[r], p.w, b, p.b is not None, y2[r], xh2[r], r2[r]), x2.shape[0],
-              _chunk_rows(x2.shape[1]))
+              chunk_rows(x2.shape[1]))
     return y, (xhat, rstd)
 
 
@@ -151,7 +162,7 @@ def _tiled_token_sums(tile: Callable[[slice], Any], n: int, c: int, dtype: Any) 
     to `dtype`, so the rows spread over the threads and the bits do not."""
 
     def piece(rows: slice) -> Any:
-        parts = tiles(rows.stop - rows.start, _chunk_rows(c), cores())
+        parts = tiles(rows.stop - rows.start, chunk_rows(c), cores())
         sums = tree_sum(lambda i: (None, tile(slice(rows.start + parts[i].start, rows.start + parts[i].stop))),
                         len(parts))[1]
         return tuple(s.astype(dtype) for s in sums) if isinstance(sums, tuple) else sums.astype(dtype)
@@ -198,7 +209,7 @@ def rmsnorm_fwd(p: RMSNorm, x: np.ndarray, eps: float) -> tuple[np.ndarray, tupl
     rstd = np.empty((*x.shape[:-1], 1), x.dtype)
     x2, y2, xh2, r2 = _rows(x), _rows(y), _rows(xhat), rstd.reshape(-1)
     over_rows(lambda r: LK.rmsnorm_fwd(x2[r], p.w, eps, y2[r], xh2[r], r2[r]), x2.shape[0],
-              _chunk_rows(x2.shape[1]))
+              chunk_rows(x2.shape[1]))
     return y, (xhat, rstd)
 
 
@@ -248,7 +259,7 @@ def swiglu_fwd(gate: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, tuple[np.n
     y = np.empty_like(gate)
     g2, u2, y2 = _rows(gate), _rows(up), _rows(y)
     over_rows(lambda r: LK.swiglu_fwd(g2[r].reshape(-1), u2[r].reshape(-1), y2[r].reshape(-1)),
-              g2.shape[0], _chunk_rows(g2.shape[1]))
+              g2.shape[0], chunk_rows(g2.shape[1]))
     return y, (gate, up)
 
 
@@ -262,7 +273,7 @@ def swiglu_bwd(ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.n
     dgate, dup = np.empty_like(dy), np.empty_like(dy)
     flat = [_rows(a) for a in (gate, up, dy, dgate, dup)]
     over_rows(lambda r: LK.swiglu_bwd(*(a[r].reshape(-1) for a in flat)), flat[0].shape[0],
-              _chunk_rows(flat[0].shape[1]))
+              chunk_rows(flat[0].shape[1]))
     return dgate, dup
 
 
@@ -282,11 +293,6 @@ def swiglu_bwd_reference(ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> 
     return dgate, dy * silu
 
 
-def _chunk_rows(row_len: int, elements: int = 1 << 15) -> int:
-    """Rows per thread chunk so a hand-off (~20 µs) is small beside the work."""
-    return max(1, elements // max(1, row_len))
-
-
 def gelu_fwd(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """GELU in GPT-2's tanh form: 0.5·x·(1 + tanh(u)), u = k·(x + 0.044715·x³), computed as
     x·sigmoid(2u) (equal, and accurate far left, where 1 + tanh(u) cancels); the context is
@@ -298,7 +304,7 @@ def gelu_fwd(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     y = np.empty_like(x)
     x2, y2 = _rows(x), _rows(y)
 
-    over_rows(lambda r: K.gelu_fwd(x2[r].reshape(-1), y2[r].reshape(-1)), x2.shape[0], _chunk_rows(x2.shape[1]))
+    over_rows(lambda r: K.gelu_fwd(x2[r].reshape(-1), y2[r].reshape(-1)), x2.shape[0], chunk_rows(x2.shape[1]))
     return y, x
 
 
@@ -310,7 +316,7 @@ def gelu_bwd(x: np.ndarray, dy: np.ndarray) -> np.ndarray:
     dx = np.empty_like(dy)
     x2, dy2, dx2 = _rows(x), _rows(dy), _rows(dx)
     over_rows(lambda r: K.gelu_bwd(x2[r].reshape(-1), dy2[r].reshape(-1), dx2[r].reshape(-1)),
-              x2.shape[0], _chunk_rows(x2.shape[1]))
+              x2.shape[0], chunk_rows(x2.shape[1]))
     return dx
 
 
@@ -337,7 +343,7 @@ def gelu_fwd_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         yr += 1.0
         np.divide(xr, yr, out=yr)
 
-    over_rows(rows, x2.shape[0], _chunk_rows(x2.shape[1]))
+    over_rows(rows, x2.shape[0], chunk_rows(x2.shape[1]))
     return y, x
 
 
@@ -367,7 +373,7 @@ def gelu_bwd_reference(x: np.ndarray, dy: np.ndarray) -> np.ndarray:
         out += sig
         out *= dy2[r]
 
-    over_rows(rows, x2.shape[0], _chunk_rows(x2.shape[1]))
+    over_rows(rows, x2.shape[0], chunk_rows(x2.shape[1]))
     return dx
 
 

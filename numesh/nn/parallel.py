@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from numesh.host import kernels as K
-from numesh.host.threads import over_rows, zero_into
+from numesh.host.threads import chunk_rows, over_rows, zero_into
 from numesh.mesh import Mesh, all_gather, pmax, psum, psum_scatter
 
 SEQ = 1  # the sequence dimension of an activation [B, T, C]
@@ -155,7 +155,7 @@ def vocab_parallel_cross_entropy_fwd(
     own_sum = np.empty(n, np.float64)
     idx = local.astype(np.int64, copy=False)
     over_rows(lambda r: K.ce_rows(logits[r], idx[r], own_max[r], own_sum[r], target[r]), n,
-              max(1, CE_CHUNK // max(1, v_local)))
+              chunk_rows(v_local, CE_CHUNK))
     m = pmax(own_max, mesh, "tp")
     # one all-reduce for both: [sum of exp at the common max, the shifted target logit (held by one rank)]
     sums = np.empty((2, n), dtype=logits.dtype)
@@ -210,7 +210,7 @@ def vocab_parallel_cross_entropy_bwd(ctx: tuple, dloss: np.ndarray | float) -> n
     def rows(r: slice) -> None:
         K.ce_bwd(probs[r], sumexp[r], targets[r], d if d.shape[0] == 1 else d[r])
 
-    over_rows(rows, n, max(1, CE_CHUNK // max(1, v_local)))
+    over_rows(rows, n, chunk_rows(v_local, CE_CHUNK))
     return probs
 
 
