@@ -6,13 +6,17 @@ in PyTorch eager, side by side in one run (issue 40's benchmark).
     python benchmarks/bench_llama.py --rows 512x4 --rounds 3 --iters 8 --json
     python benchmarks/bench_llama.py --same-init --iters 3        # also: both sides' losses from one init
     python benchmarks/bench_llama.py --base /tmp/numesh-before    # also another numesh checkout: before/after
+    python benchmarks/bench_llama.py --vocab 49152 --rounds 3     # SmolLM2-135M's vocabulary width
 
 The model is SmolLM2-135M's block (HuggingFaceTB/SmolLM2-135M: 576 wide, 9 query heads
 sharing 3 key/value heads, head size 64, SwiGLU of 1,536, RMSNorm eps 1e-5, rotary theta
 1e5, LM head tied to the embedding, no biases) cut to --layers of its 30 blocks (default 4),
 with the vocabulary of the data: tiny Shakespeare, character-level (65 tokens;
-../shared/data/tinyshakespeare.txt, or --data a prepared dataset). Rows are T x B, ~2048
-tokens per step by default.
+../shared/data/tinyshakespeare.txt, or --data a prepared dataset), or with `--vocab 49152`
+SmolLM2-135M's own width: a byte-level BPE of the text (21,528 entries, all the merges tiny
+Shakespeare holds) padded with reserved tokens to 49,152 (`common.padded_bpe_dataset`), so
+the embedding, the tied LM head and the cross-entropy are the real model's. Rows are T x B,
+~2048 tokens per step by default.
 
 Both sides train on the same batches (numesh's step-keyed random windows of the same
 uint16 train.bin: `numesh.data.batches.local_batch`) with the same hyper-parameters
@@ -240,7 +244,7 @@ def print_report(rep: dict[str, Any]) -> None:
     print(f"torch: {rep.get('torch_cpu', '(no torch measurement)')}, transformers {rep.get('transformers', '?')}")
     print(f"load avg before / after: {rep['load_before']} / {rep['load_after']}")
     print(f"\nSmolLM2-135M's block x {rep['layers']} layers (576 wide, 9 heads, 3 kv heads, SwiGLU 1536, tied, "
-          f"theta 1e5), tiny Shakespeare char-level (vocab {rep['vocab_size']}); float32, {rep['threads']} threads, "
+          f"theta 1e5), {rep['data']} (vocab {rep['vocab_size']:,}); float32, {rep['threads']} threads, "
           f"{rep['iters']} timed steps after {rep['warmup']}, fresh process per measurement, {rep['rounds']} "
           f"round(s) alternating")
     print("| T × B | numesh ms | torch ms | numesh / torch tokens/s | numesh tokens/s | torch tokens/s | "
@@ -292,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="another numesh checkout (e.g. a `git worktree` of the code before a change) measured too")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one measurement may take")
     ap.add_argument("--data", default=None, help="dataset dir from `numesh data` (default: a temporary one)")
-    ap.add_argument("--src", default=DEFAULT_SRC, help="text for the temporary character dataset")
+    ap.add_argument("--src", default=DEFAULT_SRC, help="text for the temporary dataset")
+    ap.add_argument("--vocab", type=int, default=0,
+                    help="the temporary dataset's vocabulary: 0 (default) the text's characters, else a byte-level "
+                         "BPE of the text padded with reserved tokens to this many entries (49152: SmolLM2-135M's)")
     ap.add_argument("--json", action="store_true", help="also print the report as one JSON line")
     ap.add_argument("--worker", choices=("numesh", "torch"), help=argparse.SUPPRESS)
     ap.add_argument("--model", default="{}", help=argparse.SUPPRESS)
@@ -308,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.layers, args.threads, args.rounds, args.iters) < 1 or args.warmup < 0:
         ap.error("--layers, --threads, --rounds and --iters must be >= 1, --warmup >= 0")
     parse_rows(args.rows)
+    if args.vocab and args.data and (Path(args.data) / "meta.json").is_file():
+        ap.error(f"--vocab makes a temporary dataset, but --data {args.data} holds one: leave out one of them")
+    if args.vocab and not 257 <= args.vocab < 1 << 32:
+        ap.error(f"--vocab takes 0 (characters) or a byte-level BPE's size, 257 (its bytes and end-of-text token) "
+                 f"or more, got {args.vocab}")
     if args.base and not (Path(args.base) / "numesh" / "__init__.py").is_file():
         ap.error(f"--base {args.base} holds no numesh package (numesh/__init__.py)")
     rep: dict[str, Any] = {"machine": machine(), "isa": isa_flags(), "numpy_blas": blas_info(),
@@ -315,8 +327,11 @@ def main(argv: list[str] | None = None) -> int:
                            "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
                            "same_init": args.same_init, "base": args.base,
                            "load_before": [round(x, 2) for x in os.getloadavg()]}
-    with dataset_dir(args.data, args.src, log=log) as data:
-        rep["vocab_size"] = json.loads((Path(data) / "meta.json").read_text())["vocab_size"]
+    with dataset_dir(args.data, args.src, log=log, vocab=args.vocab) as data:
+        meta = json.loads((Path(data) / "meta.json").read_text())
+        rep["vocab_size"] = meta["vocab_size"]
+        kind = "a Hugging Face tokenizer" if meta.get("tokenizer", {}).get("kind") == "hf" else "character-level"
+        rep["data"] = f"{data if data == args.data else Path(args.src).name}, {kind}"
         rep["rows"] = measure(args, data)
     rep["load_after"] = [round(x, 2) for x in os.getloadavg()]
     torch_runs = [r for row in rep["rows"] for r in row["torch"] if "torch_cpu" in r]

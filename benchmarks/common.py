@@ -47,11 +47,31 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def padded_bpe_dataset(src: str, vocab_size: int, out: str) -> dict[str, Any]:
+    """A dataset of the text file `src` whose vocabulary has exactly `vocab_size` entries:
+    the byte-level BPE `numesh data bpe` trains on it (as many entries as the text holds
+    merges for, at most `vocab_size`), then reserved special tokens the text never uses up
+    to `vocab_size`, as real models pad theirs. The embedding, LM head and cross-entropy then
+    have that model's width: tiny Shakespeare holds merges for 21,528 entries, SmolLM2-135M's
+    vocabulary has 49,152. Returns `numesh data tokenize`'s summary."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from numesh.data.char import read_source
+    from numesh.data.sharded import prepare_tokenized
+    from numesh.data.tokenizer import EOT, HFTokenizer, train_bpe
+
+    raw = Tokenizer.from_str(train_bpe([read_source(src)], vocab_size).json_text)
+    have = raw.get_vocab_size(with_added_tokens=True)
+    raw.add_tokens([AddedToken(f"<|reserved_{i}|>", special=True) for i in range(vocab_size - have)])
+    return prepare_tokenized([src], HFTokenizer(raw.to_str(), EOT), out)
+
+
 @contextlib.contextmanager
 def dataset_dir(data: str | None, src: str, comm: Any = None,
-                log: Callable[[str], None] | None = None) -> Iterator[str]:
+                log: Callable[[str], None] | None = None, vocab: int = 0) -> Iterator[str]:
     """Yield a dataset directory: `data` if it holds a prepared dataset (`numesh data`), else
-    a temporary one prepared from the text file `src` and removed afterwards.
+    a temporary one prepared from the text file `src` and removed afterwards: character-level,
+    or with `vocab` a BPE padded to that many entries (`padded_bpe_dataset`).
 
     With an MPI communicator `comm`, rank 0 prepares it and every rank gets its path; it is
     removed after a barrier when the block ends normally, and left behind when it raises
@@ -70,7 +90,7 @@ def dataset_dir(data: str | None, src: str, comm: Any = None,
             log(f"note: no dataset at {data}; preparing a temporary one from {src}")
         tmp = tempfile.mkdtemp(prefix="numesh-bench-")
         try:
-            info = prepare_char_dataset(read_source(src), tmp)
+            info = padded_bpe_dataset(src, vocab, tmp) if vocab else prepare_char_dataset(read_source(src), tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -63,3 +63,32 @@ def test_rows_are_parsed_or_refused() -> None:
     assert bench_llama.parse_rows("512x4, 2048x1") == [(512, 4), (2048, 1)]
     with pytest.raises(SystemExit, match="--rows takes TxB"):
         bench_llama.parse_rows("512")
+
+
+def test_padded_bpe_dataset_has_exactly_the_vocabulary_asked(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    import json
+
+    import common
+    from numesh.data.tokenizer import tokenizer_from_meta
+
+    rng = np.random.default_rng(0)
+    src = tmp_path / "text.txt"
+    src.write_text(" ".join("".join(rng.choice(list("abcde"), rng.integers(1, 6))) for _ in range(3000)))
+    info = common.padded_bpe_dataset(str(src), 1000, str(tmp_path / "data"))
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    assert info["vocab_size"] == meta["vocab_size"] == 1000  # the text holds merges for fewer
+    tok = tokenizer_from_meta(meta["tokenizer"])
+    ids = np.fromfile(tmp_path / "data" / meta["shards"]["train"][0]["file"], dtype=meta["dtype"])
+    learned = int(ids.max()) + 1
+    assert learned < 1000  # the reserved entries pad the vocabulary, the text never uses them
+    assert tok.decode(ids[:50].tolist()) == src.read_text()[: len(tok.decode(ids[:50].tolist()))]
+
+
+def test_vocab_is_refused_beside_a_dataset_or_below_a_bpe(data: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        bench_llama.main(["--vocab", "100"])
+    assert "257" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_llama.main(["--vocab", "49152", "--data", data])
+    assert "leave out one of them" in capsys.readouterr().err
