@@ -19,7 +19,7 @@ the embedding, the tied LM head and the cross-entropy are the real model's. Rows
 ~2048 tokens per step by default.
 
 Both sides train on the same batches (numesh's step-keyed random windows of the same
-uint16 train.bin: `numesh.data.batches.local_batch`) with the same hyper-parameters
+token file: `numesh.data.batches.local_batch`) with the same hyper-parameters
 (TrainConfig's defaults: AdamW lr 1e-3 with numesh's cosine schedule, betas (0.9, 0.99),
 eps 1e-8, weight decay 0.1 on matrices and embeddings only, global-norm clipping at 1.0),
 in float32 on --threads threads:
@@ -180,6 +180,18 @@ def worker_torch(model_spec: dict[str, Any], data: str, threads: int, warmup: in
                    transformers=transformers.__version__, torch_cpu=torch_cpu(torch))
 
 
+def describe_tokenizer(meta: dict[str, Any]) -> str:
+    """A dataset's tokenizer as the report names it: character-level, or a Hugging Face
+    tokenizer and how many of its entries are `--vocab`'s reserved padding."""
+    tok = meta.get("tokenizer", {})
+    if tok.get("kind") != "hf":
+        return "character-level"
+    added = [t.get("content", "") for t in json.loads(tok["json"]).get("added_tokens", [])]
+    reserved = sum(a.startswith("<|reserved_") for a in added)
+    return "a Hugging Face tokenizer" + (f" ({meta['vocab_size'] - reserved:,} learned entries and {reserved:,} "
+                                         f"reserved ones the text never uses)" if reserved else "")
+
+
 def torch_cpu(torch) -> str:
     """torch's CPU kernels: its vector capability and the BLAS it was built with."""
     cap = torch.backends.cpu.get_cpu_capability()
@@ -315,11 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.layers, args.threads, args.rounds, args.iters) < 1 or args.warmup < 0:
         ap.error("--layers, --threads, --rounds and --iters must be >= 1, --warmup >= 0")
     parse_rows(args.rows)
-    if args.vocab and args.data and (Path(args.data) / "meta.json").is_file():
-        ap.error(f"--vocab makes a temporary dataset, but --data {args.data} holds one: leave out one of them")
+    if args.vocab and args.data:
+        ap.error(f"--vocab makes a temporary dataset, --data {args.data} names one: leave out one of them")
     if args.vocab and not 257 <= args.vocab < 1 << 32:
-        ap.error(f"--vocab takes 0 (characters) or a byte-level BPE's size, 257 (its bytes and end-of-text token) "
-                 f"or more, got {args.vocab}")
+        ap.error(f"--vocab takes 0 (characters) or a byte-level BPE's size, from 257 (its bytes and end-of-text "
+                 f"token) to 2**32 - 1 (uint32 ids), got {args.vocab}")
     if args.base and not (Path(args.base) / "numesh" / "__init__.py").is_file():
         ap.error(f"--base {args.base} holds no numesh package (numesh/__init__.py)")
     rep: dict[str, Any] = {"machine": machine(), "isa": isa_flags(), "numpy_blas": blas_info(),
@@ -330,8 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     with dataset_dir(args.data, args.src, log=log, vocab=args.vocab) as data:
         meta = json.loads((Path(data) / "meta.json").read_text())
         rep["vocab_size"] = meta["vocab_size"]
-        kind = "a Hugging Face tokenizer" if meta.get("tokenizer", {}).get("kind") == "hf" else "character-level"
-        rep["data"] = f"{data if data == args.data else Path(args.src).name}, {kind}"
+        rep["data"] = f"{data if data == args.data else Path(args.src).name}, {describe_tokenizer(meta)}"
         rep["rows"] = measure(args, data)
     rep["load_after"] = [round(x, 2) for x in os.getloadavg()]
     torch_runs = [r for row in rep["rows"] for r in row["torch"] if "torch_cpu" in r]

@@ -71,7 +71,8 @@ def dataset_dir(data: str | None, src: str, comm: Any = None,
                 log: Callable[[str], None] | None = None, vocab: int = 0) -> Iterator[str]:
     """Yield a dataset directory: `data` if it holds a prepared dataset (`numesh data`), else
     a temporary one prepared from the text file `src` and removed afterwards: character-level,
-    or with `vocab` a BPE padded to that many entries (`padded_bpe_dataset`).
+    or with `vocab` a BPE padded to that many entries (`padded_bpe_dataset`; `vocab` is
+    not looked at where `data` holds a dataset).
 
     With an MPI communicator `comm`, rank 0 prepares it and every rank gets its path; it is
     removed after a barrier when the block ends normally, and left behind when it raises

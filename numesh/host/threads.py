@@ -153,8 +153,9 @@ def _bounds(n: int, k: int) -> list[slice]:
 
 
 def chunk_rows(row_len: int, elements: int = 1 << 15) -> int:
-    """Rows per `over_rows` chunk so that each holds about `elements` elements: a hand-off
-    (~20 µs) is then small beside the work."""
+    """The fewest rows a chunk of rows `row_len` long takes (`over_rows`' min_rows, `tiles`'
+    tile) so that it holds at least `elements` elements: a hand-off (~20 µs) is then small
+    beside the work."""
     return max(1, elements // max(1, row_len))
 
 
