@@ -132,6 +132,18 @@ def vocab_parallel_embedding_bwd_reference(wte: np.ndarray, ctx: tuple, dy: np.n
 CE_CHUNK = 1 << 18
 
 
+def _local_targets(logits: np.ndarray, targets: np.ndarray, vocab_size: int,
+                   mesh: Mesh) -> tuple[np.ndarray, np.ndarray]:
+    """Both forwards' start: this rank's padding columns (past `vocab_size`) of `logits` set
+    to -inf in place, and each token's target as (its column here, whether this rank holds it)."""
+    v_local = logits.shape[1]
+    start, stop = vocab_range(v_local, mesh)
+    if stop > vocab_size:
+        logits[:, max(vocab_size - start, 0) :] = -np.inf
+    local = targets.reshape(-1) - start
+    return local, (local >= 0) & (local < v_local)
+
+
 def vocab_parallel_cross_entropy_fwd(
     logits: np.ndarray, targets: np.ndarray, vocab_size: int, mesh: Mesh
 ) -> tuple[np.ndarray, tuple]:
@@ -146,11 +158,7 @@ def vocab_parallel_cross_entropy_fwd(
     if not K.enabled():
         return vocab_parallel_cross_entropy_fwd_reference(logits, targets, vocab_size, mesh)
     n, v_local = logits.shape
-    start, stop = vocab_range(v_local, mesh)
-    if stop > vocab_size:
-        logits[:, max(vocab_size - start, 0) :] = -np.inf
-    local = targets.reshape(-1) - start
-    inside = (local >= 0) & (local < v_local)
+    local, inside = _local_targets(logits, targets, vocab_size, mesh)
     own_max, target = np.empty(n, logits.dtype), np.empty(n, logits.dtype)
     own_sum = np.empty(n, np.float64)
     idx = local.astype(np.int64, copy=False)
@@ -175,14 +183,10 @@ def vocab_parallel_cross_entropy_fwd_reference(
 ) -> tuple[np.ndarray, tuple]:
     """`vocab_parallel_cross_entropy_fwd` as NumPy passes over the whole array, shifted by
     the common max of every rank's columns."""
-    n, v_local = logits.shape
-    start, stop = vocab_range(v_local, mesh)
-    if stop > vocab_size:
-        logits[:, max(vocab_size - start, 0) :] = -np.inf
+    n = logits.shape[0]
+    local, inside = _local_targets(logits, targets, vocab_size, mesh)
     m = pmax(logits.max(axis=1), mesh, "tp")
     logits -= m[:, None]
-    local = targets.reshape(-1) - start
-    inside = (local >= 0) & (local < v_local)
     rows = np.arange(n)
     # one all-reduce for both: [sum of exp, the shifted target logit (held by one rank)]
     sums = np.empty((2, n), dtype=logits.dtype)
