@@ -62,6 +62,7 @@ sys.path.insert(0, str(HERE))
 import numesh  # noqa: E402,F401  # isort: skip  (before numpy: it sets up OpenBLAS, see numesh/__init__.py)
 from common import (  # noqa: E402
     DEFAULT_SRC,
+    RESERVED,
     SMOLLM2,
     CpuMonitor,
     alternate,
@@ -187,7 +188,7 @@ def describe_tokenizer(meta: dict[str, Any]) -> str:
     if tok.get("kind") != "hf":
         return "character-level"
     added = [t.get("content", "") for t in json.loads(tok["json"]).get("added_tokens", [])]
-    reserved = sum(a.startswith("<|reserved_") for a in added)
+    reserved = sum(a.startswith(RESERVED) for a in added)
     return "a Hugging Face tokenizer" + (f" ({meta['vocab_size'] - reserved:,} learned entries and {reserved:,} "
                                          f"reserved ones the text never uses)" if reserved else "")
 

@@ -47,6 +47,9 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+RESERVED = "<|reserved_"  # how `padded_bpe_dataset`'s padding tokens start: <|reserved_0|>, <|reserved_1|>, ...
+
+
 def padded_bpe_dataset(src: str, vocab_size: int, out: str) -> dict[str, Any]:
     """A dataset of the text file `src` whose vocabulary has exactly `vocab_size` entries:
     the byte-level BPE `numesh data bpe` trains on it (as many entries as the text holds
@@ -62,7 +65,7 @@ def padded_bpe_dataset(src: str, vocab_size: int, out: str) -> dict[str, Any]:
 
     raw = Tokenizer.from_str(train_bpe([read_source(src)], vocab_size).json_text)
     have = raw.get_vocab_size(with_added_tokens=True)
-    raw.add_tokens([AddedToken(f"<|reserved_{i}|>", special=True) for i in range(vocab_size - have)])
+    raw.add_tokens([AddedToken(f"{RESERVED}{i}|>", special=True) for i in range(vocab_size - have)])
     return prepare_tokenized([src], HFTokenizer(raw.to_str(), EOT), out)
 
 
