@@ -44,6 +44,7 @@ from numesh.plan.search import _cp_sizes, candidates, least_recompute, train_con
 from numesh.plan.timing import Placement, attention_cost, block_cost, placement, predict_time, ring_hop_bytes
 from numesh.run.config import TrainConfig, config_from, validate
 from numesh.run.train import Trainer
+from test_recipes import command, config_of
 
 
 def spec_of(cfg: TrainConfig, vocab: int) -> ModelSpec:
@@ -624,6 +625,18 @@ def test_cli_llama3_preset_json_and_table() -> None:
     lines = res.stdout.strip().splitlines()
     assert len(lines) == 1 + 3 + 2 and lines[-1].startswith("best: mpirun -n 8 numesh train --mesh ")
     assert "--arch llama --n-kv-head 8 --ffn-hidden 14336 --rope-theta 500000.0" in lines[-1]
+
+
+@pytest.mark.parametrize("name", ["gpt3-1.3b", "smollm2-135m"])
+def test_the_best_command_trains_the_model_planned(name: str) -> None:
+    """The table's `best:` line, read by `numesh train`'s own option parsing, runs the model
+    the plan priced: its sizes and parts, a GPT-3 preset's biases among them (off by default
+    in train: the line once left them out) and a Llama preset's kind."""
+    res = invoke(["--ranks", "4", "--model", name, "--batch-size", "4", "--hardware", "h100-80gb", "--top", "1"])
+    assert res.exit_code == 0, res.output
+    ranks, argv = command(res.stdout.strip().splitlines()[-1].removeprefix("best: "))
+    planned = model_spec(base_config({"batch_size": 4}, None, name), None, name)
+    assert ranks == 4 and ModelSpec.of(config_of(argv), planned.vocab_size) == planned
 
 
 def test_the_search_never_lists_a_tp_that_splits_the_kv_heads_query_groups(char_dataset: Path,

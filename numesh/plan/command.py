@@ -126,7 +126,8 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
                                                     "recompute", "sequence_parallel"))
     if model_preset:
         p = preset(model_preset)
-        parts = "".join(f" {_flag(k, v)}" for k, v in p.parts.items() if k != "bias")  # a Llama preset's kind
+        # the preset's kind and its biases (GPT-2's and GPT-3's: --bias, off by default in train)
+        parts = "".join(f" {_flag(k, v)}" for k, v in p.parts.items() if k != "bias" or v)
         extra = (f"--n-layer {p.n_layer} --n-head {p.n_head} --n-embd {p.n_embd} --block-size {p.block_size}{parts} "
                  f"--batch-size {cfg.batch_size} " + extra).strip()
     return table(found, ranks, top, limit, profile.name, extra)
