@@ -83,8 +83,8 @@ def model_type(directory: Path) -> str:
     return str(cfg.get("model_type", ""))
 
 
-def _rope_theta(cfg: dict[str, Any], where: Path, default: float) -> float:
-    """The rotary base, refusing scaled rotary positions (v4's rope_scaling, v5's rope_parameters)."""
+def _refuse_rope_scaling(cfg: dict[str, Any], where: Path) -> None:
+    """Scaled rotary positions (v4's rope_scaling, v5's rope_parameters) are refused."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     kind = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "?"
@@ -92,6 +92,11 @@ def _rope_theta(cfg: dict[str, Any], where: Path, default: float) -> float:
         kind = scaling.get("rope_type", scaling.get("type", "?")) if isinstance(scaling, dict) and scaling else kind
         raise CheckpointError(f"{where}: rope scaling {kind!r} is not implemented in numesh (its rotary positions "
                               "are unscaled): use a model without rope_scaling")
+
+
+def _rope_theta(cfg: dict[str, Any], default: float) -> float:
+    """The rotary base: v5's rope_parameters' rope_theta, or v4's top-level one."""
+    params = cfg.get("rope_parameters") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta", default)) if isinstance(params, dict) else default
     return float(theta)
 
@@ -123,12 +128,13 @@ def pretrained(directory: str | Path) -> Pretrained:
                               f"{', '.join(MODEL_TYPES)} and gpt2")
     d = {**_DEFAULTS[kind], **{k: v for k, v in cfg.items() if v is not None or k == "sliding_window"}}
     bias = _check_parts(cfg, kind, where)
+    _refuse_rope_scaling(cfg, where)  # before the try below, which would wrap its message as a mistyped key
     try:
         C, H = int(d["hidden_size"]), int(d["num_attention_heads"])
         options: dict[str, Any] = dict(
             arch="llama", norm="rmsnorm", positions="rotary", mlp="swiglu", n_layer=int(d["num_hidden_layers"]),
             n_head=H, n_embd=C, n_kv_head=int(d.get("num_key_value_heads", H)),
-            ffn_hidden=int(d["intermediate_size"]), rope_theta=_rope_theta(cfg, where, d["rope_theta"]),
+            ffn_hidden=int(d["intermediate_size"]), rope_theta=_rope_theta(cfg, d["rope_theta"]),
             norm_eps=float(d["rms_norm_eps"]), tie_embeddings=bool(d["tie_word_embeddings"]), bias=bias,
             moe_experts=int(d["num_local_experts"]) if kind == "mixtral" else 0,
             moe_top_k=int(d["num_experts_per_tok"]) if kind == "mixtral" else 2, moe_every=1)
