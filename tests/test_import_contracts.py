@@ -3,10 +3,12 @@
 Each test runs `lint-imports --contract ID` (import-linter, in the dev extra) on the source
 tree and fails with import-linter's report, which names every offending import as
 `module -> module (l.N)`. Run all of them by hand with `lint-imports` in the repository root.
+design.md's package table is held to the contracts and to the modules on disk.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -79,3 +81,43 @@ def test_contracts_notice_an_unplaced_module(tmp_path: Path, stray: str, contrac
     assert res.returncode != 0, f"contract {contract!r} kept with {stray} unplaced:\n{report}"
     name = stray.removesuffix("/__init__.py").removesuffix(".py").replace("/", ".")
     assert name in report, report
+
+
+def _chain(contract: dict) -> str:
+    """A layers contract as docs/design.md's package table writes it: `a` \\| `b` → `c`."""
+    return " → ".join(" \\| ".join(f"`{m.strip()}`" for m in layer.split("|")) for layer in contract["layers"])
+
+
+def _design_rows() -> list[list[str]]:
+    """The cells of docs/design.md's package table (its rows after the header)."""
+    lines = (ROOT / "docs" / "design.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index("| package | what lives there | its modules, top to bottom |") + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]])
+    return rows
+
+
+def test_the_design_table_lists_each_package_as_its_contract_orders_it() -> None:
+    """Each row of docs/design.md's package table names exactly the modules its packages hold
+    on disk, and a package with a layers contract shows that contract's layers top to bottom:
+    a module added to a package and its contract but not to the table (as plan's `optimizer`
+    and eight host modules once were) fails here."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    chains = {c["containers"][0]: _chain(c) for c in config["tool"]["importlinter"]["contracts"]
+              if c["type"] == "layers" and c["containers"] != ["numesh"]}
+    rows = _design_rows()
+    covered = set()
+    for cells in rows:
+        packages = re.findall(r"`numesh/(\w+)/`", cells[0])
+        listed = re.sub(r" \([^)]*\)", "", cells[2])  # without remarks such as "(the `numesh data` commands)"
+        for p in packages:
+            if f"numesh.{p}" in chains:
+                assert chains[f"numesh.{p}"] in listed, f"design.md's row for numesh/{p}/ is not its contract's layers"
+        held = {f.stem for p in packages for f in (ROOT / "numesh" / p).iterdir()
+                if f.suffix == ".py" and f.stem != "__init__" or (f / "__init__.py").is_file()}
+        assert set(re.findall(r"`(\w+)`", listed)) == held, f"design.md's row for {packages} lists other modules"
+        covered.update(packages)
+    assert covered == {d.name for d in (ROOT / "numesh").iterdir() if (d / "__init__.py").is_file()}
