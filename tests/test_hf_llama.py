@@ -203,6 +203,21 @@ def test_logits_equal_transformers(case: str, tok_json: str, tmp_path: Path) -> 
     np.testing.assert_allclose(numesh_logits(params, model, idx), want, rtol=0, atol=ATOL[dtype])
 
 
+@pytest.mark.parametrize("scaling", [{"rope_type": "default"}, {"type": "default"}, {}])
+def test_a_default_rope_scaling_is_plain_rotary(scaling: dict, tok_json: str, tmp_path: Path) -> None:
+    """transformers reads a rope_scaling entry of type "default" (or an empty one) as plain
+    rotary positions: numesh reads it so too, to the same logits. (A v4 config.json: the base
+    at the top, no v5 rope_parameters, which transformers would let rope_scaling replace.)"""
+    d = save_model(tmp_path / "hf", tok_json)
+    cfg = json.loads((d / "config.json").read_text())
+    theta = cfg.pop("rope_parameters")["rope_theta"]
+    (d / "config.json").write_text(json.dumps({**cfg, "rope_theta": theta, "rope_scaling": scaling}))
+    _, model, params = read_pretrained(d, np.dtype("float64"), 16)
+    idx = np.random.default_rng(3).integers(0, model.vocab_size, (2, 16))
+    np.testing.assert_allclose(numesh_logits(params, model, idx), hf_logits(d, idx, "float64"), rtol=0,
+                               atol=ATOL["float64"])
+
+
 def test_greedy_sampling_gives_generates_tokens(tok_json: str, tmp_path: Path) -> None:
     """`numesh sample --ckpt DIR --temperature 0` straight from the transformers directory
     continues a prompt with the tokens `generate` picks (and decodes them with its tokenizer)."""
@@ -383,6 +398,7 @@ REFUSALS = [  # (how the directory is spoiled, what the one line says)
      "rope scaling 'llama3' is not implemented in numesh"),
     (lambda d: _edit_config(d, rope_scaling={"type": "linear", "factor": 2.0}),
      "rope scaling 'linear' is not implemented in numesh"),
+    (lambda d: _edit_config(d, rope_scaling={"factor": 2.0}), "rope scaling '?' is not implemented in numesh"),
     (lambda d: _edit_config(d, model_type="mistral", sliding_window=4096),
      "mistral with a sliding window (4096 tokens) is not implemented"),
     (lambda d: _edit_config(d, head_dim=8), "head_dim is 8 but hidden_size / num_attention_heads is 16/4"),

@@ -83,15 +83,25 @@ def model_type(directory: Path) -> str:
     return str(cfg.get("model_type", ""))
 
 
+def _rope_kind(section: Any) -> str:
+    """The rope_type of a rope_scaling or rope_parameters entry ("default" when it has none)."""
+    if not section:
+        return "default"
+    if not isinstance(section, dict):
+        return "?"
+    kind = section.get("rope_type", section.get("type"))
+    if kind is None:  # no type: plain only if it says nothing but the base
+        return "default" if set(section) <= {"rope_theta"} else "?"
+    return str(kind)
+
+
 def _refuse_rope_scaling(cfg: dict[str, Any], where: Path) -> None:
-    """Scaled rotary positions (v4's rope_scaling, v5's rope_parameters) are refused."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "?"
-    if scaling or kind != "default":
-        kind = scaling.get("rope_type", scaling.get("type", "?")) if isinstance(scaling, dict) and scaling else kind
-        raise CheckpointError(f"{where}: rope scaling {kind!r} is not implemented in numesh (its rotary positions "
-                              "are unscaled): use a model without rope_scaling")
+    """Scaled rotary positions (v4's rope_scaling, v5's rope_parameters) are refused; a
+    "default" entry is plain rotary, as transformers reads it."""
+    for kind in (_rope_kind(cfg.get("rope_scaling")), _rope_kind(cfg.get("rope_parameters"))):
+        if kind != "default":
+            raise CheckpointError(f"{where}: rope scaling {kind!r} is not implemented in numesh (its rotary positions "
+                                  "are unscaled): use a model without rope_scaling")
 
 
 def _rope_theta(cfg: dict[str, Any], default: float) -> float:
