@@ -109,6 +109,21 @@ def test_resuming_with_other_parts_or_math_is_one_line(llama_run: Path, change: 
     assert "\n" not in str(e.value)
 
 
+def test_resuming_with_several_differences_names_them_all_in_one_line(llama_run: Path) -> None:
+    """Every difference at once, with the options that resume the checkpoint, not one per try."""
+    meta = read_meta(llama_run / "ckpt" / "latest")
+    m = meta.model
+    change = dict(block_size=m.block_size // 2, n_layer=m.n_layer + 1, tie_embeddings=not m.tie_embeddings,
+                  rope_theta=m.rope_theta * 2)
+    with pytest.raises(CheckpointError) as e:
+        check_model(meta, attrs.evolve(m, **change))
+    line = str(e.value)
+    assert "\n" not in line and f"has block_size={m.block_size}, n_layer={m.n_layer}, tie_embeddings=" in line
+    flags = (f"--block-size {m.block_size} --n-layer {m.n_layer} "
+             f"{'--tie-embeddings' if m.tie_embeddings else '--no-tie-embeddings'} --rope-theta {m.rope_theta}")
+    assert line.endswith(f"({flags})")
+
+
 def test_resume_compares_what_the_parameters_mean(llama_run: Path) -> None:
     """0 and the default it stands for are the same tree; a rotary base or an RMSNorm
     epsilon means nothing to a model without them."""

@@ -28,6 +28,9 @@ SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias",
 # epsilon compute another function under another; a run that means to change them, as a
 # long-context fine-tune raises rope_theta, starts from the weights, not from a resume)
 MATH_KEYS = ("rope_theta", "norm_eps")
+# keys whose 0 means a size derived from another key (the MLP's from n_embd, the kv heads'
+# from n_head): left to 0 on both sides, a difference in them is that other key's
+DERIVED = ("ffn_hidden", "n_kv_head")
 # leaves whose dim 0 is the vocabulary, padded to a multiple of tp on a mesh (lm_head: the
 # untied LM head, absent when tied)
 VOCAB_LEAVES = ("wte", "lm_head")
@@ -70,14 +73,26 @@ def describe_gpt(raw_model: Any) -> tuple[GPTConfig, dict[str, LeafDef]]:
 
 def check_model(meta: Meta, model: GPTConfig) -> None:
     """Raise if the checkpoint's model has other parameters than `model`, or computes
-    another function with them (`SHAPE_KEYS`, `MATH_KEYS`)."""
-    for key in SHAPE_KEYS + MATH_KEYS:
-        have, want = model_value(meta.model, key), model_value(model, key)
-        if have != want:
-            raise CheckpointError(
-                f"{meta.path}: the checkpoint's model has {key}={have} but this run has {key}={want}: "
-                "resume with the same model config"
-            )
+    another function with them (`SHAPE_KEYS`, `MATH_KEYS`): every difference in one line,
+    with the options that resume it."""
+    keys = [k for k in SHAPE_KEYS + MATH_KEYS if model_value(meta.model, k) != model_value(model, k)
+            and not (k in DERIVED and getattr(meta.model, k) == getattr(model, k) == 0)]  # n_embd's, n_head's
+    if keys:
+        have = ", ".join(f"{k}={model_value(meta.model, k)}" for k in keys)
+        want = ", ".join(f"{k}={model_value(model, k)}" for k in keys)
+        options = " ".join(_option(k, model_value(meta.model, k)) for k in keys)
+        raise CheckpointError(f"{meta.path}: the checkpoint's model has {have} but this run has {want}: resume with "
+                              f"the same model config ({options})")
+
+
+def _option(key: str, value: object) -> str:
+    """The `numesh train` option that sets a model key to `value` (the vocabulary is --data's)."""
+    if key == "vocab_size":
+        return f"--data tokenised to {value} entries"
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag[2:]
+    return f"{flag} {value}"
 
 
 def gpt2_differences(model: GPTConfig) -> list[str]:
