@@ -324,7 +324,7 @@ def test_what_transformers_cannot_compute_is_refused_in_one_line(llama_data: Pat
     for kw, says in [
         (dict(positions="rotary"), "mixes GPT-2's and Llama's parts"),
         (dict(n_kv_head=2), "mixes GPT-2's and Llama's parts"),
-        (dict(llama, moe_experts=4, moe_every=2), "not a Mixtral: it has experts in every 2th block"),
+        (dict(llama, moe_experts=4, moe_every=2), "not a Mixtral: it has experts in one block of every 2"),
         (dict(llama, moe_experts=4, moe_capacity_factor=1.0), "a capacity factor 1.0 (Mixtral is dropless)"),
         (dict(llama, moe_experts=4, bias=True), "biases (Mixtral's Linears have none)"),
     ]:
@@ -378,7 +378,7 @@ def test_init_from_alone_sets_the_model_and_a_conflicting_option_is_one_line(tok
                        moe_experts=4, moe_top_k=2)
     assert config_from(dict(init_from=str(d), n_layer=2, n_kv_head=2)).n_layer == 2  # agreeing options are fine
     for kw, says in [(dict(n_layer=3), "--n-layer 3 conflicts with --init-from"),
-                     (dict(tie_embeddings=False), "--tie-embeddings / --no-tie-embeddings False conflicts"),
+                     (dict(tie_embeddings=False), "--no-tie-embeddings conflicts with --init-from"),
                      (dict(arch="gpt2"), "--arch gpt2 conflicts"),
                      (dict(moe_experts=0), "--moe-experts 0 conflicts")]:
         with pytest.raises(ConfigError, match=re.escape(says)) as e:

@@ -95,7 +95,7 @@ def hf_kind(model: GPTConfig) -> str:
     if not model.moe_experts:
         return "llama"
     differs = [why for why, bad in (
-        (f"experts in every {model.moe_every}th block (Mixtral has them in every block)", model.moe_every != 1),
+        (f"experts in one block of every {model.moe_every} (Mixtral has them in every block)", model.moe_every != 1),
         (f"a capacity factor {model.moe_capacity_factor} (Mixtral is dropless)", model.moe_capacity_factor > 0),
         ("biases (Mixtral's Linears have none)", model.bias)) if bad]
     if differs:

@@ -226,6 +226,14 @@ def _llama_dir(init: Any) -> bool:
     return isinstance(init, str) and bool(init.strip()) and is_pretrained_dir(init) and model_type(Path(init)) != "gpt2"
 
 
+def _given(name: str, value: Any) -> str:
+    """An option as given on the command line: a boolean as its flag (--x or --no-x)."""
+    if isinstance(value, bool):
+        flag = OPTIONS[name].split(" / ")[0]
+        return flag if value else "--no-" + flag[2:]
+    return f"{OPTIONS[name]} {value}"
+
+
 def _from_pretrained(values: dict[str, Any]) -> None:
     """With --init-from a transformers Llama-family directory, the model options its
     config.json fixes, filled in where not given; one given otherwise is a one-line error.
@@ -237,8 +245,9 @@ def _from_pretrained(values: dict[str, Any]) -> None:
     clash = conflicts(theirs, values)
     if clash is not None:
         name, given, want = clash
-        raise ConfigError(f"{OPTIONS[name]} {given} conflicts with --init-from {init}, whose model has {want}: "
-                          "leave the option out (the directory sets it)")
+        raise ConfigError(f"{_given(name, given)} conflicts with --init-from {init}, whose model has "
+                          f"{_given(name, want) if isinstance(want, bool) else want}: leave the option out (the "
+                          "directory sets it)")
     values.update(theirs)
 
 
