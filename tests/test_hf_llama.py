@@ -218,6 +218,17 @@ def test_a_default_rope_scaling_is_plain_rotary(scaling: dict, tok_json: str, tm
                                atol=ATOL["float64"])
 
 
+def test_a_sliding_window_as_long_as_the_context_is_full_attention(tok_json: str, tmp_path: Path) -> None:
+    """Mistral with a window of max_position_embeddings tokens (64) hides no key from any
+    query it can take: read as full causal attention, to transformers' logits."""
+    d = save_model(tmp_path / "hf", tok_json)
+    _edit_config(d, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=64)
+    _, model, params = read_pretrained(d, np.dtype("float64"), 64)
+    idx = np.random.default_rng(3).integers(0, model.vocab_size, (2, 64))
+    np.testing.assert_allclose(numesh_logits(params, model, idx), hf_logits(d, idx, "float64"), rtol=0,
+                               atol=ATOL["float64"])
+
+
 def test_greedy_sampling_gives_generates_tokens(tok_json: str, tmp_path: Path) -> None:
     """`numesh sample --ckpt DIR --temperature 0` straight from the transformers directory
     continues a prompt with the tokens `generate` picks (and decodes them with its tokenizer)."""
@@ -399,8 +410,8 @@ REFUSALS = [  # (how the directory is spoiled, what the one line says)
     (lambda d: _edit_config(d, rope_scaling={"type": "linear", "factor": 2.0}),
      "rope scaling 'linear' is not implemented in numesh"),
     (lambda d: _edit_config(d, rope_scaling={"factor": 2.0}), "rope scaling '?' is not implemented in numesh"),
-    (lambda d: _edit_config(d, model_type="mistral", sliding_window=4096),
-     "mistral with a sliding window (4096 tokens) is not implemented"),
+    (lambda d: _edit_config(d, model_type="mistral", sliding_window=32),  # max_position_embeddings 64
+     "mistral with a sliding window (32 tokens) is not implemented"),
     (lambda d: _edit_config(d, head_dim=8), "head_dim is 8 but hidden_size / num_attention_heads is 16/4"),
     (lambda d: _edit_config(d, hidden_act="gelu"), "hidden_act is 'gelu', numesh's SwiGLU needs silu"),
     (lambda d: _edit_config(d, attention_bias=True), "attention_bias is True but mlp_bias False"),

@@ -116,7 +116,9 @@ def _check_parts(cfg: dict[str, Any], kind: str, where: Path) -> bool:
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act is {cfg.get('hidden_act')!r}, numesh's SwiGLU needs silu")
     window = cfg.get("sliding_window", _DEFAULTS[kind].get("sliding_window"))
-    if window is not None:
+    context = cfg.get("max_position_embeddings", _DEFAULTS[kind].get("max_position_embeddings"))
+    if window is not None and not (isinstance(context, int) and isinstance(window, int) and window >= context):
+        # a window as long as the longest context the model takes hides nothing: full causal
         raise CheckpointError(f"{where}: {kind} with a sliding window ({window} tokens) is not implemented in "
                               "numesh (its attention is full causal): use a model whose sliding_window is null")
     bias = (bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False)))
