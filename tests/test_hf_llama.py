@@ -326,6 +326,25 @@ def test_export_loads_in_transformers_and_imports_to_the_same_bits(moe: bool, ll
         assert np.array_equal(x[: want[path].shape[0]], want[path]), path
 
 
+def test_max_iters_0_converts_a_directory_into_a_checkpoint(tok_json: str, llama_data: Path, tmp_path: Path) -> None:
+    """`numesh train --init-from DIR --max-iters 0` evaluates the directory's weights and saves
+    them as a numesh checkpoint, taking no step: its parameters are the directory's bits."""
+    from numesh.base.tree import tree_leaves_with_path
+    from numesh.checkpoint import read_global_params
+
+    d = save_model(tmp_path / "hf", tok_json)
+    res = cli("train", "--init-from", str(d), "--data", str(llama_data), "--out", str(tmp_path / "run"),
+              "--block-size", "16", "--batch-size", "4", "--dtype", "float64", "--max-iters", "0", "--eval-iters",
+              "1", "--peak-flops", "1e12")
+    assert res.exit_code == 0, res.stderr
+    assert "done: 0 steps" in res.stderr and "final loss n/a, val " in res.stderr
+    _, _, params = read_global_params(tmp_path / "run" / "ckpt" / "latest")
+    _, _, want = read_pretrained(d, np.float64, 16)
+    got = dict(tree_leaves_with_path(params))
+    for path, x in tree_leaves_with_path(want):
+        assert np.array_equal(got[path][: x.shape[0]], x), path
+
+
 def test_what_transformers_cannot_compute_is_refused_in_one_line(llama_data: Path, tmp_path: Path) -> None:
     from numesh.checkpoint.hf import hf_kind
 

@@ -49,9 +49,10 @@ def test_recompute_selective_is_retired_in_one_line(char_dataset: Path, tmp_path
     assert not (tmp_path / "o").exists()
 
 
-def test_max_iters_0_is_refused(char_dataset: Path, tmp_path: Path) -> None:
-    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--max-iters", "0"))
-    assert "max_iters must be >= 1, got 0" in line
+def test_negative_max_iters_is_refused(char_dataset: Path, tmp_path: Path) -> None:
+    """(0 evaluates the starting weights and saves them: tests/test_hf_llama.py)"""
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--max-iters", "-1"))
+    assert "max_iters must be >= 0, got -1" in line
 
 
 @pytest.mark.parametrize("var, value", [("OMP_NUM_THREADS", "abc"), ("OPENBLAS_NUM_THREADS", "0"),

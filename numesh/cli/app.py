@@ -289,8 +289,9 @@ def train_cmd(**options: Any) -> None:
             from numesh.perf import report
 
             print(report.render(report.report_of(cfg.out)), file=sys.stderr)
+        loss = f"{result.final_loss:.4f}" if result.steps else "n/a"  # --max-iters 0: evaluated, not stepped
         log(
-            f"done: {result.steps} steps in {result.seconds:.1f} s, final loss {result.final_loss:.4f}, "
+            f"done: {result.steps} steps in {result.seconds:.1f} s, final loss {loss}, "
             f"val {val}\nmetrics: {result.metrics}\ncheckpoint: {result.checkpoint}"
         )
 

@@ -87,7 +87,8 @@ class TrainConfig:
     # optimisation
     batch_size: int = _field(12, "global batch in sequences per optimiser step, whatever the mesh")
     micro_batches: int = _field(1, "gradient-accumulation micro-batches per dp rank and step")
-    max_iters: int = _field(2000, "optimiser steps")
+    max_iters: int = _field(2000, "optimiser steps (0: evaluate the starting weights, e.g. --init-from's, and "
+                                   "save them as a checkpoint)")
     learning_rate: float = _field(1e-3, "peak learning rate")
     min_lr: float = _field(1e-4, "learning rate at the end of the cosine decay")
     warmup_iters: int = _field(100, "linear warmup steps")
@@ -280,7 +281,9 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
     shape = parse_mesh("dp=-1" if cfg.mesh.strip() == MESH_AUTO else cfg.mesh, n_ranks)
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
-    for name in ("max_iters", "batch_size", "micro_batches", "eval_interval", "eval_iters", "log_interval"):
+    if cfg.max_iters < 0:  # 0: evaluate the starting weights and save them, no step (a --init-from's conversion)
+        raise ConfigError(f"max_iters must be >= 0, got {cfg.max_iters}")
+    for name in ("batch_size", "micro_batches", "eval_interval", "eval_iters", "log_interval"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.zero not in (0, 1, 2, 3):
