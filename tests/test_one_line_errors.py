@@ -94,6 +94,22 @@ def test_an_unknown_numesh_kernels_is_one_line_at_start_up(char_dataset: Path, t
     assert not (tmp_path / "o").exists()
 
 
+def test_a_ctrl_c_during_the_commands_imports_is_one_line() -> None:
+    """The console script's `numesh.cli.main` imports the app (numba, MPI: a moment); a
+    KeyboardInterrupt there, raised here by an import hook at the app's import, exits 130
+    with one line, as a Ctrl-C does once a command runs, not with a traceback."""
+    code = ("import sys\n"
+            "class Stop:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'numesh.cli.app':\n"
+            "            raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, Stop())\n"
+            "import numesh.cli\n"
+            "numesh.cli.main()\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (res.returncode, res.stderr) == (130, "interrupted\n")
+
+
 @pytest.mark.parametrize("mode", ["numba", "numpy", "", " NumPy "])
 def test_the_numesh_kernels_values_it_accepts_pass(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     import numesh.host.kernels as K
