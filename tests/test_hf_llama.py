@@ -258,6 +258,29 @@ def test_a_prompt_is_encoded_as_transformers_tokenizer_encodes_it(tok_json: str,
     assert "\n" not in str(e.value)
 
 
+def test_a_corpus_tokenised_with_a_bos_template_starts_each_document_with_it(tok_json: str, tmp_path: Path) -> None:
+    """`numesh data tokenize --tokenizer DIR` writes each document as `tokenizer(doc)`
+    does, `<s>` first, then the directory's eos token: what the model saw in pre-training."""
+    from numesh.data import sharded as TD
+    from numesh.data.corpus import Reading
+    from numesh.data.dataset import load_split
+
+    d = save_model(tmp_path / "hf", with_bos(tok_json))
+    docs = [line for line in SYNTH_TEXT.split("\n") if line]
+    (tmp_path / "corpus.txt").write_text("\n".join(docs), encoding="utf-8")
+    res = cli("data", "tokenize", "--tokenizer", str(d), "--src", str(tmp_path / "corpus.txt"), "--split-on", "\n",
+              "--val-fraction", "0.3", "--out", str(tmp_path / "data"))
+    assert res.exit_code == 0, res.stderr
+    tokenizer = transformers.AutoTokenizer.from_pretrained(d, local_files_only=True)
+    want: dict[str, list] = {"train": [], "val": []}
+    for i, doc in enumerate(TD.corpus_documents([tmp_path / "corpus.txt"], Reading(split_on="\n"))):
+        want["val" if TD._is_val(i, 0.3) else "train"] += [*tokenizer(doc)["input_ids"], tokenizer.eos_token_id]
+    assert want["train"][0] == tokenizer.bos_token_id == 0 and tokenizer.eos_token_id == 1
+    for split in ("train", "val"):
+        stream = load_split(tmp_path / "data", split)
+        assert np.asarray(stream[np.arange(len(stream))]).tolist() == want[split]
+
+
 # ---------------------------------------------------------------------------------------
 # a dataset tokenised with the model's tokenizer; a short numesh run of the Llama kind
 

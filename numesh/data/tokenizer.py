@@ -3,7 +3,8 @@
 `CharTokenizer` maps each character of a text to its index (nanoGPT's shakespeare_char).
 `HFTokenizer` runs a Hugging Face `tokenizers` file (`tokenizer.json`): a byte-level BPE
 that `numesh data bpe` trains, or any existing one (GPT-2's, say) that `numesh data
-tokenize` uses; documents are separated by its end-of-text token. Both give `encode`
+tokenize` uses; documents are separated by its end-of-text token, and framed as its
+post-processor frames a text (`template`: Llama's BOS before each). Both give `encode`
 (uint32-safe int arrays), `decode`, `vocab_size` and `to_meta`, the JSON a dataset's
 `meta.json` and a checkpoint keep, from which `tokenizer_from_meta` rebuilds either kind.
 """
