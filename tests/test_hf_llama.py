@@ -61,6 +61,17 @@ def llama_tokenizer_json(vocab: int = 120) -> str:
     return tok.to_str()
 
 
+def with_bos(tok_json: str) -> str:
+    """`tok_json` with the post-processor Llama 2's, TinyLlama's and Mistral's tokenizers have:
+    `<s>` before every text, which transformers' `tokenizer(text)` adds by default."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_str(tok_json)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return tok.to_str()
+
+
 def vocab_of(tok_json: str) -> int:
     from tokenizers import Tokenizer
 
@@ -229,29 +240,71 @@ def test_a_sliding_window_as_long_as_the_context_is_full_attention(tok_json: str
                                atol=ATOL["float64"])
 
 
-def test_greedy_sampling_gives_generates_tokens(tok_json: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("bos", [False, True], ids=["no-template", "bos-template"])
+def test_greedy_sampling_gives_generates_tokens(bos: bool, tok_json: str, tmp_path: Path) -> None:
     """`numesh sample --ckpt DIR --temperature 0` straight from the transformers directory
-    continues a prompt with the tokens `generate` picks (and decodes them with its tokenizer)."""
+    continues a prompt with the tokens `generate` picks from `tokenizer(prompt)`, `<s>` first
+    where the tokenizer's template adds it, and prints the prompt and continuation without
+    it; an empty prompt is `<s>` alone."""
     from numesh.run.sample import SampleConfig, sample
 
-    d = save_model(tmp_path / "hf", tok_json, kind="llama")
-    prompt = "the cat sat"
-    ids = [t for t in transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"))(prompt)[
-        "input_ids"]]
+    d = save_model(tmp_path / "hf", with_bos(tok_json) if bos else tok_json, kind="llama")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(d, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(d, local_files_only=True, dtype=torch.float64).eval()
-    with torch.no_grad():
-        want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0].numpy()
-    from tokenizers import Tokenizer
+    for prompt in ["the cat sat", ""] if bos else ["the cat sat"]:
+        inputs = tokenizer(prompt, return_tensors="pt")  # its attention mask: generate would take <s> for padding
+        assert (inputs["input_ids"][0, :1].tolist() == [0]) == bos  # <s> is id 0
+        with torch.no_grad():
+            want = model.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0].numpy()
+        text = tokenizer.decode(want[int(bos):], skip_special_tokens=False)
+        assert text.startswith(prompt)
+        for kv_cache in (True, False):
+            got = sample(SampleConfig(str(d), prompt, max_new_tokens=12, temperature=0.0, kv_cache=kv_cache),
+                         MPI.COMM_SELF)
+            assert got == [text]
+        res = cli("sample", "--ckpt", str(d), "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0")
+        assert res.exit_code == 0, res.stderr
+        assert res.stdout.strip() == text.strip()
 
-    text = Tokenizer.from_str(tok_json).decode(want.tolist(), skip_special_tokens=False)
-    for kv_cache in (True, False):
-        got = sample(SampleConfig(str(d), prompt, max_new_tokens=12, temperature=0.0, kv_cache=kv_cache),
-                     MPI.COMM_SELF)
-        assert got == [text]
-    res = cli("sample", "--ckpt", str(d), "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0")
+
+def test_a_prompt_is_encoded_as_transformers_tokenizer_encodes_it(tok_json: str, tmp_path: Path) -> None:
+    """The prompt's ids are `tokenizer(prompt)["input_ids"]`, with and without a template
+    that adds `<s>`; an empty prompt without one is refused in one line."""
+    from numesh.run.sample import load_checkpoint, prompt_ids
+
+    for name, text in (("plain", tok_json), ("bos", with_bos(tok_json))):
+        d = save_model(tmp_path / name, text)
+        tok = load_checkpoint(d).tokenizer
+        tokenizer = transformers.AutoTokenizer.from_pretrained(d, local_files_only=True)
+        for prompt in ["the cat sat", "a hat, a bat;", " the end!</s>", "t"] + ([""] if name == "bos" else []):
+            assert prompt_ids(tok, prompt).tolist() == tokenizer(prompt)["input_ids"], (name, prompt)
+    with pytest.raises(ConfigError, match="gives no tokens and its tokenizer adds no start token") as e:
+        prompt_ids(load_checkpoint(tmp_path / "plain").tokenizer, "")
+    assert "\n" not in str(e.value)
+
+
+def test_a_corpus_tokenised_with_a_bos_template_starts_each_document_with_it(tok_json: str, tmp_path: Path) -> None:
+    """`numesh data tokenize --tokenizer DIR` writes each document as `tokenizer(doc)`
+    does, `<s>` first, then the directory's eos token: what the model saw in pre-training."""
+    from numesh.data import sharded as TD
+    from numesh.data.corpus import Reading
+    from numesh.data.dataset import load_split
+
+    d = save_model(tmp_path / "hf", with_bos(tok_json))
+    docs = [line for line in SYNTH_TEXT.split("\n") if line]
+    (tmp_path / "corpus.txt").write_text("\n".join(docs), encoding="utf-8")
+    res = cli("data", "tokenize", "--tokenizer", str(d), "--src", str(tmp_path / "corpus.txt"), "--split-on", "\n",
+              "--val-fraction", "0.3", "--out", str(tmp_path / "data"))
     assert res.exit_code == 0, res.stderr
-    assert res.stdout.strip() == text.strip()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(d, local_files_only=True)
+    want: dict[str, list] = {"train": [], "val": []}
+    for i, doc in enumerate(TD.corpus_documents([tmp_path / "corpus.txt"], Reading(split_on="\n"))):
+        want["val" if TD._is_val(i, 0.3) else "train"] += [*tokenizer(doc)["input_ids"], tokenizer.eos_token_id]
+    assert want["train"][0] == tokenizer.bos_token_id == 0 and tokenizer.eos_token_id == 1
+    for split in ("train", "val"):
+        stream = load_split(tmp_path / "data", split)
+        assert np.asarray(stream[np.arange(len(stream))]).tolist() == want[split]
 
 
 # ---------------------------------------------------------------------------------------

@@ -555,3 +555,90 @@ def test_a_line_of_megabytes_without_a_space_makes_a_dataset(tmp_path: Path,
         ids = np.asarray(load_split(tmp_path / "d", split))
         assert ids[-1] == tok.eot_id and tok.decode(ids[:-1]) == want
     assert len(held) > 1 and max(held) < TD.BATCH_CHARS + TK.TEXT_PIECE
+
+
+# ---------------------------------------------------------------------------------------
+# a tokenizer whose post-processor frames a text (Llama's `<s> $A`): documents framed so
+
+
+def _with_template(tok: HFTokenizer, single: str | None) -> HFTokenizer:
+    """`tok` with a start token `<s>` added and `single` as its TemplateProcessing template
+    (None: GPT-2's ByteLevel post-processor, which adds no token)."""
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import processors
+
+    raw = Raw.from_str(tok.json_text)
+    raw.add_special_tokens(["<s>"])
+    raw.post_processor = (processors.ByteLevel(trim_offsets=True) if single is None else processors.TemplateProcessing(
+        single=single, special_tokens=[("<s>", raw.token_to_id("<s>")), (EOT, raw.token_to_id(EOT))]))
+    return HFTokenizer(raw.to_str())
+
+
+def _stream(d: Path, split: str) -> list[int]:
+    stream = load_split(d, split)
+    return np.asarray(stream[np.arange(len(stream))]).tolist()
+
+
+@pytest.mark.parametrize("single, start, end", [("<s> $A", ["<s>"], []), (f"$A {EOT}", [], [EOT]),
+                                                (f"<s> $A {EOT}", ["<s>"], [EOT])], ids=["bos", "eos", "bos-eos"])
+def test_documents_are_framed_as_the_tokenizer_frames_a_text(single: str, start: list[str], end: list[str],
+                                                            corpus: Path, tmp_path: Path) -> None:
+    """Each document's ids are the tokenizer's default encoding of it (`<s>` first for
+    Llama's template), then one end-of-text token (not two when the template ends with
+    it); meta.json records the template's ids."""
+    tok = _with_template(train_bpe(DOCS, 300), single)
+    TD.prepare_tokenized([corpus], tok, tmp_path / "d", Reading(split_on="\n\n"), val_fraction=0.3)
+    start_ids, end_ids = ([tok._tok.token_to_id(t) for t in ts] for ts in (start, end))
+    want: dict[str, list] = {"train": [], "val": []}
+    for i, doc in enumerate(DOCS):
+        framed = tok.encode_default(doc).tolist()
+        assert framed == [*start_ids, *tok.encode(doc).tolist(), *end_ids]
+        want["val" if TD._is_val(i, 0.3) else "train"] += [*start_ids, *tok.encode(doc).tolist(), tok.eot_id]
+    for split in ("train", "val"):
+        assert _stream(tmp_path / "d", split) == want[split]
+    assert json.loads((tmp_path / "d" / "meta.json").read_text())["template"] == {"start": start_ids, "end": end_ids}
+
+
+def test_a_tokenizer_without_a_template_writes_the_same_bytes(corpus: Path, tmp_path: Path) -> None:
+    """GPT-2's ByteLevel post-processor adds no token: the shards are byte for byte those of
+    the same tokenizer without a post-processor (each document's ids, then end-of-text),
+    and meta.json has no template record, as datasets always were."""
+    plain = train_bpe(DOCS, 300)
+    for name, tok in (("plain", plain), ("bytelevel", _with_template(plain, None))):
+        assert tok.template == ((), ())
+        TD.prepare_tokenized([corpus], tok, tmp_path / name, Reading(split_on="\n\n"), val_fraction=0.3)
+        assert "template" not in json.loads((tmp_path / name / "meta.json").read_text())
+    shards = sorted(p.name for p in (tmp_path / "plain").glob("*.bin"))
+    assert shards and all((tmp_path / "plain" / s).read_bytes() == (tmp_path / "bytelevel" / s).read_bytes()
+                          for s in shards)
+
+
+def test_a_document_cut_in_pieces_gets_one_start_token() -> None:
+    """A document tokenised in pieces (`text_pieces`) is framed once: `<s>` before its
+    first piece only, one end-of-text after its last."""
+    text = fallback_corpus()[0][:150_000]
+    tok = _with_template(train_bpe([text], 300), "<s> $A")
+    assert tok.cuts_between_words and len(list(TK.text_pieces(text))) > 1
+    writers = {"train": _Collect(), "val": _Collect()}
+    TD._tokenize(iter([("train", text), ("train", "short")]), [], tok, writers, None)
+    bos = tok._tok.token_to_id("<s>")
+    assert writers["train"].ids == [bos, *tok.encode_batch([text])[0].tolist(), tok.eot_id,
+                                    bos, *tok.encode("short").tolist(), tok.eot_id]
+
+
+def test_a_dataset_written_before_documents_were_framed_needs_overwrite(corpus: Path, tmp_path: Path) -> None:
+    """The same inputs as a dataset whose documents lack the template's `<s>` (an older
+    numesh's, its meta.json without the record): refused in one line before the corpus is
+    read, replaced with --overwrite."""
+    tok = _with_template(train_bpe(DOCS, 300), "<s> $A")
+    d, how = tmp_path / "d", Reading(split_on="\n\n")
+    TD.prepare_tokenized([corpus], tok, d, how)
+    meta = json.loads((d / "meta.json").read_text())
+    del meta["template"]
+    (d / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    with pytest.raises(DataError, match="documents without the start and end tokens its tokenizer's") as e:
+        TD.prepare_tokenized([corpus], tok, d, how)
+    assert "\n" not in str(e.value) and "--overwrite" in str(e.value)
+    TD.prepare_tokenized([corpus], tok, d, how, overwrite=True)
+    assert json.loads((d / "meta.json").read_text())["template"] == {"start": [tok._tok.token_to_id("<s>")],
+                                                                    "end": []}

@@ -2,14 +2,16 @@
 tokenize` write.
 
 The corpus streams by in batches of documents, each tokenised on all cores (`tokenizers`'
-batch encoding) and followed by the end-of-text token, into the train or val shards: a
-document goes to val when a hash of its index falls under `val_fraction`, so the split is
-by documents and the same for the same corpus; a corpus of one document (a single text
-file) is split by position instead, its last `val_fraction` of characters to val
-(`split_plan`, decided before the tokenizer is trained). meta.json records the tokenizer (its JSON
-and hash), every corpus file with its size and sha256, the documents, UTF-8 bytes and
-tokens of each split (bytes per token give bits per byte), every file written (its record)
-and the command that writes it again. The dataset is written whole (numesh/data/write.py).
+batch encoding), framed as the tokenizer frames a text by default (Llama's BOS before it)
+and followed by the end-of-text token, into the train or val shards: a document goes to
+val when a hash of its index falls under `val_fraction`, so the split is by documents and
+the same for the same corpus; a corpus of one document (a single text file) is split by
+position instead, its last `val_fraction` of characters to val (`split_plan`, decided
+before the tokenizer is trained). meta.json records the tokenizer (its JSON and hash, and
+the ids its template frames documents with), every corpus file with its size and sha256,
+the documents, UTF-8 bytes and tokens of each split (bytes per token give bits per byte),
+every file written (its record) and the command that writes it again. The dataset is
+written whole (numesh/data/write.py).
 """
 
 from __future__ import annotations
@@ -171,6 +173,24 @@ def refuse_early(out: Path, files: list[dict[str, Any]], how: Reading, val_fract
         raise dw.refused(out, "other inputs (corpus, --split-on, --text-field, --val-fraction or tokenizer)")
 
 
+def template_record(tok: HFTokenizer) -> dict[str, Any]:
+    """meta.json's record of the ids the tokenizer's template puts before and after each
+    document ({"template": {"start": [bos], "end": []}} for Llama's), or nothing for a
+    tokenizer without one: its datasets' meta.json stays what it always was."""
+    start, end = tok.template
+    return {"template": {"start": list(start), "end": list(end)}} if start or end else {}
+
+
+def refuse_unframed(out: Path, tok: HFTokenizer, overwrite: bool) -> None:
+    """Before the corpus is read: a complete dataset in `out` of the same inputs (after
+    `refuse_early`) whose documents lack the template's tokens, as a numesh before they
+    were added wrote it, is replaced only with `overwrite`: its ids differ from the new."""
+    old = None if overwrite else dw.existing(out)
+    if old is not None and "shards" in old and old.get("template") != template_record(tok).get("template"):
+        raise dw.refused(out, "documents without the start and end tokens its tokenizer's template adds (an "
+                              "older numesh wrote it)")
+
+
 def prepare_bpe(sources: Sequence[str | Path], vocab_size: int, out: str | Path, how: Reading = Reading(),
                 val_fraction: float = 0.1, progress: Progress | None = None,
                 overwrite: bool = False, say: Callable[[str], None] | None = None,
@@ -213,6 +233,7 @@ def prepare_tokenized(sources: Sequence[str | Path], tok: HFTokenizer, out: str 
     paths, target = expand(sources), dw.target(Path(out))
     files = describe(paths)
     refuse_early(target, files, how, val_fraction, tok.to_meta(), overwrite)
+    refuse_unframed(target, tok, overwrite)
     plan = split_plan(paths, how, val_fraction)
     rebuild = rebuild or rebuild_command(sources, how, val_fraction, tokenizer=Path(out) / TOKENIZER_FILE,
                                          eot=tok.eot)
@@ -244,6 +265,16 @@ def _write_shards(paths: Sequence[Path], files: list[dict[str, Any]], tok: HFTok
             "val_fraction": val_fraction}
 
 
+def document_ends(tok: HFTokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """The ids before and after each document's own: what the tokenizer's template puts
+    around a text by default (Llama's BOS before it), then the end-of-text token unless
+    the template already ends with it. A tokenizer without a template: nothing before,
+    the end-of-text token after, as datasets were always written."""
+    start, end = tok.template
+    end = end if end[-1:] == (tok.eot_id,) else (*end, tok.eot_id)
+    return np.asarray(start, dtype=np.uint32), np.asarray(end, dtype=np.uint32)
+
+
 def _tokenize(docs: Iterator[tuple[str, str]], paths: Sequence[Path], tok: HFTokenizer,
               writers: dict[str, ShardWriter], progress: Progress | None) -> dict[str, dict[str, int]]:
     """Stream the (split, document) pairs of the corpus `paths` through `tok` into the
@@ -253,11 +284,12 @@ def _tokenize(docs: Iterator[tuple[str, str]], paths: Sequence[Path], tok: HFTok
     stats = {s: {"documents": 0, "bytes": 0} for s in writers}
     total, done, batch, chars = sum(p.stat().st_size for p in paths), 0, [], 0
     cut = text_pieces if tok.cuts_between_words else lambda doc: iter((doc,))
+    start, end = document_ends(tok)
 
     def flush() -> None:
         nonlocal done, chars
-        for (split, piece, last), ids in zip(batch, tok.encode_batch([piece for _, piece, _ in batch])):
-            writers[split].add(np.append(ids, np.uint32(tok.eot_id)) if last else ids)
+        for (split, piece, first, last), ids in zip(batch, tok.encode_batch([b[1] for b in batch])):
+            writers[split].add(np.concatenate([start if first else start[:0], ids, end if last else end[:0]]))
             n = len(piece.encode("utf-8"))
             stats[split]["documents"] += int(last)
             stats[split]["bytes"] += n
@@ -269,13 +301,13 @@ def _tokenize(docs: Iterator[tuple[str, str]], paths: Sequence[Path], tok: HFTok
 
     for split, doc in docs:
         pieces = cut(doc)
-        piece = next(pieces)
+        piece, first = next(pieces), True
         for after in pieces:  # each piece once the next is known: the last one ends the document
-            batch.append((split, piece, False))
-            chars, piece = chars + len(piece), after
+            batch.append((split, piece, first, False))
+            chars, piece, first = chars + len(piece), after, False
             if len(batch) == BATCH_DOCS or chars >= BATCH_CHARS:
                 flush()
-        batch.append((split, piece, True))
+        batch.append((split, piece, first, True))
         chars += len(piece)
         if len(batch) == BATCH_DOCS or chars >= BATCH_CHARS:
             flush()
@@ -301,4 +333,4 @@ def _meta(tok: HFTokenizer, dtype: np.dtype, shards: dict, stats: dict, writers:
         "splits": {s: stats[s] | {"tokens": writers[s].tokens} for s in stats},
         "corpus": {"name": "files", "files": files, "split_on": how.split_on, "text_field": how.text_field,
                    "val_fraction": val_fraction, "split": plan},
-    }
+    } | template_record(tok)

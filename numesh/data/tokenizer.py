@@ -3,7 +3,8 @@
 `CharTokenizer` maps each character of a text to its index (nanoGPT's shakespeare_char).
 `HFTokenizer` runs a Hugging Face `tokenizers` file (`tokenizer.json`): a byte-level BPE
 that `numesh data bpe` trains, or any existing one (GPT-2's, say) that `numesh data
-tokenize` uses; documents are separated by its end-of-text token. Both give `encode`
+tokenize` uses; documents are separated by its end-of-text token, and framed as its
+post-processor frames a text (`template`: Llama's BOS before each). Both give `encode`
 (uint32-safe int arrays), `decode`, `vocab_size` and `to_meta`, the JSON a dataset's
 `meta.json` and a checkpoint keep, from which `tokenizer_from_meta` rebuilds either kind.
 """
@@ -239,7 +240,20 @@ class HFTokenizer:
         return hashlib.sha256(self.json_text.encode("utf-8")).hexdigest()
 
     def encode(self, s: str) -> np.ndarray:
+        """The ids of the text `s` alone: no special token of the post-processor's template."""
         return np.asarray(self._tok.encode(s, add_special_tokens=False).ids, dtype=np.uint32)
+
+    def encode_default(self, s: str) -> np.ndarray:
+        """The ids of `s` as transformers' `tokenizer(s)["input_ids"]` gives them: within
+        the special tokens the post-processor's template puts around a text (Llama's BOS)."""
+        return np.asarray(self._tok.encode(s, add_special_tokens=True).ids, dtype=np.uint32)
+
+    @property
+    def template(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The ids the post-processor puts before and after a text by default (Llama 2's
+        and TinyLlama's `<s> $A`: ((bos,), ())); ((), ()) for a tokenizer without such a
+        template (GPT-2's, `numesh data bpe`'s)."""
+        return template_ends(self._tok)
 
     @property
     def cuts_between_words(self) -> bool:
@@ -276,6 +290,18 @@ class HFTokenizer:
     def to_meta(self) -> dict[str, Any]:
         return {"kind": self.kind, "vocab_size": self.vocab_size, "eot": self.eot, "eot_id": self.eot_id,
                 "sha256": self.sha256, "json": self.json_text}
+
+
+def template_ends(tok: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The special ids the `tokenizers` Tokenizer `tok`'s post-processor adds before and
+    after a single text, read off a probe text's encoding: the ids around its own (those
+    with a sequence id). A probe the tokenizer gives no ids of its own leaves every added
+    id before the text (a template adds a start token far more often than an end one)."""
+    enc = tok.encode("a", add_special_tokens=True)
+    own = [i for i, s in enumerate(enc.sequence_ids) if s is not None]
+    if not own:
+        return tuple(enc.ids), ()
+    return tuple(enc.ids[:own[0]]), tuple(enc.ids[own[-1] + 1:])
 
 
 def directory_eos(directory: Path, json_text: str) -> str | None:

@@ -167,7 +167,7 @@ class SampleConfig:
     Attributes:
         ckpt: a checkpoint directory (e.g. runs/x/ckpt/latest), a `numesh export`ed
             .safetensors file or a transformers model directory (`load_pretrained`).
-        prompt: the text to continue.
+        prompt: the text to continue (`prompt_ids`: empty is the tokenizer's start token alone).
         max_new_tokens: tokens to generate.
         temperature: the softmax temperature; 0 = greedy.
         top_k: sample among the k most likely tokens; None = all.
@@ -202,16 +202,38 @@ class SampleConfig:
             raise ConfigError("sampling does not run with context parallelism: use a mesh without cp, e.g. --mesh tp=N")
 
 
+def prompt_ids(tok: CharTokenizer | HFTokenizer, prompt: str) -> np.ndarray:
+    """`prompt`'s ids as the model's tokenizer gives them by default: a Hugging Face
+    tokenizer's within its template's special tokens (Llama's BOS first), as transformers'
+    `tokenizer(prompt)` and so `generate` have them; a character vocabulary's as they are.
+    An empty prompt is then the template's start token alone, from which the model samples
+    as from a document's start; with no template it is refused: no token to start from."""
+    ids = tok.encode_default(prompt) if isinstance(tok, HFTokenizer) else tok.encode(prompt)
+    if ids.size == 0:
+        raise ConfigError(f"the prompt {prompt!r} gives no tokens and its tokenizer adds no start token: "
+                          "pass at least one character with --prompt")
+    return ids
+
+
+def shown(tok: CharTokenizer | HFTokenizer, ids: np.ndarray) -> str:
+    """The text of a sample's `ids` (`prompt_ids`' then the generated), without the start
+    tokens the template put before the prompt: the prompt as typed, then its continuation."""
+    start = tok.template[0] if isinstance(tok, HFTokenizer) else ()
+    skip = len(start) if tuple(int(i) for i in ids[:len(start)]) == start else 0
+    return tok.decode(ids[skip:])
+
+
 def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
-    """Generate `num_samples` texts (prompt included) from a checkpoint."""
+    """Generate `num_samples` texts (prompt included, as `shown`) from a checkpoint, the
+    prompt's ids as its tokenizer gives them by default (`prompt_ids`)."""
     cfg.validate()
     ck = load_checkpoint(cfg.ckpt, MPI.COMM_WORLD if comm is None else comm)  # every rank the same step
+    prompt = prompt_ids(ck.tokenizer, cfg.prompt)[None, :]
     mesh = Mesh.parse(cfg.mesh, comm)
     if mesh.size(("pp", "dp", "ep")) > 1:
         raise ConfigError("sampling runs on a tensor-parallel mesh only: use --mesh tp=N")
     dtype = np.float64 if ck.dtype == "float64" else np.float32
     params = shard_params(tree_map(lambda x: x.astype(dtype), ck.params), ck.model, mesh)
-    prompt = ck.tokenizer.encode(cfg.prompt)[None, :]
     model = ck.model
     if ck.max_positions is not None:  # rotary: the context may grow to what the prompt and its tokens need
         need = min(ck.max_positions, prompt.shape[1] + cfg.max_new_tokens)
@@ -220,5 +242,5 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
     for i in range(cfg.num_samples):
         ids = generate(params, model, mesh, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed + i,
                        cfg.kv_cache)
-        out.append(ck.tokenizer.decode(ids[0]))
+        out.append(shown(ck.tokenizer, ids[0]))
     return out
