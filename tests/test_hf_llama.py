@@ -5,13 +5,16 @@ Small random models built by transformers' own classes (`LlamaConfig`, `MixtralC
 in float32) for tied and untied heads, kv heads = heads and fewer, a sharded directory,
 bfloat16 weights and a Mixtral; greedy decoding gives `generate`'s tokens; numesh-trained
 Llama and Llama-MoE checkpoints export to directories transformers loads with the same
-logits, and import back to the same bits; the model's options come from the directory; the
-tokenizer travels; every refusal is one line. The safetensors reader on its own first.
+logits, and import back to the same bits; an export over a sharded model leaves both
+readers the new weights; the model's options come from the directory; the tokenizer
+travels; every refusal is one line. The safetensors reader on its own first.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -298,6 +301,57 @@ def test_export_loads_in_transformers_and_imports_to_the_same_bits(moe: bool, ll
     trainer = Trainer(cfg, MPI.COMM_SELF)
     for path, x in tree_leaves_with_path(trainer.params):
         assert np.array_equal(x[: want[path].shape[0]], want[path]), path
+
+
+def test_export_over_a_sharded_model_replaces_its_weights_for_both_readers(llama_data: Path, tok_json: str,
+                                                                             tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`export --force` into a directory holding a sharded model of the same shapes left its
+    index and shards beside the new model.safetensors; transformers loaded the new file,
+    numesh's reader the index: the old weights under the new config. Now the export
+    removes a model's weight files (and only those: a user's notes stay), a failed export
+    leaves the old model whole, and where both layouts are left numesh reads the one file,
+    as transformers does: both give the checkpoint's logits."""
+    from numesh.checkpoint import export_hf, read_global_params
+    from numesh.run.train import train
+
+    ckpt = train(llama_run(llama_data, tmp_path / "run"), MPI.COMM_SELF).checkpoint
+    model, _, params = read_global_params(ckpt)
+    d = save_model(tmp_path / "hf", tok_json, shard="8KB", intermediate_size=model.hidden, max_position_embeddings=16)
+    old = {p.name: p.read_bytes() for p in d.glob("model*.safetensors*")}
+    assert "model.safetensors.index.json" in old and len(old) > 2
+    (d / "pytorch_model.bin").write_bytes(b"an older torch save")
+    (d / "notes.txt").write_text("mine")
+    idx = np.random.default_rng(0).integers(0, model.vocab_size, (2, 16))
+    before = hf_logits(d, idx, "float64")
+
+    def fills_up(self: Path, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    with monkeypatch.context() as m, pytest.raises(CheckpointError, match="the disk is full"):
+        m.setattr(Path, "write_bytes", fills_up)
+        export_hf(ckpt, d, force=True)
+    assert {p.name: p.read_bytes() for p in d.glob("model*.safetensors*")} == old  # the old model whole
+    np.testing.assert_allclose(_numesh_dir_logits(d, idx), before, rtol=0, atol=1e-5)
+
+    export_hf(ckpt, d, force=True)
+    assert sorted(p.name for p in d.iterdir() if p.suffix in (".safetensors", ".bin", ".json")) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert (d / "notes.txt").read_text() == "mine"
+    want = numesh_logits(params, model, idx)
+    np.testing.assert_allclose(hf_logits(d, idx, "float64"), want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(_numesh_dir_logits(d, idx), want, rtol=0, atol=1e-12)
+    for name, data in old.items():  # both layouts side by side, as a save over a sharded one leaves them
+        if name != "model.safetensors":
+            (d / name).write_bytes(data)
+    np.testing.assert_allclose(hf_logits(d, idx, "float64"), want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(_numesh_dir_logits(d, idx), want, rtol=0, atol=1e-12)
+
+
+def _numesh_dir_logits(d: Path, idx: np.ndarray) -> np.ndarray:
+    """numesh's logits of the transformers directory `d`, read by its own reader."""
+    _, model, params = read_pretrained(d, np.float64, idx.shape[1])
+    return numesh_logits(params, model, idx)
 
 
 def test_what_transformers_cannot_compute_is_refused_in_one_line(llama_data: Path, tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 from numesh.base.errors import CheckpointError
 from numesh.base.files import os_reason
 from numesh.checkpoint.export import exported_tensors, to_nanogpt
+from numesh.checkpoint.hf_files import SINGLE, weight_files
 from numesh.checkpoint.hf_llama import to_llama
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
 from numesh.nn.gpt import GPTConfig
@@ -145,7 +146,9 @@ def _tokenizer_files(tok: CharTokenizer | HFTokenizer, model: GPTConfig) -> dict
 
 def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, force: bool = False) -> Path:
     """Write the checkpoint at `path` as a transformers directory `out_dir` (see the module
-    docstring). An existing non-empty `out_dir` is replaced only with `force`."""
+    docstring). An existing non-empty `out_dir` is written into only with `force`: the
+    files of the export replaced, a model's other weight files there removed
+    (`remove_old_weights`), anything else left."""
     from safetensors.numpy import save
 
     out = Path(out_dir)
@@ -169,13 +172,31 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        write_all(out, {"model.safetensors": save(sd, metadata={"format": "pt"}), **files})
+        write_all(out, {SINGLE: save(sd, metadata={"format": "pt"}), **files})
     except OSError as e:
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # as if never started: the rerun after freeing space needs no --force
         raise CheckpointError(f"cannot write {out}: {os_reason(e)}; nothing of this export "
                               "was left there") from None
+    remove_old_weights(out)
     return out
+
+
+def remove_old_weights(out: Path) -> None:
+    """Remove the weight files a model saved in `out` before left beside the new
+    model.safetensors (a sharded model's index and shards, torch .bin files): a reader
+    that looked for the index first would load the old weights under the new config.
+    Done after the new files are in place, so a failure leaves the new model whole (which
+    transformers and numesh both read, model.safetensors before any index) and a
+    failure before leaves the old one."""
+    for file in weight_files(out):
+        if file.name == SINGLE:
+            continue
+        try:
+            file.unlink(missing_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"the export is in {out}, but the old weight file {file.name} there cannot be "
+                                  f"removed ({os_reason(e)}): remove it yourself") from None
 
 
 def write_all(out: Path, files: dict[str, str | bytes]) -> None:
