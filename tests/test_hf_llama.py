@@ -5,13 +5,17 @@ Small random models built by transformers' own classes (`LlamaConfig`, `MixtralC
 in float32) for tied and untied heads, kv heads = heads and fewer, a sharded directory,
 bfloat16 weights and a Mixtral; greedy decoding gives `generate`'s tokens; numesh-trained
 Llama and Llama-MoE checkpoints export to directories transformers loads with the same
-logits, and import back to the same bits; the model's options come from the directory; the
-tokenizer travels; every refusal is one line. The safetensors reader on its own first.
+logits, and import back to the same bits; an export over a sharded model leaves both
+readers the new weights; a fine-tuned model exports with its source's special tokens, chat
+template and context; the model's options come from the directory; the tokenizer travels;
+every refusal is one line. The safetensors reader on its own first.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -396,6 +400,132 @@ def test_max_iters_0_converts_a_directory_into_a_checkpoint(tok_json: str, llama
     got = dict(tree_leaves_with_path(params))
     for path, x in tree_leaves_with_path(want):
         assert np.array_equal(got[path][: x.shape[0]], x), path
+
+
+def test_export_over_a_sharded_model_replaces_its_weights_for_both_readers(llama_data: Path, tok_json: str,
+                                                                             tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`export --force` into a directory holding a sharded model of the same shapes left its
+    index and shards beside the new model.safetensors; transformers loaded the new file,
+    numesh's reader the index: the old weights under the new config. Now the export
+    removes a model's weight files (and only those: a user's notes stay), a failed export
+    leaves the old model whole, and where both layouts are left numesh reads the one file,
+    as transformers does: both give the checkpoint's logits."""
+    from numesh.checkpoint import export_hf, read_global_params
+    from numesh.run.train import train
+
+    ckpt = train(llama_run(llama_data, tmp_path / "run"), MPI.COMM_SELF).checkpoint
+    model, _, params = read_global_params(ckpt)
+    d = save_model(tmp_path / "hf", tok_json, shard="8KB", intermediate_size=model.hidden, max_position_embeddings=16)
+    old = {p.name: p.read_bytes() for p in d.glob("model*.safetensors*")}
+    assert "model.safetensors.index.json" in old and len(old) > 2
+    (d / "pytorch_model.bin").write_bytes(b"an older torch save")
+    (d / "notes.txt").write_text("mine")
+    idx = np.random.default_rng(0).integers(0, model.vocab_size, (2, 16))
+    before = hf_logits(d, idx, "float64")
+
+    def fills_up(self: Path, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+
+    with monkeypatch.context() as m, pytest.raises(CheckpointError, match="the disk is full"):
+        m.setattr(Path, "write_bytes", fills_up)
+        export_hf(ckpt, d, force=True)
+    assert {p.name: p.read_bytes() for p in d.glob("model*.safetensors*")} == old  # the old model whole
+    np.testing.assert_allclose(_numesh_dir_logits(d, idx), before, rtol=0, atol=1e-5)
+
+    export_hf(ckpt, d, force=True)
+    assert sorted(p.name for p in d.iterdir() if p.suffix in (".safetensors", ".bin", ".json")) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert (d / "notes.txt").read_text() == "mine"
+    want = numesh_logits(params, model, idx)
+    np.testing.assert_allclose(hf_logits(d, idx, "float64"), want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(_numesh_dir_logits(d, idx), want, rtol=0, atol=1e-12)
+    for name, data in old.items():  # both layouts side by side, as a save over a sharded one leaves them
+        if name != "model.safetensors":
+            (d / name).write_bytes(data)
+    np.testing.assert_allclose(hf_logits(d, idx, "float64"), want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(_numesh_dir_logits(d, idx), want, rtol=0, atol=1e-12)
+
+
+def _numesh_dir_logits(d: Path, idx: np.ndarray) -> np.ndarray:
+    """numesh's logits of the transformers directory `d`, read by its own reader."""
+    _, model, params = read_pretrained(d, np.float64, idx.shape[1])
+    return numesh_logits(params, model, idx)
+
+
+CHAT = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+
+
+def test_a_fine_tuned_model_exports_with_its_sources_tokens_and_context(llama_data: Path, tok_json: str,
+                                                                           tmp_path: Path) -> None:
+    """A model fine-tuned from a transformers directory exported with the dataset's eos in
+    every token role (bos, unk; no pad, no chat template) and a context of the training
+    block size (16 of the source's 64), so `--init-from EXPORT --block-size 64` was refused.
+    Now its checkpoints record what the source said, a resume without the source (gone
+    since) keeps it, and the export gives it back as transformers reads it; a model trained
+    from scratch exports as before."""
+    import shutil
+
+    import attrs
+
+    from numesh.checkpoint import export_hf
+    from numesh.run.train import Trainer, train
+
+    src = save_model(tmp_path / "src", tok_json, intermediate_size=24, max_position_embeddings=64, pad_token_id=0)
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(src / "tokenizer.json"), bos_token="<s>",
+                                                  eos_token="</s>", pad_token="<s>", model_max_length=64)
+    theirs.chat_template = CHAT
+    theirs.save_pretrained(src)  # transformers' own files: chat_template.jinja beside tokenizer_config.json
+    (src / "tokenizer.json").write_text(tok_json, encoding="utf-8")  # the dataset's bytes, as they were
+    assert (src / "chat_template.jinja").exists()
+    cfg = llama_run(llama_data, tmp_path / "ft", init_from=str(src), ffn_hidden=24)
+    first = train(cfg, MPI.COMM_SELF).checkpoint
+    shutil.rmtree(src)
+    resumed = attrs.evolve(cfg, init_from="", resume=str(first), max_iters=4)
+    hf = export_hf(train(resumed, MPI.COMM_SELF).checkpoint, tmp_path / "hf")
+
+    tok = transformers.AutoTokenizer.from_pretrained(hf, local_files_only=True)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) == ("<s>", "</s>", "<s>", None)
+    assert tok.chat_template == CHAT and tok.model_max_length == 64
+    config = transformers.AutoConfig.from_pretrained(hf, local_files_only=True)
+    assert (config.max_position_embeddings, config.bos_token_id, config.eos_token_id, config.pad_token_id) == (
+        64, 0, 1, 0)
+    gen = transformers.GenerationConfig.from_pretrained(hf, local_files_only=True)
+    assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (0, 1, 0)
+    Trainer(llama_run(llama_data, tmp_path / "again", init_from=str(hf), block_size=64), MPI.COMM_SELF)
+
+    scratch = export_hf(train(llama_run(llama_data, tmp_path / "scratch"), MPI.COMM_SELF).checkpoint,
+                        tmp_path / "hf-scratch")
+    tok = transformers.AutoTokenizer.from_pretrained(scratch, local_files_only=True)
+    assert (tok.bos_token, tok.eos_token, tok.unk_token, tok.pad_token, tok.chat_template) == (
+        "</s>", "</s>", "</s>", None, None)
+    assert transformers.AutoConfig.from_pretrained(scratch, local_files_only=True).max_position_embeddings == 16
+
+
+def test_the_source_record_reads_older_spellings_and_a_broken_one_is_one_line(tok_json: str, tmp_path: Path) -> None:
+    """transformers 4's spellings (an AddedToken object, the chat template inside
+    tokenizer_config.json, several eos ids) are recorded as written; a file numesh cannot
+    read records nothing, as `numesh data tokenize` reads it; max_position_embeddings left
+    out is the class's default; a record edited into another shape is one line."""
+    from numesh.checkpoint.hf_source import SOURCE_KEY, read_source, recorded_source, tokenizer_fields
+
+    d = save_model(tmp_path / "src", tok_json)
+    bos = {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False, "rstrip": False,
+           "single_word": False}
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": bos, "eos_token": "</s>", "pad_token": None, "chat_template": CHAT, "model_max_length": 64}))
+    (d / "generation_config.json").write_text("{not json")
+    _edit_config(d, eos_token_id=[1, 0], max_position_embeddings=None)
+    record = read_source(d)
+    assert record == {"config_ids": {"bos_token_id": 0, "eos_token_id": [1, 0]}, "generation_ids": None,
+                      "tokenizer": {"bos_token": bos, "eos_token": "</s>", "model_max_length": 64,
+                                    "chat_template": CHAT},
+                      "max_position_embeddings": 2048}  # LlamaConfig's default
+    assert tokenizer_fields(record, "</s>", 16)["bos_token"] == bos
+    assert read_source(tmp_path / "model.safetensors") is None  # a `numesh export` file: nothing to record
+    with pytest.raises(CheckpointError, match=f"{SOURCE_KEY} is not the record numesh writes") as e:
+        recorded_source({SOURCE_KEY: {"tokenizer": "<s>"}}, tmp_path)
+    assert "\n" not in str(e.value)
 
 
 def test_what_transformers_cannot_compute_is_refused_in_one_line(llama_data: Path, tmp_path: Path) -> None:

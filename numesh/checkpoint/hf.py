@@ -10,11 +10,14 @@ weights are [in, out], as numesh's; biases written as zeros where numesh has non
 config.json's `numesh_bias` says), the tokenizer (a BPE dataset's `tokenizer.json`; for a
 character dataset an equivalent one, `CharTokenizer.to_hf_json`) with its
 `tokenizer_config.json`, and `generation_config.json`. For Llama and Mixtral: their
-config.json (`max_position_embeddings` = the block size; Mixtral's router is numesh's:
-softmax over every expert, top-k, renormalised), their tensor names and layouts, and the
-same tokenizer and generation files. A model of mixed parts (LayerNorm with rotary
-positions, say), or a Mixtral that numesh's options make other than Mixtral (experts in
-every other block, a capacity, biases), has no transformers class: a one-line refusal.
+config.json (`max_position_embeddings` = the block size, or the `--init-from` directory's
+where the run started from one; Mixtral's router is numesh's: softmax over every expert,
+top-k, renormalised), their tensor names and layouts, and the same tokenizer and
+generation files. A model trained from a transformers directory gets that directory's
+special tokens, chat template and token ids back (`numesh.checkpoint.hf_source`). A model
+of mixed parts (LayerNorm with rotary positions, say), or a Mixtral that numesh's options
+make other than Mixtral (experts in every other block, a capacity, biases), has no
+transformers class: a one-line refusal.
 """
 
 from __future__ import annotations
@@ -29,7 +32,17 @@ import numpy as np
 from numesh.base.errors import CheckpointError
 from numesh.base.files import os_reason
 from numesh.checkpoint.export import exported_tensors, to_nanogpt
+from numesh.checkpoint.format import Meta
+from numesh.checkpoint.hf_files import SINGLE, weight_files
 from numesh.checkpoint.hf_llama import to_llama
+from numesh.checkpoint.hf_source import (
+    CHAT_TEMPLATE_FILE,
+    config_ids,
+    generation_ids,
+    max_positions,
+    recorded_source,
+    tokenizer_fields,
+)
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
 from numesh.nn.gpt import GPTConfig
 from numesh.nn.layers import LN_EPS
@@ -131,21 +144,43 @@ def _converted(params: Any, model: GPTConfig) -> dict[str, np.ndarray]:
     return to_hf(params, model) if hf_kind(model) == "gpt2" else to_llama(params, model)
 
 
-def _tokenizer_files(tok: CharTokenizer | HFTokenizer, model: GPTConfig) -> dict[str, str]:
-    if isinstance(tok, HFTokenizer):
-        special = {"bos_token": tok.eot, "eos_token": tok.eot, "unk_token": tok.eot}
-        text = tok.json_text
+def _tokenizer_files(tok: CharTokenizer | HFTokenizer, source: dict[str, Any] | None,
+                     max_length: int) -> dict[str, str]:
+    """tokenizer.json, tokenizer_config.json (the special tokens and chat template
+    `tokenizer_fields` gives) and, for one chat template, chat_template.jinja (which
+    transformers 5 reads before tokenizer_config.json's: an older one there must not win)."""
+    hf = isinstance(tok, HFTokenizer)
+    fields = tokenizer_fields(source, tok.eot if hf else None, max_length)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **fields}
+    files = {"tokenizer.json": tok.json_text if hf else tok.to_hf_json(),
+             "tokenizer_config.json": json.dumps(config, indent=1)}
+    if isinstance(fields.get("chat_template"), str):
+        files[CHAT_TEMPLATE_FILE] = fields["chat_template"]
+    return files
+
+
+def _side_files(meta: Meta, tok: CharTokenizer | HFTokenizer, dtype: str) -> dict[str, str]:
+    """Every file of the export but its weights: config.json, generation_config.json and the
+    tokenizer's, with what the checkpoint recorded of its `--init-from` directory."""
+    source = recorded_source(meta.raw, meta.root)
+    eot = tok.eot_id if isinstance(tok, HFTokenizer) else None
+    kind = hf_kind(meta.model)
+    if kind == "gpt2":
+        config, context = hf_config(meta.model, eot, dtype), meta.model.block_size  # a learned table: no longer
     else:
-        special = {}
-        text = tok.to_hf_json()
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.block_size,
-              "clean_up_tokenization_spaces": False, **special}
-    return {"tokenizer.json": text, "tokenizer_config.json": json.dumps(config, indent=1)}
+        context = max_positions(source, meta.model.block_size)
+        config = llama_config(meta.model, kind, eot, dtype) | {"max_position_embeddings": context}
+    config |= config_ids(source, eot)
+    return {"config.json": json.dumps(config, indent=1),
+            "generation_config.json": json.dumps(generation_ids(source, eot), indent=1),
+            **_tokenizer_files(tok, source, context)}
 
 
 def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, force: bool = False) -> Path:
     """Write the checkpoint at `path` as a transformers directory `out_dir` (see the module
-    docstring). An existing non-empty `out_dir` is replaced only with `force`."""
+    docstring). An existing non-empty `out_dir` is written into only with `force`: the
+    files of the export replaced, a model's other weight files there removed
+    (`remove_old_weights`), anything else left."""
     from safetensors.numpy import save
 
     out = Path(out_dir)
@@ -158,24 +193,35 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
     if tok_meta is None:
         raise CheckpointError(f"{meta.root} holds no tokenizer, which a transformers directory needs: resume it "
                               "once with --data set to its dataset, then export")
-    tok = tokenizer_from_meta(tok_meta)
-    eot = tok.eot_id if isinstance(tok, HFTokenizer) else None
-    name = np.dtype(next(iter(sd.values())).dtype).name
-    kind = hf_kind(meta.model)
-    config = hf_config(meta.model, eot, name) if kind == "gpt2" else llama_config(meta.model, kind, eot, name)
-    files = {"config.json": json.dumps(config, indent=1),
-             "generation_config.json": json.dumps({"bos_token_id": eot, "eos_token_id": eot}, indent=1),
-             **_tokenizer_files(tok, meta.model)}
+    files = _side_files(meta, tokenizer_from_meta(tok_meta), np.dtype(next(iter(sd.values())).dtype).name)
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        write_all(out, {"model.safetensors": save(sd, metadata={"format": "pt"}), **files})
+        write_all(out, {SINGLE: save(sd, metadata={"format": "pt"}), **files})
     except OSError as e:
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # as if never started: the rerun after freeing space needs no --force
         raise CheckpointError(f"cannot write {out}: {os_reason(e)}; nothing of this export "
                               "was left there") from None
+    remove_old_weights(out)
     return out
+
+
+def remove_old_weights(out: Path) -> None:
+    """Remove the weight files a model saved in `out` before left beside the new
+    model.safetensors (a sharded model's index and shards, torch .bin files): a reader
+    that looked for the index first would load the old weights under the new config.
+    Done after the new files are in place, so a failure leaves the new model whole (which
+    transformers and numesh both read, model.safetensors before any index) and a
+    failure before leaves the old one."""
+    for file in weight_files(out):
+        if file.name == SINGLE:
+            continue
+        try:
+            file.unlink(missing_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"the export is in {out}, but the old weight file {file.name} there cannot be "
+                                  f"removed ({os_reason(e)}): remove it yourself") from None
 
 
 def write_all(out: Path, files: dict[str, str | bytes]) -> None:

@@ -9,14 +9,17 @@ a 70 GB model holds its own shards and one tensor, never the whole file. (Not a 
 the pages of a mapping that a read touched stay in the process's resident memory until it
 is unmapped, a second copy of the tensor beside the destination.) Both layouts
 transformers saves are read: one `model.safetensors`, or `model.safetensors.index.json`
-naming the shard file of every tensor. F32, F64, F16 and BF16 tensors convert exactly into
-float32 or float64 (bfloat16 is float32's upper 16 bits: shifted back into place).
+naming the shard file of every tensor; where a directory has both, the one file, which is
+what transformers loads. F32, F64, F16 and BF16 tensors convert exactly into float32 or
+float64 (bfloat16 is float32's upper 16 bits: shifted back into place).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,9 @@ from numesh.base.errors import CheckpointError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+TORCH_INDEX = "pytorch_model.bin.index.json"
+# the weight files transformers' save_pretrained names: one file, or numbered shards
+_WEIGHT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|pytorch_model(-\d{5}-of-\d{5})?\.bin")
 _RAW = {"F32": np.dtype("<f4"), "F64": np.dtype("<f8"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 _BLOCK_BYTES = 16 << 20  # conversion works this many bytes of a tensor at a time
 _MAX_HEADER = 100 << 20  # a larger header is a corrupt file (safetensors' own limit)
@@ -87,18 +93,45 @@ def _header(file: Path) -> dict[str, TensorInfo]:
     return out
 
 
-def _shard_files(directory: Path) -> list[Path]:
-    """The safetensors files of a directory: the index's shards, or the one model file."""
-    if (directory / INDEX).exists():
-        index = read_json_file(directory / INDEX, "rewrite it with save_pretrained")
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{directory / INDEX} has no weight_map of tensor names to files")
-        return [directory / name for name in dict.fromkeys(weight_map.values())]
+def _shard_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a directory, chosen as transformers' `from_pretrained` does:
+    the one model file when there is one (even beside an index, which a model saved over a
+    sharded one may have left), else the index's shards; and the index's weight_map when
+    it was read."""
     if (directory / SINGLE).exists():
-        return [directory / SINGLE]
+        return [directory / SINGLE], None
+    if (directory / INDEX).exists():
+        named = _weight_map(directory)
+        return [directory / name for name in dict.fromkeys(named.values())], named
     raise CheckpointError(f"{directory} holds no weights: it needs {SINGLE} or {INDEX} with its shards "
                           "(save the model with save_pretrained(..., safe_serialization=True))")
+
+
+def _weight_map(directory: Path) -> dict[str, str]:
+    """The index's weight_map: tensor name -> shard file name."""
+    index = read_json_file(directory / INDEX, "rewrite it with save_pretrained")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{directory / INDEX} has no weight_map of tensor names to files")
+    return weight_map
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """Every weight file of the model(s) saved in `directory`, its indexes first: the names
+    transformers saves (`model.safetensors`, `model-00001-of-00002.safetensors`, the torch
+    `pytorch_model*.bin`), the two indexes and any other weight file an index names. What a new
+    model written there must replace, and nothing else a directory may hold."""
+    indexes = [directory / name for name in (INDEX, TORCH_INDEX) if (directory / name).is_file()]
+    named = set()
+    for index in indexes:
+        with contextlib.suppress(CheckpointError):  # a broken index names nothing: it goes all the same
+            weight_map = read_json_file(index, "").get("weight_map")
+            if isinstance(weight_map, dict):
+                named |= {v for v in weight_map.values()
+                          if isinstance(v, str) and v.endswith((".safetensors", ".bin"))}
+    files = sorted(p for p in directory.iterdir() if (_WEIGHT_NAME.fullmatch(p.name) or p.name in named)
+                   and p.is_file())
+    return indexes + files
 
 
 @attrs.frozen
@@ -147,7 +180,8 @@ def open_weights(directory: Path) -> Weights:
     """Every tensor of `directory`'s safetensors file(s), from their headers alone; a missing
     file, a tensor in two files or one the index names but its file lacks is one line."""
     tensors: dict[str, TensorInfo] = {}
-    for file in _shard_files(directory):
+    files, named = _shard_files(directory)
+    for file in files:
         if not file.exists():
             raise CheckpointError(f"{directory / INDEX} names {file.name}, which is missing from {directory}")
         for name, info in _header(file).items():
@@ -155,8 +189,7 @@ def open_weights(directory: Path) -> Weights:
                 raise CheckpointError(f"{directory}: tensor '{name}' is in both {tensors[name].file.name} and "
                                       f"{file.name}")
             tensors[name] = info
-    if (directory / INDEX).exists():
-        named = read_json_file(directory / INDEX, "rewrite it with save_pretrained")["weight_map"]
+    if named is not None:
         lost = sorted(k for k, v in named.items() if k not in tensors or tensors[k].file.name != v)
         if lost:
             raise CheckpointError(f"{directory / INDEX} puts tensor '{lost[0]}' in {named[lost[0]]}, which does "

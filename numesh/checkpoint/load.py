@@ -11,6 +11,7 @@ from numesh.base.errors import CheckpointError
 from numesh.base.tree import tree_leaves_with_path, tree_map
 from numesh.checkpoint.common import read_group, read_meta, read_params
 from numesh.checkpoint.format import BlockReader, Meta, vocab_difference
+from numesh.checkpoint.hf_source import recorded_source
 from numesh.checkpoint.model import check_model, gpt_leaves, local_paths
 from numesh.checkpoint.pinned import read_pinned, read_pinned_on
 from numesh.checkpoint.state import LocalState
@@ -81,7 +82,7 @@ def read_local_state(path: str | Path, mesh: Mesh, model: GPTConfig, layout: Sta
         if optimizer is not None:
             check_optimizer(meta, optimizer)
         return LocalState(_read_local_trees(meta, mesh, model, layout, dtype), meta.step, meta.opt_step,
-                          meta.optimizer)
+                          meta.optimizer, recorded_source(meta.raw, meta.root))
 
     return read_pinned_on(mesh.world, path, read)
 

@@ -38,6 +38,7 @@ from numesh.checkpoint.format import (
     write_text_synced,
     writes_leaf,
 )
+from numesh.checkpoint.hf_source import SOURCE_KEY
 from numesh.checkpoint.model import gpt_leaves, written_leaves
 from numesh.checkpoint.state import TrainState, checkpoint_groups, state_groups
 from numesh.mesh import AXES
@@ -120,6 +121,7 @@ def build_meta(state: TrainState, leaves: dict[str, LeafDef], written: list[Writ
         "data": {"batch_key": "[seed, 0, step]", "next_step": step},
         "train": state.run_config,
         "tokenizer": state.tokenizer,
+        **({} if state.source is None else {SOURCE_KEY: state.source}),
         "leaves": table,
     }
 

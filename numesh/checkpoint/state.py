@@ -53,6 +53,7 @@ class TrainState:
     run_config: dict[str, Any] | None = None  # meta.json "train": the run's whole config
     tokenizer: dict[str, Any] | None = None  # meta.json "tokenizer" (the dataset tokenizer's to_meta())
     optimizer: str = LEGACY_OPTIMIZER  # meta.json "optimizer"
+    source: dict[str, Any] | None = None  # meta.json "init_source": what the run's --init-from directory said
 
     def __attrs_post_init__(self) -> None:
         want = state_groups(self.optimizer)
@@ -64,9 +65,11 @@ class TrainState:
 @attrs.frozen(eq=False)
 class LocalState:
     """What loading a checkpoint gives one rank: trees shaped like `TrainState.trees` (in
-    the run's dtype and layout), the step to continue from, the optimiser's step and name."""
+    the run's dtype and layout), the step to continue from, the optimiser's step and name,
+    and the record of the transformers directory its run started from (or None)."""
 
     trees: dict[str, GPT]
     step: int
     opt_step: int
     optimizer: str = LEGACY_OPTIMIZER
+    source: dict[str, Any] | None = None

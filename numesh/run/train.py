@@ -26,6 +26,7 @@ from numesh.base.tree import tree_leaves, tree_leaves_with_path, tree_map
 from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
 from numesh.checkpoint.background import AsyncCheckpoints
 from numesh.checkpoint.format import step_dir_name
+from numesh.checkpoint.hf_source import read_source
 from numesh.checkpoint.init_from import initial_shards
 from numesh.data.batches import eval_key, local_batch, train_key
 from numesh.data.dataset import Dataset, bits_per_byte, bytes_per_token, open_dataset, verify_dataset
@@ -115,6 +116,7 @@ class Trainer:
         self.specs = stage_tree(gpt_specs(self.model), self.layout, pp_rank)
         self.optimizer = make_optimizer(cfg.optimizer, attrs.asdict(cfg))
         params = self._initial_params()
+        self.source = read_source(cfg.init_from) if cfg.init_from else None  # what the export gives back
         # a tied wte's copy on the last stage: counted on the first rank
         tied_copy = self.model.tie_embeddings and self.layout.holds_tied(pp_rank) and self.layout.is_last(pp_rank)
         units = split_units(params)
@@ -310,19 +312,22 @@ def train_state(trainer: Trainer) -> TrainState:
         trees={g: join_units(t) for g, t in trainer.opt.state_trees().items()},
         step=trainer.step, opt_step=trainer.opt.opt_step, dtype=c.dtype, seed=c.seed,
         optimizer=trainer.optimizer.name,
-        run_config=attrs.asdict(c), tokenizer=tokenizer,
+        run_config=attrs.asdict(c), tokenizer=tokenizer, source=trainer.source,
     )
 
 
 def restore(trainer: Trainer, path: str | Path) -> None:
-    """Set the trainer's parameters, optimiser state and steps from a checkpoint written on
-    any mesh (collective; on error every rank raises and the trainer is unchanged). A
-    checkpoint trained on another vocabulary than the run's dataset, or with another
-    optimiser, is refused."""
+    """Set the trainer's parameters, optimiser state and steps (and the record of its run's
+    `--init-from` directory, if it has one) from a checkpoint written on any mesh
+    (collective; on error every rank raises and the trainer is unchanged). A checkpoint
+    trained on another vocabulary than the run's dataset, or with another optimiser, is
+    refused."""
     got = read_local_state(path, trainer.mesh, trainer.model, trainer.layout, trainer.dtype,
                            trainer.dataset.tokenizer, f"dataset {trainer.cfg.data}", trainer.optimizer.name)
     trainer.opt.load_state_trees({g: split_units(t) for g, t in got.trees.items()}, got.opt_step)
     trainer.step = got.step
+    if got.source is not None:  # the weights' source, kept by every later checkpoint of the run
+        trainer.source = got.source
 
 
 def save_step(trainer: Trainer, out_dir: Path, keep: int = 0, saves: AsyncCheckpoints | None = None) -> Path:
