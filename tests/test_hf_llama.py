@@ -349,6 +349,11 @@ def _edit_weights(d: Path, drop: str | None = None, transpose: str | None = None
     save_file(sd, d / "model.safetensors")
 
 
+def _truncate(file: Path, size: int) -> None:
+    """`file` cut to its first `size` bytes, as a copy that stopped short leaves it."""
+    file.write_bytes(file.read_bytes()[:size])
+
+
 def test_init_from_alone_sets_the_model_and_a_conflicting_option_is_one_line(tok_json: str, llama_data: Path,
                                                                               tmp_path: Path) -> None:
     from numesh.run.config import config_from
@@ -395,6 +400,8 @@ REFUSALS = [  # (how the directory is spoiled, what the one line says)
     (lambda d: _edit_weights(d, add="model.layers.0.self_attn.q_norm.weight"),
      "unexpected tensor 'model.layers.0.self_attn.q_norm.weight'"),
     (lambda d: (d / "tokenizer.json").unlink(), "has no tokenizer.json"),
+    (lambda d: _truncate(d / "tokenizer.json", 500), "tokenizer.json is not valid JSON ("),
+    (lambda d: (d / "tokenizer.json").write_text("[]"), "tokenizer.json is not a JSON object but list"),
 ]
 
 

@@ -58,6 +58,24 @@ def _same_tokenizer(tok_text: str, dataset: CharTokenizer | HFTokenizer) -> bool
     return isinstance(model, dict) and model.get("vocab") == {c: i for i, c in enumerate(dataset.chars)}
 
 
+def _tokenizer_text(file: Path) -> str:
+    """The text of a directory's tokenizer.json, a JSON object: one line naming the file where
+    it is missing or not one (a truncated copy), not a JSON parser's traceback."""
+    if not file.exists():
+        raise ConfigError(f"{file.parent} has no tokenizer.json: numesh tokenises with the model's own tokenizer; "
+                          "copy it there from the model's source")
+    text = read_tokenizer_file(file)
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"{file} is not valid JSON ({e}): copy the model's tokenizer.json there again from its "
+                          "source") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{file} is not a JSON object but {type(obj).__name__}: copy the model's tokenizer.json "
+                          "there again from its source")
+    return text
+
+
 def load_init(path: str | Path, model: GPTConfig, dataset: CharTokenizer | HFTokenizer, dtype: Any) -> GPT:
     """The whole parameters at `path` in `dtype`, for a run of `model` on a dataset
     tokenised by `dataset`; ConfigError where they do not fit."""
@@ -94,10 +112,7 @@ def _check_pretrained(p: Path, model: GPTConfig, dataset: CharTokenizer | HFToke
     if model.block_size > pre.max_positions:
         raise ConfigError(f"--block-size {model.block_size} is longer than {p}'s max_position_embeddings "
                           f"{pre.max_positions}: use at most {pre.max_positions}")
-    text = read_tokenizer_file(p / "tokenizer.json") if (p / "tokenizer.json").exists() else None
-    if text is None:
-        raise ConfigError(f"{p} has no tokenizer.json: numesh tokenises with the model's own tokenizer; copy it "
-                          "there from the model's source")
+    text = _tokenizer_text(p / "tokenizer.json")
     if pre.vocab_size != model.vocab_size:
         raise ConfigError(f"--init-from {p} has vocab_size {pre.vocab_size}, --data's tokenizer "
                           f"{model.vocab_size} entries: {TOKENIZE}")

@@ -224,7 +224,10 @@ class HFTokenizer:
         text = read_tokenizer_file(file)
         if CharTokenizer.from_hf_json(text) is not None:
             raise DataError(char_route(str(path), str(path)))
-        return cls(text, eot if eot is not None else directory_eos(file.parent, text) or EOT)
+        try:
+            return cls(text, eot if eot is not None else directory_eos(file.parent, text) or EOT)
+        except DataError as e:  # which file: a model directory's, say, not the one the user named
+            raise DataError(f"{file}: {e}") from None
 
     @property
     def vocab_size(self) -> int:
