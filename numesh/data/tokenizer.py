@@ -177,6 +177,18 @@ def read_tokenizer_file(path: str | Path) -> str:
                         "pass a readable tokenizer.json") from None
 
 
+def tokenizer_file(path: str | Path) -> Path:
+    """The tokenizer.json a --tokenizer option names: the file itself, or the one in the
+    directory `path` (a transformers model's, or a `numesh export --format hf` one)."""
+    p = Path(path)
+    if not p.is_dir():
+        return p
+    if not (p / "tokenizer.json").exists():
+        raise DataError(f"{p} has no tokenizer.json: pass a directory holding one (a transformers model's) "
+                        "or the file itself")
+    return p / "tokenizer.json"
+
+
 def char_route(what: str, path: str) -> str:
     """Why a character vocabulary cannot tokenise a corpus into shards, and what does."""
     return (f"{what} is a character vocabulary (a character model's export), with no end-of-text token to "
@@ -216,11 +228,7 @@ class HFTokenizer:
         """The tokenizer.json at `path`, or in the transformers directory `path` (a model's:
         `numesh data tokenize --tokenizer DIR`). `eot` None: the directory's end-of-sequence
         token (`directory_eos`), else `EOT`."""
-        p = Path(path)
-        file = p / "tokenizer.json" if p.is_dir() else p
-        if p.is_dir() and not file.exists():
-            raise DataError(f"{p} has no tokenizer.json: pass a directory holding one (a transformers model's) "
-                            "or the file itself")
+        file = tokenizer_file(path)
         text = read_tokenizer_file(file)
         if CharTokenizer.from_hf_json(text) is not None:
             raise DataError(char_route(str(path), str(path)))
