@@ -228,6 +228,19 @@ def test_greedy_sampling_gives_generates_tokens(tok_json: str, tmp_path: Path) -
     assert res.stdout.strip() == text.strip()
 
 
+def test_sampling_a_directory_without_a_readable_tokenizer_is_one_line(tok_json: str, tmp_path: Path) -> None:
+    """Missing, it says to copy it there (sample has no option naming a tokenizer, so not
+    "pass a directory holding one or the file itself"); cut short, it names the file."""
+    d = save_model(tmp_path / "hf", tok_json)
+    (d / "tokenizer.json").unlink()
+    line = one_error_line(cli("sample", str(d), "--max-new-tokens", "2"))
+    assert f"{d} has no tokenizer.json, which turns the prompt into token ids" in line
+    assert "copy the model's tokenizer.json into it" in line and "pass" not in line
+    (d / "tokenizer.json").write_text(tok_json[:500], encoding="utf-8")
+    line = one_error_line(cli("sample", str(d), "--max-new-tokens", "2"))
+    assert f"{d / 'tokenizer.json'}: not a Hugging Face tokenizer file (" in line
+
+
 # ---------------------------------------------------------------------------------------
 # a dataset tokenised with the model's tokenizer; a short numesh run of the Llama kind
 

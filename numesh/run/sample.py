@@ -90,13 +90,22 @@ def load_pretrained(directory: Path) -> Checkpoint:
     dtype = np.float64 if weights_dtype(open_weights(directory)) == "float64" else np.float32
     pre, model, params = read_pretrained(directory, dtype, 1)
     model = attrs.evolve(model, block_size=min(pre.max_positions, PRETRAINED_CONTEXT))
-    file = Path(directory) / "tokenizer.json"  # a character model's export holds its vocabulary as one
-    tok = (file.exists() and CharTokenizer.from_hf_json(read_tokenizer_file(file))) or HFTokenizer.from_file(
-        directory, None)
+    tok = _pretrained_tokenizer(directory)
     if tok.vocab_size != model.vocab_size:
         raise CheckpointError(f"{directory}: its tokenizer has {tok.vocab_size} entries but its model vocab_size is "
                               f"{model.vocab_size}: numesh's vocabulary is its tokenizer's")
     return Checkpoint(model, tok, params, np.dtype(dtype).name, 0, pre.max_positions)
+
+
+def _pretrained_tokenizer(directory: Path) -> CharTokenizer | HFTokenizer:
+    """A Llama-family directory's tokenizer.json: a character model's export's vocabulary,
+    or a Hugging Face tokenizer ending documents with the directory's eos token. Without
+    one, one line saying to copy it there (sample has no option naming a tokenizer)."""
+    file = Path(directory) / "tokenizer.json"
+    if not file.exists():
+        raise CheckpointError(f"{directory} has no tokenizer.json, which turns the prompt into token ids and the "
+                              "samples back into text: copy the model's tokenizer.json into it from its source")
+    return CharTokenizer.from_hf_json(read_tokenizer_file(file)) or HFTokenizer.from_file(directory, None)
 
 
 def pick(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:
@@ -202,6 +211,15 @@ class SampleConfig:
             raise ConfigError("sampling does not run with context parallelism: use a mesh without cp, e.g. --mesh tp=N")
 
 
+def check_split(model: GPTConfig, tp: int) -> None:
+    """A ConfigError when `model` does not split over `tp`, naming the tp sizes that do:
+    sampling changes the mesh, never the model (train's fix, --ffn-hidden, is no option here)."""
+    problem = model.tp_problem(tp)
+    if problem is not None:
+        raise ConfigError(f"{problem[0]}: sample on another mesh, --mesh tp=N with N {model.tp_sizes()} "
+                          "(and as many ranks)")
+
+
 def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
     """Generate `num_samples` texts (prompt included) from a checkpoint."""
     cfg.validate()
@@ -209,6 +227,7 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
     mesh = Mesh.parse(cfg.mesh, comm)
     if mesh.size(("pp", "dp", "ep")) > 1:
         raise ConfigError("sampling runs on a tensor-parallel mesh only: use --mesh tp=N")
+    check_split(ck.model, mesh.size("tp"))
     dtype = np.float64 if ck.dtype == "float64" else np.float32
     params = shard_params(tree_map(lambda x: x.astype(dtype), ck.params), ck.model, mesh)
     prompt = ck.tokenizer.encode(cfg.prompt)[None, :]
