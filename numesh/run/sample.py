@@ -80,21 +80,25 @@ PRETRAINED_CONTEXT = 2048
 def load_pretrained(directory: Path) -> Checkpoint:
     """A transformers directory (Llama, Mistral, Mixtral or GPT-2) as a checkpoint for
     generation, its tokenizer.json (ending documents with the directory's eos token) with
-    it; float64 weights stay float64, any other float32."""
+    it; float64 weights stay float64, any other float32. The model may have more rows than
+    the tokenizer has entries (a padded embedding): `sample` never draws those ids."""
     from numesh.checkpoint.hf import import_hf
 
     if model_type(directory) == "gpt2":
         model, text, params = import_hf(directory)
         tok = CharTokenizer.from_hf_json(text) or HFTokenizer.from_file(directory, None)
-        return Checkpoint(model, tok, params, params.wte.dtype.name, 0)
-    dtype = np.float64 if weights_dtype(open_weights(directory)) == "float64" else np.float32
-    pre, model, params = read_pretrained(directory, dtype, 1)
-    model = attrs.evolve(model, block_size=min(pre.max_positions, PRETRAINED_CONTEXT))
-    tok = _pretrained_tokenizer(directory)
-    if tok.vocab_size != model.vocab_size:
-        raise CheckpointError(f"{directory}: its tokenizer has {tok.vocab_size} entries but its model vocab_size is "
-                              f"{model.vocab_size}: numesh's vocabulary is its tokenizer's")
-    return Checkpoint(model, tok, params, np.dtype(dtype).name, 0, pre.max_positions)
+        ck = Checkpoint(model, tok, params, params.wte.dtype.name, 0)
+    else:
+        dtype = np.float64 if weights_dtype(open_weights(directory)) == "float64" else np.float32
+        pre, model, params = read_pretrained(directory, dtype, 1)
+        model = attrs.evolve(model, block_size=min(pre.max_positions, PRETRAINED_CONTEXT))
+        ck = Checkpoint(model, _pretrained_tokenizer(directory), params, np.dtype(dtype).name, 0, pre.max_positions)
+    rows = ck.model.vocab_size
+    if ck.tokenizer.vocab_size > rows:
+        raise CheckpointError(f"{directory}: its tokenizer.json has {ck.tokenizer.vocab_size} entries but "
+                              f"config.json's vocab_size is only {rows}: ids from {rows} on have no embedding row; "
+                              "use the model's own tokenizer.json and config.json")
+    return ck
 
 
 def _pretrained_tokenizer(directory: Path) -> CharTokenizer | HFTokenizer:
@@ -138,8 +142,11 @@ def generate(
     top_k: int | None = 200,
     seed: int = 1337,
     kv_cache: bool = True,
+    tokens: int | None = None,
 ) -> np.ndarray:
     """Extend `prompt` [B, T0] by `max_new_tokens` tokens; the context is the last block_size tokens.
+    Only ids below `tokens` are drawn (None: every id of the model): a tokenizer may have
+    fewer entries than a padded embedding has rows, and the ids past it mean no text.
 
     With the KV cache each new token costs one position until the context is full; after
     that the window slides and, positions being absolute, the window is recomputed."""
@@ -164,7 +171,7 @@ def generate(
             logits = logits_cached(params, idx[:, -bs:], cache, model, mesh)
         else:
             logits = logits_cached(params, idx[:, -1:], cache, model, mesh)
-        nxt = pick(logits, temperature, top_k, rng)
+        nxt = pick(logits[:, :tokens], temperature, top_k, rng)
         idx = np.concatenate([idx, nxt[:, None]], axis=1)
     return idx
 
@@ -238,6 +245,6 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
     out = []
     for i in range(cfg.num_samples):
         ids = generate(params, model, mesh, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed + i,
-                       cfg.kv_cache)
+                       cfg.kv_cache, ck.tokenizer.vocab_size)
         out.append(ck.tokenizer.decode(ids[0]))
     return out
