@@ -508,8 +508,8 @@ def test_reshard_to_a_cp_mesh_writes_the_same_blocks(saved: Path, data: Path, tm
 
 
 def test_reshard_validates_the_target(saved: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="n_head=4 is not divisible by tp=3"):
-        reshard(saved, "tp=3", tmp_path / "x")
+    with pytest.raises(ConfigError, match="^n_head=4 is not divisible by tp=3: reshard --to another tp, 1, 2 or 4$"):
+        reshard(saved, "tp=3", tmp_path / "x")  # the checkpoint's model is fixed: no model option to name
     with pytest.raises(ConfigError, match="n_layer=2 is not divisible"):
         reshard(saved, "pp=3", tmp_path / "x")
     with pytest.raises(MeshError, match="unknown mesh axis 'xp'"):
@@ -673,12 +673,19 @@ def test_checkpoint_without_tokenizer_still_resumes(broken: Path, data: Path, tm
         load_checkpoint(broken)
 
 
-def test_tokenizer_of_another_size_than_the_model(broken: Path, fresh: Trainer) -> None:
-    edit_meta(broken, lambda m: m["tokenizer"].update(vocab_size=3, chars=["a", "b", "c"]))
-    with pytest.raises(CheckpointError, match="its tokenizer has 3 entries but its model vocab_size is 11"):
+def test_a_tokenizer_larger_than_the_model_is_inconsistent(broken: Path, fresh: Trainer) -> None:
+    """More entries than the model has rows: ids without a row. Fewer is a padded
+    vocabulary (a run from a transformers model padded to a multiple of 64 keeps its rows)."""
+    edit_meta(broken, lambda m: m["tokenizer"].update(vocab_size=12, chars=list("abcdefghijkl")))
+    with pytest.raises(CheckpointError, match="its tokenizer has 12 entries but its model vocab_size is only 11"):
         restore(fresh, broken)
-    with pytest.raises(CheckpointError, match="its tokenizer has 3 entries"):
+    with pytest.raises(CheckpointError, match="its tokenizer has 12 entries"):
         read_global_params(broken)
+    edit_meta(broken, lambda m: m["tokenizer"].update(vocab_size=3, chars=["a", "b", "c"]))
+    model, tok, _ = read_global_params(broken)
+    assert (model.vocab_size, tok.vocab_size) == (11, 3)
+    with pytest.raises(CheckpointError, match="was trained on another vocabulary"):  # its 3, not the dataset's 11
+        restore(fresh, broken)
 
 
 # ---------------------------------------------------------------------------------------
@@ -732,8 +739,8 @@ def rewrite_metadata(src: Path, dst: Path, **changes: str | None) -> None:
     [
         ({"tokenizer": "null"}, r"holds no tokenizer, so its token ids cannot be turned into text: export it again"),
         ({"tokenizer": None}, r"holds no tokenizer"),
-        ({"tokenizer": json.dumps({"vocab_size": 3, "chars": ["a", "b", "c"]})},
-         r"its tokenizer has 3 entries but its model vocab_size is 11"),
+        ({"tokenizer": json.dumps({"vocab_size": 12, "chars": list("abcdefghijkl")})},
+         r"its tokenizer has 12 entries but its model vocab_size is only 11"),
         ({"tokenizer": "{not json"}, r"bad metadata"),
         ({"tokenizer": json.dumps({"chars": ["a", "a"]})}, r"bad metadata"),
     ],

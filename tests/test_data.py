@@ -872,6 +872,16 @@ def test_a_character_models_export_fine_tunes_through_data_char(tmp_path: Path) 
     assert res.exit_code == 0, res.stderr
     tok = load_tokenizer(tmp_path / "d")
     assert tok == CharTokenizer.from_text(SYNTH) != CharTokenizer.from_text(src.read_text(encoding="utf-8"))
+    # the export's directory, as `data tokenize --tokenizer DIR` suggests it, is as good as its file
+    line = one_error_line(cli("data", "tokenize", "--tokenizer", str(tmp_path), "--src", str(src),
+                              "--out", str(tmp_path / "t")))
+    assert f"`numesh data char --tokenizer {tmp_path} --src FILE --out DIR`" in line
+    res = cli("data", "char", "--tokenizer", str(tmp_path), "--src", str(src), "--out", str(tmp_path / "dd"))
+    assert res.exit_code == 0, res.stderr
+    assert load_tokenizer(tmp_path / "dd") == tok
+    (tmp_path / "empty").mkdir()
+    assert f"{tmp_path / 'empty'} has no tokenizer.json" in one_error_line(cli(
+        "data", "char", "--tokenizer", str(tmp_path / "empty"), "--src", str(src), "--out", str(tmp_path / "g")))
     assert _same_tokenizer(exported.read_text(encoding="utf-8"), tok)
     assert f"--tokenizer {exported}" in opened.rebuild_hint(opened.read_meta(tmp_path / "d"), tmp_path / "d")
     src.write_text(SYNTH + "§", encoding="utf-8")

@@ -311,6 +311,19 @@ def test_a_corpus_tokenised_with_a_bos_template_starts_each_document_with_it(tok
         assert np.asarray(stream[np.arange(len(stream))]).tolist() == want[split]
 
 
+def test_sampling_a_directory_without_a_readable_tokenizer_is_one_line(tok_json: str, tmp_path: Path) -> None:
+    """Missing, it says to copy it there (sample has no option naming a tokenizer, so not
+    "pass a directory holding one or the file itself"); cut short, it names the file."""
+    d = save_model(tmp_path / "hf", tok_json)
+    (d / "tokenizer.json").unlink()
+    line = one_error_line(cli("sample", str(d), "--max-new-tokens", "2"))
+    assert f"{d} has no tokenizer.json, which turns the prompt into token ids" in line
+    assert "copy the model's tokenizer.json into it" in line and "pass" not in line
+    (d / "tokenizer.json").write_text(tok_json[:500], encoding="utf-8")
+    line = one_error_line(cli("sample", str(d), "--max-new-tokens", "2"))
+    assert f"{d / 'tokenizer.json'}: not a Hugging Face tokenizer file (" in line
+
+
 # ---------------------------------------------------------------------------------------
 # a dataset tokenised with the model's tokenizer; a short numesh run of the Llama kind
 
@@ -577,6 +590,11 @@ def _edit_weights(d: Path, drop: str | None = None, transpose: str | None = None
     save_file(sd, d / "model.safetensors")
 
 
+def _truncate(file: Path, size: int) -> None:
+    """`file` cut to its first `size` bytes, as a copy that stopped short leaves it."""
+    file.write_bytes(file.read_bytes()[:size])
+
+
 def test_init_from_alone_sets_the_model_and_a_conflicting_option_is_one_line(tok_json: str, llama_data: Path,
                                                                               tmp_path: Path) -> None:
     from numesh.run.config import config_from
@@ -624,6 +642,8 @@ REFUSALS = [  # (how the directory is spoiled, what the one line says)
     (lambda d: _edit_weights(d, add="model.layers.0.self_attn.q_norm.weight"),
      "unexpected tensor 'model.layers.0.self_attn.q_norm.weight'"),
     (lambda d: (d / "tokenizer.json").unlink(), "has no tokenizer.json"),
+    (lambda d: _truncate(d / "tokenizer.json", 500), "tokenizer.json is not valid JSON ("),
+    (lambda d: (d / "tokenizer.json").write_text("[]"), "tokenizer.json is not a JSON object but list"),
 ]
 
 
@@ -645,10 +665,12 @@ def test_a_directory_numesh_cannot_read_is_one_line(spoil: Any, says: str, tok_j
 def test_the_run_must_fit_the_directory_in_context_and_tokenizer(tok_json: str, llama_data: Path, char_dataset: Path,
                                                                   tmp_path: Path) -> None:
     """--block-size up to max_position_embeddings (64 here: rotary, no table to crop); a
-    dataset tokenised with another tokenizer, of another size or the same size, refused."""
+    dataset tokenised with another tokenizer, of another size or the same size, refused as
+    such; the directory's own tokenizer with more entries than its vocab_size, refused as that."""
     import attrs
 
     from numesh.data.dataset import load_tokenizer
+    from numesh.run.config import config_from
     from numesh.run.train import Trainer
 
     d = save_model(tmp_path / "hf", tok_json)
@@ -656,9 +678,9 @@ def test_the_run_must_fit_the_directory_in_context_and_tokenizer(tok_json: str, 
     Trainer(attrs.evolve(cfg, block_size=64), MPI.COMM_SELF)  # the longest allowed
     with pytest.raises(ConfigError, match="--block-size 65 is longer than .* max_position_embeddings 64"):
         Trainer(attrs.evolve(cfg, block_size=65), MPI.COMM_SELF)
-    with pytest.raises(ConfigError, match=r"has vocab_size \d+, --data's tokenizer \d+ entries: tokenise the corpus "
-                                          "with its tokenizer.json"):
-        Trainer(attrs.evolve(cfg, data=str(char_dataset)), MPI.COMM_SELF)
+    with pytest.raises(ConfigError, match="was trained with another tokenizer than --data's: its token ids would "
+                                          "mean other text; tokenise the corpus with its tokenizer.json"):
+        Trainer(attrs.evolve(cfg, data=str(char_dataset)), MPI.COMM_SELF)  # another size, but that is not the cause
     other = json.loads(tok_json)  # the same size, two tokens swapped: other ids for the same text
     vocab = other["model"]["vocab"]
     a, b = sorted(vocab, key=vocab.get)[10:12]
@@ -667,3 +689,89 @@ def test_the_run_must_fit_the_directory_in_context_and_tokenizer(tok_json: str, 
     assert load_tokenizer(llama_data).vocab_size == vocab_of(json.dumps(other))
     with pytest.raises(ConfigError, match="was trained with another tokenizer than --data's"):
         Trainer(cfg, MPI.COMM_SELF)
+    (d / "tokenizer.json").write_text(tok_json)
+    entries = vocab_of(tok_json)
+    _edit_config(d, vocab_size=entries - 1)
+    with pytest.raises(ConfigError, match=f"--data's tokenizer has {entries} entries, more than --init-from {d}'s "
+                                          f"vocab_size {entries - 1}: .* is inconsistent with its own tokenizer"):
+        Trainer(config_from(dict(init_from=str(d), data=str(llama_data), out=str(tmp_path / "ft2"),
+                                 block_size=16)), MPI.COMM_SELF)
+
+
+def test_a_vocabulary_padded_past_the_tokenizer_trains_samples_and_exports_back(tok_json: str, llama_data: Path,
+                                                                                 tmp_path: Path) -> None:
+    """A model whose config.json vocab_size is a multiple of 64 above its tokenizer's entries
+    (as many real ones are) fine-tunes on a dataset tokenised by its own tokenizer, keeping
+    every row; sampling never draws an id past the tokenizer (transformers' generate with
+    those ids suppressed draws the same); the export writes vocab_size back, transformers
+    loads it with numesh's logits and it imports to the same bits."""
+    from tokenizers import Tokenizer
+
+    from numesh.base.tree import tree_leaves_with_path
+    from numesh.checkpoint import export_hf, read_global_params
+    from numesh.run.config import config_from
+    from numesh.run.sample import SampleConfig, sample
+    from numesh.run.train import train
+
+    entries = vocab_of(tok_json)
+    rows = entries // 64 * 64 + 64
+    d = save_model(tmp_path / "hf", tok_json, vocab_size=rows)
+    run = dict(data=str(llama_data), block_size=16, batch_size=4, max_iters=2, eval_interval=2, eval_iters=1,
+               dtype="float64", peak_flops=1e12, learning_rate=1e-2)
+    ckpt = train(config_from(dict(run, init_from=str(d), out=str(tmp_path / "ft"))), MPI.COMM_SELF).checkpoint
+    model, tok, params = read_global_params(ckpt)
+    assert (model.vocab_size, tok.vocab_size, params.wte.shape[0]) == (rows, entries, rows)
+
+    from safetensors.numpy import load_file, save_file
+
+    prompt = "the cat sat"
+    ids = Tokenizer.from_str(tok_json).encode(prompt).ids
+    best = int(hf_logits(d, np.array([ids]), "float64")[0, -1].argmax())
+    sd = load_file(d / "model.safetensors")  # the rows past the tokenizer: what greedy decoding would pick
+    sd["lm_head.weight"][entries:] = 3 * sd["lm_head.weight"][best]
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, local_files_only=True, dtype=torch.float64).eval()
+    with torch.no_grad():
+        assert hf(torch.tensor([ids])).logits[0, -1].argmax() >= entries
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                           suppress_tokens=list(range(entries, rows)))[0].tolist()
+    text = Tokenizer.from_str(tok_json).decode(want, skip_special_tokens=False)
+    assert sample(SampleConfig(str(d), prompt, max_new_tokens=8, temperature=0.0), MPI.COMM_SELF) == [text]
+    assert len(sample(SampleConfig(str(d), prompt, max_new_tokens=8, temperature=2.0, top_k=None), MPI.COMM_SELF))
+    res = cli("sample", str(ckpt), "--prompt", prompt, "--max-new-tokens", "8", "--temperature", "1")
+    assert res.exit_code == 0, res.stderr
+
+    out = export_hf(ckpt, tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == rows
+    idx = np.random.default_rng(0).integers(0, rows, (2, 16))
+    np.testing.assert_allclose(hf_logits(out, idx, "float64"), numesh_logits(params, model, idx), rtol=0, atol=1e-5)
+    _, back_model, back = read_pretrained(out, np.float64, model.block_size)
+    assert spelled(back_model) == spelled(model)
+    want_leaves = dict(tree_leaves_with_path(params))
+    for path, x in tree_leaves_with_path(back):
+        assert np.array_equal(x, want_leaves[path]), path
+    train(config_from(dict(run, init_from=str(out), out=str(tmp_path / "again"), max_iters=1, eval_interval=1)),
+          MPI.COMM_SELF)  # and the export starts a run of its own
+    from numesh.checkpoint.hf_llama import pretrained
+
+    resumed = config_from(dict(run, **pretrained(d).options, resume=str(ckpt), out=str(tmp_path / "ft"), max_iters=3))
+    assert train(resumed, MPI.COMM_SELF).steps == 1  # --resume without --init-from: the checkpoint's rows too
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_as_such(tok_json: str, llama_data: Path,
+                                                                    tmp_path: Path) -> None:
+    """Its last ids would have no row: sampling and a run from the directory say so (not
+    "another tokenizer", which it is not)."""
+    from numesh.run.config import config_from
+    from numesh.run.sample import SampleConfig, sample
+    from numesh.run.train import Trainer
+
+    entries = vocab_of(tok_json)
+    d = save_model(tmp_path / "hf", tok_json, vocab_size=entries - 1)
+    with pytest.raises(CheckpointError, match=f"tokenizer.json has {entries} entries but config.json's vocab_size is "
+                                              f"only {entries - 1}: ids from {entries - 1} on have no embedding row"):
+        sample(SampleConfig(str(d), "the cat", max_new_tokens=2), MPI.COMM_SELF)
+    with pytest.raises(ConfigError, match=f"--data's tokenizer has {entries} entries, more than --init-from {d}'s "
+                                          f"vocab_size {entries - 1}"):
+        Trainer(config_from(dict(init_from=str(d), data=str(llama_data), out=str(tmp_path / "ft"), block_size=16)),
+                MPI.COMM_SELF)

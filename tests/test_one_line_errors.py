@@ -387,3 +387,23 @@ def test_an_ep_mesh_error_is_one_line_and_exit_2(char_dataset: Path, tmp_path: P
     assert res.returncode == 2, res.stderr
     assert [line for line in res.stderr.splitlines() if line.strip()] == [want], res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_model_that_does_not_split_over_tp_names_what_each_command_can_change() -> None:
+    """Six heads and an MLP 100 wide split over tp 1 or 2 only. Training may change the MLP
+    (--ffn-hidden); sampling and resharding a checkpoint cannot, so they name the tp sizes
+    that fit instead (`mpiexec -n 3 numesh sample CKPT --mesh tp=3` once said --ffn-hidden)."""
+    from numesh.base.errors import ConfigError
+    from numesh.nn.gpt import GPTConfig
+    from numesh.run.sample import check_split
+
+    model = GPTConfig(n_head=6, n_embd=48, mlp="swiglu", ffn_hidden=100)
+    assert model.tp_sizes() == "1 or 2" and GPTConfig(n_head=1, n_embd=16).tp_sizes() == "1"
+    with pytest.raises(ConfigError, match="hidden size 100 is not divisible by tp=3: use a tp that divides it or "
+                                          "set --ffn-hidden"):
+        model.validate(3)  # train's words
+    with pytest.raises(ConfigError) as e:
+        check_split(model, 3)
+    assert str(e.value) == ("the MLP's hidden size 100 is not divisible by tp=3: sample on another mesh, --mesh tp=N "
+                            "with N 1 or 2 (and as many ranks)")
+    check_split(model, 2)

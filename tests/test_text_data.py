@@ -10,6 +10,7 @@ trains, checkpoints and refuses to resume on another tokenizer.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -149,8 +150,8 @@ def test_a_corpus_without_tokens_or_without_a_val_document_is_refused(tmp_path: 
 
 def test_tokenizer_files_and_vocab_sizes_are_checked(tmp_path: Path) -> None:
     (tmp_path / "t.json").write_text("{not json")
-    with pytest.raises(DataError, match="not a Hugging Face tokenizer file"):
-        HFTokenizer.from_file(tmp_path / "t.json")
+    with pytest.raises(DataError, match=f"^{re.escape(str(tmp_path / 't.json'))}: not a Hugging Face tokenizer file"):
+        HFTokenizer.from_file(tmp_path / "t.json")  # which file: a model directory's, for one
     tok = train_bpe(DOCS, 300)
     with pytest.raises(DataError, match="no end-of-text token '<eos>'"):
         HFTokenizer(tok.json_text, "<eos>")

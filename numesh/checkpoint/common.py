@@ -21,12 +21,14 @@ TMP_PREFIX = ".tmp-"
 
 def read_meta(path: str | Path) -> Meta:
     """Read and check the meta.json of the GPT checkpoint at `path` (may be `latest`),
-    its tokenizer included when it stores one (older checkpoints do not)."""
+    its tokenizer included when it stores one (older checkpoints do not): every id of the
+    tokenizer has a row in the model, which may have more (a run from a transformers model
+    whose embedding is padded past its tokenizer keeps those rows)."""
     meta = read_any_meta(path, describe_gpt, checkpoint_groups)
     tok = meta.tokenizer()
-    if tok is not None and tok.vocab_size != meta.model.vocab_size:
+    if tok is not None and tok.vocab_size > meta.model.vocab_size:
         raise CheckpointError(
-            f"{meta.path}: its tokenizer has {tok.vocab_size} entries but its model vocab_size is "
+            f"{meta.path}: its tokenizer has {tok.vocab_size} entries but its model vocab_size is only "
             f"{meta.model.vocab_size}: the checkpoint is inconsistent; use another one"
         )
     return meta

@@ -208,9 +208,9 @@ def import_nanogpt(file: str | Path) -> tuple[GPTConfig, Any, GPT, str, int]:
         step = int(metadata.get("step", 0))
     except (TypeError, ValueError, DataError) as e:
         raise CheckpointError(f"{where}: bad metadata: {e}") from None
-    if tok is not None and tok.vocab_size != model.vocab_size:
+    if tok is not None and tok.vocab_size > model.vocab_size:  # fewer: a padded vocabulary's rows (read_meta)
         raise CheckpointError(
-            f"{where}: its tokenizer has {tok.vocab_size} entries but its model vocab_size is "
+            f"{where}: its tokenizer has {tok.vocab_size} entries but its model vocab_size is only "
             f"{model.vocab_size}: the file is inconsistent; export it again with `numesh export`"
         )
     params = from_nanogpt(sd, model, where)

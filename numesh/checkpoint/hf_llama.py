@@ -52,7 +52,7 @@ class Pretrained:
     Attributes:
         model_type: llama, mistral or mixtral.
         options: the `TrainConfig` (and `GPTConfig`) values it fixes, by field name.
-        vocab_size: its vocabulary (the run's comes from its tokenizer: they must agree).
+        vocab_size: its embedding's rows: its tokenizer's entries or more (a padded vocabulary).
         max_positions: max_position_embeddings, the longest --block-size it allows.
         eos_token_id: the end-of-sequence token's id, or None.
     """

@@ -20,10 +20,11 @@ import numpy as np
 
 from numesh.base.errors import CheckpointError, ConfigError
 from numesh.base.tree import tree_map
+from numesh.checkpoint.common import read_meta
 from numesh.checkpoint.export import import_nanogpt
 from numesh.checkpoint.format import full_region, vocab_difference
 from numesh.checkpoint.hf import import_hf
-from numesh.checkpoint.hf_files import open_weights
+from numesh.checkpoint.hf_files import open_weights, read_json_file
 from numesh.checkpoint.hf_llama import OPTIONS, check_weights, is_pretrained_dir, model_type, pretrained, read_leaf
 from numesh.checkpoint.model import SHAPE_KEYS, gpt2_differences, gpt_leaves, local_paths, model_value, shard_params
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, read_tokenizer_file
@@ -48,6 +49,37 @@ def check_init_kind(model: GPTConfig) -> None:
                           "transformers Llama, Mistral or Mixtral directory")
 
 
+def start_vocab(init_from: str, resume: str) -> int | None:
+    """The vocabulary rows of the weights a run starts from, as their description says
+    (the checkpoint it resumes, else its --init-from), or None where there are none or they
+    cannot be read yet (resuming or importing them says why). A transformers model may pad
+    its embedding past its tokenizer's entries, to a multiple of 64 or 128: a run from it
+    (and every checkpoint and export of that run) keeps those rows."""
+    for source in (resume, init_from):
+        if source and Path(source).exists():
+            try:
+                return _described_vocab(Path(source))
+            except (OSError, ValueError, KeyError, TypeError):  # a UserError is a ValueError
+                return None
+    return None
+
+
+def _described_vocab(p: Path) -> int:
+    """The vocabulary a `numesh export` file, transformers directory or checkpoint says its
+    model has: the file's metadata, config.json or meta.json, never the weights."""
+    if p.is_file():
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(p), framework="numpy") as f:
+                return int(json.loads((f.metadata() or {})["model"])["vocab_size"])
+        except SafetensorError as e:
+            raise ValueError(str(e)) from None
+    if is_pretrained_dir(p):
+        return int(read_json_file(p / "config.json", "a transformers directory needs one")["vocab_size"])
+    return read_meta(p).model.vocab_size
+
+
 def _same_tokenizer(tok_text: str, dataset: CharTokenizer | HFTokenizer) -> bool:
     """Whether a tokenizer.json gives the dataset tokenizer's ids (a character dataset's
     export holds a merge-free BPE over its characters)."""
@@ -56,6 +88,24 @@ def _same_tokenizer(tok_text: str, dataset: CharTokenizer | HFTokenizer) -> bool
         return theirs == json.loads(dataset.json_text)
     model = theirs.get("model")
     return isinstance(model, dict) and model.get("vocab") == {c: i for i, c in enumerate(dataset.chars)}
+
+
+def _tokenizer_text(file: Path) -> str:
+    """The text of a directory's tokenizer.json, a JSON object: one line naming the file where
+    it is missing or not one (a truncated copy), not a JSON parser's traceback."""
+    if not file.exists():
+        raise ConfigError(f"{file.parent} has no tokenizer.json: numesh tokenises with the model's own tokenizer; "
+                          "copy it there from the model's source")
+    text = read_tokenizer_file(file)
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"{file} is not valid JSON ({e}): copy the model's tokenizer.json there again from its "
+                          "source") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{file} is not a JSON object but {type(obj).__name__}: copy the model's tokenizer.json "
+                          "there again from its source")
+    return text
 
 
 def load_init(path: str | Path, model: GPTConfig, dataset: CharTokenizer | HFTokenizer, dtype: Any) -> GPT:
@@ -67,19 +117,21 @@ def load_init(path: str | Path, model: GPTConfig, dataset: CharTokenizer | HFTok
     if p.is_dir():
         theirs, tok_text, params = import_hf(p)  # a directory that is none is its own error first
         check_init_kind(model)
-        same = _same_tokenizer(tok_text, dataset)
+        same, own = _same_tokenizer(tok_text, dataset), True
     elif p.is_file():
         theirs, tok, params, _, _ = import_nanogpt(p)
-        same = tok is None or vocab_difference(tok, dataset) is None
+        own = tok is not None  # None: written before export files held their tokenizer
+        same = not own or vocab_difference(tok, dataset) is None
     else:
         raise ConfigError(f"--init-from {p} does not exist: pass a transformers directory or a `numesh export` file")
+    if not same:
+        raise ConfigError(f"--init-from {p} was trained with another tokenizer than --data's: its token ids would "
+                          f"mean other text; {TOKENIZE}")
+    _check_vocab(p, theirs.vocab_size, model.vocab_size, dataset.vocab_size, own)
     for key in SHAPE_KEYS:
         if model_value(theirs, key) != model_value(model, key):
             raise ConfigError(f"--init-from {p} has {key} {model_value(theirs, key)}, this run "
                               f"{model_value(model, key)}: set {OPTION[key]} to match")
-    if not same:
-        raise ConfigError(f"--init-from {p} was trained with another tokenizer than --data's: its token ids would "
-                          f"mean other text; {TOKENIZE}")
     return tree_map(lambda x: np.asarray(x, dtype=dtype), params)
 
 
@@ -94,16 +146,23 @@ def _check_pretrained(p: Path, model: GPTConfig, dataset: CharTokenizer | HFToke
     if model.block_size > pre.max_positions:
         raise ConfigError(f"--block-size {model.block_size} is longer than {p}'s max_position_embeddings "
                           f"{pre.max_positions}: use at most {pre.max_positions}")
-    text = read_tokenizer_file(p / "tokenizer.json") if (p / "tokenizer.json").exists() else None
-    if text is None:
-        raise ConfigError(f"{p} has no tokenizer.json: numesh tokenises with the model's own tokenizer; copy it "
-                          "there from the model's source")
-    if pre.vocab_size != model.vocab_size:
-        raise ConfigError(f"--init-from {p} has vocab_size {pre.vocab_size}, --data's tokenizer "
-                          f"{model.vocab_size} entries: {TOKENIZE}")
-    if not _same_tokenizer(text, dataset):
+    if not _same_tokenizer(_tokenizer_text(p / "tokenizer.json"), dataset):
         raise ConfigError(f"--init-from {p} was trained with another tokenizer than --data's: its token ids would "
                           f"mean other text; {TOKENIZE}")
+    _check_vocab(p, pre.vocab_size, model.vocab_size, dataset.vocab_size)
+
+
+def _check_vocab(p: Path, rows: int, run: int, entries: int, own: bool = True) -> None:
+    """The model's `rows` (its vocab_size) hold --data's tokenizer's `entries` (`own`: the
+    model's own tokenizer, checked the same), and the run keeps them all (`run`): ids past
+    the tokenizer never occur, and the rows stay for the export to write back."""
+    if entries > rows:
+        fix = f"{p} is inconsistent with its own tokenizer: use the model's own files" if own else TOKENIZE
+        raise ConfigError(f"--data's tokenizer has {entries} entries, more than --init-from {p}'s vocab_size "
+                          f"{rows}: ids from {rows} on would have no embedding row; {fix}")
+    if run != rows:
+        raise ConfigError(f"--init-from {p} has vocab_size {rows}, this run's model {run}: a run from it keeps "
+                          f"all its {rows} rows, give its model that vocab_size")
 
 
 def _same_default(key: str, theirs: GPTConfig, model: GPTConfig) -> bool:

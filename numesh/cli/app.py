@@ -99,18 +99,18 @@ def data_char(
     out: Optional[Path] = typer.Option(None, help="output directory (default: data/<name of SRC without suffix>)"),
     overwrite: bool = typer.Option(False, "--overwrite", help=_OVERWRITE_HELP),
     tokenizer: Optional[Path] = typer.Option(
-        None, help="a character model's tokenizer.json (its `numesh export --format hf` directory's): use its "
-                   "vocabulary instead of SRC's characters, to fine-tune it with --init-from"),
+        None, help="a character model's tokenizer.json, or its `numesh export --format hf` directory holding one: "
+                   "use its vocabulary instead of SRC's characters, to fine-tune it with --init-from"),
 ) -> None:
     """Character-level dataset from any text file: train.bin / val.bin (uint16, 90/10) and meta.json."""
     from numesh.base.errors import DataError
     from numesh.data.char import file_corpus, prepare_char_dataset, read_source
-    from numesh.data.tokenizer import CharTokenizer, read_tokenizer_file
+    from numesh.data.tokenizer import CharTokenizer, read_tokenizer_file, tokenizer_file
 
     def go() -> None:
         vocab = None
         if tokenizer is not None:
-            vocab = CharTokenizer.from_hf_json(read_tokenizer_file(tokenizer))
+            vocab = CharTokenizer.from_hf_json(read_tokenizer_file(tokenizer_file(tokenizer)))
             if vocab is None:
                 raise DataError(f"{tokenizer} is not a character vocabulary: tokenise with it into shards, "
                                 f"`numesh data tokenize --tokenizer {tokenizer} --src FILE --out DIR`")

@@ -178,6 +178,18 @@ def read_tokenizer_file(path: str | Path) -> str:
                         "pass a readable tokenizer.json") from None
 
 
+def tokenizer_file(path: str | Path) -> Path:
+    """The tokenizer.json a --tokenizer option names: the file itself, or the one in the
+    directory `path` (a transformers model's, or a `numesh export --format hf` one)."""
+    p = Path(path)
+    if not p.is_dir():
+        return p
+    if not (p / "tokenizer.json").exists():
+        raise DataError(f"{p} has no tokenizer.json: pass a directory holding one (a transformers model's) "
+                        "or the file itself")
+    return p / "tokenizer.json"
+
+
 def char_route(what: str, path: str) -> str:
     """Why a character vocabulary cannot tokenise a corpus into shards, and what does."""
     return (f"{what} is a character vocabulary (a character model's export), with no end-of-text token to "
@@ -217,15 +229,14 @@ class HFTokenizer:
         """The tokenizer.json at `path`, or in the transformers directory `path` (a model's:
         `numesh data tokenize --tokenizer DIR`). `eot` None: the directory's end-of-sequence
         token (`directory_eos`), else `EOT`."""
-        p = Path(path)
-        file = p / "tokenizer.json" if p.is_dir() else p
-        if p.is_dir() and not file.exists():
-            raise DataError(f"{p} has no tokenizer.json: pass a directory holding one (a transformers model's) "
-                            "or the file itself")
+        file = tokenizer_file(path)
         text = read_tokenizer_file(file)
         if CharTokenizer.from_hf_json(text) is not None:
             raise DataError(char_route(str(path), str(path)))
-        return cls(text, eot if eot is not None else directory_eos(file.parent, text) or EOT)
+        try:
+            return cls(text, eot if eot is not None else directory_eos(file.parent, text) or EOT)
+        except DataError as e:  # which file: a model directory's, say, not the one the user named
+            raise DataError(f"{file}: {e}") from None
 
     @property
     def vocab_size(self) -> int:

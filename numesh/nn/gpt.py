@@ -155,16 +155,31 @@ class GPTConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
         self._validate_parts()
-        if self.n_head % tp:
-            raise ConfigError(f"n_head={self.n_head} is not divisible by tp={tp}: use a tp that divides the heads")
-        kv = self.kv_heads
-        if kv % tp and tp % kv:
-            raise ConfigError(f"tp={tp} splits the {kv} kv heads' query groups across ranks: use a tp that divides "
-                              f"n_kv_head={kv} or a multiple of it that divides n_head={self.n_head}")
-        if self.hidden % tp:
-            raise ConfigError(f"the MLP's hidden size {self.hidden} is not divisible by tp={tp}: "
-                              f"use a tp that divides it or set --ffn-hidden")
+        problem = self.tp_problem(tp)
+        if problem is not None:
+            raise ConfigError(": ".join(problem))
         self._validate_moe(tp)
+
+    def tp_problem(self, tp: int) -> tuple[str, str] | None:
+        """Why the heads or the MLP do not split over tensor-parallel size `tp`, and what a
+        training run changes, (why, fix), or None: a command that cannot change the model
+        (sample, reshard) says its own fix after the why, naming `tp_sizes`."""
+        kv = self.kv_heads
+        if self.n_head % tp:
+            return f"n_head={self.n_head} is not divisible by tp={tp}", "use a tp that divides the heads"
+        if kv % tp and tp % kv:
+            return (f"tp={tp} splits the {kv} kv heads' query groups across ranks",
+                    f"use a tp that divides n_kv_head={kv} or a multiple of it that divides n_head={self.n_head}")
+        if self.hidden % tp:
+            return (f"the MLP's hidden size {self.hidden} is not divisible by tp={tp}",
+                    "use a tp that divides it or set --ffn-hidden")
+        return None
+
+    def tp_sizes(self) -> str:
+        """The tensor-parallel sizes this model splits over, in words ("1, 2 or 4"): tp
+        divides n_head, so none is larger."""
+        sizes = [str(tp) for tp in range(1, self.n_head + 1) if self.tp_problem(tp) is None]
+        return sizes[0] if len(sizes) == 1 else f"{', '.join(sizes[:-1])} or {sizes[-1]}"
 
     def _validate_parts(self) -> None:
         """The architecture's parts (norm, positions, MLP, kv heads)."""

@@ -18,7 +18,7 @@ from numesh.plan.layout import ModelSpec
 from numesh.plan.predict import Plan, plan
 from numesh.plan.presets import preset
 from numesh.plan.render import as_json, human_bytes, table
-from numesh.run.config import TrainConfig, check_options, config_from
+from numesh.run.config import TrainConfig, check_options, config_from, run_vocab
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -63,12 +63,13 @@ def base_config(overrides: dict[str, Any], toml: Path | None, model_preset: str 
 
 
 def model_spec(cfg: TrainConfig, vocab_size: int | None, model_preset: str | None) -> ModelSpec:
-    """The model's sizes: the vocabulary from --vocab-size, the preset, or the dataset."""
+    """The model's sizes: the vocabulary from --vocab-size, the preset, or the dataset (as
+    the run has it: a padded --init-from model's rows, `run_vocab`)."""
     if vocab_size is None and model_preset:
         vocab_size = preset(model_preset).vocab_size
     if vocab_size is None:
         try:
-            vocab_size = load_tokenizer(cfg.data).vocab_size
+            vocab_size = run_vocab(cfg, load_tokenizer(cfg.data).vocab_size)
         except (UserError, OSError):
             raise ConfigError(f"no dataset at --data {cfg.data} to take the vocabulary from: pass --vocab-size, "
                               "--model PRESET or the --data of a prepared dataset") from None

@@ -18,7 +18,8 @@ import numpy as np
 from numesh.base.errors import ConfigError
 from numesh.base.files import read_user_file
 from numesh.checkpoint.hf_llama import OPTIONS, conflicts, is_pretrained_dir, model_type, pretrained
-from numesh.checkpoint.init_from import check_init_kind
+from numesh.checkpoint.init_from import check_init_kind, start_vocab
+from numesh.checkpoint.save import LATEST
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
 from numesh.host.startup_signals import DEFAULT_SAVE_SIGNALS, parse_signals
 from numesh.mesh import parse_mesh
@@ -269,9 +270,18 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
         if n <= cfg.block_size:
             raise ConfigError(f"block_size={cfg.block_size} is larger than the {n}-token {split} split: "
                               "use a smaller --block-size")
-    model = _check_layout(cfg, shape, tok.vocab_size)
+    model = _check_layout(cfg, shape, run_vocab(cfg, tok.vocab_size))
     faults_from_env(n_ranks)  # NUMESH_INJECT: a bad spec is this one-line error on every rank
     return shape, model
+
+
+def run_vocab(cfg: TrainConfig, entries: int) -> int:
+    """The run's vocabulary: its tokenizer's `entries`, or the rows of the weights it starts
+    from (`--resume`, else `--init-from`) where they have more: a transformers model padded
+    to a multiple of 64, and every run, checkpoint and export after it, keeps those rows,
+    whose ids never occur. Fewer rows than entries are refused where they are read."""
+    resume = str(Path(cfg.out) / "ckpt" / LATEST) if cfg.resume == RESUME_AUTO else cfg.resume
+    return max(entries, start_vocab(cfg.init_from, resume) or 0)
 
 
 def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:

@@ -80,23 +80,36 @@ PRETRAINED_CONTEXT = 2048
 def load_pretrained(directory: Path) -> Checkpoint:
     """A transformers directory (Llama, Mistral, Mixtral or GPT-2) as a checkpoint for
     generation, its tokenizer.json (ending documents with the directory's eos token) with
-    it; float64 weights stay float64, any other float32."""
+    it; float64 weights stay float64, any other float32. The model may have more rows than
+    the tokenizer has entries (a padded embedding): `sample` never draws those ids."""
     from numesh.checkpoint.hf import import_hf
 
     if model_type(directory) == "gpt2":
         model, text, params = import_hf(directory)
         tok = CharTokenizer.from_hf_json(text) or HFTokenizer.from_file(directory, None)
-        return Checkpoint(model, tok, params, params.wte.dtype.name, 0)
-    dtype = np.float64 if weights_dtype(open_weights(directory)) == "float64" else np.float32
-    pre, model, params = read_pretrained(directory, dtype, 1)
-    model = attrs.evolve(model, block_size=min(pre.max_positions, PRETRAINED_CONTEXT))
-    file = Path(directory) / "tokenizer.json"  # a character model's export holds its vocabulary as one
-    tok = (file.exists() and CharTokenizer.from_hf_json(read_tokenizer_file(file))) or HFTokenizer.from_file(
-        directory, None)
-    if tok.vocab_size != model.vocab_size:
-        raise CheckpointError(f"{directory}: its tokenizer has {tok.vocab_size} entries but its model vocab_size is "
-                              f"{model.vocab_size}: numesh's vocabulary is its tokenizer's")
-    return Checkpoint(model, tok, params, np.dtype(dtype).name, 0, pre.max_positions)
+        ck = Checkpoint(model, tok, params, params.wte.dtype.name, 0)
+    else:
+        dtype = np.float64 if weights_dtype(open_weights(directory)) == "float64" else np.float32
+        pre, model, params = read_pretrained(directory, dtype, 1)
+        model = attrs.evolve(model, block_size=min(pre.max_positions, PRETRAINED_CONTEXT))
+        ck = Checkpoint(model, _pretrained_tokenizer(directory), params, np.dtype(dtype).name, 0, pre.max_positions)
+    rows = ck.model.vocab_size
+    if ck.tokenizer.vocab_size > rows:
+        raise CheckpointError(f"{directory}: its tokenizer.json has {ck.tokenizer.vocab_size} entries but "
+                              f"config.json's vocab_size is only {rows}: ids from {rows} on have no embedding row; "
+                              "use the model's own tokenizer.json and config.json")
+    return ck
+
+
+def _pretrained_tokenizer(directory: Path) -> CharTokenizer | HFTokenizer:
+    """A Llama-family directory's tokenizer.json: a character model's export's vocabulary,
+    or a Hugging Face tokenizer ending documents with the directory's eos token. Without
+    one, one line saying to copy it there (sample has no option naming a tokenizer)."""
+    file = Path(directory) / "tokenizer.json"
+    if not file.exists():
+        raise CheckpointError(f"{directory} has no tokenizer.json, which turns the prompt into token ids and the "
+                              "samples back into text: copy the model's tokenizer.json into it from its source")
+    return CharTokenizer.from_hf_json(read_tokenizer_file(file)) or HFTokenizer.from_file(directory, None)
 
 
 def pick(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:
@@ -129,8 +142,11 @@ def generate(
     top_k: int | None = 200,
     seed: int = 1337,
     kv_cache: bool = True,
+    tokens: int | None = None,
 ) -> np.ndarray:
     """Extend `prompt` [B, T0] by `max_new_tokens` tokens; the context is the last block_size tokens.
+    Only ids below `tokens` are drawn (None: every id of the model): a tokenizer may have
+    fewer entries than a padded embedding has rows, and the ids past it mean no text.
 
     With the KV cache each new token costs one position until the context is full; after
     that the window slides and, positions being absolute, the window is recomputed."""
@@ -155,7 +171,7 @@ def generate(
             logits = logits_cached(params, idx[:, -bs:], cache, model, mesh)
         else:
             logits = logits_cached(params, idx[:, -1:], cache, model, mesh)
-        nxt = pick(logits, temperature, top_k, rng)
+        nxt = pick(logits[:, :tokens], temperature, top_k, rng)
         idx = np.concatenate([idx, nxt[:, None]], axis=1)
     return idx
 
@@ -223,6 +239,15 @@ def shown(tok: CharTokenizer | HFTokenizer, ids: np.ndarray) -> str:
     return tok.decode(ids[skip:])
 
 
+def check_split(model: GPTConfig, tp: int) -> None:
+    """A ConfigError when `model` does not split over `tp`, naming the tp sizes that do:
+    sampling changes the mesh, never the model (train's fix, --ffn-hidden, is no option here)."""
+    problem = model.tp_problem(tp)
+    if problem is not None:
+        raise ConfigError(f"{problem[0]}: sample on another mesh, --mesh tp=N with N {model.tp_sizes()} "
+                          "(and as many ranks)")
+
+
 def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
     """Generate `num_samples` texts (prompt included, as `shown`) from a checkpoint, the
     prompt's ids as its tokenizer gives them by default (`prompt_ids`)."""
@@ -232,6 +257,7 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
     mesh = Mesh.parse(cfg.mesh, comm)
     if mesh.size(("pp", "dp", "ep")) > 1:
         raise ConfigError("sampling runs on a tensor-parallel mesh only: use --mesh tp=N")
+    check_split(ck.model, mesh.size("tp"))
     dtype = np.float64 if ck.dtype == "float64" else np.float32
     params = shard_params(tree_map(lambda x: x.astype(dtype), ck.params), ck.model, mesh)
     model = ck.model
@@ -241,6 +267,6 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
     out = []
     for i in range(cfg.num_samples):
         ids = generate(params, model, mesh, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed + i,
-                       cfg.kv_cache)
+                       cfg.kv_cache, ck.tokenizer.vocab_size)
         out.append(shown(ck.tokenizer, ids[0]))
     return out
