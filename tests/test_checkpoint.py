@@ -673,6 +673,21 @@ def test_checkpoint_without_tokenizer_still_resumes(broken: Path, data: Path, tm
         load_checkpoint(broken)
 
 
+def test_an_older_checkpoint_with_more_rows_than_the_dataset_is_refused(data: Path, tmp_path: Path) -> None:
+    """A checkpoint that records no tokenizer cannot show that its rows past --data's
+    entries are padding: its vocabulary must be the dataset's, as before padded
+    vocabularies were read (a resume from it on another dataset would train ids that mean
+    other text)."""
+    wider = tmp_path / "wider"
+    prepare_char_dataset(TEXT + "XYZ", wider)  # 3 more characters: 14 entries
+    out = tmp_path / "w"
+    save_checkpoint(train_state(trainer_after(config(wider, out), 1)), out)
+    edit_meta(out / "ckpt" / "step_000001", lambda m: m.pop("tokenizer"))
+    with pytest.raises(CheckpointError, match="the checkpoint's model has vocab_size=14 but this run has "
+                                              "vocab_size=11"):
+        run(config(data, tmp_path / "resumed", max_iters=5, resume=str(out / "ckpt" / "step_000001")))
+
+
 def test_a_tokenizer_larger_than_the_model_is_inconsistent(broken: Path, fresh: Trainer) -> None:
     """More entries than the model has rows: ids without a row. Fewer is a padded
     vocabulary (a run from a transformers model padded to a multiple of 64 keeps its rows)."""
@@ -760,6 +775,34 @@ def test_sample_from_export_with_a_bad_tokenizer(saved: Path, tmp_path: Path, ch
     res = CliRunner().invoke(app, ["sample", "--ckpt", str(bad), "--max-new-tokens", "2"])
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and re.search(match, lines[0]), res.output
+
+
+def test_an_older_export_with_more_rows_than_the_dataset_is_refused_as_a_start(data: Path, tmp_path: Path) -> None:
+    """An export file without its tokenizer (written by an older numesh) starts a run only
+    on a dataset of exactly its rows: with more rows, --data's ids may mean other text."""
+    wider = tmp_path / "wider"
+    prepare_char_dataset(TEXT + "XYZ", wider)  # 14 entries
+    out = tmp_path / "w"
+    save_checkpoint(train_state(trainer_after(config(wider, out), 1)), out)
+    old = tmp_path / "old.safetensors"
+    rewrite_metadata(export_nanogpt(out / "ckpt" / "step_000001", tmp_path / "new.safetensors"), old, tokenizer=None)
+    with pytest.raises(ConfigError, match="has vocab_size 14 and records no tokenizer, --data's has 11 entries") as e:
+        Trainer(config(data, tmp_path / "ft", init_from=str(old)), MPI.COMM_SELF)
+    assert "\n" not in str(e.value)
+
+
+def test_ranks_that_read_different_vocabularies_stop_in_one_line() -> None:
+    from numesh.run.train import agree_on_vocab
+
+    class Two:  # two ranks, one of which could not read the starting weights' rows
+        def Get_size(self) -> int:
+            return 2
+
+        def allgather(self, _x: int) -> list[int]:
+            return [64, 41]
+
+    with pytest.raises(ConfigError, match=r"the ranks read different vocabulary sizes \(\[41, 64\]\)"):
+        agree_on_vocab(64, Two())
 
 
 # ---------------------------------------------------------------------------------------

@@ -51,10 +51,12 @@ def check_init_kind(model: GPTConfig) -> None:
 
 def start_vocab(init_from: str, resume: str) -> int | None:
     """The vocabulary rows of the weights a run starts from, as their description says
-    (the checkpoint it resumes, else its --init-from), or None where there are none or they
-    cannot be read yet (resuming or importing them says why). A transformers model may pad
-    its embedding past its tokenizer's entries, to a multiple of 64 or 128: a run from it
-    (and every checkpoint and export of that run) keeps those rows."""
+    (the checkpoint it resumes, else its --init-from), or None where there are none, they
+    cannot be read yet (resuming or importing them says why), or their source records no
+    tokenizer (an older checkpoint or export file: its rows must then equal --data's
+    entries, as before). A transformers model may pad its embedding past its tokenizer's
+    entries, to a multiple of 64 or 128: a run from it (and every checkpoint and export of
+    that run, which record the tokenizer that reading them checks) keeps those rows."""
     for source in (resume, init_from):
         if source and Path(source).exists():
             try:
@@ -72,12 +74,18 @@ def _described_vocab(p: Path) -> int:
 
         try:
             with safe_open(str(p), framework="numpy") as f:
-                return int(json.loads((f.metadata() or {})["model"])["vocab_size"])
+                metadata = f.metadata() or {}
         except SafetensorError as e:
             raise ValueError(str(e)) from None
-    if is_pretrained_dir(p):
+        if json.loads(metadata.get("tokenizer", "null")) is None:
+            raise ValueError("no tokenizer recorded")
+        return int(json.loads(metadata["model"])["vocab_size"])
+    if is_pretrained_dir(p):  # its tokenizer.json, which must be --data's (`_check_pretrained`)
         return int(read_json_file(p / "config.json", "a transformers directory needs one")["vocab_size"])
-    return read_meta(p).model.vocab_size
+    meta = read_meta(p)
+    if meta.raw.get("tokenizer") is None:
+        raise ValueError("no tokenizer recorded")
+    return meta.model.vocab_size
 
 
 def _same_tokenizer(tok_text: str, dataset: CharTokenizer | HFTokenizer) -> bool:
@@ -127,7 +135,7 @@ def load_init(path: str | Path, model: GPTConfig, dataset: CharTokenizer | HFTok
     if not same:
         raise ConfigError(f"--init-from {p} was trained with another tokenizer than --data's: its token ids would "
                           f"mean other text; {TOKENIZE}")
-    _check_vocab(p, theirs.vocab_size, model.vocab_size, dataset.vocab_size, own)
+    _check_vocab(p, rows=theirs.vocab_size, run=model.vocab_size, entries=dataset.vocab_size, own=own)
     for key in SHAPE_KEYS:
         if model_value(theirs, key) != model_value(model, key):
             raise ConfigError(f"--init-from {p} has {key} {model_value(theirs, key)}, this run "
@@ -149,10 +157,10 @@ def _check_pretrained(p: Path, model: GPTConfig, dataset: CharTokenizer | HFToke
     if not _same_tokenizer(_tokenizer_text(p / "tokenizer.json"), dataset):
         raise ConfigError(f"--init-from {p} was trained with another tokenizer than --data's: its token ids would "
                           f"mean other text; {TOKENIZE}")
-    _check_vocab(p, pre.vocab_size, model.vocab_size, dataset.vocab_size)
+    _check_vocab(p, rows=pre.vocab_size, run=model.vocab_size, entries=dataset.vocab_size)
 
 
-def _check_vocab(p: Path, rows: int, run: int, entries: int, own: bool = True) -> None:
+def _check_vocab(p: Path, *, rows: int, run: int, entries: int, own: bool = True) -> None:
     """The model's `rows` (its vocab_size) hold --data's tokenizer's `entries` (`own`: the
     model's own tokenizer, checked the same), and the run keeps them all (`run`): ids past
     the tokenizer never occur, and the rows stay for the export to write back."""
@@ -160,9 +168,12 @@ def _check_vocab(p: Path, rows: int, run: int, entries: int, own: bool = True) -
         fix = f"{p} is inconsistent with its own tokenizer: use the model's own files" if own else TOKENIZE
         raise ConfigError(f"--data's tokenizer has {entries} entries, more than --init-from {p}'s vocab_size "
                           f"{rows}: ids from {rows} on would have no embedding row; {fix}")
+    if not own and entries != rows:  # no tokenizer of its own to say its rows and --data's ids agree
+        raise ConfigError(f"--init-from {p} has vocab_size {rows} and records no tokenizer, --data's has {entries} "
+                          f"entries: {TOKENIZE}")
     if run != rows:
-        raise ConfigError(f"--init-from {p} has vocab_size {rows}, this run's model {run}: a run from it keeps "
-                          f"all its {rows} rows, give its model that vocab_size")
+        raise ConfigError(f"--init-from {p} has vocab_size {rows}, this run's model {run}: {p} changed as the run "
+                          "started, or this rank could not read it: start again")
 
 
 def _same_default(key: str, theirs: GPTConfig, model: GPTConfig) -> bool:

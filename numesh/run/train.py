@@ -100,12 +100,23 @@ def open_run_dataset(path: str, comm: MPI.Comm) -> Dataset:
     return ds
 
 
+def agree_on_vocab(vocab: int, comm: MPI.Comm) -> None:
+    """Every rank read the run's vocabulary from the weights it starts from (`run_vocab`):
+    one that could not read them has another, which is one line here, not a hang in the
+    first collective that sees the models differ. Collective."""
+    seen = comm.allgather(vocab) if comm.Get_size() > 1 else [vocab]
+    if len(set(seen)) > 1:
+        raise ConfigError(f"the ranks read different vocabulary sizes ({sorted(set(seen))}) from the checkpoint or "
+                          "--init-from the run starts from: every rank must see those files (a shared filesystem)")
+
+
 class Trainer:
     """The state of one training run on one rank: mesh, model, ZeRO optimiser, data."""
 
     def __init__(self, cfg: TrainConfig, comm: MPI.Comm | None = None):
         comm = MPI.COMM_WORLD if comm is None else comm
         shape, self.model = validate(cfg, comm.Get_size())
+        agree_on_vocab(self.model.vocab_size, comm)
         self.cfg = cfg
         self.dataset = open_run_dataset(cfg.data, comm)  # what the run reads, whatever happens to cfg.data later
         self.mesh = Mesh(shape, comm, cfg.sequence_parallel)
