@@ -122,6 +122,11 @@ def test_resuming_with_several_differences_names_them_all_in_one_line(llama_run:
     flags = (f"--block-size {m.block_size} --n-layer {m.n_layer} "
              f"{'--tie-embeddings' if m.tie_embeddings else '--no-tie-embeddings'} --rope-theta {m.rope_theta}")
     assert line.endswith(f"({flags})")
+    gpt2_meta = attrs.evolve(meta, model=GPTConfig(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
+                                                   block_size=m.block_size, vocab_size=m.vocab_size))
+    with pytest.raises(CheckpointError) as e:  # a GPT-2 checkpoint has no rotary base nor RMSNorm epsilon
+        check_model(gpt2_meta, m)
+    assert "None" not in str(e.value) and "--norm layernorm --positions learned --mlp gelu" in str(e.value)
 
 
 def test_resume_compares_what_the_parameters_mean(llama_run: Path) -> None:

@@ -81,6 +81,9 @@ def test_resume_auto_of_a_finished_run_is_a_success_that_changes_nothing(char_da
     again = train(_config(char_dataset, out), MPI.COMM_SELF)
     assert "the run is already finished, nothing to do" in capsys.readouterr().err
     assert again.steps == 0 and again.final_loss == first.final_loss and again.final_val_loss == first.final_val_loss
+    from numesh.cli.app import done_lines
+
+    assert f"done: 0 steps in 0.0 s, final loss {first.final_loss:.4f}, val " in done_lines(again)  # not n/a
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and not p.is_symlink()} == before
     with pytest.raises(ConfigError, match="past max_iters=5"):  # a shorter run than the checkpoint is still refused
         train(_config(char_dataset, out, max_iters=5), MPI.COMM_SELF)

@@ -76,7 +76,8 @@ def check_model(meta: Meta, model: GPTConfig) -> None:
     another function with them (`SHAPE_KEYS`, `MATH_KEYS`): every difference in one line,
     with the options that resume it."""
     keys = [k for k in SHAPE_KEYS + MATH_KEYS if model_value(meta.model, k) != model_value(model, k)
-            and not (k in DERIVED and getattr(meta.model, k) == getattr(model, k) == 0)]  # n_embd's, n_head's
+            and not (k in DERIVED and getattr(meta.model, k) == getattr(model, k) == 0)  # n_embd's, n_head's
+            and None not in (model_value(meta.model, k), model_value(model, k))]  # a part one side lacks: its key's
     if keys:
         have = ", ".join(f"{k}={model_value(meta.model, k)}" for k in keys)
         want = ", ".join(f"{k}={model_value(model, k)}" for k in keys)

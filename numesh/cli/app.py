@@ -17,6 +17,7 @@ except RuntimeError as e:
     exit_without_mpi(e)
 
 import inspect  # after the line above, which must run first
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -284,18 +285,23 @@ def train_cmd(**options: Any) -> None:
         check_run_fits(cfg)  # the planner's bytes per rank against free memory, before anything is allocated
         with _Progress(cfg.max_iters) as progress:
             result = train(cfg, on_step=progress.update)
-        val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
         if cfg.trace and is_root():  # the trace was written on rank 0 at the end of train()
             from numesh.perf import report
 
             print(report.render(report.report_of(cfg.out)), file=sys.stderr)
-        loss = f"{result.final_loss:.4f}" if result.steps else "n/a"  # --max-iters 0: evaluated, not stepped
-        log(
-            f"done: {result.steps} steps in {result.seconds:.1f} s, final loss {loss}, "
-            f"val {val}\nmetrics: {result.metrics}\ncheckpoint: {result.checkpoint}"
-        )
+        log(done_lines(result))
 
     _run(go)
+
+
+def done_lines(result: Any) -> str:
+    """What `numesh train` says at the end: steps, time, the last losses (n/a where none was
+    logged: a --max-iters 0 run evaluates, it takes no step), where the metrics and the
+    checkpoint are."""
+    loss = f"{result.final_loss:.4f}" if math.isfinite(result.final_loss) else "n/a"
+    val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
+    return (f"done: {result.steps} steps in {result.seconds:.1f} s, final loss {loss}, val {val}\n"
+            f"metrics: {result.metrics}\ncheckpoint: {result.checkpoint}")
 
 
 train_cmd.__signature__ = _train_signature()  # type: ignore[attr-defined]
