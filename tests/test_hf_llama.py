@@ -421,7 +421,8 @@ def test_export_over_a_sharded_model_replaces_its_weights_for_both_readers(llama
     """`export --force` into a directory holding a sharded model of the same shapes left its
     index and shards beside the new model.safetensors; transformers loaded the new file,
     numesh's reader the index: the old weights under the new config. Now the export
-    removes a model's weight files (and only those: a user's notes stay), a failed export
+    removes a model's weight files and the tokenizer side files it did not write (and only
+    those: a user's notes stay), a failed export
     leaves the old model whole, and where both layouts are left numesh reads the one file,
     as transformers does: both give the checkpoint's logits."""
     from numesh.checkpoint import export_hf, read_global_params
@@ -434,6 +435,8 @@ def test_export_over_a_sharded_model_replaces_its_weights_for_both_readers(llama
     assert "model.safetensors.index.json" in old and len(old) > 2
     (d / "pytorch_model.bin").write_bytes(b"an older torch save")
     (d / "notes.txt").write_text("mine")
+    (d / "chat_template.jinja").write_text("{{ 'an old model's template' }}")  # transformers would read it first
+    (d / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>"}))
     idx = np.random.default_rng(0).integers(0, model.vocab_size, (2, 16))
     before = hf_logits(d, idx, "float64")
 
@@ -450,6 +453,8 @@ def test_export_over_a_sharded_model_replaces_its_weights_for_both_readers(llama
     assert sorted(p.name for p in d.iterdir() if p.suffix in (".safetensors", ".bin", ".json")) == [
         "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert (d / "notes.txt").read_text() == "mine"
+    assert not (d / "chat_template.jinja").exists() and not (d / "special_tokens_map.json").exists()
+    assert transformers.AutoTokenizer.from_pretrained(d, local_files_only=True).chat_template is None
     want = numesh_logits(params, model, idx)
     np.testing.assert_allclose(hf_logits(d, idx, "float64"), want, rtol=0, atol=1e-5)
     np.testing.assert_allclose(_numesh_dir_logits(d, idx), want, rtol=0, atol=1e-12)

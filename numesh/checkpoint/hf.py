@@ -204,7 +204,21 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
         raise CheckpointError(f"cannot write {out}: {os_reason(e)}; nothing of this export "
                               "was left there") from None
     remove_old_weights(out)
+    remove_stale_side_files(out, set(files))
     return out
+
+
+# files transformers reads besides tokenizer_config.json, ahead of it (a chat template, the
+# special tokens, added tokens): one a previous model left in the directory would override
+# what this export wrote, unless this export wrote it
+TOKENIZER_SIDE_FILES = ("chat_template.jinja", "chat_template.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def remove_stale_side_files(out: Path, written: set[str]) -> None:
+    """Remove the tokenizer side files (`TOKENIZER_SIDE_FILES`) this export did not write."""
+    for name in TOKENIZER_SIDE_FILES:
+        if name not in written:
+            _remove(out / name)
 
 
 def remove_old_weights(out: Path) -> None:
@@ -215,13 +229,18 @@ def remove_old_weights(out: Path) -> None:
     transformers and numesh both read, model.safetensors before any index) and a
     failure before leaves the old one."""
     for file in weight_files(out):
-        if file.name == SINGLE:
-            continue
-        try:
-            file.unlink(missing_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"the export is in {out}, but the old weight file {file.name} there cannot be "
-                                  f"removed ({os_reason(e)}): remove it yourself") from None
+        if file.name != SINGLE:
+            _remove(file)
+
+
+def _remove(file: Path) -> None:
+    """Remove a previous model's file from an export's directory, or say in one line that the
+    export is in place but that file must go."""
+    try:
+        file.unlink(missing_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"the export is in {file.parent}, but the old file {file.name} there cannot be "
+                              f"removed ({os_reason(e)}): remove it yourself") from None
 
 
 def write_all(out: Path, files: dict[str, str | bytes]) -> None:
