@@ -520,6 +520,17 @@ def test_a_fine_tuned_model_exports_with_its_sources_tokens_and_context(llama_da
     assert transformers.AutoConfig.from_pretrained(scratch, local_files_only=True).max_position_embeddings == 16
 
 
+def test_a_source_without_a_bos_id_exports_none() -> None:
+    """The export's token ids are the source's over the end-of-text id as eos: a source that
+    names no bos gets none (not the eos id, which made every prompt start with an eos); a
+    model trained from scratch has its end-of-text token as both."""
+    from numesh.checkpoint.hf_source import config_ids, generation_ids
+
+    source = {"config_ids": {"eos_token_id": 2}, "tokenizer": None, "generation_ids": None}
+    assert config_ids(source, 7) == generation_ids(source, 7) == {"eos_token_id": 2}
+    assert config_ids(None, 7) == {"bos_token_id": 7, "eos_token_id": 7}
+
+
 def test_the_source_record_reads_older_spellings_and_a_broken_one_is_one_line(tok_json: str, tmp_path: Path) -> None:
     """transformers 4's spellings (an AddedToken object, the chat template inside
     tokenizer_config.json, several eos ids) are recorded as written; a file numesh cannot

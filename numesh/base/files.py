@@ -64,3 +64,13 @@ def read_user_file(path: Path, what: str, fmt: str, error: Callable[[str], Excep
         raise error(f"{what} {path} is not valid {fmt}: {e}") from None
     except OSError as e:
         raise error(f"{what} {path} cannot be read: {e.strerror or e}") from None
+
+
+def json_object_or_none(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`, or None where it is missing, unreadable or not an object:
+    for a file a reader can do without (a transformers directory's tokenizer_config.json)."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None

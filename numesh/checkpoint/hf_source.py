@@ -19,26 +19,17 @@ missing, unreadable or not a JSON object records nothing (the run does not need 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from numesh.base.errors import CheckpointError
+from numesh.base.files import json_object_or_none
 from numesh.checkpoint.hf_llama import MODEL_TYPES, pretrained
 
 SOURCE_KEY = "init_source"  # meta.json's key of the record
 TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers 5's file of a tokenizer's one chat template
-
-
-def _json_object(path: Path) -> dict[str, Any] | None:
-    """The JSON object in `path`, or None when it is missing, unreadable or not an object."""
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def _is_token(value: Any) -> bool:
@@ -60,7 +51,7 @@ def _ids(obj: dict[str, Any] | None) -> dict[str, Any] | None:
 def _tokenizer(directory: Path) -> dict[str, Any] | None:
     """tokenizer_config.json's special tokens, model_max_length and chat template (None: no
     such file); the chat template from chat_template.jinja where there is one."""
-    cfg = _json_object(directory / "tokenizer_config.json")
+    cfg = json_object_or_none(directory / "tokenizer_config.json")
     if cfg is None:
         return None
     out: dict[str, Any] = {k: cfg[k] for k in TOKENS if _is_token(cfg.get(k))}
@@ -79,11 +70,11 @@ def read_source(path: str | Path) -> dict[str, Any] | None:
     """The record of the transformers directory `path` a run starts from (the module
     docstring's), JSON-ready; None for a `numesh export` file, which has none to give."""
     p = Path(path)
-    config = _json_object(p / "config.json") if p.is_dir() else None
+    config = json_object_or_none(p / "config.json") if p.is_dir() else None
     if config is None:
         return None
     record: dict[str, Any] = {"config_ids": _ids(config), "tokenizer": _tokenizer(p),
-                              "generation_ids": _ids(_json_object(p / "generation_config.json"))}
+                              "generation_ids": _ids(json_object_or_none(p / "generation_config.json"))}
     if config.get("model_type") in MODEL_TYPES:
         record["max_position_embeddings"] = pretrained(p).max_positions  # the class's default where it is left out
     return record
@@ -123,8 +114,11 @@ def tokenizer_fields(source: dict[str, Any] | None, eot: str | None, max_length:
 
 
 def config_ids(source: dict[str, Any] | None, eot_id: int | None) -> dict[str, Any]:
-    """config.json's token ids: the end-of-text id as bos and eos, over which the source's go."""
-    return {"bos_token_id": eot_id, "eos_token_id": eot_id} | ((source or {}).get("config_ids") or {})
+    """config.json's token ids: the source's over the end-of-text id as eos; a model trained
+    from scratch has it as bos too (a source that names no bos keeps none)."""
+    if source is None:
+        return {"bos_token_id": eot_id, "eos_token_id": eot_id}
+    return {"eos_token_id": eot_id} | (source.get("config_ids") or {})
 
 
 def generation_ids(source: dict[str, Any] | None, eot_id: int | None) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import attrs
 import numpy as np
 
 from numesh.base.errors import DataError
+from numesh.base.files import json_object_or_none
 
 TOKEN_DTYPE = np.dtype("<u2")  # a character dataset's ids: uint16, as nanoGPT's .bin files
 _MAX_VOCAB = int(np.iinfo(TOKEN_DTYPE).max) + 1
@@ -320,11 +321,7 @@ def directory_eos(directory: Path, json_text: str) -> str | None:
     eos_token, else the token of config.json's eos_token_id; None when it names none (or
     the files are unreadable: the caller's default then applies)."""
     def read(name: str) -> dict[str, Any]:
-        try:
-            obj = json.loads((directory / name).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
-            return {}
-        return obj if isinstance(obj, dict) else {}
+        return json_object_or_none(directory / name) or {}
 
     eos = read("tokenizer_config.json").get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos
