@@ -643,3 +643,11 @@ def test_a_dataset_written_before_documents_were_framed_needs_overwrite(corpus: 
     TD.prepare_tokenized([corpus], tok, d, how, overwrite=True)
     assert json.loads((d / "meta.json").read_text())["template"] == {"start": [tok._tok.token_to_id("<s>")],
                                                                     "end": []}
+    # a template that only ends a text with the end-of-text token frames documents as always:
+    # an older dataset of it holds the same ids and is not refused
+    eos_only, e = _with_template(train_bpe(DOCS, 300), f"$A {EOT}"), tmp_path / "e"
+    TD.prepare_tokenized([corpus], eos_only, e, how)
+    meta = json.loads((e / "meta.json").read_text())
+    del meta["template"]
+    (e / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    TD.prepare_tokenized([corpus], eos_only, e, how)

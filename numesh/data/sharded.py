@@ -185,6 +185,9 @@ def refuse_unframed(out: Path, tok: HFTokenizer, overwrite: bool) -> None:
     """Before the corpus is read: a complete dataset in `out` of the same inputs (after
     `refuse_early`) whose documents lack the template's tokens, as a numesh before they
     were added wrote it, is replaced only with `overwrite`: its ids differ from the new."""
+    start, end = document_ends(tok)
+    if not start.size and end.tolist() == [tok.eot_id]:  # framed as always: an end-of-text token after each
+        return
     old = None if overwrite else dw.existing(out)
     if old is not None and "shards" in old and old.get("template") != template_record(tok).get("template"):
         raise dw.refused(out, "documents without the start and end tokens its tokenizer's template adds (an "
