@@ -753,7 +753,13 @@ def test_a_vocabulary_padded_past_the_tokenizer_trains_samples_and_exports_back(
                            suppress_tokens=list(range(entries, rows)))[0].tolist()
     text = Tokenizer.from_str(tok_json).decode(want, skip_special_tokens=False)
     assert sample(SampleConfig(str(d), prompt, max_new_tokens=8, temperature=0.0), MPI.COMM_SELF) == [text]
-    assert len(sample(SampleConfig(str(d), prompt, max_new_tokens=8, temperature=2.0, top_k=None), MPI.COMM_SELF))
+    from numesh.run.sample import generate, load_checkpoint
+
+    ck = load_checkpoint(d)  # sampled hot, the padded rows (3x the best logit) are drawn unless cut
+    hot = dict(max_new_tokens=24, temperature=2.0, top_k=None, seed=3)
+    assert generate(ck.params, ck.model, self_mesh(), np.array([ids]), **hot)[0, len(ids):].max() >= entries
+    assert generate(ck.params, ck.model, self_mesh(), np.array([ids]), **hot,
+                    tokens=entries)[0, len(ids):].max() < entries
     res = cli("sample", str(ckpt), "--prompt", prompt, "--max-new-tokens", "8", "--temperature", "1")
     assert res.exit_code == 0, res.stderr
 

@@ -142,6 +142,7 @@ def generate(
     top_k: int | None = 200,
     seed: int = 1337,
     kv_cache: bool = True,
+    *,
     tokens: int | None = None,
 ) -> np.ndarray:
     """Extend `prompt` [B, T0] by `max_new_tokens` tokens; the context is the last block_size tokens.
@@ -267,6 +268,6 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
     out = []
     for i in range(cfg.num_samples):
         ids = generate(params, model, mesh, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed + i,
-                       cfg.kv_cache, ck.tokenizer.vocab_size)
+                       cfg.kv_cache, tokens=ck.tokenizer.vocab_size)
         out.append(shown(ck.tokenizer, ids[0]))
     return out
