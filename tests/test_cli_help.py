@@ -30,7 +30,8 @@ def test_sample_prompt_default_is_named() -> None:
 
 def test_train_help_shows_every_default_in_brackets() -> None:
     text = " ".join(CliRunner().invoke(app, ["train", "--help"]).output.split())
-    assert "--max-iters <int> optimiser steps [default: 2000]" in text
+    assert ("--max-iters <int> optimiser steps (0: evaluate the starting weights, e.g. --init-from's, and save "
+            "them as a checkpoint) [default: 2000]") in text
     assert "[default: off]" in text  # --bias
 
 

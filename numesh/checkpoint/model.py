@@ -12,6 +12,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from numesh.base.errors import CheckpointError
+from numesh.base.flags import flag_value
 from numesh.base.tree import tree_leaves_with_path, tree_map_with_path
 from numesh.checkpoint.format import LeafDef, Meta, full_region
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs
@@ -88,12 +89,7 @@ def check_model(meta: Meta, model: GPTConfig) -> None:
 
 def _option(key: str, value: object) -> str:
     """The `numesh train` option that sets a model key to `value` (the vocabulary is --data's)."""
-    if key == "vocab_size":
-        return f"--data tokenised to {value} entries"
-    flag = "--" + key.replace("_", "-")
-    if isinstance(value, bool):
-        return flag if value else "--no-" + flag[2:]
-    return f"{flag} {value}"
+    return f"--data tokenised to {value} entries" if key == "vocab_size" else flag_value(key, value)
 
 
 def gpt2_differences(model: GPTConfig) -> list[str]:

@@ -204,6 +204,7 @@ def _shown(default: Any) -> str:
 
 def _train_signature() -> inspect.Signature:
     """One option per TrainConfig field (None = not given, so --config values survive)."""
+    from numesh.base.flags import flag, flag_value
     from numesh.run.config import TrainConfig, field_type
 
     params = [
@@ -226,8 +227,8 @@ def _train_signature() -> inspect.Signature:
     ]
     for f in attrs.fields(TrainConfig):
         typ = field_type(f)
-        flag = "--" + f.name.replace("_", "-")
-        decls = [f"{flag}/--no-{flag[2:]}"] if typ is bool else [flag]
+        on = flag(f.name)
+        decls = [f"{on}/{flag_value(f.name, False)}"] if typ is bool else [on]
         params.append(
             inspect.Parameter(
                 f.name,

@@ -12,6 +12,7 @@ import attrs
 import numpy as np
 
 from numesh.base.errors import ConfigError, UserError
+from numesh.base.flags import flag_value
 from numesh.data.dataset import load_tokenizer
 from numesh.plan.hardware import Profile, load_profile, local_profile_path
 from numesh.plan.layout import ModelSpec
@@ -122,24 +123,16 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
         raise ConfigError(_fits_nowhere(found, ranks, limit))
     if as_json_out:
         return json.dumps([as_json(p, ranks) for p in found.fitting], indent=1)
-    extra = " ".join(_flag(k, v) for k, v in overrides.items()
+    extra = " ".join(flag_value(k, v) for k, v in overrides.items()
                      if v is not None and k not in ("mesh", "zero", "schedule", "micro_batches", "virtual_stages",
                                                     "recompute", "sequence_parallel"))
     if model_preset:
         p = preset(model_preset)
         # the preset's kind and its biases (GPT-2's and GPT-3's: --bias, off by default in train)
-        parts = "".join(f" {_flag(k, v)}" for k, v in p.parts.items() if k != "bias" or v)
+        parts = "".join(f" {flag_value(k, v)}" for k, v in p.parts.items() if k != "bias" or v)
         extra = (f"--n-layer {p.n_layer} --n-head {p.n_head} --n-embd {p.n_embd} --block-size {p.block_size}{parts} "
                  f"--batch-size {cfg.batch_size} " + extra).strip()
     return table(found, ranks, top, limit, profile.name, extra)
-
-
-def _flag(name: str, value: Any) -> str:
-    """An option as `numesh train` takes it (booleans as --x / --no-x)."""
-    flag = name.replace("_", "-")
-    if isinstance(value, bool):
-        return f"--{flag}" if value else f"--no-{flag}"
-    return f"--{flag} {value}"
 
 
 def _fits_nowhere(found: Plan, ranks: int, limit: float) -> str:

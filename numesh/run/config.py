@@ -17,7 +17,8 @@ import numpy as np
 
 from numesh.base.errors import ConfigError
 from numesh.base.files import read_user_file
-from numesh.checkpoint.hf_llama import OPTIONS, conflicts, is_pretrained_dir, model_type, pretrained
+from numesh.base.flags import flag, flag_value
+from numesh.checkpoint.hf_llama import conflicts, is_pretrained_dir, model_type, pretrained
 from numesh.checkpoint.init_from import check_init_kind, start_vocab
 from numesh.checkpoint.save import LATEST
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
@@ -228,14 +229,6 @@ def _llama_dir(init: Any) -> bool:
     return isinstance(init, str) and bool(init.strip()) and is_pretrained_dir(init) and model_type(Path(init)) != "gpt2"
 
 
-def _given(name: str, value: Any) -> str:
-    """An option as given on the command line: a boolean as its flag (--x or --no-x)."""
-    if isinstance(value, bool):
-        flag = OPTIONS[name].split(" / ")[0]
-        return flag if value else "--no-" + flag[2:]
-    return f"{OPTIONS[name]} {value}"
-
-
 def _from_pretrained(values: dict[str, Any]) -> None:
     """With --init-from a transformers Llama-family directory, the model options its
     config.json fixes, filled in where not given; one given otherwise is a one-line error.
@@ -247,8 +240,8 @@ def _from_pretrained(values: dict[str, Any]) -> None:
     clash = conflicts(theirs, values)
     if clash is not None:
         name, given, want = clash
-        raise ConfigError(f"{_given(name, given)} conflicts with --init-from {init}, whose model has "
-                          f"{_given(name, want) if isinstance(want, bool) else want}: leave the option out (the "
+        raise ConfigError(f"{flag_value(name, given)} conflicts with --init-from {init}, whose model has "
+                          f"{flag_value(name, want) if isinstance(want, bool) else want}: leave the option out (the "
                           "directory sets it)")
     values.update(theirs)
 
@@ -331,16 +324,12 @@ def _check_values(cfg: TrainConfig) -> None:
     for f in attrs.fields(TrainConfig):
         value = getattr(cfg, f.name)
         if field_type(f) is float and not math.isfinite(value):
-            raise ConfigError(f"--{_flag(f.name)} must be a finite number, got {value}")
+            raise ConfigError(f"{flag(f.name)} must be a finite number, got {value}")
     for name in _PATHS_NEEDED + _PATHS_OPTIONAL:
         value = getattr(cfg, name)
         if not value.strip() and (value or name in _PATHS_NEEDED):
             what = "a directory for the run" if name == "out" else "a path"
-            raise ConfigError(f"--{_flag(name)} must name {what}, got {value!r}")
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
+            raise ConfigError(f"{flag(name)} must name {what}, got {value!r}")
 
 
 def check_layout(cfg: TrainConfig, n_ranks: int, vocab_size: int) -> tuple[dict[str, int], GPTConfig]:

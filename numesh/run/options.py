@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from numesh.base.flags import flag, flag_value
 from numesh.run.config import TrainConfig, field_type
 
 REGENERATE = "python -m numesh.run.options docs/options.md"
@@ -41,8 +42,8 @@ what the options do together is in the [quick start](quickstart.md).
 
 def option_flag(field: attrs.Attribute) -> str:
     """The option as the CLI spells it: `--name`, or `--name` / `--no-name` for a switch."""
-    flag = "--" + field.name.replace("_", "-")
-    return f"`{flag}` / `--no-{flag[2:]}`" if field_type(field) is bool else f"`{flag}`"
+    on = flag(field.name)
+    return f"`{on}` / `{flag_value(field.name, False)}`" if field_type(field) is bool else f"`{on}`"
 
 
 def toml_value(value: Any) -> str:

@@ -1,0 +1,19 @@
+"""A configuration key and value as `numesh train`'s command line spells them: the one
+spelling every message that names an option to pass uses (plan's printed command, a
+resume's or an --init-from's mismatch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def flag(name: str) -> str:
+    """The option of a key: --n-kv-head for n_kv_head."""
+    return "--" + name.replace("_", "-")
+
+
+def flag_value(name: str, value: Any) -> str:
+    """The option that sets `name` to `value`: `--n-layer 4`, a boolean as --bias / --no-bias."""
+    if isinstance(value, bool):
+        return flag(name) if value else "--no-" + flag(name)[2:]
+    return f"{flag(name)} {value}"
