@@ -56,9 +56,7 @@ def _reshard(root: Path, to: str, out: str | Path | None) -> Path:
     meta = read_meta(root)
     src_mesh = meta.raw.get("mesh") if isinstance(meta.raw.get("mesh"), dict) else {}
     sizes, named = target_mesh(src_mesh, to)
-    problem = meta.model.tp_problem(sizes["tp"])
-    if problem is not None:  # the checkpoint's model is fixed: only the mesh can change
-        raise ConfigError(f"{problem[0]}: reshard --to another tp, {meta.model.tp_sizes()}")
+    meta.model.check_tp_of_fixed_model(sizes["tp"], "reshard --to another tp, {sizes}")  # only the mesh can change
     meta.model.validate(sizes["tp"])
     _check_ep(meta.model.moe_experts, sizes["ep"])
     if sizes["cp"] > 1 and meta.model.block_size % (2 * sizes["cp"]):

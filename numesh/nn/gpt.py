@@ -175,6 +175,14 @@ class GPTConfig:
                     "use a tp that divides it or set --ffn-hidden")
         return None
 
+    def check_tp_of_fixed_model(self, tp: int, fix: str) -> None:
+        """A ConfigError where the model does not split over `tp` for a command that cannot
+        change the model (sample, reshard): the why, then `fix` with the tp sizes that do
+        in its `{sizes}`."""
+        problem = self.tp_problem(tp)
+        if problem is not None:
+            raise ConfigError(f"{problem[0]}: {fix.format(sizes=self.tp_sizes())}")
+
     def tp_sizes(self) -> str:
         """The tensor-parallel sizes this model splits over, in words ("1, 2 or 4"): tp
         divides n_head, so none is larger."""

@@ -243,10 +243,7 @@ def shown(tok: CharTokenizer | HFTokenizer, ids: np.ndarray) -> str:
 def check_split(model: GPTConfig, tp: int) -> None:
     """A ConfigError when `model` does not split over `tp`, naming the tp sizes that do:
     sampling changes the mesh, never the model (train's fix, --ffn-hidden, is no option here)."""
-    problem = model.tp_problem(tp)
-    if problem is not None:
-        raise ConfigError(f"{problem[0]}: sample on another mesh, --mesh tp=N with N {model.tp_sizes()} "
-                          "(and as many ranks)")
+    model.check_tp_of_fixed_model(tp, "sample on another mesh, --mesh tp=N with N {sizes} (and as many ranks)")
 
 
 def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
