@@ -104,7 +104,7 @@ def test_the_design_table_lists_each_package_as_its_contract_orders_it() -> None
     """Each row of docs/design.md's package table names exactly the modules its packages hold
     on disk, and a package with a layers contract shows that contract's layers top to bottom:
     a module added to a package and its contract but not to the table (as plan's `optimizer`
-    and eight host modules once were) fails here."""
+    and several host modules once were) fails here."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     chains = {c["containers"][0]: _chain(c) for c in config["tool"]["importlinter"]["contracts"]
               if c["type"] == "layers" and c["containers"] != ["numesh"]}

@@ -10,7 +10,7 @@ weights are [in, out], as numesh's; biases written as zeros where numesh has non
 config.json's `numesh_bias` says), the tokenizer (a BPE dataset's `tokenizer.json`; for a
 character dataset an equivalent one, `CharTokenizer.to_hf_json`) with its
 `tokenizer_config.json`, and `generation_config.json`. For Llama and Mixtral: their
-config.json (`max_position_embeddings` = the block size, or the `--init-from` directory's
+config.json (`max_position_embeddings` = the block size, or the `--init-from` directory's if longer
 where the run started from one; Mixtral's router is numesh's: softmax over every expert,
 top-k, renormalised), their tensor names and layouts, and the same tokenizer and
 generation files. A model trained from a transformers directory gets that directory's
