@@ -237,9 +237,9 @@ def test_batch_offsets_deterministic() -> None:
 
 
 def test_batch_offsets_block_too_large() -> None:
-    with pytest.raises(DataError, match="use a smaller --block-size"):
+    with pytest.raises(DataError, match="use a --block-size below it"):
         batch_offsets(train_key(0, 0), 64, 4, 64)
-    with pytest.raises(DataError, match="block_size 100 is larger than the 64-token split"):
+    with pytest.raises(DataError, match="block_size 100 needs a split of at least 101 tokens, this one has 64"):
         batch_offsets(train_key(0, 0), 64, 4, 100)
     batch_offsets(train_key(0, 0), 65, 4, 64)  # one valid offset: fine
 
@@ -337,7 +337,7 @@ def test_local_batch_not_divisible(dataset: Path) -> None:
 
 def test_local_batch_block_too_large(dataset: Path) -> None:
     data = load_split(dataset, "val")
-    with pytest.raises(DataError, match="smaller --block-size"):
+    with pytest.raises(DataError, match="--block-size below it"):
         local_batch(data, eval_key(0, "val", 0), 4, len(data), 0, 1, 1)
 
 

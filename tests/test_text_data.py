@@ -651,3 +651,47 @@ def test_a_dataset_written_before_documents_were_framed_needs_overwrite(corpus: 
     del meta["template"]
     (e / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
     TD.prepare_tokenized([corpus], eos_only, e, how)
+
+
+# ---------------------------------------------------------------------------------------
+# inputs a user gets wrong, each one line
+
+
+def test_corpus_inputs_a_user_gets_wrong_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unpaired surrogate (a JSON escape of half a character, which no UTF-8 encodes) or
+    a non-text field in a JSONL record, an empty --src, and an --out that cannot be written
+    (found before the BPE is trained, not after): each a one-line DataError saying what to
+    change. A file whose name looks like a glob is itself."""
+    cases = {"s.jsonl": ('{"text": "a\\ud800b"}\n', "s.jsonl:1 holds an unpaired surrogate"),
+             "n.jsonl": ('{"text": 42}\n', "n.jsonl:1: field 'text' holds int, not text")}
+    for name, (text, says) in cases.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        with pytest.raises(DataError, match=re.escape(says)) as e:
+            TD.prepare_bpe([tmp_path / name], 260, tmp_path / f"out-{name}")
+        assert "\n" not in str(e.value)
+    with pytest.raises(DataError, match="--src is empty"):
+        expand([""])
+    literal = tmp_path / "notes[1].txt"
+    literal.write_text("to be or not to be\n" * 50, encoding="utf-8")
+    assert expand([literal]) == [literal]
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setattr(TD, "train_bpe", lambda *a, **k: pytest.fail("trained before finding --out unwritable"))
+    with pytest.raises(DataError, match="cannot create a dataset beside"):
+        TD.prepare_bpe([literal], 260, tmp_path / "a-file" / "ds")
+
+
+def test_a_tokenizer_that_cannot_encode_is_one_line(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import models
+
+    broken = Raw(models.WordLevel({EOT: 0, "the": 1}, unk_token="[UNK]"))  # its unk token is not in its vocabulary
+    with pytest.raises(DataError, match="the tokenizer cannot encode a text"):
+        HFTokenizer(broken.to_str()).template
+
+
+def test_the_train_hint_is_quoted_for_the_shell(tmp_path: Path) -> None:
+    src = tmp_path / "my file.txt"
+    src.write_text("to be or not to be\n" * 200, encoding="utf-8")
+    res = cli("data", "char", "--src", str(src), "--out", str(tmp_path / "c sp"))
+    assert res.exit_code == 0, res.stderr
+    assert f"numesh train --data '{tmp_path / 'c sp'}'" in res.stderr

@@ -210,7 +210,7 @@ def test_error_classes_are_value_errors() -> None:
     "overrides, n_ranks, error, match",
     [
         (dict(n_embd=10, n_head=4), 1, ConfigError, "n_embd=10 is not divisible by n_head=4"),
-        (dict(block_size=1000), 1, ConfigError, "block_size=1000 is larger"),
+        (dict(block_size=1000), 1, ConfigError, "block_size=1000 needs a split of at least 1001 tokens"),
         (dict(batch_size=6, micro_batches=4), 1, ConfigError, "batch_size 6 is not divisible"),
         (dict(batch_size=6, mesh="dp=4"), 4, ConfigError, "batch_size 6 is not divisible"),
         (dict(n_head=2, mesh="tp=4"), 4, ConfigError, "n_head=2 is not divisible by tp=4"),
@@ -273,7 +273,7 @@ def test_train_raises_before_writing_anything(char_dataset: Path, tmp_path: Path
         (["--mesh", "dp=2,xx=3"], "unknown mesh axis 'xx'"),
         (["--mesh", "dp=2"], "needs 2 ranks"),
         (["--n-embd", "10"], "n_embd=10 is not divisible by n_head"),
-        (["--block-size", "100000"], "block_size=100000 is larger"),
+        (["--block-size", "100000"], "block_size=100000 needs a split of at least 100001 tokens"),
         (["--config", "{tmp}/bad.toml"], "unknown config key 'n_layers'"),
         (["--zero", "5"], "--zero must be 0, 1, 2 or 3"),
         (["--schedule", "pipedream"], "unknown pipeline schedule 'pipedream'"),

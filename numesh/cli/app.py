@@ -18,6 +18,7 @@ except RuntimeError as e:
 
 import inspect  # after the line above, which must run first
 import math
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -59,7 +60,7 @@ def _wrote(summary: dict, out: Path) -> None:
     print(
         f"wrote {summary['out_dir']}: vocab {summary['vocab_size']}, "
         f"{summary['train_tokens']:,} train / {summary['val_tokens']:,} val tokens; "
-        f"train on it with `numesh train --data {out}`",
+        f"train on it with `numesh train --data {shlex.quote(str(out))}`",
         file=sys.stderr,
     )
 
@@ -132,7 +133,8 @@ def _tokenized(summary: dict, out: Path, what: str) -> None:
     split = (f"one document split {100 * (1 - vf):g}/{100 * vf:g} by position" if summary["split"] == "position"
              else f"{docs['train']:,} train / {docs['val']:,} val documents")
     print(f"{what} {summary['out_dir']}: vocab {summary['vocab_size']:,}, {split}, {summary['train_tokens']:,} / "
-          f"{summary['val_tokens']:,} tokens; train on it with `numesh train --data {out}`", file=sys.stderr)
+          f"{summary['val_tokens']:,} tokens; train on it with `numesh train --data {shlex.quote(str(out))}`",
+          file=sys.stderr)
 
 
 @data_app.command("bpe")

@@ -41,7 +41,8 @@ def batch_offsets(key: tuple[int, ...], n_tokens: int, batch_size: int, block_si
         raise DataError(f"batch_size must be positive, got {batch_size}: pass a positive --batch-size")
     if n_tokens <= block_size:
         raise DataError(
-            f"block_size {block_size} is larger than the {n_tokens}-token split: use a smaller --block-size"
+            f"block_size {block_size} needs a split of at least {block_size + 1} tokens, this one has {n_tokens}: "
+            "use a --block-size below it"
         )
     parts = [int(k) for k in key]
     if not parts or min(parts) < 0:

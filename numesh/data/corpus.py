@@ -38,7 +38,9 @@ def expand(sources: Sequence[str | Path]) -> list[Path]:
     out: list[Path] = []
     for src in sources:
         s = str(src)
-        if any(c in s for c in "*?["):
+        if not s.strip():
+            raise DataError("--src is empty: name the corpus's files, directories or globs")
+        if any(c in s for c in "*?[") and not Path(s).exists():  # an existing path is itself: notes[1].txt
             found = [Path(p) for p in sorted(glob.glob(s, recursive=True)) if Path(p).is_file()]
             if not found:
                 raise DataError(f"no file matches {s}: check the pattern")
@@ -122,6 +124,17 @@ def _txt(path: Path, split_on: str | None) -> Iterator[str]:
             raise DataError(f"{path} is not valid UTF-8 ({e.reason}): convert it to UTF-8") from None
 
 
+def _encodable(text: str, path: Path, n: int) -> str:
+    """`text`, which JSON's \\ud800-style escapes may have given an unpaired surrogate that no
+    UTF-8 encodes (the tokenizer and the byte counts would fail on it): one line saying where."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{path}:{n} holds an unpaired surrogate {text[e.start]!r} (a JSON \\u escape of half a "
+                        "character): fix the line") from None
+    return text
+
+
 def _jsonl(path: Path, field: str) -> Iterator[str]:
     with _open_text(path) as f:
         try:
@@ -132,11 +145,14 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{n} is not valid JSON ({e.msg}): fix or remove the line") from None
-                text = row.get(field) if isinstance(row, dict) else None
-                if not isinstance(text, str):
+                if not isinstance(row, dict) or field not in row:
                     raise DataError(f"{path}:{n} has no text field {field!r}: pass --text-field with the field "
                                     "that holds the text")
-                yield text
+                text = row[field]
+                if not isinstance(text, str):
+                    raise DataError(f"{path}:{n}: field {field!r} holds {type(text).__name__}, not text: fix the "
+                                    "line or pass --text-field with the field that holds the text")
+                yield _encodable(text, path, n)
         except UnicodeDecodeError as e:
             raise DataError(f"{path} is not valid UTF-8 ({e.reason}): convert it to UTF-8") from None
 

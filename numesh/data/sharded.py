@@ -58,8 +58,9 @@ def _no_tokens() -> DataError:
 
 
 def _empty_split(docs: int, split: str, val_fraction: float) -> DataError:
-    return DataError(f"the {docs:,} documents leave the {split} split empty at --val-fraction {val_fraction}: "
-                     "add documents, split them (--split-on) or change --val-fraction")
+    return DataError(f"the {docs:,} documents leave the {split} split empty at --val-fraction {val_fraction} "
+                     "(documents go to a split whole): add documents, split .txt files into more (--split-on; "
+                     "a .jsonl or .parquet record is one document) or change --val-fraction")
 
 
 def split_plan(paths: Sequence[Path], how: Reading, val_fraction: float) -> str:
@@ -209,6 +210,7 @@ def prepare_bpe(sources: Sequence[str | Path], vocab_size: int, out: str | Path,
     paths, target = expand(sources), dw.target(Path(out))
     files = describe(paths)  # before the first pass: a corpus changed between the two is caught
     refuse_early(target, files, how, val_fraction, vocab_size, overwrite)
+    dw.check_writable(target)
     plan = split_plan(paths, how, val_fraction)
     if say is not None:
         size = sum(f["bytes"] for f in files)

@@ -309,7 +309,10 @@ def template_ends(tok: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     after a single text, read off a probe text's encoding: the ids around its own (those
     with a sequence id). A probe the tokenizer gives no ids of its own leaves every added
     id before the text (a template adds a start token far more often than an end one)."""
-    enc = tok.encode("a", add_special_tokens=True)
+    try:
+        enc = tok.encode("a", add_special_tokens=True)
+    except Exception as e:  # tokenizers raises its own types (a WordLevel model without its unk token)
+        raise DataError(f"the tokenizer cannot encode a text ({e}): fix its tokenizer.json or use another") from None
     own = [i for i, s in enumerate(enc.sequence_ids) if s is not None]
     if not own:
         return tuple(enc.ids), ()

@@ -118,6 +118,13 @@ def clean_leftovers(out: Path) -> list[Path]:
     return removed
 
 
+def check_writable(out: Path) -> None:
+    """Fail now where `out`'s dataset cannot be written, before a BPE is trained for it (an
+    hour on a large corpus): the staging directory made and removed."""
+    with staging(out):
+        pass
+
+
 @contextlib.contextmanager
 def staging(out: Path) -> Iterator[Path]:
     """A new empty directory beside `out` (a `target`) to write a dataset into, removed on
