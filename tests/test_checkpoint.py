@@ -510,7 +510,8 @@ def test_reshard_to_a_cp_mesh_writes_the_same_blocks(saved: Path, data: Path, tm
 def test_reshard_validates_the_target(saved: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="^n_head=4 is not divisible by tp=3: reshard --to another tp, 1, 2 or 4$"):
         reshard(saved, "tp=3", tmp_path / "x")  # the checkpoint's model is fixed: no model option to name
-    with pytest.raises(ConfigError, match="n_layer=2 is not divisible"):
+    with pytest.raises(ConfigError, match="n_layer=2 does not split over pp x virtual stages = 3 x 1: reshard --to "
+                                          "another pp, one of 1, 2"):
         reshard(saved, "pp=3", tmp_path / "x")
     with pytest.raises(MeshError, match="unknown mesh axis 'xp'"):
         reshard(saved, "xp=2", tmp_path / "x")

@@ -407,3 +407,32 @@ def test_a_model_that_does_not_split_over_tp_names_what_each_command_can_change(
     assert str(e.value) == ("the MLP's hidden size 100 is not divisible by tp=3: sample on another mesh, --mesh tp=N "
                             "with N 1 or 2 (and as many ranks)")
     check_split(model, 2)
+
+
+def test_output_piped_into_a_reader_that_stops_early_exits_quietly() -> None:
+    """`numesh ... | head`: the closed pipe is exit 141 (128 + SIGPIPE), no traceback."""
+    code = ("from numesh.host.runtime import guarded\n"
+            "guarded(lambda: [print('y' * 1000, flush=True) for _ in range(100000)])\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.read(10) == b"y" * 10
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and b"Traceback" not in err, err
+
+
+def test_commands_that_cannot_change_the_model_suggest_what_they_can(char_dataset: Path, tmp_path: Path) -> None:
+    """sample refuses a non-tp mesh before counting ranks (which said `mpirun -n 2`, then
+    refused the mesh); reshard names the pp sizes the checkpoint's layers split over (not
+    another n_layer); a run's directory given for a checkpoint names its ckpt/latest; report
+    on a run that was not traced does not suggest a command the run directory refuses."""
+    out = tmp_path / "run"
+    res = cli("train", "--data", str(char_dataset), "--out", str(out), "--n-layer", "2", "--n-head", "2",
+              "--n-embd", "16", "--block-size", "8", "--batch-size", "2", "--max-iters", "1", "--eval-iters", "1",
+              "--peak-flops", "1e12")
+    assert res.exit_code == 0, res.stderr
+    ckpt = str(out / "ckpt" / "latest")
+    assert "sampling runs on a tensor-parallel mesh only" in one_error_line(cli("sample", ckpt, "--mesh", "dp=2"))
+    assert "reshard --to another pp, one of 1, 2" in one_error_line(cli("reshard", ckpt, "--to", "pp=3"))
+    assert f"pass one of its checkpoints, such as {out / 'ckpt' / 'latest'}" in one_error_line(cli("sample", str(out)))
+    line = one_error_line(cli("report", str(out)))
+    assert "the run was not traced" in line and "a new --out" in line

@@ -524,6 +524,9 @@ def read_meta(path: str | Path, describe: Describe, state_groups: Groups = adamw
     root = given.resolve()
     meta_path = root / META_FILE
     if not meta_path.is_file():
+        if (root / "ckpt").is_dir():  # a run's directory (train --out), not one of its checkpoints
+            raise CheckpointError(f"{given} is a run's directory, not a checkpoint: pass one of its checkpoints, "
+                                  f"such as {given / 'ckpt' / 'latest'}")
         raise CheckpointError(f"{meta_path} is missing: {given} is not a complete numesh checkpoint")
     try:
         raw = json.loads(meta_path.read_text(encoding="utf-8"))

@@ -73,8 +73,9 @@ class Pretrained:
 def is_pretrained_dir(path: str | Path) -> bool:
     """Whether `path` is a transformers directory (its config.json) rather than a numesh
     checkpoint (its meta.json) or file."""
-    p = Path(path)
-    return p.is_dir() and (p / "config.json").exists() and not (p / "meta.json").exists()
+    p = Path(path)  # a run's directory (train --out) has a config.json and its ckpt/: not a model's
+    return p.is_dir() and (p / "config.json").exists() and not (p / "meta.json").exists() \
+        and not (p / "ckpt").is_dir()
 
 
 def model_type(directory: Path) -> str:

@@ -63,7 +63,12 @@ def _reshard(root: Path, to: str, out: str | Path | None) -> Path:
         raise ConfigError(f"block_size={meta.model.block_size} does not split into 2*cp={2 * sizes['cp']} "
                           f"equal chunks: use a cp with 2*cp dividing {meta.model.block_size}")
     v = meta.raw.get("virtual_stages", 1)
-    StageLayout(meta.model.n_layer, sizes["pp"], v if isinstance(v, int) and v >= 1 else 1)
+    v = v if isinstance(v, int) and v >= 1 else 1
+    if meta.model.n_layer % (sizes["pp"] * v):  # the checkpoint's layers are fixed: only pp can change
+        fits = [str(pp) for pp in range(1, meta.model.n_layer + 1) if meta.model.n_layer % (pp * v) == 0]
+        raise ConfigError(f"n_layer={meta.model.n_layer} does not split over pp x virtual stages = {sizes['pp']} x "
+                          f"{v}: reshard --to another pp, one of {', '.join(fits)}")
+    StageLayout(meta.model.n_layer, sizes["pp"], v)
     if out is None:
         out = meta.root.parent / (meta.root.name + "-" + "-".join(f"{a}{sizes[a]}" for a in AXES if a in named))
     out = Path(out)

@@ -540,8 +540,12 @@ def report_cmd(
                 return
             if out.suffix == ".json":
                 raise ConfigError(f"{path} not found: pass a run directory of `numesh train --trace` or its trace.json")
+            if (out / "ckpt").is_dir():  # a run without --trace: a new run, or the rest of this one, traced
+                raise ConfigError(f"{path} not found and no flight record there: the run was not traced; trace a "
+                                  "run with `numesh train --trace` and a new --out (or --resume auto for the steps "
+                                  "this one has left)")
             raise ConfigError(f"{path} not found and no flight record there: "
-                              f"run `numesh train --trace --out {out}` first")
+                              f"run `numesh train --trace --out {shlex.quote(str(out))}` first")
         rep = report.report_of(path, rebuilt)
         print(json.dumps(rep, indent=1) if json_ else report.render(rep))
 

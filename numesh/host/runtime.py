@@ -7,6 +7,7 @@ unexpected exception on one rank prints a rank-tagged traceback and aborts the j
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -295,7 +296,8 @@ def guarded(fn: Callable[[], T], user_errors: tuple[type[BaseException], ...] = 
     An `Interrupted` run (every rank stopped at the same step, see numesh/interrupt.py)
     exits 130 on every rank with its one line on rank 0, a `Preempted` one 75. A bare KeyboardInterrupt (a Ctrl-C
     outside the training loop, where no rank agreed to stop) exits 130 too, aborting the job
-    when it has several ranks, since a peer may be blocked waiting for this one."""
+    when it has several ranks, since a peer may be blocked waiting for this one. Output
+    piped into a reader that stops early (`| head`) exits 141 quietly, as a shell reports it."""
     comm = MPI.COMM_WORLD
     try:
         return fn()
@@ -307,6 +309,10 @@ def guarded(fn: Callable[[], T], user_errors: tuple[type[BaseException], ...] = 
         if comm.Get_rank() == 0:
             print(e, file=sys.stderr, flush=True)
         raise SystemExit(e.EXIT_CODE) from None  # 75 when preempted (errors.Preempted)
+    except BrokenPipeError:  # `numesh sample ... | head`: the reader has what it wanted
+        with contextlib.suppress(OSError):  # stdout's buffered rest would fail again at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141) from None  # 128 + SIGPIPE, what a shell reports for a process cut off so
     except KeyboardInterrupt:
         if comm.Get_size() > 1:
             print(f"[rank {comm.Get_rank()}] interrupted", file=sys.stderr, flush=True)

@@ -215,8 +215,11 @@ class SampleConfig:
             raise ConfigError(f"--top-k must be >= 1 (or 0 for all), got {self.top_k}")
         if self.seed < 0:
             raise ConfigError(f"--seed must be >= 0, got {self.seed}")
-        if parse_axis_sizes(self.mesh or "").get("cp", 1) != 1:  # generation adds one token at a time: nothing to split
+        sizes = parse_axis_sizes(self.mesh or "")
+        if sizes.get("cp", 1) != 1:  # generation adds one token at a time: nothing to split
             raise ConfigError("sampling does not run with context parallelism: use a mesh without cp, e.g. --mesh tp=N")
+        if any(sizes.get(a, 1) != 1 for a in ("pp", "dp", "ep")):  # before the rank count, which would say "mpirun"
+            raise ConfigError("sampling runs on a tensor-parallel mesh only: use --mesh tp=N")
 
 
 def prompt_ids(tok: CharTokenizer | HFTokenizer, prompt: str) -> np.ndarray:
