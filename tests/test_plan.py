@@ -665,6 +665,9 @@ def test_the_search_never_lists_a_tp_that_splits_the_kv_heads_query_groups(char_
     (["--ranks", "2", "--memory-per-rank", "1e999"], "is not a finite size > 0"),
     (["--ranks", "2", "--memory-per-rank", ""], "is not a finite size > 0"),  # once the default, silently
     (["--ranks", "2", "--top", "0"], "--top must be >= 1"),
+    (["--ranks", "4", "--mesh", "dp=2,tp=2"], "numesh plan searches the layout over every value of --mesh: leave it"),
+    (["--ranks", "4", "--zero", "3", "--recompute", "full"],
+     "searches the layout over every value of --zero, --recompute: leave them out"),
     (["--ranks", "2", "--model", ""], "unknown model preset ''"),  # once no preset, silently
     (["--ranks", "2", "--bucket-mb", "nan"], "--bucket-mb must be a finite number, got nan"),  # once a traceback
     # a model no layout runs is said as such, not as "no layout uses 2 ranks: 2 works"

@@ -12,7 +12,7 @@ import attrs
 import numpy as np
 
 from numesh.base.errors import ConfigError, UserError
-from numesh.base.flags import flag_value
+from numesh.base.flags import flag, flag_value
 from numesh.data.dataset import load_tokenizer
 from numesh.plan.hardware import Profile, load_profile, local_profile_path
 from numesh.plan.layout import ModelSpec
@@ -100,6 +100,10 @@ def memory_limit(profile: Profile, ranks: int, given: str | None) -> float:
     return profile.memory_bytes
 
 
+# the options that make a layout, which the plan searches over (and each listed command sets)
+LAYOUT_OPTIONS = ("mesh", "zero", "schedule", "micro_batches", "virtual_stages", "recompute", "sequence_parallel")
+
+
 def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, model_preset: str | None,
              vocab_size: int | None, memory: str | None, hardware: str, as_json_out: bool, top: int,
              log: Callable[[str], None]) -> str:
@@ -109,6 +113,11 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
         raise ConfigError("give --ranks N (the ranks to plan for, >= 1), or --calibrate to measure this machine")
     if top < 1:
         raise ConfigError(f"--top must be >= 1 (layouts in the table), got {top}")
+    searched = [flag(k) for k in LAYOUT_OPTIONS
+                if overrides.get(k) is not None and (k, overrides[k]) != ("mesh", "auto")]
+    if searched:  # given on the command line (a --config recipe's own layout is read, and searched over)
+        raise ConfigError(f"numesh plan searches the layout over every value of {', '.join(searched)}: leave "
+                          f"{'it' if len(searched) == 1 else 'them'} out (each listed layout's command names its own)")
     cfg = base_config(overrides, toml, model_preset)
     check_options(attrs.evolve(cfg, mesh=""), 1)
     model = model_spec(cfg, vocab_size, model_preset)
@@ -123,9 +132,7 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
         raise ConfigError(_fits_nowhere(found, ranks, limit))
     if as_json_out:
         return json.dumps([as_json(p, ranks) for p in found.fitting], indent=1)
-    extra = " ".join(flag_value(k, v) for k, v in overrides.items()
-                     if v is not None and k not in ("mesh", "zero", "schedule", "micro_batches", "virtual_stages",
-                                                    "recompute", "sequence_parallel"))
+    extra = " ".join(flag_value(k, v) for k, v in overrides.items() if v is not None and k not in LAYOUT_OPTIONS)
     if model_preset:
         p = preset(model_preset)
         # the preset's kind and its biases (GPT-2's and GPT-3's: --bias, off by default in train)
