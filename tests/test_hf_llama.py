@@ -303,8 +303,9 @@ def test_a_corpus_tokenised_with_a_bos_template_starts_each_document_with_it(tok
     assert res.exit_code == 0, res.stderr
     tokenizer = transformers.AutoTokenizer.from_pretrained(d, local_files_only=True)
     want: dict[str, list] = {"train": [], "val": []}
+    plan = TD.split_plan([tmp_path / "corpus.txt"], Reading(split_on="\n"), 0.3)
     for i, doc in enumerate(TD.corpus_documents([tmp_path / "corpus.txt"], Reading(split_on="\n"))):
-        want["val" if TD._is_val(i, 0.3) else "train"] += [*tokenizer(doc)["input_ids"], tokenizer.eos_token_id]
+        want["val" if plan.is_val(i) else "train"] += [*tokenizer(doc)["input_ids"], tokenizer.eos_token_id]
     assert want["train"][0] == tokenizer.bos_token_id == 0 and tokenizer.eos_token_id == 1
     for split in ("train", "val"):
         stream = load_split(tmp_path / "data", split)

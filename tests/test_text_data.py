@@ -68,8 +68,9 @@ def test_shards_hold_each_document_then_eot_split_by_documents(corpus: Path, tmp
     tok = train_bpe(DOCS, 300)
     summary = TD.prepare_tokenized([corpus], tok, tmp_path / "d", Reading(split_on="\n\n"), val_fraction=0.3)
     want: dict[str, list] = {"train": [], "val": []}
+    plan = TD.split_plan([corpus], Reading(split_on="\n\n"), 0.3)
     for i, doc in enumerate(DOCS):
-        want["val" if TD._is_val(i, 0.3) else "train"] += [*tok.encode(doc).tolist(), tok.eot_id]
+        want["val" if plan.is_val(i) else "train"] += [*tok.encode(doc).tolist(), tok.eot_id]
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
     for split in ("train", "val"):
         stream = load_split(tmp_path / "d", split)
@@ -133,13 +134,65 @@ def test_bad_sources_are_one_line_errors(tmp_path: Path) -> None:
         list(TD.corpus_documents([tmp_path / "c.parquet"], Reading()))
 
 
+def _small_files(d: Path, n: int, prefix: str = "s") -> None:
+    d.mkdir(exist_ok=True)
+    for i in range(n):
+        (d / f"{prefix}{i:02d}.txt").write_text(f"small document {i} of the corpus, " * 30, encoding="utf-8")
+
+
+def test_val_holds_the_fraction_of_bytes_however_large_one_document(tmp_path: Path) -> None:
+    """12 small files and a large one: val was the documents a hash of their index picked,
+    and picked the large one (90% of the tokens); now it holds at most 10% of the bytes,
+    short of that by less than the smallest train document, and the large one trains."""
+    _small_files(tmp_path / "c", 12)
+    (tmp_path / "c" / "s01a.txt").write_text("one large document " * 5000, encoding="utf-8")
+    TD.prepare_tokenized([tmp_path / "c"], train_bpe(DOCS, 300), tmp_path / "d")
+    splits = json.loads((tmp_path / "d" / "meta.json").read_text())["splits"]
+    total = splits["train"]["bytes"] + splits["val"]["bytes"]
+    assert total * 0.1 - 1050 < splits["val"]["bytes"] <= total * 0.1  # 1050: one small document's bytes
+    assert splits["train"]["tokens"] > 8 * splits["val"]["tokens"]
+    plan = TD.split_plan(expand([tmp_path / "c"]), Reading(), 0.1)
+    assert not plan.is_val([p.name for p in expand([tmp_path / "c"])].index("s01a.txt"))
+
+
+def test_adding_a_file_at_the_front_keeps_the_others_splits(tmp_path: Path) -> None:
+    """A document's split follows a hash of its text, not its place in the corpus: a file
+    sorted first moves at most one other document (where val's share fills up), where the
+    index hash moved 6 of the 30."""
+    _small_files(tmp_path / "c", 30)
+
+    def val_names() -> set[str]:
+        plan = TD.split_plan(expand([tmp_path / "c"]), Reading(), 0.2)
+        return {p.name for i, p in enumerate(expand([tmp_path / "c"])) if plan.is_val(i)}
+
+    before = val_names()
+    (tmp_path / "c" / "a00.txt").write_text("a new first document, " * 45, encoding="utf-8")
+    after = val_names() - {"a00.txt"}
+    assert len(before) >= 4 and len(before ^ after) <= 1
+
+
+def test_a_val_share_far_below_the_fraction_is_one_warning_line(tmp_path: Path) -> None:
+    """One large document and two small ones cannot fill 10% of the bytes with whole
+    documents: the dataset is written and a warning line says how much val holds."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "big.txt").write_text("one large document " * 500, encoding="utf-8")
+    (tmp_path / "c" / "a.txt").write_text("small", encoding="utf-8")
+    (tmp_path / "c" / "b.txt").write_text("tiny", encoding="utf-8")
+    (tmp_path / "tokenizer.json").write_text(train_bpe(DOCS, 300).json_text, encoding="utf-8")
+    res = cli("data", "tokenize", "--tokenizer", str(tmp_path / "tokenizer.json"), "--src", str(tmp_path / "c"),
+              "--out", str(tmp_path / "d"))
+    assert res.exit_code == 0, res.stderr
+    warning = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert warning == ["warning: val holds 0.095% of the corpus's bytes, not the 10% --val-fraction asks: its "
+                       "documents are too large to fill it whole (--split-on cuts .txt files into more)"]
+
+
 def test_a_corpus_without_tokens_or_without_a_val_document_is_refused(tmp_path: Path) -> None:
     tok = train_bpe(DOCS, 300)
     (tmp_path / "blank.txt").write_text("\n\n\n\n")
     with pytest.raises(DataError, match="yields no tokens"):
         TD.prepare_tokenized([tmp_path / "blank.txt"], tok, tmp_path / "o1", Reading(split_on="\n\n"))
-    (tmp_path / "two.txt").write_text("a first document\n\na second one")  # both hash to train at 0.1
-    assert not TD._is_val(0, 0.1) and not TD._is_val(1, 0.1)
+    (tmp_path / "two.txt").write_text("a first document\n\na second one")  # neither fits in 10% of the bytes
     with pytest.raises(DataError, match="the 2 documents leave the val split empty"):
         TD.prepare_tokenized([tmp_path / "two.txt"], tok, tmp_path / "o2", Reading(split_on="\n\n"))
     assert not (tmp_path / "o2" / "meta.json").exists()  # nothing a run could mistake for a dataset
@@ -591,10 +644,11 @@ def test_documents_are_framed_as_the_tokenizer_frames_a_text(single: str, start:
     TD.prepare_tokenized([corpus], tok, tmp_path / "d", Reading(split_on="\n\n"), val_fraction=0.3)
     start_ids, end_ids = ([tok._tok.token_to_id(t) for t in ts] for ts in (start, end))
     want: dict[str, list] = {"train": [], "val": []}
+    plan = TD.split_plan([corpus], Reading(split_on="\n\n"), 0.3)
     for i, doc in enumerate(DOCS):
         framed = tok.encode_default(doc).tolist()
         assert framed == [*start_ids, *tok.encode(doc).tolist(), *end_ids]
-        want["val" if TD._is_val(i, 0.3) else "train"] += [*start_ids, *tok.encode(doc).tolist(), tok.eot_id]
+        want["val" if plan.is_val(i) else "train"] += [*start_ids, *tok.encode(doc).tolist(), tok.eot_id]
     for split in ("train", "val"):
         assert _stream(tmp_path / "d", split) == want[split]
     assert json.loads((tmp_path / "d" / "meta.json").read_text())["template"] == {"start": start_ids, "end": end_ids}

@@ -125,6 +125,7 @@ def data_char(
 
 
 _SRC_HELP = "corpus files (.txt, .jsonl, .parquet), directories or globs; repeat for more"
+_VAL_HELP = "share of the corpus's bytes that go to the val split, in whole documents"
 _SPLIT_HELP = "cut .txt files into documents at this separator, e.g. $'\\n\\n' (default: a file is one document)"
 
 
@@ -135,6 +136,11 @@ def _tokenized(summary: dict, out: Path, what: str) -> None:
     print(f"{what} {summary['out_dir']}: vocab {summary['vocab_size']:,}, {split}, {summary['train_tokens']:,} / "
           f"{summary['val_tokens']:,} tokens; train on it with `numesh train --data {shlex.quote(str(out))}`",
           file=sys.stderr)
+    share = summary["bytes"]["val"] / max(1, sum(summary["bytes"].values()))
+    if share < vf / 2:
+        print(f"warning: val holds {100 * share:.2g}% of the corpus's bytes, not the {100 * vf:g}% --val-fraction "
+              "asks: its documents are too large to fill it whole (--split-on cuts .txt files into more)",
+              file=sys.stderr)
 
 
 @data_app.command("bpe")
@@ -144,7 +150,7 @@ def data_bpe(
     out: Path = typer.Option(..., help="output directory: tokenizer.json, the token shards, meta.json"),
     split_on: Optional[str] = typer.Option(None, help=_SPLIT_HELP),
     text_field: str = typer.Option("text", help="the field holding the text in .jsonl and .parquet files"),
-    val_fraction: float = typer.Option(0.1, help="share of the documents that go to the val split"),
+    val_fraction: float = typer.Option(0.1, help=_VAL_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help=_OVERWRITE_HELP),
 ) -> None:
     """Train a byte-level BPE on a corpus (deterministic for the same inputs and size), then
@@ -177,7 +183,7 @@ def data_tokenize(
                                       show_default="a model directory's eos_token, else <|endoftext|>"),
     split_on: Optional[str] = typer.Option(None, help=_SPLIT_HELP),
     text_field: str = typer.Option("text", help="the field holding the text in .jsonl and .parquet files"),
-    val_fraction: float = typer.Option(0.1, help="share of the documents that go to the val split"),
+    val_fraction: float = typer.Option(0.1, help=_VAL_HELP),
     overwrite: bool = typer.Option(False, "--overwrite", help=_OVERWRITE_HELP),
 ) -> None:
     """Tokenise a corpus with an existing Hugging Face tokenizer into token shards."""

@@ -3,11 +3,13 @@ tokenize` write.
 
 The corpus streams by in batches of documents, each tokenised on all cores (`tokenizers`'
 batch encoding), framed as the tokenizer frames a text by default (Llama's BOS before it)
-and followed by the end-of-text token, into the train or val shards: a document goes to
-val when a hash of its index falls under `val_fraction`, so the split is by documents and
-the same for the same corpus; a corpus of one document (a single text file) is split by
-position instead, its last `val_fraction` of characters to val (`split_plan`, decided
-before the tokenizer is trained). meta.json records the tokenizer (its JSON and hash, and
+and followed by the end-of-text token, into the train or val shards. Documents go to a
+split whole, val filled to at most `val_fraction` of the corpus's bytes in the order of a
+hash of each one's text (`choose_val`): the same for the same corpus, a document's split
+does not hang on where it sits, and one large document cannot take most of the corpus to
+val. A corpus of one document (a single text file) is split by position instead, its last
+`val_fraction` of characters to val (`split_plan`, decided in a pass over the corpus before
+the tokenizer is trained). meta.json records the tokenizer (its JSON and hash, and
 the ids its template frames documents with), every corpus file with its size and sha256,
 the documents, UTF-8 bytes and tokens of each split (bytes per token give bits per byte),
 every file written (its record) and the command that writes it again. The dataset is
@@ -16,10 +18,13 @@ written whole (numesh/data/write.py).
 
 from __future__ import annotations
 
+import hashlib
 import shlex
+from array import array
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import attrs
 import numpy as np
 
 from numesh.base.errors import DataError
@@ -33,15 +38,6 @@ TOKENIZER_FILE = "tokenizer.json"
 BATCH_DOCS = 512  # documents (or pieces) per batch encoding: enough to keep every core busy
 BATCH_CHARS = 1 << 22  # characters per batch encoding at most: what it holds at once stays bounded
 Progress = Callable[[int, int], None]  # (corpus bytes done, total)
-
-
-def _is_val(index: int, val_fraction: float) -> bool:
-    """Whether document `index` goes to val: splitmix64 of the index against the fraction."""
-    z = (index * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    z ^= z >> 31
-    return z < val_fraction * 2.0**64
 
 
 def corpus_documents(paths: Sequence[Path], how: Reading) -> Iterator[str]:
@@ -59,37 +55,85 @@ def _no_tokens() -> DataError:
 
 def _empty_split(docs: int, split: str, val_fraction: float) -> DataError:
     return DataError(f"the {docs:,} documents leave the {split} split empty at --val-fraction {val_fraction} "
-                     "(documents go to a split whole): add documents, split .txt files into more (--split-on; "
-                     "a .jsonl or .parquet record is one document) or change --val-fraction")
+                     "(documents go to a split whole, and none fits in that share of the bytes): add documents, "
+                     "split .txt files into more (--split-on; a .jsonl or .parquet record is one document) or "
+                     "raise --val-fraction")
 
 
-def split_plan(paths: Sequence[Path], how: Reading, val_fraction: float) -> str:
-    """How the corpus splits into train and val, decided before anything is trained:
-    "documents" (each whole, to the split a hash of its index picks) once both splits have
-    one, or "position" for a corpus of one document (a single text file), whose first
-    1 - `val_fraction` of the characters go to train and the rest to val, as nanoGPT's
-    prepare splits its one file. Reads documents only until both splits have one (a few,
-    on a real corpus). A corpus of several documents that leaves a split empty, or one too
-    short to cut, is a DataError here, before minutes of training."""
-    docs = corpus_documents(paths, how)
-    count, splits, first = 0, set(), ""
-    try:
-        for doc in docs:
-            splits.add(_is_val(count, val_fraction))
-            first, count = (doc if count == 0 else ""), count + 1
-            if len(splits) == 2:
-                return "documents"
-    finally:
-        docs.close()
-    if count == 0:
+@attrs.frozen(eq=False)
+class Split:
+    """How a corpus splits into train and val: `val[i]` says whether document i goes to val
+    whole, or `val` is None for a corpus of one document, cut by position."""
+
+    val: np.ndarray | None
+
+    @property
+    def kind(self) -> str:
+        """meta.json's "split": "documents" or "position"."""
+        return "position" if self.val is None else "documents"
+
+    def is_val(self, index: int) -> bool:
+        """Whether document `index` goes to val (one past the corpus read first: to train, and
+        the corpus's changed sha256 refuses the dataset at the end)."""
+        return self.val is not None and index < len(self.val) and bool(self.val[index])
+
+
+def document_key(doc: str) -> tuple[int, int]:
+    """(a 64-bit hash of the document's UTF-8 bytes, their count): where it stands in the
+    order val is filled in, the same wherever it sits in the corpus and whatever else is there."""
+    raw = doc.encode("utf-8")
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little"), len(raw)
+
+
+def choose_val(keys: np.ndarray, sizes: np.ndarray, val_fraction: float) -> np.ndarray:
+    """Which documents go to val: in the order of their `keys` (ties in corpus order), each
+    whose `sizes` (bytes) still fit in `val_fraction` of the corpus's. Val so holds at most
+    that share of the bytes, short of it by less than the smallest train document, and a
+    document added to the corpus moves others only where the share fills up (and a little
+    through the room its own bytes add)."""
+    order = np.argsort(keys, kind="stable")
+    ordered = np.asarray(sizes, dtype=np.int64)[order]
+    room = int(val_fraction * int(ordered.sum()))
+    take = np.zeros(len(ordered), dtype=bool)
+    fit = int(np.searchsorted(np.cumsum(ordered), room, side="right"))  # these fit together, in order
+    take[:fit] = True
+    room -= int(ordered[:fit].sum())
+    smallest = np.minimum.accumulate(ordered[::-1])[::-1]  # the smallest document from here on
+    for j in range(fit, len(ordered)):
+        if smallest[j] > room:
+            break
+        if ordered[j] <= room:
+            take[j], room = True, room - int(ordered[j])
+    val = np.zeros(len(ordered), dtype=bool)
+    val[order] = take
+    return val
+
+
+def split_plan(paths: Sequence[Path], how: Reading, val_fraction: float) -> Split:
+    """How the corpus splits into train and val, decided before anything is trained, in one
+    pass over it that keeps 16 bytes a document: by documents, each whole (`choose_val`), or
+    for a corpus of one document (a single text file) by position, its first
+    1 - `val_fraction` of the characters to train and the rest to val, as nanoGPT's
+    prepare splits its one file. A corpus that leaves val empty, or one document too short
+    to cut, is a DataError here, before minutes of training."""
+    keys, sizes, first = array("Q"), array("Q"), ""
+    for doc in corpus_documents(paths, how):
+        key, size = document_key(doc)
+        keys.append(key)
+        sizes.append(size)
+        first = doc if len(keys) == 1 else ""
+    if not keys:
         raise _no_tokens()
-    if count > 1:
-        raise _empty_split(count, "train" if True in splits else "val", val_fraction)
-    cut = _cut(first, val_fraction)
-    if cut == 0 or cut == len(first):
-        raise DataError(f"the corpus is one document of {len(first):,} characters, too short to split "
-                        f"{_percent(1 - val_fraction)}/{_percent(val_fraction)} by position: use a longer text")
-    return "position"
+    if len(keys) == 1:
+        cut = _cut(first, val_fraction)
+        if cut == 0 or cut == len(first):
+            raise DataError(f"the corpus is one document of {len(first):,} characters, too short to split "
+                            f"{_percent(1 - val_fraction)}/{_percent(val_fraction)} by position: use a longer text")
+        return Split(None)
+    val = choose_val(np.frombuffer(keys, np.uint64), np.frombuffer(sizes, np.uint64), val_fraction)
+    if not val.any():
+        raise _empty_split(len(keys), "val", val_fraction)
+    return Split(val)
 
 
 def _cut(doc: str, val_fraction: float) -> int:
@@ -101,15 +145,15 @@ def _percent(x: float) -> str:
 
 
 def split_documents(paths: Sequence[Path], how: Reading, val_fraction: float,
-                    plan: str) -> Iterator[tuple[str, str]]:
+                    plan: Split) -> Iterator[tuple[str, str]]:
     """(split, text) of every document of the corpus, as `split_plan`'s `plan` splits it."""
     for index, doc in enumerate(corpus_documents(paths, how)):
-        if plan == "position":
+        if plan.val is None:
             cut = _cut(doc, val_fraction)
             yield "train", doc[:cut]
             yield "val", doc[cut:]
         else:
-            yield ("val" if _is_val(index, val_fraction) else "train"), doc
+            yield ("val" if plan.is_val(index) else "train"), doc
 
 
 def _check_reading(how: Reading, val_fraction: float) -> None:
@@ -248,7 +292,7 @@ def prepare_tokenized(sources: Sequence[str | Path], tok: HFTokenizer, out: str 
 
 def _write_shards(paths: Sequence[Path], files: list[dict[str, Any]], tok: HFTokenizer, target: Path, out: Path,
                   how: Reading, val_fraction: float, progress: Progress | None, overwrite: bool,
-                  rebuild: str, plan: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                  rebuild: str, plan: Split, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Tokenise the corpus `files` describes into a staging directory, split as `plan`
     says (`split_plan`), check and record it (with `extra` entries in meta.json), and put
     it in place at `target` (`out` as the user named it)."""
@@ -259,15 +303,15 @@ def _write_shards(paths: Sequence[Path], files: list[dict[str, Any]], tok: HFTok
         shards = {s: w.close() for s, w in writers.items()}
         _check_splits(stats, writers, val_fraction)
         check_unchanged(paths, files)
-        meta = _meta(tok, dtype, shards, stats, writers, files, how, val_fraction, plan) | (extra or {}) | {
+        meta = _meta(tok, dtype, shards, stats, writers, files, how, val_fraction, plan.kind) | (extra or {}) | {
             "rebuild": rebuild}
         write_atomic(stage / TOKENIZER_FILE, tok.json_text)
         tokens = {s["file"]: s["tokens"] for split in shards.values() for s in split}
         meta = dw.seal(stage, meta, tokens, dtype, tok.vocab_size, others=(TOKENIZER_FILE,))
         dw.publish(stage, target, meta, overwrite)
     return {"vocab_size": tok.vocab_size, "train_tokens": meta["train_tokens"], "val_tokens": meta["val_tokens"],
-            "out_dir": str(out), "documents": {s: stats[s]["documents"] for s in stats}, "split": plan,
-            "val_fraction": val_fraction}
+            "out_dir": str(out), "documents": {s: stats[s]["documents"] for s in stats}, "split": plan.kind,
+            "val_fraction": val_fraction, "bytes": {s: stats[s]["bytes"] for s in stats}}
 
 
 def document_ends(tok: HFTokenizer) -> tuple[np.ndarray, np.ndarray]:
