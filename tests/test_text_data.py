@@ -109,6 +109,35 @@ def test_jsonl_parquet_directories_and_globs(tmp_path: Path) -> None:
     assert expand([d / "a.jsonl", str(d / "*.jsonl")]) == [d / "a.jsonl"]  # each file once
 
 
+def test_a_directory_leaves_out_hidden_files_and_folders(tmp_path: Path) -> None:
+    """A corpus checked out with git, or edited in Jupyter: .git and .ipynb_checkpoints are
+    not the corpus (a notebook's checkpoint copies would be read twice); a hidden file named
+    on its own still is."""
+    d = tmp_path / "corpus"
+    for name in ("a.txt", "sub/b.txt", ".git/c.txt", ".ipynb_checkpoints/a-checkpoint.txt", ".notes.txt",
+                 "sub/.d.txt"):
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text(name)
+    assert expand([d]) == [d / "a.txt", d / "sub" / "b.txt"]
+    assert expand([d / ".notes.txt", d / ".git"]) == [d / ".notes.txt", d / ".git" / "c.txt"]
+    (d / "a.txt").unlink()
+    (d / "sub" / "b.txt").unlink()
+    with pytest.raises(DataError, match=r"holds no .txt, .jsonl, .parquet file \(hidden ones left out\)"):
+        expand([d])
+
+
+def test_a_file_reached_twice_is_read_once(tmp_path: Path) -> None:
+    """A symbolic link beside its target, or the same file spelled another way, is one file
+    of the corpus, not its documents twice (in train and val both)."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / "a.txt").write_text("a")
+    (d / "b.txt").symlink_to(d / "a.txt")
+    (d / "c.txt").write_text("c")
+    assert expand([d]) == [d / "a.txt", d / "c.txt"]
+    assert expand([d / "c.txt", d / ".." / "corpus" / "c.txt", d]) == [d / "c.txt", d / "a.txt"]
+
+
 @pytest.mark.parametrize("content, how, match", [
     ('{"text": "ok"}\n{"body": "no text"}\n', Reading(), r"b.jsonl:2 has no text field 'text'"),
     ('{"text": "ok"}\nnot json\n', Reading(), r"b.jsonl:2 is not valid JSON"),

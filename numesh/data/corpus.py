@@ -1,7 +1,9 @@
 """Corpora: the documents of text files, streamed, never held whole.
 
-Inputs are files, directories (every .txt, .jsonl and .parquet file under them, sorted)
-and globs (sorted). A `.txt` file is one document, or with `split_on` many (split as it
+Inputs are files, directories (every .txt, .jsonl and .parquet file under them, sorted,
+but for hidden ones: a name starting with '.', or under such a folder, as .git or
+.ipynb_checkpoints) and globs (sorted); a file reached twice, by a symbolic link or
+another spelling of its path, is read once. A `.txt` file is one document, or with `split_on` many (split as it
 streams); a `.jsonl` file holds one document per line in its `text_field`; a `.parquet`
 file the same field (with the `parquet` extra, pyarrow). Every unreadable file, bad line
 or missing field is a one-line DataError naming where.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -33,9 +36,21 @@ class Reading:
     text_field: str = "text"
 
 
+def _scan(d: Path) -> list[Path]:
+    """The corpus files under directory `d`, sorted: not hidden ones (a name starting with
+    '.'), nor any under a hidden folder (.git, .ipynb_checkpoints), which are not walked."""
+    found = []
+    for top, dirs, names in os.walk(d):
+        dirs[:] = [n for n in dirs if not n.startswith(".")]
+        found += [Path(top, n) for n in names if not n.startswith(".") and Path(n).suffix in SUFFIXES]
+    return sorted(p for p in found if p.is_file())
+
+
 def expand(sources: Sequence[str | Path]) -> list[Path]:
-    """The corpus files `sources` name, in order, each once."""
+    """The corpus files `sources` name, in order, each once (a symbolic link to a file
+    already named, or one named again, is left out)."""
     out: list[Path] = []
+    seen: set[Path] = set()
     for src in sources:
         s = str(src)
         if not s.strip():
@@ -45,9 +60,10 @@ def expand(sources: Sequence[str | Path]) -> list[Path]:
             if not found:
                 raise DataError(f"no file matches {s}: check the pattern")
         elif Path(s).is_dir():
-            found = sorted(p for p in Path(s).rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+            found = _scan(Path(s))
             if not found:
-                raise DataError(f"directory {s} holds no {', '.join(SUFFIXES)} file: point --src at the corpus")
+                raise DataError(f"directory {s} holds no {', '.join(SUFFIXES)} file (hidden ones left out): point "
+                                "--src at the corpus")
         elif Path(s).is_file():
             found = [Path(s)]
         else:
@@ -55,7 +71,8 @@ def expand(sources: Sequence[str | Path]) -> list[Path]:
         for p in found:
             if p.suffix not in SUFFIXES:
                 raise DataError(f"{p} is not a {', '.join(SUFFIXES)} file: convert it or leave it out")
-            if p not in out:
+            if (real := p.resolve()) not in seen:
+                seen.add(real)
                 out.append(p)
     return out
 
