@@ -360,6 +360,20 @@ def test_read_text_file_errors(tmp_path: Path) -> None:
         char_data.read_text_file(tmp_path)
 
 
+def test_a_byte_order_mark_is_not_a_character_of_the_vocabulary(tmp_path: Path) -> None:
+    """A file a Windows editor saved as "UTF-8 with BOM": `numesh data char` read U+FEFF as
+    the first character of the text and gave it a token; a file of the mark alone is empty."""
+    src = tmp_path / "bom.txt"
+    src.write_bytes(b"\xef\xbb\xbf" + SYNTH.encode("utf-8"))
+    res = cli("data", "char", "--src", str(src), "--out", str(tmp_path / "o"))
+    assert res.exit_code == 0, res.output
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text(encoding="utf-8"))
+    assert "\ufeff" not in meta["chars"] and meta["chars"] == sorted(set(SYNTH))
+    src.write_bytes(b"\xef\xbb\xbf")
+    with pytest.raises(DataError, match="bom.txt is empty"):
+        char_data.read_text_file(src)
+
+
 def test_cli_data_char_any_text_file(tmp_path: Path) -> None:
     src = tmp_path / "my.txt"
     src.write_text(SYNTH, encoding="utf-8")

@@ -126,6 +126,16 @@ def test_a_directory_leaves_out_hidden_files_and_folders(tmp_path: Path) -> None
         expand([d])
 
 
+def test_a_byte_order_mark_starting_a_file_is_not_text(tmp_path: Path) -> None:
+    """.txt and .jsonl files saved "UTF-8 with BOM": the mark was a character of the first
+    document (and broke a .jsonl's first line); only a leading one is left out."""
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.txt").write_bytes(bom + "first\n\nsecond \ufeff kept".encode("utf-8"))
+    (tmp_path / "b.jsonl").write_bytes(bom + b'{"text": "one"}\n{"text": "two"}\n')
+    got = list(TD.corpus_documents([tmp_path / "a.txt", tmp_path / "b.jsonl"], Reading(split_on="\n\n")))
+    assert got == ["first", "second \ufeff kept", "one", "two"]
+
+
 def test_a_file_reached_twice_is_read_once(tmp_path: Path) -> None:
     """A symbolic link beside its target, or the same file spelled another way, is one file
     of the corpus, not its documents twice (in train and val both)."""

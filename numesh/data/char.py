@@ -52,6 +52,7 @@ FALLBACK_MODULES = (
 _MIN_FALLBACK_CHARS = 10_000
 TRAIN_FRACTION = 0.9
 _CHUNK = 1 << 16
+BOM = "\ufeff"  # the UTF-8 byte-order mark some editors write first, left out of the text
 
 
 def _download(url: str, timeout: float, progress: Callable[[int, int], None] | None) -> bytes:
@@ -105,7 +106,8 @@ def download_shakespeare(progress: Callable[[int, int], None] | None = None) -> 
 
 
 def read_text_file(path: str | Path) -> str:
-    """A non-empty UTF-8 text file; missing, empty, binary or unreadable files raise DataError."""
+    """A non-empty UTF-8 text file, without a byte-order mark first; missing, empty, binary or
+    unreadable files raise DataError."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -117,17 +119,18 @@ def read_text_file(path: str | Path) -> str:
         raise DataError(
             f"cannot read source file {path} ({e.strerror or e}): check the path and permissions"
         ) from None
-    if not raw:
-        raise DataError(f"source file {path} is empty: pass a non-empty text file as --src")
     if b"\x00" in raw[: 1 << 20]:
         raise DataError(f"source file {path} looks binary (it contains NUL bytes): pass a UTF-8 text file as --src")
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8").removeprefix(BOM)  # a Windows editor's mark, not a character of the text
     except UnicodeDecodeError as e:
         raise DataError(
             f"source file {path} is not valid UTF-8 ({e.reason} at byte {e.start}): "
             "pass a UTF-8 text file (convert it, or it is not text)"
         ) from None
+    if not text:
+        raise DataError(f"source file {path} is empty: pass a non-empty text file as --src")
+    return text
 
 
 def read_source(

@@ -3,10 +3,11 @@
 Inputs are files, directories (every .txt, .jsonl and .parquet file under them, sorted,
 but for hidden ones: a name starting with '.', or under such a folder, as .git or
 .ipynb_checkpoints) and globs (sorted); a file reached twice, by a symbolic link or
-another spelling of its path, is read once. A `.txt` file is one document, or with `split_on` many (split as it
-streams); a `.jsonl` file holds one document per line in its `text_field`; a `.parquet`
-file the same field (with the `parquet` extra, pyarrow). Every unreadable file, bad line
-or missing field is a one-line DataError naming where.
+another spelling of its path, is read once. A `.txt` file is one document, or with
+`split_on` many (split as it streams); a `.jsonl` file holds one document per line in its
+`text_field`; a `.parquet` file the same field (with the `parquet` extra, pyarrow). A
+UTF-8 byte-order mark starting a .txt or .jsonl file is not text: it is left out. Every
+unreadable file, bad line or missing field is a one-line DataError naming where.
 """
 
 from __future__ import annotations
@@ -112,8 +113,10 @@ def documents(path: Path, how: Reading) -> Iterator[str]:
 
 
 def _open_text(path: Path):
+    """`path` to read as UTF-8 text, without newline translation and without the byte-order
+    mark some Windows editors put first (it would be a character of the first document)."""
     try:
-        return open(path, encoding="utf-8", newline="")
+        return open(path, encoding="utf-8-sig", newline="")
     except OSError as e:
         raise DataError(f"cannot read {path} ({e.strerror or e}): check the path and permissions") from None
 
