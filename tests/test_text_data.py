@@ -10,7 +10,10 @@ trains, checkpoints and refuses to resume on another tokenizer.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +63,27 @@ def test_bpe_twice_is_byte_identical_and_round_trips(tmp_path: Path) -> None:
     assert len(docs) > 3000
     for doc in docs:
         assert tok.decode(tok.encode(doc)) == doc
+
+
+def test_a_ctrl_c_stops_bpe_training_at_the_next_piece() -> None:
+    """`tokenizers` pulls the corpus on threads of its own with the GIL released, and only
+    the main thread runs Python's SIGINT handler: a Ctrl-C waited for the whole training
+    pass (an hour on a large corpus). Now the main thread takes it at once and the corpus
+    is read no further."""
+    pulled = []
+
+    def corpus():
+        for i in range(2000):
+            if i == 100:
+                os.kill(os.getpid(), signal.SIGINT)
+            if i >= 100:
+                time.sleep(0.001)  # 2 s more of corpus, which an interrupted training never reads
+            pulled.append(i)
+            yield f"document {i} of a corpus " * 3
+
+    with pytest.raises(KeyboardInterrupt):
+        train_bpe(corpus(), 300)
+    assert len(pulled) < 1000
 
 
 def test_shards_hold_each_document_then_eot_split_by_documents(corpus: Path, tmp_path: Path,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Protocol, Sequence
 
@@ -406,8 +407,46 @@ def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = False
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=show_progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator((piece for text in texts for piece in text_pieces(text)), trainer)
+    train_interruptibly(tok, (piece for text in texts for piece in text_pieces(text)), trainer)
     return HFTokenizer(tok.to_str(), EOT)
+
+
+class _Stopped(Exception):
+    """Raised into `tokenizers`' feed to end it: the main thread was interrupted."""
+
+
+def train_interruptibly(tok: Any, pieces: Iterator[str], trainer: Any) -> None:
+    """`tok.train_from_iterator(pieces, trainer)`, on a worker thread that the main thread
+    waits for. `tokenizers` trains with the GIL released and pulls `pieces` on threads of
+    its own, so a Ctrl-C, whose Python handler runs on the main thread alone, was seen only
+    when training ended (minutes on a large corpus). Here the wait takes it at once; the feed
+    then ends at its next piece and the merges of what was read finish (a fraction of the
+    pass) before KeyboardInterrupt goes on; a second Ctrl-C leaves them to the process's end."""
+    stop, failed = threading.Event(), []
+
+    def feed() -> Iterator[str]:
+        for piece in pieces:
+            if stop.is_set():
+                raise _Stopped
+            yield piece
+
+    def work() -> None:
+        try:
+            tok.train_from_iterator(feed(), trainer)
+        except BaseException as e:  # raised again on the main thread
+            failed.append(e)
+
+    worker = threading.Thread(target=work, name="numesh-bpe-train", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.25)  # a timeout: the main thread runs the handler even if another thread took the signal
+    except KeyboardInterrupt:
+        stop.set()
+        worker.join()
+        raise
+    if failed:
+        raise failed[0]
 
 
 def tokenizer_from_meta(meta: dict[str, Any]) -> CharTokenizer | HFTokenizer:
