@@ -306,21 +306,22 @@ class _Diagnosis:
         """Ranks that entered the call their peers wait in, so no finding above names them,
         but cannot finish it: a stopped process (SIGSTOP and a debugger are seen on the
         reader's host), or one that waits past the time-out without having given up (it has
-        not run its wait loop since: stopped, or starved of CPU). MPI progresses a
-        collective only while every member polls, so its peers wait for it."""
+        not run its wait loop since: stopped, or starved of CPU; ranked with the waits
+        elsewhere, behind any rank known to be outside MPI). MPI progresses a collective only
+        while every member polls, so its peers wait for it."""
         blamed = {f.culprit for f in self.findings.values()}
         for s in self.waiting:
             w, age = s.waiting, self.now - s.wait_since
             if s.rank in blamed or s.alive is False:
                 continue
             if s.stopped:
-                why = f"its process {s.pid} is stopped: {STOPPED}"
+                prio, why = 2, f"its process {s.pid} is stopped: {STOPPED}"
             elif timeout > 0 and not self.ended and s.failed is None and age > timeout + STALE_S:
-                why = (f"it has not given up though past the {timeout:g} s time-out: its process does not run "
-                       f"(stopped, or starved of CPU)")
+                prio, why = 3, (f"it has not given up though past the {timeout:g} s time-out: its process does "
+                                f"not run (stopped, or starved of CPU)")
             else:
                 continue
-            self.add(2, s.rank, w.label(), f"{self.who(s.rank)} entered {w.label()} but cannot finish it ({why})",
+            self.add(prio, s.rank, w.label(), f"{self.who(s.rank)} entered {w.label()} but cannot finish it ({why})",
                      self.peers_waiting(s), age)
 
     def peers_waiting(self, s: RankState) -> list[int]:
