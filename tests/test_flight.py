@@ -10,7 +10,9 @@ slows it), that the job failed, and that the diagnosis names the right rank and 
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -28,7 +30,7 @@ from numesh.observe.flight import FlightRecorder, postmortem
 from numesh.observe.inject import Fault, FaultInjector, parse_faults
 from numesh.run.config import config_from
 from numesh.run.train import Trainer, _attach_observers
-from test_interrupt import START_WITHIN_S, Job, _alive, _children
+from test_interrupt import HANG_S, START_WITHIN_S, Job, _alive, _children
 
 # --collective-timeout of the fault runs: any wait longer is a hang, so every normal wait of
 # steps 0 and 1, before the fault, must stay under it however busy the machine is (a tiny
@@ -179,6 +181,48 @@ def test_diagnosis_names_the_rank_that_never_entered() -> None:
     assert culprits[0] == 3
 
 
+def _both_in_the_same_call(**rank1: object) -> dict[int, RankState]:
+    """tp=2, both ranks in the same all-reduce (#40) since 12 s; rank 0 gave up."""
+    shape, states = {"tp": 2}, {}
+    for r in range(2):
+        states[r] = _state(r, shape, {"tp": r}, _tp_calls(40, stuck=True), waiting=-1, pid=100 + r,
+                           **({"failed": "timeout"} if r == 0 else rank1))
+    return states
+
+
+def test_a_stopped_rank_inside_the_call_its_peers_wait_in_is_named() -> None:
+    """kill -STOP on a rank polling a collective: it entered the call, so before its process
+    state was read every rank waited in a call its peers had entered ("cause: unknown")."""
+    text, culprits = diagnose(_both_in_the_same_call(stopped=True), NOW, 3.0)
+    assert culprits[0] == 1
+    assert text.splitlines()[1] == (
+        "cause: rank 1 (tp=1) entered all_reduce over tp #40 but cannot finish it (its process 101 is stopped: "
+        "kill -STOP, Ctrl-Z or a debugger; SIGCONT resumes it); rank 0 waits in it since 12.0 s")
+    assert "  rank 1 (tp=1) step 2: waits in all_reduce over tp #40 (all_reduce of 64 B) since 12.0 s; " \
+           "process 101 stopped" in text
+
+
+def test_a_rank_past_the_timeout_that_did_not_give_up_is_named_without_its_process_state() -> None:
+    """On another host its process state is unknown; waiting 12 s past a 3 s time-out without
+    having given up, it has not run since. Within the time-out (30 s) it is no cause."""
+    text, culprits = diagnose(_both_in_the_same_call(), NOW, 3.0)
+    assert culprits[0] == 1 and "rank 1 (tp=1) entered all_reduce over tp #40 but cannot finish it (it has not " \
+                                "given up though past the 3 s time-out" in text.splitlines()[1]
+    text, culprits = diagnose(_both_in_the_same_call(), NOW, 30.0)
+    assert culprits == [] and text.splitlines()[1].startswith("cause: unknown")
+    text, culprits = diagnose(_both_in_the_same_call(failed="timeout"), NOW, 3.0)
+    assert culprits == [] and text.splitlines()[1].startswith("cause: unknown")
+
+
+def test_a_stopped_rank_outside_mpi_is_said_to_be_stopped() -> None:
+    shape = {"tp": 2}
+    states = {0: _state(0, shape, {"tp": 0}, _tp_calls(40, stuck=True), waiting=-1, failed="timeout"),
+              1: _state(1, shape, {"tp": 1}, _tp_calls(40, stuck=False), pid=101, stopped=True)}
+    text, culprits = diagnose(states, NOW, 3.0)
+    assert culprits[0] == 1 and text.splitlines()[1].startswith(
+        "cause: rank 1 (tp=1) never entered all_reduce over tp #40 (its process 101 is stopped: kill -STOP")
+
+
 def test_diagnosis_names_the_rank_that_called_another_size() -> None:
     shape = {"pp": 1, "dp": 2, "tp": 2}
     states = {}
@@ -321,6 +365,29 @@ def test_a_crashed_rank_ends_the_job_and_the_post_mortem_names_it(tmp_path: Path
     report = subprocess.run([sys.executable, "-m", "numesh.cli.app", "report", str(j.out)],
                             capture_output=True, text=True)
     assert report.returncode == 0 and text.strip() in report.stdout, report.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_is_named(tmp_path: Path) -> None:
+    """`kill -STOP` on rank 1 of a tp=2 job mid-run: rank 0 times out and the diagnosis names
+    rank 1 as stopped, whether the signal caught it in a collective (which it had entered, like
+    rank 0: "cause: unknown" before the recorder read its process state) or between two."""
+    j = Job(tmp_path, 2, "--mesh", "tp=2", "--collective-timeout", str(TIMEOUT_S))
+    j.wait_for_steps()
+    os.kill(j.rank_pid(1), signal.SIGSTOP)
+    try:
+        rc = j.proc.wait(timeout=HANG_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the job did not end within {HANG_S} s of the SIGSTOP:\n{j.stderr()}")
+    finally:
+        for pid in j.rank_pids:  # a stopped process ignores every signal but SIGKILL and SIGCONT
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except OSError:
+                pass
+        j.kill()
+    assert rc == 3, j.stderr()
+    assert re.match(r"cause: rank 1 \(tp=1\) .*its process \d+ is stopped: kill -STOP", cause(j)), j.stderr()
 
 
 @pytest.mark.timeout(300)

@@ -318,7 +318,7 @@ def test_sampling_a_directory_without_a_readable_tokenizer_is_one_line(tok_json:
     d = save_model(tmp_path / "hf", tok_json)
     (d / "tokenizer.json").unlink()
     line = one_error_line(cli("sample", str(d), "--max-new-tokens", "2"))
-    assert f"{d} has no tokenizer.json, which turns the prompt into token ids" in line
+    assert f"{d} has no tokenizer.json: it turns the prompt into token ids" in line
     assert "copy the model's tokenizer.json into it" in line and "pass" not in line
     (d / "tokenizer.json").write_text(tok_json[:500], encoding="utf-8")
     line = one_error_line(cli("sample", str(d), "--max-new-tokens", "2"))

@@ -15,7 +15,18 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    return _state(pid) != "Z"
+
+
+def stopped(pid: int) -> bool:
+    """Whether process `pid` (of this host) is stopped: by SIGSTOP or Ctrl-Z (state T), or
+    by a debugger (t). False where that cannot be read (no /proc, or the process is gone)."""
+    return _state(pid) in ("T", "t")
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc/PID/stat (R, S, D, T, t, Z, ...); '' if unknown."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return True
+        return ""

@@ -27,7 +27,7 @@ from numesh.checkpoint.hf import import_hf
 from numesh.checkpoint.hf_files import open_weights, read_json_file
 from numesh.checkpoint.hf_llama import OPTIONS, check_weights, is_pretrained_dir, model_type, pretrained, read_leaf
 from numesh.checkpoint.model import SHAPE_KEYS, gpt2_differences, gpt_leaves, local_paths, model_value, shard_params
-from numesh.data.tokenizer import CharTokenizer, HFTokenizer, read_tokenizer_file
+from numesh.data.tokenizer import CharTokenizer, HFTokenizer, directory_tokenizer, read_tokenizer_file
 from numesh.mesh import Mesh, shard
 from numesh.nn.gpt import GPT, GPTConfig, gpt_specs
 from numesh.pipeline.stages import StageLayout, stage_tree
@@ -101,9 +101,8 @@ def _same_tokenizer(tok_text: str, dataset: CharTokenizer | HFTokenizer) -> bool
 def _tokenizer_text(file: Path) -> str:
     """The text of a directory's tokenizer.json, a JSON object: one line naming the file where
     it is missing or not one (a truncated copy), not a JSON parser's traceback."""
-    if not file.exists():
-        raise ConfigError(f"{file.parent} has no tokenizer.json: numesh tokenises with the model's own tokenizer; "
-                          "copy it there from the model's source")
+    directory_tokenizer(file.parent, "numesh tokenises with the model's own tokenizer; copy it there from the "
+                        "model's source", ConfigError)
     text = read_tokenizer_file(file)
     try:
         obj = json.loads(text)

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence
 import attrs
 import numpy as np
 
-from numesh.base.errors import DataError
+from numesh.base.errors import DataError, UserError
 from numesh.base.files import json_object_or_none
 
 TOKEN_DTYPE = np.dtype("<u2")  # a character dataset's ids: uint16, as nanoGPT's .bin files
@@ -186,10 +186,17 @@ def tokenizer_file(path: str | Path) -> Path:
     p = Path(path)
     if not p.is_dir():
         return p
-    if not (p / "tokenizer.json").exists():
-        raise DataError(f"{p} has no tokenizer.json: pass a directory holding one (a transformers model's) "
-                        "or the file itself")
-    return p / "tokenizer.json"
+    return directory_tokenizer(p, "pass a directory holding one (a transformers model's) or the file itself")
+
+
+def directory_tokenizer(directory: str | Path, fix: str, error: type[UserError] = DataError) -> Path:
+    """`directory`'s tokenizer.json; where it has none, `error` in one line ending with `fix`:
+    what the command lets the user change (another --tokenizer, or, where no option names a
+    tokenizer, the model's file copied in), so each caller says its own."""
+    file = Path(directory) / "tokenizer.json"
+    if not file.exists():
+        raise error(f"{directory} has no tokenizer.json: {fix}")
+    return file
 
 
 def char_route(what: str, path: str) -> str:
@@ -235,6 +242,12 @@ class HFTokenizer:
         text = read_tokenizer_file(file)
         if CharTokenizer.from_hf_json(text) is not None:
             raise DataError(char_route(str(path), str(path)))
+        return cls.from_json(text, file, eot)
+
+    @classmethod
+    def from_json(cls, text: str, file: Path, eot: str | None = EOT) -> HFTokenizer:
+        """The tokenizer.json `text` already read from `file` (which errors name, and whose
+        directory gives the end-of-sequence token where `eot` is None, as in `from_file`)."""
         try:
             return cls(text, eot if eot is not None else directory_eos(file.parent, text) or EOT)
         except DataError as e:  # which file: a model directory's, say, not the one the user named

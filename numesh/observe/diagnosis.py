@@ -24,6 +24,9 @@ from numesh.mesh.mesh import AXES
 
 COLLECTIVES = frozenset({"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"})  # the others are p2p
 SKIPPED, FAILED = 1, 2  # a call record's flags: skipped by an injected fault; the call the rank gave up in
+# a rank waiting this long past the time-out without having given up has not run since (its own wait
+# gives up at the time-out; the leader diagnoses flight.GRACE_S after its own)
+STALE_S = 1.0
 
 
 @attrs.define
@@ -77,6 +80,7 @@ class RankState:
     pid: int = 0
     host: str = ""
     exited: float = 0.0  # when it exited through Python's exit, not killed (0: it did not)
+    stopped: bool = False  # its process is stopped (kill -STOP, Ctrl-Z, a debugger): known on the reader's host only
 
     def where(self) -> str:
         """'dp=1,tp=1': its coordinates on the axes of size > 1."""
@@ -140,9 +144,14 @@ def _ranks(rs: list[int]) -> str:
     return ("rank " if len(rs) == 1 else "ranks ") + ",".join(parts)
 
 
+STOPPED = "kill -STOP, Ctrl-Z or a debugger; SIGCONT resumes it"
+
+
 def _doing(s: RankState, now: float, ended: bool = False) -> str:
     if s.alive is False:
         return "it is dead (its process is gone)"
+    if s.stopped:
+        return f"its process {s.pid} is stopped: {STOPPED}"
     if s.waiting is not None:
         return f"it waits in {s.waiting.label()} since {now - s.wait_since:.1f} s"
     last = next((c for c in reversed(s.calls) if not c.flags & SKIPPED), None)
@@ -173,6 +182,7 @@ def diagnose(states: dict[int, RankState | None], now: float, timeout: float, fl
     d.dead_and_skipped()
     d.collective_waits()
     d.p2p_waits()
+    d.stuck_inside(timeout)
     ordered = d.ordered()
     lines = [title or f"numesh flight recorder: a collective did not finish within {timeout:g} s; "
                       f"every rank's last calls are in {flight_dir or 'OUT/flight'}"]
@@ -265,7 +275,7 @@ class _Diagnosis:
                                       f"where the others called {op} of {nbytes} B", good, age)
             return  # it entered this one: it is not why the others wait
         if sm.counts.get(comm, 0) <= seq:
-            prio = 3 if sm.waiting is not None else 2
+            prio = 3 if sm.waiting is not None and not sm.stopped else 2
             self.add(prio, m, label, f"{self.who(m)} never entered {label} ({_doing(sm, self.now, self.ended)})", good,
                      age)
 
@@ -291,6 +301,33 @@ class _Diagnosis:
         elif sn.waiting is None:
             self.add(2, n, f"{axis} p2p", f"{self.who(n)} never entered the {axis} send/recv its neighbours wait for "
                                           f"({_doing(sn, self.now, self.ended)})", [s.rank], self.now - s.wait_since)
+
+    def stuck_inside(self, timeout: float) -> None:
+        """Ranks that entered the call their peers wait in, so no finding above names them,
+        but cannot finish it: a stopped process (SIGSTOP and a debugger are seen on the
+        reader's host), or one that waits past the time-out without having given up (it has
+        not run its wait loop since: stopped, or starved of CPU; ranked with the waits
+        elsewhere, behind any rank known to be outside MPI). MPI progresses a collective only
+        while every member polls, so its peers wait for it."""
+        blamed = {f.culprit for f in self.findings.values()}
+        for s in self.waiting:
+            w, age = s.waiting, self.now - s.wait_since
+            if s.rank in blamed or s.alive is False:
+                continue
+            if s.stopped:
+                prio, why = 2, f"its process {s.pid} is stopped: {STOPPED}"
+            elif timeout > 0 and not self.ended and s.failed is None and age > timeout + STALE_S:
+                prio, why = 3, (f"it has not given up though past the {timeout:g} s time-out: its process does "
+                                f"not run (stopped, or starved of CPU)")
+            else:
+                continue
+            self.add(prio, s.rank, w.label(), f"{self.who(s.rank)} entered {w.label()} but cannot finish it ({why})",
+                     self.peers_waiting(s), age)
+
+    def peers_waiting(self, s: RankState) -> list[int]:
+        """The other waiting ranks whose call's communicator includes rank `s`."""
+        return [o.rank for o in self.waiting
+                if o.rank != s.rank and s.rank in members(o.waiting.comm, o, self.states, self.shape, self.coords_of)]
 
     def ordered(self) -> list[_Finding]:
         """The findings, most likely cause first, then an injected fault nobody waited on yet
@@ -333,7 +370,8 @@ class _Diagnosis:
                      if s.waiting is not None else f"outside MPI since {now - s.last_activity():.1f} s")
             extra = f"; gave up: {s.failed}" if s.failed else ""
             note = f"; injected: {s.note}" if s.note else ""
-            lines.append(f"  rank {r} ({s.where()}) step {s.step}: {state}{extra}{note}")
+            halted = f"; process {s.pid} stopped" if s.stopped and s.alive is not False else ""
+            lines.append(f"  rank {r} ({s.where()}) step {s.step}: {state}{extra}{halted}{note}")
         return lines
 
 

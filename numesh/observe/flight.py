@@ -52,7 +52,7 @@ from mpi4py import MPI
 
 from numesh.base.errors import abort_job
 from numesh.base.files import write_atomic
-from numesh.base.process import alive
+from numesh.base.process import alive, stopped
 from numesh.mesh.hook import Observer, SkipCall
 from numesh.mesh.mesh import AxisNames, Group, axis_names
 from numesh.observe import witness
@@ -117,12 +117,12 @@ def read_state(flight_dir: Path, rank: int, run: int) -> RankState | None:
             waiting = rec
     counts = {names[i]: int(head["counts"][i]) for i in range(len(names))}
     failed = {0: None, 1: "timeout", 2: "MPI error", 3: "error"}.get(int(head["failed"]), "?")
-    running = None
+    running, halted = None, False
     if meta.get("host") == socket.gethostname():
-        running = alive(int(meta["pid"]))
+        running, halted = alive(int(meta["pid"])), stopped(int(meta["pid"]))
     return RankState(rank, meta["coords"], meta["shape"], calls, counts, float(head["beat"]), int(head["step"]),
                      waiting, float(head["wait_since"]), failed, running, head["note"].decode(errors="replace"),
-                     int(meta["pid"]), meta.get("host", ""), float(head["exited"]))
+                     int(meta["pid"]), meta.get("host", ""), float(head["exited"]), halted)
 
 
 def postmortem(flight_dir: str | Path) -> str | None:

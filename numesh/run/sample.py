@@ -19,7 +19,7 @@ from numesh.checkpoint import import_nanogpt, read_global
 from numesh.checkpoint.hf_files import open_weights, weights_dtype
 from numesh.checkpoint.hf_llama import is_pretrained_dir, model_type, read_pretrained
 from numesh.checkpoint.model import shard_params
-from numesh.data.tokenizer import CharTokenizer, HFTokenizer, read_tokenizer_file
+from numesh.data.tokenizer import CharTokenizer, HFTokenizer, directory_tokenizer, read_tokenizer_file
 from numesh.mesh import Mesh
 from numesh.mesh.mesh import parse_axis_sizes
 from numesh.nn.decode import logits_cached, logits_last, new_kv_cache
@@ -86,7 +86,7 @@ def load_pretrained(directory: Path) -> Checkpoint:
 
     if model_type(directory) == "gpt2":
         model, text, params = import_hf(directory)
-        tok = CharTokenizer.from_hf_json(text) or HFTokenizer.from_file(directory, None)
+        tok = CharTokenizer.from_hf_json(text) or HFTokenizer.from_json(text, directory / "tokenizer.json", None)
         ck = Checkpoint(model, tok, params, params.wte.dtype.name, 0)
     else:
         dtype = np.float64 if weights_dtype(open_weights(directory)) == "float64" else np.float32
@@ -105,11 +105,10 @@ def _pretrained_tokenizer(directory: Path) -> CharTokenizer | HFTokenizer:
     """A Llama-family directory's tokenizer.json: a character model's export's vocabulary,
     or a Hugging Face tokenizer ending documents with the directory's eos token. Without
     one, one line saying to copy it there (sample has no option naming a tokenizer)."""
-    file = Path(directory) / "tokenizer.json"
-    if not file.exists():
-        raise CheckpointError(f"{directory} has no tokenizer.json, which turns the prompt into token ids and the "
-                              "samples back into text: copy the model's tokenizer.json into it from its source")
-    return CharTokenizer.from_hf_json(read_tokenizer_file(file)) or HFTokenizer.from_file(directory, None)
+    file = directory_tokenizer(directory, "it turns the prompt into token ids and the samples back into text; "
+                                          "copy the model's tokenizer.json into it from its source", CheckpointError)
+    text = read_tokenizer_file(file)  # once: the character check and the tokenizer read the same text
+    return CharTokenizer.from_hf_json(text) or HFTokenizer.from_json(text, file, None)
 
 
 def pick(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:
