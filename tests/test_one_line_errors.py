@@ -55,6 +55,18 @@ def test_negative_max_iters_is_refused(char_dataset: Path, tmp_path: Path) -> No
     assert "max_iters must be >= 0, got -1" in line
 
 
+@pytest.mark.parametrize("args, min_lr, lr", [(["--min-lr", "0.01"], "0.01", "0.001"),  # the default peak
+                                               (["--learning-rate", "5e-05"], "0.0001", "5e-05")])  # the default floor
+def test_a_min_lr_above_the_learning_rate_is_one_line_naming_both(char_dataset: Path, tmp_path: Path, args: list[str],
+                                                                  min_lr: str, lr: str) -> None:
+    """The cosine decay would raise the rate from its peak to --min-lr (it trained so silently)."""
+    tiny = ("--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "8", "--max-iters", "1")
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), *tiny, *args))
+    assert f"--min-lr {min_lr} is above --learning-rate {lr}, the peak it decays from: " \
+           f"set --min-lr to at most {lr}" in line
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("var, value", [("OMP_NUM_THREADS", "abc"), ("OPENBLAS_NUM_THREADS", "0"),
                                         ("OMP_NUM_THREADS", "-2"), ("MKL_NUM_THREADS", "abc")])
 def test_a_bad_thread_variable_is_one_line_naming_it(char_dataset: Path, tmp_path: Path,

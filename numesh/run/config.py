@@ -308,6 +308,10 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
         raise ConfigError("--init-from and --resume both say where the weights come from: pass one")
     if not cfg.learning_rate > 0:
         raise ConfigError(f"learning_rate must be > 0, got {cfg.learning_rate}")
+    if cfg.min_lr > cfg.learning_rate:  # the cosine "decay" would raise the rate from the peak
+        peak = flag_value("learning_rate", cfg.learning_rate)
+        raise ConfigError(f"{flag_value('min_lr', cfg.min_lr)} is above {peak}, the peak it decays from: "
+                          f"set --min-lr to at most {cfg.learning_rate} (or raise --learning-rate)")
     make_optimizer(cfg.optimizer, attrs.asdict(cfg))  # its name and hyper-parameters (betas too)
     return shape
 
