@@ -358,6 +358,22 @@ def test_export_to_an_empty_out_is_refused_not_the_current_directory(tiny_run: P
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("fmt, name, says", [
+    ("nanogpt", "m.bin", "names a PyTorch pickle (.bin) but --format nanogpt writes safetensors: name it {stem}"
+                         ".safetensors"),
+    ("nanogpt", "m.PT", "names a PyTorch pickle (.pt) but --format nanogpt writes safetensors"),
+    ("hf", "m.safetensors", "names a file (.safetensors) but --format hf writes a directory: name a directory "
+                            "such as {stem}"),
+])
+def test_export_refuses_an_out_named_for_another_format(tiny_run: Path, tmp_path: Path, fmt: str, name: str,
+                                                        says: str) -> None:
+    """`--out m.bin` wrote safetensors under a PyTorch pickle's name (torch.load fails on it)."""
+    out = tmp_path / name
+    line = one_error_line(cli("export", str(tiny_run / "ckpt" / "latest"), "--format", fmt, "--out", str(out)))
+    assert f"--out {out} {says.format(stem=tmp_path / 'm')}" in line
+    assert not out.exists()
+
+
 def test_a_config_file_that_is_not_utf8_toml_is_one_line(char_dataset: Path, tmp_path: Path) -> None:
     """A binary or Latin-1 --config file was a UnicodeDecodeError traceback."""
     toml = tmp_path / "run.toml"
