@@ -21,13 +21,14 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
-from numesh.base.errors import ConfigError, DataError, Interrupted, Preempted, abort_job
+from numesh.base.errors import CheckpointError, ConfigError, DataError, Interrupted, Preempted, abort_job
 from numesh.base.tree import tree_leaves, tree_leaves_with_path, tree_map
 from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
 from numesh.checkpoint.background import AsyncCheckpoints
 from numesh.checkpoint.format import step_dir_name
 from numesh.checkpoint.hf_source import read_source
 from numesh.checkpoint.init_from import initial_shards
+from numesh.checkpoint.load import broken_latest
 from numesh.data.batches import eval_key, local_batch, train_key
 from numesh.data.dataset import Dataset, bits_per_byte, bytes_per_token, open_dataset, verify_dataset
 from numesh.data.shards import TokenStream
@@ -483,7 +484,12 @@ def _resume(trainer: Trainer, cfg: TrainConfig, path: str) -> bool:
     in place); True when `--resume auto` finds the run already finished (its checkpoint at
     `max_iters`): a requeue of a job that completed is then a success with nothing to do,
     not an error that a scheduler would retry."""
-    restore(trainer, path)
+    try:
+        restore(trainer, path)
+    except CheckpointError as e:  # a broken OUT/ckpt/latest of --resume auto names the intact step before it
+        if cfg.resume == RESUME_AUTO and (hint := broken_latest(Path(path), e)):
+            raise CheckpointError(hint) from None
+        raise
     if cfg.resume == RESUME_AUTO and trainer.step == cfg.max_iters:
         log(f"--resume auto: {Path(path).resolve()} is at step {trainer.step} = --max-iters: "
             "the run is already finished, nothing to do")
