@@ -99,6 +99,28 @@ def test_resume_auto_redoes_an_attempt_that_saved_nothing(char_dataset: Path, tm
     assert _steps(out) == [0, 1, 2, 3, 4, 5, 6]
 
 
+def test_resume_auto_keeps_an_attempt_that_saved_nothing_from_another_command(char_dataset: Path,
+                                                                              tmp_path: Path) -> None:
+    """Only a requeue of the same settings redoes the attempt: another --max-iters started over
+    and replaced its metrics without a word. A layout or checkpointing option is no setting."""
+    out = tmp_path / "run"
+    with pytest.raises(Interrupted, match="no checkpoint saved"):
+        train(_config(char_dataset, out), MPI.COMM_SELF, on_step=_signal_at(1, signal.SIGINT))
+    logged = (out / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError) as info:
+        train(_config(char_dataset, out, max_iters=3, seed=4), MPI.COMM_SELF)
+    assert str(info.value) == (
+        f"--out {out} holds an attempt that saved no checkpoint, and --resume auto would replace its metrics with a "
+        "run of other settings: --max-iters 3 (it ran with --max-iters 6), --seed 4 (it ran with --seed 3); rerun "
+        "it as it was, pass --overwrite to replace it, or choose another --out")
+    assert (out / "metrics.jsonl").read_bytes() == logged
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(out), "--resume", "auto",
+                              "--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "8"))
+    assert "holds an attempt that saved no checkpoint" in line  # alone: not after "starting at step 0"
+    train(_config(char_dataset, out, ckpt_interval=2, micro_batches=2), MPI.COMM_SELF)  # the same steps: redone
+    assert _steps(out) == [0, 1, 2, 3, 4, 5, 6]
+
+
 def test_resume_auto_never_starts_over_a_dangling_latest(char_dataset: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     (out / "ckpt").mkdir(parents=True)

@@ -34,6 +34,11 @@ from numesh.pipeline.stages import StageLayout
 DTYPES = {"float32": np.float32, "float64": np.float64}
 RESUME_AUTO = "auto"  # --resume auto: OUT/ckpt/latest if there is one (numesh.run.rundir.latest_checkpoint)
 MESH_AUTO = "auto"  # --mesh auto: the planner's layout for the job's ranks (numesh.plan.auto, from the CLI)
+# the options that make a layout, which the plan searches over (and each listed command sets)
+LAYOUT_OPTIONS = ("mesh", "zero", "schedule", "micro_batches", "virtual_stages", "recompute", "sequence_parallel")
+# options that change neither a step nor what metrics.jsonl logs of it: how the job runs and keeps its checkpoints
+NOT_SETTINGS = (*LAYOUT_OPTIONS, "bucket_mb", "overlap", "resume", "overwrite", "ckpt_interval", "keep", "ckpt_async",
+                "save_on_signal", "collective_timeout", "trace")
 _PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
@@ -178,6 +183,14 @@ class TrainConfig:
         one field in each and nothing here."""
         return GPTConfig(vocab_size=vocab_size, **{f.name: getattr(self, f.name)
                                                    for f in attrs.fields(GPTConfig) if f.name != "vocab_size"})
+
+
+def setting_differences(recorded: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """What `cfg` sets otherwise than the run whose config.json was `recorded`, as options:
+    ["--max-iters 3 (it ran with --max-iters 6)"]; NOT_SETTINGS and keys only one side knows are left out."""
+    now = attrs.asdict(cfg)
+    return [f"{flag_value(k, now[k])} (it ran with {flag_value(k, v)})" for k, v in recorded.items()
+            if k in now and k not in NOT_SETTINGS and v != now[k]]
 
 
 def field_type(field: attrs.Attribute) -> type:
