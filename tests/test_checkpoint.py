@@ -405,6 +405,20 @@ def test_keep_prunes_old_checkpoints(data: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000001"]
 
 
+def test_keep_after_a_rewind_keeps_the_continued_runs_checkpoints(data: Path, tmp_path: Path) -> None:
+    """Resumed from step 2 of a run that went on to step 6: its steps 4 and 6 are an
+    abandoned future. --keep 2 deleted the continued run's steps 2 and 3 and kept that old
+    step 6 beside the new latest; now the abandoned steps go first."""
+    out = tmp_path / "run"
+    train(config(data, out, max_iters=6, ckpt_interval=2), MPI.COMM_SELF)
+    ck = out / "ckpt"
+    old_4 = (ck / "step_000004" / "meta.json").stat().st_ino
+    train(config(data, out, max_iters=5, ckpt_interval=1, keep=2, resume=str(ck / "step_000002")), MPI.COMM_SELF)
+    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step_000004", "step_000005"]
+    assert os.readlink(ck / "latest") == "step_000005"
+    assert (ck / "step_000004" / "meta.json").stat().st_ino != old_4  # the continued run's own step 4
+
+
 # ---------------------------------------------------------------------------------------
 # resharding
 

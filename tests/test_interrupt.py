@@ -137,6 +137,19 @@ def test_guarded_exits_130_with_one_line(capsys: pytest.CaptureFixture) -> None:
         assert capsys.readouterr().err.splitlines() == [line]
 
 
+def test_guarded_exits_128_plus_the_signal(capsys: pytest.CaptureFixture) -> None:
+    """SIGTERM under --save-on-signal none stops the run as Ctrl-C does, but exits 143 as a
+    shell reports a SIGTERM'd command (it exited 130, as for SIGINT)."""
+    def terminated() -> None:
+        raise Interrupted(4, signal.SIGTERM, None, " (--ckpt-interval is 0)")
+
+    with pytest.raises(SystemExit) as info:
+        guarded(terminated)
+    assert info.value.code == 143
+    assert capsys.readouterr().err.splitlines() == [
+        "interrupted at step 4 by SIGTERM: no checkpoint saved (--ckpt-interval is 0)"]
+
+
 # ---------------------------------------------------------------------------------------
 # real jobs
 
@@ -258,14 +271,14 @@ def job(tmp_path: Path):
 
 
 def check_stopped(j: Job, signame: str, saved: bool) -> int:
-    """Every rank exited 130 with one 'interrupted at step N' line; returns N."""
+    """Every rank exited 128 + the signal with one 'interrupted at step N' line; returns N."""
     err = j.stderr()
     lines = [m for m in map(LINE.search, err.splitlines()) if m]
     assert len(lines) == 1, err
     step, sig, rest = int(lines[0][1]), lines[0][2], lines[0][3]
     assert sig == signame, err
     assert "Traceback" not in err, err
-    assert j.rank_codes() == [130] * j.ranks_expected, err
+    assert j.rank_codes() == [128 + signal.Signals[signame]] * j.ranks_expected, err
     records = [json.loads(x) for x in (j.out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == step - 1  # stopped at a step boundary, every step before it logged
     ckpt = j.out / "ckpt"
@@ -298,13 +311,13 @@ STOPS = [
 @pytest.mark.parametrize("ranks, args, whom, sig, saved", STOPS)
 def test_a_signal_stops_every_rank_at_one_step(job, ranks: int, args: tuple, whom: str | int, sig: signal.Signals,
                                                saved: bool) -> None:
-    """Every rank stops at the same step boundary and exits 130, saving that step where
+    """Every rank stops at the same step boundary and exits 128 + the signal, saving that step where
     checkpoints are on; a rank not signalled learns it at the next step. (pp=2 hung 6 times
     out of 6 before.)"""
     j = job(ranks, *args)
     j.wait_for_steps()
     os.kill(j.proc.pid if whom == "launched" else j.rank_pid(whom), sig)
-    assert j.finish() == 130, j.stderr()
+    assert j.finish() == 128 + sig, j.stderr()  # 130 for SIGINT, 143 for SIGTERM
     check_stopped(j, sig.name, saved)
 
 

@@ -55,6 +55,18 @@ def test_negative_max_iters_is_refused(char_dataset: Path, tmp_path: Path) -> No
     assert "max_iters must be >= 0, got -1" in line
 
 
+@pytest.mark.parametrize("args, min_lr, lr", [(["--min-lr", "0.01"], "0.01", "0.001"),  # the default peak
+                                               (["--learning-rate", "5e-05"], "0.0001", "5e-05")])  # the default floor
+def test_a_min_lr_above_the_learning_rate_is_one_line_naming_both(char_dataset: Path, tmp_path: Path, args: list[str],
+                                                                  min_lr: str, lr: str) -> None:
+    """The cosine decay would raise the rate from its peak to --min-lr (it trained so silently)."""
+    tiny = ("--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "8", "--max-iters", "1")
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), *tiny, *args))
+    assert f"--min-lr {min_lr} is above --learning-rate {lr}, the peak it decays from: " \
+           f"set --min-lr to at most {lr}" in line
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("var, value", [("OMP_NUM_THREADS", "abc"), ("OPENBLAS_NUM_THREADS", "0"),
                                         ("OMP_NUM_THREADS", "-2"), ("MKL_NUM_THREADS", "abc")])
 def test_a_bad_thread_variable_is_one_line_naming_it(char_dataset: Path, tmp_path: Path,
@@ -344,6 +356,22 @@ def test_export_to_an_empty_out_is_refused_not_the_current_directory(tiny_run: P
         line = one_error_line(cli("export", str(tiny_run / "ckpt" / "latest"), "--out", "", "--format", fmt, "--force"))
         assert line == "error: --out must name a file or directory to write, got ''"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("fmt, name, says", [
+    ("nanogpt", "m.bin", "names a PyTorch pickle (.bin) but --format nanogpt writes safetensors: name it {stem}"
+                         ".safetensors"),
+    ("nanogpt", "m.PT", "names a PyTorch pickle (.pt) but --format nanogpt writes safetensors"),
+    ("hf", "m.safetensors", "names a file (.safetensors) but --format hf writes a directory: name a directory "
+                            "such as {stem}"),
+])
+def test_export_refuses_an_out_named_for_another_format(tiny_run: Path, tmp_path: Path, fmt: str, name: str,
+                                                        says: str) -> None:
+    """`--out m.bin` wrote safetensors under a PyTorch pickle's name (torch.load fails on it)."""
+    out = tmp_path / name
+    line = one_error_line(cli("export", str(tiny_run / "ckpt" / "latest"), "--format", fmt, "--out", str(out)))
+    assert f"--out {out} {says.format(stem=tmp_path / 'm')}" in line
+    assert not out.exists()
 
 
 def test_a_config_file_that_is_not_utf8_toml_is_one_line(char_dataset: Path, tmp_path: Path) -> None:

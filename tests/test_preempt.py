@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import assert_close, cli, one_error_line
-from numesh.base.errors import ConfigError, Interrupted, Preempted
+from numesh.base.errors import CheckpointError, ConfigError, Interrupted, Preempted
 from numesh.checkpoint import read_meta, read_params_dict
 from numesh.host import startup_signals
 from numesh.host.runtime import guarded
@@ -98,6 +99,28 @@ def test_resume_auto_redoes_an_attempt_that_saved_nothing(char_dataset: Path, tm
     assert _steps(out) == [0, 1, 2, 3, 4, 5, 6]
 
 
+def test_resume_auto_keeps_an_attempt_that_saved_nothing_from_another_command(char_dataset: Path,
+                                                                              tmp_path: Path) -> None:
+    """Only a requeue of the same settings redoes the attempt: another --max-iters started over
+    and replaced its metrics without a word. A layout or checkpointing option is no setting."""
+    out = tmp_path / "run"
+    with pytest.raises(Interrupted, match="no checkpoint saved"):
+        train(_config(char_dataset, out), MPI.COMM_SELF, on_step=_signal_at(1, signal.SIGINT))
+    logged = (out / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError) as info:
+        train(_config(char_dataset, out, max_iters=3, seed=4), MPI.COMM_SELF)
+    assert str(info.value) == (
+        f"--out {out} holds an attempt that saved no checkpoint, and --resume auto would replace its metrics with a "
+        "run of other settings: --max-iters 3 (it ran with --max-iters 6), --seed 4 (it ran with --seed 3); rerun "
+        "it as it was, pass --overwrite to replace it, or choose another --out")
+    assert (out / "metrics.jsonl").read_bytes() == logged
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(out), "--resume", "auto",
+                              "--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "8"))
+    assert "holds an attempt that saved no checkpoint" in line  # alone: not after "starting at step 0"
+    train(_config(char_dataset, out, ckpt_interval=2, micro_batches=2), MPI.COMM_SELF)  # the same steps: redone
+    assert _steps(out) == [0, 1, 2, 3, 4, 5, 6]
+
+
 def test_resume_auto_never_starts_over_a_dangling_latest(char_dataset: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     (out / "ckpt").mkdir(parents=True)
@@ -106,6 +129,26 @@ def test_resume_auto_never_starts_over_a_dangling_latest(char_dataset: Path, tmp
               "--n-embd", "16", "--n-head", "2", "--block-size", "8", "--max-iters", "2")
     assert f"no checkpoint at {out / 'ckpt' / 'latest'}" in one_error_line(res)
     assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("damage", ["its step removed", "a file of its step removed"])
+def test_resume_auto_names_the_intact_step_before_a_broken_latest(char_dataset: Path, tmp_path: Path,
+                                                                  damage: str) -> None:
+    """It said only "pass a checkpoint directory such as RUN/ckpt/latest", which is the one broken."""
+    out, ck = tmp_path / "run", tmp_path / "run" / "ckpt"
+    train(_config(char_dataset, out, resume="", max_iters=4, ckpt_interval=2), MPI.COMM_SELF)  # steps 2 and 4
+    if damage == "its step removed":
+        shutil.rmtree(ck / "step_000004")
+        what = "points at a missing step_000004"
+    else:
+        next((ck / "step_000004" / "params").glob("*.npy")).unlink()
+        what = "leads to a broken checkpoint ("
+    logged = _steps(out)
+    with pytest.raises(CheckpointError) as info:
+        train(_config(char_dataset, out, max_iters=6), MPI.COMM_SELF)
+    assert str(info.value).startswith(f"--resume auto: {ck / 'latest'} {what}")
+    assert str(info.value).endswith(f"; resume the intact step_000002 with --resume {ck / 'step_000002'}")
+    assert "\n" not in str(info.value) and _steps(out) == logged  # nothing started over
 
 
 # ---------------------------------------------------------------------------------------

@@ -55,8 +55,9 @@ USER_ERRORS: tuple[type[BaseException], ...] = (UserError,)
 
 class Interrupted(KeyboardInterrupt):
     """Training stopped on SIGINT/SIGTERM, at the same step on every rank (after saving a
-    checkpoint when asked to). The CLI prints it as one line on rank 0 and exits 130 on every
-    rank; a library caller that catches KeyboardInterrupt catches it too."""
+    checkpoint when asked to). The CLI prints it as one line on rank 0 and exits `exit_code`
+    on every rank (130 for SIGINT, 143 for SIGTERM); a library caller that catches
+    KeyboardInterrupt catches it too."""
 
     EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
 
@@ -69,6 +70,12 @@ class Interrupted(KeyboardInterrupt):
         saved = f"checkpoint saved to {checkpoint}" if checkpoint else f"no checkpoint saved{why_not}"
         super().__init__(f"interrupted at step {step} by {name}: {saved}")
 
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal, what a shell reports for a command that signal ended (130 for
+        Ctrl-C, 143 for SIGTERM): a script tells them apart as it would without numesh."""
+        return 128 + self.signum
+
 
 class Preempted(Interrupted):
     """Training stopped on a --save-on-signal signal (by default SIGTERM or SIGUSR1: a
@@ -78,6 +85,11 @@ class Preempted(Interrupted):
     "requeue me": the same command with --resume auto continues from `checkpoint`."""
 
     EXIT_CODE = 75  # EX_TEMPFAIL of sysexits.h: a temporary failure, try again
+
+    @property
+    def exit_code(self) -> int:
+        """75 whatever the signal: "requeue me"."""
+        return self.EXIT_CODE
 
     def __init__(self, step: int, signum: int, checkpoint: str | None):
         self.step, self.signum, self.checkpoint = step, signum, checkpoint

@@ -26,6 +26,22 @@ from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
 from numesh.nn.layers import LayerNorm, Linear
 
 EXPORT_FORMAT = "numesh-nanogpt"
+# weight-file suffixes that say the file holds something else than safetensors
+OTHER_SUFFIXES = {".bin": "a PyTorch pickle", ".pt": "a PyTorch pickle", ".pth": "a PyTorch pickle",
+                  ".ckpt": "a PyTorch pickle", ".pkl": "a pickle", ".npz": "numpy's .npz", ".gguf": "a GGUF file",
+                  ".h5": "an HDF5 file", ".onnx": "an ONNX model", ".json": "a JSON file"}
+
+
+def check_out_name(out: Path, fmt: str) -> None:
+    """Refuse an export's `out` whose suffix says another format than `fmt` writes: nanogpt
+    writes one safetensors file (an x.bin would be taken for a PyTorch pickle), hf a directory."""
+    suffix = out.suffix.lower()
+    if fmt == "nanogpt" and suffix in OTHER_SUFFIXES:
+        raise CheckpointError(f"--out {out} names {OTHER_SUFFIXES[suffix]} ({suffix}) but --format nanogpt writes "
+                              f"safetensors: name it {out.with_suffix('.safetensors')}")
+    if fmt == "hf" and (suffix in OTHER_SUFFIXES or suffix == ".safetensors"):
+        raise CheckpointError(f"--out {out} names a file ({suffix}) but --format hf writes a directory: name a "
+                              f"directory such as {out.with_suffix('')} (or use --format nanogpt for one file)")
 
 
 def check_nanogpt(model: GPTConfig) -> None:
@@ -155,6 +171,7 @@ def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = N
     from safetensors.numpy import save
 
     out = Path(out_file)
+    check_out_name(out, "nanogpt")
     if out.is_dir():
         raise CheckpointError(f"{out} is a directory: pass --out a .safetensors file name")
     if not force and (out.exists() or out.is_symlink()):

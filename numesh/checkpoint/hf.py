@@ -31,7 +31,7 @@ import numpy as np
 
 from numesh.base.errors import CheckpointError
 from numesh.base.files import os_reason
-from numesh.checkpoint.export import exported_tensors, to_nanogpt
+from numesh.checkpoint.export import check_out_name, exported_tensors, to_nanogpt
 from numesh.checkpoint.format import Meta
 from numesh.checkpoint.hf_files import SINGLE, weight_files
 from numesh.checkpoint.hf_llama import to_llama
@@ -184,6 +184,7 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
     from safetensors.numpy import save
 
     out = Path(out_dir)
+    check_out_name(out, "hf")
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} is a file: --format hf writes a directory, pass a directory as --out")
     if out.is_dir() and any(out.iterdir()) and not force:

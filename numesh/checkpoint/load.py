@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import numpy as np
 from numesh.base.errors import CheckpointError
 from numesh.base.tree import tree_leaves_with_path, tree_map
 from numesh.checkpoint.common import read_group, read_meta, read_params
-from numesh.checkpoint.format import BlockReader, Meta, vocab_difference
+from numesh.checkpoint.format import STEP_DIR, BlockReader, Meta, vocab_difference
 from numesh.checkpoint.hf_source import recorded_source
 from numesh.checkpoint.model import check_model, gpt_leaves, local_paths
 from numesh.checkpoint.pinned import read_pinned, read_pinned_on
@@ -118,3 +119,39 @@ def read_params_dict(path: str | Path) -> dict[str, np.ndarray]:
     """The whole unpadded parameters keyed by leaf path ("wte", "blocks.0.attn.qkv.w", ...)."""
     _, params = read_global(path)
     return dict(tree_leaves_with_path(params))
+
+
+def _intact(root: Path) -> bool:
+    """Whether `root`'s meta.json reads and every file it lists is there (checksums unread)."""
+    try:
+        meta = read_meta(root)
+    except CheckpointError:
+        return False
+    return all((meta.root / r.file).is_file() for leaf in meta.leaves.values() for r in leaf.files)
+
+
+def _step(path: Path) -> int | None:
+    """N of a step_N directory name, else None."""
+    m = STEP_DIR.fullmatch(path.name)
+    return int(m.group(1)) if m else None
+
+
+def intact_before(ckdir: Path, step: int | None) -> Path | None:
+    """The newest intact step directory in `ckdir` before `step` (any step if None), or None."""
+    found = [(n, p) for p in ckdir.iterdir()
+             if (n := _step(p)) is not None and p.is_dir() and not p.is_symlink() and (step is None or n < step)]
+    return next((p for _, p in sorted(found, reverse=True) if _intact(p)), None)
+
+
+def broken_latest(latest: Path, error: Exception) -> str | None:
+    """When OUT/ckpt/`latest` leads nowhere or to a checkpoint with a file missing, and an
+    older step is intact: the one line that names that step and how to resume it
+    (`--resume auto` must not start over, nor leave the user to find it). Else None."""
+    if latest.exists() and _intact(latest):
+        return None  # the error is of another kind (a vocabulary, an optimiser): no older step helps
+    target = Path(os.readlink(latest)) if latest.is_symlink() else None
+    older = intact_before(latest.parent, _step(target) if target else None)
+    if older is None:
+        return None
+    what = f"points at a missing {target}" if not latest.exists() else f"leads to a broken checkpoint ({error})"
+    return f"--resume auto: {latest} {what}; resume the intact {older.name} with --resume {older}"

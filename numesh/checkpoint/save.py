@@ -140,9 +140,13 @@ def point_latest(ckdir: Path, name: str) -> None:
 
 
 def prune(ckdir: Path, keep: int, current: Path) -> list[Path]:
-    """Delete all but the `keep` newest step_ directories (by step), never `current`."""
+    """Delete all but the `keep` newest step_ directories (by step), never `current`. Steps
+    past `current`'s are an abandoned future (the run was resumed from an earlier step):
+    they rank below every other, so they go first and never push out the continued run's."""
+    own = STEP_DIR.fullmatch(current.name)
+    now = int(own.group(1)) if own else float("inf")
     steps = sorted(
-        (int(m.group(1)), p)
+        ((int(m.group(1)) <= now, int(m.group(1))), p)
         for p in ckdir.iterdir()
         if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir() and not p.is_symlink() and p != current
     )

@@ -294,7 +294,8 @@ def guarded(fn: Callable[[], T], user_errors: tuple[type[BaseException], ...] = 
     """Run `fn`; a user error exits with status 2 and one line, anything else aborts every rank.
 
     An `Interrupted` run (every rank stopped at the same step, see numesh/interrupt.py)
-    exits 130 on every rank with its one line on rank 0, a `Preempted` one 75. A bare KeyboardInterrupt (a Ctrl-C
+    exits 128 + its signal on every rank (130 for SIGINT, 143 for SIGTERM) with its one line
+    on rank 0, a `Preempted` one 75. A bare KeyboardInterrupt (a Ctrl-C
     outside the training loop, where no rank agreed to stop) exits 130 too, aborting the job
     when it has several ranks, since a peer may be blocked waiting for this one. Output
     piped into a reader that stops early (`| head`) exits 141 quietly, as a shell reports it."""
@@ -308,7 +309,7 @@ def guarded(fn: Callable[[], T], user_errors: tuple[type[BaseException], ...] = 
     except Interrupted as e:
         if comm.Get_rank() == 0:
             print(e, file=sys.stderr, flush=True)
-        raise SystemExit(e.EXIT_CODE) from None  # 75 when preempted (errors.Preempted)
+        raise SystemExit(e.exit_code) from None  # 75 when preempted (errors.Preempted)
     except BrokenPipeError:  # `numesh sample ... | head`: the reader has what it wanted
         with contextlib.suppress(OSError):  # stdout's buffered rest would fail again at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

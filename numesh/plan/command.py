@@ -19,7 +19,7 @@ from numesh.plan.layout import ModelSpec
 from numesh.plan.predict import Plan, plan
 from numesh.plan.presets import preset
 from numesh.plan.render import as_json, human_bytes, table
-from numesh.run.config import TrainConfig, check_options, config_from, run_vocab
+from numesh.run.config import LAYOUT_OPTIONS, TrainConfig, check_options, config_from, run_vocab
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -98,10 +98,6 @@ def memory_limit(profile: Profile, ranks: int, given: str | None) -> float:
     if profile.measured:
         return profile.memory_bytes / max(1, ranks)
     return profile.memory_bytes
-
-
-# the options that make a layout, which the plan searches over (and each listed command sets)
-LAYOUT_OPTIONS = ("mesh", "zero", "schedule", "micro_batches", "virtual_stages", "recompute", "sequence_parallel")
 
 
 def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, model_preset: str | None,

@@ -34,6 +34,11 @@ from numesh.pipeline.stages import StageLayout
 DTYPES = {"float32": np.float32, "float64": np.float64}
 RESUME_AUTO = "auto"  # --resume auto: OUT/ckpt/latest if there is one (numesh.run.rundir.latest_checkpoint)
 MESH_AUTO = "auto"  # --mesh auto: the planner's layout for the job's ranks (numesh.plan.auto, from the CLI)
+# the options that make a layout, which the plan searches over (and each listed command sets)
+LAYOUT_OPTIONS = ("mesh", "zero", "schedule", "micro_batches", "virtual_stages", "recompute", "sequence_parallel")
+# options that change neither a step nor what metrics.jsonl logs of it: how the job runs and keeps its checkpoints
+NOT_SETTINGS = (*LAYOUT_OPTIONS, "bucket_mb", "overlap", "resume", "overwrite", "ckpt_interval", "keep", "ckpt_async",
+                "save_on_signal", "collective_timeout", "trace")
 _PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
@@ -180,6 +185,14 @@ class TrainConfig:
                                                    for f in attrs.fields(GPTConfig) if f.name != "vocab_size"})
 
 
+def setting_differences(recorded: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """What `cfg` sets otherwise than the run whose config.json was `recorded`, as options:
+    ["--max-iters 3 (it ran with --max-iters 6)"]; NOT_SETTINGS and keys only one side knows are left out."""
+    now = attrs.asdict(cfg)
+    return [f"{flag_value(k, now[k])} (it ran with {flag_value(k, v)})" for k, v in recorded.items()
+            if k in now and k not in NOT_SETTINGS and v != now[k]]
+
+
 def field_type(field: attrs.Attribute) -> type:
     """The Python type of a `TrainConfig` field (its annotation is a string here, under
     `from __future__ import annotations`): what `config_from` checks values against and the
@@ -308,6 +321,10 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
         raise ConfigError("--init-from and --resume both say where the weights come from: pass one")
     if not cfg.learning_rate > 0:
         raise ConfigError(f"learning_rate must be > 0, got {cfg.learning_rate}")
+    if cfg.min_lr > cfg.learning_rate:  # the cosine "decay" would raise the rate from the peak
+        peak = flag_value("learning_rate", cfg.learning_rate)
+        raise ConfigError(f"{flag_value('min_lr', cfg.min_lr)} is above {peak}, the peak it decays from: "
+                          f"set --min-lr to at most {cfg.learning_rate} (or raise --learning-rate)")
     make_optimizer(cfg.optimizer, attrs.asdict(cfg))  # its name and hyper-parameters (betas too)
     return shape
 

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mpi4py import MPI
 
@@ -92,14 +92,21 @@ def _sees(out: Path, name: str, private: bool, tries: int = 5, pause_s: float = 
     return False
 
 
+# what --resume auto redoing an attempt that saved nothing checks: the settings that differ
+# from those of its config.json, as options ([] when it may be redone)
+Differences = Callable[[dict[str, Any]], list[str]]
+
+
 class RunDir:
     """OUT of one run: locked for the run's life (an flock, so a killed run leaves no stale
     lock), refused if it already holds a run unless resuming or told to overwrite, checked
-    for space for a checkpoint; `write` appends a metrics line."""
+    for space for a checkpoint; `write` appends a metrics line. With `redo` (--resume auto
+    without a checkpoint), an attempt that saved nothing is overwritten only when that loses
+    nothing: it logged no step, or ran with the same settings (`redo` returns none)."""
 
     def __init__(self, out: Path, comm: MPI.Comm, resume: str | Path | None, overwrite: bool, ckpt_bytes: int,
-                 config: dict[str, Any], resume_step: int = 0):
-        self.out, self.comm, self.resume_step = out, comm, resume_step
+                 config: dict[str, Any], resume_step: int = 0, redo: Differences | None = None):
+        self.out, self.comm, self.resume_step, self.redo = out, comm, resume_step, redo
         self._lock = self.metrics = None
         error = None
         if comm.Get_rank() == 0:
@@ -124,6 +131,8 @@ class RunDir:
                 "or another --out")
         if existing and not (resume or overwrite):
             raise ConfigError(f"--out {self.out} already holds a run ({', '.join(existing)}): {_reuse_hint(self.out)}")
+        if existing and self.redo is not None:
+            self._check_redo()
         if overwrite and not own:  # never the checkpoint being resumed from
             for name in existing:
                 shutil.rmtree(self.out / name) if (self.out / name).is_dir() else (self.out / name).unlink()
@@ -137,6 +146,24 @@ class RunDir:
         if resume:
             self._drop_steps_from(self.resume_step)
         self.metrics = open(self.out / "metrics.jsonl", "a" if resume else "w")
+
+    def _check_redo(self) -> None:
+        """Refuse to start over an attempt that saved no checkpoint but logged steps under
+        other settings: --resume auto redoes the same command (the same steps again), never
+        silently replaces another experiment's metrics."""
+        metrics = self.out / "metrics.jsonl"
+        if not metrics.is_file() or not metrics.read_text(encoding="utf-8", errors="replace").strip():
+            return  # nothing logged: nothing to lose
+        try:
+            recorded = json.loads((self.out / "config.json").read_text(encoding="utf-8"))
+            changed = self.redo(recorded) if isinstance(recorded, dict) else ["its config.json is not a config"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            changed = ["its config.json cannot be read"]
+        if changed:
+            raise ConfigError(
+                f"--out {self.out} holds an attempt that saved no checkpoint, and --resume auto would replace its "
+                f"metrics with a run of other settings: {', '.join(changed)}; rerun it as it was, pass --overwrite "
+                "to replace it, or choose another --out")
 
     def _drop_steps_from(self, step: int) -> None:
         """Keep only the metrics lines before `step` (the checkpoint resumed from): a run that

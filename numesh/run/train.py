@@ -21,13 +21,14 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
-from numesh.base.errors import ConfigError, DataError, Interrupted, Preempted, abort_job
+from numesh.base.errors import CheckpointError, ConfigError, DataError, Interrupted, Preempted, abort_job
 from numesh.base.tree import tree_leaves, tree_leaves_with_path, tree_map
 from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
 from numesh.checkpoint.background import AsyncCheckpoints
 from numesh.checkpoint.format import step_dir_name
 from numesh.checkpoint.hf_source import read_source
 from numesh.checkpoint.init_from import initial_shards
+from numesh.checkpoint.load import broken_latest
 from numesh.data.batches import eval_key, local_batch, train_key
 from numesh.data.dataset import Dataset, bits_per_byte, bytes_per_token, open_dataset, verify_dataset
 from numesh.data.shards import TokenStream
@@ -54,7 +55,16 @@ from numesh.perf import formulas
 from numesh.pipeline.executor import PipelineExecutor, StepStats
 from numesh.pipeline.schedules import make_schedule
 from numesh.pipeline.stages import StageLayout, gather_stages, stage_tree
-from numesh.run.config import DTYPES, RESUME_AUTO, TrainConfig, check_layout, check_options, config_from, validate  # noqa: F401  (re-exported: numesh.run.train's old names)
+from numesh.run.config import (  # noqa: F401  (re-exported: numesh.run.train's old names)
+    DTYPES,
+    RESUME_AUTO,
+    TrainConfig,
+    check_layout,
+    check_options,
+    config_from,
+    setting_differences,
+    validate,
+)
 from numesh.run.rundir import RunDir, check_shared, latest_checkpoint
 
 
@@ -472,10 +482,7 @@ def _resume_from(cfg: TrainConfig, comm: MPI.Comm) -> str:
     if cfg.resume != RESUME_AUTO:
         return cfg.resume
     latest = latest_checkpoint(Path(cfg.out), comm)
-    if latest is None:
-        log(f"--resume auto: no checkpoint in {Path(cfg.out) / 'ckpt'}, starting at step 0")
-        return ""
-    return str(latest)
+    return "" if latest is None else str(latest)  # "": said once OUT is taken (`_open_run`), or refused
 
 
 def _resume(trainer: Trainer, cfg: TrainConfig, path: str) -> bool:
@@ -483,7 +490,12 @@ def _resume(trainer: Trainer, cfg: TrainConfig, path: str) -> bool:
     in place); True when `--resume auto` finds the run already finished (its checkpoint at
     `max_iters`): a requeue of a job that completed is then a success with nothing to do,
     not an error that a scheduler would retry."""
-    restore(trainer, path)
+    try:
+        restore(trainer, path)
+    except CheckpointError as e:  # a broken OUT/ckpt/latest of --resume auto names the intact step before it
+        if cfg.resume == RESUME_AUTO and (hint := broken_latest(Path(path), e)):
+            raise CheckpointError(hint) from None
+        raise
     if cfg.resume == RESUME_AUTO and trainer.step == cfg.max_iters:
         log(f"--resume auto: {Path(path).resolve()} is at step {trainer.step} = --max-iters: "
             "the run is already finished, nothing to do")
@@ -513,12 +525,18 @@ def _finished(cfg: TrainConfig, checkpoint: str) -> TrainResult:
 def _open_run(trainer: Trainer, cfg: TrainConfig, resume: str) -> RunDir:
     """Lock OUT, refuse to reuse a run unless resuming (from `resume`) or overwriting, check
     room for a checkpoint. `--resume auto` without a checkpoint starts over: what a first
-    attempt that died before its first checkpoint left in OUT goes."""
+    attempt that died before its first checkpoint left in OUT goes, if it logged no step or
+    ran with the same settings (else a one-line refusal naming them)."""
     # params and the most state values any rule keeps per value (AdamW: both moments)
     ckpt_bytes = (1 + max(trainer.optimizer.state_per_value)) * trainer.n_params * np.dtype(trainer.dtype).itemsize
-    over = cfg.overwrite or (cfg.resume == RESUME_AUTO and not resume)
-    return RunDir(Path(cfg.out), trainer.mesh.world, resume or None, over, ckpt_bytes, attrs.asdict(cfg),
-                  resume_step=trainer.step)
+    fresh = cfg.resume == RESUME_AUTO and not resume
+    redo = fresh and not cfg.overwrite
+    run = RunDir(Path(cfg.out), trainer.mesh.world, resume or None, cfg.overwrite or redo, ckpt_bytes,
+                 attrs.asdict(cfg), resume_step=trainer.step,
+                 redo=(lambda recorded: setting_differences(recorded, cfg)) if redo else None)
+    if fresh:
+        log(f"--resume auto: no checkpoint in {Path(cfg.out) / 'ckpt'}, starting at step 0")
+    return run
 
 
 def _attach_observers(trainer: Trainer, out: Path) -> FlightRecorder | FaultInjector | None:
