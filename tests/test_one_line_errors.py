@@ -56,7 +56,7 @@ def test_negative_max_iters_is_refused(char_dataset: Path, tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("args, min_lr, lr", [(["--min-lr", "0.01"], "0.01", "0.001"),  # the default peak
-                                               (["--learning-rate", "5e-05"], "0.0001", "5e-05")])  # the default floor
+                                               (["--learning-rate", "5e-05", "--min-lr", "1e-4"], "0.0001", "5e-05")])
 def test_a_min_lr_above_the_learning_rate_is_one_line_naming_both(char_dataset: Path, tmp_path: Path, args: list[str],
                                                                   min_lr: str, lr: str) -> None:
     """The cosine decay would raise the rate from its peak to --min-lr (it trained so silently)."""
@@ -464,3 +464,16 @@ def test_commands_that_cannot_change_the_model_suggest_what_they_can(char_datase
     assert f"pass one of its checkpoints, such as {out / 'ckpt' / 'latest'}" in one_error_line(cli("sample", str(out)))
     line = one_error_line(cli("report", str(out)))
     assert "the run was not traced" in line and "a new --out" in line
+
+
+def test_a_fine_tunes_learning_rate_below_the_default_floor_is_its_own_floor() -> None:
+    """--learning-rate 2e-5 alone (a fine-tune's) is not refused for the default --min-lr
+    above it: the floor is the rate, so the rate stays at its peak; a floor given is kept."""
+    from numesh.run.config import check_options, config_from
+
+    cfg = config_from({"learning_rate": 2e-5})
+    assert cfg.min_lr == 2e-5
+    check_options(cfg, 1)
+    assert config_from({"learning_rate": 2e-5, "min_lr": 1e-6}).min_lr == 1e-6
+    assert config_from({"learning_rate": 6e-4}).min_lr == 1e-4  # above the floor: the default, as before
+    assert config_from({}).min_lr == 1e-4

@@ -97,7 +97,8 @@ class TrainConfig:
     max_iters: int = _field(2000, "optimiser steps (0: evaluate the starting weights, e.g. --init-from's, and "
                                    "save them as a checkpoint)")
     learning_rate: float = _field(1e-3, "peak learning rate")
-    min_lr: float = _field(1e-4, "learning rate at the end of the cosine decay")
+    min_lr: float = _field(1e-4, "learning rate at the end of the cosine decay; where not given and "
+                                 "--learning-rate is lower, --learning-rate (no decay)")
     warmup_iters: int = _field(100, "linear warmup steps")
     lr_decay_iters: int = _field(2000, "step at which the cosine decay reaches min_lr")
     weight_decay: float = _field(
@@ -228,6 +229,7 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
         raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     for name, value in ARCHS[arch].items():  # the kind's parts, where no option names one
         values.setdefault(name, value)
+    _default_floor(values, fields["min_lr"].default)
     for name, value in values.items():
         want = field_type(fields[name])
         if want is float and isinstance(value, int) and not isinstance(value, bool):
@@ -235,6 +237,16 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
         elif not isinstance(values[name], want) or (want is int and isinstance(value, bool)):
             raise ConfigError(f"config key '{name}' must be {want.__name__}, got {value!r}")
     return TrainConfig(**values)
+
+
+def _default_floor(values: dict[str, Any], floor: float) -> None:
+    """--min-lr where not given: its default, or --learning-rate where that is lower. A
+    fine-tune's rate (2e-5, say) is below the default floor, and a floor above the peak would
+    make the cosine "decay" raise the rate; one the user gives above the peak is refused
+    (`check_options`)."""
+    lr = values.get("learning_rate")
+    if "min_lr" not in values and isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < floor:
+        values["min_lr"] = float(lr)
 
 
 def _llama_dir(init: Any) -> bool:
