@@ -88,6 +88,19 @@ def test_parse_mesh_errors(spec: object, n: int, match: str) -> None:
         parse_mesh(spec, n)
 
 
+@pytest.mark.parametrize("size", ["2", 2.0, True, None])
+def test_mesh_sizes_must_be_ints_not_strings_floats_or_bools(size: object) -> None:
+    with pytest.raises(MeshError, match=r"sizes must be positive ints"):
+        parse_mesh({"dp": size}, 1)
+    with pytest.raises(MeshError, match=r"sizes must be positive ints"):
+        Mesh.create(MPI.COMM_SELF, dp=size)
+
+
+def test_mesh_sizes_may_be_numpy_ints() -> None:
+    assert parse_mesh({"dp": np.int64(1)}, 1)["dp"] == 1
+    assert type(parse_mesh({"dp": np.int64(1)}, 1)["dp"]) is int
+
+
 def test_mesh_error_is_value_error() -> None:
     assert issubclass(MeshError, ValueError)
 
@@ -197,6 +210,23 @@ def test_collectives_on_size_one_axes_are_identity(axes: object) -> None:
     assert mesh.counter.total(kind="calls") == 0
 
 
+@pytest.mark.parametrize("op", [psum, pmax])
+def test_out_is_written_on_a_size_one_axis_too(op) -> None:
+    x, out = np.arange(3.0), np.zeros(3)
+    assert op(x, self_mesh(), "dp", out=out) is out
+    np.testing.assert_array_equal(out, x)
+
+
+@pytest.mark.parametrize("op", [all_gather, psum_scatter, lambda x, m, a, dim: ipsum_scatter(x, m, a, dim).wait()])
+def test_a_dim_out_of_range_raises_on_every_mesh(op) -> None:
+    mesh = self_mesh()
+    with pytest.raises(ValueError, match=r"dim 5 is out of range for an array of 1 dims: pass one in -1..0"):
+        op(np.ones(4), mesh, "dp", 5)
+    with pytest.raises(ValueError, match="a 0-d array has no dimension"):
+        op(np.array(1.0), mesh, "dp", 0)
+    assert op(np.ones((2, 4)), mesh, "dp", -1).shape == (2, 4)
+
+
 @pytest.mark.parametrize("axis", AXES)
 def test_point_to_point_with_proc_null_on_one_rank(axis: str) -> None:
     mesh = self_mesh()
@@ -259,9 +289,15 @@ def test_partition_spec_validation() -> None:
     assert P().axes() == ()
     assert P("ep", None).axes() == ("ep",)
     assert P(("ep", "dp"), None).axes() == ("dp", "ep")
-    for bad in (("EP",), (None, "TP"), (("dp", "xx"),)):
+    for bad in (("EP",), (None, "TP"), (("dp", "xx"),), ("dp", "dp"), (("dp", "tp"), "dp"), (("tp", "tp"),)):
         with pytest.raises(MeshError):
             P(*bad)
+
+
+def test_a_spec_naming_an_axis_twice_is_refused() -> None:
+    """P("dp", "dp") once unsharded to a wrong array: an axis splits one dimension, once."""
+    with pytest.raises(MeshError, match="names axis dp more than once"):
+        P(("dp", "tp"), "dp")
 
 
 def test_replicated_axes() -> None:

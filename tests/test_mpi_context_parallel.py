@@ -78,6 +78,23 @@ def test_loss_and_grads_match_one_rank(layer_mesh: Mesh, dropout: float) -> None
     assert_one_step_matches(one_step(layer_mesh, dropout, block_size=BLOCK_SIZE))
 
 
+def test_a_bad_id_on_one_cp_rank_is_one_error_on_every_rank(layer_mesh: Mesh) -> None:
+    """cp ranks hold different chunks of the ids and meet in the ring: one rank's id outside
+    the vocabulary is a ConfigError on all of them, none left waiting in the ring."""
+    from conftest import model_config
+    from numesh.nn.gpt import init_gpt
+    from numesh.nn.walk import loss_and_grads
+
+    cfg = model_config(block_size=BLOCK_SIZE)
+    cp = layer_mesh.size("cp")
+    idx = np.zeros((1, BLOCK_SIZE // cp), np.int64)
+    if layer_mesh.index("cp") == cp - 1:
+        idx[0, 0] = cfg.vocab_size
+    match = "idx holds ids from 0 to 11" if layer_mesh.index("cp") == cp - 1 else "another rank's ids"
+    with pytest.raises(ConfigError, match=match):
+        loss_and_grads(init_gpt(cfg, layer_mesh, dtype=np.float64), idx, idx, cfg, layer_mesh, 1.0)
+
+
 def test_observers_see_the_ring(layer_mesh: Mesh) -> None:
     """Every K/V block goes through the mesh's observer hook (the tracer and the flight
     recorder see cp traffic): one layer's ring sends and receives, on the cp axis, with the

@@ -183,6 +183,18 @@ def test_structure_mismatch_raises(a: object, b: object) -> None:
         tree_map(lambda *xs: xs[0], a, b)
 
 
+@pytest.mark.parametrize("a, b", [([np.zeros(2)], [None]), ([np.zeros(2)], [(np.zeros(2),)])])
+def test_a_leaf_first_and_a_node_second_raises_too(a: object, b: object) -> None:
+    """A tree with a bias mapped with one without: f must never be handed None for a leaf."""
+    with pytest.raises(ValueError, match=r"tree structures differ at '0': a leaf \(ndarray\) vs "):
+        tree_map(lambda *xs: xs[0], a, b)
+
+
+def test_structure_mismatch_names_the_lengths() -> None:
+    with pytest.raises(ValueError, match=r"differ at 'x': tuple of 2 vs tuple of 3"):
+        tree_map(lambda *xs: xs[0], {"x": (1, 2)}, {"x": (1, 2, 3)})
+
+
 def test_dict_key_mismatch_raises() -> None:
     with pytest.raises(ValueError):
         tree_map(lambda x, y: x + y, {"a": 1}, {"b": 2})

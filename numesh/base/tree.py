@@ -46,6 +46,8 @@ def _rebuild(x: Any, children: list[Any]) -> Any:
 def tree_map_with_path(f: Callable[..., Any], tree: Tree, *rest: Tree, path: str = "") -> Tree:
     """Apply `f(path, leaf, *other_leaves)` to every leaf; `rest` trees share the structure."""
     if not _is_node(tree):
+        if rest and any(_is_node(r) for r in rest):
+            _check_same(tree, [], rest, [_children(r) if _is_node(r) else [] for r in rest], path)
         return f(path, tree, *rest)
     kids = _children(tree)
     rest_kids = [_children(r) for r in rest]
@@ -60,7 +62,21 @@ def tree_map_with_path(f: Callable[..., Any], tree: Tree, *rest: Tree, path: str
 def _check_same(tree: Any, kids: list, rest: tuple, rest_kids: list, path: str) -> None:
     for r, rk in zip(rest, rest_kids):
         if type(r) is not type(tree) or [n for n, _ in rk] != [n for n, _ in kids]:
-            raise ValueError(f"tree structures differ at '{path}': {type(tree).__name__} vs {type(r).__name__}")
+            raise ValueError(f"tree structures differ at '{path or '<root>'}': "
+                             f"{_describe(tree, kids)} vs {_describe(r, rk)}")
+
+
+def _describe(x: Any, kids: list) -> str:
+    """A node or leaf in a few words, for a structure mismatch: 'tuple of 3', 'None', 'ndarray'."""
+    if x is None:
+        return "None (an absent part, e.g. no bias)"
+    if not _is_node(x):
+        return f"a leaf ({type(x).__name__})"
+    if type(x) in (tuple, list):
+        return f"{type(x).__name__} of {len(kids)}"
+    if type(x) is dict:
+        return f"dict with keys {sorted(map(str, x))}"
+    return type(x).__name__
 
 
 def tree_map(f: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:

@@ -28,6 +28,7 @@ from numesh.checkpoint.hf_files import open_weights, read_json_file
 from numesh.checkpoint.hf_llama import OPTIONS, check_weights, is_pretrained_dir, model_type, pretrained, read_leaf
 from numesh.checkpoint.model import SHAPE_KEYS, gpt2_differences, gpt_leaves, local_paths, model_value, shard_params
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, directory_tokenizer, read_tokenizer_file
+from numesh.host.kernels import float_dtype
 from numesh.mesh import Mesh, shard
 from numesh.nn.gpt import GPT, GPTConfig, gpt_specs
 from numesh.pipeline.stages import StageLayout, stage_tree
@@ -118,6 +119,7 @@ def _tokenizer_text(file: Path) -> str:
 def load_init(path: str | Path, model: GPTConfig, dataset: CharTokenizer | HFTokenizer, dtype: Any) -> GPT:
     """The whole parameters at `path` in `dtype`, for a run of `model` on a dataset
     tokenised by `dataset`; ConfigError where they do not fit."""
+    dtype = float_dtype(dtype)
     p = Path(path)
     if not p.is_dir():
         check_init_kind(model)  # before reading anything

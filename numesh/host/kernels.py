@@ -97,6 +97,26 @@ def check_mode() -> None:
                           f"{', '.join(MODES)} (or unset/empty for numba when installed)")
 
 
+# the float types the model and optimisers compute in: the kernels are compiled for these
+# two (a float16 leaf was a bare NotImplementedError, an int one a page of numba typing
+# errors, and an int model rounded every update away)
+FLOAT_DTYPES: tuple[np.dtype, ...] = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def float_dtype(dtype: object, what: str = "dtype") -> np.dtype:
+    """`dtype` as a numpy dtype if it is float32 or float64, else one ConfigError line."""
+    from numesh.base.errors import ConfigError
+
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError):
+        dt = None
+    if dt is None or dt not in FLOAT_DTYPES:  # `is None` first: np.dtype(None) == float64
+        got = repr(dtype) if dt is None else dt.name
+        raise ConfigError(f"{what} must be float32 or float64, got {got}")
+    return dt
+
+
 def enabled() -> bool:
     """Whether the layers use these kernels (numba installed, NUMESH_KERNELS != numpy)."""
     return _on

@@ -83,11 +83,30 @@ def _contig(x: np.ndarray) -> np.ndarray:
     return x if x.flags.c_contiguous else np.ascontiguousarray(x)
 
 
+def _identity(x: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """A collective over one rank: `x` itself, or copied into `out` when the caller gave one."""
+    if out is None or out is x:
+        return x
+    out[...] = x
+    return out
+
+
+def _dim(x: np.ndarray, dim: int) -> int:
+    """`dim` as an index into x's dims (negative counts from the end, as numpy does)."""
+    if x.ndim == 0:
+        raise ValueError("a 0-d array has no dimension to gather or scatter along: reshape it to 1-d")
+    if not -x.ndim <= dim < x.ndim:
+        raise ValueError(f"dim {dim} is out of range for an array of {x.ndim} dims: "
+                         f"pass one in {-x.ndim}..{x.ndim - 1}")
+    return dim % x.ndim
+
+
 def psum(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = None,
          inplace: bool = False) -> np.ndarray:
-    """Sum over the axis. `inplace=True` overwrites `x` (which must be contiguous)."""
+    """Sum over the axis, into `out` when given. `inplace=True` overwrites `x` (which must
+    be contiguous)."""
     if mesh.size(axes) == 1:
-        return x
+        return x if inplace else _identity(x, out)
     _count(mesh, axes, "all_reduce", x.nbytes)
     comm = mesh.comm(axes)
     if inplace:
@@ -115,9 +134,9 @@ def psum_tree(tree, mesh: Mesh, axes: AxisNames):
 
 
 def pmax(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = None) -> np.ndarray:
-    """Elementwise maximum over the axis."""
+    """Elementwise maximum over the axis, into `out` when given."""
     if mesh.size(axes) == 1:
-        return x
+        return _identity(x, out)
     _count(mesh, axes, "all_reduce", x.nbytes)
     out = np.empty(x.shape, x.dtype) if out is None else out
     comm, src = mesh.comm(axes), _contig(x)
@@ -138,10 +157,10 @@ def ipsum(x: np.ndarray, mesh: Mesh, axes: AxisNames) -> Handle:
 
 def all_gather(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> np.ndarray:
     """Concatenate every rank's `x` along `dim`, in axis order."""
+    dim = _dim(x, dim)
     n = mesh.size(axes)
     if n == 1:
         return x
-    dim = dim % x.ndim
     buf = np.empty((n, *x.shape), dtype=x.dtype)
     _count(mesh, axes, "all_gather", buf.nbytes)
     comm, src = mesh.comm(axes), _contig(x)
@@ -189,10 +208,10 @@ def _scatter_layout(x: np.ndarray, n: int, dim: int) -> np.ndarray:
 
 def psum_scatter(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> np.ndarray:
     """Sum over the axis, each rank keeping its 1/n slice of `dim`."""
+    dim = _dim(x, dim)
     n = mesh.size(axes)
     if n == 1:
         return x
-    dim = dim % x.ndim
     send = _scatter_layout(x, n, dim)
     out = np.empty((send.shape[0] // n, *send.shape[1:]), dtype=x.dtype)
     _count(mesh, axes, "reduce_scatter", x.nbytes)
@@ -204,10 +223,10 @@ def psum_scatter(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> np
 
 def ipsum_scatter(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> Handle:
     """Nonblocking `psum_scatter`."""
+    dim = _dim(x, dim)
     n = mesh.size(axes)
     if n == 1:
         return Handle(None, x)
-    dim = dim % x.ndim
     send = _scatter_layout(x, n, dim)
     out = np.empty((send.shape[0] // n, *send.shape[1:]), dtype=x.dtype)
     _count(mesh, axes, "reduce_scatter", x.nbytes)

@@ -12,6 +12,7 @@ its own sub-communicator from `Cart_sub`.
 from __future__ import annotations
 
 from collections import defaultdict
+from numbers import Integral
 from typing import Iterable
 
 import attrs
@@ -72,6 +73,9 @@ def parse_mesh(spec: str | dict[str, int] | None, n_ranks: int) -> dict[str, int
     for name, size in sizes.items():
         if name not in AXES:
             raise MeshError(f"unknown mesh axis '{name}': the axes are {', '.join(AXES)}")
+        if isinstance(size, bool) or not isinstance(size, Integral):
+            raise MeshError(f"mesh axis {name}={size!r}: sizes must be positive ints (or -1 to infer), "
+                            f"not {type(size).__name__}")
         if size < 1 and size != -1:
             raise MeshError(f"mesh axis {name}={size}: sizes must be >= 1 (or -1 to infer from the number of ranks)")
     inferred = [n for n, s in sizes.items() if s == -1]
@@ -85,7 +89,7 @@ def parse_mesh(spec: str | dict[str, int] | None, n_ranks: int) -> dict[str, int
         if n_ranks % known:
             raise MeshError(f"cannot infer {inferred[0]}: {n_ranks} ranks do not divide by {known}")
         sizes[inferred[0]] = n_ranks // known
-    full = {a: sizes.get(a, 1) for a in AXES}
+    full = {a: int(sizes.get(a, 1)) for a in AXES}
     product = 1
     for a in AXES:
         product *= full[a]

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
+from numesh.base.errors import MeshError
 from numesh.mesh.collectives import all_gather
 from numesh.mesh.mesh import AXES, Mesh, axis_names
 
@@ -19,9 +20,15 @@ class P(tuple):
     """A partition spec: one entry per array dim, each None, an axis name or a tuple of names."""
 
     def __new__(cls, *dims: str | tuple[str, ...] | None) -> "P":
+        seen: list[str] = []
         for d in dims:
             if d is not None:
                 axis_names(d)  # validates the names
+                seen.extend((d,) if isinstance(d, str) else d)
+        twice = sorted({a for a in seen if seen.count(a) > 1})
+        if twice:
+            raise MeshError(f"partition spec {dims!r} names axis {', '.join(twice)} more than once: "
+                            f"an axis can split only one dimension, once")
         return super().__new__(cls, dims)
 
     def __repr__(self) -> str:

@@ -24,6 +24,7 @@ import numpy as np
 from numesh.base.errors import ConfigError
 from numesh.base.padding import padded_vocab
 from numesh.base.tree import tree_map, tree_map_with_path
+from numesh.host.kernels import float_dtype
 from numesh.mesh import Mesh, P, shard
 from numesh.nn.layers import LN_EPS, LayerNorm, Linear, RMSNorm
 from numesh.nn.moe import MoE, MoEConfig
@@ -436,8 +437,10 @@ def global_init(cfg: GPTConfig, seed: int, path: str, init: str, shape: tuple[in
 
 
 def init_gpt(cfg: GPTConfig, mesh: Mesh, seed: int = 0, dtype=np.float32) -> GPT:
-    """This rank's shards of the mesh-independent initial parameters."""
+    """This rank's shards of the mesh-independent initial parameters, in `dtype` (float32
+    or float64)."""
     cfg.validate(mesh.size("tp"))
+    dtype = float_dtype(dtype)
     return tree_map_with_path(
         lambda path, leaf: shard(global_init(cfg, seed, path, leaf.init, leaf.shape, dtype), leaf.spec, mesh),
         _layout(cfg, mesh.size("tp")),

@@ -58,6 +58,7 @@ from numesh.host.threads import (
 from numesh.mesh import Mesh
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, Block, GPTConfig, empty_outer, outer_parts
+from numesh.nn.inputs import check_inputs
 from numesh.nn.transformer import (
     BlockCtx,
     EmbedCtx,
@@ -505,7 +506,10 @@ def loss_and_grads(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTCo
     With `loss_scale = 1 / (tokens in the global batch)`, summing the results over
     micro-batches and dp ranks gives the global mean loss and its gradient. With sequence
     parallelism the norm gradients, and GQA's k and v with tp, are summed over tp here (the
-    training loop leaves that to the optimiser, once per step)."""
+    training loop leaves that to the optimiser, once per step). A ConfigError line, before
+    any communication, for params of another config or mesh and for ids or targets that are
+    not int [B, T] arrays of one shape with every id in [0, vocab_size) (`numesh.nn.inputs`)."""
+    check_inputs(params, idx, targets, cfg, mesh)
     units = ResidentParams(params)
     stage = whole_model(cfg.n_layer)
     loss, ctx = stage_forward(units, stage, idx, targets, cfg, mesh, drop, recompute=recompute)
@@ -516,5 +520,6 @@ def loss_and_grads(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTCo
 
 def forward_loss(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> np.ndarray:
     """Per-token losses [B*T], forward only (evaluation)."""
+    check_inputs(params, idx, targets, cfg, mesh)
     loss, _ = stage_forward(ResidentParams(params), whole_model(cfg.n_layer), idx, targets, cfg, mesh, keep=False)
     return loss

@@ -40,9 +40,9 @@ from typing import Collection, Generic, Hashable, Mapping, TypeVar
 
 import numpy as np
 
-from numesh.base.errors import ReplicaError
+from numesh.base.errors import ConfigError, ReplicaError
 from numesh.base.tree import Tree, flatten, tree_leaves, tree_leaves_with_path, tree_map, tree_map_with_path
-from numesh.host.kernels import sum_squares
+from numesh.host.kernels import float_dtype, sum_squares
 from numesh.host.threads import one_hand_off, over_tiles, scale_into, worth_splitting
 from numesh.mesh import Mesh, pmax, psum, psum_scalar
 from numesh.optim import adamw
@@ -55,6 +55,17 @@ from numesh.optim.matrices import MatrixExchange, Slab, assign_owners, run_matri
 from numesh.optim.residency import gather_full, make_residency
 
 K = TypeVar("K", bound=Hashable)
+
+
+def _one_float_dtype(units: Mapping[K, Tree]) -> np.dtype:
+    """The parameters' one dtype, float32 or float64 (one ConfigError line otherwise)."""
+    kinds = {np.asarray(x).dtype for t in units.values() for x in tree_leaves(t)}
+    if len(kinds) > 1:
+        raise ConfigError(f"the parameters mix dtypes {sorted(map(str, kinds))}: give the optimiser one, "
+                          f"float32 or float64")
+    if not kinds:
+        raise ConfigError("the optimiser was given no parameters")
+    return float_dtype(kinds.pop(), "the parameters' dtype")
 
 
 class ZeroOptimizer(Generic[K]):
@@ -91,7 +102,7 @@ class ZeroOptimizer(Generic[K]):
         self.optimizer = optimizer if optimizer is not None else adamw.define({})
         self.specs = dict(specs)
         self.layout: FlatLayout[K] = FlatLayout(units, mesh.size("dp"), mesh.index("dp"))
-        self.dtype = next(x for t in units.values() for x in tree_leaves(t)).dtype
+        self.dtype = _one_float_dtype(units)
         full = self.layout.flatten(units, self.dtype)
         decay, counted = self._masks(units, frozenset(uncounted))
         partial = {"tp": self.layout.leaf_mask(

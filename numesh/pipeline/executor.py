@@ -23,6 +23,7 @@ import attrs
 import numpy as np
 
 from numesh.base.tree import held_buffers
+from numesh.host.kernels import float_dtype
 from numesh.mesh import Handle, Mesh, irecv, isend, psum
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, empty_outer
@@ -86,7 +87,7 @@ class PipelineExecutor:
 
     def __init__(self, cfg: GPTConfig, mesh: Mesh, layout: StageLayout, units: ParamUnits, dtype: Any,
                  recompute: str = "none"):
-        self.cfg, self.mesh, self.layout, self.units, self.dtype = cfg, mesh, layout, units, np.dtype(dtype)
+        self.cfg, self.mesh, self.layout, self.units, self.dtype = cfg, mesh, layout, units, float_dtype(dtype)
         self.recompute = recompute  # "none" or "full" (numesh.nn.walk)
         self.p, self.rank = mesh.size("pp"), mesh.index("pp")
         self.n_stages = layout.pp * layout.v

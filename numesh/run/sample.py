@@ -24,6 +24,7 @@ from numesh.mesh import Mesh
 from numesh.mesh.mesh import parse_axis_sizes
 from numesh.nn.decode import logits_cached, logits_last, new_kv_cache
 from numesh.nn.gpt import GPT, GPTConfig
+from numesh.nn.inputs import check_ids, check_ids_shape, check_params
 
 __all__ = ["Checkpoint", "CheckpointError", "SampleConfig", "generate", "load_checkpoint", "sample"]
 
@@ -149,13 +150,18 @@ def generate(
     fewer entries than a padded embedding has rows, and the ids past it mean no text.
 
     With the KV cache each new token costs one position until the context is full; after
-    that the window slides and, positions being absolute, the window is recomputed."""
+    that the window slides and, positions being absolute, the window is recomputed. A
+    ConfigError line for params not of `model` and `mesh`, or a prompt that is not int ids
+    [B, T] in [0, vocab_size)."""
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ConfigError(f"temperature must be >= 0 and finite, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ConfigError(f"top_k must be >= 1, got {top_k}")
+    check_params(params, model, mesh)
+    check_ids_shape(prompt, None, "prompt")
     if prompt.shape[1] < 1:
         raise ConfigError("the prompt is empty: pass at least one character with --prompt")
+    check_ids(prompt, None, model, mesh, "prompt")
     rng = np.random.default_rng(seed)
     idx = prompt.astype(np.int64)
     # generation runs dropless: a capacity ranks a whole sequence's tokens, later ones

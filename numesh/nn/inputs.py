@@ -1,0 +1,117 @@
+"""Entry checks of the model's library calls (`loss_and_grads`, `forward_loss`, `generate`):
+the parameters fit the config and the mesh, the token ids and targets are int arrays of one
+shape, every id in [0, vocab_size). Without them a wrong call failed deep inside with a raw
+IndexError, or worse gave a loss that differed by mesh (a negative id wrapped to the last
+row on one rank and was zeroed on tp=2).
+
+They cost O(1) attribute reads, a walk over ~20 leaves (the outer parts, the first and
+last block) against shapes cached per (config, tp, ep), and one min/max per id array.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+import numpy as np
+
+from numesh.base.errors import ConfigError
+from numesh.base.tree import tree_leaves, tree_leaves_with_path, tree_map
+from numesh.host.kernels import FLOAT_DTYPES
+from numesh.mesh import Mesh
+from numesh.mesh.mesh import axis_names
+from numesh.nn.gpt import GPT, GPTConfig, Shape, gpt_global_shapes, gpt_specs
+
+# axes whose ranks hold different token ids and talk inside one model call (cp: chunks of
+# each sequence; ep: rows of the batch, meeting in the MoE all-to-all)
+_DIFFERENT_IDS = ("ep", "cp")
+
+
+def _ends(tree: GPT) -> GPT:
+    """The tree with only its first and last block (what the entry check compares)."""
+    return attrs.evolve(tree, blocks=(tree.blocks[0], tree.blocks[-1]))
+
+
+def _local(shape: tuple[int, ...], spec: tuple, sizes: dict[str, int]) -> Shape:
+    """A global shape divided by the mesh axes its spec splits each dim over."""
+    dims = list(spec) + [None] * (len(shape) - len(spec))
+    return Shape(n // int(np.prod([sizes[a] for a in axis_names(d)])) if d else n for n, d in zip(shape, dims))
+
+
+@functools.lru_cache(maxsize=16)
+def _expected(cfg: GPTConfig, tp: int, ep: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(path, this rank's shape) of the outer leaves and the first and last block's leaves."""
+    sizes = {"tp": tp, "ep": ep}
+    shapes = tree_map(lambda s, p: _local(s, p, sizes), _ends(gpt_global_shapes(cfg, tp)), _ends(gpt_specs(cfg)))
+    last = f"blocks.{cfg.n_layer - 1}."
+    return tuple((path.replace("blocks.1.", last, 1), shape)
+                 for path, shape in tree_leaves_with_path(shapes))
+
+
+def check_params(params: GPT, cfg: GPTConfig, mesh: Mesh) -> None:
+    """One ConfigError line if `params` are not this rank's shards of a `cfg` model on `mesh`
+    (layer count, the outer and end blocks' leaf shapes, one float dtype)."""
+    if not isinstance(params, GPT):
+        raise ConfigError(f"params must be a GPT tree (init_gpt's), got {type(params).__name__}")
+    if len(params.blocks) != cfg.n_layer:
+        raise ConfigError(f"params have {len(params.blocks)} blocks but the config has n_layer={cfg.n_layer}: "
+                          f"pass the config the params were made with")
+    want = _expected(cfg, mesh.size("tp"), mesh.size("ep"))
+    got = tree_leaves(_ends(params))
+    if len(got) != len(want):
+        raise ConfigError(f"params have {len(got)} leaves in their outer parts and end blocks, the config expects "
+                          f"{len(want)}: check bias, norm, mlp, positions and tie_embeddings")
+    dtype = params.wte.dtype
+    if dtype not in FLOAT_DTYPES:
+        raise ConfigError(f"dtype must be float32 or float64, got params of {dtype}")
+    for (path, shape), leaf in zip(want, got):
+        if leaf.shape != shape:
+            raise ConfigError(f"params' {path} is {leaf.shape} but n_embd={cfg.n_embd}, tp={mesh.size('tp')} "
+                              f"and ep={mesh.size('ep')} make it {shape}: pass the config and mesh of the params")
+        if leaf.dtype != dtype:
+            raise ConfigError(f"params mix dtypes: {path} is {leaf.dtype}, wte {dtype}: give every leaf one dtype")
+
+
+def _id_problem(ids: np.ndarray, vocab: int, what: str) -> str | None:
+    """Why `ids` are not token ids of a `vocab`-sized vocabulary, or None (one min and max)."""
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        return f"{what} holds ids from {ids.min()} to {ids.max()}, outside [0, {vocab}) (the model's vocab_size)"
+    return None
+
+
+def check_ids_shape(idx: np.ndarray, targets: np.ndarray | None, name: str = "idx") -> None:
+    """One ConfigError line unless `idx` (and `targets`) are int arrays [B, T] of one shape;
+    `name`: what the caller calls `idx` (generate's "prompt")."""
+    for what, a in ((name, idx), ("targets", targets)):
+        if a is None:
+            continue
+        if not isinstance(a, np.ndarray) or a.dtype.kind not in "iu":
+            kind = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
+            raise ConfigError(f"{what} must be an int numpy array of token ids [B, T], got {kind}")
+        if a.ndim != 2:
+            raise ConfigError(f"{what} must be [B, T] (rows of token ids), got shape {a.shape}: add a batch dim")
+    if targets is not None and targets.shape != idx.shape:
+        raise ConfigError(f"targets {targets.shape} and {name} {idx.shape} must have one shape")
+
+
+def check_ids(idx: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig, mesh: Mesh, name: str = "idx") -> None:
+    """One ConfigError line, on every rank alike, if an id or target is outside [0,
+    vocab_size). Where ranks hold different ids and meet inside the call (cp, ep) they
+    first agree whether any rank has a bad one, so none waits in a collective for one that left."""
+    problem = _id_problem(idx, cfg.vocab_size, name)
+    if problem is None and targets is not None:
+        problem = _id_problem(targets, cfg.vocab_size, "targets")
+    axes = tuple(a for a in _DIFFERENT_IDS if mesh.size(a) > 1)
+    if axes:  # one small all-reduce, on these meshes only (every rank of the mesh is here)
+        bad = mesh.comm(axes).allreduce(int(problem is not None))
+        if bad and problem is None:
+            problem = f"another rank's ids or targets are outside [0, {cfg.vocab_size}) (vocab_size)"
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def check_inputs(params: GPT, idx: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig, mesh: Mesh) -> None:
+    """Every entry check of a model call: the params, the ids' shapes and types, their range."""
+    check_params(params, cfg, mesh)
+    check_ids_shape(idx, targets)
+    check_ids(idx, targets, cfg, mesh)
