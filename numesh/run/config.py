@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from numesh.base.errors import ConfigError
+from numesh.base.errors import ConfigError, option_value
 from numesh.base.files import read_user_file
 from numesh.base.flags import flag, flag_value
 from numesh.checkpoint.hf_llama import conflicts, is_pretrained_dir, model_type, pretrained
@@ -27,7 +27,7 @@ from numesh.mesh import parse_mesh
 from numesh.nn.gpt import ARCHS, GPTConfig
 from numesh.nn.walk import check_recompute
 from numesh.observe.inject import faults_from_env
-from numesh.optim.registry import make_optimizer
+from numesh.optim.registry import applies_to, run_optimizer
 from numesh.pipeline.schedules import check_shape
 from numesh.pipeline.stages import StageLayout
 
@@ -192,6 +192,7 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
     of the model kind `arch` names fill the part options neither of them gives."""
     fields = {f.name: f for f in attrs.fields(TrainConfig)}
     values: dict[str, Any] = {}
+    given: dict[str, str] = {}  # option -> where it was set to a value of its own (`_check_unused`)
     if toml_path is not None:
         path = Path(toml_path)
         spelled: dict[str, str] = {}
@@ -204,11 +205,14 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
                                   f"'{key}'): keep one")
             spelled[name] = key
             values[name] = value
+            if value != fields[name].default:  # a recipe lists every key, those it does not use at their defaults
+                given[name] = f" (in {path})"
     for key, value in overrides.items():
         if key not in fields:
             raise ConfigError(f"unknown config key '{key}': the keys are {', '.join(fields)}")
         if value is not None:
             values[key] = value
+            given[key] = ""
     _from_pretrained(values)
     arch = values.get("arch", fields["arch"].default)
     if arch not in ARCHS:
@@ -216,12 +220,28 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
     for name, value in ARCHS[arch].items():  # the kind's parts, where no option names one
         values.setdefault(name, value)
     for name, value in values.items():
-        want = field_type(fields[name])
-        if want is float and isinstance(value, int) and not isinstance(value, bool):
-            values[name] = float(value)
-        elif not isinstance(values[name], want) or (want is int and isinstance(value, bool)):
-            raise ConfigError(f"config key '{name}' must be {want.__name__}, got {value!r}")
-    return TrainConfig(**values)
+        values[name] = option_value(name, value, field_type(fields[name]))
+    cfg = TrainConfig(**values)
+    _check_unused(cfg, given)
+    return cfg
+
+
+# model options only a model with experts reads
+MOE_OPTIONS = ("moe_every", "moe_top_k", "moe_aux_coef", "moe_z_coef", "moe_capacity_factor")
+
+
+def _check_unused(cfg: TrainConfig, given: dict[str, str]) -> None:
+    """A one-line ConfigError for an option given (on the command line, or in the --config
+    file at other than its default) that the run would silently ignore: another optimiser's
+    (--muon-momentum with AdamW), or an MoE option on a model without experts."""
+    for name, where in given.items():
+        owner = applies_to(cfg.optimizer, name)
+        if owner is not None:
+            raise ConfigError(f"{flag(name)}{where} applies to --optimizer {owner}, and this run's is "
+                              f"{cfg.optimizer}: pass --optimizer {owner} or drop {flag(name)}")
+        if name in MOE_OPTIONS and not cfg.moe_experts:
+            raise ConfigError(f"{flag(name)}{where} applies to a model with experts, and this one has none: "
+                              f"set --moe-experts or drop {flag(name)}")
 
 
 def _llama_dir(init: Any) -> bool:
@@ -308,7 +328,7 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
         raise ConfigError("--init-from and --resume both say where the weights come from: pass one")
     if not cfg.learning_rate > 0:
         raise ConfigError(f"learning_rate must be > 0, got {cfg.learning_rate}")
-    make_optimizer(cfg.optimizer, attrs.asdict(cfg))  # its name and hyper-parameters (betas too)
+    run_optimizer(cfg.optimizer, attrs.asdict(cfg))  # its name and hyper-parameters (betas too)
     return shape
 
 
