@@ -188,6 +188,21 @@ def test_a_config_file_sets_an_unused_option_only_at_its_default(tmp_path: Path)
     assert config_from({"optimizer": "muon"}, toml).muon_momentum == 0.9
 
 
+def test_a_warmup_past_the_decay_point_is_one_line(char_dataset: Path, tmp_path: Path) -> None:
+    """--warmup-iters 10 --lr-decay-iters 2 used to train: the rate climbed to step 10 and
+    then fell to --min-lr at once. Without decay (--min-lr at --learning-rate) it may."""
+    from numesh.run.config import check_options, config_from
+
+    res = cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--warmup-iters", "10",
+              "--lr-decay-iters", "2", "--max-iters", "1", "--n-layer", "1", "--n-embd", "8", "--block-size", "8",
+              "--eval-iters", "1", "--peak-flops", "1e12")
+    assert one_error_line(res) == ("error: --warmup-iters 10 ends after --lr-decay-iters 2, the step where the decay "
+                                   "reaches --min-lr: use a --lr-decay-iters of at least 10 or fewer --warmup-iters")
+    assert not (tmp_path / "o").exists()
+    check_options(config_from(dict(warmup_iters=10, lr_decay_iters=10)), 1)
+    check_options(config_from(dict(warmup_iters=10, lr_decay_iters=0, learning_rate=1e-3, min_lr=1e-3)), 1)
+
+
 @pytest.mark.parametrize("option, value", [("--data", ""), ("--data", " "), ("--resume", " "), ("--init-from", "\t")])
 def test_a_blank_path_option_is_one_line(char_dataset: Path, tmp_path: Path, option: str, value: str) -> None:
     """A blank --data or --resume once read as the directory '' ("no checkpoint at  :")."""

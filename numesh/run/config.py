@@ -94,7 +94,7 @@ class TrainConfig:
     learning_rate: float = _field(1e-3, "peak learning rate")
     min_lr: float = _field(1e-4, "learning rate at the end of the cosine decay")
     warmup_iters: int = _field(100, "linear warmup steps")
-    lr_decay_iters: int = _field(2000, "step at which the cosine decay reaches min_lr")
+    lr_decay_iters: int = _field(2000, "step at which the cosine decay reaches min_lr (not before --warmup-iters)")
     weight_decay: float = _field(
         0.1, "decoupled weight decay: AdamW's (matrices and embeddings only) and Muon's (its matrices)")
     beta1: float = _field(0.9, "AdamW beta1")
@@ -315,6 +315,7 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
     if cfg.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
     check_recompute(cfg.recompute)
+    _check_warmup(cfg)
     if cfg.on_nan not in ("stop", "skip"):
         raise ConfigError(f"--on-nan must be stop or skip, got '{cfg.on_nan}'")
     for name in ("seed", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
@@ -351,6 +352,16 @@ def _check_values(cfg: TrainConfig) -> None:
         if not value.strip() and (value or name in _PATHS_NEEDED):
             what = "a directory for the run" if name == "out" else "a path"
             raise ConfigError(f"{flag(name)} must name {what}, got {value!r}")
+
+
+def _check_warmup(cfg: TrainConfig) -> None:
+    """The warm-up must end by the step where the cosine decay reaches min_lr: past it, the
+    rate climbs towards the peak and then falls to min_lr at once (no decay at all). A
+    schedule without decay (min_lr = learning_rate: a flat cosine) has no such step."""
+    if cfg.warmup_iters > cfg.lr_decay_iters and cfg.min_lr != cfg.learning_rate:
+        raise ConfigError(f"--warmup-iters {cfg.warmup_iters} ends after --lr-decay-iters {cfg.lr_decay_iters}, "
+                          f"the step where the decay reaches --min-lr: use a --lr-decay-iters of at least "
+                          f"{cfg.warmup_iters} or fewer --warmup-iters")
 
 
 def check_layout(cfg: TrainConfig, n_ranks: int, vocab_size: int) -> tuple[dict[str, int], GPTConfig]:
