@@ -19,7 +19,7 @@ from numesh.base.errors import ConfigError, option_value
 from numesh.base.files import read_user_file
 from numesh.base.flags import flag, flag_value
 from numesh.checkpoint.hf_llama import conflicts, is_pretrained_dir, model_type, pretrained
-from numesh.checkpoint.init_from import check_init_kind, start_vocab
+from numesh.checkpoint.init_from import check_init_kind, check_not_checkpoint, start_vocab
 from numesh.checkpoint.save import LATEST
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
 from numesh.host.startup_signals import DEFAULT_SAVE_SIGNALS, parse_signals
@@ -391,6 +391,8 @@ def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> G
                           f"use a --block-size divisible by {shape['tp']}")
     model = cfg.model(vocab_size)
     model.validate(1)  # a tp or experts error below says which mesh axis
+    if cfg.init_from:
+        check_not_checkpoint(cfg.init_from)
     if cfg.init_from and not Path(cfg.init_from).is_dir():  # a directory is judged when it is read
         check_init_kind(model)
     _check_moe(cfg, shape)
