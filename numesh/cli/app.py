@@ -486,7 +486,7 @@ def reshard_cmd(
     def go() -> None:
         from numesh.checkpoint import reshard
 
-        print(reshard(ckpt, to, out))
+        print(reshard(ckpt, to, out, log=lambda line: print(f"note: {line}", file=sys.stderr)))
 
     _run(go)
 
