@@ -49,8 +49,8 @@ def train(data: Path, out: Path, optimizer: str, steps: int, every: int, extra: 
     """One `numesh train` run; its wall-clock seconds."""
     log(f"training {out.name}: {optimizer}, {steps} steps")
     return numesh_cli("train", "--data", str(data), "--out", str(out), "--optimizer", optimizer, "--max-iters",
-                      str(steps), "--lr-decay-iters", str(steps), "--eval-interval", str(every), "--overwrite",
-                      *extra)[0]
+                      str(steps), "--lr-decay-iters", str(steps), "--warmup-iters", str(min(100, steps)),  # train
+                      "--eval-interval", str(every), "--overwrite", *extra)[0]  # refuses a warm-up past the decay
 
 
 def compare(root: Path, args: argparse.Namespace) -> None:

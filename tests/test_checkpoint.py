@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from conftest import cli
 from numesh.base.errors import ConfigError
 from numesh.base.tree import tree_leaves, tree_leaves_with_path, tree_map_with_path
 from numesh.checkpoint import (
@@ -519,6 +520,34 @@ def test_reshard_to_a_cp_mesh_writes_the_same_blocks(saved: Path, data: Path, tm
     assert b.step == 3
     with pytest.raises(ConfigError, match=r"block_size=8 does not split into 2\*cp=6 equal chunks"):
         reshard(saved, "cp=3", tmp_path / "x")
+
+
+def test_reshard_to_a_pp_that_the_virtual_stages_do_not_fit_records_one(saved: Path, data: Path,
+                                                                         tmp_path: Path) -> None:
+    """A checkpoint written with 2 virtual stages (meta.json's record of the writing layout;
+    its files hold leaves by global layer) refused --to pp=2 for n_layer=2 (2 x 2 chunks),
+    though `train --mesh pp=2 --resume` of it works: the output records 1 virtual stage and
+    says so; a pp they do fit keeps them."""
+    src = tmp_path / "v2"
+    shutil.copytree(saved, src)
+    raw = json.loads((src / "meta.json").read_text())
+    (src / "meta.json").write_text(json.dumps(raw | {"virtual_stages": 2}))
+    notes: list[str] = []
+    out = reshard(src, "pp=2", tmp_path / "pp2", log=notes.append)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["mesh"]["pp"] == 2 and meta["virtual_stages"] == 1
+    assert notes == ["n_layer=2 does not split over pp x virtual stages = 2 x 2: the output records 1 virtual stage "
+                     "(resume it with a --virtual-stages that splits the layers over pp=2, e.g. 1)"]
+    assert_states_equal(read_state(out)[1], read_state(saved)[1])
+    b = Trainer(config(data, tmp_path / "b"), MPI.COMM_SELF)
+    restore(b, out)
+    assert b.step == 3
+    notes.clear()
+    kept = reshard(src, "tp=2", tmp_path / "tp2", log=notes.append)
+    assert json.loads((kept / "meta.json").read_text())["virtual_stages"] == 2 and not notes
+    res = cli("reshard", str(src), "--to", "pp=2", "--out", str(tmp_path / "cli"))
+    assert res.exit_code == 0 and res.stdout.strip() == str(tmp_path / "cli"), res.output
+    assert "note: n_layer=2 does not split over pp x virtual stages = 2 x 2" in res.stderr
 
 
 def test_reshard_validates_the_target(saved: Path, tmp_path: Path) -> None:

@@ -28,6 +28,12 @@ def test_sample_prompt_default_is_named() -> None:
     assert "text to continue [default: (a newline)]" in text
 
 
+def test_plan_help_names_every_axis_the_search_covers() -> None:
+    """--ranks said "every dp x cp x tp x pp layout"; the search covers ep too (for experts)."""
+    text = " ".join(CliRunner().invoke(app, ["plan", "--help"], env={"COLUMNS": "100"}).output.split())
+    assert "every pp x dp x ep x cp x tp layout of them; ep > 1 only for a model with experts" in text
+
+
 def test_train_help_shows_every_default_in_brackets() -> None:
     text = " ".join(CliRunner().invoke(app, ["train", "--help"]).output.split())
     assert ("--max-iters <int> optimiser steps (0: evaluate the starting weights, e.g. --init-from's, and save "

@@ -78,6 +78,24 @@ def test_init_from_refuses_what_does_not_fit(shared_dataset: Path, tmp_path: Pat
     assert "set --n-layer to match" in line
 
 
+def test_init_from_a_numesh_checkpoint_or_run_says_what_works(shared_dataset: Path, tmp_path: Path) -> None:
+    """--init-from runs/x/ckpt/latest said it was not a transformers directory (no
+    config.json): it names the checkpoint, --resume for it, and the export that --init-from
+    reads; a run directory names its latest checkpoint."""
+    run = tmp_path / "src"
+    train(small_run_config(shared_dataset, run, "", max_iters=1), MPI.COMM_SELF)
+    ckpt = run / "ckpt" / "latest"
+    for source, kind in ((ckpt, "checkpoint"), (run, "run")):
+        line = one_error_line(cli("train", "--data", str(shared_dataset), "--init-from", str(source), "--n-layer", "2",
+                                  "--block-size", "8", "--n-embd", "16", "--n-head", "4", "--bias",
+                                  "--out", str(tmp_path / "ft"), "--max-iters", "1"))
+        assert line == (f"error: --init-from {source} is a numesh {kind}, not a transformers directory or a `numesh "
+                        f"export` file: continue its run with --resume {ckpt}, or start a new run from its weights "
+                        f"with `numesh export {ckpt} --out F.safetensors` (the Llama kind: --format hf --out DIR), "
+                        "then --init-from F.safetensors (or DIR)")
+        assert not (tmp_path / "ft").exists()
+
+
 @pytest.mark.parametrize("name, text, says", [
     ("tokenizer.json", "{", "is not a transformers directory numesh reads (Expecting"),  # was a JSONDecodeError
     ("tokenizer.json", '{"model": 3}', "another tokenizer than --data's"),  # was an AttributeError

@@ -8,12 +8,13 @@ import json
 import math
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from conftest import cli, one_error_line
-from numesh.base.errors import ConfigError
+from numesh.base.errors import CheckpointError, ConfigError
 from numesh.checkpoint import read_meta, read_params_dict
 from numesh.run.config import check_layout, config_from
 from numesh.run.train import train
@@ -63,6 +64,8 @@ def _config(data: Path, out: Path, **overrides):
                 warmup_iters=2, lr_decay_iters=8, eval_interval=100, eval_iters=1, data=str(data), out=str(out),
                 seed=5, dtype="float64", moe_experts=4, moe_top_k=2, moe_z_coef=1e-3, ckpt_interval=4)
     base.update(overrides)
+    if not base["moe_experts"]:  # a dense model takes no MoE option (config_from refuses one given)
+        base = {k: v for k, v in base.items() if k == "moe_experts" or not k.startswith("moe_")}
     return config_from(base)
 
 
@@ -85,6 +88,19 @@ def test_a_stopped_run_resumes_exactly(shakespeare: Path, tmp_path: Path) -> Non
     assert a.keys() == b.keys()
     for name in a:
         assert np.array_equal(a[name], b[name]), name
+
+
+def test_a_resume_keeps_the_experts_per_token_and_may_change_the_capacity(shakespeare: Path, tmp_path: Path) -> None:
+    """--moe-top-k changes what the weights compute (like --rope-theta): resuming with
+    another was accepted and meta.json rewritten. The capacity factor only drops
+    assignments while training: a resume may change it, as it may the learning rate."""
+    _run(_config(shakespeare, tmp_path / "part", max_iters=4))
+    resume = str(tmp_path / "part" / "ckpt" / "step_000004")
+    with pytest.raises(CheckpointError, match="the checkpoint's model has moe_top_k=2 but this run has moe_top_k=1: "
+                                              "resume with the same model config \\(--moe-top-k 2\\)"):
+        _run(_config(shakespeare, tmp_path / "k1", resume=resume, moe_top_k=1))
+    _run(_config(shakespeare, tmp_path / "cap", resume=resume, max_iters=5, moe_capacity_factor=1.0))
+    assert read_meta(tmp_path / "cap" / "ckpt" / "latest").model.moe_capacity_factor == 1.0
 
 
 @pytest.mark.parametrize("overrides, n_ranks, match", [
@@ -141,10 +157,12 @@ def test_experts_combine_with_dp_ep_cp_and_micro_batches(overrides: dict, n_rank
 
 def test_dense_runs_ignore_the_expert_settings(shakespeare: Path, tmp_path: Path) -> None:
     """moe_experts=0 is the dense model whatever the other moe_* say: the same bits (its
-    bits against main's dense model were compared once, by hand: equal, see docs/moe.md)."""
+    bits against main's dense model were compared once, by hand: equal, see docs/moe.md).
+    A TrainConfig built in Python may say them; the command line and --config refuse them
+    (tests/test_one_line_errors.py)."""
     a = _run(_config(shakespeare, tmp_path / "a", moe_experts=0, max_iters=3))
-    b = _run(_config(shakespeare, tmp_path / "b", moe_experts=0, max_iters=3, moe_top_k=9, moe_every=3,
-                     moe_aux_coef=0.5, moe_z_coef=0.5))
+    b = _run(attrs.evolve(_config(shakespeare, tmp_path / "b", moe_experts=0, max_iters=3), moe_top_k=9,
+                          moe_every=3, moe_aux_coef=0.5, moe_z_coef=0.5))
     assert [a[s]["loss"] for s in range(3)] == [b[s]["loss"] for s in range(3)]
     assert "moe_aux_loss" not in a[0]
     pa, pb = read_params_dict(tmp_path / "a" / "ckpt" / "latest"), read_params_dict(tmp_path / "b" / "ckpt" / "latest")

@@ -304,6 +304,36 @@ def test_bad_optimizer_options_are_one_error_line(char_dataset: Path, tmp_path: 
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("name, options, message", [
+    ("adamw", {"beta_1": 0.5},
+     "adamw has no option 'beta_1': its options are learning_rate, beta1, beta2, weight_decay"),
+    ("adamw", {"muon_momentum": 0.5}, "adamw has no option 'muon_momentum'"),
+    ("muon", {"muon_lr": float("nan")}, "--muon-lr must be a finite number, got nan"),  # was: use learning_rate
+    ("adamw", {"weight_decay": float("inf")}, "--weight-decay must be a finite number, got inf"),
+    ("muon", {"muon_ns_steps": 2.5}, "config key 'muon_ns_steps' must be int, got 2.5"),  # was: truncated to 2
+    ("adamw", {"beta1": "0.5"}, "config key 'beta1' must be float, got '0.5'"),
+    ("muon", {"muon_lr": 1e-3, "learning_rate": 0.0}, "learning_rate must be > 0, got 0.0"),  # was a ZeroDivisionError
+])
+def test_the_library_checks_optimizer_options_as_the_cli_does(name: str, options: dict, message: str) -> None:
+    """make_optimizer promised a one-line ConfigError for a bad value, but ignored a
+    misspelt key and let NaN, inf and a fractional step count through."""
+    with pytest.raises(ConfigError) as e:
+        make_optimizer(name, options)
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: AdamWConfig(beta1=5.0), "beta1 must be in [0, 1), got 5.0"),
+    (lambda: AdamWConfig(eps=-1.0), "AdamW's eps must be a finite number > 0, got -1.0"),
+    (lambda: MuonConfig(ns_steps=2.5), "muon_ns_steps must be between 1 and 99, got 2.5"),
+    (lambda: MuonConfig(weight_decay=float("inf")), "weight_decay must be a finite number >= 0, got inf"),
+])
+def test_optimizer_configs_built_by_hand_are_checked(make, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        make()
+    assert str(e.value) == message
+
+
 def test_resuming_with_another_optimizer_is_one_error_line(char_dataset: Path, tmp_path: Path) -> None:
     base = ["train", "--data", str(char_dataset), "--out", str(tmp_path / "run"), "--n-layer", "1", "--n-embd", "8",
             "--block-size", "8", "--eval-iters", "1", "--peak-flops", "1e12"]

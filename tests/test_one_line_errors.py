@@ -168,6 +168,53 @@ def test_a_nan_in_the_toml_config_is_one_line_too(char_dataset: Path, tmp_path: 
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--muon-momentum", "2"], "--muon-momentum applies to --optimizer muon, and this run's is adamw"),
+    (["--optimizer", "adamw", "--muon-ns-steps", "-1"], "--muon-ns-steps applies to --optimizer muon"),
+    (["--moe-top-k", "3"], "--moe-top-k applies to a model with experts, and this one has none"),
+    (["--moe-capacity-factor", "2"], "--moe-capacity-factor applies to a model with experts"),
+])
+def test_an_option_the_run_would_ignore_is_one_line(char_dataset: Path, tmp_path: Path, args: list[str],
+                                                    says: str) -> None:
+    """Another optimiser's option, or an MoE option on a dense model, used to train as if
+    it were not there."""
+    res = cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--max-iters", "1", "--n-layer", "1",
+              "--n-embd", "8", "--block-size", "8", "--eval-iters", "1", "--peak-flops", "1e12", *args)
+    line = one_error_line(res)
+    assert line.startswith(f"error: {says}"), line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_config_file_sets_an_unused_option_only_at_its_default(tmp_path: Path) -> None:
+    """A recipe lists every key, those it does not use at their defaults (configs/*.toml);
+    one set to another value is the command line's error, naming the file."""
+    from numesh.base.errors import ConfigError
+    from numesh.run.config import config_from
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('optimizer = "adamw"\nmuon_momentum = 0.95\nmoe_experts = 0\nmoe_top_k = 2\n')
+    assert config_from({}, toml).muon_momentum == 0.95
+    toml.write_text('optimizer = "adamw"\nmuon_momentum = 0.9\n')
+    with pytest.raises(ConfigError, match=f"--muon-momentum \\(in {toml}\\) applies to --optimizer muon"):
+        config_from({}, toml)
+    assert config_from({"optimizer": "muon"}, toml).muon_momentum == 0.9
+
+
+def test_a_warmup_past_the_decay_point_is_one_line(char_dataset: Path, tmp_path: Path) -> None:
+    """--warmup-iters 10 --lr-decay-iters 2 used to train: the rate climbed to step 10 and
+    then fell to --min-lr at once. Without decay (--min-lr at --learning-rate) it may."""
+    from numesh.run.config import check_options, config_from
+
+    res = cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--warmup-iters", "10",
+              "--lr-decay-iters", "2", "--max-iters", "1", "--n-layer", "1", "--n-embd", "8", "--block-size", "8",
+              "--eval-iters", "1", "--peak-flops", "1e12")
+    assert one_error_line(res) == ("error: --warmup-iters 10 ends after --lr-decay-iters 2, the step where the decay "
+                                   "reaches --min-lr: use a --lr-decay-iters of at least 10 or fewer --warmup-iters")
+    assert not (tmp_path / "o").exists()
+    check_options(config_from(dict(warmup_iters=10, lr_decay_iters=10)), 1)
+    check_options(config_from(dict(warmup_iters=10, lr_decay_iters=0, learning_rate=1e-3, min_lr=1e-3)), 1)
+
+
 @pytest.mark.parametrize("option, value", [("--data", ""), ("--data", " "), ("--resume", " "), ("--init-from", "\t")])
 def test_a_blank_path_option_is_one_line(char_dataset: Path, tmp_path: Path, option: str, value: str) -> None:
     """A blank --data or --resume once read as the directory '' ("no checkpoint at  :")."""

@@ -7,6 +7,7 @@ bug or a fault and aborts the whole MPI job with a rank-tagged traceback.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -103,6 +104,22 @@ class Preempted(Interrupted):
             return
         KeyboardInterrupt.__init__(self, f"preempted by {name}: checkpoint at step {step} ({checkpoint}); "
                                          f"rerun with --resume auto to continue")
+
+
+def option_value(name: str, value: Any, want: type) -> Any:
+    """`value` as option `name` of type `want` takes it (an int where a float is wanted
+    becomes that float), or a one-line ConfigError: another type (a bool is no int, 2.5 no
+    int), or a float that is NaN or infinite (every comparison with NaN is False, so range
+    checks alone let it through). The one check of `numesh train`'s options, its --config
+    file's and the library's (`numesh.optim.make_optimizer`); `--name` is
+    `numesh.base.flags.flag`'s spelling (this module imports nothing of numesh)."""
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+        raise ConfigError(f"config key '{name}' must be {want.__name__}, got {value!r}")
+    if want is float and not math.isfinite(value):
+        raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    return value
 
 
 def abort_job(comm: Any, code: int) -> NoReturn:

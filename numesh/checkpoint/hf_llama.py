@@ -149,8 +149,9 @@ def pretrained(directory: str | Path) -> Pretrained:
             n_head=H, n_embd=C, n_kv_head=int(d.get("num_key_value_heads", H)),
             ffn_hidden=int(d["intermediate_size"]), rope_theta=_rope_theta(cfg, d["rope_theta"]),
             norm_eps=float(d["rms_norm_eps"]), tie_embeddings=bool(d["tie_word_embeddings"]), bias=bias,
-            moe_experts=int(d["num_local_experts"]) if kind == "mixtral" else 0,
-            moe_top_k=int(d["num_experts_per_tok"]) if kind == "mixtral" else 2, moe_every=1)
+            moe_experts=int(d["num_local_experts"]) if kind == "mixtral" else 0)
+        if kind == "mixtral":  # a dense model fixes no routing (an option for one is refused: config._check_unused)
+            options.update(moe_top_k=int(d["num_experts_per_tok"]), moe_every=1)
         head_dim, vocab, max_pos = d.get("head_dim"), int(d["vocab_size"]), int(d["max_position_embeddings"])
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{where}/config.json lacks or mistypes {e}") from None

@@ -22,11 +22,12 @@ from numesh.base.errors import CheckpointError, ConfigError
 from numesh.base.tree import tree_map
 from numesh.checkpoint.common import read_meta
 from numesh.checkpoint.export import import_nanogpt
-from numesh.checkpoint.format import full_region, vocab_difference
+from numesh.checkpoint.format import META_FILE, full_region, vocab_difference
 from numesh.checkpoint.hf import import_hf
 from numesh.checkpoint.hf_files import open_weights, read_json_file
 from numesh.checkpoint.hf_llama import OPTIONS, check_weights, is_pretrained_dir, model_type, pretrained, read_leaf
 from numesh.checkpoint.model import SHAPE_KEYS, gpt2_differences, gpt_leaves, local_paths, model_value, shard_params
+from numesh.checkpoint.save import LATEST
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, directory_tokenizer, read_tokenizer_file
 from numesh.host.kernels import float_dtype
 from numesh.mesh import Mesh, shard
@@ -48,6 +49,20 @@ def check_init_kind(model: GPTConfig) -> None:
         raise ConfigError(f"--init-from a GPT-2 directory or a `numesh export` file holds GPT-2's parts, but this "
                           f"run's model has {', '.join(parts)}: train the GPT-2 kind (--arch gpt2), or start from a "
                           "transformers Llama, Mistral or Mixtral directory")
+
+
+def check_not_checkpoint(init_from: str) -> None:
+    """One-line ConfigError where --init-from names a numesh checkpoint (its meta.json) or a
+    run directory (its ckpt/), which it does not read: say what does (resuming it, or its
+    weights exported first, as `check_optimizer`'s error says too)."""
+    p = Path(init_from)
+    ckpt = p if (p / META_FILE).is_file() else p / "ckpt" / LATEST if (p / "ckpt").is_dir() else None
+    if ckpt is None:
+        return
+    raise ConfigError(f"--init-from {init_from} is a numesh {'checkpoint' if ckpt == p else 'run'}, not a transformers "
+                      f"directory or a `numesh export` file: continue its run with --resume {ckpt}, or start a new "
+                      f"run from its weights with `numesh export {ckpt} --out F.safetensors` (the Llama kind: "
+                      f"--format hf --out DIR), then --init-from F.safetensors (or DIR)")
 
 
 def start_vocab(init_from: str, resume: str) -> int | None:

@@ -25,10 +25,13 @@ from numesh.pipeline.stages import StageLayout, stage_tree
 SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "moe_experts", "moe_every",
               "norm", "positions", "mlp", "ffn_hidden", "n_kv_head", "tie_embeddings")
 # keys that change no leaf but the function the weights compute: resuming must keep them too
-# (a resume continues the same run, and weights trained under one rotary base or norm
-# epsilon compute another function under another; a run that means to change them, as a
-# long-context fine-tune raises rope_theta, starts from the weights, not from a resume)
-MATH_KEYS = ("rope_theta", "norm_eps")
+# (a resume continues the same run, and weights trained under one rotary base, norm epsilon
+# or number of experts per token compute another function under another; a run that means
+# to change them, as a long-context fine-tune raises rope_theta, starts from the weights,
+# not from a resume). The MoE capacity factor is not one: it only drops token-assignments
+# while training (sample and the weights' function are dropless), a run-time knob like the
+# learning rate or the router losses' coefficients, so a resume may change it.
+MATH_KEYS = ("rope_theta", "norm_eps", "moe_top_k")
 # keys whose 0 means a size derived from another key (the MLP's from n_embd, the kv heads'
 # from n_head): left to 0 on both sides, a difference in them is that other key's
 DERIVED = ("ffn_hidden", "n_kv_head")
@@ -45,13 +48,14 @@ def tied_leaves(model: GPTConfig) -> tuple[str, ...]:
 
 def model_value(model: GPTConfig, key: str) -> object:
     """What a config key means for the parameters: ffn_hidden and n_kv_head resolved (0 is
-    the default, the same tree as that default given), rope_theta only with rotary positions
-    and norm_eps only with RMSNorm (else nothing reads them)."""
+    the default, the same tree as that default given), rope_theta only with rotary positions,
+    norm_eps only with RMSNorm and moe_top_k only with experts (else nothing reads them)."""
     if key == "ffn_hidden":
         return model.hidden
     if key == "n_kv_head":
         return model.kv_heads
-    if (key == "rope_theta" and model.positions != "rotary") or (key == "norm_eps" and model.norm != "rmsnorm"):
+    if (key == "rope_theta" and model.positions != "rotary") or (key == "norm_eps" and model.norm != "rmsnorm") or (
+            key == "moe_top_k" and not model.moe_experts):
         return None
     return getattr(model, key)
 

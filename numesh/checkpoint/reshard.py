@@ -6,6 +6,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from numesh.base.errors import CheckpointError, ConfigError
 from numesh.base.files import os_reason
@@ -42,16 +43,38 @@ def target_mesh(source: dict[str, int], to: str) -> tuple[dict[str, int], list[s
     return parse_mesh(sizes, n), named
 
 
-def reshard(path: str | Path, to: str, out: str | Path | None = None) -> Path:
+def reshard(path: str | Path, to: str, out: str | Path | None = None,
+            log: Callable[[str], None] | None = None) -> Path:
     """Write checkpoint `path` as the ranks of mesh `to` would have written it (same values,
     other blocks) to `out` (default: a sibling named like `step_000100-tp4`). Reads and
     writes one block at a time; the output appears atomically. Returns the output dir.
     `path` may be a running job's `latest`: one step directory is read, again from the
-    next one if the job prunes it meanwhile (numesh/checkpoint/pinned.py)."""
-    return read_pinned(path, lambda root: _reshard(root, to, out))
+    next one if the job prunes it meanwhile (numesh/checkpoint/pinned.py). `log` is told
+    when the output records fewer virtual stages than the source (`_target_virtual`)."""
+    return read_pinned(path, lambda root: _reshard(root, to, out, log))
 
 
-def _reshard(root: Path, to: str, out: str | Path | None) -> Path:
+def _target_virtual(meta: Meta, pp: int, log: Callable[[str], None] | None) -> int:
+    """The virtual stages per pp rank the output records: the source's where `pp` splits
+    n_layer into pp x v chunks, else 1 (said to `log`). The count is only a record of the
+    layout that wrote the files, which hold leaves by global layer: any --virtual-stages
+    that splits the layers resumes either. Raises where `pp` does not split n_layer at all
+    (the checkpoint's layers are fixed: only pp can change)."""
+    n, v = meta.model.n_layer, meta.raw.get("virtual_stages", 1)
+    v = v if isinstance(v, int) and v >= 1 else 1
+    if n % (pp * v) == 0:
+        return v
+    if n % pp:
+        fits = [str(p) for p in range(1, n + 1) if n % p == 0]
+        raise ConfigError(f"n_layer={n} does not split over pp x virtual stages = {pp} x 1: reshard --to another "
+                          f"pp, one of {', '.join(fits)}")
+    if log is not None:
+        log(f"n_layer={n} does not split over pp x virtual stages = {pp} x {v}: the output records 1 virtual stage "
+            f"(resume it with a --virtual-stages that splits the layers over pp={pp}, e.g. 1)")
+    return 1
+
+
+def _reshard(root: Path, to: str, out: str | Path | None, log: Callable[[str], None] | None) -> Path:
     """`reshard` of the step directory `root`."""
     meta = read_meta(root)
     src_mesh = meta.raw.get("mesh") if isinstance(meta.raw.get("mesh"), dict) else {}
@@ -62,12 +85,7 @@ def _reshard(root: Path, to: str, out: str | Path | None) -> Path:
     if sizes["cp"] > 1 and meta.model.block_size % (2 * sizes["cp"]):
         raise ConfigError(f"block_size={meta.model.block_size} does not split into 2*cp={2 * sizes['cp']} "
                           f"equal chunks: use a cp with 2*cp dividing {meta.model.block_size}")
-    v = meta.raw.get("virtual_stages", 1)
-    v = v if isinstance(v, int) and v >= 1 else 1
-    if meta.model.n_layer % (sizes["pp"] * v):  # the checkpoint's layers are fixed: only pp can change
-        fits = [str(pp) for pp in range(1, meta.model.n_layer + 1) if meta.model.n_layer % (pp * v) == 0]
-        raise ConfigError(f"n_layer={meta.model.n_layer} does not split over pp x virtual stages = {sizes['pp']} x "
-                          f"{v}: reshard --to another pp, one of {', '.join(fits)}")
+    v = _target_virtual(meta, sizes["pp"], log)
     StageLayout(meta.model.n_layer, sizes["pp"], v)
     if out is None:
         out = meta.root.parent / (meta.root.name + "-" + "-".join(f"{a}{sizes[a]}" for a in AXES if a in named))
@@ -81,6 +99,7 @@ def _reshard(root: Path, to: str, out: str | Path | None) -> Path:
         tmp.mkdir(parents=True)
         doc = dict(meta.raw)
         doc["mesh"] = dict(sizes)
+        doc["virtual_stages"] = v
         doc["resharded_from"] = {"dir": meta.root.name, "mesh": src_mesh}
         doc["leaves"] = _write_blocks(meta, sizes, tmp)
         write_text_synced(tmp / META_FILE, json.dumps(doc, indent=1))

@@ -319,7 +319,8 @@ app.command("train", cls=_Command)(train_cmd)
 
 _PLAN_OPTIONS = [
     ("ranks", Optional[int], typer.Option(None, "--ranks",
-                                          help="ranks to plan for (every dp x cp x tp x pp layout of them)")),
+                                          help="ranks to plan for (every pp x dp x ep x cp x tp layout of them; ep > 1 "
+                                               "only for a model with experts)")),
     ("model_preset", Optional[str], typer.Option(None, "--model", "--preset", help="a model preset (gpt2, gpt2-medium, "
      "gpt2-large, gpt2-xl, gpt3-125m, gpt3-1.3b, gpt3-13b, gpt3-175b, megatron-18b, megatron-146b, megatron-1t, "
      "smollm2-135m, llama3-8b, llama3-70b, llama3-405b); options given override it")),
@@ -485,7 +486,7 @@ def reshard_cmd(
     def go() -> None:
         from numesh.checkpoint import reshard
 
-        print(reshard(ckpt, to, out))
+        print(reshard(ckpt, to, out, log=lambda line: print(f"note: {line}", file=sys.stderr)))
 
     _run(go)
 

@@ -42,6 +42,14 @@ class AdamWConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
 
+    def __attrs_post_init__(self) -> None:
+        check_adamw(self)  # a config built by hand is checked as the options' is
+
+
+# the options `define` reads (`TrainConfig` fields) and their types; learning_rate is the
+# schedule's, taken so that every optimiser accepts the run's rate
+OPTIONS: dict[str, type] = {"learning_rate": float, "beta1": float, "beta2": float, "weight_decay": float}
+
 
 @attrs.define
 class AdamWState:
@@ -149,25 +157,23 @@ def adamw_step_reference(
 # AdamW as an optimiser of the interface (numesh/optim/interface.py)
 
 
-def check_adamw(cfg: AdamWConfig, what: str = "") -> None:
-    """One-line ConfigError unless AdamW's constants are usable."""
+def check_adamw(cfg: AdamWConfig) -> None:
+    """One-line ConfigError unless AdamW's constants are usable (finite, in range)."""
     for name in ("beta1", "beta2"):
         if not 0.0 <= getattr(cfg, name) < 1.0:
-            raise ConfigError(f"{what}{name} must be in [0, 1), got {getattr(cfg, name)}")
-    if not cfg.eps > 0:
-        raise ConfigError(f"{what}AdamW's eps must be > 0, got {cfg.eps}")
-    if not cfg.weight_decay >= 0:
-        raise ConfigError(f"{what}weight_decay must be >= 0, got {cfg.weight_decay}")
+            raise ConfigError(f"{name} must be in [0, 1), got {getattr(cfg, name)}")
+    if not 0 < cfg.eps < math.inf:
+        raise ConfigError(f"AdamW's eps must be a finite number > 0, got {cfg.eps}")
+    if not 0 <= cfg.weight_decay < math.inf:
+        raise ConfigError(f"weight_decay must be a finite number >= 0, got {cfg.weight_decay}")
 
 
 def adamw_config(options: Mapping[str, Any]) -> AdamWConfig:
     """AdamW's constants from a run's options (`TrainConfig` fields: beta1, beta2,
     weight_decay; defaults where absent), checked."""
     d = AdamWConfig()
-    cfg = AdamWConfig(float(options.get("beta1", d.beta1)), float(options.get("beta2", d.beta2)), d.eps,
-                      float(options.get("weight_decay", d.weight_decay)))
-    check_adamw(cfg)
-    return cfg
+    return AdamWConfig(float(options.get("beta1", d.beta1)), float(options.get("beta2", d.beta2)), d.eps,
+                       float(options.get("weight_decay", d.weight_decay)))
 
 
 def adamw_rule(cfg: AdamWConfig, lr_ratio: float = 1.0) -> Elementwise:

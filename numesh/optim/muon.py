@@ -38,6 +38,7 @@ import numpy as np
 
 from numesh.base.errors import ConfigError
 from numesh.host.threads import matmul
+from numesh.optim.adamw import OPTIONS as ADAMW_OPTIONS
 from numesh.optim.adamw import AdamWConfig, adamw_config, adamw_rule
 from numesh.optim.interface import Leaf, MatrixRule, Optimizer
 
@@ -71,19 +72,27 @@ class MuonConfig:
     lr_ratio: float = 1.0
     adamw: AdamWConfig = AdamWConfig()
 
+    def __attrs_post_init__(self) -> None:
+        check_muon(self)  # a config built by hand is checked as the options' is
+
+
+# the options `define` reads (`TrainConfig` fields) and their types: AdamW's (its rule's) and Muon's
+OPTIONS: dict[str, type] = {**ADAMW_OPTIONS, "muon_lr": float, "muon_momentum": float, "muon_nesterov": bool,
+                            "muon_ns_steps": int, "muon_adjust_lr": str}
+
 
 def check_muon(cfg: MuonConfig) -> None:
     """One-line ConfigError unless Muon's hyper-parameters are usable."""
     if not 0.0 <= cfg.momentum < 1.0:
         raise ConfigError(f"muon_momentum must be in [0, 1), got {cfg.momentum}")
-    if not 1 <= cfg.ns_steps < 100:
+    if not isinstance(cfg.ns_steps, int) or isinstance(cfg.ns_steps, bool) or not 1 <= cfg.ns_steps < 100:
         raise ConfigError(f"muon_ns_steps must be between 1 and 99, got {cfg.ns_steps}")
     if cfg.adjust_lr not in ADJUST_LR:
         raise ConfigError(f"muon_adjust_lr must be one of {', '.join(ADJUST_LR)}, got '{cfg.adjust_lr}'")
-    if not cfg.eps > 0:
-        raise ConfigError(f"Muon's eps must be > 0, got {cfg.eps}")
-    if not cfg.weight_decay >= 0:
-        raise ConfigError(f"weight_decay must be >= 0, got {cfg.weight_decay}")
+    if not 0 < cfg.eps < math.inf:
+        raise ConfigError(f"Muon's eps must be a finite number > 0, got {cfg.eps}")
+    if not 0 <= cfg.weight_decay < math.inf:
+        raise ConfigError(f"weight_decay must be a finite number >= 0, got {cfg.weight_decay}")
     if not (cfg.lr_ratio > 0 and math.isfinite(cfg.lr_ratio)):
         raise ConfigError(f"Muon's learning rate must be > 0, got {cfg.lr_ratio} times the run's")
 
@@ -91,22 +100,23 @@ def check_muon(cfg: MuonConfig) -> None:
 def muon_config(options: Mapping[str, Any]) -> MuonConfig:
     """Muon's hyper-parameters from a run's options (`TrainConfig` fields muon_lr,
     muon_momentum, muon_nesterov, muon_ns_steps, muon_adjust_lr, weight_decay,
-    learning_rate, and AdamW's; defaults where absent), checked."""
+    learning_rate, and AdamW's; defaults where absent), checked (`make_optimizer` has
+    checked their types)."""
     d = MuonConfig()
     lr, muon_lr = float(options.get("learning_rate", 1.0)), float(options.get("muon_lr", 0.0))
     if muon_lr < 0:
         raise ConfigError(f"muon_lr must be >= 0 (0 = --learning-rate), got {muon_lr}")
-    cfg = MuonConfig(
+    if muon_lr > 0 and not lr > 0:
+        raise ConfigError(f"learning_rate must be > 0, got {lr}")
+    return MuonConfig(
         momentum=float(options.get("muon_momentum", d.momentum)),
         nesterov=bool(options.get("muon_nesterov", d.nesterov)),
-        ns_steps=int(options.get("muon_ns_steps", d.ns_steps)),
+        ns_steps=options.get("muon_ns_steps", d.ns_steps),
         adjust_lr=str(options.get("muon_adjust_lr", d.adjust_lr)),
         weight_decay=float(options.get("weight_decay", d.weight_decay)),
         lr_ratio=muon_lr / lr if muon_lr > 0 else 1.0,
         adamw=adamw_config(options),
     )
-    check_muon(cfg)
-    return cfg
 
 
 def is_hidden_matrix(leaf: Leaf) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from numesh.base.errors import ConfigError
+from numesh.base.errors import ConfigError, option_value
 from numesh.optim import adamw, muon
 from numesh.optim.interface import Leaf, MatrixRule, Optimizer, matrix_view
 
@@ -18,14 +18,39 @@ OPTIMIZERS: dict[str, Callable[[Mapping[str, Any]], Optimizer]] = {
     "adamw": adamw.define,
     "muon": muon.define,
 }
+# the options each one reads, with their types (its module's OPTIONS)
+OPTIONS: dict[str, dict[str, type]] = {
+    "adamw": adamw.OPTIONS,
+    "muon": muon.OPTIONS,
+}
 
 
 def make_optimizer(name: str, options: Mapping[str, Any] | None = None) -> Optimizer:
-    """The optimiser `name` with the hyper-parameters in `options`; one-line ConfigError
-    for an unknown name or a bad value."""
+    """The optimiser `name` with the hyper-parameters in `options` (its `OPTIONS`, missing
+    ones at their defaults); one-line ConfigError for an unknown name, a key it does not
+    read, a value of another type or not finite (the check of `numesh train`'s options), or
+    one out of range."""
     if name not in OPTIMIZERS:
         raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got '{name}'")
-    return OPTIMIZERS[name](options or {})
+    known = OPTIONS[name]
+    for key in options or {}:
+        if key not in known:
+            raise ConfigError(f"{name} has no option '{key}': its options are {', '.join(known)}")
+    return OPTIMIZERS[name]({k: option_value(k, v, known[k]) for k, v in (options or {}).items()})
+
+
+def run_optimizer(name: str, run_options: Mapping[str, Any]) -> Optimizer:
+    """`make_optimizer` given a whole run's options (`TrainConfig`'s fields as a mapping):
+    the ones `name` reads."""
+    return make_optimizer(name, {k: v for k, v in run_options.items() if k in OPTIONS.get(name, {})})
+
+
+def applies_to(name: str, key: str) -> str | None:
+    """The optimiser that reads option `key` where `name` does not (--muon-momentum is
+    muon's when `name` is adamw), else None: a key no optimiser reads, or one `name` reads."""
+    if key in OPTIONS.get(name, {}):
+        return None
+    return next((other for other, keys in OPTIONS.items() if key in keys), None)
 
 
 def describe(opt: Optimizer, leaves: Mapping[str, Leaf]) -> list[str]:

@@ -15,11 +15,11 @@ from typing import Any
 import attrs
 import numpy as np
 
-from numesh.base.errors import ConfigError
+from numesh.base.errors import ConfigError, option_value
 from numesh.base.files import read_user_file
 from numesh.base.flags import flag, flag_value
 from numesh.checkpoint.hf_llama import conflicts, is_pretrained_dir, model_type, pretrained
-from numesh.checkpoint.init_from import check_init_kind, start_vocab
+from numesh.checkpoint.init_from import check_init_kind, check_not_checkpoint, start_vocab
 from numesh.checkpoint.save import LATEST
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
 from numesh.host.startup_signals import DEFAULT_SAVE_SIGNALS, parse_signals
@@ -27,7 +27,7 @@ from numesh.mesh import parse_mesh
 from numesh.nn.gpt import ARCHS, GPTConfig
 from numesh.nn.walk import check_recompute
 from numesh.observe.inject import faults_from_env
-from numesh.optim.registry import make_optimizer
+from numesh.optim.registry import applies_to, run_optimizer
 from numesh.pipeline.schedules import check_shape
 from numesh.pipeline.stages import StageLayout
 
@@ -100,7 +100,7 @@ class TrainConfig:
     min_lr: float = _field(1e-4, "learning rate at the end of the cosine decay; where not given and "
                                  "--learning-rate is lower, --learning-rate (no decay)")
     warmup_iters: int = _field(100, "linear warmup steps")
-    lr_decay_iters: int = _field(2000, "step at which the cosine decay reaches min_lr")
+    lr_decay_iters: int = _field(2000, "step at which the cosine decay reaches min_lr (not before --warmup-iters)")
     weight_decay: float = _field(
         0.1, "decoupled weight decay: AdamW's (matrices and embeddings only) and Muon's (its matrices)")
     beta1: float = _field(0.9, "AdamW beta1")
@@ -206,6 +206,7 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
     of the model kind `arch` names fill the part options neither of them gives."""
     fields = {f.name: f for f in attrs.fields(TrainConfig)}
     values: dict[str, Any] = {}
+    given: dict[str, str] = {}  # option -> where it was set to a value of its own (`_check_unused`)
     if toml_path is not None:
         path = Path(toml_path)
         spelled: dict[str, str] = {}
@@ -218,11 +219,14 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
                                   f"'{key}'): keep one")
             spelled[name] = key
             values[name] = value
+            if value != fields[name].default:  # a recipe lists every key, those it does not use at their defaults
+                given[name] = f" (in {path})"
     for key, value in overrides.items():
         if key not in fields:
             raise ConfigError(f"unknown config key '{key}': the keys are {', '.join(fields)}")
         if value is not None:
             values[key] = value
+            given[key] = ""
     _from_pretrained(values)
     arch = values.get("arch", fields["arch"].default)
     if arch not in ARCHS:
@@ -231,12 +235,28 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
         values.setdefault(name, value)
     _default_floor(values, fields["min_lr"].default)
     for name, value in values.items():
-        want = field_type(fields[name])
-        if want is float and isinstance(value, int) and not isinstance(value, bool):
-            values[name] = float(value)
-        elif not isinstance(values[name], want) or (want is int and isinstance(value, bool)):
-            raise ConfigError(f"config key '{name}' must be {want.__name__}, got {value!r}")
-    return TrainConfig(**values)
+        values[name] = option_value(name, value, field_type(fields[name]))
+    cfg = TrainConfig(**values)
+    _check_unused(cfg, given)
+    return cfg
+
+
+# model options only a model with experts reads
+MOE_OPTIONS = ("moe_every", "moe_top_k", "moe_aux_coef", "moe_z_coef", "moe_capacity_factor")
+
+
+def _check_unused(cfg: TrainConfig, given: dict[str, str]) -> None:
+    """A one-line ConfigError for an option given (on the command line, or in the --config
+    file at other than its default) that the run would silently ignore: another optimiser's
+    (--muon-momentum with AdamW), or an MoE option on a model without experts."""
+    for name, where in given.items():
+        owner = applies_to(cfg.optimizer, name)
+        if owner is not None:
+            raise ConfigError(f"{flag(name)}{where} applies to --optimizer {owner}, and this run's is "
+                              f"{cfg.optimizer}: pass --optimizer {owner} or drop {flag(name)}")
+        if name in MOE_OPTIONS and not cfg.moe_experts:
+            raise ConfigError(f"{flag(name)}{where} applies to a model with experts, and this one has none: "
+                              f"set --moe-experts or drop {flag(name)}")
 
 
 def _default_floor(values: dict[str, Any], floor: float) -> None:
@@ -320,6 +340,7 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
     if cfg.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
     check_recompute(cfg.recompute)
+    _check_warmup(cfg)
     if cfg.on_nan not in ("stop", "skip"):
         raise ConfigError(f"--on-nan must be stop or skip, got '{cfg.on_nan}'")
     for name in ("seed", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
@@ -337,7 +358,7 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
         peak = flag_value("learning_rate", cfg.learning_rate)
         raise ConfigError(f"{flag_value('min_lr', cfg.min_lr)} is above {peak}, the peak it decays from: "
                           f"set --min-lr to at most {cfg.learning_rate} (or raise --learning-rate)")
-    make_optimizer(cfg.optimizer, attrs.asdict(cfg))  # its name and hyper-parameters (betas too)
+    run_optimizer(cfg.optimizer, attrs.asdict(cfg))  # its name and hyper-parameters (betas too)
     return shape
 
 
@@ -360,6 +381,16 @@ def _check_values(cfg: TrainConfig) -> None:
         if not value.strip() and (value or name in _PATHS_NEEDED):
             what = "a directory for the run" if name == "out" else "a path"
             raise ConfigError(f"{flag(name)} must name {what}, got {value!r}")
+
+
+def _check_warmup(cfg: TrainConfig) -> None:
+    """The warm-up must end by the step where the cosine decay reaches min_lr: past it, the
+    rate climbs towards the peak and then falls to min_lr at once (no decay at all). A
+    schedule without decay (min_lr = learning_rate: a flat cosine) has no such step."""
+    if cfg.warmup_iters > cfg.lr_decay_iters and cfg.min_lr != cfg.learning_rate:
+        raise ConfigError(f"--warmup-iters {cfg.warmup_iters} ends after --lr-decay-iters {cfg.lr_decay_iters}, "
+                          f"the step where the decay reaches --min-lr: use a --lr-decay-iters of at least "
+                          f"{cfg.warmup_iters} or fewer --warmup-iters")
 
 
 def check_layout(cfg: TrainConfig, n_ranks: int, vocab_size: int) -> tuple[dict[str, int], GPTConfig]:
@@ -389,6 +420,8 @@ def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> G
                           f"use a --block-size divisible by {shape['tp']}")
     model = cfg.model(vocab_size)
     model.validate(1)  # a tp or experts error below says which mesh axis
+    if cfg.init_from:
+        check_not_checkpoint(cfg.init_from)
     if cfg.init_from and not Path(cfg.init_from).is_dir():  # a directory is judged when it is read
         check_init_kind(model)
     _check_moe(cfg, shape)

@@ -37,6 +37,12 @@ preset's model shape, e.g. `gpt2` ([planning](planning.md)). A switch is on with
 and off with `--no-` before it; "" is none. `numesh train --help` prints the same list, and
 what the options do together is in the [quick start](quickstart.md).
 
+An option the run would ignore is an error, not silence: another optimiser's (`--muon-*`
+without `--optimizer muon`) or an MoE option (`--moe-top-k`, `--moe-every`,
+`--moe-aux-coef`, `--moe-z-coef`, `--moe-capacity-factor`) without `--moe-experts`, given
+on the command line, or in the `--config` file at other than its default (a recipe lists
+every key, those it does not use at their defaults).
+
 """
 
 

@@ -49,7 +49,7 @@ from numesh.observe.inject import FaultInjector, faults_from_env, unshared_out
 from numesh.observe.spool import PARTS_DIR
 from numesh.observe.trace import Tracer
 from numesh.optim import Leaf, clip_scale, cosine_lr
-from numesh.optim.registry import describe, make_optimizer
+from numesh.optim.registry import describe, run_optimizer
 from numesh.optim.zero import ZeroOptimizer
 from numesh.perf import formulas
 from numesh.pipeline.executor import PipelineExecutor, StepStats
@@ -135,7 +135,7 @@ class Trainer:
         self.layout = StageLayout(self.model.n_layer, shape["pp"], cfg.virtual_stages)
         self.schedule = make_schedule(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)
         self.specs = stage_tree(gpt_specs(self.model), self.layout, pp_rank)
-        self.optimizer = make_optimizer(cfg.optimizer, attrs.asdict(cfg))
+        self.optimizer = run_optimizer(cfg.optimizer, attrs.asdict(cfg))
         params = self._initial_params()
         self.source = read_source(cfg.init_from) if cfg.init_from else None  # what the export gives back
         # a tied wte's copy on the last stage: counted on the first rank
