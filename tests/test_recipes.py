@@ -159,6 +159,22 @@ def test_recipe_passes_the_layout_validation_on_its_ranks(path: Path) -> None:
                                                                                          out="elsewhere")
 
 
+@pytest.mark.parametrize("recipe, kind, want", [
+    ("quickstart.toml", ["--arch", "llama"], ("rmsnorm", "rotary", "swiglu", False)),
+    ("quickstart.toml", ["--model", "smollm2-135m"], ("rmsnorm", "rotary", "swiglu", True)),
+    ("smollm2-135m.toml", ["--arch", "gpt2"], ("layernorm", "learned", "gelu", True)),
+    ("smollm2-135m.toml", ["--model", "gpt2"], ("layernorm", "learned", "gelu", True)),
+    ("quickstart.toml", ["--arch", "llama", "--norm", "layernorm"], ("layernorm", "rotary", "swiglu", False)),
+])
+def test_a_kind_on_the_command_line_brings_its_parts_over_the_recipes(recipe: str, kind: list[str],
+                                                                      want: tuple) -> None:
+    """A recipe lists every part of its own kind; --arch or --model on the command line
+    trained the file's parts under the other kind's name (GPT-2's block labelled llama).
+    A part also given on the command line still wins."""
+    cfg = config_of(["--config", str(CONFIGS / recipe), *kind])
+    assert (cfg.norm, cfg.positions, cfg.mlp, cfg.tie_embeddings) == want
+
+
 def test_gpt2_recipe_builds_gpt2s_model() -> None:
     """Not trained in the suite: its model is --model gpt2's shape with 92 M parameters."""
     path = CONFIGS / "gpt2.toml"

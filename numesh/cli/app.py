@@ -256,7 +256,7 @@ def _with_preset(options: dict[str, Any], name: str | None) -> dict[str, Any]:
         return options
     from numesh.plan.presets import preset
 
-    shape = preset(name).model_options()
+    shape = {"arch": "gpt2", **preset(name).model_options()}  # GPT-2's and GPT-3's presets name no kind
     return {**options, **{k: v for k, v in shape.items() if options.get(k) is None}}
 
 

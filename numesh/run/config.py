@@ -231,8 +231,7 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
     arch = values.get("arch", fields["arch"].default)
     if arch not in ARCHS:
         raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
-    for name, value in ARCHS[arch].items():  # the kind's parts, where no option names one
-        values.setdefault(name, value)
+    _kind_parts(values, overrides, arch)
     _default_floor(values, fields["min_lr"].default)
     for name, value in values.items():
         values[name] = option_value(name, value, field_type(fields[name]))
@@ -257,6 +256,19 @@ def _check_unused(cfg: TrainConfig, given: dict[str, str]) -> None:
         if name in MOE_OPTIONS and not cfg.moe_experts:
             raise ConfigError(f"{flag(name)}{where} applies to a model with experts, and this one has none: "
                               f"set --moe-experts or drop {flag(name)}")
+
+
+def _kind_parts(values: dict[str, Any], overrides: dict[str, Any], arch: str) -> None:
+    """The parts of the model kind `arch` (norm, positions, mlp, tied head) where no option
+    names one; a kind named on the command line (--arch, or --model's preset) brings its
+    parts over those of the --config file, which lists every part of its own kind: else
+    `--config quickstart.toml --arch llama` trained GPT-2's block under Llama's name."""
+    from_command_line = overrides.get("arch") is not None
+    for name, value in ARCHS[arch].items():
+        if from_command_line and overrides.get(name) is None:
+            values[name] = value
+        else:
+            values.setdefault(name, value)
 
 
 def _default_floor(values: dict[str, Any], floor: float) -> None:
