@@ -135,6 +135,9 @@ def test_missing_dataset_hint(tmp_path: Path) -> None:
         load_tokenizer(missing)
     with pytest.raises(DataError, match="numesh data shakespeare-char"):
         load_split(missing, "train")
+    # a BPE recipe's data directory (configs/gpt2.toml's data/sh8k) is not only a character one
+    with pytest.raises(DataError, match=r"or `numesh data bpe --src FILE --vocab-size N --out .*nope` for a BPE"):
+        load_tokenizer(missing)
 
 
 def test_load_split_unknown_split(dataset: Path) -> None:

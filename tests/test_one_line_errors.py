@@ -498,7 +498,8 @@ def test_output_piped_into_a_reader_that_stops_early_exits_quietly() -> None:
 def test_commands_that_cannot_change_the_model_suggest_what_they_can(char_dataset: Path, tmp_path: Path) -> None:
     """sample refuses a non-tp mesh before counting ranks (which said `mpirun -n 2`, then
     refused the mesh); reshard names the pp sizes the checkpoint's layers split over (not
-    another n_layer); a run's directory given for a checkpoint names its ckpt/latest; report
+    another n_layer); a run's directory, or its ckpt/, given for a checkpoint names its
+    ckpt/latest; report
     on a run that was not traced does not suggest a command the run directory refuses."""
     out = tmp_path / "run"
     res = cli("train", "--data", str(char_dataset), "--out", str(out), "--n-layer", "2", "--n-head", "2",
@@ -509,6 +510,8 @@ def test_commands_that_cannot_change_the_model_suggest_what_they_can(char_datase
     assert "sampling runs on a tensor-parallel mesh only" in one_error_line(cli("sample", ckpt, "--mesh", "dp=2"))
     assert "reshard --to another pp, one of 1, 2" in one_error_line(cli("reshard", ckpt, "--to", "pp=3"))
     assert f"pass one of its checkpoints, such as {out / 'ckpt' / 'latest'}" in one_error_line(cli("sample", str(out)))
+    line = one_error_line(cli("sample", str(out / "ckpt")))  # the folder of its checkpoints: not "incomplete"
+    assert f"holds a run's checkpoints, it is not one: pass one of them, such as {out / 'ckpt' / 'latest'}" in line
     line = one_error_line(cli("report", str(out)))
     assert "the run was not traced" in line and "a new --out" in line
 
@@ -524,3 +527,10 @@ def test_a_fine_tunes_learning_rate_below_the_default_floor_is_its_own_floor() -
     assert config_from({"learning_rate": 2e-5, "min_lr": 1e-6}).min_lr == 1e-6
     assert config_from({"learning_rate": 6e-4}).min_lr == 1e-4  # above the floor: the default, as before
     assert config_from({}).min_lr == 1e-4
+
+
+@pytest.mark.parametrize("args", [["--n-layer", "99999999999999999999"], ["--seed", str(2**63)]])
+def test_an_integer_option_beyond_int64_is_one_line(char_dataset: Path, tmp_path: Path, args: list[str]) -> None:
+    """It was an OverflowError traceback from deep in the memory check (numpy's int64)."""
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), *args))
+    assert f"{args[0]} {args[1]} is out of range: it must be below 9,007,199,254,740,992" in line

@@ -527,6 +527,9 @@ def read_meta(path: str | Path, describe: Describe, state_groups: Groups = adamw
         if (root / "ckpt").is_dir():  # a run's directory (train --out), not one of its checkpoints
             raise CheckpointError(f"{given} is a run's directory, not a checkpoint: pass one of its checkpoints, "
                                   f"such as {given / 'ckpt' / 'latest'}")
+        if (root / "latest").exists() or any(root.glob("step_*")):  # the run's ckpt/ itself
+            raise CheckpointError(f"{given} holds a run's checkpoints, it is not one: pass one of them, such as "
+                                  f"{given / 'latest'}")
         raise CheckpointError(f"{meta_path} is missing: {given} is not a complete numesh checkpoint")
     try:
         raw = json.loads(meta_path.read_text(encoding="utf-8"))

@@ -64,7 +64,10 @@ def missing_dataset(data_dir: Path) -> DataError:
     except OSError:
         held = []
     if not held:
-        return DataError(f"no dataset at {data_dir}: run `numesh data shakespeare-char --out {data_dir}` first")
+        d = shlex.quote(str(data_dir))
+        return DataError(f"no dataset at {data_dir}: run `numesh data shakespeare-char --out {d}` first for "
+                         f"characters, or `numesh data bpe --src FILE --vocab-size N --out {d}` for a BPE (a "
+                         "recipe's header names its own)")
     shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
     if "tokenizer.json" in held:
         how = f"`numesh data tokenize --tokenizer {shlex.quote(str(data_dir / 'tokenizer.json'))} --src FILE --out DIR`"

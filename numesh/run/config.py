@@ -379,6 +379,9 @@ _PATHS_NEEDED = ("data", "out")
 _PATHS_OPTIONAL = ("resume", "init_from")
 
 
+_INT_LIMIT = 2**53  # an integer option beyond this is no count numesh can index or multiply safely
+
+
 def _check_values(cfg: TrainConfig) -> None:
     """What no option may be: a float that is NaN or infinite (every comparison with NaN is
     False, so range checks alone let it through and it trains silently wrong), or a path
@@ -388,6 +391,8 @@ def _check_values(cfg: TrainConfig) -> None:
         value = getattr(cfg, f.name)
         if field_type(f) is float and not math.isfinite(value):
             raise ConfigError(f"{flag(f.name)} must be a finite number, got {value}")
+        if field_type(f) is int and abs(value) >= _INT_LIMIT:  # numpy's sizes and indices are int64
+            raise ConfigError(f"{flag(f.name)} {value} is out of range: it must be below {_INT_LIMIT:,}")
     for name in _PATHS_NEEDED + _PATHS_OPTIONAL:
         value = getattr(cfg, name)
         if not value.strip() and (value or name in _PATHS_NEEDED):
