@@ -625,6 +625,7 @@ def test_init_from_alone_sets_the_model_and_a_conflicting_option_is_one_line(tok
                        n_kv_head=2, ffn_hidden=24, rope_theta=500.0, norm_eps=1e-6, tie_embeddings=True, bias=False,
                        moe_experts=4, moe_top_k=2)
     assert config_from(dict(init_from=str(d), n_layer=2, n_kv_head=2)).n_layer == 2  # agreeing options are fine
+    assert config_from(dict(init_from=str(d), arch="llama")).tie_embeddings  # its own kind named: still tied
     for kw, says in [(dict(n_layer=3), "--n-layer 3 conflicts with --init-from"),
                      (dict(tie_embeddings=False), "--no-tie-embeddings conflicts with --init-from"),
                      (dict(arch="gpt2"), "--arch gpt2 conflicts"),

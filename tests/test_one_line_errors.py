@@ -527,10 +527,19 @@ def test_a_fine_tunes_learning_rate_below_the_default_floor_is_its_own_floor() -
     assert config_from({"learning_rate": 2e-5, "min_lr": 1e-6}).min_lr == 1e-6
     assert config_from({"learning_rate": 6e-4}).min_lr == 1e-4  # above the floor: the default, as before
     assert config_from({}).min_lr == 1e-4
+    # a recipe lists min_lr at its default: not a floor the user set (configs/smollm2-135m.toml's fine-tune)
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "smollm2-135m.toml"
+    cfg = config_from({"learning_rate": 2e-5}, recipe)
+    assert cfg.min_lr == 2e-5
+    check_options(cfg, 1)
 
 
-@pytest.mark.parametrize("args", [["--n-layer", "99999999999999999999"], ["--seed", str(2**63)]])
+@pytest.mark.parametrize("args", [["--n-layer", "99999999999999999999"], ["--eval-iters", str(2**63)]])
 def test_an_integer_option_beyond_int64_is_one_line(char_dataset: Path, tmp_path: Path, args: list[str]) -> None:
-    """It was an OverflowError traceback from deep in the memory check (numpy's int64)."""
+    """It was an OverflowError traceback from deep in the memory check (numpy's int64). A
+    seed is no count: any non-negative one is numpy's (a nanosecond clock's, 1.7e18)."""
     line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), *args))
     assert f"{args[0]} {args[1]} is out of range: it must be below 9,007,199,254,740,992" in line
+    from numesh.run.config import check_options, config_from
+
+    check_options(config_from({"seed": 2**64 - 1}), 1)

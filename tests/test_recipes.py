@@ -165,6 +165,7 @@ def test_recipe_passes_the_layout_validation_on_its_ranks(path: Path) -> None:
     ("smollm2-135m.toml", ["--arch", "gpt2"], ("layernorm", "learned", "gelu", True)),
     ("smollm2-135m.toml", ["--model", "gpt2"], ("layernorm", "learned", "gelu", True)),
     ("quickstart.toml", ["--arch", "llama", "--norm", "layernorm"], ("layernorm", "rotary", "swiglu", False)),
+    ("smollm2-135m.toml", ["--arch", "llama"], ("rmsnorm", "rotary", "swiglu", True)),  # its own kind: the file's
 ])
 def test_a_kind_on_the_command_line_brings_its_parts_over_the_recipes(recipe: str, kind: list[str],
                                                                       want: tuple) -> None:
@@ -173,6 +174,19 @@ def test_a_kind_on_the_command_line_brings_its_parts_over_the_recipes(recipe: st
     A part also given on the command line still wins."""
     cfg = config_of(["--config", str(CONFIGS / recipe), *kind])
     assert (cfg.norm, cfg.positions, cfg.mlp, cfg.tie_embeddings) == want
+
+
+def test_a_gpt2_preset_over_a_llama_recipe_is_gpt2_in_train_and_plan() -> None:
+    """--model gpt2 over configs/smollm2-135m.toml kept the file's 3 kv heads and SwiGLU
+    width (GQA with a 1536-wide MLP under gpt2's name), and plan, which fills the preset
+    itself, planned the file's Llama parts."""
+    from numesh.plan.command import base_config
+
+    recipe = CONFIGS / "smollm2-135m.toml"
+    for cfg in (config_of(["--config", str(recipe), "--model", "gpt2"]), base_config({}, recipe, "gpt2")):
+        model = cfg.model(50257)
+        assert (cfg.arch, cfg.norm, cfg.mlp, model.kv_heads, model.hidden) == ("gpt2", "layernorm", "gelu", 12,
+                                                                               4 * 768)
 
 
 def test_gpt2_recipe_builds_gpt2s_model() -> None:

@@ -137,7 +137,7 @@ def _tokenized(summary: dict, out: Path, what: str) -> None:
           f"{summary['val_tokens']:,} tokens; train on it with `numesh train --data {shlex.quote(str(out))}`",
           file=sys.stderr)
     share = summary["bytes"]["val"] / max(1, sum(summary["bytes"].values()))
-    if share < vf / 2:
+    if share < vf / 2 or share > 2 * vf:
         print(f"warning: val holds {100 * share:.2g}% of the corpus's bytes, not the {100 * vf:g}% --val-fraction "
               "asks: its documents are too large to fill it whole (--split-on cuts .txt files into more)",
               file=sys.stderr)
@@ -256,7 +256,7 @@ def _with_preset(options: dict[str, Any], name: str | None) -> dict[str, Any]:
         return options
     from numesh.plan.presets import preset
 
-    shape = {"arch": "gpt2", **preset(name).model_options()}  # GPT-2's and GPT-3's presets name no kind
+    shape = preset(name).model_options()
     return {**options, **{k: v for k, v in shape.items() if options.get(k) is None}}
 
 

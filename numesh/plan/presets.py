@@ -22,9 +22,11 @@ class Preset:
     parts: dict[str, Any] = attrs.field(factory=lambda: {"bias": True})  # GPT-2's and GPT-3's: biases
 
     def model_options(self) -> dict[str, Any]:
-        """The `numesh train` options of its model (the vocabulary and batch are the run's)."""
-        return dict(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size,
-                    **self.parts)
+        """The `numesh train` options of its model (the vocabulary and batch are the run's):
+        its kind and every part of its shape, GPT-2's kind, full heads and a 4C MLP where the
+        preset names none, so that no --config file's Llama keys (n_kv_head, ffn_hidden) mix in."""
+        return {**dict(arch="gpt2", n_kv_head=0, ffn_hidden=0, n_layer=self.n_layer, n_head=self.n_head,
+                       n_embd=self.n_embd, block_size=self.block_size), **self.parts}
 
 
 GPT2 = "Radford et al. 2019 (GPT-2), as in nanoGPT's configs; batch 480 x 1024 tokens = nanoGPT's ~0.5M-token batch"

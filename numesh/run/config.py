@@ -221,6 +221,7 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
             values[name] = value
             if value != fields[name].default:  # a recipe lists every key, those it does not use at their defaults
                 given[name] = f" (in {path})"
+    file_arch = values.get("arch")  # the --config file's kind, if it names one
     for key, value in overrides.items():
         if key not in fields:
             raise ConfigError(f"unknown config key '{key}': the keys are {', '.join(fields)}")
@@ -231,8 +232,8 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
     arch = values.get("arch", fields["arch"].default)
     if arch not in ARCHS:
         raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
-    _kind_parts(values, overrides, arch)
-    _default_floor(values, fields["min_lr"].default)
+    _kind_parts(values, overrides, file_arch, arch)
+    _default_floor(values, given, fields["min_lr"].default)
     for name, value in values.items():
         values[name] = option_value(name, value, field_type(fields[name]))
     cfg = TrainConfig(**values)
@@ -258,26 +259,28 @@ def _check_unused(cfg: TrainConfig, given: dict[str, str]) -> None:
                               f"set --moe-experts or drop {flag(name)}")
 
 
-def _kind_parts(values: dict[str, Any], overrides: dict[str, Any], arch: str) -> None:
+def _kind_parts(values: dict[str, Any], overrides: dict[str, Any], file_arch: Any, arch: str) -> None:
     """The parts of the model kind `arch` (norm, positions, mlp, tied head) where no option
-    names one; a kind named on the command line (--arch, or --model's preset) brings its
-    parts over those of the --config file, which lists every part of its own kind: else
-    `--config quickstart.toml --arch llama` trained GPT-2's block under Llama's name."""
-    from_command_line = overrides.get("arch") is not None
+    names one. A kind named on the command line (--arch, or --model's preset) other than
+    the --config file's brings its parts over the file's, which lists every part of its own
+    kind: else `--config quickstart.toml --arch llama` trained GPT-2's block under Llama's
+    name. The file's own kind named again changes nothing (SmolLM2's recipe stays tied)."""
+    other_kind = overrides.get("arch") is not None and file_arch is not None and file_arch != arch
     for name, value in ARCHS[arch].items():
-        if from_command_line and overrides.get(name) is None:
+        if other_kind and overrides.get(name) is None:
             values[name] = value
         else:
             values.setdefault(name, value)
 
 
-def _default_floor(values: dict[str, Any], floor: float) -> None:
-    """--min-lr where not given: its default, or --learning-rate where that is lower. A
-    fine-tune's rate (2e-5, say) is below the default floor, and a floor above the peak would
-    make the cosine "decay" raise the rate; one the user gives above the peak is refused
-    (`check_options`)."""
+def _default_floor(values: dict[str, Any], given: dict[str, str], floor: float) -> None:
+    """--min-lr where not given (on the command line, or in the --config file at other than
+    its default, as a recipe lists it): its default, or --learning-rate where that is lower.
+    A fine-tune's rate (2e-5, say) is below the default floor, and a floor above the peak
+    would make the cosine "decay" raise the rate; one the user gives above the peak is
+    refused (`check_options`)."""
     lr = values.get("learning_rate")
-    if "min_lr" not in values and isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < floor:
+    if "min_lr" not in given and isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0 < lr < floor:
         values["min_lr"] = float(lr)
 
 
@@ -391,7 +394,7 @@ def _check_values(cfg: TrainConfig) -> None:
         value = getattr(cfg, f.name)
         if field_type(f) is float and not math.isfinite(value):
             raise ConfigError(f"{flag(f.name)} must be a finite number, got {value}")
-        if field_type(f) is int and abs(value) >= _INT_LIMIT:  # numpy's sizes and indices are int64
+        if field_type(f) is int and f.name != "seed" and abs(value) >= _INT_LIMIT:  # sizes, counts, indices
             raise ConfigError(f"{flag(f.name)} {value} is out of range: it must be below {_INT_LIMIT:,}")
     for name in _PATHS_NEEDED + _PATHS_OPTIONAL:
         value = getattr(cfg, name)
