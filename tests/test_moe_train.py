@@ -176,3 +176,15 @@ def test_the_progress_line_shows_the_routing() -> None:
         "aux 0.0102, experts 40-90 tok (2.25x)")
     assert moe_progress({"moe_aux_loss": 0.02, "moe_tokens_min": 0, "moe_tokens_max": 9, "moe_dropped": 3}) == (
         "aux 0.0200, experts 0-9 tok (infx), 3 dropped")
+
+
+def test_a_dense_models_moe_every_is_not_a_setting_to_resume_with() -> None:
+    """An older dense run recorded --moe-every 2 (nothing reads it without experts): resume
+    and --init-from asked for `--moe-every 2`, which a dense run now refuses, a loop."""
+    from numesh.checkpoint.model import model_value
+    from numesh.nn.gpt import GPTConfig
+
+    dense = GPTConfig(vocab_size=65, n_layer=2, n_head=2, n_embd=16, block_size=8, moe_every=2)
+    assert model_value(dense, "moe_every") is None and model_value(dense, "moe_top_k") is None
+    moe = attrs.evolve(dense, moe_experts=4)
+    assert model_value(moe, "moe_every") == 2

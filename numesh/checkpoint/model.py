@@ -49,13 +49,15 @@ def tied_leaves(model: GPTConfig) -> tuple[str, ...]:
 def model_value(model: GPTConfig, key: str) -> object:
     """What a config key means for the parameters: ffn_hidden and n_kv_head resolved (0 is
     the default, the same tree as that default given), rope_theta only with rotary positions,
-    norm_eps only with RMSNorm and moe_top_k only with experts (else nothing reads them)."""
+    norm_eps only with RMSNorm and moe_top_k and moe_every only with experts (else nothing
+    reads them: an older dense run that recorded --moe-every 2 is not asked for an option
+    a dense run now refuses)."""
     if key == "ffn_hidden":
         return model.hidden
     if key == "n_kv_head":
         return model.kv_heads
     if (key == "rope_theta" and model.positions != "rotary") or (key == "norm_eps" and model.norm != "rmsnorm") or (
-            key == "moe_top_k" and not model.moe_experts):
+            key in ("moe_top_k", "moe_every") and not model.moe_experts):
         return None
     return getattr(model, key)
 
