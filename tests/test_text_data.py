@@ -73,17 +73,17 @@ def test_a_ctrl_c_stops_bpe_training_at_the_next_piece() -> None:
     pulled = []
 
     def corpus():
-        for i in range(2000):
+        for i in range(20_000):
             if i == 100:
                 os.kill(os.getpid(), signal.SIGINT)
             if i >= 100:
-                time.sleep(0.001)  # 2 s more of corpus, which an interrupted training never reads
+                time.sleep(0.001)  # 20 s more of corpus, which an interrupted training never reads
             pulled.append(i)
             yield f"document {i} of a corpus " * 3
 
     with pytest.raises(KeyboardInterrupt):
         train_bpe(corpus(), 300)
-    assert len(pulled) < 1000
+    assert len(pulled) < 10_000  # ~a second's pieces here; the bound leaves a loaded machine 10 s
 
 
 def test_shards_hold_each_document_then_eot_split_by_documents(corpus: Path, tmp_path: Path,
@@ -248,6 +248,24 @@ def test_a_val_share_far_below_the_fraction_is_one_warning_line(tmp_path: Path) 
     warning = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
     assert warning == ["warning: val holds 0.095% of the corpus's bytes, not the 10% --val-fraction asks: its "
                        "documents are too large to fill it whole (--split-on cuts .txt files into more)"]
+
+
+def test_three_whole_files_none_of_which_fits_the_share_put_the_smallest_in_val(tmp_path: Path) -> None:
+    """Each file is a third of the bytes, more than 10 %: the hash-ordered fill took none and
+    refused a corpus the index hash had split (it always sent one of three to val). The
+    smallest goes to val, and a warning line says how much more than the share it holds."""
+    (tmp_path / "c").mkdir()
+    for name, n in (("a.txt", 60), ("b.txt", 50), ("c.txt", 55)):
+        (tmp_path / "c" / name).write_text(f"the text of {name} " * n, encoding="utf-8")
+    (tmp_path / "tokenizer.json").write_text(train_bpe(DOCS, 300).json_text, encoding="utf-8")
+    res = cli("data", "tokenize", "--tokenizer", str(tmp_path / "tokenizer.json"), "--src", str(tmp_path / "c"),
+              "--out", str(tmp_path / "d"))
+    assert res.exit_code == 0, res.stderr
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert (meta["splits"]["train"]["documents"], meta["splits"]["val"]["documents"]) == (2, 1)
+    assert meta["splits"]["val"]["bytes"] == len("the text of b.txt " * 50)
+    warning = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "val holds 30% of the corpus's bytes, not the 10% --val-fraction" in warning[0]
 
 
 def test_a_corpus_without_tokens_or_without_a_val_document_is_refused(tmp_path: Path) -> None:

@@ -90,7 +90,9 @@ def choose_val(keys: np.ndarray, sizes: np.ndarray, val_fraction: float) -> np.n
     whose `sizes` (bytes) still fit in `val_fraction` of the corpus's. Val so holds at most
     that share of the bytes, short of it by less than the smallest train document, and a
     document added to the corpus moves others only where the share fills up (and a little
-    through the room its own bytes add)."""
+    through the room its own bytes add). Where no document fits in the share, the smallest
+    goes to val (more than the share: the command warns), so that three or more whole files
+    split (two are refused: half of the corpus would be val)."""
     order = np.argsort(keys, kind="stable")
     ordered = np.asarray(sizes, dtype=np.int64)[order]
     room = int(val_fraction * int(ordered.sum()))
@@ -104,6 +106,8 @@ def choose_val(keys: np.ndarray, sizes: np.ndarray, val_fraction: float) -> np.n
             break
         if ordered[j] <= room:
             take[j], room = True, room - int(ordered[j])
+    if not take.any() and len(ordered) > 2:  # none fits: the smallest (the first in hash order of those), as
+        take[int(np.argmin(ordered))] = True  # a corpus of three or more whole files always had one in val
     val = np.zeros(len(ordered), dtype=bool)
     val[order] = take
     return val
