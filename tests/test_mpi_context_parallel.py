@@ -90,9 +90,15 @@ def test_a_bad_id_on_one_cp_rank_is_one_error_on_every_rank(layer_mesh: Mesh) ->
     idx = np.zeros((1, BLOCK_SIZE // cp), np.int64)
     if layer_mesh.index("cp") == cp - 1:
         idx[0, 0] = cfg.vocab_size
-    match = "idx holds ids from 0 to 11" if layer_mesh.index("cp") == cp - 1 else "another rank's ids"
-    with pytest.raises(ConfigError, match=match):
-        loss_and_grads(init_gpt(cfg, layer_mesh, dtype=np.float64), idx, idx, cfg, layer_mesh, 1.0)
+    last = layer_mesh.index("cp") == cp - 1
+    params = init_gpt(cfg, layer_mesh, dtype=np.float64)
+    with pytest.raises(ConfigError, match="idx holds ids from 0 to 11" if last else "another rank's inputs are wrong"):
+        loss_and_grads(params, idx, idx, cfg, layer_mesh, 1.0)
+    # a badly shaped array on one rank (a 1-D idx): its peers, whose checks pass, raise too
+    idx = np.zeros((1, BLOCK_SIZE // cp), np.int64)
+    bad = idx[0] if last else idx
+    with pytest.raises(ConfigError, match="idx must be .B, T." if last else "another rank's inputs are wrong"):
+        loss_and_grads(params, bad, bad, cfg, layer_mesh, 1.0)
 
 
 def test_observers_see_the_ring(layer_mesh: Mesh) -> None:

@@ -94,24 +94,34 @@ def check_ids_shape(idx: np.ndarray, targets: np.ndarray | None, name: str = "id
         raise ConfigError(f"targets {targets.shape} and {name} {idx.shape} must have one shape")
 
 
-def check_ids(idx: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig, mesh: Mesh, name: str = "idx") -> None:
+def check_ids(idx: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig, mesh: Mesh, name: str = "idx",
+              problem: str | None = None) -> None:
     """One ConfigError line, on every rank alike, if an id or target is outside [0,
-    vocab_size). Where ranks hold different ids and meet inside the call (cp, ep) they
-    first agree whether any rank has a bad one, so none waits in a collective for one that left."""
-    problem = _id_problem(idx, cfg.vocab_size, name)
+    vocab_size) (or `problem`, another entry check's, is not None). Where ranks hold
+    different ids and meet inside the call (cp, ep) they first agree whether any rank has a
+    problem, so none waits in a collective for one that left."""
+    if problem is None:
+        problem = _id_problem(idx, cfg.vocab_size, name)
     if problem is None and targets is not None:
         problem = _id_problem(targets, cfg.vocab_size, "targets")
     axes = tuple(a for a in _DIFFERENT_IDS if mesh.size(a) > 1)
     if axes:  # one small all-reduce, on these meshes only (every rank of the mesh is here)
         bad = mesh.comm(axes).allreduce(int(problem is not None))
         if bad and problem is None:
-            problem = f"another rank's ids or targets are outside [0, {cfg.vocab_size}) (vocab_size)"
+            problem = f"another rank's inputs are wrong (ids or targets outside [0, {cfg.vocab_size}), or params " \
+                      "or arrays of the wrong shape): its error says which"
     if problem is not None:
         raise ConfigError(problem)
 
 
 def check_inputs(params: GPT, idx: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig, mesh: Mesh) -> None:
-    """Every entry check of a model call: the params, the ids' shapes and types, their range."""
-    check_params(params, cfg, mesh)
-    check_ids_shape(idx, targets)
-    check_ids(idx, targets, cfg, mesh)
+    """Every entry check of a model call: the params, the ids' shapes and types, their range;
+    a rank's failed check is agreed with the others where ranks hold different inputs (cp,
+    ep: one rank's badly shaped array left the others waiting in the call's collectives)."""
+    try:
+        check_params(params, cfg, mesh)
+        check_ids_shape(idx, targets)
+        problem = None
+    except ConfigError as e:
+        problem = str(e)
+    check_ids(idx, targets, cfg, mesh, problem=problem)
