@@ -213,6 +213,9 @@ def test_a_warmup_past_the_decay_point_is_one_line(char_dataset: Path, tmp_path:
     assert not (tmp_path / "o").exists()
     check_options(config_from(dict(warmup_iters=10, lr_decay_iters=10)), 1)
     check_options(config_from(dict(warmup_iters=10, lr_decay_iters=0, learning_rate=1e-3, min_lr=1e-3)), 1)
+    # the default warm-up (100) past --lr-decay-iters 50 of a 50-step run: nanoGPT's habit, and
+    # such a run's requeue with its own command, are not refused for a warm-up nobody set
+    check_options(config_from(dict(max_iters=50, lr_decay_iters=50)), 1)
 
 
 @pytest.mark.parametrize("option, value", [("--data", ""), ("--data", " "), ("--resume", " "), ("--init-from", "\t")])

@@ -100,7 +100,8 @@ class TrainConfig:
     min_lr: float = _field(1e-4, "learning rate at the end of the cosine decay; where not given and "
                                  "--learning-rate is lower, --learning-rate (no decay)")
     warmup_iters: int = _field(100, "linear warmup steps")
-    lr_decay_iters: int = _field(2000, "step at which the cosine decay reaches min_lr (not before --warmup-iters)")
+    lr_decay_iters: int = _field(
+        2000, "step at which the cosine decay reaches min_lr (not before a --warmup-iters given)")
     weight_decay: float = _field(
         0.1, "decoupled weight decay: AdamW's (matrices and embeddings only) and Muon's (its matrices)")
     beta1: float = _field(0.9, "AdamW beta1")
@@ -238,6 +239,8 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
         values[name] = option_value(name, value, field_type(fields[name]))
     cfg = TrainConfig(**values)
     _check_unused(cfg, given)
+    if "warmup_iters" in given:  # the default warm-up (100) past a short run's --lr-decay-iters is nanoGPT's too
+        _check_warmup(cfg)
     return cfg
 
 
@@ -355,7 +358,6 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
     if cfg.bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
     check_recompute(cfg.recompute)
-    _check_warmup(cfg)
     if cfg.on_nan not in ("stop", "skip"):
         raise ConfigError(f"--on-nan must be stop or skip, got '{cfg.on_nan}'")
     for name in ("seed", "warmup_iters", "lr_decay_iters", "min_lr", "weight_decay", "grad_clip",
@@ -404,9 +406,11 @@ def _check_values(cfg: TrainConfig) -> None:
 
 
 def _check_warmup(cfg: TrainConfig) -> None:
-    """The warm-up must end by the step where the cosine decay reaches min_lr: past it, the
-    rate climbs towards the peak and then falls to min_lr at once (no decay at all). A
-    schedule without decay (min_lr = learning_rate: a flat cosine) has no such step."""
+    """A --warmup-iters given must end by the step where the cosine decay reaches min_lr:
+    past it, the rate climbs towards the peak and then falls to min_lr at once (no decay at
+    all). A schedule without decay (min_lr = learning_rate: a flat cosine) has no such step.
+    The default warm-up is not held to it: `--max-iters 50 --lr-decay-iters 50` (nanoGPT's
+    habit) ran so, and its requeue must run again."""
     if cfg.warmup_iters > cfg.lr_decay_iters and cfg.min_lr != cfg.learning_rate:
         raise ConfigError(f"--warmup-iters {cfg.warmup_iters} ends after --lr-decay-iters {cfg.lr_decay_iters}, "
                           f"the step where the decay reaches --min-lr: use a --lr-decay-iters of at least "
