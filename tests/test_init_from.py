@@ -91,9 +91,25 @@ def test_init_from_a_numesh_checkpoint_or_run_says_what_works(shared_dataset: Pa
                                   "--out", str(tmp_path / "ft"), "--max-iters", "1"))
         assert line == (f"error: --init-from {source} is a numesh {kind}, not a transformers directory or a `numesh "
                         f"export` file: continue its run with --resume {ckpt}, or start a new run from its weights "
-                        f"with `numesh export {ckpt} --out F.safetensors` (the Llama kind: --format hf --out DIR), "
-                        "then --init-from F.safetensors (or DIR)")
+                        f"with `numesh export {ckpt} --out F.safetensors`, then --init-from F.safetensors")
         assert not (tmp_path / "ft").exists()
+
+
+def test_the_weights_route_names_the_export_that_holds_the_model() -> None:
+    """The route offered for a checkpoint's weights (--init-from one, or resuming with
+    another optimiser) is the export its kind has: nanoGPT's file for GPT-2's kind,
+    transformers' for Llama and Mixtral, none for a GPT-kind mixture of experts (both
+    exports refuse it: the message had offered them)."""
+    from numesh.checkpoint.hf import weights_route
+    from numesh.nn.gpt import GPTConfig
+
+    gpt = GPTConfig(vocab_size=65, n_layer=2, n_head=2, n_embd=16, block_size=8)
+    llama = attrs.evolve(gpt, norm="rmsnorm", positions="rotary", mlp="swiglu", tie_embeddings=False)
+    assert "`numesh export C --out F.safetensors`, then --init-from F.safetensors" in weights_route(gpt, "C")
+    assert "`numesh export C --format hf --out DIR`, then --init-from DIR" in weights_route(llama, "C")
+    assert "--format hf" in weights_route(attrs.evolve(llama, moe_experts=4), "C")  # a Mixtral
+    assert weights_route(attrs.evolve(gpt, moe_experts=4), "C") == (
+        "no export format holds its model (numesh resumes or samples it only)")
 
 
 @pytest.mark.parametrize("name, text, says", [

@@ -340,6 +340,8 @@ def test_resuming_with_another_optimizer_is_one_error_line(char_dataset: Path, t
     assert cli(*base, "--max-iters", "1").exit_code == 0
     line = one_error_line(cli(*base, "--max-iters", "2", "--optimizer", "muon", "--resume", "auto"))
     assert "was trained with --optimizer adamw, this run has --optimizer muon: resume with --optimizer adamw" in line
+    assert line.endswith(f"or start a new run from its weights with `numesh export {tmp_path / 'run' / 'ckpt'}"
+                         "/step_000001 --out F.safetensors`, then --init-from F.safetensors")  # a route that works
 
 
 def test_matrices_dealt_over_threads_largest_first_to_the_least_loaded() -> None:

@@ -31,7 +31,7 @@ import numpy as np
 
 from numesh.base.errors import CheckpointError
 from numesh.base.files import os_reason
-from numesh.checkpoint.export import check_out_name, exported_tensors, to_nanogpt
+from numesh.checkpoint.export import check_nanogpt, check_out_name, exported_tensors, to_nanogpt
 from numesh.checkpoint.format import Meta
 from numesh.checkpoint.hf_files import SINGLE, weight_files
 from numesh.checkpoint.hf_llama import to_llama
@@ -115,6 +115,25 @@ def hf_kind(model: GPTConfig) -> str:
         raise CheckpointError(f"this mixture of experts is not a Mixtral: it has {differs[0]}; "
                               "sample or resume it with numesh instead")
     return "mixtral"
+
+
+def weights_route(model: GPTConfig, ckpt: str | Path) -> str:
+    """How a new run starts from checkpoint `ckpt`'s weights, for a message: the export
+    whose format holds its model, then --init-from; or that none does (a GPT-kind mixture
+    of experts, a mix of kinds: numesh resumes or samples it only)."""
+    try:
+        check_nanogpt(model)
+        return f"start a new run from its weights with `numesh export {ckpt} --out F.safetensors`, then " \
+               "--init-from F.safetensors"
+    except CheckpointError:
+        pass
+    try:
+        kind = hf_kind(model)
+    except CheckpointError:
+        kind = None
+    if kind is None or (kind == "gpt2" and model.moe_experts):  # export_hf's MOE_REFUSAL
+        return "no export format holds its model (numesh resumes or samples it only)"
+    return f"start a new run from its weights with `numesh export {ckpt} --format hf --out DIR`, then --init-from DIR"
 
 
 def llama_config(model: GPTConfig, kind: str, eot_id: int | None, dtype: str) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from numesh.base.tree import tree_map
 from numesh.checkpoint.common import read_meta
 from numesh.checkpoint.export import import_nanogpt
 from numesh.checkpoint.format import META_FILE, full_region, vocab_difference
-from numesh.checkpoint.hf import import_hf
+from numesh.checkpoint.hf import import_hf, weights_route
 from numesh.checkpoint.hf_files import open_weights, read_json_file
 from numesh.checkpoint.hf_llama import OPTIONS, check_weights, is_pretrained_dir, model_type, pretrained, read_leaf
 from numesh.checkpoint.model import SHAPE_KEYS, gpt2_differences, gpt_leaves, local_paths, model_value, shard_params
@@ -59,10 +59,12 @@ def check_not_checkpoint(init_from: str) -> None:
     ckpt = p if (p / META_FILE).is_file() else p / "ckpt" / LATEST if (p / "ckpt").is_dir() else None
     if ckpt is None:
         return
+    try:
+        route = weights_route(read_meta(ckpt).model, ckpt)
+    except CheckpointError:  # unreadable: say what resuming it says
+        route = "see what `--resume` says of it"
     raise ConfigError(f"--init-from {init_from} is a numesh {'checkpoint' if ckpt == p else 'run'}, not a transformers "
-                      f"directory or a `numesh export` file: continue its run with --resume {ckpt}, or start a new "
-                      f"run from its weights with `numesh export {ckpt} --out F.safetensors` (the Llama kind: "
-                      f"--format hf --out DIR), then --init-from F.safetensors (or DIR)")
+                      f"directory or a `numesh export` file: continue its run with --resume {ckpt}, or {route}")
 
 
 def start_vocab(init_from: str, resume: str) -> int | None:

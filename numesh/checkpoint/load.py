@@ -12,6 +12,7 @@ from numesh.base.errors import CheckpointError
 from numesh.base.tree import tree_leaves_with_path, tree_map
 from numesh.checkpoint.common import read_group, read_meta, read_params
 from numesh.checkpoint.format import STEP_DIR, BlockReader, Meta, vocab_difference
+from numesh.checkpoint.hf import weights_route
 from numesh.checkpoint.hf_source import recorded_source
 from numesh.checkpoint.model import check_model, gpt_leaves, local_paths
 from numesh.checkpoint.pinned import read_pinned, read_pinned_on
@@ -58,8 +59,7 @@ def check_optimizer(meta: Meta, optimizer: str) -> None:
     if meta.optimizer != optimizer:
         raise CheckpointError(
             f"{meta.root} was trained with --optimizer {meta.optimizer}, this run has --optimizer {optimizer}: "
-            f"resume with --optimizer {meta.optimizer}, or start a new run from its weights with --init-from "
-            f"(after `numesh export`)")
+            f"resume with --optimizer {meta.optimizer}, or {weights_route(meta.model, meta.root)}")
 
 
 def read_local_state(path: str | Path, mesh: Mesh, model: GPTConfig, layout: StageLayout, dtype: Any,
