@@ -80,6 +80,20 @@ def test_loss_and_grads_match_one_rank(tp_mesh: Mesh, dropout: float) -> None:
     assert WORLD.allgather(step.loss) == [step.loss] * WORLD.Get_size()
 
 
+def test_unsigned_ids_as_a_datasets_shards_hold_them_give_the_same_loss(tp_mesh: Mesh) -> None:
+    """uint16 ids (train.bin's dtype) on tp: "not on this rank" was -1, which wrapped to
+    65535 and indexed past the embedding's shard (a segfault); they are read as int64."""
+    cfg = model_config()
+    gp = random_global_params(cfg, seed=21)
+    idx, tgt = random_batch(cfg)
+    local = shard_params(gp, cfg, tp_mesh)
+    want_loss, want = loss_and_grads(local, idx, tgt, cfg, tp_mesh, 1.0 / idx.size)
+    loss, grads = loss_and_grads(local, idx.astype(np.uint16), tgt.astype(np.uint16), cfg, tp_mesh, 1.0 / idx.size)
+    assert loss == want_loss
+    for a, b in zip(tree_leaves(grads), tree_leaves(want)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_cross_entropy_with_a_rank_far_below_matches_one_rank(tp_mesh: Mesh) -> None:
     """Each rank shifts its columns by its own max and rescales its sum to the common max:
     rows whose last rank's logits lie 60 below the others', or whose other ranks' lie 1,000

@@ -509,7 +509,7 @@ def loss_and_grads(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTCo
     training loop leaves that to the optimiser, once per step). A ConfigError line, before
     any communication, for params of another config or mesh and for ids or targets that are
     not int [B, T] arrays of one shape with every id in [0, vocab_size) (`numesh.nn.inputs`)."""
-    check_inputs(params, idx, targets, cfg, mesh)
+    idx, targets = check_inputs(params, idx, targets, cfg, mesh)
     units = ResidentParams(params)
     stage = whole_model(cfg.n_layer)
     loss, ctx = stage_forward(units, stage, idx, targets, cfg, mesh, drop, recompute=recompute)
@@ -520,6 +520,6 @@ def loss_and_grads(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTCo
 
 def forward_loss(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> np.ndarray:
     """Per-token losses [B*T], forward only (evaluation)."""
-    check_inputs(params, idx, targets, cfg, mesh)
+    idx, targets = check_inputs(params, idx, targets, cfg, mesh)
     loss, _ = stage_forward(ResidentParams(params), whole_model(cfg.n_layer), idx, targets, cfg, mesh, keep=False)
     return loss
