@@ -639,6 +639,18 @@ def test_the_best_command_trains_the_model_planned(name: str) -> None:
     assert ranks == 4 and ModelSpec.of(config_of(argv), planned.vocab_size) == planned
 
 
+def test_the_best_command_of_a_recipe_trains_the_recipes_model() -> None:
+    """`numesh plan --config configs/moe.toml` planned the recipe's mixture of experts, and
+    its `best:` line, without the --config, trained a dense model."""
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "moe.toml"
+    res = invoke(["--ranks", "4", "--config", str(recipe), "--vocab-size", "65", "--hardware", "h100-80gb", "--top",
+                  "1"])
+    assert res.exit_code == 0, res.output
+    ranks, argv = command(res.stdout.strip().splitlines()[-1].removeprefix("best: "))
+    trained = config_of(argv)
+    assert ranks == 4 and trained.moe_experts == base_config({}, recipe, None).moe_experts > 0
+
+
 def test_the_search_never_lists_a_tp_that_splits_the_kv_heads_query_groups(char_dataset: Path,
                                                                             tmp_path: Path) -> None:
     """12 query heads in 3 kv groups on 12 ranks: tp = 2 and 4 would split a group across

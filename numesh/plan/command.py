@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 from pathlib import Path
 from typing import Any, Callable
 
@@ -129,6 +130,8 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
     if as_json_out:
         return json.dumps([as_json(p, ranks) for p in found.fitting], indent=1)
     extra = " ".join(flag_value(k, v) for k, v in overrides.items() if v is not None and k not in LAYOUT_OPTIONS)
+    if toml is not None:  # the recipe's model (its experts, its kind) is what was planned: train reads it too
+        extra = f"--config {shlex.quote(str(toml))} {extra}".strip()
     if model_preset:
         p = preset(model_preset)
         # the preset's kind and its biases (GPT-2's and GPT-3's: --bias, off by default in train)
