@@ -98,6 +98,8 @@ def hf_kind(model: GPTConfig) -> str:
     one-line CheckpointError says what no class of transformers computes."""
     parts = (model.norm, model.positions, model.mlp)
     if parts == ("layernorm", "learned", "gelu") and model.tie_embeddings and model.fused_qkv:
+        if model.moe_experts:
+            raise CheckpointError(MOE_REFUSAL.format(model.moe_experts))
         return "gpt2"
     if parts != ("rmsnorm", "rotary", "swiglu"):
         raise CheckpointError(f"this checkpoint's model mixes GPT-2's and Llama's parts (norm {model.norm}, positions "
@@ -128,10 +130,8 @@ def weights_route(model: GPTConfig, ckpt: str | Path) -> str:
     except CheckpointError:
         pass
     try:
-        kind = hf_kind(model)
+        hf_kind(model)
     except CheckpointError:
-        kind = None
-    if kind is None or (kind == "gpt2" and model.moe_experts):  # export_hf's MOE_REFUSAL
         return "no export format holds its model (numesh resumes or samples it only)"
     return f"start a new run from its weights with `numesh export {ckpt} --format hf --out DIR`, then --init-from DIR"
 
