@@ -65,6 +65,17 @@ def test_generate_refuses_a_prompt_that_is_not_ids_of_the_vocabulary(prompt: np.
         generate(_params(), CFG, self_mesh(), prompt, 2)
 
 
+def test_generate_refuses_no_tokens_to_draw_from() -> None:
+    with pytest.raises(ConfigError, match=r"tokens must be >= 1 .* got 0"):
+        generate(_params(), CFG, self_mesh(), np.array([[1, 2]]), 2, tokens=0)
+
+
+def test_generate_takes_its_settings_by_name() -> None:
+    """Nine positional settings were easy to misorder (a seed passed as top_k drew silently)."""
+    with pytest.raises(TypeError):
+        generate(_params(), CFG, self_mesh(), np.array([[1, 2]]), 2, 0.0)  # type: ignore[misc]
+
+
 @pytest.mark.parametrize("change, match", [
     (lambda i, t: (i.astype(float), t), "idx must be an int numpy array of token ids"),
     (lambda i, t: (i[0], t[0]), r"idx must be \[B, T\] .* got shape \(8,\)"),

@@ -117,7 +117,12 @@ def option_value(name: str, value: Any, want: type) -> Any:
         value = float(value)
     if not isinstance(value, want) or (want is int and isinstance(value, bool)):
         raise ConfigError(f"config key '{name}' must be {want.__name__}, got {value!r}")
-    if want is float and not math.isfinite(value):
+    return check_finite(name, value) if want is float else value
+
+
+def check_finite(name: str, value: float) -> float:
+    """`value`, or a one-line ConfigError where option `name` is NaN or infinite."""
+    if not math.isfinite(value):
         raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     return value
 

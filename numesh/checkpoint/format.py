@@ -42,7 +42,21 @@ PARAMS = "params"
 LEGACY_OPTIMIZER = "adamw"  # what a meta.json without "optimizer" was trained with
 DTYPES = ("float32", "float64")
 STEP_DIR = re.compile(r"step_(\d+)")
+LATEST = "latest"  # OUT/ckpt/latest: a symlink to the newest step_ directory
+RUN_CKPT = "ckpt"  # a run's checkpoints live in OUT/ckpt
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def step_dirs(ckdir: Path) -> list[tuple[int, Path]]:
+    """A run's step_N directories in `ckdir` (not `latest`, nor a symlink), as (N, path) by N."""
+    return sorted((int(m.group(1)), p) for p in ckdir.iterdir()
+                  if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir() and not p.is_symlink())
+
+
+def run_checkpoints(path: Path) -> Path | None:
+    """`path`/ckpt where `path` is a run's directory (train --out), else None."""
+    ckdir = path / RUN_CKPT
+    return ckdir if ckdir.is_dir() else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -524,12 +538,12 @@ def read_meta(path: str | Path, describe: Describe, state_groups: Groups = adamw
     root = given.resolve()
     meta_path = root / META_FILE
     if not meta_path.is_file():
-        if (root / "ckpt").is_dir():  # a run's directory (train --out), not one of its checkpoints
+        if run_checkpoints(root):  # a run's directory (train --out), not one of its checkpoints
             raise CheckpointError(f"{given} is a run's directory, not a checkpoint: pass one of its checkpoints, "
-                                  f"such as {given / 'ckpt' / 'latest'}")
-        if (root / "latest").exists() or any(root.glob("step_*")):  # the run's ckpt/ itself
+                                  f"such as {given / RUN_CKPT / LATEST}")
+        if (root / LATEST).exists() or step_dirs(root):  # the run's ckpt/ itself
             raise CheckpointError(f"{given} holds a run's checkpoints, it is not one: pass one of them, such as "
-                                  f"{given / 'latest'}")
+                                  f"{given / LATEST}")
         raise CheckpointError(f"{meta_path} is missing: {given} is not a complete numesh checkpoint")
     try:
         raw = json.loads(meta_path.read_text(encoding="utf-8"))

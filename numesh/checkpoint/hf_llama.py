@@ -24,6 +24,7 @@ import numpy as np
 
 from numesh.base.errors import CheckpointError
 from numesh.base.tree import tree_leaves_with_path
+from numesh.checkpoint.format import run_checkpoints
 from numesh.checkpoint.hf_files import Weights, read_json_file
 from numesh.nn.gpt import GPTConfig, gpt_global_shapes, swiglu_hidden
 
@@ -75,7 +76,7 @@ def is_pretrained_dir(path: str | Path) -> bool:
     checkpoint (its meta.json) or file."""
     p = Path(path)  # a run's directory (train --out) has a config.json and its ckpt/: not a model's
     return p.is_dir() and (p / "config.json").exists() and not (p / "meta.json").exists() \
-        and not (p / "ckpt").is_dir()
+        and not run_checkpoints(p)
 
 
 def model_type(directory: Path) -> str:

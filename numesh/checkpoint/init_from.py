@@ -22,12 +22,11 @@ from numesh.base.errors import CheckpointError, ConfigError
 from numesh.base.tree import tree_map
 from numesh.checkpoint.common import read_meta
 from numesh.checkpoint.export import import_nanogpt
-from numesh.checkpoint.format import META_FILE, full_region, vocab_difference
+from numesh.checkpoint.format import LATEST, META_FILE, full_region, run_checkpoints, vocab_difference
 from numesh.checkpoint.hf import import_hf, weights_route
 from numesh.checkpoint.hf_files import open_weights, read_json_file
 from numesh.checkpoint.hf_llama import OPTIONS, check_weights, is_pretrained_dir, model_type, pretrained, read_leaf
 from numesh.checkpoint.model import SHAPE_KEYS, gpt2_differences, gpt_leaves, local_paths, model_value, shard_params
-from numesh.checkpoint.save import LATEST
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, directory_tokenizer, read_tokenizer_file
 from numesh.host.kernels import float_dtype
 from numesh.mesh import Mesh, shard
@@ -56,7 +55,8 @@ def check_not_checkpoint(init_from: str) -> None:
     run directory (its ckpt/), which it does not read: say what does (resuming it, or its
     weights exported first, as `check_optimizer`'s error says too)."""
     p = Path(init_from)
-    ckpt = p if (p / META_FILE).is_file() else p / "ckpt" / LATEST if (p / "ckpt").is_dir() else None
+    ckdir = run_checkpoints(p)
+    ckpt = p if (p / META_FILE).is_file() else ckdir / LATEST if ckdir else None
     if ckpt is None:
         return
     try:

@@ -11,7 +11,7 @@ import numpy as np
 from numesh.base.errors import CheckpointError
 from numesh.base.tree import tree_leaves_with_path, tree_map
 from numesh.checkpoint.common import read_group, read_meta, read_params
-from numesh.checkpoint.format import STEP_DIR, BlockReader, Meta, vocab_difference
+from numesh.checkpoint.format import STEP_DIR, BlockReader, Meta, step_dirs, vocab_difference
 from numesh.checkpoint.hf import weights_route
 from numesh.checkpoint.hf_source import recorded_source
 from numesh.checkpoint.model import check_model, gpt_leaves, local_paths
@@ -138,9 +138,8 @@ def _step(path: Path) -> int | None:
 
 def intact_before(ckdir: Path, step: int | None) -> Path | None:
     """The newest intact step directory in `ckdir` before `step` (any step if None), or None."""
-    found = [(n, p) for p in ckdir.iterdir()
-             if (n := _step(p)) is not None and p.is_dir() and not p.is_symlink() and (step is None or n < step)]
-    return next((p for _, p in sorted(found, reverse=True) if _intact(p)), None)
+    found = [p for n, p in step_dirs(ckdir) if step is None or n < step]
+    return next((p for p in reversed(found) if _intact(p)), None)
 
 
 def broken_latest(latest: Path, error: Exception) -> str | None:

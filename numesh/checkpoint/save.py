@@ -21,7 +21,9 @@ from numesh.base.errors import CheckpointError
 from numesh.checkpoint.common import TMP_PREFIX, install_dir
 from numesh.checkpoint.format import (
     FORMAT,
+    LATEST,
     META_FILE,
+    RUN_CKPT,
     STEP_DIR,
     VERSION,
     FileRecord,
@@ -34,6 +36,7 @@ from numesh.checkpoint.format import (
     relative,
     shard_suffix,
     step_dir_name,
+    step_dirs,
     write_npy,
     write_text_synced,
     writes_leaf,
@@ -43,7 +46,6 @@ from numesh.checkpoint.model import gpt_leaves, written_leaves
 from numesh.checkpoint.state import TrainState, checkpoint_groups, state_groups
 from numesh.mesh import AXES
 
-LATEST = "latest"
 # one written block: (leaf key "group/path", its file record as JSON, its dtype name)
 Written = tuple[str, dict[str, Any], str]
 
@@ -145,11 +147,7 @@ def prune(ckdir: Path, keep: int, current: Path) -> list[Path]:
     they rank below every other, so they go first and never push out the continued run's."""
     own = STEP_DIR.fullmatch(current.name)
     now = int(own.group(1)) if own else float("inf")
-    steps = sorted(
-        ((int(m.group(1)) <= now, int(m.group(1))), p)
-        for p in ckdir.iterdir()
-        if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir() and not p.is_symlink() and p != current
-    )
+    steps = sorted(((n <= now, n), p) for n, p in step_dirs(ckdir) if p != current)
     doomed = [p for _, p in steps[: max(0, len(steps) - (keep - 1))]]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
@@ -196,7 +194,7 @@ def prepare_save(state: TrainState, out_dir: str | Path) -> tuple[Path, Path]:
     """(temporary, final) directory of `state`'s checkpoint, the temporary one made empty
     on rank 0 (leftovers of killed saves removed). Collective: the same error on every rank."""
     comm = state.mesh.world
-    ckdir = Path(out_dir) / "ckpt"
+    ckdir = Path(out_dir) / RUN_CKPT
     name = step_dir_name(state.step)
     tmp, final = ckdir / f"{TMP_PREFIX}{name}", ckdir / name
     err = None

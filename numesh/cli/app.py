@@ -533,6 +533,7 @@ def report_cmd(
         import json
 
         from numesh.base.errors import ConfigError
+        from numesh.checkpoint.format import run_checkpoints
         from numesh.observe.flight import postmortem
         from numesh.perf import report
 
@@ -547,7 +548,7 @@ def report_cmd(
                 return
             if out.suffix == ".json":
                 raise ConfigError(f"{path} not found: pass a run directory of `numesh train --trace` or its trace.json")
-            if (out / "ckpt").is_dir():  # a run without --trace: a new run, or the rest of this one, traced
+            if run_checkpoints(out):  # a run without --trace: a new run, or the rest of this one, traced
                 raise ConfigError(f"{path} not found and no flight record there: the run was not traced; trace a "
                                   "run with `numesh train --trace` and a new --out (or --resume auto for the steps "
                                   "this one has left)")

@@ -115,17 +115,18 @@ def check_ids(idx: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig, mesh:
 
 
 def check_inputs(params: GPT, idx: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig,
-                 mesh: Mesh) -> tuple[np.ndarray, np.ndarray | None]:
+                 mesh: Mesh, name: str = "idx") -> tuple[np.ndarray, np.ndarray | None]:
     """Every entry check of a model call: the params, the ids' shapes and types, their range;
     a rank's failed check is agreed with the others where ranks hold different inputs (cp,
     ep: one rank's badly shaped array left the others waiting in the call's collectives).
     Returns idx and targets as int64 (no copy when they are): unsigned ids (a dataset's
-    uint16 shards) wrapped tp's "not on this rank" -1 to 65535, an index out of bounds."""
+    uint16 shards) wrapped tp's "not on this rank" -1 to 65535, an index out of bounds.
+    `name`: what the caller calls `idx` (generate's "prompt")."""
     try:
         check_params(params, cfg, mesh)
-        check_ids_shape(idx, targets)
+        check_ids_shape(idx, targets, name)
         problem = None
     except ConfigError as e:
         problem = str(e)
-    check_ids(idx, targets, cfg, mesh, problem=problem)
+    check_ids(idx, targets, cfg, mesh, name, problem=problem)
     return idx.astype(np.int64, copy=False), None if targets is None else targets.astype(np.int64, copy=False)

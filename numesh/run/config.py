@@ -8,19 +8,18 @@ The CLI's options are the fields, `_` spelled `-`; each field's help is the opti
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
-from numesh.base.errors import ConfigError, option_value
+from numesh.base.errors import ConfigError, check_finite, option_value
 from numesh.base.files import read_user_file
 from numesh.base.flags import flag, flag_value
+from numesh.checkpoint.format import LATEST, RUN_CKPT
 from numesh.checkpoint.hf_llama import conflicts, is_pretrained_dir, model_type, pretrained
 from numesh.checkpoint.init_from import check_init_kind, check_not_checkpoint, start_vocab
-from numesh.checkpoint.save import LATEST
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
 from numesh.host.startup_signals import DEFAULT_SAVE_SIGNALS, parse_signals
 from numesh.mesh import parse_mesh
@@ -337,7 +336,7 @@ def run_vocab(cfg: TrainConfig, entries: int) -> int:
     from (`--resume`, else `--init-from`) where they have more: a transformers model padded
     to a multiple of 64, and every run, checkpoint and export after it, keeps those rows,
     whose ids never occur. Fewer rows than entries are refused where they are read."""
-    resume = str(Path(cfg.out) / "ckpt" / LATEST) if cfg.resume == RESUME_AUTO else cfg.resume
+    resume = str(Path(cfg.out) / RUN_CKPT / LATEST) if cfg.resume == RESUME_AUTO else cfg.resume
     return max(entries, start_vocab(cfg.init_from, resume) or 0)
 
 
@@ -394,8 +393,8 @@ def _check_values(cfg: TrainConfig) -> None:
     run there)."""
     for f in attrs.fields(TrainConfig):
         value = getattr(cfg, f.name)
-        if field_type(f) is float and not math.isfinite(value):
-            raise ConfigError(f"{flag(f.name)} must be a finite number, got {value}")
+        if field_type(f) is float:
+            check_finite(f.name, value)
         if field_type(f) is int and f.name != "seed" and abs(value) >= _INT_LIMIT:  # sizes, counts, indices
             raise ConfigError(f"{flag(f.name)} {value} is out of range: it must be below {_INT_LIMIT:,}")
     for name in _PATHS_NEEDED + _PATHS_OPTIONAL:

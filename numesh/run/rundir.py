@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from numesh.base.errors import ConfigError, abort_job
 from numesh.base.files import os_reason, write_atomic
-from numesh.checkpoint.save import LATEST
+from numesh.checkpoint.format import LATEST, RUN_CKPT
 from numesh.host.runtime import rank_ranges
 
 LOCK_FILE = ".lock"
@@ -35,7 +35,7 @@ def latest_checkpoint(out: Path, comm: MPI.Comm) -> Path | None:
     """OUT/ckpt/latest if rank 0 sees it (a dangling link too: resuming from it then fails
     with one line instead of silently starting over), else None; the same answer on every
     rank. What `--resume auto` continues from."""
-    latest = out / "ckpt" / LATEST
+    latest = out / RUN_CKPT / LATEST
     found = (latest.is_symlink() or latest.exists()) if comm.Get_rank() == 0 else None
     return latest if comm.bcast(found, root=0) else None
 
@@ -122,8 +122,8 @@ class RunDir:
     def _open(self, resume: str | Path | None, overwrite: bool, ckpt_bytes: int, config: dict[str, Any]) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         self._take_lock()
-        existing = [n for n in (*RUN_FILES, "ckpt") if (self.out / n).exists()]
-        own = bool(resume) and _is_within(Path(resume), self.out / "ckpt")  # continuing this run
+        existing = [n for n in (*RUN_FILES, RUN_CKPT) if (self.out / n).exists()]
+        own = bool(resume) and _is_within(Path(resume), self.out / RUN_CKPT)  # continuing this run
         if existing and resume and not own and not overwrite:
             raise ConfigError(
                 f"--out {self.out} already holds another run ({', '.join(existing)}) and --resume {resume} is not "
@@ -235,7 +235,7 @@ def _reuse_hint(out: Path) -> str:
     """What to do about a run already in `out`: --resume only where its `latest` checkpoint
     exists (a run that crashed before its first save has none, and suggesting it led to a
     second error)."""
-    latest = out / "ckpt" / "latest"
+    latest = out / RUN_CKPT / LATEST
     if latest.exists():
         return f"pass --resume {latest} to continue it, --overwrite to replace it, or another --out"
     return "it has no checkpoint to resume from: pass --overwrite to replace it, or another --out"

@@ -24,7 +24,7 @@ from numesh.mesh import Mesh
 from numesh.mesh.mesh import parse_axis_sizes
 from numesh.nn.decode import logits_cached, logits_last, new_kv_cache
 from numesh.nn.gpt import GPT, GPTConfig
-from numesh.nn.inputs import check_ids, check_ids_shape, check_params
+from numesh.nn.inputs import check_inputs
 
 __all__ = ["Checkpoint", "CheckpointError", "SampleConfig", "generate", "load_checkpoint", "sample"]
 
@@ -138,11 +138,11 @@ def generate(
     mesh: Mesh,
     prompt: np.ndarray,
     max_new_tokens: int,
+    *,
     temperature: float = 0.8,
     top_k: int | None = 200,
     seed: int = 1337,
     kv_cache: bool = True,
-    *,
     tokens: int | None = None,
 ) -> np.ndarray:
     """Extend `prompt` [B, T0] by `max_new_tokens` tokens; the context is the last block_size tokens.
@@ -157,13 +157,12 @@ def generate(
         raise ConfigError(f"temperature must be >= 0 and finite, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ConfigError(f"top_k must be >= 1, got {top_k}")
-    check_params(params, model, mesh)
-    check_ids_shape(prompt, None, "prompt")
-    if prompt.shape[1] < 1:
+    if tokens is not None and tokens < 1:
+        raise ConfigError(f"tokens must be >= 1 (the ids that may be drawn are those below it), got {tokens}")
+    idx, _ = check_inputs(params, prompt, None, model, mesh, "prompt")
+    if idx.shape[1] < 1:
         raise ConfigError("the prompt is empty: pass at least one character with --prompt")
-    check_ids(prompt, None, model, mesh, "prompt")
     rng = np.random.default_rng(seed)
-    idx = prompt.astype(np.int64)
     # generation runs dropless: a capacity ranks a whole sequence's tokens, later ones
     # included, which a token generated one at a time cannot see (docs/moe.md)
     model = attrs.evolve(model, moe_capacity_factor=0.0)
@@ -272,7 +271,7 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
         model = attrs.evolve(model, block_size=max(model.block_size, need))
     out = []
     for i in range(cfg.num_samples):
-        ids = generate(params, model, mesh, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed + i,
-                       cfg.kv_cache, tokens=ck.tokenizer.vocab_size)
+        ids = generate(params, model, mesh, prompt, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                       seed=cfg.seed + i, kv_cache=cfg.kv_cache, tokens=ck.tokenizer.vocab_size)
         out.append(shown(ck.tokenizer, ids[0]))
     return out

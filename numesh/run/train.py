@@ -25,7 +25,7 @@ from numesh.base.errors import CheckpointError, ConfigError, DataError, Interrup
 from numesh.base.tree import tree_leaves, tree_leaves_with_path, tree_map
 from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
 from numesh.checkpoint.background import AsyncCheckpoints
-from numesh.checkpoint.format import step_dir_name
+from numesh.checkpoint.format import LATEST, RUN_CKPT, step_dir_name
 from numesh.checkpoint.hf_source import read_source
 from numesh.checkpoint.init_from import initial_shards
 from numesh.checkpoint.load import broken_latest
@@ -385,7 +385,7 @@ def stop_interrupted(trainer: Trainer, watch: InterruptWatch, signum: int, out: 
             saves.wait()
     if c.ckpt_interval or preempted:
         if saved_at == trainer.step:
-            path = out / "ckpt" / step_dir_name(trainer.step)
+            path = out / RUN_CKPT / step_dir_name(trainer.step)
         else:
             with watch.saving():  # the watchdog allows the save more time than a step
                 path = save_step(trainer, out, c.keep)
@@ -455,7 +455,7 @@ def _step_record(trainer: Trainer, step: int, peak_flops: float) -> dict[str, An
 
 
 def _last_checkpoint(out: Path) -> str:
-    latest = out / "ckpt" / "latest"
+    latest = out / RUN_CKPT / LATEST
     return str(latest.resolve()) if latest.exists() else "none (set --ckpt-interval to save during a run)"
 
 
@@ -592,7 +592,7 @@ def train(
         peak = _announce(trainer)
         # a run continued from OUT's own checkpoint has its first step saved already: a
         # signal before that step needs no second copy (a checkpoint is never rewritten)
-        own = bool(resume) and Path(resume).resolve().parent == (Path(cfg.out) / "ckpt").resolve()
+        own = bool(resume) and Path(resume).resolve().parent == (Path(cfg.out) / RUN_CKPT).resolve()
         return _locked_run(trainer, run, start, peak, on_step, start if own else None)
     finally:
         # the lock goes last: until the final checkpoint and trace are written, another run
@@ -638,7 +638,7 @@ def _locked_run(trainer: Trainer, run: RunDir, start: int, peak: float,
         final_loss=float(last.get("loss", math.nan)),
         final_val_loss=last.get("val_loss"),
         seconds=time.perf_counter() - t_start,
-        checkpoint=str(out / "ckpt" / "latest"),
+        checkpoint=str(out / RUN_CKPT / LATEST),
         metrics=str(out / "metrics.jsonl"),
     )
 
