@@ -251,6 +251,21 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_at_once(char_dataset: Path, 
     assert not (tmp_path / "o").exists()
 
 
+def test_a_model_of_too_many_layers_is_one_line_in_train_and_plan(char_dataset: Path, tmp_path: Path) -> None:
+    """`--n-layer 1000000000` (up to 2**53) was a MemoryError traceback: the memory check,
+    and the plan, listed every block of a rank before weighing any. The blocks' own bytes
+    are now weighed first, without listing them."""
+    n = str(10**15)  # a list of that many blocks fails at once; 10**9's took gigabytes first
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--n-layer", n))
+    assert line.startswith("error: this run's 1,000,000,000,000,000 blocks need at least "), line
+    assert " is free here" in line and "smaller --n-layer" in line
+    assert not (tmp_path / "o").exists()
+    line = one_error_line(cli("plan", "--n-layer", n, "--ranks", "2", "--vocab-size", "100", "--hardware",
+                              "a100-80gb"))
+    assert line.startswith("error: no layout of this model fits in 80.0 GiB per rank on 2 ranks: even --mesh "), line
+    assert "blocks' parameters and gradients alone; use a smaller --n-layer" in line
+
+
 def test_the_memory_check_names_both_numbers_and_leaves_the_readmes_runs_alone() -> None:
     from numesh.base.errors import ConfigError
     from numesh.plan.fits import check_fits, run_memory

@@ -143,6 +143,11 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
 
 def _fits_nowhere(found: Plan, ranks: int, limit: float) -> str:
     assert found.smallest is not None  # plan names it whenever nothing fits
+    if found.at_least:
+        return (f"no layout of this model fits in {human_bytes(limit)} per rank on {ranks} ranks: even "
+                f"{found.smallest.train_flags()} needs at least {human_bytes(found.smallest_bytes)} per rank, its "
+                "blocks' parameters and gradients alone; use a smaller --n-layer or --n-embd, more ranks, or "
+                "--memory-per-rank above that")
     return (f"no layout of this model fits in {human_bytes(limit)} per rank on {ranks} ranks: the smallest, "
             f"{found.smallest.train_flags()}, needs {human_bytes(found.smallest_bytes)}; give more ranks, "
             f"--memory-per-rank of at least that, or a smaller model or --batch-size")
