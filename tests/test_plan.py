@@ -641,6 +641,17 @@ def test_the_best_command_trains_the_model_planned(name: str) -> None:
     assert ranks == 4 and ModelSpec.of(config_of(argv), planned.vocab_size) == planned
 
 
+def test_the_best_command_of_a_llama_preset_with_learned_positions_has_no_rope_theta() -> None:
+    """The preset's --rope-theta on the `best:` line beside --positions learned is an option
+    train refuses (it would ignore it): the line leaves it out."""
+    res = invoke(["--ranks", "2", "--model", "smollm2-135m", "--positions", "learned", "--batch-size", "4",
+                  "--hardware", "h100-80gb", "--top", "1"])
+    assert res.exit_code == 0, res.output
+    best = res.stdout.strip().splitlines()[-1]
+    assert "--rope-theta" not in best and "--positions learned" in best
+    assert config_of(command(best.removeprefix("best: "))[1]).positions == "learned"
+
+
 def test_the_best_command_of_a_recipe_trains_the_recipes_model() -> None:
     """`numesh plan --config configs/moe.toml` planned the recipe's mixture of experts, and
     its `best:` line, without the --config, trained a dense model."""
