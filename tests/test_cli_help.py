@@ -71,12 +71,14 @@ def test_train_bad_values_are_one_line(char_dataset, tmp_path, args: list[str], 
 
 
 def test_train_model_preset_fills_the_shape_options_not_given() -> None:
-    from numesh.cli.app import _with_preset
+    from numesh.cli.app import _preset_shape, train_config
 
-    assert _with_preset({"n_layer": None, "batch_size": 4}, None) == {"n_layer": None, "batch_size": 4}
-    got = _with_preset({"n_layer": 2, "n_head": None, "batch_size": 4}, "gpt2")
-    assert got == {"n_layer": 2, "n_head": 12, "n_embd": 768, "block_size": 1024, "bias": True, "batch_size": 4,
-                   "arch": "gpt2", "n_kv_head": 0, "ffn_hidden": 0}  # its kind whole: no recipe's Llama keys
+    assert _preset_shape(None) == {}
+    assert _preset_shape("gpt2") == {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "bias": True,
+                                     "arch": "gpt2", "n_kv_head": 0, "ffn_hidden": 0}  # its kind whole
+    cfg = train_config({"n_layer": 2, "n_head": None, "batch_size": 4, "model_preset": "gpt2"})
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.bias, cfg.batch_size) == (2, 12, 768, 1024,
+                                                                                                True, 4)
 
 
 def test_train_unknown_model_preset_is_one_line(tmp_path) -> None:

@@ -173,6 +173,9 @@ def test_a_nan_in_the_toml_config_is_one_line_too(char_dataset: Path, tmp_path: 
     (["--optimizer", "adamw", "--muon-ns-steps", "-1"], "--muon-ns-steps applies to --optimizer muon"),
     (["--moe-top-k", "3"], "--moe-top-k applies to a model with experts, and this one has none"),
     (["--moe-capacity-factor", "2"], "--moe-capacity-factor applies to a model with experts"),
+    (["--rope-theta", "500000"], "--rope-theta applies to rotary positions, and this model's are learned: pass "
+                                 "--positions rotary or drop --rope-theta"),
+    (["--arch", "llama", "--positions", "learned", "--rope-theta", "5e5"], "--rope-theta applies to rotary"),
 ])
 def test_an_option_the_run_would_ignore_is_one_line(char_dataset: Path, tmp_path: Path, args: list[str],
                                                     says: str) -> None:
@@ -198,6 +201,34 @@ def test_a_config_file_sets_an_unused_option_only_at_its_default(tmp_path: Path)
     with pytest.raises(ConfigError, match=f"--muon-momentum \\(in {toml}\\) applies to --optimizer muon"):
         config_from({}, toml)
     assert config_from({"optimizer": "muon"}, toml).muon_momentum == 0.9
+
+
+def test_rope_theta_is_refused_only_where_the_user_gave_it_to_learned_positions(tmp_path: Path) -> None:
+    """--rope-theta on a model of learned positions trained as if it were not there. A
+    preset's theta is not the user's (--model smollm2-135m --positions learned fills it), nor
+    a rotary recipe's under another kind named on the command line; a file that sets it for
+    its own learned positions is refused, naming the file."""
+    from numesh.base.errors import ConfigError
+    from numesh.cli.app import train_config
+    from numesh.plan.command import base_config
+    from numesh.run.config import config_from
+
+    options = {"model_preset": "smollm2-135m", "positions": "learned"}
+    assert train_config(options).positions == "learned"
+    assert base_config({"positions": "learned"}, None, "smollm2-135m").positions == "learned"
+    with pytest.raises(ConfigError, match="--rope-theta applies to rotary positions"):
+        train_config({**options, "rope_theta": 1e6})
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "smollm2-135m.toml"
+    for kind in ({"arch": "gpt2"}, {"positions": "learned"}):
+        assert config_from(kind, recipe).positions == "learned"
+    assert config_from({"arch": "llama", "rope_theta": 5e5}).rope_theta == 5e5
+    toml = tmp_path / "run.toml"
+    toml.write_text('arch = "gpt2"\nrope_theta = 10000.0\n')  # a recipe's key at its default
+    assert config_from({}, toml).positions == "learned"
+    toml.write_text('arch = "llama"\npositions = "learned"\nrope_theta = 5e5\n')
+    with pytest.raises(ConfigError, match=f"--rope-theta \\(in {toml}\\) applies to rotary positions"):
+        config_from({}, toml)
+    assert config_from({"positions": "rotary"}, toml).rope_theta == 5e5
 
 
 def test_a_warmup_past_the_decay_point_is_one_line(char_dataset: Path, tmp_path: Path) -> None:
@@ -249,6 +280,21 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_at_once(char_dataset: Path, 
     assert line.startswith("error: this run needs ~") and " TiB per rank (" in line and " is free here" in line
     assert "--block-size" in line and "numesh plan --ranks N" in line
     assert not (tmp_path / "o").exists()
+
+
+def test_a_model_of_too_many_layers_is_one_line_in_train_and_plan(char_dataset: Path, tmp_path: Path) -> None:
+    """`--n-layer 1000000000` (up to 2**53) was a MemoryError traceback: the memory check,
+    and the plan, listed every block of a rank before weighing any. The blocks' own bytes
+    are now weighed first, without listing them."""
+    n = str(10**15)  # a list of that many blocks fails at once; 10**9's took gigabytes first
+    line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--n-layer", n))
+    assert line.startswith("error: this run's 1,000,000,000,000,000 blocks need at least "), line
+    assert " is free here" in line and "smaller --n-layer" in line
+    assert not (tmp_path / "o").exists()
+    line = one_error_line(cli("plan", "--n-layer", n, "--ranks", "2", "--vocab-size", "100", "--hardware",
+                              "a100-80gb"))
+    assert line.startswith("error: no layout of this model fits in 80.0 GiB per rank on 2 ranks: even --mesh "), line
+    assert "blocks' parameters and gradients alone; use a smaller --n-layer" in line
 
 
 def test_the_memory_check_names_both_numbers_and_leaves_the_readmes_runs_alone() -> None:

@@ -37,7 +37,7 @@ from numesh.plan.hardware import (
     save_profile,
 )
 from numesh.plan.layout import Layout, ModelSpec, schedule_of
-from numesh.plan.memory import layout_memory, memory_floor, rank_memory
+from numesh.plan.memory import blocks_floor, layout_memory, memory_floor, rank_memory
 from numesh.plan.pipesim import makespan_and_busy
 from numesh.plan.predict import Plan
 from numesh.plan.search import _cp_sizes, candidates, least_recompute, train_config, valid_layouts
@@ -377,8 +377,9 @@ def test_plan_lists_what_fits_fastest_first(char_dataset: Path, tmp_path: Path) 
 
 
 def test_memory_floor_is_below_the_prediction() -> None:
-    """The floor that rejects a layout before its schedule is built is never above the
-    prediction, on every kind of layout (pipelines, interleaving, ZeRO, cp, sp, experts, Muon's state)."""
+    """The floors that reject a layout before its schedule is built, or before its blocks
+    are listed, are never above the prediction, on every kind of layout (pipelines,
+    interleaving, ZeRO, cp, sp, experts, Muon's state)."""
     for base, ranks in ((TrainConfig(n_layer=4, n_head=4, n_embd=64, block_size=64, batch_size=16, moe_experts=4,
                                      moe_every=2), 8),
                         (TrainConfig(n_layer=6, n_head=4, n_embd=64, block_size=64, batch_size=24, bias=True), 6),
@@ -388,7 +389,8 @@ def test_memory_floor_is_below_the_prediction() -> None:
         layouts = valid_layouts(base, model, ranks)
         assert {lay.virtual_stages for lay in layouts} > {1} and {lay.ep for lay in layouts} >= {1}
         for lay in layouts:
-            assert memory_floor(model, lay, 4) <= max(m.total for m in layout_memory(model, lay, 4)), lay
+            floor = memory_floor(model, lay, 4)
+            assert 0 < blocks_floor(model, lay, 4) <= floor <= max(m.total for m in layout_memory(model, lay, 4)), lay
 
 
 def test_a_big_model_on_few_ranks_is_answered_without_building_its_schedules(
@@ -637,6 +639,17 @@ def test_the_best_command_trains_the_model_planned(name: str) -> None:
     ranks, argv = command(res.stdout.strip().splitlines()[-1].removeprefix("best: "))
     planned = model_spec(base_config({"batch_size": 4}, None, name), None, name)
     assert ranks == 4 and ModelSpec.of(config_of(argv), planned.vocab_size) == planned
+
+
+def test_the_best_command_of_a_llama_preset_with_learned_positions_has_no_rope_theta() -> None:
+    """The preset's --rope-theta on the `best:` line beside --positions learned is an option
+    train refuses (it would ignore it): the line leaves it out."""
+    res = invoke(["--ranks", "2", "--model", "smollm2-135m", "--positions", "learned", "--batch-size", "4",
+                  "--hardware", "h100-80gb", "--top", "1"])
+    assert res.exit_code == 0, res.output
+    best = res.stdout.strip().splitlines()[-1]
+    assert "--rope-theta" not in best and "--positions learned" in best
+    assert config_of(command(best.removeprefix("best: "))[1]).positions == "learned"
 
 
 def test_the_best_command_of_a_recipe_trains_the_recipes_model() -> None:

@@ -249,25 +249,25 @@ def _train_signature() -> inspect.Signature:
     return inspect.Signature(params)
 
 
-def _with_preset(options: dict[str, Any], name: str | None) -> dict[str, Any]:
-    """The options with a preset's model shape filled in where not given (its vocabulary and
-    batch are the planner's: a run takes --data's vocabulary and its own batch)."""
+def _preset_shape(name: str | None) -> dict[str, Any]:
+    """A preset's model shape, as options (its vocabulary and batch are the planner's: a run
+    takes --data's vocabulary and its own batch); none without --model."""
     if name is None:  # --model '' is an unknown preset, not none
-        return options
+        return {}
     from numesh.plan.presets import preset
 
-    shape = preset(name).model_options()
-    return {**options, **{k: v for k, v in shape.items() if options.get(k) is None}}
+    return preset(name).model_options()
 
 
 def train_config(options: dict[str, Any]) -> TrainConfig:
     """The `TrainConfig` of `numesh train`'s parsed options: defaults, then the --config TOML
     file, then --model's preset shape where not given, then the options given (the recipes'
-    test reads configs/*.toml through this, as the command does)."""
+    test reads configs/*.toml through this, as the command does). The preset goes in apart
+    from the options: its values are not options the user gave (`config_from`)."""
     from numesh.run.config import config_from
 
     given = {k: v for k, v in options.items() if k not in ("config", "model_preset")}
-    return config_from(_with_preset(given, options.get("model_preset")), options.get("config"))
+    return config_from(given, options.get("config"), preset=_preset_shape(options.get("model_preset")))
 
 
 def train_cmd(**options: Any) -> None:

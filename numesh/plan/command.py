@@ -60,8 +60,7 @@ def base_config(overrides: dict[str, Any], toml: Path | None, model_preset: str 
     if model_preset is not None:  # '' is an unknown preset, not none
         p = preset(model_preset)
         values = {**p.model_options(), "batch_size": p.batch_size}
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return config_from(values, toml)
+    return config_from(overrides, toml, preset=values)
 
 
 def model_spec(cfg: TrainConfig, vocab_size: int | None, model_preset: str | None) -> ModelSpec:
@@ -134,8 +133,10 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
         extra = f"--config {shlex.quote(str(toml))} {extra}".strip()
     if model_preset:
         p = preset(model_preset)
-        # the preset's kind and its biases (GPT-2's and GPT-3's: --bias, off by default in train)
-        parts = "".join(f" {flag_value(k, v)}" for k, v in p.parts.items() if k != "bias" or v)
+        # the preset's kind and its biases (GPT-2's and GPT-3's: --bias, off by default in train); its rotary
+        # base only for rotary positions (train refuses --rope-theta with --positions learned)
+        parts = "".join(f" {flag_value(k, v)}" for k, v in p.parts.items()
+                        if (k != "bias" or v) and (k != "rope_theta" or cfg.positions == "rotary"))
         extra = (f"--n-layer {p.n_layer} --n-head {p.n_head} --n-embd {p.n_embd} --block-size {p.block_size}{parts} "
                  f"--batch-size {cfg.batch_size} " + extra).strip()
     return table(found, ranks, top, limit, profile.name, extra)
@@ -143,6 +144,11 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
 
 def _fits_nowhere(found: Plan, ranks: int, limit: float) -> str:
     assert found.smallest is not None  # plan names it whenever nothing fits
+    if found.at_least:
+        return (f"no layout of this model fits in {human_bytes(limit)} per rank on {ranks} ranks: even "
+                f"{found.smallest.train_flags()} needs at least {human_bytes(found.smallest_bytes)} per rank, its "
+                "blocks' parameters and gradients alone; use a smaller --n-layer or --n-embd, more ranks, or "
+                "--memory-per-rank above that")
     return (f"no layout of this model fits in {human_bytes(limit)} per rank on {ranks} ranks: the smallest, "
             f"{found.smallest.train_flags()}, needs {human_bytes(found.smallest_bytes)}; give more ranks, "
             f"--memory-per-rank of at least that, or a smaller model or --batch-size")

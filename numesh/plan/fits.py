@@ -18,7 +18,7 @@ from numesh.base.errors import ConfigError
 from numesh.host.runtime import ranks_per_node
 from numesh.host.threads import threads
 from numesh.plan.layout import Layout, ModelSpec
-from numesh.plan.memory import RankMemory, layout_memory
+from numesh.plan.memory import RankMemory, blocks_floor, layout_memory
 from numesh.plan.render import human_bytes
 from numesh.run.config import TrainConfig, validate
 
@@ -72,14 +72,30 @@ def check_fits(need: RankMemory, per_rank: float, ranks_here: int) -> None:
         "layouts that fit)")
 
 
+def check_blocks_fit(cfg: TrainConfig, shape: dict[str, int], vocab_size: int, per_rank: float,
+                     ranks_here: int) -> None:
+    """`check_fits` of the blocks alone (`blocks_floor`), asked before `run_memory`, which
+    lists every block of a rank: `--n-layer 1000000000` was a MemoryError in that list, not
+    this one line saying what to change."""
+    floor = blocks_floor(ModelSpec.of(cfg, vocab_size), run_layout(cfg, shape), np.dtype(cfg.dtype).itemsize)
+    if floor <= per_rank:
+        return
+    share = f", {human_bytes(per_rank)} for each of {ranks_here} ranks" if ranks_here > 1 else ""
+    raise ConfigError(
+        f"this run's {cfg.n_layer:,} blocks need at least {human_bytes(floor)} per rank for their parameters and "
+        f"gradients alone but {human_bytes(per_rank * ranks_here)} of memory is free here{share}: use a smaller "
+        "--n-layer or --n-embd, or more ranks (`numesh plan --ranks N` lists the layouts that fit)")
+
+
 def check_run_fits(cfg: TrainConfig, comm: MPI.Comm | None = None) -> None:
-    """`validate` the run, then `check_fits` on every rank with the same numbers: the least
-    free memory per rank of any node (collective, so every rank raises or none does)."""
+    """`validate` the run, then `check_blocks_fit` and `check_fits` on every rank with the
+    same numbers: the least free memory per rank of any node (collective, so every rank
+    raises or none does)."""
     comm = MPI.COMM_WORLD if comm is None else comm
     shape, model = validate(cfg, comm.Get_size())
-    need = run_memory(cfg, shape, model.vocab_size, threads())
     here = ranks_per_node(comm)
     free = available_memory()
     per_rank = comm.allreduce(math.inf if free is None else free / here, op=MPI.MIN)
     if math.isfinite(per_rank):
-        check_fits(need, per_rank, here)
+        check_blocks_fit(cfg, shape, model.vocab_size, per_rank, here)
+        check_fits(run_memory(cfg, shape, model.vocab_size, threads()), per_rank, here)

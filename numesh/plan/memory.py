@@ -234,6 +234,20 @@ def layout_memory(model: ModelSpec, layout: Layout, itemsize: int = 4, threads: 
     return [rank_memory(model, layout, r, itemsize, threads, layout.sched) for r in largest_ranks(layout)]
 
 
+def blocks_floor(model: ModelSpec, layout: Layout, itemsize: int = 4) -> int:
+    """A lower bound of the largest `layout_memory` total in a few multiplications, listing
+    nothing per block: the parameters and gradients of a rank's n_layer/pp blocks, each of
+    the smallest block's values, as one unit through `formulas.zero_buffer_bytes` (one unit
+    pads no more than many), sharded as the ZeRO stage says. `memory_floor` and
+    `layout_memory` list every block of a rank: for `--n-layer 1000000000` that list alone
+    was a MemoryError, so this is asked first and such a model is refused in one line."""
+    dense = formulas.block_params(model.n_embd, layout.tp, model.bias, model.parts)
+    smallest = min(dense, moe_block_rank_params(model.n_embd, model.moe_experts, layout.ep, layout.tp, model.bias,
+                                                model.parts)) if model.moe_experts else dense
+    buffers = formulas.zero_buffer_bytes([model.n_layer // layout.pp * smallest], layout.dp, layout.zero, itemsize)
+    return buffers["params"] + buffers["grads"]
+
+
 def memory_floor(model: ModelSpec, layout: Layout, itemsize: int = 4) -> int:
     """A lower bound of the largest `layout_memory` total, found without building the
     schedule: each rank's buffers, exactly (no schedule changes them), and one micro-batch's

@@ -11,7 +11,7 @@ import attrs
 from numesh.base.errors import ConfigError
 from numesh.plan.hardware import Profile
 from numesh.plan.layout import Layout, ModelSpec
-from numesh.plan.memory import RankMemory, layout_memory, memory_floor
+from numesh.plan.memory import RankMemory, blocks_floor, layout_memory, memory_floor
 from numesh.plan.search import SCALE_RANKS, least_recompute, valid_layouts
 from numesh.plan.timing import StepTime, predict_time
 from numesh.run.config import TrainConfig
@@ -45,23 +45,33 @@ class Plan:
     layouts: int
     smallest: Layout | None = None
     smallest_bytes: int = 0
+    at_least: bool = False  # smallest_bytes is the floor of its blocks alone (`blocks_floor`), not its prediction
 
 
 PROGRESS_S = 10.0  # a plan that takes longer says how far it is, this often
+# a rank's blocks that a plan lists one by one (real models have a few hundred); a layout of more is weighed by
+# its `blocks_floor` first, and not listed where that is over the limit: 10^9 of them were a MemoryError
+LISTED_BLOCKS = 1 << 16
 
 
 def plan(base: TrainConfig, model: ModelSpec, ranks: int, profile: Profile, memory_limit: float, itemsize: int,
          threads: int = 1, progress: Callable[[str], None] | None = None) -> Plan:
     """Every valid layout weighed against `memory_limit` bytes per rank (0: no limit); those
     that fit predicted. A layout whose `memory_floor` is over the limit is dropped before its
-    schedule is built: on few ranks a big model's layouts mostly cannot fit, and building,
-    walking and simulating their schedules (up to 300k actions each) was all of a plan that
-    printed nothing for a quarter of an hour. `progress` gets a line every PROGRESS_S seconds
-    of predicting."""
+    schedule is built (one whose `blocks_floor` is, before its blocks are listed): on few
+    ranks a big model's layouts mostly cannot fit, and building, walking and simulating their
+    schedules (up to 300k actions each) was all of a plan that printed nothing for a quarter
+    of an hour. `progress` gets a line every PROGRESS_S seconds of predicting."""
     layouts = valid_layouts(base, model, ranks)
     if not layouts:
         raise ConfigError(no_layout_reason(model, ranks))
-    floors = {lay: memory_floor(model, lay, itemsize) for lay in layouts} if memory_limit > 0 else {}
+    floors: dict[Layout, int] = {}
+    unlisted: dict[Layout, int] = {}  # layouts of too many blocks a rank to list, whose blocks alone do not fit
+    if memory_limit > 0:
+        for lay in layouts:
+            if model.n_layer // lay.pp > LISTED_BLOCKS and (b := blocks_floor(model, lay, itemsize)) > memory_limit:
+                unlisted[lay] = b
+        floors = {lay: unlisted[lay] if lay in unlisted else memory_floor(model, lay, itemsize) for lay in layouts}
 
     def fits(lay: Layout) -> bool:
         return memory_limit <= 0 or (floors[lay] <= memory_limit and _total(model, lay, itemsize, threads)
@@ -82,6 +92,9 @@ def plan(base: TrainConfig, model: ModelSpec, ranks: int, profile: Profile, memo
     fitting = sorted((p for p in preds if p.fits), key=lambda p: -p.tokens_per_s)
     if fitting:
         return Plan(fitting, len(layouts))
+    least = min(layouts, key=floors.__getitem__)
+    if least in unlisted:  # --n-layer 1000000000: not even its blocks fit, and listing them took all the memory
+        return Plan([], len(layouts), least, unlisted[least], at_least=True)
     smallest, size = _smallest(model, layouts, floors, itemsize, threads)
     return Plan([], len(layouts), smallest, size)
 

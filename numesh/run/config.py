@@ -201,9 +201,12 @@ def field_type(field: attrs.Attribute) -> type:
     return _PY_TYPES[field.type] if isinstance(field.type, str) else field.type
 
 
-def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) -> TrainConfig:
-    """Defaults, then the TOML file, then `overrides` (None values are ignored); the parts
-    of the model kind `arch` names fill the part options neither of them gives."""
+def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None,
+                preset: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file, then `preset` (a --model preset's options), then
+    `overrides` (None values are ignored); the parts of the model kind `arch` names fill the
+    part options none of them gives. The preset's values are not the user's own: no
+    `_check_unused` refusal names one (smollm2-135m's rope_theta with --positions learned)."""
     fields = {f.name: f for f in attrs.fields(TrainConfig)}
     values: dict[str, Any] = {}
     given: dict[str, str] = {}  # option -> where it was set to a value of its own (`_check_unused`)
@@ -221,18 +224,22 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
             values[name] = value
             if value != fields[name].default:  # a recipe lists every key, those it does not use at their defaults
                 given[name] = f" (in {path})"
+        if _positions_of(values) == "rotary":  # its rope_theta is its own model's, whatever the command line makes it
+            given.pop("rope_theta", None)
     file_arch = values.get("arch")  # the --config file's kind, if it names one
-    for key, value in overrides.items():
+    named = {**(preset or {}), **{k: v for k, v in overrides.items() if v is not None}}  # on the command line
+    for key in [*(preset or {}), *overrides]:
         if key not in fields:
             raise ConfigError(f"unknown config key '{key}': the keys are {', '.join(fields)}")
-        if value is not None:
-            values[key] = value
+    for key, value in named.items():
+        values[key] = value
+        if overrides.get(key) is not None:
             given[key] = ""
     _from_pretrained(values)
     arch = values.get("arch", fields["arch"].default)
     if arch not in ARCHS:
         raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
-    _kind_parts(values, overrides, file_arch, arch)
+    _kind_parts(values, named, file_arch, arch)
     _default_floor(values, given, fields["min_lr"].default)
     for name, value in values.items():
         values[name] = option_value(name, value, field_type(fields[name]))
@@ -247,10 +254,22 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None) 
 MOE_OPTIONS = ("moe_every", "moe_top_k", "moe_aux_coef", "moe_z_coef", "moe_capacity_factor")
 
 
+def _positions_of(values: dict[str, Any]) -> Any:
+    """The positions of the model `values` describe: its own, else its kind's (a kind
+    `ARCHS` does not know has none: config_from refuses it)."""
+    arch = values.get("arch", attrs.fields(TrainConfig).arch.default)
+    return values.get("positions", ARCHS[arch]["positions"] if arch in ARCHS else None)
+
+
 def _check_unused(cfg: TrainConfig, given: dict[str, str]) -> None:
     """A one-line ConfigError for an option given (on the command line, or in the --config
     file at other than its default) that the run would silently ignore: another optimiser's
-    (--muon-momentum with AdamW), or an MoE option on a model without experts."""
+    (--muon-momentum with AdamW), an MoE option on a model without experts, or --rope-theta
+    on a model of learned positions. A --config file's --rope-theta is not held to it where
+    the file's own model is rotary: --arch gpt2 over a Llama recipe trains GPT-2's positions."""
+    if "rope_theta" in given and cfg.positions != "rotary":
+        raise ConfigError(f"--rope-theta{given['rope_theta']} applies to rotary positions, and this model's are "
+                          f"{cfg.positions}: pass --positions rotary or drop --rope-theta")
     for name, where in given.items():
         owner = applies_to(cfg.optimizer, name)
         if owner is not None:
