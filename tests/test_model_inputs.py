@@ -66,8 +66,29 @@ def test_generate_refuses_a_prompt_that_is_not_ids_of_the_vocabulary(prompt: np.
 
 
 def test_generate_refuses_no_tokens_to_draw_from() -> None:
-    with pytest.raises(ConfigError, match=r"tokens must be >= 1 .* got 0"):
+    with pytest.raises(ConfigError, match=r"tokens must be >= 1, got 0"):
         generate(_params(), CFG, self_mesh(), np.array([[1, 2]]), 2, tokens=0)
+
+
+@pytest.mark.parametrize("settings, match", [
+    (dict(max_new_tokens=-1), "max_new_tokens must be >= 0, got -1"),  # returned the prompt unchanged
+    (dict(max_new_tokens=2.0), "max_new_tokens must be an int, got 2.0"),
+    (dict(seed=-1), "seed must be >= 0, got -1"),
+    (dict(top_k=2.5), "top_k must be an int, got 2.5"),
+    (dict(tokens=2.5), "tokens must be an int, got 2.5"),
+    (dict(temperature=None), "temperature must be >= 0 and finite"),
+])
+def test_generate_refuses_settings_of_the_wrong_type_or_range_in_one_line(settings: dict, match: str) -> None:
+    kw = {"max_new_tokens": 2, **settings}
+    with pytest.raises(ConfigError, match=match):
+        generate(_params(), CFG, self_mesh(), np.array([[1, 2]]), kw.pop("max_new_tokens"), **kw)
+
+
+@pytest.mark.parametrize("prompt", [np.zeros((0, 3), np.int64), np.zeros((1, 0), np.int64)])
+def test_generate_refuses_an_empty_prompt_without_naming_a_cli_option(prompt: np.ndarray) -> None:
+    with pytest.raises(ConfigError, match=r"the prompt is empty \(shape") as e:
+        generate(_params(), CFG, self_mesh(), prompt, 2)
+    assert "--prompt" not in str(e.value)
 
 
 def test_generate_takes_its_settings_by_name() -> None:

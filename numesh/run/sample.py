@@ -7,6 +7,7 @@ the same random stream, so all ranks agree on every token without extra communic
 from __future__ import annotations
 
 import math
+import numbers
 from pathlib import Path
 
 import attrs
@@ -132,6 +133,24 @@ def pick(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.rand
     return np.minimum((np.cumsum(p, axis=-1) < u).sum(axis=-1), z.shape[-1] - 1)
 
 
+def _check_settings(max_new_tokens: int, temperature: float, top_k: int | None, seed: int,
+                    tokens: int | None) -> None:
+    """One ConfigError line for a `generate` setting of the wrong type or range (numpy's
+    own errors for them were a TypeError deep in a draw, or nothing: a negative count
+    returned the prompt)."""
+    counts = {"max_new_tokens": (max_new_tokens, 0), "seed": (seed, 0), "top_k": (top_k, 1), "tokens": (tokens, 1)}
+    for name, (value, least) in counts.items():
+        if value is None and name in ("top_k", "tokens"):
+            continue
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise ConfigError(f"{name} must be an int, got {value!r}")
+        if value < least:
+            raise ConfigError(f"{name} must be >= {least}, got {value}")
+    if not isinstance(temperature, numbers.Real) or isinstance(temperature, bool) \
+            or not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError(f"temperature must be >= 0 and finite (a number), got {temperature!r}")
+
+
 def generate(
     params: GPT,
     model: GPTConfig,
@@ -153,15 +172,10 @@ def generate(
     that the window slides and, positions being absolute, the window is recomputed. A
     ConfigError line for params not of `model` and `mesh`, or a prompt that is not int ids
     [B, T] in [0, vocab_size)."""
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ConfigError(f"temperature must be >= 0 and finite, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ConfigError(f"top_k must be >= 1, got {top_k}")
-    if tokens is not None and tokens < 1:
-        raise ConfigError(f"tokens must be >= 1 (the ids that may be drawn are those below it), got {tokens}")
+    _check_settings(max_new_tokens, temperature, top_k, seed, tokens)
     idx, _ = check_inputs(params, prompt, None, model, mesh, "prompt")
-    if idx.shape[1] < 1:
-        raise ConfigError("the prompt is empty: pass at least one character with --prompt")
+    if idx.shape[0] < 1 or idx.shape[1] < 1:
+        raise ConfigError(f"the prompt is empty (shape {idx.shape}): give at least one row of at least one token id")
     rng = np.random.default_rng(seed)
     # generation runs dropless: a capacity ranks a whole sequence's tokens, later ones
     # included, which a token generated one at a time cannot see (docs/moe.md)
@@ -216,7 +230,8 @@ class SampleConfig:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN compares False: check it too
             raise ConfigError(f"--temperature must be >= 0 and finite, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
-            raise ConfigError(f"--top-k must be >= 1 (or 0 for all), got {self.top_k}")
+            raise ConfigError(f"--top-k must be >= 1 (0 on the command line, None in SampleConfig: all), "
+                              f"got {self.top_k}")
         if self.seed < 0:
             raise ConfigError(f"--seed must be >= 0, got {self.seed}")
         sizes = parse_axis_sizes(self.mesh or "")
