@@ -290,6 +290,7 @@ def test_a_model_of_too_many_layers_is_one_line_in_train_and_plan(char_dataset: 
     line = one_error_line(cli("train", "--data", str(char_dataset), "--out", str(tmp_path / "o"), "--n-layer", n))
     assert line.startswith("error: this run's 1,000,000,000,000,000 blocks need at least "), line
     assert " is free here" in line and "smaller --n-layer" in line
+    assert " EiB per rank " in line, line  # not a 10-digit count of TiB
     assert not (tmp_path / "o").exists()
     line = one_error_line(cli("plan", "--n-layer", n, "--ranks", "2", "--vocab-size", "100", "--hardware",
                               "a100-80gb"))
