@@ -680,6 +680,32 @@ def test_a_directory_numesh_cannot_read_is_one_line(spoil: Any, says: str, tok_j
     assert "\n" not in str(e.value) and "lacks or mistypes" not in str(e.value)  # not wrapped as a bad key
 
 
+def test_a_block_size_not_given_fits_the_directory(tok_json: str, llama_data: Path, tmp_path: Path) -> None:
+    """A Llama directory of max_position_embeddings 32 (a run at --block-size 32, exported
+    with --format hf) was refused for --block-size 64, the default the user never gave:
+    where not given (nor in a --config file at other than its default) it is the default or
+    the bound where lower; one given above the bound stays the one-line error."""
+    from numesh.run.config import config_from
+
+    short = save_model(tmp_path / "short", tok_json, max_position_embeddings=32)
+    long = save_model(tmp_path / "long", tok_json, max_position_embeddings=256)
+    base = dict(data=str(llama_data), out=str(tmp_path / "ft"))
+    assert config_from({**base, "init_from": str(short)}).block_size == 32
+    assert config_from({**base, "init_from": str(long)}).block_size == 64  # the default, not the bound
+    toml = tmp_path / "recipe.toml"
+    toml.write_text("block_size = 64\n")  # a recipe listing the default: not given
+    assert config_from({**base, "init_from": str(short)}, toml).block_size == 32
+    toml.write_text("block_size = 48\n")
+    assert config_from({**base, "init_from": str(short)}, toml).block_size == 48  # refused as the run starts
+    run = ["train", "--data", str(llama_data), "--init-from", str(short), "--out", str(tmp_path / "ft"),
+           "--max-iters", "0", "--eval-iters", "1", "--batch-size", "2", "--dtype", "float64"]
+    res = cli(*run)
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "ft" / "config.json").read_text())["block_size"] == 32
+    assert one_error_line(cli(*run, "--block-size", "48", "--overwrite")) == (
+        f"error: --block-size 48 is longer than {short}'s max_position_embeddings 32: use at most 32")
+
+
 def test_the_run_must_fit_the_directory_in_context_and_tokenizer(tok_json: str, llama_data: Path, char_dataset: Path,
                                                                   tmp_path: Path) -> None:
     """--block-size up to max_position_embeddings (64 here: rotary, no table to crop); a

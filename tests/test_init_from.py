@@ -9,6 +9,7 @@ that does not exist or --resume beside it: one-line errors.
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import attrs
@@ -61,8 +62,8 @@ def test_init_from_refuses_what_does_not_fit(shared_dataset: Path, tmp_path: Pat
     other = "".join(chars).replace(chars[-1], "\u00e9")  # as many characters, one of them another
     prepare_char_dataset(other * 50, tmp_path / "other")
     cases = [
-        (dict(n_layer=3), "has n_layer 2, this run 3: set --n-layer to match"),
-        (dict(bias=False), "has bias True, this run False"),
+        (dict(n_layer=3), "has n_layer 2; this run 3: pass --n-layer 2$"),
+        (dict(bias=False), "has bias True; this run False: pass --bias$"),
         (dict(data=str(tmp_path / "other")), "another tokenizer than --data's"),
         (dict(init_from=str(tmp_path / "nowhere")), "does not exist"),
         (dict(resume=str(tmp_path)), "--init-from and --resume both"),
@@ -72,10 +73,24 @@ def test_init_from_refuses_what_does_not_fit(shared_dataset: Path, tmp_path: Pat
         cfg = small_run_config(kw.pop("data", shared_dataset), tmp_path / "ft", "", **kw)
         with pytest.raises(ConfigError, match=match):
             Trainer(cfg, MPI.COMM_SELF)
-    line = one_error_line(cli("train", "--data", str(shared_dataset), "--init-from", str(hf), "--n-layer", "5",
-                              "--block-size", "8", "--n-embd", "16", "--n-head", "4", "--bias",
-                              "--out", str(tmp_path / "cli"), "--max-iters", "1"))
-    assert "set --n-layer to match" in line
+
+
+def test_init_from_names_every_shape_mismatch_at_once(shared_dataset: Path, tmp_path: Path) -> None:
+    """A GPT-2 export against a run of another shape named only the first mismatched option
+    per attempt (n_layer, then block_size, then n_embd: five runs to get through): one line
+    names them all, and the options it gives start the run."""
+    _, hf, file = _source(shared_dataset, tmp_path)
+    for src in (hf, file):
+        run = ["train", "--data", str(shared_dataset), "--init-from", str(src), "--n-layer", "5", "--block-size", "4",
+               "--n-embd", "32", "--n-head", "4", "--no-bias", "--out", str(tmp_path / "cli"), "--max-iters", "0",
+               "--eval-iters", "1", "--batch-size", "2", "--dtype", "float64"]
+        line = one_error_line(cli(*run))
+        assert line == (f"error: --init-from {src} has block_size 8, n_layer 2, n_embd 16, bias True; this run 4, 5, "
+                        "32, False: pass --block-size 8 --n-layer 2 --n-embd 16 --bias")
+        res = cli(*run, *line.split(": pass ")[1].split())  # the options given last win
+        assert res.exit_code == 0, res.output
+        assert (tmp_path / "cli" / "ckpt" / "latest" / "meta.json").is_file()
+        shutil.rmtree(tmp_path / "cli")
 
 
 def test_init_from_a_numesh_checkpoint_or_run_says_what_works(shared_dataset: Path, tmp_path: Path) -> None:
@@ -169,7 +184,7 @@ def test_init_from_a_gpt2_transformers_saved(shared_dataset: Path, tmp_path: Pat
 
     trainer = Trainer(small_run_config(shared_dataset, tmp_path / "ft", "", init_from=str(hf)), MPI.COMM_SELF)
     assert trainer.params.blocks[0].attn.qkv.b is not None  # a --bias run takes it, biases and all
-    with pytest.raises(ConfigError, match="has bias True, this run False"):
+    with pytest.raises(ConfigError, match="has bias True; this run False: pass --bias$"):
         Trainer(small_run_config(shared_dataset, tmp_path / "ft2", "", init_from=str(hf), bias=False), MPI.COMM_SELF)
 
     model, _, params = import_hf(hf)
@@ -193,5 +208,5 @@ def test_a_numesh_export_without_biases_is_still_read_without_them(shared_datase
     trainer = Trainer(small_run_config(shared_dataset, tmp_path / "ft", "", init_from=str(hf), bias=False),
                       MPI.COMM_SELF)
     assert trainer.params.blocks[0].attn.qkv.b is None
-    with pytest.raises(ConfigError, match="has bias False, this run True"):
+    with pytest.raises(ConfigError, match="has bias False; this run True: pass --no-bias$"):
         Trainer(small_run_config(shared_dataset, tmp_path / "ft2", "", init_from=str(hf)), MPI.COMM_SELF)

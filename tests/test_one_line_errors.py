@@ -410,6 +410,39 @@ def test_sample_from_something_that_is_not_a_checkpoint_is_one_line(tiny_run: Pa
     assert str(ckpt) in line
 
 
+@pytest.mark.parametrize("what", ["a transformers directory", "an export file", "a dataset"])
+def test_a_checkpoint_reader_given_another_kind_of_input_says_what_it_is(tiny_run: Path, tmp_path: Path,
+                                                                         what: str) -> None:
+    """reshard (export, --resume) of a transformers directory said its meta.json was missing,
+    of an export file that it was no checkpoint directory, and sample of a dataset that its
+    meta.json's format was None: each names what it is and the command that reads it."""
+    ckpt = str(tiny_run / "ckpt" / "latest")
+    if what == "a dataset":
+        src = tiny_run.parent / "data"
+        says = (f"is a dataset (`numesh data` wrote it), not a checkpoint: `numesh train --data {src}` trains on "
+                "it; pass a checkpoint directory such as RUN/ckpt/latest")
+    elif what == "an export file":
+        src = tmp_path / "m.safetensors"
+        assert cli("export", ckpt, "--out", str(src)).exit_code == 0
+        says = (f"is a file (an exported model?), not a checkpoint directory: `numesh train --init-from {src}` "
+                f"starts a run from a `numesh export` file's weights and `numesh sample {src}` samples from it; pass "
+                "a checkpoint directory such as RUN/ckpt/latest")
+    else:
+        src = tmp_path / "hf"
+        assert cli("export", ckpt, "--format", "hf", "--out", str(src)).exit_code == 0
+        says = (f"is a transformers model directory (model_type 'gpt2'), not a numesh checkpoint: `numesh train "
+                f"--init-from {src}` starts a run from its weights and `numesh sample {src}` samples from it")
+    commands = [["reshard", str(src), "--to", "tp=2"], ["export", str(src), "--out", str(tmp_path / "x.safetensors")],
+                ["train", "--data", str(tiny_run.parent / "data"), "--resume", str(src), "--out", str(tmp_path / "r"),
+                 "--max-iters", "1"]]
+    if what == "a dataset":
+        commands.append(["sample", str(src), "--max-new-tokens", "2"])
+    else:  # what the line says reads it does
+        assert cli("sample", str(src), "--max-new-tokens", "2").exit_code == 0
+    for command in commands:
+        assert one_error_line(cli(*command)) == f"error: {src} {says}", command
+
+
 def test_sample_takes_the_checkpoint_as_an_argument_or_an_option_once(tiny_run: Path) -> None:
     """`numesh sample CKPT`, as export and reshard take theirs, or `--ckpt CKPT`: the same
     text; neither or both is one line."""

@@ -44,6 +44,7 @@ DTYPES = ("float32", "float64")
 STEP_DIR = re.compile(r"step_(\d+)")
 LATEST = "latest"  # OUT/ckpt/latest: a symlink to the newest step_ directory
 RUN_CKPT = "ckpt"  # a run's checkpoints live in OUT/ckpt
+DATASET_KEY = "train_tokens"  # what every dataset's meta.json records (`numesh data`), and no checkpoint's
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -534,7 +535,7 @@ def read_meta(path: str | Path, describe: Describe, state_groups: Groups = adamw
     if not given.exists():
         raise CheckpointError(f"no checkpoint at {given}: pass a checkpoint directory such as RUN/ckpt/latest")
     if not given.is_dir():
-        raise CheckpointError(f"{given} is not a checkpoint directory")
+        raise CheckpointError(_a_file(given))
     root = given.resolve()
     meta_path = root / META_FILE
     if not meta_path.is_file():
@@ -544,12 +545,40 @@ def read_meta(path: str | Path, describe: Describe, state_groups: Groups = adamw
         if (root / LATEST).exists() or step_dirs(root):  # the run's ckpt/ itself
             raise CheckpointError(f"{given} holds a run's checkpoints, it is not one: pass one of them, such as "
                                   f"{given / LATEST}")
+        if (kind := _transformers_model(root)) is not None:
+            raise CheckpointError(f"{given} is a transformers model directory (model_type {kind!r}), not a numesh "
+                                  f"checkpoint: `numesh train --init-from {given}` starts a run from its weights and "
+                                  f"`numesh sample {given}` samples from it")
         raise CheckpointError(f"{meta_path} is missing: {given} is not a complete numesh checkpoint")
     try:
         raw = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{meta_path} cannot be read: {e}") from None
+    if isinstance(raw, dict) and raw.get("format") != FORMAT and DATASET_KEY in raw:
+        raise CheckpointError(f"{given} is a dataset (`numesh data` wrote it), not a checkpoint: `numesh train "
+                              f"--data {given}` trains on it; pass a checkpoint directory such as RUN/ckpt/latest")
     return parse_meta(raw, root, describe, state_groups)
+
+
+def _a_file(given: Path) -> str:
+    """Why the file `given` is no checkpoint (a directory), and what reads it where it may
+    be a `numesh export` file."""
+    if given.suffix != ".safetensors":
+        return f"{given} is a file, not a checkpoint directory: pass one such as RUN/ckpt/latest"
+    return (f"{given} is a file (an exported model?), not a checkpoint directory: `numesh train --init-from {given}` "
+            f"starts a run from a `numesh export` file's weights and `numesh sample {given}` samples from it; "
+            "pass a checkpoint directory such as RUN/ckpt/latest")
+
+
+def _transformers_model(root: Path) -> str | None:
+    """The model_type of the transformers model directory `root` (its config.json, which
+    save_pretrained writes with one), else None (a run's config.json names none)."""
+    try:
+        cfg = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    kind = cfg.get("model_type") if isinstance(cfg, dict) else None
+    return kind if isinstance(kind, str) and kind else None
 
 
 # ---------------------------------------------------------------------------------------

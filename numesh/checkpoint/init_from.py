@@ -2,7 +2,7 @@
 
 From a Hugging Face transformers directory (a Llama, Mistral or Mixtral, or a GPT-2; `numesh
 export --format hf` writes one) or a `numesh export` file, checked against the run's model
-(every key of the model's shape must match: a one-line error names the option to change)
+(every key of the model's shape must match: a one-line error names every option to change)
 and its dataset's tokenizer (the same ids must mean the same text), then sharded for any
 mesh like a checkpoint's. A Llama-family directory is read leaf by leaf, each rank only the
 leaves of its pipeline stage, each leaf whole once and then cut to the rank's shard: no rank
@@ -26,7 +26,16 @@ from numesh.checkpoint.format import LATEST, META_FILE, full_region, run_checkpo
 from numesh.checkpoint.hf import import_hf, weights_route
 from numesh.checkpoint.hf_files import open_weights, read_json_file
 from numesh.checkpoint.hf_llama import OPTIONS, check_weights, is_pretrained_dir, model_type, pretrained, read_leaf
-from numesh.checkpoint.model import SHAPE_KEYS, gpt2_differences, gpt_leaves, local_paths, model_value, shard_params
+from numesh.checkpoint.model import (
+    SHAPE_KEYS,
+    differing_keys,
+    gpt2_differences,
+    gpt_leaves,
+    local_paths,
+    model_options,
+    model_value,
+    shard_params,
+)
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, directory_tokenizer, read_tokenizer_file
 from numesh.host.kernels import float_dtype
 from numesh.mesh import Mesh, shard
@@ -154,10 +163,10 @@ def load_init(path: str | Path, model: GPTConfig, dataset: CharTokenizer | HFTok
         raise ConfigError(f"--init-from {p} was trained with another tokenizer than --data's: its token ids would "
                           f"mean other text; {TOKENIZE}")
     _check_vocab(p, rows=theirs.vocab_size, run=model.vocab_size, entries=dataset.vocab_size, own=own)
-    for key in SHAPE_KEYS:
-        if model_value(theirs, key) != model_value(model, key):
-            raise ConfigError(f"--init-from {p} has {key} {model_value(theirs, key)}, this run "
-                              f"{model_value(model, key)}: set {OPTION[key]} to match")
+    if keys := differing_keys(theirs, model, SHAPE_KEYS):  # every mismatch at once, not one per attempt
+        have = ", ".join(f"{k} {model_value(theirs, k)}" for k in keys)
+        run = ", ".join(str(model_value(model, k)) for k in keys)
+        raise ConfigError(f"--init-from {p} has {have}; this run {run}: pass {model_options(theirs, keys)}")
     return tree_map(lambda x: np.asarray(x, dtype=dtype), params)
 
 

@@ -82,15 +82,28 @@ def check_model(meta: Meta, model: GPTConfig) -> None:
     """Raise if the checkpoint's model has other parameters than `model`, or computes
     another function with them (`SHAPE_KEYS`, `MATH_KEYS`): every difference in one line,
     with the options that resume it."""
-    keys = [k for k in SHAPE_KEYS + MATH_KEYS if model_value(meta.model, k) != model_value(model, k)
-            and not (k in DERIVED and getattr(meta.model, k) == getattr(model, k) == 0)  # n_embd's, n_head's
-            and None not in (model_value(meta.model, k), model_value(model, k))]  # a part one side lacks: its key's
+    keys = differing_keys(meta.model, model, SHAPE_KEYS + MATH_KEYS)
     if keys:
         have = ", ".join(f"{k}={model_value(meta.model, k)}" for k in keys)
         want = ", ".join(f"{k}={model_value(model, k)}" for k in keys)
-        options = " ".join(_option(k, model_value(meta.model, k)) for k in keys)
         raise CheckpointError(f"{meta.path}: the checkpoint's model has {have} but this run has {want}: resume with "
-                              f"the same model config ({options})")
+                              f"the same model config ({model_options(meta.model, keys)})")
+
+
+def differing_keys(theirs: GPTConfig, model: GPTConfig, keys: Sequence[str]) -> list[str]:
+    """The `keys` whose `model_value` differs between two configs, all of them (one error
+    names every option to change, not one per attempt): a derived size left to 0 on both
+    sides is its source's difference (n_embd's, n_head's), and a part one side lacks is its
+    key's (moe_every without experts is moe_experts')."""
+    return [k for k in keys if model_value(theirs, k) != model_value(model, k)
+            and not (k in DERIVED and getattr(theirs, k) == getattr(model, k) == 0)
+            and None not in (model_value(theirs, k), model_value(model, k))]
+
+
+def model_options(model: GPTConfig, keys: Sequence[str]) -> str:
+    """The `numesh train` options that set `keys` to `model`'s values, e.g. "--n-layer 2
+    --bias" (the vocabulary is --data's)."""
+    return " ".join(_option(k, model_value(model, k)) for k in keys)
 
 
 def _option(key: str, value: object) -> str:

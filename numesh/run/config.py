@@ -235,7 +235,7 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None,
         values[key] = value
         if overrides.get(key) is not None:
             given[key] = ""
-    _from_pretrained(values)
+    _from_pretrained(values, given, fields["block_size"].default)
     arch = values.get("arch", fields["arch"].default)
     if arch not in ARCHS:
         raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
@@ -310,14 +310,22 @@ def _llama_dir(init: Any) -> bool:
     return isinstance(init, str) and bool(init.strip()) and is_pretrained_dir(init) and model_type(Path(init)) != "gpt2"
 
 
-def _from_pretrained(values: dict[str, Any]) -> None:
+def _from_pretrained(values: dict[str, Any], given: dict[str, str], block_size: int) -> None:
     """With --init-from a transformers Llama-family directory, the model options its
     config.json fixes, filled in where not given; one given otherwise is a one-line error.
-    (A GPT-2 directory's shape is given by the options, and checked when it is read.)"""
+    --block-size, which it only bounds (max_position_embeddings), is where not given (on the
+    command line, or in the --config file at other than its default) the default
+    `block_size` or that bound where lower: the round trip of a run trained at --block-size 32
+    (export --format hf, then --init-from) was refused for a default the user never gave. One
+    given above the bound stays an error (`init_from._check_pretrained`). (A GPT-2
+    directory's shape is given by the options, and checked when it is read.)"""
     init = values.get("init_from")
     if not _llama_dir(init):
         return
-    theirs = pretrained(init).options
+    pre = pretrained(init)
+    theirs = pre.options
+    if "block_size" not in given:
+        values["block_size"] = min(block_size, pre.max_positions)
     clash = conflicts(theirs, values)
     if clash is not None:
         name, given, want = clash
