@@ -697,6 +697,9 @@ def test_a_block_size_not_given_fits_the_directory(tok_json: str, llama_data: Pa
     assert config_from({**base, "init_from": str(short)}, toml).block_size == 32
     toml.write_text("block_size = 48\n")
     assert config_from({**base, "init_from": str(short)}, toml).block_size == 48  # refused as the run starts
+    # a --model preset's block_size is chosen, not the default: SmolLM2's 2048 stays 2048
+    huge = save_model(tmp_path / "huge", tok_json, max_position_embeddings=8192)
+    assert config_from({**base, "init_from": str(huge)}, preset={"block_size": 2048}).block_size == 2048
     run = ["train", "--data", str(llama_data), "--init-from", str(short), "--out", str(tmp_path / "ft"),
            "--max-iters", "0", "--eval-iters", "1", "--batch-size", "2", "--dtype", "float64"]
     res = cli(*run)

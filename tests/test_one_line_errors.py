@@ -626,3 +626,16 @@ def test_an_integer_option_beyond_int64_is_one_line(char_dataset: Path, tmp_path
     from numesh.run.config import check_options, config_from
 
     check_options(config_from({"seed": 2**64 - 1}), 1)
+
+
+def test_a_transformers_directory_of_a_type_numesh_cannot_read_is_not_offered_to_train(tmp_path: Path) -> None:
+    """read_meta named `train --init-from` and `sample` for any transformers directory; for
+    a model type numesh does not read (qwen2) both would refuse it, so the line says that."""
+    from numesh.base.errors import CheckpointError
+    from numesh.checkpoint.common import read_meta
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    with pytest.raises(CheckpointError) as e:
+        read_meta(tmp_path)
+    assert "model_type 'qwen2'" in str(e.value) and "not of a type numesh reads (llama, mistral, mixtral and gpt2)" \
+        in str(e.value) and "--init-from" not in str(e.value)

@@ -1044,3 +1044,14 @@ def test_the_fit_check_counts_e_over_ep_experts(char_dataset: Path) -> None:
     four = run_memory(cfg, {**shape, "ep": 4}, 65, 1)
     assert one.params - four.params == 2 * 6 * formulas.expert_params(64) * 4
     assert four.activations < one.activations  # a quarter of the batch's rows on each rank
+
+
+@pytest.mark.parametrize("n", [1000 * 2**30, 1.5 * 2**50, 3 * 2**60, 5 * 2**20])
+def test_memory_per_rank_reads_back_what_plan_prints(n: float) -> None:
+    """`plan` tells a model that fits nowhere to pass a --memory-per-rank above what it
+    printed: that text must parse (PiB and EiB, and 1000.0 GiB, once failed)."""
+    from numesh.plan.command import parse_bytes
+    from numesh.plan.render import human_bytes
+
+    text = human_bytes(n)
+    assert parse_bytes(text) == pytest.approx(n, rel=1e-3), text

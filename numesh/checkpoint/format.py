@@ -42,6 +42,7 @@ PARAMS = "params"
 LEGACY_OPTIMIZER = "adamw"  # what a meta.json without "optimizer" was trained with
 DTYPES = ("float32", "float64")
 STEP_DIR = re.compile(r"step_(\d+)")
+MODEL_TYPES = ("llama", "mistral", "mixtral")  # the Llama-family transformers directories numesh reads (and gpt2)
 LATEST = "latest"  # OUT/ckpt/latest: a symlink to the newest step_ directory
 RUN_CKPT = "ckpt"  # a run's checkpoints live in OUT/ckpt
 DATASET_KEY = "train_tokens"  # what every dataset's meta.json records (`numesh data`), and no checkpoint's
@@ -546,8 +547,10 @@ def read_meta(path: str | Path, describe: Describe, state_groups: Groups = adamw
             raise CheckpointError(f"{given} holds a run's checkpoints, it is not one: pass one of them, such as "
                                   f"{given / LATEST}")
         if (kind := _transformers_model(root)) is not None:
-            raise CheckpointError(f"{given} is a transformers model directory (model_type {kind!r}), not a numesh "
-                                  f"checkpoint: `numesh train --init-from {given}` starts a run from its weights and "
+            what = f"{given} is a transformers model directory (model_type {kind!r}), not a numesh checkpoint"
+            if kind not in (*MODEL_TYPES, "gpt2"):
+                raise CheckpointError(f"{what}, and not of a type numesh reads ({', '.join(MODEL_TYPES)} and gpt2)")
+            raise CheckpointError(f"{what}: `numesh train --init-from {given}` starts a run from its weights and "
                                   f"`numesh sample {given}` samples from it")
         raise CheckpointError(f"{meta_path} is missing: {given} is not a complete numesh checkpoint")
     try:

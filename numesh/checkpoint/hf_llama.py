@@ -24,11 +24,10 @@ import numpy as np
 
 from numesh.base.errors import CheckpointError
 from numesh.base.tree import tree_leaves_with_path
-from numesh.checkpoint.format import run_checkpoints
+from numesh.checkpoint.format import MODEL_TYPES, run_checkpoints
 from numesh.checkpoint.hf_files import Weights, read_json_file
 from numesh.nn.gpt import GPTConfig, gpt_global_shapes, swiglu_hidden
 
-MODEL_TYPES = ("llama", "mistral", "mixtral")
 # transformers' defaults where config.json leaves a key out (each class's own)
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=2048),

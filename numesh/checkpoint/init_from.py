@@ -2,7 +2,8 @@
 
 From a Hugging Face transformers directory (a Llama, Mistral or Mixtral, or a GPT-2; `numesh
 export --format hf` writes one) or a `numesh export` file, checked against the run's model
-(every key of the model's shape must match: a one-line error names every option to change)
+(every key of the model's shape must match: for a GPT-2 directory or an export file one
+line names every option to change; a Llama-family directory fills those options itself)
 and its dataset's tokenizer (the same ids must mean the same text), then sharded for any
 mesh like a checkpoint's. A Llama-family directory is read leaf by leaf, each rank only the
 leaves of its pipeline stage, each leaf whole once and then cut to the rank's shard: no rank

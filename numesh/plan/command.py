@@ -22,8 +22,8 @@ from numesh.plan.presets import preset
 from numesh.plan.render import as_json, human_bytes, table
 from numesh.run.config import LAYOUT_OPTIONS, TrainConfig, check_options, config_from, run_vocab
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15, "eb": 10**18,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50, "eib": 2**60}  # human_bytes' too
 
 
 def parse_bytes(text: str) -> float:

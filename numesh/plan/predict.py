@@ -95,7 +95,7 @@ def plan(base: TrainConfig, model: ModelSpec, ranks: int, profile: Profile, memo
     least = min(layouts, key=floors.__getitem__)
     if least in unlisted:  # --n-layer 1000000000: not even its blocks fit, and listing them took all the memory
         return Plan([], len(layouts), least, unlisted[least], at_least=True)
-    smallest, size = _smallest(model, layouts, floors, itemsize, threads)
+    smallest, size = _smallest(model, [lay for lay in layouts if lay not in unlisted], floors, itemsize, threads)
     return Plan([], len(layouts), smallest, size)
 
 
@@ -108,7 +108,8 @@ def _smallest(model: ModelSpec, layouts: list[Layout], floors: dict[Layout, int]
               threads: int) -> tuple[Layout, int]:
     """The layout that needs the least memory, and its bytes: predicted in the order of their
     floors until the next floor is no less than the best found (none after it can be
-    smaller), so a few schedules are built, not all."""
+    smaller), so a few schedules are built, not all. `layouts` holds none whose blocks are
+    too many to list (`plan`'s `unlisted`): `_total` would list them."""
     best, size = layouts[0], math.inf
     for lay in sorted(layouts, key=floors.__getitem__):
         if floors[lay] >= size:

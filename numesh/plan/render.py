@@ -10,11 +10,11 @@ from numesh.plan.predict import Plan, Prediction
 
 
 def human_bytes(n: float) -> str:
-    """`n` bytes in the largest binary unit it reaches, one decimal; past EiB (a model of
-    10^15 layers) in EiB with thousands separators rather than a 10-digit TiB count."""
+    """`n` bytes in the largest binary unit it reaches, one decimal (a model of 10^15 layers
+    in EiB, not a 10-digit count of TiB); what --memory-per-rank reads back (`parse_bytes`)."""
     for unit, size in (("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
-            return f"{n / size:,.1f} {unit}"
+            return f"{n / size:.1f} {unit}"
     return f"{n:.0f} B"
 
 

@@ -235,7 +235,7 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None,
         values[key] = value
         if overrides.get(key) is not None:
             given[key] = ""
-    _from_pretrained(values, given, fields["block_size"].default)
+    _from_pretrained(values, {*given, *named}, fields["block_size"].default)  # a preset's block_size is chosen too
     arch = values.get("arch", fields["arch"].default)
     if arch not in ARCHS:
         raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
@@ -310,11 +310,11 @@ def _llama_dir(init: Any) -> bool:
     return isinstance(init, str) and bool(init.strip()) and is_pretrained_dir(init) and model_type(Path(init)) != "gpt2"
 
 
-def _from_pretrained(values: dict[str, Any], given: dict[str, str], block_size: int) -> None:
+def _from_pretrained(values: dict[str, Any], chosen: set[str], block_size: int) -> None:
     """With --init-from a transformers Llama-family directory, the model options its
     config.json fixes, filled in where not given; one given otherwise is a one-line error.
-    --block-size, which it only bounds (max_position_embeddings), is where not given (on the
-    command line, or in the --config file at other than its default) the default
+    --block-size, which it only bounds (max_position_embeddings), is where not `chosen` (on
+    the command line, by a --model preset, or in the --config file at other than its default) the default
     `block_size` or that bound where lower: the round trip of a run trained at --block-size 32
     (export --format hf, then --init-from) was refused for a default the user never gave. One
     given above the bound stays an error (`init_from._check_pretrained`). (A GPT-2
@@ -324,12 +324,12 @@ def _from_pretrained(values: dict[str, Any], given: dict[str, str], block_size: 
         return
     pre = pretrained(init)
     theirs = pre.options
-    if "block_size" not in given:
+    if "block_size" not in chosen:
         values["block_size"] = min(block_size, pre.max_positions)
     clash = conflicts(theirs, values)
     if clash is not None:
-        name, given, want = clash
-        raise ConfigError(f"{flag_value(name, given)} conflicts with --init-from {init}, whose model has "
+        name, value, want = clash
+        raise ConfigError(f"{flag_value(name, value)} conflicts with --init-from {init}, whose model has "
                           f"{flag_value(name, want) if isinstance(want, bool) else want}: leave the option out (the "
                           "directory sets it)")
     values.update(theirs)
