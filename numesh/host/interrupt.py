@@ -39,7 +39,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 from mpi4py import MPI
@@ -69,6 +69,7 @@ class InterruptWatch:
         save_grace_s: float = SAVE_GRACE_S,
         repeat_s: float = REPEAT_S,
         signals: tuple[int, ...] = SIGNALS,
+        agree: Callable[[np.ndarray], None] | None = None,
     ):
         self.comm, self.grace_s, self.save_grace_s, self.repeat_s = comm, grace_s, save_grace_s, repeat_s
         self.signals = tuple(dict.fromkeys((*SIGNALS, *signals)))
@@ -85,6 +86,7 @@ class InterruptWatch:
         self._old_fd = -1
         self._pipe: tuple[int, int] | None = None
         self._flag = np.zeros(1, dtype=np.int32)
+        self._agree = agree  # the per-step agreement's all-reduce (MAX, in place) where the caller runs it
 
     # ------------------------------------------------------------------ install / restore
 
@@ -137,7 +139,9 @@ class InterruptWatch:
             self._step_s = max(self._step_s, now - self._last_check)
         self._last_check = now
         self._flag[0] = self.signum
-        if self.comm.Get_size() > 1:
+        if self._agree is not None:
+            self._agree(self._flag)
+        elif self.comm.Get_size() > 1:
             self.comm.Allreduce(MPI.IN_PLACE, self._flag, op=MPI.MAX)
         got = int(self._flag[0])
         if got:  # from here on the main thread needs only a little more time, signalled or not

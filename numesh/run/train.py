@@ -38,7 +38,7 @@ from numesh.host.runtime import dp_hint, host_map, log
 from numesh.host.runtime import job_peak_flops as measured_peak_flops
 from numesh.host.startup_signals import parse_signals
 from numesh.host.threads import threads
-from numesh.mesh import AXES, BATCH_AXES, Mesh, psum, psum_scalar, unshard
+from numesh.mesh import AXES, BATCH_AXES, Mesh, pmax, psum, psum_scalar, unshard
 from numesh.nn.dropout import DropoutKey
 from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs, init_gpt
 from numesh.nn.moe import moe_metrics, stats_vector
@@ -600,6 +600,17 @@ def train(
         run.close()
 
 
+def _agreement(mesh: Mesh) -> Callable[[np.ndarray], None]:
+    """The interrupt watch's per-step all-reduce as the mesh's other collectives run it:
+    through the flight recorder, so its collective timeout holds there too. A blocking
+    Allreduce outside it hung a tp=2 job for good when its peer was kill -STOPped at a step
+    boundary (tests/test_flight.py::test_a_stopped_rank_is_named, once in a CI run)."""
+    def agree(flag: np.ndarray) -> None:
+        pmax(flag.copy(), mesh, AXES, out=flag)
+
+    return agree
+
+
 def _locked_run(trainer: Trainer, run: RunDir, start: int, peak: float,
                 on_step: Callable[[int, dict], None] | None, saved_at: int | None = None) -> TrainResult:
     """`train` from its first step on, in the run directory `run` it holds (`saved_at`:
@@ -611,7 +622,8 @@ def _locked_run(trainer: Trainer, run: RunDir, start: int, peak: float,
         trainer.start_trace(peak, out / PARTS_DIR)
     t_start = time.perf_counter()
     # Ctrl-C or a --save-on-signal signal: every rank stops at one step (numesh/interrupt.py)
-    watch = InterruptWatch(trainer.mesh.world, signals=parse_signals(cfg.save_on_signal)).start()
+    watch = InterruptWatch(trainer.mesh.world, signals=parse_signals(cfg.save_on_signal),
+                           agree=_agreement(trainer.mesh)).start()
     saves = AsyncCheckpoints(trainer.mesh.world) if cfg.ckpt_async else None
     try:
         last, saved_at = _run_steps(trainer, start, run, watch, observer, peak, on_step, saves, saved_at)
