@@ -486,6 +486,12 @@ def test_export_to_an_empty_out_is_refused_not_the_current_directory(tiny_run: P
         line = one_error_line(cli("export", str(tiny_run / "ckpt" / "latest"), "--out", "", "--format", fmt, "--force"))
         assert line == "error: --out must name a file or directory to write, got ''"
     assert list(tmp_path.iterdir()) == []
+    for out in (".", str(tmp_path)):  # the current directory spelled out: the same files among the user's own
+        line = one_error_line(cli("export", str(tiny_run / "ckpt" / "latest"), "--out", out, "--format", "hf",
+                                  "--force"))
+        assert line == f"error: --out {out} is the current directory: name a directory for the model's files, " \
+                       "e.g. --out exported"
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("fmt, name, says", [
@@ -639,3 +645,15 @@ def test_a_transformers_directory_of_a_type_numesh_cannot_read_is_not_offered_to
         read_meta(tmp_path)
     assert "model_type 'qwen2'" in str(e.value) and "not of a type numesh reads (llama, mistral, mixtral and gpt2)" \
         in str(e.value) and "--init-from" not in str(e.value)
+
+
+def test_a_suggested_checkpoint_path_is_quoted_for_the_shell(tmp_path: Path) -> None:
+    """'such as /a b/run/ckpt/latest' broke when pasted into a shell: the path is quoted."""
+    from numesh.base.errors import CheckpointError
+    from numesh.checkpoint.common import read_meta
+
+    run = tmp_path / "sp ace" / "run dir"
+    (run / "ckpt").mkdir(parents=True)
+    with pytest.raises(CheckpointError) as e:
+        read_meta(run)
+    assert str(e.value).endswith(f"such as '{run}/ckpt/latest'"), str(e.value)

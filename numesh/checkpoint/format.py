@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import shlex
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Mapping, Sequence
 
@@ -542,10 +543,10 @@ def read_meta(path: str | Path, describe: Describe, state_groups: Groups = adamw
     if not meta_path.is_file():
         if run_checkpoints(root):  # a run's directory (train --out), not one of its checkpoints
             raise CheckpointError(f"{given} is a run's directory, not a checkpoint: pass one of its checkpoints, "
-                                  f"such as {given / RUN_CKPT / LATEST}")
+                                  f"such as {shlex.quote(str(given / RUN_CKPT / LATEST))}")
         if (root / LATEST).exists() or step_dirs(root):  # the run's ckpt/ itself
             raise CheckpointError(f"{given} holds a run's checkpoints, it is not one: pass one of them, such as "
-                                  f"{given / LATEST}")
+                                  f"{shlex.quote(str(given / LATEST))}")
         if (kind := _transformers_model(root)) is not None:
             what = f"{given} is a transformers model directory (model_type {kind!r}), not a numesh checkpoint"
             if kind not in (*MODEL_TYPES, "gpt2"):

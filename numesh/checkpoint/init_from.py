@@ -14,6 +14,7 @@ and export files are small and read whole.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,8 @@ def check_not_checkpoint(init_from: str) -> None:
     except CheckpointError:  # unreadable: say what resuming it says
         route = "see what `--resume` says of it"
     raise ConfigError(f"--init-from {init_from} is a numesh {'checkpoint' if ckpt == p else 'run'}, not a transformers "
-                      f"directory or a `numesh export` file: continue its run with --resume {ckpt}, or {route}")
+                      f"directory or a `numesh export` file: continue its run with --resume "
+                      f"{shlex.quote(str(ckpt))}, or {route}")
 
 
 def start_vocab(init_from: str, resume: str) -> int | None:

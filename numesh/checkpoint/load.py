@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -153,4 +154,4 @@ def broken_latest(latest: Path, error: Exception) -> str | None:
     if older is None:
         return None
     what = f"points at a missing {target}" if not latest.exists() else f"leads to a broken checkpoint ({error})"
-    return f"--resume auto: {latest} {what}; resume the intact {older.name} with --resume {older}"
+    return f"--resume auto: {latest} {what}; resume the intact {older.name} with --resume {shlex.quote(str(older))}"

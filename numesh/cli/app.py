@@ -514,6 +514,9 @@ def export_cmd(
             raise ConfigError(f"--format must be nanogpt or hf, got {format!r}")
         if not out.strip():  # Path("") is "."; with --force, hf would write into the current directory
             raise ConfigError(f"--out must name a file or directory to write, got {out!r}")
+        if format == "hf" and Path(out).resolve() == Path.cwd().resolve():  # its five files among the user's own
+            raise ConfigError(f"--out {out} is the current directory: name a directory for the model's files, "
+                              "e.g. --out exported")
         print((export_hf if format == "hf" else export_nanogpt)(ckpt, Path(out), dtype, force))
 
     _run(go)

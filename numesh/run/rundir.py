@@ -12,6 +12,7 @@ import json
 import math
 import os
 import secrets
+import shlex
 import shutil
 import socket
 import sys
@@ -237,7 +238,7 @@ def _reuse_hint(out: Path) -> str:
     second error)."""
     latest = out / RUN_CKPT / LATEST
     if latest.exists():
-        return f"pass --resume {latest} to continue it, --overwrite to replace it, or another --out"
+        return f"pass --resume {shlex.quote(str(latest))} to continue it, --overwrite to replace it, or another --out"
     return "it has no checkpoint to resume from: pass --overwrite to replace it, or another --out"
 
 
