@@ -636,6 +636,10 @@ def test_init_from_alone_sets_the_model_and_a_conflicting_option_is_one_line(tok
     line = one_error_line(cli("train", "--init-from", str(d), "--data", str(llama_data), "--n-embd", "32",
                               "--out", str(tmp_path / "run")))
     assert "--n-embd 32 conflicts with --init-from" in line
+    with pytest.raises(ConfigError) as e:  # every conflict in one line, not one per run
+        config_from(dict(init_from=str(d), n_layer=3, n_embd=32))
+    assert str(e.value) == f"--n-layer 3 and --n-embd 32 conflict with --init-from {d}, whose model has 2 and 16: " \
+                           "leave them out (the directory sets them)"
 
 
 REFUSALS = [  # (how the directory is spoiled, what the one line says)

@@ -163,9 +163,11 @@ def pretrained(directory: str | Path) -> Pretrained:
     return Pretrained(kind, options, vocab, max_pos, eos if isinstance(eos, int) else None)
 
 
-def conflicts(theirs: dict[str, Any], given: dict[str, Any]) -> tuple[str, Any, Any] | None:
-    """The first option `given` sets to other than the directory's model (`theirs`):
-    (name, given, theirs), or None. 0 means the default for n_kv_head and ffn_hidden."""
+def conflicts(theirs: dict[str, Any], given: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Every option `given` sets to other than the directory's model (`theirs`), as (name,
+    given, theirs): all of them, so one error names them all. 0 means the default for
+    n_kv_head and ffn_hidden."""
+    found = []
     for name, want in theirs.items():
         if name not in given or given[name] == want:
             continue
@@ -173,8 +175,8 @@ def conflicts(theirs: dict[str, Any], given: dict[str, Any]) -> tuple[str, Any, 
             continue
         if name == "ffn_hidden" and given[name] == 0 and want == swiglu_hidden(theirs["n_embd"]):
             continue
-        return name, given[name], want
-    return None
+        found.append((name, given[name], want))
+    return found
 
 
 # ---------------------------------------------------------------------------------------

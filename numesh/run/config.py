@@ -327,11 +327,13 @@ def _from_pretrained(values: dict[str, Any], chosen: set[str], block_size: int) 
     if "block_size" not in chosen:
         values["block_size"] = min(block_size, pre.max_positions)
     clash = conflicts(theirs, values)
-    if clash is not None:
-        name, value, want = clash
-        raise ConfigError(f"{flag_value(name, value)} conflicts with --init-from {init}, whose model has "
-                          f"{flag_value(name, want) if isinstance(want, bool) else want}: leave the option out (the "
-                          "directory sets it)")
+    if clash:
+        ours = " and ".join(flag_value(name, value) for name, value, _ in clash)
+        its = " and ".join(flag_value(name, want) if isinstance(want, bool) else str(want) for name, _, want in clash)
+        one = len(clash) == 1
+        raise ConfigError(f"{ours} {'conflicts' if one else 'conflict'} with --init-from {init}, whose model has "
+                          f"{its}: leave {'the option' if one else 'them'} out (the directory sets "
+                          f"{'it' if one else 'them'})")
     values.update(theirs)
 
 
