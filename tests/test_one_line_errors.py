@@ -657,3 +657,15 @@ def test_a_suggested_checkpoint_path_is_quoted_for_the_shell(tmp_path: Path) -> 
     with pytest.raises(CheckpointError) as e:
         read_meta(run)
     assert str(e.value).endswith(f"such as '{run}/ckpt/latest'"), str(e.value)
+
+
+@pytest.mark.parametrize("value", ['["llama"]', "{ kind = 1 }", "5"])
+def test_a_recipe_arch_that_is_not_a_name_is_one_line(tmp_path: Path, value: str) -> None:
+    """A TOML list or table as `arch` raised TypeError (unhashable) from the ARCHS lookup."""
+    from numesh.base.errors import ConfigError
+    from numesh.run.config import config_from
+
+    toml = tmp_path / "run.toml"
+    toml.write_text(f"arch = {value}\n")
+    with pytest.raises(ConfigError, match="--arch must be one of gpt2, llama, got"):
+        config_from({}, toml)

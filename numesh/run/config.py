@@ -237,7 +237,7 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None,
             given[key] = ""
     _from_pretrained(values, {*given, *named}, fields["block_size"].default)  # a preset's block_size is chosen too
     arch = values.get("arch", fields["arch"].default)
-    if arch not in ARCHS:
+    if not isinstance(arch, str) or arch not in ARCHS:  # a TOML list or table is unhashable
         raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     _kind_parts(values, named, file_arch, arch)
     _default_floor(values, given, fields["min_lr"].default)
@@ -258,7 +258,7 @@ def _positions_of(values: dict[str, Any]) -> Any:
     """The positions of the model `values` describe: its own, else its kind's (a kind
     `ARCHS` does not know has none: config_from refuses it)."""
     arch = values.get("arch", attrs.fields(TrainConfig).arch.default)
-    return values.get("positions", ARCHS[arch]["positions"] if arch in ARCHS else None)
+    return values.get("positions", ARCHS[arch]["positions"] if isinstance(arch, str) and arch in ARCHS else None)
 
 
 def _check_unused(cfg: TrainConfig, given: dict[str, str]) -> None:
