@@ -31,6 +31,7 @@ import attrs
 import numpy as np
 
 from numesh.base.errors import CheckpointError, DataError
+from numesh.base.files import json_object_or_none
 from numesh.base.padding import round_up
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
 from numesh.mesh import AXES, P
@@ -577,11 +578,7 @@ def _a_file(given: Path) -> str:
 def _transformers_model(root: Path) -> str | None:
     """The model_type of the transformers model directory `root` (its config.json, which
     save_pretrained writes with one), else None (a run's config.json names none)."""
-    try:
-        cfg = json.loads((root / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    kind = cfg.get("model_type") if isinstance(cfg, dict) else None
+    kind = (json_object_or_none(root / "config.json") or {}).get("model_type")
     return kind if isinstance(kind, str) and kind else None
 
 
