@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -1055,3 +1056,22 @@ def test_memory_per_rank_reads_back_what_plan_prints(n: float) -> None:
 
     text = human_bytes(n)
     assert parse_bytes(text) == pytest.approx(n, rel=1e-3), text
+
+
+def test_available_memory_without_proc_is_the_machines_ram(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without /proc/meminfo (macOS) train's memory check was skipped; it now checks the
+    run against the machine's RAM (a container limit still caps it on Linux)."""
+    import builtins
+
+    from numesh.plan import fits
+
+    real_open = builtins.open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path) == "/proc/meminfo":
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_proc)
+    monkeypatch.setattr(fits, "_CGROUP_LIMITS", ())
+    assert fits.available_memory() == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

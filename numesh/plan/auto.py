@@ -17,7 +17,6 @@ rank gets its answer (or its one-line error), so the ranks never disagree on a m
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import attrs
@@ -82,14 +81,9 @@ def cpu_profile(dtype: str, core_flops: float, rank_threads: int, ranks_on_node:
 
 def node_memory() -> float:
     """Bytes of memory this node has free (`numesh.plan.fits.available_memory`, what
-    `numesh train` checks the run against), else its RAM; 0 if unknown (then everything fits)."""
+    `numesh train` checks the run against); 0 if unknown (then everything fits)."""
     free = available_memory()
-    if free is not None:
-        return float(free)
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0.0
+    return 0.0 if free is None else float(free)
 
 
 def _profile(cfg: TrainConfig, world: int, ranks_on_node: int) -> tuple[Profile, str]:

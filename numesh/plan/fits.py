@@ -9,6 +9,7 @@ Without it, `--block-size 100000` ran for minutes and then died in a 59-line
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -30,12 +31,14 @@ _CGROUP_LIMITS = (  # (limit, usage): cgroup v2, then v1; "max" or a huge number
 
 def available_memory() -> int | None:
     """Bytes this machine can still give a new process: /proc/meminfo's MemAvailable, or
-    less under a container's memory limit. None where that is unknown (not Linux)."""
+    less under a container's memory limit; without /proc (macOS) its physical memory, so a
+    run that cannot fit in the whole machine is still one line, not a swap storm. None
+    where even that is unknown."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
-        return None
+        return _physical_memory()
     for limit, usage in _CGROUP_LIMITS:
         try:
             cap = int(Path(limit).read_text()) - int(Path(usage).read_text())
@@ -43,6 +46,14 @@ def available_memory() -> int | None:
             continue
         free = min(free, max(cap, 0))
     return free
+
+
+def _physical_memory() -> int | None:
+    """The machine's RAM in bytes (sysconf), or None where sysconf does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def run_layout(cfg: TrainConfig, shape: dict[str, int]) -> Layout:
