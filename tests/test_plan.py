@@ -1075,3 +1075,16 @@ def test_available_memory_without_proc_is_the_machines_ram(monkeypatch: pytest.M
     monkeypatch.setattr(builtins, "open", no_proc)
     monkeypatch.setattr(fits, "_CGROUP_LIMITS", ())
     assert fits.available_memory() == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_the_best_command_says_an_option_given_over_a_preset_once() -> None:
+    """`--model smollm2-135m --n-kv-head 1 --batch-size 4`: the `best:` line said the
+    preset's --n-kv-head 3 and then the given 1 (and the batch twice); each once now, as
+    given, and train reads the line as the model planned."""
+    res = invoke(["--ranks", "2", "--model", "smollm2-135m", "--n-kv-head", "1", "--batch-size", "4",
+                  "--hardware", "h100-80gb", "--top", "1"])
+    assert res.exit_code == 0, res.output
+    best = res.stdout.strip().splitlines()[-1]
+    assert best.count("--n-kv-head") == 1 and "--n-kv-head 1" in best
+    assert best.count("--batch-size") == 1 and "--batch-size 4" in best
+    assert config_of(command(best.removeprefix("best: "))[1]).n_kv_head == 1

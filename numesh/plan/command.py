@@ -134,11 +134,13 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
     if model_preset:
         p = preset(model_preset)
         # the preset's kind and its biases (GPT-2's and GPT-3's: --bias, off by default in train); its rotary
-        # base only for rotary positions (train refuses --rope-theta with --positions learned)
-        parts = "".join(f" {flag_value(k, v)}" for k, v in p.parts.items()
-                        if (k != "bias" or v) and (k != "rope_theta" or cfg.positions == "rotary"))
-        extra = (f"--n-layer {p.n_layer} --n-head {p.n_head} --n-embd {p.n_embd} --block-size {p.block_size}{parts} "
-                 f"--batch-size {cfg.batch_size} " + extra).strip()
+        # base only for rotary positions (train refuses --rope-theta with --positions learned); an option the
+        # command line gave is said once, as given
+        shape = {"n_layer": p.n_layer, "n_head": p.n_head, "n_embd": p.n_embd, "block_size": p.block_size,
+                 **{k: v for k, v in p.parts.items()
+                    if (k != "bias" or v) and (k != "rope_theta" or cfg.positions == "rotary")},
+                 "batch_size": cfg.batch_size}
+        extra = " ".join([*(flag_value(k, v) for k, v in shape.items() if overrides.get(k) is None), extra]).strip()
     return table(found, ranks, top, limit, profile.name, extra)
 
 
