@@ -642,6 +642,24 @@ def test_init_from_alone_sets_the_model_and_a_conflicting_option_is_one_line(tok
                            "leave them out (the directory sets them)"
 
 
+
+def test_a_library_models_mismatches_with_the_directory_are_named_at_once(tok_json: str, llama_data: Path,
+                                                                          tmp_path: Path) -> None:
+    """A model built by hand (not through config_from, which sets it from the directory)
+    against the directory: every differing option in one line, not one per run."""
+    import attrs
+
+    from numesh.checkpoint.hf_llama import pretrained
+    from numesh.checkpoint.init_from import _check_pretrained
+    from numesh.data.dataset import load_tokenizer
+
+    d = save_model(tmp_path / "hf", tok_json)
+    model = attrs.evolve(pretrained(d).model(16), n_layer=3, n_embd=32)
+    with pytest.raises(ConfigError) as e:
+        _check_pretrained(d, model, load_tokenizer(str(llama_data)))
+    assert str(e.value) == f"--init-from {d} has n_layer 2, n_embd 16, this run 3, 32: set --n-layer, --n-embd to " \
+                           "match (or leave them out: the directory sets them)"
+
 REFUSALS = [  # (how the directory is spoiled, what the one line says)
     (lambda d: (d / "config.json").unlink(), "it needs config.json"),
     (lambda d: (d / "model.safetensors").unlink(), "holds no weights: it needs model.safetensors"),

@@ -177,10 +177,13 @@ def _check_pretrained(p: Path, model: GPTConfig, dataset: CharTokenizer | HFToke
     """A Llama-family directory against the run: its model, its context and its tokenizer."""
     pre = pretrained(p)
     theirs = pre.model(model.block_size)
-    for key in OPTIONS:
-        if key != "arch" and getattr(theirs, key) != getattr(model, key) and not _same_default(key, theirs, model):
-            raise ConfigError(f"--init-from {p} has {key} {getattr(theirs, key)}, this run {getattr(model, key)}: "
-                              f"set {OPTION[key]} to match (or leave it out: the directory sets it)")
+    differ = [key for key in OPTIONS
+              if key != "arch" and getattr(theirs, key) != getattr(model, key) and not _same_default(key, theirs, model)]
+    if differ:  # all in one line: one run per mismatch otherwise
+        has = ", ".join(f"{key} {getattr(theirs, key)}" for key in differ)
+        run = ", ".join(f"{getattr(model, key)}" for key in differ)
+        raise ConfigError(f"--init-from {p} has {has}, this run {run}: set {', '.join(OPTION[k] for k in differ)} "
+                          "to match (or leave them out: the directory sets them)")
     if model.block_size > pre.max_positions:
         raise ConfigError(f"--block-size {model.block_size} is longer than {p}'s max_position_embeddings "
                           f"{pre.max_positions}: use at most {pre.max_positions}")
