@@ -177,8 +177,8 @@ def _check_pretrained(p: Path, model: GPTConfig, dataset: CharTokenizer | HFToke
     """A Llama-family directory against the run: its model, its context and its tokenizer."""
     pre = pretrained(p)
     theirs = pre.model(model.block_size)
-    differ = [key for key in OPTIONS
-              if key != "arch" and getattr(theirs, key) != getattr(model, key) and not _same_default(key, theirs, model)]
+    differ = [key for key in OPTIONS if key != "arch" and getattr(theirs, key) != getattr(model, key)
+              and not _same_default(key, theirs, model)]
     if differ:  # all in one line: one run per mismatch otherwise
         has = ", ".join(f"{key} {getattr(theirs, key)}" for key in differ)
         run = ", ".join(f"{getattr(model, key)}" for key in differ)
