@@ -881,3 +881,30 @@ def test_written_files_have_the_umask_mode(data: Path, tmp_path: Path, umask: in
     bad = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777)
            for p in dirs if p.stat().st_mode & 0o777 != 0o777 & ~umask}
     assert not bad, f"directories not {oct(0o777 & ~umask)}: {bad}"
+
+
+def test_a_train_state_the_reader_would_refuse_is_refused_before_the_save(tmp_path: Path) -> None:
+    """A TrainState built by hand was written whatever it held: dtype bfloat16, step -3, a
+    float64 model under meta.json's default float32, another model's layout; each saved a
+    checkpoint the reader then refused (or misread), and optimizer 'foo' was a KeyError."""
+    from numesh.checkpoint import TrainState, read_global
+    from numesh.mesh import Mesh
+    from numesh.nn.gpt import GPTConfig, init_gpt
+
+    mesh, model = Mesh.create(), GPTConfig(vocab_size=17, n_layer=2, n_head=2, n_embd=16, block_size=8)
+    params = init_gpt(model, mesh, dtype=np.float64)
+    zeros = tree_map_with_path(lambda _, x: np.zeros_like(x), params)
+    trees = {"params": params, "m": zeros, "v": zeros}
+
+    def state(**kw: Any) -> TrainState:
+        return TrainState(**{"mesh": mesh, "model": model, "layout": StageLayout(2), "trees": trees, "step": 1,
+                             "opt_step": 1, "dtype": "float64", "optimizer": "adamw", **kw})
+
+    for kw, says in [({"dtype": "bfloat16"}, "dtype must be float32 or float64, got 'bfloat16'"),
+                     ({"step": -3}, "step and opt_step must be >= 0, got -3 and 1"),
+                     ({"dtype": "float32"}, "of dtype float32 has float64 parameters: pass dtype='float64'"),
+                     ({"layout": StageLayout(4)}, "layout splits 4 layers, its model has 2"),
+                     ({"optimizer": "foo"}, "optimizer must be one of adamw, muon, got 'foo'")]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            state(**kw)
+    assert read_global(save_checkpoint(state(), tmp_path))[0].dtype == "float64"

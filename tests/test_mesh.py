@@ -452,3 +452,23 @@ def test_ep_formulas_add_the_replicated_leaves_all_reduce_and_ep_to_the_loss_and
     assert ep.pop(("pp+dp+ep", "all_reduce")) == SCALAR and dense.pop(("pp+dp", "all_reduce")) == SCALAR
     assert ep.pop(("dp+ep", "all_reduce")) == SCALAR and dense.pop(("dp", "all_reduce")) == SCALAR  # the norm
     assert ep == dense and ("dp", "reduce_scatter") in ep
+
+
+def test_a_collective_refuses_on_one_rank_what_two_ranks_would() -> None:
+    """A Python number, a list or a boolean array to a sum, or a broadcast root past the
+    axis, came back unchanged on a 1-rank axis and failed only on 2 ranks (no `nbytes`,
+    "Invalid MPI_Op", "Invalid root"): the same one-line error on every mesh now."""
+    from numesh.mesh import Mesh, broadcast, pmax, psum
+
+    m = Mesh.parse("tp=1")
+    with pytest.raises(TypeError, match="psum takes a numpy array, got float"):
+        psum(1.5, m, "tp")
+    with pytest.raises(TypeError, match="psum takes a numpy array, got list"):
+        psum([1.0, 2.0], m, "tp")
+    with pytest.raises(TypeError, match="psum sums numbers, got an array of bool"):
+        psum(np.ones(2, bool), m, "tp")
+    with pytest.raises(TypeError, match="pmax takes the maximum of numbers, got an array of complex128"):
+        pmax(np.ones(2, complex), m, "tp")
+    with pytest.raises(ValueError, match="broadcast's root is an index along tp, 0..0, got 5"):
+        broadcast(np.ones(2), m, "tp", root=5)
+    assert psum(np.ones(2, np.int32), m, "tp").dtype == np.int32

@@ -71,9 +71,9 @@ def rank_blocks(state: TrainState, leaves: dict[str, LeafDef]) -> list[Block]:
             if not writes_leaf(leaf.spec, mesh.coords):
                 continue
             held = leaf.region(mesh.shape, mesh.coords)
-            if tuple(r.stop - r.start for r in held) != x.shape:
+            if (want := tuple(r.stop - r.start for r in held)) != x.shape:
                 raise CheckpointError(f"rank {mesh.rank}: leaf {group}/{path} has local shape {x.shape}, "
-                                      f"expected {held}")
+                                      f"the model's is {want}")
             region = intersect(held, full_region(leaf.shape))
             if region is None:
                 continue  # wholly vocabulary padding

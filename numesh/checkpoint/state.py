@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import attrs
+import numpy as np
 
+from numesh.base.tree import tree_leaves
 from numesh.checkpoint.format import LEGACY_OPTIMIZER, PARAMS, LeafDef
 from numesh.mesh import Mesh
 from numesh.nn.gpt import GPT, GPTConfig
@@ -56,10 +58,24 @@ class TrainState:
     source: dict[str, Any] | None = None  # meta.json "init_source": what the run's --init-from directory said
 
     def __attrs_post_init__(self) -> None:
+        """Refuse what the reader would refuse after the save (a library caller builds one by hand)."""
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"a TrainState's optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"a TrainState's dtype must be float32 or float64, got {self.dtype!r}")
+        if self.step < 0 or self.opt_step < 0:
+            raise ValueError(f"a TrainState's step and opt_step must be >= 0, got {self.step} and {self.opt_step}")
+        if self.layout.n_layer != self.model.n_layer:
+            raise ValueError(f"a TrainState's layout splits {self.layout.n_layer} layers, its model has "
+                             f"{self.model.n_layer}")
         want = state_groups(self.optimizer)
         if set(self.trees) != set(want):
             raise ValueError(f"a TrainState of {self.optimizer} needs the trees {', '.join(want)}, "
                              f"got {', '.join(sorted(self.trees))}")
+        other = {str(x.dtype) for x in tree_leaves(self.trees[PARAMS]) if x.dtype != np.dtype(self.dtype)}
+        if other:  # meta.json would say dtype while the files held another
+            raise ValueError(f"a TrainState of dtype {self.dtype} has {', '.join(sorted(other))} parameters: pass "
+                             f"dtype={sorted(other)[0]!r} or cast them")
 
 
 @attrs.frozen(eq=False)

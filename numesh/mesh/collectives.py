@@ -79,6 +79,18 @@ def _issue(mesh: Mesh, axes: AxisNames, op: str, nbytes: int, start: Callable[[]
     return Handle(start(), result, finish, (obs, token))
 
 
+def _operand(x: Any, op: str, reduce: str = "") -> None:
+    """Refuse what only some meshes would: a non-array (a 1-rank axis returned a Python
+    number unchanged where 2 ranks failed on its missing `nbytes`) or, for a reduction,
+    an array MPI cannot `reduce` (booleans, objects: "Invalid MPI_Op" on 2 ranks)."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{op} takes a numpy array, got {type(x).__name__}: pass np.asarray(x)"
+                        + (" (psum_scalar sums one number)" if op == "psum" else ""))
+    if reduce and x.dtype.kind not in ("iuf" if reduce == "max" else "iufc"):
+        raise TypeError(f"{op} {'sums' if reduce == 'sum' else 'takes the maximum of'} numbers, got an array of "
+                        f"{x.dtype}: cast it, e.g. x.astype(np.int64)")
+
+
 def _contig(x: np.ndarray) -> np.ndarray:
     return x if x.flags.c_contiguous else np.ascontiguousarray(x)
 
@@ -105,6 +117,7 @@ def psum(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = No
          inplace: bool = False) -> np.ndarray:
     """Sum over the axis, into `out` when given. `inplace=True` overwrites `x` (which must
     be contiguous)."""
+    _operand(x, "psum", "sum")
     if mesh.size(axes) == 1:
         return x if inplace else _identity(x, out)
     _count(mesh, axes, "all_reduce", x.nbytes)
@@ -135,6 +148,7 @@ def psum_tree(tree, mesh: Mesh, axes: AxisNames):
 
 def pmax(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = None) -> np.ndarray:
     """Elementwise maximum over the axis, into `out` when given."""
+    _operand(x, "pmax", "max")
     if mesh.size(axes) == 1:
         return _identity(x, out)
     _count(mesh, axes, "all_reduce", x.nbytes)
@@ -148,6 +162,7 @@ def pmax(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = No
 
 def ipsum(x: np.ndarray, mesh: Mesh, axes: AxisNames) -> Handle:
     """Nonblocking in-place sum over the axis; `x` holds the sum after `wait()`."""
+    _operand(x, "ipsum", "sum")
     if mesh.size(axes) == 1:
         return Handle(None, x)
     _count(mesh, axes, "all_reduce", x.nbytes)
@@ -157,6 +172,7 @@ def ipsum(x: np.ndarray, mesh: Mesh, axes: AxisNames) -> Handle:
 
 def all_gather(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> np.ndarray:
     """Concatenate every rank's `x` along `dim`, in axis order."""
+    _operand(x, "all_gather")
     dim = _dim(x, dim)
     n = mesh.size(axes)
     if n == 1:
@@ -208,6 +224,7 @@ def _scatter_layout(x: np.ndarray, n: int, dim: int) -> np.ndarray:
 
 def psum_scatter(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> np.ndarray:
     """Sum over the axis, each rank keeping its 1/n slice of `dim`."""
+    _operand(x, "psum_scatter", "sum")
     dim = _dim(x, dim)
     n = mesh.size(axes)
     if n == 1:
@@ -223,6 +240,7 @@ def psum_scatter(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> np
 
 def ipsum_scatter(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> Handle:
     """Nonblocking `psum_scatter`."""
+    _operand(x, "ipsum_scatter", "sum")
     dim = _dim(x, dim)
     n = mesh.size(axes)
     if n == 1:
@@ -240,6 +258,7 @@ def ipsum_scatter(x: np.ndarray, mesh: Mesh, axes: AxisNames, dim: int = 0) -> H
 def all_to_all(x: np.ndarray, mesh: Mesh, axes: AxisNames) -> np.ndarray:
     """Block i of `x` [n, ...] to rank i of the axis; block j of the result from rank j.
     Bytes counted: the blocks that leave this rank (its own stays)."""
+    _operand(x, "all_to_all")
     n = mesh.size(axes)
     if n == 1:
         return x
@@ -282,6 +301,10 @@ def all_to_all_v(x: np.ndarray, send_rows: np.ndarray, recv_rows: np.ndarray, me
 
 def broadcast(x: np.ndarray, mesh: Mesh, axes: AxisNames, root: int = 0) -> np.ndarray:
     """Every rank gets the root's `x` (in place; `x` must be contiguous)."""
+    _operand(x, "broadcast")
+    if not 0 <= root < mesh.size(axes):  # one rank ignored it; MPI said "Invalid root" on two
+        raise ValueError(f"broadcast's root is an index along {','.join(axis_names(axes))}, "
+                         f"0..{mesh.size(axes) - 1}, got {root}")
     if mesh.size(axes) == 1:
         return x
     _count(mesh, axes, "broadcast", x.nbytes)
