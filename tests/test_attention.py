@@ -479,3 +479,13 @@ def test_stripes_are_shorter_where_tile_gemm_multiplies_them(products):
     assert sorted({int(q0) for starts, _ in seen for q0 in starts}) == list(range(0, 256, want))
     with K.switched(False):
         assert A.query_tile(np.float32, 64) == A.QUERY_TILE
+
+
+@pytest.mark.parametrize("p", [1.0, -0.5, 1.5, float("nan")])
+def test_a_dropout_key_refuses_a_rate_outside_0_to_1(p: float) -> None:
+    """p = 1 was a ZeroDivisionError, -0.5 an OverflowError in the attention hash's
+    threshold, and 1.5 trained on silently."""
+    from numesh.nn.dropout import DropoutKey
+
+    with pytest.raises(ValueError, match="a DropoutKey's rate p must be in \\[0, 1\\)"):
+        DropoutKey(p, 0, 0, 0, 2)

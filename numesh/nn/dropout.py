@@ -46,6 +46,11 @@ class DropoutKey:
     row0: int
     global_rows: int
 
+    def __attrs_post_init__(self) -> None:
+        # p = 1 divided by zero, a negative p overflowed the hash's threshold, p > 1 ran on
+        if not 0.0 <= self.p < 1.0:
+            raise ValueError(f"a DropoutKey's rate p must be in [0, 1), got {self.p}")
+
     def mask(self, site: Site, rows: int, inner_shape: tuple[int, ...], inner_index: tuple = ()) -> np.ndarray:
         """This micro-batch's slice of `site`'s mask over [global_rows, *inner_shape]."""
         rng = np.random.default_rng([self.seed, self.step, site.stream])
