@@ -15,6 +15,7 @@ from numesh.nn.dropout import EMBED, DropoutKey, Site
 from numesh.nn.layers import (
     LayerNorm,
     Linear,
+    RMSNorm,
     dropout_mask,
     gelu_bwd,
     gelu_fwd,
@@ -24,6 +25,8 @@ from numesh.nn.layers import (
     linear_bwd_input,
     linear_bwd_weight,
     linear_fwd,
+    rmsnorm_fwd,
+    swiglu_fwd,
 )
 from numesh.nn.parallel import (
     vocab_parallel_cross_entropy_bwd,
@@ -154,6 +157,36 @@ def test_gelu_value_and_fd(rng: np.random.Generator) -> None:
         return float(np.sum(gelu_fwd(x)[0] * r))
 
     assert_fd(dx, fd_grad(loss, x), "gelu dx")
+
+
+# ---------------------------------------------------------------------------------------
+# wrong operands: one line, not a fused kernel reading past the end of a shorter array
+
+
+_X = np.ones((4, 8), np.float32)
+_W8, _W4 = np.ones(8, np.float32), np.ones(4, np.float32)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: layernorm_fwd(LayerNorm(_W4, None), _X), r"layernorm_fwd's w is \(4,\) but x \(4, 8\) makes it \(8,\)"),
+    (lambda: layernorm_fwd(LayerNorm(_W8, _W4), _X), r"layernorm_fwd's b is \(4,\) but x \(4, 8\) makes it \(8,\)"),
+    (lambda: rmsnorm_fwd(RMSNorm(_W4), _X, 1e-5), r"rmsnorm_fwd's w is \(4,\) but x \(4, 8\) makes it \(8,\)"),
+    (lambda: swiglu_fwd(_W4, np.ones(3, np.float32)), r"swiglu_fwd's up is \(3,\) but gate \(4,\) makes it \(4,\)"),
+    (lambda: layernorm_fwd(LayerNorm(_W8, None), np.ones((4, 8), int)),
+     "layernorm_fwd's x must be a float32 or float64 array, got int64"),  # a page of numba typing errors
+    (lambda: rmsnorm_fwd(RMSNorm(_W8), np.ones((4, 8), int), 1e-5), "rmsnorm_fwd's x must be a float32 or float64"),
+    (lambda: gelu_fwd(np.ones(4, int)), "gelu_fwd's x must be a float32 or float64 array, got int64"),  # zeros
+    (lambda: gelu_fwd(np.ones(4, np.float16)), "gelu_fwd's x must be a float32 or float64 array, got float16"),
+    (lambda: swiglu_fwd(np.ones(4, int), _W4), "swiglu_fwd's gate must be a float32 or float64 array, got int64"),
+], ids=["ln-w", "ln-b", "rms-w", "swiglu-up", "ln-int", "rms-int", "gelu-int", "gelu-f16", "swiglu-int"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "numpy"])
+def test_a_layer_given_a_wrong_operand_is_one_line_naming_it(call, message: str, kernels: bool) -> None:
+    """The fused kernels read past the end of a shorter w, b or up and returned garbage (the
+    NumPy references raised a broadcast error), and took int x to zeros; either way now
+    it is one line naming the operand and both shapes, or the dtype."""
+    with K.switched(kernels), pytest.raises(ValueError, match=message) as e:
+        call()
+    assert "\n" not in str(e.value)
 
 
 # ---------------------------------------------------------------------------------------

@@ -117,6 +117,22 @@ def float_dtype(dtype: object, what: str = "dtype") -> np.dtype:
     return dt
 
 
+def check_float(what: str, a: object) -> None:
+    """One ValueError line unless `a` is a float32 or float64 array, the two dtypes the
+    kernels are compiled for (an int array was a page of numba typing errors, or zeros).
+    `what` names it: "layernorm_fwd's x". One dtype comparison."""
+    if not isinstance(a, np.ndarray) or a.dtype not in FLOAT_DTYPES:
+        got = a.dtype.name if isinstance(a, np.ndarray) else type(a).__name__
+        raise ValueError(f"{what} must be a float32 or float64 array, got {got}")
+
+
+def check_shape(what: str, a: np.ndarray, want: tuple[int, ...], why: str) -> None:
+    """One ValueError line unless `a` has shape `want` (`why`: what makes it so, "x's last
+    dim"): a kernel given a shorter operand read past its end. One tuple comparison."""
+    if a.shape != want:
+        raise ValueError(f"{what} is {a.shape} but {why} makes it {want}")
+
+
 def enabled() -> bool:
     """Whether the layers use these kernels (numba installed, NUMESH_KERNELS != numpy)."""
     return _on

@@ -122,7 +122,9 @@ def linear_bwd(p: Linear, ctx: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, 
 
 def layernorm_fwd(p: LayerNorm, x: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """LayerNorm over the last dim; the context is (xhat, rstd [..., 1]). One kernel pass
-    per row, rows over the threads."""
+    per row, rows over the threads. A ValueError line for an x that is not float32 or
+    float64, or a w or b that is not [x's last dim] (the kernel read past a shorter one)."""
+    _check_norm("layernorm_fwd", p.w, p.b, x)
     if not K.enabled():
         return layernorm_fwd_reference(p, x)
     x = np.ascontiguousarray(x)
@@ -152,6 +154,16 @@ def layernorm_bwd(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarr
 
     dw, db = _tiled_token_sums(tile, dy2.shape[0], c, dy.dtype)
     return dx, LayerNorm(dw, None if p.b is None else db)
+
+
+def _check_norm(name: str, w: np.ndarray, b: np.ndarray | None, x: np.ndarray) -> None:
+    """A norm's entry checks: x a float array, w (and b) [x's last dim]. A dtype and two
+    tuple comparisons."""
+    K.check_float(f"{name}'s x", x)
+    want = x.shape[-1:]
+    K.check_shape(f"{name}'s w", w, want, f"x {x.shape}")
+    if b is not None:
+        K.check_shape(f"{name}'s b", b, want, f"x {x.shape}")
 
 
 def _tiled_token_sums(tile: Callable[[slice], Any], n: int, c: int, dtype: Any) -> Any:
@@ -201,7 +213,9 @@ def layernorm_bwd_reference(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray],
 
 def rmsnorm_fwd(p: RMSNorm, x: np.ndarray, eps: float) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """RMSNorm over the last dim, y = x * rstd * w with rstd = 1/sqrt(mean(x^2) + eps); the
-    context is (xhat = x * rstd, rstd [..., 1]). One kernel pass per row, rows over the threads."""
+    context is (xhat = x * rstd, rstd [..., 1]). One kernel pass per row, rows over the threads.
+    A ValueError line for an x that is not float32 or float64, or a w that is not [x's last dim]."""
+    _check_norm("rmsnorm_fwd", p.w, None, x)
     if not K.enabled():
         return rmsnorm_fwd_reference(p, x, eps)
     x = np.ascontiguousarray(x)
@@ -252,7 +266,11 @@ def rmsnorm_bwd_reference(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray],
 
 def swiglu_fwd(gate: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """SwiGLU's gating: silu(gate) * up, with silu(g) = g * sigmoid(g); the context is
-    (gate, up): backward computes the sigmoid again rather than keep it."""
+    (gate, up): backward computes the sigmoid again rather than keep it. A ValueError line
+    unless gate and up are float32 or float64 arrays of one shape."""
+    K.check_float("swiglu_fwd's gate", gate)
+    K.check_float("swiglu_fwd's up", up)
+    K.check_shape("swiglu_fwd's up", up, gate.shape, f"gate {gate.shape}")
     if not K.enabled():
         return swiglu_fwd_reference(gate, up)
     gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
@@ -297,7 +315,9 @@ def gelu_fwd(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """GELU in GPT-2's tanh form: 0.5·x·(1 + tanh(u)), u = k·(x + 0.044715·x³), computed as
     x·sigmoid(2u) (equal, and accurate far left, where 1 + tanh(u) cancels); the context is
     x alone: the backward computes exp(-2|u|) again (`numesh.host.kernels`' GELU notes; a
-    kept tanh(u) was a third of the MLP's saved values)."""
+    kept tanh(u) was a third of the MLP's saved values). A ValueError line unless x is a
+    float32 or float64 array."""
+    K.check_float("gelu_fwd's x", x)
     if not K.enabled():
         return gelu_fwd_reference(x)
     x = np.ascontiguousarray(x)
