@@ -136,6 +136,17 @@ def test_newton_schulz_pushes_singular_values_towards_one_in_the_run_dtype() -> 
     assert not orthogonalise(np.zeros((4, 6))).any()  # eps keeps a zero gradient finite
 
 
+@pytest.mark.parametrize("x, message", [
+    (np.arange(12).reshape(3, 4), "got a matrix of int64"),  # came back all zeros
+    (np.ones(4), r"got a 1-D array of shape \(4,\)"),  # an IndexError
+    (np.ones((2, 3, 4)), r"got a 3-D array of shape \(2, 3, 4\)"),  # a matmul error
+    ([[1.0, 2.0]], "got list"),
+])
+def test_orthogonalise_of_anything_but_a_float_matrix_is_one_line(x, message: str) -> None:
+    with pytest.raises(ValueError, match=r"orthogonalise takes a float matrix \(a 2-D float array\), " + message):
+        orthogonalise(x)
+
+
 def test_muon_takes_the_block_matrices_by_path_and_shape_whatever_the_model() -> None:
     cfg = tiny_config(moe_experts=4, moe_every=2)
     shapes = dict(tree_leaves_with_path(gpt_global_shapes(cfg)))

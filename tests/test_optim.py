@@ -76,6 +76,36 @@ def test_adamw_updates_flat_buffer_in_place_so_tree_views_follow() -> None:
     np.testing.assert_allclose(tree_leaves(tree)[0], tree_leaves(params)[0] - 0.1, rtol=1e-6)
 
 
+_F4 = np.ones(4, np.float32)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(g=np.ones(3, np.float32)), r"adamw_step's grads is \(3,\) but params \(4,\) makes it \(4,\)"),
+    (dict(decay=np.ones(2, np.float32)), r"adamw_step's decay is \(2,\) but params \(4,\) makes it \(4,\)"),
+    (dict(m=np.zeros(3, np.float32)), r"adamw_step's state.m is \(3,\) but params \(4,\)"),
+    (dict(scratch=np.empty(3, np.float32)), r"adamw_step's scratch is \(3,\) but params \(4,\)"),
+    (dict(decay=None), "adamw_step's decay must be an array of params' shape .*, got None"),  # a TypeError
+    (dict(p=np.ones((2, 2), np.float32), g=np.ones((2, 2), np.float32), m=np.zeros((2, 2), np.float32)),
+     r"adamw_step's params must be a flat \(1-D\) buffer, got shape \(2, 2\)"),  # a numba TypingError
+    (dict(p=np.ones(4, int)), "adamw_step's params must be a float32 or float64 array, got int64"),
+], ids=["grads", "decay", "m", "scratch", "no-decay", "2d", "int"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "numpy"])
+def test_adamw_step_given_buffers_that_do_not_match_is_one_line(change: dict, message: str, kernels: bool) -> None:
+    """The fused pass read past the end of a shorter gradient (or moment, or mask) and moved
+    params by garbage; now one line naming the buffer and both shapes, params untouched."""
+    from numesh.host import kernels as K
+
+    b = dict(p=_F4.copy(), g=_F4, m=np.zeros(4, np.float32), decay=_F4, scratch=None)
+    b.update(change)
+    p0 = b["p"].copy()
+    state = adamw_init(b["p"])
+    state.m = b["m"]
+    with K.switched(kernels), pytest.raises(ValueError, match=message) as e:
+        adamw_step(b["p"], b["g"], state, 1e-3, AdamWConfig(), b["decay"], b["scratch"])
+    assert "\n" not in str(e.value) and state.step == 0
+    np.testing.assert_array_equal(b["p"], p0)
+
+
 def test_decay_mask_is_one_for_leaves_of_ndim_two_or_more() -> None:
     tree = {"a": np.zeros((2, 3)), "b": np.zeros(4), "c": np.zeros((2, 2, 2)), "d": np.array(1.0)}
     mask = decay_mask(tree)

@@ -102,7 +102,10 @@ def adamw_step(
     decay: np.ndarray,
     scratch: np.ndarray | None = None,
 ) -> None:
-    """One decoupled-weight-decay Adam step on flat buffers (PyTorch's AdamW formula)."""
+    """One decoupled-weight-decay Adam step on flat buffers (PyTorch's AdamW formula). A
+    ValueError line unless params are a flat float32 or float64 array and grads, the
+    moments, decay (and scratch) have its shape: the fused pass read past a shorter one."""
+    _check_buffers(params, grads, state, decay, scratch)
     if not K.enabled():
         return adamw_step_reference(params, grads, state, lr, cfg, decay, scratch)
     f = params.dtype.type  # every scalar in the buffers' dtype, as the reference's NumPy rounds it
@@ -113,6 +116,23 @@ def adamw_step(
         K.adamw(params[r], grads[r], state.m[r], state.v[r], decay[r], *consts)
 
     over_rows(rows, params.shape[0], 1 << 16)
+
+
+def _check_buffers(params: np.ndarray, grads: np.ndarray, state: AdamWState, decay: np.ndarray | None,
+                   scratch: np.ndarray | None) -> None:
+    """`adamw_step`'s entry checks: a dtype and a few tuple comparisons, nothing per element."""
+    K.check_float("adamw_step's params", params)
+    if params.ndim != 1:
+        raise ValueError(f"adamw_step's params must be a flat (1-D) buffer, got shape {params.shape}: "
+                         f"pass params.reshape(-1) and its grads, moments and decay likewise")
+    if decay is None:
+        raise ValueError("adamw_step's decay must be an array of params' shape (decay_mask's; ones to decay "
+                         "every value, zeros for none), got None")
+    why = f"params {params.shape}"
+    for what, a in (("grads", grads), ("state.m", state.m), ("state.v", state.v), ("decay", decay),
+                    ("scratch", scratch)):
+        if a is not None:
+            K.check_shape(f"adamw_step's {what}", a, params.shape, why)
 
 
 def adamw_step_reference(

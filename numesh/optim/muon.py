@@ -159,7 +159,10 @@ def momentum_direction(g: np.ndarray, buf: np.ndarray, cfg: MuonConfig) -> None:
 def orthogonalise(x: np.ndarray, cfg: MuonConfig = MuonConfig()) -> np.ndarray:
     """NS(x) for one matrix x [in, out], in x's dtype: the quintic Newton–Schulz iteration
     on the orientation torch.optim.Muon uses for the [out, in] weight, x·(xᵀx)^(-1/2)
-    approximately (its singular values pushed towards 1)."""
+    approximately (its singular values pushed towards 1). A ValueError line unless x is a
+    float matrix (an int one came back all zeros)."""
+    if not isinstance(x, np.ndarray) or x.ndim != 2 or x.dtype.kind != "f":
+        raise ValueError(f"orthogonalise takes a float matrix (a 2-D float array), got {_described(x)}")
     a, b, c = cfg.ns_coefficients
     work = x if x.shape[1] > x.shape[0] else x.T  # torch's W = xᵀ, transposed when it has more rows
     norm = float(np.sqrt(np.sum(work * work, dtype=work.dtype)))
@@ -170,6 +173,12 @@ def orthogonalise(x: np.ndarray, cfg: MuonConfig = MuonConfig()) -> np.ndarray:
         X = a * X + matmul(B, X)
     out = X if work is x else X.T
     return np.ascontiguousarray(out, dtype=x.dtype)
+
+
+def _described(x: object) -> str:
+    if not isinstance(x, np.ndarray):
+        return type(x).__name__
+    return f"a {x.ndim}-D array of shape {x.shape}" if x.ndim != 2 else f"a matrix of {x.dtype.name}"
 
 
 def lr_factor(fan_in: int, fan_out: int, adjust_lr: str) -> float:
