@@ -110,11 +110,39 @@ def test_ids_must_be_int_arrays_of_one_shape(change, match: str) -> None:
 @pytest.mark.parametrize("cfg, match", [
     (attrs.evolve(CFG, n_layer=3), "params have 2 blocks but the config has n_layer=3"),
     (attrs.evolve(CFG, n_embd=16), r"params' wte is \(11, 8\) but n_embd=16, tp=1 and ep=1 make it \(11, 16\)"),
-    (attrs.evolve(CFG, bias=False), "leaves in their outer parts and end blocks"),
+    (attrs.evolve(CFG, bias=False), r"params have 28 leaves, the config expects 15 \(the first to differ: params "
+                                    r"have blocks.0.ln1.b where the config has blocks.0.attn.qkv.w\)"),
 ])
 def test_params_of_another_config_are_one_error(cfg, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         loss_and_grads(_params(), *_batch(), cfg, self_mesh(), 1.0)
+
+
+def _middle(change) -> tuple:
+    """Params of a 3-layer model whose middle block's ln1 is `change`d, and that config."""
+    cfg = attrs.evolve(CFG, n_layer=3)
+    params = init_gpt(cfg, self_mesh(), seed=0, dtype=np.float64)
+    mid = params.blocks[1]
+    blocks = (params.blocks[0], attrs.evolve(mid, ln1=change(mid.ln1)), params.blocks[2])
+    return attrs.evolve(params, blocks=blocks), cfg
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda ln: attrs.evolve(ln, w=ln.w[:4]),
+     r"params' blocks.1.ln1.w is \(4,\) but n_embd=8, tp=1 and ep=1 make it \(8,\)"),  # a loss from garbage
+    (lambda ln: attrs.evolve(ln, b=None),
+     r"params have 39 leaves, the config expects 40 \(the first to differ: params have blocks.1.attn.qkv.w "
+     r"where the config has blocks.1.ln1.b\)"),
+], ids=["short-w", "no-b"])
+def test_a_middle_blocks_wrong_leaf_is_one_error_naming_it(change, match: str) -> None:
+    """The check compared the outer parts and the first and last block only: a middle
+    block's short ln1.w went through to the fused LayerNorm, which read past its end."""
+    params, cfg = _middle(change)
+    idx, tgt = _batch()
+    for call in (lambda: loss_and_grads(params, idx, tgt, cfg, self_mesh(), 1.0),
+                 lambda: forward_loss(params, idx, tgt, cfg, self_mesh())):
+        with pytest.raises(ConfigError, match=match):
+            call()
 
 
 def test_params_of_a_tp_mesh_on_a_mesh_without_tp_are_one_error() -> None:

@@ -4,15 +4,15 @@ shape, every id in [0, vocab_size). Without them a wrong call failed deep inside
 IndexError, or worse gave a loss that differed by mesh (a negative id wrapped to the last
 row on one rank and was zeroed on tp=2).
 
-They cost O(1) attribute reads, a walk over ~20 leaves (the outer parts, the first and
-last block) against shapes cached per (config, tp, ep), and one min/max per id array.
+They cost O(1) attribute reads, a walk over every leaf comparing its shape tuple with shapes
+cached per (config, tp, ep) (a middle block's wrong leaf once went through to a NaN or a
+wrong loss), and one min/max per id array.
 """
 
 from __future__ import annotations
 
 import functools
 
-import attrs
 import numpy as np
 
 from numesh.base.errors import ConfigError
@@ -27,11 +27,6 @@ from numesh.nn.gpt import GPT, GPTConfig, Shape, gpt_global_shapes, gpt_specs
 _DIFFERENT_IDS = ("ep", "cp")
 
 
-def _ends(tree: GPT) -> GPT:
-    """The tree with only its first and last block (what the entry check compares)."""
-    return attrs.evolve(tree, blocks=(tree.blocks[0], tree.blocks[-1]))
-
-
 def _local(shape: tuple[int, ...], spec: tuple, sizes: dict[str, int]) -> Shape:
     """A global shape divided by the mesh axes its spec splits each dim over."""
     dims = list(spec) + [None] * (len(shape) - len(spec))
@@ -40,27 +35,25 @@ def _local(shape: tuple[int, ...], spec: tuple, sizes: dict[str, int]) -> Shape:
 
 @functools.lru_cache(maxsize=16)
 def _expected(cfg: GPTConfig, tp: int, ep: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(path, this rank's shape) of the outer leaves and the first and last block's leaves."""
+    """(path, this rank's shape) of every leaf, in `tree_leaves` order."""
     sizes = {"tp": tp, "ep": ep}
-    shapes = tree_map(lambda s, p: _local(s, p, sizes), _ends(gpt_global_shapes(cfg, tp)), _ends(gpt_specs(cfg)))
-    last = f"blocks.{cfg.n_layer - 1}."
-    return tuple((path.replace("blocks.1.", last, 1), shape)
-                 for path, shape in tree_leaves_with_path(shapes))
+    shapes = tree_map(lambda s, p: _local(s, p, sizes), gpt_global_shapes(cfg, tp), gpt_specs(cfg))
+    return tuple(tree_leaves_with_path(shapes))
 
 
 def check_params(params: GPT, cfg: GPTConfig, mesh: Mesh) -> None:
     """One ConfigError line if `params` are not this rank's shards of a `cfg` model on `mesh`
-    (layer count, the outer and end blocks' leaf shapes, one float dtype)."""
+    (layer count, every leaf's shape, one float dtype)."""
     if not isinstance(params, GPT):
         raise ConfigError(f"params must be a GPT tree (init_gpt's), got {type(params).__name__}")
     if len(params.blocks) != cfg.n_layer:
         raise ConfigError(f"params have {len(params.blocks)} blocks but the config has n_layer={cfg.n_layer}: "
                           f"pass the config the params were made with")
     want = _expected(cfg, mesh.size("tp"), mesh.size("ep"))
-    got = tree_leaves(_ends(params))
+    got = tree_leaves(params)
     if len(got) != len(want):
-        raise ConfigError(f"params have {len(got)} leaves in their outer parts and end blocks, the config expects "
-                          f"{len(want)}: check bias, norm, mlp, positions and tie_embeddings")
+        raise ConfigError(f"params have {len(got)} leaves, the config expects {len(want)}{_first_odd(params, want)}: "
+                          f"check bias, norm, mlp, positions and tie_embeddings")
     dtype = params.wte.dtype
     if dtype not in FLOAT_DTYPES:
         raise ConfigError(f"dtype must be float32 or float64, got params of {dtype}")
@@ -70,6 +63,17 @@ def check_params(params: GPT, cfg: GPTConfig, mesh: Mesh) -> None:
                               f"and ep={mesh.size('ep')} make it {shape}: pass the config and mesh of the params")
         if leaf.dtype != dtype:
             raise ConfigError(f"params mix dtypes: {path} is {leaf.dtype}, wte {dtype}: give every leaf one dtype")
+
+
+def _first_odd(params: GPT, want: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
+    """Where `params`' leaves first part from the config's, for the error line only."""
+    got = [path for path, _ in tree_leaves_with_path(params)]
+    for g, (w, _) in zip(got, want):
+        if g != w:
+            return f" (the first to differ: params have {g} where the config has {w})"
+    if len(got) > len(want):
+        return f" (the config has no {got[len(want)]})"
+    return f" (params lack {want[len(got)][0]})"
 
 
 def _id_problem(ids: np.ndarray, vocab: int, what: str) -> str | None:
