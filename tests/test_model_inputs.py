@@ -107,6 +107,19 @@ def test_ids_must_be_int_arrays_of_one_shape(change, match: str) -> None:
         loss_and_grads(_params(), *change(*_batch()), CFG, self_mesh(), 1.0)
 
 
+@pytest.mark.parametrize("idx, tgt, match", [
+    (np.zeros((0, 8), np.int64), np.zeros((0, 8), np.int64), r"the idx is empty \(shape \(0, 8\)\)"),  # max() of []
+    (np.zeros((2, 0), np.int64), np.zeros((2, 0), np.int64), r"the idx is empty \(shape \(2, 0\)\)"),  # ZeroDivision
+    (np.ones((2, 8), np.int64), None, r"targets must be an int numpy array .*, got None"),  # an AttributeError
+], ids=["B=0", "T=0", "no-targets"])
+def test_empty_ids_or_no_targets_are_one_error(idx: np.ndarray, tgt, match: str) -> None:
+    for call in (lambda: loss_and_grads(_params(), idx, tgt, CFG, self_mesh(), 1.0),
+                 lambda: forward_loss(_params(), idx, tgt, CFG, self_mesh())):
+        with pytest.raises(ConfigError, match=match) as e:
+            call()
+        assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("cfg, match", [
     (attrs.evolve(CFG, n_layer=3), "params have 2 blocks but the config has n_layer=3"),
     (attrs.evolve(CFG, n_embd=16), r"params' wte is \(11, 8\) but n_embd=16, tp=1 and ep=1 make it \(11, 16\)"),

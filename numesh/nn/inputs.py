@@ -83,9 +83,14 @@ def _id_problem(ids: np.ndarray, vocab: int, what: str) -> str | None:
     return None
 
 
-def check_ids_shape(idx: np.ndarray, targets: np.ndarray | None, name: str = "idx") -> None:
-    """One ConfigError line unless `idx` (and `targets`) are int arrays [B, T] of one shape;
-    `name`: what the caller calls `idx` (generate's "prompt")."""
+def check_ids_shape(idx: np.ndarray, targets: np.ndarray | None, name: str = "idx",
+                    need_targets: bool = False) -> None:
+    """One ConfigError line unless `idx` (and `targets`, which `need_targets` requires) are
+    int arrays [B, T] of one shape with B, T >= 1 (B=0 was a bare ValueError from max(),
+    T=0 a ZeroDivisionError); `name`: what the caller calls `idx` (generate's "prompt")."""
+    if need_targets and targets is None:
+        raise ConfigError(f"targets must be an int numpy array of token ids [B, T] like {name}'s, got None: "
+                          f"the loss needs the next tokens")
     for what, a in ((name, idx), ("targets", targets)):
         if a is None:
             continue
@@ -96,6 +101,8 @@ def check_ids_shape(idx: np.ndarray, targets: np.ndarray | None, name: str = "id
             raise ConfigError(f"{what} must be [B, T] (rows of token ids), got shape {a.shape}: add a batch dim")
     if targets is not None and targets.shape != idx.shape:
         raise ConfigError(f"targets {targets.shape} and {name} {idx.shape} must have one shape")
+    if idx.size == 0:
+        raise ConfigError(f"the {name} is empty (shape {idx.shape}): give at least one row of at least one token id")
 
 
 def check_ids(idx: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig, mesh: Mesh, name: str = "idx",
@@ -119,16 +126,17 @@ def check_ids(idx: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig, mesh:
 
 
 def check_inputs(params: GPT, idx: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig,
-                 mesh: Mesh, name: str = "idx") -> tuple[np.ndarray, np.ndarray | None]:
+                 mesh: Mesh, name: str = "idx", need_targets: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """Every entry check of a model call: the params, the ids' shapes and types, their range;
     a rank's failed check is agreed with the others where ranks hold different inputs (cp,
     ep: one rank's badly shaped array left the others waiting in the call's collectives).
     Returns idx and targets as int64 (no copy when they are): unsigned ids (a dataset's
     uint16 shards) wrapped tp's "not on this rank" -1 to 65535, an index out of bounds.
-    `name`: what the caller calls `idx` (generate's "prompt")."""
+    `name`: what the caller calls `idx` (generate's "prompt"); `need_targets`: targets=None
+    is an error (a loss's)."""
     try:
         check_params(params, cfg, mesh)
-        check_ids_shape(idx, targets, name)
+        check_ids_shape(idx, targets, name, need_targets)
         problem = None
     except ConfigError as e:
         problem = str(e)

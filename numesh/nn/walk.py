@@ -508,11 +508,11 @@ def loss_and_grads(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTCo
     parallelism the norm gradients, and GQA's k and v with tp, are summed over tp here (the
     training loop leaves that to the optimiser, once per step). A ConfigError line, before
     any communication, for params of another config or mesh and for ids or targets that are
-    not int [B, T] arrays of one shape with every id in [0, vocab_size) (`numesh.nn.inputs`).
-    Dropout is `drop`'s: without a key none is applied, whatever `cfg.dropout` says (the
-    training loop makes a key of rate cfg.dropout for each micro-batch; evaluation passes
-    none)."""
-    idx, targets = check_inputs(params, idx, targets, cfg, mesh)
+    not int [B, T] arrays of one shape, B and T >= 1, with every id in [0, vocab_size)
+    (`numesh.nn.inputs`). Dropout is `drop`'s: without a key none is applied, whatever
+    `cfg.dropout` says (the training loop makes a key of rate cfg.dropout for each
+    micro-batch; evaluation passes none)."""
+    idx, targets = check_inputs(params, idx, targets, cfg, mesh, need_targets=True)
     units = ResidentParams(params)
     stage = whole_model(cfg.n_layer)
     loss, ctx = stage_forward(units, stage, idx, targets, cfg, mesh, drop, recompute=recompute)
@@ -523,6 +523,6 @@ def loss_and_grads(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTCo
 
 def forward_loss(params: GPT, idx: np.ndarray, targets: np.ndarray, cfg: GPTConfig, mesh: Mesh) -> np.ndarray:
     """Per-token losses [B*T], forward only (evaluation)."""
-    idx, targets = check_inputs(params, idx, targets, cfg, mesh)
+    idx, targets = check_inputs(params, idx, targets, cfg, mesh, need_targets=True)
     loss, _ = stage_forward(ResidentParams(params), whole_model(cfg.n_layer), idx, targets, cfg, mesh, keep=False)
     return loss

@@ -175,8 +175,6 @@ def generate(
     _check_settings(max_new_tokens, temperature, top_k, seed, tokens)
     idx, _ = check_inputs(params, prompt, None, model, mesh, "prompt")
     idx = idx.copy() if idx is prompt else idx  # what is returned is never the caller's array
-    if idx.shape[0] < 1 or idx.shape[1] < 1:
-        raise ConfigError(f"the prompt is empty (shape {idx.shape}): give at least one row of at least one token id")
     rng = np.random.default_rng(seed)
     # generation runs dropless: a capacity ranks a whole sequence's tokens, later ones
     # included, which a token generated one at a time cannot see (docs/moe.md)
