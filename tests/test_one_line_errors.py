@@ -6,10 +6,12 @@ status 2, and that line is the first one."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 from conftest import cli, one_error_line
@@ -669,3 +671,44 @@ def test_a_recipe_arch_that_is_not_a_name_is_one_line(tmp_path: Path, value: str
     toml.write_text(f"arch = {value}\n")
     with pytest.raises(ConfigError, match="--arch must be one of gpt2, llama, got"):
         config_from({}, toml)
+
+
+@pytest.mark.parametrize("kv, says", [
+    (dict(bias="no"), "config key 'bias' must be bool, got 'no'"),
+    (dict(batch_size=2.0), "config key 'batch_size' must be int, got 2.0"),
+    (dict(max_iters=1.5), "config key 'max_iters' must be int, got 1.5"),
+    (dict(n_layer="2"), "config key 'n_layer' must be int, got '2'"),
+    (dict(n_layer=1.5), "config key 'n_layer' must be int, got 1.5"),
+    (dict(mesh=None), "config key 'mesh' must be str, got None"),
+    (dict(muon_momentum=0.5), "--muon-momentum applies to --optimizer muon, and this run's is adamw"),
+    (dict(moe_top_k=7), "--moe-top-k applies to a model with experts, and this one has none"),
+    (dict(rope_theta=5e5), "--rope-theta applies to rotary positions, and this model's are learned"),
+])
+def test_a_trainconfig_built_directly_is_checked_as_config_from_checks_options(char_dataset: Path, tmp_path: Path,
+                                                                               kv: dict, says: str) -> None:
+    """train(TrainConfig(...)), as docs/api/index.md shows, skipped config_from's checks:
+    bias='no' trained with biases, 2.0 sequences were a NumPy TypeError, and another
+    optimiser's option (or an MoE one without experts) trained as if it were not there.
+    A value other than its default counts as given."""
+    from numesh.base.errors import ConfigError
+    from numesh.run.config import TrainConfig, validate
+
+    cfg = TrainConfig(data=str(char_dataset), out=str(tmp_path / "o"), n_layer=1, n_head=2, n_embd=16, block_size=8,
+                      batch_size=2, max_iters=1, eval_iters=1, peak_flops=1e9)
+    validate(cfg, 1)
+    with pytest.raises(ConfigError, match=f"^{re.escape(says)}"):
+        validate(attrs.evolve(cfg, **kv), 1)
+    validate(attrs.evolve(cfg, optimizer="muon", muon_momentum=0.5, learning_rate=1), 1)  # an int rate is a float
+
+
+def test_a_preset_value_config_from_let_through_is_not_refused_by_the_run(char_dataset: Path, tmp_path: Path) -> None:
+    """config_from knows which values the user gave: smollm2-135m's rope_theta under
+    --positions learned is the preset's, and the run (a layout evolved from it too) keeps it."""
+    from numesh.cli.app import train_config
+    from numesh.run.config import check_options
+
+    cfg = train_config({"model_preset": "smollm2-135m", "positions": "learned", "data": str(char_dataset),
+                        "out": str(tmp_path / "o")})
+    check_options(cfg, 1)
+    check_options(attrs.evolve(cfg, mesh="dp=1", out=str(tmp_path / "p")), 1)
+
