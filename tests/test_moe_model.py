@@ -122,8 +122,8 @@ def test_parameter_tree_dense_and_with_experts() -> None:
     (dict(moe_experts=4, moe_every=0), "moe_every must be >= 1"),
     (dict(moe_experts=4, moe_aux_coef=-1.0), "moe_aux_coef must be >= 0"),
     (dict(moe_experts=4, moe_capacity_factor=-1.0), "moe_capacity_factor must be finite and >= 0 \\(0 = dropless\\)"),
-    (dict(moe_experts=4, moe_capacity_factor=math.inf), "moe_capacity_factor must be finite and >= 0"),
-    (dict(moe_experts=4, moe_capacity_factor=math.nan), "moe_capacity_factor must be finite and >= 0"),
+    (dict(moe_experts=4, moe_capacity_factor=math.inf), "moe_capacity_factor must be a finite number, got inf"),
+    (dict(moe_experts=4, moe_capacity_factor=math.nan), "moe_capacity_factor must be a finite number, got nan"),
 ])
 def test_bad_moe_settings_are_one_line_errors(overrides: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import attrs
+import numpy as np
 import pytest
 
 from conftest import cli, one_error_line
@@ -712,3 +713,32 @@ def test_a_preset_value_config_from_let_through_is_not_refused_by_the_run(char_d
     check_options(cfg, 1)
     check_options(attrs.evolve(cfg, mesh="dp=1", out=str(tmp_path / "p")), 1)
 
+
+@pytest.mark.parametrize("kv, says", [
+    (dict(n_layer=2.0), "n_layer must be an integer, got 2.0"),
+    (dict(n_embd="16"), "n_embd must be an integer, got '16'"),
+    (dict(n_kv_head=None), "n_kv_head must be an integer, got None"),
+    (dict(dropout="0.1"), "dropout must be a finite number, got '0.1'"),
+    (dict(ffn_hidden=1.5), "ffn_hidden must be an integer, got 1.5"),  # it blamed tp
+    (dict(moe_experts=1.5), "moe_experts must be an integer, got 1.5"),  # it blamed moe_top_k
+    (dict(bias="no"), "bias must be True or False, got 'no'"),  # truthy: biases on
+    (dict(moe_experts=2, moe_aux_coef=float("inf")), "moe_aux_coef must be a finite number, got inf"),  # NaN grads
+])
+def test_a_gpt_config_of_the_wrong_type_is_one_line_naming_the_field(kv: dict, says: str) -> None:
+    from numesh.base.errors import ConfigError
+    from numesh.nn.gpt import GPTConfig
+
+    base = dict(vocab_size=17, n_layer=1, n_head=2, n_embd=16, block_size=8)
+    with pytest.raises(ConfigError, match=f"^{re.escape(says)}$"):
+        GPTConfig(**{**base, **kv}).validate()
+    GPTConfig(**{**base, "n_layer": np.int64(2), "moe_experts": np.int32(2), "dropout": np.float32(0.5)}).validate()
+
+
+@pytest.mark.parametrize("tp, says", [(0, "tp must be >= 1, got 0"), (1.5, "tp must be an integer, got 1.5")])
+def test_a_gpt_config_validated_for_no_tp_is_one_line(tp: object, says: str) -> None:
+    """validate(tp=0) was a ZeroDivisionError."""
+    from numesh.base.errors import ConfigError
+    from numesh.nn.gpt import GPTConfig
+
+    with pytest.raises(ConfigError, match=f"^{re.escape(says)}$"):
+        GPTConfig().validate(tp)

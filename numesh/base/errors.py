@@ -8,6 +8,7 @@ bug or a fault and aborts the whole MPI job with a rank-tagged traceback.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import signal
 import sys
@@ -118,6 +119,27 @@ def option_value(name: str, value: Any, want: type) -> Any:
     if not isinstance(value, want) or (want is int and isinstance(value, bool)):
         raise ConfigError(f"config key '{name}' must be {want.__name__}, got {value!r}")
     return check_finite(name, value) if want is float else value
+
+
+_KINDS = {int: "an integer", float: "a finite number", bool: "True or False", str: "a string"}
+
+
+def check_scalar(name: str, value: Any, want: type, error: type[UserError] = ConfigError) -> Any:
+    """`value` unless it is no `want` (int, float, bool or str), then a one-line `error`
+    naming `name`: an int is a Python or NumPy integer but no bool, a float any real
+    number (an integer too) that is finite, a bool only True or False ('no' is truthy)."""
+    if want is bool:
+        ok = isinstance(value, bool)
+    elif want is int:
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+    elif want is float:
+        ok = (isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+              and math.isfinite(value))
+    else:
+        ok = isinstance(value, want)
+    if not ok:
+        raise error(f"{name} must be {_KINDS.get(want, want.__name__)}, got {value!r}")
+    return value
 
 
 def check_finite(name: str, value: float) -> float:

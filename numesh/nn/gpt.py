@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Any
 
 import attrs
 import numpy as np
 
-from numesh.base.errors import ConfigError
+from numesh.base.errors import ConfigError, check_scalar
 from numesh.base.padding import padded_vocab
 from numesh.base.tree import tree_map, tree_map_with_path
 from numesh.host.kernels import float_dtype
@@ -46,6 +47,9 @@ def swiglu_hidden(n_embd: int) -> int:
     """SwiGLU's default hidden size: 8C/3 (the GELU MLP's 4C parameters in three matrices, as
     Llama sizes it) rounded up to a multiple of 32."""
     return -(-(8 * n_embd // 3) // 32) * 32
+
+
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}  # GPTConfig's annotations, strings here
 
 
 @attrs.frozen
@@ -148,6 +152,7 @@ class GPTConfig:
 
     def validate(self, tp: int = 1) -> None:
         """Raise ConfigError if this model cannot run with tensor-parallel size `tp`."""
+        self._validate_types(tp)
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -160,6 +165,15 @@ class GPTConfig:
         if problem is not None:
             raise ConfigError(": ".join(problem))
         self._validate_moe(tp)
+
+    def _validate_types(self, tp: Any) -> None:
+        """Each field of its annotated type (`check_scalar`: an int is a Python or NumPy
+        integer, no bool; a float is finite; a bool is True or False), and `tp` an integer
+        >= 1: checked first, so that a range or divisibility check below names the right field."""
+        for f in attrs.fields(GPTConfig):
+            check_scalar(f.name, getattr(self, f.name), _TYPES[f.type])
+        if check_scalar("tp", tp, int) < 1:
+            raise ConfigError(f"tp must be >= 1, got {tp}")
 
     def tp_problem(self, tp: int) -> tuple[str, str] | None:
         """Why the heads or the MLP do not split over tensor-parallel size `tp`, and what a
