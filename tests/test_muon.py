@@ -324,6 +324,8 @@ def test_bad_optimizer_options_are_one_error_line(char_dataset: Path, tmp_path: 
     ("muon", {"muon_ns_steps": 2.5}, "config key 'muon_ns_steps' must be int, got 2.5"),  # was: truncated to 2
     ("adamw", {"beta1": "0.5"}, "config key 'beta1' must be float, got '0.5'"),
     ("muon", {"muon_lr": 1e-3, "learning_rate": 0.0}, "learning_rate must be > 0, got 0.0"),  # was a ZeroDivisionError
+    ("adamw", {"learning_rate": -1.0}, "learning_rate must be > 0, got -1.0"),  # was accepted, as a run's is not
+    ("muon", {"learning_rate": 0.0}, "learning_rate must be > 0, got 0.0"),
 ])
 def test_the_library_checks_optimizer_options_as_the_cli_does(name: str, options: dict, message: str) -> None:
     """make_optimizer promised a one-line ConfigError for a bad value, but ignored a
@@ -336,13 +338,30 @@ def test_the_library_checks_optimizer_options_as_the_cli_does(name: str, options
 @pytest.mark.parametrize("make, message", [
     (lambda: AdamWConfig(beta1=5.0), "beta1 must be in [0, 1), got 5.0"),
     (lambda: AdamWConfig(eps=-1.0), "AdamW's eps must be a finite number > 0, got -1.0"),
-    (lambda: MuonConfig(ns_steps=2.5), "muon_ns_steps must be between 1 and 99, got 2.5"),
-    (lambda: MuonConfig(weight_decay=float("inf")), "weight_decay must be a finite number >= 0, got inf"),
+    (lambda: MuonConfig(ns_steps=2.5), "muon_ns_steps must be an integer, got 2.5"),
+    (lambda: MuonConfig(weight_decay=float("inf")), "weight_decay must be a finite number, got inf"),
+    (lambda: MuonConfig(nesterov="no"), "muon_nesterov must be True or False, got 'no'"),  # was truthy: on
+    (lambda: MuonConfig(ns_coefficients=(float("nan"), 1.0, 1.0)),
+     "each of Muon's ns_coefficients must be a finite number, got nan"),
+    (lambda: MuonConfig(ns_coefficients=(1.0, 2.0)), "Muon's ns_coefficients must be three numbers (a, b, c), got "
+                                                    "(1.0, 2.0)"),
+    (lambda: MuonConfig(momentum="0.9"), "muon_momentum must be a finite number, got '0.9'"),  # were TypeErrors
+    (lambda: AdamWConfig(beta1="0.9"), "beta1 must be a finite number, got '0.9'"),
 ])
 def test_optimizer_configs_built_by_hand_are_checked(make, message: str) -> None:
     with pytest.raises(ConfigError) as e:
         make()
     assert str(e.value) == message
+
+
+def test_numpy_scalars_are_numbers_to_the_optimizer_configs() -> None:
+    """MuonConfig(ns_steps=np.int64(5)) said "must be between 1 and 99, got 5", and
+    make_optimizer refused np.int64 steps and an np.float32 beta1 (an np.float64 passed)."""
+    assert MuonConfig(ns_steps=np.int64(5), momentum=np.float32(0.5)).ns_steps == 5
+    assert make_optimizer("muon", {"muon_ns_steps": np.int64(3)}).config.ns_steps == 3
+    assert make_optimizer("adamw", {"beta1": np.float32(0.5), "learning_rate": np.int32(1)}).config.beta1 == 0.5
+    with pytest.raises(ConfigError, match="^config key 'muon_nesterov' must be bool, got np.True_$"):
+        make_optimizer("muon", {"muon_nesterov": np.bool_(True)})  # a bool is True or False, as --muon-nesterov's
 
 
 def test_resuming_with_another_optimizer_is_one_error_line(char_dataset: Path, tmp_path: Path) -> None:

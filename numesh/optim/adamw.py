@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 import attrs
 import numpy as np
 
-from numesh.base.errors import ConfigError
+from numesh.base.errors import ConfigError, check_scalar
 from numesh.base.tree import Tree, flatten, tree_map_with_path
 from numesh.host import kernels as K
 from numesh.host.threads import over_rows
@@ -178,7 +178,10 @@ def adamw_step_reference(
 
 
 def check_adamw(cfg: AdamWConfig) -> None:
-    """One-line ConfigError unless AdamW's constants are usable (finite, in range)."""
+    """One-line ConfigError unless AdamW's constants are usable (finite numbers, NumPy's
+    too, in range)."""
+    for name in ("beta1", "beta2", "eps", "weight_decay"):
+        check_scalar(name, getattr(cfg, name), float)  # beta1='0.9' was a TypeError in the comparison below
     for name in ("beta1", "beta2"):
         if not 0.0 <= getattr(cfg, name) < 1.0:
             raise ConfigError(f"{name} must be in [0, 1), got {getattr(cfg, name)}")

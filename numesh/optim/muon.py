@@ -36,7 +36,7 @@ from typing import Any, Mapping, Sequence
 import attrs
 import numpy as np
 
-from numesh.base.errors import ConfigError
+from numesh.base.errors import ConfigError, check_scalar
 from numesh.host.threads import matmul
 from numesh.optim.adamw import OPTIONS as ADAMW_OPTIONS
 from numesh.optim.adamw import AdamWConfig, adamw_config, adamw_rule
@@ -82,10 +82,20 @@ OPTIONS: dict[str, type] = {**ADAMW_OPTIONS, "muon_lr": float, "muon_momentum": 
 
 
 def check_muon(cfg: MuonConfig) -> None:
-    """One-line ConfigError unless Muon's hyper-parameters are usable."""
+    """One-line ConfigError unless Muon's hyper-parameters are usable: of their types first
+    (NumPy integers and floats are numbers; nesterov='no' is no bool, though truthy)."""
+    for name, want in (("momentum", float), ("nesterov", bool), ("ns_steps", int), ("eps", float),
+                       ("adjust_lr", str), ("weight_decay", float), ("lr_ratio", float)):
+        check_scalar(f"muon_{name}" if name in ("momentum", "nesterov", "ns_steps", "adjust_lr") else name,
+                     getattr(cfg, name), want)
+    coefficients = cfg.ns_coefficients
+    if not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3:
+        raise ConfigError(f"Muon's ns_coefficients must be three numbers (a, b, c), got {coefficients!r}")
+    for c in coefficients:
+        check_scalar("each of Muon's ns_coefficients", c, float)
     if not 0.0 <= cfg.momentum < 1.0:
         raise ConfigError(f"muon_momentum must be in [0, 1), got {cfg.momentum}")
-    if not isinstance(cfg.ns_steps, int) or isinstance(cfg.ns_steps, bool) or not 1 <= cfg.ns_steps < 100:
+    if not 1 <= cfg.ns_steps < 100:
         raise ConfigError(f"muon_ns_steps must be between 1 and 99, got {cfg.ns_steps}")
     if cfg.adjust_lr not in ADJUST_LR:
         raise ConfigError(f"muon_adjust_lr must be one of {', '.join(ADJUST_LR)}, got '{cfg.adjust_lr}'")

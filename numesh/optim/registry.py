@@ -8,6 +8,7 @@ one line here (docs/design.md, "Adding an optimiser").
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Mapping
 
 from numesh.base.errors import ConfigError, option_value
@@ -36,7 +37,20 @@ def make_optimizer(name: str, options: Mapping[str, Any] | None = None) -> Optim
     for key in options or {}:
         if key not in known:
             raise ConfigError(f"{name} has no option '{key}': its options are {', '.join(known)}")
-    return OPTIMIZERS[name]({k: option_value(k, v, known[k]) for k, v in (options or {}).items()})
+    checked = {k: option_value(k, _plain(v), known[k]) for k, v in (options or {}).items()}
+    if "learning_rate" in checked and not checked["learning_rate"] > 0:  # as a run's --learning-rate
+        raise ConfigError(f"learning_rate must be > 0, got {checked['learning_rate']}")
+    return OPTIMIZERS[name](checked)
+
+
+def _plain(value: Any) -> Any:
+    """A NumPy integer or float scalar as the Python int or float it is (np.int64(5) steps,
+    np.float32(0.5) a beta, as np.float64, a float, always was); anything else as it is."""
+    if isinstance(value, (bool, int, float)) or type(value).__name__ == "bool_":
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    return float(value) if isinstance(value, numbers.Real) else value
 
 
 def run_optimizer(name: str, run_options: Mapping[str, Any]) -> Optimizer:
