@@ -32,6 +32,35 @@ def test_generate_refuses_a_nan_temperature_too() -> None:
         SampleConfig("nowhere", temperature=float("nan")).validate()
 
 
+@pytest.mark.parametrize("kv, says", [
+    (dict(max_new_tokens="5"), "--max-new-tokens must be an integer, got '5'"),  # was a TypeError
+    (dict(top_k=2.5), "--top-k must be an integer, got 2.5"),  # was accepted
+    (dict(temperature="0.5"), "--temperature must be a number, got '0.5'"),
+    (dict(num_samples=1.5), "--num-samples must be an integer, got 1.5"),
+])
+def test_a_sample_config_of_the_wrong_type_is_one_line(kv: dict, says: str) -> None:
+    from numesh.base.errors import ConfigError
+    from numesh.run.sample import SampleConfig
+
+    with pytest.raises(ConfigError, match=f"^{re.escape(says)}$"):
+        SampleConfig("nowhere", **kv).validate()
+    SampleConfig("nowhere", top_k=np.int64(3), max_new_tokens=np.int32(2), temperature=np.float32(0.5)).validate()
+
+
+@pytest.mark.parametrize("seed, says", [(-1, "seed must be >= 0, got -1"), (None, "seed must be an integer, got None"),
+                                        ("1", "seed must be an integer, got '1'")])
+def test_init_gpt_refuses_a_seed_that_is_no_integer_ge_0(seed: object, says: str) -> None:
+    """seed=-1 was NumPy's ValueError, None a TypeError, and "1" was accepted."""
+    from numesh.base.errors import ConfigError
+    from numesh.mesh import Mesh
+    from numesh.nn.gpt import GPTConfig, init_gpt
+
+    cfg = GPTConfig(vocab_size=17, n_layer=1, n_head=2, n_embd=16, block_size=8)
+    with pytest.raises(ConfigError, match=f"^{re.escape(says)}$"):
+        init_gpt(cfg, Mesh.create(), seed=seed)
+    init_gpt(cfg, Mesh.create(), seed=np.int64(1))
+
+
 @pytest.mark.parametrize("out", ["", "  "])
 def test_an_empty_out_is_an_error_not_the_current_directory(char_dataset: Path, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch, out: str) -> None:

@@ -454,6 +454,8 @@ def init_gpt(cfg: GPTConfig, mesh: Mesh, seed: int = 0, dtype=np.float32) -> GPT
     """This rank's shards of the mesh-independent initial parameters, in `dtype` (float32
     or float64)."""
     cfg.validate(mesh.size("tp"))
+    if check_scalar("seed", seed, int) < 0:  # np.random's seeds are >= 0; "1" and None were not refused as such
+        raise ConfigError(f"seed must be >= 0, got {seed}")
     dtype = float_dtype(dtype)
     return tree_map_with_path(
         lambda path, leaf: shard(global_init(cfg, seed, path, leaf.init, leaf.shape, dtype), leaf.spec, mesh),

@@ -14,7 +14,7 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
-from numesh.base.errors import CheckpointError, ConfigError
+from numesh.base.errors import CheckpointError, ConfigError, check_scalar
 from numesh.base.tree import tree_map
 from numesh.checkpoint import import_nanogpt, read_global
 from numesh.checkpoint.hf_files import open_weights, weights_dtype
@@ -222,6 +222,7 @@ class SampleConfig:
     kv_cache: bool = True
 
     def validate(self) -> None:
+        self._validate_types()
         if self.max_new_tokens < 0:
             raise ConfigError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
         if self.num_samples < 1:
@@ -238,6 +239,18 @@ class SampleConfig:
             raise ConfigError("sampling does not run with context parallelism: use a mesh without cp, e.g. --mesh tp=N")
         if any(sizes.get(a, 1) != 1 for a in ("pp", "dp", "ep")):  # before the rank count, which would say "mpirun"
             raise ConfigError("sampling runs on a tensor-parallel mesh only: use --mesh tp=N")
+
+
+    def _validate_types(self) -> None:
+        """Each count an integer (top_k=2.5 sampled among 2.5 tokens), the temperature a
+        number (a string was a TypeError in the range check), mesh a string."""
+        for name in ("max_new_tokens", "seed", "num_samples") + (("top_k",) if self.top_k is not None else ()):
+            check_scalar(f"--{name.replace('_', '-')}", getattr(self, name), int)
+        t = self.temperature
+        if not isinstance(t, numbers.Real) or isinstance(t, bool):  # NaN is a number: refused below, with the range
+            raise ConfigError(f"--temperature must be a number, got {t!r}")
+        check_scalar("--mesh", self.mesh or "", str)
+        check_scalar("kv_cache", self.kv_cache, bool)
 
 
 def prompt_ids(tok: CharTokenizer | HFTokenizer, prompt: str) -> np.ndarray:
