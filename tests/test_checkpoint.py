@@ -563,6 +563,10 @@ def test_reshard_validates_the_target(saved: Path, tmp_path: Path) -> None:
         reshard(saved, "ep=2", tmp_path / "x")
     with pytest.raises(MeshError, match="malformed"):
         reshard(saved, "tp", tmp_path / "x")
+    for to in (None, {"tp": 2}):  # were AttributeErrors
+        with pytest.raises(MeshError, match=f"^--to must be a mesh string of the axes to change, e.g. 'tp=4' or "
+                                            f"'dp=2,tp=4', got {re.escape(repr(to))}$"):
+            reshard(saved, to, tmp_path / "x")
     (tmp_path / "exists").mkdir()
     with pytest.raises(CheckpointError, match="already exists"):
         reshard(saved, "tp=2", tmp_path / "exists")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import attrs
 import numpy as np
 import pytest
@@ -292,6 +294,23 @@ def test_partition_spec_validation() -> None:
     for bad in (("EP",), (None, "TP"), (("dp", "xx"),), ("dp", "dp"), (("dp", "tp"), "dp"), (("tp", "tp"),)):
         with pytest.raises(MeshError):
             P(*bad)
+
+
+@pytest.mark.parametrize("entry", [0, 1.5, ("tp", 0)])
+def test_a_spec_entry_that_is_no_axis_name_is_one_line(entry: object) -> None:
+    """P(0) was a TypeError, 'int' object is not iterable."""
+    with pytest.raises(MeshError, match=f"^partition spec entry {re.escape(repr(entry))} must be None, an axis name "
+                                        r"\(pp, dp, ep, cp, tp\) or a tuple of them"):
+        P(None, entry)
+    assert P(["tp"]).axes() == ("tp",)  # a list of names is one too
+
+
+@pytest.mark.parametrize("spec", [1, 2.0, ["dp=1"]])
+def test_a_mesh_that_is_no_string_is_one_line(spec: object) -> None:
+    """Mesh.parse(1) was an AttributeError ('int' object has no attribute 'replace')."""
+    with pytest.raises(MeshError, match=f"^a mesh is a string of comma-separated axis=size, e.g. 'dp=2,tp=2', got "
+                                        f"{re.escape(repr(spec))}$"):
+        Mesh.parse(spec, MPI.COMM_SELF)
 
 
 def test_a_spec_naming_an_axis_twice_is_refused() -> None:

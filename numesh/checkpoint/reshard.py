@@ -31,6 +31,8 @@ from numesh.pipeline.stages import StageLayout
 def target_mesh(source: dict[str, int], to: str) -> tuple[dict[str, int], list[str]]:
     """The mesh `to` ("tp=4", "dp=2,tp=4"; axes not named keep the source's size) and the
     axes it names."""
+    if not isinstance(to, str):
+        raise MeshError(f"--to must be a mesh string of the axes to change, e.g. 'tp=4' or 'dp=2,tp=4', got {to!r}")
     given = parse_axis_sizes(to)
     for name, size in given.items():
         if size < 1:

@@ -42,6 +42,8 @@ AxisNames = str | tuple[str, ...] | Group
 def parse_axis_sizes(spec: str) -> dict[str, int]:
     """The axes a mesh string names, with their sizes: "dp=2,tp=-1" -> {"dp": 2, "tp": -1}.
     Checks the syntax and the axis names; sizes are checked by the caller."""
+    if not isinstance(spec, str):
+        raise MeshError(f"a mesh is a string of comma-separated axis=size, e.g. 'dp=2,tp=2', got {spec!r}")
     sizes: dict[str, int] = {}
     for part in spec.replace(" ", "").split(","):
         if not part:

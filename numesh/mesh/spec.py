@@ -22,6 +22,10 @@ class P(tuple):
     def __new__(cls, *dims: str | tuple[str, ...] | None) -> "P":
         seen: list[str] = []
         for d in dims:
+            if not (d is None or isinstance(d, str)
+                    or isinstance(d, (tuple, list)) and all(isinstance(a, str) for a in d)):
+                raise MeshError(f"partition spec entry {d!r} must be None, an axis name ({', '.join(AXES)}) or a "
+                                f"tuple of them, one entry per array dim")
             if d is not None:
                 axis_names(d)  # validates the names
                 seen.extend((d,) if isinstance(d, str) else d)
