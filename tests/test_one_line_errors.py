@@ -710,16 +710,13 @@ def test_a_recipe_arch_that_is_not_a_name_is_one_line(tmp_path: Path, value: str
     (dict(n_layer="2"), "config key 'n_layer' must be int, got '2'"),
     (dict(n_layer=1.5), "config key 'n_layer' must be int, got 1.5"),
     (dict(mesh=None), "config key 'mesh' must be str, got None"),
-    (dict(muon_momentum=0.5), "--muon-momentum applies to --optimizer muon, and this run's is adamw"),
-    (dict(moe_top_k=7), "--moe-top-k applies to a model with experts, and this one has none"),
-    (dict(rope_theta=5e5), "--rope-theta applies to rotary positions, and this model's are learned"),
 ])
 def test_a_trainconfig_built_directly_is_checked_as_config_from_checks_options(char_dataset: Path, tmp_path: Path,
                                                                                kv: dict, says: str) -> None:
-    """train(TrainConfig(...)), as docs/api/index.md shows, skipped config_from's checks:
-    bias='no' trained with biases, 2.0 sequences were a NumPy TypeError, and another
-    optimiser's option (or an MoE one without experts) trained as if it were not there.
-    A value other than its default counts as given."""
+    """train(TrainConfig(...)), as docs/api/index.md shows, skipped config_from's type checks:
+    bias='no' trained with biases, 2.0 sequences were a NumPy TypeError. (Which options a
+    direct config *gave* is unknown, so options another optimiser or kind would read are
+    refused only through config_from.)"""
     from numesh.base.errors import ConfigError
     from numesh.run.config import TrainConfig, validate
 
@@ -733,7 +730,8 @@ def test_a_trainconfig_built_directly_is_checked_as_config_from_checks_options(c
 
 def test_a_preset_value_config_from_let_through_is_not_refused_by_the_run(char_dataset: Path, tmp_path: Path) -> None:
     """config_from knows which values the user gave: smollm2-135m's rope_theta under
-    --positions learned is the preset's, and the run (a layout evolved from it too) keeps it."""
+    --positions learned is the preset's, and the run's checks (of a layout evolved from it
+    too) keep it."""
     from numesh.cli.app import train_config
     from numesh.run.config import check_options
 

@@ -26,7 +26,7 @@ from numesh.mesh import parse_mesh
 from numesh.nn.gpt import ARCHS, GPTConfig
 from numesh.nn.walk import check_recompute
 from numesh.observe.inject import faults_from_env
-from numesh.optim.registry import OPTIONS, applies_to, run_optimizer
+from numesh.optim.registry import applies_to, run_optimizer
 from numesh.pipeline.schedules import check_shape
 from numesh.pipeline.stages import StageLayout
 
@@ -245,7 +245,6 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None,
         values[name] = option_value(name, value, field_type(fields[name]))
     cfg = TrainConfig(**values)
     _check_unused(cfg, given)
-    _VETTED.add(_unused_key(cfg))  # a preset's or recipe's own values it let through are not refused later
     if "warmup_iters" in given:  # the default warm-up (100) past a short run's --lr-decay-iters is nanoGPT's too
         _check_warmup(cfg)
     return cfg
@@ -253,16 +252,6 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None,
 
 # model options only a model with experts reads
 MOE_OPTIONS = ("moe_every", "moe_top_k", "moe_aux_coef", "moe_z_coef", "moe_capacity_factor")
-# what `_check_unused` reads of a config: the model's kind of positions, experts, optimiser, and the options
-# it may refuse
-_UNUSED_READS = ("positions", "moe_experts", "optimizer", "rope_theta", *MOE_OPTIONS,
-                 *sorted({name for names in OPTIONS.values() for name in names}))
-# `_unused_key`s of the configs `config_from` made, whose check knew which values the user gave
-_VETTED: set[tuple[Any, ...]] = set()
-
-
-def _unused_key(cfg: TrainConfig) -> tuple[Any, ...]:
-    return tuple(getattr(cfg, name) for name in _UNUSED_READS)
 
 
 def _positions_of(values: dict[str, Any]) -> Any:
@@ -385,8 +374,6 @@ def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
     """The checks of single options (no dataset, no layout); returns the mesh's axis sizes."""
     _check_types(cfg)
     _check_values(cfg)
-    if _unused_key(cfg) not in _VETTED:  # built directly (train(TrainConfig(...))): what differs from a default
-        _check_unused(cfg, {f.name: "" for f in attrs.fields(TrainConfig) if getattr(cfg, f.name) != f.default})
     # --mesh auto: the layout is chosen once the dataset is there (numesh.plan.auto); until then dp over every rank
     shape = parse_mesh("dp=-1" if cfg.mesh.strip() == MESH_AUTO else cfg.mesh, n_ranks)
     if cfg.dtype not in DTYPES:
