@@ -101,6 +101,29 @@ def test_a_bad_id_on_one_cp_rank_is_one_error_on_every_rank(layer_mesh: Mesh) ->
         loss_and_grads(params, bad, bad, cfg, layer_mesh, 1.0)
 
 
+def test_a_cp_split_that_cannot_be_is_one_error_on_every_rank(layer_mesh: Mesh) -> None:
+    """An odd local T (each cp rank holds two zigzag chunks) was a broadcast error deep in the
+    model, T=1 a ZeroDivisionError; one rank's extra row aborted the job with MPI's "Message
+    truncated"; and generate read a cp mesh's prompt as chunks. One line on every rank now."""
+    from conftest import model_config
+    from numesh.nn.gpt import init_gpt
+    from numesh.nn.walk import loss_and_grads
+    from numesh.run.sample import generate
+
+    cfg = model_config(block_size=BLOCK_SIZE)
+    cp = layer_mesh.size("cp")
+    params = init_gpt(cfg, layer_mesh, dtype=np.float64)
+    for T in (1, 3):
+        idx = np.zeros((1, T), np.int64)
+        with pytest.raises(ConfigError, match=f"under cp={cp} each rank holds two chunks of every sequence: idx's "
+                                              f"T \\({T}\\) must be even"):
+            loss_and_grads(params, idx, idx, cfg, layer_mesh, 1.0)
+    idx = np.zeros((1 + (layer_mesh.index("cp") == cp - 1), 2), np.int64)
+    with pytest.raises(ConfigError, match="the cp ranks' idx arrays differ in shape"):
+        loss_and_grads(params, idx, idx, cfg, layer_mesh, 1.0)
+    with pytest.raises(ConfigError, match="sampling does not run with context parallelism"):
+        generate(params, cfg, layer_mesh, np.zeros((1, 2), np.int64), 1)
+
 def test_observers_see_the_ring(layer_mesh: Mesh) -> None:
     """Every K/V block goes through the mesh's observer hook (the tracer and the flight
     recorder see cp traffic): one layer's ring sends and receives, on the cp axis, with the

@@ -289,3 +289,21 @@ def test_bad_combinations_fail_at_start_up(shared_dataset: Path, shared_tmp: Pat
                            n_head=n, n_embd=4 * n)
     with pytest.raises(ConfigError, match=f"use a --block-size divisible by {n}"):
         Trainer(cfg, WORLD)
+
+
+def test_a_sequence_sp_cannot_split_is_one_line() -> None:
+    """With sp a T not divisible by tp was numpy's "dimension 1 of size 3 does not divide
+    by 2 ranks", which never said sequence parallelism."""
+    n = WORLD.Get_size()
+    if n not in (2, 4):
+        pytest.skip("runs on 2 and 4 ranks")
+    from numesh.base.errors import ConfigError
+
+    mesh = Mesh.create(WORLD, sequence_parallel=True, tp=n)
+    cfg = model_config(dropout=0.0)
+    params = shard_params(random_global_params(cfg, seed=4), cfg, mesh)
+    idx = np.zeros((1, n + 1), np.int64)
+    with pytest.raises(ConfigError, match=f"with sequence parallelism over tp={n} .* idx's T \\({n + 1}\\) must be "
+                                          f"a multiple of {n}"):
+        loss_and_grads(params, idx, idx, cfg, mesh, 1.0)
+    mesh.free()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from mpi4py import MPI
 
 from numesh.base.errors import ConfigError
 from numesh.base.tree import tree_leaves, tree_leaves_with_path, tree_map
@@ -125,6 +126,34 @@ def check_ids(idx: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig, mesh:
         raise ConfigError(problem)
 
 
+def _check_split(T: int, mesh: Mesh, name: str) -> None:
+    """One ConfigError line unless this rank's T splits as the mesh splits sequences: cp's
+    two zigzag chunks of each sequence per rank (T=3 was a broadcast error, T=1 a
+    ZeroDivisionError) and sequence parallelism's T/tp rows per tp rank."""
+    cp, tp = mesh.size("cp"), mesh.size("tp")
+    if cp > 1 and T % 2:
+        raise ConfigError(f"under cp={cp} each rank holds two chunks of every sequence: {name}'s T ({T}) must be even "
+                          f"(this rank's 2 chunks of sequences of {T * cp} tokens)")
+    if mesh.sequence_parallel and T % tp:
+        raise ConfigError(f"with sequence parallelism over tp={tp} the sequence's tokens split over tp: {name}'s T "
+                          f"({T}) must be a multiple of {tp}")
+
+
+def _cp_shapes_agree(idx: np.ndarray, mesh: Mesh, name: str, problem: str | None) -> str | None:
+    """`problem`, or where cp ranks hold arrays of other shapes (every cp rank holds chunks
+    of the same B rows; a rank's extra row once aborted the job with MPI's "Message
+    truncated") one line saying so: a small all-reduce on cp meshes only, on every rank."""
+    if mesh.size("cp") == 1:
+        return problem
+    shape = (-1, -1) if not isinstance(idx, np.ndarray) or idx.ndim != 2 else idx.shape
+    spread = np.array([problem is not None, shape[0], -shape[0], shape[1], -shape[1]], np.int64)
+    mesh.comm("cp").Allreduce(MPI.IN_PLACE, spread, op=MPI.MAX)
+    if not spread[0] and (spread[1] != -spread[2] or spread[3] != -spread[4]):  # else check_ids names the rank's
+        problem = f"the cp ranks' {name} arrays differ in shape (this rank's is {shape}): every cp rank passes " \
+                  "its two chunks of the same rows, one shape on all of them"
+    return problem
+
+
 def check_inputs(params: GPT, idx: np.ndarray, targets: np.ndarray | None, cfg: GPTConfig,
                  mesh: Mesh, name: str = "idx", need_targets: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """Every entry check of a model call: the params, the ids' shapes and types, their range;
@@ -137,8 +166,10 @@ def check_inputs(params: GPT, idx: np.ndarray, targets: np.ndarray | None, cfg: 
     try:
         check_params(params, cfg, mesh)
         check_ids_shape(idx, targets, name, need_targets)
+        _check_split(idx.shape[1], mesh, name)
         problem = None
     except ConfigError as e:
         problem = str(e)
+    problem = _cp_shapes_agree(idx, mesh, name, problem)
     check_ids(idx, targets, cfg, mesh, name, problem=problem)
     return idx.astype(np.int64, copy=False), None if targets is None else targets.astype(np.int64, copy=False)

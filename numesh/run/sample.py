@@ -53,6 +53,8 @@ class Checkpoint:
     max_positions: int | None = None
 
 
+NO_CP = "sampling does not run with context parallelism: use a mesh without cp, e.g. --mesh tp=N"
+
 def load_checkpoint(path: str | Path, comm: MPI.Comm | None = None) -> Checkpoint:
     """Whole parameters of a checkpoint directory (e.g. RUN/ckpt/latest), of a `numesh
     export`ed nanoGPT .safetensors file or of a transformers directory (no pickle any way).
@@ -173,6 +175,8 @@ def generate(
     ConfigError line for params not of `model` and `mesh`, or a prompt that is not int ids
     [B, T] in [0, vocab_size)."""
     _check_settings(max_new_tokens, temperature, top_k, seed, tokens)
+    if mesh.size("cp") > 1:  # the prompt was read as zigzag chunks: a broadcast error deep in the model
+        raise ConfigError(NO_CP)
     idx, _ = check_inputs(params, prompt, None, model, mesh, "prompt")
     idx = idx.copy() if idx is prompt else idx  # what is returned is never the caller's array
     rng = np.random.default_rng(seed)
@@ -236,7 +240,7 @@ class SampleConfig:
             raise ConfigError(f"--seed must be >= 0, got {self.seed}")
         sizes = parse_axis_sizes(self.mesh or "")
         if sizes.get("cp", 1) != 1:  # generation adds one token at a time: nothing to split
-            raise ConfigError("sampling does not run with context parallelism: use a mesh without cp, e.g. --mesh tp=N")
+            raise ConfigError(NO_CP)
         if any(sizes.get(a, 1) != 1 for a in ("pp", "dp", "ep")):  # before the rank count, which would say "mpirun"
             raise ConfigError("sampling runs on a tensor-parallel mesh only: use --mesh tp=N")
 
