@@ -178,7 +178,8 @@ _W8, _W4 = np.ones(8, np.float32), np.ones(4, np.float32)
     (lambda: gelu_fwd(np.ones(4, int)), "gelu_fwd's x must be a float32 or float64 array, got int64"),  # zeros
     (lambda: gelu_fwd(np.ones(4, np.float16)), "gelu_fwd's x must be a float32 or float64 array, got float16"),
     (lambda: swiglu_fwd(np.ones(4, int), _W4), "swiglu_fwd's gate must be a float32 or float64 array, got int64"),
-], ids=["ln-w", "ln-b", "rms-w", "swiglu-up", "ln-int", "rms-int", "gelu-int", "gelu-f16", "swiglu-int"])
+    (lambda: swiglu_fwd(_W4, np.ones(4)), "swiglu_fwd's up is float64 but gate float32: give both one dtype"),
+], ids=["ln-w", "ln-b", "rms-w", "swiglu-up", "ln-int", "rms-int", "gelu-int", "gelu-f16", "swiglu-int", "swiglu-mix"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "numpy"])
 def test_a_layer_given_a_wrong_operand_is_one_line_naming_it(call, message: str, kernels: bool) -> None:
     """The fused kernels read past the end of a shorter w, b or up and returned garbage (the

@@ -267,10 +267,12 @@ def rmsnorm_bwd_reference(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray],
 def swiglu_fwd(gate: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """SwiGLU's gating: silu(gate) * up, with silu(g) = g * sigmoid(g); the context is
     (gate, up): backward computes the sigmoid again rather than keep it. A ValueError line
-    unless gate and up are float32 or float64 arrays of one shape."""
+    unless gate and up are float32 or float64 arrays of one shape and dtype."""
     K.check_float("swiglu_fwd's gate", gate)
     K.check_float("swiglu_fwd's up", up)
     K.check_shape("swiglu_fwd's up", up, gate.shape, f"gate {gate.shape}")
+    if up.dtype != gate.dtype:  # the kernel wrote gate's dtype where the reference promoted: two answers
+        raise ValueError(f"swiglu_fwd's up is {up.dtype} but gate {gate.dtype}: give both one dtype")
     if not K.enabled():
         return swiglu_fwd_reference(gate, up)
     gate, up = np.ascontiguousarray(gate), np.ascontiguousarray(up)
