@@ -1088,3 +1088,24 @@ def test_the_best_command_says_an_option_given_over_a_preset_once() -> None:
     assert best.count("--n-kv-head") == 1 and "--n-kv-head 1" in best
     assert best.count("--batch-size") == 1 and "--batch-size 4" in best
     assert config_of(command(best.removeprefix("best: "))[1]).n_kv_head == 1
+
+
+def test_the_best_command_of_a_recipe_overrides_the_recipes_layout(tmp_path: Path) -> None:
+    """A recipe's sequence parallelism, recompute and virtual stages were left to the
+    recipe: the `best:` line of a dp=2 layout then failed (sp on tp=1) or trained another
+    layout than the one planned. The line now sets each, defaults too; and a path in it is
+    shell-quoted."""
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "quickstart.toml"
+    text = recipe.read_text().replace("sequence_parallel = false", "sequence_parallel = true")
+    text = text.replace('mesh = ""', 'mesh = "tp=2"').replace('recompute = "none"', 'recompute = "full"')
+    mine = tmp_path / "my recipe.toml"
+    mine.write_text(text)
+    res = invoke(["--ranks", "2", "--config", str(mine), "--vocab-size", "65", "--hardware", "h100-80gb", "--top", "1"])
+    assert res.exit_code == 0, res.output
+    best = res.stdout.strip().splitlines()[-1]
+    assert f"--config '{mine}'" in best
+    row = res.stdout.strip().splitlines()[1].split()
+    ranks, argv = command(best.removeprefix("best: "))
+    trained = config_of(argv)
+    assert (trained.sequence_parallel, trained.recompute, trained.virtual_stages) == \
+        (row[2] == "yes", row[7], int(row[6]))

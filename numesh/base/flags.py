@@ -4,6 +4,7 @@ resume's or an --init-from's mismatch)."""
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 
@@ -13,7 +14,8 @@ def flag(name: str) -> str:
 
 
 def flag_value(name: str, value: Any) -> str:
-    """The option that sets `name` to `value`: `--n-layer 4`, a boolean as --bias / --no-bias."""
+    """The option that sets `name` to `value`: `--n-layer 4`, a boolean as --bias / --no-bias,
+    the value shell-quoted (a `best:` line with `--data 'my data'` is pasted into a shell)."""
     if isinstance(value, bool):
         return flag(name) if value else "--no-" + flag(name)[2:]
-    return f"{flag(name)} {value}"
+    return f"{flag(name)} {shlex.quote(str(value))}"

@@ -141,7 +141,7 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
                     if (k != "bias" or v) and (k != "rope_theta" or cfg.positions == "rotary")},
                  "batch_size": cfg.batch_size}
         extra = " ".join([*(flag_value(k, v) for k, v in shape.items() if overrides.get(k) is None), extra]).strip()
-    return table(found, ranks, top, limit, profile.name, extra)
+    return table(found, ranks, top, limit, profile.name, extra, recipe=toml is not None)
 
 
 def _fits_nowhere(found: Plan, ranks: int, limit: float) -> str:

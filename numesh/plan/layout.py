@@ -123,15 +123,17 @@ class Layout:
     def sched(self) -> Schedule:
         return schedule_of(self.schedule, self.pp, self.micro_batches, self.virtual_stages)
 
-    def train_flags(self) -> str:
-        """The `numesh train` options that select this layout."""
+    def train_flags(self, every: bool = False) -> str:
+        """The `numesh train` options that select this layout; `every`: its defaults too, so
+        the line overrides a --config recipe's own (its sequence parallelism, virtual stages
+        or recompute once ran another layout than the one planned, or none)."""
         flags = f"--mesh {self.mesh} --zero {self.zero} --schedule {self.schedule} --micro-batches {self.micro_batches}"
-        if self.virtual_stages > 1:
+        if every or self.virtual_stages > 1:
             flags += f" --virtual-stages {self.virtual_stages}"
-        if self.recompute != "none":
+        if every or self.recompute != "none":
             flags += f" --recompute {self.recompute}"
-        if self.sp:
-            flags += " --sequence-parallel"
+        if every or self.sp:
+            flags += " --sequence-parallel" if self.sp else " --no-sequence-parallel"
         return flags
 
 

@@ -40,13 +40,14 @@ def as_json(p: Prediction, ranks: int) -> dict[str, Any]:
     }
 
 
-def command(p: Prediction, ranks: int, extra: str = "") -> str:
-    """The `mpirun` line that runs this layout."""
+def command(p: Prediction, ranks: int, extra: str = "", recipe: bool = False) -> str:
+    """The `mpirun` line that runs this layout (`recipe`: `extra` names a --config file, whose
+    own layout options the line overrides, defaults too)."""
     launch = f"mpirun -n {ranks} " if ranks > 1 else ""
-    return f"{launch}numesh train {p.layout.train_flags()}{' ' + extra if extra else ''}"
+    return f"{launch}numesh train {p.layout.train_flags(recipe)}{' ' + extra if extra else ''}"
 
 
-def table(found: Plan, ranks: int, top: int, limit: float, profile: str, extra: str = "") -> str:
+def table(found: Plan, ranks: int, top: int, limit: float, profile: str, extra: str = "", recipe: bool = False) -> str:
     """The `top` best layouts that fit as a table, a count of all, and the best one's command."""
     preds = found.fitting
     # "wait": blocking calls waiting for their groups' last members, on a calibrated profile only
@@ -76,5 +77,5 @@ def table(found: Plan, ranks: int, top: int, limit: float, profile: str, extra: 
     lines.append(f"{found.layouts} layouts on {ranks} ranks ({fit} fit in {lim} per rank), profile {profile}; "
                  f"--json lists {listed} with memory and time parts")
     if preds:
-        lines.append(f"best: {command(preds[0], ranks, extra)}")
+        lines.append(f"best: {command(preds[0], ranks, extra, recipe)}")
     return "\n".join(lines)
