@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -135,6 +136,11 @@ def test_missing_dataset_hint(tmp_path: Path) -> None:
         load_tokenizer(missing)
     with pytest.raises(DataError, match="numesh data shakespeare-char"):
         load_split(missing, "train")
+    text = tmp_path / "my text.txt"  # --data naming the text itself: the hint's `--out FILE` failed on it
+    text.write_text("hello world\n")
+    with pytest.raises(DataError, match=re.escape(f"is a file: --data takes a dataset directory; make one from it "
+                                                  f"with `numesh data char --src '{text}' --out DIR`")):
+        load_tokenizer(text)
     # a BPE recipe's data directory (configs/gpt2.toml's data/sh8k) is not only a character one
     with pytest.raises(DataError, match=r"or `numesh data bpe --src FILE --vocab-size N --out .*nope` for a BPE"):
         load_tokenizer(missing)

@@ -59,6 +59,11 @@ def missing_dataset(data_dir: Path) -> DataError:
     """The error for a directory without a dataset, with the command that writes one: into
     it when it is missing or empty, else into a new directory (a writer never replaces
     files it did not write; a transformers export's tokenizer.json is the one to tokenise with)."""
+    if data_dir.is_file():  # a text file: `--out FILE` would fail on it, it is the source
+        src = shlex.quote(str(data_dir))
+        return DataError(f"--data {data_dir} is a file: --data takes a dataset directory; make one from it with "
+                         f"`numesh data char --src {src} --out DIR` (or `numesh data bpe --src {src} --vocab-size N "
+                         "--out DIR`) and pass --data DIR")
     try:
         held = sorted(p.name for p in data_dir.iterdir())
     except OSError:
