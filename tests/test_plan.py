@@ -1109,3 +1109,14 @@ def test_the_best_command_of_a_recipe_overrides_the_recipes_layout(tmp_path: Pat
     trained = config_of(argv)
     assert (trained.sequence_parallel, trained.recompute, trained.virtual_stages) == \
         (row[2] == "yes", row[7], int(row[6]))
+
+
+def test_small_plan_messages_say_what_is_wrong() -> None:
+    """'on 1 ranks'; a unit plan cannot read was only 'not a finite size > 0'; one expert
+    blamed a top-k the user never gave."""
+    res = invoke(["--ranks", "1", "--vocab-size", "65", "--hardware", "h100-80gb", "--top", "1"])
+    assert res.exit_code == 0 and " layouts on 1 rank (" in res.stdout, res.output
+    res = invoke(["--ranks", "2", "--vocab-size", "65", "--hardware", "h100-80gb", "--memory-per-rank", "4G"])
+    assert "one of the units B, KB, MB, GB" in res.output
+    res = invoke(["--ranks", "2", "--vocab-size", "65", "--hardware", "h100-80gb", "--moe-experts", "1"])
+    assert "got 2 (the default): give at least 2 experts or moe_top_k 1" in res.output

@@ -19,3 +19,8 @@ def flag_value(name: str, value: Any) -> str:
     if isinstance(value, bool):
         return flag(name) if value else "--no-" + flag(name)[2:]
     return f"{flag(name)} {shlex.quote(str(value))}"
+
+
+def n_ranks(n: int) -> str:
+    """"1 rank", "8 ranks": the count as messages say it."""
+    return f"{n} rank" if n == 1 else f"{n} ranks"

@@ -238,7 +238,9 @@ class GPTConfig:
             raise ConfigError(
                 f"moe_capacity_factor must be finite and >= 0 (0 = dropless), got {self.moe_capacity_factor}")
         if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
-            raise ConfigError(f"moe_top_k must be between 1 and moe_experts={self.moe_experts}, got {self.moe_top_k}")
+            default = " (the default): give at least 2 experts or moe_top_k 1" if self.moe_top_k == 2 else ""
+            raise ConfigError(f"moe_top_k must be between 1 and moe_experts={self.moe_experts}, got {self.moe_top_k}"
+                              + default)
 
 
 @attrs.frozen

@@ -13,7 +13,7 @@ import attrs
 import numpy as np
 
 from numesh.base.errors import ConfigError, UserError
-from numesh.base.flags import flag, flag_value
+from numesh.base.flags import flag, flag_value, n_ranks
 from numesh.data.dataset import load_tokenizer
 from numesh.plan.hardware import Profile, load_profile, local_profile_path
 from numesh.plan.layout import ModelSpec
@@ -28,7 +28,8 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "p
 
 def parse_bytes(text: str) -> float:
     """'8GiB', '512 MB', '1e9' -> bytes: a finite size > 0 (0 would read as "no limit")."""
-    bad = ConfigError(f"--memory-per-rank {text!r} is not a finite size > 0: write e.g. 8GiB, 512MiB or 16GB")
+    bad = ConfigError(f"--memory-per-rank {text!r} is not a finite size > 0: a number, alone (bytes) or with one "
+                      "of the units B, KB, MB, GB, TB, PB, EB, KiB, MiB, GiB, TiB, PiB, EiB, e.g. 8GiB, 512MiB or 16GB")
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise bad
@@ -147,11 +148,11 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
 def _fits_nowhere(found: Plan, ranks: int, limit: float) -> str:
     assert found.smallest is not None  # plan names it whenever nothing fits
     if found.at_least:
-        return (f"no layout of this model fits in {human_bytes(limit)} per rank on {ranks} ranks: even "
+        return (f"no layout of this model fits in {human_bytes(limit)} per rank on {n_ranks(ranks)}: even "
                 f"{found.smallest.train_flags()} needs at least {human_bytes(found.smallest_bytes)} per rank, its "
                 "blocks' parameters and gradients alone; use a smaller --n-layer or --n-embd, more ranks, or "
                 "--memory-per-rank above that")
-    return (f"no layout of this model fits in {human_bytes(limit)} per rank on {ranks} ranks: the smallest, "
+    return (f"no layout of this model fits in {human_bytes(limit)} per rank on {n_ranks(ranks)}: the smallest, "
             f"{found.smallest.train_flags()}, needs {human_bytes(found.smallest_bytes)}; give more ranks, "
             f"--memory-per-rank of at least that, or a smaller model or --batch-size")
 

@@ -9,6 +9,7 @@ from typing import Callable
 import attrs
 
 from numesh.base.errors import ConfigError
+from numesh.base.flags import n_ranks
 from numesh.plan.hardware import Profile
 from numesh.plan.layout import Layout, ModelSpec
 from numesh.plan.memory import RankMemory, blocks_floor, layout_memory, memory_floor
@@ -125,9 +126,9 @@ def no_layout_reason(model: ModelSpec, ranks: int) -> str:
     near = set(range(max(1, ranks - 32), ranks + 33)) | {2**k for k in range(0, (4 * ranks).bit_length())}
     good = [n for n in sorted(near) if any(True for _ in _valid_quick(model, n))]
     near = ", ".join(str(n) for n in sorted(good, key=lambda n: (abs(n - ranks), n))[:6])
-    return (f"no layout of this model uses {ranks} ranks: dp must divide batch_size={model.batch_size}, tp divide "
+    return (f"no layout of this model uses {n_ranks(ranks)}: dp must divide batch_size={model.batch_size}, tp divide "
             f"n_head={model.n_head}, pp (x virtual stages) divide n_layer={model.n_layer}; "
-            f"rank counts that work: {near}") if good else f"no layout of this model uses {ranks} ranks"
+            f"rank counts that work: {near}") if good else f"no layout of this model uses {n_ranks(ranks)}"
 
 
 def _valid_quick(model: ModelSpec, ranks: int):

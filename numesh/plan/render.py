@@ -6,6 +6,7 @@ from typing import Any
 
 import attrs
 
+from numesh.base.flags import n_ranks
 from numesh.plan.predict import Plan, Prediction
 
 
@@ -74,7 +75,7 @@ def table(found: Plan, ranks: int, top: int, limit: float, profile: str, extra: 
     lines = [fmt(head), *map(fmt, rows)]
     lim = human_bytes(limit) if limit > 0 else "no limit"
     listed = "all" if fit == found.layouts else f"the {fit} that fit,"
-    lines.append(f"{found.layouts} layouts on {ranks} ranks ({fit} fit in {lim} per rank), profile {profile}; "
+    lines.append(f"{found.layouts} layouts on {n_ranks(ranks)} ({fit} fit in {lim} per rank), profile {profile}; "
                  f"--json lists {listed} with memory and time parts")
     if preds:
         lines.append(f"best: {command(preds[0], ranks, extra, recipe)}")
