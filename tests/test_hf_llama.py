@@ -657,8 +657,8 @@ def test_a_library_models_mismatches_with_the_directory_are_named_at_once(tok_js
     model = attrs.evolve(pretrained(d).model(16), n_layer=3, n_embd=32)
     with pytest.raises(ConfigError) as e:
         _check_pretrained(d, model, load_tokenizer(str(llama_data)))
-    assert str(e.value) == f"--init-from {d} has n_layer 2, n_embd 16, this run 3, 32: set --n-layer, --n-embd to " \
-                           "match (or leave them out: the directory sets them)"
+    assert str(e.value) == f"--init-from {d} has n_layer 2, n_embd 16, this run has n_layer 3, n_embd 32: set " \
+                           "--n-layer, --n-embd to match (or leave them out: the directory sets them)"
 
 REFUSALS = [  # (how the directory is spoiled, what the one line says)
     (lambda d: (d / "config.json").unlink(), "it needs config.json"),

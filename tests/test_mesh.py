@@ -491,3 +491,4 @@ def test_a_collective_refuses_on_one_rank_what_two_ranks_would() -> None:
     with pytest.raises(ValueError, match="broadcast's root is an index along tp, 0..0, got 5"):
         broadcast(np.ones(2), m, "tp", root=5)
     assert psum(np.ones(2, np.int32), m, "tp").dtype == np.int32
+    assert psum(np.float64(1.5), m, "tp").shape == () and pmax(np.int64(3), m, "tp") == 3  # 0-d, as on 2 ranks

@@ -306,4 +306,8 @@ def test_a_sequence_sp_cannot_split_is_one_line() -> None:
     with pytest.raises(ConfigError, match=f"with sequence parallelism over tp={n} .* idx's T \\({n + 1}\\) must be "
                                           f"a multiple of {n}"):
         loss_and_grads(params, idx, idx, cfg, mesh, 1.0)
+    from numesh.run.sample import generate  # refused as sp, not as a prompt length to change
+
+    with pytest.raises(ConfigError, match="generation does not use sequence parallelism"):
+        generate(params, cfg, mesh, idx, 1)
     mesh.free()

@@ -181,9 +181,10 @@ def _check_pretrained(p: Path, model: GPTConfig, dataset: CharTokenizer | HFToke
               and not _same_default(key, theirs, model)]
     if differ:  # all in one line: one run per mismatch otherwise
         has = ", ".join(f"{key} {getattr(theirs, key)}" for key in differ)
-        run = ", ".join(f"{getattr(model, key)}" for key in differ)
-        raise ConfigError(f"--init-from {p} has {has}, this run {run}: set {', '.join(OPTION[k] for k in differ)} "
-                          "to match (or leave them out: the directory sets them)")
+        run = ", ".join(f"{key} {getattr(model, key)}" for key in differ)
+        flags = ", ".join(OPTION[k] for k in differ)
+        raise ConfigError(f"--init-from {p} has {has}, this run has {run}: set {flags} to match (or leave them out: "
+                          "the directory sets them)")
     if model.block_size > pre.max_positions:
         raise ConfigError(f"--block-size {model.block_size} is longer than {p}'s max_position_embeddings "
                           f"{pre.max_positions}: use at most {pre.max_positions}")

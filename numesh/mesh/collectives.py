@@ -117,6 +117,7 @@ def psum(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = No
          inplace: bool = False) -> np.ndarray:
     """Sum over the axis, into `out` when given. `inplace=True` overwrites `x` (which must
     be contiguous)."""
+    x = np.asarray(x) if isinstance(x, np.generic) and not inplace else x  # a NumPy scalar: 0-d on every mesh
     _operand(x, "psum", "sum")
     if mesh.size(axes) == 1:
         return x if inplace else _identity(x, out)
@@ -148,6 +149,7 @@ def psum_tree(tree, mesh: Mesh, axes: AxisNames):
 
 def pmax(x: np.ndarray, mesh: Mesh, axes: AxisNames, out: np.ndarray | None = None) -> np.ndarray:
     """Elementwise maximum over the axis, into `out` when given."""
+    x = np.asarray(x) if isinstance(x, np.generic) else x  # a NumPy scalar: 0-d on every mesh
     _operand(x, "pmax", "max")
     if mesh.size(axes) == 1:
         return _identity(x, out)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from mpi4py import MPI
 
 from numesh.base.errors import ConfigError
 from numesh.base.tree import tree_leaves, tree_leaves_with_path, tree_map
@@ -142,13 +141,12 @@ def _check_split(T: int, mesh: Mesh, name: str) -> None:
 def _cp_shapes_agree(idx: np.ndarray, mesh: Mesh, name: str, problem: str | None) -> str | None:
     """`problem`, or where cp ranks hold arrays of other shapes (every cp rank holds chunks
     of the same B rows; a rank's extra row once aborted the job with MPI's "Message
-    truncated") one line saying so: a small all-reduce on cp meshes only, on every rank."""
+    truncated") one line saying so: a small all-gather on cp meshes only, on every rank."""
     if mesh.size("cp") == 1:
         return problem
-    shape = (-1, -1) if not isinstance(idx, np.ndarray) or idx.ndim != 2 else idx.shape
-    spread = np.array([problem is not None, shape[0], -shape[0], shape[1], -shape[1]], np.int64)
-    mesh.comm("cp").Allreduce(MPI.IN_PLACE, spread, op=MPI.MAX)
-    if not spread[0] and (spread[1] != -spread[2] or spread[3] != -spread[4]):  # else check_ids names the rank's
+    shape = (-1, -1) if not isinstance(idx, np.ndarray) or idx.ndim != 2 else tuple(idx.shape)
+    seen = mesh.comm("cp").allgather((problem is not None, shape))  # a small control message, as check_ids'
+    if not any(bad for bad, _ in seen) and len({s for _, s in seen}) > 1:  # else check_ids names the rank's
         problem = f"the cp ranks' {name} arrays differ in shape (this rank's is {shape}): every cp rank passes " \
                   "its two chunks of the same rows, one shape on all of them"
     return problem

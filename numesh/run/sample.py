@@ -54,6 +54,7 @@ class Checkpoint:
 
 
 NO_CP = "sampling does not run with context parallelism: use a mesh without cp, e.g. --mesh tp=N"
+NO_SP = "generation does not use sequence parallelism: make its mesh without sequence_parallel"
 
 def load_checkpoint(path: str | Path, comm: MPI.Comm | None = None) -> Checkpoint:
     """Whole parameters of a checkpoint directory (e.g. RUN/ckpt/latest), of a `numesh
@@ -177,6 +178,8 @@ def generate(
     _check_settings(max_new_tokens, temperature, top_k, seed, tokens)
     if mesh.size("cp") > 1:  # the prompt was read as zigzag chunks: a broadcast error deep in the model
         raise ConfigError(NO_CP)
+    if mesh.sequence_parallel:  # before check_inputs, whose T check would ask for another prompt length
+        raise ConfigError(NO_SP)
     idx, _ = check_inputs(params, prompt, None, model, mesh, "prompt")
     idx = idx.copy() if idx is prompt else idx  # what is returned is never the caller's array
     rng = np.random.default_rng(seed)
