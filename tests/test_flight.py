@@ -10,6 +10,7 @@ slows it), that the job failed, and that the diagnosis names the right rank and 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -365,6 +366,9 @@ def test_a_crashed_rank_ends_the_job_and_the_post_mortem_names_it(tmp_path: Path
     report = subprocess.run([sys.executable, "-m", "numesh.cli.app", "report", str(j.out)],
                             capture_output=True, text=True)
     assert report.returncode == 0 and text.strip() in report.stdout, report.stderr
+    as_json = subprocess.run([sys.executable, "-m", "numesh.cli.app", "report", "--json", str(j.out)],
+                             capture_output=True, text=True)  # it printed nothing once
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)["diagnosis"] == text, as_json.stderr
 
 
 @pytest.mark.timeout(300)

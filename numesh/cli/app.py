@@ -547,7 +547,9 @@ def report_cmd(
         if diagnosis and not json_:
             print(diagnosis, end="\n" if path.is_file() or rebuilt else "")
         if rebuilt is None and not path.is_file():
-            if diagnosis:
+            if diagnosis:  # --json printed nothing for a hung run once
+                if json_:
+                    print(json.dumps({"diagnosis": diagnosis}, indent=1))
                 return
             if out.suffix == ".json":
                 raise ConfigError(f"{path} not found: pass a run directory of `numesh train --trace` or its trace.json")
@@ -558,7 +560,8 @@ def report_cmd(
             raise ConfigError(f"{path} not found and no flight record there: "
                               f"run `numesh train --trace --out {shlex.quote(str(out))}` first")
         rep = report.report_of(path, rebuilt)
-        print(json.dumps(rep, indent=1) if json_ else report.render(rep))
+        print(json.dumps({**rep, **({"diagnosis": diagnosis} if diagnosis else {})}, indent=1) if json_
+              else report.render(rep))
 
     _run(go)
 
