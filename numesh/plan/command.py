@@ -101,6 +101,9 @@ def memory_limit(profile: Profile, ranks: int, given: str | None) -> float:
     return profile.memory_bytes
 
 
+MAX_RANKS = 2**20  # well past any machine's rank count; the search's divisor scans stay quick
+
+
 def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, model_preset: str | None,
              vocab_size: int | None, memory: str | None, hardware: str, as_json_out: bool, top: int,
              log: Callable[[str], None]) -> str:
@@ -108,6 +111,8 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
     profile's numbers for `ranks` come from another rank count's measurements."""
     if ranks is None or ranks < 1:
         raise ConfigError("give --ranks N (the ranks to plan for, >= 1), or --calibrate to measure this machine")
+    if ranks > MAX_RANKS:  # 1e18 ranks searched their neighbours' divisors for minutes, silently
+        raise ConfigError(f"--ranks {ranks:,} is more than numesh plans for: give at most {MAX_RANKS:,}")
     if top < 1:
         raise ConfigError(f"--top must be >= 1 (layouts in the table), got {top}")
     searched = [flag(k) for k in LAYOUT_OPTIONS
