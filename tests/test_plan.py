@@ -684,6 +684,7 @@ def test_the_search_never_lists_a_tp_that_splits_the_kv_heads_query_groups(char_
 
 @pytest.mark.parametrize("args, match", [
     (["--ranks", "7"], "no layout of this model uses 7 ranks"),
+    (["--ranks", "4", "--no-overlap"], "leave --no-overlap out"),  # once accepted and ignored
     (["--ranks", str(10**18)], "--ranks 1,000,000,000,000,000,000 is more than numesh plans for: give at most "
                                "1,048,576"),  # once minutes of silence
     (["--ranks", "2", "--memory-per-rank", "1KiB"], "no layout of this model fits in 1.0 KiB per rank"),

@@ -120,6 +120,9 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
     if searched:  # given on the command line (a --config recipe's own layout is read, and searched over)
         raise ConfigError(f"numesh plan searches the layout over every value of {', '.join(searched)}: leave "
                           f"{'it' if len(searched) == 1 else 'them'} out (each listed layout's command names its own)")
+    if overrides.get("overlap") is False:  # accepted, ignored and echoed on the best: line once
+        raise ConfigError("numesh plan times the gradient reduction overlapped with backward where the hardware "
+                          "progresses it (train's default, --overlap): leave --no-overlap out")
     cfg = base_config(overrides, toml, model_preset)
     check_options(attrs.evolve(cfg, mesh=""), 1)
     model = model_spec(cfg, vocab_size, model_preset)
@@ -167,6 +170,9 @@ def run_calibrate(overrides: dict[str, Any], toml: Path | None, model_preset: st
     """Measure this machine with the ranks of COMM_WORLD; save (rank 0) and return the profile's path."""
     from numesh.plan.calibrate import run_calibration
 
+    if overrides.get("overlap") is False:  # accepted, ignored and echoed on the best: line once
+        raise ConfigError("numesh plan times the gradient reduction overlapped with backward where the hardware "
+                          "progresses it (train's default, --overlap): leave --no-overlap out")
     cfg = base_config(overrides, toml, model_preset)
     check_options(attrs.evolve(cfg, mesh=""), 1)
     model = model_spec(cfg, vocab_size, model_preset)
