@@ -628,6 +628,8 @@ def test_cli_llama3_preset_json_and_table() -> None:
     lines = res.stdout.strip().splitlines()
     assert len(lines) == 1 + 3 + 2 and lines[-1].startswith("best: mpirun -n 8 numesh train --mesh ")
     assert "--arch llama --n-kv-head 8 --ffn-hidden 14336 --rope-theta 500000.0" in lines[-1]
+    # --json's rows name the whole command too (train_flags alone trained the default model)
+    assert rows[0]["command"] == lines[-1].removeprefix("best: ")
 
 
 @pytest.mark.parametrize("name", ["gpt3-1.3b", "smollm2-135m"])

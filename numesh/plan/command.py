@@ -19,7 +19,7 @@ from numesh.plan.hardware import Profile, load_profile, local_profile_path
 from numesh.plan.layout import ModelSpec
 from numesh.plan.predict import Plan, plan
 from numesh.plan.presets import preset
-from numesh.plan.render import as_json, human_bytes, table
+from numesh.plan.render import as_json, command, human_bytes, table
 from numesh.run.config import LAYOUT_OPTIONS, TrainConfig, check_options, config_from, run_vocab
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15, "eb": 10**18,
@@ -135,8 +135,16 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
     found = plan(cfg, model, ranks, profile, limit, itemsize, threads, log)
     if not found.fitting:
         raise ConfigError(_fits_nowhere(found, ranks, limit))
-    if as_json_out:
-        return json.dumps([as_json(p, ranks) for p in found.fitting], indent=1)
+    extra = _train_options(overrides, toml, model_preset, cfg)
+    if as_json_out:  # each row's command, the best: line's for its layout (train_flags alone trained another model)
+        return json.dumps([{**as_json(p, ranks), "command": command(p, ranks, extra, toml is not None)}
+                           for p in found.fitting], indent=1)
+    return table(found, ranks, top, limit, profile.name, extra, recipe=toml is not None)
+
+
+def _train_options(overrides: dict[str, Any], toml: Path | None, model_preset: str | None, cfg: TrainConfig) -> str:
+    """The `numesh train` options, besides the layout's, that run the model planned: those
+    given, the --config recipe, a preset's shape."""
     extra = " ".join(flag_value(k, v) for k, v in overrides.items() if v is not None and k not in LAYOUT_OPTIONS)
     if toml is not None:  # the recipe's model (its experts, its kind) is what was planned: train reads it too
         extra = f"--config {shlex.quote(str(toml))} {extra}".strip()
@@ -150,7 +158,7 @@ def run_plan(overrides: dict[str, Any], toml: Path | None, ranks: int | None, mo
                     if (k != "bias" or v) and (k != "rope_theta" or cfg.positions == "rotary")},
                  "batch_size": cfg.batch_size}
         extra = " ".join([*(flag_value(k, v) for k, v in shape.items() if overrides.get(k) is None), extra]).strip()
-    return table(found, ranks, top, limit, profile.name, extra, recipe=toml is not None)
+    return extra
 
 
 def _fits_nowhere(found: Plan, ranks: int, limit: float) -> str:
