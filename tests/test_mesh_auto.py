@@ -47,8 +47,11 @@ def test_options_set_are_kept(char_dataset: Path) -> None:
     cfg, _ = auto.pick(_config(char_dataset, zero=2, micro_batches=2), world=4, ranks_on_node=4)
     assert (cfg.zero, cfg.micro_batches) == (2, 2) and cfg.mesh != "dp=1,tp=1,pp=4"  # ZeRO needs dp > 1
     assert auto.kept_options(_config(char_dataset, zero=2, micro_batches=2)) == {"zero": 2, "micro_batches": 2}
-    with pytest.raises(ConfigError, match="no layout of this model on these ranks fits in memory with --zero 2"):
+    # not a memory problem (it said "fits in memory"): no layout of 1 rank has the dp ZeRO needs
+    with pytest.raises(ConfigError, match="no layout of this model on these ranks runs with --zero 2: leave it out"):
         auto.pick(_config(char_dataset, zero=2), world=1, ranks_on_node=1)
+    with pytest.raises(ConfigError, match="runs with --sequence-parallel: leave it out"):  # not "... True"
+        auto.pick(_config(char_dataset, sequence_parallel=True), world=1, ranks_on_node=1)
 
 
 def _predictions(data: Path, memory_per_rank: float) -> list:

@@ -24,6 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh.base.errors import ConfigError, UserError
+from numesh.base.flags import flag_value
 from numesh.host.runtime import core_peak_flops, ranks_per_node
 from numesh.host.threads import threads
 from numesh.plan.command import model_spec
@@ -57,12 +58,16 @@ def choose(preds: list[Prediction], base: TrainConfig, kept: dict[str, Any]) -> 
     """The first of `preds` (best first, as `plan` sorts them) that fits and keeps `kept`
     (of those predicted as fast, the one with the fewest micro-batches), and the runner-up:
     the best such prediction on another mesh (None if there is none)."""
-    ok = [p for p in preds if p.fits
-          and all(getattr(train_config(base, p.layout), k) == v for k, v in kept.items())]
+    keeping = [p for p in preds if all(getattr(train_config(base, p.layout), k) == v for k, v in kept.items())]
+    ok = [p for p in keeping if p.fits]
     if not ok:
-        given = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in kept.items())
+        given = " ".join(flag_value(k, v) for k, v in kept.items())
+        if preds and not keeping:  # not memory: no layout on these ranks takes them (gpipe with pp = 1 ...)
+            raise ConfigError(f"--mesh auto: no layout of this model on these ranks runs with {given}: leave "
+                              f"{'it' if len(kept) == 1 else 'them'} out, or name a --mesh that does")
         raise ConfigError(f"--mesh auto: no layout of this model on these ranks fits in memory"
-                          f"{' with ' + given if given else ''}: run `numesh plan` to see them all")
+                          f"{' with ' + given if given else ''}: run `numesh plan` (without "
+                          "layout options) to see them all")
     tied = [p for p in ok if p.time.total <= ok[0].time.total * (1 + TIE)]
     best = min(tied, key=lambda p: p.layout.micro_batches * p.layout.virtual_stages)  # the first of equals
     runner_up = next((p for p in ok if p.layout.mesh != best.layout.mesh), None)
