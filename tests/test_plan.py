@@ -707,6 +707,7 @@ def test_the_search_never_lists_a_tp_that_splits_the_kv_heads_query_groups(char_
     (["--ranks", "2", "--profile-out", "p.json"], "--profile-out is where --calibrate saves"),
     (["--calibrate", "--ranks", "4"], "--calibrate measures the ranks of its own job"),
     (["--calibrate", "--memory-per-rank", "1GiB"], "--memory-per-rank is a limit for planning"),
+    (["--calibrate", "--hardware", "a100-80gb", "--json"], "--hardware, --json are for planning, not for --calibrate"),
     (["--ranks", "2", "--model", "gpt5"], "unknown model preset 'gpt5'"),
     ([], "give --ranks N"),
 ])

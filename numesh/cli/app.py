@@ -346,7 +346,10 @@ def plan_cmd(**options: Any) -> None:
         from numesh.host.runtime import configure_process, is_root, log
         from numesh.plan.command import check_mode, run_calibrate, run_plan
 
-        check_mode(options["calibrate"], options["ranks"], options["memory_per_rank"], options["profile_out"])
+        planning = [name for name, given in (("--hardware", options["hardware"] != "local"),
+                                              ("--json", options["json_"]), ("--top", options["top"] != 15)) if given]
+        check_mode(options["calibrate"], options["ranks"], options["memory_per_rank"], options["profile_out"],
+                   planning)
         plan_keys = {name for name, _, _ in _PLAN_OPTIONS} | {"config"}
         overrides = {k: v for k, v in options.items() if k not in plan_keys}
         if options["calibrate"]:

@@ -7,7 +7,7 @@ import math
 import re
 import shlex
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import attrs
 import numpy as np
@@ -42,9 +42,14 @@ def parse_bytes(text: str) -> float:
     return size
 
 
-def check_mode(calibrate: bool, ranks: int | None, memory: str | None, profile_out: Path | None) -> None:
+def check_mode(calibrate: bool, ranks: int | None, memory: str | None, profile_out: Path | None,
+               planning: Sequence[str] = ()) -> None:
     """Options that belong to the other mode of `numesh plan` were silently ignored:
-    --profile-out without --calibrate, --ranks or --memory-per-rank with it."""
+    --profile-out without --calibrate, --ranks, --memory-per-rank or the other `planning`
+    options given (--hardware, --json, --top) with it."""
+    if calibrate and planning:
+        raise ConfigError(f"{', '.join(planning)} {'is' if len(planning) == 1 else 'are'} for planning, not for "
+                          "--calibrate (which measures this machine): drop one or the other")
     if calibrate and ranks is not None:
         raise ConfigError("--calibrate measures the ranks of its own job (`mpirun -n N numesh plan --calibrate`): "
                           "drop --ranks, then plan with `numesh plan --ranks N`")
