@@ -47,9 +47,6 @@ def check_mode(calibrate: bool, ranks: int | None, memory: str | None, profile_o
     """Options that belong to the other mode of `numesh plan` were silently ignored:
     --profile-out without --calibrate, --ranks, --memory-per-rank or the other `planning`
     options given (--hardware, --json, --top) with it."""
-    if calibrate and planning:
-        raise ConfigError(f"{', '.join(planning)} {'is' if len(planning) == 1 else 'are'} for planning, not for "
-                          "--calibrate (which measures this machine): drop one or the other")
     if calibrate and ranks is not None:
         raise ConfigError("--calibrate measures the ranks of its own job (`mpirun -n N numesh plan --calibrate`): "
                           "drop --ranks, then plan with `numesh plan --ranks N`")
@@ -58,6 +55,9 @@ def check_mode(calibrate: bool, ranks: int | None, memory: str | None, profile_o
     if not calibrate and profile_out is not None:
         raise ConfigError("--profile-out is where --calibrate saves: pass --calibrate, or plan from a saved "
                           "profile with --hardware PATH")
+    if calibrate and planning:
+        raise ConfigError(f"{', '.join(planning)} {'is' if len(planning) == 1 else 'are'} for planning, not for "
+                          "--calibrate (which measures this machine): drop one or the other")
 
 
 def base_config(overrides: dict[str, Any], toml: Path | None, model_preset: str | None) -> TrainConfig:
