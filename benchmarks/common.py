@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -186,6 +187,9 @@ def worker_env(first_on_path: str | None = None) -> dict[str, str]:
     return env
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # a terminal control sequence
+
+
 def run_json(cmd: Sequence[str], env: dict[str, str] | None = None, timeout: float | None = 3600) -> dict[str, Any]:
     """Run a worker command: the last JSON line it printed, or {"error": ...} with its exit
     status and the end of its output (or the timeout)."""
@@ -193,7 +197,9 @@ def run_json(cmd: Sequence[str], env: dict[str, str] | None = None, timeout: flo
         p = subprocess.run(list(cmd), capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
-    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
+    # Open MPI's ranks interleave terminal resets ("\x1b[0m") with a worker's JSON line: on a
+    # 16-core node rows of 4 and 16 ranks read as errors (benchmarks/bench_node.py, weak and baby)
+    lines = [x for x in _ANSI.sub("", p.stdout).splitlines() if x.startswith("{")]
     if p.returncode != 0 or not lines:
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
         return {"error": f"exit {p.returncode}: " + " | ".join(tail)}

@@ -97,3 +97,13 @@ def test_vocab_is_refused_beside_a_dataset_or_below_a_bpe(data: str, capsys: pyt
         with pytest.raises(SystemExit):
             bench_llama.main(["--vocab", "49152", "--data", where])
         assert "leave out one of them" in capsys.readouterr().err
+
+
+def test_a_workers_json_line_is_read_through_terminal_resets() -> None:
+    """Under Open MPI a 16-core node's ranks wrote "\\x1b[0m" resets on the worker's JSON
+    line, and bench_node.py's rows of 4 and 16 ranks read as errors."""
+    import common
+
+    line = '\x1b[0m\x1b[0m{"ms": 1.5, "ranks": 16}\x1b[0m'
+    got = common.run_json([sys.executable, "-c", f"print({line!r})"])
+    assert got == {"ms": 1.5, "ranks": 16}
