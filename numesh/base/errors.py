@@ -131,10 +131,9 @@ def check_scalar(name: str, value: Any, want: type, error: type[UserError] = Con
     if want is bool:
         ok = isinstance(value, bool)
     elif want is int:
-        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)  # np.bool_ is no Integral
     elif want is float:
-        ok = (isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_"
-              and math.isfinite(value))
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     else:
         ok = isinstance(value, want)
     if not ok:

@@ -46,7 +46,7 @@ def make_optimizer(name: str, options: Mapping[str, Any] | None = None) -> Optim
 def _plain(value: Any) -> Any:
     """A NumPy integer or float scalar as the Python int or float it is (np.int64(5) steps,
     np.float32(0.5) a beta, as np.float64, a float, always was); anything else as it is."""
-    if isinstance(value, (bool, int, float)) or type(value).__name__ == "bool_":
+    if isinstance(value, (bool, int, float)):  # np.bool_ is neither Integral nor Real: kept as it is below
         return value
     if isinstance(value, numbers.Integral):
         return int(value)
