@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import random_global_params, self_mesh, tiny_config
+from numesh.base.errors import ConfigError
 from numesh.base.tree import flatten, tree_leaves, tree_leaves_with_path, unflatten
 from numesh.mesh import P
 from numesh.nn.gpt import gpt_specs, init_gpt
@@ -180,3 +181,9 @@ def test_clip_scale() -> None:
     assert s == pytest.approx(1.0 / (4.0 + 1e-6), rel=1e-15)
     assert 4.0 * s <= 1.0
     assert clip_scale(1e6, 2.0) * 1e6 == pytest.approx(2.0, rel=1e-9)
+
+
+def test_cosine_lr_refuses_a_step_before_the_first() -> None:
+    """A negative step put the warmup's line below zero: a negative learning rate."""
+    with pytest.raises(ConfigError, match="starts at step 0, got step -5"):
+        cosine_lr(-5, 1e-3, 1e-4, 10, 100)

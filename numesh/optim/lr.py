@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import math
 
+from numesh.base.errors import ConfigError
+
 
 def cosine_lr(step: int, lr: float, min_lr: float, warmup_iters: int, decay_iters: int) -> float:
     """Linear warmup to `lr`, cosine decay to `min_lr` at `decay_iters`, then constant (nanoGPT's)."""
+    if step < 0:  # the warmup's line goes below zero there: a negative rate would train uphill
+        raise ConfigError(f"the learning-rate schedule starts at step 0, got step {step}")
     if step < warmup_iters:
         return lr * (step + 1) / (warmup_iters + 1)
     if step > decay_iters:
