@@ -54,6 +54,18 @@ def test_options_set_are_kept(char_dataset: Path) -> None:
         auto.pick(_config(char_dataset, sequence_parallel=True), world=1, ranks_on_node=1)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_a_schedule_is_kept_on_one_rank_where_every_schedule_is_accumulation(char_dataset: Path,
+                                                                              schedule: str) -> None:
+    """One rank runs one stage: `--mesh pp=1 --schedule gpipe` trains, so auto takes it too
+    (it said no layout ran with it); the interleaved schedule needs stages and is refused."""
+    cfg, line = auto.pick(_config(char_dataset, schedule=schedule, micro_batches=2), world=1, ranks_on_node=1)
+    assert (cfg.mesh, cfg.schedule, cfg.micro_batches) == ("dp=1,tp=1,pp=1", schedule, 2)
+    assert f"--schedule {schedule}" in line.split("runner-up")[0]
+    with pytest.raises(ConfigError, match="runs with --schedule interleaved"):
+        auto.pick(_config(char_dataset, schedule="interleaved", virtual_stages=2), world=1, ranks_on_node=1)
+
+
 def _predictions(data: Path, memory_per_rank: float) -> list:
     base = attrs.evolve(_config(data), mesh="")
     prof = auto.cpu_profile("float32", 1e12 / (4 * threads()), threads(), 4, 4 * memory_per_rank)

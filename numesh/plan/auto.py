@@ -23,10 +23,11 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
-from numesh.base.errors import ConfigError, UserError
+from numesh.base.errors import ConfigError, ScheduleError, UserError
 from numesh.base.flags import flag_value
 from numesh.host.runtime import core_peak_flops, ranks_per_node
 from numesh.host.threads import threads
+from numesh.pipeline.schedules import check_shape
 from numesh.plan.command import model_spec
 from numesh.plan.fits import available_memory
 from numesh.plan.hardware import Link, Profile, load_profile, local_profile_path
@@ -58,11 +59,12 @@ def choose(preds: list[Prediction], base: TrainConfig, kept: dict[str, Any]) -> 
     """The first of `preds` (best first, as `plan` sorts them) that fits and keeps `kept`
     (of those predicted as fast, the one with the fewest micro-batches), and the runner-up:
     the best such prediction on another mesh (None if there is none)."""
+    preds = [_schedule_kept(p, kept.get("schedule")) for p in preds]
     keeping = [p for p in preds if all(getattr(train_config(base, p.layout), k) == v for k, v in kept.items())]
     ok = [p for p in keeping if p.fits]
     if not ok:
         given = " ".join(flag_value(k, v) for k, v in kept.items())
-        if preds and not keeping:  # not memory: no layout on these ranks takes them (gpipe with pp = 1 ...)
+        if preds and not keeping:  # not memory: no layout on these ranks takes them (--zero 2 on one rank ...)
             raise ConfigError(f"--mesh auto: no layout of this model on these ranks runs with {given}: leave "
                               f"{'it' if len(kept) == 1 else 'them'} out, or name a --mesh that does")
         raise ConfigError(f"--mesh auto: no layout of this model on these ranks fits in memory"
@@ -72,6 +74,20 @@ def choose(preds: list[Prediction], base: TrainConfig, kept: dict[str, Any]) -> 
     best = min(tied, key=lambda p: p.layout.micro_batches * p.layout.virtual_stages)  # the first of equals
     runner_up = next((p for p in ok if p.layout.mesh != best.layout.mesh), None)
     return best, runner_up
+
+
+def _schedule_kept(p: Prediction, schedule: str | None) -> Prediction:
+    """p with the run's --schedule where its pp = 1 runs it: one stage, where every schedule
+    `numesh train` takes is gradient accumulation and the planner lists 1F1B alone (so
+    `--schedule gpipe` on one rank was refused by auto and trained with --mesh pp=1)."""
+    lay = p.layout
+    if schedule is None or lay.pp != 1 or lay.schedule == schedule:
+        return p
+    try:
+        check_shape(schedule, 1, lay.micro_batches, lay.virtual_stages)
+    except ScheduleError:
+        return p
+    return attrs.evolve(p, layout=attrs.evolve(lay, schedule=schedule))
 
 
 def cpu_profile(dtype: str, core_flops: float, rank_threads: int, ranks_on_node: int, node_memory: float) -> Profile:
