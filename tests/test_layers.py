@@ -25,7 +25,9 @@ from numesh.nn.layers import (
     linear_bwd_input,
     linear_bwd_weight,
     linear_fwd,
+    rmsnorm_bwd,
     rmsnorm_fwd,
+    swiglu_bwd,
     swiglu_fwd,
 )
 from numesh.nn.parallel import (
@@ -179,7 +181,20 @@ _W8, _W4 = np.ones(8, np.float32), np.ones(4, np.float32)
     (lambda: gelu_fwd(np.ones(4, np.float16)), "gelu_fwd's x must be a float32 or float64 array, got float16"),
     (lambda: swiglu_fwd(np.ones(4, int), _W4), "swiglu_fwd's gate must be a float32 or float64 array, got int64"),
     (lambda: swiglu_fwd(_W4, np.ones(4)), "swiglu_fwd's up is float64 but gate float32: give both one dtype"),
-], ids=["ln-w", "ln-b", "rms-w", "swiglu-up", "ln-int", "rms-int", "gelu-int", "gelu-f16", "swiglu-int", "swiglu-mix"])
+    # the backward passes: dy against what the forward saved
+    (lambda: layernorm_bwd(LayerNorm(_W8, None), (_X, np.ones((4, 1), np.float32)), np.ones((2, 8), np.float32)),
+     r"layernorm_bwd's xhat is \(4, 8\) but dy \(2, 8\) makes it 2 rows of 8"),
+    (lambda: layernorm_bwd(LayerNorm(_W4, None), (_X, np.ones((4, 1), np.float32)), _X),
+     r"layernorm_bwd's w is \(4,\) but dy \(4, 8\) makes it \(8,\)"),
+    (lambda: rmsnorm_bwd(RMSNorm(_W8), (_X, np.ones((2, 1), np.float32)), _X),
+     r"rmsnorm_bwd's rstd is \(2, 1\) but dy \(4, 8\) makes it 4 rows of 1"),
+    (lambda: rmsnorm_bwd(RMSNorm(_W8), (_X, np.ones((4, 1), np.float32)), np.ones((4, 8))),
+     "rmsnorm_bwd's xhat is float32 but dy float64: give both one dtype"),
+    (lambda: swiglu_bwd((_X, _X[:, :4]), _X), r"swiglu_bwd's up is \(4, 4\) but dy \(4, 8\) makes it 4 rows of 8"),
+    (lambda: gelu_bwd(_X[:1], _X), r"gelu_bwd's x is \(1, 8\) but dy \(4, 8\) makes it 4 rows of 8"),
+    (lambda: gelu_bwd(_X, [1.0]), "gelu_bwd's dy must be a float32 or float64 array, got list"),
+], ids=["ln-w", "ln-b", "rms-w", "swiglu-up", "ln-int", "rms-int", "gelu-int", "gelu-f16", "swiglu-int", "swiglu-mix",
+        "ln-bwd-dy", "ln-bwd-w", "rms-bwd-rstd", "rms-bwd-mix", "swiglu-bwd-up", "gelu-bwd-x", "gelu-bwd-list"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "numpy"])
 def test_a_layer_given_a_wrong_operand_is_one_line_naming_it(call, message: str, kernels: bool) -> None:
     """The fused kernels read past the end of a shorter w, b or up and returned garbage (the

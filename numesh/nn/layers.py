@@ -138,7 +138,9 @@ def layernorm_fwd(p: LayerNorm, x: np.ndarray) -> tuple[np.ndarray, tuple[np.nda
 
 
 def layernorm_bwd(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, LayerNorm]:
-    """dx, and dw, db summed over tokens by fixed row tiles (`_tiled_token_sums`)."""
+    """dx, and dw, db summed over tokens by fixed row tiles (`_tiled_token_sums`). A
+    ValueError line for a dy or context that does not match (`_check_bwd`)."""
+    _check_bwd("layernorm_bwd", dy, {"xhat": (ctx[0], None), "rstd": (ctx[1], 1)}, p.w)
     if not K.enabled():
         return layernorm_bwd_reference(p, ctx, dy)
     xhat, rstd = ctx
@@ -164,6 +166,26 @@ def _check_norm(name: str, w: np.ndarray, b: np.ndarray | None, x: np.ndarray) -
     K.check_shape(f"{name}'s w", w, want, f"x {x.shape}")
     if b is not None:
         K.check_shape(f"{name}'s b", b, want, f"x {x.shape}")
+
+
+def _check_bwd(name: str, dy: np.ndarray, saved: dict[str, tuple[np.ndarray, int | None]],
+               w: np.ndarray | None) -> None:
+    """A backward's entry checks, as the forward's: dy a float array, each saved array
+    (name: (array, its last dim, None for dy's)) float, of dy's dtype and as many rows as
+    dy, and w [dy's last dim]; a kernel given a shorter one read past its end. Rows, not
+    shapes: callers may hand dy as [tokens, C] for a forward's [B, T, C]."""
+    K.check_float(f"{name}'s dy", dy)
+    c = dy.shape[-1] if dy.ndim else 1
+    rows = dy.size // c if c else 0
+    for what, (a, last) in saved.items():
+        last = c if last is None else last
+        K.check_float(f"{name}'s {what}", a)
+        if a.dtype != dy.dtype:
+            raise ValueError(f"{name}'s {what} is {a.dtype} but dy {dy.dtype}: give both one dtype")
+        if a.size != rows * last or (a.ndim and a.shape[-1] != last):
+            raise ValueError(f"{name}'s {what} is {a.shape} but dy {dy.shape} makes it {rows} rows of {last}")
+    if w is not None:
+        K.check_shape(f"{name}'s w", w, dy.shape[-1:], f"dy {dy.shape}")
 
 
 def _tiled_token_sums(tile: Callable[[slice], Any], n: int, c: int, dtype: Any) -> Any:
@@ -229,7 +251,9 @@ def rmsnorm_fwd(p: RMSNorm, x: np.ndarray, eps: float) -> tuple[np.ndarray, tupl
 
 def rmsnorm_bwd(p: RMSNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, RMSNorm]:
     """dx = rstd * (dxhat - xhat * mean(dxhat * xhat)) with dxhat = dy * w; dw sums dy * xhat
-    over tokens by fixed row tiles (`_tiled_token_sums`)."""
+    over tokens by fixed row tiles (`_tiled_token_sums`). A ValueError line for a dy or
+    context that does not match (`_check_bwd`)."""
+    _check_bwd("rmsnorm_bwd", dy, {"xhat": (ctx[0], None), "rstd": (ctx[1], 1)}, p.w)
     if not K.enabled():
         return rmsnorm_bwd_reference(p, ctx, dy)
     xhat, rstd = (np.ascontiguousarray(a) for a in ctx)
@@ -285,7 +309,9 @@ def swiglu_fwd(gate: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, tuple[np.n
 
 def swiglu_bwd(ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(d gate, d up): silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g) again; one kernel
-    pass, rows over the threads."""
+    pass, rows over the threads. A ValueError line for a dy or context that does not match
+    (`_check_bwd`)."""
+    _check_bwd("swiglu_bwd", dy, {"gate": (ctx[0], None), "up": (ctx[1], None)}, None)
     if not K.enabled():
         return swiglu_bwd_reference(ctx, dy)
     gate, up = (np.ascontiguousarray(a) for a in ctx)
@@ -331,7 +357,9 @@ def gelu_fwd(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def gelu_bwd(x: np.ndarray, dy: np.ndarray) -> np.ndarray:
-    """dx of GELU at x (its forward's context) for the output gradient dy."""
+    """dx of GELU at x (its forward's context) for the output gradient dy. A ValueError line
+    for an x that does not match dy (`_check_bwd`)."""
+    _check_bwd("gelu_bwd", dy, {"x": (x, None)}, None)
     if not K.enabled():
         return gelu_bwd_reference(x, dy)
     dy = np.ascontiguousarray(dy)
