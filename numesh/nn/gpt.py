@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from numesh.base.errors import ConfigError, check_scalar
+from numesh.base.errors import ConfigError, check_scalar, field_type
 from numesh.base.padding import padded_vocab
 from numesh.base.tree import tree_map, tree_map_with_path
 from numesh.host.kernels import float_dtype
@@ -49,7 +49,6 @@ def swiglu_hidden(n_embd: int) -> int:
     return -(-(8 * n_embd // 3) // 32) * 32
 
 
-_TYPES = {"int": int, "float": float, "bool": bool, "str": str}  # GPTConfig's annotations, strings here
 
 
 @attrs.frozen
@@ -171,7 +170,7 @@ class GPTConfig:
         integer, no bool; a float is finite; a bool is True or False), and `tp` an integer
         >= 1: checked first, so that a range or divisibility check below names the right field."""
         for f in attrs.fields(GPTConfig):
-            check_scalar(f.name, getattr(self, f.name), _TYPES[f.type])
+            check_scalar(f.name, getattr(self, f.name), field_type(f))
         if check_scalar("tp", tp, int) < 1:
             raise ConfigError(f"tp must be >= 1, got {tp}")
 

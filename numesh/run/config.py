@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from numesh.base.errors import ConfigError, check_finite, option_value
+from numesh.base.errors import ConfigError, check_finite, field_type, option_value
 from numesh.base.files import read_user_file
 from numesh.base.flags import flag, flag_value
 from numesh.checkpoint.format import LATEST, RUN_CKPT
@@ -38,7 +38,6 @@ LAYOUT_OPTIONS = ("mesh", "zero", "schedule", "micro_batches", "virtual_stages",
 # options that change neither a step nor what metrics.jsonl logs of it: how the job runs and keeps its checkpoints
 NOT_SETTINGS = (*LAYOUT_OPTIONS, "bucket_mb", "overlap", "resume", "overwrite", "ckpt_interval", "keep", "ckpt_async",
                 "save_on_signal", "collective_timeout", "trace")
-_PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
 def _field(default: Any, help: str) -> Any:
@@ -192,13 +191,6 @@ def setting_differences(recorded: dict[str, Any], cfg: TrainConfig) -> list[str]
     now = attrs.asdict(cfg)
     return [f"{flag_value(k, now[k])} (it ran with {flag_value(k, v)})" for k, v in recorded.items()
             if k in now and k not in NOT_SETTINGS and v != now[k]]
-
-
-def field_type(field: attrs.Attribute) -> type:
-    """The Python type of a `TrainConfig` field (its annotation is a string here, under
-    `from __future__ import annotations`): what `config_from` checks values against and the
-    CLI types its option with."""
-    return _PY_TYPES[field.type] if isinstance(field.type, str) else field.type
 
 
 def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None,
