@@ -774,6 +774,21 @@ def test_an_out_that_is_the_current_directory_is_one_line(tmp_path: Path, monkey
     assert "is a file" in one_error_line(cli("data", "char", "--src", "in.txt", "--out", "afile"))
 
 
+def test_an_out_under_a_file_or_through_a_symlink_loop_is_one_line(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file where a parent of --out should be said "File exists" (the mkdir beside it); a
+    symlink loop was a RuntimeError traceback (Path.resolve on Python 3.11)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.txt").write_text(SYNTH, encoding="utf-8")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "loop-a").symlink_to("loop-b")
+    (tmp_path / "loop-b").symlink_to("loop-a")
+    for cmd in (["data", "char", "--src", "in.txt"], ["data", "bpe", "--src", "in.txt", "--vocab-size", "300"]):
+        assert "--out afile/sub: afile is a file, not a directory" in one_error_line(cli(*cmd, "--out", "afile/sub"))
+        assert "cannot resolve --out loop-a (a symlink loop)" in one_error_line(cli(*cmd, "--out", "loop-a"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "in.txt", "loop-a", "loop-b"]
+
+
 def test_a_dataset_replaced_while_open_is_read_as_it_was_opened(dataset: Path) -> None:
     """A run reads the files it opened: a rewrite renamed into place meanwhile changes
     nothing under it (and its checkpoints keep the tokenizer it trained with)."""
