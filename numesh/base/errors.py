@@ -122,13 +122,14 @@ def option_value(name: str, value: Any, want: type) -> Any:
 
 
 _KINDS = {int: "an integer", float: "a finite number", bool: "True or False", str: "a string"}
+_BY_NAME = {t.__name__: t for t in _KINDS}
 
 
 def field_type(field: Any) -> type:
     """The Python type of an attrs config field (its annotation is a string under `from
     __future__ import annotations`: "int", "float", "bool" or "str"): what `check_scalar`
     checks it against."""
-    return {t.__name__: t for t in _KINDS}[field.type] if isinstance(field.type, str) else field.type
+    return _BY_NAME[field.type] if isinstance(field.type, str) else field.type
 
 
 def check_scalar(name: str, value: Any, want: type, error: type[UserError] = ConfigError) -> Any:
