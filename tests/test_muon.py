@@ -401,3 +401,23 @@ def test_muon_steps_are_the_same_bits_on_any_thread_count(with_threads, dtype) -
     for other in got[1:]:
         for a, b in zip(got[0], other):
             np.testing.assert_array_equal(a, b)
+
+
+def test_muon_lr_is_relative_to_the_default_learning_rate_when_none_is_given() -> None:
+    """Without learning_rate, muon_lr was divided by 1.0: Muon's rate 1000 times too small."""
+    from numesh.optim import make_optimizer
+
+    alone = make_optimizer("muon", {"muon_lr": 0.02}).config.lr_ratio
+    assert alone == make_optimizer("muon", {"muon_lr": 0.02, "learning_rate": 1e-3}).config.lr_ratio == 20.0
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"muon_lr": 1e308}, r"--muon-lr 1e\+308 over --learning-rate 0.001 is inf"),  # was "lr_ratio must be ..."
+    ({"muon_lr": 0.2, "weight_decay": 10.0}, "--weight-decay 10 times --muon-lr 0.2 is 2, not below 1"),
+    ({"weight_decay": 2000.0}, "--weight-decay 2000 times --learning-rate 0.001 is 2, not below 1"),
+])
+def test_muon_refuses_rates_that_overflow_or_decay_past_zero(options: dict, message: str) -> None:
+    from numesh.optim import make_optimizer
+
+    with pytest.raises(ConfigError, match=message):
+        make_optimizer("muon", options)

@@ -187,3 +187,12 @@ def test_cosine_lr_refuses_a_step_before_the_first() -> None:
     """A negative step put the warmup's line below zero: a negative learning rate."""
     with pytest.raises(ConfigError, match="starts at step 0, got step -5"):
         cosine_lr(-5, 1e-3, 1e-4, 10, 100)
+
+
+def test_adamw_refuses_a_decay_that_flips_the_weights() -> None:
+    """lr·wd >= 1 made W·(1 - lr·wd) zero or negative each step: the run finished with loss 51,934."""
+    from numesh.optim import make_optimizer
+
+    with pytest.raises(ConfigError, match="--weight-decay 1e\\+06 times --learning-rate 0.001 is 1000, not below 1"):
+        make_optimizer("adamw", {"weight_decay": 1e6})
+    make_optimizer("adamw", {"weight_decay": 999.0})  # 0.999: a strong decay, still a decay

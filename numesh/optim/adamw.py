@@ -23,6 +23,7 @@ from numesh.base.tree import Tree, flatten, tree_map_with_path
 from numesh.host import kernels as K
 from numesh.host.threads import over_rows
 from numesh.optim.interface import Elementwise, Leaf, Optimizer
+from numesh.optim.lr import DEFAULT_LEARNING_RATE, check_decay
 
 
 @attrs.frozen
@@ -193,10 +194,12 @@ def check_adamw(cfg: AdamWConfig) -> None:
 
 def adamw_config(options: Mapping[str, Any]) -> AdamWConfig:
     """AdamW's constants from a run's options (`TrainConfig` fields: beta1, beta2,
-    weight_decay; defaults where absent), checked."""
+    weight_decay; defaults where absent), checked, the decay against learning_rate too."""
     d = AdamWConfig()
-    return AdamWConfig(float(options.get("beta1", d.beta1)), float(options.get("beta2", d.beta2)), d.eps,
-                       float(options.get("weight_decay", d.weight_decay)))
+    cfg = AdamWConfig(float(options.get("beta1", d.beta1)), float(options.get("beta2", d.beta2)), d.eps,
+                      float(options.get("weight_decay", d.weight_decay)))
+    check_decay(float(options.get("learning_rate", DEFAULT_LEARNING_RATE)), cfg.weight_decay)
+    return cfg
 
 
 def adamw_rule(cfg: AdamWConfig, lr_ratio: float = 1.0) -> Elementwise:

@@ -7,6 +7,16 @@ import math
 
 from numesh.base.errors import ConfigError
 
+DEFAULT_LEARNING_RATE = 1e-3  # --learning-rate's default: an optimiser given no learning_rate assumes it
+
+
+def check_decay(lr: float, weight_decay: float, lr_flag: str = "--learning-rate") -> None:
+    """One-line ConfigError where decoupled weight decay at the peak rate, W·(1 − lr·wd),
+    would zero or flip the sign of every weight at each step (the run "trained" on)."""
+    if lr * weight_decay >= 1.0:
+        raise ConfigError(f"--weight-decay {weight_decay:g} times {lr_flag} {lr:g} is {lr * weight_decay:g}, not "
+                          f"below 1: the decay W·(1 - lr·wd) would zero or flip every weight each step; lower either")
+
 
 def cosine_lr(step: int, lr: float, min_lr: float, warmup_iters: int, decay_iters: int) -> float:
     """Linear warmup to `lr`, cosine decay to `min_lr` at `decay_iters`, then constant (nanoGPT's)."""

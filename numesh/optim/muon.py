@@ -41,6 +41,7 @@ from numesh.host.threads import matmul
 from numesh.optim.adamw import OPTIONS as ADAMW_OPTIONS
 from numesh.optim.adamw import AdamWConfig, adamw_config, adamw_rule
 from numesh.optim.interface import Leaf, MatrixRule, Optimizer
+from numesh.optim.lr import DEFAULT_LEARNING_RATE, check_decay
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 ADJUST_LR = ("original", "match_rms_adamw")
@@ -113,18 +114,25 @@ def muon_config(options: Mapping[str, Any]) -> MuonConfig:
     learning_rate, and AdamW's; defaults where absent), checked (`make_optimizer` has
     checked their types)."""
     d = MuonConfig()
-    lr, muon_lr = float(options.get("learning_rate", 1.0)), float(options.get("muon_lr", 0.0))
+    # learning_rate absent is its default, as the run's: muon_lr is relative to it (it divided by 1.0)
+    lr, muon_lr = float(options.get("learning_rate", DEFAULT_LEARNING_RATE)), float(options.get("muon_lr", 0.0))
     if muon_lr < 0:
         raise ConfigError(f"muon_lr must be >= 0 (0 = --learning-rate), got {muon_lr}")
     if muon_lr > 0 and not lr > 0:
         raise ConfigError(f"learning_rate must be > 0, got {lr}")
+    ratio = muon_lr / lr if muon_lr > 0 else 1.0
+    if not 0 < ratio < math.inf:  # else "lr_ratio must be a finite number", an option nobody passed
+        raise ConfigError(f"--muon-lr {muon_lr:g} over --learning-rate {lr:g} is {ratio:g}: give two rates whose "
+                          "ratio is a finite number above 0")
+    weight_decay = float(options.get("weight_decay", d.weight_decay))
+    check_decay(lr * ratio, weight_decay, "--muon-lr" if muon_lr > 0 else "--learning-rate")
     return MuonConfig(
         momentum=float(options.get("muon_momentum", d.momentum)),
         nesterov=bool(options.get("muon_nesterov", d.nesterov)),
         ns_steps=options.get("muon_ns_steps", d.ns_steps),
         adjust_lr=str(options.get("muon_adjust_lr", d.adjust_lr)),
-        weight_decay=float(options.get("weight_decay", d.weight_decay)),
-        lr_ratio=muon_lr / lr if muon_lr > 0 else 1.0,
+        weight_decay=weight_decay,
+        lr_ratio=ratio,
         adamw=adamw_config(options),
     )
 

@@ -26,6 +26,7 @@ from numesh.mesh import parse_mesh
 from numesh.nn.gpt import ARCHS, GPTConfig
 from numesh.nn.walk import check_recompute
 from numesh.observe.inject import faults_from_env
+from numesh.optim.lr import DEFAULT_LEARNING_RATE
 from numesh.optim.registry import applies_to, run_optimizer
 from numesh.pipeline.schedules import check_shape
 from numesh.pipeline.stages import StageLayout
@@ -94,7 +95,7 @@ class TrainConfig:
     micro_batches: int = _field(1, "gradient-accumulation micro-batches per dp rank and step")
     max_iters: int = _field(2000, "optimiser steps (0: evaluate the starting weights, e.g. --init-from's, and "
                                    "save them as a checkpoint)")
-    learning_rate: float = _field(1e-3, "peak learning rate")
+    learning_rate: float = _field(DEFAULT_LEARNING_RATE, "peak learning rate")
     min_lr: float = _field(1e-4, "learning rate at the end of the cosine decay; where not given and "
                                  "--learning-rate is lower, --learning-rate (no decay)")
     warmup_iters: int = _field(100, "linear warmup steps")
