@@ -105,6 +105,6 @@ def test_run_dir_refusals_and_divergence_are_the_same_error_on_every_rank(shared
     with pytest.raises(ConfigError, match="already holds a run"):
         train(cfg, WORLD)
     bad = small_run_config(shared_dataset, out, f"dp={n}", max_iters=50, learning_rate=1e200, grad_clip=0.0,
-                           overwrite=True)
+                           weight_decay=0.0, overwrite=True)
     with pytest.raises(ConfigError, match="training diverged at step"):
         train(bad, WORLD)

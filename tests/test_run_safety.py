@@ -33,8 +33,9 @@ def strict_lines(path: Path) -> list[dict]:
 
 def test_divergence_stops_with_one_line_and_keeps_the_good_checkpoint(char_dataset: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    res, errors = run(char_dataset, out, "--learning-rate", "1e4", "--max-iters", "300", "--ckpt-interval", "2",
-                      "--keep", "1")
+    # Adam moves each weight by about the rate a step: at 1e7 float32 overflows within a few steps
+    res, errors = run(char_dataset, out, "--learning-rate", "1e7", "--weight-decay", "0", "--max-iters", "300",
+                      "--ckpt-interval", "2", "--keep", "1")
     assert res.exit_code == 2, res.output
     assert len(errors) == 1 and "training diverged at step" in errors[0], res.stderr
     assert "RuntimeWarning" not in res.stderr
@@ -60,8 +61,8 @@ def test_divergence_stops_with_one_line_and_keeps_the_good_checkpoint(char_datas
 
 
 def test_on_nan_skip_counts_skips_and_stops_after_the_limit(char_dataset: Path, tmp_path: Path) -> None:
-    res, errors = run(char_dataset, tmp_path / "run", "--learning-rate", "1e4", "--max-iters", "300",
-                      "--on-nan", "skip", "--max-skips", "3")
+    res, errors = run(char_dataset, tmp_path / "run", "--learning-rate", "1e7", "--weight-decay", "0",
+                      "--max-iters", "300", "--on-nan", "skip", "--max-skips", "3")
     assert res.exit_code == 2, res.output
     assert len(errors) == 1 and "4 steps skipped, over --max-skips" in errors[0]
     assert "last good checkpoint: none" in errors[0]
@@ -87,7 +88,8 @@ def test_a_run_that_stopped_before_its_first_checkpoint_is_not_told_to_resume(ch
     """A run that died before any save leaves config.json and metrics.jsonl but no
     ckpt/latest: the next run was told to pass --resume OUT/ckpt/latest, which does not exist."""
     out = tmp_path / "run"
-    res, _ = run(char_dataset, out, "--learning-rate", "1e4", "--max-iters", "300")  # diverges, saves nothing
+    # diverges, saves nothing
+    res, _ = run(char_dataset, out, "--learning-rate", "1e7", "--weight-decay", "0", "--max-iters", "300")
     assert res.exit_code == 2 and not (out / "ckpt" / "latest").exists() and (out / "metrics.jsonl").exists()
     res, errors = run(char_dataset, out, "--max-iters", "4")
     assert res.exit_code == 2 and len(errors) == 1, res.output
@@ -213,3 +215,33 @@ def test_resuming_another_runs_checkpoint_into_a_run_directory_needs_overwrite(c
     res, _ = run(char_dataset, b, "--max-iters", "5", "--resume", str(b / "ckpt" / "latest"), "--overwrite")
     assert res.exit_code == 0, res.output
     assert [r["step"] for r in strict_lines(b / "metrics.jsonl") if "loss" in r] == [2, 3, 4]
+
+
+def test_checkpoints_that_cannot_be_written_are_found_before_training(char_dataset: Path, tmp_path: Path) -> None:
+    """OUT/ckpt linked to a disk that is not there trained every step, then failed at the
+    first save ("File exists"): now one line before step 0, nothing logged."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "ckpt").symlink_to(tmp_path / "not-mounted")
+    res, errors = run(char_dataset, out, "--max-iters", "2")
+    assert res.exit_code == 2 and len(errors) == 1, res.output
+    assert f"{out / 'ckpt'} links to {tmp_path / 'not-mounted'}, which does not exist" in errors[0]
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_a_linked_empty_checkpoint_directory_is_used_and_overwritten_in_place(char_dataset: Path,
+                                                                            tmp_path: Path) -> None:
+    """OUT/ckpt linked to an empty directory (checkpoints on another disk) was "already holds
+    a run", and --overwrite then failed in shutil ("Cannot call rmtree on a symbolic link")."""
+    out, disk = tmp_path / "run", tmp_path / "disk"
+    out.mkdir()
+    disk.mkdir()
+    (out / "ckpt").symlink_to(disk)
+    res, _ = run(char_dataset, out, "--max-iters", "2")
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in disk.iterdir()) == ["latest", "step_000002"]
+    (disk / "notes.txt").write_text("mine")
+    res, _ = run(char_dataset, out, "--max-iters", "3", "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert (out / "ckpt").is_symlink() and sorted(p.name for p in disk.iterdir()) == ["latest", "notes.txt",
+                                                                                      "step_000003"]

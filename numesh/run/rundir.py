@@ -98,6 +98,51 @@ def _sees(out: Path, name: str, private: bool, tries: int = 5, pause_s: float = 
 Differences = Callable[[dict[str, Any]], list[str]]
 
 
+def _empty_dir(path: Path) -> bool:
+    """Whether `path` is an empty directory (or a link to one): OUT/ckpt made ready for a
+    run, say on another disk, holds no run yet."""
+    try:
+        return path.is_dir() and not any(path.iterdir())
+    except OSError:
+        return False
+
+
+def _remove(path: Path) -> None:
+    """--overwrite's removal of one of a run's files or directories. OUT/ckpt linked to
+    another disk keeps its link, and loses what a run writes there: step directories,
+    `latest` and unfinished saves (nothing else, in case the link names a shared place)."""
+    if path.is_symlink() and path.is_dir():
+        for entry in path.iterdir():
+            if entry.name == LATEST or entry.name.startswith(("step_", ".tmp-")):
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    elif path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _probe_checkpoints(ckpt: Path) -> Path:
+    """OUT/ckpt (or where it links to) written to once, a file created and removed (and
+    the directory too, if it made it), before the first step: a run whose checkpoints
+    cannot be written found out at its first save, after all its steps. A ConfigError
+    naming why, a dangling link apart (it said "File exists")."""
+    if ckpt.is_symlink() and not ckpt.exists():
+        raise ConfigError(f"{ckpt} links to {os.readlink(ckpt)}, which does not exist: mount or make it, or remove "
+                          "the link, before training")
+    try:
+        made = not ckpt.exists()
+        ckpt.mkdir(exist_ok=True)
+        probe = ckpt / f"{PROBE_PREFIX}{secrets.token_hex(8)}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        if made:  # a run that saves nothing leaves no OUT/ckpt
+            ckpt.rmdir()
+    except OSError as e:
+        raise ConfigError(f"cannot write checkpoints under {ckpt}: {os_reason(e)}: make it writable or choose "
+                          "another --out") from None
+    return ckpt
+
+
 class RunDir:
     """OUT of one run: locked for the run's life (an flock, so a killed run leaves no stale
     lock), refused if it already holds a run unless resuming or told to overwrite, checked
@@ -123,7 +168,7 @@ class RunDir:
     def _open(self, resume: str | Path | None, overwrite: bool, ckpt_bytes: int, config: dict[str, Any]) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         self._take_lock()
-        existing = [n for n in (*RUN_FILES, RUN_CKPT) if (self.out / n).exists()]
+        existing = [n for n in (*RUN_FILES, RUN_CKPT) if (self.out / n).exists() and not _empty_dir(self.out / n)]
         own = bool(resume) and _is_within(Path(resume), self.out / RUN_CKPT)  # continuing this run
         if existing and resume and not own and not overwrite:
             raise ConfigError(
@@ -136,8 +181,9 @@ class RunDir:
             self._check_redo()
         if overwrite and not own:  # never the checkpoint being resumed from
             for name in existing:
-                shutil.rmtree(self.out / name) if (self.out / name).is_dir() else (self.out / name).unlink()
-        free = shutil.disk_usage(self.out).free
+                _remove(self.out / name)
+        ckpt = _probe_checkpoints(self.out / RUN_CKPT)
+        free = shutil.disk_usage(ckpt if ckpt.exists() else self.out).free
         if free < ckpt_bytes:
             raise ConfigError(
                 f"--out {self.out} has {free / 2**20:.1f} MiB free but a checkpoint of this model needs "
