@@ -209,6 +209,18 @@ def test_start_up_lines_name_each_rules_leaves() -> None:
     assert lines.index("  muon: 8 leaves") > lines.index("    wte [11, 8]")
 
 
+def test_start_up_lines_give_each_shape_its_own_row() -> None:
+    """With --moe-every 2 the dense block's MLP was listed under the expert block's shape
+    and matrix count (the first block's, for all)."""
+    cfg = tiny_config(moe_experts=2, moe_every=2)
+    shapes = dict(tree_leaves_with_path(gpt_global_shapes(cfg)))
+    specs = dict(tree_leaves_with_path(gpt_specs(cfg)))
+    lines = describe(muon_opt(), {p: Leaf(p, shapes[p], specs[p]) for p in shapes})
+    assert "    blocks.*.mlp.fc.w [2, 8, 32]: 2 matrices [8, 32]" in lines
+    assert "    blocks.*.mlp.fc.w [8, 32]: 1 matrix [8, 32]" in lines
+    assert "    blocks.*.attn.qkv.w [8, 3, 8] x2: 3 matrices [8, 8]" in lines
+
+
 # ---------------------------------------------------------------------------------------
 # ZeroOptimizer
 
