@@ -89,7 +89,9 @@ _F4 = np.ones(4, np.float32)
     (dict(p=np.ones((2, 2), np.float32), g=np.ones((2, 2), np.float32), m=np.zeros((2, 2), np.float32)),
      r"adamw_step's params must be a flat \(1-D\) buffer, got shape \(2, 2\)"),  # a numba TypingError
     (dict(p=np.ones(4, int)), "adamw_step's params must be a float32 or float64 array, got int64"),
-], ids=["grads", "decay", "m", "scratch", "no-decay", "2d", "int"])
+    (dict(p=np.frombuffer(bytes(16), np.float32)), r"adamw_step's params is read-only: pass a writeable copy"),
+    (dict(m=np.frombuffer(bytes(16), np.float32)), r"adamw_step's state.m is read-only"),  # numba typing errors
+], ids=["grads", "decay", "m", "scratch", "no-decay", "2d", "int", "read-only", "read-only-m"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "numpy"])
 def test_adamw_step_given_buffers_that_do_not_match_is_one_line(change: dict, message: str, kernels: bool) -> None:
     """The fused pass read past the end of a shorter gradient (or moment, or mask) and moved
