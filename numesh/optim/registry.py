@@ -31,8 +31,8 @@ def make_optimizer(name: str, options: Mapping[str, Any] | None = None) -> Optim
     ones at their defaults); one-line ConfigError for an unknown name, a key it does not
     read, a value of another type or not finite (the check of `numesh train`'s options), or
     one out of range."""
-    if name not in OPTIMIZERS:
-        raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got '{name}'")
+    if not isinstance(name, str) or name not in OPTIMIZERS:  # a list was a TypeError (unhashable)
+        raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
     known = OPTIONS[name]
     for key in options or {}:
         if key not in known:
