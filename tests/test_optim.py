@@ -185,6 +185,16 @@ def test_clip_scale() -> None:
     assert clip_scale(1e6, 2.0) * 1e6 == pytest.approx(2.0, rel=1e-9)
 
 
+@pytest.mark.parametrize("norm, max_norm, message", [
+    (float("nan"), 1.0, "clip_scale's norm must be a finite number, got nan"),  # was a NaN factor
+    (5.0, -1.0, r"clip_scale's max_norm must be >= 0 \(0 = no clipping\), got -1.0"),  # was "off"
+    ("5", 1.0, "clip_scale's norm must be a finite number, got '5'"),  # was a TypeError
+])
+def test_clip_scale_refuses_what_it_cannot_clip(norm, max_norm, message: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        clip_scale(norm, max_norm)
+
+
 def test_cosine_lr_refuses_a_step_before_the_first() -> None:
     """A negative step put the warmup's line below zero: a negative learning rate."""
     with pytest.raises(ConfigError, match="starts at step 0, got step -5"):
