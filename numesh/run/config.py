@@ -345,9 +345,10 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
     for split in SPLITS:
         n = len(load_split(cfg.data, split))
         if n <= cfg.block_size:
+            fix = ("use a --block-size below it, or a larger corpus" if n > 1
+                   else "too small for any --block-size: use a larger corpus")  # no --block-size is below 1
             raise ConfigError(f"block_size={cfg.block_size} needs a split of at least {cfg.block_size + 1} tokens "
-                              f"(inputs and their next-token targets), the {split} split has {n}: use a "
-                              "--block-size below it, or a larger corpus")
+                              f"(inputs and their next-token targets), the {split} split has {n}: {fix}")
     model = _check_layout(cfg, shape, run_vocab(cfg, tok.vocab_size))
     faults_from_env(n_ranks)  # NUMESH_INJECT: a bad spec is this one-line error on every rank
     return shape, model
