@@ -363,12 +363,13 @@ def run_vocab(cfg: TrainConfig, entries: int) -> int:
     return max(entries, start_vocab(cfg.init_from, resume) or 0)
 
 
-def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
-    """The checks of single options (no dataset, no layout); returns the mesh's axis sizes."""
+def check_options(cfg: TrainConfig, n_ranks: int, mesh_origin: str = "") -> dict[str, int]:
+    """The checks of single options (no dataset, no layout); returns the mesh's axis sizes.
+    `mesh_origin`: " (in FILE)" where --mesh came from a --config file (`parse_mesh`)."""
     _check_types(cfg)
     _check_values(cfg)
     # --mesh auto: the layout is chosen once the dataset is there (numesh.plan.auto); until then dp over every rank
-    shape = parse_mesh("dp=-1" if cfg.mesh.strip() == MESH_AUTO else cfg.mesh, n_ranks)
+    shape = parse_mesh("dp=-1" if cfg.mesh.strip() == MESH_AUTO else cfg.mesh, n_ranks, mesh_origin)
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
     if cfg.max_iters < 0:  # 0: evaluate the starting weights and save them, no step (a --init-from's conversion)
