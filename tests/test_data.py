@@ -125,9 +125,16 @@ def test_prepare_real_corpus(tmp_path: Path) -> None:
     assert summary["train_tokens"] == 1_003_854 and summary["val_tokens"] == 111_540
 
 
-def test_prepare_too_short_text(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="too short"):
-        prepare_char_dataset("a", tmp_path / "x")
+@pytest.mark.parametrize("text, splits", [("a", "train 0, val 1"), ("abc", "train 2, val 1"),
+                                          ("\n\n", "train 1, val 1"), ("abcdefghij", "train 9, val 1")])
+def test_prepare_too_short_text(tmp_path: Path, text: str, splits: str) -> None:
+    """A split under 2 tokens (an input and its target) is one no run can use: all but "a"
+    were written."""
+    with pytest.raises(DataError, match=f"^text of {len(text)} characters is too short to split 90/10 into splits of "
+                                        f"2 tokens or more \\({splits}\\): use a longer text$"):
+        prepare_char_dataset(text, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    assert prepare_char_dataset("abcdefghijk", tmp_path / "y")["val_tokens"] == 2  # 11 characters: the fewest
 
 
 def test_missing_dataset_hint(tmp_path: Path) -> None:
@@ -251,6 +258,8 @@ def test_batch_offsets_block_too_large() -> None:
     with pytest.raises(DataError, match="block_size 100 needs a split of at least 101 tokens, this one has 64"):
         batch_offsets(train_key(0, 0), 64, 4, 100)
     batch_offsets(train_key(0, 0), 65, 4, 64)  # one valid offset: fine
+    with pytest.raises(DataError, match="this one has 1: too small for any --block-size: use a larger corpus$"):
+        batch_offsets(train_key(0, 0), 1, 4, 1)  # was told to use a --block-size below 1
 
 
 def test_read_rows_shift(dataset: Path) -> None:

@@ -90,6 +90,12 @@ def test_parse_mesh_errors(spec: object, n: int, match: str) -> None:
         parse_mesh(spec, n)
 
 
+def test_a_mesh_from_a_file_names_it_and_asks_for_mesh_over_it() -> None:
+    with pytest.raises(MeshError, match=r"^mesh pp=1,dp=2,ep=1,cp=1,tp=1 \(in r.toml\) needs 2 ranks but the job has "
+                                        r"1: run with mpirun -n 2 or pass --mesh$"):
+        parse_mesh("dp=2", 1, " (in r.toml)")
+
+
 @pytest.mark.parametrize("size", ["2", 2.0, True, None])
 def test_mesh_sizes_must_be_ints_not_strings_floats_or_bools(size: object) -> None:
     with pytest.raises(MeshError, match=r"sizes must be positive ints"):

@@ -209,6 +209,18 @@ def test_start_up_lines_name_each_rules_leaves() -> None:
     assert lines.index("  muon: 8 leaves") > lines.index("    wte [11, 8]")
 
 
+def test_start_up_lines_give_each_shape_its_own_row() -> None:
+    """With --moe-every 2 the dense block's MLP was listed under the expert block's shape
+    and matrix count (the first block's, for all)."""
+    cfg = tiny_config(moe_experts=2, moe_every=2)
+    shapes = dict(tree_leaves_with_path(gpt_global_shapes(cfg)))
+    specs = dict(tree_leaves_with_path(gpt_specs(cfg)))
+    lines = describe(muon_opt(), {p: Leaf(p, shapes[p], specs[p]) for p in shapes})
+    assert "    blocks.*.mlp.fc.w [2, 8, 32]: 2 matrices [8, 32]" in lines
+    assert "    blocks.*.mlp.fc.w [8, 32]: 1 matrix [8, 32]" in lines
+    assert "    blocks.*.attn.qkv.w [8, 3, 8] x2: 3 matrices [8, 8]" in lines
+
+
 # ---------------------------------------------------------------------------------------
 # ZeroOptimizer
 
@@ -326,6 +338,7 @@ def test_bad_optimizer_options_are_one_error_line(char_dataset: Path, tmp_path: 
     ("muon", {"muon_lr": 1e-3, "learning_rate": 0.0}, "learning_rate must be > 0, got 0.0"),  # was a ZeroDivisionError
     ("adamw", {"learning_rate": -1.0}, "learning_rate must be > 0, got -1.0"),  # was accepted, as a run's is not
     ("muon", {"learning_rate": 0.0}, "learning_rate must be > 0, got 0.0"),
+    (["adamw"], {}, "--optimizer must be one of adamw, muon, got ['adamw']"),  # was a TypeError: unhashable
 ])
 def test_the_library_checks_optimizer_options_as_the_cli_does(name: str, options: dict, message: str) -> None:
     """make_optimizer promised a one-line ConfigError for a bad value, but ignored a
@@ -347,10 +360,25 @@ def test_the_library_checks_optimizer_options_as_the_cli_does(name: str, options
                                                     "(1.0, 2.0)"),
     (lambda: MuonConfig(momentum="0.9"), "muon_momentum must be a finite number, got '0.9'"),  # were TypeErrors
     (lambda: AdamWConfig(beta1="0.9"), "beta1 must be a finite number, got '0.9'"),
+    (lambda: MuonConfig(adamw=None), "MuonConfig's adamw must be an AdamWConfig (AdamWConfig(beta1=...)), got None"),
+    (lambda: MuonConfig(adamw={"beta1": 0.9}), "MuonConfig's adamw must be an AdamWConfig (AdamWConfig(beta1=...)), "
+                                              "got {'beta1': 0.9}"),  # were accepted
 ])
 def test_optimizer_configs_built_by_hand_are_checked(make, message: str) -> None:
     with pytest.raises(ConfigError) as e:
         make()
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: orthogonalise(np.ones((3, 4)), None), "orthogonalise's cfg must be a MuonConfig (or left out), got None"),
+    (lambda: lr_factor(3, 4, "bogus"), "lr_factor's adjust_lr must be one of original, match_rms_adamw, got 'bogus'"),
+    (lambda: lr_factor(0, 4, "original"), "lr_factor's fan_in and fan_out must be >= 1, got 0 and 4"),
+], ids=["no-cfg", "unknown-adjust", "empty"])
+def test_muon_helpers_given_wrong_arguments_are_one_line(call, message: str) -> None:
+    """Were an AttributeError, a silent "match_rms_adamw" and a ZeroDivisionError."""
+    with pytest.raises(ValueError) as e:
+        call()
     assert str(e.value) == message
 
 

@@ -200,6 +200,19 @@ def test_a_nan_in_the_toml_config_is_one_line_too(char_dataset: Path, tmp_path: 
     assert not (tmp_path / "o").exists()
 
 
+def test_a_recipes_mesh_for_other_ranks_names_the_file(char_dataset: Path, tmp_path: Path) -> None:
+    """Was "... or change --mesh", an option the user never passed; --mesh on the command line
+    is still told to change it."""
+    toml = tmp_path / "run.toml"
+    toml.write_text('mesh = "dp=2,tp=2"\n')
+    run = ["train", "--config", str(toml), "--data", str(char_dataset), "--out", str(tmp_path / "o")]
+    assert one_error_line(cli(*run)) == (f"error: mesh pp=1,dp=2,ep=1,cp=1,tp=2 (in {toml}) needs 4 ranks but the job "
+                                         f"has 1: run with mpirun -n 4 or pass --mesh")
+    assert one_error_line(cli(*run, "--mesh", "dp=2")).endswith("needs 2 ranks but the job has 1: run with mpirun "
+                                                                "-n 2 or change --mesh")
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("args, says", [
     (["--muon-momentum", "2"], "--muon-momentum applies to --optimizer muon, and this run's is adamw"),
     (["--optimizer", "adamw", "--muon-ns-steps", "-1"], "--muon-ns-steps applies to --optimizer muon"),

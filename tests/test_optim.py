@@ -89,7 +89,9 @@ _F4 = np.ones(4, np.float32)
     (dict(p=np.ones((2, 2), np.float32), g=np.ones((2, 2), np.float32), m=np.zeros((2, 2), np.float32)),
      r"adamw_step's params must be a flat \(1-D\) buffer, got shape \(2, 2\)"),  # a numba TypingError
     (dict(p=np.ones(4, int)), "adamw_step's params must be a float32 or float64 array, got int64"),
-], ids=["grads", "decay", "m", "scratch", "no-decay", "2d", "int"])
+    (dict(p=np.frombuffer(bytes(16), np.float32)), r"adamw_step's params is read-only: pass a writeable copy"),
+    (dict(m=np.frombuffer(bytes(16), np.float32)), r"adamw_step's state.m is read-only"),  # numba typing errors
+], ids=["grads", "decay", "m", "scratch", "no-decay", "2d", "int", "read-only", "read-only-m"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "numpy"])
 def test_adamw_step_given_buffers_that_do_not_match_is_one_line(change: dict, message: str, kernels: bool) -> None:
     """The fused pass read past the end of a shorter gradient (or moment, or mask) and moved
@@ -181,6 +183,16 @@ def test_clip_scale() -> None:
     assert s == pytest.approx(1.0 / (4.0 + 1e-6), rel=1e-15)
     assert 4.0 * s <= 1.0
     assert clip_scale(1e6, 2.0) * 1e6 == pytest.approx(2.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("norm, max_norm, message", [
+    (float("nan"), 1.0, "clip_scale's norm must be a finite number, got nan"),  # was a NaN factor
+    (5.0, -1.0, r"clip_scale's max_norm must be >= 0 \(0 = no clipping\), got -1.0"),  # was "off"
+    ("5", 1.0, "clip_scale's norm must be a finite number, got '5'"),  # was a TypeError
+])
+def test_clip_scale_refuses_what_it_cannot_clip(norm, max_norm, message: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        clip_scale(norm, max_norm)
 
 
 def test_cosine_lr_refuses_a_step_before_the_first() -> None:

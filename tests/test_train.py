@@ -246,6 +246,19 @@ def test_validate_errors(char_dataset: Path, tmp_path: Path, overrides: dict, n_
         validate(cfg, n_ranks)
 
 
+def test_validate_does_not_advise_a_block_size_below_one(char_dataset: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A val split of 1 token (`numesh data char` wrote them from a 3-character text) was
+    told "use a --block-size below it": below 1."""
+    import numesh.run.config as run_cfg
+
+    real = run_cfg.load_split
+    monkeypatch.setattr(run_cfg, "load_split", lambda d, s: real(d, s)[:1] if s == "val" else real(d, s))
+    with pytest.raises(ConfigError) as e:
+        validate(run_config(char_dataset, tmp_path / "out", block_size=1), 1)
+    assert str(e.value).endswith("the val split has 1: too small for any --block-size: use a larger corpus")
+
+
 def test_validate_missing_dataset(tmp_path: Path) -> None:
     cfg = run_config(tmp_path / "nothing", tmp_path / "out")
     with pytest.raises(DataError, match="no dataset"):

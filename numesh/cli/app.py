@@ -286,7 +286,9 @@ def train_cmd(**options: Any) -> None:
 
         configure_process()
         cfg = train_config(options)
-        check_options(cfg, MPI.COMM_WORLD.Get_size())  # before a download: bad options are one line at once
+        from_file = options.get("config") is not None and options.get("mesh") is None  # the recipe's mesh
+        # before a download: bad options are one line at once
+        check_options(cfg, MPI.COMM_WORLD.Get_size(), f" (in {options['config']})" if from_file else "")
         settle(parse_signals(cfg.save_on_signal))  # a --config file may name other signals than the command line
         # the default dataset is prepared on rank 0 if missing (download or offline fallback)
         ensure_run_dataset(cfg.data)

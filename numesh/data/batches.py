@@ -42,7 +42,7 @@ def batch_offsets(key: tuple[int, ...], n_tokens: int, batch_size: int, block_si
     if n_tokens <= block_size:
         raise DataError(
             f"block_size {block_size} needs a split of at least {block_size + 1} tokens, this one has {n_tokens}: "
-            "use a --block-size below it"
+            + ("use a --block-size below it" if n_tokens > 1 else "too small for any --block-size: use a larger corpus")
         )
     parts = [int(k) for k in key]
     if not parts or min(parts) < 0:

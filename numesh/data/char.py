@@ -250,8 +250,9 @@ def prepare_char_dataset(text: str, out_dir: str | Path, corpus: dict[str, Any] 
     ids = tok.encode(text)
     n_train = int(TRAIN_FRACTION * len(ids))
     train, val = ids[:n_train], ids[n_train:]
-    if len(train) == 0 or len(val) == 0:
-        raise DataError(f"text of {len(ids)} characters is too short to split 90/10: use a longer text")
+    if len(train) < 2 or len(val) < 2:  # a split trains or evaluates on a token and the next: 1 is unusable
+        raise DataError(f"text of {len(ids)} characters is too short to split 90/10 into splits of 2 tokens or "
+                        f"more (train {len(train)}, val {len(val)}): use a longer text")
     out = dw.target(Path(out_dir))
     meta = tok.to_meta() | {"train_tokens": int(len(train)), "val_tokens": int(len(val))}
     if corpus is not None:

@@ -63,9 +63,11 @@ def parse_axis_sizes(spec: str) -> dict[str, int]:
     return sizes
 
 
-def parse_mesh(spec: str | dict[str, int] | None, n_ranks: int) -> dict[str, int]:
+def parse_mesh(spec: str | dict[str, int] | None, n_ranks: int, origin: str = "") -> dict[str, int]:
     """Axis sizes from "dp=2,tp=2" (omitted axes are 1; one axis may be -1 = inferred).
-    No spec (None or ""): every rank on dp, as `mpirun -n 4 numesh train` means."""
+    No spec (None or ""): every rank on dp, as `mpirun -n 4 numesh train` means. `origin`
+    (" (in FILE)") names a --config file the spec came from, for a rank count that does not
+    fit: the user passes --mesh over it, there is no --mesh of theirs to change."""
     if spec is None or spec == "":
         sizes: dict[str, int] = {"dp": n_ranks}
     elif isinstance(spec, dict):
@@ -98,8 +100,8 @@ def parse_mesh(spec: str | dict[str, int] | None, n_ranks: int) -> dict[str, int
     if product != n_ranks:
         shown = ",".join(f"{a}={full[a]}" for a in AXES)
         raise MeshError(
-            f"mesh {shown} needs {product} ranks but the job has {n_ranks}: "
-            f"run with mpirun -n {product} or change --mesh"
+            f"mesh {shown}{origin} needs {product} ranks but the job has {n_ranks}: "
+            f"run with mpirun -n {product} or {'pass' if origin else 'change'} --mesh"
         )
     return full
 

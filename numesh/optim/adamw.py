@@ -105,7 +105,8 @@ def adamw_step(
 ) -> None:
     """One decoupled-weight-decay Adam step on flat buffers (PyTorch's AdamW formula). A
     ValueError line unless params are a flat float32 or float64 array and grads, the
-    moments, decay (and scratch) have its shape: the fused pass read past a shorter one."""
+    moments, decay (and scratch) have its shape (the fused pass read past a shorter one), and
+    those it writes (params, the moments, scratch) are writeable."""
     _check_buffers(params, grads, state, decay, scratch)
     if not K.enabled():
         return adamw_step_reference(params, grads, state, lr, cfg, decay, scratch)
@@ -134,6 +135,9 @@ def _check_buffers(params: np.ndarray, grads: np.ndarray, state: AdamWState, dec
                     ("scratch", scratch)):
         if a is not None:
             K.check_shape(f"adamw_step's {what}", a, params.shape, why)
+    for what, a in (("params", params), ("state.m", state.m), ("state.v", state.v), ("scratch", scratch)):
+        if a is not None and not a.flags.writeable:  # the step writes them: numba's was a page of typing errors
+            raise ValueError(f"adamw_step's {what} is read-only: pass a writeable copy (np.array(...))")
 
 
 def adamw_step_reference(

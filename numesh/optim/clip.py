@@ -11,6 +11,7 @@ stage) is left out by the caller.
 
 from __future__ import annotations
 
+from numesh.base.errors import ConfigError, check_scalar
 from numesh.mesh import Mesh, P, replicated_axes
 
 
@@ -22,7 +23,14 @@ def counted_once(spec: P, mesh: Mesh) -> bool:
 
 
 def clip_scale(norm: float, max_norm: float) -> float:
-    """Factor to multiply gradients by so their global norm is at most `max_norm` (1 if it is)."""
-    if max_norm <= 0.0 or norm <= max_norm:
+    """Factor to multiply gradients by so their global norm is at most `max_norm` (1 if it
+    is; `max_norm` 0 = off). A one-line ConfigError for a negative `max_norm` (was "off"),
+    a non-number, or a non-finite `norm` (was a NaN factor): no factor rescues a NaN or
+    infinite norm, so train checks it first and skips or stops the step (--on-nan)."""
+    check_scalar("clip_scale's max_norm", max_norm, float)
+    if max_norm < 0.0:
+        raise ConfigError(f"clip_scale's max_norm must be >= 0 (0 = no clipping), got {max_norm}")
+    check_scalar("clip_scale's norm", norm, float)
+    if max_norm == 0.0 or norm <= max_norm:
         return 1.0
     return max_norm / (norm + 1e-6)

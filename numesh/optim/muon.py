@@ -106,6 +106,8 @@ def check_muon(cfg: MuonConfig) -> None:
         raise ConfigError(f"weight_decay must be a finite number >= 0, got {cfg.weight_decay}")
     if not (cfg.lr_ratio > 0 and math.isfinite(cfg.lr_ratio)):
         raise ConfigError(f"Muon's learning rate must be > 0, got {cfg.lr_ratio} times the run's")
+    if not isinstance(cfg.adamw, AdamWConfig):  # None or a dict was accepted, to fail at the first step
+        raise ConfigError(f"MuonConfig's adamw must be an AdamWConfig (AdamWConfig(beta1=...)), got {cfg.adamw!r}")
 
 
 def muon_config(options: Mapping[str, Any]) -> MuonConfig:
@@ -181,6 +183,8 @@ def orthogonalise(x: np.ndarray, cfg: MuonConfig = MuonConfig()) -> np.ndarray:
     float matrix (an int one came back all zeros)."""
     if not isinstance(x, np.ndarray) or x.ndim != 2 or x.dtype.kind != "f":
         raise ValueError(f"orthogonalise takes a float matrix (a 2-D float array), got {_described(x)}")
+    if not isinstance(cfg, MuonConfig):  # None was an AttributeError
+        raise ValueError(f"orthogonalise's cfg must be a MuonConfig (or left out), got {cfg!r}")
     a, b, c = cfg.ns_coefficients
     work = x if x.shape[1] > x.shape[0] else x.T  # torch's W = xᵀ, transposed when it has more rows
     norm = float(np.sqrt(np.sum(work * work, dtype=work.dtype)))
@@ -200,7 +204,13 @@ def _described(x: object) -> str:
 
 
 def lr_factor(fan_in: int, fan_out: int, adjust_lr: str) -> float:
-    """r of the update: torch's `_adjust_lr` for its A × B = out × in weight."""
+    """r of the update: torch's `_adjust_lr` for its A × B = out × in weight. A ValueError
+    line for an empty matrix (was a ZeroDivisionError) or an unknown `adjust_lr` (was taken
+    as "match_rms_adamw")."""
+    if adjust_lr not in ADJUST_LR:
+        raise ValueError(f"lr_factor's adjust_lr must be one of {', '.join(ADJUST_LR)}, got {adjust_lr!r}")
+    if not (fan_in >= 1 and fan_out >= 1):
+        raise ValueError(f"lr_factor's fan_in and fan_out must be >= 1, got {fan_in} and {fan_out}")
     A, B = fan_out, fan_in
     if adjust_lr == "original":
         return math.sqrt(max(1.0, A / B))

@@ -31,8 +31,8 @@ def make_optimizer(name: str, options: Mapping[str, Any] | None = None) -> Optim
     ones at their defaults); one-line ConfigError for an unknown name, a key it does not
     read, a value of another type or not finite (the check of `numesh train`'s options), or
     one out of range."""
-    if name not in OPTIMIZERS:
-        raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got '{name}'")
+    if not isinstance(name, str) or name not in OPTIMIZERS:  # a list was a TypeError (unhashable)
+        raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
     known = OPTIONS[name]
     for key in options or {}:
         if key not in known:
@@ -69,17 +69,18 @@ def applies_to(name: str, key: str) -> str | None:
 
 def describe(opt: Optimizer, leaves: Mapping[str, Leaf]) -> list[str]:
     """Lines saying which rule updates which leaves (printed at start-up): per rule, its
-    leaves by path with the block index as `*`, with their shapes and, for a matrix rule,
-    the matrices each holds (`interface.matrix_view`)."""
-    rows: dict[tuple[int, str], list[Leaf]] = {}
+    leaves by path with the block index as `*` and by shape (a row per distinct shape:
+    with --moe-every 2 the dense blocks' MLP is not the experts'), with their count and,
+    for a matrix rule, the matrices each holds (`interface.matrix_view`)."""
+    rows: dict[tuple[int, str, tuple[int, ...]], list[Leaf]] = {}
     for path, leaf in leaves.items():
         parts = path.split(".")
         if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit():
             parts[1] = "*"
-        rows.setdefault((opt.rule_index(leaf), ".".join(parts)), []).append(leaf)
+        rows.setdefault((opt.rule_index(leaf), ".".join(parts), tuple(leaf.shape)), []).append(leaf)
     lines = [f"optimizer {opt.name}: {len(leaves)} leaves"]
     for i, rule in enumerate(opt.rules):
-        mine = [(path, group) for (r, path), group in rows.items() if r == i]
+        mine = [(path, group) for (r, path, _), group in rows.items() if r == i]
         lines.append(f"  {rule.name}: {sum(len(g) for _, g in mine)} leaves")
         for path, group in mine:
             text = f"    {path} {list(group[0].shape)}" + (f" x{len(group)}" if len(group) > 1 else "")

@@ -346,9 +346,10 @@ def validate(cfg: TrainConfig, n_ranks: int) -> tuple[dict[str, int], GPTConfig]
     for split in SPLITS:
         n = len(load_split(cfg.data, split))
         if n <= cfg.block_size:
+            fix = ("use a --block-size below it, or a larger corpus" if n > 1
+                   else "too small for any --block-size: use a larger corpus")  # no --block-size is below 1
             raise ConfigError(f"block_size={cfg.block_size} needs a split of at least {cfg.block_size + 1} tokens "
-                              f"(inputs and their next-token targets), the {split} split has {n}: use a "
-                              "--block-size below it, or a larger corpus")
+                              f"(inputs and their next-token targets), the {split} split has {n}: {fix}")
     model = _check_layout(cfg, shape, run_vocab(cfg, tok.vocab_size))
     faults_from_env(n_ranks)  # NUMESH_INJECT: a bad spec is this one-line error on every rank
     return shape, model
@@ -363,12 +364,13 @@ def run_vocab(cfg: TrainConfig, entries: int) -> int:
     return max(entries, start_vocab(cfg.init_from, resume) or 0)
 
 
-def check_options(cfg: TrainConfig, n_ranks: int) -> dict[str, int]:
-    """The checks of single options (no dataset, no layout); returns the mesh's axis sizes."""
+def check_options(cfg: TrainConfig, n_ranks: int, mesh_origin: str = "") -> dict[str, int]:
+    """The checks of single options (no dataset, no layout); returns the mesh's axis sizes.
+    `mesh_origin`: " (in FILE)" where --mesh came from a --config file (`parse_mesh`)."""
     _check_types(cfg)
     _check_values(cfg)
     # --mesh auto: the layout is chosen once the dataset is there (numesh.plan.auto); until then dp over every rank
-    shape = parse_mesh("dp=-1" if cfg.mesh.strip() == MESH_AUTO else cfg.mesh, n_ranks)
+    shape = parse_mesh("dp=-1" if cfg.mesh.strip() == MESH_AUTO else cfg.mesh, n_ranks, mesh_origin)
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got '{cfg.dtype}'")
     if cfg.max_iters < 0:  # 0: evaluate the starting weights and save them, no step (a --init-from's conversion)
