@@ -264,6 +264,20 @@ def test_time_model_prices_muons_matrices_and_exchange() -> None:
     assert t["muon", 1] < t["muon", 0]
 
 
+def test_time_model_prices_muons_newton_schulz_steps_as_the_run_sets_them() -> None:
+    """The plan built Muon at its defaults: its step cost 5 iterations whatever
+    --muon-ns-steps said (and `--mesh auto` chose from that). ModelSpec.of keeps the run's."""
+    from numesh.run.config import config_from
+
+    prof, lay = synthetic_profile(), Layout(4, 1, 1, 0, "1f1b", 1)
+    base = dict(n_layer=4, n_head=4, n_embd=64, block_size=32, batch_size=8, optimizer="muon")
+    adamw = predict_time(ModelSpec.of(config_from({**base, "optimizer": "adamw"}), 100), lay, prof).optimizer
+    ns = {s: predict_time(ModelSpec.of(config_from({**base, "muon_ns_steps": s}), 100), lay, prof).optimizer - adamw
+          for s in (1, 5, 50)}
+    per_step = (ns[5] - ns[1]) / 4  # the iterations' GEMMs: linear in the steps, above Muon's other work
+    assert per_step > 0 and ns[50] - ns[5] == pytest.approx(45 * per_step)
+
+
 def test_time_model_bubble_is_simulate_and_comm_is_exposed_per_axis() -> None:
     model = ModelSpec(8, 4, 64, 32, 100, 16)
     prof = synthetic_profile()

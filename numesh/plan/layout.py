@@ -7,6 +7,7 @@ from typing import Any
 
 import attrs
 
+from numesh.optim.registry import OPTIONS
 from numesh.perf import formulas
 from numesh.pipeline.schedules import Schedule, make_schedule
 
@@ -29,6 +30,8 @@ class ModelSpec:
     moe_every: int = 1
     optimizer: str = "adamw"  # the run's --optimizer: its state and its step's work (numesh/plan/optimizer.py)
     parts: formulas.Parts = formulas.GPT2  # the kind's norm, positions, MLP, kv heads and head (GPT-2's by default)
+    # the run's options the optimiser reads, (name, value) pairs: Muon's Newton-Schulz steps price its step
+    optimizer_options: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def of(cls, cfg: Any, vocab_size: int) -> "ModelSpec":
@@ -36,7 +39,8 @@ class ModelSpec:
         tokens, and its optimiser."""
         return cls(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, vocab_size, cfg.batch_size, cfg.bias,
                    cfg.dropout > 0, cfg.moe_experts, cfg.moe_top_k, cfg.moe_every, cfg.optimizer,
-                   formulas.Parts.of(cfg.model(vocab_size)))
+                   formulas.Parts.of(cfg.model(vocab_size)),
+                   tuple((k, getattr(cfg, k)) for k in sorted(OPTIONS.get(cfg.optimizer, {})) if hasattr(cfg, k)))
 
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer` has experts (layer % moe_every == 0, as `GPTConfig.moe` says)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import attrs
 
@@ -63,8 +64,14 @@ class UnitRules:
 
 
 def optimizer_of(model: ModelSpec) -> Optimizer:
-    """The model's run's optimiser, its rules at their defaults (the plan needs no hyper-parameter)."""
-    return make_optimizer(model.optimizer)
+    """The model's run's optimiser with the run's options (Muon's Newton-Schulz steps set
+    its step's FLOPs; at their defaults the plan priced 5 whatever --muon-ns-steps said)."""
+    return _optimizer(model.optimizer, model.optimizer_options)
+
+
+@functools.lru_cache(maxsize=8)  # asked per layout
+def _optimizer(name: str, options: tuple[tuple[str, Any], ...]) -> Optimizer:
+    return make_optimizer(name, dict(options))
 
 
 def _local(shape: tuple[int, ...], spec: P, sizes: dict[str, int]) -> tuple[int, ...]:
