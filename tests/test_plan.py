@@ -193,7 +193,15 @@ def test_least_recompute_keeps_the_first_that_fits() -> None:
 @pytest.mark.parametrize("name, p, m, v", [("gpipe", 4, 6, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 2, 1),
                                           ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 3), ("zb-h1", 4, 8, 1),
                                           ("zb-h1", 1, 3, 1)])
-def test_pipesim_equals_simulate(name: str, p: int, m: int, v: int) -> None:
+@pytest.mark.parametrize("compiled", [True, False], ids=["numba", "python"])
+def test_pipesim_equals_simulate(name: str, p: int, m: int, v: int, compiled: bool,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both loops, numba's and Python's (without numba), give `simulate`'s numbers."""
+    from numesh.plan import pipesim
+
+    if compiled and not pipesim.HAVE_NUMBA:
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(pipesim, "HAVE_NUMBA", compiled)
     rng = np.random.default_rng(p * 100 + m * 10 + v)
     sched = make_schedule(name, p, m, v)
     for _ in range(4):
@@ -201,6 +209,24 @@ def test_pipesim_equals_simulate(name: str, p: int, m: int, v: int) -> None:
         tl = simulate(sched, t_f=t_f, t_b=t_b, t_w=t_w, comm=comm)
         got = makespan_and_busy(sched, t_f, t_b, t_w, comm)
         assert got == pytest.approx((tl.makespan, max(tl.busy(r) for r in range(p))), rel=1e-12)
+
+
+@pytest.mark.parametrize("name, p, m, v", [("gpipe", 4, 6, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 2, 1),
+                                          ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 3), ("zb-h1", 4, 8, 1),
+                                          ("zb-h1", 1, 3, 1)])
+def test_the_planners_activation_walk_is_the_formulas(name: str, p: int, m: int, v: int) -> None:
+    """plan.memory's vectorised walk gives `formulas.peak_activation_bytes`' peak on every
+    rank, with chunks of different sizes and shared buffers or none."""
+    from numesh.plan import memory
+
+    rng = np.random.default_rng(p * 100 + m * 10 + v)
+    sched = make_schedule(name, p, m, v)
+    for _ in range(3):
+        cost = tuple((int(a), int(b)) for a, b in rng.integers(1, 10**9, (v, 2)))
+        shared = tuple(int(x) for x in rng.integers(0, 10**8, 2)) if rng.random() < 0.7 else (0, 0)
+        for rank in range(p):
+            want = formulas.peak_activation_bytes(sched, rank, lambda c: cost[c][0], lambda c: cost[c][1], shared)
+            assert memory._walk(name, p, m, v, rank, cost, shared) == want
 
 
 # ---------------------------------------------------------------------------------------
