@@ -782,3 +782,33 @@ def test_a_gpt_config_validated_for_no_tp_is_one_line(tp: object, says: str) -> 
 
     with pytest.raises(ConfigError, match=f"^{re.escape(says)}$"):
         GPTConfig().validate(tp)
+
+
+@pytest.mark.parametrize("command, message", [
+    (["export", "{ckpt}", "--out", "{step}/params/extra.safetensors", "--force"], "is inside the checkpoint"),
+    (["export", "{ckpt}", "--format", "hf", "--out", "{step}", "--force"], "is inside the checkpoint"),
+    (["export", "{ckpt}", "--format", "hf", "--out", "{run}", "--force"], "holds the checkpoint"),  # its config.json
+    (["reshard", "{ckpt}", "--to", "tp=2", "--out", "{step}/x"], "is inside the checkpoint"),
+])
+def test_an_output_on_its_own_checkpoint_is_refused(tiny_run: Path, command: list[str], message: str) -> None:
+    """`export --force` into the checkpoint it exported replaced its files (its next read
+    failed the checksums), into the run its config.json; reshard nested a checkpoint in its
+    source. Each is one line, and nothing of the run changes."""
+    step = (tiny_run / "ckpt" / "latest").resolve()
+    before = {p: p.read_bytes() for p in tiny_run.rglob("*") if p.is_file() and p.name != ".lock"}
+    names = {"ckpt": str(tiny_run / "ckpt" / "latest"), "step": str(step), "run": str(tiny_run)}
+    line = one_error_line(cli(*[part.format(**names) for part in command]))
+    assert message in line and str(step) in line
+    assert {p: p.read_bytes() for p in tiny_run.rglob("*") if p.is_file() and p.name != ".lock"} == before
+
+
+def test_exports_refuse_a_force_that_is_not_a_bool(tiny_run: Path, tmp_path: Path) -> None:
+    """force="no" is truthy: the library overwrote the file it named."""
+    from numesh.base.errors import ConfigError
+    from numesh.checkpoint import export_nanogpt
+
+    kept = tmp_path / "precious.safetensors"
+    kept.write_text("mine")
+    with pytest.raises(ConfigError, match="force must be True or False, got 'no'"):
+        export_nanogpt(tiny_run / "ckpt" / "latest", kept, force="no")
+    assert kept.read_text() == "mine"

@@ -62,3 +62,16 @@ def install_dir(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def check_apart(out: str | Path, source: str | Path) -> None:
+    """One CheckpointError line where an output `out` is the checkpoint `source` it is made
+    from, inside it, or a directory that holds it: an export there with --force replaced
+    the checkpoint's own files (its next read failed its checksums) or its run's
+    config.json, and a reshard nested a checkpoint inside its source."""
+    o, s = Path(out).resolve(), Path(source).resolve()
+    if o == s or s in o.parents:
+        raise CheckpointError(f"--out {out} is inside the checkpoint it is made from ({s}): choose an --out outside it")
+    if o in s.parents:
+        raise CheckpointError(f"--out {out} holds the checkpoint it is made from ({s}): choose an --out outside "
+                              "its run")

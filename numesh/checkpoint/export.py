@@ -15,9 +15,9 @@ from typing import Any, Callable
 import attrs
 import numpy as np
 
-from numesh.base.errors import CheckpointError, DataError
+from numesh.base.errors import CheckpointError, DataError, check_scalar
 from numesh.base.files import os_reason
-from numesh.checkpoint.common import read_group, read_meta
+from numesh.checkpoint.common import check_apart, read_group, read_meta
 from numesh.checkpoint.format import DTYPES, Meta, write_file_atomic
 from numesh.checkpoint.model import gpt2_differences
 from numesh.checkpoint.pinned import read_pinned
@@ -171,7 +171,9 @@ def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = N
     from safetensors.numpy import save
 
     out = Path(out_file)
+    check_scalar("force", force, bool)  # "no" is truthy: it overwrote
     check_out_name(out, "nanogpt")
+    check_apart(out, path)
     if out.is_dir():
         raise CheckpointError(f"{out} is a directory: pass --out a .safetensors file name")
     if not force and (out.exists() or out.is_symlink()):

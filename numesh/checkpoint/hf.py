@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from numesh.base.errors import CheckpointError
+from numesh.base.errors import CheckpointError, check_scalar
 from numesh.base.files import os_reason
+from numesh.checkpoint.common import check_apart
 from numesh.checkpoint.export import check_nanogpt, check_out_name, exported_tensors, to_nanogpt
 from numesh.checkpoint.format import Meta
 from numesh.checkpoint.hf_files import SINGLE, weight_files
@@ -203,7 +204,9 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
     from safetensors.numpy import save
 
     out = Path(out_dir)
+    check_scalar("force", force, bool)  # "no" is truthy: it overwrote
     check_out_name(out, "hf")
+    check_apart(out, path)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out} is a file: --format hf writes a directory, pass a directory as --out")
     if out.is_dir() and any(out.iterdir()) and not force:

@@ -10,7 +10,7 @@ from typing import Callable
 
 from numesh.base.errors import CheckpointError, ConfigError
 from numesh.base.files import os_reason
-from numesh.checkpoint.common import TMP_PREFIX, install_dir, read_meta
+from numesh.checkpoint.common import TMP_PREFIX, check_apart, install_dir, read_meta
 from numesh.checkpoint.format import (
     META_FILE,
     BlockReader,
@@ -53,6 +53,8 @@ def reshard(path: str | Path, to: str, out: str | Path | None = None,
     `path` may be a running job's `latest`: one step directory is read, again from the
     next one if the job prunes it meanwhile (numesh/checkpoint/pinned.py). `log` is told
     when the output records fewer virtual stages than the source (`_target_virtual`)."""
+    if out is not None:
+        check_apart(out, path)
     return read_pinned(path, lambda root: _reshard(root, to, out, log))
 
 
