@@ -850,3 +850,20 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_as_such(tok_json: str
                                           f"vocab_size {entries - 1}"):
         Trainer(config_from(dict(init_from=str(d), data=str(llama_data), out=str(tmp_path / "ft"), block_size=16)),
                 MPI.COMM_SELF)
+
+
+def test_a_tied_models_lm_head_copy_is_read_only_when_it_is_the_embedding(tok_json: str, tmp_path: Path) -> None:
+    """A tied model's file may keep lm_head.weight as a copy; one that differs was dropped
+    unread, and transformers (which reads it) computed other logits than numesh: refused."""
+    from safetensors.numpy import load_file, save_file
+
+    d = save_model(tmp_path / "hf", tok_json, tie_word_embeddings=True)
+    path = d / "model.safetensors"
+    tensors = load_file(path)
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].copy()}, path,
+              metadata={"format": "pt"})
+    read_pretrained(d, np.dtype("float64"), 16)  # the tied copy itself: read as tied
+    other = tensors["model.embed_tokens.weight"] + 1.0
+    save_file({**tensors, "lm_head.weight": other}, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        read_pretrained(d, np.dtype("float64"), 16)

@@ -241,8 +241,9 @@ def check_weights(weights: Weights, model: GPTConfig) -> None:
     first that is not, before anything is read."""
     want = _expected(model)
     have = {k: v for k, v in weights.tensors.items() if not k.endswith(_IGNORED)}
-    if model.tie_embeddings:
-        have.pop("lm_head.weight", None)  # some saves keep the tied copy too
+    if model.tie_embeddings and "lm_head.weight" in have:  # some saves keep the tied copy too
+        _check_tied_copy(weights)
+        have.pop("lm_head.weight")
     for name, shape in want.items():
         if name not in have:
             raise CheckpointError(f"{weights.directory} has no tensor '{name}'")
@@ -253,6 +254,21 @@ def check_weights(weights: Weights, model: GPTConfig) -> None:
     if extra:
         raise CheckpointError(f"{weights.directory}: unexpected tensor '{extra[0]}' for a {model.n_layer}-layer "
                               f"{'Mixtral' if model.moe_experts else 'Llama'} of this config.json")
+
+
+def _check_tied_copy(weights: Weights) -> None:
+    """A tied model's file may hold lm_head.weight as a copy of the embedding; one that
+    differs is another model (transformers reads it and computes other logits than numesh,
+    which ties), so it is refused in one line."""
+    embed, head = (weights.tensors[n] for n in ("model.embed_tokens.weight", "lm_head.weight"))
+    if embed.shape == head.shape:
+        a, b = (weights.read(n, np.empty(embed.shape, np.float64)) for n in ("model.embed_tokens.weight",
+                                                                              "lm_head.weight"))
+        if np.array_equal(a, b):
+            return
+    raise CheckpointError(f"{weights.directory}: config.json ties the LM head to the embedding, but its "
+                          "lm_head.weight differs from model.embed_tokens.weight: set tie_word_embeddings to false "
+                          "in config.json to load the head as it is, or drop lm_head.weight")
 
 
 def read_leaf(weights: Weights, path: str, model: GPTConfig, out: np.ndarray) -> np.ndarray:
