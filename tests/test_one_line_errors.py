@@ -812,3 +812,13 @@ def test_exports_refuse_a_force_that_is_not_a_bool(tiny_run: Path, tmp_path: Pat
     with pytest.raises(ConfigError, match="force must be True or False, got 'no'"):
         export_nanogpt(tiny_run / "ckpt" / "latest", kept, force="no")
     assert kept.read_text() == "mine"
+
+
+@pytest.mark.parametrize("option", ["--init-from", "--resume"])
+def test_an_empty_init_from_or_resume_is_refused(tiny_run: Path, tmp_path: Path, option: str) -> None:
+    """`--init-from "$MODEL_DIR"` with the variable unset trained a random model from scratch
+    and said it succeeded."""
+    line = one_error_line(cli("train", "--data", str(tiny_run.parent / "data"), "--out", str(tmp_path / "r"),
+                              option, "", "--max-iters", "1"))
+    assert f"{option} is empty: pass a path" in line
+    assert not (tmp_path / "r").exists()

@@ -221,6 +221,10 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None,
             given.pop("rope_theta", None)
     file_arch = values.get("arch")  # the --config file's kind, if it names one
     named = {**(preset or {}), **{k: v for k, v in overrides.items() if v is not None}}  # on the command line
+    for key in ("resume", "init_from"):  # '' is their default, "none": given, it is an unset shell variable
+        if isinstance(overrides.get(key), str) and not overrides[key].strip():
+            raise ConfigError(f"{flag(key)} is empty: pass a path (is the shell variable that names it set?), or "
+                              f"leave {flag(key)} out to start a fresh run")
     for key in [*(preset or {}), *overrides]:
         if key not in fields:
             raise ConfigError(f"unknown config key '{key}': the keys are {', '.join(fields)}")
