@@ -867,3 +867,15 @@ def test_a_tied_models_lm_head_copy_is_read_only_when_it_is_the_embedding(tok_js
     save_file({**tensors, "lm_head.weight": other}, path, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
         read_pretrained(d, np.dtype("float64"), 16)
+
+
+def test_a_tied_lm_head_without_an_embedding_is_the_missing_tensor_line(tok_json: str, tmp_path: Path) -> None:
+    """The tied-copy check ran before the missing-tensor check: a KeyError traceback."""
+    from safetensors.numpy import load_file, save_file
+
+    d = save_model(tmp_path / "hf", tok_json, tie_word_embeddings=True)
+    tensors = load_file(d / "model.safetensors")
+    embed = tensors.pop("model.embed_tokens.weight")
+    save_file({**tensors, "lm_head.weight": embed}, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="has no tensor 'model.embed_tokens.weight'"):
+        read_pretrained(d, np.dtype("float64"), 16)

@@ -59,11 +59,21 @@ def test_a_schedule_is_kept_on_one_rank_where_every_schedule_is_accumulation(cha
                                                                               schedule: str) -> None:
     """One rank runs one stage: `--mesh pp=1 --schedule gpipe` trains, so auto takes it too
     (it said no layout ran with it); the interleaved schedule needs stages and is refused."""
-    cfg, line = auto.pick(_config(char_dataset, schedule=schedule, micro_batches=2), world=1, ranks_on_node=1)
-    assert (cfg.mesh, cfg.schedule, cfg.micro_batches) == ("dp=1,tp=1,pp=1", schedule, 2)
+    cfg, line = auto.pick(_config(char_dataset, schedule=schedule, micro_batches=4), world=1, ranks_on_node=1)
+    assert (cfg.mesh, cfg.schedule, cfg.micro_batches) == ("dp=1,tp=1,pp=1", schedule, 4)
     assert f"--schedule {schedule}" in line.split("runner-up")[0]
+    # predicted as that schedule, not 1F1B's prediction relabelled: GPipe's one stage holds all
+    # 4 micro-batches' activations, 1F1B's one
+    _, plain = auto.pick(_config(char_dataset, micro_batches=4), world=1, ranks_on_node=1)
+    assert _rank_bytes(line) > _rank_bytes(plain) if schedule == "gpipe" else _rank_bytes(line) >= _rank_bytes(plain)
     with pytest.raises(ConfigError, match="runs with --schedule interleaved"):
         auto.pick(_config(char_dataset, schedule="interleaved", virtual_stages=2), world=1, ranks_on_node=1)
+
+
+def _rank_bytes(line: str) -> float:
+    """The chosen layout's bytes a rank, read back from auto's line ("..., 241.9 KiB a rank)")."""
+    number, unit = line.split(" a rank")[0].rsplit(", ", 1)[1].split()
+    return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
 
 
 def _predictions(data: Path, memory_per_rank: float) -> list:

@@ -786,7 +786,7 @@ def test_a_gpt_config_validated_for_no_tp_is_one_line(tp: object, says: str) -> 
 
 @pytest.mark.parametrize("command, message", [
     (["export", "{ckpt}", "--out", "{step}/params/extra.safetensors", "--force"], "is inside the checkpoint"),
-    (["export", "{ckpt}", "--format", "hf", "--out", "{step}", "--force"], "is inside the checkpoint"),
+    (["export", "{ckpt}", "--format", "hf", "--out", "{step}", "--force"], "is the checkpoint"),
     (["export", "{ckpt}", "--format", "hf", "--out", "{run}", "--force"], "holds the checkpoint"),  # its config.json
     (["reshard", "{ckpt}", "--to", "tp=2", "--out", "{step}/x"], "is inside the checkpoint"),
 ])

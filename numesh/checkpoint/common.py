@@ -69,9 +69,13 @@ def check_apart(out: str | Path, source: str | Path) -> None:
     from, inside it, or a directory that holds it: an export there with --force replaced
     the checkpoint's own files (its next read failed its checksums) or its run's
     config.json, and a reshard nested a checkpoint inside its source."""
-    o, s = Path(out).resolve(), Path(source).resolve()
+    try:
+        o, s = Path(out).resolve(), Path(source).resolve()
+    except (OSError, RuntimeError):  # a symlink loop (RuntimeError on Python 3.11): the read or write says so
+        return
     if o == s or s in o.parents:
-        raise CheckpointError(f"--out {out} is inside the checkpoint it is made from ({s}): choose an --out outside it")
+        raise CheckpointError(f"--out {out} {'is' if o == s else 'is inside'} the checkpoint it is made from ({s}): "
+                              "choose an --out outside it")
     if o in s.parents:
-        raise CheckpointError(f"--out {out} holds the checkpoint it is made from ({s}): choose an --out outside "
-                              "its run")
+        raise CheckpointError(f"--out {out} holds the checkpoint it is made from ({s}): choose an --out that "
+                              "does not")

@@ -16,6 +16,7 @@ the rest) and refuses, in one line each, what numesh's Llama does not compute.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ import numpy as np
 from numesh.base.errors import CheckpointError
 from numesh.base.tree import tree_leaves_with_path
 from numesh.checkpoint.format import MODEL_TYPES, run_checkpoints
-from numesh.checkpoint.hf_files import Weights, read_json_file
+from numesh.checkpoint.hf_files import TensorInfo, Weights, read_json_file
 from numesh.nn.gpt import GPTConfig, gpt_global_shapes, swiglu_hidden
 
 # transformers' defaults where config.json leaves a key out (each class's own)
@@ -242,7 +243,8 @@ def check_weights(weights: Weights, model: GPTConfig) -> None:
     want = _expected(model)
     have = {k: v for k, v in weights.tensors.items() if not k.endswith(_IGNORED)}
     if model.tie_embeddings and "lm_head.weight" in have:  # some saves keep the tied copy too
-        _check_tied_copy(weights)
+        if "model.embed_tokens.weight" in have:  # else the loop below names the missing one
+            _check_tied_copy(weights)
         have.pop("lm_head.weight")
     for name, shape in want.items():
         if name not in have:
@@ -259,16 +261,29 @@ def check_weights(weights: Weights, model: GPTConfig) -> None:
 def _check_tied_copy(weights: Weights) -> None:
     """A tied model's file may hold lm_head.weight as a copy of the embedding; one that
     differs is another model (transformers reads it and computes other logits than numesh,
-    which ties), so it is refused in one line."""
+    which ties), so it is refused in one line. Compared as stored bytes, a block at a time:
+    every rank checks, and two float64 copies of a 128k-token embedding were gigabytes."""
     embed, head = (weights.tensors[n] for n in ("model.embed_tokens.weight", "lm_head.weight"))
-    if embed.shape == head.shape:
-        a, b = (weights.read(n, np.empty(embed.shape, np.float64)) for n in ("model.embed_tokens.weight",
-                                                                              "lm_head.weight"))
-        if np.array_equal(a, b):
-            return
-    raise CheckpointError(f"{weights.directory}: config.json ties the LM head to the embedding, but its "
-                          "lm_head.weight differs from model.embed_tokens.weight: set tie_word_embeddings to false "
-                          "in config.json to load the head as it is, or drop lm_head.weight")
+    if not _same_bytes(embed, head):
+        raise CheckpointError(f"{weights.directory}: config.json ties the LM head to the embedding, but its "
+                              "lm_head.weight differs from model.embed_tokens.weight: set tie_word_embeddings to "
+                              "false in config.json to load the head as it is, or drop lm_head.weight")
+
+
+def _same_bytes(a: TensorInfo, b: TensorInfo, block: int = 1 << 24) -> bool:
+    """Whether two stored tensors have one dtype, one shape and the same bytes."""
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    left = math.prod(a.shape) * {"F64": 8, "F32": 4}.get(a.dtype, 2)  # F16 and BF16: 2 bytes
+    with open(a.file, "rb") as fa, open(b.file, "rb") as fb:
+        fa.seek(a.offset)
+        fb.seek(b.offset)
+        while left > 0:
+            n = min(block, left)
+            if fa.read(n) != fb.read(n):
+                return False
+            left -= n
+    return True
 
 
 def read_leaf(weights: Weights, path: str, model: GPTConfig, out: np.ndarray) -> np.ndarray:

@@ -264,8 +264,9 @@ def train_config(options: dict[str, Any]) -> TrainConfig:
     file, then --model's preset shape where not given, then the options given (the recipes'
     test reads configs/*.toml through this, as the command does). The preset goes in apart
     from the options: its values are not options the user gave (`config_from`)."""
-    from numesh.run.config import config_from
+    from numesh.run.config import check_paths_given, config_from
 
+    check_paths_given(options)
     given = {k: v for k, v in options.items() if k not in ("config", "model_preset")}
     return config_from(given, options.get("config"), preset=_preset_shape(options.get("model_preset")))
 

@@ -31,7 +31,7 @@ from numesh.pipeline.schedules import check_shape
 from numesh.plan.command import model_spec
 from numesh.plan.fits import available_memory
 from numesh.plan.hardware import Link, Profile, load_profile, local_profile_path
-from numesh.plan.predict import Prediction, plan
+from numesh.plan.predict import Prediction, plan, predict
 from numesh.plan.render import human_bytes, human_seconds
 from numesh.plan.search import train_config
 from numesh.run.config import MESH_AUTO, TrainConfig
@@ -59,7 +59,6 @@ def choose(preds: list[Prediction], base: TrainConfig, kept: dict[str, Any]) -> 
     """The first of `preds` (best first, as `plan` sorts them) that fits and keeps `kept`
     (of those predicted as fast, the one with the fewest micro-batches), and the runner-up:
     the best such prediction on another mesh (None if there is none)."""
-    preds = [_schedule_kept(p, kept.get("schedule")) for p in preds]
     keeping = [p for p in preds if all(getattr(train_config(base, p.layout), k) == v for k, v in kept.items())]
     ok = [p for p in keeping if p.fits]
     if not ok:
@@ -76,10 +75,12 @@ def choose(preds: list[Prediction], base: TrainConfig, kept: dict[str, Any]) -> 
     return best, runner_up
 
 
-def _schedule_kept(p: Prediction, schedule: str | None) -> Prediction:
-    """p with the run's --schedule where its pp = 1 runs it: one stage, where every schedule
-    `numesh train` takes is gradient accumulation and the planner lists 1F1B alone (so
-    `--schedule gpipe` on one rank was refused by auto and trained with --mesh pp=1)."""
+def _schedule_kept(p: Prediction, schedule: str | None, again: Callable[[Any], Prediction]) -> Prediction:
+    """p predicted `again` with the run's --schedule where its pp = 1 runs it: one stage,
+    where every schedule `numesh train` takes is gradient accumulation and the planner lists
+    1F1B alone (so `--schedule gpipe` on one rank was refused by auto and trained with --mesh
+    pp=1). Predicted again, not relabelled: GPipe's one stage holds every micro-batch's
+    activations at once, 1F1B's one."""
     lay = p.layout
     if schedule is None or lay.pp != 1 or lay.schedule == schedule:
         return p
@@ -87,7 +88,7 @@ def _schedule_kept(p: Prediction, schedule: str | None) -> Prediction:
         check_shape(schedule, 1, lay.micro_batches, lay.virtual_stages)
     except ScheduleError:
         return p
-    return attrs.evolve(p, layout=attrs.evolve(lay, schedule=schedule))
+    return again(attrs.evolve(lay, schedule=schedule))
 
 
 def cpu_profile(dtype: str, core_flops: float, rank_threads: int, ranks_on_node: int, node_memory: float) -> Profile:
@@ -140,8 +141,13 @@ def pick(cfg: TrainConfig, world: int, ranks_on_node: int) -> tuple[TrainConfig,
     prof, set_aside = _profile(base, world, ranks_on_node)
     limit = prof.memory_bytes if not prof.measured else prof.memory_bytes / max(1, ranks_on_node)
     tpr = max(1, (prof.cores or 1) // ranks_on_node) if prof.measured else threads()
-    preds = plan(base, model, world, prof, limit, np.dtype(cfg.dtype).itemsize, tpr).fitting
-    best, second = choose(preds, base, kept_options(cfg))
+    itemsize, kept = np.dtype(cfg.dtype).itemsize, kept_options(cfg)
+    preds = plan(base, model, world, prof, limit, itemsize, tpr).fitting
+
+    def again(lay: Any) -> Prediction:
+        return predict(model, lay, prof, limit, itemsize, tpr, int(base.bucket_mb * 2**20))
+
+    best, second = choose([_schedule_kept(p, kept.get("schedule"), again) for p in preds], base, kept)
 
     def said(p: Prediction) -> str:
         return f"{p.layout.train_flags()} ({human_seconds(p.time.total)} a step, {human_bytes(p.memory.total)} a rank)"

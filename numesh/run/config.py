@@ -221,10 +221,6 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None,
             given.pop("rope_theta", None)
     file_arch = values.get("arch")  # the --config file's kind, if it names one
     named = {**(preset or {}), **{k: v for k, v in overrides.items() if v is not None}}  # on the command line
-    for key in ("resume", "init_from"):  # '' is their default, "none": given, it is an unset shell variable
-        if isinstance(overrides.get(key), str) and not overrides[key].strip():
-            raise ConfigError(f"{flag(key)} is empty: pass a path (is the shell variable that names it set?), or "
-                              f"leave {flag(key)} out to start a fresh run")
     for key in [*(preset or {}), *overrides]:
         if key not in fields:
             raise ConfigError(f"unknown config key '{key}': the keys are {', '.join(fields)}")
@@ -249,6 +245,18 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None,
 
 # model options only a model with experts reads
 MOE_OPTIONS = ("moe_every", "moe_top_k", "moe_aux_coef", "moe_z_coef", "moe_capacity_factor")
+
+
+def check_paths_given(options: dict[str, Any]) -> None:
+    """An empty --resume or --init-from on a command line without a --config file (with one,
+    '' clears the file's value): an unset shell variable, which trained a random model and
+    said it succeeded. One ConfigError line."""
+    if options.get("config") is not None:
+        return
+    for key in ("resume", "init_from"):
+        if options.get(key) == "":  # blanks are refused as no path later (`check_options`)
+            raise ConfigError(f"{flag(key)} is empty: pass a path (is the shell variable that names it set?), or "
+                              f"leave {flag(key)} out to start a fresh run")
 
 
 def _positions_of(values: dict[str, Any]) -> Any:

@@ -102,7 +102,7 @@ def _empty_dir(path: Path) -> bool:
     """Whether `path` is an empty directory (or a link to one): OUT/ckpt made ready for a
     run, say on another disk, holds no run yet."""
     try:
-        return path.is_dir() and not any(path.iterdir())
+        return path.is_dir() and not any(p for p in path.iterdir() if not p.name.startswith(PROBE_PREFIX))
     except OSError:
         return False
 
@@ -113,7 +113,7 @@ def _remove(path: Path) -> None:
     `latest` and unfinished saves (nothing else, in case the link names a shared place)."""
     if path.is_symlink() and path.is_dir():
         for entry in path.iterdir():
-            if entry.name == LATEST or entry.name.startswith(("step_", ".tmp-")):
+            if entry.name == LATEST or entry.name.startswith(("step_", ".tmp-", PROBE_PREFIX)):
                 shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
     elif path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -183,10 +183,11 @@ class RunDir:
             for name in existing:
                 _remove(self.out / name)
         ckpt = _probe_checkpoints(self.out / RUN_CKPT)
-        free = shutil.disk_usage(ckpt if ckpt.exists() else self.out).free
+        where = ckpt if ckpt.exists() else self.out  # OUT/ckpt may link to another disk
+        free = shutil.disk_usage(where).free
         if free < ckpt_bytes:
             raise ConfigError(
-                f"--out {self.out} has {free / 2**20:.1f} MiB free but a checkpoint of this model needs "
+                f"{where} has {free / 2**20:.1f} MiB free but a checkpoint of this model needs "
                 f"~{ckpt_bytes / 2**20:.1f} MiB: free some space or choose another --out"
             )
         write_atomic(self.out / "config.json", json.dumps(config, indent=2))  # never half a config to a reader
