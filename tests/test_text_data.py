@@ -816,7 +816,7 @@ def test_corpus_inputs_a_user_gets_wrong_are_one_line(tmp_path: Path, monkeypatc
     assert expand([literal]) == [literal]
     (tmp_path / "a-file").write_text("x")
     monkeypatch.setattr(TD, "train_bpe", lambda *a, **k: pytest.fail("trained before finding --out unwritable"))
-    with pytest.raises(DataError, match="cannot create a dataset beside"):
+    with pytest.raises(DataError, match="a-file is a file, not a directory: choose another --out"):
         TD.prepare_bpe([literal], 260, tmp_path / "a-file" / "ds")
 
 
