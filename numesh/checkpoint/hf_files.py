@@ -48,6 +48,11 @@ class TensorInfo:
     shape: tuple[int, ...]
     offset: int
 
+    @property
+    def nbytes(self) -> int:
+        """The stored bytes."""
+        return math.prod(self.shape) * _RAW[self.dtype].itemsize
+
 
 def read_json_file(path: Path, what: str) -> dict[str, Any]:
     """A JSON object from `path`; a missing, unreadable or non-object file is one CheckpointError."""

@@ -16,7 +16,6 @@ the rest) and refuses, in one line each, what numesh's Llama does not compute.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -274,7 +273,7 @@ def _same_bytes(a: TensorInfo, b: TensorInfo, block: int = 1 << 24) -> bool:
     """Whether two stored tensors have one dtype, one shape and the same bytes."""
     if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
         return False
-    left = math.prod(a.shape) * {"F64": 8, "F32": 4}.get(a.dtype, 2)  # F16 and BF16: 2 bytes
+    left = a.nbytes
     with open(a.file, "rb") as fa, open(b.file, "rb") as fb:
         fa.seek(a.offset)
         fb.seek(b.offset)
