@@ -457,8 +457,12 @@ def sample_cmd(
     num_samples: int = typer.Option(1, help="independent samples (seed, seed+1, ...)"),
     mesh: str = typer.Option("", help="tensor-parallel mesh, e.g. tp=2 (run under mpirun -n 2)"),
     kv_cache: bool = typer.Option(True, "--kv-cache/--no-kv-cache", help="reuse keys/values of earlier positions"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="draw all --max-new-tokens tokens, past the "
+                                    "end-of-sequence token where a sample otherwise ends (as transformers' "
+                                    "generate ends it)"),
 ) -> None:
-    """Generate text from a checkpoint: prints the prompt and its continuation on stdout."""
+    """Generate text from a checkpoint: prints the prompt and its continuation on stdout as
+    the tokens come, each sample ending at the model's end-of-sequence token."""
 
     def go() -> None:
         from numesh.base.errors import ConfigError
@@ -470,10 +474,11 @@ def sample_cmd(
                               "e.g. runs/x/ckpt/latest" + (f" (got {path} and --ckpt {ckpt})" if path else ""))
         configure_process()
         cfg = SampleConfig(str(path or ckpt), prompt, max_new_tokens, temperature, top_k or None, seed, num_samples,
-                           mesh, kv_cache)
-        texts = sample(cfg)
-        if is_root():
-            print("\n---------------\n".join(texts))
+                           mesh, kv_cache, ignore_eos)
+        root = is_root()  # one rank prints; on Ctrl-C what was printed stays
+        sample(cfg, show=(lambda text: print(text, end="", flush=True)) if root else None)
+        if root:
+            print()
 
     _run(go)
 

@@ -9,16 +9,19 @@ from __future__ import annotations
 import math
 import numbers
 from pathlib import Path
+from typing import Any, Callable, Collection
 
 import attrs
 import numpy as np
 from mpi4py import MPI
 
 from numesh.base.errors import CheckpointError, ConfigError, check_scalar
-from numesh.base.tree import tree_map
+from numesh.base.files import json_object_or_none
+from numesh.base.tree import tree_leaves_with_path, tree_map
 from numesh.checkpoint import import_nanogpt, read_global
 from numesh.checkpoint.hf_files import open_weights, weights_dtype
 from numesh.checkpoint.hf_llama import is_pretrained_dir, model_type, read_pretrained
+from numesh.checkpoint.hf_source import generation_ids, recorded_source
 from numesh.checkpoint.model import shard_params
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, directory_tokenizer, read_tokenizer_file
 from numesh.mesh import Mesh
@@ -43,6 +46,8 @@ class Checkpoint:
         step: the training step it was saved at (0 for a transformers directory).
         max_positions: the longest context its positions allow when that is more than
             `model.block_size` (a rotary model from a transformers directory), else None.
+        stop: the ids that end a sample, as transformers' `generate` stops at its
+            generation config's eos_token_id (`stop_ids`); () for a character model.
     """
 
     model: GPTConfig
@@ -51,6 +56,7 @@ class Checkpoint:
     dtype: str
     step: int
     max_positions: int | None = None
+    stop: tuple[int, ...] = ()
 
 
 NO_CP = "sampling does not run with context parallelism: use a mesh without cp, e.g. --mesh tp=N"
@@ -63,17 +69,40 @@ def load_checkpoint(path: str | Path, comm: MPI.Comm | None = None) -> Checkpoin
     p = Path(path)
     if is_pretrained_dir(p):
         return load_pretrained(p)
+    source = None
     if p.is_file() or p.suffix == ".safetensors":
         model, tok, params, dtype, step = import_nanogpt(p)
         fix = "export it again from a checkpoint that records its dataset's tokenizer"
     else:
         meta, params = read_global(p, comm)  # one step directory, even while a job moves `latest` on
         model, tok, dtype, step = meta.model, meta.tokenizer(), meta.dtype, meta.step
+        source = recorded_source(meta.raw, meta.root)
         fix = (f"save it again with its dataset's tokenizer: `numesh train --resume {p} --data DATASET "
                f"--max-iters {step} --out NEW_RUN`")
     if tok is None:
         raise CheckpointError(f"{p} holds no tokenizer, so its token ids cannot be turned into text: {fix}")
-    return Checkpoint(model, tok, params, dtype, step)
+    eot = tok.eot_id if isinstance(tok, HFTokenizer) else None
+    # a run from a transformers directory ends samples where its source's generate would; one
+    # from scratch at its dataset's end-of-text token, which ends each of its documents
+    stop = stop_ids(generation_ids(source, eot).get("eos_token_id"), tok.vocab_size)
+    return Checkpoint(model, tok, params, dtype, step, stop=stop)
+
+
+def stop_ids(eos: Any, tokens: int) -> tuple[int, ...]:
+    """The ids an eos_token_id entry names (an int, a list of them, or None), sorted, those
+    a tokenizer of `tokens` entries can produce: `generate` never draws the others."""
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(sorted({i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < tokens}))
+
+
+def directory_stop(directory: Path, tokens: int) -> tuple[int, ...]:
+    """The eos ids transformers' `generate` stops at for a model directory: those of its
+    generation_config.json, over config.json's (as `GenerationConfig` takes them)."""
+    ids = {}
+    for name in ("config.json", "generation_config.json"):
+        obj = json_object_or_none(directory / name) or {}
+        ids |= {"eos_token_id": obj["eos_token_id"]} if "eos_token_id" in obj else {}
+    return stop_ids(ids.get("eos_token_id"), tokens)
 
 
 # a transformers model's context as generation holds it: its max_position_embeddings, at most
@@ -98,6 +127,7 @@ def load_pretrained(directory: Path) -> Checkpoint:
         pre, model, params = read_pretrained(directory, dtype, 1)
         model = attrs.evolve(model, block_size=min(pre.max_positions, PRETRAINED_CONTEXT))
         ck = Checkpoint(model, _pretrained_tokenizer(directory), params, np.dtype(dtype).name, 0, pre.max_positions)
+    ck = attrs.evolve(ck, stop=directory_stop(directory, ck.tokenizer.vocab_size))
     rows = ck.model.vocab_size
     if ck.tokenizer.vocab_size > rows:
         raise CheckpointError(f"{directory}: its tokenizer.json has {ck.tokenizer.vocab_size} entries but "
@@ -166,10 +196,18 @@ def generate(
     seed: int = 1337,
     kv_cache: bool = True,
     tokens: int | None = None,
+    stop: Collection[int] = (),
+    on_token: Callable[[np.ndarray], None] | None = None,
 ) -> np.ndarray:
     """Extend `prompt` [B, T0] by `max_new_tokens` tokens; the context is the last block_size tokens.
     Only ids below `tokens` are drawn (None: every id of the model): a tokenizer may have
     fewer entries than a padded embedding has rows, and the ids past it mean no text.
+
+    A row that draws one of the `stop` ids (transformers' eos_token_id) ends there, as
+    `generate` ends it: its later columns repeat that id, and generation ends when every
+    row has ended, so fewer columns may come back. The draws are those without `stop` up to
+    there. `on_token` is called with the ids so far [B, T0 + n] after each new token (to
+    show a sample as it grows).
 
     With the KV cache each new token costs one position until the context is full; after
     that the window slides and, positions being absolute, the window is recomputed. A
@@ -188,6 +226,8 @@ def generate(
     model = attrs.evolve(model, moe_capacity_factor=0.0)
     bs = model.block_size
     cache = new_kv_cache(model, mesh, idx.shape[0], params.wte.dtype) if kv_cache else None
+    ends = _stop_array(stop)
+    ended = np.zeros(idx.shape[0], bool)
     for _ in range(max_new_tokens):
         if cache is None:
             logits = logits_last(params, idx[:, -bs:], model, mesh)
@@ -197,8 +237,22 @@ def generate(
         else:
             logits = logits_cached(params, idx[:, -1:], cache, model, mesh)
         nxt = pick(logits[:, :tokens], temperature, top_k, rng)
+        nxt = np.where(ended, idx[:, -1], nxt)  # an ended row repeats its stop id
         idx = np.concatenate([idx, nxt[:, None]], axis=1)
+        if on_token is not None:
+            on_token(idx)
+        ended |= np.isin(nxt, ends)
+        if ended.all():
+            break
     return idx
+
+
+def _stop_array(stop: Collection[int]) -> np.ndarray:
+    """`generate`'s stop ids as an int array; one line for anything but ints."""
+    ids = list(stop) if isinstance(stop, Collection) and not isinstance(stop, (str, bytes)) else None
+    if ids is None or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+        raise ConfigError(f"stop must be a collection of token ids (ints), got {stop!r}")
+    return np.asarray(ids, np.int64)
 
 
 @attrs.frozen
@@ -216,6 +270,8 @@ class SampleConfig:
         num_samples: independent samples.
         mesh: a tensor-parallel mesh, e.g. tp=2 (under mpirun); "" = one rank.
         kv_cache: reuse the keys and values of earlier positions instead of recomputing them.
+        ignore_eos: draw all `max_new_tokens` tokens, past the end-of-sequence token where
+            a sample otherwise ends (`Checkpoint.stop`), as transformers' `generate` does.
     """
 
     ckpt: str
@@ -227,6 +283,7 @@ class SampleConfig:
     num_samples: int = 1
     mesh: str = ""
     kv_cache: bool = True
+    ignore_eos: bool = False
 
     def validate(self) -> None:
         self._validate_types()
@@ -258,6 +315,7 @@ class SampleConfig:
             raise ConfigError(f"--temperature must be a number, got {t!r}")
         check_scalar("--mesh", self.mesh or "", str)
         check_scalar("kv_cache", self.kv_cache, bool)
+        check_scalar("ignore_eos", self.ignore_eos, bool)
 
 
 def prompt_ids(tok: CharTokenizer | HFTokenizer, prompt: str) -> np.ndarray:
@@ -287,9 +345,15 @@ def check_split(model: GPTConfig, tp: int) -> None:
     model.check_tp_of_fixed_model(tp, "sample on another mesh, --mesh tp=N with N {sizes} (and as many ranks)")
 
 
-def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
+SEPARATOR = "\n---------------\n"  # between samples, as `numesh sample` prints them
+
+
+def sample(cfg: SampleConfig, comm: MPI.Comm | None = None,
+           show: Callable[[str], None] | None = None) -> list[str]:
     """Generate `num_samples` texts (prompt included, as `shown`) from a checkpoint, the
-    prompt's ids as its tokenizer gives them by default (`prompt_ids`)."""
+    prompt's ids as its tokenizer gives them by default (`prompt_ids`), each ending at the
+    checkpoint's end-of-sequence token (`Checkpoint.stop`) unless `cfg.ignore_eos`. `show`
+    is handed the text as it grows, SEPARATOR between samples (what `numesh sample` prints)."""
     cfg.validate()
     ck = load_checkpoint(cfg.ckpt, MPI.COMM_WORLD if comm is None else comm)  # every rank the same step
     prompt = prompt_ids(ck.tokenizer, cfg.prompt)[None, :]
@@ -297,6 +361,7 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
     if mesh.size(("pp", "dp", "ep")) > 1:
         raise ConfigError("sampling runs on a tensor-parallel mesh only: use --mesh tp=N")
     check_split(ck.model, mesh.size("tp"))
+    check_finite(ck.params, cfg.ckpt)
     dtype = np.float64 if ck.dtype == "float64" else np.float32
     params = shard_params(tree_map(lambda x: x.astype(dtype), ck.params), ck.model, mesh)
     model = ck.model
@@ -305,7 +370,52 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None) -> list[str]:
         model = attrs.evolve(model, block_size=max(model.block_size, need))
     out = []
     for i in range(cfg.num_samples):
+        growing = None if show is None else _Growing(ck.tokenizer, show)
+        if show is not None and i:
+            show(SEPARATOR)
+        if growing is not None:
+            growing(prompt)
         ids = generate(params, model, mesh, prompt, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                       seed=cfg.seed + i, kv_cache=cfg.kv_cache, tokens=ck.tokenizer.vocab_size)
+                       seed=cfg.seed + i, kv_cache=cfg.kv_cache, tokens=ck.tokenizer.vocab_size,
+                       stop=() if cfg.ignore_eos else ck.stop, on_token=growing)
         out.append(shown(ck.tokenizer, ids[0]))
+        if growing is not None:
+            growing.finish(out[-1])
     return out
+
+
+def check_finite(params: GPT, where: str) -> None:
+    """One CheckpointError line naming the first weight that holds NaN or inf: every logit
+    is then NaN, and each draw falls to the last id (a run that diverged before it saved)."""
+    for name, leaf in tree_leaves_with_path(params):
+        if not np.isfinite(leaf).all():
+            raise CheckpointError(f"{where}: its weight {name} holds NaN or inf values, so no token can be drawn "
+                                  "from it: sample an earlier checkpoint, saved before its run diverged")
+
+
+class _Growing:
+    """`generate`'s `on_token` for one sample: hands `show` the text its new tokens add. A
+    byte-level token may end inside a character (decoded as U+FFFD until its next bytes
+    come), and a decoder may change the text it gave before: such text waits until the
+    text so far extends what was shown."""
+
+    def __init__(self, tok: CharTokenizer | HFTokenizer, show: Callable[[str], None]) -> None:
+        self.tok, self.show, self.done = tok, show, ""
+
+    def __call__(self, ids: np.ndarray) -> None:
+        text = shown(self.tok, ids[0])
+        if not text.endswith("\ufffd"):
+            self._extend(text)
+
+    def _extend(self, text: str) -> None:
+        if text.startswith(self.done) and len(text) > len(self.done):
+            self.show(text[len(self.done):])
+            self.done = text
+
+    def finish(self, text: str) -> None:
+        """The sample's whole text: what was not shown yet (all of it again, on a new line,
+        where the decoder changed earlier text)."""
+        if text.startswith(self.done):
+            self._extend(text)
+        else:
+            self.show("\n" + text)
