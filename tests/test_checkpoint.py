@@ -186,6 +186,25 @@ def test_leaf_table_pads_only_the_vocabulary() -> None:
     assert not any(m and m.startswith(("numesh.nn", "numesh.pipeline", "numesh.optim")) for m in imported), imported
 
 
+@pytest.mark.parametrize("tp", [-1, 0, 2.5, True, "2"])
+def test_padding_the_vocabulary_refuses_a_tp_that_is_no_size(tp: Any) -> None:
+    """tp=-1 "padded" 65 entries to 65 and 2.5 to 65.0 (a float shape): every function that
+    pads the vocabulary for tp refuses them in one line instead."""
+    from numesh.base.padding import padded_vocab
+    from numesh.base.tree import tree_map
+    from numesh.checkpoint import pad_vocab
+    from numesh.nn.gpt import GPTConfig, gpt_global_shapes
+
+    model = GPTConfig(vocab_size=65, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    params = tree_map(np.zeros, gpt_global_shapes(model, 1))
+    with pytest.raises(ValueError, match=r"^tp must be an integer >= 1, got .*$"):
+        padded_vocab(65, tp)
+    for pad in (lambda: model.padded_vocab(tp), lambda: pad_vocab(params, model, tp)):
+        with pytest.raises(ConfigError, match=r"^tp must be (an integer|>= 1), got [^\n]*$"):
+            pad()
+    assert padded_vocab(65, 2) == model.padded_vocab(2) == pad_vocab(params, model, 2).wte.shape[0] == 66
+
+
 def test_global_path_maps_pipeline_blocks() -> None:
     from numesh.nn.gpt import GPTConfig
 

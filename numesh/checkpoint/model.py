@@ -15,7 +15,7 @@ from numesh.base.errors import CheckpointError
 from numesh.base.flags import flag_value
 from numesh.base.tree import tree_leaves_with_path, tree_map_with_path
 from numesh.checkpoint.format import LeafDef, Meta, full_region
-from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs
+from numesh.nn.gpt import GPT, GPTConfig, check_tp, gpt_global_shapes, gpt_specs
 from numesh.pipeline.stages import StageLayout, stage_tree
 
 # model-config keys that change the shape or the meaning of some parameter (dropout and the
@@ -187,9 +187,10 @@ def _unpad_leaf(x: np.ndarray, leaf: LeafDef) -> np.ndarray:
 
 
 def pad_vocab(params: GPT, model: GPTConfig, tp: int) -> GPT:
-    """Whole unpadded parameters padded for tensor-parallel size `tp` (zero rows)."""
+    """Whole unpadded parameters padded for tensor-parallel size `tp` (zero rows); a tp that
+    is no integer >= 1 is a one-line ConfigError (-1 padded nothing, 2.5 made float shapes)."""
     leaves = gpt_leaves(model)
-    sizes = {"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": tp}
+    sizes = {"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": check_tp(tp)}
     return tree_map_with_path(lambda path, x: _pad_leaf(x, leaves[path], sizes), params)
 
 
