@@ -85,19 +85,28 @@ def check_model(meta: Meta, model: GPTConfig) -> None:
     keys = differing_keys(meta.model, model, SHAPE_KEYS + MATH_KEYS)
     if keys:
         have = ", ".join(f"{k}={model_value(meta.model, k)}" for k in keys)
-        want = ", ".join(f"{k}={model_value(model, k)}" for k in keys)
+        want = ", ".join(f"{k}={option_value(model, k)}" for k in keys)
         raise CheckpointError(f"{meta.path}: the checkpoint's model has {have} but this run has {want}: resume with "
                               f"the same model config ({model_options(meta.model, keys)})")
 
 
 def differing_keys(theirs: GPTConfig, model: GPTConfig, keys: Sequence[str]) -> list[str]:
-    """The `keys` whose `model_value` differs between two configs, all of them (one error
-    names every option to change, not one per attempt): a derived size left to 0 on both
-    sides is its source's difference (n_embd's, n_head's), and a part one side lacks is its
-    key's (moe_every without experts is moe_experts')."""
-    return [k for k in keys if model_value(theirs, k) != model_value(model, k)
-            and not (k in DERIVED and getattr(theirs, k) == getattr(model, k) == 0)
-            and None not in (model_value(theirs, k), model_value(model, k))]
+    """The `keys` in which `model` must change to be `theirs`, all of them (one error names
+    every option to change, not one per attempt): where their `model_value` differs, a
+    derived size left to 0 on both sides apart (that is its source's difference, n_embd's or
+    n_head's). A setting of a part only `theirs` has counts at `model`'s option value: a
+    Llama checkpoint resumed with GPT-2's options names --rope-theta and --norm-eps with
+    --positions and --norm, not in a second refusal once those are fixed. One of a part only
+    `model` has is not named: dropping the part (its own key) is the change."""
+    return [k for k in keys if model_value(theirs, k) is not None and model_value(theirs, k) != option_value(model, k)
+            and not (k in DERIVED and getattr(theirs, k) == getattr(model, k) == 0)]
+
+
+def option_value(model: GPTConfig, key: str) -> object:
+    """`model_value`, or where the model has no part that reads `key` (rope_theta with
+    learned positions), the option's value, which that part would read once added."""
+    value = model_value(model, key)
+    return getattr(model, key) if value is None else value
 
 
 def model_options(model: GPTConfig, keys: Sequence[str]) -> str:
