@@ -493,11 +493,44 @@ def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> G
         check_not_checkpoint(cfg.init_from)
     if cfg.init_from and not Path(cfg.init_from).is_dir():  # a directory is judged when it is read
         check_init_kind(model)
+    if cfg.init_from:
+        _check_mesh_of_fixed_model(model, shape, cfg.virtual_stages, f"--init-from {cfg.init_from}")
     _check_moe(cfg, shape)
     model.validate(shape["tp"])
     StageLayout(model.n_layer, shape["pp"], cfg.virtual_stages)
     check_shape(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)  # the trainer builds it
     return model
+
+
+def _check_mesh_of_fixed_model(model: GPTConfig, shape: dict[str, int], v: int, source: str) -> None:
+    """A mesh that does not split a model whose weights `source` fixes (--init-from's: a
+    Llama-family directory sets the model options, a GPT-2 one or an export file must be
+    matched) is refused naming what the user can change, the mesh (and --virtual-stages),
+    never a model option such as --ffn-hidden, --moe-experts or --n-layer."""
+    fixed = f"{source} fixes the model"
+    model.check_tp_of_fixed_model(shape["tp"], f"{fixed}: use --mesh with tp {{sizes}}")
+    ep, experts = shape.get("ep", 1), model.moe_experts
+    if ep > 1 and not experts:
+        raise ConfigError(f"ep={ep} splits the experts over ranks, but {source}'s model has none: "
+                          "drop ep from --mesh")
+    if experts % ep:
+        raise ConfigError(f"moe_experts={experts} is not divisible by ep={ep}: {fixed}: "
+                          f"use --mesh with ep {_either(_divisors(experts))}")
+    if model.n_layer % (shape["pp"] * v):
+        raise ConfigError(f"n_layer={model.n_layer} is not divisible by pp x virtual stages = {shape['pp']} x {v}: "
+                          f"{fixed}: use a pp (--mesh) and --virtual-stages whose product is "
+                          f"{_either(_divisors(model.n_layer))}")
+
+
+def _divisors(n: int) -> list[int]:
+    """The sizes of a mesh axis that split `n` evenly, smallest first."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _either(sizes: list[int]) -> str:
+    """Sizes in words: "1", "1 or 2", "1, 2 or 4"."""
+    words = [str(s) for s in sizes]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def _check_batch(cfg: TrainConfig, shape: dict[str, int]) -> None:
