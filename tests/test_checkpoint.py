@@ -280,6 +280,41 @@ def test_resume_past_max_iters_is_an_error(saved: Path, data: Path, tmp_path: Pa
         train(config(data, tmp_path, max_iters=2, resume=str(saved)), MPI.COMM_SELF)
 
 
+CLI_RUN = ("--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--block-size", "8", "--batch-size", "4",
+           "--eval-interval", "100", "--eval-iters", "1", "--peak-flops", "1e12")
+
+
+def resume_cli(data: Path, out: Path, steps: int, *extra: str) -> Any:
+    """`numesh train` of CLI_RUN's model to `steps` into `out`, resuming its latest if it has one."""
+    again = ("--resume", str(out / "ckpt" / "latest")) if (out / "ckpt").exists() else ()
+    res = cli("train", *CLI_RUN, "--data", str(data), "--out", str(out), "--max-iters", str(steps), *again, *extra)
+    assert res.exit_code == 0, res.output
+    return res
+
+
+def notes(res: Any) -> list[str]:
+    return [line for line in res.stderr.splitlines() if line.startswith("note: ")]
+
+
+def test_a_resume_continues_in_the_checkpoints_dtype_unless_dtype_is_given(data: Path, tmp_path: Path) -> None:
+    """A float64 checkpoint resumed without --dtype was converted to float32 silently: it
+    continues in float64 now, and a --dtype given converts it with a note line."""
+    out = tmp_path / "r"
+    resume_cli(data, out, 1, "--dtype", "float64")
+    res = resume_cli(data, out, 2)
+    assert notes(res) == [] and read_meta(out / "ckpt" / "latest").dtype == "float64"
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float64"
+    ckpt = str(out / "ckpt" / "latest")
+    assert config_from(dict(resume=ckpt)).dtype == "float64"
+    assert config_from(dict(resume="auto", out=str(out))).dtype == "float64"
+    assert config_from(dict(resume="auto", out=str(tmp_path / "none"))).dtype == "float32"  # a fresh start
+    assert config_from(dict(resume=ckpt, dtype="float32")).dtype == "float32"
+    res = resume_cli(data, out, 3, "--dtype", "float32")
+    assert notes(res) == [f"note: {ckpt} was saved in float64; its weights and moments are converted to float32 "
+                          "(--dtype), in which this run continues"]
+    assert read_meta(out / "ckpt" / "latest").dtype == "float32"
+
+
 # ---------------------------------------------------------------------------------------
 # broken checkpoints: a CheckpointError naming the file
 
@@ -871,6 +906,22 @@ def test_ranks_that_read_different_vocabularies_stop_in_one_line() -> None:
 
     with pytest.raises(ConfigError, match=r"the ranks read different vocabulary sizes \(\[41, 64\]\)"):
         agree_on_vocab(64, Two())
+
+
+def test_ranks_that_chose_different_dtypes_stop_in_one_line() -> None:
+    """A resume without --dtype takes its checkpoint's on every rank that reads it; one that
+    cannot keeps float32, and the run stops in one line rather than in a collective."""
+    from numesh.run.train import agree_on_dtype
+
+    class Two:
+        def Get_size(self) -> int:
+            return 2
+
+        def allgather(self, _x: str) -> list[str]:
+            return ["float64", "float32"]
+
+    with pytest.raises(ConfigError, match=r"^the ranks chose different dtypes \(float32, float64\) .* --dtype$"):
+        agree_on_dtype("float64", Two())
 
 
 # ---------------------------------------------------------------------------------------

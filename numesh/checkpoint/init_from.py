@@ -97,6 +97,18 @@ def start_vocab(init_from: str, resume: str) -> int | None:
     return None
 
 
+def start_dtype(resume: str) -> str | None:
+    """The dtype ("float32", "float64") of the checkpoint a run resumes, as its meta.json
+    says, or None where there is none or it cannot be read yet (resuming it says why): a
+    resume continues in it unless --dtype is given (`numesh.run.config.config_from`)."""
+    if not resume or not Path(resume).exists():
+        return None
+    try:
+        return read_meta(Path(resume)).dtype
+    except (OSError, ValueError, KeyError, TypeError):  # a UserError is a ValueError
+        return None
+
+
 def _described_vocab(p: Path) -> int:
     """The vocabulary a `numesh export` file, transformers directory or checkpoint says its
     model has: the file's metadata, config.json or meta.json, never the weights."""

@@ -84,7 +84,7 @@ def read_local_state(path: str | Path, mesh: Mesh, model: GPTConfig, layout: Sta
         if optimizer is not None:
             check_optimizer(meta, optimizer)
         return LocalState(_read_local_trees(meta, mesh, model, layout, dtype), meta.step, meta.opt_step,
-                          meta.optimizer, recorded_source(meta.raw, meta.root))
+                          meta.optimizer, recorded_source(meta.raw, meta.root), meta.dtype)
 
     return read_pinned_on(mesh.world, path, read)
 

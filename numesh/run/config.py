@@ -19,7 +19,7 @@ from numesh.base.files import read_user_file
 from numesh.base.flags import flag, flag_value
 from numesh.checkpoint.format import LATEST, RUN_CKPT
 from numesh.checkpoint.hf_llama import conflicts, is_pretrained_dir, model_type, pretrained
-from numesh.checkpoint.init_from import check_init_kind, check_not_checkpoint, start_vocab
+from numesh.checkpoint.init_from import check_init_kind, check_not_checkpoint, start_dtype, start_vocab
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
 from numesh.host.startup_signals import DEFAULT_SAVE_SIGNALS, parse_signals
 from numesh.mesh import parse_mesh
@@ -144,7 +144,7 @@ class TrainConfig:
         "be -1; none given: every rank on dp); auto: the layout whose memory fits and whose step `numesh plan` "
         "predicts fastest on the job's ranks (options of the layout set to other than their defaults are kept)")
     seed: int = _field(1337, "seed of the initial parameters, data order and dropout")
-    dtype: str = _field("float32", "float32 or float64")
+    dtype: str = _field("float32", "float32 or float64; a resume continues in its checkpoint's unless given")
     # checkpoints
     ckpt_interval: int = _field(0, "save a checkpoint every N steps; 0 = only at the end")
     keep: int = _field(0, "keep the N newest checkpoints; 0 = all")
@@ -236,6 +236,8 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None,
     _default_floor(values, given, fields["min_lr"].default)
     for name, value in values.items():
         values[name] = option_value(name, value, field_type(fields[name]))
+    if "dtype" not in given:
+        _resume_dtype(values, fields["out"].default)
     cfg = TrainConfig(**values)
     _check_unused(cfg, given)
     if "warmup_iters" in given:  # the default warm-up (100) past a short run's --lr-decay-iters is nanoGPT's too
@@ -310,6 +312,22 @@ def _default_floor(values: dict[str, Any], given: dict[str, str], floor: float) 
         values["min_lr"] = float(lr)
 
 
+def _resume_dtype(values: dict[str, Any], out: str) -> None:
+    """--dtype where not given (on the command line, or in the --config file at other than
+    its default): the checkpoint's a resume continues from (`--resume`, or with `auto`
+    OUT/ckpt/latest where there is one), which was silently converted to float32. A
+    checkpoint that cannot be read leaves the default: resuming it says why."""
+    dtype = start_dtype(resume_path(values.get("resume", ""), values.get("out", out)))
+    if dtype in DTYPES:
+        values["dtype"] = dtype
+
+
+def resume_path(resume: str, out: str) -> str:
+    """The checkpoint `--resume` names before the run starts: `auto` is OUT/ckpt/latest
+    (which may not exist: then a fresh start), "" none."""
+    return str(Path(out) / RUN_CKPT / LATEST) if resume == RESUME_AUTO else resume
+
+
 def _llama_dir(init: Any) -> bool:
     """Whether `--init-from` names a transformers Llama-family directory (not GPT-2's)."""
     return isinstance(init, str) and bool(init.strip()) and is_pretrained_dir(init) and model_type(Path(init)) != "gpt2"
@@ -372,8 +390,7 @@ def run_vocab(cfg: TrainConfig, entries: int) -> int:
     from (`--resume`, else `--init-from`) where they have more: a transformers model padded
     to a multiple of 64, and every run, checkpoint and export after it, keeps those rows,
     whose ids never occur. Fewer rows than entries are refused where they are read."""
-    resume = str(Path(cfg.out) / RUN_CKPT / LATEST) if cfg.resume == RESUME_AUTO else cfg.resume
-    return max(entries, start_vocab(cfg.init_from, resume) or 0)
+    return max(entries, start_vocab(cfg.init_from, resume_path(cfg.resume, cfg.out)) or 0)
 
 
 def check_options(cfg: TrainConfig, n_ranks: int, mesh_origin: str = "") -> dict[str, int]:
