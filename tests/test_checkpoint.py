@@ -315,6 +315,51 @@ def test_a_resume_continues_in_the_checkpoints_dtype_unless_dtype_is_given(data:
     assert read_meta(out / "ckpt" / "latest").dtype == "float32"
 
 
+def test_a_resume_that_changes_hyper_parameters_says_so_and_config_json_keeps_each_change(data: Path,
+                                                                                          tmp_path: Path) -> None:
+    """Resuming with another learning rate or weight decay was silent, and config.json then
+    held only the new values, as if the whole run had trained with them: a note line says
+    old -> new, and config.json (like each later checkpoint's meta.json) lists every change
+    with the step it applies from, across resumes."""
+    out = tmp_path / "r"
+    resume_cli(data, out, 1, "--learning-rate", "1e-2", "--min-lr", "1e-3")
+    res = resume_cli(data, out, 2, "--learning-rate", "5e-3", "--min-lr", "1e-3", "--weight-decay", "0",
+                     "--beta2", "0.95")
+    assert notes(res) == ["note: resuming with hyper-parameters changed from the checkpoint's run: --learning-rate "
+                          "0.01 -> 0.005, --beta2 0.99 -> 0.95, --weight-decay 0.1 -> 0.0 (config.json lists each "
+                          "change and its step)"]
+    first = {"step": 1, "learning_rate": [0.01, 0.005], "beta2": [0.99, 0.95], "weight_decay": [0.1, 0.0]}
+    config = json.loads((out / "config.json").read_text())
+    assert config["learning_rate"] == 0.005 and config["hyper_parameter_changes"] == [first]
+    res = resume_cli(data, out, 3, "--learning-rate", "5e-3", "--min-lr", "1e-3", "--weight-decay", "0",
+                     "--beta2", "0.95")  # nothing changed: no note, the changes kept
+    assert notes(res) == []
+    assert json.loads((out / "config.json").read_text())["hyper_parameter_changes"] == [first]
+    resume_cli(data, out, 4, "--learning-rate", "2e-3", "--min-lr", "1e-3", "--weight-decay", "0",
+               "--beta2", "0.95", "--grad-clip", "0.5")
+    changes = [first, {"step": 3, "learning_rate": [0.005, 0.002], "grad_clip": [1.0, 0.5]}]
+    assert json.loads((out / "config.json").read_text())["hyper_parameter_changes"] == changes
+    assert read_meta(out / "ckpt" / "latest").raw["train"]["hyper_parameter_changes"] == changes
+    other = tmp_path / "elsewhere"  # a resume into another --out carries the checkpoint's record
+    cli_res = cli("train", *CLI_RUN, "--data", str(data), "--out", str(other), "--max-iters", "5", "--resume",
+                  str(out / "ckpt" / "latest"), "--learning-rate", "2e-3", "--min-lr", "1e-3", "--weight-decay", "0",
+                  "--beta2", "0.95", "--grad-clip", "0.5")
+    assert cli_res.exit_code == 0, cli_res.output
+    assert json.loads((other / "config.json").read_text())["hyper_parameter_changes"] == changes
+
+
+def test_the_hyper_parameters_a_resume_compares_are_the_optimisers_the_schedules_and_clippings() -> None:
+    from numesh.run.config import changed_hyper_parameters
+
+    muon = config_from(dict(optimizer="muon", muon_momentum=0.9, muon_nesterov=False, warmup_iters=5))
+    recorded = {**attrs.asdict(muon), "muon_momentum": 0.95, "muon_nesterov": True, "warmup_iters": 10, "seed": 1}
+    assert changed_hyper_parameters(recorded, muon) == {
+        "muon_momentum": [0.95, 0.9], "muon_nesterov": [True, False], "warmup_iters": [10, 5]}
+    del recorded["muon_momentum"]  # a key an older numesh did not record: nothing to compare
+    assert list(changed_hyper_parameters(recorded, muon)) == ["muon_nesterov", "warmup_iters"]
+    assert changed_hyper_parameters(None, muon) == {}
+
+
 # ---------------------------------------------------------------------------------------
 # broken checkpoints: a CheckpointError naming the file
 

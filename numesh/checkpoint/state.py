@@ -82,8 +82,9 @@ class TrainState:
 class LocalState:
     """What loading a checkpoint gives one rank: trees shaped like `TrainState.trees` (in
     the run's dtype and layout), the step to continue from, the optimiser's step and name,
-    the record of the transformers directory its run started from (or None) and the dtype
-    it was saved in."""
+    the record of the transformers directory its run started from (or None), the dtype it
+    was saved in and its run's config (meta.json "train", or None), which a resume compares
+    its own with."""
 
     trees: dict[str, GPT]
     step: int
@@ -91,3 +92,4 @@ class LocalState:
     optimizer: str = LEGACY_OPTIMIZER
     source: dict[str, Any] | None = None
     dtype: str = "float32"
+    run_config: dict[str, Any] | None = None

@@ -27,7 +27,7 @@ from numesh.nn.gpt import ARCHS, GPTConfig
 from numesh.nn.walk import check_recompute
 from numesh.observe.inject import faults_from_env
 from numesh.optim.lr import DEFAULT_LEARNING_RATE
-from numesh.optim.registry import applies_to, run_optimizer
+from numesh.optim.registry import OPTIONS, applies_to, run_optimizer
 from numesh.pipeline.schedules import check_shape
 from numesh.pipeline.stages import StageLayout
 
@@ -192,6 +192,40 @@ def setting_differences(recorded: dict[str, Any], cfg: TrainConfig) -> list[str]
     now = attrs.asdict(cfg)
     return [f"{flag_value(k, now[k])} (it ran with {flag_value(k, v)})" for k, v in recorded.items()
             if k in now and k not in NOT_SETTINGS and v != now[k]]
+
+
+# where config.json and a checkpoint's meta.json "train" list the hyper-parameters resumes
+# changed: [{"step": 200, "learning_rate": [0.001, 0.0001]}, ...] (absent while none did)
+CHANGES_KEY = "hyper_parameter_changes"
+# the options of the learning-rate schedule and clipping, which every optimiser's steps read
+STEP_OPTIONS = ("min_lr", "warmup_iters", "lr_decay_iters", "grad_clip")
+
+
+def changed_hyper_parameters(recorded: dict[str, Any] | None, cfg: TrainConfig) -> dict[str, list[Any]]:
+    """{option: [the checkpoint's run's value, `cfg`'s]} of each hyper-parameter of the
+    optimiser's steps (its own options, the schedule's, clipping) that `cfg` changes from
+    the run that saved the checkpoint, whose config is `recorded` (its meta.json "train";
+    None or a key it lacks, from an older numesh: nothing to compare). A resume may change
+    them (a lower rate, say), but says so (`resume_notes`) and records it (`run_record`)."""
+    if not isinstance(recorded, dict):
+        return {}
+    now = attrs.asdict(cfg)
+    keys = (*OPTIONS.get(cfg.optimizer, {}), *STEP_OPTIONS)
+    return {k: [recorded[k], now[k]] for k in keys if k in recorded and recorded[k] != now[k]}
+
+
+def run_record(cfg: TrainConfig, recorded: dict[str, Any] | None = None, step: int = 0,
+               changed: dict[str, list[Any]] | None = None) -> dict[str, Any]:
+    """What config.json and every checkpoint's meta.json "train" record of a run: `cfg`'s
+    options, and where resumes changed hyper-parameters, each change under CHANGES_KEY with
+    the step from which it applies: those the resumed checkpoint's run (`recorded`) had
+    listed, then `changed` at `step`. config.json held the last command's values only, as
+    if the whole run had trained with them."""
+    listed = recorded.get(CHANGES_KEY) if isinstance(recorded, dict) else None
+    history = list(listed) if isinstance(listed, list) else []
+    if changed:
+        history.append({"step": step, **changed})
+    return {**attrs.asdict(cfg), **({CHANGES_KEY: history} if history else {})}
 
 
 def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None,
