@@ -186,6 +186,25 @@ def test_leaf_table_pads_only_the_vocabulary() -> None:
     assert not any(m and m.startswith(("numesh.nn", "numesh.pipeline", "numesh.optim")) for m in imported), imported
 
 
+@pytest.mark.parametrize("tp", [-1, 0, 2.5, True, "2"])
+def test_padding_the_vocabulary_refuses_a_tp_that_is_no_size(tp: Any) -> None:
+    """tp=-1 "padded" 65 entries to 65 and 2.5 to 65.0 (a float shape): every function that
+    pads the vocabulary for tp refuses them in one line instead."""
+    from numesh.base.padding import padded_vocab
+    from numesh.base.tree import tree_map
+    from numesh.checkpoint import pad_vocab
+    from numesh.nn.gpt import GPTConfig, gpt_global_shapes
+
+    model = GPTConfig(vocab_size=65, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    params = tree_map(np.zeros, gpt_global_shapes(model, 1))
+    with pytest.raises(ValueError, match=r"^tp must be an integer >= 1, got .*$"):
+        padded_vocab(65, tp)
+    for pad in (lambda: model.padded_vocab(tp), lambda: pad_vocab(params, model, tp)):
+        with pytest.raises(ConfigError, match=r"^tp must be (an integer|>= 1), got [^\n]*$"):
+            pad()
+    assert padded_vocab(65, 2) == model.padded_vocab(2) == pad_vocab(params, model, 2).wte.shape[0] == 66
+
+
 def test_global_path_maps_pipeline_blocks() -> None:
     from numesh.nn.gpt import GPTConfig
 
@@ -259,6 +278,86 @@ def test_resume_is_bit_for_bit(data: Path, tmp_path: Path) -> None:
 def test_resume_past_max_iters_is_an_error(saved: Path, data: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="past max_iters=2"):
         train(config(data, tmp_path, max_iters=2, resume=str(saved)), MPI.COMM_SELF)
+
+
+CLI_RUN = ("--n-layer", "1", "--n-head", "2", "--n-embd", "8", "--block-size", "8", "--batch-size", "4",
+           "--eval-interval", "100", "--eval-iters", "1", "--peak-flops", "1e12")
+
+
+def resume_cli(data: Path, out: Path, steps: int, *extra: str) -> Any:
+    """`numesh train` of CLI_RUN's model to `steps` into `out`, resuming its latest if it has one."""
+    again = ("--resume", str(out / "ckpt" / "latest")) if (out / "ckpt").exists() else ()
+    res = cli("train", *CLI_RUN, "--data", str(data), "--out", str(out), "--max-iters", str(steps), *again, *extra)
+    assert res.exit_code == 0, res.output
+    return res
+
+
+def notes(res: Any) -> list[str]:
+    return [line for line in res.stderr.splitlines() if line.startswith("note: ")]
+
+
+def test_a_resume_continues_in_the_checkpoints_dtype_unless_dtype_is_given(data: Path, tmp_path: Path) -> None:
+    """A float64 checkpoint resumed without --dtype was converted to float32 silently: it
+    continues in float64 now, and a --dtype given converts it with a note line."""
+    out = tmp_path / "r"
+    resume_cli(data, out, 1, "--dtype", "float64")
+    res = resume_cli(data, out, 2)
+    assert notes(res) == [] and read_meta(out / "ckpt" / "latest").dtype == "float64"
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float64"
+    ckpt = str(out / "ckpt" / "latest")
+    assert config_from(dict(resume=ckpt)).dtype == "float64"
+    assert config_from(dict(resume="auto", out=str(out))).dtype == "float64"
+    assert config_from(dict(resume="auto", out=str(tmp_path / "none"))).dtype == "float32"  # a fresh start
+    assert config_from(dict(resume=ckpt, dtype="float32")).dtype == "float32"
+    res = resume_cli(data, out, 3, "--dtype", "float32")
+    assert notes(res) == [f"note: {ckpt} was saved in float64; its weights and moments are converted to float32 "
+                          "(--dtype), in which this run continues"]
+    assert read_meta(out / "ckpt" / "latest").dtype == "float32"
+
+
+def test_a_resume_that_changes_hyper_parameters_says_so_and_config_json_keeps_each_change(data: Path,
+                                                                                          tmp_path: Path) -> None:
+    """Resuming with another learning rate or weight decay was silent, and config.json then
+    held only the new values, as if the whole run had trained with them: a note line says
+    old -> new, and config.json (like each later checkpoint's meta.json) lists every change
+    with the step it applies from, across resumes."""
+    out = tmp_path / "r"
+    resume_cli(data, out, 1, "--learning-rate", "1e-2", "--min-lr", "1e-3")
+    res = resume_cli(data, out, 2, "--learning-rate", "5e-3", "--min-lr", "1e-3", "--weight-decay", "0",
+                     "--beta2", "0.95")
+    assert notes(res) == ["note: resuming with hyper-parameters changed from the checkpoint's run: --learning-rate "
+                          "0.01 -> 0.005, --beta2 0.99 -> 0.95, --weight-decay 0.1 -> 0.0 (config.json lists each "
+                          "change and its step)"]
+    first = {"step": 1, "learning_rate": [0.01, 0.005], "beta2": [0.99, 0.95], "weight_decay": [0.1, 0.0]}
+    config = json.loads((out / "config.json").read_text())
+    assert config["learning_rate"] == 0.005 and config["hyper_parameter_changes"] == [first]
+    res = resume_cli(data, out, 3, "--learning-rate", "5e-3", "--min-lr", "1e-3", "--weight-decay", "0",
+                     "--beta2", "0.95")  # nothing changed: no note, the changes kept
+    assert notes(res) == []
+    assert json.loads((out / "config.json").read_text())["hyper_parameter_changes"] == [first]
+    resume_cli(data, out, 4, "--learning-rate", "2e-3", "--min-lr", "1e-3", "--weight-decay", "0",
+               "--beta2", "0.95", "--grad-clip", "0.5")
+    changes = [first, {"step": 3, "learning_rate": [0.005, 0.002], "grad_clip": [1.0, 0.5]}]
+    assert json.loads((out / "config.json").read_text())["hyper_parameter_changes"] == changes
+    assert read_meta(out / "ckpt" / "latest").raw["train"]["hyper_parameter_changes"] == changes
+    other = tmp_path / "elsewhere"  # a resume into another --out carries the checkpoint's record
+    cli_res = cli("train", *CLI_RUN, "--data", str(data), "--out", str(other), "--max-iters", "5", "--resume",
+                  str(out / "ckpt" / "latest"), "--learning-rate", "2e-3", "--min-lr", "1e-3", "--weight-decay", "0",
+                  "--beta2", "0.95", "--grad-clip", "0.5")
+    assert cli_res.exit_code == 0, cli_res.output
+    assert json.loads((other / "config.json").read_text())["hyper_parameter_changes"] == changes
+
+
+def test_the_hyper_parameters_a_resume_compares_are_the_optimisers_the_schedules_and_clippings() -> None:
+    from numesh.run.config import changed_hyper_parameters
+
+    muon = config_from(dict(optimizer="muon", muon_momentum=0.9, muon_nesterov=False, warmup_iters=5))
+    recorded = {**attrs.asdict(muon), "muon_momentum": 0.95, "muon_nesterov": True, "warmup_iters": 10, "seed": 1}
+    assert changed_hyper_parameters(recorded, muon) == {
+        "muon_momentum": [0.95, 0.9], "muon_nesterov": [True, False], "warmup_iters": [10, 5]}
+    del recorded["muon_momentum"]  # a key an older numesh did not record: nothing to compare
+    assert list(changed_hyper_parameters(recorded, muon)) == ["muon_nesterov", "warmup_iters"]
+    assert changed_hyper_parameters(None, muon) == {}
 
 
 # ---------------------------------------------------------------------------------------
@@ -852,6 +951,22 @@ def test_ranks_that_read_different_vocabularies_stop_in_one_line() -> None:
 
     with pytest.raises(ConfigError, match=r"the ranks read different vocabulary sizes \(\[41, 64\]\)"):
         agree_on_vocab(64, Two())
+
+
+def test_ranks_that_chose_different_dtypes_stop_in_one_line() -> None:
+    """A resume without --dtype takes its checkpoint's on every rank that reads it; one that
+    cannot keeps float32, and the run stops in one line rather than in a collective."""
+    from numesh.run.train import agree_on_dtype
+
+    class Two:
+        def Get_size(self) -> int:
+            return 2
+
+        def allgather(self, _x: str) -> list[str]:
+            return ["float64", "float32"]
+
+    with pytest.raises(ConfigError, match=r"^the ranks chose different dtypes \(float32, float64\) .* --dtype$"):
+        agree_on_dtype("float64", Two())
 
 
 # ---------------------------------------------------------------------------------------

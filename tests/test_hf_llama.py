@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -641,6 +642,26 @@ def test_init_from_alone_sets_the_model_and_a_conflicting_option_is_one_line(tok
     assert str(e.value) == f"--n-layer 3 and --n-embd 32 conflict with --init-from {d}, whose model has 2 and 16: " \
                            "leave them out (the directory sets them)"
 
+
+
+@pytest.mark.parametrize("mesh, says", [
+    ("tp=4", "the MLP's hidden size 26 is not divisible by tp=4: {fixes}: use --mesh with tp 1 or 2"),
+    ("ep=3", "moe_experts=4 is not divisible by ep=3: {fixes}: use --mesh with ep 1, 2 or 4"),
+    ("pp=4", "n_layer=2 is not divisible by pp x virtual stages = 4 x 1: {fixes}: use a pp (--mesh) and "
+             "--virtual-stages whose product is 1 or 2"),
+])
+def test_a_mesh_that_does_not_split_the_directorys_model_names_only_the_mesh(
+        mesh: str, says: str, tok_json: str, llama_data: Path, tmp_path: Path) -> None:
+    """The directory fixes the model (its options given otherwise conflict): a refused mesh
+    advised --ffn-hidden, --moe-experts or --n-layer, options the user cannot change."""
+    from numesh.run.config import check_layout, config_from
+
+    d = save_model(tmp_path / "hf", tok_json, kind="mixtral", intermediate_size=26)
+    cfg = config_from(dict(init_from=str(d), data=str(llama_data), mesh=mesh))
+    with pytest.raises(ConfigError) as e:
+        check_layout(cfg, 4 if mesh != "ep=3" else 3, vocab_of(tok_json))
+    assert str(e.value) == says.format(fixes=f"--init-from {d} fixes the model")
+    assert check_layout(attrs.evolve(cfg, mesh="tp=2,ep=2"), 4, vocab_of(tok_json))[0]["tp"] == 2  # one that does
 
 
 def test_a_library_models_mismatches_with_the_directory_are_named_at_once(tok_json: str, llama_data: Path,

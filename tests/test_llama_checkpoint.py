@@ -129,6 +129,29 @@ def test_resuming_with_several_differences_names_them_all_in_one_line(llama_run:
     assert "None" not in str(e.value) and "--norm layernorm --positions learned --mlp gelu" in str(e.value)
 
 
+def test_resuming_a_llama_checkpoint_with_gpt2_options_names_its_math_in_the_first_refusal(
+        llama_run: Path, tmp_path: Path) -> None:
+    """The parts first, then (once --norm and --positions were fixed) --rope-theta and
+    --norm-eps in a second refusal: every setting to change is in the first one now, and
+    its options resume the checkpoint as they are pasted."""
+    data, ckpt = str(llama_run.parent / "data"), str(llama_run / "ckpt" / "latest")
+    shape = [f for f in LLAMA_FLAGS[2:] if f not in ("--rope-theta", "500", "--norm-eps", "1e-6")]
+    line = one_error_line(cli("train", *shape, *RUN_FLAGS, "--data", data, "--out", str(tmp_path / "r"),
+                              "--resume", ckpt, "--max-iters", "3"))
+    assert "rope_theta=500.0, norm_eps=1e-06 but this run has" in line and "rope_theta=10000.0, norm_eps=1e-05" in line
+    fix = line[line.rindex("(") + 1:-1].split()
+    assert fix[:7] == ["--norm", "rmsnorm", "--positions", "rotary", "--mlp", "swiglu", "--no-tie-embeddings"]
+    assert fix[7:] == ["--rope-theta", "500.0", "--norm-eps", "1e-06"]
+    res = cli("train", *shape, *fix, *RUN_FLAGS, "--data", data, "--out", str(tmp_path / "r"), "--resume", ckpt,
+              "--max-iters", "3")
+    assert res.exit_code == 0, res.output
+    m = read_meta(ckpt).model  # a part the run has and the checkpoint lacks: its key (norm) is the change
+    gpt2_meta = attrs.evolve(read_meta(ckpt), model=attrs.evolve(m, norm="layernorm", norm_eps=1e-5))
+    with pytest.raises(CheckpointError) as e:
+        check_model(gpt2_meta, m)
+    assert "has norm=layernorm but this run has norm=rmsnorm" in str(e.value)
+
+
 def test_resume_compares_what_the_parameters_mean(llama_run: Path) -> None:
     """0 and the default it stands for are the same tree; a rotary base or an RMSNorm
     epsilon means nothing to a model without them."""

@@ -36,6 +36,7 @@ from numesh.checkpoint.model import (
     local_paths,
     model_options,
     model_value,
+    option_value,
     shard_params,
 )
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, directory_tokenizer, read_tokenizer_file
@@ -94,6 +95,18 @@ def start_vocab(init_from: str, resume: str) -> int | None:
             except (OSError, ValueError, KeyError, TypeError):  # a UserError is a ValueError
                 return None
     return None
+
+
+def start_dtype(resume: str) -> str | None:
+    """The dtype ("float32", "float64") of the checkpoint a run resumes, as its meta.json
+    says, or None where there is none or it cannot be read yet (resuming it says why): a
+    resume continues in it unless --dtype is given (`numesh.run.config.config_from`)."""
+    if not resume or not Path(resume).exists():
+        return None
+    try:
+        return read_meta(Path(resume)).dtype
+    except (OSError, ValueError, KeyError, TypeError):  # a UserError is a ValueError
+        return None
 
 
 def _described_vocab(p: Path) -> int:
@@ -168,7 +181,7 @@ def load_init(path: str | Path, model: GPTConfig, dataset: CharTokenizer | HFTok
     _check_vocab(p, rows=theirs.vocab_size, run=model.vocab_size, entries=dataset.vocab_size, own=own)
     if keys := differing_keys(theirs, model, SHAPE_KEYS):  # every mismatch at once, not one per attempt
         have = ", ".join(f"{k} {model_value(theirs, k)}" for k in keys)
-        run = ", ".join(str(model_value(model, k)) for k in keys)
+        run = ", ".join(str(option_value(model, k)) for k in keys)
         raise ConfigError(f"--init-from {p} has {have}; this run {run}: pass {model_options(theirs, keys)}")
     return tree_map(lambda x: np.asarray(x, dtype=dtype), params)
 

@@ -83,8 +83,10 @@ def read_local_state(path: str | Path, mesh: Mesh, model: GPTConfig, layout: Sta
         check_model(meta, model)
         if optimizer is not None:
             check_optimizer(meta, optimizer)
+        recorded = meta.raw.get("train")
         return LocalState(_read_local_trees(meta, mesh, model, layout, dtype), meta.step, meta.opt_step,
-                          meta.optimizer, recorded_source(meta.raw, meta.root))
+                          meta.optimizer, recorded_source(meta.raw, meta.root), meta.dtype,
+                          recorded if isinstance(recorded, dict) else None)
 
     return read_pinned_on(mesh.world, path, read)
 

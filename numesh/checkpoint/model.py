@@ -15,7 +15,7 @@ from numesh.base.errors import CheckpointError
 from numesh.base.flags import flag_value
 from numesh.base.tree import tree_leaves_with_path, tree_map_with_path
 from numesh.checkpoint.format import LeafDef, Meta, full_region
-from numesh.nn.gpt import GPT, GPTConfig, gpt_global_shapes, gpt_specs
+from numesh.nn.gpt import GPT, GPTConfig, check_tp, gpt_global_shapes, gpt_specs
 from numesh.pipeline.stages import StageLayout, stage_tree
 
 # model-config keys that change the shape or the meaning of some parameter (dropout and the
@@ -85,19 +85,28 @@ def check_model(meta: Meta, model: GPTConfig) -> None:
     keys = differing_keys(meta.model, model, SHAPE_KEYS + MATH_KEYS)
     if keys:
         have = ", ".join(f"{k}={model_value(meta.model, k)}" for k in keys)
-        want = ", ".join(f"{k}={model_value(model, k)}" for k in keys)
+        want = ", ".join(f"{k}={option_value(model, k)}" for k in keys)
         raise CheckpointError(f"{meta.path}: the checkpoint's model has {have} but this run has {want}: resume with "
                               f"the same model config ({model_options(meta.model, keys)})")
 
 
 def differing_keys(theirs: GPTConfig, model: GPTConfig, keys: Sequence[str]) -> list[str]:
-    """The `keys` whose `model_value` differs between two configs, all of them (one error
-    names every option to change, not one per attempt): a derived size left to 0 on both
-    sides is its source's difference (n_embd's, n_head's), and a part one side lacks is its
-    key's (moe_every without experts is moe_experts')."""
-    return [k for k in keys if model_value(theirs, k) != model_value(model, k)
-            and not (k in DERIVED and getattr(theirs, k) == getattr(model, k) == 0)
-            and None not in (model_value(theirs, k), model_value(model, k))]
+    """The `keys` in which `model` must change to be `theirs`, all of them (one error names
+    every option to change, not one per attempt): where their `model_value` differs, a
+    derived size left to 0 on both sides apart (that is its source's difference, n_embd's or
+    n_head's). A setting of a part only `theirs` has counts at `model`'s option value: a
+    Llama checkpoint resumed with GPT-2's options names --rope-theta and --norm-eps with
+    --positions and --norm, not in a second refusal once those are fixed. One of a part only
+    `model` has is not named: dropping the part (its own key) is the change."""
+    return [k for k in keys if model_value(theirs, k) is not None and model_value(theirs, k) != option_value(model, k)
+            and not (k in DERIVED and getattr(theirs, k) == getattr(model, k) == 0)]
+
+
+def option_value(model: GPTConfig, key: str) -> object:
+    """`model_value`, or where the model has no part that reads `key` (rope_theta with
+    learned positions), the option's value, which that part would read once added."""
+    value = model_value(model, key)
+    return getattr(model, key) if value is None else value
 
 
 def model_options(model: GPTConfig, keys: Sequence[str]) -> str:
@@ -187,9 +196,10 @@ def _unpad_leaf(x: np.ndarray, leaf: LeafDef) -> np.ndarray:
 
 
 def pad_vocab(params: GPT, model: GPTConfig, tp: int) -> GPT:
-    """Whole unpadded parameters padded for tensor-parallel size `tp` (zero rows)."""
+    """Whole unpadded parameters padded for tensor-parallel size `tp` (zero rows); a tp that
+    is no integer >= 1 is a one-line ConfigError (-1 padded nothing, 2.5 made float shapes)."""
     leaves = gpt_leaves(model)
-    sizes = {"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": tp}
+    sizes = {"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": check_tp(tp)}
     return tree_map_with_path(lambda path, x: _pad_leaf(x, leaves[path], sizes), params)
 
 

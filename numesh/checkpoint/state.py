@@ -82,10 +82,14 @@ class TrainState:
 class LocalState:
     """What loading a checkpoint gives one rank: trees shaped like `TrainState.trees` (in
     the run's dtype and layout), the step to continue from, the optimiser's step and name,
-    and the record of the transformers directory its run started from (or None)."""
+    the record of the transformers directory its run started from (or None), the dtype it
+    was saved in and its run's config (meta.json "train", or None), which a resume compares
+    its own with."""
 
     trees: dict[str, GPT]
     step: int
     opt_step: int
     optimizer: str = LEGACY_OPTIMIZER
     source: dict[str, Any] | None = None
+    dtype: str = "float32"
+    run_config: dict[str, Any] | None = None

@@ -43,6 +43,14 @@ ARCHS: dict[str, dict[str, object]] = {
 }
 
 
+def check_tp(tp: Any) -> int:
+    """`tp` unless it is no tensor-parallel size (an integer >= 1; no bool), then a one-line
+    ConfigError: what splitting or padding over tp asks first (-1 and 2.5 padded nothing)."""
+    if check_scalar("tp", tp, int) < 1:
+        raise ConfigError(f"tp must be >= 1, got {tp}")
+    return tp
+
+
 def swiglu_hidden(n_embd: int) -> int:
     """SwiGLU's default hidden size: 8C/3 (the GELU MLP's 4C parameters in three matrices, as
     Llama sizes it) rounded up to a multiple of 32."""
@@ -147,7 +155,7 @@ class GPTConfig:
 
     def padded_vocab(self, tp: int) -> int:
         """The vocabulary rounded up to a multiple of tp (padding rows never get probability)."""
-        return padded_vocab(self.vocab_size, tp)
+        return padded_vocab(self.vocab_size, check_tp(tp))
 
     def validate(self, tp: int = 1) -> None:
         """Raise ConfigError if this model cannot run with tensor-parallel size `tp`."""
@@ -171,8 +179,7 @@ class GPTConfig:
         >= 1: checked first, so that a range or divisibility check below names the right field."""
         for f in attrs.fields(GPTConfig):
             check_scalar(f.name, getattr(self, f.name), field_type(f))
-        if check_scalar("tp", tp, int) < 1:
-            raise ConfigError(f"tp must be >= 1, got {tp}")
+        check_tp(tp)
 
     def tp_problem(self, tp: int) -> tuple[str, str] | None:
         """Why the heads or the MLP do not split over tensor-parallel size `tp`, and what a

@@ -19,7 +19,7 @@ from numesh.base.files import read_user_file
 from numesh.base.flags import flag, flag_value
 from numesh.checkpoint.format import LATEST, RUN_CKPT
 from numesh.checkpoint.hf_llama import conflicts, is_pretrained_dir, model_type, pretrained
-from numesh.checkpoint.init_from import check_init_kind, check_not_checkpoint, start_vocab
+from numesh.checkpoint.init_from import check_init_kind, check_not_checkpoint, start_dtype, start_vocab
 from numesh.data.dataset import SPLITS, load_split, load_tokenizer
 from numesh.host.startup_signals import DEFAULT_SAVE_SIGNALS, parse_signals
 from numesh.mesh import parse_mesh
@@ -27,7 +27,7 @@ from numesh.nn.gpt import ARCHS, GPTConfig
 from numesh.nn.walk import check_recompute
 from numesh.observe.inject import faults_from_env
 from numesh.optim.lr import DEFAULT_LEARNING_RATE
-from numesh.optim.registry import applies_to, run_optimizer
+from numesh.optim.registry import OPTIONS, applies_to, run_optimizer
 from numesh.pipeline.schedules import check_shape
 from numesh.pipeline.stages import StageLayout
 
@@ -144,7 +144,7 @@ class TrainConfig:
         "be -1; none given: every rank on dp); auto: the layout whose memory fits and whose step `numesh plan` "
         "predicts fastest on the job's ranks (options of the layout set to other than their defaults are kept)")
     seed: int = _field(1337, "seed of the initial parameters, data order and dropout")
-    dtype: str = _field("float32", "float32 or float64")
+    dtype: str = _field("float32", "float32 or float64; a resume continues in its checkpoint's unless given")
     # checkpoints
     ckpt_interval: int = _field(0, "save a checkpoint every N steps; 0 = only at the end")
     keep: int = _field(0, "keep the N newest checkpoints; 0 = all")
@@ -194,6 +194,40 @@ def setting_differences(recorded: dict[str, Any], cfg: TrainConfig) -> list[str]
             if k in now and k not in NOT_SETTINGS and v != now[k]]
 
 
+# where config.json and a checkpoint's meta.json "train" list the hyper-parameters resumes
+# changed: [{"step": 200, "learning_rate": [0.001, 0.0001]}, ...] (absent while none did)
+CHANGES_KEY = "hyper_parameter_changes"
+# the options of the learning-rate schedule and clipping, which every optimiser's steps read
+STEP_OPTIONS = ("min_lr", "warmup_iters", "lr_decay_iters", "grad_clip")
+
+
+def changed_hyper_parameters(recorded: dict[str, Any] | None, cfg: TrainConfig) -> dict[str, list[Any]]:
+    """{option: [the checkpoint's run's value, `cfg`'s]} of each hyper-parameter of the
+    optimiser's steps (its own options, the schedule's, clipping) that `cfg` changes from
+    the run that saved the checkpoint, whose config is `recorded` (its meta.json "train";
+    None or a key it lacks, from an older numesh: nothing to compare). A resume may change
+    them (a lower rate, say), but says so (`resume_notes`) and records it (`run_record`)."""
+    if not isinstance(recorded, dict):
+        return {}
+    now = attrs.asdict(cfg)
+    keys = (*OPTIONS.get(cfg.optimizer, {}), *STEP_OPTIONS)
+    return {k: [recorded[k], now[k]] for k in keys if k in recorded and recorded[k] != now[k]}
+
+
+def run_record(cfg: TrainConfig, recorded: dict[str, Any] | None = None, step: int = 0,
+               changed: dict[str, list[Any]] | None = None) -> dict[str, Any]:
+    """What config.json and every checkpoint's meta.json "train" record of a run: `cfg`'s
+    options, and where resumes changed hyper-parameters, each change under CHANGES_KEY with
+    the step from which it applies: those the resumed checkpoint's run (`recorded`) had
+    listed, then `changed` at `step`. config.json held the last command's values only, as
+    if the whole run had trained with them."""
+    listed = recorded.get(CHANGES_KEY) if isinstance(recorded, dict) else None
+    history = list(listed) if isinstance(listed, list) else []
+    if changed:
+        history.append({"step": step, **changed})
+    return {**attrs.asdict(cfg), **({CHANGES_KEY: history} if history else {})}
+
+
 def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None,
                 preset: dict[str, Any] | None = None) -> TrainConfig:
     """Defaults, then the TOML file, then `preset` (a --model preset's options), then
@@ -236,6 +270,8 @@ def config_from(overrides: dict[str, Any], toml_path: str | Path | None = None,
     _default_floor(values, given, fields["min_lr"].default)
     for name, value in values.items():
         values[name] = option_value(name, value, field_type(fields[name]))
+    if "dtype" not in given:
+        _resume_dtype(values, fields["out"].default)
     cfg = TrainConfig(**values)
     _check_unused(cfg, given)
     if "warmup_iters" in given:  # the default warm-up (100) past a short run's --lr-decay-iters is nanoGPT's too
@@ -310,6 +346,22 @@ def _default_floor(values: dict[str, Any], given: dict[str, str], floor: float) 
         values["min_lr"] = float(lr)
 
 
+def _resume_dtype(values: dict[str, Any], out: str) -> None:
+    """--dtype where not given (on the command line, or in the --config file at other than
+    its default): the checkpoint's a resume continues from (`--resume`, or with `auto`
+    OUT/ckpt/latest where there is one), which was silently converted to float32. A
+    checkpoint that cannot be read leaves the default: resuming it says why."""
+    dtype = start_dtype(resume_path(values.get("resume", ""), values.get("out", out)))
+    if dtype in DTYPES:
+        values["dtype"] = dtype
+
+
+def resume_path(resume: str, out: str) -> str:
+    """The checkpoint `--resume` names before the run starts: `auto` is OUT/ckpt/latest
+    (which may not exist: then a fresh start), "" none."""
+    return str(Path(out) / RUN_CKPT / LATEST) if resume == RESUME_AUTO else resume
+
+
 def _llama_dir(init: Any) -> bool:
     """Whether `--init-from` names a transformers Llama-family directory (not GPT-2's)."""
     return isinstance(init, str) and bool(init.strip()) and is_pretrained_dir(init) and model_type(Path(init)) != "gpt2"
@@ -372,8 +424,7 @@ def run_vocab(cfg: TrainConfig, entries: int) -> int:
     from (`--resume`, else `--init-from`) where they have more: a transformers model padded
     to a multiple of 64, and every run, checkpoint and export after it, keeps those rows,
     whose ids never occur. Fewer rows than entries are refused where they are read."""
-    resume = str(Path(cfg.out) / RUN_CKPT / LATEST) if cfg.resume == RESUME_AUTO else cfg.resume
-    return max(entries, start_vocab(cfg.init_from, resume) or 0)
+    return max(entries, start_vocab(cfg.init_from, resume_path(cfg.resume, cfg.out)) or 0)
 
 
 def check_options(cfg: TrainConfig, n_ranks: int, mesh_origin: str = "") -> dict[str, int]:
@@ -493,11 +544,44 @@ def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> G
         check_not_checkpoint(cfg.init_from)
     if cfg.init_from and not Path(cfg.init_from).is_dir():  # a directory is judged when it is read
         check_init_kind(model)
+    if cfg.init_from:
+        _check_mesh_of_fixed_model(model, shape, cfg.virtual_stages, f"--init-from {cfg.init_from}")
     _check_moe(cfg, shape)
     model.validate(shape["tp"])
     StageLayout(model.n_layer, shape["pp"], cfg.virtual_stages)
     check_shape(cfg.schedule, shape["pp"], cfg.micro_batches, cfg.virtual_stages)  # the trainer builds it
     return model
+
+
+def _check_mesh_of_fixed_model(model: GPTConfig, shape: dict[str, int], v: int, source: str) -> None:
+    """A mesh that does not split a model whose weights `source` fixes (--init-from's: a
+    Llama-family directory sets the model options, a GPT-2 one or an export file must be
+    matched) is refused naming what the user can change, the mesh (and --virtual-stages),
+    never a model option such as --ffn-hidden, --moe-experts or --n-layer."""
+    fixed = f"{source} fixes the model"
+    model.check_tp_of_fixed_model(shape["tp"], f"{fixed}: use --mesh with tp {{sizes}}")
+    ep, experts = shape.get("ep", 1), model.moe_experts
+    if ep > 1 and not experts:
+        raise ConfigError(f"ep={ep} splits the experts over ranks, but {source}'s model has none: "
+                          "drop ep from --mesh")
+    if experts % ep:
+        raise ConfigError(f"moe_experts={experts} is not divisible by ep={ep}: {fixed}: "
+                          f"use --mesh with ep {_either(_divisors(experts))}")
+    if model.n_layer % (shape["pp"] * v):
+        raise ConfigError(f"n_layer={model.n_layer} is not divisible by pp x virtual stages = {shape['pp']} x {v}: "
+                          f"{fixed}: use a pp (--mesh) and --virtual-stages whose product is "
+                          f"{_either(_divisors(model.n_layer))}")
+
+
+def _divisors(n: int) -> list[int]:
+    """The sizes of a mesh axis that split `n` evenly, smallest first."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _either(sizes: list[int]) -> str:
+    """Sizes in words: "1", "1 or 2", "1, 2 or 4"."""
+    words = [str(s) for s in sizes]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def _check_batch(cfg: TrainConfig, shape: dict[str, int]) -> None:

@@ -22,8 +22,9 @@ import numpy as np
 from mpi4py import MPI
 
 from numesh.base.errors import CheckpointError, ConfigError, DataError, Interrupted, Preempted, abort_job
+from numesh.base.flags import flag
 from numesh.base.tree import tree_leaves, tree_leaves_with_path, tree_map
-from numesh.checkpoint import TrainState, read_local_state, save_checkpoint, unpad_vocab
+from numesh.checkpoint import LocalState, TrainState, read_local_state, save_checkpoint, unpad_vocab
 from numesh.checkpoint.background import AsyncCheckpoints
 from numesh.checkpoint.format import LATEST, RUN_CKPT, step_dir_name
 from numesh.checkpoint.hf_source import read_source
@@ -59,9 +60,11 @@ from numesh.run.config import (  # noqa: F401  (re-exported: numesh.run.train's 
     DTYPES,
     RESUME_AUTO,
     TrainConfig,
+    changed_hyper_parameters,
     check_layout,
     check_options,
     config_from,
+    run_record,
     setting_differences,
     validate,
 )
@@ -120,6 +123,16 @@ def agree_on_vocab(vocab: int, comm: MPI.Comm) -> None:
                           "--init-from the run starts from: every rank must see those files (a shared filesystem)")
 
 
+def agree_on_dtype(dtype: str, comm: MPI.Comm) -> None:
+    """Every rank runs in one dtype: a resume without --dtype takes its checkpoint's
+    (`config_from`), and a rank that could not read the checkpoint kept float32, which is
+    one line here, not a hang in the first collective of another byte size. Collective."""
+    seen = comm.allgather(dtype) if comm.Get_size() > 1 else [dtype]
+    if len(set(seen)) > 1:
+        raise ConfigError(f"the ranks chose different dtypes ({', '.join(sorted(set(seen)))}) for the checkpoint the "
+                          "run resumes: every rank must see its files (a shared filesystem), or pass --dtype")
+
+
 class Trainer:
     """The state of one training run on one rank: mesh, model, ZeRO optimiser, data."""
 
@@ -127,6 +140,7 @@ class Trainer:
         comm = MPI.COMM_WORLD if comm is None else comm
         shape, self.model = validate(cfg, comm.Get_size())
         agree_on_vocab(self.model.vocab_size, comm)
+        agree_on_dtype(cfg.dtype, comm)
         self.cfg = cfg
         self.dataset = open_run_dataset(cfg.data, comm)  # what the run reads, whatever happens to cfg.data later
         self.mesh = Mesh(shape, comm, cfg.sequence_parallel)
@@ -159,6 +173,7 @@ class Trainer:
         self.skipped = 0  # steps not applied because their loss or gradient was not finite
         self.n_params = sum(math.prod(s) for s in tree_leaves(gpt_global_shapes(self.model)))
         self.trace: Tracer | None = None  # set by `start_trace`
+        self.record = run_record(cfg)  # config.json's and each checkpoint's; a resume adds its changes (`restore`)
 
     def _initial_params(self) -> GPT:
         """This rank's shards of its stage's starting weights: initialised from the seed, or
@@ -333,22 +348,48 @@ def train_state(trainer: Trainer) -> TrainState:
         trees={g: join_units(t) for g, t in trainer.opt.state_trees().items()},
         step=trainer.step, opt_step=trainer.opt.opt_step, dtype=c.dtype, seed=c.seed,
         optimizer=trainer.optimizer.name,
-        run_config=attrs.asdict(c), tokenizer=tokenizer, source=trainer.source,
+        run_config=trainer.record, tokenizer=tokenizer, source=trainer.source,
     )
 
 
-def restore(trainer: Trainer, path: str | Path) -> None:
+def restore(trainer: Trainer, path: str | Path) -> LocalState:
     """Set the trainer's parameters, optimiser state and steps (and the record of its run's
     `--init-from` directory, if it has one) from a checkpoint written on any mesh
     (collective; on error every rank raises and the trainer is unchanged). A checkpoint
     trained on another vocabulary than the run's dataset, or with another optimiser, is
-    refused."""
+    refused. The run's record (`run_record`) keeps the hyper-parameter changes of the
+    checkpoint's run and adds this one's. Returns what the checkpoint said of itself (its
+    dtype, its run's config; the trees, loaded, left out) for `resume_notes`."""
     got = read_local_state(path, trainer.mesh, trainer.model, trainer.layout, trainer.dtype,
                            trainer.dataset.tokenizer, f"dataset {trainer.cfg.data}", trainer.optimizer.name)
     trainer.opt.load_state_trees({g: split_units(t) for g, t in got.trees.items()}, got.opt_step)
     trainer.step = got.step
     if got.source is not None:  # the weights' source, kept by every later checkpoint of the run
         trainer.source = got.source
+    trainer.record = run_record(trainer.cfg, got.run_config, got.step,
+                                changed_hyper_parameters(got.run_config, trainer.cfg))
+    return attrs.evolve(got, trees={})
+
+
+def resume_notes(path: str | Path, got: LocalState, cfg: TrainConfig) -> list[str]:
+    """The `note:` lines a resume starts with where it continues otherwise than the
+    checkpoint's run: each hyper-parameter it changes, old -> new (allowed: a lower rate on
+    resume is common, but it was silent), and a dtype other than the checkpoint's (given
+    --dtype, or a library's TrainConfig: the weights and moments are converted)."""
+    notes = []
+    if changed := changed_hyper_parameters(got.run_config, cfg):
+        said = ", ".join(f"{flag(k)} {_shown(old)} -> {_shown(new)}" for k, (old, new) in changed.items())
+        notes.append(f"note: resuming with hyper-parameters changed from the checkpoint's run: {said} "
+                     f"(config.json lists each change and its step)")
+    if got.dtype != cfg.dtype:
+        notes.append(f"note: {path} was saved in {got.dtype}; its weights and moments are converted to "
+                     f"{cfg.dtype} (--dtype), in which this run continues")
+    return notes
+
+
+def _shown(value: Any) -> str:
+    """An option's value in a note: a boolean as on or off, as the help shows it."""
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 def save_step(trainer: Trainer, out_dir: Path, keep: int = 0, saves: AsyncCheckpoints | None = None) -> Path:
@@ -491,7 +532,7 @@ def _resume(trainer: Trainer, cfg: TrainConfig, path: str) -> bool:
     `max_iters`): a requeue of a job that completed is then a success with nothing to do,
     not an error that a scheduler would retry."""
     try:
-        restore(trainer, path)
+        got = restore(trainer, path)
     except CheckpointError as e:  # a broken OUT/ckpt/latest of --resume auto names the intact step before it
         if cfg.resume == RESUME_AUTO and (hint := broken_latest(Path(path), e)):
             raise CheckpointError(hint) from None
@@ -504,6 +545,8 @@ def _resume(trainer: Trainer, cfg: TrainConfig, path: str) -> bool:
         where = "past" if trainer.step > cfg.max_iters else "already at"
         raise ConfigError(f"checkpoint {path} is at step {trainer.step}, {where} max_iters={cfg.max_iters}: "
                           "raise --max-iters to train further")
+    for note in resume_notes(path, got, cfg):
+        log(note)
     log(f"continuing from step {trainer.step} ({Path(path).resolve()})")
     return False
 
@@ -532,7 +575,7 @@ def _open_run(trainer: Trainer, cfg: TrainConfig, resume: str) -> RunDir:
     fresh = cfg.resume == RESUME_AUTO and not resume
     redo = fresh and not cfg.overwrite
     run = RunDir(Path(cfg.out), trainer.mesh.world, resume or None, cfg.overwrite or redo, ckpt_bytes,
-                 attrs.asdict(cfg), resume_step=trainer.step,
+                 trainer.record, resume_step=trainer.step,
                  redo=(lambda recorded: setting_differences(recorded, cfg)) if redo else None)
     if fresh:
         log(f"--resume auto: no checkpoint in {Path(cfg.out) / 'ckpt'}, starting at step 0")
