@@ -829,6 +829,27 @@ def test_a_tokenizer_that_cannot_encode_is_one_line(tmp_path: Path) -> None:
         HFTokenizer(broken.to_str()).template
 
 
+def test_a_split_of_one_token_is_refused_as_a_character_dataset_s_is(tmp_path: Path) -> None:
+    """A tokenizer that drops whitespace left val only its end-of-text token (31 / 1 tokens)
+    and the dataset was written; now, as `numesh data char` refuses a split under 2 tokens,
+    one line says what to change and nothing is left behind."""
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import models, pre_tokenizers
+
+    words = Raw(models.WordLevel({"[UNK]": 0, "the": 1, "cat": 2, "sat": 3, EOT: 4}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()  # "   " encodes to no ids
+    (tmp_path / "tok.json").write_text(words.to_str())
+    (tmp_path / "one.txt").write_text("the cat sat " * 10 + " " * 15)  # its last 10% by position: spaces
+    res = cli("data", "tokenize", "--tokenizer", str(tmp_path / "tok.json"), "--src", str(tmp_path / "one.txt"),
+              "--out", str(tmp_path / "o"))
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]  # after the progress bar
+    assert res.exit_code == 2 and errors == [res.stderr.splitlines()[-1]], res.stderr
+    assert errors[0] == ("error: the val split holds 1 token, the end-of-text token after a document this tokenizer "
+                    "encodes to no ids, and a split needs 2 or more (an input and its target): raise "
+                    "--val-fraction 0.1, or give the corpus text the tokenizer encodes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.txt", "tok.json"]
+
+
 def test_the_train_hint_is_quoted_for_the_shell(tmp_path: Path) -> None:
     src = tmp_path / "my file.txt"
     src.write_text("to be or not to be\n" * 200, encoding="utf-8")
