@@ -13,6 +13,9 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,9 +89,49 @@ def test_a_ctrl_c_stops_bpe_training_at_the_next_piece() -> None:
     try:
         with pytest.raises(KeyboardInterrupt):
             train_bpe(corpus(), 300)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own again
     finally:
         signal.signal(signal.SIGINT, before)
     assert len(pulled) < 10_000  # ~a second's pieces here; the bound leaves a loaded machine 10 s
+    # the training thread ended before the interrupt went on (it was left running in Rust)
+    assert not [t for t in threading.enumerate() if t.name == "numesh-bpe-train"]
+
+
+def test_a_second_ctrl_c_leaves_at_once_and_one_delivered_twice_counts_once() -> None:
+    stop, left, now = threading.Event(), [], [100.0]
+    handler = TK.sigint_stops(stop, leave=lambda: left.append(now[0]), clock=lambda: now[0])
+    handler(signal.SIGINT, None)
+    now[0] += TK.REPEAT_S / 2  # the launcher's forward of the terminal's Ctrl-C
+    handler(signal.SIGINT, None)
+    assert stop.is_set() and not left
+    now[0] += TK.REPEAT_S
+    handler(signal.SIGINT, None)
+    assert left == [now[0]]
+
+
+def test_a_ctrl_c_during_bpe_training_exits_130_with_one_line_and_nothing_written(tmp_path: Path) -> None:
+    """A real `numesh data bpe`, Ctrl-C'd while its BPE trains. It exited 134, "FATAL:
+    exception not rethrown", four times in five: Python 3.11's Thread.join, interrupted,
+    took the training thread for ended, and Python exited with it inside `tokenizers`."""
+    src = tmp_path / "big.txt"
+    src.write_text(fallback_corpus()[0] * 4, encoding="utf-8")  # ~4 MB: seconds of training on 2 cores
+    proc = subprocess.Popen([sys.executable, "-m", "numesh.cli.app", "data", "bpe", "--src", str(src),
+                             "--vocab-size", "2000", "--out", str(tmp_path / "o")],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if line.startswith("training a byte-level BPE"):
+                break
+        time.sleep(0.5)  # the training thread well inside `tokenizers`
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stderr.read()
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, rest
+    assert rest.splitlines()[-1:] == ["interrupted"] and "FATAL" not in rest, rest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt"]  # no dataset, no staging directory
 
 
 def test_shards_hold_each_document_then_eot_split_by_documents(corpus: Path, tmp_path: Path,
