@@ -798,6 +798,22 @@ def test_an_out_under_a_file_or_through_a_symlink_loop_is_one_line(tmp_path: Pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "in.txt", "loop-a", "loop-b"]
 
 
+def test_resolved_or_none_follows_links_and_names_a_loop_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one answer to a symlink loop that `--out` (numesh.data.write.target) and the
+    checkpoint commands (numesh.checkpoint.common.check_apart) share, whatever Python's
+    own Path.resolve does with one (3.11 raises RuntimeError, 3.13 returns a path)."""
+    from numesh.base.files import resolved_or_none
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loop-a").symlink_to("loop-b")
+    (tmp_path / "loop-b").symlink_to("loop-a")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to("real")
+    assert resolved_or_none("loop-a") is None and resolved_or_none(tmp_path / "loop-b" / "x") is None
+    assert resolved_or_none("link") == (tmp_path / "real").resolve()
+    assert resolved_or_none("link/not-yet") == (tmp_path / "real" / "not-yet").resolve()  # a new --out
+
+
 def test_a_dataset_replaced_while_open_is_read_as_it_was_opened(dataset: Path) -> None:
     """A run reads the files it opened: a rewrite renamed into place meanwhile changes
     nothing under it (and its checkpoints keep the tokenizer it trained with)."""

@@ -802,6 +802,23 @@ def test_an_output_on_its_own_checkpoint_is_refused(tiny_run: Path, command: lis
     assert {p: p.read_bytes() for p in tiny_run.rglob("*") if p.is_file() and p.name != ".lock"} == before
 
 
+def test_an_output_through_a_symlink_loop_is_left_to_the_write_and_a_link_into_the_source_refused(
+        tmp_path: Path) -> None:
+    """check_apart cannot say where a loop leads, so it leaves it to the read or write that
+    follows; a link that leads into the checkpoint is still seen for what it is."""
+    from numesh.base.errors import CheckpointError
+    from numesh.checkpoint.common import check_apart
+
+    (tmp_path / "loop-a").symlink_to("loop-b")
+    (tmp_path / "loop-b").symlink_to("loop-a")
+    (tmp_path / "step").mkdir()
+    (tmp_path / "into").symlink_to("step")
+    check_apart(tmp_path / "loop-a", tmp_path / "step")
+    check_apart(tmp_path / "out", tmp_path / "loop-a")
+    with pytest.raises(CheckpointError, match="is inside the checkpoint it is made from"):
+        check_apart(tmp_path / "into" / "x", tmp_path / "step")
+
+
 def test_exports_refuse_a_force_that_is_not_a_bool(tiny_run: Path, tmp_path: Path) -> None:
     """force="no" is truthy: the library overwrote the file it named."""
     from numesh.base.errors import ConfigError

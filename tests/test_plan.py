@@ -880,6 +880,19 @@ def test_the_table_shows_waits_only_where_the_profile_has_them() -> None:
                                                  + p.time.optimizer, rel=1e-12)
 
 
+def test_the_table_shows_every_part_of_the_step() -> None:
+    """comm_other (the tied embedding's gradient summed across pp, the loss's and norm's
+    scalar all-reduces) was in the step but in no column: the columns did not add up to it."""
+    from numesh.plan.render import human_seconds, table
+
+    prof = load_profile("a100-80gb")
+    pred = predict(ModelSpec(4, 4, 128, 64, 65, 16), Layout(1, 1, 2, 0, "1f1b", 2), prof, 0, prof.itemsize)
+    head, row = (re.split(r"\s{2,}", line.strip()) for line in table(Plan([pred], 1), 2, 1, 0, "t").splitlines()[:2])
+    cells = dict(zip(head, row))
+    assert pred.time.comm["other"] > 0 and cells["other"] == human_seconds(pred.time.comm["other"])
+    assert {k for k, v in pred.time.comm.items() if v} <= set(head)  # each part of the step that is not 0
+
+
 @pytest.mark.parametrize("ranks, kind", [(1, {}), (2, {}), (4, {}), (8, {}), (4, dict(arch="llama", n_kv_head=2))])
 def test_calibration_collects_every_gemm_shape_the_time_model_asks_for(ranks: int, kind: dict, tmp_path: Path) -> None:
     """`model_gemm_shapes` runs the time model on a stand-in profile that records GEMM shapes

@@ -13,6 +13,9 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,9 +89,49 @@ def test_a_ctrl_c_stops_bpe_training_at_the_next_piece() -> None:
     try:
         with pytest.raises(KeyboardInterrupt):
             train_bpe(corpus(), 300)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own again
     finally:
         signal.signal(signal.SIGINT, before)
     assert len(pulled) < 10_000  # ~a second's pieces here; the bound leaves a loaded machine 10 s
+    # the training thread ended before the interrupt went on (it was left running in Rust)
+    assert not [t for t in threading.enumerate() if t.name == "numesh-bpe-train"]
+
+
+def test_a_second_ctrl_c_leaves_at_once_and_one_delivered_twice_counts_once() -> None:
+    stop, left, now = threading.Event(), [], [100.0]
+    handler = TK.sigint_stops(stop, leave=lambda: left.append(now[0]), clock=lambda: now[0])
+    handler(signal.SIGINT, None)
+    now[0] += TK.REPEAT_S / 2  # the launcher's forward of the terminal's Ctrl-C
+    handler(signal.SIGINT, None)
+    assert stop.is_set() and not left
+    now[0] += TK.REPEAT_S
+    handler(signal.SIGINT, None)
+    assert left == [now[0]]
+
+
+def test_a_ctrl_c_during_bpe_training_exits_130_with_one_line_and_nothing_written(tmp_path: Path) -> None:
+    """A real `numesh data bpe`, Ctrl-C'd while its BPE trains. It exited 134, "FATAL:
+    exception not rethrown", four times in five: Python 3.11's Thread.join, interrupted,
+    took the training thread for ended, and Python exited with it inside `tokenizers`."""
+    src = tmp_path / "big.txt"
+    src.write_text(fallback_corpus()[0] * 4, encoding="utf-8")  # ~4 MB: seconds of training on 2 cores
+    proc = subprocess.Popen([sys.executable, "-m", "numesh.cli.app", "data", "bpe", "--src", str(src),
+                             "--vocab-size", "2000", "--out", str(tmp_path / "o")],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if line.startswith("training a byte-level BPE"):
+                break
+        time.sleep(0.5)  # the training thread well inside `tokenizers`
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stderr.read()
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, rest
+    assert rest.splitlines()[-1:] == ["interrupted"] and "FATAL" not in rest, rest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt"]  # no dataset, no staging directory
 
 
 def test_shards_hold_each_document_then_eot_split_by_documents(corpus: Path, tmp_path: Path,
@@ -827,6 +870,27 @@ def test_a_tokenizer_that_cannot_encode_is_one_line(tmp_path: Path) -> None:
     broken = Raw(models.WordLevel({EOT: 0, "the": 1}, unk_token="[UNK]"))  # its unk token is not in its vocabulary
     with pytest.raises(DataError, match="the tokenizer cannot encode a text"):
         HFTokenizer(broken.to_str()).template
+
+
+def test_a_split_of_one_token_is_refused_as_a_character_dataset_s_is(tmp_path: Path) -> None:
+    """A tokenizer that drops whitespace left val only its end-of-text token (31 / 1 tokens)
+    and the dataset was written; now, as `numesh data char` refuses a split under 2 tokens,
+    one line says what to change and nothing is left behind."""
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import models, pre_tokenizers
+
+    words = Raw(models.WordLevel({"[UNK]": 0, "the": 1, "cat": 2, "sat": 3, EOT: 4}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()  # "   " encodes to no ids
+    (tmp_path / "tok.json").write_text(words.to_str())
+    (tmp_path / "one.txt").write_text("the cat sat " * 10 + " " * 15)  # its last 10% by position: spaces
+    res = cli("data", "tokenize", "--tokenizer", str(tmp_path / "tok.json"), "--src", str(tmp_path / "one.txt"),
+              "--out", str(tmp_path / "o"))
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]  # after the progress bar
+    assert res.exit_code == 2 and errors == [res.stderr.splitlines()[-1]], res.stderr
+    assert errors[0] == ("error: the val split holds 1 token, the end-of-text token after a document this tokenizer "
+                    "encodes to no ids, and a split needs 2 or more (an input and its target): raise "
+                    "--val-fraction 0.1, or give the corpus text the tokenizer encodes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.txt", "tok.json"]
 
 
 def test_the_train_hint_is_quoted_for_the_shell(tmp_path: Path) -> None:

@@ -36,6 +36,23 @@ def write_atomic(path: Path, content: str | bytes | Callable[[Path], None]) -> N
             tmp.unlink()
 
 
+def resolved_or_none(path: str | Path) -> Path | None:
+    """`path` absolute with every symbolic link followed (Path.resolve), or None where a
+    symbolic link loop stands in the way; any other OSError (the working directory deleted)
+    is raised. Python disagrees with itself about a loop: 3.11's resolve raises
+    RuntimeError, 3.13's returns a path it could not resolve; os.stat's ELOOP says it on both.
+    Each caller says in its own words what a loop means for it."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return None
+    try:
+        return Path(path).resolve()
+    except RuntimeError:  # 3.11's "Symlink loop from ...", where only a component past the stat loops
+        return None
+
+
 def os_reason(e: OSError) -> str:
     """Why a file could not be written, in words for a one-line error. A file standing where
     a directory must be is named: mkdir says only "File exists" and open "Not a directory",

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from numesh.base.errors import CheckpointError
+from numesh.base.files import resolved_or_none
 from numesh.base.tree import tree_map
 from numesh.checkpoint.format import BlockReader, Meta, fsync_dir, full_region
 from numesh.checkpoint.format import read_meta as read_any_meta
@@ -70,8 +71,10 @@ def check_apart(out: str | Path, source: str | Path) -> None:
     the checkpoint's own files (its next read failed its checksums) or its run's
     config.json, and a reshard nested a checkpoint inside its source."""
     try:
-        o, s = Path(out).resolve(), Path(source).resolve()
-    except (OSError, RuntimeError):  # a symlink loop (RuntimeError on Python 3.11): the read or write says so
+        o, s = resolved_or_none(out), resolved_or_none(source)
+    except OSError:  # the working directory deleted
+        return
+    if o is None or s is None:  # a symlink loop: the read or write says so
         return
     if o == s or s in o.parents:
         raise CheckpointError(f"--out {out} {'is' if o == s else 'is inside'} the checkpoint it is made from ({s}): "

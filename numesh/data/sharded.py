@@ -38,6 +38,7 @@ TOKENIZER_FILE = "tokenizer.json"
 BATCH_DOCS = 512  # documents (or pieces) per batch encoding: enough to keep every core busy
 BATCH_CHARS = 1 << 22  # characters per batch encoding at most: what it holds at once stays bounded
 Progress = Callable[[int, int], None]  # (corpus bytes done, total)
+MIN_SPLIT_TOKENS = 2  # a split trains or evaluates on a token and the next: 1 is unusable (as `numesh data char`)
 
 
 def corpus_documents(paths: Sequence[Path], how: Reading) -> Iterator[str]:
@@ -58,6 +59,16 @@ def _empty_split(docs: int, split: str, val_fraction: float) -> DataError:
                      "(documents go to a split whole, and none fits in that share of the bytes): add documents, "
                      "split .txt files into more (--split-on; a .jsonl or .parquet record is one document) or "
                      "raise --val-fraction")
+
+
+def _short_split(split: str, val_fraction: float) -> DataError:
+    """A split of 1 token: one document whose text the tokenizer encodes to no ids (a
+    tokenizer that drops whitespace, say), so only its end-of-text token was written. A
+    byte-level BPE gives every text ids, so only `numesh data tokenize` meets this."""
+    change = "raise" if split == "val" else "lower"
+    return DataError(f"the {split} split holds 1 token, the end-of-text token after a document this tokenizer "
+                     f"encodes to no ids, and a split needs {MIN_SPLIT_TOKENS} or more (an input and its target): "
+                     f"{change} --val-fraction {val_fraction}, or give the corpus text the tokenizer encodes")
 
 
 @attrs.frozen(eq=False)
@@ -369,12 +380,15 @@ def _tokenize(docs: Iterator[tuple[str, str]], paths: Sequence[Path], tok: HFTok
 
 
 def _check_splits(stats: dict, writers: dict[str, ShardWriter], val_fraction: float) -> None:
+    """Every split holds documents and MIN_SPLIT_TOKENS tokens or more, else a DataError."""
     docs = sum(s["documents"] for s in stats.values())
     if docs == 0:
         raise _no_tokens()
     for split in ("train", "val"):
         if writers[split].tokens == 0:
             raise _empty_split(docs, split, val_fraction)
+        if writers[split].tokens < MIN_SPLIT_TOKENS:  # a document ends with a token: 1 is a document without ids
+            raise _short_split(split, val_fraction)
 
 
 def _meta(tok: HFTokenizer, dtype: np.dtype, shards: dict, stats: dict, writers: dict[str, ShardWriter],

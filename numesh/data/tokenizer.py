@@ -11,17 +11,22 @@ post-processor frames a text (`template`: Llama's BOS before each). Both give `e
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
+import signal
+import sys
 import threading
+import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import attrs
 import numpy as np
 
-from numesh.base.errors import DataError, UserError
+from numesh.base.errors import DataError, Interrupted, UserError
 from numesh.base.files import json_object_or_none
 
 TOKEN_DTYPE = np.dtype("<u2")  # a character dataset's ids: uint16, as nanoGPT's .bin files
@@ -428,14 +433,65 @@ class _Stopped(Exception):
     """Raised into `tokenizers`' feed to end it: the main thread was interrupted."""
 
 
+REPEAT_S = 0.5  # a second SIGINT this soon after the first is the same Ctrl-C delivered twice (launcher and terminal)
+
+
+def _leave_at_once() -> None:
+    """End the process now, as `numesh.host.runtime.guarded` ends an interrupted one (one
+    line, 130), but without Python's finalisation: a thread still inside `tokenizers` that
+    reaches for the GIL then is ended with pthread_exit, whose unwinding through Rust frames
+    aborts the process ("FATAL: exception not rethrown", exit 134). Nothing is staged yet:
+    the dataset is written after training."""
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(Interrupted.EXIT_CODE)
+
+
+def sigint_stops(stop: threading.Event, leave: Callable[[], None] = _leave_at_once,
+                 clock: Callable[[], float] = time.monotonic) -> Callable[[int, Any], None]:
+    """A SIGINT handler that raises nothing: the first Ctrl-C sets `stop`, a second (more
+    than REPEAT_S later) calls `leave`. An exception raised in the main thread while a
+    worker trains would leave the worker running in Rust while Python exits (see
+    `_leave_at_once`)."""
+    first: list[float] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not first:
+            first.append(clock())
+            stop.set()
+        elif clock() - first[0] > REPEAT_S:
+            leave()
+
+    return handler
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops(stop: threading.Event) -> Iterator[None]:
+    """`sigint_stops(stop)` as the SIGINT handler for the block, where Python's own handler
+    (which raises KeyboardInterrupt) is the one installed on the main thread; another
+    (ignored, or a caller's own) is left alone."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    before = signal.signal(signal.SIGINT, sigint_stops(stop))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def train_interruptibly(tok: Any, pieces: Iterator[str], trainer: Any) -> None:
     """`tok.train_from_iterator(pieces, trainer)`, on a worker thread that the main thread
     waits for. `tokenizers` trains with the GIL released and pulls `pieces` on threads of
     its own, so a Ctrl-C, whose Python handler runs on the main thread alone, was seen only
-    when training ended (minutes on a large corpus). Here the wait takes it at once; the feed
-    then ends at its next piece and the merges of what was read finish (a fraction of the
-    pass) before KeyboardInterrupt goes on; a second Ctrl-C leaves them to the process's end."""
-    stop, failed = threading.Event(), []
+    when training ended (minutes on a large corpus). Here the wait takes it at once (a
+    handler that raises nothing, `sigint_stops`); the feed then ends at its next piece, the
+    merges of what was read finish (a fraction of the pass), and KeyboardInterrupt goes on
+    once the worker is done. A second Ctrl-C ends the process at once (`_leave_at_once`).
+    KeyboardInterrupt is never raised while the worker runs: Python 3.11's Thread.join,
+    interrupted, took a running thread for ended (its bpo-45274 fix releases the thread's
+    own lock), so Python exited under it and aborted with code 134."""
+    stop, done, failed = threading.Event(), threading.Event(), []
 
     def feed() -> Iterator[str]:
         for piece in pieces:
@@ -448,16 +504,15 @@ def train_interruptibly(tok: Any, pieces: Iterator[str], trainer: Any) -> None:
             tok.train_from_iterator(feed(), trainer)
         except BaseException as e:  # raised again on the main thread
             failed.append(e)
+        finally:
+            done.set()
 
-    worker = threading.Thread(target=work, name="numesh-bpe-train", daemon=True)
-    worker.start()
-    try:
-        while worker.is_alive():
-            worker.join(0.25)  # a timeout: the main thread runs the handler even if another thread took the signal
-    except KeyboardInterrupt:
-        stop.set()
-        worker.join()
-        raise
+    with _ctrl_c_stops(stop):
+        threading.Thread(target=work, name="numesh-bpe-train", daemon=True).start()
+        while not done.wait(0.25):  # a timeout: the main thread runs the handler even if another thread took the signal
+            pass
+    if stop.is_set():
+        raise KeyboardInterrupt
     if failed:
         raise failed[0]
 

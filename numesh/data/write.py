@@ -36,7 +36,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from numesh.base.errors import DataError
-from numesh.base.files import write_atomic
+from numesh.base.files import resolved_or_none, write_atomic
 from numesh.base.process import alive
 from numesh.data import check as dc
 
@@ -53,15 +53,11 @@ def target(out: Path) -> Path:
     Not a file, and not the current directory or one holding it: the dataset directory is
     renamed as a whole (and `--out ""` is the current directory)."""
     try:
-        os.stat(out)
-    except OSError as e:  # Path.resolve raises RuntimeError for a loop on Python 3.11, nothing on 3.13
-        if e.errno == errno.ELOOP:
-            raise DataError(f"cannot resolve --out {out} (a symlink loop): choose another --out") from None
-    try:
-        here, real = Path.cwd().resolve(), out.resolve()
-    except (OSError, RuntimeError) as e:
-        raise DataError(f"cannot resolve --out {out} ({getattr(e, 'strerror', None) or e}): choose another --out") \
-            from None
+        here, real = Path.cwd().resolve(), resolved_or_none(out)
+    except OSError as e:
+        raise DataError(f"cannot resolve --out {out} ({e.strerror or e}): choose another --out") from None
+    if real is None:
+        raise DataError(f"cannot resolve --out {out} (a symlink loop): choose another --out")
     above = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if above is not None:  # else the mkdir beside it said "File exists"
         raise DataError(f"--out {out}: {above} is a file, not a directory: choose another --out")

@@ -117,11 +117,17 @@ def float_dtype(dtype: object, what: str = "dtype") -> np.dtype:
     return dt
 
 
+def is_float(a: object) -> bool:
+    """Whether `a` is a float32 or float64 array, the two dtypes the kernels are compiled
+    for: `check_float`'s test, for a caller that builds the name only when it fails."""
+    return isinstance(a, np.ndarray) and a.dtype in FLOAT_DTYPES
+
+
 def check_float(what: str, a: object) -> None:
     """One ValueError line unless `a` is a float32 or float64 array, the two dtypes the
     kernels are compiled for (an int array was a page of numba typing errors, or zeros).
     `what` names it: "layernorm_fwd's x". One dtype comparison."""
-    if not isinstance(a, np.ndarray) or a.dtype not in FLOAT_DTYPES:
+    if not is_float(a):
         got = a.dtype.name if isinstance(a, np.ndarray) else type(a).__name__
         raise ValueError(f"{what} must be a float32 or float64 array, got {got}")
 

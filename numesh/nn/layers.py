@@ -160,12 +160,13 @@ def layernorm_bwd(p: LayerNorm, ctx: tuple[np.ndarray, np.ndarray], dy: np.ndarr
 
 def _check_norm(name: str, w: np.ndarray, b: np.ndarray | None, x: np.ndarray) -> None:
     """A norm's entry checks: x a float array, w (and b) [x's last dim]. A dtype and two
-    tuple comparisons."""
-    K.check_float(f"{name}'s x", x)
+    tuple comparisons; a message is built only once its test has failed."""
+    if not K.is_float(x):
+        K.check_float(f"{name}'s x", x)  # raises
     want = x.shape[-1:]
-    K.check_shape(f"{name}'s w", w, want, f"x {x.shape}")
-    if b is not None:
-        K.check_shape(f"{name}'s b", b, want, f"x {x.shape}")
+    for what, a in (("w", w), ("b", b)):
+        if a is not None and a.shape != want:
+            K.check_shape(f"{name}'s {what}", a, want, f"x {x.shape}")  # raises
 
 
 def _check_bwd(name: str, dy: np.ndarray, saved: dict[str, tuple[np.ndarray, int | None]],
@@ -173,19 +174,22 @@ def _check_bwd(name: str, dy: np.ndarray, saved: dict[str, tuple[np.ndarray, int
     """A backward's entry checks, as the forward's: dy a float array, each saved array
     (name: (array, its last dim, None for dy's)) float, of dy's dtype and as many rows as
     dy, and w [dy's last dim]; a kernel given a shorter one read past its end. Rows, not
-    shapes: callers may hand dy as [tokens, C] for a forward's [B, T, C]."""
-    K.check_float(f"{name}'s dy", dy)
+    shapes: callers may hand dy as [tokens, C] for a forward's [B, T, C]. Every backward
+    call runs these, so each message is built only once its test has failed."""
+    if not K.is_float(dy):
+        K.check_float(f"{name}'s dy", dy)  # raises
     c = dy.shape[-1] if dy.ndim else 1
     rows = dy.size // c if c else 0
     for what, (a, last) in saved.items():
         last = c if last is None else last
-        K.check_float(f"{name}'s {what}", a)
+        if not K.is_float(a):
+            K.check_float(f"{name}'s {what}", a)  # raises
         if a.dtype != dy.dtype:
             raise ValueError(f"{name}'s {what} is {a.dtype} but dy {dy.dtype}: give both one dtype")
         if a.size != rows * last or (a.ndim and a.shape[-1] != last):
             raise ValueError(f"{name}'s {what} is {a.shape} but dy {dy.shape} makes it {rows} rows of {last}")
-    if w is not None:
-        K.check_shape(f"{name}'s w", w, dy.shape[-1:], f"dy {dy.shape}")
+    if w is not None and w.shape != dy.shape[-1:]:
+        K.check_shape(f"{name}'s w", w, dy.shape[-1:], f"dy {dy.shape}")  # raises
 
 
 def _tiled_token_sums(tile: Callable[[slice], Any], n: int, c: int, dtype: Any) -> Any:
@@ -294,7 +298,8 @@ def swiglu_fwd(gate: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, tuple[np.n
     unless gate and up are float32 or float64 arrays of one shape and dtype."""
     K.check_float("swiglu_fwd's gate", gate)
     K.check_float("swiglu_fwd's up", up)
-    K.check_shape("swiglu_fwd's up", up, gate.shape, f"gate {gate.shape}")
+    if up.shape != gate.shape:  # the message only then: every forward runs this
+        K.check_shape("swiglu_fwd's up", up, gate.shape, f"gate {gate.shape}")  # raises
     if up.dtype != gate.dtype:  # the kernel wrote gate's dtype where the reference promoted: two answers
         raise ValueError(f"swiglu_fwd's up is {up.dtype} but gate {gate.dtype}: give both one dtype")
     if not K.enabled():

@@ -55,8 +55,10 @@ def table(found: Plan, ranks: int, top: int, limit: float, profile: str, extra: 
     waits = any(p.time.comm.get("wait", 0.0) > 0 for p in preds[:top])
     # "ep": the MoE blocks' all-to-alls and the ep gradient sum, where a layout shown has ep > 1
     ep = any(p.layout.ep > 1 for p in preds[:top])
+    # "other": the tied embedding's gradient sum across pp and the loss's and norm's scalar
+    # all-reduces, part of the step like every column from compute to optim, which add up to it
     head = ["#", "mesh", "sp", "zero", "schedule", "m", "v", "recompute", "memory/rank", "fits", "step", "compute",
-            "tp", "cp", *(["ep"] if ep else []), "pp", "dp", *(["wait"] if waits else []), "bubble", "optim",
+            "tp", "cp", *(["ep"] if ep else []), "pp", "dp", "other", *(["wait"] if waits else []), "bubble", "optim",
             "tokens/s"]
     rows = []
     for i, p in enumerate(preds[:top], 1):
@@ -65,7 +67,7 @@ def table(found: Plan, ranks: int, top: int, limit: float, profile: str, extra: 
                      str(lay.virtual_stages), lay.recompute, human_bytes(p.memory.total), "yes" if p.fits else "NO",
                      human_seconds(t.total), human_seconds(t.compute), human_seconds(t.comm["tp"]),
                      human_seconds(t.comm["cp"]), *([human_seconds(t.comm.get("ep", 0.0))] if ep else []),
-                     human_seconds(t.comm["pp"]), human_seconds(t.comm["dp"]),
+                     human_seconds(t.comm["pp"]), human_seconds(t.comm["dp"]), human_seconds(t.comm["other"]),
                      *([human_seconds(t.comm["wait"])] if waits else []), human_seconds(t.bubble),
                      human_seconds(t.optimizer), f"{p.tokens_per_s:,.0f}"])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
