@@ -173,8 +173,11 @@ def test_the_reader_refuses_what_it_cannot_read_in_one_line(tmp_path: Path) -> N
     save_file({"x": torch.zeros(2, dtype=torch.int32)}, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="tensor 'x' is I32; numesh reads F32, F64, F16 and BF16"):
         open_weights(tmp_path)
-    (tmp_path / "model.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 8 + b"{}")
     with pytest.raises(CheckpointError, match="is not a safetensors file"):
+        open_weights(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x02" + b"\x00" * 7 + b"[]")  # was an AttributeError
+    with pytest.raises(CheckpointError, match="is not a safetensors file \\(its header is not a JSON object\\)"):
         open_weights(tmp_path)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="holds no weights: it needs model.safetensors or "
@@ -183,6 +186,49 @@ def test_the_reader_refuses_what_it_cannot_read_in_one_line(tmp_path: Path) -> N
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "a.safetensors"}}))
     with pytest.raises(CheckpointError, match="names a.safetensors, which is missing"):
         open_weights(tmp_path)
+
+
+@pytest.mark.parametrize("size, says", [
+    (0, "model.safetensors is empty (0 bytes): copy it again from the model's source"),
+    (5, "model.safetensors is truncated: it has 5 bytes, fewer than the 8 of a safetensors header length"),
+    (40, "model.safetensors is truncated: its header is "),
+])
+def test_an_empty_or_cut_short_weights_file_is_named_as_such(size: int, says: str, tok_json: str,
+                                                              tmp_path: Path) -> None:
+    """Not "its header length is -1" (or a length the file cannot hold): the file named,
+    empty or truncated, for `numesh sample` and a GPT-2 directory's import alike."""
+    from numesh.checkpoint.hf import import_hf
+
+    d = save_model(tmp_path / "hf", tok_json)
+    _truncate(d / "model.safetensors", size)
+    line = one_error_line(cli("sample", str(d), "--max-new-tokens", "2"))
+    assert f"{d / 'model.safetensors'}" in line and says in line
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(CheckpointError, match=re.escape(says)):
+        import_hf(d)
+
+
+@pytest.mark.parametrize("shard", [None, "4KB"])
+def test_weights_without_config_json_say_so_not_that_meta_json_is_missing(shard: str | None, tok_json: str,
+                                                                          tmp_path: Path) -> None:
+    """A transformers directory that lost its config.json was taken for a numesh checkpoint
+    ("meta.json is missing"); sample and --init-from now name the file it lacks."""
+    from numesh.checkpoint.init_from import load_init
+
+    d = save_model(tmp_path / "hf", tok_json, shard=shard)
+    (d / "config.json").unlink()
+    first = "model.safetensors.index.json" if shard else "model.safetensors"
+    says = f"{d} has {first} but no config.json, which a transformers directory needs beside its weights"
+    line = one_error_line(cli("sample", str(d), "--max-new-tokens", "2"))
+    assert says in line and "meta.json" not in line
+    with pytest.raises(CheckpointError, match=re.escape(says)):
+        load_init(d, GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=1, n_embd=8), None, "float32")
+    for f in list(d.iterdir()):
+        if f.name.startswith("model"):
+            f.unlink()
+    (d / "gpt.safetensors").write_bytes(b"")  # a `numesh export` file put in a directory
+    assert "has gpt.safetensors but no config.json: pass the file itself if it is a `numesh export` file" in \
+        one_error_line(cli("sample", str(d)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -661,7 +707,7 @@ def test_a_library_models_mismatches_with_the_directory_are_named_at_once(tok_js
                            "--n-layer, --n-embd to match (or leave them out: the directory sets them)"
 
 REFUSALS = [  # (how the directory is spoiled, what the one line says)
-    (lambda d: (d / "config.json").unlink(), "it needs config.json"),
+    (lambda d: (d / "config.json").unlink(), "has model.safetensors but no config.json, which a transformers"),
     (lambda d: (d / "model.safetensors").unlink(), "holds no weights: it needs model.safetensors"),
     (lambda d: _edit_config(d, model_type="qwen2"), "model_type 'qwen2' is not one numesh reads: it reads llama, "
                                                     "mistral, mixtral and gpt2"),

@@ -34,7 +34,7 @@ from numesh.base.files import os_reason
 from numesh.checkpoint.common import check_apart
 from numesh.checkpoint.export import check_nanogpt, check_out_name, exported_tensors, to_nanogpt
 from numesh.checkpoint.format import Meta
-from numesh.checkpoint.hf_files import SINGLE, weight_files
+from numesh.checkpoint.hf_files import SINGLE, read_header, weight_files
 from numesh.checkpoint.hf_llama import to_llama
 from numesh.checkpoint.hf_source import (
     CHAT_TEMPLATE_FILE,
@@ -329,7 +329,9 @@ def import_hf(directory: str | Path) -> tuple[GPTConfig, str, Any]:
         cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
         tok_text = (d / "tokenizer.json").read_text(encoding="utf-8")
         objects = {"config.json": cfg, "tokenizer.json": json.loads(tok_text)}  # both JSON objects, checked here
-        with safe_open(str(d / "model.safetensors"), framework="numpy") as f:
+        if (d / SINGLE).is_file():  # an empty or cut-short file named as such, not safetensors' own words
+            read_header(d / SINGLE)
+        with safe_open(str(d / SINGLE), framework="numpy") as f:
             sd = {k: f.get_tensor(k) for k in f.keys()}
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, SafetensorError) as e:
         raise CheckpointError(f"{d} is not a transformers directory numesh reads ({e}): it needs config.json, "

@@ -67,26 +67,46 @@ def read_json_file(path: Path, what: str) -> dict[str, Any]:
     return obj
 
 
-def _header(file: Path) -> dict[str, TensorInfo]:
+def _header_length(file: Path, size: int, head: bytes) -> int:
+    """The header length a file of `size` bytes starts with (`head`, its first 8 bytes), or
+    one line where it is no safetensors file's: empty or cut short (a copy or download that
+    stopped), which copying it again mends, told apart from a file of another kind."""
+    again = "copy it again from the model's source"
+    if size == 0:
+        raise CheckpointError(f"{file} is empty (0 bytes): {again}")
+    if len(head) < 8:
+        raise CheckpointError(f"{file} is truncated: it has {size} bytes, fewer than the 8 of a safetensors header "
+                              f"length; {again}")
+    n = struct.unpack("<Q", head)[0]
+    if not 0 < n <= _MAX_HEADER:
+        raise CheckpointError(f"{file} is not a safetensors file (its header length is {n})")
+    if n > size - 8:
+        raise CheckpointError(f"{file} is truncated: its header is {n} bytes but only {size - 8} follow its length; "
+                              f"{again}")
+    return n
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
     """The tensors of one safetensors file, checked against the file's size."""
     try:
         with open(file, "rb") as f:
             size = file.stat().st_size
             head = f.read(8)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            if not 0 < n <= min(_MAX_HEADER, size - 8):
-                raise CheckpointError(f"{file} is not a safetensors file (its header length is {n})")
+            n = _header_length(file, size, head)
             header = json.loads(f.read(n))
     except OSError as e:
         raise CheckpointError(f"cannot read {file}: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise CheckpointError(f"{file} is not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file} is not a safetensors file (its header is not a JSON object)")
     out = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (start, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            dtype, shape = entry["dtype"], tuple(int(d) for d in entry["shape"])
+            start, end = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{file}: tensor '{name}' has a malformed header entry") from None
         if dtype not in _RAW:
@@ -189,7 +209,7 @@ def open_weights(directory: Path) -> Weights:
     for file in files:
         if not file.exists():
             raise CheckpointError(f"{directory / INDEX} names {file.name}, which is missing from {directory}")
-        for name, info in _header(file).items():
+        for name, info in read_header(file).items():
             if name in tensors:
                 raise CheckpointError(f"{directory}: tensor '{name}' is in both {tensors[name].file.name} and "
                                       f"{file.name}")

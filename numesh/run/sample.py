@@ -20,7 +20,7 @@ from numesh.base.files import json_object_or_none
 from numesh.base.tree import tree_leaves_with_path, tree_map
 from numesh.checkpoint import import_nanogpt, read_global
 from numesh.checkpoint.hf_files import open_weights, weights_dtype
-from numesh.checkpoint.hf_llama import is_pretrained_dir, model_type, read_pretrained
+from numesh.checkpoint.hf_llama import check_has_config, is_pretrained_dir, model_type, read_pretrained
 from numesh.checkpoint.hf_source import generation_ids, recorded_source
 from numesh.checkpoint.model import shard_params
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, directory_tokenizer, read_tokenizer_file
@@ -69,6 +69,7 @@ def load_checkpoint(path: str | Path, comm: MPI.Comm | None = None) -> Checkpoin
     p = Path(path)
     if is_pretrained_dir(p):
         return load_pretrained(p)
+    check_has_config(p)  # a transformers directory without config.json: not "meta.json is missing"
     source = None
     if p.is_file() or p.suffix == ".safetensors":
         model, tok, params, dtype, step = import_nanogpt(p)
