@@ -188,6 +188,42 @@ def test_the_reader_refuses_what_it_cannot_read_in_one_line(tmp_path: Path) -> N
         open_weights(tmp_path)
 
 
+def _index(d: Path, weight_map: dict[str, str]) -> None:
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_an_index_naming_files_outside_its_directory_is_refused(tmp_path: Path) -> None:
+    """A shard named `../x` or by an absolute path was read from wherever it pointed: now the
+    entry is named and refused before any file is opened. "./a" is "a", read once."""
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    save_file({"x": np.zeros(2, np.float32), "y": np.ones(2, np.float32)}, d / "a.safetensors")
+    save_file({"z": np.zeros(2, np.float32)}, tmp_path / "b.safetensors")
+    for entry in ("../b.safetensors", str(tmp_path / "b.safetensors"), "sub/../../b.safetensors"):
+        _index(d, {"x": "a.safetensors", "y": "a.safetensors", "z": entry})
+        with pytest.raises(CheckpointError, match=re.escape(f"names shard file '{entry}', which is not a file name "
+                                                            f"inside {d}")):
+            open_weights(d)
+    _index(d, {"x": "a.safetensors", "y": "./a.safetensors"})  # "tensor 'x' is in both a and a" before
+    assert sorted(open_weights(d).tensors) == ["x", "y"]
+
+
+def test_a_tensor_in_two_shards_names_both(tmp_path: Path) -> None:
+    """Named by base name, a shard in a subdirectory was the other's twin ("in both
+    a.safetensors and a.safetensors"): each is named by its path in the directory."""
+    from safetensors.numpy import save_file
+
+    (tmp_path / "sub").mkdir()
+    save_file({"x": np.zeros(2, np.float32)}, tmp_path / "a.safetensors")
+    save_file({"x": np.zeros(2, np.float32), "y": np.ones(2, np.float32)}, tmp_path / "sub" / "a.safetensors")
+    _index(tmp_path, {"x": "a.safetensors", "y": "sub/a.safetensors"})
+    with pytest.raises(CheckpointError, match=re.escape("tensor 'x' is in both a.safetensors and sub/a.safetensors: "
+                                                        "keep one copy of each tensor")):
+        open_weights(tmp_path)
+
+
 @pytest.mark.parametrize("size, says", [
     (0, "model.safetensors is empty (0 bytes): copy it again from the model's source"),
     (5, "model.safetensors is truncated: it has 5 bytes, fewer than the 8 of a safetensors header length"),

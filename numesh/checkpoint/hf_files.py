@@ -21,7 +21,7 @@ import json
 import math
 import re
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import attrs
@@ -133,12 +133,25 @@ def _shard_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
 
 
 def _weight_map(directory: Path) -> dict[str, str]:
-    """The index's weight_map: tensor name -> shard file name."""
+    """The index's weight_map: tensor name -> shard file, as a path inside `directory`
+    (`_shard_name`)."""
     index = read_json_file(directory / INDEX, "rewrite it with save_pretrained")
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{directory / INDEX} has no weight_map of tensor names to files")
-    return weight_map
+    return {name: _shard_name(file, directory / INDEX) for name, file in weight_map.items()}
+
+
+def _shard_name(entry: str, index: Path) -> str:
+    """One weight_map file name, spelled one way ("./a" and "a" are one file, read once),
+    refused unless it is a relative path that stays in the index's directory: a model's
+    index names its own shards, and numesh reads no other file it points to. The name alone
+    is checked, not where it resolves: the Hugging Face cache's shards are links out of it."""
+    pure = PurePosixPath(entry)
+    if not entry or pure.is_absolute() or ".." in pure.parts or "\\" in entry:
+        raise CheckpointError(f"{index} names shard file '{entry}', which is not a file name inside "
+                              f"{index.parent}: name each shard by its name in the model's directory")
+    return str(pure)
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -208,18 +221,26 @@ def open_weights(directory: Path) -> Weights:
     files, named = _shard_files(directory)
     for file in files:
         if not file.exists():
-            raise CheckpointError(f"{directory / INDEX} names {file.name}, which is missing from {directory}")
+            raise CheckpointError(f"{directory / INDEX} names {_inside(file, directory)}, which is missing from "
+                                  f"{directory}")
         for name, info in read_header(file).items():
             if name in tensors:
-                raise CheckpointError(f"{directory}: tensor '{name}' is in both {tensors[name].file.name} and "
-                                      f"{file.name}")
+                raise CheckpointError(f"{directory}: tensor '{name}' is in both "
+                                      f"{_inside(tensors[name].file, directory)} and {_inside(file, directory)}: "
+                                      "keep one copy of each tensor, in the file the index names")
             tensors[name] = info
     if named is not None:
-        lost = sorted(k for k, v in named.items() if k not in tensors or tensors[k].file.name != v)
+        lost = sorted(k for k, v in named.items() if k not in tensors or tensors[k].file != directory / v)
         if lost:
             raise CheckpointError(f"{directory / INDEX} puts tensor '{lost[0]}' in {named[lost[0]]}, which does "
                                   "not hold it")
     return Weights(directory, tensors)
+
+
+def _inside(file: Path, directory: Path) -> str:
+    """A weight file's name as the model's index spells it: its path inside `directory`
+    (a shard in a subdirectory named by its base name alone could seem to be another)."""
+    return file.relative_to(directory).as_posix()
 
 
 def weights_dtype(weights: Weights) -> str:
