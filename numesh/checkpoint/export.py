@@ -15,10 +15,10 @@ from typing import Any, Callable
 import attrs
 import numpy as np
 
-from numesh.base.errors import CheckpointError, DataError, check_scalar
+from numesh.base.errors import CheckpointError, DataError, check_path, check_scalar
 from numesh.base.files import os_reason
 from numesh.checkpoint.common import check_apart, read_group, read_meta
-from numesh.checkpoint.format import DTYPES, Meta, write_file_atomic
+from numesh.checkpoint.format import DTYPES, Meta, checkpoint_path, write_file_atomic
 from numesh.checkpoint.model import gpt2_differences
 from numesh.checkpoint.pinned import read_pinned
 from numesh.data.tokenizer import tokenizer_from_meta
@@ -42,6 +42,13 @@ def check_out_name(out: Path, fmt: str) -> None:
     if fmt == "hf" and (suffix in OTHER_SUFFIXES or suffix == ".safetensors"):
         raise CheckpointError(f"--out {out} names a file ({suffix}) but --format hf writes a directory: name a "
                               f"directory such as {out.with_suffix('')} (or use --format nanogpt for one file)")
+
+
+def export_paths(path: Any, out: Any, what: str) -> Path:
+    """An export's output path, once it and the checkpoint's `path` are checked: None or
+    empty (the current directory) is one line naming which."""
+    checkpoint_path(path)
+    return Path(check_path("--out", out, CheckpointError, f"name {what} to write"))
 
 
 def check_nanogpt(model: GPTConfig) -> None:
@@ -170,7 +177,7 @@ def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = N
     tensors; default: the checkpoint's. An existing `out_file` is replaced only if `force`."""
     from safetensors.numpy import save
 
-    out = Path(out_file)
+    out = export_paths(path, out_file, "a .safetensors file")
     check_scalar("force", force, bool)  # "no" is truthy: it overwrote
     check_out_name(out, "nanogpt")
     check_apart(out, path)
@@ -208,7 +215,7 @@ def import_nanogpt(file: str | Path) -> tuple[GPTConfig, Any, GPT, str, int]:
     """(model config, tokenizer or None, whole params, dtype name, step) of an exported file."""
     from safetensors import SafetensorError, safe_open
 
-    where = Path(file)
+    where = Path(check_path("the export file path", file, CheckpointError, "pass a `numesh export` .safetensors file"))
     if not where.is_file():
         raise CheckpointError(f"no checkpoint file {where}")
     try:

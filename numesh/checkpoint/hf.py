@@ -32,7 +32,7 @@ import numpy as np
 from numesh.base.errors import CheckpointError, check_scalar
 from numesh.base.files import os_reason
 from numesh.checkpoint.common import check_apart
-from numesh.checkpoint.export import check_nanogpt, check_out_name, exported_tensors, to_nanogpt
+from numesh.checkpoint.export import check_nanogpt, check_out_name, export_paths, exported_tensors, to_nanogpt
 from numesh.checkpoint.format import Meta
 from numesh.checkpoint.hf_files import SINGLE, read_header, weight_files
 from numesh.checkpoint.hf_llama import to_llama
@@ -203,7 +203,7 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
     (`remove_old_weights`), anything else left."""
     from safetensors.numpy import save
 
-    out = Path(out_dir)
+    out = export_paths(path, out_dir, "a directory")
     check_scalar("force", force, bool)  # "no" is truthy: it overwrote
     check_out_name(out, "hf")
     check_apart(out, path)
