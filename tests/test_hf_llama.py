@@ -640,6 +640,41 @@ def test_the_source_record_reads_older_spellings_and_a_broken_one_is_one_line(to
     assert "\n" not in str(e.value)
 
 
+REFUSED = {  # models one export format or both refuse (GPT-2's kind unless it says llama)
+    "mlp-100-wide": dict(ffn_hidden=100), "untied": dict(tie_embeddings=False), "gqa": dict(n_kv_head=2),
+    "rmsnorm": dict(norm="rmsnorm"), "gelu-llama": dict(norm="rmsnorm", positions="rotary", tie_embeddings=False),
+    "moe": dict(moe_experts=4), "llama": dict(norm="rmsnorm", positions="rotary", mlp="swiglu"),
+    "llama-gqa-untied": dict(norm="rmsnorm", positions="rotary", mlp="swiglu", n_kv_head=2, tie_embeddings=False),
+    "mixtral": dict(norm="rmsnorm", positions="rotary", mlp="swiglu", moe_experts=4),
+    "moe-every-2": dict(norm="rmsnorm", positions="rotary", mlp="swiglu", moe_experts=4, moe_every=2),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_an_export_refusal_never_sends_the_user_to_a_format_that_refuses_too(name: str) -> None:
+    """--format hf of a GPT-2-kind model with an MLP not 4 x n_embd wide said "export it with
+    --format hf", and its other refusals offered --format nanogpt, which refuses those
+    models as well: a refusal names the other format only where that one holds the model,
+    and otherwise says to sample or resume it with numesh."""
+    from numesh.checkpoint.export import check_nanogpt
+    from numesh.checkpoint.hf import hf_kind
+
+    model = GPTConfig(**REFUSED[name])
+    refusals = {}
+    for fmt, check in (("hf", hf_kind), ("nanogpt", check_nanogpt)):
+        try:
+            check(model)
+        except CheckpointError as e:
+            refusals[fmt] = str(e)
+    assert refusals, "one format at least refuses each of these models"
+    for fmt, line in refusals.items():
+        other = "nanogpt" if fmt == "hf" else "hf"
+        assert f"--format {fmt}" not in line.replace(f"--format {fmt} refuses", ""), line
+        offered = f"--format {other}" in line and f"--format {other} refuses" not in line
+        assert offered == (other not in refusals), line
+        assert offered or "sample or resume it with numesh" in line, line
+
+
 def test_what_transformers_cannot_compute_is_refused_in_one_line(llama_data: Path, tmp_path: Path) -> None:
     from numesh.checkpoint.hf import hf_kind
 
@@ -648,7 +683,8 @@ def test_what_transformers_cannot_compute_is_refused_in_one_line(llama_data: Pat
     assert hf_kind(GPTConfig(**llama, moe_experts=4)) == "mixtral"
     for kw, says in [
         (dict(positions="rotary"), "mixes GPT-2's and Llama's parts"),
-        (dict(n_kv_head=2), "mixes GPT-2's and Llama's parts"),
+        (dict(n_kv_head=2), "and this model has 2 kv heads for 4 query heads: neither export format holds it"),
+        (dict(ffn_hidden=100), "and this model has an MLP 100 wide (GPT-2's is 4 x n_embd = 512): neither export"),
         (dict(llama, moe_experts=4, moe_every=2), "not a Mixtral: it has experts in one block of every 2"),
         (dict(llama, moe_experts=4, moe_capacity_factor=1.0), "a capacity factor 1.0 (Mixtral is dropless)"),
         (dict(llama, moe_experts=4, bias=True), "biases (Mixtral's Linears have none)"),

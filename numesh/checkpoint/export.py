@@ -19,7 +19,7 @@ from numesh.base.errors import CheckpointError, DataError, check_path, check_sca
 from numesh.base.files import os_reason
 from numesh.checkpoint.common import check_apart, read_group, read_meta
 from numesh.checkpoint.format import DTYPES, Meta, checkpoint_path, write_file_atomic
-from numesh.checkpoint.model import gpt2_differences
+from numesh.checkpoint.model import HF_CLASSES, gpt2_differences, hf_kind
 from numesh.checkpoint.pinned import read_pinned
 from numesh.data.tokenizer import tokenizer_from_meta
 from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
@@ -55,11 +55,21 @@ def check_nanogpt(model: GPTConfig) -> None:
     """Raise unless nanoGPT's format holds `model`: GPT-2's parts, every MLP dense."""
     if parts := gpt2_differences(model):
         raise CheckpointError(f"nanoGPT's format holds GPT-2's parts only, and this model has {', '.join(parts)}: "
-                              "export it with --format hf (transformers' Llama classes), or sample or resume it "
-                              "with numesh instead")
+                              f"{_hf_route(model)}")
     if model.moe_experts:
         raise CheckpointError(f"this checkpoint is a mixture of experts ({model.moe_experts} experts), which "
                               "nanoGPT's format cannot hold: sample or resume it with numesh instead")
+
+
+def _hf_route(model: GPTConfig) -> str:
+    """What a model nanoGPT's format refuses is told to do: export it with --format hf where
+    a transformers class holds it, else use numesh (offering --format hf, which refuses it
+    too, sent the user from one refusal to the other)."""
+    try:
+        kind = hf_kind(model)
+    except CheckpointError:
+        return "--format hf refuses it too; sample or resume it with numesh instead"
+    return f"export it with --format hf (transformers' {HF_CLASSES[kind]}), or sample or resume it with numesh instead"
 
 
 def to_nanogpt(params: GPT, model: GPTConfig) -> dict[str, np.ndarray]:
