@@ -174,8 +174,11 @@ def test_the_reader_refuses_what_it_cannot_read_in_one_line(tmp_path: Path) -> N
     save_file({"x": torch.zeros(2, dtype=torch.int32)}, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="tensor 'x' is I32; numesh reads F32, F64, F16 and BF16"):
         open_weights(tmp_path)
-    (tmp_path / "model.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 8 + b"{}")
     with pytest.raises(CheckpointError, match="is not a safetensors file"):
+        open_weights(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x02" + b"\x00" * 7 + b"[]")  # was an AttributeError
+    with pytest.raises(CheckpointError, match="is not a safetensors file \\(its header is not a JSON object\\)"):
         open_weights(tmp_path)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="holds no weights: it needs model.safetensors or "
@@ -184,6 +187,85 @@ def test_the_reader_refuses_what_it_cannot_read_in_one_line(tmp_path: Path) -> N
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "a.safetensors"}}))
     with pytest.raises(CheckpointError, match="names a.safetensors, which is missing"):
         open_weights(tmp_path)
+
+
+def _index(d: Path, weight_map: dict[str, str]) -> None:
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_an_index_naming_files_outside_its_directory_is_refused(tmp_path: Path) -> None:
+    """A shard named `../x` or by an absolute path was read from wherever it pointed: now the
+    entry is named and refused before any file is opened. "./a" is "a", read once."""
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    save_file({"x": np.zeros(2, np.float32), "y": np.ones(2, np.float32)}, d / "a.safetensors")
+    save_file({"z": np.zeros(2, np.float32)}, tmp_path / "b.safetensors")
+    for entry in ("../b.safetensors", str(tmp_path / "b.safetensors"), "sub/../../b.safetensors"):
+        _index(d, {"x": "a.safetensors", "y": "a.safetensors", "z": entry})
+        with pytest.raises(CheckpointError, match=re.escape(f"names shard file '{entry}', which is not a file name "
+                                                            f"inside {d}")):
+            open_weights(d)
+    _index(d, {"x": "a.safetensors", "y": "./a.safetensors"})  # "tensor 'x' is in both a and a" before
+    assert sorted(open_weights(d).tensors) == ["x", "y"]
+
+
+def test_a_tensor_in_two_shards_names_both(tmp_path: Path) -> None:
+    """Named by base name, a shard in a subdirectory was the other's twin ("in both
+    a.safetensors and a.safetensors"): each is named by its path in the directory."""
+    from safetensors.numpy import save_file
+
+    (tmp_path / "sub").mkdir()
+    save_file({"x": np.zeros(2, np.float32)}, tmp_path / "a.safetensors")
+    save_file({"x": np.zeros(2, np.float32), "y": np.ones(2, np.float32)}, tmp_path / "sub" / "a.safetensors")
+    _index(tmp_path, {"x": "a.safetensors", "y": "sub/a.safetensors"})
+    with pytest.raises(CheckpointError, match=re.escape("tensor 'x' is in both a.safetensors and sub/a.safetensors: "
+                                                        "keep one copy of each tensor")):
+        open_weights(tmp_path)
+
+
+@pytest.mark.parametrize("size, says", [
+    (0, "model.safetensors is empty (0 bytes): copy it again from the model's source"),
+    (5, "model.safetensors is truncated: it has 5 bytes, fewer than the 8 of a safetensors header length"),
+    (40, "model.safetensors is truncated: its header is "),
+])
+def test_an_empty_or_cut_short_weights_file_is_named_as_such(size: int, says: str, tok_json: str,
+                                                              tmp_path: Path) -> None:
+    """Not "its header length is -1" (or a length the file cannot hold): the file named,
+    empty or truncated, for `numesh sample` and a GPT-2 directory's import alike."""
+    from numesh.checkpoint.hf import import_hf
+
+    d = save_model(tmp_path / "hf", tok_json)
+    _truncate(d / "model.safetensors", size)
+    line = one_error_line(cli("sample", str(d), "--max-new-tokens", "2"))
+    assert f"{d / 'model.safetensors'}" in line and says in line
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(CheckpointError, match=re.escape(says)):
+        import_hf(d)
+
+
+@pytest.mark.parametrize("shard", [None, "4KB"])
+def test_weights_without_config_json_say_so_not_that_meta_json_is_missing(shard: str | None, tok_json: str,
+                                                                          tmp_path: Path) -> None:
+    """A transformers directory that lost its config.json was taken for a numesh checkpoint
+    ("meta.json is missing"); sample and --init-from now name the file it lacks."""
+    from numesh.checkpoint.init_from import load_init
+
+    d = save_model(tmp_path / "hf", tok_json, shard=shard)
+    (d / "config.json").unlink()
+    first = "model.safetensors.index.json" if shard else "model.safetensors"
+    says = f"{d} has {first} but no config.json, which a transformers directory needs beside its weights"
+    line = one_error_line(cli("sample", str(d), "--max-new-tokens", "2"))
+    assert says in line and "meta.json" not in line
+    with pytest.raises(CheckpointError, match=re.escape(says)):
+        load_init(d, GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=1, n_embd=8), None, "float32")
+    for f in list(d.iterdir()):
+        if f.name.startswith("model"):
+            f.unlink()
+    (d / "gpt.safetensors").write_bytes(b"")  # a `numesh export` file put in a directory
+    assert "has gpt.safetensors but no config.json: pass the file itself if it is a `numesh export` file" in \
+        one_error_line(cli("sample", str(d)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -559,6 +641,41 @@ def test_the_source_record_reads_older_spellings_and_a_broken_one_is_one_line(to
     assert "\n" not in str(e.value)
 
 
+REFUSED = {  # models one export format or both refuse (GPT-2's kind unless it says llama)
+    "mlp-100-wide": dict(ffn_hidden=100), "untied": dict(tie_embeddings=False), "gqa": dict(n_kv_head=2),
+    "rmsnorm": dict(norm="rmsnorm"), "gelu-llama": dict(norm="rmsnorm", positions="rotary", tie_embeddings=False),
+    "moe": dict(moe_experts=4), "llama": dict(norm="rmsnorm", positions="rotary", mlp="swiglu"),
+    "llama-gqa-untied": dict(norm="rmsnorm", positions="rotary", mlp="swiglu", n_kv_head=2, tie_embeddings=False),
+    "mixtral": dict(norm="rmsnorm", positions="rotary", mlp="swiglu", moe_experts=4),
+    "moe-every-2": dict(norm="rmsnorm", positions="rotary", mlp="swiglu", moe_experts=4, moe_every=2),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_an_export_refusal_never_sends_the_user_to_a_format_that_refuses_too(name: str) -> None:
+    """--format hf of a GPT-2-kind model with an MLP not 4 x n_embd wide said "export it with
+    --format hf", and its other refusals offered --format nanogpt, which refuses those
+    models as well: a refusal names the other format only where that one holds the model,
+    and otherwise says to sample or resume it with numesh."""
+    from numesh.checkpoint.export import check_nanogpt
+    from numesh.checkpoint.hf import hf_kind
+
+    model = GPTConfig(**REFUSED[name])
+    refusals = {}
+    for fmt, check in (("hf", hf_kind), ("nanogpt", check_nanogpt)):
+        try:
+            check(model)
+        except CheckpointError as e:
+            refusals[fmt] = str(e)
+    assert refusals, "one format at least refuses each of these models"
+    for fmt, line in refusals.items():
+        other = "nanogpt" if fmt == "hf" else "hf"
+        assert f"--format {fmt}" not in line.replace(f"--format {fmt} refuses", ""), line
+        offered = f"--format {other}" in line and f"--format {other} refuses" not in line
+        assert offered == (other not in refusals), line
+        assert offered or "sample or resume it with numesh" in line, line
+
+
 def test_what_transformers_cannot_compute_is_refused_in_one_line(llama_data: Path, tmp_path: Path) -> None:
     from numesh.checkpoint.hf import hf_kind
 
@@ -567,7 +684,8 @@ def test_what_transformers_cannot_compute_is_refused_in_one_line(llama_data: Pat
     assert hf_kind(GPTConfig(**llama, moe_experts=4)) == "mixtral"
     for kw, says in [
         (dict(positions="rotary"), "mixes GPT-2's and Llama's parts"),
-        (dict(n_kv_head=2), "mixes GPT-2's and Llama's parts"),
+        (dict(n_kv_head=2), "and this model has 2 kv heads for 4 query heads: neither export format holds it"),
+        (dict(ffn_hidden=100), "and this model has an MLP 100 wide (GPT-2's is 4 x n_embd = 512): neither export"),
         (dict(llama, moe_experts=4, moe_every=2), "not a Mixtral: it has experts in one block of every 2"),
         (dict(llama, moe_experts=4, moe_capacity_factor=1.0), "a capacity factor 1.0 (Mixtral is dropless)"),
         (dict(llama, moe_experts=4, bias=True), "biases (Mixtral's Linears have none)"),
@@ -682,7 +800,7 @@ def test_a_library_models_mismatches_with_the_directory_are_named_at_once(tok_js
                            "--n-layer, --n-embd to match (or leave them out: the directory sets them)"
 
 REFUSALS = [  # (how the directory is spoiled, what the one line says)
-    (lambda d: (d / "config.json").unlink(), "it needs config.json"),
+    (lambda d: (d / "config.json").unlink(), "has model.safetensors but no config.json, which a transformers"),
     (lambda d: (d / "model.safetensors").unlink(), "holds no weights: it needs model.safetensors"),
     (lambda d: _edit_config(d, model_type="qwen2"), "model_type 'qwen2' is not one numesh reads: it reads llama, "
                                                     "mistral, mixtral and gpt2"),

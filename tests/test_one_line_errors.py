@@ -539,6 +539,56 @@ def test_export_to_an_empty_out_is_refused_not_the_current_directory(tiny_run: P
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("command, name", [
+    (["sample", "", "--max-new-tokens", "2"], "CKPT"),
+    (["sample", "--ckpt", "", "--max-new-tokens", "2"], "--ckpt"),
+    (["reshard", "", "--to", "tp=2", "--out", "{tmp}/r"], "CKPT"),
+    (["export", "", "--out", "{tmp}/m.safetensors"], "CKPT"),
+    (["export", "", "--out", "{tmp}/hf", "--format", "hf"], "CKPT"),
+    (["reshard", "{ckpt}", "--to", "tp=2", "--out", ""], "--out"),
+])
+def test_an_empty_path_is_refused_not_the_current_directory(tiny_run: Path, tmp_path: Path, command: list[str],
+                                                            name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """typer made '' Path("."): run inside a checkpoint, `numesh sample ''` sampled it and
+    reshard and export read it; `reshard --out ''` wrote into the current directory."""
+    ckpt = (tiny_run / "ckpt" / "latest").resolve()
+    monkeypatch.chdir(ckpt if name != "--out" else tmp_path)
+    line = one_error_line(cli(*[part.format(tmp=tmp_path, ckpt=ckpt) for part in command]))
+    assert line.startswith(f"error: {name} must name a file or directory, got ''"), line
+    assert list(tmp_path.iterdir()) == []
+
+
+NO_PATHS = {  # id: the call, given a checkpoint directory for the argument that is not the one tested
+    "read_global(None)": lambda c, ck: c.read_global(None),
+    "read_global('')": lambda c, ck: c.read_global(""),
+    "read_global_params(None)": lambda c, ck: c.read_global_params(None),
+    "read_state(None)": lambda c, ck: c.read_state(None),
+    "read_meta(None)": lambda c, ck: c.read_meta(None),
+    "read_params_dict(None)": lambda c, ck: c.read_params_dict(None),
+    "reshard(None)": lambda c, ck: c.reshard(None, "tp=2"),
+    "reshard(out='')": lambda c, ck: c.reshard(ck, "tp=2", ""),
+    "export_hf(None)": lambda c, ck: c.export_hf(None, "x"),
+    "export_hf(out=None)": lambda c, ck: c.export_hf(ck, None),
+    "export_nanogpt(None)": lambda c, ck: c.export_nanogpt(None, "x.safetensors"),
+    "export_nanogpt(out=None)": lambda c, ck: c.export_nanogpt(ck, None),
+    "import_nanogpt(None)": lambda c, ck: c.import_nanogpt(None),
+    "import_nanogpt('')": lambda c, ck: c.import_nanogpt(""),
+}
+
+
+@pytest.mark.parametrize("call", NO_PATHS)
+def test_a_checkpoint_function_given_no_path_is_one_line(tiny_run: Path, call: str) -> None:
+    """None (or '', the current directory) for a path was a TypeError's traceback, or read
+    the current directory: one CheckpointError line naming the path."""
+    from numesh import checkpoint
+    from numesh.base.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"^(the checkpoint path|--out|the export file path) must name a file "
+                                              r"or directory, got (None|'')") as e:
+        NO_PATHS[call](checkpoint, str(tiny_run / "ckpt" / "latest"))
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("fmt, name, says", [
     ("nanogpt", "m.bin", "names a PyTorch pickle (.bin) but --format nanogpt writes safetensors: name it {stem}"
                          ".safetensors"),

@@ -149,6 +149,15 @@ def check_scalar(name: str, value: Any, want: type, error: type[UserError] = Con
     return value
 
 
+def check_path(name: str, value: Any, error: type[UserError] = ConfigError, hint: str = "") -> Any:
+    """`value` unless it is no path (None, a number) or an empty one, then a one-line `error`
+    naming `name` (and `hint`: what to pass): `Path("")` is ".", so an empty CKPT or --out was
+    taken for the current directory, and `Path(None)` is a TypeError's traceback."""
+    if not isinstance(value, (str, os.PathLike)) or os.fspath(value) in ("", b""):
+        raise error(f"{name} must name a file or directory, got {value!r}" + (f": {hint}" if hint else ""))
+    return value
+
+
 def check_finite(name: str, value: float) -> float:
     """`value`, or a one-line ConfigError where option `name` is NaN or infinite."""
     if not math.isfinite(value):

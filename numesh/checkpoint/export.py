@@ -15,11 +15,11 @@ from typing import Any, Callable
 import attrs
 import numpy as np
 
-from numesh.base.errors import CheckpointError, DataError, check_scalar
+from numesh.base.errors import CheckpointError, DataError, check_path, check_scalar
 from numesh.base.files import os_reason
 from numesh.checkpoint.common import check_apart, read_group, read_meta
-from numesh.checkpoint.format import DTYPES, Meta, write_file_atomic
-from numesh.checkpoint.model import gpt2_differences
+from numesh.checkpoint.format import DTYPES, Meta, checkpoint_path, write_file_atomic
+from numesh.checkpoint.model import HF_CLASSES, gpt2_differences, hf_kind
 from numesh.checkpoint.pinned import read_pinned
 from numesh.data.tokenizer import tokenizer_from_meta
 from numesh.nn.gpt import GPT, MLP, Attention, Block, GPTConfig
@@ -44,15 +44,32 @@ def check_out_name(out: Path, fmt: str) -> None:
                               f"directory such as {out.with_suffix('')} (or use --format nanogpt for one file)")
 
 
+def export_paths(path: Any, out: Any, what: str) -> Path:
+    """An export's output path, once it and the checkpoint's `path` are checked: None or
+    empty (the current directory) is one line naming which."""
+    checkpoint_path(path)
+    return Path(check_path("--out", out, CheckpointError, f"name {what} to write"))
+
+
 def check_nanogpt(model: GPTConfig) -> None:
     """Raise unless nanoGPT's format holds `model`: GPT-2's parts, every MLP dense."""
     if parts := gpt2_differences(model):
         raise CheckpointError(f"nanoGPT's format holds GPT-2's parts only, and this model has {', '.join(parts)}: "
-                              "export it with --format hf (transformers' Llama classes), or sample or resume it "
-                              "with numesh instead")
+                              f"{_hf_route(model)}")
     if model.moe_experts:
         raise CheckpointError(f"this checkpoint is a mixture of experts ({model.moe_experts} experts), which "
                               "nanoGPT's format cannot hold: sample or resume it with numesh instead")
+
+
+def _hf_route(model: GPTConfig) -> str:
+    """What a model nanoGPT's format refuses is told to do: export it with --format hf where
+    a transformers class holds it, else use numesh (offering --format hf, which refuses it
+    too, sent the user from one refusal to the other)."""
+    try:
+        kind = hf_kind(model)
+    except CheckpointError:
+        return "--format hf refuses it too; sample or resume it with numesh instead"
+    return f"export it with --format hf (transformers' {HF_CLASSES[kind]}), or sample or resume it with numesh instead"
 
 
 def to_nanogpt(params: GPT, model: GPTConfig) -> dict[str, np.ndarray]:
@@ -170,7 +187,7 @@ def export_nanogpt(path: str | Path, out_file: str | Path, dtype: str | None = N
     tensors; default: the checkpoint's. An existing `out_file` is replaced only if `force`."""
     from safetensors.numpy import save
 
-    out = Path(out_file)
+    out = export_paths(path, out_file, "a .safetensors file")
     check_scalar("force", force, bool)  # "no" is truthy: it overwrote
     check_out_name(out, "nanogpt")
     check_apart(out, path)
@@ -208,7 +225,7 @@ def import_nanogpt(file: str | Path) -> tuple[GPTConfig, Any, GPT, str, int]:
     """(model config, tokenizer or None, whole params, dtype name, step) of an exported file."""
     from safetensors import SafetensorError, safe_open
 
-    where = Path(file)
+    where = Path(check_path("the export file path", file, CheckpointError, "pass a `numesh export` .safetensors file"))
     if not where.is_file():
         raise CheckpointError(f"no checkpoint file {where}")
     try:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from numesh.base.errors import CheckpointError, DataError
+from numesh.base.errors import CheckpointError, DataError, check_path
 from numesh.base.files import json_object_or_none
 from numesh.base.padding import round_up
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
@@ -530,11 +530,18 @@ def _check_tiling(key: str, shape: tuple[int, ...], files: list[FileRecord], met
         raise CheckpointError(f"{meta_path}: the blocks of '{key}' cover {total} of its {math.prod(shape)} values")
 
 
+def checkpoint_path(path: Any) -> Path:
+    """The checkpoint directory a reader is given, or one CheckpointError line where it is
+    None or empty (`check_path`): the one check of every entry point that reads one."""
+    return Path(check_path("the checkpoint path", path, CheckpointError,
+                           "pass a checkpoint directory such as RUN/ckpt/latest"))
+
+
 def read_meta(path: str | Path, describe: Describe, state_groups: Groups = adamw_groups) -> Meta:
     """Read and check `path/meta.json` (`path` may be the `latest` symlink) for the model
     `describe` builds from it and the groups `state_groups` says its optimiser keeps (see
     `parse_meta`)."""
-    given = Path(path)
+    given = checkpoint_path(path)
     if not given.exists():
         raise CheckpointError(f"no checkpoint at {given}: pass a checkpoint directory such as RUN/ckpt/latest")
     if not given.is_dir():

@@ -32,9 +32,9 @@ import numpy as np
 from numesh.base.errors import CheckpointError, check_scalar
 from numesh.base.files import os_reason
 from numesh.checkpoint.common import check_apart
-from numesh.checkpoint.export import check_nanogpt, check_out_name, exported_tensors, to_nanogpt
+from numesh.checkpoint.export import check_nanogpt, check_out_name, export_paths, exported_tensors, to_nanogpt
 from numesh.checkpoint.format import Meta
-from numesh.checkpoint.hf_files import SINGLE, weight_files
+from numesh.checkpoint.hf_files import SINGLE, read_header, weight_files
 from numesh.checkpoint.hf_llama import to_llama
 from numesh.checkpoint.hf_source import (
     CHAT_TEMPLATE_FILE,
@@ -44,6 +44,7 @@ from numesh.checkpoint.hf_source import (
     recorded_source,
     tokenizer_fields,
 )
+from numesh.checkpoint.model import MOE_REFUSAL, hf_kind
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, tokenizer_from_meta
 from numesh.nn.gpt import GPTConfig
 from numesh.nn.layers import LN_EPS
@@ -52,17 +53,6 @@ _LINEARS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".
 NUMESH_BIAS = "numesh_bias"  # config.json's record of a numesh export's --bias (transformers keeps unknown keys)
 _BIASES = {".ln_1.bias": 1, ".attn.c_attn.bias": 3, ".attn.c_proj.bias": 1, ".ln_2.bias": 1, ".mlp.c_fc.bias": 4,
            ".mlp.c_proj.bias": 1}  # per block: name -> width in units of n_embd
-
-
-# transformers' MoE decoders (Mixtral, Qwen2-MoE, OLMoE, ...) are Llama-shaped: RMSNorm,
-# rotary positions and gated SiLU experts (w1, w3, w2). GPT-2's kind with experts has
-# LayerNorm, learned positions and GELU experts, and GPT2LMHeadModel has no experts: no class
-# transformers ships computes it, and a directory needing custom code is what the export
-# avoids. The Llama kind with experts is a Mixtral (`hf_kind`).
-MOE_REFUSAL = ("this checkpoint is a mixture of experts ({} experts) and transformers has no model class for it: "
-               "its MoE models (Mixtral and kin) use RMSNorm, rotary positions and gated SiLU experts where this "
-               "model has LayerNorm, learned positions and GELU experts (a Llama-kind MoE, --arch llama, exports "
-               "as MixtralForCausalLM); sample or resume it with numesh instead")
 
 
 def to_hf(params: Any, model: GPTConfig) -> dict[str, np.ndarray]:
@@ -92,32 +82,6 @@ def hf_config(model: GPTConfig, eot_id: int | None, dtype: str) -> dict[str, Any
         "bos_token_id": eot_id, "eos_token_id": eot_id, "torch_dtype": dtype,
         NUMESH_BIAS: model.bias,  # GPT-2 always has biases: whether the zeros written are numesh's "none"
     }
-
-
-def hf_kind(model: GPTConfig) -> str:
-    """The transformers class a numesh model exports to: "gpt2", "llama" or "mixtral"; a
-    one-line CheckpointError says what no class of transformers computes."""
-    parts = (model.norm, model.positions, model.mlp)
-    if parts == ("layernorm", "learned", "gelu") and model.tie_embeddings and model.fused_qkv:
-        if model.moe_experts:
-            raise CheckpointError(MOE_REFUSAL.format(model.moe_experts))
-        return "gpt2"
-    if parts != ("rmsnorm", "rotary", "swiglu"):
-        raise CheckpointError(f"this checkpoint's model mixes GPT-2's and Llama's parts (norm {model.norm}, positions "
-                              f"{model.positions}, mlp {model.mlp}, {model.kv_heads} kv heads, tied head "
-                              f"{model.tie_embeddings}): no transformers class computes it; export GPT-2's kind "
-                              "(layernorm, learned, gelu, tied, kv heads = heads) or Llama's (rmsnorm, rotary, "
-                              "swiglu), or use --format nanogpt / numesh itself")
-    if not model.moe_experts:
-        return "llama"
-    differs = [why for why, bad in (
-        (f"experts in one block of every {model.moe_every} (Mixtral has them in every block)", model.moe_every != 1),
-        (f"a capacity factor {model.moe_capacity_factor} (Mixtral is dropless)", model.moe_capacity_factor > 0),
-        ("biases (Mixtral's Linears have none)", model.bias)) if bad]
-    if differs:
-        raise CheckpointError(f"this mixture of experts is not a Mixtral: it has {differs[0]}; "
-                              "sample or resume it with numesh instead")
-    return "mixtral"
 
 
 def weights_route(model: GPTConfig, ckpt: str | Path) -> str:
@@ -203,7 +167,7 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
     (`remove_old_weights`), anything else left."""
     from safetensors.numpy import save
 
-    out = Path(out_dir)
+    out = export_paths(path, out_dir, "a directory")
     check_scalar("force", force, bool)  # "no" is truthy: it overwrote
     check_out_name(out, "hf")
     check_apart(out, path)
@@ -329,7 +293,9 @@ def import_hf(directory: str | Path) -> tuple[GPTConfig, str, Any]:
         cfg = json.loads((d / "config.json").read_text(encoding="utf-8"))
         tok_text = (d / "tokenizer.json").read_text(encoding="utf-8")
         objects = {"config.json": cfg, "tokenizer.json": json.loads(tok_text)}  # both JSON objects, checked here
-        with safe_open(str(d / "model.safetensors"), framework="numpy") as f:
+        if (d / SINGLE).is_file():  # an empty or cut-short file named as such, not safetensors' own words
+            read_header(d / SINGLE)
+        with safe_open(str(d / SINGLE), framework="numpy") as f:
             sd = {k: f.get_tensor(k) for k in f.keys()}
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, SafetensorError) as e:
         raise CheckpointError(f"{d} is not a transformers directory numesh reads ({e}): it needs config.json, "

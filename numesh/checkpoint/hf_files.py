@@ -21,7 +21,7 @@ import json
 import math
 import re
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import attrs
@@ -67,26 +67,46 @@ def read_json_file(path: Path, what: str) -> dict[str, Any]:
     return obj
 
 
-def _header(file: Path) -> dict[str, TensorInfo]:
+def _header_length(file: Path, size: int, head: bytes) -> int:
+    """The header length a file of `size` bytes starts with (`head`, its first 8 bytes), or
+    one line where it is no safetensors file's: empty or cut short (a copy or download that
+    stopped), which copying it again mends, told apart from a file of another kind."""
+    again = "copy it again from the model's source"
+    if size == 0:
+        raise CheckpointError(f"{file} is empty (0 bytes): {again}")
+    if len(head) < 8:
+        raise CheckpointError(f"{file} is truncated: it has {size} bytes, fewer than the 8 of a safetensors header "
+                              f"length; {again}")
+    n = struct.unpack("<Q", head)[0]
+    if not 0 < n <= _MAX_HEADER:
+        raise CheckpointError(f"{file} is not a safetensors file (its header length is {n})")
+    if n > size - 8:
+        raise CheckpointError(f"{file} is truncated: its header is {n} bytes but only {size - 8} follow its length; "
+                              f"{again}")
+    return n
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
     """The tensors of one safetensors file, checked against the file's size."""
     try:
         with open(file, "rb") as f:
             size = file.stat().st_size
             head = f.read(8)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            if not 0 < n <= min(_MAX_HEADER, size - 8):
-                raise CheckpointError(f"{file} is not a safetensors file (its header length is {n})")
+            n = _header_length(file, size, head)
             header = json.loads(f.read(n))
     except OSError as e:
         raise CheckpointError(f"cannot read {file}: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise CheckpointError(f"{file} is not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file} is not a safetensors file (its header is not a JSON object)")
     out = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (start, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            dtype, shape = entry["dtype"], tuple(int(d) for d in entry["shape"])
+            start, end = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{file}: tensor '{name}' has a malformed header entry") from None
         if dtype not in _RAW:
@@ -113,12 +133,25 @@ def _shard_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
 
 
 def _weight_map(directory: Path) -> dict[str, str]:
-    """The index's weight_map: tensor name -> shard file name."""
+    """The index's weight_map: tensor name -> shard file, as a path inside `directory`
+    (`_shard_name`)."""
     index = read_json_file(directory / INDEX, "rewrite it with save_pretrained")
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{directory / INDEX} has no weight_map of tensor names to files")
-    return weight_map
+    return {name: _shard_name(file, directory / INDEX) for name, file in weight_map.items()}
+
+
+def _shard_name(entry: str, index: Path) -> str:
+    """One weight_map file name, spelled one way ("./a" and "a" are one file, read once),
+    refused unless it is a relative path that stays in the index's directory: a model's
+    index names its own shards, and numesh reads no other file it points to. The name alone
+    is checked, not where it resolves: the Hugging Face cache's shards are links out of it."""
+    pure = PurePosixPath(entry)
+    if not entry or pure.is_absolute() or ".." in pure.parts or "\\" in entry:
+        raise CheckpointError(f"{index} names shard file '{entry}', which is not a file name inside "
+                              f"{index.parent}: name each shard by its name in the model's directory")
+    return str(pure)
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -188,18 +221,26 @@ def open_weights(directory: Path) -> Weights:
     files, named = _shard_files(directory)
     for file in files:
         if not file.exists():
-            raise CheckpointError(f"{directory / INDEX} names {file.name}, which is missing from {directory}")
-        for name, info in _header(file).items():
+            raise CheckpointError(f"{directory / INDEX} names {_inside(file, directory)}, which is missing from "
+                                  f"{directory}")
+        for name, info in read_header(file).items():
             if name in tensors:
-                raise CheckpointError(f"{directory}: tensor '{name}' is in both {tensors[name].file.name} and "
-                                      f"{file.name}")
+                raise CheckpointError(f"{directory}: tensor '{name}' is in both "
+                                      f"{_inside(tensors[name].file, directory)} and {_inside(file, directory)}: "
+                                      "keep one copy of each tensor, in the file the index names")
             tensors[name] = info
     if named is not None:
-        lost = sorted(k for k, v in named.items() if k not in tensors or tensors[k].file.name != v)
+        lost = sorted(k for k, v in named.items() if k not in tensors or tensors[k].file != directory / v)
         if lost:
             raise CheckpointError(f"{directory / INDEX} puts tensor '{lost[0]}' in {named[lost[0]]}, which does "
                                   "not hold it")
     return Weights(directory, tensors)
+
+
+def _inside(file: Path, directory: Path) -> str:
+    """A weight file's name as the model's index spells it: its path inside `directory`
+    (a shard in a subdirectory named by its base name alone could seem to be another)."""
+    return file.relative_to(directory).as_posix()
 
 
 def weights_dtype(weights: Weights) -> str:

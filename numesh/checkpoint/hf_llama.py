@@ -24,8 +24,8 @@ import numpy as np
 
 from numesh.base.errors import CheckpointError
 from numesh.base.tree import tree_leaves_with_path
-from numesh.checkpoint.format import MODEL_TYPES, run_checkpoints
-from numesh.checkpoint.hf_files import TensorInfo, Weights, read_json_file
+from numesh.checkpoint.format import META_FILE, MODEL_TYPES, run_checkpoints
+from numesh.checkpoint.hf_files import TensorInfo, Weights, read_json_file, weight_files
 from numesh.nn.gpt import GPTConfig, gpt_global_shapes, swiglu_hidden
 
 # transformers' defaults where config.json leaves a key out (each class's own)
@@ -76,6 +76,26 @@ def is_pretrained_dir(path: str | Path) -> bool:
     p = Path(path)  # a run's directory (train --out) has a config.json and its ckpt/: not a model's
     return p.is_dir() and (p / "config.json").exists() and not (p / "meta.json").exists() \
         and not run_checkpoints(p)
+
+
+def check_has_config(path: str | Path) -> None:
+    """One line where `path` is a directory of model weights without config.json and
+    without what a numesh checkpoint or run has (a copy of a transformers model that left
+    config.json out): taken for a numesh checkpoint, it was said to lack meta.json."""
+    p = Path(path)
+    if not p.is_dir() or (p / "config.json").exists() or (p / META_FILE).exists() or run_checkpoints(p):
+        return
+    try:
+        named, other = weight_files(p), sorted(p.glob("*.safetensors"))
+    except OSError:  # unreadable: reading it says so
+        return
+    fix = "copy config.json there from the model's source (save_pretrained writes it)"
+    if named:
+        raise CheckpointError(f"{p} has {named[0].name} but no config.json, which a transformers directory needs "
+                              f"beside its weights: {fix}")
+    if other:  # no name transformers saves: perhaps a `numesh export` file, which is passed itself
+        raise CheckpointError(f"{p} has {other[0].name} but no config.json: pass the file itself if it is a "
+                              f"`numesh export` file, else {fix}")
 
 
 def model_type(directory: Path) -> str:

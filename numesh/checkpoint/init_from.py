@@ -27,7 +27,15 @@ from numesh.checkpoint.export import import_nanogpt
 from numesh.checkpoint.format import LATEST, META_FILE, full_region, run_checkpoints, vocab_difference
 from numesh.checkpoint.hf import import_hf, weights_route
 from numesh.checkpoint.hf_files import open_weights, read_json_file
-from numesh.checkpoint.hf_llama import OPTIONS, check_weights, is_pretrained_dir, model_type, pretrained, read_leaf
+from numesh.checkpoint.hf_llama import (
+    OPTIONS,
+    check_has_config,
+    check_weights,
+    is_pretrained_dir,
+    model_type,
+    pretrained,
+    read_leaf,
+)
 from numesh.checkpoint.model import (
     SHAPE_KEYS,
     differing_keys,
@@ -166,6 +174,7 @@ def load_init(path: str | Path, model: GPTConfig, dataset: CharTokenizer | HFTok
     if not p.is_dir():
         check_init_kind(model)  # before reading anything
     if p.is_dir():
+        check_has_config(p)
         theirs, tok_text, params = import_hf(p)  # a directory that is none is its own error first
         check_init_kind(model)
         same, own = _same_tokenizer(tok_text, dataset), True

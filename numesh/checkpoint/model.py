@@ -1,5 +1,6 @@
 """All the checkpoint layer knows about the GPT: its leaf table, its config in meta.json,
-how a pipeline rank's tree maps to global leaf paths, and vocabulary padding.
+how a pipeline rank's tree maps to global leaf paths, vocabulary padding, and which export
+format holds it (`gpt2_differences` for nanoGPT's, `hf_kind` for transformers').
 
 Everything else in numesh/checkpoint works from the `LeafDef` table built here, so the
 format, block geometry and metadata parsing are the same for any model.
@@ -138,6 +139,55 @@ def gpt2_differences(model: GPTConfig) -> list[str]:
     if not model.tie_embeddings:
         out.append("an untied LM head")
     return out
+
+
+GPT2_PARTS = ("layernorm", "learned", "gelu")  # (norm, positions, mlp) of GPT-2's kind
+LLAMA_PARTS = ("rmsnorm", "rotary", "swiglu")  # and of Llama's
+# the class each `hf_kind` names, for messages
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+# transformers' MoE decoders (Mixtral, Qwen2-MoE, OLMoE, ...) are Llama-shaped: RMSNorm,
+# rotary positions and gated SiLU experts (w1, w3, w2). GPT-2's kind with experts has
+# LayerNorm, learned positions and GELU experts, and GPT2LMHeadModel has no experts: no class
+# transformers ships computes it, and a directory needing custom code is what the export
+# avoids. The Llama kind with experts is a Mixtral (`hf_kind`).
+MOE_REFUSAL = ("this checkpoint is a mixture of experts ({} experts) and transformers has no model class for it: "
+               "its MoE models (Mixtral and kin) use RMSNorm, rotary positions and gated SiLU experts where this "
+               "model has LayerNorm, learned positions and GELU experts (a Llama-kind MoE, --arch llama, exports "
+               "as MixtralForCausalLM); sample or resume it with numesh instead")
+
+
+def hf_kind(model: GPTConfig) -> str:
+    """The transformers class a numesh model exports to: "gpt2", "llama" or "mixtral"; a
+    one-line CheckpointError says what no class of transformers computes, and never offers
+    --format hf (the format refusing) nor nanoGPT's, which holds GPT-2's parts only, for a
+    model that is not GPT-2's kind in every part and shape."""
+    parts = (model.norm, model.positions, model.mlp)
+    if parts == GPT2_PARTS:
+        if differs := gpt2_differences(model):
+            raise CheckpointError(f"transformers' GPT2LMHeadModel, as numesh exports GPT-2's kind, has a tied head, "
+                                  f"as many kv heads as heads and an MLP 4 x n_embd wide, and this model has "
+                                  f"{', '.join(differs)}: neither export format holds it (nanoGPT's has GPT-2's "
+                                  "shapes too); sample or resume it with numesh instead")
+        if model.moe_experts:
+            raise CheckpointError(MOE_REFUSAL.format(model.moe_experts))
+        return "gpt2"
+    if parts != LLAMA_PARTS:
+        raise CheckpointError(f"this checkpoint's model mixes GPT-2's and Llama's parts (norm {model.norm}, positions "
+                              f"{model.positions}, mlp {model.mlp}): no transformers class computes it, and nanoGPT's "
+                              "format holds GPT-2's parts only; sample or resume it with numesh instead (what exports "
+                              "has GPT-2's parts throughout, layernorm, learned, gelu, or Llama's, rmsnorm, rotary, "
+                              "swiglu)")
+    if not model.moe_experts:
+        return "llama"
+    differs = [why for why, bad in (
+        (f"experts in one block of every {model.moe_every} (Mixtral has them in every block)", model.moe_every != 1),
+        (f"a capacity factor {model.moe_capacity_factor} (Mixtral is dropless)", model.moe_capacity_factor > 0),
+        ("biases (Mixtral's Linears have none)", model.bias)) if bad]
+    if differs:
+        raise CheckpointError(f"this mixture of experts is not a Mixtral: it has {differs[0]}, and nanoGPT's format "
+                              "holds no experts; sample or resume it with numesh instead")
+    return "mixtral"
 
 
 # ---------------------------------------------------------------------------------------

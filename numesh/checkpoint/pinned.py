@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from numesh.base.errors import CheckpointError
+from numesh.checkpoint.format import checkpoint_path
 
 T = TypeVar("T")
 
@@ -87,6 +88,7 @@ def read_pinned(path: str | Path, read: Callable[[Path], T], tries: int = TRIES)
     """`read(step_dir)` of the checkpoint directory `path` leads to (e.g. RUN/ckpt/latest),
     read again from the new one when a save moved `path` on and pruned the old one meanwhile
     (see the module docstring). One process."""
+    checkpoint_path(path)  # None or '' (the current directory) is one line, not a TypeError
     for _ in range(tries):
         was = pin(path)
         try:
@@ -131,6 +133,7 @@ def read_pinned_on(comm: Any, path: str | Path, read: Callable[[Path], T], tries
     """`read_pinned` as a collective over `comm`: rank 0 resolves `path`, so that every rank
     reads the same step directory, and decides whether all read again or all raise the same
     error (rank 0's view of the directory, not each rank's at a slightly different moment)."""
+    checkpoint_path(path)  # on every rank, before any collective: all raise, none waits
     rank0 = comm.Get_rank() == 0
     for _ in range(tries):
         was = pin(path) if rank0 else None

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from numesh.base.errors import CheckpointError, ConfigError
+from numesh.base.errors import CheckpointError, ConfigError, check_path
 from numesh.base.files import os_reason
 from numesh.checkpoint.common import TMP_PREFIX, check_apart, install_dir, read_meta
 from numesh.checkpoint.format import (
@@ -16,6 +16,7 @@ from numesh.checkpoint.format import (
     BlockReader,
     FileRecord,
     Meta,
+    checkpoint_path,
     fsync_dir,
     leaf_blocks,
     leaf_file,
@@ -53,7 +54,9 @@ def reshard(path: str | Path, to: str, out: str | Path | None = None,
     `path` may be a running job's `latest`: one step directory is read, again from the
     next one if the job prunes it meanwhile (numesh/checkpoint/pinned.py). `log` is told
     when the output records fewer virtual stages than the source (`_target_virtual`)."""
+    checkpoint_path(path)
     if out is not None:
+        check_path("--out", out, CheckpointError, "name the directory to write, or leave it out")
         check_apart(out, path)
     return read_pinned(path, lambda root: _reshard(root, to, out, log))
 

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from numesh.base.errors import CheckpointError
+from numesh.base.errors import CheckpointError, check_path
 from numesh.checkpoint.common import TMP_PREFIX, install_dir
 from numesh.checkpoint.format import (
     FORMAT,
@@ -194,7 +194,7 @@ def prepare_save(state: TrainState, out_dir: str | Path) -> tuple[Path, Path]:
     """(temporary, final) directory of `state`'s checkpoint, the temporary one made empty
     on rank 0 (leftovers of killed saves removed). Collective: the same error on every rank."""
     comm = state.mesh.world
-    ckdir = Path(out_dir) / RUN_CKPT
+    ckdir = Path(check_path("out_dir", out_dir, CheckpointError, "name the run directory to save into")) / RUN_CKPT
     name = step_dir_name(state.step)
     tmp, final = ckdir / f"{TMP_PREFIX}{name}", ckdir / name
     err = None

@@ -441,11 +441,15 @@ def moe_progress(info: dict) -> str:
     return text + (f", {info['moe_dropped']} dropped" if info.get("moe_dropped") else "")
 
 
+# what an empty or missing CKPT is told to pass (typer made '' the current directory)
+_CKPT_HINT = "pass a checkpoint directory such as runs/x/ckpt/latest"
+
+
 @app.command("sample", cls=_Command)
 def sample_cmd(
-    path: Optional[Path] = typer.Argument(None, metavar="CKPT", show_default=False,
-                                          help="the checkpoint, as --ckpt gives it (either form)"),
-    ckpt: Optional[Path] = typer.Option(
+    path: Optional[str] = typer.Argument(None, metavar="CKPT", show_default=False,
+                                         help="the checkpoint, as --ckpt gives it (either form)"),
+    ckpt: Optional[str] = typer.Option(
         None, help="checkpoint directory (e.g. runs/x/ckpt/latest), a `numesh export`ed .safetensors file, or a "
         "transformers model directory (Llama, Mistral, Mixtral, GPT-2)", show_default=False,
     ),
@@ -465,15 +469,17 @@ def sample_cmd(
     the tokens come, each sample ending at the model's end-of-sequence token."""
 
     def go() -> None:
-        from numesh.base.errors import ConfigError
+        from numesh.base.errors import ConfigError, check_path
         from numesh.host.runtime import configure_process, is_root
         from numesh.run.sample import SampleConfig, sample
 
         if (path is None) == (ckpt is None):
             raise ConfigError("name the checkpoint once: `numesh sample CKPT` or `numesh sample --ckpt CKPT`, "
                               "e.g. runs/x/ckpt/latest" + (f" (got {path} and --ckpt {ckpt})" if path else ""))
+        name, given = ("CKPT", path) if path is not None else ("--ckpt", ckpt)
+        check_path(name, given, hint=_CKPT_HINT)  # typer's Path("") was ".", the current directory
         configure_process()
-        cfg = SampleConfig(str(path or ckpt), prompt, max_new_tokens, temperature, top_k or None, seed, num_samples,
+        cfg = SampleConfig(given, prompt, max_new_tokens, temperature, top_k or None, seed, num_samples,
                            mesh, kv_cache, ignore_eos)
         root = is_root()  # one rank prints; on Ctrl-C what was printed stays
         sample(cfg, show=(lambda text: print(text, end="", flush=True)) if root else None)
@@ -485,18 +491,20 @@ def sample_cmd(
 
 @app.command("reshard", cls=_Command)
 def reshard_cmd(
-    ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT",
-                                show_default=False),
+    ckpt: str = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT",
+                               show_default=False),
     to: str = typer.Option(..., "--to",
                            help="target mesh, e.g. tp=4, cp=2,tp=2 or ep=2 (axes not named keep their size)"),
-    out: Optional[Path] = typer.Option(None, help="output directory", show_default="a sibling such as step_000100-tp4"),
+    out: Optional[str] = typer.Option(None, help="output directory", show_default="a sibling such as step_000100-tp4"),
 ) -> None:
     """Rewrite a checkpoint as another mesh's ranks would have written it (one process; any
     mesh can also load any checkpoint directly)."""
 
     def go() -> None:
+        from numesh.base.errors import check_path
         from numesh.checkpoint import reshard
 
+        check_path("CKPT", ckpt, hint=_CKPT_HINT)  # --out '' is the library's own line
         print(reshard(ckpt, to, out, log=lambda line: print(f"note: {line}", file=sys.stderr)))
 
     _run(go)
@@ -504,8 +512,8 @@ def reshard_cmd(
 
 @app.command("export", cls=_Command)
 def export_cmd(
-    ckpt: Path = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT",
-                                show_default=False),
+    ckpt: str = typer.Argument(..., help="checkpoint directory, e.g. runs/x/ckpt/latest", metavar="CKPT",
+                               show_default=False),
     out: str = typer.Option(..., help="output: a .safetensors file (nanogpt) or a directory (hf)", metavar="<path>"),
     format: str = typer.Option("nanogpt", "--format", help="nanogpt: one safetensors file with nanoGPT's names; "
                                "hf: a Hugging Face transformers directory (GPT-2, or LlamaForCausalLM / "
@@ -518,9 +526,10 @@ def export_cmd(
     AutoModelForCausalLM / AutoTokenizer.from_pretrained, offline and without custom code."""
 
     def go() -> None:
-        from numesh.base.errors import ConfigError
+        from numesh.base.errors import ConfigError, check_path
         from numesh.checkpoint import export_hf, export_nanogpt
 
+        check_path("CKPT", ckpt, hint=_CKPT_HINT)
         if format not in ("nanogpt", "hf"):
             raise ConfigError(f"--format must be nanogpt or hf, got {format!r}")
         if not out.strip():  # Path("") is "."; with --force, hf would write into the current directory

@@ -15,12 +15,13 @@ import attrs
 import numpy as np
 from mpi4py import MPI
 
-from numesh.base.errors import CheckpointError, ConfigError, check_scalar
+from numesh.base.errors import CheckpointError, ConfigError, check_path, check_scalar
 from numesh.base.files import json_object_or_none
 from numesh.base.tree import tree_leaves_with_path, tree_map
 from numesh.checkpoint import import_nanogpt, read_global
+from numesh.checkpoint.format import checkpoint_path
 from numesh.checkpoint.hf_files import open_weights, weights_dtype
-from numesh.checkpoint.hf_llama import is_pretrained_dir, model_type, read_pretrained
+from numesh.checkpoint.hf_llama import check_has_config, is_pretrained_dir, model_type, read_pretrained
 from numesh.checkpoint.hf_source import generation_ids, recorded_source
 from numesh.checkpoint.model import shard_params
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, directory_tokenizer, read_tokenizer_file
@@ -66,9 +67,10 @@ def load_checkpoint(path: str | Path, comm: MPI.Comm | None = None) -> Checkpoin
     """Whole parameters of a checkpoint directory (e.g. RUN/ckpt/latest), of a `numesh
     export`ed nanoGPT .safetensors file or of a transformers directory (no pickle any way).
     With `comm`, every rank of it gets the same step of a checkpoint directory (a collective)."""
-    p = Path(path)
+    p = checkpoint_path(path)  # None or '' (the current directory) is one line
     if is_pretrained_dir(p):
         return load_pretrained(p)
+    check_has_config(p)  # a transformers directory without config.json: not "meta.json is missing"
     source = None
     if p.is_file() or p.suffix == ".safetensors":
         model, tok, params, dtype, step = import_nanogpt(p)
@@ -313,6 +315,7 @@ class SampleConfig:
         t = self.temperature
         if not isinstance(t, numbers.Real) or isinstance(t, bool):  # NaN is a number: refused below, with the range
             raise ConfigError(f"--temperature must be a number, got {t!r}")
+        check_path("--ckpt", self.ckpt, hint="pass a checkpoint directory, export file or transformers directory")
         check_scalar("--mesh", self.mesh or "", str)
         check_scalar("kv_cache", self.kv_cache, bool)
         check_scalar("ignore_eos", self.ignore_eos, bool)
