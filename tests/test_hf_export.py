@@ -86,17 +86,20 @@ def test_transformers_loads_the_export_and_computes_the_same(run: tuple[Path, Pa
     assert hf_tok.decode(ours.encode(text)) == text
 
     prompt = ours.decode(val[:5])
-    res = cli("sample", "--ckpt", str(ckpt), "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0")
-    assert res.exit_code == 0, res.stderr
     ids = torch.tensor([ours.encode(prompt).tolist()])
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert hf_tok.decode(out[0]) == res.stdout.rstrip("\n")
-    # the export itself samples as its checkpoint does (`numesh sample --ckpt DIR`)
-    again = cli("sample", "--ckpt", str(tmp_path / "hf"), "--prompt", prompt, "--max-new-tokens", "12",
-                "--temperature", "0")
-    assert again.exit_code == 0, again.stderr
-    assert again.stdout == res.stdout
+    # a sample ends at the end-of-text token as generate ends it (the export's eos), or runs on
+    for flags, eos in (([], {}), (["--ignore-eos"], {"eos_token_id": None})):
+        res = cli("sample", "--ckpt", str(ckpt), "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0",
+                  *flags)
+        assert res.exit_code == 0, res.stderr
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, **eos)
+        assert hf_tok.decode(out[0]) == res.stdout.rstrip("\n")
+        # the export itself samples as its checkpoint does (`numesh sample --ckpt DIR`)
+        again = cli("sample", "--ckpt", str(tmp_path / "hf"), "--prompt", prompt, "--max-new-tokens", "12",
+                    "--temperature", "0", *flags)
+        assert again.exit_code == 0, again.stderr
+        assert again.stdout == res.stdout
 
 
 def test_hf_export_refuses_a_file_or_a_full_directory(run: tuple[Path, Path], tmp_path: Path) -> None:

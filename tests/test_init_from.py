@@ -93,6 +93,19 @@ def test_init_from_names_every_shape_mismatch_at_once(shared_dataset: Path, tmp_
         shutil.rmtree(tmp_path / "cli")
 
 
+def test_a_mesh_refusal_of_a_files_model_points_at_the_model_options(shared_dataset: Path, tmp_path: Path) -> None:
+    """An export file's or a GPT-2 directory's model is the user's options (checked against
+    the weights when read): an --n-layer that pp does not split is an option to fix, not a
+    mesh to change, as it is for a Llama directory that sets the options itself."""
+    from numesh.run.config import check_layout
+
+    _, hf, file = _source(shared_dataset, tmp_path)
+    for src in (hf, file):
+        cfg = small_run_config(shared_dataset, tmp_path / "ft", "pp=2", init_from=str(src), n_layer=3)
+        with pytest.raises(ConfigError, match="use an n_layer that is a multiple of 2"):
+            check_layout(cfg, 2, 65)
+
+
 def test_init_from_a_numesh_checkpoint_or_run_says_what_works(shared_dataset: Path, tmp_path: Path) -> None:
     """--init-from runs/x/ckpt/latest said it was not a transformers directory (no
     config.json): it names the checkpoint, --resume for it, and the export that --init-from

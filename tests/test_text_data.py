@@ -109,6 +109,47 @@ def test_a_second_ctrl_c_leaves_at_once_and_one_delivered_twice_counts_once() ->
     assert left == [now[0]]
 
 
+def test_a_second_ctrl_c_ends_the_process_only_where_numesh_owns_it() -> None:
+    """`numesh data bpe` (within `ctrl_c_may_exit`) leaves at once; a script's or notebook's
+    call to train_bpe gets a KeyboardInterrupt, its process left to it."""
+    assert TK.second_ctrl_c() is TK._raise_interrupt
+    with TK.ctrl_c_may_exit():
+        assert TK.second_ctrl_c() is TK._leave_at_once
+    assert TK.second_ctrl_c() is TK._raise_interrupt
+    with pytest.raises(KeyboardInterrupt):
+        TK._raise_interrupt()
+
+
+def test_a_callers_own_handler_raising_stops_the_feed_too() -> None:
+    """A caller's SIGINT handler that raises KeyboardInterrupt is left in place; its
+    interrupt stops the corpus's feed before it goes on (the thread read on, in the
+    background, to the corpus's end)."""
+    pulled = []
+
+    def corpus():
+        for i in range(20_000):
+            if i == 100:
+                os.kill(os.getpid(), signal.SIGINT)
+            if i >= 100:
+                time.sleep(0.001)
+            pulled.append(i)
+            yield f"document {i} of a corpus " * 3
+
+    def own(signum, frame):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGINT, own)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train_bpe(corpus(), 300)
+        assert signal.getsignal(signal.SIGINT) is own
+    finally:
+        signal.signal(signal.SIGINT, before)
+    for t in [t for t in threading.enumerate() if t.name == "numesh-bpe-train"]:
+        t.join(30)  # the merges of what was read finish, then the thread ends
+    assert len(pulled) < 10_000
+
+
 def test_a_ctrl_c_during_bpe_training_exits_130_with_one_line_and_nothing_written(tmp_path: Path) -> None:
     """A real `numesh data bpe`, Ctrl-C'd while its BPE trains. It exited 134, "FATAL:
     exception not rethrown", four times in five: Python 3.11's Thread.join, interrupted,

@@ -44,7 +44,7 @@ from numesh.checkpoint.model import (
     local_paths,
     model_options,
     model_value,
-    option_value,
+    run_value,
     shard_params,
 )
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, directory_tokenizer, read_tokenizer_file
@@ -190,7 +190,7 @@ def load_init(path: str | Path, model: GPTConfig, dataset: CharTokenizer | HFTok
     _check_vocab(p, rows=theirs.vocab_size, run=model.vocab_size, entries=dataset.vocab_size, own=own)
     if keys := differing_keys(theirs, model, SHAPE_KEYS):  # every mismatch at once, not one per attempt
         have = ", ".join(f"{k} {model_value(theirs, k)}" for k in keys)
-        run = ", ".join(str(option_value(model, k)) for k in keys)
+        run = ", ".join(str(run_value(model, k)) for k in keys)
         raise ConfigError(f"--init-from {p} has {have}; this run {run}: pass {model_options(theirs, keys)}")
     return tree_map(lambda x: np.asarray(x, dtype=dtype), params)
 

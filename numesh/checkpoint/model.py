@@ -86,7 +86,7 @@ def check_model(meta: Meta, model: GPTConfig) -> None:
     keys = differing_keys(meta.model, model, SHAPE_KEYS + MATH_KEYS)
     if keys:
         have = ", ".join(f"{k}={model_value(meta.model, k)}" for k in keys)
-        want = ", ".join(f"{k}={option_value(model, k)}" for k in keys)
+        want = ", ".join(f"{k}={run_value(model, k)}" for k in keys)
         raise CheckpointError(f"{meta.path}: the checkpoint's model has {have} but this run has {want}: resume with "
                               f"the same model config ({model_options(meta.model, keys)})")
 
@@ -99,11 +99,11 @@ def differing_keys(theirs: GPTConfig, model: GPTConfig, keys: Sequence[str]) -> 
     Llama checkpoint resumed with GPT-2's options names --rope-theta and --norm-eps with
     --positions and --norm, not in a second refusal once those are fixed. One of a part only
     `model` has is not named: dropping the part (its own key) is the change."""
-    return [k for k in keys if model_value(theirs, k) is not None and model_value(theirs, k) != option_value(model, k)
+    return [k for k in keys if model_value(theirs, k) is not None and model_value(theirs, k) != run_value(model, k)
             and not (k in DERIVED and getattr(theirs, k) == getattr(model, k) == 0)]
 
 
-def option_value(model: GPTConfig, key: str) -> object:
+def run_value(model: GPTConfig, key: str) -> object:
     """`model_value`, or where the model has no part that reads `key` (rope_theta with
     learned positions), the option's value, which that part would read once added."""
     value = model_value(model, key)

@@ -162,9 +162,10 @@ def data_bpe(
     from numesh.cli.dataset import download_bar
     from numesh.data.corpus import Reading
     from numesh.data.sharded import prepare_bpe
+    from numesh.data.tokenizer import ctrl_c_may_exit
 
     def go() -> None:
-        with download_bar("tokenising") as progress:
+        with download_bar("tokenising") as progress, ctrl_c_may_exit():
             summary = prepare_bpe(src, vocab_size, out, Reading(split_on, text_field), val_fraction, progress,
                                   overwrite, say=lambda line: print(line, file=sys.stderr, flush=True),
                                   show_progress=True)

@@ -12,6 +12,7 @@ post-processor frames a text (`template`: Llama's BOS before each). Both give `e
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import json
 import os
@@ -464,16 +465,44 @@ def sigint_stops(stop: threading.Event, leave: Callable[[], None] = _leave_at_on
     return handler
 
 
+def _raise_interrupt() -> None:
+    """A library caller's second Ctrl-C: KeyboardInterrupt, as Python's own handler raises
+    it; the training thread is left to end at its next piece (the feed is stopped)."""
+    raise KeyboardInterrupt
+
+
+# whether a second Ctrl-C may end the process (`ctrl_c_may_exit`): only where numesh owns it
+_MAY_EXIT: contextvars.ContextVar[bool] = contextvars.ContextVar("numesh_bpe_ctrl_c_may_exit", default=False)
+
+
+@contextlib.contextmanager
+def ctrl_c_may_exit() -> Iterator[None]:
+    """Within it a second Ctrl-C while a BPE trains ends the process at once
+    (`_leave_at_once`): the `numesh data` commands, which own their process. Elsewhere (a
+    script's or a notebook's call) it raises KeyboardInterrupt (`_raise_interrupt`): their
+    process is theirs to end."""
+    token = _MAY_EXIT.set(True)
+    try:
+        yield
+    finally:
+        _MAY_EXIT.reset(token)
+
+
+def second_ctrl_c() -> Callable[[], None]:
+    """What a second Ctrl-C does here: `_leave_at_once` within `ctrl_c_may_exit`, else `_raise_interrupt`."""
+    return _leave_at_once if _MAY_EXIT.get() else _raise_interrupt
+
+
 @contextlib.contextmanager
 def _ctrl_c_stops(stop: threading.Event) -> Iterator[None]:
-    """`sigint_stops(stop)` as the SIGINT handler for the block, where Python's own handler
-    (which raises KeyboardInterrupt) is the one installed on the main thread; another
-    (ignored, or a caller's own) is left alone."""
+    """`sigint_stops(stop, second_ctrl_c())` as the SIGINT handler for the block, where
+    Python's own handler (which raises KeyboardInterrupt) is the one installed on the main
+    thread; another (ignored, or a caller's own) is left alone."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield
         return
-    before = signal.signal(signal.SIGINT, sigint_stops(stop))
+    before = signal.signal(signal.SIGINT, sigint_stops(stop, second_ctrl_c()))
     try:
         yield
     finally:
@@ -487,10 +516,12 @@ def train_interruptibly(tok: Any, pieces: Iterator[str], trainer: Any) -> None:
     when training ended (minutes on a large corpus). Here the wait takes it at once (a
     handler that raises nothing, `sigint_stops`); the feed then ends at its next piece, the
     merges of what was read finish (a fraction of the pass), and KeyboardInterrupt goes on
-    once the worker is done. A second Ctrl-C ends the process at once (`_leave_at_once`).
-    KeyboardInterrupt is never raised while the worker runs: Python 3.11's Thread.join,
+    once the worker is done. A second Ctrl-C ends the process at once (`second_ctrl_c`).
+    numesh raises no KeyboardInterrupt while the worker runs: Python 3.11's Thread.join,
     interrupted, took a running thread for ended (its bpo-45274 fix releases the thread's
-    own lock), so Python exited under it and aborted with code 134."""
+    own lock), so Python exited under it and aborted with code 134. Where something else
+    raises in the wait (a caller's own handler, a library caller's second Ctrl-C), the feed
+    is stopped and the thread waited for before it goes on, as after a first Ctrl-C."""
     stop, done, failed = threading.Event(), threading.Event(), []
 
     def feed() -> Iterator[str]:
@@ -508,9 +539,14 @@ def train_interruptibly(tok: Any, pieces: Iterator[str], trainer: Any) -> None:
             done.set()
 
     with _ctrl_c_stops(stop):
-        threading.Thread(target=work, name="numesh-bpe-train", daemon=True).start()
-        while not done.wait(0.25):  # a timeout: the main thread runs the handler even if another thread took the signal
-            pass
+        try:  # the thread's start too: tokenizers may pull the corpus (which may signal) before start returns
+            threading.Thread(target=work, name="numesh-bpe-train", daemon=True).start()
+            while not done.wait(0.25):  # a timeout: the main thread runs the handler even if another thread took it
+                pass
+        except BaseException:
+            stop.set()
+            done.wait()  # the merges of what was read (another interrupt here goes on at once)
+            raise
     if stop.is_set():
         raise KeyboardInterrupt
     if failed:

@@ -144,7 +144,8 @@ class TrainConfig:
         "be -1; none given: every rank on dp); auto: the layout whose memory fits and whose step `numesh plan` "
         "predicts fastest on the job's ranks (options of the layout set to other than their defaults are kept)")
     seed: int = _field(1337, "seed of the initial parameters, data order and dropout")
-    dtype: str = _field("float32", "float32 or float64; a resume continues in its checkpoint's unless given")
+    dtype: str = _field("float32", "float32 or float64; a resume continues in its checkpoint's unless --dtype "
+                        "is given (a --config file's float32, the default every recipe lists, converts nothing)")
     # checkpoints
     ckpt_interval: int = _field(0, "save a checkpoint every N steps; 0 = only at the end")
     keep: int = _field(0, "keep the N newest checkpoints; 0 = all")
@@ -544,7 +545,7 @@ def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> G
         check_not_checkpoint(cfg.init_from)
     if cfg.init_from and not Path(cfg.init_from).is_dir():  # a directory is judged when it is read
         check_init_kind(model)
-    if cfg.init_from:
+    if _llama_dir(cfg.init_from):  # its options came from the directory; a GPT-2 one or a file's are the user's
         _check_mesh_of_fixed_model(model, shape, cfg.virtual_stages, f"--init-from {cfg.init_from}")
     _check_moe(cfg, shape)
     model.validate(shape["tp"])
@@ -554,10 +555,12 @@ def _check_layout(cfg: TrainConfig, shape: dict[str, int], vocab_size: int) -> G
 
 
 def _check_mesh_of_fixed_model(model: GPTConfig, shape: dict[str, int], v: int, source: str) -> None:
-    """A mesh that does not split a model whose weights `source` fixes (--init-from's: a
-    Llama-family directory sets the model options, a GPT-2 one or an export file must be
-    matched) is refused naming what the user can change, the mesh (and --virtual-stages),
-    never a model option such as --ffn-hidden, --moe-experts or --n-layer."""
+    """A mesh that does not split a model whose weights `source` fixes (a Llama-family
+    directory, which sets the model options) is refused naming what the user can change,
+    the mesh (and --virtual-stages), never a model option such as --ffn-hidden,
+    --moe-experts or --n-layer. A GPT-2 directory's or an export file's model comes from the
+    user's options, checked against the weights when they are read: those keep the model
+    options' advice."""
     fixed = f"{source} fixes the model"
     model.check_tp_of_fixed_model(shape["tp"], f"{fixed}: use --mesh with tp {{sizes}}")
     ep, experts = shape.get("ep", 1), model.moe_experts

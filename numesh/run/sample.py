@@ -364,7 +364,7 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None,
     if mesh.size(("pp", "dp", "ep")) > 1:
         raise ConfigError("sampling runs on a tensor-parallel mesh only: use --mesh tp=N")
     check_split(ck.model, mesh.size("tp"))
-    check_finite(ck.params, cfg.ckpt)
+    check_weights_finite(ck.params, cfg.ckpt)
     dtype = np.float64 if ck.dtype == "float64" else np.float32
     params = shard_params(tree_map(lambda x: x.astype(dtype), ck.params), ck.model, mesh)
     model = ck.model
@@ -387,7 +387,7 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None,
     return out
 
 
-def check_finite(params: GPT, where: str) -> None:
+def check_weights_finite(params: GPT, where: str) -> None:
     """One CheckpointError line naming the first weight that holds NaN or inf: every logit
     is then NaN, and each draw falls to the last id (a run that diverged before it saved)."""
     for name, leaf in tree_leaves_with_path(params):
