@@ -10,7 +10,8 @@ The same model with a padded vocabulary (config.json's vocab_size past the token
 entries: a multiple of 64 as many real models have, which tp=2 splits as it is, and one
 more than an odd number of rows, which tp pads once more) fine-tunes on tp=2 as on one rank,
 every row kept and trained; sampled on tp=2 it draws only ids the tokenizer has, the same
-ids as one rank, though its rows past the tokenizer hold the likeliest logits.
+ids as one rank, though its rows past the tokenizer hold the likeliest logits. A sample on
+tp=2 ends at its stop id at the step one rank ends it, on every rank.
 """
 
 from __future__ import annotations
@@ -139,3 +140,25 @@ def test_sampling_a_padded_vocabulary_on_tp2_draws_only_the_tokenizers_ids(reque
     assert cut[0, prompt.shape[1]:].max() < entries
     np.testing.assert_array_equal(cut, generate(params, ck.model, one, prompt, **hot, tokens=entries))
     assert WORLD.allgather(cut.tolist()) == [cut.tolist()] * WORLD.Get_size()  # every rank the same text
+
+
+def test_a_sample_on_tp2_ends_at_its_stop_id_as_on_one_rank(request: pytest.FixtureRequest) -> None:
+    """Every tp rank draws the same token, so every rank ends the sample at the same step:
+    the ids of one rank, ended at the stop id, on every rank."""
+    mesh_for_world({2: ["tp=2"]}, why="sampling on tp runs on 2 ranks (tp=2)")
+    root = request.getfixturevalue("pretrained")
+    from numesh.checkpoint.model import shard_params
+    from numesh.run.sample import generate, load_checkpoint, prompt_ids
+
+    ck = load_checkpoint(root / "hf")
+    prompt = prompt_ids(ck.tokenizer, "the cat sat")[None, :]
+    hot = dict(max_new_tokens=24, temperature=1.5, top_k=None, seed=3, tokens=ck.tokenizer.vocab_size)
+    one = self_mesh()
+    full = generate(ck.params, ck.model, one, prompt, **hot)
+    stop = int(full[0, prompt.shape[1] + 3])
+    want = generate(ck.params, ck.model, one, prompt, **hot, stop=[stop])
+    assert want.shape[1] < full.shape[1] and want[0, -1] == stop
+    for mesh in world_mesh("tp=2"):
+        got = generate(shard_params(ck.params, ck.model, mesh), ck.model, mesh, prompt, **hot, stop=[stop])
+    np.testing.assert_array_equal(got, want)
+    assert WORLD.allgather(got.tolist()) == [got.tolist()] * WORLD.Get_size()
