@@ -156,9 +156,12 @@ def test_a_ctrl_c_during_bpe_training_exits_130_with_one_line_and_nothing_writte
     took the training thread for ended, and Python exited with it inside `tokenizers`."""
     src = tmp_path / "big.txt"
     src.write_text(fallback_corpus()[0] * 4, encoding="utf-8")  # ~4 MB: seconds of training on 2 cores
+    # SIGINT as a terminal's job has it: a shell's background job (a CI run started with `&`)
+    # has it ignored, which a child inherits, and Python then installs no handler
     proc = subprocess.Popen([sys.executable, "-m", "numesh.cli.app", "data", "bpe", "--src", str(src),
                              "--vocab-size", "2000", "--out", str(tmp_path / "o")],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stderr is not None
         for line in proc.stderr:
