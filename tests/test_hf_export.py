@@ -115,6 +115,23 @@ def test_hf_export_refuses_a_file_or_a_full_directory(run: tuple[Path, Path], tm
     assert res.exit_code == 2 and "--format must be nanogpt or hf" in res.stderr
 
 
+def test_hf_export_force_refuses_another_runs_directory_or_checkpoint(run: tuple[Path, Path], tmp_path: Path) -> None:
+    """--force replaces a model's files in a directory: in another numesh run's directory it
+    replaced the run's config.json (its options, its hyper-parameter changes) with a
+    transformers config."""
+    import shutil
+
+    ckpt, _ = run
+    other = tmp_path / "other"
+    shutil.copytree(Path(ckpt).resolve().parents[1], other, symlinks=True)
+    config = (other / "config.json").read_text()
+    step = other / "ckpt" / Path(ckpt).resolve().name
+    for out, what in ((other, "a numesh run's directory"), (step, "a numesh checkpoint")):
+        res = cli("export", str(ckpt), "--format", "hf", "--out", str(out), "--force")
+        assert res.exit_code == 2 and f"--out {out} is {what}, whose files an export would replace" in res.stderr
+    assert (other / "config.json").read_text() == config
+
+
 @pytest.mark.parametrize("run", ["char"], indirect=True)
 def test_hf_export_on_a_full_disk_leaves_nothing_and_the_rerun_needs_no_force(
         run: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,7 +33,7 @@ from numesh.base.errors import CheckpointError, check_scalar
 from numesh.base.files import os_reason
 from numesh.checkpoint.common import check_apart
 from numesh.checkpoint.export import check_nanogpt, check_out_name, export_paths, exported_tensors, to_nanogpt
-from numesh.checkpoint.format import Meta
+from numesh.checkpoint.format import META_FILE, Meta, run_checkpoints
 from numesh.checkpoint.hf_files import SINGLE, read_header, weight_files
 from numesh.checkpoint.hf_llama import to_llama
 from numesh.checkpoint.hf_source import (
@@ -175,6 +175,7 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
         raise CheckpointError(f"{out} is a file: --format hf writes a directory, pass a directory as --out")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise CheckpointError(f"{out} is not empty: pass --force to overwrite")
+    check_not_numesh(out)
     meta, sd = exported_tensors(path, dtype, _converted, hf_kind)  # the model checked before any array is read
     tok_meta = meta.raw.get("tokenizer")
     if tok_meta is None:
@@ -193,6 +194,15 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: str | None = None, f
     remove_old_weights(out)
     remove_stale_side_files(out, set(files))
     return out
+
+
+def check_not_numesh(out: Path) -> None:
+    """One line where `out` is a numesh run's directory or checkpoint (another than the one
+    exported: `check_apart` refuses that one): --force there replaced the run's config.json
+    with the export's, and --force promises to replace a model's files, nothing else."""
+    if out.is_dir() and (run_checkpoints(out) or (out / META_FILE).is_file()):
+        what = "a numesh run's directory" if run_checkpoints(out) else "a numesh checkpoint"
+        raise CheckpointError(f"--out {out} is {what}, whose files an export would replace: choose another --out")
 
 
 # files transformers reads besides tokenizer_config.json, ahead of it (a chat template, the

@@ -122,5 +122,9 @@ def config_ids(source: dict[str, Any] | None, eot_id: int | None) -> dict[str, A
 
 
 def generation_ids(source: dict[str, Any] | None, eot_id: int | None) -> dict[str, Any]:
-    """generation_config.json's token ids: the source's own over those of config.json."""
-    return config_ids(source, eot_id) | ((source or {}).get("generation_ids") or {})
+    """generation_config.json's token ids: the source's own file's alone where it had one,
+    else config.json's (`config_ids`). transformers reads the file alone where there is one
+    (an eos it leaves out is no eos: `generate` runs on), and builds one from config.json
+    where there is none; a merge of the two made an export stop where its source did not."""
+    theirs = (source or {}).get("generation_ids")
+    return dict(theirs) if theirs is not None else config_ids(source, eot_id)

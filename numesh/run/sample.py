@@ -21,8 +21,8 @@ from numesh.base.tree import tree_leaves_with_path, tree_map
 from numesh.checkpoint import import_nanogpt, read_global
 from numesh.checkpoint.format import checkpoint_path
 from numesh.checkpoint.hf_files import open_weights, weights_dtype
-from numesh.checkpoint.hf_llama import check_has_config, is_pretrained_dir, model_type, read_pretrained
-from numesh.checkpoint.hf_source import generation_ids, recorded_source
+from numesh.checkpoint.hf_llama import check_has_config, is_pretrained_dir, model_type, pieces, read_pretrained
+from numesh.checkpoint.hf_source import generation_ids, max_positions, recorded_source
 from numesh.checkpoint.model import shard_params
 from numesh.data.tokenizer import CharTokenizer, HFTokenizer, directory_tokenizer, read_tokenizer_file
 from numesh.mesh import Mesh
@@ -46,7 +46,8 @@ class Checkpoint:
         dtype: the parameters' dtype name (float32 or float64).
         step: the training step it was saved at (0 for a transformers directory).
         max_positions: the longest context its positions allow when that is more than
-            `model.block_size` (a rotary model from a transformers directory), else None.
+            `model.block_size` (a rotary model from a transformers directory, or a run
+            fine-tuned from one: its source's), else None.
         stop: the ids that end a sample, as transformers' `generate` stops at its
             generation config's eos_token_id (`stop_ids`); () for a character model.
     """
@@ -87,7 +88,10 @@ def load_checkpoint(path: str | Path, comm: MPI.Comm | None = None) -> Checkpoin
     # a run from a transformers directory ends samples where its source's generate would; one
     # from scratch at its dataset's end-of-text token, which ends each of its documents
     stop = stop_ids(generation_ids(source, eot).get("eos_token_id"), tok.vocab_size)
-    return Checkpoint(model, tok, params, dtype, step, stop=stop)
+    # and takes its source's context, as its export and transformers do (rotary positions have
+    # no table to outgrow); a run from scratch knows only the block size it trained at
+    longest = max_positions(source, model.block_size) if source and model.positions == "rotary" else None
+    return Checkpoint(model, tok, params, dtype, step, max_positions=longest, stop=stop)
 
 
 def stop_ids(eos: Any, tokens: int) -> tuple[int, ...]:
@@ -98,13 +102,13 @@ def stop_ids(eos: Any, tokens: int) -> tuple[int, ...]:
 
 
 def directory_stop(directory: Path, tokens: int) -> tuple[int, ...]:
-    """The eos ids transformers' `generate` stops at for a model directory: those of its
-    generation_config.json, over config.json's (as `GenerationConfig` takes them)."""
-    ids = {}
-    for name in ("config.json", "generation_config.json"):
-        obj = json_object_or_none(directory / name) or {}
-        ids |= {"eos_token_id": obj["eos_token_id"]} if "eos_token_id" in obj else {}
-    return stop_ids(ids.get("eos_token_id"), tokens)
+    """The eos ids transformers' `generate` stops at for a model directory: its
+    generation_config.json's where it has one (none if that file names none), else
+    config.json's, from which transformers builds the generation config it lacks."""
+    obj = json_object_or_none(directory / "generation_config.json")
+    if obj is None:
+        obj = json_object_or_none(directory / "config.json") or {}
+    return stop_ids(obj.get("eos_token_id"), tokens)
 
 
 # a transformers model's context as generation holds it: its max_position_embeddings, at most
@@ -289,6 +293,12 @@ class SampleConfig:
 
     def validate(self) -> None:
         self._validate_types()
+        try:  # a shell's bytes that are no UTF-8 reach Python as lone surrogates, which no tokenizer takes
+            self.prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = self.prompt[e.start].encode("utf-8", "surrogateescape")
+            raise ConfigError(f"--prompt is not UTF-8 text (byte 0x{bad.hex()} at character {e.start}): "
+                              "pass the prompt in UTF-8") from None
         if self.max_new_tokens < 0:
             raise ConfigError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
         if self.num_samples < 1:
@@ -317,6 +327,7 @@ class SampleConfig:
             raise ConfigError(f"--temperature must be a number, got {t!r}")
         check_path("--ckpt", self.ckpt, hint="pass a checkpoint directory, export file or transformers directory")
         check_scalar("--mesh", self.mesh or "", str)
+        check_scalar("--prompt", self.prompt, str)
         check_scalar("kv_cache", self.kv_cache, bool)
         check_scalar("ignore_eos", self.ignore_eos, bool)
 
@@ -364,7 +375,7 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None,
     if mesh.size(("pp", "dp", "ep")) > 1:
         raise ConfigError("sampling runs on a tensor-parallel mesh only: use --mesh tp=N")
     check_split(ck.model, mesh.size("tp"))
-    check_weights_finite(ck.params, cfg.ckpt)
+    check_weights_finite(ck.params, ck.model, cfg.ckpt)
     dtype = np.float64 if ck.dtype == "float64" else np.float32
     params = shard_params(tree_map(lambda x: x.astype(dtype), ck.params), ck.model, mesh)
     model = ck.model
@@ -387,28 +398,36 @@ def sample(cfg: SampleConfig, comm: MPI.Comm | None = None,
     return out
 
 
-def check_weights_finite(params: GPT, where: str) -> None:
-    """One CheckpointError line naming the first weight that holds NaN or inf: every logit
-    is then NaN, and each draw falls to the last id (a run that diverged before it saved)."""
+def check_weights_finite(params: GPT, model: GPTConfig, where: str) -> None:
+    """One CheckpointError line naming the first weight that holds NaN or inf (every logit is
+    then NaN, and each draw falls to the last id): by its transformers name in a transformers
+    directory (whose files to get again), else by numesh's (a run that diverged before it saved)."""
+    pretrained = is_pretrained_dir(Path(where))
     for name, leaf in tree_leaves_with_path(params):
         if not np.isfinite(leaf).all():
+            if pretrained and model.positions == "rotary":  # a Llama-family file: its tensors' names
+                name = next(pc.name for pc in pieces(name, model) if not np.isfinite(leaf[pc.index]).all())
+            fix = ("get the model's weight files again" if pretrained else
+                   "sample an earlier checkpoint, saved before its run diverged")
             raise CheckpointError(f"{where}: its weight {name} holds NaN or inf values, so no token can be drawn "
-                                  "from it: sample an earlier checkpoint, saved before its run diverged")
+                                  f"from it: {fix}")
 
 
 class _Growing:
-    """`generate`'s `on_token` for one sample: hands `show` the text its new tokens add. A
-    byte-level token may end inside a character (decoded as U+FFFD until its next bytes
-    come), and a decoder may change the text it gave before: such text waits until the
-    text so far extends what was shown."""
+    """`generate`'s `on_token` for one sample: hands `show` the text its new tokens add, a
+    word at a time (up to the last whitespace), as transformers' TextStreamer does: a
+    decoder may change a word's text while its tokens come (a byte-level token ending
+    inside a character decodes as U+FFFD until its next bytes; a byte-fallback or
+    leading-space rule rewrites the last word), never the words before it."""
 
     def __init__(self, tok: CharTokenizer | HFTokenizer, show: Callable[[str], None]) -> None:
         self.tok, self.show, self.done = tok, show, ""
 
     def __call__(self, ids: np.ndarray) -> None:
         text = shown(self.tok, ids[0])
-        if not text.endswith("\ufffd"):
-            self._extend(text)
+        words = max(text.rfind(" "), text.rfind("\n"), text.rfind("\t")) + 1
+        if "\ufffd" not in text[words - 1:words]:
+            self._extend(text[:words])
 
     def _extend(self, text: str) -> None:
         if text.startswith(self.done) and len(text) > len(self.done):
@@ -417,7 +436,7 @@ class _Growing:
 
     def finish(self, text: str) -> None:
         """The sample's whole text: what was not shown yet (all of it again, on a new line,
-        where the decoder changed earlier text)."""
+        where the decoder changed a word already shown)."""
         if text.startswith(self.done):
             self._extend(text)
         else:
