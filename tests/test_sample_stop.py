@@ -243,8 +243,9 @@ def test_weights_with_nan_are_one_line(tok_json: str, llama_data: Path, tmp_path
               "--max-iters", "2", "--out", str(tmp_path / "run"))
     line = res.stderr.strip().splitlines()[-1]  # after the run's start-up lines
     assert res.exit_code == 2 and line == (
-        f"error: the loss is not finite at step 0, before any update (loss nan): the weights of --init-from {d} "
-        f"hold NaN or inf, or overflow in float32; `numesh sample {d}` names the first such weight")
+        "error: the loss or gradient is not finite at step 0, before any update (loss nan, gradient norm nan): the "
+        f"weights of --init-from {d} hold NaN or inf, or overflow in float32; `numesh sample {d}` names the first "
+        "such weight")
 
 
 def test_a_prompt_that_is_not_utf8_is_one_line() -> None:

@@ -502,9 +502,9 @@ def _last_checkpoint(out: Path) -> str:
 
 def _diverged(d: Diverged, cfg: TrainConfig, out: Path) -> ConfigError:
     if cfg.init_from and d.step == 0:  # before any update: the weights it starts from (--on-nan skip would skip all)
-        return ConfigError(f"the loss is not finite at step 0, before any update (loss {d.loss}): the weights of "
-                           f"--init-from {cfg.init_from} hold NaN or inf, or overflow in {cfg.dtype}; "
-                           f"`numesh sample {cfg.init_from}` names the first such weight")
+        return ConfigError(f"the loss or gradient is not finite at step 0, before any update (loss {d.loss}, gradient "
+                           f"norm {d.norm}): the weights of --init-from {cfg.init_from} hold NaN or inf, or overflow "
+                           f"in {cfg.dtype}; `numesh sample {cfg.init_from}` names the first such weight")
     how = "--on-nan skip skips such steps" if cfg.on_nan == "stop" else f"{d.skipped} steps skipped, over --max-skips"
     return ConfigError(
         f"training diverged at step {d.step} (loss {d.loss}, gradient norm {d.norm}; {how}); "
