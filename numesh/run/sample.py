@@ -425,9 +425,7 @@ class _Growing:
 
     def __call__(self, ids: np.ndarray) -> None:
         text = shown(self.tok, ids[0])
-        words = max(text.rfind(" "), text.rfind("\n"), text.rfind("\t")) + 1
-        if "\ufffd" not in text[words - 1:words]:
-            self._extend(text[:words])
+        self._extend(text[:max(text.rfind(" "), text.rfind("\n"), text.rfind("\t")) + 1])
 
     def _extend(self, text: str) -> None:
         if text.startswith(self.done) and len(text) > len(self.done):
