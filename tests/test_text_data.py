@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -68,27 +69,30 @@ def test_bpe_twice_is_byte_identical_and_round_trips(tmp_path: Path) -> None:
         assert tok.decode(tok.encode(doc)) == doc
 
 
+def _signalling_corpus(pulled: list[int]) -> Iterator[str]:
+    """20,000 documents, each recorded in `pulled` as the tokenizer reads it, with a SIGINT
+    to this process at the 100th and 20 s more of corpus after it, which an interrupted
+    training never reads."""
+    for i in range(20_000):
+        if i == 100:
+            os.kill(os.getpid(), signal.SIGINT)
+        if i >= 100:
+            time.sleep(0.001)
+        pulled.append(i)
+        yield f"document {i} of a corpus " * 3
+
+
 def test_a_ctrl_c_stops_bpe_training_at_the_next_piece() -> None:
     """`tokenizers` pulls the corpus on threads of its own with the GIL released, and only
     the main thread runs Python's SIGINT handler: a Ctrl-C waited for the whole training
     pass (an hour on a large corpus). Now the main thread takes it at once and the corpus
     is read no further."""
-    pulled = []
-
-    def corpus():
-        for i in range(20_000):
-            if i == 100:
-                os.kill(os.getpid(), signal.SIGINT)
-            if i >= 100:
-                time.sleep(0.001)  # 20 s more of corpus, which an interrupted training never reads
-            pulled.append(i)
-            yield f"document {i} of a corpus " * 3
-
+    pulled: list[int] = []
     # Python's own handler, as `numesh data bpe` has it (a test before may have left another)
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
-            train_bpe(corpus(), 300)
+            train_bpe(_signalling_corpus(pulled), 300)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own again
     finally:
         signal.signal(signal.SIGINT, before)
@@ -124,24 +128,14 @@ def test_a_callers_own_handler_raising_stops_the_feed_too() -> None:
     """A caller's SIGINT handler that raises KeyboardInterrupt is left in place; its
     interrupt stops the corpus's feed before it goes on (the thread read on, in the
     background, to the corpus's end)."""
-    pulled = []
-
-    def corpus():
-        for i in range(20_000):
-            if i == 100:
-                os.kill(os.getpid(), signal.SIGINT)
-            if i >= 100:
-                time.sleep(0.001)
-            pulled.append(i)
-            yield f"document {i} of a corpus " * 3
-
+    pulled: list[int] = []
     def own(signum, frame):
         raise KeyboardInterrupt
 
     before = signal.signal(signal.SIGINT, own)
     try:
         with pytest.raises(KeyboardInterrupt):
-            train_bpe(corpus(), 300)
+            train_bpe(_signalling_corpus(pulled), 300)
         assert signal.getsignal(signal.SIGINT) is own
     finally:
         signal.signal(signal.SIGINT, before)
